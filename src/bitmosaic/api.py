@@ -1,0 +1,33 @@
+"""One entry point: ``quantize_(model, method, calib, **options)`` (torchao-style)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .methods import get_method
+from .models.pipeline import RunReport, quantize_model
+
+__all__ = ["quantize_"]
+
+
+def quantize_(
+    model: nn.Module,
+    method: str,
+    calib: torch.Tensor,
+    *,
+    batch_size: int = 8,
+    hessian_dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+    **options,
+) -> RunReport:
+    """Quantize ``model`` in place with the registered ``method`` and return the run report.
+
+    ``calib`` is a ``[n, seqlen]`` LongTensor of token ids (see :func:`bitmosaic.data.calibration_samples`);
+    ``options`` are the method's config fields, e.g. ``bits=4, group_size=128, order="act"``.
+    """
+    spec = get_method(method)
+    config = spec.make_config(**options)
+    return quantize_model(
+        model, calib, spec, config, batch_size=batch_size, hessian_dtype=hessian_dtype, progress=progress
+    )

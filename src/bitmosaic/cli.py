@@ -1,0 +1,256 @@
+"""The ``bitmosaic`` command: ``quantize``, ``eval``, ``inspect``, ``methods``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["main", "build_parser"]
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _group_size(text: str) -> int | None:
+    v = int(text)
+    if v == -1 or v == 0:
+        return None
+    if v < 0:
+        raise argparse.ArgumentTypeError("group size must be positive, or -1 for per-channel")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bitmosaic", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    q = sub.add_parser("quantize", help="quantize a model with calibration data")
+    q.add_argument("--model", default=DEFAULT_MODEL, help="HF dir, hub id, gguf:PATH or alias (smollm2-135m)")
+    q.add_argument("--method", default="gptq", help="rtn | gptq | babai (see `bitmosaic methods`)")
+    q.add_argument("--bits", "--wbits", dest="bits", type=int, default=4, help="weight bits (2-8)")
+    q.add_argument("--group-size", type=_group_size, default=128, help="group size; -1 = per-channel")
+    sym = q.add_mutually_exclusive_group()
+    sym.add_argument("--sym", dest="symmetric", action="store_true", help="symmetric grid")
+    sym.add_argument("--asym", dest="symmetric", action="store_false", help="asymmetric grid (default)")
+    q.set_defaults(symmetric=False)
+    q.add_argument("--scale", dest="scale_method", choices=["minmax", "mse"], default="minmax")
+    q.add_argument("--order", choices=["natural", "act", "gar", "min-pivot"], default="natural")
+    q.add_argument("--direction", choices=["front", "back"], default="front")
+    q.add_argument("--no-clip", action="store_true", help="keep unbounded integers (lattice analysis)")
+    q.add_argument("--static-groups", action="store_true", help="fix group scales before GPTQ updates")
+    q.add_argument("--damp", type=float, default=0.01, help="damping, fraction of mean diag(H)")
+    q.add_argument("--solver-dtype", choices=["float32", "float64"], default=None)
+    q.add_argument("--hessian-dtype", choices=["float32", "float64"], default="float32")
+    q.add_argument("--calib", default="wikitext2", help="wikitext2 or a text file")
+    q.add_argument("--nsamples", type=int, default=32)
+    q.add_argument("--seqlen", type=int, default=512)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--batch-size", type=int, default=8, help="calibration samples per layer forward")
+    q.add_argument("--data-dir", default=None, help="shared data folder (else $BITMOSAIC_DATA, else the hub)")
+    q.add_argument("--out", default=None, help="save the quantized model to this folder")
+    q.add_argument("--json", default=None, help="write the run report (per layer + totals) here")
+    q.add_argument("--eval", dest="eval_src", default=None, help="also measure perplexity on this source")
+    q.add_argument("--eval-float", action="store_true", help="with --eval, also measure the float model")
+    q.add_argument("--eval-seqlen", type=int, default=512)
+    q.add_argument("--max-windows", type=int, default=None, help="with --eval: first K windows only")
+    q.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    q.add_argument("--no-progress", action="store_true")
+
+    e = sub.add_parser("eval", help="perplexity of a model or a saved quantized folder")
+    e.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    e.add_argument("--ppl", default="wikitext2", help="wikitext2 or a text file")
+    e.add_argument("--seqlen", type=int, default=512)
+    e.add_argument("--max-windows", type=int, default=None)
+    e.add_argument("--data-dir", default=None)
+    e.add_argument("--json", default=None)
+    e.add_argument("--threads", type=int, default=None)
+    e.add_argument("--no-progress", action="store_true")
+
+    i = sub.add_parser("inspect", help="describe a saved quantized model folder")
+    i.add_argument("dir")
+    i.add_argument("--layers", action="store_true", help="print the per-layer table")
+
+    sub.add_parser("methods", help="list registered methods")
+    return p
+
+
+def _method_options(args, spec) -> dict:
+    opts = {
+        "bits": args.bits,
+        "group_size": args.group_size,
+        "symmetric": args.symmetric,
+        "scale_method": args.scale_method,
+        "clip": not args.no_clip,
+    }
+    gptq_like = {"order": args.order, "direction": args.direction, "percdamp": args.damp}
+    if args.static_groups:
+        gptq_like["static_groups"] = True
+    if args.solver_dtype:
+        gptq_like["dtype"] = args.solver_dtype
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(spec.config_cls)}
+    for k, v in gptq_like.items():
+        if k in names:
+            opts[k] = v
+        elif k in ("order", "direction") and v not in ("natural", "front"):
+            raise SystemExit(f"error: --{k} {v} does not apply to method {spec.name!r}")
+    return opts
+
+
+def _ppl(model, tok, src, seqlen, max_windows, data_dir, progress) -> dict:
+    from .data import eval_tokens
+    from .eval.perplexity import perplexity
+    from .models.qlinear import set_weight_cache
+
+    ids = eval_tokens(tok, src, data_dir=data_dir)
+    set_weight_cache(model, True)
+    try:
+        return perplexity(model, ids, seqlen, max_windows=max_windows, progress=progress)
+    finally:
+        set_weight_cache(model, False)
+
+
+def _write_json(path: str | None, obj: dict) -> None:
+    if path:
+        from .models.serialization import atomic_write_text
+
+        atomic_write_text(path, json.dumps(obj, indent=2))
+        print(f"report written to {path}")
+
+
+def cmd_quantize(args) -> int:
+    import torch
+
+    from .data import calibration_samples
+    from .methods import get_method
+    from .models import load_model, quantize_model, save_quantized
+    from .models.pipeline import peak_rss_mb
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    spec = get_method(args.method)
+    config = spec.make_config(**_method_options(args, spec))
+    progress = not args.no_progress
+    t0 = time.perf_counter()
+    model, tok = load_model(args.model)
+    print(f"loaded {args.model} ({type(model).__name__}) in {time.perf_counter() - t0:.1f}s")
+    results: dict = {}
+    if args.eval_src and args.eval_float:
+        results["float"] = _ppl(model, tok, args.eval_src, args.eval_seqlen, args.max_windows, args.data_dir, progress)
+        print(f"float perplexity: {results['float']['ppl']:.3f}")
+    calib = calibration_samples(tok, args.calib, args.nsamples, args.seqlen, args.seed, data_dir=args.data_dir)
+    hdt = {"float32": torch.float32, "float64": torch.float64}[args.hessian_dtype]
+    report = quantize_model(
+        model, calib, spec, config, batch_size=args.batch_size, hessian_dtype=hdt, progress=progress
+    )
+    report.calibration.update({"source": args.calib, "seed": args.seed})
+    out = report.to_dict()
+    out["model"] = args.model
+    print(
+        f"quantized {len(report.layers)} linears with {spec.name} in {report.seconds:.1f}s, "
+        f"{report.bits_per_weight:.3f} bits/weight, peak RSS {report.peak_rss_mb:.0f} MB"
+    )
+    if args.eval_src:
+        results["quantized"] = _ppl(
+            model, tok, args.eval_src, args.eval_seqlen, args.max_windows, args.data_dir, progress
+        )
+        out["eval"] = results
+        rows = [("float", results["float"]["ppl"])] if "float" in results else []
+        rows.append((f"{spec.name} w{config.bits} g{config.group_size or 'ch'}", results["quantized"]["ppl"]))
+        print(f"\n{'model':<28} {'perplexity':>12}")
+        for name, v in rows:
+            print(f"{name:<28} {v:>12.3f}")
+        print(f"({args.eval_src}, {results['quantized']['windows']} windows x {args.eval_seqlen} tokens)")
+    if args.out:
+        info = {"method": spec.name, "bits": config.bits, "group_size": config.group_size,
+                "symmetric": config.symmetric, "order": getattr(config, "order", None),
+                "config": config.to_dict(), "source_model": args.model}
+        path = save_quantized(model, args.out, info, tokenizer=tok)
+        out["saved_to"] = str(path)
+        print(f"saved to {path}")
+    out["peak_rss_mb"] = peak_rss_mb()
+    _write_json(args.json, out)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    import torch
+
+    from .models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model)
+    if tok is None:
+        raise SystemExit(f"error: {args.model} has no tokenizer saved; cannot evaluate text")
+    res = _ppl(model, tok, args.ppl, args.seqlen, args.max_windows, args.data_dir, not args.no_progress)
+    res.update({"model": args.model, "source": args.ppl})
+    print(f"perplexity {res['ppl']:.4f} over {res['tokens']} tokens ({res['windows']} windows x {args.seqlen})")
+    _write_json(args.json, res)
+    return 0
+
+
+def _dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def cmd_inspect(args) -> int:
+    path = Path(args.dir)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise SystemExit(f"error: {path} has no config.json; not a saved model folder")
+    qc = json.loads(cfg_file.read_text()).get("quantization_config") or {}
+    if qc.get("quant_method") != "bitmosaic":
+        raise SystemExit(f"error: {path} is not a bitmosaic quantized model")
+    from .formats.accounting import nominal_bits_per_weight
+
+    rows, total_bits, total_w = [], 0.0, 0
+    for name, lc in qc["modules"].items():
+        n_w = lc["in_features"] * lc["out_features"]
+        bpw = nominal_bits_per_weight(
+            lc["storage_bits"], lc["in_features"], lc["out_features"], lc["group_size"], lc["symmetric"],
+            g_idx_bits=32 if lc.get("has_g_idx") else 0,
+        )
+        rows.append((name, lc, bpw))
+        total_bits += bpw * n_w
+        total_w += n_w
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    print(f"model folder     {path}")
+    print(f"method           {qc.get('method')} (format v{qc.get('format_version')})")
+    print(f"bits / group     w{qc.get('bits')} g{qc.get('group_size') or 'per-channel'}"
+          f" {'sym' if qc.get('symmetric') else 'asym'}, order {qc.get('order')}")
+    print(f"quantized layers {len(rows)} ({total_w / 1e6:.1f}M weights)")
+    print(f"bits per weight  {total_bits / max(total_w, 1):.4f} (codes + scales/zeros + g_idx)")
+    print(f"weights on disk  {size / 2**20:.1f} MiB; folder {_dir_size(path) / 2**20:.1f} MiB")
+    if args.layers:
+        print(f"\n{'layer':<44} {'shape':>12} {'bits':>4} {'group':>6} {'stored':>6} {'bpw':>7}")
+        for name, lc, bpw in rows:
+            shape = f"{lc['out_features']}x{lc['in_features']}"
+            print(f"{name:<44} {shape:>12} {lc['bits']:>4} {lc['group_size']:>6} {lc['storage_bits']:>6} {bpw:>7.3f}")
+    return 0
+
+
+def cmd_methods(args) -> int:
+    from .methods import get_method, list_methods
+
+    for name in list_methods():
+        print(f"{name:<10} {get_method(name).description}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"quantize": cmd_quantize, "eval": cmd_eval, "inspect": cmd_inspect, "methods": cmd_methods}
+    try:
+        return handlers[args.command](args)
+    except (ValueError, FileNotFoundError, FileExistsError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

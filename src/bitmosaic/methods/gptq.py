@@ -1,0 +1,88 @@
+"""Methods ``gptq`` and ``babai`` (the Babai paper's equivalence made usable).
+
+``babai`` runs Babai's nearest plane algorithm with static group scales on the basis order that
+makes it equal to GPTQ on the same ``order``/``direction`` with ``static_groups=True`` (Babai
+paper, Theorem 4): Babai's basis order is GPTQ's processing order reversed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..algorithms.babai import babai_nearest_plane
+from ..algorithms.gptq import gptq_quantize
+from ..algorithms.hessian import damp_hessian
+from ..algorithms.orders import make_order
+from ..algorithms.rtn import QuantResult
+from ..algorithms.scales import group_scale_zero
+from ..formats.grid import IntGrid
+from ..formats.layout import default_g_idx
+from .registry import LayerStats, WeightQuantConfig, register_method
+
+HESSIAN_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass
+class GPTQConfig(WeightQuantConfig):
+    order: str = "natural"  # natural | act | gar | min-pivot
+    direction: str = "front"  # front | back
+    static_groups: bool = False
+    block_size: int = 128
+    percdamp: float = 0.01
+    dtype: str = "float32"  # working precision of the solver
+
+
+def _processing_order(H: torch.Tensor, cfg) -> torch.Tensor:
+    if cfg.order == "min-pivot":  # pivots of the damped Hessian: the factorisation GPTQ uses
+        H = damp_hessian(H, cfg.percdamp)[0]
+    return make_order(H, cfg.order, cfg.group_size, cfg.direction)
+
+
+def _require_hessian(stats: LayerStats, name: str) -> torch.Tensor:
+    if stats.hessian is None:
+        raise ValueError(f"method {name!r} needs calibration Hessians; run it through the calibration pipeline")
+    return stats.hessian
+
+
+@register_method("gptq", GPTQConfig, description="GPTQ (OPTQ) with orders, groups, clip/no-clip")
+def quantize_gptq(weight, stats: LayerStats, cfg: GPTQConfig) -> QuantResult:
+    H = _require_hessian(stats, "gptq")
+    return gptq_quantize(
+        weight,
+        H,
+        IntGrid(cfg.bits, cfg.symmetric),
+        cfg.group_size,
+        perm=_processing_order(H, cfg),
+        clip=cfg.clip,
+        scale_method=cfg.scale_method,
+        static_groups=cfg.static_groups,
+        block_size=cfg.block_size,
+        percdamp=cfg.percdamp,
+        dtype=HESSIAN_DTYPES[cfg.dtype],
+    )
+
+
+@dataclass
+class BabaiConfig(WeightQuantConfig):
+    order: str = "natural"
+    direction: str = "front"
+    percdamp: float = 0.01
+    dtype: str = "float64"
+
+
+@register_method("babai", BabaiConfig, description="Babai's nearest plane on the Hessian lattice")
+def quantize_babai(weight, stats: LayerStats, cfg: BabaiConfig) -> QuantResult:
+    H = _require_hessian(stats, "babai")
+    dtype = HESSIAN_DTYPES[cfg.dtype]
+    W = weight.to(dtype).clone()
+    H = H.to(dtype)
+    W[:, torch.diagonal(H) == 0] = 0
+    Hd, _, _ = damp_hessian(H, cfg.percdamp)
+    grid = IntGrid(cfg.bits, cfg.symmetric)
+    scales, zeros = group_scale_zero(W, grid, cfg.group_size, cfg.scale_method)
+    g_idx = default_g_idx(W.shape[1], cfg.group_size)
+    perm = _processing_order(Hd, cfg)
+    codes = babai_nearest_plane(W, Hd, grid, scales[:, g_idx], zeros[:, g_idx], perm.flip(0), cfg.clip)
+    return QuantResult(codes, scales, zeros, g_idx, perm=perm, hessian=Hd)

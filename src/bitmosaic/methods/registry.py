@@ -1,0 +1,83 @@
+"""One registry of quantization methods, by name (torchao-style config + function).
+
+A method is a typed config dataclass plus a function ``fn(weight, stats, config) -> QuantResult``
+that turns one linear layer's weight and its calibration statistics into integer codes and
+scales; the pipeline packs the result into a :class:`~bitmosaic.models.qlinear.QuantLinear`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..algorithms.rtn import QuantResult
+
+__all__ = ["LayerStats", "WeightQuantConfig", "MethodSpec", "register_method", "get_method", "list_methods"]
+
+
+@dataclass
+class LayerStats:
+    """Calibration statistics of one linear layer's input."""
+
+    hessian: torch.Tensor | None = None  # 2/n X^T X (undamped), [in, in]
+    tokens: int = 0
+
+
+@dataclass
+class WeightQuantConfig:
+    """Settings shared by every weight quantizer."""
+
+    bits: int = 4
+    group_size: int | None = 128
+    symmetric: bool = False
+    scale_method: str = "minmax"  # "minmax" | "mse"
+    clip: bool = True
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    config_cls: type
+    fn: Callable[[torch.Tensor, LayerStats, object], QuantResult]
+    needs_hessian: bool = True
+    description: str = ""
+    cli_fields: tuple[str, ...] = field(default=())
+
+    def make_config(self, **kwargs) -> WeightQuantConfig:
+        names = {f.name for f in dataclasses.fields(self.config_cls)}
+        unknown = sorted(k for k in kwargs if k not in names)
+        if unknown:
+            raise ValueError(f"method {self.name!r} has no option(s) {unknown}; its options are {sorted(names)}")
+        return self.config_cls(**kwargs)
+
+
+_REGISTRY: dict[str, MethodSpec] = {}
+
+
+def register_method(name: str, config_cls: type, *, needs_hessian: bool = True, description: str = ""):
+    """Decorator: register ``fn(weight, stats, config) -> QuantResult`` under ``name``."""
+
+    def deco(fn):
+        if name in _REGISTRY:
+            raise ValueError(f"method {name!r} is already registered")
+        _REGISTRY[name] = MethodSpec(name, config_cls, fn, needs_hessian, description)
+        return fn
+
+    return deco
+
+
+def get_method(name: str) -> MethodSpec:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; available: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def list_methods() -> list[str]:
+    return sorted(_REGISTRY)

@@ -1,0 +1,242 @@
+"""The sequential layer-by-layer calibration pipeline.
+
+1. Capture the decoder-layer inputs: forward pre-hooks on the decoder layers record the hidden
+   states entering layer 0 and the keyword arguments (masks, rotary embeddings) each kind of
+   layer receives, then raise :class:`StopForward` -- a dedicated exception, so no other error is
+   ever swallowed -- once every layer kind was seen (layer 0 alone for Llama-like models).
+2. For each decoder layer and each true-sequential group (q/k/v -> o -> gate/up -> down):
+   accumulate ``H = 2/n sum x x^T`` with pre-hooks on the group's linears (modules fed the very
+   same tensor share one Hessian), stopping the layer's forward as soon as the group's inputs are
+   seen; quantize each linear with the chosen method; put the dequantized weight in place so the
+   next group calibrates on quantized outputs.
+3. Run the layer once more to produce the next layer's inputs, and swap in packed
+   :class:`~bitmosaic.models.qlinear.QuantLinear` modules.
+
+Only one layer's Hessians and the calibration activations are held besides the model.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..algorithms.bounds import babai_bound, hessian_error, relative_output_error
+from ..algorithms.hessian import HessianAccumulator, damp_hessian
+from ..methods.registry import LayerStats, MethodSpec, WeightQuantConfig
+from .arch import ArchSpec, get_arch
+from .qlinear import QuantLinear
+
+__all__ = ["StopForward", "RunReport", "quantize_model", "peak_rss_mb"]
+
+
+class StopForward(Exception):
+    """Raised by calibration hooks to end a forward pass early (never used for real errors)."""
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+@dataclass
+class RunReport:
+    method: str
+    config: dict
+    layers: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+    peak_rss_mb: float = 0.0
+    bits_per_weight: float = 0.0
+    calibration: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "method": self.method,
+            "config": self.config,
+            "calibration": self.calibration,
+            "seconds": self.seconds,
+            "peak_rss_mb": self.peak_rss_mb,
+            "bits_per_weight": self.bits_per_weight,
+            "layers": self.layers,
+        }
+
+
+def _layer_kind(layer: nn.Module) -> str:
+    return str(getattr(layer, "attention_type", "default"))
+
+
+@torch.inference_mode()
+def capture_layer_inputs(model: nn.Module, layers: nn.ModuleList, calib: torch.Tensor, batch_size: int):
+    """Return (hidden states entering layer 0 per batch, {layer kind: [kwargs per batch]})."""
+    kinds_needed = {_layer_kind(layer) for layer in layers}
+    inputs: list[torch.Tensor] = []
+    kwargs_by_kind: dict[str, list[dict]] = {k: [] for k in kinds_needed}
+    seen: set[str] = set()
+
+    def make_hook(idx: int, kind: str):
+        def hook(module, args, kwargs):
+            if idx == 0:
+                hs = args[0] if args else kwargs["hidden_states"]
+                inputs.append(hs.detach())
+            if kind not in seen:
+                seen.add(kind)
+                kw = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+                kw["use_cache"] = False
+                kw["past_key_values"] = None
+                kwargs_by_kind[kind].append(kw)
+            if seen == kinds_needed:
+                raise StopForward
+
+        return hook
+
+    first_of_kind: dict[str, int] = {}
+    for i, layer in enumerate(layers):
+        first_of_kind.setdefault(_layer_kind(layer), i)
+    handles = [
+        layers[i].register_forward_pre_hook(make_hook(i, kind), with_kwargs=True)
+        for kind, i in first_of_kind.items()
+    ]
+    if 0 not in first_of_kind.values():  # pragma: no cover - layer 0 is always first of its kind
+        raise RuntimeError("internal: layer 0 must be hooked")
+    try:
+        for b in range(0, calib.shape[0], batch_size):
+            seen.clear()
+            try:
+                model(input_ids=calib[b : b + batch_size], use_cache=False)
+            except StopForward:
+                pass
+            else:
+                raise RuntimeError("calibration forward finished without reaching the decoder layers")
+    finally:
+        for h in handles:
+            h.remove()
+    return inputs, kwargs_by_kind
+
+
+def _run_layer(layer: nn.Module, hs: torch.Tensor, kw: dict) -> torch.Tensor:
+    out = layer(hs, **kw)
+    return out[0] if isinstance(out, tuple) else out
+
+
+@torch.inference_mode()
+def _group_hessians(layer, names, inputs, kwargs, hessian_dtype) -> tuple[dict[str, HessianAccumulator], dict]:
+    mods = {n: layer.get_submodule(n) for n in names}
+    accs: dict[str, HessianAccumulator] = {}
+    owner: dict[str, str] = {}
+    state: dict = {}
+
+    def make_hook(name):
+        def hook(module, args):
+            x = args[0]
+            prev = state.get("last")
+            if prev is not None and x is prev[0]:
+                owner.setdefault(name, prev[1])
+            else:
+                owner.setdefault(name, name)
+            if owner[name] == name:
+                acc = accs.setdefault(name, HessianAccumulator(x.shape[-1], dtype=hessian_dtype))
+                acc.add(x)
+                state["last"] = (x, name)
+            state["seen"].add(name)
+            if len(state["seen"]) == len(mods):
+                raise StopForward
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(make_hook(n)) for n, m in mods.items()]
+    try:
+        for hs, kw in zip(inputs, kwargs):
+            state["seen"] = set()
+            state["last"] = None
+            try:
+                _run_layer(layer, hs, kw)
+            except StopForward:
+                pass
+            else:
+                missing = sorted(set(mods) - state["seen"])
+                raise RuntimeError(f"layer forward never called {missing}; check the architecture's layer map")
+    finally:
+        for h in handles:
+            h.remove()
+    return accs, owner
+
+
+def quantize_model(
+    model: nn.Module,
+    calib: torch.Tensor,
+    method: MethodSpec,
+    config: WeightQuantConfig,
+    *,
+    arch: ArchSpec | None = None,
+    batch_size: int = 8,
+    hessian_dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+) -> RunReport:
+    """Quantize every linear of ``model``'s decoder layers in place; return the run report."""
+    t0 = time.perf_counter()
+    arch = arch or get_arch(model)
+    layers = arch.layers(model)
+    model.eval()
+    report = RunReport(method=method.name, config=config.to_dict())
+    report.calibration = {"samples": int(calib.shape[0]), "seqlen": int(calib.shape[1])}
+    inputs, kwargs_by_kind = capture_layer_inputs(model, layers, calib, batch_size)
+    total_bits = 0.0
+    total_weights = 0
+    percdamp = getattr(config, "percdamp", 0.01)
+    bar = tqdm(range(len(layers)), desc=f"{method.name} w{config.bits}", unit="layer", disable=not progress)
+    for li in bar:
+        layer = layers[li]
+        kwargs = kwargs_by_kind[_layer_kind(layer)]
+        qmods: dict[str, QuantLinear] = {}
+        for group in arch.sequential:
+            tl = time.perf_counter()
+            # Hessians feed the method and, for every method, the per-layer error report.
+            accs, owner = _group_hessians(layer, group, inputs, kwargs, hessian_dtype)
+            for name in group:
+                bar.set_postfix_str(f"{li}.{name}")
+                lin = layer.get_submodule(name)
+                W = lin.weight.data.float()
+                acc = accs[owner[name]]
+                H = acc.H
+                res = method.fn(W, LayerStats(hessian=H, tokens=acc.n), config)
+                Wq = res.dequantize(torch.float32)
+                qlin = QuantLinear.from_result(
+                    res, bits=config.bits, group_size=config.group_size, symmetric=config.symmetric, bias=lin.bias
+                )
+                if not torch.equal(qlin.dequantize_weight(torch.float32), Wq):
+                    raise RuntimeError(f"internal: packed weights of {li}.{name} differ from the simulated ones")
+                Hd = res.hessian if res.hessian is not None else damp_hessian(H.double(), percdamp)[0]
+                Hd = Hd.double()
+                bound = None
+                if res.perm is not None:
+                    bound = float(babai_bound(Hd, res.scales[:, res.g_idx.long()], res.perm).sum())
+                bpw = qlin.bits_per_weight()
+                report.layers.append(
+                    {
+                        "name": f"{arch.layers_path}.{li}.{name}",
+                        "shape": list(W.shape),
+                        "rel_out_error": relative_output_error(W.double(), Wq.double(), H.double()),
+                        "hessian_error": float(hessian_error(W.double(), Wq.double(), Hd).sum()),
+                        "babai_bound": bound,
+                        "bits_per_weight": bpw,
+                        "storage_bits": qlin.storage_bits,
+                        "seconds": time.perf_counter() - tl,
+                    }
+                )
+                tl = time.perf_counter()
+                total_bits += bpw * W.numel()
+                total_weights += W.numel()
+                lin.weight.data.copy_(Wq.to(lin.weight.dtype))
+                qmods[name] = qlin
+            del accs
+        with torch.inference_mode():
+            inputs = [_run_layer(layer, hs, kw) for hs, kw in zip(inputs, kwargs)]
+        for name, qlin in qmods.items():
+            layer.set_submodule(name, qlin.to(layer.get_submodule(name).weight.device))
+    report.seconds = time.perf_counter() - t0
+    report.peak_rss_mb = peak_rss_mb()
+    report.bits_per_weight = total_bits / max(total_weights, 1)
+    return report

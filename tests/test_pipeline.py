@@ -1,0 +1,165 @@
+"""End-to-end on a tiny random Llama: calibration pipeline, QuantLinear, save/load, CLI inspect."""
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from bitmosaic import quantize_
+from bitmosaic.models import (
+    QuantLinear,
+    UnknownArchitectureError,
+    get_arch,
+    load_quantized,
+    quantized_modules,
+    save_quantized,
+)
+from bitmosaic.models.pipeline import StopForward, capture_layer_inputs
+
+
+def tiny_llama(seed=0, layers=2):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+    )
+    m = LlamaForCausalLM(cfg).eval()
+    return m
+
+
+@pytest.fixture
+def calib():
+    return torch.randint(0, 128, (6, 32), generator=torch.Generator().manual_seed(0))
+
+
+def test_capture_inputs_stops_at_first_layer(calib):
+    m = tiny_llama()
+    calls = []
+    m.model.layers[1].register_forward_pre_hook(lambda *a: calls.append(1))
+    inputs, kw = capture_layer_inputs(m, m.model.layers, calib, batch_size=4)
+    assert [t.shape for t in inputs] == [(4, 32, 64), (2, 32, 64)]
+    assert len(kw["default"] if "default" in kw else next(iter(kw.values()))) == 2
+    assert calls == []  # never ran past layer 0
+
+
+def test_stop_forward_does_not_swallow_real_errors(calib):
+    m = tiny_llama()
+
+    def boom(*a, **k):
+        raise RuntimeError("embedding failed")
+
+    m.model.embed_tokens.register_forward_pre_hook(boom)
+    with pytest.raises(RuntimeError, match="embedding failed"):
+        capture_layer_inputs(m, m.model.layers, calib, batch_size=4)
+    assert issubclass(StopForward, Exception) and not issubclass(StopForward, ValueError)
+
+
+@pytest.mark.parametrize("method,opts", [
+    ("rtn", {}),
+    ("gptq", {"order": "act"}),
+    ("gptq", {"order": "gar", "scale_method": "mse"}),
+    ("babai", {"order": "min-pivot"}),
+])
+def test_pipeline_quantizes_every_linear_and_reports(calib, method, opts):
+    m = tiny_llama()
+    rep = quantize_(m, method, calib, bits=4, group_size=32, progress=False, **opts)
+    q = quantized_modules(m)
+    assert len(q) == 2 * 7 and len(rep.layers) == 14
+    for row in rep.layers:
+        assert set(row) >= {"name", "rel_out_error", "hessian_error", "babai_bound", "bits_per_weight", "seconds"}
+        assert 0 <= row["rel_out_error"] < 0.2
+        assert row["bits_per_weight"] > 4
+    if method != "rtn":
+        assert all(r["babai_bound"] > 0 for r in rep.layers)
+    d = rep.to_dict()
+    assert d["peak_rss_mb"] > 0 and d["seconds"] > 0
+    # 4 + (16+16)/32 for codes + fp16 scale/zero; act-order GPTQ also stores an int32 g_idx
+    if method == "gptq" and opts["order"] == "act":
+        assert d["bits_per_weight"] > 5.0
+    else:
+        assert d["bits_per_weight"] == 5.0
+    json.dumps(d)  # serialisable
+
+
+def test_gptq_pipeline_beats_rtn_on_tiny_model(calib):
+    errs = {}
+    for method in ("rtn", "gptq"):
+        m = tiny_llama()
+        rep = quantize_(m, method, calib, bits=3, group_size=32, progress=False)
+        errs[method] = sum(r["rel_out_error"] for r in rep.layers)
+    assert errs["gptq"] < errs["rtn"]
+
+
+def test_quantlinear_forward_matches_simulated_weights(calib):
+    m = tiny_llama()
+    ref = tiny_llama()
+    quantize_(m, "gptq", calib, bits=3, group_size=32, order="act", progress=False)
+    for name, q in quantized_modules(m).items():
+        x = torch.randn(3, q.in_features)
+        W = q.dequantize_reference()
+        assert torch.equal(W, q.dequantize_weight())
+        assert torch.allclose(q(x), x @ W.T, atol=1e-6)
+        assert W.shape == ref.get_submodule(name).weight.shape
+
+
+def test_save_load_roundtrip_and_generate(tmp_path, calib):
+    m = tiny_llama()
+    quantize_(m, "gptq", calib, bits=4, group_size=32, order="act", progress=False)
+    x = calib[:2]
+    with torch.inference_mode():
+        logits = m(input_ids=x).logits
+    out = save_quantized(m, tmp_path / "q", {"method": "gptq", "bits": 4, "group_size": 32})
+    assert {"config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp leftovers
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "bitmosaic" and cfg["format_version"] == 1
+    assert len(cfg["modules"]) == 14
+    m2, _ = load_quantized(out, load_tokenizer=False)
+    assert isinstance(m2.model.layers[0].self_attn.q_proj, QuantLinear)
+    with torch.inference_mode():
+        logits2 = m2(input_ids=x).logits
+    assert torch.equal(logits, logits2)
+    gen = m2.generate(x[:1, :4], max_new_tokens=5, do_sample=False)
+    assert gen.shape == (1, 9)
+
+
+def test_no_clip_codes_are_stored_exactly(tmp_path, calib):
+    m = tiny_llama()
+    quantize_(m, "gptq", calib, bits=2, group_size=32, clip=False, progress=False)
+    wide = [q for q in quantized_modules(m).values() if q.storage_bits > 2]
+    assert wide, "2-bit no-clip GPTQ should overflow the grid somewhere"
+    for q in wide:
+        codes = q.codes()
+        assert codes.min() < 0 or codes.max() > 3
+    out = save_quantized(m, tmp_path / "nc", {"method": "gptq", "bits": 2})
+    m2, _ = load_quantized(out, load_tokenizer=False)
+    for name, q in quantized_modules(m).items():
+        assert torch.equal(q.dequantize_weight(), m2.get_submodule(name).dequantize_weight())
+
+
+def test_interrupted_save_leaves_nothing(tmp_path, calib, monkeypatch):
+    m = tiny_llama()
+    quantize_(m, "rtn", calib, bits=4, group_size=32, progress=False)
+    import bitmosaic.models.serialization as ser
+
+    def fail(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ser, "save_file", fail)
+    with pytest.raises(OSError, match="disk full"):
+        save_quantized(m, tmp_path / "q", {"method": "rtn"})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unknown_architecture_message():
+    class Dummy(torch.nn.Module):
+        config = type("C", (), {"model_type": "mamba"})()
+
+    with pytest.raises(UnknownArchitectureError, match="register_arch"):
+        get_arch(Dummy())
+
+
+def test_save_refuses_unquantized(tmp_path):
+    with pytest.raises(ValueError, match="no quantized layers"):
+        save_quantized(tiny_llama(), tmp_path / "x", {})
