@@ -47,11 +47,13 @@ def test_babai_equals_back_to_front_gptq(seed, order, clip):
 def test_babai_direction_flag_is_the_reversal():
     W, _, H = _random_layer(5)
     grid = IntGrid(4)
-    back = gptq_quantize(W, H, grid, None, perm=make_order(H, "natural", direction="back"), clip=False,
-                         static_groups=True)
+    back = gptq_quantize(
+        W, H, grid, None, perm=make_order(H, "natural", direction="back"), clip=False, static_groups=True
+    )
     s, z = group_scale_zero(W, grid, None)
-    codes = babai_nearest_plane(W, back.hessian, grid, s.expand(-1, W.shape[1]), z.expand(-1, W.shape[1]),
-                                clip=False)
+    codes = babai_nearest_plane(
+        W, back.hessian, grid, s.expand(-1, W.shape[1]), z.expand(-1, W.shape[1]), clip=False
+    )
     assert torch.equal(codes, back.codes)
     front = gptq_quantize(W, H, grid, None, clip=False, static_groups=True)
     assert not torch.equal(front.codes, back.codes)  # the direction matters
@@ -84,7 +86,7 @@ def test_babai_bound_tight_at_corner():
     R = L.T
     # Choose w so that the Babai residual is +s/2 * R_kk at every step: y_k = R_kk * (q_k + 1/2) * s
     # with q = 0 -> target y = R diag(s) (1/2) -> w = R^-1 y.
-    y = (torch.diagonal(R) * s[0] * 0.5)
+    y = torch.diagonal(R) * s[0] * 0.5
     w = torch.linalg.solve_triangular(R, y[:, None], upper=True).T
     grid = IntGrid(8, symmetric=True)
     z = torch.full_like(s, float(grid.sym_zero))

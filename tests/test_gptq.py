@@ -71,7 +71,9 @@ def test_gptq_dead_inputs_are_zeroed(layer64):
 
 
 def test_damping_raises_with_warning_then_error():
-    H = torch.ones(4, 4, dtype=torch.float64) - 0.02 * torch.eye(4, dtype=torch.float64)  # slightly indefinite
+    H = torch.ones(4, 4, dtype=torch.float64) - 0.02 * torch.eye(
+        4, dtype=torch.float64
+    )  # slightly indefinite
     with pytest.warns(RuntimeWarning, match="not positive-definite"):
         Hd, _, pd = damp_hessian(H, 0.01)
     assert pd > 0.01

@@ -73,8 +73,10 @@ def test_mse_scale_search_lowers_error_with_outliers():
     from bitmosaic.formats.grid import dequantize_codes, quantize_codes
 
     def err(s, z):
-        return ((dequantize_codes(quantize_codes(w, s[:, None], z[:, None], 7), s[:, None], z[:, None]) - w)
-                .abs() ** 2.4).sum()
+        return (
+            (dequantize_codes(quantize_codes(w, s[:, None], z[:, None], 7), s[:, None], z[:, None]) - w).abs()
+            ** 2.4
+        ).sum()
 
     assert err(s_mse, z_mse) <= err(s_mm, z_mm)
     assert torch.all(s_mse <= s_mm)

@@ -21,8 +21,14 @@ from bitmosaic.models.pipeline import StopForward, capture_layer_inputs
 def tiny_llama(seed=0, layers=2):
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
     )
     m = LlamaForCausalLM(cfg).eval()
     return m
@@ -55,19 +61,29 @@ def test_stop_forward_does_not_swallow_real_errors(calib):
     assert issubclass(StopForward, Exception) and not issubclass(StopForward, ValueError)
 
 
-@pytest.mark.parametrize("method,opts", [
-    ("rtn", {}),
-    ("gptq", {"order": "act"}),
-    ("gptq", {"order": "gar", "scale_method": "mse"}),
-    ("babai", {"order": "min-pivot"}),
-])
+@pytest.mark.parametrize(
+    "method,opts",
+    [
+        ("rtn", {}),
+        ("gptq", {"order": "act"}),
+        ("gptq", {"order": "gar", "scale_method": "mse"}),
+        ("babai", {"order": "min-pivot"}),
+    ],
+)
 def test_pipeline_quantizes_every_linear_and_reports(calib, method, opts):
     m = tiny_llama()
     rep = quantize_(m, method, calib, bits=4, group_size=32, progress=False, **opts)
     q = quantized_modules(m)
     assert len(q) == 2 * 7 and len(rep.layers) == 14
     for row in rep.layers:
-        assert set(row) >= {"name", "rel_out_error", "hessian_error", "babai_bound", "bits_per_weight", "seconds"}
+        assert set(row) >= {
+            "name",
+            "rel_out_error",
+            "hessian_error",
+            "babai_bound",
+            "bits_per_weight",
+            "seconds",
+        }
         assert 0 <= row["rel_out_error"] < 0.2
         assert row["bits_per_weight"] > 4
     if method != "rtn":

@@ -140,9 +140,13 @@ def cmd_quantize(args) -> int:
     print(f"loaded {args.model} ({type(model).__name__}) in {time.perf_counter() - t0:.1f}s")
     results: dict = {}
     if args.eval_src and args.eval_float:
-        results["float"] = _ppl(model, tok, args.eval_src, args.eval_seqlen, args.max_windows, args.data_dir, progress)
+        results["float"] = _ppl(
+            model, tok, args.eval_src, args.eval_seqlen, args.max_windows, args.data_dir, progress
+        )
         print(f"float perplexity: {results['float']['ppl']:.3f}")
-    calib = calibration_samples(tok, args.calib, args.nsamples, args.seqlen, args.seed, data_dir=args.data_dir)
+    calib = calibration_samples(
+        tok, args.calib, args.nsamples, args.seqlen, args.seed, data_dir=args.data_dir
+    )
     hdt = {"float32": torch.float32, "float64": torch.float64}[args.hessian_dtype]
     report = quantize_model(
         model, calib, spec, config, batch_size=args.batch_size, hessian_dtype=hdt, progress=progress
@@ -166,9 +170,15 @@ def cmd_quantize(args) -> int:
             print(f"{name:<28} {v:>12.3f}")
         print(f"({args.eval_src}, {results['quantized']['windows']} windows x {args.eval_seqlen} tokens)")
     if args.out:
-        info = {"method": spec.name, "bits": config.bits, "group_size": config.group_size,
-                "symmetric": config.symmetric, "order": getattr(config, "order", None),
-                "config": config.to_dict(), "source_model": args.model}
+        info = {
+            "method": spec.name,
+            "bits": config.bits,
+            "group_size": config.group_size,
+            "symmetric": config.symmetric,
+            "order": getattr(config, "order", None),
+            "config": config.to_dict(),
+            "source_model": args.model,
+        }
         path = save_quantized(model, args.out, info, tokenizer=tok)
         out["saved_to"] = str(path)
         print(f"saved to {path}")
@@ -189,7 +199,9 @@ def cmd_eval(args) -> int:
         raise SystemExit(f"error: {args.model} has no tokenizer saved; cannot evaluate text")
     res = _ppl(model, tok, args.ppl, args.seqlen, args.max_windows, args.data_dir, not args.no_progress)
     res.update({"model": args.model, "source": args.ppl})
-    print(f"perplexity {res['ppl']:.4f} over {res['tokens']} tokens ({res['windows']} windows x {args.seqlen})")
+    print(
+        f"perplexity {res['ppl']:.4f} over {res['tokens']} tokens ({res['windows']} windows x {args.seqlen})"
+    )
     _write_json(args.json, res)
     return 0
 
@@ -212,7 +224,11 @@ def cmd_inspect(args) -> int:
     for name, lc in qc["modules"].items():
         n_w = lc["in_features"] * lc["out_features"]
         bpw = nominal_bits_per_weight(
-            lc["storage_bits"], lc["in_features"], lc["out_features"], lc["group_size"], lc["symmetric"],
+            lc["storage_bits"],
+            lc["in_features"],
+            lc["out_features"],
+            lc["group_size"],
+            lc["symmetric"],
             g_idx_bits=32 if lc.get("has_g_idx") else 0,
         )
         rows.append((name, lc, bpw))
@@ -221,8 +237,10 @@ def cmd_inspect(args) -> int:
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     print(f"model folder     {path}")
     print(f"method           {qc.get('method')} (format v{qc.get('format_version')})")
-    print(f"bits / group     w{qc.get('bits')} g{qc.get('group_size') or 'per-channel'}"
-          f" {'sym' if qc.get('symmetric') else 'asym'}, order {qc.get('order')}")
+    print(
+        f"bits / group     w{qc.get('bits')} g{qc.get('group_size') or 'per-channel'}"
+        f" {'sym' if qc.get('symmetric') else 'asym'}, order {qc.get('order')}"
+    )
     print(f"quantized layers {len(rows)} ({total_w / 1e6:.1f}M weights)")
     print(f"bits per weight  {total_bits / max(total_w, 1):.4f} (codes + scales/zeros + g_idx)")
     print(f"weights on disk  {size / 2**20:.1f} MiB; folder {_dir_size(path) / 2**20:.1f} MiB")
@@ -230,7 +248,8 @@ def cmd_inspect(args) -> int:
         print(f"\n{'layer':<44} {'shape':>12} {'bits':>4} {'group':>6} {'stored':>6} {'bpw':>7}")
         for name, lc, bpw in rows:
             shape = f"{lc['out_features']}x{lc['in_features']}"
-            print(f"{name:<44} {shape:>12} {lc['bits']:>4} {lc['group_size']:>6} {lc['storage_bits']:>6} {bpw:>7.3f}")
+            cells = f"{lc['bits']:>4} {lc['group_size']:>6} {lc['storage_bits']:>6} {bpw:>7.3f}"
+            print(f"{name:<44} {shape:>12} {cells}")
     return 0
 
 

@@ -53,7 +53,7 @@ def _single_thread():
 
 def _block_bounds(n: int, block_size: int, group_starts: list[int]) -> list[tuple[int, int]]:
     cuts = sorted(set(range(0, n, block_size)) | set(group_starts) | {n})
-    return [(a, b) for a, b in zip(cuts[:-1], cuts[1:])]
+    return [(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
 
 
 def gptq_quantize(

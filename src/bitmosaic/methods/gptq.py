@@ -42,7 +42,9 @@ def _processing_order(H: torch.Tensor, cfg) -> torch.Tensor:
 
 def _require_hessian(stats: LayerStats, name: str) -> torch.Tensor:
     if stats.hessian is None:
-        raise ValueError(f"method {name!r} needs calibration Hessians; run it through the calibration pipeline")
+        raise ValueError(
+            f"method {name!r} needs calibration Hessians; run it through the calibration pipeline"
+        )
     return stats.hessian
 
 

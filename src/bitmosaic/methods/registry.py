@@ -53,7 +53,9 @@ class MethodSpec:
         names = {f.name for f in dataclasses.fields(self.config_cls)}
         unknown = sorted(k for k in kwargs if k not in names)
         if unknown:
-            raise ValueError(f"method {self.name!r} has no option(s) {unknown}; its options are {sorted(names)}")
+            raise ValueError(
+                f"method {self.name!r} has no option(s) {unknown}; its options are {sorted(names)}"
+            )
         return self.config_cls(**kwargs)
 
 

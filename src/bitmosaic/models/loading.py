@@ -47,7 +47,9 @@ def resolve_model_spec(spec: str) -> tuple[str, dict]:
     if p.is_dir():
         cfg = p / "config.json"
         if not cfg.is_file():
-            raise ModelSpecError(f"{p} is a directory but has no config.json: not a Hugging Face model folder")
+            raise ModelSpecError(
+                f"{p} is a directory but has no config.json: not a Hugging Face model folder"
+            )
         qc = json.loads(cfg.read_text()).get("quantization_config") or {}
         kind = "bitmosaic" if qc.get("quant_method") == "bitmosaic" else "hf-dir"
         return kind, {"path": p}

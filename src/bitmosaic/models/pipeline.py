@@ -122,7 +122,9 @@ def _run_layer(layer: nn.Module, hs: torch.Tensor, kw: dict) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def _group_hessians(layer, names, inputs, kwargs, hessian_dtype) -> tuple[dict[str, HessianAccumulator], dict]:
+def _group_hessians(
+    layer, names, inputs, kwargs, hessian_dtype
+) -> tuple[dict[str, HessianAccumulator], dict]:
     mods = {n: layer.get_submodule(n) for n in names}
     accs: dict[str, HessianAccumulator] = {}
     owner: dict[str, str] = {}
@@ -148,7 +150,7 @@ def _group_hessians(layer, names, inputs, kwargs, hessian_dtype) -> tuple[dict[s
 
     handles = [m.register_forward_pre_hook(make_hook(n)) for n, m in mods.items()]
     try:
-        for hs, kw in zip(inputs, kwargs):
+        for hs, kw in zip(inputs, kwargs, strict=True):
             state["seen"] = set()
             state["last"] = None
             try:
@@ -157,7 +159,9 @@ def _group_hessians(layer, names, inputs, kwargs, hessian_dtype) -> tuple[dict[s
                 pass
             else:
                 missing = sorted(set(mods) - state["seen"])
-                raise RuntimeError(f"layer forward never called {missing}; check the architecture's layer map")
+                raise RuntimeError(
+                    f"layer forward never called {missing}; check the architecture's layer map"
+                )
     finally:
         for h in handles:
             h.remove()
@@ -204,10 +208,16 @@ def quantize_model(
                 res = method.fn(W, LayerStats(hessian=H, tokens=acc.n), config)
                 Wq = res.dequantize(torch.float32)
                 qlin = QuantLinear.from_result(
-                    res, bits=config.bits, group_size=config.group_size, symmetric=config.symmetric, bias=lin.bias
+                    res,
+                    bits=config.bits,
+                    group_size=config.group_size,
+                    symmetric=config.symmetric,
+                    bias=lin.bias,
                 )
                 if not torch.equal(qlin.dequantize_weight(torch.float32), Wq):
-                    raise RuntimeError(f"internal: packed weights of {li}.{name} differ from the simulated ones")
+                    raise RuntimeError(
+                        f"internal: packed weights of {li}.{name} differ from the simulated ones"
+                    )
                 Hd = res.hessian if res.hessian is not None else damp_hessian(H.double(), percdamp)[0]
                 Hd = Hd.double()
                 bound = None
@@ -233,7 +243,7 @@ def quantize_model(
                 qmods[name] = qlin
             del accs
         with torch.inference_mode():
-            inputs = [_run_layer(layer, hs, kw) for hs, kw in zip(inputs, kwargs)]
+            inputs = [_run_layer(layer, hs, kw) for hs, kw in zip(inputs, kwargs, strict=True)]
         for name, qlin in qmods.items():
             layer.set_submodule(name, qlin.to(layer.get_submodule(name).weight.device))
     report.seconds = time.perf_counter() - t0

@@ -1,0 +1,241 @@
+"""Text sources for calibration and evaluation.
+
+Where the text comes from, in this order:
+
+1. an explicit ``data_dir`` argument (the CLI's ``--data-dir``),
+2. the environment variable ``BITMOSAIC_DATA``,
+3. the Hugging Face ``datasets`` hub (optional dependency ``bitmosaic[hub]``; needs network or a warm cache).
+
+A data folder has the layout of the project's shared data::
+
+    wikitext-2-raw/wiki.test.raw   WikiText-2 raw, test split         -> load_text("wikitext2", "test")
+    wikitext-2/valid.txt           WikiText-2 (tokenized), valid split -> load_text("wikitext2", "calib")
+    SHA256SUMS                     optional; checked when present (mismatch -> warning)
+
+Newlines.  Every text file is read as UTF-8 in Python's text mode, so ``\\r\\n`` becomes ``\\n``
+(universal newlines); nothing else is changed.  The shared ``wiki.test.raw`` has Windows line endings and
+apparently one line per non-empty row of the ``wikitext-2-raw-v1`` test split; read this way it
+reproduces the reference perplexity of the shared README (SmolLM2-135M, first 40 x 512 tokens: 28.74;
+keeping the ``\\r`` bytes would give 28.62).
+
+Hub fallback.  ``load_dataset("wikitext", "wikitext-2-raw-v1", split=...)``.  The rows are joined the way
+the shared file is laid out: the non-empty rows (each ends in ``"\\n"``) concatenated as they are
+(``"".join``), meant to give the same text as the file for the test split (not checked offline).  The GPTQ
+reference code instead joins *all* rows with ``"\\n\\n"``, which inserts extra blank lines and gives
+slightly different perplexities (not comparable with the reference numbers).  Split ``"test"`` uses the
+hub's ``test``, ``"validation"`` its ``validation`` and ``"calib"`` its ``train`` split (as GPTQ does; the
+data-folder route calibrates on ``valid.txt``, which is disjoint from the test split too).
+
+Tokenization (both :func:`calibration_samples` and :func:`eval_tokens`) follows the GPTQ reference
+protocol: the whole text is tokenized once with the tokenizer's default special tokens
+(``tokenizer(text, return_tensors="pt")``).  A tokenizer that adds a BOS token therefore puts one BOS at
+the very start of the text, none per window; SmolLM2's tokenizer adds none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+__all__ = ["resolve_data_dir", "load_text", "calibration_samples", "eval_tokens", "ENV_VAR"]
+
+ENV_VAR = "BITMOSAIC_DATA"
+
+_WIKITEXT2_NAMES = {"wikitext2", "wikitext-2"}
+# split -> path of the file inside the data folder
+_WIKITEXT2_FILES = {
+    "test": "wikitext-2-raw/wiki.test.raw",
+    "validation": "wikitext-2/valid.txt",
+    "calib": "wikitext-2/valid.txt",
+}
+# split -> split of the hub dataset wikitext-2-raw-v1
+_WIKITEXT2_HUB_SPLITS = {"test": "test", "validation": "validation", "calib": "train"}
+
+_HINT = f"pass --data-dir (data_dir=...) or set {ENV_VAR} to a folder holding the data"
+
+_verified: set[tuple[str, int, int]] = set()
+
+
+def resolve_data_dir(data_dir: str | os.PathLike | None) -> Path | None:
+    """The data folder: ``data_dir`` if given, else ``$BITMOSAIC_DATA`` if set (non-empty), else ``None``.
+
+    Raises ``FileNotFoundError`` when the chosen folder does not exist (or is not a folder).
+    """
+    if data_dir is not None and str(data_dir) != "":
+        origin = "data_dir"
+        path = Path(data_dir)
+    else:
+        env = os.environ.get(ENV_VAR, "")
+        if not env:
+            return None
+        origin = f"${ENV_VAR}"
+        path = Path(env)
+    path = path.expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"data folder {str(path)!r} (from {origin}) does not exist or is not a folder"
+        )
+    return path
+
+
+def _read_text_file(path: Path) -> str:
+    if not path.is_file():
+        raise FileNotFoundError(f"text file {str(path)!r} does not exist")
+    with open(path, encoding="utf-8") as f:  # text mode: universal newlines (\r\n -> \n)
+        text = f.read()
+    if not text.strip():
+        raise ValueError(f"text file {str(path)!r} is empty")
+    return text
+
+
+def _check_sha256(root: Path, rel: str) -> None:
+    """Compare ``root/rel`` with its line in ``root/SHA256SUMS`` (if both exist); warn on a mismatch."""
+    sums = root / "SHA256SUMS"
+    path = root / rel
+    if not sums.is_file():
+        return
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key in _verified:
+        return
+    expected = None
+    for line in sums.read_text(encoding="utf-8", errors="replace").splitlines():
+        parts = line.split(maxsplit=1)
+        if len(parts) == 2 and parts[1].lstrip("*").strip() == rel:
+            expected = parts[0].lower()
+            break
+    if expected is None:
+        return
+    actual = hashlib.sha256(path.read_bytes()).hexdigest()
+    if actual != expected:
+        warnings.warn(
+            f"{str(path)!r}: SHA256 {actual} does not match {expected} listed in {str(sums)!r}; "
+            "results may not be comparable with the reference numbers",
+            stacklevel=3,
+        )
+    else:
+        _verified.add(key)
+
+
+def _load_wikitext2_hub(split: str) -> str:
+    try:
+        import datasets
+    except ImportError as e:
+        raise RuntimeError(
+            "no data folder given and the Hugging Face 'datasets' package is not installed "
+            f"(pip install 'bitmosaic[hub]'); {_HINT}"
+        ) from e
+    hub_split = _WIKITEXT2_HUB_SPLITS[split]
+    try:
+        ds = datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split=hub_split)
+    except Exception as e:  # offline, no cache, hub errors: all mean "no data"
+        raise RuntimeError(
+            f"could not load wikitext-2-raw-v1 ({hub_split}) from the Hugging Face hub "
+            f"({type(e).__name__}: {e}); {_HINT}"
+        ) from e
+    # Same text as the data-folder file: non-empty rows (each ends in "\n") joined as they are.
+    text = "".join(row for row in ds["text"] if row).replace("\r\n", "\n")
+    if not text.strip():
+        raise ValueError(f"wikitext-2-raw-v1 ({hub_split}) from the hub is empty")
+    return text
+
+
+def load_text(
+    source: str | os.PathLike, split: str = "test", data_dir: str | os.PathLike | None = None
+) -> str:
+    """The text of ``source``.
+
+    ``source`` is ``"wikitext2"`` (alias ``"wikitext-2"``) or the path of a local UTF-8 text file (``split``
+    is then ignored).  For wikitext2, ``split`` is ``"test"`` (raw test split), or ``"calib"`` /
+    ``"validation"`` (the validation split); see the module docstring for files, hub fallback and newlines.
+    """
+    name = os.fspath(source)
+    if name.lower() in _WIKITEXT2_NAMES:
+        if split not in _WIKITEXT2_FILES:
+            raise ValueError(
+                f"unknown split {split!r} for wikitext2; choose one of {sorted(_WIKITEXT2_FILES)}"
+            )
+        root = resolve_data_dir(data_dir)
+        if root is None:
+            return _load_wikitext2_hub(split)
+        rel = _WIKITEXT2_FILES[split]
+        path = root / rel
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"wikitext2 {split!r} split: expected {str(path)!r} in data folder {str(root)!r}"
+            )
+        _check_sha256(root, rel)
+        return _read_text_file(path)
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"text source {name!r} is neither a known dataset ('wikitext2') nor an existing file"
+        )
+    return _read_text_file(path)
+
+
+def _tokenize(tokenizer, text: str) -> torch.Tensor:
+    """The whole text tokenized once, default special tokens (GPTQ protocol): LongTensor ``[1, N]``."""
+    kwargs = {"return_tensors": "pt"}
+    try:
+        from transformers import PreTrainedTokenizerBase
+
+        if isinstance(tokenizer, PreTrainedTokenizerBase):
+            kwargs["verbose"] = False  # no "sequence longer than model_max_length" warning: we window it
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        pass
+    enc = tokenizer(text, **kwargs)
+    ids = enc["input_ids"]
+    if not isinstance(ids, torch.Tensor):
+        ids = torch.as_tensor(ids)
+    ids = ids.to(torch.long)
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise ValueError(f"tokenizer returned input_ids of shape {tuple(ids.shape)}, expected [1, N]")
+    return ids
+
+
+def calibration_samples(
+    tokenizer,
+    source: str | os.PathLike,
+    nsamples: int,
+    seqlen: int,
+    seed: int,
+    data_dir: str | os.PathLike | None = None,
+) -> torch.Tensor:
+    """``nsamples`` random windows of ``seqlen`` calibration tokens: LongTensor ``[nsamples, seqlen]``.
+
+    GPTQ reference protocol: the text (``load_text(source, "calib")``) is tokenized once; each window starts
+    at a uniform random offset in ``[0, N - seqlen - 1]`` (windows may overlap), drawn from a
+    ``torch.Generator`` seeded with ``seed`` -- the same seed gives identical samples.  No BOS is added per
+    window.
+    """
+    if nsamples < 1:
+        raise ValueError(f"nsamples must be >= 1, got {nsamples}")
+    if seqlen < 1:
+        raise ValueError(f"seqlen must be >= 1, got {seqlen}")
+    ids = _tokenize(tokenizer, load_text(source, "calib", data_dir=data_dir))[0]
+    n = ids.numel()
+    if n < seqlen + 1:
+        raise ValueError(
+            f"calibration text {os.fspath(source)!r} has {n} tokens; need at least seqlen + 1 = {seqlen + 1}"
+        )
+    gen = torch.Generator().manual_seed(int(seed))
+    starts = torch.randint(0, n - seqlen, (nsamples,), generator=gen)
+    offsets = torch.arange(seqlen)
+    return ids[starts[:, None] + offsets[None, :]].contiguous()
+
+
+def eval_tokens(
+    tokenizer, source: str | os.PathLike, data_dir: str | os.PathLike | None = None, split: str = "test"
+) -> torch.Tensor:
+    """The whole evaluation text, tokenized once (default special tokens, no truncation): ``[1, N]``.
+
+    Feed it to :func:`bitmosaic.eval.perplexity`, which cuts it into non-overlapping windows.
+    """
+    return _tokenize(tokenizer, load_text(source, split, data_dir=data_dir))

@@ -1,0 +1,119 @@
+"""Perplexity over non-overlapping windows -- the standard protocol of the GPTQ paper and its successors.
+
+The token stream ``[1, N]`` (see :func:`bitmosaic.data.eval_tokens`) is cut into ``N // seqlen``
+non-overlapping windows of ``seqlen`` tokens (the tail is dropped).  Each window is run through the model on
+its own (no context carried over) and scores its tokens ``1 .. seqlen-1``, each predicted from its prefix
+inside the window: ``seqlen - 1`` predicted tokens per window.  The perplexity is
+``exp(sum of NLL / number of predicted tokens)``; the per-token NLL is computed in float32 from each batch's
+logits (never more than one batch of logits is held) and summed in float64.
+
+This is the GPTQ reference computation (there: ``exp(mean over windows of (mean NLL * seqlen) / seqlen)``,
+the same number, since every window predicts the same number of tokens).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["perplexity"]
+
+
+def _exp(x: float) -> float:
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
+def _model_device(model) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    for b in model.buffers():
+        return b.device
+    return torch.device("cpu")
+
+
+def perplexity(
+    model,
+    tokens: torch.Tensor,
+    seqlen: int,
+    max_windows: int | None = None,
+    batch_size: int = 1,
+    progress: bool = True,
+) -> dict:
+    """Perplexity of ``model`` on ``tokens`` (LongTensor ``[1, N]``) over windows of ``seqlen`` tokens.
+
+    ``model(input_ids, use_cache=False)`` must return an object with ``.logits`` ``[batch, seqlen, vocab]``
+    (a Hugging Face causal LM does).  ``max_windows`` keeps only the first windows; ``batch_size`` windows
+    go through the model at once (the result does not depend on it).
+
+    Returns ``{"ppl", "nll" (mean NLL per predicted token), "tokens" (predicted tokens), "windows",
+    "seqlen"}``.
+    """
+    if not isinstance(tokens, torch.Tensor):
+        tokens = torch.as_tensor(tokens)
+    if tokens.dim() == 1:
+        tokens = tokens.unsqueeze(0)
+    if tokens.dim() != 2 or tokens.shape[0] != 1:
+        raise ValueError(f"tokens must have shape [1, N], got {tuple(tokens.shape)}")
+    if seqlen < 2:
+        raise ValueError(f"seqlen must be >= 2 (one token of context, one predicted), got {seqlen}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if max_windows is not None and max_windows < 1:
+        raise ValueError(f"max_windows must be >= 1 or None, got {max_windows}")
+    n = tokens.shape[1]
+    windows = n // seqlen
+    if windows < 1:
+        raise ValueError(f"only {n} tokens: fewer than one window of seqlen={seqlen}")
+    if max_windows is not None:
+        windows = min(windows, max_windows)
+
+    from tqdm.auto import tqdm
+
+    device = _model_device(model)
+    ids = tokens[0, : windows * seqlen].to(torch.long).view(windows, seqlen)
+    total_nll = 0.0  # python float: float64 accumulation
+    was_training = getattr(model, "training", False)
+    if hasattr(model, "eval"):
+        model.eval()
+    try:
+        with (
+            torch.inference_mode(),
+            tqdm(
+                total=windows, desc="perplexity", unit="win", disable=not progress, dynamic_ncols=True
+            ) as bar,
+        ):
+            for start in range(0, windows, batch_size):
+                batch = ids[start : start + batch_size].to(device)
+                out = model(batch, use_cache=False)
+                logits = out.logits if hasattr(out, "logits") else out[0]
+                if logits.shape[:2] != batch.shape:
+                    raise ValueError(
+                        f"model returned logits of shape {tuple(logits.shape)} for input {tuple(batch.shape)}"
+                    )
+                pred = logits[:, :-1, :].float()  # position t predicts token t+1
+                target = batch[:, 1:]
+                nll = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), target.reshape(-1), reduction="none")
+                total_nll += float(nll.sum(dtype=torch.float64))
+                del out, logits, pred, nll
+                bar.update(batch.shape[0])
+                if progress:
+                    done = min(start + batch_size, windows) * (seqlen - 1)
+                    bar.set_postfix(ppl=f"{_exp(total_nll / done):.3f}")
+    finally:
+        if was_training:
+            model.train(True)
+
+    predicted = windows * (seqlen - 1)
+    mean_nll = total_nll / predicted
+    return {
+        "ppl": _exp(mean_nll),
+        "nll": mean_nll,
+        "tokens": predicted,
+        "windows": windows,
+        "seqlen": seqlen,
+    }
