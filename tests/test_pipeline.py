@@ -179,3 +179,19 @@ def test_unknown_architecture_message():
 def test_save_refuses_unquantized(tmp_path):
     with pytest.raises(ValueError, match="no quantized layers"):
         save_quantized(tiny_llama(), tmp_path / "x", {})
+
+
+def test_output_cache_is_exact(calib):
+    """Caching quantized linears' outputs within a layer changes no code and no report number."""
+    reps, models = [], []
+    for cache in (False, True):
+        m = tiny_llama()
+        reps.append(quantize_(m, "gptq", calib, bits=3, group_size=32, progress=False, cache_outputs=cache))
+        models.append(m)
+    assert reps[1].calibration["output_cache"] and not reps[0].calibration["output_cache"]
+    for (n, a), b in zip(
+        quantized_modules(models[0]).items(), quantized_modules(models[1]).values(), strict=True
+    ):
+        assert torch.equal(a.qweight, b.qweight) and torch.equal(a.scales, b.scales), n
+    assert [r["hessian_error"] for r in reps[0].layers] == [r["hessian_error"] for r in reps[1].layers]
+    assert not any("forward" in vars(mod) for mod in models[1].modules())  # patches removed

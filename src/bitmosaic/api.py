@@ -19,6 +19,7 @@ def quantize_(
     batch_size: int = 8,
     hessian_dtype: torch.dtype = torch.float32,
     progress: bool = True,
+    cache_outputs: bool | None = None,
     **options,
 ) -> RunReport:
     """Quantize ``model`` in place with the registered ``method`` and return the run report.
@@ -29,5 +30,12 @@ def quantize_(
     spec = get_method(method)
     config = spec.make_config(**options)
     return quantize_model(
-        model, calib, spec, config, batch_size=batch_size, hessian_dtype=hessian_dtype, progress=progress
+        model,
+        calib,
+        spec,
+        config,
+        batch_size=batch_size,
+        hessian_dtype=hessian_dtype,
+        progress=progress,
+        cache_outputs=cache_outputs,
     )

@@ -116,6 +116,38 @@ def capture_layer_inputs(model: nn.Module, layers: nn.ModuleList, calib: torch.T
     return inputs, kwargs_by_kind
 
 
+class _OutputCache:
+    """Outputs of already-quantized linears, per calibration batch, for the rest of one layer.
+
+    Once a linear is quantized its input can no longer change (it depends only on groups before
+    it, which are final), so later partial forwards of the same layer may reuse its output
+    exactly instead of recomputing it: the projections -- most of a layer's FLOPs -- then run
+    once per layer instead of once per later group.
+    """
+
+    def __init__(self) -> None:
+        self.batch = 0
+        self.modules: list[nn.Module] = []
+
+    def install(self, module: nn.Module) -> None:
+        orig = module.forward
+        store: dict[int, torch.Tensor] = {}
+
+        def forward(x, *args, **kwargs):
+            y = store.get(self.batch)
+            if y is None:
+                y = store[self.batch] = orig(x, *args, **kwargs)
+            return y
+
+        module.forward = forward
+        self.modules.append(module)
+
+    def clear(self) -> None:
+        for m in self.modules:
+            del m.forward  # back to the class's forward
+        self.modules.clear()
+
+
 def _run_layer(layer: nn.Module, hs: torch.Tensor, kw: dict) -> torch.Tensor:
     out = layer(hs, **kw)
     return out[0] if isinstance(out, tuple) else out
@@ -123,7 +155,7 @@ def _run_layer(layer: nn.Module, hs: torch.Tensor, kw: dict) -> torch.Tensor:
 
 @torch.inference_mode()
 def _group_hessians(
-    layer, names, inputs, kwargs, hessian_dtype
+    layer, names, inputs, kwargs, hessian_dtype, cache: _OutputCache | None = None
 ) -> tuple[dict[str, HessianAccumulator], dict]:
     mods = {n: layer.get_submodule(n) for n in names}
     accs: dict[str, HessianAccumulator] = {}
@@ -150,7 +182,9 @@ def _group_hessians(
 
     handles = [m.register_forward_pre_hook(make_hook(n)) for n, m in mods.items()]
     try:
-        for hs, kw in zip(inputs, kwargs, strict=True):
+        for b, (hs, kw) in enumerate(zip(inputs, kwargs, strict=True)):
+            if cache is not None:
+                cache.batch = b
             state["seen"] = set()
             state["last"] = None
             try:
@@ -178,8 +212,14 @@ def quantize_model(
     batch_size: int = 8,
     hessian_dtype: torch.dtype = torch.float32,
     progress: bool = True,
+    cache_outputs: bool | None = None,
+    cache_budget_mb: float = 1024.0,
 ) -> RunReport:
-    """Quantize every linear of ``model``'s decoder layers in place; return the run report."""
+    """Quantize every linear of ``model``'s decoder layers in place; return the run report.
+
+    ``cache_outputs`` keeps quantized linears' outputs for the rest of their layer (exact; see
+    :class:`_OutputCache`); ``None`` turns it on when that takes at most ``cache_budget_mb``.
+    """
     t0 = time.perf_counter()
     arch = arch or get_arch(model)
     layers = arch.layers(model)
@@ -190,6 +230,12 @@ def quantize_model(
     total_bits = 0.0
     total_weights = 0
     percdamp = getattr(config, "percdamp", 0.01)
+    cached_names = [n for group in arch.sequential[:-1] for n in group]
+    if cache_outputs is None:
+        width = sum(layers[0].get_submodule(n).weight.shape[0] for n in cached_names)
+        cache_outputs = calib.numel() * width * 4 / 2**20 <= cache_budget_mb
+    cache = _OutputCache() if cache_outputs else None
+    report.calibration["output_cache"] = bool(cache_outputs)
     bar = tqdm(range(len(layers)), desc=f"{method.name} w{config.bits}", unit="layer", disable=not progress)
     for li in bar:
         layer = layers[li]
@@ -198,7 +244,7 @@ def quantize_model(
         for group in arch.sequential:
             tl = time.perf_counter()
             # Hessians feed the method and, for every method, the per-layer error report.
-            accs, owner = _group_hessians(layer, group, inputs, kwargs, hessian_dtype)
+            accs, owner = _group_hessians(layer, group, inputs, kwargs, hessian_dtype, cache)
             for name in group:
                 bar.set_postfix_str(f"{li}.{name}")
                 lin = layer.get_submodule(name)
@@ -241,9 +287,18 @@ def quantize_model(
                 total_weights += W.numel()
                 lin.weight.data.copy_(Wq.to(lin.weight.dtype))
                 qmods[name] = qlin
+                if cache is not None and name in cached_names:
+                    cache.install(lin)
             del accs
         with torch.inference_mode():
-            inputs = [_run_layer(layer, hs, kw) for hs, kw in zip(inputs, kwargs, strict=True)]
+            outputs = []
+            for b, (hs, kw) in enumerate(zip(inputs, kwargs, strict=True)):
+                if cache is not None:
+                    cache.batch = b
+                outputs.append(_run_layer(layer, hs, kw))
+            inputs = outputs
+        if cache is not None:
+            cache.clear()
         for name, qlin in qmods.items():
             layer.set_submodule(name, qlin.to(layer.get_submodule(name).weight.device))
     report.seconds = time.perf_counter() - t0
