@@ -41,7 +41,7 @@ def test_cli_group_size_and_flags_parse():
             "mse",
         ]
     )
-    assert a.bits == 3 and a.group_size is None and a.symmetric and a.no_clip and a.scale_method == "mse"
+    assert a.bits == 3 and a.group_size == -1 and a.symmetric and a.no_clip and a.scale_method == "mse"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["quantize", "--order", "random"])
 

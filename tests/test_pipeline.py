@@ -195,3 +195,47 @@ def test_output_cache_is_exact(calib):
         assert torch.equal(a.qweight, b.qweight) and torch.equal(a.scales, b.scales), n
     assert [r["hessian_error"] for r in reps[0].layers] == [r["hessian_error"] for r in reps[1].layers]
     assert not any("forward" in vars(mod) for mod in models[1].modules())  # patches removed
+
+
+@pytest.mark.parametrize(
+    "method,opts",
+    [
+        ("ssqr", {"bits": 3, "group_size": 32, "outlier_rate": 0.03}),
+        ("hptq", {"target_bits": 3.125}),
+        ("hrtn", {"target_bits": 3.125, "scale_per": "row"}),
+    ],
+)
+def test_lattice_methods_end_to_end_with_save_load(tmp_path, calib, method, opts):
+    m = tiny_llama()
+    rep = quantize_(m, method, calib, progress=False, **opts)
+    x = calib[:2]
+    with torch.inference_mode():
+        logits = m(input_ids=x).logits
+    if method == "ssqr":
+        assert all(0 < r["outlier_rate"] <= 0.03 for r in rep.layers)
+    else:
+        assert all(r["encoded_bits_per_weight"] <= 3.125 for r in rep.layers)
+        # the reported bits are those of the packed module's real buffers
+        assert all(abs(r["bits_per_weight"] - r["encoded_bits_per_weight"]) < 1e-9 for r in rep.layers)
+    out = save_quantized(m, tmp_path / method, {"method": method})
+    m2, _ = load_quantized(out, load_tokenizer=False)
+    with torch.inference_mode():
+        assert torch.equal(m2(input_ids=x).logits, logits)
+
+
+def test_order_bound_analysis_in_report(calib):
+    m = tiny_llama(layers=1)
+    rep = quantize_(
+        m,
+        "gptq",
+        calib,
+        bits=3,
+        group_size=32,
+        progress=False,
+        analyze_orders=("natural", "act", "min-pivot"),
+    )
+    for row in rep.layers:
+        tb = row["order_bounds"]
+        assert set(tb) == {"natural", "act", "min-pivot"}
+        for v in tb.values():
+            assert v["noclip_error"] <= v["bound"] * (1 + 1e-9)

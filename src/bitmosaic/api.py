@@ -20,6 +20,7 @@ def quantize_(
     hessian_dtype: torch.dtype = torch.float32,
     progress: bool = True,
     cache_outputs: bool | None = None,
+    analyze_orders: tuple[str, ...] | None = None,
     **options,
 ) -> RunReport:
     """Quantize ``model`` in place with the registered ``method`` and return the run report.
@@ -38,4 +39,5 @@ def quantize_(
         hessian_dtype=hessian_dtype,
         progress=progress,
         cache_outputs=cache_outputs,
+        analyze_orders=analyze_orders,
     )

@@ -13,11 +13,9 @@ __all__ = ["main", "build_parser"]
 DEFAULT_MODEL = "smollm2-135m"
 
 
-def _group_size(text: str) -> int | None:
+def _group_size(text: str) -> int:
     v = int(text)
-    if v == -1 or v == 0:
-        return None
-    if v < 0:
+    if v < -1 or v == 0:
         raise argparse.ArgumentTypeError("group size must be positive, or -1 for per-channel")
     return v
 
@@ -30,17 +28,27 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--model", default=DEFAULT_MODEL, help="HF dir, hub id, gguf:PATH or alias (smollm2-135m)")
     q.add_argument("--method", default="gptq", help="rtn | gptq | babai (see `bitmosaic methods`)")
     q.add_argument("--bits", "--wbits", dest="bits", type=int, default=4, help="weight bits (2-8)")
-    q.add_argument("--group-size", type=_group_size, default=128, help="group size; -1 = per-channel")
+    q.add_argument(
+        "--group-size", type=_group_size, default=None, help="group size; -1 = per-channel (default 128)"
+    )
     sym = q.add_mutually_exclusive_group()
     sym.add_argument("--sym", dest="symmetric", action="store_true", help="symmetric grid")
     sym.add_argument("--asym", dest="symmetric", action="store_false", help="asymmetric grid (default)")
     q.set_defaults(symmetric=False)
-    q.add_argument("--scale", dest="scale_method", choices=["minmax", "mse"], default="minmax")
-    q.add_argument("--order", choices=["natural", "act", "gar", "min-pivot"], default="natural")
-    q.add_argument("--direction", choices=["front", "back"], default="front")
+    q.add_argument("--scale", dest="scale_method", choices=["minmax", "mse"], default=None)
+    q.add_argument("--order", choices=["natural", "act", "gar", "min-pivot"], default=None)
+    q.add_argument("--direction", choices=["front", "back"], default=None)
     q.add_argument("--no-clip", action="store_true", help="keep unbounded integers (lattice analysis)")
     q.add_argument("--static-groups", action="store_true", help="fix group scales before GPTQ updates")
-    q.add_argument("--damp", type=float, default=0.01, help="damping, fraction of mean diag(H)")
+    q.add_argument("--damp", type=float, default=None, help="damping, fraction of mean diag(H) (0.01)")
+    q.add_argument("--outlier-rate", type=float, default=None, help="ssqr: target outlier density")
+    q.add_argument("--target-bits", type=float, default=None, help="hptq/hrtn: target encoded bits/weight")
+    q.add_argument("--scale-per", choices=["matrix", "row"], default=None, help="hptq/hrtn scale sharing")
+    q.add_argument(
+        "--bound-orders",
+        default=None,
+        help="comma list of orders (e.g. natural,act,min-pivot): per-layer Babai bound and no-clip error",
+    )
     q.add_argument("--solver-dtype", choices=["float32", "float64"], default=None)
     q.add_argument("--hessian-dtype", choices=["float32", "float64"], default="float32")
     q.add_argument("--calib", default="wikitext2", help="wikitext2 or a text file")
@@ -76,27 +84,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# CLI argument -> method config field; passed when the method's config has that field.
+_OPTIONAL_FIELDS = {
+    "order": "order",
+    "direction": "direction",
+    "damp": "percdamp",
+    "static_groups": "static_groups",
+    "solver_dtype": "dtype",
+    "outlier_rate": "outlier_rate",
+    "target_bits": "target_bits",
+    "scale_per": "scale_per",
+}
+
+
 def _method_options(args, spec) -> dict:
-    opts = {
-        "bits": args.bits,
-        "group_size": args.group_size,
-        "symmetric": args.symmetric,
-        "scale_method": args.scale_method,
-        "clip": not args.no_clip,
-    }
-    gptq_like = {"order": args.order, "direction": args.direction, "percdamp": args.damp}
-    if args.static_groups:
-        gptq_like["static_groups"] = True
-    if args.solver_dtype:
-        gptq_like["dtype"] = args.solver_dtype
     import dataclasses
 
     names = {f.name for f in dataclasses.fields(spec.config_cls)}
-    for k, v in gptq_like.items():
-        if k in names:
-            opts[k] = v
-        elif k in ("order", "direction") and v not in ("natural", "front"):
-            raise SystemExit(f"error: --{k} {v} does not apply to method {spec.name!r}")
+    opts = {"bits": args.bits, "symmetric": args.symmetric, "clip": not args.no_clip}
+    if args.group_size is not None:  # else the method's default (128, or none for hptq/hrtn)
+        opts["group_size"] = None if args.group_size == -1 else args.group_size
+    if args.scale_method is not None:
+        opts["scale_method"] = args.scale_method
+    for arg, fld in _OPTIONAL_FIELDS.items():
+        value = getattr(args, arg)
+        if value is None or value is False:
+            continue
+        if fld not in names:
+            raise ValueError(f"--{arg.replace('_', '-')} does not apply to method {spec.name!r}")
+        opts[fld] = value
     return opts
 
 
@@ -148,8 +164,16 @@ def cmd_quantize(args) -> int:
         tok, args.calib, args.nsamples, args.seqlen, args.seed, data_dir=args.data_dir
     )
     hdt = {"float32": torch.float32, "float64": torch.float64}[args.hessian_dtype]
+    orders = tuple(o for o in args.bound_orders.split(",") if o) if args.bound_orders else None
     report = quantize_model(
-        model, calib, spec, config, batch_size=args.batch_size, hessian_dtype=hdt, progress=progress
+        model,
+        calib,
+        spec,
+        config,
+        batch_size=args.batch_size,
+        hessian_dtype=hdt,
+        progress=progress,
+        analyze_orders=orders,
     )
     report.calibration.update({"source": args.calib, "seed": args.seed})
     out = report.to_dict()
@@ -210,6 +234,36 @@ def _dir_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def _stored_bits(path: Path, names: list[str]) -> dict[str, int]:
+    """Bits each quantized module really stores (all its tensors but the bias), from file headers."""
+    from safetensors import safe_open
+
+    sizes = {
+        "U8": 1,
+        "I8": 1,
+        "BOOL": 1,
+        "F16": 2,
+        "BF16": 2,
+        "I16": 2,
+        "F32": 4,
+        "I32": 4,
+        "F64": 8,
+        "I64": 8,
+    }
+    bits = dict.fromkeys(names, 0)
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for key in st.keys():
+                mod, _, leaf = key.rpartition(".")
+                if mod in bits and leaf != "bias":
+                    sl = st.get_slice(key)
+                    n = 1
+                    for d in sl.get_shape():
+                        n *= d
+                    bits[mod] += n * sizes[sl.get_dtype()] * 8
+    return bits
+
+
 def cmd_inspect(args) -> int:
     path = Path(args.dir)
     cfg_file = path / "config.json"
@@ -218,21 +272,13 @@ def cmd_inspect(args) -> int:
     qc = json.loads(cfg_file.read_text()).get("quantization_config") or {}
     if qc.get("quant_method") != "bitmosaic":
         raise SystemExit(f"error: {path} is not a bitmosaic quantized model")
-    from .formats.accounting import nominal_bits_per_weight
-
+    bits_by_module = _stored_bits(path, list(qc["modules"]))
     rows, total_bits, total_w = [], 0.0, 0
     for name, lc in qc["modules"].items():
         n_w = lc["in_features"] * lc["out_features"]
-        bpw = nominal_bits_per_weight(
-            lc["storage_bits"],
-            lc["in_features"],
-            lc["out_features"],
-            lc["group_size"],
-            lc["symmetric"],
-            g_idx_bits=32 if lc.get("has_g_idx") else 0,
-        )
+        bpw = bits_by_module[name] / n_w
         rows.append((name, lc, bpw))
-        total_bits += bpw * n_w
+        total_bits += bits_by_module[name]
         total_w += n_w
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     print(f"model folder     {path}")
@@ -242,13 +288,14 @@ def cmd_inspect(args) -> int:
         f" {'sym' if qc.get('symmetric') else 'asym'}, order {qc.get('order')}"
     )
     print(f"quantized layers {len(rows)} ({total_w / 1e6:.1f}M weights)")
-    print(f"bits per weight  {total_bits / max(total_w, 1):.4f} (codes + scales/zeros + g_idx)")
+    print(f"bits per weight  {total_bits / max(total_w, 1):.4f} (all stored tensors)")
     print(f"weights on disk  {size / 2**20:.1f} MiB; folder {_dir_size(path) / 2**20:.1f} MiB")
     if args.layers:
-        print(f"\n{'layer':<44} {'shape':>12} {'bits':>4} {'group':>6} {'stored':>6} {'bpw':>7}")
+        print(f"\n{'layer':<44} {'shape':>12} {'kind':>10} {'bits':>4} {'group':>6} {'bpw':>7}")
         for name, lc, bpw in rows:
             shape = f"{lc['out_features']}x{lc['in_features']}"
-            cells = f"{lc['bits']:>4} {lc['group_size']:>6} {lc['storage_bits']:>6} {bpw:>7.3f}"
+            kind, bits, group = lc.get("kind", "packed"), lc.get("bits", "-"), lc.get("group_size", "-")
+            cells = f"{kind:>10} {bits:>4} {group:>6} {bpw:>7.3f}"
             print(f"{name:<44} {shape:>12} {cells}")
     return 0
 

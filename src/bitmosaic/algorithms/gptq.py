@@ -69,6 +69,8 @@ def gptq_quantize(
     block_size: int = 128,
     percdamp: float = 0.01,
     dtype: torch.dtype | None = None,
+    scales: torch.Tensor | None = None,
+    zeros: torch.Tensor | None = None,
 ) -> QuantResult:
     """Quantize ``W`` (``[out, in]``) against Hessian ``H`` (``[in, in]``).
 
@@ -76,6 +78,9 @@ def gptq_quantize(
     working precision (default: float32, or float64 if ``W`` is float64).  Returns codes in the
     original column order with the damped Hessian used and the per-row sum of step errors
     ``sum_i ((w'_i - q_i) / U_ii)^2``, which equals ``(w - q)^T H_damped (w - q)``.
+
+    ``scales``/``zeros`` (``[out, G]``, contiguous groups) fix the grid in advance, as the
+    scale searches of SSQR and HPTQ need; they imply ``static_groups``.
     """
     out, n = W.shape
     if H.shape != (n, n):
@@ -90,7 +95,13 @@ def gptq_quantize(
     g = normalize_group_size(group_size, n)
     G = num_groups(n, group_size)
     perm = torch.arange(n, device=W.device) if perm is None else perm.to(W.device)
-    if static_groups:
+    if scales is not None:
+        static_groups = True
+        static_s = scales.to(dtype)
+        static_z = (zeros if zeros is not None else torch.zeros_like(scales)).to(dtype)
+        if static_s.shape != (out, num_groups(n, group_size)):
+            raise ValueError(f"scales shape {tuple(static_s.shape)} != (out, groups) = ({out}, {G})")
+    elif static_groups:
         static_s, static_z = group_scale_zero(W, grid, group_size, scale_method)
     aligned = static_groups or groups_contiguous(perm, g)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,9 +29,12 @@ class QuantResult:
     perm: torch.Tensor | None = None
     hessian: torch.Tensor | None = None  # the damped Hessian an algorithm used (original order)
     step_errors: torch.Tensor | None = None  # per-row sum of (w'-q)^2/d^2 (GPTQ's loss)
+    sparse: torch.Tensor | None = None  # dense [out, in] view of sparse outliers added on top (SSQR)
+    info: dict = field(default_factory=dict)  # method-specific facts for the report
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize(self.codes, self.scales, self.zeros, self.g_idx, dtype=dtype)
+        W = dequantize(self.codes, self.scales, self.zeros, self.g_idx, dtype=dtype)
+        return W if self.sparse is None else W + self.sparse.to(dtype)
 
 
 def rtn_quantize(

@@ -1,6 +1,7 @@
 """Quantization recipes, registered by name: ``get_method("gptq")``."""
 
 from . import gptq as _gptq  # noqa: F401  (registers gptq, babai)
+from . import lattice as _lattice  # noqa: F401  (registers ssqr, hptq, hrtn)
 from . import rtn as _rtn  # noqa: F401  (registers rtn)
 from .registry import LayerStats, MethodSpec, WeightQuantConfig, get_method, list_methods, register_method
 

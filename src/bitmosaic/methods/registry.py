@@ -31,7 +31,7 @@ class WeightQuantConfig:
     """Settings shared by every weight quantizer."""
 
     bits: int = 4
-    group_size: int | None = 128
+    group_size: int | None = 128  # None = per-channel
     symmetric: bool = False
     scale_method: str = "minmax"  # "minmax" | "mse"
     clip: bool = True
@@ -47,7 +47,8 @@ class MethodSpec:
     fn: Callable[[torch.Tensor, LayerStats, object], QuantResult]
     needs_hessian: bool = True
     description: str = ""
-    cli_fields: tuple[str, ...] = field(default=())
+    # result -> nn.Module packing; None means the standard packed QuantLinear
+    pack: Callable[[QuantResult, object, torch.Tensor | None], torch.nn.Module] | None = field(default=None)
 
     def make_config(self, **kwargs) -> WeightQuantConfig:
         names = {f.name for f in dataclasses.fields(self.config_cls)}
@@ -62,13 +63,15 @@ class MethodSpec:
 _REGISTRY: dict[str, MethodSpec] = {}
 
 
-def register_method(name: str, config_cls: type, *, needs_hessian: bool = True, description: str = ""):
+def register_method(
+    name: str, config_cls: type, *, needs_hessian: bool = True, description: str = "", pack=None
+):
     """Decorator: register ``fn(weight, stats, config) -> QuantResult`` under ``name``."""
 
     def deco(fn):
         if name in _REGISTRY:
             raise ValueError(f"method {name!r} is already registered")
-        _REGISTRY[name] = MethodSpec(name, config_cls, fn, needs_hessian, description)
+        _REGISTRY[name] = MethodSpec(name, config_cls, fn, needs_hessian, description, pack)
         return fn
 
     return deco

@@ -27,6 +27,8 @@ from tqdm.auto import tqdm
 
 from ..algorithms.bounds import babai_bound, hessian_error, relative_output_error
 from ..algorithms.hessian import HessianAccumulator, damp_hessian
+from ..algorithms.lattice import order_bound_table
+from ..formats.grid import IntGrid
 from ..methods.registry import LayerStats, MethodSpec, WeightQuantConfig
 from .arch import ArchSpec, get_arch
 from .qlinear import QuantLinear
@@ -202,6 +204,14 @@ def _group_hessians(
     return accs, owner
 
 
+def _pack(method: MethodSpec, res, config, bias) -> nn.Module:
+    if method.pack is not None:
+        return method.pack(res, config, bias)
+    return QuantLinear.from_result(
+        res, bits=config.bits, group_size=config.group_size, symmetric=config.symmetric, bias=bias
+    )
+
+
 def quantize_model(
     model: nn.Module,
     calib: torch.Tensor,
@@ -214,11 +224,14 @@ def quantize_model(
     progress: bool = True,
     cache_outputs: bool | None = None,
     cache_budget_mb: float = 1024.0,
+    analyze_orders: tuple[str, ...] | None = None,
 ) -> RunReport:
     """Quantize every linear of ``model``'s decoder layers in place; return the run report.
 
     ``cache_outputs`` keeps quantized linears' outputs for the rest of their layer (exact; see
     :class:`_OutputCache`); ``None`` turns it on when that takes at most ``cache_budget_mb``.
+    ``analyze_orders`` adds, per layer, the Babai bound and the measured no-clip GPTQ error under
+    each named order (same static MSE scales; see :func:`algorithms.lattice.order_bound_table`).
     """
     t0 = time.perf_counter()
     arch = arch or get_arch(model)
@@ -240,7 +253,7 @@ def quantize_model(
     for li in bar:
         layer = layers[li]
         kwargs = kwargs_by_kind[_layer_kind(layer)]
-        qmods: dict[str, QuantLinear] = {}
+        qmods: dict[str, nn.Module] = {}
         for group in arch.sequential:
             tl = time.perf_counter()
             # Hessians feed the method and, for every method, the per-layer error report.
@@ -253,13 +266,7 @@ def quantize_model(
                 H = acc.H
                 res = method.fn(W, LayerStats(hessian=H, tokens=acc.n), config)
                 Wq = res.dequantize(torch.float32)
-                qlin = QuantLinear.from_result(
-                    res,
-                    bits=config.bits,
-                    group_size=config.group_size,
-                    symmetric=config.symmetric,
-                    bias=lin.bias,
-                )
+                qlin = _pack(method, res, config, lin.bias)
                 if not torch.equal(qlin.dequantize_weight(torch.float32), Wq):
                     raise RuntimeError(
                         f"internal: packed weights of {li}.{name} differ from the simulated ones"
@@ -278,10 +285,16 @@ def quantize_model(
                         "hessian_error": float(hessian_error(W.double(), Wq.double(), Hd).sum()),
                         "babai_bound": bound,
                         "bits_per_weight": bpw,
-                        "storage_bits": qlin.storage_bits,
+                        "storage_bits": getattr(qlin, "storage_bits", None),
+                        **res.info,
                         "seconds": time.perf_counter() - tl,
                     }
                 )
+                if analyze_orders:
+                    grid = IntGrid(config.bits, config.symmetric)
+                    report.layers[-1]["order_bounds"] = order_bound_table(
+                        W, H, grid, config.group_size, tuple(analyze_orders), percdamp=percdamp
+                    )
                 tl = time.perf_counter()
                 total_bits += bpw * W.numel()
                 total_weights += W.numel()

@@ -32,6 +32,8 @@ class UnpackableCodesError(ValueError):
 
 
 class QuantLinear(nn.Module):
+    kind = "packed"
+
     def __init__(
         self,
         in_features: int,
@@ -168,6 +170,7 @@ class QuantLinear(nn.Module):
     def layer_config(self) -> dict:
         """What a loader needs to rebuild this module (saved per layer in quantization_config)."""
         return {
+            "kind": "packed",
             "bits": self.bits,
             "group_size": self.group_size,
             "symmetric": self.symmetric,

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .qlinear import QuantLinear
+from .qmodules import module_from_layer_config
 
 __all__ = ["FORMAT_VERSION", "save_quantized", "load_quantized", "quantized_modules", "atomic_write_text"]
 
@@ -45,8 +45,8 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         raise
 
 
-def quantized_modules(model: nn.Module) -> dict[str, QuantLinear]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
+    return {n: m for n, m in model.named_modules() if hasattr(m, "layer_config") and hasattr(m, "kind")}
 
 
 def _state_dict_for_save(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -157,7 +157,7 @@ def load_quantized(path: str | os.PathLike, load_tokenizer: bool = True):
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config)
     for name, lc in qc["modules"].items():
-        model.set_submodule(name, QuantLinear.from_layer_config(lc))
+        model.set_submodule(name, module_from_layer_config(lc))
     sd = _read_state_dict(path)
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     tied = getattr(config, "tie_word_embeddings", False)

@@ -1,0 +1,202 @@
+"""Quantized linear modules beyond the plain packed layout, and the registry that rebuilds any of
+them from a saved per-layer config (``"kind"``).
+
+- :class:`SparseOutlierQuantLinear` (``"packed+csr"``): SSQR's dense clamped codes + CSR outliers;
+  forward = dense dequantization + sparse add.
+- :class:`HuffmanQuantLinear` (``"huffman"``): HPTQ/HRTN's unbounded integers, Huffman-coded, one
+  fp16 scale per matrix or row; the stream is decoded once (at load or first use), so the model
+  stays usable; the *storage* is the encoded stream.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..algorithms.rtn import QuantResult
+from ..formats import huffman
+from ..formats.accounting import bits_per_weight
+from ..formats.sparse import CSR, csr_from_dense
+from .qlinear import QuantLinear
+
+__all__ = ["SparseOutlierQuantLinear", "HuffmanQuantLinear", "module_from_layer_config", "MODULE_KINDS"]
+
+
+class SparseOutlierQuantLinear(QuantLinear):
+    kind = "packed+csr"
+
+    def __init__(self, in_features, out_features, *, nnz: int = 0, **kw) -> None:
+        super().__init__(in_features, out_features, **kw)
+        idx_dtype = torch.int16 if in_features <= 32767 else torch.int32
+        self.register_buffer("outlier_row_ptr", torch.zeros(out_features + 1, dtype=torch.int32))
+        self.register_buffer("outlier_cols", torch.zeros(nnz, dtype=idx_dtype))
+        self.register_buffer("outlier_vals", torch.zeros(nnz, dtype=torch.float16))
+
+    @classmethod
+    def from_result(cls, res: QuantResult, *, bits, group_size, symmetric, bias=None):
+        dense = QuantLinear.from_result(res, bits=bits, group_size=group_size, symmetric=symmetric, bias=bias)
+        sparse = res.sparse if res.sparse is not None else torch.zeros(res.codes.shape)
+        csr = csr_from_dense(sparse, sparse != 0)
+        m = cls(dense.in_features, dense.out_features, nnz=csr.nnz, **_packed_kwargs(dense))
+        m.load_state_dict(dense.state_dict(), strict=False)
+        m.outlier_row_ptr.copy_(csr.row_ptr)
+        m.outlier_cols.copy_(csr.col_idx)
+        m.outlier_vals.copy_(csr.values)
+        return m
+
+    def csr(self) -> CSR:
+        shape = (self.out_features, self.in_features)
+        return CSR(self.outlier_row_ptr, self.outlier_cols, self.outlier_vals, shape)
+
+    def dequantize_reference(self, dtype=torch.float32):
+        return self.csr().add_to(super().dequantize_reference(dtype))
+
+    def dequantize_weight(self, dtype=torch.float32):
+        if self._wcache is not None:
+            return self._wcache.to(dtype)
+        w = self.csr().add_to(super().dequantize_weight(dtype))
+        if self.cache_weight:
+            self._wcache = w
+        return w
+
+    def storage_tensors(self):
+        return super().storage_tensors() + [self.outlier_row_ptr, self.outlier_cols, self.outlier_vals]
+
+    def layer_config(self) -> dict:
+        return {**super().layer_config(), "kind": self.kind, "nnz": int(self.outlier_vals.numel())}
+
+    @classmethod
+    def from_layer_config(cls, cfg: dict):
+        return cls(cfg["in_features"], cfg["out_features"], nnz=cfg["nnz"], **_packed_kwargs_from_cfg(cfg))
+
+
+def _packed_kwargs(m: QuantLinear) -> dict:
+    return {
+        "bits": m.bits,
+        "group_size": m.group_size,
+        "symmetric": m.symmetric,
+        "bias": m.bias is not None,
+        "has_g_idx": m.g_idx is not None,
+        "storage_bits": m.storage_bits,
+        "code_offset": m.code_offset,
+    }
+
+
+def _packed_kwargs_from_cfg(cfg: dict) -> dict:
+    return {
+        "bits": cfg["bits"],
+        "group_size": cfg["group_size"],
+        "symmetric": cfg["symmetric"],
+        "bias": cfg.get("bias", False),
+        "has_g_idx": cfg.get("has_g_idx", False),
+        "storage_bits": cfg.get("storage_bits"),
+        "code_offset": cfg.get("code_offset", 0),
+    }
+
+
+class HuffmanQuantLinear(nn.Module):
+    """Unbounded integers ``q`` with ``w = q * s`` (``s`` per matrix or row), Huffman-coded."""
+
+    kind = "huffman"
+
+    def __init__(self, in_features, out_features, *, n_scales: int, n_bytes: int, n_symbols: int, bias=False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("scales", torch.zeros(n_scales, 1, dtype=torch.float16))
+        self.register_buffer("huff_data", torch.zeros(n_bytes, dtype=torch.uint8))
+        self.register_buffer("huff_symbols", torch.zeros(n_symbols, dtype=torch.int16))
+        self.register_buffer("huff_lengths", torch.zeros(n_symbols, dtype=torch.uint8))
+        self.register_buffer("huff_row_ends", torch.zeros(out_features, dtype=torch.int32))
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        self.cache_weight = True  # decoding is done once; the stream stays the stored form
+        self._wcache: torch.Tensor | None = None
+
+    @classmethod
+    def from_result(cls, res: QuantResult, bias=None) -> HuffmanQuantLinear:
+        out, n = res.codes.shape
+        stream = huffman.encode(res.codes.numpy())
+        t = huffman.to_tensors(stream)
+        scales = res.scales[:, :1]
+        n_scales = 1 if bool((scales == scales[0]).all()) else out
+        m = cls(
+            n,
+            out,
+            n_scales=n_scales,
+            n_bytes=t["data"].numel(),
+            n_symbols=t["symbols"].numel(),
+            bias=bias is not None,
+        )
+        m.scales.copy_(scales[:n_scales].to(torch.float16))
+        m.huff_data.copy_(t["data"])
+        m.huff_symbols.copy_(t["symbols"])
+        m.huff_lengths.copy_(t["lengths"])
+        m.huff_row_ends.copy_(t["row_ends"])
+        if bias is not None:
+            m.bias.data.copy_(bias.detach().float())
+        return m
+
+    def codes(self) -> torch.Tensor:
+        tensors = {
+            "data": self.huff_data,
+            "symbols": self.huff_symbols,
+            "lengths": self.huff_lengths,
+            "row_ends": self.huff_row_ends,
+        }
+        stream = huffman.from_tensors(tensors, (self.out_features, self.in_features))
+        return torch.from_numpy(np.ascontiguousarray(huffman.decode(stream)))
+
+    def dequantize_reference(self, dtype=torch.float32) -> torch.Tensor:
+        return self.codes().to(dtype) * self.scales.to(dtype).expand(self.out_features, 1)
+
+    def dequantize_weight(self, dtype=torch.float32) -> torch.Tensor:
+        if self._wcache is None:
+            self._wcache = self.dequantize_reference(torch.float32)
+        return self._wcache.to(dtype)
+
+    def forward(self, x):
+        b = None if self.bias is None else self.bias.to(x.dtype)
+        return nn.functional.linear(x, self.dequantize_weight(torch.float32).to(x.dtype), b)
+
+    def storage_tensors(self):
+        return [self.scales, self.huff_data, self.huff_symbols, self.huff_lengths, self.huff_row_ends]
+
+    def bits_per_weight(self) -> float:
+        return bits_per_weight(self.storage_tensors(), self.in_features * self.out_features)
+
+    def layer_config(self) -> dict:
+        return {
+            "kind": self.kind,
+            "in_features": self.in_features,
+            "out_features": self.out_features,
+            "n_scales": int(self.scales.shape[0]),
+            "n_bytes": int(self.huff_data.numel()),
+            "n_symbols": int(self.huff_symbols.numel()),
+            "bias": self.bias is not None,
+        }
+
+    @classmethod
+    def from_layer_config(cls, cfg: dict):
+        return cls(
+            cfg["in_features"],
+            cfg["out_features"],
+            n_scales=cfg["n_scales"],
+            n_bytes=cfg["n_bytes"],
+            n_symbols=cfg["n_symbols"],
+            bias=cfg.get("bias", False),
+        )
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, huffman, {self.bits_per_weight():.3f} bpw"
+
+
+MODULE_KINDS = {"packed": QuantLinear, "packed+csr": SparseOutlierQuantLinear, "huffman": HuffmanQuantLinear}
+
+
+def module_from_layer_config(cfg: dict) -> nn.Module:
+    kind = cfg.get("kind", "packed")
+    if kind not in MODULE_KINDS:
+        raise ValueError(
+            f"unknown quantized module kind {kind!r}; this bitmosaic knows {sorted(MODULE_KINDS)}"
+        )
+    return MODULE_KINDS[kind].from_layer_config(cfg)
