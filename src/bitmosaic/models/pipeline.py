@@ -204,6 +204,26 @@ def _group_hessians(
     return accs, owner
 
 
+def _report_row(name: str, W, Wq, H, res, qlin, percdamp: float) -> dict:
+    """One layer's line of the run report (float64 metrics; see the README for definitions)."""
+    W64, Wq64, H64 = W.double(), Wq.double(), H.double()
+    Hd = res.hessian if res.hessian is not None else damp_hessian(H64, percdamp)[0]
+    Hd = Hd.double()
+    bound = None
+    if res.perm is not None:  # the no-clip guarantee of the order the algorithm used
+        bound = float(babai_bound(Hd, res.scales[:, res.g_idx.long()], res.perm).sum())
+    return {
+        "name": name,
+        "shape": list(W.shape),
+        "rel_out_error": relative_output_error(W64, Wq64, H64),
+        "hessian_error": float(hessian_error(W64, Wq64, Hd).sum()),
+        "babai_bound": bound,
+        "bits_per_weight": qlin.bits_per_weight(),
+        "storage_bits": getattr(qlin, "storage_bits", None),
+        **res.info,
+    }
+
+
 def _pack(method: MethodSpec, res, config, bias) -> nn.Module:
     if method.pack is not None:
         return method.pack(res, config, bias)
@@ -271,32 +291,16 @@ def quantize_model(
                     raise RuntimeError(
                         f"internal: packed weights of {li}.{name} differ from the simulated ones"
                     )
-                Hd = res.hessian if res.hessian is not None else damp_hessian(H.double(), percdamp)[0]
-                Hd = Hd.double()
-                bound = None
-                if res.perm is not None:
-                    bound = float(babai_bound(Hd, res.scales[:, res.g_idx.long()], res.perm).sum())
-                bpw = qlin.bits_per_weight()
-                report.layers.append(
-                    {
-                        "name": f"{arch.layers_path}.{li}.{name}",
-                        "shape": list(W.shape),
-                        "rel_out_error": relative_output_error(W.double(), Wq.double(), H.double()),
-                        "hessian_error": float(hessian_error(W.double(), Wq.double(), Hd).sum()),
-                        "babai_bound": bound,
-                        "bits_per_weight": bpw,
-                        "storage_bits": getattr(qlin, "storage_bits", None),
-                        **res.info,
-                        "seconds": time.perf_counter() - tl,
-                    }
-                )
+                row = _report_row(f"{arch.layers_path}.{li}.{name}", W, Wq, H, res, qlin, percdamp)
+                row["seconds"] = time.perf_counter() - tl
+                report.layers.append(row)
                 if analyze_orders:
                     grid = IntGrid(config.bits, config.symmetric)
                     report.layers[-1]["order_bounds"] = order_bound_table(
                         W, H, grid, config.group_size, tuple(analyze_orders), percdamp=percdamp
                     )
                 tl = time.perf_counter()
-                total_bits += bpw * W.numel()
+                total_bits += row["bits_per_weight"] * W.numel()
                 total_weights += W.numel()
                 lin.weight.data.copy_(Wq.to(lin.weight.dtype))
                 qmods[name] = qlin
