@@ -239,3 +239,14 @@ def test_order_bound_analysis_in_report(calib):
         assert set(tb) == {"natural", "act", "min-pivot"}
         for v in tb.values():
             assert v["noclip_error"] <= v["bound"] * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("order,direction", [("natural", "front"), ("act", "back")])
+def test_babai_method_equals_gptq_static_groups_in_pipeline(calib, order, direction):
+    """`--method babai` == `--method gptq --static-groups` with the same order/direction (Thm. 4)."""
+    opts = {"bits": 3, "group_size": 32, "order": order, "direction": direction, "clip": False}
+    a, b = tiny_llama(), tiny_llama()
+    quantize_(a, "babai", calib, progress=False, **opts)
+    quantize_(b, "gptq", calib, progress=False, static_groups=True, dtype="float64", **opts)
+    for (name, qa), qb in zip(quantized_modules(a).items(), quantized_modules(b).values(), strict=True):
+        assert torch.equal(qa.codes(), qb.codes()), name
