@@ -103,14 +103,15 @@ class Bench:
             f"\n{name}: {a.model}, calib {a.nsamples}x{a.seqlen} (seed {a.seed}), "
             f"eval wikitext2 first {a.max_windows}x{a.seqlen}"
         )
-        header = f"{'config':<34}" + "".join(f"{c:>16}" for c in columns)
+        widths = [max(12, len(c) + 2) for c in columns]
+        header = f"{'config':<34}" + "".join(f"{c:>{w}}" for c, w in zip(columns, widths, strict=True))
         print(header)
         print("-" * len(header))
         for r in self.rows:
             cells = []
-            for c in columns:
+            for c, w in zip(columns, widths, strict=True):
                 v = r.get(c)
-                cells.append(f"{v:>16.4g}" if isinstance(v, float) else f"{str(v):>16}")
+                cells.append(f"{v:>{w}.4g}" if isinstance(v, float) else f"{str(v):>{w}}")
             print(f"{r['name']:<34}" + "".join(cells))
         out = {
             "benchmark": name,
