@@ -126,7 +126,9 @@ def gptq_quantize(
     codes_p = torch.empty(out, n, dtype=dtype, device=W.device)
     errsum = W.new_zeros(out)
     s_col = z_col = None
-    for i1, i2 in _block_bounds(n, block_size, starts):
+    # A dynamic group's scale is computed from fully updated weights, so its first column must
+    # start a block; static scales need no such cut (act-order would otherwise shred the blocks).
+    for i1, i2 in _block_bounds(n, block_size, [] if static_groups else starts):
         W1 = Wp[:, i1:i2].clone()
         E1 = torch.empty_like(W1)
         U1 = U[i1:i2, i1:i2]
