@@ -72,15 +72,7 @@ class SparseOutlierQuantLinear(QuantLinear):
 
 
 def _packed_kwargs(m: QuantLinear) -> dict:
-    return {
-        "bits": m.bits,
-        "group_size": m.group_size,
-        "symmetric": m.symmetric,
-        "bias": m.bias is not None,
-        "has_g_idx": m.g_idx is not None,
-        "storage_bits": m.storage_bits,
-        "code_offset": m.code_offset,
-    }
+    return _packed_kwargs_from_cfg(QuantLinear.layer_config(m))
 
 
 def _packed_kwargs_from_cfg(cfg: dict) -> dict:
