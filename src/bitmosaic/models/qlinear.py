@@ -184,17 +184,7 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_layer_config(cls, cfg: dict) -> QuantLinear:
-        return cls(
-            cfg["in_features"],
-            cfg["out_features"],
-            bits=cfg["bits"],
-            group_size=cfg["group_size"],
-            symmetric=cfg["symmetric"],
-            bias=cfg.get("bias", False),
-            has_g_idx=cfg.get("has_g_idx", False),
-            storage_bits=cfg.get("storage_bits"),
-            code_offset=cfg.get("code_offset", 0),
-        )
+        return cls(cfg["in_features"], cfg["out_features"], **packed_kwargs(cfg))
 
     def extra_repr(self) -> str:
         s = f"in={self.in_features}, out={self.out_features}, bits={self.bits}, group={self.group_size}"
@@ -202,6 +192,19 @@ class QuantLinear(nn.Module):
         if self.storage_bits != self.bits:
             s += f", stored at {self.storage_bits} bits (offset {self.code_offset})"
         return s + (", g_idx" if self.g_idx is not None else "")
+
+
+def packed_kwargs(cfg: dict) -> dict:
+    """Constructor keywords of a packed layout from its saved per-layer config."""
+    return {
+        "bits": cfg["bits"],
+        "group_size": cfg["group_size"],
+        "symmetric": cfg["symmetric"],
+        "bias": cfg.get("bias", False),
+        "has_g_idx": cfg.get("has_g_idx", False),
+        "storage_bits": cfg.get("storage_bits"),
+        "code_offset": cfg.get("code_offset", 0),
+    }
 
 
 def set_weight_cache(model: nn.Module, enabled: bool = True) -> None:

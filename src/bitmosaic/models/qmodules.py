@@ -18,7 +18,7 @@ from ..algorithms.rtn import QuantResult
 from ..formats import huffman
 from ..formats.accounting import bits_per_weight
 from ..formats.sparse import CSR, csr_from_dense
-from .qlinear import QuantLinear
+from .qlinear import QuantLinear, packed_kwargs
 
 __all__ = ["SparseOutlierQuantLinear", "HuffmanQuantLinear", "module_from_layer_config", "MODULE_KINDS"]
 
@@ -68,23 +68,11 @@ class SparseOutlierQuantLinear(QuantLinear):
 
     @classmethod
     def from_layer_config(cls, cfg: dict):
-        return cls(cfg["in_features"], cfg["out_features"], nnz=cfg["nnz"], **_packed_kwargs_from_cfg(cfg))
+        return cls(cfg["in_features"], cfg["out_features"], nnz=cfg["nnz"], **packed_kwargs(cfg))
 
 
 def _packed_kwargs(m: QuantLinear) -> dict:
-    return _packed_kwargs_from_cfg(QuantLinear.layer_config(m))
-
-
-def _packed_kwargs_from_cfg(cfg: dict) -> dict:
-    return {
-        "bits": cfg["bits"],
-        "group_size": cfg["group_size"],
-        "symmetric": cfg["symmetric"],
-        "bias": cfg.get("bias", False),
-        "has_g_idx": cfg.get("has_g_idx", False),
-        "storage_bits": cfg.get("storage_bits"),
-        "code_offset": cfg.get("code_offset", 0),
-    }
+    return packed_kwargs(QuantLinear.layer_config(m))
 
 
 class HuffmanQuantLinear(nn.Module):
