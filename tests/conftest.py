@@ -50,3 +50,19 @@ def data_dir() -> Path | None:
     if env and Path(env).is_dir():
         return Path(env)
     return SHARED_DATA if SHARED_DATA.is_dir() else None
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The real SmolLM2-135M (model, tokenizer); tests must not modify it (deepcopy first)."""
+    from bitmosaic.models import load_model
+
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm_calib(smollm):
+    """8 x 256 WikiText-2 calibration tokens, seed 0."""
+    from bitmosaic.data import calibration_samples
+
+    return calibration_samples(smollm[1], "wikitext2", 8, 256, seed=0, data_dir=data_dir())

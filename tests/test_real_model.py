@@ -30,17 +30,8 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def smollm():
-    from bitmosaic.models import load_model
-
-    return load_model("smollm2-135m")
-
-
-@pytest.fixture(scope="module")
-def calib(smollm):
-    from bitmosaic.data import calibration_samples
-
-    return calibration_samples(smollm[1], "wikitext2", 8, 256, seed=0, data_dir=data_dir())
+def calib(smollm_calib):
+    return smollm_calib
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +49,7 @@ def real_layer(smollm, calib):
             inputs = [x[0] if isinstance(x, tuple) else x for x in inputs]
     out = {}
     for name in ("self_attn.q_proj", "mlp.down_proj"):
-        accs, owner = _group_hessians(layers[2], (name,), inputs, kwargs, torch.float64)
+        accs, owner, _ = _group_hessians(layers[2], (name,), inputs, kwargs, torch.float64)
         out[name] = (layers[2].get_submodule(name).weight.detach().double(), accs[owner[name]].H)
     return out
 

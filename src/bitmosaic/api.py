@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .formats.act import parse_scheme
 from .methods import get_method
 from .models.pipeline import RunReport, quantize_model
 
@@ -21,14 +22,23 @@ def quantize_(
     progress: bool = True,
     cache_outputs: bool | None = None,
     analyze_orders: tuple[str, ...] | None = None,
+    scheme: str | None = None,
+    seed: int = 0,
     **options,
 ) -> RunReport:
     """Quantize ``model`` in place with the registered ``method`` and return the run report.
 
     ``calib`` is a ``[n, seqlen]`` LongTensor of token ids (see :func:`bitmosaic.data.calibration_samples`);
-    ``options`` are the method's config fields, e.g. ``bits=4, group_size=128, order="act"``.
+    ``options`` are the method's config fields, e.g. ``bits=4, group_size=128, order="act"``;
+    ``scheme="W4A8"`` (or ``W8A8``, ``W4A4``, ``W4A8-FP8``, ...) sets ``bits`` and ``act`` at once
+    (see :func:`bitmosaic.formats.act.parse_scheme`).
     """
     spec = get_method(method)
+    if scheme is not None:
+        bits, act = parse_scheme(scheme)
+        if options.get("bits", bits) != bits:
+            raise ValueError(f"scheme {scheme} says {bits}-bit weights but bits={options['bits']}")
+        options = {**options, "bits": bits, "act": act}
     config = spec.make_config(**options)
     return quantize_model(
         model,
@@ -40,4 +50,5 @@ def quantize_(
         progress=progress,
         cache_outputs=cache_outputs,
         analyze_orders=analyze_orders,
+        seed=seed,
     )

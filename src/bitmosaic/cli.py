@@ -20,21 +20,106 @@ def _group_size(text: str) -> int:
     return v
 
 
+def _alpha(text: str) -> float | str:
+    if text == "search":
+        return text
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("alpha must be a number in [0, 1] or 'search'") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError("alpha must be in [0, 1] or 'search'")
+    return v
+
+
+def _add_act_args(q: argparse.ArgumentParser) -> None:
+    a = q.add_argument_group("activation quantization (default: 16-bit activations)")
+    a.add_argument(
+        "--scheme", default=None, help="W4A16 | W4A8 | W4A4 | W8A8 | W4A8-FP8 (sets --wbits/--abits/--afmt)"
+    )
+    a.add_argument("--abits", type=int, default=None, help="activation bits (16 = off)")
+    a.add_argument(
+        "--afmt", default=None, help="int (default) | fp8 (=fp8-e4m3) | fp8-e4m3-240 | fp8-e5m2 | fp4 (e2m1)"
+    )
+    a.add_argument("--a-granularity", choices=["token", "tensor", "group"], default=None)
+    a.add_argument(
+        "--a-group-size", type=int, default=None, help="hidden-dim group for --a-granularity group"
+    )
+    st = a.add_mutually_exclusive_group()
+    st.add_argument(
+        "--a-static", dest="a_static", action="store_true", default=None, help="calibrated scales"
+    )
+    st.add_argument("--a-dynamic", dest="a_static", action="store_false", help="scales computed per input")
+    a.add_argument("--a-pow2", action="store_true", help="power-of-two activation scales")
+    a.add_argument("--a-calib", choices=["max", "percentile"], default=None, help="static scale statistic")
+    a.add_argument("--a-percentile", type=float, default=None, help="with --a-calib percentile (99.99)")
+    a.add_argument("--alpha", type=_alpha, default=None, help="smoothquant migration strength, or 'search'")
+    a.add_argument(
+        "--smooth-weights", choices=["rtn", "gptq"], default=None, help="smoothquant weight quantizer"
+    )
+
+
+def act_spec_from_args(args):
+    """The activation quantizer the flags ask for (None = 16-bit); also settles ``args.bits``."""
+    import dataclasses
+
+    from .formats.act import ActQuantSpec, normalize_fmt, parse_scheme
+
+    spec = None
+    if args.scheme:
+        wbits, spec = parse_scheme(args.scheme)
+        if args.bits_given and args.bits != wbits:
+            raise ValueError(f"--scheme {args.scheme} says {wbits}-bit weights but --wbits is {args.bits}")
+        args.bits = wbits
+    if args.abits is not None or args.afmt is not None:
+        fmt = normalize_fmt(args.afmt or "int")
+        if args.abits is not None and args.abits >= 16:
+            if args.afmt:
+                raise ValueError("--afmt needs --abits below 16")
+            return None
+        bits = args.abits if args.abits is not None else (8 if fmt == "int" else None)
+        if fmt == "int":
+            spec = ActQuantSpec("int", bits)
+        else:
+            from .formats.fp import get_float_format
+
+            bits = bits if bits is not None else get_float_format(fmt).bits
+            spec = ActQuantSpec(fmt, bits, granularity="tensor", static=True)
+    extra = {
+        "granularity": args.a_granularity,
+        "group_size": args.a_group_size,
+        "static": args.a_static,
+        "pow2": args.a_pow2 or None,
+        "calib": args.a_calib,
+        "percentile": args.a_percentile,
+    }
+    extra = {k: v for k, v in extra.items() if v is not None}
+    if extra and spec is None:
+        raise ValueError(f"activation options {sorted(extra)} need --abits/--afmt or --scheme")
+    if spec is not None and extra:
+        if extra.get("granularity") == "token" and "static" not in extra:
+            extra["static"] = False
+        spec = dataclasses.replace(spec, **extra)
+    return spec
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bitmosaic", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     q = sub.add_parser("quantize", help="quantize a model with calibration data")
     q.add_argument("--model", default=DEFAULT_MODEL, help="HF dir, hub id, gguf:PATH or alias (smollm2-135m)")
-    q.add_argument("--method", default="gptq", help="rtn | gptq | babai (see `bitmosaic methods`)")
-    q.add_argument("--bits", "--wbits", dest="bits", type=int, default=4, help="weight bits (2-8)")
+    q.add_argument(
+        "--method", default="gptq", help="rtn | gptq | awq | smoothquant | ... (`bitmosaic methods`)"
+    )
+    q.add_argument("--bits", "--wbits", dest="bits", type=int, default=None, help="weight bits (2-8; 4)")
     q.add_argument(
         "--group-size", type=_group_size, default=None, help="group size; -1 = per-channel (default 128)"
     )
     sym = q.add_mutually_exclusive_group()
-    sym.add_argument("--sym", dest="symmetric", action="store_true", help="symmetric grid")
+    sym.add_argument("--sym", dest="symmetric", action="store_true", default=None, help="symmetric grid")
     sym.add_argument("--asym", dest="symmetric", action="store_false", help="asymmetric grid (default)")
-    q.set_defaults(symmetric=False)
+    _add_act_args(q)
     q.add_argument("--scale", dest="scale_method", choices=["minmax", "mse"], default=None)
     q.add_argument("--order", choices=["natural", "act", "gar", "min-pivot"], default=None)
     q.add_argument("--direction", choices=["front", "back"], default=None)
@@ -94,6 +179,7 @@ _OPTIONAL_FIELDS = {
     "outlier_rate": "outlier_rate",
     "target_bits": "target_bits",
     "scale_per": "scale_per",
+    "smooth_weights": "weights",
 }
 
 
@@ -101,7 +187,16 @@ def _method_options(args, spec) -> dict:
     import dataclasses
 
     names = {f.name for f in dataclasses.fields(spec.config_cls)}
-    opts = {"bits": args.bits, "symmetric": args.symmetric, "clip": not args.no_clip}
+    args.bits_given = args.bits is not None
+    args.bits = 4 if args.bits is None else args.bits
+    act = act_spec_from_args(args)
+    opts = {"bits": args.bits, "clip": not args.no_clip, "act": act}
+    if args.symmetric is not None:
+        opts["symmetric"] = args.symmetric
+    if args.alpha is not None:
+        if "alpha" not in names:
+            raise ValueError(f"--alpha does not apply to method {spec.name!r}")
+        opts["alpha"] = None if args.alpha == "search" else args.alpha
     if args.group_size is not None:  # else the method's default (128, or none for hptq/hrtn)
         opts["group_size"] = None if args.group_size == -1 else args.group_size
     if args.scale_method is not None:
@@ -174,6 +269,7 @@ def cmd_quantize(args) -> int:
         hessian_dtype=hdt,
         progress=progress,
         analyze_orders=orders,
+        seed=args.seed,
     )
     report.calibration.update({"source": args.calib, "seed": args.seed})
     out = report.to_dict()
@@ -188,7 +284,8 @@ def cmd_quantize(args) -> int:
         )
         out["eval"] = results
         rows = [("float", results["float"]["ppl"])] if "float" in results else []
-        rows.append((f"{spec.name} w{config.bits} g{config.group_size or 'ch'}", results["quantized"]["ppl"]))
+        label = f"{spec.name} {config.scheme} g{config.group_size or 'ch'}"
+        rows.append((label, results["quantized"]["ppl"]))
         print(f"\n{'model':<28} {'perplexity':>12}")
         for name, v in rows:
             print(f"{name:<28} {v:>12.3f}")
@@ -200,6 +297,7 @@ def cmd_quantize(args) -> int:
             "group_size": config.group_size,
             "symmetric": config.symmetric,
             "order": getattr(config, "order", None),
+            "scheme": config.scheme,
             "config": config.to_dict(),
             "source_model": args.model,
         }

@@ -3,6 +3,16 @@
 A method is a typed config dataclass plus a function ``fn(weight, stats, config) -> QuantResult``
 that turns one linear layer's weight and its calibration statistics into integer codes and
 scales; the pipeline packs the result into a :class:`~bitmosaic.models.qlinear.QuantLinear`.
+
+Two optional hooks: ``pack`` (result -> module, for formats beyond the plain packed layout) and
+``transform`` (``fn(captures, config) -> per-group info``), which runs once per decoder layer
+*before* its linears are quantized, on statistics of the float layer's inputs, and returns the
+per-channel factors to fold into the preceding ops (SmoothQuant, AWQ; see
+:mod:`bitmosaic.models.smoothing`).
+
+Every config carries ``act``: the activation quantizer applied at the input of each quantized
+linear (``None`` = 16-bit activations), so every weight method composes with every activation
+format.
 """
 
 from __future__ import annotations
@@ -13,7 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..algorithms.observers import ActObserver
 from ..algorithms.rtn import QuantResult
+from ..formats.act import ActQuantSpec
 
 __all__ = ["LayerStats", "WeightQuantConfig", "MethodSpec", "register_method", "get_method", "list_methods"]
 
@@ -24,6 +36,7 @@ class LayerStats:
 
     hessian: torch.Tensor | None = None  # 2/n X^T X (undamped), [in, in]
     tokens: int = 0
+    act: ActObserver | None = None  # per-channel input statistics (max, mean |x|, mean)
 
 
 @dataclass
@@ -35,9 +48,24 @@ class WeightQuantConfig:
     symmetric: bool = False
     scale_method: str = "minmax"  # "minmax" | "mse"
     clip: bool = True
+    act: ActQuantSpec | None = None  # activation quantizer at each linear's input (None = A16)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.act, dict):
+            self.act = ActQuantSpec(**self.act)
+        if self.act is not None and not isinstance(self.act, ActQuantSpec):
+            raise TypeError(f"act must be an ActQuantSpec, a dict or None, got {type(self.act).__name__}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @property
+    def scheme(self) -> str:
+        """``W4A16``-style name (``-FP8``/``-FP4`` suffix for float activations)."""
+        if self.act is None:
+            return f"W{self.bits}A16"
+        suffix = "" if self.act.fmt == "int" else f"-{self.act.fmt.upper()}"
+        return f"W{self.bits}A{self.act.bits}{suffix}"
 
 
 @dataclass(frozen=True)
@@ -49,6 +77,7 @@ class MethodSpec:
     description: str = ""
     # result -> nn.Module packing; None means the standard packed QuantLinear
     pack: Callable[[QuantResult, object, torch.Tensor | None], torch.nn.Module] | None = field(default=None)
+    transform: Callable | None = field(default=None)
 
     def make_config(self, **kwargs) -> WeightQuantConfig:
         names = {f.name for f in dataclasses.fields(self.config_cls)}
@@ -64,14 +93,20 @@ _REGISTRY: dict[str, MethodSpec] = {}
 
 
 def register_method(
-    name: str, config_cls: type, *, needs_hessian: bool = True, description: str = "", pack=None
+    name: str,
+    config_cls: type,
+    *,
+    needs_hessian: bool = True,
+    description: str = "",
+    pack=None,
+    transform=None,
 ):
     """Decorator: register ``fn(weight, stats, config) -> QuantResult`` under ``name``."""
 
     def deco(fn):
         if name in _REGISTRY:
             raise ValueError(f"method {name!r} is already registered")
-        _REGISTRY[name] = MethodSpec(name, config_cls, fn, needs_hessian, description, pack)
+        _REGISTRY[name] = MethodSpec(name, config_cls, fn, needs_hessian, description, pack, transform)
         return fn
 
     return deco

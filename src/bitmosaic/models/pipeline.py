@@ -12,6 +12,13 @@
 3. Run the layer once more to produce the next layer's inputs, and swap in packed
    :class:`~bitmosaic.models.qlinear.QuantLinear` modules.
 
+Methods with a ``transform`` (SmoothQuant, AWQ) first see the float layer's group inputs
+(:func:`~bitmosaic.models.capture.capture_groups`) and return per-channel factors that are folded
+into the preceding ops before step 2.  With activation quantization (``config.act``), each
+linear's input statistics are observed with its Hessian (static scales come from them), and once
+the linear is quantized an input quantizer is attached to it, so every later group, the next
+layer's inputs and the saved model all see quantized activations.
+
 Only one layer's Hessians and the calibration activations are held besides the model.
 """
 
@@ -28,10 +35,14 @@ from tqdm.auto import tqdm
 from ..algorithms.bounds import babai_bound, hessian_error, relative_output_error
 from ..algorithms.hessian import HessianAccumulator, damp_hessian
 from ..algorithms.lattice import order_bound_table
+from ..algorithms.observers import ActObserver
 from ..formats.grid import IntGrid
 from ..methods.registry import LayerStats, MethodSpec, WeightQuantConfig
+from .actquant import attach_input_quant
 from .arch import ArchSpec, get_arch
+from .capture import capture_groups
 from .qlinear import QuantLinear
+from .smoothing import fold_group_scales
 
 __all__ = ["StopForward", "RunReport", "quantize_model", "peak_rss_mb"]
 
@@ -157,10 +168,11 @@ def _run_layer(layer: nn.Module, hs: torch.Tensor, kw: dict) -> torch.Tensor:
 
 @torch.inference_mode()
 def _group_hessians(
-    layer, names, inputs, kwargs, hessian_dtype, cache: _OutputCache | None = None
-) -> tuple[dict[str, HessianAccumulator], dict]:
+    layer, names, inputs, kwargs, hessian_dtype, cache: _OutputCache | None = None, act_spec=None
+) -> tuple[dict[str, HessianAccumulator], dict, dict[str, ActObserver]]:
     mods = {n: layer.get_submodule(n) for n in names}
     accs: dict[str, HessianAccumulator] = {}
+    observers: dict[str, ActObserver] = {}
     owner: dict[str, str] = {}
     state: dict = {}
 
@@ -175,6 +187,7 @@ def _group_hessians(
             if owner[name] == name:
                 acc = accs.setdefault(name, HessianAccumulator(x.shape[-1], dtype=hessian_dtype))
                 acc.add(x)
+                observers.setdefault(name, ActObserver(x.shape[-1], act_spec)).add(x)
                 state["last"] = (x, name)
             state["seen"].add(name)
             if len(state["seen"]) == len(mods):
@@ -201,7 +214,7 @@ def _group_hessians(
     finally:
         for h in handles:
             h.remove()
-    return accs, owner
+    return accs, owner, observers
 
 
 def _report_row(name: str, W, Wq, H, res, qlin, percdamp: float) -> dict:
@@ -232,6 +245,21 @@ def _pack(method: MethodSpec, res, config, bias) -> nn.Module:
     )
 
 
+def _apply_transform(method: MethodSpec, config, layer, arch, inputs, kwargs, gen) -> dict[int, dict]:
+    """Run the method's per-layer ``transform`` and fold the factors it returns; info per group."""
+    if method.transform is None:
+        return {}
+    caps = capture_groups(
+        layer, arch, inputs, kwargs, max_tokens=getattr(config, "max_tokens", 2048), generator=gen
+    )
+    info: dict[int, dict] = {}
+    for cap, (s, row) in zip(caps, method.transform(caps, config), strict=True):
+        if s is not None:
+            fold_group_scales(layer, arch, cap.index, s)
+        info[cap.index] = {**row, "folded": s is not None}
+    return info
+
+
 def quantize_model(
     model: nn.Module,
     calib: torch.Tensor,
@@ -245,6 +273,7 @@ def quantize_model(
     cache_outputs: bool | None = None,
     cache_budget_mb: float = 1024.0,
     analyze_orders: tuple[str, ...] | None = None,
+    seed: int = 0,
 ) -> RunReport:
     """Quantize every linear of ``model``'s decoder layers in place; return the run report.
 
@@ -252,6 +281,7 @@ def quantize_model(
     :class:`_OutputCache`); ``None`` turns it on when that takes at most ``cache_budget_mb``.
     ``analyze_orders`` adds, per layer, the Babai bound and the measured no-clip GPTQ error under
     each named order (same static MSE scales; see :func:`algorithms.lattice.order_bound_table`).
+    ``seed`` fixes the token samples a ``transform`` draws.
     """
     t0 = time.perf_counter()
     arch = arch or get_arch(model)
@@ -269,22 +299,27 @@ def quantize_model(
         cache_outputs = calib.numel() * width * 4 / 2**20 <= cache_budget_mb
     cache = _OutputCache() if cache_outputs else None
     report.calibration["output_cache"] = bool(cache_outputs)
-    bar = tqdm(range(len(layers)), desc=f"{method.name} w{config.bits}", unit="layer", disable=not progress)
+    act = getattr(config, "act", None)
+    gen = torch.Generator().manual_seed(seed)
+    scheme = getattr(config, "scheme", f"w{config.bits}")
+    bar = tqdm(range(len(layers)), desc=f"{method.name} {scheme}", unit="layer", disable=not progress)
     for li in bar:
         layer = layers[li]
         kwargs = kwargs_by_kind[_layer_kind(layer)]
         qmods: dict[str, nn.Module] = {}
-        for group in arch.sequential:
+        act_scales: dict[str, torch.Tensor | None] = {}
+        group_info = _apply_transform(method, config, layer, arch, inputs, kwargs, gen)
+        for gi, group in enumerate(arch.sequential):
             tl = time.perf_counter()
             # Hessians feed the method and, for every method, the per-layer error report.
-            accs, owner = _group_hessians(layer, group, inputs, kwargs, hessian_dtype, cache)
+            accs, owner, observers = _group_hessians(layer, group, inputs, kwargs, hessian_dtype, cache, act)
             for name in group:
                 bar.set_postfix_str(f"{li}.{name}")
                 lin = layer.get_submodule(name)
                 W = lin.weight.data.float()
                 acc = accs[owner[name]]
                 H = acc.H
-                res = method.fn(W, LayerStats(hessian=H, tokens=acc.n), config)
+                res = method.fn(W, LayerStats(hessian=H, tokens=acc.n, act=observers[owner[name]]), config)
                 Wq = res.dequantize(torch.float32)
                 qlin = _pack(method, res, config, lin.bias)
                 if not torch.equal(qlin.dequantize_weight(torch.float32), Wq):
@@ -293,6 +328,10 @@ def quantize_model(
                     )
                 row = _report_row(f"{arch.layers_path}.{li}.{name}", W, Wq, H, res, qlin, percdamp)
                 row["seconds"] = time.perf_counter() - tl
+                if act is not None:
+                    row["act"] = act.label
+                if group_info.get(gi):
+                    row["transform"] = group_info[gi]
                 report.layers.append(row)
                 if analyze_orders:
                     grid = IntGrid(config.bits, config.symmetric)
@@ -304,6 +343,9 @@ def quantize_model(
                 total_weights += W.numel()
                 lin.weight.data.copy_(Wq.to(lin.weight.dtype))
                 qmods[name] = qlin
+                if act is not None:  # later groups and the next layer see quantized inputs
+                    act_scales[name] = observers[owner[name]].static_scale() if act.static else None
+                    attach_input_quant(lin, act, W.shape[1], act_scales[name])
                 if cache is not None and name in cached_names:
                     cache.install(lin)
             del accs
@@ -317,6 +359,8 @@ def quantize_model(
         if cache is not None:
             cache.clear()
         for name, qlin in qmods.items():
+            if act is not None:
+                attach_input_quant(qlin, act, qlin.in_features, act_scales[name])
             layer.set_submodule(name, qlin.to(layer.get_submodule(name).weight.device))
     report.seconds = time.perf_counter() - t0
     report.peak_rss_mb = peak_rss_mb()

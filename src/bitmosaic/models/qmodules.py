@@ -17,10 +17,18 @@ from torch import nn
 from ..algorithms.rtn import QuantResult
 from ..formats import huffman
 from ..formats.accounting import bits_per_weight
+from ..formats.act import ActQuantSpec
 from ..formats.sparse import CSR, csr_from_dense
+from .actquant import attach_input_quant, input_quant_spec
 from .qlinear import QuantLinear, packed_kwargs
 
-__all__ = ["SparseOutlierQuantLinear", "HuffmanQuantLinear", "module_from_layer_config", "MODULE_KINDS"]
+__all__ = [
+    "SparseOutlierQuantLinear",
+    "HuffmanQuantLinear",
+    "module_from_layer_config",
+    "full_layer_config",
+    "MODULE_KINDS",
+]
 
 
 class SparseOutlierQuantLinear(QuantLinear):
@@ -173,10 +181,22 @@ class HuffmanQuantLinear(nn.Module):
 MODULE_KINDS = {"packed": QuantLinear, "packed+csr": SparseOutlierQuantLinear, "huffman": HuffmanQuantLinear}
 
 
+def full_layer_config(module: nn.Module) -> dict:
+    """The module's saved per-layer config, with its activation quantizer (``"act"``) if any."""
+    cfg = module.layer_config()
+    spec = input_quant_spec(module)
+    if spec is not None:
+        cfg["act"] = spec.to_dict()
+    return cfg
+
+
 def module_from_layer_config(cfg: dict) -> nn.Module:
     kind = cfg.get("kind", "packed")
     if kind not in MODULE_KINDS:
         raise ValueError(
             f"unknown quantized module kind {kind!r}; this bitmosaic knows {sorted(MODULE_KINDS)}"
         )
-    return MODULE_KINDS[kind].from_layer_config(cfg)
+    m = MODULE_KINDS[kind].from_layer_config(cfg)
+    if cfg.get("act"):
+        attach_input_quant(m, ActQuantSpec(**cfg["act"]), cfg["in_features"])
+    return m

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .qmodules import module_from_layer_config
+from .qmodules import full_layer_config, module_from_layer_config
 
 __all__ = ["FORMAT_VERSION", "save_quantized", "load_quantized", "quantized_modules", "atomic_write_text"]
 
@@ -80,7 +80,7 @@ def save_quantized(model: nn.Module, out_dir: str | os.PathLike, quant_info: dic
         cfg = model.config.to_dict()
         cfg.pop("quantization_config", None)
         qc = {"quant_method": "bitmosaic", "format_version": FORMAT_VERSION, **quant_info}
-        qc["modules"] = {n: m.layer_config() for n, m in qmods.items()}
+        qc["modules"] = {n: full_layer_config(m) for n, m in qmods.items()}
         cfg["quantization_config"] = qc
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
         gen = getattr(model, "generation_config", None)

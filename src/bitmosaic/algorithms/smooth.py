@@ -1,0 +1,165 @@
+"""SmoothQuant (Xiao et al., 2023) as pure tensor functions.
+
+SmoothQuant §4 "migrates the quantization difficulty" from activations to weights: a linear
+``Y = X W^T`` is rewritten as ``Y = (X diag(s)^-1) (W diag(s))^T`` -- mathematically the same
+product -- with per-input-channel smoothing factors (Eq. 4)
+
+    s_j = max|X_j|^alpha / max|W_j|^(1 - alpha),
+
+so that outlier channels of ``X`` are divided down and the corresponding weight columns are
+multiplied up.  ``alpha`` balances the two (0.5 in the paper for most models).  The division
+by ``s`` is folded offline into the op that produces ``X``: the preceding norm's weight
+(:func:`fold_scales_into_norm`) or the rows of a preceding linear
+(:func:`fold_scales_into_linear_rows`, e.g. ``v_proj -> o_proj``, ``up_proj -> down_proj``).
+
+Rather than fixing ``alpha``, :func:`search_alpha` picks it on calibration data by minimising
+the layer's output error after *both* weight and activation quantization.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "SmoothSearch",
+    "fold_scales_into_linear_rows",
+    "fold_scales_into_norm",
+    "search_alpha",
+    "smooth_scales",
+    "smoothing_loss",
+]
+
+DEFAULT_ALPHAS: tuple[float, ...] = tuple(i / 20 for i in range(21))
+
+
+def _weight_col_absmax(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``max |W_ij|`` over the rows of all ``weights`` (``[out_i, n]`` each) -> ``[n]`` float64."""
+    if len(weights) == 0:
+        raise ValueError("need at least one weight matrix")
+    n = weights[0].shape[1]
+    wmax = torch.zeros(n, dtype=torch.float64, device=weights[0].device)
+    for W in weights:
+        if W.dim() != 2 or W.shape[1] != n:
+            raise ValueError(f"every weight must be [out, {n}], got {tuple(W.shape)}")
+        wmax = torch.maximum(wmax, W.detach().abs().amax(dim=0).to(torch.float64))
+    return wmax
+
+
+def smooth_scales(
+    act_absmax: torch.Tensor, weights: Sequence[torch.Tensor], alpha: float, eps: float = 1e-5
+) -> torch.Tensor:
+    """SmoothQuant's per-channel factors (Xiao et al. 2023, §4, Eq. 4) -> ``[n]``.
+
+    ``s_j = act_absmax_j^alpha / wmax_j^(1-alpha)`` with ``wmax_j`` the largest ``|W_ij|`` over
+    all ``weights`` sharing this input (e.g. q/k/v after one norm).  Channels where either
+    maximum is 0 get ``s_j = 1`` (nothing to migrate); ``s`` is clamped to ``>= eps``.  Computed
+    in float64, returned in ``act_absmax``'s dtype.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    a = act_absmax.detach().to(torch.float64).abs()
+    wmax = _weight_col_absmax(weights).to(a.device)
+    if a.shape != wmax.shape:
+        raise ValueError(f"act_absmax has shape {tuple(a.shape)}, weights have {wmax.numel()} inputs")
+    s = a.pow(alpha) / wmax.pow(1.0 - alpha)
+    dead = (a == 0) | (wmax == 0) | ~torch.isfinite(s)
+    s = torch.where(dead, torch.ones_like(s), s).clamp(min=eps)
+    return s.to(act_absmax.dtype)
+
+
+def smoothing_loss(
+    X: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    s: torch.Tensor,
+    quantize_w: Callable[[torch.Tensor], torch.Tensor],
+    quantize_x: Callable[[torch.Tensor], torch.Tensor],
+) -> float:
+    """``sum_i ||X W_i^T - Q_x(X / s) Q_w(W_i * s)^T||_F^2`` (float64 accumulation).
+
+    ``X``: ``[t, n]`` calibration activations; ``quantize_w``/``quantize_x`` return the
+    fake-quantized (dequantized) weight / activation matrix and may be the identity.  With
+    ``s = 1`` this is the unsmoothed W+A quantization error.
+    """
+    X64 = X.detach().to(torch.float64)
+    s64 = s.detach().to(device=X64.device, dtype=torch.float64)
+    Xq = quantize_x(X64 / s64).to(torch.float64)
+    total = 0.0
+    for W in weights:
+        W64 = W.detach().to(device=X64.device, dtype=torch.float64)
+        Wq = quantize_w(W64 * s64).to(torch.float64)
+        diff = X64 @ W64.T - Xq @ Wq.T
+        total += float(diff.pow(2).sum())
+    return total
+
+
+@dataclass
+class SmoothSearch:
+    """Result of :func:`search_alpha`: the chosen ``alpha``, its ``scales`` and every loss."""
+
+    alpha: float
+    scales: torch.Tensor
+    losses: dict[float, float] = field(default_factory=dict)
+
+
+def search_alpha(
+    X: torch.Tensor,
+    act_absmax: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    quantize_w: Callable[[torch.Tensor], torch.Tensor],
+    quantize_x: Callable[[torch.Tensor], torch.Tensor],
+    alphas: Sequence[float] = DEFAULT_ALPHAS,
+) -> SmoothSearch:
+    """Grid-search SmoothQuant's migration strength ``alpha`` (Xiao et al. 2023, §4, Eq. 4).
+
+    Every ``alpha`` gives scales by :func:`smooth_scales`; the one with the smallest
+    :func:`smoothing_loss` -- the layer's output MSE on ``X`` after weight AND activation
+    quantization, which is what MosaicQuant needs (the paper fixes ``alpha`` per model) -- is
+    kept; ties go to the smaller ``alpha``.  ``act_absmax`` is usually ``X.abs().amax(0)``
+    but may come from a larger calibration set than the ``X`` used for the loss.
+    """
+    if len(alphas) == 0:
+        raise ValueError("need at least one alpha")
+    losses: dict[float, float] = {}
+    best_alpha: float | None = None
+    best_loss = float("inf")
+    best_scales: torch.Tensor | None = None
+    for alpha in sorted(float(a) for a in alphas):
+        s = smooth_scales(act_absmax, weights, alpha)
+        loss = smoothing_loss(X, weights, s, quantize_w, quantize_x)
+        losses[alpha] = loss
+        if best_alpha is None or loss < best_loss:
+            best_alpha, best_loss, best_scales = alpha, loss, s
+    assert best_alpha is not None and best_scales is not None
+    return SmoothSearch(alpha=best_alpha, scales=best_scales, losses=losses)
+
+
+def fold_scales_into_norm(norm_weight: torch.Tensor, s: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
+    """New norm weight whose output is the old output divided by ``s`` (SmoothQuant §4).
+
+    The norm multiplies by ``offset + w`` (``offset = 1`` for Gemma-style RMSNorm, 0 otherwise),
+    so the new weight is ``(offset + w) / s - offset``.  A norm bias, if any, must be divided by
+    ``s`` too (not handled here).
+    """
+    w = norm_weight.detach().to(torch.float64)
+    s64 = s.detach().to(device=w.device, dtype=torch.float64)
+    return ((offset + w) / s64 - offset).to(norm_weight.dtype)
+
+
+def fold_scales_into_linear_rows(
+    W_prev: torch.Tensor, b_prev: torch.Tensor | None, s: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Divide the output rows of the linear feeding the smoothed input by ``s`` (SmoothQuant §4).
+
+    ``W_prev``: ``[n, k]`` (``n`` = the smoothed channels), ``b_prev``: ``[n]`` or None.  Used
+    when the producer is a linear with nothing nonlinear in between (``v_proj -> o_proj`` through
+    the attention average; ``up_proj -> down_proj`` through the gate's elementwise product).
+    """
+    if W_prev.dim() != 2 or W_prev.shape[0] != s.numel():
+        raise ValueError(f"W_prev must be [{s.numel()}, k], got {tuple(W_prev.shape)}")
+    s64 = s.detach().to(device=W_prev.device, dtype=torch.float64)
+    W_new = (W_prev.detach().to(torch.float64) / s64[:, None]).to(W_prev.dtype)
+    b_new = None if b_prev is None else (b_prev.detach().to(torch.float64) / s64).to(b_prev.dtype)
+    return W_new, b_new

@@ -1,0 +1,183 @@
+"""Activation quantizers: INT (symmetric) and minifloat (FP8 E4M3/E5M2, FP4 E2M1) fake quantization.
+
+An :class:`ActQuantSpec` says *what* grid and *which* scale granularity:
+
+- ``granularity="token"``: one scale per token (row of ``x``), computed on the fly (dynamic);
+- ``"tensor"``: one scale for the whole input -- static (from calibration) or dynamic;
+- ``"group"``: one scale per ``group_size`` contiguous hidden channels, per token when dynamic,
+  shared by all tokens when static.
+
+``scale = amax / qmax`` where ``qmax`` is ``2**(bits-1) - 1`` for INT (codes ``-qmax-1..qmax``)
+and the format's largest value for FP; ``pow2`` rounds each scale *up* to a power of two (so
+nothing extra saturates).  Fake quantization returns ``Q(x / scale) * scale``.
+
+Numerics (what is simulated): a linear layer then computes ``Q(x) @ Ŵ^T`` in float32.  For FP8
+operands this is exactly an FP8×FP8 GEMM with float32 accumulation (every product of two FP8
+values is exact in float32); for INT operands it equals the integer GEMM rescaled by the scales,
+up to float32 rounding of the accumulation (an INT kernel accumulates exactly in int32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .fp import FP_FORMATS, fp_round, get_float_format
+
+__all__ = [
+    "ActQuantSpec",
+    "GRANULARITIES",
+    "parse_scheme",
+    "act_amax",
+    "scale_from_amax",
+    "fake_quant",
+    "normalize_fmt",
+]
+
+GRANULARITIES = ("token", "tensor", "group")
+_MIN_SCALE = 1e-12
+
+
+@dataclass(frozen=True)
+class ActQuantSpec:
+    """How the input of a quantized linear is quantized."""
+
+    fmt: str = "int"  # "int" | "e4m3" | "e4m3-240" | "e5m2" | "e2m1"
+    bits: int = 8  # INT width; for FP formats the format's own width
+    granularity: str = "token"
+    group_size: int = 128
+    static: bool = False  # scales from calibration (tensor / group granularity)
+    pow2: bool = False
+    calib: str = "max"  # static scale statistic: "max" | "percentile"
+    percentile: float = 99.99
+
+    def __post_init__(self) -> None:
+        if self.fmt != "int" and self.fmt not in FP_FORMATS:
+            raise ValueError(f"unknown activation format {self.fmt!r}; use int or one of {list(FP_FORMATS)}")
+        if self.fmt == "int" and not 2 <= self.bits <= 8:
+            raise ValueError(f"INT activation bits must be in 2..8, got {self.bits}")
+        if self.fmt != "int" and self.bits != get_float_format(self.fmt).bits:
+            raise ValueError(
+                f"{self.fmt} is a {get_float_format(self.fmt).bits}-bit format; got bits={self.bits}"
+            )
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        if self.static and self.granularity == "token":
+            raise ValueError("per-token scales are dynamic by nature; use granularity 'tensor' or 'group'")
+        if self.granularity == "group" and self.group_size < 1:
+            raise ValueError(f"activation group_size must be positive, got {self.group_size}")
+        if self.calib not in ("max", "percentile"):
+            raise ValueError(f"calib must be 'max' or 'percentile', got {self.calib!r}")
+        if not 0 < self.percentile <= 100:
+            raise ValueError(f"percentile must be in (0, 100], got {self.percentile}")
+
+    @property
+    def qmax(self) -> float:
+        if self.fmt == "int":
+            return float((1 << (self.bits - 1)) - 1)
+        return get_float_format(self.fmt).max_value
+
+    @property
+    def label(self) -> str:
+        grid = f"int{self.bits}" if self.fmt == "int" else f"fp{self.bits}-{self.fmt}"
+        gran = f"group{self.group_size}" if self.granularity == "group" else self.granularity
+        return f"{grid}/{gran}/{'static' if self.static else 'dynamic'}" + ("/pow2" if self.pow2 else "")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> ActQuantSpec | None:
+        return None if d is None else cls(**d)
+
+
+_FMT_ALIASES = {
+    "int": "int",
+    "fp8": "e4m3",
+    "fp8-e4m3": "e4m3",
+    "e4m3": "e4m3",
+    "fp8-e4m3-240": "e4m3-240",
+    "e4m3-240": "e4m3-240",
+    "fp8-e5m2": "e5m2",
+    "e5m2": "e5m2",
+    "fp4": "e2m1",
+    "fp4-e2m1": "e2m1",
+    "e2m1": "e2m1",
+}
+
+
+def normalize_fmt(name: str) -> str:
+    try:
+        return _FMT_ALIASES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown activation format {name!r}; choose from {sorted(_FMT_ALIASES)}") from None
+
+
+def parse_scheme(scheme: str) -> tuple[int, ActQuantSpec | None]:
+    """``"W4A8"`` -> (4, INT8 per-token); ``"W4A8-FP8"`` -> (4, E4M3 per-tensor static);
+    ``"W4A16"`` -> (4, None).  FP activations default to static per-tensor scales (the DPQ
+    setting); INT activations to dynamic per-token scales (the usual W8A8/W4A4 setting)."""
+    m = re.fullmatch(r"W(\d+)A(\d+)(?:-(\w[\w-]*))?", scheme.strip().upper())
+    if not m:
+        raise ValueError(f"scheme {scheme!r} is not of the form W<bits>A<bits>[-FP8|-FP4|-E5M2]")
+    wbits, abits, fmt = int(m.group(1)), int(m.group(2)), m.group(3)
+    if abits >= 16:
+        if fmt:
+            raise ValueError(f"scheme {scheme!r}: 16-bit activations take no format suffix")
+        return wbits, None
+    if fmt is None:
+        return wbits, ActQuantSpec("int", abits)
+    return wbits, ActQuantSpec(normalize_fmt(fmt), abits, granularity="tensor", static=True)
+
+
+def act_amax(x: torch.Tensor, spec: ActQuantSpec) -> torch.Tensor:
+    """Dynamic absolute maxima of ``x`` (``[..., n]``) at ``spec.granularity``."""
+    a = x.detach().abs().float()
+    if spec.granularity == "token":
+        return a.amax(dim=-1, keepdim=True)
+    if spec.granularity == "tensor":
+        return a.amax().reshape(1)
+    n = x.shape[-1]
+    g = spec.group_size
+    G = -(-n // g)
+    pad = G * g - n
+    if pad:
+        a = torch.nn.functional.pad(a, (0, pad))
+    return a.reshape(*a.shape[:-1], G, g).amax(dim=-1)
+
+
+def scale_from_amax(amax: torch.Tensor, spec: ActQuantSpec) -> torch.Tensor:
+    """``amax / qmax`` (float32), optionally rounded up to a power of two."""
+    s = (amax.float() / spec.qmax).clamp(min=_MIN_SCALE)
+    if spec.pow2:
+        s = torch.exp2(torch.ceil(torch.log2(s)))
+    return s
+
+
+def _expand_group(scale: torch.Tensor, n: int, g: int) -> torch.Tensor:
+    return scale.repeat_interleave(g, dim=-1)[..., :n]
+
+
+def fake_quant(x: torch.Tensor, spec: ActQuantSpec, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``Q(x / scale) * scale`` in ``x``'s dtype (computed in float32).
+
+    ``scale`` is required for static specs (``[1]`` per-tensor, ``[G]`` per-group) and ignored
+    otherwise.
+    """
+    if spec.static:
+        if scale is None:
+            raise ValueError(f"static activation quantizer {spec.label} has no calibrated scale")
+        s = scale.float()
+    else:
+        s = scale_from_amax(act_amax(x, spec), spec)
+    if spec.granularity == "group":
+        s = _expand_group(s, x.shape[-1], spec.group_size)
+    xf = x.float() / s
+    if spec.fmt == "int":
+        q = torch.round(xf).clamp_(-spec.qmax - 1, spec.qmax)
+    else:
+        q = fp_round(xf, spec.fmt)
+    return (q * s).to(x.dtype)

@@ -1,0 +1,161 @@
+"""Methods ``smoothquant`` and ``awq``: per-channel factors folded into the preceding ops, then
+weight quantization.
+
+- ``smoothquant`` (Xiao et al., 2023, §4 Eq. 4): ``s_j = max|X_j|^α / max|W_j|^(1-α)``, α fixed
+  (0.5, the paper's default) or searched per group on a grid to minimise the group's output
+  error after weight *and* activation quantization on a token sample.  The weights are then
+  quantized with RTN (the paper's setting) or GPTQ (``weights="gptq"``, the combination SQ-format
+  and MosaicQuant use).
+- ``awq`` (Lin et al., 2024, §3.2): scales ``s = mean|x|^r / wmag^(1-r)`` with ``r`` searched on a
+  grid to minimise the quantized group's output error (computed exactly through the float
+  input's Hessian), then an output-aware clipping search per (row, group), then RTN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..algorithms.awq import awq_clip_search, awq_search_scales
+from ..algorithms.observers import ActObserver
+from ..algorithms.rtn import QuantResult, rtn_quantize
+from ..algorithms.smooth import search_alpha, smooth_scales, smoothing_loss
+from ..formats.act import ActQuantSpec, fake_quant
+from ..formats.grid import IntGrid, quantize_codes
+from ..formats.layout import default_g_idx
+from .gptq import GPTQConfig, quantize_gptq
+from .registry import LayerStats, WeightQuantConfig, register_method
+
+__all__ = ["SmoothQuantConfig", "AWQConfig", "weight_fake_quant", "act_fake_quant"]
+
+ALPHA_GRID = tuple(i / 20 for i in range(21))
+
+
+def weight_fake_quant(cfg: WeightQuantConfig):
+    """RTN with ``cfg``'s grid: the weight quantizer the factor searches score with."""
+    grid = IntGrid(cfg.bits, cfg.symmetric)
+    return lambda W: rtn_quantize(W, grid, cfg.group_size, cfg.scale_method).dequantize(W.dtype)
+
+
+def act_fake_quant(spec: ActQuantSpec | None):
+    """The activation quantizer as a function of a token sample (static scales from that sample)."""
+    if spec is None:
+        return lambda X: X
+
+    def q(X: torch.Tensor) -> torch.Tensor:
+        scale = None
+        if spec.static:
+            obs = ActObserver(X.shape[-1], spec)
+            obs.add(X)
+            scale = obs.static_scale()
+        return fake_quant(X, spec, scale)
+
+    return q
+
+
+@dataclass
+class SmoothQuantConfig(GPTQConfig):
+    alpha: float | None = 0.5  # None: search per group on alpha_grid
+    alpha_grid: tuple[float, ...] = field(default=ALPHA_GRID)
+    weights: str = "rtn"  # rtn | gptq
+    max_tokens: int = 2048  # token sample for the alpha search
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.weights not in ("rtn", "gptq"):
+            raise ValueError(f"smoothquant weights must be 'rtn' or 'gptq', got {self.weights!r}")
+        if self.alpha is not None and not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1] (or None to search), got {self.alpha}")
+
+
+def smoothquant_transform(caps, cfg: SmoothQuantConfig):
+    qw, qx = weight_fake_quant(cfg), act_fake_quant(cfg.act)
+    out = []
+    for cap in caps:
+        if not cap.foldable:
+            out.append((None, {"reason": "no foldable preceding op"}))
+            continue
+        weights = [cap.weights[n] for n in cap.names]
+        amax = cap.observer.channel_absmax
+        if cfg.alpha is None:
+            res = search_alpha(cap.sample, amax, weights, qw, qx, cfg.alpha_grid)
+            # Our decision (the paper has no search): keep the group unsmoothed when no alpha
+            # beats it on the searched objective, so the search can never make a group worse.
+            base = smoothing_loss(cap.sample, weights, torch.ones_like(res.scales), qw, qx)
+            info = {"alpha": res.alpha, "loss": res.losses[res.alpha], "unsmoothed_loss": base}
+            if base <= res.losses[res.alpha]:
+                out.append((None, {**info, "alpha": None}))
+            else:
+                out.append((res.scales, info))
+        else:
+            out.append((smooth_scales(amax, weights, cfg.alpha), {"alpha": cfg.alpha}))
+    return out
+
+
+@register_method(
+    "smoothquant",
+    SmoothQuantConfig,
+    description="SmoothQuant: migrate activation outliers into weights (alpha fixed/searched), RTN or GPTQ",
+    transform=smoothquant_transform,
+)
+def quantize_smoothquant(weight, stats: LayerStats, cfg: SmoothQuantConfig) -> QuantResult:
+    if cfg.weights == "gptq":
+        return quantize_gptq(weight, stats, cfg)
+    return rtn_quantize(weight, IntGrid(cfg.bits, cfg.symmetric), cfg.group_size, cfg.scale_method, cfg.clip)
+
+
+@dataclass
+class AWQConfig(WeightQuantConfig):
+    n_grid: int = 20
+    duo_scaling: bool = True
+    clip_search: bool = True
+    max_shrink: float = 0.5
+    max_tokens: int = 256  # the search works through Hessians; the sample is not used
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.n_grid < 1 or not 0.0 < self.max_shrink < 1.0:
+            raise ValueError("awq needs n_grid >= 1 and 0 < max_shrink < 1")
+
+
+def awq_transform(caps, cfg: AWQConfig):
+    qw = weight_fake_quant(cfg)
+    out = []
+    for cap in caps:
+        if not cap.foldable:
+            out.append((None, {"reason": "no foldable preceding op"}))
+            continue
+        weights = [cap.weights[n] for n in cap.names]
+        res = awq_search_scales(
+            cap.observer.channel_absmean,
+            weights,
+            cap.hessian,
+            qw,
+            n_grid=cfg.n_grid,
+            duo_scaling=cfg.duo_scaling,
+            group_size=cfg.group_size,
+        )
+        gain = 1.0 - min(res.losses.values(), default=res.identity_loss) / max(res.identity_loss, 1e-30)
+        row = {"ratio": res.ratio, "loss_gain": gain}
+        out.append((None if res.ratio is None else res.scales, row))
+    return out
+
+
+@register_method(
+    "awq",
+    AWQConfig,
+    description="AWQ: activation-aware scale search + output-aware clip search, then RTN",
+    transform=awq_transform,
+)
+def quantize_awq(weight, stats: LayerStats, cfg: AWQConfig) -> QuantResult:
+    grid = IntGrid(cfg.bits, cfg.symmetric)
+    if not cfg.clip_search or stats.hessian is None:
+        return rtn_quantize(weight, grid, cfg.group_size, cfg.scale_method, cfg.clip)
+    W = weight.float()
+    scales, zeros = awq_clip_search(
+        W, stats.hessian.float(), grid, cfg.group_size, cfg.n_grid, cfg.max_shrink
+    )
+    g_idx = default_g_idx(W.shape[1], cfg.group_size, device=W.device)
+    codes = quantize_codes(W, scales[:, g_idx], zeros[:, g_idx], grid.maxq)
+    return QuantResult(codes.to(torch.int32), scales, zeros, g_idx, info={"clip_search": True})

@@ -1,0 +1,98 @@
+"""Statistics of a float decoder layer's linear inputs, per true-sequential group.
+
+Used by methods with a ``transform`` (SmoothQuant, AWQ): before a layer is quantized, one
+forward of the (still float) layer over the calibration batches records, at the input of each
+group, the per-channel statistics (:class:`~bitmosaic.algorithms.observers.ActObserver`), the
+Hessian ``2/n XᵀX`` and a seeded random sample of token rows (for objectives that quantize the
+activations and so cannot be written through the Hessian).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..algorithms.hessian import HessianAccumulator
+from ..algorithms.observers import ActObserver
+from .arch import ArchSpec
+
+__all__ = ["GroupCapture", "capture_groups", "foldable"]
+
+
+@dataclass
+class GroupCapture:
+    index: int
+    names: tuple[str, ...]
+    observer: ActObserver
+    hessian: torch.Tensor  # 2/n XᵀX of the group's float input, float32 [n, n]
+    sample: torch.Tensor  # [<= max_tokens, n] float32 rows of the input
+    weights: dict[str, torch.Tensor]  # the group's float weights (float32 copies)
+    foldable: bool  # whether per-channel factors can be folded into the preceding op
+
+
+def foldable(layer: nn.Module, arch: ArchSpec, group_index: int) -> bool:
+    """True when ``arch.smooth_prev`` names an op whose output channels are the group's inputs."""
+    if arch.smooth_prev is None or arch.smooth_prev[group_index] is None:
+        return False
+    prev = layer.get_submodule(arch.smooth_prev[group_index])
+    n = layer.get_submodule(arch.sequential[group_index][0]).weight.shape[1]
+    if isinstance(prev, nn.Linear):
+        return prev.weight.shape[0] == n  # GQA v_proj -> o_proj: widths differ
+    w = getattr(prev, "weight", None)
+    return w is not None and w.ndim == 1 and w.shape[0] == n
+
+
+def _run(layer, hs, kw):
+    out = layer(hs, **kw)
+    return out[0] if isinstance(out, tuple) else out
+
+
+@torch.inference_mode()
+def capture_groups(
+    layer: nn.Module,
+    arch: ArchSpec,
+    inputs: list[torch.Tensor],
+    kwargs: list[dict],
+    *,
+    max_tokens: int = 2048,
+    generator: torch.Generator | None = None,
+) -> list[GroupCapture]:
+    groups = arch.sequential
+    heads = [layer.get_submodule(g[0]) for g in groups]
+    obs = [ActObserver(m.weight.shape[1]) for m in heads]
+    accs = [HessianAccumulator(m.weight.shape[1]) for m in heads]
+    samples: list[list[torch.Tensor]] = [[] for _ in groups]
+    per_batch = -(-max_tokens // max(len(inputs), 1))
+
+    def make_hook(i):
+        def hook(module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            obs[i].add(x)
+            accs[i].add(x)
+            k = min(per_batch, x.shape[0])
+            idx = torch.randperm(x.shape[0], generator=generator)[:k].sort().values
+            samples[i].append(x[idx.to(x.device)].cpu())
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(make_hook(i)) for i, m in enumerate(heads)]
+    try:
+        for hs, kw in zip(inputs, kwargs, strict=True):
+            _run(layer, hs, kw)
+    finally:
+        for h in handles:
+            h.remove()
+    return [
+        GroupCapture(
+            index=i,
+            names=tuple(g),
+            observer=obs[i],
+            hessian=accs[i].H,
+            sample=torch.cat(samples[i])[:max_tokens],
+            weights={n: layer.get_submodule(n).weight.detach().float().clone() for n in g},
+            foldable=foldable(layer, arch, i),
+        )
+        for i, g in enumerate(groups)
+    ]
