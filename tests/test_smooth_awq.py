@@ -87,7 +87,10 @@ def test_search_alpha_beats_unsmoothed(grid, group):
     assert len(res.losses) == 21
     assert res.losses[res.alpha] == min(res.losses.values())
     torch.testing.assert_close(res.scales, smooth_scales(X.abs().amax(0), Ws, res.alpha))
-    assert res.losses[res.alpha] == smoothing_loss(X, Ws, res.scales, qw, _int8_per_token)
+    # the search scores in float32 (losses are only compared); float64 agrees closely
+    assert res.losses[res.alpha] == pytest.approx(
+        smoothing_loss(X, Ws, res.scales, qw, _int8_per_token), rel=1e-4
+    )
     unsmoothed = smoothing_loss(X, Ws, torch.ones(64, dtype=F64), qw, _int8_per_token)
     assert res.losses[res.alpha] < 0.8 * unsmoothed
     assert 0.0 < res.alpha < 1.0

@@ -18,11 +18,19 @@ Group parameters:
 ``clip=False`` keeps unbounded integers ``round(w'/s) + z`` (the no-clipping lattice, Babai paper
 §3.1, §4.4); the rounding error is then at most ``s/2`` per step, which gives the bound in
 :func:`bitmosaic.algorithms.bounds.babai_bound`.
+
+The per-column step is pluggable through a :class:`ColumnQuantizer`: ``fit`` gives a group's
+scale/zero from its (current) weights, ``quantize`` maps one column to codes and to the value the
+error is measured against.  The default :class:`IntColumnQuantizer` is the plain INT-k grid; the
+DPQ paper's two-level INT4 -> FP8 -> 16-bit step (§3.1, Eqs. 7-11) is
+:class:`bitmosaic.algorithms.dpq.DualPrecisionQuantizer`.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -31,9 +39,44 @@ from ..formats.layout import default_g_idx, normalize_group_size, num_groups
 from .hessian import damp_hessian
 from .orders import groups_contiguous
 from .rtn import QuantResult
-from .scales import ScaleMethod, find_scale_zero, group_scale_zero
+from .scales import ScaleMethod, find_scale_zero
 
-__all__ = ["gptq_quantize"]
+__all__ = ["ColumnQuantizer", "IntColumnQuantizer", "gptq_quantize"]
+
+
+class ColumnQuantizer(Protocol):
+    """The per-column quantization step of GPTQ (GPTQ paper Alg. 1, DPQ paper Alg. 1 lines 4-10).
+
+    ``fit(cols)``: ``cols`` is ``[out, k]`` (one group's current weights) -> ``(scale, zero)``, each
+    ``[out]``.  ``quantize(w, scale, zero)``: ``w`` is ``[out]`` (one error-updated column) ->
+    ``(codes, dequantized)``, each ``[out]`` in ``w``'s float dtype; GPTQ propagates
+    ``w - dequantized`` (Eq. 12 of the DPQ paper), so ``dequantized`` must be the weight that
+    inference will use.
+    """
+
+    def fit(self, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def quantize(
+        self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class IntColumnQuantizer:
+    """Uniform INT-k grid: ``find_scale_zero`` per group, ``round(w/s) + z`` per column (Eqs. 1-2)."""
+
+    grid: IntGrid
+    scale_method: ScaleMethod = "minmax"
+    clip: bool = True
+
+    def fit(self, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return find_scale_zero(cols, self.grid, self.scale_method)
+
+    def quantize(
+        self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q = quantize_codes(w, scale, zero, self.grid.maxq, clip=self.clip)
+        return q, dequantize_codes(q, scale, zero)
 
 
 @contextmanager
@@ -71,6 +114,7 @@ def gptq_quantize(
     dtype: torch.dtype | None = None,
     scales: torch.Tensor | None = None,
     zeros: torch.Tensor | None = None,
+    quantizer: ColumnQuantizer | None = None,
 ) -> QuantResult:
     """Quantize ``W`` (``[out, in]``) against Hessian ``H`` (``[in, in]``).
 
@@ -81,11 +125,18 @@ def gptq_quantize(
 
     ``scales``/``zeros`` (``[out, G]``, contiguous groups) fix the grid in advance, as the
     scale searches of SSQR and HPTQ need; they imply ``static_groups``.
+
+    ``quantizer`` replaces the per-column step (default ``IntColumnQuantizer(grid, scale_method,
+    clip)``, in which case ``grid``, ``scale_method`` and ``clip`` are ignored); static groups
+    without explicit ``scales`` are fitted with ``quantizer.fit`` on each contiguous group of the
+    original weights.
     """
     out, n = W.shape
     if H.shape != (n, n):
         raise ValueError(f"Hessian shape {tuple(H.shape)} does not match weight in_features {n}")
     dtype = dtype or (torch.float64 if W.dtype == torch.float64 else torch.float32)
+    if quantizer is None:
+        quantizer = IntColumnQuantizer(grid, scale_method, clip)
     W = W.to(dtype).clone()
     H = H.to(dtype)
     dead = torch.diagonal(H) == 0
@@ -102,7 +153,10 @@ def gptq_quantize(
         if static_s.shape != (out, num_groups(n, group_size)):
             raise ValueError(f"scales shape {tuple(static_s.shape)} != (out, groups) = ({out}, {G})")
     elif static_groups:
-        static_s, static_z = group_scale_zero(W, grid, group_size, scale_method)
+        static_s = W.new_empty(out, G)
+        static_z = W.new_empty(out, G)
+        for k in range(G):
+            static_s[:, k], static_z[:, k] = quantizer.fit(W[:, k * g : (k + 1) * g])
     aligned = static_groups or groups_contiguous(perm, g)
 
     # Work in processing order.
@@ -143,11 +197,10 @@ def gptq_quantize(
                         # group columns are W1[:, i:i+len] (a block never crosses a group start)
                         glen = min(g, n - k * g) if aligned else min(g, n - col)
                         cols = torch.cat([W1[:, i:], Wp[:, i2:]], dim=1)[:, :glen]
-                        scales[:, k], zeros[:, k] = find_scale_zero(cols, grid, scale_method)
+                        scales[:, k], zeros[:, k] = quantizer.fit(cols)
                     s_col, z_col = scales[:, k], zeros[:, k]
                 w = W1[:, i]
-                q = quantize_codes(w, s_col, z_col, grid.maxq, clip=clip)
-                dq = dequantize_codes(q, s_col, z_col)
+                q, dq = quantizer.quantize(w, s_col, z_col)
                 codes_p[:, col] = q
                 d = U1[i, i]
                 err = (w - dq) / d

@@ -76,22 +76,27 @@ def smoothing_loss(
     s: torch.Tensor,
     quantize_w: Callable[[torch.Tensor], torch.Tensor],
     quantize_x: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    dtype: torch.dtype = torch.float64,
+    reference: Sequence[torch.Tensor] | None = None,
 ) -> float:
-    """``sum_i ||X W_i^T - Q_x(X / s) Q_w(W_i * s)^T||_F^2`` (float64 accumulation).
+    """``sum_i ||X W_i^T - Q_x(X / s) Q_w(W_i * s)^T||_F^2``, computed in ``dtype``.
 
     ``X``: ``[t, n]`` calibration activations; ``quantize_w``/``quantize_x`` return the
     fake-quantized (dequantized) weight / activation matrix and may be the identity.  With
-    ``s = 1`` this is the unsmoothed W+A quantization error.
+    ``s = 1`` this is the unsmoothed W+A quantization error.  ``reference`` may pass the float
+    outputs ``X W_i^T`` (in ``dtype``) when the loss is evaluated for many ``s``.
     """
-    X64 = X.detach().to(torch.float64)
-    s64 = s.detach().to(device=X64.device, dtype=torch.float64)
-    Xq = quantize_x(X64 / s64).to(torch.float64)
+    Xd = X.detach().to(dtype)
+    sd = s.detach().to(device=Xd.device, dtype=dtype)
+    Xq = quantize_x(Xd / sd).to(dtype)
     total = 0.0
-    for W in weights:
-        W64 = W.detach().to(device=X64.device, dtype=torch.float64)
-        Wq = quantize_w(W64 * s64).to(torch.float64)
-        diff = X64 @ W64.T - Xq @ Wq.T
-        total += float(diff.pow(2).sum())
+    for i, W in enumerate(weights):
+        Wd = W.detach().to(device=Xd.device, dtype=dtype)
+        Wq = quantize_w(Wd * sd).to(dtype)
+        ref = reference[i] if reference is not None else Xd @ Wd.T
+        diff = ref - Xq @ Wq.T
+        total += float(diff.pow(2).sum(dtype=torch.float64))
     return total
 
 
@@ -126,9 +131,12 @@ def search_alpha(
     best_alpha: float | None = None
     best_loss = float("inf")
     best_scales: torch.Tensor | None = None
+    # float32 with the float outputs computed once: the losses only need to be compared
+    Xf = X.detach().float()
+    reference = [Xf @ W.detach().float().T for W in weights]
     for alpha in sorted(float(a) for a in alphas):
         s = smooth_scales(act_absmax, weights, alpha)
-        loss = smoothing_loss(X, weights, s, quantize_w, quantize_x)
+        loss = smoothing_loss(X, weights, s, quantize_w, quantize_x, dtype=torch.float32, reference=reference)
         losses[alpha] = loss
         if best_alpha is None or loss < best_loss:
             best_alpha, best_loss, best_scales = alpha, loss, s

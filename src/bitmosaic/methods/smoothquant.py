@@ -82,7 +82,9 @@ def smoothquant_transform(caps, cfg: SmoothQuantConfig):
             res = search_alpha(cap.sample, amax, weights, qw, qx, cfg.alpha_grid)
             # Our decision (the paper has no search): keep the group unsmoothed when no alpha
             # beats it on the searched objective, so the search can never make a group worse.
-            base = smoothing_loss(cap.sample, weights, torch.ones_like(res.scales), qw, qx)
+            base = smoothing_loss(
+                cap.sample, weights, torch.ones_like(res.scales), qw, qx, dtype=torch.float32
+            )
             info = {"alpha": res.alpha, "loss": res.losses[res.alpha], "unsmoothed_loss": base}
             if base <= res.losses[res.alpha]:
                 out.append((None, {**info, "alpha": None}))
