@@ -214,3 +214,13 @@ def test_input_quant_on_a_linear_changes_its_input_only():
     assert lin2.state_dict()["input_quant.scale"].tolist() == [0.5]
     with pytest.raises(RuntimeError, match="already"):
         attach_input_quant(lin2, ActQuantSpec("int", 8), 16)
+
+
+@pytest.mark.parametrize(
+    "scheme", ["W4A16", "W8A8", "W4A4", "W4A8-FP8", "W4A8-FP8-240", "W4A8-E5M2", "W4A4-FP4"]
+)
+def test_scheme_names_round_trip(scheme):
+    from bitmosaic.methods import WeightQuantConfig
+
+    bits, act = parse_scheme(scheme)
+    assert WeightQuantConfig(bits=bits, act=act).scheme == scheme

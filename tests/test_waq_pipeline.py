@@ -173,3 +173,58 @@ def test_cli_activation_flags():
         _opts(["--a-pow2"])
     with pytest.raises(ValueError, match="says 4-bit weights"):
         _opts(["--scheme", "W4A8", "--wbits", "8"])
+
+
+@pytest.mark.parametrize(
+    "opts", [{}, {"order": "act"}, {"naive": True}, {"solver": "rtn"}, {"fp8_range": 240, "pow2": True}]
+)
+def test_dpq_end_to_end_fp8_operands_and_reload(tmp_path, calib, ids, opts):
+    from bitmosaic.formats.fp import fp_round
+    from bitmosaic.models.qmodules import FP8ComputeQuantLinear
+
+    m = tiny(2)
+    rep = quantize_(m, "dpq", calib, group_size=32, progress=False, **opts)
+    fmt = "e4m3-240" if opts.get("fp8_range") == 240 else "e4m3"
+    assert rep.config["act"]["fmt"] == fmt and rep.config["act"]["static"]
+    assert all(r["babai_bound"] is None and r["hessian_error"] > 0 for r in rep.layers)
+    mods = [x for x in m.modules() if isinstance(x, FP8ComputeQuantLinear)]
+    assert len(mods) == 14
+    for q in mods:
+        w8 = q.fp8_weight()
+        assert torch.equal(fp_round(w8, fmt), w8)
+        assert (q.g_idx is not None) == (opts.get("order") == "act")  # GAR needs no gather
+        assert q.input_quant.scale.numel() == 1
+        if opts.get("pow2"):
+            s = q.input_quant.scale
+            assert torch.equal(s, torch.exp2(torch.round(torch.log2(s))))
+    with torch.inference_mode():
+        out = m(ids).logits
+    path = save_quantized(m, tmp_path / "dpq", {"method": "dpq"})
+    m2, _ = load_quantized(path, load_tokenizer=False)
+    with torch.inference_mode():
+        assert torch.equal(m2(ids).logits, out)
+
+
+def test_dpq_beats_naive_and_rtn_on_tiny_model(calib):
+    errs = {}
+    for name, opts in (("dpq", {}), ("naive", {"naive": True}), ("rtn", {"solver": "rtn"})):
+        rep = quantize_(tiny(4), "dpq", calib, group_size=32, progress=False, **opts)
+        errs[name] = sum(r["hessian_error"] for r in rep.layers)
+    assert errs["dpq"] < errs["rtn"] and errs["naive"] < errs["rtn"], errs
+
+
+def test_cli_dpq_flags():
+    o = _opts(["--method", "dpq", "--fp8-range", "240", "--pow2-scales", "--order", "act", "--naive"])
+    cfg = get_method("dpq").make_config(**o)
+    assert (cfg.fmt, cfg.pow2, cfg.order, cfg.naive, cfg.scheme) == (
+        "e4m3-240",
+        True,
+        "act",
+        True,
+        "W4A8-FP8-240",
+    )
+    assert get_method("dpq").make_config(**_opts(["--method", "dpq", "--scheme", "W4A16"])).act is None
+    with pytest.raises(ValueError, match="does not apply"):
+        _opts(["--method", "gptq", "--fp8-range", "240"])
+    with pytest.raises(ValueError, match="asymmetric"):
+        get_method("dpq").make_config(**_opts(["--method", "dpq", "--sym"]))

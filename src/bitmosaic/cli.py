@@ -57,6 +57,13 @@ def _add_act_args(q: argparse.ArgumentParser) -> None:
     a.add_argument(
         "--smooth-weights", choices=["rtn", "gptq"], default=None, help="smoothquant weight quantizer"
     )
+    d = q.add_argument_group("dpq (W4A8 with FP8 compute)")
+    d.add_argument("--fp8-range", type=int, choices=[448, 240], default=None, help="E4M3 range (448)")
+    d.add_argument("--pow2-scales", action="store_true", help="power-of-two FP8 weight/activation scales")
+    d.add_argument("--naive", action="store_true", help="naive GPTQ W4A8 baseline (INT4 error only)")
+    d.add_argument("--fp8-per-channel", action="store_true", help="FP8 weight scale per output channel")
+    d.add_argument("--fp8-margin", type=float, default=None, help="FP8 weight-scale headroom factor (1)")
+    d.add_argument("--solver", choices=["gptq", "rtn"], default=None, help="dpq: rtn = the RTN W4A8 baseline")
 
 
 def act_spec_from_args(args):
@@ -180,6 +187,12 @@ _OPTIONAL_FIELDS = {
     "target_bits": "target_bits",
     "scale_per": "scale_per",
     "smooth_weights": "weights",
+    "fp8_range": "fp8_range",
+    "pow2_scales": "pow2",
+    "naive": "naive",
+    "fp8_per_channel": "per_channel",
+    "fp8_margin": "margin",
+    "solver": "solver",
 }
 
 
@@ -190,7 +203,9 @@ def _method_options(args, spec) -> dict:
     args.bits_given = args.bits is not None
     args.bits = 4 if args.bits is None else args.bits
     act = act_spec_from_args(args)
-    opts = {"bits": args.bits, "clip": not args.no_clip, "act": act}
+    opts = {"bits": args.bits, "clip": not args.no_clip}
+    if act is not None or args.scheme or args.abits is not None:  # else the method's default
+        opts["act"] = act
     if args.symmetric is not None:
         opts["symmetric"] = args.symmetric
     if args.alpha is not None:

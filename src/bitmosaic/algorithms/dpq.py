@@ -34,7 +34,7 @@ from .gptq import IntColumnQuantizer, gptq_quantize
 from .rtn import QuantResult
 from .scales import ScaleMethod, find_scale_zero
 
-__all__ = ["INT4", "DPQResult", "DualPrecisionQuantizer", "dpq_quantize", "fp8_weight_scale"]
+__all__ = ["INT4", "DPQResult", "DualPrecisionQuantizer", "dpq_quantize", "fp8_on_top", "fp8_weight_scale"]
 
 _FP16_MIN_SUBNORMAL = 2.0**-24
 INT4 = IntGrid(4, symmetric=False)  # the paper's storage grid: unsigned codes 0..15 (§2.1, Eq. 8)
@@ -148,6 +148,9 @@ class DPQResult(QuantResult):
     fp8_scale: torch.Tensor = field(kw_only=True)
     fmt: str = field(kw_only=True)
 
+    def lattice_scales(self) -> None:
+        return None  # FP8 rounding of (q - z) s leaves the integer lattice: no Babai bound
+
     def fp8_weight(self) -> torch.Tensor:
         """``ŵ_8 = nearest_Z((q - z) s)`` (Eq. 10), float32 ``[out, in]``: the FP8 GEMM operand.
 
@@ -246,13 +249,16 @@ def dpq_quantize(
         dtype=dtype,
         quantizer=quantizer,
     )
-    if isinstance(quantizer, DualPrecisionQuantizer):
-        scales, saturated = res.scales, int(quantizer.saturated)
-    else:
-        s_w, scales, saturated = _naive_fp8(res, f.name, per_channel, margin, pow2)
-    out = DPQResult(
+    if not isinstance(quantizer, DualPrecisionQuantizer):
+        out = fp8_on_top(res, f.name, per_channel, margin, pow2)
+        # GPTQ's step errors describe the INT4 weight; report the inference weight's error
+        W0 = W.to(res.hessian.dtype).masked_fill((torch.diagonal(H) == 0)[None, :], 0)
+        out.step_errors = hessian_error(W0, out.dequantize(res.hessian.dtype), res.hessian)
+        return out
+    s_w = quantizer.fp8_scale_rows.reshape(-1, 1)
+    return DPQResult(
         codes=res.codes,
-        scales=scales,
+        scales=res.scales,
         zeros=res.zeros,
         g_idx=res.g_idx,
         perm=res.perm,
@@ -261,14 +267,35 @@ def dpq_quantize(
         info={
             "fp8_format": f.name,
             "fp8_scale_max": float(s_w.max()),
-            "fp8_saturated": saturated,
-            "naive": naive,
+            "fp8_saturated": int(quantizer.saturated),
+            "naive": False,
         },
         fp8_scale=s_w,
         fmt=f.name,
     )
-    if naive:  # GPTQ's step errors describe the INT4 weight; report the inference weight's error
-        Hd = res.hessian
-        W0 = W.to(Hd.dtype).masked_fill((torch.diagonal(H) == 0)[None, :], 0)
-        out.step_errors = hessian_error(W0, out.dequantize(Hd.dtype), Hd)
-    return out
+
+
+def fp8_on_top(
+    res: QuantResult, fmt: str = "e4m3", per_channel: bool = False, margin: float = 1.0, pow2: bool = False
+) -> DPQResult:
+    """Any INT result (GPTQ, RTN) made W4A8-FP8-computable without compensation for the FP8 step:
+    the "naive" path of :func:`dpq_quantize` and the RTN W4A8 baseline (see :func:`_naive_fp8`)."""
+    f = get_float_format(fmt)
+    s_w, scales, saturated = _naive_fp8(res, f.name, per_channel, margin, pow2)
+    return DPQResult(
+        codes=res.codes,
+        scales=scales,
+        zeros=res.zeros,
+        g_idx=res.g_idx,
+        perm=res.perm,
+        hessian=res.hessian,
+        step_errors=None,
+        info={
+            "fp8_format": f.name,
+            "fp8_scale_max": float(s_w.max()),
+            "fp8_saturated": saturated,
+            "naive": True,
+        },
+        fp8_scale=s_w,
+        fmt=f.name,
+    )

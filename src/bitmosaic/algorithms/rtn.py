@@ -32,6 +32,11 @@ class QuantResult:
     sparse: torch.Tensor | None = None  # dense [out, in] view of sparse outliers added on top (SSQR)
     info: dict = field(default_factory=dict)  # method-specific facts for the report
 
+    def lattice_scales(self) -> torch.Tensor | None:
+        """Per-column step sizes of the integer lattice the codes live on (``[out, in]``), for the
+        Babai bound; ``None`` when the weight is not on such a lattice (e.g. FP8-rounded DPQ)."""
+        return self.scales[:, self.g_idx.long()]
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         W = dequantize(self.codes, self.scales, self.zeros, self.g_idx, dtype=dtype)
         return W if self.sparse is None else W + self.sparse.to(dtype)

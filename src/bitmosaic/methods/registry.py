@@ -39,6 +39,9 @@ class LayerStats:
     act: ActObserver | None = None  # per-channel input statistics (max, mean |x|, mean)
 
 
+_SCHEME_SUFFIX = {"int": "", "e4m3": "-FP8", "e4m3-240": "-FP8-240", "e5m2": "-E5M2", "e2m1": "-FP4"}
+
+
 @dataclass
 class WeightQuantConfig:
     """Settings shared by every weight quantizer."""
@@ -64,7 +67,7 @@ class WeightQuantConfig:
         """``W4A16``-style name (``-FP8``/``-FP4`` suffix for float activations)."""
         if self.act is None:
             return f"W{self.bits}A16"
-        suffix = "" if self.act.fmt == "int" else f"-{self.act.fmt.upper()}"
+        suffix = _SCHEME_SUFFIX[self.act.fmt]
         return f"W{self.bits}A{self.act.bits}{suffix}"
 
 

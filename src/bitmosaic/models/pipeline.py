@@ -223,8 +223,9 @@ def _report_row(name: str, W, Wq, H, res, qlin, percdamp: float) -> dict:
     Hd = res.hessian if res.hessian is not None else damp_hessian(H64, percdamp)[0]
     Hd = Hd.double()
     bound = None
-    if res.perm is not None:  # the no-clip guarantee of the order the algorithm used
-        bound = float(babai_bound(Hd, res.scales[:, res.g_idx.long()], res.perm).sum())
+    lattice = res.lattice_scales()
+    if res.perm is not None and lattice is not None:  # the no-clip guarantee of the order used
+        bound = float(babai_bound(Hd, lattice, res.perm).sum())
     return {
         "name": name,
         "shape": list(W.shape),

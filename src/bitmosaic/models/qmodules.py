@@ -3,6 +3,8 @@ them from a saved per-layer config (``"kind"``).
 
 - :class:`SparseOutlierQuantLinear` (``"packed+csr"``): SSQR's dense clamped codes + CSR outliers;
   forward = dense dequantization + sparse add.
+- :class:`FP8ComputeQuantLinear` (``"dpq"``): DPQ's INT4 codes with FP8-domain group scale/zero,
+  dequantized to the FP8 grid (``nearest_Z((q - z) s)``) and scaled by the FP8 weight scale.
 - :class:`HuffmanQuantLinear` (``"huffman"``): HPTQ/HRTN's unbounded integers, Huffman-coded, one
   fp16 scale per matrix or row; the stream is decoded once (at load or first use), so the model
   stays usable; the *storage* is the encoded stream.
@@ -18,6 +20,7 @@ from ..algorithms.rtn import QuantResult
 from ..formats import huffman
 from ..formats.accounting import bits_per_weight
 from ..formats.act import ActQuantSpec
+from ..formats.fp import fp_round
 from ..formats.sparse import CSR, csr_from_dense
 from .actquant import attach_input_quant, input_quant_spec
 from .qlinear import QuantLinear, packed_kwargs
@@ -25,6 +28,7 @@ from .qlinear import QuantLinear, packed_kwargs
 __all__ = [
     "SparseOutlierQuantLinear",
     "HuffmanQuantLinear",
+    "FP8ComputeQuantLinear",
     "module_from_layer_config",
     "full_layer_config",
     "MODULE_KINDS",
@@ -77,6 +81,71 @@ class SparseOutlierQuantLinear(QuantLinear):
     @classmethod
     def from_layer_config(cls, cfg: dict):
         return cls(cfg["in_features"], cfg["out_features"], nnz=cfg["nnz"], **packed_kwargs(cfg))
+
+
+class FP8ComputeQuantLinear(QuantLinear):
+    """INT codes whose dequantized values are rounded onto an FP8 grid: the W4A8-FP8 weight operand.
+
+    Stored: the packed codes, fp16 FP8-domain ``scales``/``zeros`` and ``fp8_scale`` (float32
+    ``[1, 1]`` per tensor or ``[out, 1]`` per channel).  Weight = ``nearest_Z((q - z) s) * s_w``,
+    exactly :meth:`bitmosaic.algorithms.dpq.DPQResult.dequantize`.  With FP8 activations the
+    float32 matmul is the FP8xFP8 GEMM with float32 accumulation, except that the scale products
+    ``ŵ8 * s_w`` and ``x8 * s_x`` are rounded to float32 (exact with power-of-two scales).
+    """
+
+    kind = "dpq"
+
+    def __init__(self, in_features, out_features, *, fmt: str = "e4m3", fp8_rows: int = 1, **kw) -> None:
+        super().__init__(in_features, out_features, **kw)
+        self.fmt = fmt
+        self.register_buffer("fp8_scale", torch.ones(fp8_rows, 1, dtype=torch.float32))
+
+    @classmethod
+    def from_result(cls, res, *, bits, group_size, symmetric, bias=None):
+        dense = QuantLinear.from_result(res, bits=bits, group_size=group_size, symmetric=symmetric, bias=bias)
+        fp8 = res.fp8_scale.reshape(-1, 1).float()
+        m = cls(
+            dense.in_features, dense.out_features, fmt=res.fmt, fp8_rows=fp8.shape[0], **_packed_kwargs(dense)
+        )
+        m.load_state_dict(dense.state_dict(), strict=False)
+        m.fp8_scale.copy_(fp8)
+        return m
+
+    def fp8_weight(self) -> torch.Tensor:
+        """The FP8-grid weight operand ``nearest_Z((q - z) s)`` (float32)."""
+        return fp_round(super().dequantize_weight(torch.float32), self.fmt)
+
+    def dequantize_reference(self, dtype=torch.float32):
+        return (fp_round(super().dequantize_reference(torch.float32), self.fmt) * self.fp8_scale).to(dtype)
+
+    def dequantize_weight(self, dtype=torch.float32):
+        if self._wcache is not None:
+            return self._wcache.to(dtype)
+        w = (self.fp8_weight() * self.fp8_scale).to(dtype)
+        if self.cache_weight:
+            self._wcache = w
+        return w
+
+    def storage_tensors(self):
+        return super().storage_tensors() + [self.fp8_scale]
+
+    def layer_config(self) -> dict:
+        return {
+            **super().layer_config(),
+            "kind": self.kind,
+            "fmt": self.fmt,
+            "fp8_rows": self.fp8_scale.shape[0],
+        }
+
+    @classmethod
+    def from_layer_config(cls, cfg: dict):
+        return cls(
+            cfg["in_features"],
+            cfg["out_features"],
+            fmt=cfg["fmt"],
+            fp8_rows=cfg["fp8_rows"],
+            **packed_kwargs(cfg),
+        )
 
 
 def _packed_kwargs(m: QuantLinear) -> dict:
@@ -178,7 +247,12 @@ class HuffmanQuantLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, huffman, {self.bits_per_weight():.3f} bpw"
 
 
-MODULE_KINDS = {"packed": QuantLinear, "packed+csr": SparseOutlierQuantLinear, "huffman": HuffmanQuantLinear}
+MODULE_KINDS = {
+    "packed": QuantLinear,
+    "packed+csr": SparseOutlierQuantLinear,
+    "huffman": HuffmanQuantLinear,
+    "dpq": FP8ComputeQuantLinear,
+}
 
 
 def full_layer_config(module: nn.Module) -> dict:

@@ -1,0 +1,93 @@
+"""Method ``dpq``: W4A8 with FP8 compute (Dual Precision Quantization paper).
+
+INT4 asymmetric group codes (default g128, MSE scales + clipping, §3.3) fitted on the FP8-rounded
+weights, GPTQ-style compensation of the error of *both* levels (Eq. 12), Group-Aware Reordering
+by default (§3.2; ``order="act"`` shows act-order's g_idx gather cost, ``"natural"`` no reorder),
+and FP8 E4M3 activations with static per-tensor scales (§4.1).  ``naive=True`` is the paper's
+"naive GPTQ" W4A8 baseline (only the INT4 error compensated, FP8 applied afterwards);
+``solver="rtn"`` the RTN W4A8 baseline.  Saved as :class:`~bitmosaic.models.qmodules.FP8ComputeQuantLinear`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..algorithms.dpq import INT4, dpq_quantize, fp8_on_top
+from ..algorithms.rtn import rtn_quantize
+from ..formats.act import ActQuantSpec
+from ..formats.grid import IntGrid
+from ..models.qmodules import FP8ComputeQuantLinear
+from .gptq import HESSIAN_DTYPES, _processing_order, _require_hessian
+from .registry import LayerStats, WeightQuantConfig, register_method
+
+__all__ = ["DPQConfig"]
+
+FP8_RANGES = {448: "e4m3", 240: "e4m3-240"}
+
+
+@dataclass
+class DPQConfig(WeightQuantConfig):
+    scale_method: str = "mse"
+    order: str = "gar"  # gar | act | natural
+    fp8_range: int = 448  # 448 (OCP / Gaudi 3) or 240 (Gaudi 2)
+    per_channel: bool = False  # FP8 weight scale per output channel instead of per tensor
+    margin: float = 1.0  # headroom for compensated weights (ours; 1 = the paper's Eq. 6)
+    pow2: bool = False  # power-of-two FP8 weight (and default activation) scales
+    naive: bool = False
+    solver: str = "gptq"  # gptq | rtn (the RTN W4A8 baseline)
+    direction: str = "front"
+    block_size: int = 128
+    percdamp: float = 0.01
+    dtype: str = "float32"
+    act: ActQuantSpec | None | str = "fp8"  # "fp8": E4M3 per-tensor static, same range and pow2
+
+    def __post_init__(self) -> None:
+        if self.fp8_range not in FP8_RANGES:
+            raise ValueError(f"fp8_range must be 448 or 240, got {self.fp8_range}")
+        if self.order not in ("gar", "act", "natural"):
+            raise ValueError(f"dpq order must be gar, act or natural, got {self.order!r}")
+        if self.solver not in ("gptq", "rtn"):
+            raise ValueError(f"dpq solver must be gptq or rtn, got {self.solver!r}")
+        if self.symmetric:
+            raise ValueError("dpq stores asymmetric INT codes (paper §2.1); drop --sym")
+        if self.act == "fp8":
+            self.act = ActQuantSpec(self.fmt, 8, granularity="tensor", static=True, pow2=self.pow2)
+        super().__post_init__()
+
+    @property
+    def fmt(self) -> str:
+        return FP8_RANGES[self.fp8_range]
+
+
+def _pack_dpq(res, cfg: DPQConfig, bias):
+    return FP8ComputeQuantLinear.from_result(
+        res, bits=cfg.bits, group_size=cfg.group_size, symmetric=False, bias=bias
+    )
+
+
+@register_method(
+    "dpq", DPQConfig, description="DPQ: W4A8 FP8 compute, dual-precision GPTQ, GAR", pack=_pack_dpq
+)
+def quantize_dpq(weight, stats: LayerStats, cfg: DPQConfig):
+    grid = INT4 if cfg.bits == 4 else IntGrid(cfg.bits)
+    fp8 = {"per_channel": cfg.per_channel, "margin": cfg.margin, "pow2": cfg.pow2}
+    if cfg.solver == "rtn":
+        return fp8_on_top(
+            rtn_quantize(weight, grid, cfg.group_size, cfg.scale_method, cfg.clip), cfg.fmt, **fp8
+        )
+    H = _require_hessian(stats, "dpq")
+    return dpq_quantize(
+        weight,
+        H,
+        fmt=cfg.fmt,
+        group_size=cfg.group_size,
+        perm=_processing_order(H, cfg),
+        scale_method=cfg.scale_method,
+        clip=cfg.clip,
+        naive=cfg.naive,
+        block_size=cfg.block_size,
+        percdamp=cfg.percdamp,
+        dtype=HESSIAN_DTYPES[cfg.dtype],
+        grid=grid,
+        **fp8,
+    )
