@@ -92,6 +92,8 @@ CASES = [
     ("smoothquant", "W4A4", {"group_size": 32, "weights": "gptq"}),
     ("awq", "W4A16", {"group_size": 32}),
     ("awq", "W4A8", {"group_size": 32}),
+    ("fp8", "W8A8-FP8", {}),
+    ("fp8", "W8A8-FP8", {"fmt": "e4m3-240", "per_channel": False, "pow2": True}),
 ]
 
 

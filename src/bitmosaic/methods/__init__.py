@@ -1,6 +1,7 @@
 """Quantization recipes, registered by name: ``get_method("gptq")``."""
 
 from . import dpq as _dpq  # noqa: F401  (registers dpq)
+from . import fp8 as _fp8  # noqa: F401  (registers fp8)
 from . import gptq as _gptq  # noqa: F401  (registers gptq, babai)
 from . import lattice as _lattice  # noqa: F401  (registers ssqr, hptq, hrtn)
 from . import rtn as _rtn  # noqa: F401  (registers rtn)

@@ -20,7 +20,7 @@ from ..algorithms.rtn import QuantResult
 from ..formats import huffman
 from ..formats.accounting import bits_per_weight
 from ..formats.act import ActQuantSpec
-from ..formats.fp import fp_round
+from ..formats.fp import fp_round, get_float_format
 from ..formats.sparse import CSR, csr_from_dense
 from .actquant import attach_input_quant, input_quant_spec
 from .qlinear import QuantLinear, packed_kwargs
@@ -29,6 +29,7 @@ __all__ = [
     "SparseOutlierQuantLinear",
     "HuffmanQuantLinear",
     "FP8ComputeQuantLinear",
+    "FP8Linear",
     "module_from_layer_config",
     "full_layer_config",
     "MODULE_KINDS",
@@ -148,6 +149,79 @@ class FP8ComputeQuantLinear(QuantLinear):
         )
 
 
+class FP8Linear(nn.Module):
+    """FP8 weights stored as FP8 bytes (``float8_e4m3fn`` / ``float8_e5m2`` bit patterns in a uint8
+    buffer) with a float32 scale per output channel or tensor: ``W = fp8 * weight_scale``."""
+
+    kind = "fp8"
+
+    def __init__(self, in_features, out_features, *, fmt: str = "e4m3", scale_rows: int = 1, bias=False):
+        super().__init__()
+        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        self._dtype = get_float_format(fmt).cast_dtype()
+        if self._dtype is None:
+            raise ValueError(f"{fmt} has no torch storage dtype; FP8Linear stores e4m3, e4m3-240 or e5m2")
+        self.register_buffer("weight_fp8", torch.zeros(out_features, in_features, dtype=torch.uint8))
+        self.register_buffer("weight_scale", torch.ones(scale_rows, 1, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        self.cache_weight = False
+        self._wcache: torch.Tensor | None = None
+
+    @classmethod
+    def from_values(cls, values: torch.Tensor, scale: torch.Tensor, fmt: str, bias=None) -> FP8Linear:
+        out, n = values.shape
+        m = cls(n, out, fmt=fmt, scale_rows=scale.reshape(-1, 1).shape[0], bias=bias is not None)
+        fp = values.float().to(m._dtype)
+        if not torch.equal(fp.float(), values.float()):
+            raise ValueError("values are not on the FP8 grid; round them with formats.fp.fp_round first")
+        m.weight_fp8.copy_(fp.view(torch.uint8))
+        m.weight_scale.copy_(scale.reshape(-1, 1).float())
+        if bias is not None:
+            m.bias.data.copy_(bias.detach().float())
+        return m
+
+    def dequantize_weight(self, dtype=torch.float32) -> torch.Tensor:
+        if self._wcache is not None:
+            return self._wcache.to(dtype)
+        w = (self.weight_fp8.view(self._dtype).float() * self.weight_scale).to(dtype)
+        if self.cache_weight:
+            self._wcache = w
+        return w
+
+    def forward(self, x):
+        b = None if self.bias is None else self.bias.to(x.dtype)
+        return nn.functional.linear(x, self.dequantize_weight(torch.float32).to(x.dtype), b)
+
+    def storage_tensors(self):
+        return [self.weight_fp8, self.weight_scale]
+
+    def bits_per_weight(self) -> float:
+        return bits_per_weight(self.storage_tensors(), self.in_features * self.out_features)
+
+    def layer_config(self) -> dict:
+        return {
+            "kind": self.kind,
+            "in_features": self.in_features,
+            "out_features": self.out_features,
+            "fmt": self.fmt,
+            "scale_rows": int(self.weight_scale.shape[0]),
+            "bias": self.bias is not None,
+        }
+
+    @classmethod
+    def from_layer_config(cls, cfg: dict):
+        return cls(
+            cfg["in_features"],
+            cfg["out_features"],
+            fmt=cfg["fmt"],
+            scale_rows=cfg["scale_rows"],
+            bias=cfg["bias"],
+        )
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {self.fmt}"
+
+
 def _packed_kwargs(m: QuantLinear) -> dict:
     return packed_kwargs(QuantLinear.layer_config(m))
 
@@ -252,6 +326,7 @@ MODULE_KINDS = {
     "packed+csr": SparseOutlierQuantLinear,
     "huffman": HuffmanQuantLinear,
     "dpq": FP8ComputeQuantLinear,
+    "fp8": FP8Linear,
 }
 
 

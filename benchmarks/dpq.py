@@ -1,0 +1,41 @@
+"""DPQ (W4A8 with FP8 compute) on SmolLM2-135M, against the paper's baselines (Tables 2-3).
+
+Rows: BF16 (float), W8A8-FP8 (FP8 E4M3 weights with per-channel scales, FP8 activations),
+W4A16 GPTQ with GAR, W4A8 DPQ with GAR / act-order / no reordering, naive GPTQ W4A8 (GAR; only
+the INT4 error compensated), RTN W4A8.  All W4 rows: INT4 asymmetric g128 with MSE scales; all
+A8 rows: FP8 E4M3 (±448) per-tensor static scales from calibration.  FP8 arithmetic is simulated
+on CPU (float32 matmul of FP8-grid operands; see ``bitmosaic.models.qmodules.FP8ComputeQuantLinear``).
+
+Run: python benchmarks/dpq.py   (writes benchmarks/results/dpq.json)
+"""
+
+from __future__ import annotations
+
+from bitmosaic.formats.act import ActQuantSpec
+
+from common import Bench, base_parser
+
+
+def main() -> None:
+    p = base_parser(__doc__)
+    p.add_argument("--fp8-range", type=int, default=448, choices=[448, 240])
+    a = p.parse_args()
+    b = Bench(a)
+    fmt = "e4m3" if a.fp8_range == 448 else "e4m3-240"
+    fp8 = ActQuantSpec(fmt, 8, granularity="tensor", static=True)
+    b.float_row()
+    b.run("W8A8-FP8", "fp8", fmt=fmt, act=fp8)
+    b.run("W4A16 gptq gar", "gptq", bits=4, group_size=128, order="gar", scale_method="mse")
+    common = {"bits": 4, "group_size": 128, "fp8_range": a.fp8_range}
+    b.run("W4A8 dpq gar", "dpq", order="gar", **common)
+    b.run("W4A8 dpq act-order", "dpq", order="act", **common)
+    b.run("W4A8 dpq no reorder", "dpq", order="natural", **common)
+    b.run("W4A8 naive gptq gar", "dpq", order="gar", naive=True, **common)
+    b.run("W4A8 rtn", "dpq", solver="rtn", **common)
+    for r in b.rows:
+        r.pop("layers", None)
+    b.finish("dpq", ["ppl", "bits_per_weight", "hessian_error", "quant_seconds"])
+
+
+if __name__ == "__main__":
+    main()
