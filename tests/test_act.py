@@ -224,3 +224,10 @@ def test_scheme_names_round_trip(scheme):
 
     bits, act = parse_scheme(scheme)
     assert WeightQuantConfig(bits=bits, act=act).scheme == scheme
+
+
+def test_float64_inputs_round_once():
+    """Just above a midpoint: a float32 detour would make it an exact tie and round to even (1.0)."""
+    x = torch.tensor([1.0625 + 2.0**-30, -(1.0625 + 2.0**-30)], dtype=torch.float64)
+    assert fp_round(x, "e4m3").tolist() == [1.125, -1.125]
+    assert fp_round(x.float(), "e4m3").tolist() == [1.0, -1.0]  # float32 input: it *is* a tie

@@ -301,3 +301,25 @@ def test_static_groups_are_fitted_by_the_quantizer(layer64):
     assert len(calls) == 4  # once per contiguous group, from the original weights
     assert all(torch.equal(c, W[:, 16 * k : 16 * (k + 1)]) for k, c in enumerate(calls))
     assert is_trivial_g_idx(res.g_idx, 16)
+
+
+def test_dpq_module_forward_equals_an_fp8_gemm():
+    """The simulated W4A8-FP8 forward = FP8 x FP8 GEMM with float32 accumulation, then both scales."""
+    from bitmosaic.formats.act import ActQuantSpec
+    from bitmosaic.kernels.fp8 import fp8_gemm_reference
+    from bitmosaic.models.actquant import attach_input_quant
+    from bitmosaic.models.qmodules import FP8ComputeQuantLinear
+
+    g = torch.Generator().manual_seed(7)
+    X = torch.randn(256, 64, generator=g)
+    W = torch.randn(32, 64, generator=g) * 0.05
+    res = dpq_quantize(W, 2 * X.T @ X / 256, group_size=32, perm=make_order(X.T @ X, "gar", 32))
+    m = FP8ComputeQuantLinear.from_result(res, bits=4, group_size=32, symmetric=False)
+    s_x = X.abs().amax().reshape(1) / 448
+    attach_input_quant(m, ActQuantSpec("e4m3", 8, granularity="tensor", static=True), 64, s_x)
+    y = m(X)
+    ref = fp8_gemm_reference(fp_round(X / s_x, "e4m3"), m.fp8_weight(), s_x, m.fp8_scale)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    # and the FP8 products really are exact in float32
+    w8 = m.fp8_weight()
+    assert torch.equal(w8.double(), fp_round(w8.double(), "e4m3"))

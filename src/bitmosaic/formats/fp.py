@@ -6,7 +6,8 @@ the storage dtype, the rounding *is* torch's cast (``float8_e4m3fn``, ``float8_e
 ``±240`` E4M3 of Intel Gaudi 2 (DPQ paper §4.1: IEEE-style, the top exponent reserved) has the
 same bias and subnormals as ``float8_e4m3fn`` and only a smaller range, so it is the same cast
 after clamping to ±240.  (It is *not* torch's ``float8_e4m3fnuz``, whose bias is 8.)  E2M1 has no
-portable torch cast, so it is rounded arithmetically.  Tests compare every grid against an
+portable torch cast, and torch casts float64 via float32 (a double rounding), so those are
+rounded arithmetically.  Tests compare every grid against an
 independent enumeration of its bit patterns.
 """
 
@@ -69,12 +70,15 @@ def fp_round(x: torch.Tensor, fmt: str | FloatFormat) -> torch.Tensor:
     Returns a tensor of ``x``'s dtype (float32 or wider recommended) holding grid values.
     """
     f = get_float_format(fmt)
-    xf = x.float().clamp(-f.max_value, f.max_value)
     dt = f.cast_dtype()
-    if dt is not None:
-        return xf.to(dt).to(x.dtype)
+    if dt is not None and x.dtype != torch.float64:
+        return x.float().clamp(-f.max_value, f.max_value).to(dt).to(x.dtype)
+    # Arithmetic rounding (float64 inputs round once, not via float32; formats without a dtype).
+    xf = x if x.dtype == torch.float64 else x.float()
+    xf = xf.clamp(-f.max_value, f.max_value)
     a = xf.abs()
-    e = torch.floor(torch.log2(a)).clamp(min=f.min_normal_exp)  # log2(0) = -inf -> subnormal step
+    _, e = torch.frexp(a)  # a = m 2^e, m in [0.5, 1): floor(log2 a) = e - 1 exactly
+    e = (e - 1).clamp(min=f.min_normal_exp).to(xf.dtype)
     step = torch.exp2(e - f.man_bits)
     r = (torch.round(a / step) * step).clamp(max=f.max_value)  # torch.round: half to even
     return (torch.sign(xf) * r).to(x.dtype)
