@@ -89,6 +89,9 @@ class Bench:
 
     def _add(self, row: dict) -> dict:
         self.rows.append(row)
+        if getattr(self, "partial_path", None):  # keep what is done if a long run is interrupted
+            rows = [{k: v for k, v in r.items() if k != "layers"} for r in self.rows]
+            atomic_write_text(self.partial_path, json.dumps({"partial": True, "rows": rows}, indent=2))
         ppl = row["ppl"]
         print(
             f"  {row['name']:<34} ppl {ppl:9.3f}  bpw {row['bits_per_weight']:6.3f}"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from bitmosaic.formats.act import ActQuantSpec
 
-from common import Bench, base_parser
+from common import RESULTS, Bench, base_parser
 
 
 def main() -> None:
@@ -21,6 +21,7 @@ def main() -> None:
     p.add_argument("--fp8-range", type=int, default=448, choices=[448, 240])
     a = p.parse_args()
     b = Bench(a)
+    b.partial_path = RESULTS / "dpq.partial.json"
     fmt = "e4m3" if a.fp8_range == 448 else "e4m3-240"
     fp8 = ActQuantSpec(fmt, 8, granularity="tensor", static=True)
     b.float_row()

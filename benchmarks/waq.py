@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from bitmosaic.formats.act import parse_scheme
 
-from common import Bench, base_parser
+from common import RESULTS, Bench, base_parser
 
 SCHEMES = ("W4A16", "W8A8", "W4A8", "W4A8-FP8", "W4A4")
 METHODS = {
@@ -43,6 +43,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=1024, help="smoothquant alpha-search token sample")
     a = p.parse_args()
     b = Bench(a)
+    b.partial_path = RESULTS / "waq.partial.json"
     b.float_row()["scheme"] = "float"
     runs = [(m, s) for s in a.schemes.split(",") for m in a.methods.split(",")]
     runs += [tuple(x.split(":")) for x in a.extra.split(",") if x]
