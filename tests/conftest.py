@@ -66,3 +66,20 @@ def smollm_calib(smollm):
     from bitmosaic.data import calibration_samples
 
     return calibration_samples(smollm[1], "wikitext2", 8, 256, seed=0, data_dir=data_dir())
+
+
+def real_layer_inputs(model, calib, layer_indices):
+    """Yield ``(i, layer, inputs, kwargs)`` for each decoder layer ``i`` in ``layer_indices``, with
+    the float model's inputs to that layer on ``calib`` (earlier layers are run to get them)."""
+    from bitmosaic.models.capture import run_layer
+    from bitmosaic.models.pipeline import capture_layer_inputs
+
+    layers = model.model.layers
+    inputs, kw = capture_layer_inputs(model, layers, calib, batch_size=4)
+    kwargs = next(iter(kw.values()))
+    wanted = set(layer_indices)
+    for i in range(max(wanted) + 1):
+        if i in wanted:
+            yield i, layers[i], inputs, kwargs
+        with torch.inference_mode():  # not held across the yield: callers run in normal mode
+            inputs = [run_layer(layers[i], h, k) for h, k in zip(inputs, kwargs, strict=True)]

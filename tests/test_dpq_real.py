@@ -7,7 +7,7 @@ from bitmosaic.algorithms import hessian_error, make_order
 from bitmosaic.algorithms.dpq import dpq_quantize
 from bitmosaic.formats.fp import fp_round
 
-from .conftest import data_dir, smollm2_gguf
+from .conftest import data_dir, real_layer_inputs, smollm2_gguf
 
 pytestmark = [
     pytest.mark.model,
@@ -21,24 +21,13 @@ NAMES = ("self_attn.q_proj", "mlp.down_proj")
 @pytest.fixture(scope="module")
 def layers_wh(smollm, smollm_calib):
     """(W, H) of q_proj and down_proj in decoder layers 3 and 20 on real activations."""
-    from bitmosaic.models.pipeline import _group_hessians, capture_layer_inputs
+    from bitmosaic.models.pipeline import _group_hessians
 
-    model = smollm[0]
-    layers = model.model.layers
-    inputs, kw = capture_layer_inputs(model, layers, smollm_calib, batch_size=4)
-    kwargs = next(iter(kw.values()))
     out = {}
-    with torch.inference_mode():
-        for i in range(21):
-            if i in (3, 20):
-                for name in NAMES:
-                    accs, owner, _ = _group_hessians(layers[i], (name,), inputs, kwargs, torch.float64)
-                    out[(i, name)] = (
-                        layers[i].get_submodule(name).weight.detach().double(),
-                        accs[owner[name]].H,
-                    )
-            inputs = [layers[i](h, **k) for h, k in zip(inputs, kwargs, strict=True)]
-            inputs = [x[0] if isinstance(x, tuple) else x for x in inputs]
+    for i, layer, inputs, kwargs in real_layer_inputs(smollm[0], smollm_calib, [3, 20]):
+        for name in NAMES:
+            accs, owner, _ = _group_hessians(layer, (name,), inputs, kwargs, torch.float64)
+            out[(i, name)] = (layer.get_submodule(name).weight.detach().double(), accs[owner[name]].H)
     return out
 
 

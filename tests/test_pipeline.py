@@ -18,7 +18,7 @@ from bitmosaic.models import (
 from bitmosaic.models.pipeline import StopForward, capture_layer_inputs
 
 
-def tiny_llama(seed=0, layers=2):
+def tiny_llama(seed=0, layers=2, kv_heads=2):
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=128,
@@ -26,7 +26,7 @@ def tiny_llama(seed=0, layers=2):
         intermediate_size=96,
         num_hidden_layers=layers,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=64,
         tie_word_embeddings=True,
     )

@@ -20,7 +20,7 @@ from bitmosaic.algorithms import (
 )
 from bitmosaic.formats.grid import IntGrid
 
-from .conftest import data_dir, smollm2_gguf
+from .conftest import data_dir, real_layer_inputs, smollm2_gguf
 
 pytestmark = [
     pytest.mark.model,
@@ -37,20 +37,13 @@ def calib(smollm_calib):
 @pytest.fixture(scope="module")
 def real_layer(smollm, calib):
     """Weights and float64 Hessians of decoder layer 2's q_proj and down_proj on real activations."""
-    from bitmosaic.models.pipeline import _group_hessians, capture_layer_inputs
+    from bitmosaic.models.pipeline import _group_hessians
 
-    model = smollm[0]
-    layers = model.model.layers
-    inputs, kw = capture_layer_inputs(model, layers, calib, batch_size=4)
-    kwargs = next(iter(kw.values()))
-    with torch.inference_mode():
-        for i in range(2):
-            inputs = [layers[i](h, **k) for h, k in zip(inputs, kwargs, strict=True)]
-            inputs = [x[0] if isinstance(x, tuple) else x for x in inputs]
+    _, layer, inputs, kwargs = next(real_layer_inputs(smollm[0], calib, [2]))
     out = {}
     for name in ("self_attn.q_proj", "mlp.down_proj"):
-        accs, owner, _ = _group_hessians(layers[2], (name,), inputs, kwargs, torch.float64)
-        out[name] = (layers[2].get_submodule(name).weight.detach().double(), accs[owner[name]].H)
+        accs, owner, _ = _group_hessians(layer, (name,), inputs, kwargs, torch.float64)
+        out[name] = (layer.get_submodule(name).weight.detach().double(), accs[owner[name]].H)
     return out
 
 

@@ -5,7 +5,6 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from bitmosaic import quantize_
 from bitmosaic.cli import build_parser
@@ -14,20 +13,11 @@ from bitmosaic.models import load_quantized, save_quantized
 from bitmosaic.models.arch import get_arch
 from bitmosaic.models.pipeline import _apply_transform, capture_layer_inputs
 
+from .test_pipeline import tiny_llama
+
 
 def tiny(kv_heads=4, seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    m = LlamaForCausalLM(cfg).eval()
+    m = tiny_llama(seed, kv_heads=kv_heads)
     with torch.no_grad():  # non-trivial norms and a few outlier channels, as in real models
         g = torch.Generator().manual_seed(seed)
         for layer in m.model.layers:

@@ -10,7 +10,7 @@ from bitmosaic.formats.grid import IntGrid, dequantize_codes, quantize_codes
 from bitmosaic.methods import get_method
 from bitmosaic.methods.smoothquant import act_fake_quant, weight_fake_quant
 
-from .conftest import data_dir, smollm2_gguf
+from .conftest import data_dir, real_layer_inputs, smollm2_gguf
 
 pytestmark = [
     pytest.mark.model,
@@ -24,19 +24,15 @@ def layer2(smollm, smollm_calib):
     """Float-input captures of decoder layer 2's groups (its down_proj input has ~90x outliers)."""
     from bitmosaic.models.arch import get_arch
     from bitmosaic.models.capture import capture_groups
-    from bitmosaic.models.pipeline import capture_layer_inputs
 
-    model = smollm[0]
-    arch = get_arch(model)
-    layers = arch.layers(model)
-    inputs, kw = capture_layer_inputs(model, layers, smollm_calib, batch_size=4)
-    kwargs = next(iter(kw.values()))
-    with torch.inference_mode():
-        for i in range(2):
-            inputs = [layers[i](h, **k) for h, k in zip(inputs, kwargs, strict=True)]
-            inputs = [x[0] if isinstance(x, tuple) else x for x in inputs]
+    _, layer, inputs, kwargs = next(real_layer_inputs(smollm[0], smollm_calib, [2]))
     caps = capture_groups(
-        layers[2], arch, inputs, kwargs, max_tokens=1024, generator=torch.Generator().manual_seed(0)
+        layer,
+        get_arch(smollm[0]),
+        inputs,
+        kwargs,
+        max_tokens=1024,
+        generator=torch.Generator().manual_seed(0),
     )
     return {cap.names[0]: cap for cap in caps}
 

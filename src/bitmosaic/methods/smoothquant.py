@@ -69,30 +69,33 @@ class SmoothQuantConfig(GPTQConfig):
             raise ValueError(f"alpha must be in [0, 1] (or None to search), got {self.alpha}")
 
 
+def _foldable_groups(caps, factors):
+    """``factors(cap, weights) -> (scales | None, info)`` on foldable groups; the rest unsmoothed."""
+    return [
+        factors(cap, [cap.weights[n] for n in cap.names])
+        if cap.foldable
+        else (None, {"reason": "no foldable preceding op"})
+        for cap in caps
+    ]
+
+
 def smoothquant_transform(caps, cfg: SmoothQuantConfig):
     qw, qx = weight_fake_quant(cfg), act_fake_quant(cfg.act)
-    out = []
-    for cap in caps:
-        if not cap.foldable:
-            out.append((None, {"reason": "no foldable preceding op"}))
-            continue
-        weights = [cap.weights[n] for n in cap.names]
+
+    def factors(cap, weights):
         amax = cap.observer.channel_absmax
-        if cfg.alpha is None:
-            res = search_alpha(cap.sample, amax, weights, qw, qx, cfg.alpha_grid)
-            # Our decision (the paper has no search): keep the group unsmoothed when no alpha
-            # beats it on the searched objective, so the search can never make a group worse.
-            base = smoothing_loss(
-                cap.sample, weights, torch.ones_like(res.scales), qw, qx, dtype=torch.float32
-            )
-            info = {"alpha": res.alpha, "loss": res.losses[res.alpha], "unsmoothed_loss": base}
-            if base <= res.losses[res.alpha]:
-                out.append((None, {**info, "alpha": None}))
-            else:
-                out.append((res.scales, info))
-        else:
-            out.append((smooth_scales(amax, weights, cfg.alpha), {"alpha": cfg.alpha}))
-    return out
+        if cfg.alpha is not None:
+            return smooth_scales(amax, weights, cfg.alpha), {"alpha": cfg.alpha}
+        res = search_alpha(cap.sample, amax, weights, qw, qx, cfg.alpha_grid)
+        # Our decision (the paper has no search): keep the group unsmoothed when no alpha
+        # beats it on the searched objective, so the search can never make a group worse.
+        base = smoothing_loss(cap.sample, weights, torch.ones_like(res.scales), qw, qx, dtype=torch.float32)
+        info = {"alpha": res.alpha, "loss": res.losses[res.alpha], "unsmoothed_loss": base}
+        if base <= res.losses[res.alpha]:
+            return None, {**info, "alpha": None}
+        return res.scales, info
+
+    return _foldable_groups(caps, factors)
 
 
 @register_method(
@@ -123,12 +126,8 @@ class AWQConfig(WeightQuantConfig):
 
 def awq_transform(caps, cfg: AWQConfig):
     qw = weight_fake_quant(cfg)
-    out = []
-    for cap in caps:
-        if not cap.foldable:
-            out.append((None, {"reason": "no foldable preceding op"}))
-            continue
-        weights = [cap.weights[n] for n in cap.names]
+
+    def factors(cap, weights):
         res = awq_search_scales(
             cap.observer.channel_absmean,
             weights,
@@ -139,9 +138,9 @@ def awq_transform(caps, cfg: AWQConfig):
             group_size=cfg.group_size,
         )
         gain = 1.0 - min(res.losses.values(), default=res.identity_loss) / max(res.identity_loss, 1e-30)
-        row = {"ratio": res.ratio, "loss_gain": gain}
-        out.append((None if res.ratio is None else res.scales, row))
-    return out
+        return (None if res.ratio is None else res.scales), {"ratio": res.ratio, "loss_gain": gain}
+
+    return _foldable_groups(caps, factors)
 
 
 @register_method(

@@ -18,7 +18,7 @@ from ..algorithms.hessian import HessianAccumulator
 from ..algorithms.observers import ActObserver
 from .arch import ArchSpec
 
-__all__ = ["GroupCapture", "capture_groups", "foldable"]
+__all__ = ["GroupCapture", "capture_groups", "foldable", "run_layer"]
 
 
 @dataclass
@@ -44,7 +44,8 @@ def foldable(layer: nn.Module, arch: ArchSpec, group_index: int) -> bool:
     return w is not None and w.ndim == 1 and w.shape[0] == n
 
 
-def _run(layer, hs, kw):
+def run_layer(layer: nn.Module, hs: torch.Tensor, kw: dict) -> torch.Tensor:
+    """One decoder layer's forward -> its hidden states (some versions return a tuple)."""
     out = layer(hs, **kw)
     return out[0] if isinstance(out, tuple) else out
 
@@ -80,7 +81,7 @@ def capture_groups(
     handles = [m.register_forward_pre_hook(make_hook(i)) for i, m in enumerate(heads)]
     try:
         for hs, kw in zip(inputs, kwargs, strict=True):
-            _run(layer, hs, kw)
+            run_layer(layer, hs, kw)
     finally:
         for h in handles:
             h.remove()

@@ -40,7 +40,7 @@ from ..formats.grid import IntGrid
 from ..methods.registry import LayerStats, MethodSpec, WeightQuantConfig
 from .actquant import attach_input_quant
 from .arch import ArchSpec, get_arch
-from .capture import capture_groups
+from .capture import capture_groups, run_layer
 from .qlinear import QuantLinear
 from .smoothing import fold_group_scales
 
@@ -161,11 +161,6 @@ class _OutputCache:
         self.modules.clear()
 
 
-def _run_layer(layer: nn.Module, hs: torch.Tensor, kw: dict) -> torch.Tensor:
-    out = layer(hs, **kw)
-    return out[0] if isinstance(out, tuple) else out
-
-
 @torch.inference_mode()
 def _group_hessians(
     layer, names, inputs, kwargs, hessian_dtype, cache: _OutputCache | None = None, act_spec=None
@@ -203,7 +198,7 @@ def _group_hessians(
             state["seen"] = set()
             state["last"] = None
             try:
-                _run_layer(layer, hs, kw)
+                run_layer(layer, hs, kw)
             except StopForward:
                 pass
             else:
@@ -355,7 +350,7 @@ def quantize_model(
             for b, (hs, kw) in enumerate(zip(inputs, kwargs, strict=True)):
                 if cache is not None:
                     cache.batch = b
-                outputs.append(_run_layer(layer, hs, kw))
+                outputs.append(run_layer(layer, hs, kw))
             inputs = outputs
         if cache is not None:
             cache.clear()
