@@ -149,23 +149,39 @@ class FP8ComputeQuantLinear(QuantLinear):
         )
 
 
-class FP8Linear(nn.Module):
+class _UnpackedLinear(nn.Module):
+    """Shared shell of the non-packed kinds: features, optional bias, weight cache, forward and
+    bits-per-weight from :meth:`storage_tensors`; subclasses define ``dequantize_weight``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, cache_weight: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        self.cache_weight = cache_weight
+        self._wcache: torch.Tensor | None = None
+
+    def forward(self, x):
+        b = None if self.bias is None else self.bias.to(x.dtype)
+        return nn.functional.linear(x, self.dequantize_weight(torch.float32).to(x.dtype), b)
+
+    def bits_per_weight(self) -> float:
+        return bits_per_weight(self.storage_tensors(), self.in_features * self.out_features)
+
+
+class FP8Linear(_UnpackedLinear):
     """FP8 weights stored as FP8 bytes (``float8_e4m3fn`` / ``float8_e5m2`` bit patterns in a uint8
     buffer) with a float32 scale per output channel or tensor: ``W = fp8 * weight_scale``."""
 
     kind = "fp8"
 
     def __init__(self, in_features, out_features, *, fmt: str = "e4m3", scale_rows: int = 1, bias=False):
-        super().__init__()
-        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        super().__init__(in_features, out_features, bias, cache_weight=False)
+        self.fmt = fmt
         self._dtype = get_float_format(fmt).cast_dtype()
         if self._dtype is None:
             raise ValueError(f"{fmt} has no torch storage dtype; FP8Linear stores e4m3, e4m3-240 or e5m2")
         self.register_buffer("weight_fp8", torch.zeros(out_features, in_features, dtype=torch.uint8))
         self.register_buffer("weight_scale", torch.ones(scale_rows, 1, dtype=torch.float32))
-        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-        self.cache_weight = False
-        self._wcache: torch.Tensor | None = None
 
     @classmethod
     def from_values(cls, values: torch.Tensor, scale: torch.Tensor, fmt: str, bias=None) -> FP8Linear:
@@ -188,15 +204,8 @@ class FP8Linear(nn.Module):
             self._wcache = w
         return w
 
-    def forward(self, x):
-        b = None if self.bias is None else self.bias.to(x.dtype)
-        return nn.functional.linear(x, self.dequantize_weight(torch.float32).to(x.dtype), b)
-
     def storage_tensors(self):
         return [self.weight_fp8, self.weight_scale]
-
-    def bits_per_weight(self) -> float:
-        return bits_per_weight(self.storage_tensors(), self.in_features * self.out_features)
 
     def layer_config(self) -> dict:
         return {
@@ -226,22 +235,19 @@ def _packed_kwargs(m: QuantLinear) -> dict:
     return packed_kwargs(QuantLinear.layer_config(m))
 
 
-class HuffmanQuantLinear(nn.Module):
+class HuffmanQuantLinear(_UnpackedLinear):
     """Unbounded integers ``q`` with ``w = q * s`` (``s`` per matrix or row), Huffman-coded."""
 
     kind = "huffman"
 
     def __init__(self, in_features, out_features, *, n_scales: int, n_bytes: int, n_symbols: int, bias=False):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        # decoding is done once (weight cache on); the stream stays the stored form
+        super().__init__(in_features, out_features, bias, cache_weight=True)
         self.register_buffer("scales", torch.zeros(n_scales, 1, dtype=torch.float16))
         self.register_buffer("huff_data", torch.zeros(n_bytes, dtype=torch.uint8))
         self.register_buffer("huff_symbols", torch.zeros(n_symbols, dtype=torch.int16))
         self.register_buffer("huff_lengths", torch.zeros(n_symbols, dtype=torch.uint8))
         self.register_buffer("huff_row_ends", torch.zeros(out_features, dtype=torch.int32))
-        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-        self.cache_weight = True  # decoding is done once; the stream stays the stored form
-        self._wcache: torch.Tensor | None = None
 
     @classmethod
     def from_result(cls, res: QuantResult, bias=None) -> HuffmanQuantLinear:
@@ -285,15 +291,8 @@ class HuffmanQuantLinear(nn.Module):
             self._wcache = self.dequantize_reference(torch.float32)
         return self._wcache.to(dtype)
 
-    def forward(self, x):
-        b = None if self.bias is None else self.bias.to(x.dtype)
-        return nn.functional.linear(x, self.dequantize_weight(torch.float32).to(x.dtype), b)
-
     def storage_tensors(self):
         return [self.scales, self.huff_data, self.huff_symbols, self.huff_lengths, self.huff_row_ends]
-
-    def bits_per_weight(self) -> float:
-        return bits_per_weight(self.storage_tensors(), self.in_features * self.out_features)
 
     def layer_config(self) -> dict:
         return {
