@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from bitmosaic.data import calibration_samples, eval_tokens
+from bitmosaic.data import bos_token_id, calibration_samples, eval_tokens
 from bitmosaic.eval.perplexity import perplexity
 from bitmosaic.methods import get_method
 from bitmosaic.models import load_model, quantize_model, set_weight_cache
@@ -52,7 +52,12 @@ class Bench:
     def ppl(self, model) -> float:
         set_weight_cache(model, True)
         r = perplexity(
-            model, self.eval_ids, self.args.seqlen, max_windows=self.args.max_windows, progress=False
+            model,
+            self.eval_ids,
+            self.args.seqlen,
+            max_windows=self.args.max_windows,
+            progress=False,
+            bos_token_id=bos_token_id(self.tok),
         )
         set_weight_cache(model, False)
         return r["ppl"]
@@ -67,7 +72,7 @@ class Bench:
         spec = get_method(method)
         cfg = spec.make_config(**options)
         model = copy.deepcopy(self.model)
-        rep = quantize_model(model, self.calib, spec, cfg, progress=False)
+        rep = quantize_model(model, self.calib, spec, cfg, progress=False, measure_errors=True)
         t = time.perf_counter()
         row = {
             "name": name,

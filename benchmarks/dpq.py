@@ -4,7 +4,7 @@ Rows: BF16 (float), W8A8-FP8 (FP8 E4M3 weights with per-channel scales, FP8 acti
 W4A16 GPTQ with GAR, W4A8 DPQ with GAR / act-order / no reordering, naive GPTQ W4A8 (GAR; only
 the INT4 error compensated), RTN W4A8.  All W4 rows: INT4 asymmetric g128 with MSE scales; all
 A8 rows: FP8 E4M3 (±448) per-tensor static scales from calibration.  FP8 arithmetic is simulated
-on CPU (float32 matmul of FP8-grid operands; see ``bitmosaic.models.qmodules.FP8ComputeQuantLinear``).
+on CPU (float32 matmul of FP8-grid operands; see ``bitmosaic.modules.qmodules.FP8ComputeQuantLinear``).
 
 Run: python benchmarks/dpq.py   (writes benchmarks/results/dpq.json)
 """

@@ -6,8 +6,21 @@ import pytest
 import torch
 
 from bitmosaic.formats import layout
-from bitmosaic.formats.accounting import bits_per_weight, nominal_bits_per_weight, storage_bits
+from bitmosaic.formats.accounting import bits_per_weight, storage_bits
 from bitmosaic.formats.packing import SUPPORTED_BITS, pack_codes
+
+
+def nominal_bits_per_weight(bits, in_features, out_features, group_size, symmetric, g_idx_bits=0):
+    """The analytic count, written from the format's definition (independent of the code under
+    test): codes padded to 8 per row, one fp16 scale (+ fp16 zero if asymmetric) per row and group
+    (a partial last group counts), optionally a g_idx of ``g_idx_bits`` per column."""
+    g = in_features if group_size in (None, -1) else min(group_size, in_features)
+    n_groups = -(-in_features // g)
+    code_bits = out_features * (-(-in_features // 8) * 8) * bits
+    per_group = 16 + (0 if symmetric else 16)
+    return (code_bits + out_features * n_groups * per_group + in_features * g_idx_bits) / (
+        out_features * in_features
+    )
 
 
 def _packed_buffers(bits, out_f, in_f, group_size, symmetric, with_g_idx=False):
@@ -76,9 +89,3 @@ def test_nominal_equals_real_everywhere(bits, symmetric, out_f, in_f, group_size
     nominal = nominal_bits_per_weight(bits, in_f, out_f, group_size, symmetric, g_idx_bits=32)
     assert nominal == pytest.approx(bits_per_weight(bufs, out_f * in_f), rel=1e-15)
     assert storage_bits(bufs) == round(nominal * out_f * in_f)
-
-
-def test_custom_scale_bits():
-    # e.g. fp32 scales and 8-bit zeros
-    n = nominal_bits_per_weight(2, 256, 16, 64, symmetric=False, scale_bits=32, zero_bits=8)
-    assert n == pytest.approx(2 + 4 * 40 / 256)

@@ -10,7 +10,7 @@ import torch
 from bitmosaic.algorithms.observers import ActObserver
 from bitmosaic.formats.act import ActQuantSpec, act_amax, fake_quant, parse_scheme, scale_from_amax
 from bitmosaic.formats.fp import FP_FORMATS, fp_round
-from bitmosaic.models.actquant import attach_input_quant
+from bitmosaic.modules.actquant import attach_input_quant
 
 
 def enumerate_grid(exp_bits, man_bits, bias, reserve_top_exponent, nan_all_ones=False, max_abs=None):

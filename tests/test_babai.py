@@ -114,3 +114,23 @@ def test_babai_min_pivot_bound_not_worse_than_act(layer64):
     b_nat = babai_bound(Hd, s, make_order(Hd, "natural"))
     assert b_min <= b_act * (1 + 1e-9)
     assert b_act < b_nat
+
+
+@pytest.mark.parametrize("order", ["natural", "act", "gar", "min-pivot"])
+@pytest.mark.parametrize("direction", ["front", "back"])
+@pytest.mark.parametrize("clip", [True, False])
+def test_babai_method_equals_gptq_static_groups_method(order, direction, clip):
+    """Methods ``babai`` and ``gptq --static-groups`` give the same integers for every order and
+    direction (Thm. 4): both take the processing order from the same (once-)damped Hessian."""
+    from bitmosaic.methods.gptq import BabaiConfig, GPTQConfig, quantize_babai, quantize_gptq
+    from bitmosaic.methods.registry import LayerStats
+
+    W, _, H = _random_layer(11, out=16, n=64, tokens=120)  # few tokens: a stiff, correlated H
+    common = dict(bits=3, group_size=16, scale_method="minmax", clip=clip, order=order, direction=direction)
+    stats = LayerStats(hessian=H)
+    b = quantize_babai(W, stats, BabaiConfig(**common, percdamp=0.01, dtype="float64"))
+    g = quantize_gptq(W, stats, GPTQConfig(**common, static_groups=True, dtype="float64"))
+    assert torch.equal(b.perm, g.perm)
+    assert torch.equal(b.codes, g.codes)
+    assert torch.equal(b.scales, g.scales) and torch.equal(b.zeros, g.zeros)
+    assert torch.allclose(b.pivots, g.pivots, rtol=1e-10, atol=0)

@@ -307,8 +307,8 @@ def test_dpq_module_forward_equals_an_fp8_gemm():
     """The simulated W4A8-FP8 forward = FP8 x FP8 GEMM with float32 accumulation, then both scales."""
     from bitmosaic.formats.act import ActQuantSpec
     from bitmosaic.kernels.fp8 import fp8_gemm_reference
-    from bitmosaic.models.actquant import attach_input_quant
-    from bitmosaic.models.qmodules import FP8ComputeQuantLinear
+    from bitmosaic.modules.actquant import attach_input_quant
+    from bitmosaic.modules.qmodules import FP8ComputeQuantLinear
 
     g = torch.Generator().manual_seed(7)
     X = torch.randn(256, 64, generator=g)
@@ -323,3 +323,54 @@ def test_dpq_module_forward_equals_an_fp8_gemm():
     # and the FP8 products really are exact in float32
     w8 = m.fp8_weight()
     assert torch.equal(w8.double(), fp_round(w8.double(), "e4m3"))
+
+
+# --- the vectorised per-group step (issue #9) -----------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("fmt", ["e4m3", "e4m3-240", "e5m2"])
+@pytest.mark.parametrize("clip", [True, False])
+def test_column_step_tables_equal_quantize(dtype, fmt, clip):
+    """Eqs. 7-11 by per-group tables give exactly ``quantize``'s codes and weights, saturation and
+    signed zeros included."""
+    g = torch.Generator().manual_seed(5)
+    out = 64
+    W = (torch.randn(out, 40, generator=g, dtype=torch.float64) * 0.05).to(dtype)
+    W[:3, :4] *= 400.0  # saturates Eq. 7
+    W[3, :] = -1e-30  # rounds to -0 in FP8
+    s_w = fp8_weight_scale(W[:, 4:], fmt, per_channel=True)
+    a = DualPrecisionQuantizer(s_w, fmt, clip=clip)
+    b = DualPrecisionQuantizer(s_w, fmt, clip=clip)
+    scale, zero = a.fit(W[:, :16])
+    scale = scale * 0.7  # a shrunken scale: clipping matters
+    step = a.column_step(scale, zero)
+    for j in range(W.shape[1]):
+        qa, wa = step(W[:, j])
+        qb, wb = b.quantize(W[:, j], scale, zero)
+        assert torch.equal(qa, qb) and torch.equal(wa, wb), j
+        assert qa.dtype == qb.dtype == dtype
+    assert int(a.saturated) == int(b.saturated) > 0
+
+
+def test_dpq_float32_run_equals_the_plain_quantize_path(layer64):
+    """The whole float32 GPTQ run with the table step equals the run with ``quantize`` per column."""
+    W, _, H = layer64
+    W, H = W.float(), H.float()
+
+    class Plain(DualPrecisionQuantizer):
+        column_step = None  # GPTQ falls back to quantize(w, s, z)
+
+    s_w = fp8_weight_scale(W)
+    for order in ("gar", "act"):
+        perm = make_order(H, order, 16)
+        runs = [
+            gptq_quantize(W, H, INT4, 16, perm=perm, quantizer=cls(s_w), block_size=24)
+            for cls in (DualPrecisionQuantizer, Plain)
+        ]
+        for x, y in zip(
+            (runs[0].codes, runs[0].scales, runs[0].zeros, runs[0].step_errors),
+            (runs[1].codes, runs[1].scales, runs[1].zeros, runs[1].step_errors),
+            strict=True,
+        ):
+            assert torch.equal(x, y), order

@@ -21,12 +21,12 @@ NAMES = ("self_attn.q_proj", "mlp.down_proj")
 @pytest.fixture(scope="module")
 def layers_wh(smollm, smollm_calib):
     """(W, H) of q_proj and down_proj in decoder layers 3 and 20 on real activations."""
-    from bitmosaic.models.pipeline import _group_hessians
+    from bitmosaic.models.calibration import group_statistics
 
     out = {}
     for i, layer, inputs, kwargs in real_layer_inputs(smollm[0], smollm_calib, [3, 20]):
         for name in NAMES:
-            accs, owner, _ = _group_hessians(layer, (name,), inputs, kwargs, torch.float64)
+            accs, owner, _ = group_statistics(layer, (name,), inputs, kwargs, hessian_dtype=torch.float64)
             out[(i, name)] = (layer.get_submodule(name).weight.detach().double(), accs[owner[name]].H)
     return out
 

@@ -11,7 +11,7 @@ from bitmosaic.algorithms import (
     make_order,
     rtn_quantize,
 )
-from bitmosaic.algorithms.rtn import QuantResult
+from bitmosaic.algorithms.types import QuantResult
 from bitmosaic.formats.grid import IntGrid
 from bitmosaic.formats.layout import is_trivial_g_idx
 
@@ -105,3 +105,13 @@ def test_gptq_mse_scales_not_worse_than_minmax_at_low_bits(layer64):
     mm = gptq_quantize(W, H, IntGrid(2), 16, scale_method="minmax")
     mse = gptq_quantize(W, H, IntGrid(2), 16, scale_method="mse")
     assert _err(W, mse, H) < _err(W, mm, H)
+
+
+def test_gptq_method_defaults_are_act_order_with_mse_scales():
+    """``--method gptq --bits 4`` alone gets the best measured setting: act-order, MSE scales."""
+    from bitmosaic.methods.gptq import GPTQConfig
+    from bitmosaic.methods.registry import get_method
+
+    cfg = get_method("gptq").make_config(bits=4)
+    assert isinstance(cfg, GPTQConfig)
+    assert (cfg.order, cfg.scale_method, cfg.static_groups, cfg.direction) == ("act", "mse", False, "front")

@@ -7,7 +7,7 @@ from bitmosaic.algorithms import gptq_quantize, hessian_error, make_order, rtn_q
 from bitmosaic.algorithms.lattice import entropy_coded_quantize, outlier_density, ssqr_quantize
 from bitmosaic.formats.grid import IntGrid
 from bitmosaic.formats.sparse import csr_from_dense
-from bitmosaic.models.qmodules import HuffmanQuantLinear, SparseOutlierQuantLinear, module_from_layer_config
+from bitmosaic.modules.qmodules import HuffmanQuantLinear, SparseOutlierQuantLinear, module_from_layer_config
 
 from .conftest import correlated_inputs
 
@@ -37,26 +37,44 @@ def test_csr_roundtrip_and_size():
     assert bits == 6 * 32 + 4 * 16 + 4 * 16  # row pointers + 16-bit indices + fp16 values
 
 
+@pytest.mark.parametrize("groups", ["static", "dynamic"])
 @pytest.mark.parametrize("rate", [0.03, 0.05])
-def test_ssqr_meets_outlier_rate_and_beats_gptq(heavy_layer, rate):
+def test_ssqr_meets_outlier_rate_and_beats_gptq(heavy_layer, rate, groups):
     W, H = heavy_layer
     perm = make_order(H, "act")
-    res = ssqr_quantize(W, H, 3, 32, rate, perm=perm)
+    res = ssqr_quantize(W, H, 3, 32, rate, perm=perm, groups=groups)
     density = res.info["outlier_rate"]
     assert 0.9 * rate <= density <= rate
     assert res.codes.min() >= 0 and res.codes.max() <= 7
     assert int((res.sparse != 0).sum()) <= round(density * W.numel())
     # baselines: the same grid with GPTQ clipping instead of outliers, and RTN with MSE scales
-    clipped = gptq_quantize(W, H, IntGrid(3), 32, perm=perm, scales=res.scales, zeros=res.zeros)
+    if groups == "static":
+        clipped = gptq_quantize(W, H, IntGrid(3), 32, perm=perm, scales=res.scales, zeros=res.zeros)
+    else:  # the GPTQ baseline of the same grouping: act-order dynamic groups, MSE scales, clipping
+        clipped = gptq_quantize(W, H, IntGrid(3), 32, perm=perm, scale_method="mse")
+        assert not torch.equal(res.g_idx, torch.arange(W.shape[1]) // 32)  # really dynamic groups
     rtn = rtn_quantize(W, IntGrid(3), 32, "mse")
     e = _err(W, res.dequantize(), H)
     assert e < _err(W, clipped.dequantize(), H)
     assert e < _err(W, rtn.dequantize(), H)
 
 
+def test_ssqr_dynamic_groups_obey_the_babai_bound(heavy_layer):
+    """Dynamic groups x alpha: before outlier extraction the no-clip error obeys Thm. 5 with the
+    scales actually used per column."""
+    from bitmosaic.algorithms import babai_bound
+
+    W, H = heavy_layer
+    perm = make_order(H, "act")
+    res = ssqr_quantize(W, H, 3, 32, 0.03, perm=perm, groups="dynamic")
+    err = _err(W, res.dequantize(), H)  # outliers exact up to fp16: the no-clip weights
+    bound = float(babai_bound(res.hessian.double(), res.lattice_scales(), res.perm).sum())
+    assert err <= bound * (1 + 1e-3)
+
+
 def test_ssqr_module_dense_plus_sparse_matches_reference(heavy_layer):
     W, H = heavy_layer
-    res = ssqr_quantize(W, H, 3, 32, 0.02, perm=make_order(H, "act"))
+    res = ssqr_quantize(W, H, 3, 32, 0.02, perm=make_order(H, "act"), groups="static")
     m = SparseOutlierQuantLinear.from_result(res, bits=3, group_size=32, symmetric=False)
     assert torch.equal(m.dequantize_weight(), res.dequantize())
     assert torch.equal(m.dequantize_reference(), res.dequantize())

@@ -88,9 +88,9 @@ def test_known_bytes_4bit_and_8bit():
     assert pack_codes(torch.tensor([[255, 0, 7]]), 8).tolist() == [[255, 0, 7, 0, 0, 0, 0, 0]]
 
 
-@pytest.mark.parametrize("bits", [1, 5, 6, 7, 16, 0, -1, 4.0, True])
+@pytest.mark.parametrize("bits", [1, 9, 16, 0, -1, 4.0, True])
 def test_bad_bits_rejected(bits):
-    with pytest.raises(ValueError, match=r"unsupported bit width.*\(2, 3, 4, 8\)"):
+    with pytest.raises(ValueError, match=r"unsupported bit width.*\(2, 3, 4, 5, 6, 7, 8\)"):
         pack_codes(torch.zeros(2, 8, dtype=torch.int32), bits)
     with pytest.raises(ValueError, match="unsupported bit width"):
         unpack_codes(torch.zeros(2, 3, dtype=torch.uint8), bits, 8)

@@ -72,7 +72,7 @@ def test_stop_forward_does_not_swallow_real_errors(calib):
 )
 def test_pipeline_quantizes_every_linear_and_reports(calib, method, opts):
     m = tiny_llama()
-    rep = quantize_(m, method, calib, bits=4, group_size=32, progress=False, **opts)
+    rep = quantize_(m, method, calib, bits=4, group_size=32, progress=False, measure_errors=True, **opts)
     q = quantized_modules(m)
     assert len(q) == 2 * 7 and len(rep.layers) == 14
     for row in rep.layers:
@@ -98,11 +98,28 @@ def test_pipeline_quantizes_every_linear_and_reports(calib, method, opts):
     json.dumps(d)  # serialisable
 
 
+def test_hessian_free_methods_skip_calibration(calib):
+    """RTN needs no Hessian: without static activation scales it runs no calibration forward, and
+    its codes are the same as with calibration (which then only feeds the error report)."""
+    m1, m2 = tiny_llama(), tiny_llama()
+    calls = []
+    h = m1.model.layers[0].register_forward_pre_hook(lambda *a: calls.append(1))
+    rep1 = quantize_(m1, "rtn", calib, bits=4, group_size=32, progress=False)
+    h.remove()
+    rep2 = quantize_(m2, "rtn", calib, bits=4, group_size=32, progress=False, measure_errors=True)
+    assert calls == [] and rep1.calibration["calibrated"] is False
+    assert rep2.calibration["calibrated"] is True
+    assert all(r["rel_out_error"] is None for r in rep1.layers)
+    assert all(r["rel_out_error"] > 0 for r in rep2.layers)
+    for (n, a), b in zip(quantized_modules(m1).items(), quantized_modules(m2).values(), strict=True):
+        assert torch.equal(a.qweight, b.qweight), n
+
+
 def test_gptq_pipeline_beats_rtn_on_tiny_model(calib):
     errs = {}
     for method in ("rtn", "gptq"):
         m = tiny_llama()
-        rep = quantize_(m, method, calib, bits=3, group_size=32, progress=False)
+        rep = quantize_(m, method, calib, bits=3, group_size=32, progress=False, measure_errors=True)
         errs[method] = sum(r["rel_out_error"] for r in rep.layers)
     assert errs["gptq"] < errs["rtn"]
 
@@ -244,7 +261,14 @@ def test_order_bound_analysis_in_report(calib):
 @pytest.mark.parametrize("order,direction", [("natural", "front"), ("act", "back")])
 def test_babai_method_equals_gptq_static_groups_in_pipeline(calib, order, direction):
     """`--method babai` == `--method gptq --static-groups` with the same order/direction (Thm. 4)."""
-    opts = {"bits": 3, "group_size": 32, "order": order, "direction": direction, "clip": False}
+    opts = {
+        "bits": 3,
+        "group_size": 32,
+        "order": order,
+        "direction": direction,
+        "clip": False,
+        "scale_method": "minmax",
+    }
     a, b = tiny_llama(), tiny_llama()
     quantize_(a, "babai", calib, progress=False, **opts)
     quantize_(b, "gptq", calib, progress=False, static_groups=True, dtype="float64", **opts)

@@ -37,12 +37,12 @@ def calib(smollm_calib):
 @pytest.fixture(scope="module")
 def real_layer(smollm, calib):
     """Weights and float64 Hessians of decoder layer 2's q_proj and down_proj on real activations."""
-    from bitmosaic.models.pipeline import _group_hessians
+    from bitmosaic.models.calibration import group_statistics
 
     _, layer, inputs, kwargs = next(real_layer_inputs(smollm[0], calib, [2]))
     out = {}
     for name in ("self_attn.q_proj", "mlp.down_proj"):
-        accs, owner, _ = _group_hessians(layer, (name,), inputs, kwargs, torch.float64)
+        accs, owner, _ = group_statistics(layer, (name,), inputs, kwargs, hessian_dtype=torch.float64)
         out[name] = (layer.get_submodule(name).weight.detach().double(), accs[owner[name]].H)
     return out
 
@@ -99,7 +99,8 @@ def test_real_model_gptq_w4_end_to_end(smollm, calib, tmp_path):
         q = copy.deepcopy(model)
         rep = quantize_(q, method, calib, bits=4, group_size=128, progress=False)
         assert len(rep.layers) == 30 * 7
-        assert 4.25 < rep.bits_per_weight < 4.3  # 4 + 32/128, plus 576's partial group of 64
+        # 4 + 32/128, plus 576's partial group of 64; GPTQ's default act-order adds an int32 g_idx
+        assert 4.25 < rep.bits_per_weight < (4.3 if method == "rtn" else 4.33)
         set_weight_cache(q, True)
         ppl[method] = perplexity(q, ids, 512, max_windows=4, progress=False)["ppl"]
     # SmolLM2-135M is fragile at 4 bits g128 (its weights were Q4_1 g32): the anchors lose 39%

@@ -172,7 +172,7 @@ def test_cli_activation_flags():
 )
 def test_dpq_end_to_end_fp8_operands_and_reload(tmp_path, calib, ids, opts):
     from bitmosaic.formats.fp import fp_round
-    from bitmosaic.models.qmodules import FP8ComputeQuantLinear
+    from bitmosaic.modules.qmodules import FP8ComputeQuantLinear
 
     m = tiny(2)
     rep = quantize_(m, "dpq", calib, group_size=32, progress=False, **opts)

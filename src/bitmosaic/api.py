@@ -24,6 +24,9 @@ def quantize_(
     analyze_orders: tuple[str, ...] | None = None,
     scheme: str | None = None,
     seed: int = 0,
+    device: str | torch.device | None = None,
+    offload_inputs: bool | None = None,
+    measure_errors: bool = False,
     **options,
 ) -> RunReport:
     """Quantize ``model`` in place with the registered ``method`` and return the run report.
@@ -31,7 +34,11 @@ def quantize_(
     ``calib`` is a ``[n, seqlen]`` LongTensor of token ids (see :func:`bitmosaic.data.calibration_samples`);
     ``options`` are the method's config fields, e.g. ``bits=4, group_size=128, order="act"``;
     ``scheme="W4A8"`` (or ``W8A8``, ``W4A4``, ``W4A8-FP8``, ...) sets ``bits`` and ``act`` at once
-    (see :func:`bitmosaic.formats.act.parse_scheme`).
+    (see :func:`bitmosaic.formats.act.parse_scheme`).  ``device`` is where calibration and the
+    solvers run (``"auto"``: CUDA when available; the model stays in host memory and each decoder
+    layer visits the device in turn); ``offload_inputs`` keeps the calibration activations in host
+    memory; ``measure_errors`` calibrates even Hessian-free methods (RTN, FP8) for the report's
+    error metrics.  See :func:`bitmosaic.models.pipeline.quantize_model`.
     """
     spec = get_method(method)
     if scheme is not None:
@@ -51,4 +58,7 @@ def quantize_(
         cache_outputs=cache_outputs,
         analyze_orders=analyze_orders,
         seed=seed,
+        device=device,
+        offload_inputs=offload_inputs,
+        measure_errors=measure_errors,
     )

@@ -110,6 +110,22 @@ def act_spec_from_args(args):
     return spec
 
 
+def _add_device_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="where calibration, the solvers and evaluation run: auto (CUDA when available) | cpu | "
+        "cuda | cuda:N; the model stays in host memory and each decoder layer visits the device in turn",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="dtype the model is loaded in (auto: the checkpoint's dtype on CUDA, float32 on the CPU); "
+        "on the CPU each layer is calibrated in float32 whatever this is",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bitmosaic", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -134,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--static-groups", action="store_true", help="fix group scales before GPTQ updates")
     q.add_argument("--damp", type=float, default=None, help="damping, fraction of mean diag(H) (0.01)")
     q.add_argument("--outlier-rate", type=float, default=None, help="ssqr: target outlier density")
+    q.add_argument(
+        "--ssqr-groups",
+        choices=["dynamic", "static"],
+        default=None,
+        help="ssqr: the paper's static groups (default) or GPTQ's act-order dynamic groups",
+    )
     q.add_argument("--target-bits", type=float, default=None, help="hptq/hrtn: target encoded bits/weight")
     q.add_argument("--scale-per", choices=["matrix", "row"], default=None, help="hptq/hrtn scale sharing")
     q.add_argument(
@@ -157,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--max-windows", type=int, default=None, help="with --eval: first K windows only")
     q.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     q.add_argument("--no-progress", action="store_true")
+    _add_device_args(q)
+    q.add_argument(
+        "--overwrite", action="store_true", help="replace an existing bitmosaic model folder at --out"
+    )
 
     e = sub.add_parser("eval", help="perplexity of a model or a saved quantized folder")
     e.add_argument("model", nargs="?", default=DEFAULT_MODEL)
@@ -167,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", default=None)
     e.add_argument("--threads", type=int, default=None)
     e.add_argument("--no-progress", action="store_true")
+    _add_device_args(e)
 
     i = sub.add_parser("inspect", help="describe a saved quantized model folder")
     i.add_argument("dir")
@@ -184,6 +211,7 @@ _OPTIONAL_FIELDS = {
     "static_groups": "static_groups",
     "solver_dtype": "dtype",
     "outlier_rate": "outlier_rate",
+    "ssqr_groups": "groups",
     "target_bits": "target_bits",
     "scale_per": "scale_per",
     "smooth_weights": "weights",
@@ -196,14 +224,36 @@ _OPTIONAL_FIELDS = {
 }
 
 
+# flags shared by every method -> the config field they set
+_COMMON_FLAGS = {"bits": "--bits", "group_size": "--group-size", "scale_method": "--scale"}
+
+
+def _refuse_ignored_flags(args, spec) -> None:
+    """A flag the user gave for a field the method does not use is an error, not a silent no-op
+    (only flags actually given are checked: defaults are not the user's words)."""
+    from .errors import OptionError
+
+    ignored = getattr(spec.config_cls, "IGNORED_FIELDS", ())
+    given = [flag for fld, flag in _COMMON_FLAGS.items() if getattr(args, fld) is not None and fld in ignored]
+    if args.symmetric is not None and "symmetric" in ignored:
+        given.append("--sym" if args.symmetric else "--asym")
+    if given:
+        why = getattr(spec.config_cls, "IGNORED_WHY", "")
+        raise OptionError(f"{', '.join(given)} does not apply to method {spec.name!r}{why}")
+
+
 def _method_options(args, spec) -> dict:
     import dataclasses
 
     names = {f.name for f in dataclasses.fields(spec.config_cls)}
     args.bits_given = args.bits is not None
-    args.bits = 4 if args.bits is None else args.bits
-    act = act_spec_from_args(args)
-    opts = {"bits": args.bits, "clip": not args.no_clip}
+    _refuse_ignored_flags(args, spec)
+    act = act_spec_from_args(args)  # may set args.bits from --scheme
+    opts: dict = {}
+    if args.bits is not None:  # else the method's own default (4; 8 for fp8)
+        opts["bits"] = args.bits
+    if args.no_clip:
+        opts["clip"] = False
     if act is not None or args.scheme or args.abits is not None:  # else the method's default
         opts["act"] = act
     if args.symmetric is not None:
@@ -226,15 +276,23 @@ def _method_options(args, spec) -> dict:
     return opts
 
 
-def _ppl(model, tok, src, seqlen, max_windows, data_dir, progress) -> dict:
-    from .data import eval_tokens
+def _ppl(model, tok, src, seqlen, max_windows, data_dir, progress, device=None) -> dict:
+    from .data import bos_token_id, eval_tokens
     from .eval.perplexity import perplexity
-    from .models.qlinear import set_weight_cache
+    from .modules.qlinear import set_weight_cache
 
     ids = eval_tokens(tok, src, data_dir=data_dir)
     set_weight_cache(model, True)
     try:
-        return perplexity(model, ids, seqlen, max_windows=max_windows, progress=progress)
+        return perplexity(
+            model,
+            ids,
+            seqlen,
+            max_windows=max_windows,
+            progress=progress,
+            device=device,
+            bos_token_id=bos_token_id(tok),
+        )
     finally:
         set_weight_cache(model, False)
 
@@ -253,6 +311,7 @@ def cmd_quantize(args) -> int:
     from .data import calibration_samples
     from .methods import get_method
     from .models import load_model, quantize_model, save_quantized
+    from .models.loading import resolve_device, resolve_dtype
     from .models.pipeline import peak_rss_mb
 
     if args.threads:
@@ -261,13 +320,19 @@ def cmd_quantize(args) -> int:
     spec = get_method(args.method)
     config = spec.make_config(**_method_options(args, spec))
     progress = not args.no_progress
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device, args.model)
+    if args.out:  # refuse a bad --out before hours of work, not after
+        from .models.serialization import check_output_dir
+
+        check_output_dir(args.out, args.overwrite)
     t0 = time.perf_counter()
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, dtype=dtype)
     print(f"loaded {args.model} ({type(model).__name__}) in {time.perf_counter() - t0:.1f}s")
     results: dict = {}
     if args.eval_src and args.eval_float:
         results["float"] = _ppl(
-            model, tok, args.eval_src, args.eval_seqlen, args.max_windows, args.data_dir, progress
+            model, tok, args.eval_src, args.eval_seqlen, args.max_windows, args.data_dir, progress, device
         )
         print(f"float perplexity: {results['float']['ppl']:.3f}")
     calib = calibration_samples(
@@ -285,6 +350,7 @@ def cmd_quantize(args) -> int:
         progress=progress,
         analyze_orders=orders,
         seed=args.seed,
+        device=device,
     )
     report.calibration.update({"source": args.calib, "seed": args.seed})
     out = report.to_dict()
@@ -295,7 +361,7 @@ def cmd_quantize(args) -> int:
     )
     if args.eval_src:
         results["quantized"] = _ppl(
-            model, tok, args.eval_src, args.eval_seqlen, args.max_windows, args.data_dir, progress
+            model, tok, args.eval_src, args.eval_seqlen, args.max_windows, args.data_dir, progress, device
         )
         out["eval"] = results
         rows = [("float", results["float"]["ppl"])] if "float" in results else []
@@ -316,7 +382,7 @@ def cmd_quantize(args) -> int:
             "config": config.to_dict(),
             "source_model": args.model,
         }
-        path = save_quantized(model, args.out, info, tokenizer=tok)
+        path = save_quantized(model, args.out, info, tokenizer=tok, overwrite=args.overwrite)
         out["saved_to"] = str(path)
         print(f"saved to {path}")
     out["peak_rss_mb"] = peak_rss_mb()
@@ -327,14 +393,18 @@ def cmd_quantize(args) -> int:
 def cmd_eval(args) -> int:
     import torch
 
+    from .errors import BitmosaicError
     from .models import load_model
+    from .models.loading import resolve_device, resolve_dtype
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok = load_model(args.model)
+    device = resolve_device(args.device)
+    model, tok = load_model(args.model, dtype=resolve_dtype(args.dtype, device, args.model))
     if tok is None:
-        raise SystemExit(f"error: {args.model} has no tokenizer saved; cannot evaluate text")
-    res = _ppl(model, tok, args.ppl, args.seqlen, args.max_windows, args.data_dir, not args.no_progress)
+        raise BitmosaicError(f"{args.model} has no tokenizer saved; cannot evaluate text")
+    progress = not args.no_progress
+    res = _ppl(model, tok, args.ppl, args.seqlen, args.max_windows, args.data_dir, progress, device)
     res.update({"model": args.model, "source": args.ppl})
     print(
         f"perplexity {res['ppl']:.4f} over {res['tokens']} tokens ({res['windows']} windows x {args.seqlen})"
@@ -424,10 +494,15 @@ def cmd_methods(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"quantize": cmd_quantize, "eval": cmd_eval, "inspect": cmd_inspect, "methods": cmd_methods}
+    from .algorithms.hessian import DampingError
+    from .errors import BitmosaicError
+
     try:
         return handlers[args.command](args)
-    except (ValueError, FileNotFoundError, FileExistsError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (BitmosaicError, DampingError, ValueError, FileNotFoundError, FileExistsError, OSError) as e:
+        # documented errors: one line, exit 2 (internal bugs still show their traceback)
+        msg = " ".join(str(e).split()) or type(e).__name__
+        print(f"error: {msg}", file=sys.stderr)
         return 2
 
 

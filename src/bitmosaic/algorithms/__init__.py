@@ -5,8 +5,9 @@ from .bounds import babai_bound, hessian_error, ldl_diagonal, relative_output_er
 from .gptq import gptq_quantize
 from .hessian import DampingError, HessianAccumulator, damp_hessian
 from .orders import ORDERS, apply_direction, groups_contiguous, make_order, min_pivot_sequence
-from .rtn import QuantResult, rtn_quantize
+from .rtn import rtn_quantize
 from .scales import find_scale_zero, group_scale_zero
+from .types import QuantResult
 
 __all__ = [
     "ORDERS",

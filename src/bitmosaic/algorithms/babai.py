@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..formats.grid import IntGrid, dequantize_codes, quantize_codes
+from .hessian import solver_threads
 
 __all__ = ["babai_nearest_plane"]
 
@@ -30,12 +31,23 @@ def babai_nearest_plane(
     zeros: torch.Tensor,
     basis_order: torch.Tensor | None = None,
     clip: bool = True,
-) -> torch.Tensor:
+    *,
+    return_pivots: bool = False,
+    threads: int | None = 1,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Integer codes ``[out, in]`` for target rows ``W`` on the lattice of (damped) ``H``.
 
     ``scales``/``zeros`` are per weight (``[out, in]``, fixed before the search); ``basis_order`` is
-    the order of the basis vectors (Babai processes it from last to first).
+    the order of the basis vectors (Babai processes it from last to first).  ``return_pivots``: also
+    return ``D_kk = R_kk^2`` in basis order, the squared Gram-Schmidt lengths of the Babai bound
+    (Thm. 5), from the factorisation already done.  ``threads``: as in
+    :func:`bitmosaic.algorithms.hessian.solver_threads` (one thread by default).
     """
+    with solver_threads(threads, W.device):
+        return _babai(W, H, grid, scales, zeros, basis_order, clip, return_pivots)
+
+
+def _babai(W, H, grid, scales, zeros, basis_order, clip, return_pivots):
     out, n = W.shape
     dtype = torch.float64 if W.dtype == torch.float64 else torch.float32
     P = torch.arange(n, device=W.device) if basis_order is None else basis_order.to(W.device)
@@ -52,4 +64,5 @@ def babai_nearest_plane(
         Y[:, : k + 1] -= dequantize_codes(qk, s[:, k], z[:, k])[:, None] * R[: k + 1, k][None, :]
     codes = torch.empty_like(q)
     codes[:, P] = q
-    return codes.to(torch.int32)
+    codes = codes.to(torch.int32)
+    return (codes, torch.diagonal(R) ** 2) if return_pivots else codes

@@ -27,7 +27,9 @@ def babai_bound(H: torch.Tensor, weight_scales: torch.Tensor, perm: torch.Tensor
     """Per-row bound ``1/4 sum_k D_kk s_k^2`` for GPTQ on processing order ``perm``.
 
     ``weight_scales`` is ``[out, in]`` (each weight's scale, original column order); ``H`` is the
-    damped Hessian the algorithm used.
+    damped Hessian the algorithm used.  GPTQ and Babai results carry ``D`` already, in processing
+    order (``QuantResult.pivots``): the bound is then ``1/4 sum_k pivots[k] s[:, perm[k]]^2`` with
+    no factorisation.
     """
     basis = perm.flip(0)
     D = ldl_diagonal(H[basis][:, basis].to(torch.float64))

@@ -31,8 +31,8 @@ from ..formats.fp import fp_round, get_float_format
 from ..formats.grid import IntGrid, dequantize_codes, fp16_exact, quantize_codes
 from .bounds import hessian_error
 from .gptq import IntColumnQuantizer, gptq_quantize
-from .rtn import QuantResult
 from .scales import ScaleMethod, find_scale_zero
+from .types import QuantResult
 
 __all__ = ["INT4", "DPQResult", "DualPrecisionQuantizer", "dpq_quantize", "fp8_on_top", "fp8_weight_scale"]
 
@@ -99,6 +99,11 @@ class DualPrecisionQuantizer:
     - ``quantize(w, s, z)``: Eq. 7, ``q = round(w_8 / s) + z`` clamped to the grid (Eq. 9; clipping
       §3.3), ``ŵ_8 = nearest_Z((q - z) s)`` (Eq. 10, rounded, see module doc), ``ŵ_16 = ŵ_8 s_w``
       (Eq. 11).  Returns ``(q, ŵ_16)``, so GPTQ propagates ``w - ŵ_16`` (Eq. 12).
+    - ``column_step(s, z)``: the same, bound to one group: Eq. 10's FP8 rounding depends on the
+      code alone, so ``ŵ_16`` is computed once per group for each of the ``2^b`` codes (a
+      ``[out, 2^b]`` table, the same arithmetic on the same values) and looked up per column; only
+      Eq. 7 (which depends on the compensated weight) and Eq. 9 stay per column.  Without clipping
+      the codes are unbounded and ``quantize`` is used.
 
     ``saturated`` counts the weights whose error-updated value exceeded ``Z_max s_w`` in Eq. 7
     (clamped to ``±Z_max``); ``margin`` in :func:`fp8_weight_scale` is the remedy.
@@ -120,7 +125,24 @@ class DualPrecisionQuantizer:
         self.grid = grid
         self.scale_method: ScaleMethod = scale_method
         self.clip = clip
-        self.saturated = torch.zeros((), dtype=torch.long, device=s.device)
+        self._saturated = torch.zeros((), dtype=torch.long, device=s.device)
+        self._pending: list[torch.Tensor] = []  # w / s_w of quantized columns, counted in batches
+
+    @property
+    def saturated(self) -> torch.Tensor:
+        self._count_saturated()
+        return self._saturated
+
+    def _count_saturated(self) -> None:
+        if self._pending:
+            x = torch.stack(self._pending)
+            self._pending.clear()
+            self._saturated += (x.abs() > self.format.max_value).sum()
+
+    def _note(self, x: torch.Tensor) -> None:
+        self._pending.append(x)
+        if len(self._pending) >= 256:
+            self._count_saturated()
 
     def fit(self, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         w8 = fp_round(cols / self.fp8_scale_rows[:, None], self.format)
@@ -130,11 +152,30 @@ class DualPrecisionQuantizer:
         self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x = w / self.fp8_scale_rows
-        self.saturated += (x.abs() > self.format.max_value).sum()
+        self._note(x)
         w8 = fp_round(x, self.format)
         q = quantize_codes(w8, scale, zero, self.grid.maxq, clip=self.clip)
         w8_hat = fp_round(dequantize_codes(q, scale, zero), self.format)
         return q, w8_hat * self.fp8_scale_rows
+
+    def column_step(self, scale: torch.Tensor, zero: torch.Tensor):
+        """Eqs. 7-11 for one group: Eq. 10's FP8 rounding once per group for the ``maxq + 1`` codes
+        (a ``[out, 2^b]`` table), Eqs. 7 and 9 per column (see class doc)."""
+        if not self.clip:  # unbounded codes: no finite table
+            return lambda w: self.quantize(w, scale, zero)
+        s_w, fmt, maxq = self.fp8_scale_rows, self.format, self.grid.maxq
+        codes = torch.arange(maxq + 1, dtype=scale.dtype, device=scale.device)
+        w16_tab = fp_round(dequantize_codes(codes[None, :], scale[:, None], zero[:, None]), fmt)
+        w16_tab = (w16_tab * s_w.reshape(-1, 1)).reshape(-1)  # row r, code q at r * (maxq + 1) + q
+        offset = torch.arange(scale.shape[0], dtype=torch.int32, device=scale.device) * (maxq + 1)
+
+        def step(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            x = w / s_w
+            self._note(x)
+            q = torch.div(fp_round(x, fmt), scale).round_().add_(zero).clamp_(0, maxq)  # Eqs. 7, 9
+            return q, w16_tab.index_select(0, torch.add(offset, q.to(torch.int32)))  # Eqs. 10-11
+
+        return step
 
 
 @dataclass
@@ -264,6 +305,7 @@ def dpq_quantize(
         perm=res.perm,
         hessian=res.hessian,
         step_errors=res.step_errors,
+        pivots=res.pivots,
         info={
             "fp8_format": f.name,
             "fp8_scale_max": float(s_w.max()),

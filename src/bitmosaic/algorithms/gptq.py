@@ -2,8 +2,11 @@
 
 The algorithm (Babai paper, Algorithm 1; GPTQ paper Algorithm 1): visit the columns in a
 processing order; quantize column ``i`` to ``q``, and move the error ``(w - q) / U_ii`` onto the
-not-yet-quantized columns through row ``i`` of ``U = chol(H^-1)^T``.  Updates to columns outside
-the current block are applied lazily once per block (identical numbers, better memory traffic).
+not-yet-quantized columns through row ``i`` of ``U = chol(H^-1)^T``.  Updates are applied lazily
+(GPTQ §3, "lazy batch-updates"): rank one within an inner block of 32 columns, by one matrix
+product onto the rest of the block of ``block_size`` columns, and by one more onto the columns
+after the block (the same numbers up to summation order, far less memory traffic).  ``U`` and the
+LDL pivots come from one Cholesky factorisation (:func:`bitmosaic.algorithms.hessian.gptq_factor`).
 
 Group parameters:
 
@@ -28,7 +31,7 @@ DPQ paper's two-level INT4 -> FP8 -> 16-bit step (§3.1, Eqs. 7-11) is
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,12 +39,17 @@ import torch
 
 from ..formats.grid import IntGrid, dequantize_codes, quantize_codes
 from ..formats.layout import default_g_idx, normalize_group_size, num_groups
-from .hessian import damp_hessian
+from .hessian import gptq_factor, solver_threads
 from .orders import groups_contiguous
-from .rtn import QuantResult
 from .scales import ScaleMethod, find_scale_zero
+from .types import QuantResult
 
-__all__ = ["ColumnQuantizer", "IntColumnQuantizer", "gptq_quantize"]
+__all__ = ["ColumnQuantizer", "ColumnStep", "IntColumnQuantizer", "gptq_quantize"]
+
+# One column: error-updated weights ``[out]`` -> ``(codes, dequantized)`` (a group's scale bound).
+ColumnStep = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# Columns per rank-one inner block; the rest of a block gets their errors by one matrix product.
+_INNER = 32
 
 
 class ColumnQuantizer(Protocol):
@@ -52,6 +60,10 @@ class ColumnQuantizer(Protocol):
     ``(codes, dequantized)``, each ``[out]`` in ``w``'s float dtype; GPTQ propagates
     ``w - dequantized`` (Eq. 12 of the DPQ paper), so ``dequantized`` must be the weight that
     inference will use.
+
+    Optional ``column_step(scale, zero)``: ``quantize`` bound to one group's scale/zero (GPTQ calls
+    it once per group and the returned function once per column), for quantizers that can precompute
+    per group; it must return exactly what ``quantize`` returns.
     """
 
     def fit(self, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -78,20 +90,24 @@ class IntColumnQuantizer:
         q = quantize_codes(w, scale, zero, self.grid.maxq, clip=self.clip)
         return q, dequantize_codes(q, scale, zero)
 
+    def column_step(self, scale: torch.Tensor, zero: torch.Tensor) -> ColumnStep:
+        """:meth:`quantize` for one group, with in-place ops (the same arithmetic)."""
+        maxq, clip = self.grid.maxq, self.clip
 
-@contextmanager
-def _single_thread():
-    """The per-column steps are tiny vector ops: running them on one thread avoids OpenMP
-    fork/join overhead, which dominates them (and explodes on a busy machine)."""
-    old = torch.get_num_threads()
-    if old == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
+        def step(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            q = torch.div(w, scale).round_().add_(zero)
+            if clip:
+                q.clamp_(0, maxq)
+            return q, (q - zero).mul_(scale)
+
+        return step
+
+
+def _column_step(quantizer: ColumnQuantizer, scale: torch.Tensor, zero: torch.Tensor) -> ColumnStep:
+    make = getattr(quantizer, "column_step", None)
+    if make is not None:
+        return make(scale, zero)
+    return lambda w: quantizer.quantize(w, scale, zero)
 
 
 def _block_bounds(n: int, block_size: int, group_starts: list[int]) -> list[tuple[int, int]]:
@@ -115,13 +131,15 @@ def gptq_quantize(
     scales: torch.Tensor | None = None,
     zeros: torch.Tensor | None = None,
     quantizer: ColumnQuantizer | None = None,
+    threads: int | None = 1,
 ) -> QuantResult:
     """Quantize ``W`` (``[out, in]``) against Hessian ``H`` (``[in, in]``).
 
     ``perm`` is the processing order (see :mod:`bitmosaic.algorithms.orders`); ``dtype`` is the
     working precision (default: float32, or float64 if ``W`` is float64).  Returns codes in the
-    original column order with the damped Hessian used and the per-row sum of step errors
-    ``sum_i ((w'_i - q_i) / U_ii)^2``, which equals ``(w - q)^T H_damped (w - q)``.
+    original column order with the damped Hessian used, the per-row sum of step errors
+    ``sum_i ((w'_i - q_i) / U_ii)^2``, which equals ``(w - q)^T H_damped (w - q)``, and the LDL
+    pivots ``D_kk = 1 / U_kk^2`` in processing order (``pivots``; see :func:`gptq_factor`).
 
     ``scales``/``zeros`` (``[out, G]``, contiguous groups) fix the grid in advance, as the
     scale searches of SSQR and HPTQ need; they imply ``static_groups``.
@@ -130,98 +148,115 @@ def gptq_quantize(
     clip)``, in which case ``grid``, ``scale_method`` and ``clip`` are ignored); static groups
     without explicit ``scales`` are fitted with ``quantizer.fit`` on each contiguous group of the
     original weights.
+
+    Runs on ``W``'s device.  On the CPU the solve (factorisation, column loop, block products) runs
+    with ``threads`` threads, set once for the call and restored (``None``: the caller's setting;
+    see :func:`bitmosaic.algorithms.hessian.solver_threads`); group fits (``quantizer.fit``, e.g.
+    the vectorised MSE search: a few large ops) run in the caller's setting.
     """
-    out, n = W.shape
-    if H.shape != (n, n):
-        raise ValueError(f"Hessian shape {tuple(H.shape)} does not match weight in_features {n}")
-    dtype = dtype or (torch.float64 if W.dtype == torch.float64 else torch.float32)
+    if H.shape != (W.shape[1], W.shape[1]):
+        raise ValueError(f"Hessian shape {tuple(H.shape)} does not match weight in_features {W.shape[1]}")
     if quantizer is None:
         quantizer = IntColumnQuantizer(grid, scale_method, clip)
+    caller = torch.get_num_threads()
+
+    def fit(cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with solver_threads(caller, W.device):
+            return quantizer.fit(cols)
+
+    with solver_threads(threads, W.device):
+        return _gptq(
+            W, H, group_size, perm, static_groups, block_size, percdamp, dtype, scales, zeros, quantizer, fit
+        )
+
+
+def _gptq(W, H, group_size, perm, static_groups, block_size, percdamp, dtype, scales, zeros, quantizer, fit):
+    out, n = W.shape
+    dtype = dtype or (torch.float64 if W.dtype == torch.float64 else torch.float32)
+    dev = W.device
     W = W.to(dtype).clone()
-    H = H.to(dtype)
-    dead = torch.diagonal(H) == 0
-    W[:, dead] = 0
-    Hd, _, _ = damp_hessian(H, percdamp)
+    H = H.to(device=dev, dtype=dtype)
+    W[:, torch.diagonal(H) == 0] = 0  # dead inputs
+    perm = torch.arange(n, device=dev) if perm is None else perm.to(dev)
+    Hd, U, pivots, _ = gptq_factor(H, percdamp, perm)
 
     g = normalize_group_size(group_size, n)
     G = num_groups(n, group_size)
-    perm = torch.arange(n, device=W.device) if perm is None else perm.to(W.device)
     if scales is not None:
         static_groups = True
-        static_s = scales.to(dtype)
-        static_z = (zeros if zeros is not None else torch.zeros_like(scales)).to(dtype)
-        if static_s.shape != (out, num_groups(n, group_size)):
+        static_s = scales.to(device=dev, dtype=dtype)
+        static_z = (zeros if zeros is not None else torch.zeros_like(scales)).to(device=dev, dtype=dtype)
+        if static_s.shape != (out, G):
             raise ValueError(f"scales shape {tuple(static_s.shape)} != (out, groups) = ({out}, {G})")
     elif static_groups:
         static_s = W.new_empty(out, G)
         static_z = W.new_empty(out, G)
         for k in range(G):
-            static_s[:, k], static_z[:, k] = quantizer.fit(W[:, k * g : (k + 1) * g])
+            static_s[:, k], static_z[:, k] = fit(W[:, k * g : (k + 1) * g])
     aligned = static_groups or groups_contiguous(perm, g)
 
-    # Work in processing order.
-    Wp = W[:, perm]
-    Hp = Hd[perm][:, perm]
-    Lp = torch.linalg.cholesky(Hp)
-    U = torch.linalg.cholesky(torch.cholesky_inverse(Lp), upper=True)  # GPTQ's Hinv
-
-    orig_group = perm // g  # contiguous group of the column at each processing position
+    orig_group = (perm // g).tolist()  # contiguous group of the column at each processing position
     if aligned:
         starts = [0] + [i for i in range(1, n) if orig_group[i] != orig_group[i - 1]]
         pos_group = orig_group  # scales indexed by original group
     else:
         starts = list(range(0, n, g))
-        pos_group = torch.arange(n, device=W.device) // g
+        pos_group = [i // g for i in range(n)]
     start_set = set(starts)
-    pos_group_list = pos_group.tolist()
 
-    scales = W.new_zeros(out, G)
-    zeros = W.new_zeros(out, G)
-    codes_p = torch.empty(out, n, dtype=dtype, device=W.device)
+    # Processing order, one weight column per row: every per-column op reads a contiguous vector.
+    WT = W.T.index_select(0, perm)
+    codesT = torch.empty_like(WT)
+    out_s = W.new_zeros(out, G)
+    out_z = W.new_zeros(out, G)
     errsum = W.new_zeros(out)
-    s_col = z_col = None
+    steps: dict[int, ColumnStep] = {}
+    step: ColumnStep | None = None
+    diagU = torch.diagonal(U)
     # A dynamic group's scale is computed from fully updated weights, so its first column must
     # start a block; static scales need no such cut (act-order would otherwise shred the blocks).
     for i1, i2 in _block_bounds(n, block_size, [] if static_groups else starts):
-        W1 = Wp[:, i1:i2].clone()
+        W1, U1 = WT[i1:i2], U[i1:i2, i1:i2]
         E1 = torch.empty_like(W1)
-        U1 = U[i1:i2, i1:i2]
-        with _single_thread():
-            for i in range(i2 - i1):
+        for a in range(0, i2 - i1, _INNER):
+            b = min(a + _INNER, i2 - i1)
+            for i in range(a, b):
                 col = i1 + i
-                k = pos_group_list[col]
                 if col in start_set:
-                    if static_groups:
-                        scales[:, k], zeros[:, k] = static_s[:, k], static_z[:, k]
-                    else:
-                        # group columns are W1[:, i:i+len] (a block never crosses a group start)
-                        glen = min(g, n - k * g) if aligned else min(g, n - col)
-                        cols = torch.cat([W1[:, i:], Wp[:, i2:]], dim=1)[:, :glen]
-                        scales[:, k], zeros[:, k] = quantizer.fit(cols)
-                    s_col, z_col = scales[:, k], zeros[:, k]
-                w = W1[:, i]
-                q, dq = quantizer.quantize(w, s_col, z_col)
-                codes_p[:, col] = q
-                d = U1[i, i]
-                err = (w - dq) / d
-                errsum += err * err
-                W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
-                E1[:, i] = err
-        Wp[:, i2:] -= E1 @ U[i1:i2, i2:]
+                    k = pos_group[col]
+                    if k not in steps:
+                        if static_groups:
+                            out_s[:, k], out_z[:, k] = static_s[:, k], static_z[:, k]
+                        else:  # the group's current weights: this block starts at col (see above)
+                            glen = min(g, n - k * g) if aligned else min(g, n - col)
+                            out_s[:, k], out_z[:, k] = fit(WT[col : col + glen].T.contiguous())
+                        steps[k] = _column_step(quantizer, out_s[:, k].clone(), out_z[:, k].clone())
+                    step = steps[k]
+                w = W1[i]
+                q, dq = step(w)
+                codesT[col] = q
+                torch.sub(w, dq, out=E1[i]).div_(diagU[col])
+                if i + 1 < b:  # error onto the rest of the inner block, rank one
+                    W1[i + 1 : b].addr_(U1[i, i + 1 : b], E1[i], alpha=-1)
+            if b < i2 - i1:  # lazy: the inner block's errors onto the rest of the block
+                W1[b:].addmm_(U1[a:b, b:].T, E1[a:b], alpha=-1)
+        errsum += (E1 * E1).sum(dim=0)
+        if i2 < n:
+            WT[i2:].addmm_(U[i1:i2, i2:].T, E1, alpha=-1)
 
-    codes = torch.empty_like(codes_p)
-    codes[:, perm] = codes_p
+    codes = codesT.index_select(0, torch.argsort(perm)).T.contiguous()
     if aligned:
-        g_idx = default_g_idx(n, g, device=W.device)
+        g_idx = default_g_idx(n, g, device=dev)
     else:
-        g_idx = torch.empty(n, dtype=torch.long, device=W.device)
-        g_idx[perm] = pos_group
+        g_idx = torch.empty(n, dtype=torch.long, device=dev)
+        g_idx[perm] = torch.arange(n, device=dev) // g
     return QuantResult(
         codes=codes.to(torch.int32),
-        scales=scales,
-        zeros=zeros,
+        scales=out_s,
+        zeros=out_z,
         g_idx=g_idx,
         perm=perm,
         hessian=Hd,
         step_errors=errsum,
+        pivots=pivots,
     )

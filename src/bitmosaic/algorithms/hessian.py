@@ -1,21 +1,51 @@
-"""Layer Hessians ``H = 2/n * sum_i x_i x_i^T`` of the L2 output objective (GPTQ §2).
+"""Layer Hessians ``H = 2/n * sum_i x_i x_i^T`` of the L2 output objective (GPTQ §2), their damped
+factorisations, and the thread setting of the sequential solves that use them.
 
 Accumulation is a running mean so that ``H`` has the same scale whatever the number of
-calibration tokens; float32 by default, float64 on request.
+calibration tokens; float32 by default, float64 on request.  :func:`damp_hessian` and
+:func:`gptq_factor` share one damping schedule: every failed factorisation raises the damping
+tenfold with a warning, then :class:`DampingError`.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["HessianAccumulator", "damp_hessian", "DampingError"]
+__all__ = ["HessianAccumulator", "damp_hessian", "gptq_factor", "solver_threads", "DampingError"]
 
 
 class DampingError(RuntimeError):
     """Raised when the damped Hessian stays non positive-definite after all retries."""
+
+
+@contextmanager
+def solver_threads(threads: int | None, device: torch.device | str = "cpu") -> Iterator[None]:
+    """Run one sequential solve (GPTQ, Babai, min-pivot) with ``threads`` CPU threads, set once.
+
+    Why (issue #9): those solves are long chains of small dependent ops, and many small ops open
+    an OpenMP region anyway (``torch.round`` goes parallel above 2048 elements, MKL threads
+    ``ger``/``gemm``/``potri`` by its own rules).  libgomp's barriers wait for every thread of the
+    team, so whenever another process holds a core each region costs a scheduler slice: measured
+    here on 2 shared cores, ~8 ms for a 2049-element ``round_`` (2000x), 1.4-23 s for a
+    ``cholesky_inverse`` that takes 4-55 ms on one thread, and 35-50 s for a 4096x4096 GPTQ that
+    takes 5 s on one thread.  Toggling ``set_num_threads`` per block only moved the stalls to the
+    factorisations and block products.  ``None`` keeps the caller's setting (e.g. a dedicated
+    many-core machine with ``OMP_WAIT_POLICY=PASSIVE``); non-CPU devices are left alone.
+    """
+    old = torch.get_num_threads()
+    if threads is None or torch.device(device).type != "cpu" or old == threads:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 @dataclass
@@ -42,6 +72,31 @@ class HessianAccumulator:
         self.H.addmm_(x.T, x)
 
 
+def _damping_tries(H: torch.Tensor, percdamp: float, max_tries: int, stacklevel: int):
+    """Yield ``(H_damped, percdamp)`` with the damping raised tenfold (and a warning) after each
+    failed try; the caller returns on success.  Raises DampingError when the tries run out."""
+    H = H.clone()
+    diag = torch.diagonal(H)
+    diag[diag == 0] = 1.0  # dead inputs
+    mean_diag = diag.mean()
+    pd = percdamp
+    for _ in range(max_tries):
+        Hd = H.clone()
+        torch.diagonal(Hd).add_(pd * mean_diag)
+        yield Hd, pd
+        new = pd * 10 if pd > 0 else 1e-6
+        warnings.warn(
+            f"Hessian not positive-definite with damping {pd:g} x mean(diag); retrying with {new:g}",
+            RuntimeWarning,
+            stacklevel=stacklevel + 1,
+        )
+        pd = new
+    raise DampingError(
+        f"Hessian is not positive-definite even with damping {pd:g} x mean(diag): the calibration "
+        "inputs are degenerate; use more calibration samples or a larger --damp"
+    )
+
+
 def damp_hessian(
     H: torch.Tensor, percdamp: float = 0.01, max_tries: int = 6
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -51,26 +106,53 @@ def damp_hessian(
     ``H_damped = H + percdamp * mean(diag H) * I``; when Cholesky fails the damping is raised
     tenfold with a warning (never silently), up to ``max_tries`` times, then DampingError.
     """
-    H = H.clone()
-    diag = torch.diagonal(H)
-    dead = diag == 0
-    diag[dead] = 1.0
-    mean_diag = diag.mean()
-    pd = percdamp
-    for _ in range(max_tries):
-        Hd = H.clone()
-        torch.diagonal(Hd).add_(pd * mean_diag)
+    for Hd, pd in _damping_tries(H, percdamp, max_tries, stacklevel=2):
         L, info = torch.linalg.cholesky_ex(Hd)
         if int(info) == 0:
             return Hd, L, pd
-        new = pd * 10 if pd > 0 else 1e-6
-        warnings.warn(
-            f"Hessian not positive-definite with damping {pd:g} x mean(diag); retrying with {new:g}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        pd = new
-    raise DampingError(
-        f"Hessian is not positive-definite even with damping {pd:g} x mean(diag): the calibration "
-        "inputs are degenerate; use more calibration samples or a larger --damp"
-    )
+    raise AssertionError("unreachable")  # _damping_tries raises
+
+
+def _tril_inverse(L: torch.Tensor, base: int = 128) -> torch.Tensor:
+    """Inverse of a lower-triangular ``L`` by recursive 2x2 blocks (``[[A, 0], [B, C]]^-1 =
+    [[A^-1, 0], [-C^-1 B A^-1, C^-1]]``): ``n^3/3`` flops in matrix products, a third of a
+    triangular solve against the identity."""
+    n = L.shape[0]
+    if n <= base:
+        eye = torch.eye(n, dtype=L.dtype, device=L.device)
+        return torch.linalg.solve_triangular(L, eye, upper=False)
+    h = n // 2
+    Ai, Ci = _tril_inverse(L[:h, :h], base), _tril_inverse(L[h:, h:], base)
+    out = torch.zeros_like(L)
+    out[:h, :h] = Ai
+    out[h:, h:] = Ci
+    torch.matmul(Ci, L[h:, :h] @ Ai, out=out[h:, :h])
+    out[h:, :h].neg_()
+    return out
+
+
+def gptq_factor(
+    H: torch.Tensor, percdamp: float, perm: torch.Tensor, max_tries: int = 6
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """``(H_damped, U, pivots, percdamp_used)`` for GPTQ on processing order ``perm``.
+
+    ``U`` is GPTQ's ``Hinv``: the upper Cholesky factor of ``(H_damped)_p^{-1}`` (``_p``: rows and
+    columns in processing order).  It comes from *one* Cholesky, of the Babai basis order
+    ``J H_p J`` (``J`` the reversal): with ``J H_p J = L L^T``, ``U = J L^{-1} J`` (Babai paper,
+    App. B: GPTQ back to front is Babai's nearest plane on that factor).  No explicit inverse is
+    factorised again, so no second Cholesky can fail on an ill-conditioned ``H``, and LAPACK's
+    ``potri`` (whose many OpenMP barriers stall badly on a busy machine) is not used.
+
+    ``pivots[k] = 1 / U_kk^2 = D_kk``: the LDL pivots of ``H_p`` in processing order, i.e. the
+    ``D`` of the Babai bound (Thm. 5) reversed.  A failed factorisation, or a non-finite inverse,
+    raises the damping as :func:`damp_hessian` does (warning, then DampingError).
+    """
+    basis = perm.flip(0)
+    for Hd, pd in _damping_tries(H, percdamp, max_tries, stacklevel=2):
+        L, info = torch.linalg.cholesky_ex(Hd.index_select(0, basis).index_select(1, basis))
+        if int(info) != 0:
+            continue
+        Linv = _tril_inverse(L)
+        if bool(torch.isfinite(Linv.sum())):  # one cheap reduction: inf/NaN anywhere shows
+            return Hd, Linv.flip(0, 1), (torch.diagonal(L) ** 2).flip(0), pd
+    raise AssertionError("unreachable")

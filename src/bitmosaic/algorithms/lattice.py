@@ -7,7 +7,14 @@ bound of Theorem 5; clipping breaks that bound.  Two ways to keep small scales *
   factor ``alpha``; GPTQ runs without clipping; every integer that lands outside the ``b``-bit grid
   becomes a sparse outlier (stored exactly in CSR, fp16 values) while the dense code keeps the
   clamped value.  ``alpha`` is found by binary search so that the outlier density meets a target
-  (Algorithm 9): a larger ``alpha`` widens the grid and lowers the density.
+  (Algorithm 9): a larger ``alpha`` widens the grid and lowers the density.  Groups are either the
+  paper's static contiguous groups (scales fitted on the original weights before GPTQ; the
+  default), or GPTQ's *dynamic* groups (issue #9 §5): formed
+  by processing position under act-order, each scale fitted by MSE on the error-updated weights
+  when its group starts, then multiplied by ``alpha``.  That is the grouping and scale choice of
+  the GPTQ baseline, so the two differ only in clipping vs sparse outliers.  The Babai bound still
+  holds: every no-clip step rounds to the nearest point of a grid of step ``s_j`` (Theorem 5 needs
+  nothing else), with ``s_j`` the scale actually used for column ``j``.
 - **HPTQ** / **HRTN**: one scalar scale per matrix (or per output row) and unbounded integers from
   no-clip GPTQ (HPTQ, Algorithm 11) or RTN (HRTN, Algorithm 12), Huffman-coded; the scale is found
   by a binary search until the *real* encoded size (stream + code table + row offsets + scales)
@@ -20,15 +27,16 @@ so the search keeps the best *feasible* point seen (density <= target, bits <= t
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from ..formats.grid import IntGrid, fp16_ceil
 from ..formats.huffman import estimate_bits
 from ..formats.layout import default_g_idx
-from .gptq import gptq_quantize
-from .rtn import QuantResult
-from .scales import group_scale_zero
+from .gptq import IntColumnQuantizer, gptq_quantize
+from .scales import find_scale_zero, group_scale_zero
+from .types import QuantResult
 
 __all__ = ["ssqr_quantize", "entropy_coded_quantize", "outlier_density", "order_bound_table"]
 
@@ -83,6 +91,20 @@ def _pick_feasible(evals: dict, target: float):
     return x, evals[x]
 
 
+@dataclass(frozen=True)
+class _WidenedMSE(IntColumnQuantizer):
+    """GPTQ's dynamic-group step with MSE scales widened by SSQR's global factor ``alpha``."""
+
+    alpha: float = 1.0
+
+    def fit(self, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s, z = find_scale_zero(cols, self.grid, "mse")
+        return fp16_ceil(s * self.alpha), z
+
+
+SSQR_GROUPS = ("dynamic", "static")
+
+
 def ssqr_quantize(
     W: torch.Tensor,
     H: torch.Tensor,
@@ -95,19 +117,31 @@ def ssqr_quantize(
     percdamp: float = 0.01,
     max_iter: int = 10,
     tol: float = 0.1,
+    groups: str = "static",
 ) -> QuantResult:
-    """SSQR: dense ``bits``-bit codes + sparse exact outliers at density ``<= outlier_rate``."""
+    """SSQR: dense ``bits``-bit codes + sparse exact outliers at density ``<= outlier_rate``.
+
+    ``groups="static"`` is the paper's Algorithm 9 (contiguous groups, MSE scales of the original
+    weights x ``alpha``); ``"dynamic"`` uses GPTQ's dynamic groups (module doc).
+    """
     if not 0 < outlier_rate < 0.5:
         raise ValueError(f"outlier rate must be in (0, 0.5), got {outlier_rate}")
+    if groups not in SSQR_GROUPS:
+        raise ValueError(f"SSQR groups must be one of {SSQR_GROUPS}, got {groups!r}")
     grid = IntGrid(bits, symmetric)
     W = W.float()
-    S0, Z0 = group_scale_zero(W, grid, group_size, "mse")
+    if groups == "static":
+        S0, Z0 = group_scale_zero(W, grid, group_size, "mse")
 
     def run(alpha: float):
-        s = fp16_ceil(S0 * alpha)
-        res = gptq_quantize(
-            W, H, grid, group_size, perm=perm, clip=False, scales=s, zeros=Z0, percdamp=percdamp
-        )
+        if groups == "static":
+            s = fp16_ceil(S0 * alpha)
+            res = gptq_quantize(
+                W, H, grid, group_size, perm=perm, clip=False, scales=s, zeros=Z0, percdamp=percdamp
+            )
+        else:
+            q = _WidenedMSE(grid, "mse", clip=False, alpha=alpha)
+            res = gptq_quantize(W, H, grid, group_size, perm=perm, quantizer=q, percdamp=percdamp)
         return outlier_density(res.codes, grid.maxq), res
 
     evals = _bisect_log(run, outlier_rate, 1.0, 1.0, max_iter, tol)
@@ -119,7 +153,12 @@ def ssqr_quantize(
     sparse = torch.zeros_like(dense)
     sparse[over] = (noclip - dense)[over].half().float()  # fp16 outlier values, as stored
     res.sparse = sparse
-    res.info = {"scale_multiplier": alpha, "outlier_rate": density, "search_evals": len(evals)}
+    res.info = {
+        "scale_multiplier": alpha,
+        "outlier_rate": density,
+        "search_evals": len(evals),
+        "ssqr_groups": groups,
+    }
     return res
 
 
@@ -149,8 +188,8 @@ def entropy_coded_quantize(
     base = W.abs().amax(dim=1, keepdim=True) if scale_per == "row" else W.abs().amax().expand(out, 1)
     base = base.clamp(min=1e-8)
     n_scales = out if scale_per == "row" else 1
-    zeros = torch.zeros(out, 1)
-    g_idx = default_g_idx(n, None)
+    zeros = torch.zeros(out, 1, device=W.device)
+    g_idx = default_g_idx(n, None, device=W.device)
 
     def quantize(c: float) -> QuantResult:
         s = fp16_ceil(base * c)
@@ -164,7 +203,7 @@ def entropy_coded_quantize(
         lo, hi = int(res.codes.min()), int(res.codes.max())
         if lo < -32768 or hi > 32767:
             return float("inf")  # the table stores 16-bit symbols: scale too small
-        return (estimate_bits(res.codes.numpy()) + 16 * n_scales) / (out * n)
+        return (estimate_bits(res.codes.cpu().numpy()) + 16 * n_scales) / (out * n)
 
     def rtn_bits(c):
         r = QuantResult(torch.round(W / fp16_ceil(base * c)).to(torch.int32), base, zeros, g_idx)
@@ -200,24 +239,25 @@ def order_bound_table(
     """The Babai bound ``1/4 sum D_jj s_j^2`` and the measured no-clip GPTQ error per order.
 
     All orders use the same static scales, so differences come from ``D`` alone (paper §4.5,
-    App. C.3); ``trace_D`` is the scale-free proxy the paper tabulates.
+    App. C.3); ``trace_D`` is the scale-free proxy the paper tabulates.  ``D`` is GPTQ's own
+    factorisation (``QuantResult.pivots``, processing order), not a second one.
     """
-    from .bounds import babai_bound, hessian_error, ldl_diagonal
+    from .bounds import hessian_error
     from .hessian import damp_hessian
     from .orders import make_order
 
     W64 = W.double()
     Hd = damp_hessian(H.double(), percdamp)[0]
     s, z = group_scale_zero(W64, grid, group_size, scale_method)
-    g = default_g_idx(W.shape[1], group_size)
+    g = default_g_idx(W.shape[1], group_size, device=W.device)
     table = {}
     for order in orders:
         perm = make_order(Hd, order, group_size)
         res = gptq_quantize(W64, Hd, grid, group_size, perm=perm, clip=False, scales=s, zeros=z, percdamp=0.0)
-        basis = perm.flip(0)
+        D = res.pivots  # processing order
         table[order] = {
-            "bound": float(babai_bound(Hd, s[:, g], perm).sum()),
+            "bound": float(0.25 * (s[:, g][:, perm] ** 2 * D[None, :]).sum()),
             "noclip_error": float(hessian_error(W64, res.dequantize(torch.float64), Hd).sum()),
-            "trace_D": float(ldl_diagonal(Hd[basis][:, basis]).sum()),
+            "trace_D": float(D.sum()),
         }
     return table

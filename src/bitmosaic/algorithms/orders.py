@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 
 from ..formats.layout import normalize_group_size
+from .hessian import solver_threads
 
 __all__ = [
     "OrderName",
@@ -58,38 +59,68 @@ def gar_order(H: torch.Tensor, group_size: int | None) -> torch.Tensor:
     within = [s + torch.argsort(d[s : s + g], descending=True, stable=True) for s in starts]
     group_key = torch.stack([d[s : s + g].max() for s in starts])
     group_rank = torch.argsort(group_key, descending=True, stable=True)
-    return torch.cat([within[int(k)] for k in group_rank])
+    return torch.cat([within[k] for k in group_rank.tolist()])
 
 
-def min_pivot_sequence(H: torch.Tensor) -> torch.Tensor:
+def min_pivot_sequence(H: torch.Tensor, block_size: int = 64, threads: int | None = 1) -> torch.Tensor:
     """Pivot sequence of the min-pivot LDL of ``H`` (Babai basis order), float64 internally.
 
-    Left-looking pivoted Cholesky: ``O(n^3)`` like the factorisation GPTQ does anyway.
+    Babai paper Algorithm 3: Cholesky with *minimum* diagonal pivoting (ties: lowest index).
+    Blocked like LAPACK's pivoted ``pstrf``: a panel of ``block_size`` columns is computed
+    left-looking against the panel only, then the Schur complement of the remaining columns is
+    formed by one matrix product (``~n^3/3`` flops in BLAS-3 instead of ``n`` growing
+    matrix-vector products).  Every column and every pivot update ``d -= col^2`` is the unblocked
+    algorithm's up to the summation order of the Schur complement.  When a pivot is ``<= 0``
+    (numerically singular remainder) the columns left follow in ascending ``diag(H)`` (stable).
+    Runs on ``H``'s device with one host sync per panel; ``threads`` as in
+    :func:`bitmosaic.algorithms.hessian.solver_threads`.
     """
-    A = H.to(torch.float64)
-    n = A.shape[0]
-    L = torch.zeros(n, n, dtype=torch.float64, device=A.device)
-    d = torch.diagonal(A).clone()  # current Schur-complement diagonal
-    taken = torch.zeros(n, dtype=torch.bool, device=A.device)
-    seq = torch.empty(n, dtype=torch.long, device=A.device)
-    inf = torch.tensor(float("inf"), dtype=torch.float64, device=A.device)
-    for k in range(n):
-        j = int(torch.argmin(torch.where(taken, inf, d)))
-        seq[k] = j
-        piv = d[j]
-        if piv <= 0:  # numerically singular remainder: keep the remaining order by diagonal
+    with solver_threads(threads, H.device):
+        return _min_pivot(H, block_size)
+
+
+def _min_pivot(H: torch.Tensor, block_size: int) -> torch.Tensor:
+    # B[j] = column j of the Schur complement of the remaining columns (rows are contiguous)
+    B = H.to(torch.float64).T.contiguous()
+    n = B.shape[0]
+    dev = B.device
+    diag0 = torch.diagonal(B).clone()
+    d = diag0.clone()  # Schur-complement diagonal of the remaining columns
+    idx = torch.arange(n, device=dev)  # original index of each remaining column (ascending)
+    inf = torch.tensor(float("inf"), dtype=torch.float64, device=dev)
+    seq = torch.empty(n, dtype=torch.long, device=dev)
+    k = 0
+    while k < n:
+        m = idx.numel()
+        kb = min(block_size, m)
+        PT = B.new_zeros(kb, m)  # the panel's columns of L, one per row
+        avail = torch.ones(m, dtype=torch.bool, device=dev)
+        piv = B.new_empty(kb)
+        for t in range(kb):
+            jl = torch.argmin(torch.where(avail, d, inf)).reshape(1)  # first minimum: lowest index
+            piv[t : t + 1] = d.index_select(0, jl)
+            seq[k + t : k + t + 1] = idx.index_select(0, jl)
+            r = piv[t].sqrt()
+            col = B.index_select(0, jl)[0]
+            if t:
+                col = col - PT[:t].T @ PT[:t].index_select(1, jl)[:, 0]
+            col = (col / r).masked_fill_(~avail, 0.0).index_copy_(0, jl, r.reshape(1))  # no sync
+            PT[t] = col
+            avail.index_fill_(0, jl, False)
+            d = d - col * col
+        bad = (piv <= 0).nonzero()
+        if bad.numel():  # singular remainder from the first non-positive pivot on
+            t0 = k + int(bad[0, 0]) + 1
+            taken = torch.zeros(n, dtype=torch.bool, device=dev)
+            taken[seq[:t0]] = True
             rest = (~taken).nonzero().flatten()
-            rest = rest[rest != j]
-            rest = rest[torch.argsort(torch.diagonal(A)[rest], stable=True)]
-            seq[k + 1 :] = rest
-            break
-        col = A[:, j] - L[:, :k] @ L[j, :k]
-        col = col / piv.sqrt()
-        col[taken] = 0
-        col[j] = piv.sqrt()
-        L[:, k] = col
-        taken[j] = True
-        d = d - col * col
+            seq[t0:] = rest[torch.argsort(diag0[rest], stable=True)]
+            return seq
+        keep = avail.nonzero().flatten()
+        Pk = PT.index_select(1, keep)
+        B = B.index_select(0, keep).index_select(1, keep).addmm_(Pk.T, Pk, alpha=-1)
+        d, idx = d.index_select(0, keep), idx.index_select(0, keep)
+        k += kb
     return seq
 
 

@@ -5,6 +5,10 @@ shrink factors ``p in {1, 1-1/grid, ..., 1-max_shrink}`` of that range and keeps
 group, the one minimising ``sum |w - Q(w)|^norm`` (GPTQ's ``Quantizer(mse=True)``: grid 100,
 max_shrink 0.8, norm 2.4).  Scales are rounded to float16 before codes are derived, so what is
 simulated is exactly what a packed checkpoint stores.
+
+Scales go down to the smallest float16 subnormal, ``2^-24``: a group whose range needs a smaller
+step (``max|w| < ~2^-21`` at 4 bits, e.g. an all-zero group of dead inputs) gets ``2^-24``, and
+its weights are then represented to within ``2^-25`` absolute.
 """
 
 from __future__ import annotations
@@ -13,21 +17,27 @@ from typing import Literal
 
 import torch
 
-from ..formats.grid import IntGrid, dequantize_codes, fp16_ceil, quantize_codes
+from ..formats.grid import IntGrid, fp16_ceil
 from ..formats.layout import normalize_group_size, num_groups
 
 __all__ = ["ScaleMethod", "range_scale_zero", "find_scale_zero", "group_scale_zero"]
 
 ScaleMethod = Literal["minmax", "mse"]
 
-# Smallest normal float16: scales below it would lose precision when stored.
-_MIN_SCALE = 2.0**-14
+# Smallest positive float16 (subnormal): every scale is fp16-exact (fp16_ceil) and at least this.
+_MIN_SCALE = 2.0**-24
+# Elements of ``candidates x rows x cols`` evaluated at once by the MSE search (bounds memory).
+_MSE_CHUNK_ELEMS = 1 << 21
 
 
 def range_scale_zero(
     xmin: torch.Tensor, xmax: torch.Tensor, grid: IntGrid
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale/zero mapping ``[xmin, xmax]`` (per row) onto the grid; scales are fp16-exact."""
+    """Scale/zero mapping ``[xmin, xmax]`` (elementwise, any shape) onto the grid.
+
+    Scales are fp16-exact and at least ``2^-24`` (the smallest fp16 subnormal), so what is stored
+    in half precision is what was simulated.
+    """
     xmin = torch.minimum(xmin, torch.zeros_like(xmin))
     xmax = torch.maximum(xmax, torch.zeros_like(xmax))
     if grid.symmetric:
@@ -43,6 +53,48 @@ def range_scale_zero(
     return scale, zero
 
 
+def _mse_search(
+    w: torch.Tensor,
+    xmin: torch.Tensor,
+    xmax: torch.Tensor,
+    grid: IntGrid,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    mse_grid: int,
+    max_shrink: float,
+    norm: float,
+    chunk_elems: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All shrink candidates at once (chunked), the same arithmetic per candidate as GPTQ's loop.
+
+    Candidate ``i`` evaluates ``p_i = 1 - i / mse_grid`` (rounded to ``w``'s dtype, as ``p * xmin``
+    with a Python float does); the first candidate with the smallest error wins, as the loop's
+    strict ``err < best`` does, and rows whose every error is NaN keep the min-max scale.
+    """
+    n_cand = int(max_shrink * mse_grid)
+    if n_cand <= 0:
+        return scale, zero
+    rows, cols = w.shape
+    ps = torch.tensor([1 - i / mse_grid for i in range(n_cand)], dtype=w.dtype, device=w.device)
+    step = max(1, chunk_elems // max(1, rows * cols))
+    best = torch.full_like(scale, float("inf"))
+    for c0 in range(0, n_cand, step):
+        p = ps[c0 : c0 + step, None]  # [C, 1]
+        s1, z1 = range_scale_zero(p * xmin, p * xmax, grid)  # [C, rows]
+        s3, z3 = s1[:, :, None], z1[:, :, None]
+        # dequantize(quantize(w)) - w, in place: the arithmetic of quantize_codes/dequantize_codes
+        c = torch.div(w, s3).round_().add_(z3).clamp_(0, grid.maxq).sub_(z3)  # [C, rows, cols]
+        err = c.mul_(s3).sub_(w).abs_().pow_(norm).sum(dim=2)  # same per-row reduction as [rows, cols]
+        err = torch.nan_to_num_(err, nan=float("inf"))
+        cbest, idx = err.min(dim=0)  # first minimum along candidates
+        better = cbest < best
+        idx = idx[None, :]
+        best = torch.where(better, cbest, best)
+        scale = torch.where(better, s1.gather(0, idx)[0], scale)
+        zero = torch.where(better, z1.gather(0, idx)[0], zero)
+    return scale, zero
+
+
 def find_scale_zero(
     w: torch.Tensor,
     grid: IntGrid,
@@ -51,27 +103,21 @@ def find_scale_zero(
     mse_grid: int = 100,
     max_shrink: float = 0.8,
     norm: float = 2.4,
+    chunk_elems: int = _MSE_CHUNK_ELEMS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero per row of ``w`` (``[rows, cols]``: one group's columns) -> two ``[rows]``."""
+    """Scale and zero per row of ``w`` (``[rows, cols]``: one group's columns) -> two ``[rows]``.
+
+    ``mse`` evaluates the ``int(max_shrink * mse_grid)`` candidates vectorised, at most
+    ``chunk_elems`` elements at a time; the result is that of the sequential loop.
+    """
+    if method not in ("minmax", "mse"):
+        raise ValueError(f"unknown scale method {method!r}; use 'minmax' or 'mse'")
     xmin = w.amin(dim=1)
     xmax = w.amax(dim=1)
     scale, zero = range_scale_zero(xmin, xmax, grid)
     if method == "minmax":
         return scale, zero
-    if method != "mse":
-        raise ValueError(f"unknown scale method {method!r}; use 'minmax' or 'mse'")
-    best = torch.full_like(scale, float("inf"))
-    for i in range(int(max_shrink * mse_grid)):
-        p = 1 - i / mse_grid
-        s1, z1 = range_scale_zero(p * xmin, p * xmax, grid)
-        q = dequantize_codes(quantize_codes(w, s1[:, None], z1[:, None], grid.maxq), s1[:, None], z1[:, None])
-        err = (q - w).abs_().pow_(norm).sum(dim=1)
-        better = err < best
-        if better.any():
-            best = torch.where(better, err, best)
-            scale = torch.where(better, s1, scale)
-            zero = torch.where(better, z1, zero)
-    return scale, zero
+    return _mse_search(w.contiguous(), xmin, xmax, grid, scale, zero, mse_grid, max_shrink, norm, chunk_elems)
 
 
 def group_scale_zero(

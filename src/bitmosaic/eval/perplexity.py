@@ -43,12 +43,18 @@ def perplexity(
     max_windows: int | None = None,
     batch_size: int = 1,
     progress: bool = True,
+    device: str | torch.device | None = None,
+    bos_token_id: int | None = None,
 ) -> dict:
     """Perplexity of ``model`` on ``tokens`` (LongTensor ``[1, N]``) over windows of ``seqlen`` tokens.
 
     ``model(input_ids, use_cache=False)`` must return an object with ``.logits`` ``[batch, seqlen, vocab]``
     (a Hugging Face causal LM does).  ``max_windows`` keeps only the first windows; ``batch_size`` windows
-    go through the model at once (the result does not depend on it).
+    go through the model at once (the result does not depend on it).  ``device``: run there (the model
+    is moved for the evaluation and moved back after; ``None``: where the model is).
+    ``bos_token_id``: for models trained with a BOS (see :func:`bitmosaic.data.bos_token_id`), each
+    window is BOS + ``seqlen - 1`` text tokens and the BOS position is not scored; the result says
+    ``"bos": True``.
 
     Returns ``{"ppl", "nll" (mean NLL per predicted token), "tokens" (predicted tokens), "windows",
     "seqlen"}``.
@@ -66,7 +72,8 @@ def perplexity(
     if max_windows is not None and max_windows < 1:
         raise ValueError(f"max_windows must be >= 1 or None, got {max_windows}")
     n = tokens.shape[1]
-    windows = n // seqlen
+    step = seqlen if bos_token_id is None else seqlen - 1  # text tokens per window
+    windows = n // step
     if windows < 1:
         raise ValueError(f"only {n} tokens: fewer than one window of seqlen={seqlen}")
     if max_windows is not None:
@@ -74,8 +81,17 @@ def perplexity(
 
     from tqdm.auto import tqdm
 
-    device = _model_device(model)
-    ids = tokens[0, : windows * seqlen].to(torch.long).view(windows, seqlen)
+    home = _model_device(model)
+    device = home if device is None else torch.device(device)
+    if device != home:
+        model.to(device)
+        try:
+            return perplexity(model, tokens, seqlen, max_windows, batch_size, progress, device, bos_token_id)
+        finally:
+            model.to(home)
+    ids = tokens[0, : windows * step].to(torch.long).view(windows, step)
+    if bos_token_id is not None:
+        ids = torch.cat([torch.full((windows, 1), int(bos_token_id), dtype=torch.long), ids], dim=1)
     total_nll = 0.0  # python float: float64 accumulation
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):
@@ -116,4 +132,5 @@ def perplexity(
         "tokens": predicted,
         "windows": windows,
         "seqlen": seqlen,
+        "bos": bos_token_id is not None,
     }

@@ -27,7 +27,7 @@ import torch
 
 __all__ = ["SUPPORTED_BITS", "pack_codes", "unpack_codes", "packed_nbytes", "packed_cols"]
 
-SUPPORTED_BITS = (2, 3, 4, 8)
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 7, 8)  # a chunk of 8 codes is one word of 8*bits <= 64 bits
 
 _CHUNK = 8  # values per chunk; a chunk takes exactly ``bits`` bytes
 

@@ -4,6 +4,6 @@
 broadcast), tested bit for bit against the reference in :mod:`bitmosaic.formats`.
 """
 
-from .cpu import dequantize_packed, quantized_linear, unpack_codes_fast
+from .cpu import dequantize_packed, unpack_codes_fast
 
-__all__ = ["unpack_codes_fast", "dequantize_packed", "quantized_linear"]
+__all__ = ["unpack_codes_fast", "dequantize_packed"]

@@ -20,6 +20,10 @@ Everything here is checked, bit for bit, against the reference path
   being gathered into a full ``[rows, cols]`` matrix.  Otherwise (act-order ``g_idx``) the reference
   gather is used.
 
+* **5, 6 and 7 bits** (for mixed-width models): codes straddle bytes with no table-sized period, so
+  they are unpacked by the reference word arithmetic (vectorised; :func:`formats.packing.unpack_codes`)
+  and then treated like 8-bit codes.
+
 The arithmetic is ``(codes - zero) * scale`` in ``dtype`` exactly as
 :func:`bitmosaic.formats.grid.dequantize_codes`, so results are bitwise identical to the reference.
 """
@@ -27,12 +31,11 @@ The arithmetic is ``(codes - zero) * scale`` in ``dtype`` exactly as
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..formats.layout import normalize_group_size, num_groups
-from ..formats.packing import SUPPORTED_BITS, packed_cols
+from ..formats.packing import SUPPORTED_BITS, packed_cols, unpack_codes
 
-__all__ = ["unpack_codes_fast", "dequantize_packed", "quantized_linear"]
+__all__ = ["unpack_codes_fast", "dequantize_packed"]
 
 # (bits, dtype, device) -> lookup table; module-level constant cache.
 _LUTS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
@@ -89,11 +92,21 @@ def _gather_codes(packed: torch.Tensor, bits: int, cols: int, lut: torch.Tensor 
     return out
 
 
+_WORD_BITS = (5, 6, 7)  # unpacked by word arithmetic, then handled like 8-bit codes
+
+
+def _direct_codes(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
+    """Codes of the widths without a lookup table (5-8 bits), ``[rows, cols]`` (uint8 or int32)."""
+    if bits == 8:
+        return packed[:, :cols]
+    return unpack_codes(packed, bits, cols)
+
+
 def unpack_codes_fast(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
     """Table-driven equivalent of :func:`bitmosaic.formats.packing.unpack_codes` (int32 ``[rows, cols]``)."""
     _check_packed(packed, bits, cols)
-    if bits == 8:
-        return packed[:, :cols].to(torch.int32)
+    if bits == 8 or bits in _WORD_BITS:
+        return _direct_codes(packed, bits, cols).to(torch.int32)
     return _gather_codes(packed, bits, cols, _lut(bits, torch.int32, packed.device))
 
 
@@ -157,15 +170,15 @@ def dequantize_packed(
     s = scales.to(device=packed.device, dtype=dtype)
     if scalar_zero:
         z = torch.tensor(float(zeros), dtype=dtype, device=packed.device)
-        if bits == 8:
-            w = packed[:, :cols].to(dtype).sub_(z)
+        if bits == 8 or bits in _WORD_BITS:
+            w = _direct_codes(packed, bits, cols).to(dtype).sub_(z)
         else:
             # (code - zero) folded into the table: the same dtype subtraction, per table entry.
             w = _gather_codes(packed, bits, cols, _lut(bits, dtype, packed.device) - z)
     else:
         z = zeros.to(device=packed.device, dtype=dtype)
-        if bits == 8:
-            w = packed[:, :cols].to(dtype)
+        if bits == 8 or bits in _WORD_BITS:
+            w = _direct_codes(packed, bits, cols).to(dtype)
         else:
             w = _gather_codes(packed, bits, cols, _lut(bits, dtype, packed.device))
 
@@ -187,30 +200,3 @@ def dequantize_packed(
             wp.sub_(z[:, n_full : n_full + 1])
         wp.mul_(s[:, n_full : n_full + 1])
     return w
-
-
-def quantized_linear(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    bits: int,
-    cols: int,
-    scales: torch.Tensor,
-    zeros: torch.Tensor | float | int,
-    g_idx: torch.Tensor | None,
-    bias: torch.Tensor | None = None,
-    *,
-    group_size: int | None = None,
-    contiguous: bool = False,
-    dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """``F.linear(x, W, bias)`` with ``W = dequantize_packed(...)``.
-
-    ``W`` is dequantized in ``dtype`` (default ``x.dtype``); ``x`` and ``bias`` are cast to it.
-    """
-    dtype = x.dtype if dtype is None else dtype
-    w = dequantize_packed(
-        packed, bits, cols, scales, zeros, g_idx, dtype, group_size=group_size, contiguous=contiguous
-    )
-    if bias is not None and bias.dtype != dtype:
-        bias = bias.to(dtype)
-    return F.linear(x.to(dtype), w, bias)

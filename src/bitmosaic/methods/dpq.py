@@ -5,7 +5,7 @@ weights, GPTQ-style compensation of the error of *both* levels (Eq. 12), Group-A
 by default (§3.2; ``order="act"`` shows act-order's g_idx gather cost, ``"natural"`` no reorder),
 and FP8 E4M3 activations with static per-tensor scales (§4.1).  ``naive=True`` is the paper's
 "naive GPTQ" W4A8 baseline (only the INT4 error compensated, FP8 applied afterwards);
-``solver="rtn"`` the RTN W4A8 baseline.  Saved as :class:`~bitmosaic.models.qmodules.FP8ComputeQuantLinear`.
+``solver="rtn"`` the RTN W4A8 baseline.  Saved as :class:`~bitmosaic.modules.qmodules.FP8ComputeQuantLinear`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from ..algorithms.dpq import INT4, dpq_quantize, fp8_on_top
 from ..algorithms.rtn import rtn_quantize
 from ..formats.act import ActQuantSpec
 from ..formats.grid import IntGrid
-from ..models.qmodules import FP8ComputeQuantLinear
+from ..modules.qmodules import FP8ComputeQuantLinear
 from .gptq import HESSIAN_DTYPES, _processing_order, _require_hessian
 from .registry import LayerStats, WeightQuantConfig, register_method
 

@@ -1,6 +1,6 @@
 """Method ``fp8``: weights rounded to an FP8 grid (E4M3 ±448 / ±240, E5M2) with a per-channel (or
 per-tensor) scale ``max|W| / Z_max`` -- the FP8 weight side of the W8A8-FP8 baseline of the DPQ
-paper (Table 3).  Stored as real FP8 bytes (:class:`~bitmosaic.models.qmodules.FP8Linear`).
+paper (Table 3).  Stored as real FP8 bytes (:class:`~bitmosaic.modules.qmodules.FP8Linear`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from ..algorithms.dpq import fp8_weight_scale
 from ..formats.fp import fp_round, get_float_format
-from ..models.qmodules import FP8Linear
+from ..modules.qmodules import FP8Linear
 from .registry import LayerStats, WeightQuantConfig, register_method
 
 __all__ = ["FP8WeightConfig", "FP8WeightResult"]

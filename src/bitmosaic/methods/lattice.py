@@ -5,9 +5,11 @@ HRTN).  The math is in :mod:`bitmosaic.algorithms.lattice`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from ..algorithms.lattice import entropy_coded_quantize, ssqr_quantize
-from ..models.qmodules import HuffmanQuantLinear, SparseOutlierQuantLinear
+from ..algorithms.lattice import SSQR_GROUPS, entropy_coded_quantize, ssqr_quantize
+from ..errors import OptionError
+from ..modules.qmodules import HuffmanQuantLinear, SparseOutlierQuantLinear
 from .gptq import _processing_order, _require_hessian
 from .registry import LayerStats, WeightQuantConfig, register_method
 
@@ -19,6 +21,22 @@ class SSQRConfig(WeightQuantConfig):
     direction: str = "front"
     percdamp: float = 0.01
     scale_method: str = "mse"  # SSQR initialises its scales with the MSE search (fixed)
+    # "static": the paper's contiguous groups fitted before GPTQ (Algorithm 9), the default until
+    # the SmolLM2 comparison is measured; "dynamic": GPTQ's act-order dynamic groups x the global
+    # multiplier (the grouping and scales of the GPTQ baseline)
+    groups: str = "static"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.scale_method != "mse":
+            raise OptionError(
+                f"ssqr: scale_method={self.scale_method!r} is not used: SSQR always starts from MSE "
+                "scales (Babai paper §5); drop --scale or pass --scale mse"
+            )
+        if not 0 < self.outlier_rate < 0.5:
+            raise OptionError(f"ssqr: outlier_rate must be in (0, 0.5), got {self.outlier_rate}")
+        if self.groups not in SSQR_GROUPS:
+            raise OptionError(f"ssqr: groups must be one of {SSQR_GROUPS}, got {self.groups!r}")
 
 
 def _pack_ssqr(res, cfg: SSQRConfig, bias):
@@ -41,6 +59,7 @@ def quantize_ssqr(weight, stats: LayerStats, cfg: SSQRConfig):
         perm=_processing_order(H, cfg),
         symmetric=cfg.symmetric,
         percdamp=cfg.percdamp,
+        groups=cfg.groups,
     )
 
 
@@ -48,12 +67,34 @@ def quantize_ssqr(weight, stats: LayerStats, cfg: SSQRConfig):
 class EntropyConfig(WeightQuantConfig):
     """``target_bits`` is the goal for the measured Huffman-coded size; ``bits`` is unused."""
 
+    # options of every weight quantizer that these methods do not use (they have one scale per
+    # matrix or row and unbounded integers): giving them is an error, never a silent no-op
+    IGNORED_FIELDS: ClassVar[tuple[str, ...]] = ("bits", "group_size", "symmetric", "scale_method")
+    IGNORED_WHY: ClassVar[str] = (
+        ": HPTQ/HRTN keep unbounded integers with one scale per matrix or row (--scale-per) and "
+        "Huffman-code them to --target-bits; drop the flag"
+    )
+
     target_bits: float = 3.125
     scale_per: str = "matrix"  # "matrix" | "row"
     order: str = "act"
     direction: str = "front"
     percdamp: float = 0.01
     group_size: int | None = None  # one scale per matrix/row: no groups
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        base = WeightQuantConfig()
+        defaults = {"bits": base.bits, "group_size": None, "symmetric": base.symmetric}
+        defaults["scale_method"] = base.scale_method
+        for name, default in defaults.items():
+            value = getattr(self, name)
+            if value != default:
+                raise OptionError(f"hptq/hrtn do not use {name}={value!r}{self.IGNORED_WHY}")
+        if self.scale_per not in ("matrix", "row"):
+            raise OptionError(f"scale_per must be 'matrix' or 'row', got {self.scale_per!r}")
+        if not 0 < self.target_bits <= 16:
+            raise OptionError(f"target_bits must be in (0, 16], got {self.target_bits}")
 
 
 def _pack_huffman(res, cfg, bias):

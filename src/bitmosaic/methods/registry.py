@@ -2,7 +2,7 @@
 
 A method is a typed config dataclass plus a function ``fn(weight, stats, config) -> QuantResult``
 that turns one linear layer's weight and its calibration statistics into integer codes and
-scales; the pipeline packs the result into a :class:`~bitmosaic.models.qlinear.QuantLinear`.
+scales; the pipeline packs the result into a :class:`~bitmosaic.modules.qlinear.QuantLinear`.
 
 Two optional hooks: ``pack`` (result -> module, for formats beyond the plain packed layout) and
 ``transform`` (``fn(captures, config) -> per-group info``), which runs once per decoder layer
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..algorithms.observers import ActObserver
-from ..algorithms.rtn import QuantResult
+from ..algorithms.types import QuantResult
 from ..formats.act import ActQuantSpec
 
 __all__ = ["LayerStats", "WeightQuantConfig", "MethodSpec", "register_method", "get_method", "list_methods"]
@@ -35,7 +35,6 @@ class LayerStats:
     """Calibration statistics of one linear layer's input."""
 
     hessian: torch.Tensor | None = None  # 2/n X^T X (undamped), [in, in]
-    tokens: int = 0
     act: ActObserver | None = None  # per-channel input statistics (max, mean |x|, mean)
 
 
@@ -78,6 +77,10 @@ class MethodSpec:
     fn: Callable[[torch.Tensor, LayerStats, object], QuantResult]
     needs_hessian: bool = True
     description: str = ""
+    # True when every output row is quantized independently given the Hessian (GPTQ, Babai, RTN):
+    # linears sharing one Hessian (q/k/v, gate/up) are then stacked row-wise and quantized as one
+    # matrix, so the factorisation, order and column loop run once per group, not once per linear
+    row_separable: bool = False
     # result -> nn.Module packing; None means the standard packed QuantLinear
     pack: Callable[[QuantResult, object, torch.Tensor | None], torch.nn.Module] | None = field(default=None)
     transform: Callable | None = field(default=None)
@@ -103,13 +106,16 @@ def register_method(
     description: str = "",
     pack=None,
     transform=None,
+    row_separable: bool = False,
 ):
     """Decorator: register ``fn(weight, stats, config) -> QuantResult`` under ``name``."""
 
     def deco(fn):
         if name in _REGISTRY:
             raise ValueError(f"method {name!r} is already registered")
-        _REGISTRY[name] = MethodSpec(name, config_cls, fn, needs_hessian, description, pack, transform)
+        _REGISTRY[name] = MethodSpec(
+            name, config_cls, fn, needs_hessian, description, row_separable, pack, transform
+        )
         return fn
 
     return deco

@@ -14,6 +14,8 @@ class RTNConfig(WeightQuantConfig):
     pass
 
 
-@register_method("rtn", RTNConfig, needs_hessian=False, description="round-to-nearest")
+@register_method(
+    "rtn", RTNConfig, needs_hessian=False, description="round-to-nearest", row_separable=True
+)
 def quantize_rtn(weight, stats: LayerStats, cfg: RTNConfig):
     return rtn_quantize(weight, IntGrid(cfg.bits, cfg.symmetric), cfg.group_size, cfg.scale_method, cfg.clip)

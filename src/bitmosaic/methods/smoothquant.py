@@ -19,8 +19,10 @@ import torch
 
 from ..algorithms.awq import awq_clip_search, awq_search_scales
 from ..algorithms.observers import ActObserver
-from ..algorithms.rtn import QuantResult, rtn_quantize
+from ..algorithms.rtn import rtn_quantize
 from ..algorithms.smooth import search_alpha, smooth_scales, smoothing_loss
+from ..algorithms.types import QuantResult
+from ..errors import OptionError
 from ..formats.act import ActQuantSpec, fake_quant
 from ..formats.grid import IntGrid, quantize_codes
 from ..formats.layout import default_g_idx
@@ -121,7 +123,12 @@ class AWQConfig(WeightQuantConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.n_grid < 1 or not 0.0 < self.max_shrink < 1.0:
-            raise ValueError("awq needs n_grid >= 1 and 0 < max_shrink < 1")
+            raise OptionError("awq needs n_grid >= 1 and 0 < max_shrink < 1")
+        if not self.clip and self.clip_search:
+            raise OptionError(
+                "awq: clip=False (--no-clip) contradicts its output-aware clip search, which picks "
+                "clipped ranges; pass clip_search=False as well, or drop --no-clip"
+            )
 
 
 def awq_transform(caps, cfg: AWQConfig):

@@ -1,4 +1,9 @@
-"""Load a causal LM and its tokenizer from a HF directory, a hub id, a GGUF file or an alias."""
+"""Load a causal LM and its tokenizer from a HF directory, a hub id, a GGUF file or an alias; pick the
+device and dtype a run uses (:func:`resolve_device`, :func:`resolve_dtype`).
+
+Loading checks the weights: a NaN or Inf in any parameter raises
+:class:`~bitmosaic.errors.NonFiniteError` naming the tensor, before anything is quantized.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +14,27 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ALIASES", "resolve_model_spec", "load_model", "ModelSpecError"]
+from ..errors import BitmosaicError, CorruptModelError, DeviceError, check_finite
+
+__all__ = [
+    "ALIASES",
+    "DEVICE_CHOICES",
+    "DTYPE_CHOICES",
+    "ModelSpecError",
+    "checkpoint_dtype",
+    "load_model",
+    "resolve_device",
+    "resolve_dtype",
+    "resolve_model_spec",
+]
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ModelSpecError(ValueError):
-    pass
+class ModelSpecError(BitmosaicError):
+    """The model argument names nothing loadable."""
 
 
 def _smollm2_gguf() -> Path:
@@ -50,7 +71,14 @@ def resolve_model_spec(spec: str) -> tuple[str, dict]:
             raise ModelSpecError(
                 f"{p} is a directory but has no config.json: not a Hugging Face model folder"
             )
-        qc = json.loads(cfg.read_text()).get("quantization_config") or {}
+        try:
+            raw = json.loads(cfg.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CorruptModelError(f"{cfg} is not valid JSON ({e}); repair or re-download it") from None
+        if not isinstance(raw, dict):
+            raise CorruptModelError(f"{cfg} does not hold a JSON object; repair or re-download it")
+        qc = raw.get("quantization_config")
+        qc = qc if isinstance(qc, dict) else {}
         kind = "bitmosaic" if qc.get("quant_method") == "bitmosaic" else "hf-dir"
         return kind, {"path": p}
     parts = spec.split("/")
@@ -62,15 +90,101 @@ def resolve_model_spec(spec: str) -> tuple[str, dict]:
     )
 
 
-def load_model(spec: str, dtype: torch.dtype = torch.float32):
-    """Return ``(model, tokenizer)`` in eval mode."""
+def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
+    """The device a run uses: ``"auto"`` (or ``None``) = CUDA when available, else CPU; ``"cpu"``;
+    ``"cuda"`` / ``"cuda:N"``, which raise :class:`DeviceError` when CUDA (or GPU ``N``) is not there."""
+    if isinstance(name, torch.device):
+        name = str(name)
+    name = "auto" if name is None else str(name).strip().lower()
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda" or name.startswith("cuda:"):
+        try:
+            dev = torch.device(name)
+        except RuntimeError:
+            raise DeviceError(f"bad device {name!r}; use cuda or cuda:N") from None
+        if not torch.cuda.is_available():
+            raise DeviceError(
+                f"--device {name}: CUDA is not available here (torch {torch.__version__}, "
+                f"CUDA build: {torch.version.cuda or 'no'}); use --device cpu or --device auto"
+            )
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise DeviceError(f"--device {name}: this machine has {count} CUDA device(s); use cuda:0..")
+        return dev
+    raise DeviceError(f"unknown device {name!r}; choose one of {', '.join(DEVICE_CHOICES)} (or cuda:N)")
+
+
+def checkpoint_dtype(spec: str | None) -> torch.dtype | None:
+    """The float dtype a model folder or hub checkpoint was saved in (config ``dtype``/``torch_dtype``);
+    ``None`` when unknown (GGUF files, unreadable configs, no spec)."""
+    if not spec:
+        return None
+    try:
+        kind, info = resolve_model_spec(spec)
+        if kind in ("hf-dir", "bitmosaic"):
+            raw = json.loads((info["path"] / "config.json").read_text(encoding="utf-8"))
+        elif kind == "hub":
+            from transformers import AutoConfig
+
+            raw = AutoConfig.from_pretrained(info["repo_id"]).to_dict()
+        else:
+            return None
+    except Exception:  # unknown: the caller falls back to float32; loading reports real problems
+        return None
+    name = raw.get("dtype") or raw.get("torch_dtype")
+    name = str(name).removeprefix("torch.") if name else None
+    return _DTYPES.get(name)
+
+
+def resolve_dtype(
+    name: str | torch.dtype | None = "auto",
+    device: torch.device | str | None = None,
+    checkpoint: str | None = None,
+) -> torch.dtype:
+    """The dtype to load a model in: ``float32`` / ``bfloat16`` / ``float16``, or ``"auto"`` (``None``):
+    the checkpoint's own dtype (see :func:`checkpoint_dtype`) when ``device`` is CUDA, else float32 (and
+    float32 when the checkpoint's dtype is unknown)."""
+    if isinstance(name, torch.dtype):
+        if name not in _DTYPES.values():
+            raise DeviceError(f"dtype {name} is not supported; choose one of {', '.join(DTYPE_CHOICES)}")
+        return name
+    name = "auto" if name is None else str(name).strip().lower().removeprefix("torch.")
+    if name in _DTYPES:
+        return _DTYPES[name]
+    if name != "auto":
+        raise DeviceError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+    if device is not None and torch.device(device).type == "cuda":
+        return checkpoint_dtype(checkpoint) or torch.float32
+    return torch.float32
+
+
+def _check_weights(model, spec: str) -> None:
+    for name, p in model.named_parameters():
+        check_finite(p, f"weight {name} of model {spec!r}")
+
+
+def load_model(spec: str, dtype: torch.dtype | str = torch.float32):
+    """Return ``(model, tokenizer)`` in eval mode, in host memory, in ``dtype`` (a torch dtype or one of
+    ``float32``/``bfloat16``/``float16``; saved bitmosaic folders keep their quantized modules' formats).
+
+    Raises :class:`ModelSpecError` for names that cannot be loaded, :class:`CorruptModelError` for
+    damaged files and :class:`NonFiniteError` for NaN/Inf weights.
+    """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if isinstance(dtype, str):
+        if dtype.strip().lower() == "auto":
+            raise DeviceError("load_model needs a concrete dtype; resolve 'auto' with resolve_dtype")
+        dtype = resolve_dtype(dtype)
     kind, info = resolve_model_spec(spec)
     if kind == "bitmosaic":
         from .serialization import load_quantized
 
-        return load_quantized(info["path"])
+        return load_quantized(info["path"], dtype=dtype)
     if kind == "gguf":
         p = info["path"]
         src, kw = str(p.parent), {"gguf_file": p.name}
@@ -82,6 +196,12 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32):
         tok = AutoTokenizer.from_pretrained(src, **kw)
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kw)
     except OSError as e:
-        raise ModelSpecError(f"could not load {spec!r}: {e}") from e
+        raise ModelSpecError(f"could not load {spec!r}: {' '.join(str(e).split())}") from e
+    except SafetensorError as e:
+        raise CorruptModelError(
+            f"could not load {spec!r}: its weights are truncated or not safetensors "
+            f"({' '.join(str(e).split())}); re-download or re-save the model"
+        ) from None
     model.eval()
+    _check_weights(model, spec)
     return model, tok

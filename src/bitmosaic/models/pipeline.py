@@ -1,236 +1,77 @@
-"""The sequential layer-by-layer calibration pipeline.
+"""The sequential layer-by-layer calibration pipeline, on the CPU or a GPU.
 
-1. Capture the decoder-layer inputs: forward pre-hooks on the decoder layers record the hidden
-   states entering layer 0 and the keyword arguments (masks, rotary embeddings) each kind of
-   layer receives, then raise :class:`StopForward` -- a dedicated exception, so no other error is
-   ever swallowed -- once every layer kind was seen (layer 0 alone for Llama-like models).
-2. For each decoder layer and each true-sequential group (q/k/v -> o -> gate/up -> down):
-   accumulate ``H = 2/n sum x x^T`` with pre-hooks on the group's linears (modules fed the very
-   same tensor share one Hessian), stopping the layer's forward as soon as the group's inputs are
-   seen; quantize each linear with the chosen method; put the dequantized weight in place so the
-   next group calibrates on quantized outputs.
-3. Run the layer once more to produce the next layer's inputs, and swap in packed
-   :class:`~bitmosaic.models.qlinear.QuantLinear` modules.
+1. Capture the decoder-layer inputs (:func:`~bitmosaic.models.calibration.capture_layer_inputs`).
+2. For each decoder layer: move it to the calibration ``device``; for each true-sequential group
+   (q/k/v -> o -> gate/up -> down) accumulate ``H = 2/n sum x x^T`` in float32 on the device
+   (modules fed the very same tensor share one Hessian), stopping the layer's forward as soon as
+   the group's inputs are seen; quantize the group's linears with the chosen method -- linears
+   that share a Hessian are stacked row-wise into one matrix when the method quantizes rows
+   independently (GPTQ, Babai, RTN), so the factorisation, order and column loop run once per
+   group -- and put the dequantized weights in place so the next group calibrates on quantized
+   outputs.
+3. Run the layer once more to produce the next layer's inputs, swap in the packed modules and
+   move the layer back to host memory.
 
-Methods with a ``transform`` (SmoothQuant, AWQ) first see the float layer's group inputs
-(:func:`~bitmosaic.models.capture.capture_groups`) and return per-channel factors that are folded
-into the preceding ops before step 2.  With activation quantization (``config.act``), each
-linear's input statistics are observed with its Hessian (static scales come from them), and once
-the linear is quantized an input quantizer is attached to it, so every later group, the next
-layer's inputs and the saved model all see quantized activations.
+The model stays in host memory; peak device memory is about one decoder layer, its Hessians and
+the calibration activations (which are offloaded to host memory, batch by batch, when they would
+not fit: ``offload_inputs``).  Methods with a ``transform`` (SmoothQuant, AWQ) first see the
+float layer's group inputs and return per-channel factors that are folded into the preceding ops.
+With activation quantization (``config.act``) each linear's static input scale is calibrated on
+its inputs as they arrive and an input quantizer is attached once it is quantized.
 
-Only one layer's Hessians and the calibration activations are held besides the model.
+Methods that need no Hessian (RTN, FP8, HRTN) skip calibration entirely unless something else
+needs it (static activation scales, a transform, ``analyze_orders``); their report rows then have
+no error metrics.
 """
 
 from __future__ import annotations
 
-import resource
 import time
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..algorithms.bounds import babai_bound, hessian_error, relative_output_error
-from ..algorithms.hessian import HessianAccumulator, damp_hessian
 from ..algorithms.lattice import order_bound_table
-from ..algorithms.observers import ActObserver
+from ..errors import check_finite
 from ..formats.grid import IntGrid
 from ..methods.registry import LayerStats, MethodSpec, WeightQuantConfig
-from .actquant import attach_input_quant
+from ..modules.actquant import attach_input_quant
+from ..modules.qlinear import QuantLinear
 from .arch import ArchSpec, get_arch
+from .calibration import (
+    LayerInputs,
+    OutputCache,
+    StopForward,
+    capture_layer_inputs,
+    cast_floating,
+    group_statistics,
+    layer_kind,
+)
 from .capture import capture_groups, run_layer
-from .qlinear import QuantLinear
+from .loading import resolve_device as _resolve_named_device
+from .report import RunReport, error_metrics, peak_rss_mb
 from .smoothing import fold_group_scales
 
-__all__ = ["StopForward", "RunReport", "quantize_model", "peak_rss_mb"]
+__all__ = [
+    "StopForward",
+    "RunReport",
+    "quantize_model",
+    "peak_rss_mb",
+    "capture_layer_inputs",
+    "resolve_device",
+]
 
 
-class StopForward(Exception):
-    """Raised by calibration hooks to end a forward pass early (never used for real errors)."""
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-@dataclass
-class RunReport:
-    method: str
-    config: dict
-    layers: list[dict] = field(default_factory=list)
-    seconds: float = 0.0
-    peak_rss_mb: float = 0.0
-    bits_per_weight: float = 0.0
-    calibration: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return {
-            "method": self.method,
-            "config": self.config,
-            "calibration": self.calibration,
-            "seconds": self.seconds,
-            "peak_rss_mb": self.peak_rss_mb,
-            "bits_per_weight": self.bits_per_weight,
-            "layers": self.layers,
-        }
-
-
-def _layer_kind(layer: nn.Module) -> str:
-    return str(getattr(layer, "attention_type", "default"))
-
-
-@torch.inference_mode()
-def capture_layer_inputs(model: nn.Module, layers: nn.ModuleList, calib: torch.Tensor, batch_size: int):
-    """Return (hidden states entering layer 0 per batch, {layer kind: [kwargs per batch]})."""
-    kinds_needed = {_layer_kind(layer) for layer in layers}
-    inputs: list[torch.Tensor] = []
-    kwargs_by_kind: dict[str, list[dict]] = {k: [] for k in kinds_needed}
-    seen: set[str] = set()
-
-    def make_hook(idx: int, kind: str):
-        def hook(module, args, kwargs):
-            if idx == 0:
-                hs = args[0] if args else kwargs["hidden_states"]
-                inputs.append(hs.detach())
-            if kind not in seen:
-                seen.add(kind)
-                kw = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-                kw["use_cache"] = False
-                kw["past_key_values"] = None
-                kwargs_by_kind[kind].append(kw)
-            if seen == kinds_needed:
-                raise StopForward
-
-        return hook
-
-    first_of_kind: dict[str, int] = {}
-    for i, layer in enumerate(layers):
-        first_of_kind.setdefault(_layer_kind(layer), i)
-    handles = [
-        layers[i].register_forward_pre_hook(make_hook(i, kind), with_kwargs=True)
-        for kind, i in first_of_kind.items()
-    ]
-    if 0 not in first_of_kind.values():  # pragma: no cover - layer 0 is always first of its kind
-        raise RuntimeError("internal: layer 0 must be hooked")
-    try:
-        for b in range(0, calib.shape[0], batch_size):
-            seen.clear()
-            try:
-                model(input_ids=calib[b : b + batch_size], use_cache=False)
-            except StopForward:
-                pass
-            else:
-                raise RuntimeError("calibration forward finished without reaching the decoder layers")
-    finally:
-        for h in handles:
-            h.remove()
-    return inputs, kwargs_by_kind
-
-
-class _OutputCache:
-    """Outputs of already-quantized linears, per calibration batch, for the rest of one layer.
-
-    Once a linear is quantized its input can no longer change (it depends only on groups before
-    it, which are final), so later partial forwards of the same layer may reuse its output
-    exactly instead of recomputing it: the projections -- most of a layer's FLOPs -- then run
-    once per layer instead of once per later group.
-    """
-
-    def __init__(self) -> None:
-        self.batch = 0
-        self.modules: list[nn.Module] = []
-
-    def install(self, module: nn.Module) -> None:
-        orig = module.forward
-        store: dict[int, torch.Tensor] = {}
-
-        def forward(x, *args, **kwargs):
-            y = store.get(self.batch)
-            if y is None:
-                y = store[self.batch] = orig(x, *args, **kwargs)
-            return y
-
-        module.forward = forward
-        self.modules.append(module)
-
-    def clear(self) -> None:
-        for m in self.modules:
-            del m.forward  # back to the class's forward
-        self.modules.clear()
-
-
-@torch.inference_mode()
-def _group_hessians(
-    layer, names, inputs, kwargs, hessian_dtype, cache: _OutputCache | None = None, act_spec=None
-) -> tuple[dict[str, HessianAccumulator], dict, dict[str, ActObserver]]:
-    mods = {n: layer.get_submodule(n) for n in names}
-    accs: dict[str, HessianAccumulator] = {}
-    observers: dict[str, ActObserver] = {}
-    owner: dict[str, str] = {}
-    state: dict = {}
-
-    def make_hook(name):
-        def hook(module, args):
-            x = args[0]
-            prev = state.get("last")
-            if prev is not None and x is prev[0]:
-                owner.setdefault(name, prev[1])
-            else:
-                owner.setdefault(name, name)
-            if owner[name] == name:
-                acc = accs.setdefault(name, HessianAccumulator(x.shape[-1], dtype=hessian_dtype))
-                acc.add(x)
-                observers.setdefault(name, ActObserver(x.shape[-1], act_spec)).add(x)
-                state["last"] = (x, name)
-            state["seen"].add(name)
-            if len(state["seen"]) == len(mods):
-                raise StopForward
-
-        return hook
-
-    handles = [m.register_forward_pre_hook(make_hook(n)) for n, m in mods.items()]
-    try:
-        for b, (hs, kw) in enumerate(zip(inputs, kwargs, strict=True)):
-            if cache is not None:
-                cache.batch = b
-            state["seen"] = set()
-            state["last"] = None
-            try:
-                run_layer(layer, hs, kw)
-            except StopForward:
-                pass
-            else:
-                missing = sorted(set(mods) - state["seen"])
-                raise RuntimeError(
-                    f"layer forward never called {missing}; check the architecture's layer map"
-                )
-    finally:
-        for h in handles:
-            h.remove()
-    return accs, owner, observers
-
-
-def _report_row(name: str, W, Wq, H, res, qlin, percdamp: float) -> dict:
-    """One layer's line of the run report (float64 metrics; see the README for definitions)."""
-    W64, Wq64, H64 = W.double(), Wq.double(), H.double()
-    Hd = res.hessian if res.hessian is not None else damp_hessian(H64, percdamp)[0]
-    Hd = Hd.double()
-    bound = None
-    lattice = res.lattice_scales()
-    if res.perm is not None and lattice is not None:  # the no-clip guarantee of the order used
-        bound = float(babai_bound(Hd, lattice, res.perm).sum())
-    return {
-        "name": name,
-        "shape": list(W.shape),
-        "rel_out_error": relative_output_error(W64, Wq64, H64),
-        "hessian_error": float(hessian_error(W64, Wq64, Hd).sum()),
-        "babai_bound": bound,
-        "bits_per_weight": qlin.bits_per_weight(),
-        "storage_bits": getattr(qlin, "storage_bits", None),
-        **res.info,
-    }
+def resolve_device(device: str | torch.device | None, model: nn.Module | None = None) -> torch.device:
+    """``None`` -> where the model is; otherwise :func:`bitmosaic.models.loading.resolve_device`
+    (``"auto"``: CUDA when available, else CPU; a clear error for CUDA without a GPU)."""
+    if device is None:
+        if model is not None:
+            for p in model.parameters():
+                return p.device
+        return torch.device("cpu")
+    return _resolve_named_device(device)
 
 
 def _pack(method: MethodSpec, res, config, bias) -> nn.Module:
@@ -256,6 +97,58 @@ def _apply_transform(method: MethodSpec, config, layer, arch, inputs, kwargs, ge
     return info
 
 
+def _offload_needed(calib: torch.Tensor, hidden: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Offload activations when inputs + outputs of one layer would take over 40% of free memory."""
+    if device.type != "cuda":
+        return False
+    need = 2 * calib.numel() * hidden * torch.tensor([], dtype=dtype).element_size()
+    free, _ = torch.cuda.mem_get_info(device)
+    return need > 0.4 * free
+
+
+def _quantize_shared(
+    method, config, layer, names, H, percdamp, prefix, check
+) -> list[tuple[str, nn.Module, dict]]:
+    """Quantize linears ``names`` that share Hessian ``H``; stacked into one call when the method
+    allows it.  Returns (name, packed module, report row) and puts the dequantized weights in place."""
+    lins = [layer.get_submodule(n) for n in names]
+    Ws = [lin.weight.data.float() for lin in lins]
+    for n, W in zip(names, Ws, strict=True):
+        check_finite(W, f"the weight of {prefix}.{n}")
+    stacked = method.row_separable and len(names) > 1
+    calls = [(names, torch.cat(Ws))] if stacked else [((n,), W) for n, W in zip(names, Ws, strict=True)]
+    out = []
+    for call_names, W in calls:
+        t0 = time.perf_counter()
+        res = method.fn(W, LayerStats(hessian=H), config)
+        seconds = (time.perf_counter() - t0) / len(call_names)
+        row0 = 0
+        for n in call_names:
+            lin = layer.get_submodule(n)
+            rows = lin.weight.shape[0]
+            r = res.select_rows(row0, row0 + rows) if len(call_names) > 1 else res
+            Wn = W[row0 : row0 + rows]
+            row0 += rows
+            Wq = r.dequantize(torch.float32)
+            qlin = _pack(method, r, config, lin.bias)
+            if check and not torch.equal(qlin.dequantize_weight(torch.float32), Wq.to("cpu")):
+                raise RuntimeError(f"internal: packed weights of {prefix}.{n} differ from the simulated ones")
+            row = {"name": f"{prefix}.{n}", "shape": list(Wn.shape)}
+            if H is not None:
+                row.update(error_metrics(Wn, Wq, H, r, percdamp))
+            else:
+                row.update({"rel_out_error": None, "hessian_error": None, "babai_bound": None})
+            row["bits_per_weight"] = qlin.bits_per_weight()
+            row["storage_bits"] = getattr(qlin, "storage_bits", None)
+            row.update(r.info)
+            row["seconds"] = seconds
+            if stacked:
+                row["stacked_with"] = [m for m in call_names if m != n]
+            lin.weight.data.copy_(Wq.to(lin.weight.dtype))
+            out.append((n, qlin, row))
+    return out
+
+
 def quantize_model(
     model: nn.Module,
     calib: torch.Tensor,
@@ -270,95 +163,185 @@ def quantize_model(
     cache_budget_mb: float = 1024.0,
     analyze_orders: tuple[str, ...] | None = None,
     seed: int = 0,
+    device: str | torch.device | None = None,
+    offload_inputs: bool | None = None,
+    check_packing: bool = True,
+    measure_errors: bool = False,
+    compute_dtype: torch.dtype | None = None,
 ) -> RunReport:
     """Quantize every linear of ``model``'s decoder layers in place; return the run report.
 
-    ``cache_outputs`` keeps quantized linears' outputs for the rest of their layer (exact; see
-    :class:`_OutputCache`); ``None`` turns it on when that takes at most ``cache_budget_mb``.
-    ``analyze_orders`` adds, per layer, the Babai bound and the measured no-clip GPTQ error under
-    each named order (same static MSE scales; see :func:`algorithms.lattice.order_bound_table`).
-    ``seed`` fixes the token samples a ``transform`` draws.
+    ``device``: where calibration and the solvers run (``None``: where the model is; ``"auto"``:
+    CUDA when available).  Each decoder layer is moved there for its turn and back afterwards.
+    ``offload_inputs``: keep the calibration activations in host memory (``None``: when they would
+    not fit comfortably on the device).  ``cache_outputs`` keeps quantized linears' outputs for the
+    rest of their layer (exact; see :class:`~bitmosaic.models.calibration.OutputCache`); ``None``
+    turns it on when that takes at most ``cache_budget_mb``.  ``analyze_orders`` adds, per layer,
+    the Babai bound and the measured no-clip GPTQ error under each named order.  ``seed`` fixes
+    the token samples a ``transform`` draws.  ``check_packing`` verifies every packed module
+    against the simulated weights.  ``measure_errors`` calibrates even methods that need no
+    Hessian (RTN, FP8), so their report rows get the error metrics too.  ``compute_dtype``: the
+    dtype a decoder layer is cast to while it is calibrated (``None``: float32 on the CPU, whose
+    bfloat16 matmuls are slow, else the model's own dtype); the model keeps its dtype.
     """
     t0 = time.perf_counter()
     arch = arch or get_arch(model)
     layers = arch.layers(model)
+    dev = resolve_device(device, model)
+    cdtype = _compute_dtype(compute_dtype, model, dev)
     model.eval()
-    report = RunReport(method=method.name, config=config.to_dict())
+    report = RunReport(method=method.name, config=config.to_dict(), device=str(dev))
     report.calibration = {"samples": int(calib.shape[0]), "seqlen": int(calib.shape[1])}
-    inputs, kwargs_by_kind = capture_layer_inputs(model, layers, calib, batch_size)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    act = getattr(config, "act", None)
+    calibrate = (
+        method.needs_hessian
+        or method.transform is not None
+        or bool(analyze_orders)
+        or measure_errors
+        or (act is not None and act.static)
+    )
+    percdamp = getattr(config, "percdamp", 0.01)
+    inputs = kwargs_by_kind = None
+    if calibrate:
+        first, kwargs_by_kind = capture_layer_inputs(model, layers, calib, batch_size, dev)
+        if offload_inputs is None:
+            offload_inputs = _offload_needed(calib, first[0].shape[-1], first[0].dtype, dev)
+        inputs = LayerInputs(first, dev, bool(offload_inputs), cdtype)
+        kwargs_by_kind = {k: [cast_floating(kw, dev, cdtype) for kw in v] for k, v in kwargs_by_kind.items()}
+        del first
+        use0 = _use_cache(cache_outputs, cache_budget_mb, calib, layers[0], arch)
+        report.calibration["output_cache"] = use0
+    report.calibration["calibrated"] = calibrate
+    report.calibration["compute_dtype"] = str(cdtype).replace("torch.", "")
+    report.calibration["offload_inputs"] = bool(offload_inputs) if calibrate else None
+    gen = torch.Generator().manual_seed(seed)
     total_bits = 0.0
     total_weights = 0
-    percdamp = getattr(config, "percdamp", 0.01)
-    cached_names = [n for group in arch.sequential[:-1] for n in group]
-    if cache_outputs is None:
-        width = sum(layers[0].get_submodule(n).weight.shape[0] for n in cached_names)
-        cache_outputs = calib.numel() * width * 4 / 2**20 <= cache_budget_mb
-    cache = _OutputCache() if cache_outputs else None
-    report.calibration["output_cache"] = bool(cache_outputs)
-    act = getattr(config, "act", None)
-    gen = torch.Generator().manual_seed(seed)
-    scheme = getattr(config, "scheme", f"w{config.bits}")
-    bar = tqdm(range(len(layers)), desc=f"{method.name} {scheme}", unit="layer", disable=not progress)
+    desc = f"{method.name} {config.scheme}"
+    bar = tqdm(range(len(layers)), desc=desc, unit="layer", disable=not progress)
     for li in bar:
         layer = layers[li]
-        kwargs = kwargs_by_kind[_layer_kind(layer)]
+        first_param = next(layer.parameters())
+        home, home_dtype = first_param.device, first_param.dtype
+        layer.to(dev, cdtype)
+        prefix = f"{arch.layers_path}.{li}"
         qmods: dict[str, nn.Module] = {}
         act_scales: dict[str, torch.Tensor | None] = {}
-        group_info = _apply_transform(method, config, layer, arch, inputs, kwargs, gen)
-        for gi, group in enumerate(arch.sequential):
-            tl = time.perf_counter()
-            # Hessians feed the method and, for every method, the per-layer error report.
-            accs, owner, observers = _group_hessians(layer, group, inputs, kwargs, hessian_dtype, cache, act)
-            for name in group:
-                bar.set_postfix_str(f"{li}.{name}")
-                lin = layer.get_submodule(name)
-                W = lin.weight.data.float()
-                acc = accs[owner[name]]
-                H = acc.H
-                res = method.fn(W, LayerStats(hessian=H, tokens=acc.n, act=observers[owner[name]]), config)
-                Wq = res.dequantize(torch.float32)
-                qlin = _pack(method, res, config, lin.bias)
-                if not torch.equal(qlin.dequantize_weight(torch.float32), Wq):
-                    raise RuntimeError(
-                        f"internal: packed weights of {li}.{name} differ from the simulated ones"
+        kwargs = kwargs_by_kind[layer_kind(layer)] if calibrate else None
+        group_info = {}
+        if calibrate:
+            group_info = _apply_transform(method, config, layer, arch, inputs, kwargs, gen)
+        use_cache = calibrate and _use_cache(cache_outputs, cache_budget_mb, calib, layer, arch)
+        with OutputCache() as cache:
+            for gi, group in enumerate(arch.sequential):
+                bar.set_postfix_str(f"{li}.{'/'.join(n.rsplit('.', 1)[-1] for n in group)}")
+                if calibrate:
+                    accs, owner, observers = group_statistics(
+                        layer,
+                        group,
+                        inputs,
+                        kwargs,
+                        hessian_dtype=hessian_dtype,
+                        cache=cache if use_cache else None,
+                        act_spec=act,
                     )
-                row = _report_row(f"{arch.layers_path}.{li}.{name}", W, Wq, H, res, qlin, percdamp)
-                row["seconds"] = time.perf_counter() - tl
-                if act is not None:
-                    row["act"] = act.label
-                if group_info.get(gi):
-                    row["transform"] = group_info[gi]
-                report.layers.append(row)
-                if analyze_orders:
-                    grid = IntGrid(config.bits, config.symmetric)
-                    report.layers[-1]["order_bounds"] = order_bound_table(
-                        W, H, grid, config.group_size, tuple(analyze_orders), percdamp=percdamp
-                    )
-                tl = time.perf_counter()
-                total_bits += row["bits_per_weight"] * W.numel()
-                total_weights += W.numel()
-                lin.weight.data.copy_(Wq.to(lin.weight.dtype))
-                qmods[name] = qlin
-                if act is not None:  # later groups and the next layer see quantized inputs
-                    act_scales[name] = observers[owner[name]].static_scale() if act.static else None
-                    attach_input_quant(lin, act, W.shape[1], act_scales[name])
-                if cache is not None and name in cached_names:
-                    cache.install(lin)
-            del accs
-        with torch.inference_mode():
-            outputs = []
-            for b, (hs, kw) in enumerate(zip(inputs, kwargs, strict=True)):
-                if cache is not None:
-                    cache.batch = b
-                outputs.append(run_layer(layer, hs, kw))
-            inputs = outputs
-        if cache is not None:
-            cache.clear()
+                    shared: dict[str, list[str]] = {}
+                    for name in group:
+                        shared.setdefault(owner[name], []).append(name)
+                else:
+                    accs, observers = {}, {}
+                    shared = {name: [name] for name in group}
+                for own, names in shared.items():
+                    H = accs[own].H if own in accs else None
+                    if H is not None:
+                        check_finite(H, f"the calibration inputs of {prefix}.{own}")
+                    done = _quantize_shared(method, config, layer, names, H, percdamp, prefix, check_packing)
+                    for name, qlin, row in done:
+                        if act is not None:
+                            row["act"] = act.label
+                        if group_info.get(gi):
+                            row["transform"] = group_info[gi]
+                        if analyze_orders and H is not None:
+                            grid = IntGrid(config.bits, config.symmetric)
+                            W = layer.get_submodule(name).weight.data.float()
+                            row["order_bounds"] = order_bound_table(
+                                W, H, grid, config.group_size, tuple(analyze_orders), percdamp=percdamp
+                            )
+                        report.layers.append(row)
+                        total_bits += row["bits_per_weight"] * qlin.in_features * qlin.out_features
+                        total_weights += qlin.in_features * qlin.out_features
+                        qmods[name] = qlin
+                        lin = layer.get_submodule(name)
+                        if act is not None:  # later groups and the next layer see quantized inputs
+                            act_scales[name] = observers[own].static_scale() if act.static else None
+                            attach_input_quant(lin, act, lin.in_features, act_scales[name]).to(dev)
+                        if use_cache and gi < len(arch.sequential) - 1:
+                            cache.install(lin)
+                if use_cache and gi < len(arch.sequential) - 1:
+                    for child in _finished_children(layer, arch, gi):
+                        cache.install(child)
+                del accs
+            if calibrate:
+                with torch.inference_mode():
+                    outputs = []
+                    for b, (hs, kw) in enumerate(zip(inputs, kwargs, strict=True)):
+                        cache.batch = b
+                        outputs.append(run_layer(layer, hs, kw))
+                    for b, o in enumerate(outputs):
+                        check_finite(o, f"the outputs of {prefix} (calibration batch {b})")
+                    inputs.replace(outputs)
+                    del outputs
+        _release_host_memory()
+        layer.to(home, home_dtype)  # before the packed modules go in: their scales keep their dtype
         for name, qlin in qmods.items():
             if act is not None:
                 attach_input_quant(qlin, act, qlin.in_features, act_scales[name])
-            layer.set_submodule(name, qlin.to(layer.get_submodule(name).weight.device))
+            layer.set_submodule(name, qlin.to(home))
     report.seconds = time.perf_counter() - t0
     report.peak_rss_mb = peak_rss_mb()
+    if dev.type == "cuda":
+        report.peak_device_mb = torch.cuda.max_memory_allocated(dev) / 2**20
     report.bits_per_weight = total_bits / max(total_weights, 1)
     return report
+
+
+def _release_host_memory() -> None:
+    """Give freed heap pages back to the OS after each layer (glibc only): without it, the
+    allocator's fragmentation lets the footprint creep up layer after layer."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
+def _compute_dtype(dtype: torch.dtype | None, model: nn.Module, dev: torch.device) -> torch.dtype:
+    if dtype is not None:
+        return dtype
+    if dev.type == "cpu":
+        return torch.float32
+    return next(model.parameters()).dtype
+
+
+def _finished_children(layer: nn.Module, arch: ArchSpec, gi: int) -> list[nn.Module]:
+    """Direct children of ``layer`` (e.g. ``self_attn``) whose quantized linears are all in groups
+    ``<= gi``: their inputs and weights are final, so their whole output can be cached (the
+    attention itself is then computed once per layer, not once per later group)."""
+    done = {n for g in arch.sequential[: gi + 1] for n in g}
+    pending = {n for g in arch.sequential[gi + 1 :] for n in g}
+    out = []
+    for cname, child in layer.named_children():
+        mine = {n for n in done | pending if n.startswith(cname + ".")}
+        if mine and mine <= done and not isinstance(child, nn.Linear):
+            out.append(child)
+    return out
+
+
+def _use_cache(cache_outputs, budget_mb, calib, layer, arch) -> bool:
+    if cache_outputs is not None:
+        return bool(cache_outputs)
+    width = sum(layer.get_submodule(n).weight.shape[0] for g in arch.sequential[:-1] for n in g)
+    return calib.numel() * width * 4 / 2**20 <= budget_mb

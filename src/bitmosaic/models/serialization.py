@@ -8,7 +8,14 @@
 settings, so mixed-precision models load the same way.
 
 Writing goes to a temporary sibling directory that is renamed into place only when complete, so
-an interrupted save never leaves a partial model under the requested name.
+an interrupted save never leaves a partial model under the requested name.  An existing folder is
+replaced only when bitmosaic wrote it (its ``config.json`` says ``quant_method: "bitmosaic"``) *and* the
+caller passed ``overwrite=True``; any other non-empty folder, or a file, is never touched
+(:func:`check_output_dir`).
+
+Loading checks what it reads: unreadable JSON, truncated or garbage safetensors, missing shards, and
+tensors that do not match the model raise :class:`~bitmosaic.errors.CorruptModelError` (one line, naming
+the file or tensor); NaN/Inf in a float tensor raises :class:`~bitmosaic.errors.NonFiniteError`.
 """
 
 from __future__ import annotations
@@ -20,12 +27,22 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .qmodules import full_layer_config, module_from_layer_config
+from ..errors import CorruptModelError, OutputExistsError, check_finite
+from ..modules.qmodules import full_layer_config, module_from_layer_config
 
-__all__ = ["FORMAT_VERSION", "save_quantized", "load_quantized", "quantized_modules", "atomic_write_text"]
+__all__ = [
+    "FORMAT_VERSION",
+    "save_quantized",
+    "load_quantized",
+    "quantized_modules",
+    "atomic_write_text",
+    "check_output_dir",
+    "read_quant_config",
+]
 
 FORMAT_VERSION = 1
 SHARD_BYTES = 2 * 1024**3
@@ -65,15 +82,76 @@ def _state_dict_for_save(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_quantized(model: nn.Module, out_dir: str | os.PathLike, quant_info: dict, tokenizer=None) -> Path:
-    """Save ``model`` (with QuantLinear modules) to ``out_dir`` atomically; returns the path."""
-    out_dir = Path(out_dir).expanduser().resolve()
+def _bitmosaic_qc(folder: Path) -> dict | None:
+    """``quantization_config`` of ``folder`` if bitmosaic wrote it, else ``None`` (never raises)."""
+    try:
+        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    qc = raw.get("quantization_config") if isinstance(raw, dict) else None
+    return qc if isinstance(qc, dict) and qc.get("quant_method") == "bitmosaic" else None
+
+
+def check_output_dir(out_dir: str | os.PathLike, overwrite: bool = False) -> Path:
+    """The resolved ``out_dir`` if :func:`save_quantized` may write there, else :class:`OutputExistsError`.
+
+    Allowed: a path that does not exist, an empty folder, and -- only with ``overwrite=True`` -- a folder
+    that bitmosaic saved.  A file, or a non-empty folder that bitmosaic did not write (a float model, a
+    folder of notes), is always refused.  Cheap: call it before a long quantization run.
+    """
+    out = Path(out_dir).expanduser().resolve()
+    if not out.exists():
+        return out
+    if not out.is_dir():
+        raise OutputExistsError(f"output {out} exists and is not a folder; choose another --out")
+    if not any(out.iterdir()):
+        return out
+    if _bitmosaic_qc(out) is None:
+        raise OutputExistsError(
+            f"output folder {out} is not empty and is not a bitmosaic model folder (no config.json with "
+            "quantization_config.quant_method 'bitmosaic'); bitmosaic never replaces it: choose another --out"
+        )
+    if not overwrite:
+        raise OutputExistsError(
+            f"output folder {out} already holds a bitmosaic model; pass --overwrite (overwrite=True) "
+            "to replace it, or choose another --out"
+        )
+    return out
+
+
+def _replace_dir(tmp: Path, out_dir: Path) -> None:
+    """Move the finished ``tmp`` to ``out_dir``; an old ``out_dir`` is removed only after that worked."""
+    if not out_dir.exists():
+        os.replace(tmp, out_dir)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+    old.rmdir()  # a fresh unique name for the old folder
+    os.replace(out_dir, old)
+    try:
+        os.replace(tmp, out_dir)
+    except BaseException:
+        os.replace(old, out_dir)  # put the old model back
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_quantized(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    quant_info: dict,
+    tokenizer=None,
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Save ``model`` (with QuantLinear modules) to ``out_dir`` atomically; returns the path.
+
+    ``out_dir`` must be new or empty, or (with ``overwrite=True``) a folder bitmosaic saved before; see
+    :func:`check_output_dir`.  Raises :class:`~bitmosaic.errors.OutputExistsError` otherwise.
+    """
     qmods = quantized_modules(model)
     if not qmods:
         raise ValueError("model has no quantized layers; run quantization before saving")
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        if not (out_dir / "config.json").is_file():
-            raise FileExistsError(f"{out_dir} exists and is not a model folder; choose another --out")
+    out_dir = check_output_dir(out_dir, overwrite)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
@@ -110,63 +188,198 @@ def save_quantized(model: nn.Module, out_dir: str | os.PathLike, quant_info: dic
             index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in sd.values())}}
             index["weight_map"] = weight_map
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
+        check_output_dir(out_dir, overwrite)  # again: the folder may have changed while we wrote
+        _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
 
 
+_RESAVE = "the saved model is damaged: save or download it again"
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CorruptModelError(f"{path} is missing; {_RESAVE}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptModelError(f"{path} is not valid JSON ({e}); {_RESAVE}") from None
+    if not isinstance(raw, dict):
+        raise CorruptModelError(f"{path} does not hold a JSON object; {_RESAVE}")
+    return raw
+
+
+def read_quant_config(path: str | os.PathLike) -> tuple[dict, dict]:
+    """``(config.json as a dict, its quantization_config)`` of a bitmosaic folder, checked.
+
+    Raises :class:`CorruptModelError` when the folder has no readable config.json, when it is not a
+    bitmosaic folder, or when its ``modules`` table is missing or malformed; ``ValueError`` when it needs
+    a newer bitmosaic.
+    """
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise CorruptModelError(f"{path} has no config.json: not a saved model folder")
+    raw = _read_json(path / "config.json")
+    qc = raw.get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != "bitmosaic":
+        raise CorruptModelError(
+            f"{path} is not a bitmosaic model (quantization_config.quant_method missing); "
+            "load a float model with load_model"
+        )
+    try:
+        version = int(qc.get("format_version", 0))
+    except (TypeError, ValueError):
+        raise CorruptModelError(
+            f"{path}/config.json: bad format_version {qc.get('format_version')!r}"
+        ) from None
+    if version > FORMAT_VERSION:
+        raise ValueError(
+            f"{path} uses bitmosaic format v{version}, newer than this version (v{FORMAT_VERSION}); "
+            "upgrade bitmosaic"
+        )
+    mods = qc.get("modules")
+    if not isinstance(mods, dict) or not all(isinstance(v, dict) for v in mods.values()):
+        raise CorruptModelError(
+            f"{path}/config.json: quantization_config.modules is missing or not a table of layers; {_RESAVE}"
+        )
+    return raw, qc
+
+
+def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    if not file.is_file():
+        raise CorruptModelError(f"weights file {file} is missing; {_RESAVE}")
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise CorruptModelError(
+            f"weights file {file} is truncated or not a safetensors file ({reason}); {_RESAVE}"
+        ) from None
+
+
 def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     single = path / "model.safetensors"
-    if single.is_file():
-        return load_file(str(single))
     index = path / "model.safetensors.index.json"
-    if not index.is_file():
-        raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
-    sd = {}
-    for name in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-        sd.update(load_file(str(path / name)))
+    if single.exists() or not index.exists():
+        if not single.exists():
+            raise CorruptModelError(
+                f"{path} has neither model.safetensors nor model.safetensors.index.json; {_RESAVE}"
+            )
+        return _load_safetensors(single)
+    weight_map = _read_json(index).get("weight_map")
+    names = set(weight_map.values()) if isinstance(weight_map, dict) else {None}
+    if not names or not all(isinstance(n, str) and n and Path(n).name == n for n in names):
+        raise CorruptModelError(f"{index}: weight_map is missing or names files outside the folder")
+    sd: dict[str, torch.Tensor] = {}
+    for name in sorted(names):
+        shard = _load_safetensors(path / name)
+        stray = sorted(k for k in shard if weight_map.get(k) != name)
+        if stray:
+            raise CorruptModelError(f"{path / name} holds tensors the index does not put there: {stray[:3]}")
+        sd.update(shard)
     return sd
 
 
-def load_quantized(path: str | os.PathLike, load_tokenizer: bool = True):
-    """Load a bitmosaic model folder -> ``(transformers model, tokenizer or None)``."""
+def _check_state_dict(path: Path, model: nn.Module, sd: dict[str, torch.Tensor], tied: bool) -> None:
+    """Every tensor the model needs is there, with its shape and kind of dtype; no stray tensors."""
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in sd and not (tied and k == "lm_head.weight")]
+    unexpected = [k for k in sd if k not in expected]
+    bad = []
+    for k, v in sd.items():
+        e = expected.get(k)
+        if e is None:
+            continue
+        if tuple(v.shape) != tuple(e.shape):
+            bad.append(f"{k} has shape {list(v.shape)}, expected {list(e.shape)}")
+        elif v.dtype != e.dtype and not (v.is_floating_point() and e.is_floating_point()):
+            bad.append(f"{k} has dtype {v.dtype}, expected {e.dtype}")
+    if missing or unexpected or bad:
+        parts = [
+            f"missing {missing[:3]}" if missing else "",
+            f"unexpected {unexpected[:3]}" if unexpected else "",
+        ]
+        what = "; ".join(p for p in parts + bad[:3] if p)
+        raise CorruptModelError(f"{path}: the saved tensors do not match the model ({what}); {_RESAVE}")
+
+
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "spiece.model",
+)
+
+
+def _load_tokenizer(path: Path):
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # tokenizers raise many kinds of errors on damaged files
+        reason = " ".join(str(e).split())[:200] or type(e).__name__
+        raise CorruptModelError(
+            f"the tokenizer files in {path} are unreadable ({reason}); {_RESAVE}"
+        ) from None
+
+
+def _cast_unquantized(model: nn.Module, qnames, dtype: torch.dtype) -> None:
+    """Cast the float parameters outside the quantized modules (embeddings, norms, head) to ``dtype``."""
+    for mname, mod in model.named_modules():
+        if any(mname == q or mname.startswith(q + ".") for q in qnames):
+            continue
+        for p in mod.parameters(recurse=False):
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+
+
+def load_quantized(path: str | os.PathLike, load_tokenizer: bool = True, dtype: torch.dtype | None = None):
+    """Load a bitmosaic model folder -> ``(transformers model, tokenizer or None)``.
+
+    The tokenizer is ``None`` when ``load_tokenizer`` is false or none was saved.  ``dtype`` casts the
+    parameters that are not quantized (embeddings, norms, an untied head); quantized modules keep their
+    stored formats and compute in their input's dtype.  Damaged folders raise
+    :class:`~bitmosaic.errors.CorruptModelError`, NaN/Inf in a stored float tensor
+    :class:`~bitmosaic.errors.NonFiniteError`.
+    """
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
-    raw = json.loads((path / "config.json").read_text())
-    qc = raw.get("quantization_config") or {}
-    if qc.get("quant_method") != "bitmosaic":
-        raise ValueError(f"{path} is not a bitmosaic model (quantization_config.quant_method missing)")
-    if int(qc.get("format_version", 0)) > FORMAT_VERSION:
-        raise ValueError(
-            f"{path} uses bitmosaic format v{qc['format_version']}, newer than this version "
-            f"(v{FORMAT_VERSION}); upgrade bitmosaic"
-        )
-    config = AutoConfig.from_pretrained(path)
+    _, qc = read_quant_config(path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:  # transformers raises ValueError, KeyError, OSError, ... on bad configs
+        reason = " ".join(str(e).split())[:200] or type(e).__name__
+        raise CorruptModelError(f"{path}/config.json is not a usable model config ({reason})") from None
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config)
     for name, lc in qc["modules"].items():
-        model.set_submodule(name, module_from_layer_config(lc))
+        try:
+            model.set_submodule(name, module_from_layer_config(lc))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CorruptModelError(
+                f"{path}/config.json: quantized layer {name!r} has a bad entry ({type(e).__name__}: {e}); "
+                f"{_RESAVE}"
+            ) from None
     sd = _read_state_dict(path)
-    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     tied = getattr(config, "tie_word_embeddings", False)
-    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"{path}: state dict mismatch; missing={missing[:5]} unexpected={unexpected[:5]}")
+    _check_state_dict(path, model, sd, tied)
+    for k, v in sd.items():
+        check_finite(v, f"tensor {k} of the saved model {path}")
+    model.load_state_dict(sd, strict=False, assign=True)
     if tied:
         model.tie_weights()
+    if dtype is not None:
+        _cast_unquantized(model, set(qc["modules"]), dtype)
     model.quantization_info = qc
     model.eval()
-    tok = AutoTokenizer.from_pretrained(path) if load_tokenizer else None
+    tok = _load_tokenizer(path) if load_tokenizer else None
     return model, tok

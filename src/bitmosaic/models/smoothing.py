@@ -27,7 +27,7 @@ def fold_group_scales(layer: nn.Module, arch: ArchSpec, group_index: int, s: tor
             f"(smooth_prev={arch.smooth_prev})"
         )
     prev = layer.get_submodule(arch.smooth_prev[group_index])
-    s = s.detach().float().cpu()
+    s = s.detach().float().to(prev.weight.device)
     if isinstance(prev, nn.Linear):
         w, b = fold_scales_into_linear_rows(
             prev.weight.float(), None if prev.bias is None else prev.bias.float(), s

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..algorithms.rtn import QuantResult
+from ..algorithms.types import QuantResult
 from ..formats import huffman
 from ..formats.accounting import bits_per_weight
 from ..formats.act import ActQuantSpec

@@ -18,7 +18,7 @@ import math
 import torch
 from torch import nn
 
-from ..algorithms.rtn import QuantResult
+from ..algorithms.types import QuantResult
 from ..formats.accounting import bits_per_weight
 from ..formats.layout import dequantize, is_trivial_g_idx, normalize_group_size, num_groups
 from ..formats.packing import SUPPORTED_BITS, pack_codes, unpack_codes
@@ -138,8 +138,8 @@ class QuantLinear(nn.Module):
         if self._wcache is not None:
             return self._wcache.to(dtype)
         z = self._zeros_arg()
-        if self.code_offset:
-            return self.dequantize_reference(dtype)
+        if self.code_offset:  # the plain packed reference, never a subclass's (DPQ adds FP8 on top)
+            return QuantLinear.dequantize_reference(self, dtype)
         w = dequantize_packed(
             self.qweight,
             self.storage_bits,

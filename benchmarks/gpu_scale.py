@@ -1,0 +1,161 @@
+"""GPTQ at real scale on a GPU: a Llama-3-8B-shaped model and one Llama-3-70B-shaped decoder layer.
+
+The weights are random (N(0, 0.02), norms 1): a model of that size cannot be carried to the lent
+GPU machine, and GPTQ's time and memory do not depend on the weight values.  The model is built
+in host memory in bfloat16 from the real configuration (shapes, GQA, vocabulary); calibration
+uses random token ids.  Reported: quantization seconds (the pipeline's own clock: capture,
+per-layer moves, Hessians, GPTQ, packing), peak device memory (``torch.cuda.max_memory_allocated``)
+and peak host RSS.
+
+    python benchmarks/gpu_scale.py                       # 8B model + one 70B layer, on CUDA
+    python benchmarks/gpu_scale.py --shape tiny --device cpu --nsamples 4 --seqlen 64   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+SHAPES = {
+    # meta-llama/Meta-Llama-3-8B config.json
+    "llama3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+    ),
+    # meta-llama/Meta-Llama-3-70B: one decoder layer is timed (8192 hidden, 28672 MLP, GQA 64/8)
+    "llama3-70b-layer": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=1,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+    ),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=256,
+    ),
+}
+
+
+def build_random_llama(shape: str, dtype: torch.dtype):
+    from accelerate import init_empty_weights
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**SHAPES[shape], tie_word_embeddings=False)
+    with init_empty_weights():
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device="cpu").to(dtype)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(0.02).to(dtype))
+        model.model.rotary_emb.__init__(cfg)  # buffers were left empty by to_empty
+    model.eval()
+    return model
+
+
+def run(shape: str, args) -> dict:
+    from bitmosaic import quantize_
+
+    t = time.perf_counter()
+    model = build_random_llama(shape, torch.bfloat16)
+    build_s = time.perf_counter() - t
+    vocab = model.config.vocab_size
+    calib = torch.randint(0, vocab, (args.nsamples, args.seqlen), generator=torch.Generator().manual_seed(1))
+    rep = quantize_(
+        model,
+        "gptq",
+        calib,
+        bits=4,
+        group_size=128,
+        order=args.order,
+        static_groups=args.order == "act",
+        device=args.device,
+        batch_size=args.batch_size,
+        progress=not args.no_progress,
+    )
+    n_weights = sum(r["shape"][0] * r["shape"][1] for r in rep.layers)
+    return {
+        "shape": shape,
+        "config": SHAPES[shape],
+        "build_seconds": build_s,
+        "quant_seconds": rep.seconds,
+        "peak_device_mb": rep.peak_device_mb,
+        "peak_rss_mb": rep.peak_rss_mb,
+        "linears": len(rep.layers),
+        "quantized_weights": n_weights,
+        "bits_per_weight": rep.bits_per_weight,
+        "offload_inputs": rep.calibration.get("offload_inputs"),
+        "device": rep.device,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", action="append", choices=sorted(SHAPES), default=None)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--nsamples", type=int, default=128)
+    p.add_argument("--seqlen", type=int, default=2048)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--order", default="act", choices=["act", "natural"])
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", default=str(RESULTS / "gpu_scale.json"))
+    a = p.parse_args()
+    shapes = a.shape or ["llama3-8b", "llama3-70b-layer"]
+    dev = torch.device(a.device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
+    rows = []
+    for shape in shapes:
+        print(f"{shape}: GPTQ w4 g128 {a.order}-order, calib {a.nsamples}x{a.seqlen} on {name}", flush=True)
+        rows.append(run(shape, a))
+        r = rows[-1]
+        dev_mb = f"{r['peak_device_mb']:.0f}" if r["peak_device_mb"] is not None else "-"
+        print(f"  {r['quant_seconds']:.1f} s, peak device {dev_mb} MB, peak RSS {r['peak_rss_mb']:.0f} MB")
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    out = {
+        "benchmark": "gpu_scale",
+        "device": name,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "args": vars(a),
+        "rows": rows,
+    }
+    path = Path(a.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=2))
+    os.replace(tmp, path)
+    print(f"JSON written to {path}")
+
+
+if __name__ == "__main__":
+    main()

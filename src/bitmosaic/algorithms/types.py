@@ -1,0 +1,64 @@
+"""Shared result types of the quantization algorithms (the bottom of the dependency graph above
+:mod:`bitmosaic.formats`: algorithms produce them, methods return them, modules pack them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..formats.layout import dequantize
+
+__all__ = ["QuantResult"]
+
+
+@dataclass
+class QuantResult:
+    """Integer codes in original column order plus what is needed to dequantize them.
+
+    ``codes``: ``[out, in]`` int32 (unbounded when quantized with ``clip=False``);
+    ``scales``/``zeros``: ``[out, G]`` (fp16-exact values, kept in float32/64);
+    ``g_idx``: ``[in]`` group of each column; ``perm``: the processing order used (or None).
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    g_idx: torch.Tensor
+    perm: torch.Tensor | None = None
+    hessian: torch.Tensor | None = None  # the damped Hessian an algorithm used (original order)
+    step_errors: torch.Tensor | None = None  # per-row sum of (w'-q)^2/d^2 (GPTQ's loss)
+    # LDL pivots D_kk of the damped Hessian in *processing* order (GPTQ: 1 / U_kk^2), so the
+    # Babai bound needs no second factorisation: bound_row = 1/4 sum_k D_k s_{perm[k]}^2
+    pivots: torch.Tensor | None = None
+    sparse: torch.Tensor | None = None  # dense [out, in] view of sparse outliers added on top (SSQR)
+    info: dict = field(default_factory=dict)  # method-specific facts for the report
+
+    def lattice_scales(self) -> torch.Tensor | None:
+        """Per-column step sizes of the integer lattice the codes live on (``[out, in]``), for the
+        Babai bound; ``None`` when the weight is not on such a lattice (e.g. FP8-rounded DPQ)."""
+        return self.scales[:, self.g_idx.long()]
+
+    def select_rows(self, start: int, stop: int) -> QuantResult:
+        """The result for output rows ``start:stop`` (linears that shared one Hessian were stacked
+        row-wise and quantized as one matrix; every per-row field is sliced, shared ones kept)."""
+
+        def rows(t):
+            return None if t is None else t[start:stop]
+
+        return QuantResult(
+            codes=self.codes[start:stop],
+            scales=self.scales[start:stop],
+            zeros=self.zeros[start:stop],
+            g_idx=self.g_idx,
+            perm=self.perm,
+            hessian=self.hessian,
+            step_errors=rows(self.step_errors),
+            pivots=self.pivots,
+            sparse=rows(self.sparse),
+            info=dict(self.info),
+        )
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        W = dequantize(self.codes, self.scales, self.zeros, self.g_idx, dtype=dtype)
+        return W if self.sparse is None else W + self.sparse.to(dtype)

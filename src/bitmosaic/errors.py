@@ -1,0 +1,85 @@
+"""Errors that bitmosaic raises for bad input, and the small checks that raise them.
+
+Every class here derives from :class:`BitmosaicError`, itself a ``ValueError``: callers that caught
+``ValueError`` keep working, and the CLI turns any ``BitmosaicError`` into one line on stderr and exit
+status 2.  Messages are one line and name both the problem and the fix.
+
+This module imports nothing else from bitmosaic, so every layer can use it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "BitmosaicError",
+    "OptionError",
+    "DeviceError",
+    "DataError",
+    "OutputExistsError",
+    "CorruptModelError",
+    "NonFiniteError",
+    "check_finite",
+]
+
+
+class BitmosaicError(ValueError):
+    """Base class of bitmosaic's documented errors (bad input, bad files, bad options)."""
+
+
+class OptionError(BitmosaicError):
+    """A method option that the method does not use, or a value it does not accept."""
+
+
+class DeviceError(BitmosaicError):
+    """A device or dtype that cannot be used here (e.g. ``cuda`` without a CUDA GPU)."""
+
+
+class DataError(BitmosaicError, RuntimeError):
+    """Calibration or evaluation text that cannot be had (no data folder, no network, ...).
+
+    Also a ``RuntimeError``, the class these errors had before.
+    """
+
+
+class OutputExistsError(BitmosaicError, FileExistsError):
+    """The output folder exists and may not be replaced (also a ``FileExistsError``)."""
+
+
+class CorruptModelError(BitmosaicError):
+    """A saved model folder is unreadable: truncated or garbage files, missing shards, bad JSON,
+    tensors that do not match the model."""
+
+
+class NonFiniteError(BitmosaicError):
+    """A tensor holds NaN or Inf values where finite numbers are required."""
+
+
+_CHUNK = 1 << 24  # elements checked at a time: bounds the temporary bool mask of a huge tensor
+
+
+def check_finite(tensor: torch.Tensor, what: str) -> None:
+    """Raise :class:`NonFiniteError` naming ``what`` when ``tensor`` has a NaN or an Inf.
+
+    ``what`` says which tensor it is, e.g. ``"weight model.layers.3.mlp.down_proj.weight of 'x'"`` or
+    ``"input of layer 5 (self_attn.q_proj)"``.  Integer and bool tensors are always finite.  Works on any
+    device; the check runs in chunks, so its extra memory stays small for huge tensors.
+    """
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return
+    flat = tensor.detach().reshape(-1)
+    for start in range(0, flat.numel(), _CHUNK):
+        if not bool(torch.isfinite(flat[start : start + _CHUNK]).all()):
+            _raise_non_finite(tensor.detach(), what)
+
+
+def _raise_non_finite(t: torch.Tensor, what: str) -> None:
+    nan = int(torch.isnan(t).sum())
+    inf = int(torch.isinf(t).sum())
+    bad = (~torch.isfinite(t)).nonzero()
+    first = tuple(int(i) for i in bad[0]) if bad.numel() else ()
+    where = f" (first at index {list(first)})" if first else ""
+    raise NonFiniteError(
+        f"{what} is not finite: {nan} NaN and {inf} Inf value(s){where} in shape {list(t.shape)}; "
+        "the model or its inputs are corrupt or diverged: use a checkpoint with finite weights"
+    )

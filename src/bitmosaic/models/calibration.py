@@ -1,0 +1,294 @@
+"""Calibration passes of the layer-by-layer pipeline, device-aware.
+
+- :func:`capture_layer_inputs`: the hidden states entering decoder layer 0 and the keyword
+  arguments (masks, rotary embeddings) each kind of layer receives.  Only the modules that run
+  *before* the first decoder layer (embeddings, rotary tables; everything outside the decoder
+  stack but the output head) are moved to the calibration device for it, and moved back after.
+- :class:`LayerInputs`: one layer's calibration activations, per batch, kept on the device or
+  offloaded to host memory (then each batch is moved to the device as it is used).
+- :class:`OutputCache`: outputs of already-quantized linears for the rest of their layer.
+- :func:`group_statistics`: Hessians ``2/n XᵀX`` (float32, on the device) and, when static
+  activation scales are calibrated, input observers for one true-sequential group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from ..algorithms.hessian import HessianAccumulator
+from ..algorithms.observers import ActObserver
+from ..errors import check_finite
+from .capture import run_layer
+
+__all__ = [
+    "StopForward",
+    "LayerInputs",
+    "OutputCache",
+    "capture_layer_inputs",
+    "group_statistics",
+    "layer_kind",
+    "move_outside_layers",
+]
+
+
+class StopForward(Exception):
+    """Raised by calibration hooks to end a forward pass early (never used for real errors)."""
+
+
+def layer_kind(layer: nn.Module) -> str:
+    return str(getattr(layer, "attention_type", "default"))
+
+
+def cast_floating(obj, device: torch.device, dtype: torch.dtype | None = None):
+    """``obj`` (a tensor, or tuples/lists/dicts of them, or anything else) with its tensors on
+    ``device`` and its floating tensors in ``dtype`` (when given)."""
+    if torch.is_tensor(obj):
+        if dtype is not None and obj.is_floating_point():
+            return obj.to(device, dtype)
+        return obj.to(device)
+    if isinstance(obj, tuple):
+        return tuple(cast_floating(o, device, dtype) for o in obj)
+    if isinstance(obj, list):
+        return [cast_floating(o, device, dtype) for o in obj]
+    if isinstance(obj, dict):
+        return {k: cast_floating(v, device, dtype) for k, v in obj.items()}
+    return obj
+
+
+def move_outside_layers(model: nn.Module, layers: nn.ModuleList, device: torch.device) -> None:
+    """Move every parameter and buffer outside the decoder stack, except the output head's, to
+    ``device`` (in place through ``.data``, so tied weights stay tied).  A head tied to the input
+    embedding moves with it: it is the same tensor."""
+    skip = {id(m) for m in layers.modules()}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None:
+        skip.add(id(head))
+    for m in model.modules():
+        if id(m) in skip:
+            continue
+        for p in m._parameters.values():
+            if p is not None and p.device != device:
+                p.data = p.data.to(device)
+        for key, buf in m._buffers.items():
+            if buf is not None and buf.device != device:
+                m._buffers[key] = buf.to(device)
+
+
+class LayerInputs:
+    """Hidden states entering the current layer, one tensor per calibration batch.
+
+    ``offload=True`` keeps them in host memory and yields each on ``device`` when used; otherwise
+    they live on ``device``.  ``dtype``: the compute dtype they are cast to.
+    """
+
+    def __init__(
+        self,
+        batches: list[torch.Tensor],
+        device: torch.device,
+        offload: bool,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.device = device
+        self.offload = offload
+        dtype = dtype or batches[0].dtype
+        self.batches = [b.to("cpu" if offload else device, dtype) for b in batches]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for b in self.batches:
+            yield b.to(self.device, non_blocking=True) if self.offload else b
+
+    def replace(self, outputs: list[torch.Tensor]) -> None:
+        self.batches = [o.cpu() if self.offload else o for o in outputs]
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.batches)
+
+
+@torch.inference_mode()
+def capture_layer_inputs(
+    model: nn.Module,
+    layers: nn.ModuleList,
+    calib: torch.Tensor,
+    batch_size: int,
+    device: torch.device | None = None,
+):
+    """Return (hidden states entering layer 0 per batch, {layer kind: [kwargs per batch]}).
+
+    With ``device``, the modules before the decoder stack run there (and are moved back after),
+    so the captured tensors are on ``device``.
+    """
+    kinds_needed = {layer_kind(layer) for layer in layers}
+    inputs: list[torch.Tensor] = []
+    kwargs_by_kind: dict[str, list[dict]] = {k: [] for k in kinds_needed}
+    seen: set[str] = set()
+
+    def make_hook(idx: int, kind: str):
+        def hook(module, args, kwargs):
+            if idx == 0:
+                hs = args[0] if args else kwargs["hidden_states"]
+                inputs.append(hs.detach())
+            if kind not in seen:
+                seen.add(kind)
+                kw = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+                kw["use_cache"] = False
+                kw["past_key_values"] = None
+                kwargs_by_kind[kind].append(kw)
+            if seen == kinds_needed:
+                raise StopForward
+
+        return hook
+
+    first_of_kind: dict[str, int] = {}
+    for i, layer in enumerate(layers):
+        first_of_kind.setdefault(layer_kind(layer), i)
+    handles = [
+        layers[i].register_forward_pre_hook(make_hook(i, kind), with_kwargs=True)
+        for kind, i in first_of_kind.items()
+    ]
+    home = calib.device
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embed is not None and embed.weight.device.type != "meta":
+        home = embed.weight.device
+    run_on = device or home
+    if run_on != home:
+        move_outside_layers(model, layers, run_on)
+    try:
+        for b in range(0, calib.shape[0], batch_size):
+            seen.clear()
+            try:
+                model(input_ids=calib[b : b + batch_size].to(run_on), use_cache=False)
+            except StopForward:
+                pass
+            else:
+                raise RuntimeError("calibration forward finished without reaching the decoder layers")
+    finally:
+        for h in handles:
+            h.remove()
+        if run_on != home:
+            move_outside_layers(model, layers, home)
+    for i, hs in enumerate(inputs):
+        check_finite(hs, f"the inputs of decoder layer 0 (calibration batch {i})")
+    return inputs, kwargs_by_kind
+
+
+class OutputCache:
+    """Outputs of already-quantized linears, per calibration batch, for the rest of one layer.
+
+    Once a linear is quantized its input can no longer change (it depends only on groups before
+    it, which are final), so later partial forwards of the same layer may reuse its output
+    exactly instead of recomputing it: the projections -- most of a layer's FLOPs -- then run
+    once per layer instead of once per later group.  Use as a context manager: the forward
+    patches are removed however the block ends (also when quantization raises).
+    """
+
+    def __init__(self) -> None:
+        self.batch = 0
+        self.modules: list[nn.Module] = []
+
+    def install(self, module: nn.Module) -> None:
+        """Cache ``module``'s output per batch from now on; caches of modules inside it are
+        dropped (the outer cache answers before they are reached)."""
+        if module in self.modules:
+            return
+        for sub in module.modules():
+            if sub is not module and sub in self.modules:
+                self._restore(sub)
+                self.modules.remove(sub)
+        orig = module.forward
+        store: dict[int, torch.Tensor] = {}
+
+        def forward(*args, **kwargs):
+            y = store.get(self.batch)
+            if y is None:
+                y = store[self.batch] = orig(*args, **kwargs)
+            return y
+
+        module.forward = forward
+        self.modules.append(module)
+
+    @staticmethod
+    def _restore(m: nn.Module) -> None:
+        if "forward" in vars(m):
+            del m.forward  # back to the class's forward (and its store is freed)
+
+    def clear(self) -> None:
+        for m in self.modules:
+            self._restore(m)
+        self.modules.clear()
+
+    def __enter__(self) -> OutputCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.clear()
+
+
+@torch.inference_mode()
+def group_statistics(
+    layer: nn.Module,
+    names,
+    inputs: LayerInputs,
+    kwargs: list[dict],
+    *,
+    hessian_dtype: torch.dtype = torch.float32,
+    cache: OutputCache | None = None,
+    act_spec=None,
+) -> tuple[dict[str, HessianAccumulator], dict[str, str], dict[str, ActObserver]]:
+    """Hessians of the inputs of linears ``names`` (modules fed the very same tensor share one:
+    ``owner[name]`` is the name whose accumulator holds it), and input observers when
+    ``act_spec`` is static.  The layer's forward stops as soon as every input was seen."""
+    mods = {n: layer.get_submodule(n) for n in names}
+    accs: dict[str, HessianAccumulator] = {}
+    observers: dict[str, ActObserver] = {}
+    owner: dict[str, str] = {}
+    state: dict = {}
+    observe = act_spec is not None and act_spec.static
+
+    def make_hook(name):
+        def hook(module, args):
+            x = args[0]
+            prev = state.get("last")
+            if prev is not None and x is prev[0]:
+                owner.setdefault(name, prev[1])
+            else:
+                owner.setdefault(name, name)
+            if owner[name] == name:
+                acc = accs.get(name)
+                if acc is None:
+                    acc = accs[name] = HessianAccumulator(x.shape[-1], dtype=hessian_dtype, device=x.device)
+                acc.add(x)
+                if observe:
+                    observers.setdefault(name, ActObserver(x.shape[-1], act_spec)).add(x)
+                state["last"] = (x, name)
+            state["seen"].add(name)
+            if len(state["seen"]) == len(mods):
+                raise StopForward
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(make_hook(n)) for n, m in mods.items()]
+    try:
+        for b, (hs, kw) in enumerate(zip(inputs, kwargs, strict=True)):
+            if cache is not None:
+                cache.batch = b
+            state["seen"] = set()
+            state["last"] = None
+            try:
+                run_layer(layer, hs, kw)
+            except StopForward:
+                pass
+            else:
+                missing = sorted(set(mods) - state["seen"])
+                raise RuntimeError(
+                    f"layer forward never called {missing}; check the architecture's layer map"
+                )
+    finally:
+        for h in handles:
+            h.remove()
+    return accs, owner, observers

@@ -1,0 +1,102 @@
+"""The run report of the calibration pipeline: one row per quantized linear plus totals.
+
+Per row (see the README): ``rel_out_error`` = ``‖XWᵀ−XŴᵀ‖²/‖XWᵀ‖²`` on the calibration inputs
+(undamped ``H``), ``hessian_error`` = ``Σ_rows (w−ŵ)ᵀ H_d (w−ŵ)`` with the damped ``H_d`` the solver
+used, ``babai_bound`` = ``¼ Σ D_kk s_k²`` (Babai paper Thm. 5) for no-clip-capable orders.
+
+What a solver already computed is reused rather than recomputed: GPTQ's step errors *are*
+``(w−ŵ)ᵀ H_d (w−ŵ)`` per row (GPTQ paper Eq. 3; Babai paper Lemma 2) and its Cholesky pivots are
+the LDL diagonal ``D`` of the bound, so a GPTQ row costs one float32 matmul (the denominator
+``w H wᵀ``) instead of a float64 recomputation and a second factorisation.
+"""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass, field
+
+import torch
+
+from ..algorithms.bounds import babai_bound
+from ..algorithms.hessian import damp_hessian
+from ..algorithms.types import QuantResult
+
+__all__ = ["RunReport", "peak_rss_mb", "error_metrics"]
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+@dataclass
+class RunReport:
+    method: str
+    config: dict
+    layers: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+    peak_rss_mb: float = 0.0
+    peak_device_mb: float | None = None
+    device: str = "cpu"
+    bits_per_weight: float = 0.0
+    calibration: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "method": self.method,
+            "config": self.config,
+            "calibration": self.calibration,
+            "device": self.device,
+            "seconds": self.seconds,
+            "peak_rss_mb": self.peak_rss_mb,
+            "peak_device_mb": self.peak_device_mb,
+            "bits_per_weight": self.bits_per_weight,
+            "layers": self.layers,
+        }
+
+
+def _row_quadratic(E: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
+    """Per-row ``e H eᵀ`` in float32 (float64 inputs stay float64), summed in float64."""
+    dt = torch.float64 if E.dtype == torch.float64 or H.dtype == torch.float64 else torch.float32
+    E = E.to(dt)
+    return ((E @ H.to(dt)) * E).sum(dim=1, dtype=torch.float64)
+
+
+@torch.no_grad()
+def error_metrics(
+    W: torch.Tensor, Wq: torch.Tensor, H: torch.Tensor, res: QuantResult, percdamp: float
+) -> dict:
+    """``rel_out_error``, ``hessian_error`` and ``babai_bound`` of one linear (module doc)."""
+    H = H.to(W.device)
+    diag = torch.diagonal(H)
+    dead = diag == 0
+    Hd = res.hessian
+    if Hd is None:
+        Hd = damp_hessian(H.float() if H.dtype != torch.float64 else H, percdamp)[0]
+    Hd = Hd.to(W.device)
+    den = float(_row_quadratic(W, H).sum())
+    E = W.float() - Wq.float() if W.dtype != torch.float64 else W - Wq.double()
+    step_errors = getattr(res, "step_errors", None)
+    if step_errors is not None and getattr(res, "sparse", None) is None:
+        # step errors were measured on W with dead columns zeroed: (w_z - ŵ)ᵀ H_d (w_z - ŵ)
+        hess = float(step_errors.double().sum())
+        Ez = E.clone()
+        Ez[:, dead] = 0
+        lam = (torch.diagonal(Hd).to(torch.float64) - diag.to(torch.float64)).masked_fill(dead, 0)
+        # the undamped H is zero on dead columns, so they add nothing to the output error
+        num = hess - float(((Ez.double() ** 2).sum(dim=0) * lam).sum())
+    else:
+        hess = float(_row_quadratic(E, Hd).sum())
+        num = float(_row_quadratic(E, H).sum())
+    bound = None
+    lattice = res.lattice_scales() if hasattr(res, "lattice_scales") else None
+    if getattr(res, "perm", None) is not None and lattice is not None:
+        if getattr(res, "pivots", None) is not None:
+            s = lattice.to(torch.float64)[:, res.perm.to(lattice.device)]
+            bound = float(0.25 * (s * s * res.pivots.to(torch.float64).to(s.device)[None, :]).sum())
+        else:
+            bound = float(babai_bound(Hd.double(), lattice, res.perm).sum())
+    return {
+        "rel_out_error": max(num, 0.0) / den if den > 0 else 0.0,
+        "hessian_error": hess,
+        "babai_bound": bound,
+    }
