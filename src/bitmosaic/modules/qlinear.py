@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from ..algorithms.types import QuantResult
-from ..formats.accounting import bits_per_weight
 from ..formats.layout import dequantize, is_trivial_g_idx, normalize_group_size, num_groups
 from ..formats.packing import SUPPORTED_BITS, pack_codes, unpack_codes
 from ..kernels.cpu import dequantize_packed
+from .base import QuantModule
 
 __all__ = ["QuantLinear", "UnpackableCodesError", "set_weight_cache"]
 
@@ -31,7 +31,7 @@ class UnpackableCodesError(ValueError):
     """Integer codes span a range that no supported packing width can store."""
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(QuantModule):
     kind = "packed"
 
     def __init__(
@@ -47,9 +47,7 @@ class QuantLinear(nn.Module):
         storage_bits: int | None = None,
         code_offset: int = 0,
     ) -> None:
-        super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
+        super().__init__(in_features, out_features, bias=bias)
         self.bits = bits
         self.group_size = normalize_group_size(group_size, in_features)
         self.symmetric = symmetric
@@ -69,9 +67,6 @@ class QuantLinear(nn.Module):
             self.register_buffer("g_idx", torch.zeros(in_features, dtype=torch.int32))
         else:
             self.g_idx = None
-        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-        self.cache_weight = False
-        self._wcache: torch.Tensor | None = None
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -133,14 +128,12 @@ class QuantLinear(nn.Module):
         """Weight via the reference path: unpack, then :func:`formats.layout.dequantize`."""
         return dequantize(self.codes(), self.scales, self._zeros_arg(), self._g_idx_arg(), dtype=dtype)
 
-    def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """Weight via the fast CPU kernel (bitwise equal to the reference)."""
-        if self._wcache is not None:
-            return self._wcache.to(dtype)
         z = self._zeros_arg()
         if self.code_offset:  # the plain packed reference, never a subclass's (DPQ adds FP8 on top)
             return QuantLinear.dequantize_reference(self, dtype)
-        w = dequantize_packed(
+        return dequantize_packed(
             self.qweight,
             self.storage_bits,
             self.in_features,
@@ -151,21 +144,10 @@ class QuantLinear(nn.Module):
             group_size=self.group_size,
             contiguous=self.g_idx is None,
         )
-        if self.cache_weight:
-            self._wcache = w
-        return w
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.dequantize_weight(torch.float32).to(x.dtype)
-        b = None if self.bias is None else self.bias.to(x.dtype)
-        return nn.functional.linear(x, w, b)
 
     # -- accounting ---------------------------------------------------------------------------
     def storage_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.qweight, self.scales, self.zeros, self.g_idx) if t is not None]
-
-    def bits_per_weight(self) -> float:
-        return bits_per_weight(self.storage_tensors(), self.in_features * self.out_features)
 
     def layer_config(self) -> dict:
         """What a loader needs to rebuild this module (saved per layer in quantization_config)."""
@@ -208,9 +190,10 @@ def packed_kwargs(cfg: dict) -> dict:
 
 
 def set_weight_cache(model: nn.Module, enabled: bool = True) -> None:
-    """Keep (or drop) each QuantLinear's dequantized weight between forwards (faster eval, more RAM)."""
+    """Keep (or drop) each quantized module's dequantized weight between forwards (faster eval, more
+    RAM).  Huffman-coded modules always keep theirs (decoding is slow; the stream is the storage)."""
     for m in model.modules():
-        if isinstance(m, QuantLinear):
+        if isinstance(m, QuantModule) and m.kind != "huffman":
             m.cache_weight = enabled
             if not enabled:
                 m._wcache = None

@@ -18,11 +18,11 @@ from torch import nn
 
 from ..algorithms.types import QuantResult
 from ..formats import huffman
-from ..formats.accounting import bits_per_weight
 from ..formats.act import ActQuantSpec
 from ..formats.fp import fp_round, get_float_format
 from ..formats.sparse import CSR, csr_from_dense
 from .actquant import attach_input_quant, input_quant_spec
+from .base import QuantModule
 from .qlinear import QuantLinear, packed_kwargs
 
 __all__ = [
@@ -65,13 +65,8 @@ class SparseOutlierQuantLinear(QuantLinear):
     def dequantize_reference(self, dtype=torch.float32):
         return self.csr().add_to(super().dequantize_reference(dtype))
 
-    def dequantize_weight(self, dtype=torch.float32):
-        if self._wcache is not None:
-            return self._wcache.to(dtype)
-        w = self.csr().add_to(super().dequantize_weight(dtype))
-        if self.cache_weight:
-            self._wcache = w
-        return w
+    def _dequantize(self, dtype):
+        return self.csr().add_to(super()._dequantize(dtype))
 
     def storage_tensors(self):
         return super().storage_tensors() + [self.outlier_row_ptr, self.outlier_cols, self.outlier_vals]
@@ -114,18 +109,13 @@ class FP8ComputeQuantLinear(QuantLinear):
 
     def fp8_weight(self) -> torch.Tensor:
         """The FP8-grid weight operand ``nearest_Z((q - z) s)`` (float32)."""
-        return fp_round(super().dequantize_weight(torch.float32), self.fmt)
+        return fp_round(QuantLinear._dequantize(self, torch.float32), self.fmt)
 
     def dequantize_reference(self, dtype=torch.float32):
         return (fp_round(super().dequantize_reference(torch.float32), self.fmt) * self.fp8_scale).to(dtype)
 
-    def dequantize_weight(self, dtype=torch.float32):
-        if self._wcache is not None:
-            return self._wcache.to(dtype)
-        w = (self.fp8_weight() * self.fp8_scale).to(dtype)
-        if self.cache_weight:
-            self._wcache = w
-        return w
+    def _dequantize(self, dtype):
+        return (self.fp8_weight() * self.fp8_scale).to(dtype)
 
     def storage_tensors(self):
         return super().storage_tensors() + [self.fp8_scale]
@@ -149,26 +139,7 @@ class FP8ComputeQuantLinear(QuantLinear):
         )
 
 
-class _UnpackedLinear(nn.Module):
-    """Shared shell of the non-packed kinds: features, optional bias, weight cache, forward and
-    bits-per-weight from :meth:`storage_tensors`; subclasses define ``dequantize_weight``."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, cache_weight: bool) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-        self.cache_weight = cache_weight
-        self._wcache: torch.Tensor | None = None
-
-    def forward(self, x):
-        b = None if self.bias is None else self.bias.to(x.dtype)
-        return nn.functional.linear(x, self.dequantize_weight(torch.float32).to(x.dtype), b)
-
-    def bits_per_weight(self) -> float:
-        return bits_per_weight(self.storage_tensors(), self.in_features * self.out_features)
-
-
-class FP8Linear(_UnpackedLinear):
+class FP8Linear(QuantModule):
     """FP8 weights stored as FP8 bytes (``float8_e4m3fn`` / ``float8_e5m2`` bit patterns in a uint8
     buffer) with a float32 scale per output channel or tensor: ``W = fp8 * weight_scale``."""
 
@@ -196,13 +167,11 @@ class FP8Linear(_UnpackedLinear):
             m.bias.data.copy_(bias.detach().float())
         return m
 
-    def dequantize_weight(self, dtype=torch.float32) -> torch.Tensor:
-        if self._wcache is not None:
-            return self._wcache.to(dtype)
-        w = (self.weight_fp8.view(self._dtype).float() * self.weight_scale).to(dtype)
-        if self.cache_weight:
-            self._wcache = w
-        return w
+    def _dequantize(self, dtype) -> torch.Tensor:
+        return (self.weight_fp8.view(self._dtype).float() * self.weight_scale).to(dtype)
+
+    def dequantize_reference(self, dtype=torch.float32) -> torch.Tensor:
+        return self._dequantize(dtype)
 
     def storage_tensors(self):
         return [self.weight_fp8, self.weight_scale]
@@ -235,7 +204,7 @@ def _packed_kwargs(m: QuantLinear) -> dict:
     return packed_kwargs(QuantLinear.layer_config(m))
 
 
-class HuffmanQuantLinear(_UnpackedLinear):
+class HuffmanQuantLinear(QuantModule):
     """Unbounded integers ``q`` with ``w = q * s`` (``s`` per matrix or row), Huffman-coded."""
 
     kind = "huffman"
@@ -252,7 +221,7 @@ class HuffmanQuantLinear(_UnpackedLinear):
     @classmethod
     def from_result(cls, res: QuantResult, bias=None) -> HuffmanQuantLinear:
         out, n = res.codes.shape
-        stream = huffman.encode(res.codes.numpy())
+        stream = huffman.encode(res.codes.cpu().numpy())
         t = huffman.to_tensors(stream)
         scales = res.scales[:, :1]
         n_scales = 1 if bool((scales == scales[0]).all()) else out
@@ -286,10 +255,8 @@ class HuffmanQuantLinear(_UnpackedLinear):
     def dequantize_reference(self, dtype=torch.float32) -> torch.Tensor:
         return self.codes().to(dtype) * self.scales.to(dtype).expand(self.out_features, 1)
 
-    def dequantize_weight(self, dtype=torch.float32) -> torch.Tensor:
-        if self._wcache is None:
-            self._wcache = self.dequantize_reference(torch.float32)
-        return self._wcache.to(dtype)
+    def _dequantize(self, dtype) -> torch.Tensor:
+        return self.dequantize_reference(dtype)
 
     def storage_tensors(self):
         return [self.scales, self.huff_data, self.huff_symbols, self.huff_lengths, self.huff_row_ends]
