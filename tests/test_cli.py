@@ -10,9 +10,10 @@ def test_cli_rejects_bad_model(capsys):
     assert "cannot load model" in capsys.readouterr().err
 
 
-def test_cli_inspect_rejects_non_model_dir(tmp_path):
-    with pytest.raises(SystemExit, match="no config.json"):
-        main(["inspect", str(tmp_path)])
+def test_cli_inspect_rejects_non_model_dir(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "no config.json" in err and err.count("\n") == 1
 
 
 def test_cli_methods_lists_registry(capsys):

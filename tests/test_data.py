@@ -251,3 +251,22 @@ def test_eval_tokens_split_and_local_file(tmp_path):
     p = tmp_path / "eval.txt"
     p.write_text("w3 w4 unknown w5")
     assert eval_tokens(tok, str(p)).tolist() == [[4, 5, 0, 6]]
+
+
+def test_calibration_samples_with_bos_need_one_text_token(tmp_path):
+    from tokenizers import processors
+
+    tok = make_tokenizer()
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="[BOS] $A", special_tokens=[("[BOS]", NWORDS + 1)]
+    )
+    tok.add_special_tokens({"bos_token": "[BOS]"})
+    assert tok("w1")["input_ids"] == [NWORDS + 1, 2]
+    p = tmp_path / "calib.txt"
+    p.write_text(words(100))
+    s = calibration_samples(tok, str(p), 3, 8, seed=0)
+    assert (s[:, 0] == NWORDS + 1).all() and torch.equal(
+        s[:, 2:] - s[:, 1:-1], torch.ones(3, 6, dtype=torch.long)
+    )
+    with pytest.raises(ValueError, match="seqlen must be >= 2"):
+        calibration_samples(tok, str(p), 3, 1, seed=0)

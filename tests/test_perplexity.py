@@ -151,3 +151,42 @@ def test_bad_arguments():
         perplexity(UniformLM(), tokens, seqlen=1, progress=False)
     with pytest.raises(ValueError, match=r"\[1, N\]"):
         perplexity(UniformLM(), tokens.expand(2, 100), seqlen=10, progress=False)
+
+
+class MoveSpy(nn.Module):
+    """A model whose ``.to`` is recorded and moves nothing (e.g. weights held outside parameters)."""
+
+    def __init__(self, fail_on=None):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(1))
+        self.moves = []
+        self.fail_on = fail_on
+
+    def to(self, device):
+        self.moves.append(str(device))
+        if str(device) == self.fail_on:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self
+
+    def forward(self, input_ids, **kwargs):
+        return CausalLMOutput(logits=torch.zeros(*input_ids.shape, V))
+
+
+def test_device_moves_the_model_there_and_back(monkeypatch):
+    import sys
+
+    mod = sys.modules["bitmosaic.eval.perplexity"]
+    monkeypatch.setattr(mod, "_model_device", lambda m: torch.device("cuda"))  # the model "lives" on cuda
+    model = MoveSpy()
+    res = perplexity(model, torch.randint(0, V, (1, 200)), seqlen=50, progress=False, device="cpu")
+    assert res["ppl"] == pytest.approx(V, rel=1e-6)
+    assert model.moves == ["cpu", "cuda"]  # moved once for the evaluation, once back; no recursion
+
+
+def test_device_out_of_memory_is_a_clear_error(monkeypatch):
+    from bitmosaic.errors import DeviceError
+
+    model = MoveSpy(fail_on="cuda")
+    with pytest.raises(DeviceError, match="does not fit on cuda.*--device cpu"):
+        perplexity(model, torch.randint(0, V, (1, 200)), seqlen=50, progress=False, device="cuda")
+    assert model.moves == ["cuda", "cpu"]  # put back where it was

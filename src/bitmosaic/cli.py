@@ -297,6 +297,13 @@ def _ppl(model, tok, src, seqlen, max_windows, data_dir, progress, device=None) 
         set_weight_cache(model, False)
 
 
+def _check_json_path(path: str | None) -> None:
+    if path and Path(path).is_dir():
+        from .errors import BitmosaicError
+
+        raise BitmosaicError(f"--json {path} is a folder; give the path of a .json file")
+
+
 def _write_json(path: str | None, obj: dict) -> None:
     if path:
         from .models.serialization import atomic_write_text
@@ -308,7 +315,7 @@ def _write_json(path: str | None, obj: dict) -> None:
 def cmd_quantize(args) -> int:
     import torch
 
-    from .data import calibration_samples
+    from .data import bos_token_id, calibration_samples
     from .methods import get_method
     from .models import load_model, quantize_model, save_quantized
     from .models.loading import resolve_device, resolve_dtype
@@ -322,10 +329,11 @@ def cmd_quantize(args) -> int:
     progress = not args.no_progress
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device, args.model)
-    if args.out:  # refuse a bad --out before hours of work, not after
+    if args.out:  # refuse a bad --out (or --json) before hours of work, not after
         from .models.serialization import check_output_dir
 
         check_output_dir(args.out, args.overwrite)
+    _check_json_path(args.json)
     t0 = time.perf_counter()
     model, tok = load_model(args.model, dtype=dtype)
     print(f"loaded {args.model} ({type(model).__name__}) in {time.perf_counter() - t0:.1f}s")
@@ -352,9 +360,9 @@ def cmd_quantize(args) -> int:
         seed=args.seed,
         device=device,
     )
-    report.calibration.update({"source": args.calib, "seed": args.seed})
+    report.calibration.update({"source": args.calib, "seed": args.seed, "bos": bos_token_id(tok) is not None})
     out = report.to_dict()
-    out["model"] = args.model
+    out.update(model=args.model, device=str(device), dtype=str(dtype).removeprefix("torch."))
     print(
         f"quantized {len(report.layers)} linears with {spec.name} in {report.seconds:.1f}s, "
         f"{report.bits_per_weight:.3f} bits/weight, peak RSS {report.peak_rss_mb:.0f} MB"
@@ -400,12 +408,14 @@ def cmd_eval(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    model, tok = load_model(args.model, dtype=resolve_dtype(args.dtype, device, args.model))
+    dtype = resolve_dtype(args.dtype, device, args.model)
+    _check_json_path(args.json)
+    model, tok = load_model(args.model, dtype=dtype)
     if tok is None:
         raise BitmosaicError(f"{args.model} has no tokenizer saved; cannot evaluate text")
     progress = not args.no_progress
     res = _ppl(model, tok, args.ppl, args.seqlen, args.max_windows, args.data_dir, progress, device)
-    res.update({"model": args.model, "source": args.ppl})
+    res.update(model=args.model, source=args.ppl, device=str(device), dtype=str(dtype).removeprefix("torch."))
     print(
         f"perplexity {res['ppl']:.4f} over {res['tokens']} tokens ({res['windows']} windows x {args.seqlen})"
     )
@@ -417,48 +427,21 @@ def _dir_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _stored_bits(path: Path, names: list[str]) -> dict[str, int]:
-    """Bits each quantized module really stores (all its tensors but the bias), from file headers."""
-    from safetensors import safe_open
-
-    sizes = {
-        "U8": 1,
-        "I8": 1,
-        "BOOL": 1,
-        "F16": 2,
-        "BF16": 2,
-        "I16": 2,
-        "F32": 4,
-        "I32": 4,
-        "F64": 8,
-        "I64": 8,
-    }
-    bits = dict.fromkeys(names, 0)
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            for key in st.keys():
-                mod, _, leaf = key.rpartition(".")
-                if mod in bits and leaf != "bias":
-                    sl = st.get_slice(key)
-                    n = 1
-                    for d in sl.get_shape():
-                        n *= d
-                    bits[mod] += n * sizes[sl.get_dtype()] * 8
-    return bits
-
-
 def cmd_inspect(args) -> int:
+    from .errors import CorruptModelError
+    from .models.serialization import read_quant_config, stored_module_bits
+
     path = Path(args.dir)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise SystemExit(f"error: {path} has no config.json; not a saved model folder")
-    qc = json.loads(cfg_file.read_text()).get("quantization_config") or {}
-    if qc.get("quant_method") != "bitmosaic":
-        raise SystemExit(f"error: {path} is not a bitmosaic quantized model")
-    bits_by_module = _stored_bits(path, list(qc["modules"]))
+    _, qc = read_quant_config(path)
+    bits_by_module = stored_module_bits(path, list(qc["modules"]))
     rows, total_bits, total_w = [], 0.0, 0
     for name, lc in qc["modules"].items():
-        n_w = lc["in_features"] * lc["out_features"]
+        try:
+            n_w = int(lc["in_features"]) * int(lc["out_features"])
+        except (KeyError, TypeError, ValueError):
+            raise CorruptModelError(
+                f"{path}/config.json: layer {name!r} lacks valid in_features/out_features; save it again"
+            ) from None
         bpw = bits_by_module[name] / n_w
         rows.append((name, lc, bpw))
         total_bits += bits_by_module[name]

@@ -48,7 +48,17 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["resolve_data_dir", "load_text", "calibration_samples", "eval_tokens", "ENV_VAR"]
+from .errors import DataError
+
+__all__ = [
+    "resolve_data_dir",
+    "load_text",
+    "calibration_samples",
+    "eval_tokens",
+    "bos_token_id",
+    "ENV_VAR",
+    "DataError",
+]
 
 ENV_VAR = "BITMOSAIC_DATA"
 
@@ -132,7 +142,7 @@ def _load_wikitext2_hub(split: str) -> str:
     try:
         import datasets
     except ImportError as e:
-        raise RuntimeError(
+        raise DataError(
             "no data folder given and the Hugging Face 'datasets' package is not installed "
             f"(pip install 'bitmosaic[hub]'); {_HINT}"
         ) from e
@@ -140,7 +150,7 @@ def _load_wikitext2_hub(split: str) -> str:
     try:
         ds = datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split=hub_split)
     except Exception as e:  # offline, no cache, hub errors: all mean "no data"
-        raise RuntimeError(
+        raise DataError(
             f"could not load wikitext-2-raw-v1 ({hub_split}) from the Hugging Face hub "
             f"({type(e).__name__}: {e}); {_HINT}"
         ) from e
@@ -238,7 +248,9 @@ def calibration_samples(
     GPTQ reference protocol: the text (``load_text(source, "calib")``) is tokenized once; each window starts
     at a uniform random offset in ``[0, N - seqlen - 1]`` (windows may overlap), drawn from a
     ``torch.Generator`` seeded with ``seed`` -- the same seed gives identical samples.  For a tokenizer
-    that adds a BOS, each sample is BOS + ``seqlen - 1`` text tokens (module doc).
+    that adds a BOS, each sample is BOS + ``seqlen - 1`` text tokens (module doc), so ``seqlen >= 2``.
+
+    Raises :class:`~bitmosaic.errors.DataError` when the text cannot be had (no data folder, no hub).
     """
     if nsamples < 1:
         raise ValueError(f"nsamples must be >= 1, got {nsamples}")
@@ -247,12 +259,13 @@ def calibration_samples(
     ids = _tokenize(tokenizer, load_text(source, "calib", data_dir=data_dir))[0]
     bos = bos_token_id(tokenizer)
     if bos is not None:
-        seqlen -= 1
+        if seqlen < 2:
+            raise ValueError(f"seqlen must be >= 2 with a BOS-adding tokenizer (BOS + text), got {seqlen}")
+        seqlen -= 1  # text tokens per sample
     n = ids.numel()
     if n < seqlen + 1:
-        raise ValueError(
-            f"calibration text {os.fspath(source)!r} has {n} tokens; need at least seqlen + 1 = {seqlen + 1}"
-        )
+        need = f"seqlen + 1 = {seqlen + 1}" if bos is None else f"seqlen = {seqlen + 1} (BOS + {seqlen})"
+        raise ValueError(f"calibration text {os.fspath(source)!r} has {n} tokens; need at least {need}")
     gen = torch.Generator().manual_seed(int(seed))
     starts = torch.randint(0, n - seqlen, (nsamples,), generator=gen)
     offsets = torch.arange(seqlen)
@@ -265,7 +278,8 @@ def calibration_samples(
 def eval_tokens(
     tokenizer, source: str | os.PathLike, data_dir: str | os.PathLike | None = None, split: str = "test"
 ) -> torch.Tensor:
-    """The whole evaluation text, tokenized once (default special tokens, no truncation): ``[1, N]``.
+    """The whole evaluation text, tokenized once (no truncation): ``[1, N]``; default special tokens,
+    except for a tokenizer that adds a BOS: then the text tokens alone (no BOS, see the module doc).
 
     Feed it to :func:`bitmosaic.eval.perplexity`, which cuts it into non-overlapping windows (pass
     ``bos_token_id=bos_token_id(tokenizer)`` so BOS-trained models see one per window).

@@ -9,6 +9,13 @@ logits (never more than one batch of logits is held) and summed in float64.
 
 This is the GPTQ reference computation (there: ``exp(mean over windows of (mean NLL * seqlen) / seqlen)``,
 the same number, since every window predicts the same number of tokens).
+
+BOS.  For models trained with a BOS at the start of every sequence (``bos_token_id`` given; see
+:func:`bitmosaic.data.bos_token_id`), each window is ``[BOS] + (seqlen - 1)`` consecutive text tokens, as
+in lm-eval-harness's rolling log-likelihood (which prefixes each window with the prefix token): the BOS
+position is input only, and all ``seqlen - 1`` text tokens are scored, the first from BOS alone.  Windows
+then advance by ``seqlen - 1`` text tokens and still predict ``seqlen - 1`` tokens each.  Without
+``bos_token_id`` nothing changes.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from ..errors import DeviceError
 
 __all__ = ["perplexity"]
 
@@ -57,7 +66,8 @@ def perplexity(
     ``"bos": True``.
 
     Returns ``{"ppl", "nll" (mean NLL per predicted token), "tokens" (predicted tokens), "windows",
-    "seqlen"}``.
+    "seqlen", "bos" (whether windows started with BOS)}``.  A model that does not fit on ``device`` raises
+    :class:`~bitmosaic.errors.DeviceError` (the model is put back first).
     """
     if not isinstance(tokens, torch.Tensor):
         tokens = torch.as_tensor(tokens)
@@ -71,6 +81,8 @@ def perplexity(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if max_windows is not None and max_windows < 1:
         raise ValueError(f"max_windows must be >= 1 or None, got {max_windows}")
+    if bos_token_id is not None and tokens.shape[1] and int(tokens[0, 0]) == int(bos_token_id):
+        tokens = tokens[:, 1:]  # a stream tokenized with its own leading BOS: the windows get theirs
     n = tokens.shape[1]
     step = seqlen if bos_token_id is None else seqlen - 1  # text tokens per window
     windows = n // step
@@ -78,20 +90,43 @@ def perplexity(
         raise ValueError(f"only {n} tokens: fewer than one window of seqlen={seqlen}")
     if max_windows is not None:
         windows = min(windows, max_windows)
-
-    from tqdm.auto import tqdm
-
-    home = _model_device(model)
-    device = home if device is None else torch.device(device)
-    if device != home:
-        model.to(device)
-        try:
-            return perplexity(model, tokens, seqlen, max_windows, batch_size, progress, device, bos_token_id)
-        finally:
-            model.to(home)
     ids = tokens[0, : windows * step].to(torch.long).view(windows, step)
     if bos_token_id is not None:
         ids = torch.cat([torch.full((windows, 1), int(bos_token_id), dtype=torch.long), ids], dim=1)
+
+    home = _model_device(model)
+    device = home if device is None else torch.device(device)
+    if device == home:
+        total_nll = _total_nll(model, ids, batch_size, device, progress)
+    else:
+        try:
+            model.to(device)
+            total_nll = _total_nll(model, ids, batch_size, device, progress)
+        except torch.OutOfMemoryError:  # the finally below puts the model back first
+            raise DeviceError(
+                f"the model does not fit on {device} for the evaluation; use --device cpu "
+                "(or a smaller --batch-size / model)"
+            ) from None
+        finally:
+            model.to(home)
+
+    predicted = windows * (seqlen - 1)
+    mean_nll = total_nll / predicted
+    return {
+        "ppl": _exp(mean_nll),
+        "nll": mean_nll,
+        "tokens": predicted,
+        "windows": windows,
+        "seqlen": seqlen,
+        "bos": bos_token_id is not None,
+    }
+
+
+def _total_nll(model, ids: torch.Tensor, batch_size: int, device: torch.device, progress: bool) -> float:
+    """Summed NLL (float64) of windows ``ids`` ``[windows, seqlen]``, each scoring its positions 1.."""
+    from tqdm.auto import tqdm
+
+    windows, seqlen = ids.shape
     total_nll = 0.0  # python float: float64 accumulation
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):
@@ -123,14 +158,4 @@ def perplexity(
     finally:
         if was_training:
             model.train(True)
-
-    predicted = windows * (seqlen - 1)
-    mean_nll = total_nll / predicted
-    return {
-        "ppl": _exp(mean_nll),
-        "nll": mean_nll,
-        "tokens": predicted,
-        "windows": windows,
-        "seqlen": seqlen,
-        "bos": bos_token_id is not None,
-    }
+    return total_nll

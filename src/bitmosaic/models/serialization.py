@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -42,6 +43,7 @@ __all__ = [
     "atomic_write_text",
     "check_output_dir",
     "read_quant_config",
+    "stored_module_bits",
 ]
 
 FORMAT_VERSION = 1
@@ -383,3 +385,34 @@ def load_quantized(path: str | os.PathLike, load_tokenizer: bool = True, dtype: 
     model.eval()
     tok = _load_tokenizer(path) if load_tokenizer else None
     return model, tok
+
+
+def _dtype_bits(name: str) -> int:
+    """Bits of one element of a safetensors dtype name: ``BF16`` -> 16, ``F8_E4M3`` -> 8, ``BOOL`` -> 8."""
+    m = re.match(r"[A-Z]+(\d+)", name)
+    return int(m.group(1)) if m else 8
+
+
+def stored_module_bits(path: str | os.PathLike, names) -> dict[str, int]:
+    """Bits each named quantized module really stores (all its tensors but the bias), read from the
+    safetensors headers only.  Damaged files raise :class:`CorruptModelError`."""
+    from safetensors import safe_open
+
+    bits = dict.fromkeys(names, 0)
+    for f in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), "pt") as st:
+                for key in st.keys():
+                    mod, _, leaf = key.rpartition(".")
+                    if mod in bits and leaf != "bias":
+                        sl = st.get_slice(key)
+                        n = 1
+                        for d in sl.get_shape():
+                            n *= d
+                        bits[mod] += n * _dtype_bits(sl.get_dtype())
+        except (SafetensorError, OSError) as e:
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise CorruptModelError(
+                f"weights file {f} is truncated or not a safetensors file ({reason}); {_RESAVE}"
+            ) from None
+    return bits
