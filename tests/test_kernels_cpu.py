@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,8 +11,10 @@ from hypothesis import strategies as st
 
 from bitmosaic.formats import layout
 from bitmosaic.formats.grid import fp16_exact
-from bitmosaic.formats.packing import SUPPORTED_BITS, pack_codes, unpack_codes
+from bitmosaic.formats.packing import pack_codes, unpack_codes
 from bitmosaic.kernels import dequantize_packed, unpack_codes_fast
+
+WIDTHS = tuple(range(2, 9))  # every packing width, independent of what the kernel module declares
 
 
 def _layer(out_f, in_f, bits, group_size, symmetric, seed=0):
@@ -26,8 +30,9 @@ def _layer(out_f, in_f, bits, group_size, symmetric, seed=0):
     return pack_codes(codes, bits), codes, scales, zeros
 
 
-def _reference(packed, bits, cols, scales, zeros, g_idx, dtype=torch.float32):
-    return layout.dequantize(unpack_codes(packed, bits, cols), scales, zeros, g_idx, dtype)
+def _reference(packed, bits, cols, scales, zeros, g_idx, dtype=torch.float32, code_offset=0):
+    codes = unpack_codes(packed, bits, cols) + code_offset
+    return layout.dequantize(codes, scales, zeros, g_idx, dtype)
 
 
 def _bitwise_equal(a, b):
@@ -38,7 +43,7 @@ def _bitwise_equal(a, b):
 @given(
     rows=st.integers(1, 17),
     cols=st.integers(1, 70),
-    bits=st.sampled_from(SUPPORTED_BITS),
+    bits=st.sampled_from(WIDTHS),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_fast_unpack_matches_reference(rows, cols, bits, seed):
@@ -51,13 +56,37 @@ def test_fast_unpack_matches_reference(rows, cols, bits, seed):
     assert torch.equal(fast, codes)
 
 
-@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+@pytest.mark.parametrize("bits", WIDTHS)
 def test_fast_unpack_all_byte_values(bits):
     # Every possible byte in every position of a chunk (exercises the whole table).
     packed = torch.arange(256, dtype=torch.uint8).repeat_interleave(bits).reshape(256, bits)
     for shift in range(bits):
         p = packed.roll(shift, dims=1).contiguous()
         assert torch.equal(unpack_codes_fast(p, bits, 8), unpack_codes(p, bits, 8))
+
+
+@pytest.mark.parametrize("bits", WIDTHS)
+def test_fast_unpack_extremes_in_partial_chunks(bits):
+    maxq = (1 << bits) - 1
+    for cols in (1, 7, 9, 17, 63):
+        codes = torch.tensor(
+            [[maxq * ((i + r) % 2) for i in range(cols)] for r in range(3)], dtype=torch.int32
+        )
+        codes[2] = maxq
+        assert torch.equal(unpack_codes_fast(pack_codes(codes, bits), bits, cols), codes)
+
+
+@pytest.mark.parametrize("bits", WIDTHS)
+def test_empty_rows_and_columns(bits):
+    for rows, cols in ((0, 12), (3, 0), (0, 0)):
+        packed = pack_codes(torch.zeros(rows, cols, dtype=torch.int32), bits)
+        assert torch.equal(unpack_codes_fast(packed, bits, cols), unpack_codes(packed, bits, cols))
+    packed = pack_codes(torch.zeros(0, 12, dtype=torch.int32), bits)  # a layer with no output rows
+    for zeros in (1.0, torch.zeros(0, 2, dtype=torch.float16)):
+        w = dequantize_packed(
+            packed, bits, 12, torch.ones(0, 2, dtype=torch.float16), zeros, None, group_size=8
+        )
+        assert w.shape == (0, 12) and w.dtype == torch.float32
 
 
 CASES = [
@@ -70,7 +99,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+@pytest.mark.parametrize("bits", WIDTHS)
 @pytest.mark.parametrize("out_f,in_f,group_size", CASES)
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_dequantize_contiguous_bitwise(bits, out_f, in_f, group_size, symmetric):
@@ -90,7 +119,7 @@ def test_dequantize_contiguous_bitwise(bits, out_f, in_f, group_size, symmetric)
         assert _bitwise_equal(fast3, ref)
 
 
-@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+@pytest.mark.parametrize("bits", WIDTHS)
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_dequantize_permuted_g_idx_bitwise(bits, symmetric):
     out_f, in_f, group_size = 32, 576, 128
@@ -102,6 +131,57 @@ def test_dequantize_permuted_g_idx_bitwise(bits, symmetric):
     ref = _reference(packed, bits, in_f, scales, zeros, g_idx)
     fast = dequantize_packed(packed, bits, in_f, scales, zeros, g_idx)
     assert _bitwise_equal(fast, ref)
+
+
+# code offsets: a no-clip layer stores ``code - offset``; -1000 is far enough below zero that
+# ``code + offset`` is not representable in bfloat16 (the int sum must be cast once, as the reference).
+OFFSETS = [-1, -5, -1000, -1001]
+
+
+@pytest.mark.parametrize("bits", WIDTHS)
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_dequantize_with_code_offset_bitwise(bits, symmetric, contiguous):
+    out_f, in_f, group_size = 12, 100, 32
+    packed, _, scales, zeros = _layer(out_f, in_f, bits, group_size, symmetric, seed=bits + 20)
+    g_idx = layout.default_g_idx(in_f, group_size)
+    if not contiguous:
+        g_idx = g_idx[torch.randperm(in_f, generator=torch.Generator().manual_seed(1))]
+    for off in OFFSETS:
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            ref = _reference(packed, bits, in_f, scales, zeros, g_idx, dtype, code_offset=off)
+            fast = dequantize_packed(
+                packed,
+                bits,
+                in_f,
+                scales,
+                zeros,
+                g_idx,
+                dtype,
+                group_size=group_size,
+                contiguous=contiguous,
+                code_offset=off,
+            )
+            assert _bitwise_equal(fast, ref), (off, dtype)
+
+
+@pytest.mark.parametrize("bits", [5, 6, 7])
+def test_chunk_words_byte_order(bits):
+    """The 5-7 bit path reads each chunk as one 64-bit word in the host's byte order; the
+    big-endian layout is the byte-swapped little-endian one."""
+    np = pytest.importorskip("numpy")
+    from bitmosaic.kernels.cpu import _chunk_words
+
+    packed = pack_codes(
+        torch.randint(0, 1 << bits, (3, 24), generator=torch.Generator().manual_seed(0)), bits
+    )
+    little = _chunk_words(packed, bits, "little").numpy()
+    big = _chunk_words(packed, bits, "big").numpy()
+    assert np.array_equal(big.byteswap(), little)
+    if sys.byteorder == "little":
+        w = little.reshape(3, -1)
+        expect = [[int.from_bytes(bytes(c), "little") for c in r.reshape(-1, bits).tolist()] for r in packed]
+        assert w.tolist() == expect
 
 
 def test_dequantize_matches_grid_formula():

@@ -9,6 +9,12 @@ from hypothesis import strategies as st
 
 from bitmosaic.formats.packing import SUPPORTED_BITS, pack_codes, packed_nbytes, unpack_codes
 
+WIDTHS = tuple(range(2, 9))  # every width the format promises, independent of SUPPORTED_BITS
+
+
+def test_every_width_from_2_to_8_is_supported():
+    assert SUPPORTED_BITS == WIDTHS
+
 
 def _codes(rows: int, cols: int, bits: int, seed: int, dtype=torch.int64) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
@@ -19,7 +25,7 @@ def _codes(rows: int, cols: int, bits: int, seed: int, dtype=torch.int64) -> tor
 @given(
     rows=st.integers(1, 17),
     cols=st.integers(1, 70),
-    bits=st.sampled_from(SUPPORTED_BITS),
+    bits=st.sampled_from(WIDTHS),
     seed=st.integers(0, 2**31 - 1),
     dtype=st.sampled_from([torch.int64, torch.int32, torch.int16, torch.uint8]),
 )
@@ -36,7 +42,7 @@ def test_roundtrip_is_exact(rows, cols, bits, seed, dtype):
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.integers(1, 17), cols=st.integers(1, 70), bits=st.sampled_from(SUPPORTED_BITS))
+@given(rows=st.integers(1, 17), cols=st.integers(1, 70), bits=st.sampled_from(WIDTHS))
 def test_extreme_values_roundtrip(rows, cols, bits):
     for fill in (0, (1 << bits) - 1):
         codes = torch.full((rows, cols), fill, dtype=torch.int32)
@@ -44,12 +50,52 @@ def test_extreme_values_roundtrip(rows, cols, bits):
 
 
 @settings(max_examples=40, deadline=None)
-@given(rows=st.integers(2, 9), cols=st.integers(1, 40), bits=st.sampled_from(SUPPORTED_BITS))
+@given(rows=st.integers(2, 9), cols=st.integers(1, 40), bits=st.sampled_from(WIDTHS))
 def test_rows_are_independent(rows, cols, bits):
     codes = _codes(rows, cols, bits, seed=rows * 1000 + cols)
     packed = pack_codes(codes, bits)
     for r in range(rows):
         assert torch.equal(pack_codes(codes[r : r + 1], bits), packed[r : r + 1])
+
+
+def _oracle_bytes(row: list[int], bits: int) -> list[int]:
+    """Independent oracle: a row is one little-endian bit stream, value ``i`` at bits
+    ``[i * bits, (i + 1) * bits)``, zero-padded to ``ceil(cols / 8) * bits`` bytes."""
+    stream = sum(int(v) << (i * bits) for i, v in enumerate(row))
+    return list(stream.to_bytes(-(-len(row) // 8) * bits, "little"))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    cols=st.integers(1, 40),
+    bits=st.sampled_from(WIDTHS),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_bytes_match_the_bit_stream_oracle(rows, cols, bits, seed):
+    codes = _codes(rows, cols, bits, seed)
+    assert pack_codes(codes, bits).tolist() == [_oracle_bytes(r, bits) for r in codes.tolist()]
+
+
+@pytest.mark.parametrize("bits", WIDTHS)
+@pytest.mark.parametrize("cols", [1, 7, 9, 15, 17, 63, 65])
+def test_extremes_in_partial_chunks(bits, cols):
+    """Codes 0 and 2**bits - 1 alternating (every bit boundary flips) with a partial last chunk."""
+    maxq = (1 << bits) - 1
+    codes = torch.tensor([[maxq * ((i + r) % 2) for i in range(cols)] for r in range(3)], dtype=torch.int32)
+    codes[2] = maxq
+    packed = pack_codes(codes, bits)
+    assert packed.tolist() == [_oracle_bytes(r, bits) for r in codes.tolist()]
+    assert torch.equal(unpack_codes(packed, bits, cols), codes)
+
+
+def test_known_bytes_5_6_7bit():
+    # 5-bit: 31 at value 1 -> bits 5..9 -> byte0 0xE0, byte1 0x03
+    assert pack_codes(torch.tensor([[0, 31]]), 5).tolist() == [[0xE0, 0x03, 0, 0, 0]]
+    # 6-bit: value 7 = 63 at bits 42..47 -> top six bits of byte 5
+    assert pack_codes(torch.tensor([[0] * 7 + [63]]), 6).tolist() == [[0, 0, 0, 0, 0, 0xFC]]
+    # 7-bit: 127 at value 1 -> bits 7..13 -> byte0 bit 7, byte1 bits 0..5
+    assert pack_codes(torch.tensor([[0, 127]]), 7).tolist() == [[0x80, 0x3F, 0, 0, 0, 0, 0]]
 
 
 def test_packed_sizes():
@@ -59,6 +105,9 @@ def test_packed_sizes():
     assert packed_nbytes(4, 576, 3) == 4 * 216
     assert packed_nbytes(2, 70, 2) == 2 * 18
     assert packed_nbytes(3, 5, 8) == 3 * 8
+    for bits in WIDTHS:  # dense at every width: ceil(cols / 8) * bits bytes per row
+        assert packed_nbytes(2, 17, bits) == 2 * 3 * bits
+        assert packed_nbytes(1, 64, bits) * 8 == 64 * bits
     # 3-bit is dense: strictly smaller than 4-bit slots for any non-trivial width.
     for cols in (8, 64, 576, 1536):
         assert packed_nbytes(1, cols, 3) < packed_nbytes(1, cols, 4)
@@ -96,7 +145,7 @@ def test_bad_bits_rejected(bits):
         unpack_codes(torch.zeros(2, 3, dtype=torch.uint8), bits, 8)
 
 
-@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+@pytest.mark.parametrize("bits", WIDTHS)
 def test_out_of_range_rejected_with_details(bits):
     maxq = (1 << bits) - 1
     codes = torch.zeros(3, 10, dtype=torch.int32)
@@ -133,8 +182,11 @@ def test_unpack_shape_mismatch_rejected():
         unpack_codes(packed.reshape(-1), 3, 16)
 
 
-def test_empty_rows():
-    codes = torch.zeros(0, 12, dtype=torch.int32)
-    packed = pack_codes(codes, 3)
-    assert packed.shape == (0, 6)
-    assert unpack_codes(packed, 3, 12).shape == (0, 12)
+@pytest.mark.parametrize("bits", WIDTHS)
+def test_empty_rows_and_columns(bits):
+    packed = pack_codes(torch.zeros(0, 12, dtype=torch.int32), bits)
+    assert packed.shape == (0, 2 * bits)
+    assert unpack_codes(packed, bits, 12).shape == (0, 12)
+    packed = pack_codes(torch.zeros(3, 0, dtype=torch.int32), bits)
+    assert packed.shape == (3, 0)
+    assert unpack_codes(packed, bits, 0).shape == (3, 0)

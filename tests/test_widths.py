@@ -22,6 +22,8 @@ def test_odd_widths_quantize_save_and_reload(tmp_path, bits, method):
     assert rep.bits_per_weight >= bits
     out = save_quantized(m, tmp_path / f"w{bits}", {"method": method, "bits": bits})
     m2, _ = load_quantized(out, load_tokenizer=False)
+    for name, q in quantized_modules(m2).items():  # the fast kernel serves every width bitwise
+        assert q.storage_bits == bits and torch.equal(q.dequantize_weight(), q.dequantize_reference()), name
     x = calib[:2]
     with torch.no_grad():
         assert torch.equal(m(x).logits, m2(x).logits)

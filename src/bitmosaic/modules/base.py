@@ -1,9 +1,12 @@
 """One base for every quantized module kind: features, optional bias, the dequantized-weight cache,
-forward, bits-per-weight accounting and dtype-safe moves.
+forward, bits-per-weight accounting, the common saved-config keys and dtype-safe moves.
 
 A kind implements ``_dequantize(dtype)`` (its fast path), ``dequantize_reference(dtype)`` (the
-reference path, tested equal), ``storage_tensors()`` and ``layer_config()``.  The cache logic lives
-here alone, so a kind can never bypass or duplicate it (issue #9: five copies of it had drifted).
+reference path, tested equal), ``storage_tensors()`` and ``layer_config()`` (built on
+:meth:`QuantModule._config`).  The cache logic lives here alone, so a kind can never bypass or
+duplicate it (issue #9: five copies of it had drifted).
+
+Nothing here assumes a device: every weight is computed from the buffers, on their device.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from torch import nn
 
 from ..formats.accounting import bits_per_weight
 
-__all__ = ["QuantModule"]
+__all__ = ["QuantModule", "set_weight_cache"]
 
 
 class QuantModule(nn.Module):
@@ -27,22 +30,38 @@ class QuantModule(nn.Module):
         self.cache_weight = cache_weight
         self._wcache: torch.Tensor | None = None
 
-    # -- the hook each kind implements ---------------------------------------------------------
-    def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:  # pragma: no cover - abstract
-        raise NotImplementedError
+    # -- what each kind implements -------------------------------------------------------------
+    def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight ``[out, in]`` in ``dtype`` via the kind's fast path (a new tensor)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _dequantize(dtype)")
 
-    def storage_tensors(self) -> list[torch.Tensor]:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def dequantize_reference(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight via the reference path of the kind's format (tested equal to ``_dequantize``)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement dequantize_reference(dtype)")
+
+    def storage_tensors(self) -> list[torch.Tensor]:
+        """The buffers that *are* the stored format (counted in bits per weight, never cast)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement storage_tensors()")
+
+    def layer_config(self) -> dict:
+        """What a loader needs to rebuild this module (saved per layer in quantization_config)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement layer_config()")
 
     # -- shared --------------------------------------------------------------------------------
     def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The inference weight ``[out, in]`` (cached between calls when ``cache_weight``)."""
-        if self._wcache is not None:
-            return self._wcache.to(dtype)
-        w = self._dequantize(dtype)
-        if self.cache_weight:
-            self._wcache = w
+        """The inference weight ``[out, in]`` in ``dtype``; with ``cache_weight`` the last one computed
+        is kept and served again for the same dtype (never converted from another dtype)."""
+        w = self._wcache
+        if w is None or w.dtype != dtype:
+            w = self._dequantize(dtype)
+            if self.cache_weight:
+                self._wcache = w
         return w
+
+    def set_weight_cache(self, enabled: bool) -> None:
+        self.cache_weight = enabled
+        if not enabled:
+            self._wcache = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.dequantize_weight(torch.float32).to(x.dtype)
@@ -51,6 +70,27 @@ class QuantModule(nn.Module):
 
     def bits_per_weight(self) -> float:
         return bits_per_weight(self.storage_tensors(), self.in_features * self.out_features)
+
+    def _config(self, **fields) -> dict:
+        """The saved keys every kind has, followed by the kind's own ``fields``."""
+        return {
+            "kind": self.kind,
+            "in_features": self.in_features,
+            "out_features": self.out_features,
+            "bias": self.bias is not None,
+            **fields,
+        }
+
+    def _set_bias(self, bias: torch.Tensor | None) -> None:
+        if bias is not None:
+            self.bias.data.copy_(bias.detach().float())
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}"
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._wcache = None  # new buffers: a weight cached from the old ones is stale
+        super()._load_from_state_dict(*args, **kwargs)
 
     def _apply(self, fn, recurse=True):
         """``model.to(dtype)`` / ``.half()`` must not cast the stored format (fp16 scales, FP8 bytes,
@@ -67,3 +107,11 @@ class QuantModule(nn.Module):
                 device = fn(torch.empty(0, dtype=b.dtype, device=b.device)).device
                 self._buffers[k] = b.to(device)
         return self
+
+
+def set_weight_cache(model: nn.Module, enabled: bool = True) -> None:
+    """Keep (or drop) every quantized module's dequantized weight between forwards (faster eval,
+    more RAM), whatever its kind.  Huffman-coded modules start with theirs on (decoding is slow)."""
+    for m in model.modules():
+        if isinstance(m, QuantModule):
+            m.set_weight_cache(enabled)

@@ -6,9 +6,9 @@ Buffers (all saved): ``qweight`` (uint8, codes packed row-wise at ``storage_bits
 
 ``storage_bits`` equals ``bits`` unless a no-clip quantizer produced integers outside the
 ``bits`` grid: then the codes are stored exactly, shifted by ``code_offset`` and packed at the
-smallest supported width that holds them, and the bits-per-weight accounting says so.
-The forward dequantizes with :func:`bitmosaic.kernels.cpu.dequantize_packed`, which is tested
-bitwise-equal to the reference :func:`bitmosaic.formats.layout.dequantize`.
+smallest packing width (2-8 bits) that holds them, and the bits-per-weight accounting says so.
+The forward dequantizes with :func:`bitmosaic.kernels.cpu.dequantize_packed` (offset included),
+which is tested bitwise-equal to the reference :func:`bitmosaic.formats.layout.dequantize`.
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from ..algorithms.types import QuantResult
 from ..formats.layout import dequantize, is_trivial_g_idx, normalize_group_size, num_groups
-from ..formats.packing import SUPPORTED_BITS, pack_codes, unpack_codes
+from ..formats.packing import SUPPORTED_BITS, pack_codes, packed_cols, unpack_codes
 from ..kernels.cpu import dequantize_packed
-from .base import QuantModule
+from .base import QuantModule, set_weight_cache
 
 __all__ = ["QuantLinear", "UnpackableCodesError", "set_weight_cache"]
 
@@ -53,11 +52,13 @@ class QuantLinear(QuantModule):
         self.symmetric = symmetric
         self.storage_bits = storage_bits or bits
         if self.storage_bits not in SUPPORTED_BITS:
-            raise ValueError(f"storage width {self.storage_bits} not in {SUPPORTED_BITS}")
+            raise ValueError(
+                f"storage width {self.storage_bits!r} is not a packing width; use one of {SUPPORTED_BITS}"
+            )
         self.code_offset = int(code_offset)
         G = num_groups(in_features, self.group_size)
-        packed_cols = -(-in_features // 8) * self.storage_bits
-        self.register_buffer("qweight", torch.zeros(out_features, packed_cols, dtype=torch.uint8))
+        nbytes = packed_cols(in_features, self.storage_bits)
+        self.register_buffer("qweight", torch.zeros(out_features, nbytes, dtype=torch.uint8))
         self.register_buffer("scales", torch.zeros(out_features, G, dtype=torch.float16))
         if not symmetric:
             self.register_buffer("zeros", torch.zeros(out_features, G, dtype=torch.float16))
@@ -107,8 +108,15 @@ class QuantLinear(QuantModule):
             m.zeros.copy_(res.zeros.to(torch.float16))
         if not trivial:
             m.g_idx.copy_(g_idx)
-        if bias is not None:
-            m.bias.data.copy_(bias.detach().float())
+        m._set_bias(bias)
+        return m
+
+    @classmethod
+    def _from_packed(cls, dense: QuantLinear, **kind_kwargs) -> QuantLinear:
+        """A ``cls`` (a packed kind with extra buffers) holding ``dense``'s packed buffers and bias."""
+        kw = packed_kwargs(dense.layer_config())
+        m = cls(dense.in_features, dense.out_features, **kind_kwargs, **kw)
+        m.load_state_dict(dense.state_dict(), strict=False)
         return m
 
     # -- weights ------------------------------------------------------------------------------
@@ -129,20 +137,18 @@ class QuantLinear(QuantModule):
         return dequantize(self.codes(), self.scales, self._zeros_arg(), self._g_idx_arg(), dtype=dtype)
 
     def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """Weight via the fast CPU kernel (bitwise equal to the reference)."""
-        z = self._zeros_arg()
-        if self.code_offset:  # the plain packed reference, never a subclass's (DPQ adds FP8 on top)
-            return QuantLinear.dequantize_reference(self, dtype)
+        """Weight via the fast kernel (bitwise equal to the reference, no-clip offset included)."""
         return dequantize_packed(
             self.qweight,
             self.storage_bits,
             self.in_features,
             self.scales,
-            z,
+            self._zeros_arg(),
             self._g_idx_arg(),
             dtype=dtype,
             group_size=self.group_size,
             contiguous=self.g_idx is None,
+            code_offset=self.code_offset,
         )
 
     # -- accounting ---------------------------------------------------------------------------
@@ -150,26 +156,21 @@ class QuantLinear(QuantModule):
         return [t for t in (self.qweight, self.scales, self.zeros, self.g_idx) if t is not None]
 
     def layer_config(self) -> dict:
-        """What a loader needs to rebuild this module (saved per layer in quantization_config)."""
-        return {
-            "kind": "packed",
-            "bits": self.bits,
-            "group_size": self.group_size,
-            "symmetric": self.symmetric,
-            "storage_bits": self.storage_bits,
-            "code_offset": self.code_offset,
-            "has_g_idx": self.g_idx is not None,
-            "bias": self.bias is not None,
-            "in_features": self.in_features,
-            "out_features": self.out_features,
-        }
+        return self._config(
+            bits=self.bits,
+            group_size=self.group_size,
+            symmetric=self.symmetric,
+            storage_bits=self.storage_bits,
+            code_offset=self.code_offset,
+            has_g_idx=self.g_idx is not None,
+        )
 
     @classmethod
     def from_layer_config(cls, cfg: dict) -> QuantLinear:
         return cls(cfg["in_features"], cfg["out_features"], **packed_kwargs(cfg))
 
     def extra_repr(self) -> str:
-        s = f"in={self.in_features}, out={self.out_features}, bits={self.bits}, group={self.group_size}"
+        s = f"{super().extra_repr()}, bits={self.bits}, group={self.group_size}"
         s += ", sym" if self.symmetric else ", asym"
         if self.storage_bits != self.bits:
             s += f", stored at {self.storage_bits} bits (offset {self.code_offset})"
@@ -187,13 +188,3 @@ def packed_kwargs(cfg: dict) -> dict:
         "storage_bits": cfg.get("storage_bits"),
         "code_offset": cfg.get("code_offset", 0),
     }
-
-
-def set_weight_cache(model: nn.Module, enabled: bool = True) -> None:
-    """Keep (or drop) each quantized module's dequantized weight between forwards (faster eval, more
-    RAM).  Huffman-coded modules always keep theirs (decoding is slow; the stream is the storage)."""
-    for m in model.modules():
-        if isinstance(m, QuantModule) and m.kind != "huffman":
-            m.cache_weight = enabled
-            if not enabled:
-                m._wcache = None

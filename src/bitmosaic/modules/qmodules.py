@@ -49,10 +49,9 @@ class SparseOutlierQuantLinear(QuantLinear):
     @classmethod
     def from_result(cls, res: QuantResult, *, bits, group_size, symmetric, bias=None):
         dense = QuantLinear.from_result(res, bits=bits, group_size=group_size, symmetric=symmetric, bias=bias)
-        sparse = res.sparse if res.sparse is not None else torch.zeros(res.codes.shape)
+        sparse = res.sparse if res.sparse is not None else torch.zeros_like(res.codes, dtype=torch.float32)
         csr = csr_from_dense(sparse, sparse != 0)
-        m = cls(dense.in_features, dense.out_features, nnz=csr.nnz, **_packed_kwargs(dense))
-        m.load_state_dict(dense.state_dict(), strict=False)
+        m = cls._from_packed(dense, nnz=csr.nnz)
         m.outlier_row_ptr.copy_(csr.row_ptr)
         m.outlier_cols.copy_(csr.col_idx)
         m.outlier_vals.copy_(csr.values)
@@ -72,7 +71,7 @@ class SparseOutlierQuantLinear(QuantLinear):
         return super().storage_tensors() + [self.outlier_row_ptr, self.outlier_cols, self.outlier_vals]
 
     def layer_config(self) -> dict:
-        return {**super().layer_config(), "kind": self.kind, "nnz": int(self.outlier_vals.numel())}
+        return {**super().layer_config(), "nnz": int(self.outlier_vals.numel())}
 
     @classmethod
     def from_layer_config(cls, cfg: dict):
@@ -100,10 +99,7 @@ class FP8ComputeQuantLinear(QuantLinear):
     def from_result(cls, res, *, bits, group_size, symmetric, bias=None):
         dense = QuantLinear.from_result(res, bits=bits, group_size=group_size, symmetric=symmetric, bias=bias)
         fp8 = res.fp8_scale.reshape(-1, 1).float()
-        m = cls(
-            dense.in_features, dense.out_features, fmt=res.fmt, fp8_rows=fp8.shape[0], **_packed_kwargs(dense)
-        )
-        m.load_state_dict(dense.state_dict(), strict=False)
+        m = cls._from_packed(dense, fmt=res.fmt, fp8_rows=fp8.shape[0])
         m.fp8_scale.copy_(fp8)
         return m
 
@@ -121,12 +117,7 @@ class FP8ComputeQuantLinear(QuantLinear):
         return super().storage_tensors() + [self.fp8_scale]
 
     def layer_config(self) -> dict:
-        return {
-            **super().layer_config(),
-            "kind": self.kind,
-            "fmt": self.fmt,
-            "fp8_rows": self.fp8_scale.shape[0],
-        }
+        return {**super().layer_config(), "fmt": self.fmt, "fp8_rows": self.fp8_scale.shape[0]}
 
     @classmethod
     def from_layer_config(cls, cfg: dict):
@@ -163,8 +154,7 @@ class FP8Linear(QuantModule):
             raise ValueError("values are not on the FP8 grid; round them with formats.fp.fp_round first")
         m.weight_fp8.copy_(fp.view(torch.uint8))
         m.weight_scale.copy_(scale.reshape(-1, 1).float())
-        if bias is not None:
-            m.bias.data.copy_(bias.detach().float())
+        m._set_bias(bias)
         return m
 
     def _dequantize(self, dtype) -> torch.Tensor:
@@ -177,14 +167,7 @@ class FP8Linear(QuantModule):
         return [self.weight_fp8, self.weight_scale]
 
     def layer_config(self) -> dict:
-        return {
-            "kind": self.kind,
-            "in_features": self.in_features,
-            "out_features": self.out_features,
-            "fmt": self.fmt,
-            "scale_rows": int(self.weight_scale.shape[0]),
-            "bias": self.bias is not None,
-        }
+        return self._config(fmt=self.fmt, scale_rows=int(self.weight_scale.shape[0]))
 
     @classmethod
     def from_layer_config(cls, cfg: dict):
@@ -197,11 +180,7 @@ class FP8Linear(QuantModule):
         )
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, {self.fmt}"
-
-
-def _packed_kwargs(m: QuantLinear) -> dict:
-    return packed_kwargs(QuantLinear.layer_config(m))
+        return f"{super().extra_repr()}, {self.fmt}"
 
 
 class HuffmanQuantLinear(QuantModule):
@@ -238,8 +217,7 @@ class HuffmanQuantLinear(QuantModule):
         m.huff_symbols.copy_(t["symbols"])
         m.huff_lengths.copy_(t["lengths"])
         m.huff_row_ends.copy_(t["row_ends"])
-        if bias is not None:
-            m.bias.data.copy_(bias.detach().float())
+        m._set_bias(bias)
         return m
 
     def codes(self) -> torch.Tensor:
@@ -249,8 +227,8 @@ class HuffmanQuantLinear(QuantModule):
             "lengths": self.huff_lengths,
             "row_ends": self.huff_row_ends,
         }
-        stream = huffman.from_tensors(tensors, (self.out_features, self.in_features))
-        return torch.from_numpy(np.ascontiguousarray(huffman.decode(stream)))
+        stream = huffman.from_tensors(tensors, (self.out_features, self.in_features))  # on the host
+        return torch.from_numpy(np.ascontiguousarray(huffman.decode(stream))).to(self.huff_data.device)
 
     def dequantize_reference(self, dtype=torch.float32) -> torch.Tensor:
         return self.codes().to(dtype) * self.scales.to(dtype).expand(self.out_features, 1)
@@ -262,15 +240,11 @@ class HuffmanQuantLinear(QuantModule):
         return [self.scales, self.huff_data, self.huff_symbols, self.huff_lengths, self.huff_row_ends]
 
     def layer_config(self) -> dict:
-        return {
-            "kind": self.kind,
-            "in_features": self.in_features,
-            "out_features": self.out_features,
-            "n_scales": int(self.scales.shape[0]),
-            "n_bytes": int(self.huff_data.numel()),
-            "n_symbols": int(self.huff_symbols.numel()),
-            "bias": self.bias is not None,
-        }
+        return self._config(
+            n_scales=int(self.scales.shape[0]),
+            n_bytes=int(self.huff_data.numel()),
+            n_symbols=int(self.huff_symbols.numel()),
+        )
 
     @classmethod
     def from_layer_config(cls, cfg: dict):
@@ -284,7 +258,7 @@ class HuffmanQuantLinear(QuantModule):
         )
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, huffman, {self.bits_per_weight():.3f} bpw"
+        return f"{super().extra_repr()}, huffman, {self.bits_per_weight():.3f} bpw"
 
 
 MODULE_KINDS = {
