@@ -11,6 +11,8 @@ Nothing here assumes a device: every weight is computed from the buffers, on the
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -70,6 +72,19 @@ class QuantModule(nn.Module):
 
     def bits_per_weight(self) -> float:
         return bits_per_weight(self.storage_tensors(), self.in_features * self.out_features)
+
+    # constructor keywords a kind stores in its saved per-layer config, besides the shared ones
+    CONFIG_KEYS: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def _shared_kwargs(cls, cfg: dict) -> dict:
+        return {"bias": cfg.get("bias", False)}
+
+    @classmethod
+    def from_layer_config(cls, cfg: dict):
+        """Rebuild an empty module of this kind from its saved per-layer config."""
+        own = {k: cfg[k] for k in cls.CONFIG_KEYS}
+        return cls(cfg["in_features"], cfg["out_features"], **own, **cls._shared_kwargs(cfg))
 
     def _config(self, **fields) -> dict:
         """The saved keys every kind has, followed by the kind's own ``fields``."""

@@ -166,8 +166,8 @@ class QuantLinear(QuantModule):
         )
 
     @classmethod
-    def from_layer_config(cls, cfg: dict) -> QuantLinear:
-        return cls(cfg["in_features"], cfg["out_features"], **packed_kwargs(cfg))
+    def _shared_kwargs(cls, cfg: dict) -> dict:
+        return packed_kwargs(cfg)
 
     def extra_repr(self) -> str:
         s = f"{super().extra_repr()}, bits={self.bits}, group={self.group_size}"

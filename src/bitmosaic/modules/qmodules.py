@@ -23,7 +23,7 @@ from ..formats.fp import fp_round, get_float_format
 from ..formats.sparse import CSR, csr_from_dense
 from .actquant import attach_input_quant, input_quant_spec
 from .base import QuantModule
-from .qlinear import QuantLinear, packed_kwargs
+from .qlinear import QuantLinear
 
 __all__ = [
     "SparseOutlierQuantLinear",
@@ -38,6 +38,7 @@ __all__ = [
 
 class SparseOutlierQuantLinear(QuantLinear):
     kind = "packed+csr"
+    CONFIG_KEYS = ("nnz",)
 
     def __init__(self, in_features, out_features, *, nnz: int = 0, **kw) -> None:
         super().__init__(in_features, out_features, **kw)
@@ -73,10 +74,6 @@ class SparseOutlierQuantLinear(QuantLinear):
     def layer_config(self) -> dict:
         return {**super().layer_config(), "nnz": int(self.outlier_vals.numel())}
 
-    @classmethod
-    def from_layer_config(cls, cfg: dict):
-        return cls(cfg["in_features"], cfg["out_features"], nnz=cfg["nnz"], **packed_kwargs(cfg))
-
 
 class FP8ComputeQuantLinear(QuantLinear):
     """INT codes whose dequantized values are rounded onto an FP8 grid: the W4A8-FP8 weight operand.
@@ -89,6 +86,7 @@ class FP8ComputeQuantLinear(QuantLinear):
     """
 
     kind = "dpq"
+    CONFIG_KEYS = ("fmt", "fp8_rows")
 
     def __init__(self, in_features, out_features, *, fmt: str = "e4m3", fp8_rows: int = 1, **kw) -> None:
         super().__init__(in_features, out_features, **kw)
@@ -119,22 +117,13 @@ class FP8ComputeQuantLinear(QuantLinear):
     def layer_config(self) -> dict:
         return {**super().layer_config(), "fmt": self.fmt, "fp8_rows": self.fp8_scale.shape[0]}
 
-    @classmethod
-    def from_layer_config(cls, cfg: dict):
-        return cls(
-            cfg["in_features"],
-            cfg["out_features"],
-            fmt=cfg["fmt"],
-            fp8_rows=cfg["fp8_rows"],
-            **packed_kwargs(cfg),
-        )
-
 
 class FP8Linear(QuantModule):
     """FP8 weights stored as FP8 bytes (``float8_e4m3fn`` / ``float8_e5m2`` bit patterns in a uint8
     buffer) with a float32 scale per output channel or tensor: ``W = fp8 * weight_scale``."""
 
     kind = "fp8"
+    CONFIG_KEYS = ("fmt", "scale_rows")
 
     def __init__(self, in_features, out_features, *, fmt: str = "e4m3", scale_rows: int = 1, bias=False):
         super().__init__(in_features, out_features, bias, cache_weight=False)
@@ -169,16 +158,6 @@ class FP8Linear(QuantModule):
     def layer_config(self) -> dict:
         return self._config(fmt=self.fmt, scale_rows=int(self.weight_scale.shape[0]))
 
-    @classmethod
-    def from_layer_config(cls, cfg: dict):
-        return cls(
-            cfg["in_features"],
-            cfg["out_features"],
-            fmt=cfg["fmt"],
-            scale_rows=cfg["scale_rows"],
-            bias=cfg["bias"],
-        )
-
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {self.fmt}"
 
@@ -187,6 +166,7 @@ class HuffmanQuantLinear(QuantModule):
     """Unbounded integers ``q`` with ``w = q * s`` (``s`` per matrix or row), Huffman-coded."""
 
     kind = "huffman"
+    CONFIG_KEYS = ("n_scales", "n_bytes", "n_symbols")
 
     def __init__(self, in_features, out_features, *, n_scales: int, n_bytes: int, n_symbols: int, bias=False):
         # decoding is done once (weight cache on); the stream stays the stored form
@@ -244,17 +224,6 @@ class HuffmanQuantLinear(QuantModule):
             n_scales=int(self.scales.shape[0]),
             n_bytes=int(self.huff_data.numel()),
             n_symbols=int(self.huff_symbols.numel()),
-        )
-
-    @classmethod
-    def from_layer_config(cls, cfg: dict):
-        return cls(
-            cfg["in_features"],
-            cfg["out_features"],
-            n_scales=cfg["n_scales"],
-            n_bytes=cfg["n_bytes"],
-            n_symbols=cfg["n_symbols"],
-            bias=cfg.get("bias", False),
         )
 
     def extra_repr(self) -> str:
