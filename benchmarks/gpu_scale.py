@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import time
@@ -23,33 +22,32 @@ from pathlib import Path
 
 import torch
 
+from bitmosaic.models.serialization import atomic_write_text
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
+# meta-llama/Meta-Llama-3-8B config.json
+_LLAMA3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+)
 SHAPES = {
-    # meta-llama/Meta-Llama-3-8B config.json
-    "llama3-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-    ),
+    "llama3-8b": _LLAMA3_8B,
     # meta-llama/Meta-Llama-3-70B: one decoder layer is timed (8192 hidden, 28672 MLP, GQA 64/8)
-    "llama3-70b-layer": dict(
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=1,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-    ),
+    "llama3-70b-layer": {
+        **_LLAMA3_8B,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 64,
+    },
     "tiny": dict(
         hidden_size=128,
         intermediate_size=352,
@@ -149,12 +147,8 @@ def main() -> None:
         "args": vars(a),
         "rows": rows,
     }
-    path = Path(a.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=2))
-    os.replace(tmp, path)
-    print(f"JSON written to {path}")
+    atomic_write_text(a.json, json.dumps(out, indent=2))
+    print(f"JSON written to {a.json}")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bitmosaic.models.serialization import atomic_write_text
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 
@@ -153,8 +155,12 @@ def main() -> None:
         tool = CONFIGS[name][0]
         py = a.anchor_python if tool == "llm-compressor" else sys.executable
         if tool == "llm-compressor":
-            probe = subprocess.run([py, "-c", "import llmcompressor"], capture_output=True, text=True)
-            if probe.returncode != 0:
+            try:
+                probe = subprocess.run([py, "-c", "import llmcompressor"], capture_output=True, text=True)
+                missing = probe.returncode != 0
+            except OSError:  # --anchor-python is not an interpreter
+                missing = True
+            if missing:
                 skipped[name] = "llmcompressor is not installed (pip install -e .[anchors])"
                 print(f"skipped {name}: {skipped[name]}", flush=True)
                 continue
@@ -197,12 +203,8 @@ def main() -> None:
         "rows": rows,
         "skipped": skipped,
     }
-    path = Path(a.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=2))
-    os.replace(tmp, path)
-    print(f"\nJSON written to {path}")
+    atomic_write_text(a.json, json.dumps(out, indent=2))
+    print(f"\nJSON written to {a.json}")
 
 
 if __name__ == "__main__":
