@@ -183,3 +183,11 @@ def test_awq_clip_search_never_worse_than_minmax(grid, group):
     assert bool((clipped <= minmax).all())
     assert float(clipped.sum()) < 0.98 * float(minmax.sum())
     assert bool((scales <= s0).all())  # clipping only ever shrinks the range
+
+
+def test_smoothquant_keeps_its_own_weight_defaults():
+    """SmoothQuantConfig derives from GPTQConfig; GPTQ's act-order + MSE defaults must not leak in."""
+    from bitmosaic.methods.smoothquant import SmoothQuantConfig
+
+    cfg = SmoothQuantConfig()
+    assert (cfg.scale_method, cfg.order, cfg.weights) == ("minmax", "natural", "rtn")

@@ -58,6 +58,10 @@ def act_fake_quant(spec: ActQuantSpec | None):
 
 @dataclass
 class SmoothQuantConfig(GPTQConfig):
+    # SmoothQuant's own weight quantizer settings (the paper's RTN): not GPTQ's act-order + MSE
+    # defaults, which would change its results and slow the alpha search tenfold
+    scale_method: str = "minmax"
+    order: str = "natural"
     alpha: float | None = 0.5  # None: search per group on alpha_grid
     alpha_grid: tuple[float, ...] = field(default=ALPHA_GRID)
     weights: str = "rtn"  # rtn | gptq
