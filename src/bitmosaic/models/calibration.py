@@ -190,23 +190,25 @@ class OutputCache:
     def __init__(self) -> None:
         self.batch = 0
         self.modules: list[nn.Module] = []
+        self._stores: dict[int, dict[int, torch.Tensor]] = {}  # id(module) -> batch -> output
 
     def install(self, module: nn.Module) -> None:
-        """Cache ``module``'s output per batch from now on; caches of modules inside it are
-        dropped (the outer cache answers before they are reached)."""
+        """Cache ``module``'s output per batch from now on.  Caches of modules inside it stay
+        until the outer one has stored that batch (its first call still runs them, and must not
+        recompute them), then that batch's inner outputs are freed."""
         if module in self.modules:
             return
-        for sub in module.modules():
-            if sub is not module and sub in self.modules:
-                self._restore(sub)
-                self.modules.remove(sub)
+        inner = [sub for sub in module.modules() if sub is not module and sub in self.modules]
         orig = module.forward
         store: dict[int, torch.Tensor] = {}
+        self._stores[id(module)] = store
 
         def forward(*args, **kwargs):
             y = store.get(self.batch)
             if y is None:
                 y = store[self.batch] = orig(*args, **kwargs)
+                for sub in inner:  # answered by the outer cache from now on
+                    self._stores[id(sub)].pop(self.batch, None)
             return y
 
         module.forward = forward
@@ -221,12 +223,17 @@ class OutputCache:
         for m in self.modules:
             self._restore(m)
         self.modules.clear()
+        self._stores.clear()
 
     def __enter__(self) -> OutputCache:
         return self
 
     def __exit__(self, *exc) -> None:
         self.clear()
+
+
+class _StandInsSpoiled(Exception):
+    """A group member read a tensor computed after a stand-in output: redo the pass without them."""
 
 
 @torch.inference_mode()
@@ -242,53 +249,83 @@ def group_statistics(
 ) -> tuple[dict[str, HessianAccumulator], dict[str, str], dict[str, ActObserver]]:
     """Hessians of the inputs of linears ``names`` (modules fed the very same tensor share one:
     ``owner[name]`` is the name whose accumulator holds it), and input observers when
-    ``act_spec`` is static.  The layer's forward stops as soon as every input was seen."""
+    ``act_spec`` is static.  The layer's forward stops as soon as every input was seen.
+
+    Members of a group read one tensor (q/k/v, gate/up), so computing q and k only to reach v's
+    input wastes two projections per pass (a quarter of a layer's linear FLOPs).  While a group
+    is incomplete, a member whose input was recorded returns a zero stand-in instead of running;
+    when a later member then reads a tensor that is *not* one already recorded (so it may have been
+    computed from a stand-in), the pass is redone with every member running, for that batch and the
+    rest.  Inputs are added to the Hessians only when a pass completes, so a redone pass counts once.
+    """
     mods = {n: layer.get_submodule(n) for n in names}
     accs: dict[str, HessianAccumulator] = {}
     observers: dict[str, ActObserver] = {}
     owner: dict[str, str] = {}
-    state: dict = {}
     observe = act_spec is not None and act_spec.static
+    state: dict = {"stand_ins": len(mods) > 1}
 
     def make_hook(name):
         def hook(module, args):
             x = args[0]
-            prev = state.get("last")
-            if prev is not None and x is prev[0]:
-                owner.setdefault(name, prev[1])
-            else:
-                owner.setdefault(name, name)
-            if owner[name] == name:
+            seen: list = state["seen"]
+            if any(n == name for n, _ in seen):
+                return  # a member called twice in one pass: its first input is the one recorded
+            own = next((n for n, t in seen if t is x and owner.get(n, n) == n), None)
+            if own is None and state["stood_in"]:
+                raise _StandInsSpoiled
+            owner.setdefault(name, own or name)
+            seen.append((name, x))
+            if len(seen) == len(mods):
+                raise StopForward
+
+        return hook
+
+    def make_forward(module):
+        orig = module.forward
+
+        def forward(x, *args, **kw):
+            if state["stand_ins"]:
+                state["stood_in"] = True
+                return x.new_zeros(*x.shape[:-1], module.out_features)
+            return orig(x, *args, **kw)
+
+        return forward
+
+    handles = [m.register_forward_pre_hook(make_hook(n)) for n, m in mods.items()]
+    patched = [m for m in mods.values() if isinstance(m, nn.Linear) and "forward" not in vars(m)]
+    for m in patched:
+        m.forward = make_forward(m)
+    try:
+        for b, (hs, kw) in enumerate(zip(inputs, kwargs, strict=True)):
+            if cache is not None:
+                cache.batch = b
+            while True:
+                state["seen"], state["stood_in"] = [], False
+                try:
+                    run_layer(layer, hs, kw)
+                except StopForward:
+                    break
+                except _StandInsSpoiled:
+                    state["stand_ins"] = False  # this group's members do not share one input
+                    continue
+                missing = sorted(set(mods) - {n for n, _ in state["seen"]})
+                raise RuntimeError(
+                    f"layer forward never called {missing}; check the architecture's layer map"
+                )
+            for name, x in state["seen"]:
+                if owner[name] != name:
+                    continue
                 acc = accs.get(name)
                 if acc is None:
                     acc = accs[name] = HessianAccumulator(x.shape[-1], dtype=hessian_dtype, device=x.device)
                 acc.add(x)
                 if observe:
                     observers.setdefault(name, ActObserver(x.shape[-1], act_spec)).add(x)
-                state["last"] = (x, name)
-            state["seen"].add(name)
-            if len(state["seen"]) == len(mods):
-                raise StopForward
-
-        return hook
-
-    handles = [m.register_forward_pre_hook(make_hook(n)) for n, m in mods.items()]
-    try:
-        for b, (hs, kw) in enumerate(zip(inputs, kwargs, strict=True)):
-            if cache is not None:
-                cache.batch = b
-            state["seen"] = set()
-            state["last"] = None
-            try:
-                run_layer(layer, hs, kw)
-            except StopForward:
-                pass
-            else:
-                missing = sorted(set(mods) - state["seen"])
-                raise RuntimeError(
-                    f"layer forward never called {missing}; check the architecture's layer map"
-                )
+            state["seen"] = []
     finally:
         for h in handles:
             h.remove()
+        for m in patched:
+            del m.forward
     return accs, owner, observers

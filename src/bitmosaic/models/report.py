@@ -79,11 +79,9 @@ def error_metrics(
     if step_errors is not None and getattr(res, "sparse", None) is None:
         # step errors were measured on W with dead columns zeroed: (w_z - ŵ)ᵀ H_d (w_z - ŵ)
         hess = float(step_errors.double().sum())
-        Ez = E.clone()
-        Ez[:, dead] = 0
         lam = (torch.diagonal(Hd).to(torch.float64) - diag.to(torch.float64)).masked_fill(dead, 0)
-        # the undamped H is zero on dead columns, so they add nothing to the output error
-        num = hess - float(((Ez.double() ** 2).sum(dim=0) * lam).sum())
+        # the undamped H is zero on dead columns (lam masks them), so they add nothing to the output error
+        num = hess - float((E.square().sum(dim=0, dtype=torch.float64) * lam).sum())
     else:
         hess = float(_row_quadratic(E, Hd).sum())
         num = float(_row_quadratic(E, H).sum())
