@@ -17,7 +17,7 @@ import torch
 from bitmosaic.data import bos_token_id, calibration_samples, eval_tokens
 from bitmosaic.eval.perplexity import perplexity
 from bitmosaic.methods import get_method
-from bitmosaic.models import load_model, quantize_model, set_weight_cache
+from bitmosaic.models import load_model, quantize_model
 from bitmosaic.models.pipeline import peak_rss_mb
 from bitmosaic.models.serialization import atomic_write_text
 
@@ -50,7 +50,6 @@ class Bench:
         self.rows: list[dict] = []
 
     def ppl(self, model) -> float:
-        set_weight_cache(model, True)
         r = perplexity(
             model,
             self.eval_ids,
@@ -59,7 +58,6 @@ class Bench:
             progress=False,
             bos_token_id=bos_token_id(self.tok),
         )
-        set_weight_cache(model, False)
         return r["ppl"]
 
     def float_row(self) -> dict:

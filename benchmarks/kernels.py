@@ -1,89 +1,170 @@
-"""CPU dequantization kernel vs the reference path (and vs a dense float matmul).
+"""CPU low-bit matmul (``kernels/qmatmul.py``) against float matmuls, today's dequantize-then-matmul
+path and this machine's memory-bandwidth bound, all measured in one run.
 
-Run: python benchmarks/kernels.py [--threads 1]   (writes benchmarks/results/kernels.json)
-Each row times one [out, in] layer: reference unpack + dequantize, the LUT fast path, and
-QuantLinear.forward for a single token (decode) against nn.Linear on the float weight.
+Rows: SmolLM2 (576x576, 1536x576, 576x1536) and Llama-3-8B (4096x4096, 14336x4096, 4096x14336)
+shapes ``[out, in]``; 1 and 2 threads; batch 1 (decode) and, for 4096x4096, batch 64 (prefill);
+W2/W3/W4/W8 at g128 (asymmetric, float32 scales and zero-points) and the mixes 2.5 and 3.5 bits
+(blocks of 512 rows x 128 columns, half of them at each neighbouring width).  Columns: our kernel;
+``F.linear`` on a float32 and on a bfloat16 weight; the pre-kernel path (``dequantize_packed`` +
+``F.linear``, what ``QuantLinear.forward`` did before); the bandwidth bound = bytes the kernel
+reads / this machine's read bandwidth (``x.sum()`` over 512 MiB, best of 5, same thread count).
+Times are medians over repeats after a warm-up.
+
+    python benchmarks/kernels.py [--quick]     (writes benchmarks/results/kernels.{json,md})
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
+import sys
 import time
+from pathlib import Path
 
 import torch
+from torch.nn import functional as F
 
-from bitmosaic.formats.layout import default_g_idx, dequantize
-from bitmosaic.formats.packing import pack_codes, unpack_codes
+from bitmosaic.formats.packing import pack_codes
 from bitmosaic.kernels.cpu import dequantize_packed
+from bitmosaic.kernels.qmatmul import LowBitWeight, extension
 from bitmosaic.models.serialization import atomic_write_text
 
-from common import RESULTS
+RESULTS = Path(__file__).resolve().parent / "results"
+SHAPES = [(576, 576), (1536, 576), (576, 1536), (4096, 4096), (14336, 4096), (4096, 14336)]
+GS = 128
 
 
-def best_of(fn, reps: int) -> float:
+def median_ms(fn, budget_s: float = 0.6, max_reps: int = 50) -> float:
     fn()
-    times = []
-    for _ in range(reps):
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max_reps and (len(times) < 3 or time.perf_counter() - start < budget_s):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return min(times) * 1e3
+    times.sort()
+    return times[len(times) // 2] * 1e3
+
+
+def read_bandwidth_gbs() -> float:
+    big = torch.ones(128 * 2**20)  # 512 MiB
+    best = min(median_ms(big.sum, 0.0, 1) for _ in range(5))
+    return big.numel() * 4 / (best / 1e3) / 1e9
+
+
+def make_weight(N: int, K: int, bits: float, g: torch.Generator):
+    G = -(-K // GS)
+    rb = 512
+    n_rb = -(-N // rb)
+    if bits == int(bits):
+        bmap = torch.full((n_rb, G), int(bits))
+    else:  # half the blocks at each neighbouring width, interleaved
+        lo = int(bits)
+        bmap = lo + (torch.arange(n_rb * G).reshape(n_rb, G) % 2)
+    codes = torch.empty(N, K, dtype=torch.int32)
+    for r in range(n_rb):
+        for j in range(G):
+            blk = codes[r * rb : (r + 1) * rb, j * GS : (j + 1) * GS]
+            blk.copy_(torch.randint(0, 1 << int(bmap[r, j]), blk.shape, generator=g))
+    scales = torch.rand(N, G, generator=g) * 0.01 + 1e-3
+    zeros = torch.randint(0, 4, (N, G), generator=g).float()
+    w = LowBitWeight.from_codes(codes, bmap if bits != int(bits) else int(bits), scales, zeros, GS, rb)
+    return w, codes, scales, zeros
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--reps", type=int, default=20)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="SmolLM2 shapes and 4096x4096 only, W2/W4")
     p.add_argument("--json", default=str(RESULTS / "kernels.json"))
     a = p.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    if extension() is None:
+        print("the compiled kernel is not available here: the rows time the pure-torch fallback")
+    shapes = SHAPES[:4] if a.quick else SHAPES
+    bit_list = [2, 4] if a.quick else [2, 3, 4, 8, 2.5, 3.5]
     g = torch.Generator().manual_seed(0)
     rows = []
-    for out, n in ((1536, 576), (576, 1536)):
-        for bits in (2, 3, 4, 8):
-            G = -(-n // 128)
-            codes = torch.randint(0, 1 << bits, (out, n), generator=g, dtype=torch.int32)
-            scales = (torch.rand(out, G, generator=g) * 0.01 + 1e-3).half()
-            zeros = torch.randint(0, 1 << bits, (out, G), generator=g).half()
-            packed = pack_codes(codes, bits)
-            gi = default_g_idx(n, 128)
-            W = dequantize(codes, scales, zeros, gi)
-            fast = dequantize_packed(packed, bits, n, scales, zeros, None, group_size=128, contiguous=True)
-            assert torch.equal(W, fast), "fast path must be bitwise equal to the reference"
-            ref_ms = best_of(lambda: dequantize(unpack_codes(packed, bits, n), scales, zeros, gi), a.reps)
-            fast_ms = best_of(
-                lambda: dequantize_packed(
-                    packed, bits, n, scales, zeros, None, group_size=128, contiguous=True
-                ),
-                a.reps,
-            )
-            x = torch.randn(1, n, generator=g)
-            dense_ms = best_of(lambda: torch.nn.functional.linear(x, W), a.reps)
-            rows.append(
-                {
-                    "shape": f"{out}x{n}",
-                    "bits": bits,
-                    "reference_ms": ref_ms,
-                    "fast_ms": fast_ms,
-                    "speedup": ref_ms / fast_ms,
-                    "dense_gemv_ms": dense_ms,
-                }
-            )
-    print(f"threads {torch.get_num_threads()}; group 128, asymmetric, float32 output; best of {a.reps}")
-    print(
-        f"{'shape':>10} {'bits':>4} {'reference ms':>13} {'fast ms':>9} {'speedup':>8} {'dense GEMV ms':>14}"
-    )
+    bw = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        bw[threads] = read_bandwidth_gbs()
+        print(f"threads {threads}: read bandwidth {bw[threads]:.1f} GB/s", flush=True)
+        for N, K in shapes:
+            Wf = torch.randn(N, K, generator=g) * 0.02
+            Wb = Wf.bfloat16()
+            batches = (1, 64) if (N, K) == (4096, 4096) else (1,)
+            for M in batches:
+                x = torch.randn(M, K, generator=g)
+                xb = x.bfloat16()
+                fp32 = median_ms(lambda: F.linear(x, Wf))  # noqa: B023
+                bf16 = median_ms(lambda: F.linear(xb, Wb), budget_s=0.3, max_reps=5)  # noqa: B023
+                for bits in bit_list:
+                    w, codes, scales, zeros = make_weight(N, K, bits, g)
+                    ours = median_ms(lambda: w.matmul(x))  # noqa: B023
+                    old = None
+                    if bits == int(bits) and int(bits) >= 2:
+                        packed = pack_codes(codes, int(bits))
+                        s16, z16 = scales.half(), zeros.half()
+
+                        def today():
+                            wd = dequantize_packed(
+                                packed, int(bits), K, s16, z16, None, group_size=GS, contiguous=True
+                            )  # noqa: B023
+                            return F.linear(x, wd)  # noqa: B023
+
+                        old = median_ms(today, budget_s=0.3, max_reps=10)
+                    bound = w.nbytes() / (bw[threads] * 1e9) * 1e3
+                    row = {
+                        "shape": [N, K], "threads": threads, "batch": M, "bits": bits,
+                        "kernel_ms": ours, "fp32_ms": fp32, "bf16_ms": bf16, "dequant_matmul_ms": old,
+                        "bound_ms": bound, "kernel_bytes": w.nbytes(),
+                        "speedup_vs_fp32": fp32 / ours, "x_bound": ours / bound,
+                    }  # fmt: skip
+                    rows.append(row)
+                    print(
+                        f"  {N}x{K} b{M} W{bits:<4} ours {ours:8.3f} ms  fp32 {fp32:8.3f}  bf16 {bf16:9.2f}  "
+                        f"old {old if old is None else round(old, 2)}  bound {bound:7.3f}  "
+                        f"({fp32 / ours:5.2f}x fp32, {ours / bound:4.1f}x bound)",
+                        flush=True,
+                    )
+    # W2 vs W4 latency ratios at the target shapes
     for r in rows:
-        print(
-            f"{r['shape']:>10} {r['bits']:>4} {r['reference_ms']:>13.3f} {r['fast_ms']:>9.3f} "
-            f"{r['speedup']:>7.1f}x {r['dense_gemv_ms']:>14.3f}"
+        if r["bits"] == 2:
+            key = (r["shape"], r["threads"], r["batch"])
+            w4 = next(
+                (o for o in rows if o["bits"] == 4 and (o["shape"], o["threads"], o["batch"]) == key), None
+            )
+            r["w2_over_w4"] = r["kernel_ms"] / w4["kernel_ms"] if w4 else None
+    lines = [
+        "| shape | threads | batch | bits | kernel ms | fp32 ms | bf16 ms | dequant+matmul ms | bound ms | vs fp32 | x bound |",  # noqa: E501
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        old = "—" if r["dequant_matmul_ms"] is None else f"{r['dequant_matmul_ms']:.2f}"
+        lines.append(
+            f"| {r['shape'][0]}x{r['shape'][1]} | {r['threads']} | {r['batch']} | {r['bits']} | "
+            f"{r['kernel_ms']:.3f} | {r['fp32_ms']:.3f} | {r['bf16_ms']:.2f} | {old} | {r['bound_ms']:.3f} | "
+            f"{r['speedup_vs_fp32']:.2f}x | {r['x_bound']:.1f} |"
         )
-    atomic_write_text(
-        a.json,
-        json.dumps({"benchmark": "kernels", "threads": torch.get_num_threads(), "rows": rows}, indent=2),
-    )
+    table = "\n".join(lines)
+    print("\n" + table)
+    out = {
+        "benchmark": "kernels",
+        "args": vars(a),
+        "machine": {
+            "platform": platform.platform(),
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "compiled_kernel": extension() is not None,
+        },
+        "read_bandwidth_gbs": bw,
+        "rows": rows,
+    }
+    atomic_write_text(Path(a.json), json.dumps(out, indent=2))
+    atomic_write_text(Path(a.json).with_suffix(".md"), table + "\n")
     print(f"\nJSON written to {a.json}")
 
 

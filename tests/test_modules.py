@@ -116,7 +116,8 @@ def test_bias_follows_casts_and_forward_matches_linear():
     res = rtn_quantize(W, IntGrid(4), 8)
     q = QuantLinear.from_result(res, bits=4, group_size=8, symmetric=False, bias=bias)
     x = torch.randn(3, 16)
-    assert torch.equal(q(x), nn.functional.linear(x, res.dequantize(), bias))
+    # the low-bit kernel sums in its own order: equal within float32 rounding
+    torch.testing.assert_close(q(x), nn.functional.linear(x, res.dequantize(), bias), rtol=1e-5, atol=1e-5)
 
 
 # (lowest code, number of distinct codes): straddling zero, above the grid, all negative

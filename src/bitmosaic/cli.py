@@ -277,24 +277,21 @@ def _method_options(args, spec) -> dict:
 
 
 def _ppl(model, tok, src, seqlen, max_windows, data_dir, progress, device=None) -> dict:
+    """Perplexity with the quantized modules' own inference path (the low-bit kernels on the CPU;
+    no float copy of the weights is kept)."""
     from .data import bos_token_id, eval_tokens
     from .eval.perplexity import perplexity
-    from .modules.qlinear import set_weight_cache
 
     ids = eval_tokens(tok, src, data_dir=data_dir)
-    set_weight_cache(model, True)
-    try:
-        return perplexity(
-            model,
-            ids,
-            seqlen,
-            max_windows=max_windows,
-            progress=progress,
-            device=device,
-            bos_token_id=bos_token_id(tok),
-        )
-    finally:
-        set_weight_cache(model, False)
+    return perplexity(
+        model,
+        ids,
+        seqlen,
+        max_windows=max_windows,
+        progress=progress,
+        device=device,
+        bos_token_id=bos_token_id(tok),
+    )
 
 
 def _check_json_path(path: str | None) -> None:

@@ -82,10 +82,10 @@ class HessianAccumulator:
         self._full = None
         self._upper.mul_(self.n / (self.n + m))
         self.n += m
-        x = x * (2.0 / self.n) ** 0.5
+        alpha = 2.0 / self.n  # scaled in the product: no scaled copy of x
         B = self._block
         for i in range(0, self.in_features, B):
-            self._upper[i : i + B, i:].addmm_(x[:, i : i + B].T, x[:, i:])
+            self._upper[i : i + B, i:].addmm_(x[:, i : i + B].T, x[:, i:], alpha=alpha)
 
 
 def _damping_tries(H: torch.Tensor, percdamp: float, max_tries: int, stacklevel: int):

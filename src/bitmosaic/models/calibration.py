@@ -219,6 +219,11 @@ class OutputCache:
         if "forward" in vars(m):
             del m.forward  # back to the class's forward (and its store is freed)
 
+    def release(self, batch: int) -> None:
+        """Free every output stored for ``batch`` (its last use is over)."""
+        for store in self._stores.values():
+            store.pop(batch, None)
+
     def clear(self) -> None:
         for m in self.modules:
             self._restore(m)

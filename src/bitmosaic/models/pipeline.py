@@ -289,8 +289,8 @@ def quantize_model(
                     for b, (hs, kw) in enumerate(zip(inputs, kwargs, strict=True)):
                         cache.batch = b
                         outputs.append(run_layer(layer, hs, kw))
-                    for b, o in enumerate(outputs):
-                        check_finite(o, f"the outputs of {prefix} (calibration batch {b})")
+                        check_finite(outputs[-1], f"the outputs of {prefix} (calibration batch {b})")
+                        cache.release(b)  # this batch's cached outputs are not needed again
                     inputs.replace(outputs)
                     del outputs
         _release_host_memory()

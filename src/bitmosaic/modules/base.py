@@ -18,7 +18,7 @@ from torch import nn
 
 from ..formats.accounting import bits_per_weight
 
-__all__ = ["QuantModule", "set_weight_cache"]
+__all__ = ["QuantModule", "set_weight_cache", "prepare_kernels"]
 
 
 class QuantModule(nn.Module):
@@ -31,6 +31,7 @@ class QuantModule(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.cache_weight = cache_weight
         self._wcache: torch.Tensor | None = None
+        self._kernel = None  # the kernel weight built from the buffers (see modules/kernel.py)
 
     # -- what each kind implements -------------------------------------------------------------
     def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
@@ -49,6 +50,11 @@ class QuantModule(nn.Module):
         """What a loader needs to rebuild this module (saved per layer in quantization_config)."""
         raise NotImplementedError(f"{type(self).__name__} must implement layer_config()")
 
+    def _build_kernel(self):
+        """The kind's :class:`~bitmosaic.modules.kernel.KernelWeight` (CPU inference without a
+        float weight), or ``None`` when the kind has none (forward then dequantizes per call)."""
+        return None
+
     # -- shared --------------------------------------------------------------------------------
     def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The inference weight ``[out, in]`` in ``dtype``; with ``cache_weight`` the last one computed
@@ -65,9 +71,20 @@ class QuantModule(nn.Module):
         if not enabled:
             self._wcache = None
 
+    def kernel(self):
+        """The kernel weight, built once from the buffers (``None``: this kind has none)."""
+        if self._kernel is None:
+            self._kernel = self._build_kernel() or False
+        return self._kernel or None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.dequantize_weight(torch.float32).to(x.dtype)
         b = None if self.bias is None else self.bias.to(x.dtype)
+        if self._wcache is None and not self.cache_weight and x.device.type == "cpu":
+            k = self.kernel()
+            if k is not None:
+                y = k(x)
+                return y if b is None else y + b
+        w = self.dequantize_weight(torch.float32).to(x.dtype)
         return nn.functional.linear(x, w, b)
 
     def bits_per_weight(self) -> float:
@@ -104,13 +121,15 @@ class QuantModule(nn.Module):
         return f"in={self.in_features}, out={self.out_features}"
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self._wcache = None  # new buffers: a weight cached from the old ones is stale
+        self._wcache = None  # new buffers: a weight (or kernel) built from the old ones is stale
+        self._kernel = None
         super()._load_from_state_dict(*args, **kwargs)
 
     def _apply(self, fn, recurse=True):
         """``model.to(dtype)`` / ``.half()`` must not cast the stored format (fp16 scales, FP8 bytes,
         float32 FP8 scales): storage buffers only follow device moves; the bias follows ``fn``."""
         self._wcache = None
+        self._kernel = None
         ids = {id(t) for t in self.storage_tensors()}
         keep = {k: b for k, b in self._buffers.items() if b is not None and id(b) in ids}
         for k in keep:
@@ -122,6 +141,13 @@ class QuantModule(nn.Module):
                 device = fn(torch.empty(0, dtype=b.dtype, device=b.device)).device
                 self._buffers[k] = b.to(device)
         return self
+
+
+def prepare_kernels(model: nn.Module) -> None:
+    """Build every quantized module's kernel weight now (at load) rather than at its first forward."""
+    for m in model.modules():
+        if isinstance(m, QuantModule):
+            m.kernel()
 
 
 def set_weight_cache(model: nn.Module, enabled: bool = True) -> None:

@@ -151,6 +151,16 @@ class QuantLinear(QuantModule):
             code_offset=self.code_offset,
         )
 
+    def _build_kernel(self):
+        """The low-bit kernel: codes at their storage width, the ``code_offset`` folded into the
+        zero-point, act-order columns made contiguous (``modules/kernel.py``)."""
+        from .kernel import lowbit_from_codes
+
+        codes = unpack_codes(self.qweight, self.storage_bits, self.in_features)
+        z = self._zeros_arg()
+        z = z - self.code_offset if not torch.is_tensor(z) else z.float() - self.code_offset
+        return lowbit_from_codes(codes, self.storage_bits, self.scales, z, self.group_size, self.g_idx)
+
     # -- accounting ---------------------------------------------------------------------------
     def storage_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.qweight, self.scales, self.zeros, self.g_idx) if t is not None]

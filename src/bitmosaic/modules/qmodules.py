@@ -12,6 +12,8 @@ them from a saved per-layer config (``"kind"``).
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 from torch import nn
@@ -68,6 +70,20 @@ class SparseOutlierQuantLinear(QuantLinear):
     def _dequantize(self, dtype):
         return self.csr().add_to(super()._dequantize(dtype))
 
+    def _build_kernel(self):
+        from .kernel import SparseAddKernel
+
+        with warnings.catch_warnings():  # torch calls its sparse CSR support "beta"
+            warnings.simplefilter("ignore", UserWarning)
+            sparse = torch.sparse_csr_tensor(
+                self.outlier_row_ptr.to(torch.int64),
+                self.outlier_cols.to(torch.int64),
+                self.outlier_vals.float(),
+                (self.out_features, self.in_features),
+                check_invariants=True,
+            )
+        return SparseAddKernel(super()._build_kernel(), sparse)
+
     def storage_tensors(self):
         return super().storage_tensors() + [self.outlier_row_ptr, self.outlier_cols, self.outlier_vals]
 
@@ -110,6 +126,12 @@ class FP8ComputeQuantLinear(QuantLinear):
 
     def _dequantize(self, dtype):
         return (self.fp8_weight() * self.fp8_scale).to(dtype)
+
+    def _build_kernel(self):
+        from .kernel import dpq_tiles
+
+        dense = QuantLinear._build_kernel(self)
+        return dpq_tiles(dense, self.fmt, self.fp8_scale, self.out_features, self.in_features)
 
     def storage_tensors(self):
         return super().storage_tensors() + [self.fp8_scale]
@@ -169,8 +191,9 @@ class HuffmanQuantLinear(QuantModule):
     CONFIG_KEYS = ("n_scales", "n_bytes", "n_symbols")
 
     def __init__(self, in_features, out_features, *, n_scales: int, n_bytes: int, n_symbols: int, bias=False):
-        # decoding is done once (weight cache on); the stream stays the stored form
-        super().__init__(in_features, out_features, bias, cache_weight=True)
+        # the stream is decoded once (kept as integers); the stream stays the stored form
+        super().__init__(in_features, out_features, bias)
+        self._decoded: torch.Tensor | None = None
         self.register_buffer("scales", torch.zeros(n_scales, 1, dtype=torch.float16))
         self.register_buffer("huff_data", torch.zeros(n_bytes, dtype=torch.uint8))
         self.register_buffer("huff_symbols", torch.zeros(n_symbols, dtype=torch.int16))
@@ -201,6 +224,14 @@ class HuffmanQuantLinear(QuantModule):
         return m
 
     def codes(self) -> torch.Tensor:
+        """The decoded integers ``[out, in]`` (int64), decoded once and kept as int16/int32."""
+        if self._decoded is None or self._decoded.device != self.huff_data.device:
+            q = self._decode()
+            small = bool(q.numel() == 0 or (q.abs().max() < 2**15))
+            self._decoded = q.to(torch.int16 if small else torch.int32)
+        return self._decoded.to(torch.int64)
+
+    def _decode(self) -> torch.Tensor:
         tensors = {
             "data": self.huff_data,
             "symbols": self.huff_symbols,
@@ -215,6 +246,22 @@ class HuffmanQuantLinear(QuantModule):
 
     def _dequantize(self, dtype) -> torch.Tensor:
         return self.dequantize_reference(dtype)
+
+    def _build_kernel(self):
+        """Integers within 8 bits of range: a low-bit weight (one group per row); wider: int16 tiles."""
+        from .kernel import int_tiles, lowbit_from_codes
+
+        q = self.codes()
+        lo, hi = (int(q.min()), int(q.max())) if q.numel() else (0, 0)
+        s = self.scales.float().expand(self.out_features, 1)
+        if hi - lo < 256:
+            bits = max(1, (hi - lo).bit_length())
+            return lowbit_from_codes((q - lo).to(torch.uint8), bits, s, float(-lo), -1, None)
+        return int_tiles(self._decoded, self.scales)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._decoded = None
+        super()._load_from_state_dict(*args, **kwargs)
 
     def storage_tensors(self):
         return [self.scales, self.huff_data, self.huff_symbols, self.huff_lengths, self.huff_row_ends]

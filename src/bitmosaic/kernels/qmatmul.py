@@ -1,0 +1,288 @@
+"""The CPU low-bit matmul: ``y = x Wᵀ`` from packed integer codes, never a float ``W``.
+
+Layout (``LAYOUT_VERSION = 1``), built at load time from the saved format by
+:meth:`LowBitWeight.from_codes` (the saved format stays the source of truth):
+
+* rows are cut into row blocks of ``row_block`` rows; block ``(rb, g)`` -- the rows of ``rb`` times
+  the columns of group ``g`` -- has one bit width ``bits[rb, g]`` in 1..8, so any mix of widths
+  per block (SFMP) lives in one matrix;
+* every row of a row block has the same byte length; within it, the groups follow each other, each
+  packed like :mod:`bitmosaic.formats.packing` (chunks of 8 codes in ``bits`` bytes, little-endian,
+  the group's last chunk zero-padded) -- except 4-bit blocks of a multiple of 64 codes (byte ``k``
+  of every 32 holds code ``k`` and, in its high nibble, code ``k + 32``) and 2-bit blocks of a
+  multiple of 128 codes (byte ``k`` of every 32 holds codes ``k, k+32, k+64, k+96``), interleaved
+  so that AVX2 unpacks 32 codes in order with one mask or shift;
+* ``W[n, j] = (c[n, j] - z[n, g]) * s[n, g]`` with ``g = j // group_size`` (contiguous groups; a
+  partial last group is allowed); scales and zero-points are float32 ``[N, G]``.
+
+Kernels (``csrc/qmatmul.cpp``, a torch C++ extension built on first use and cached by torch):
+
+* **decode** (at most 8 rows of ``x``): per output row and group, ``s (Σ c x - z Σ x)`` with the group
+  sums of ``x`` computed once per call; a chunk of 8 codes is one 64-bit load, split into two
+  32-bit halves, shifted per lane (AVX2 ``vpsrlvd``), masked, converted and multiplied-added with 8
+  activations -- the same path for every width.  Rows are split across ``torch.get_num_threads()``.
+* **prefill** (more rows): a tile of weight rows is dequantized into a small buffer (bitwise equal
+  to the reference) and multiplied with ``torch.mm``.
+
+Design choice (issue #10 asks to measure two): the unpack-in-register design above against the
+bit-plane lookup-table design (T-MAC, SFMP §4.5) is measured in ``benchmarks/kernels.py``; see
+``benchmarks/results/kernels.md``.  The AVX2 path is chosen at run time; other CPUs run the portable
+C++ loop.  Without a compiler (or with ``BITMOSAIC_NO_EXT=1``) a pure-torch path with the same API
+and results runs instead, after one warning.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..formats.packing import pack_codes
+
+__all__ = ["LowBitWeight", "extension", "LAYOUT_VERSION"]
+
+LAYOUT_VERSION = 1
+_DECODE_MAX_ROWS = 8
+_TILE_ELEMS = 1 << 18  # float32 elements of one prefill tile (1 MiB)
+
+_lock = threading.Lock()
+_ext: object | None = None
+_ext_tried = False
+
+
+def _source_hash() -> str:
+    import hashlib
+
+    src = Path(__file__).with_name("csrc") / "qmatmul.cpp"
+    return hashlib.sha1(src.read_bytes()).hexdigest()[:10]
+
+
+def extension():
+    """The compiled extension, or ``None`` (no compiler, build failure, or ``BITMOSAIC_NO_EXT=1``)."""
+    global _ext, _ext_tried
+    if _ext_tried:
+        return _ext
+    with _lock:
+        if _ext_tried:
+            return _ext
+        _ext_tried = True
+        if os.environ.get("BITMOSAIC_NO_EXT") == "1":
+            return None
+        try:
+            from torch.utils.cpp_extension import load
+
+            src = Path(__file__).with_name("csrc") / "qmatmul.cpp"
+            _ext = load(
+                name=f"bitmosaic_qmatmul_v{LAYOUT_VERSION}_{_source_hash()}o",
+                sources=[str(src)],
+                extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
+        except Exception as e:  # noqa: BLE001 - any build failure falls back, with one warning
+            warnings.warn(
+                f"bitmosaic: the compiled low-bit kernel could not be built ({type(e).__name__}: "
+                f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}); quantized layers use the "
+                "slower pure-torch path. Install a C++ compiler (g++) to get the fast path.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            _ext = None
+    return _ext
+
+
+def _check_bits_map(bits, n_rb: int, G: int) -> torch.Tensor:
+    if isinstance(bits, bool):
+        raise ValueError(f"bits must be an int in 1..8 or an int tensor, got {bits!r}")
+    if isinstance(bits, int):
+        if not 1 <= bits <= 8:
+            raise ValueError(f"bits must be in 1..8, got {bits}")
+        return torch.full((n_rb, G), bits, dtype=torch.uint8)
+    if not torch.is_tensor(bits) or bits.is_floating_point() or tuple(bits.shape) != (n_rb, G):
+        raise ValueError(
+            f"bits must be an int or an integer tensor [row blocks={n_rb}, groups={G}], got "
+            f"{tuple(bits.shape) if torch.is_tensor(bits) else type(bits).__name__}"
+        )
+    if bits.numel() and (int(bits.min()) < 1 or int(bits.max()) > 8):
+        raise ValueError(f"every block's bits must be in 1..8, got {int(bits.min())}..{int(bits.max())}")
+    return bits.to(torch.uint8).contiguous()
+
+
+def _span(b: int) -> int:
+    return {4: 64, 2: 128}.get(b, 0)
+
+
+def _interleaved(b: int, length: int) -> bool:
+    """4-bit blocks of a multiple of 64 codes and 2-bit blocks of a multiple of 128 are interleaved
+    (module doc); the kernel decides the same way from (bits, length)."""
+    return bool(_span(b)) and length % _span(b) == 0
+
+
+def _pack_any(codes: torch.Tensor, b: int) -> torch.Tensor:
+    """Pack one block's ``codes`` at width ``b`` in 1..8, interleaved where :func:`_interleaved`."""
+    rows, cols = codes.shape
+    if _interleaved(b, cols):
+        per = 8 // b
+        c = codes.to(torch.int32).reshape(rows, cols // (32 * per), per, 32)
+        shifts = (torch.arange(per, dtype=torch.int32) * b).reshape(1, 1, per, 1)
+        return (c << shifts).sum(2, dtype=torch.int32).to(torch.uint8).reshape(rows, cols // per)
+    if b >= 2:
+        return pack_codes(codes, b)
+    rows, cols = codes.shape
+    c = torch.nn.functional.pad(codes.to(torch.uint8), (0, -cols % 8)).reshape(rows, -1, 8)
+    weights = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8)
+    return (c * weights).sum(-1, dtype=torch.int32).to(torch.uint8)
+
+
+class LowBitWeight:
+    """A low-bit weight in the kernel layout (module doc); ``matmul`` never builds the float weight."""
+
+    def __init__(self, data, base, rowlen, goff, bits, scales, zeros, K, group_size, row_block):
+        self.data, self.base, self.rowlen, self.goff, self.bits = data, base, rowlen, goff, bits
+        self.scales, self.zeros = scales, zeros
+        self.K, self.group_size, self.row_block = K, group_size, row_block
+        self.N = scales.shape[0]
+
+    @classmethod
+    def from_codes(
+        cls,
+        codes: torch.Tensor,
+        bits: int | torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor | float,
+        group_size: int,
+        row_block: int | None = None,
+    ) -> LowBitWeight:
+        """Build from integer ``codes [N, K]`` (each in ``[0, 2**bits)`` of its block), ``scales``
+        ``[N, G]``, ``zeros`` ``[N, G]`` or a number, ``group_size`` (``-1`` or ``>= K``: one group per
+        row) and per-block ``bits`` (an int, or ``[ceil(N / row_block), G]``)."""
+        if not torch.is_tensor(codes) or codes.dim() != 2 or codes.is_floating_point():
+            raise ValueError("codes must be a 2-D integer tensor [out, in]")
+        N, K = codes.shape
+        gs = K if group_size is None or group_size < 0 or group_size >= K else int(group_size)
+        gs = max(gs, 1)
+        G = -(-K // gs) if K else 0
+        if tuple(scales.shape) != (N, G):
+            raise ValueError(
+                f"scales must be [out={N}, groups={G}] for group size {gs}, got {tuple(scales.shape)}"
+            )
+        rb = N if row_block is None else int(row_block)
+        if rb < 1 and N:
+            raise ValueError(f"row_block must be >= 1, got {row_block}")
+        rb = max(rb, 1)
+        n_rb = -(-N // rb) if N else 0
+        bmap = _check_bits_map(bits, n_rb, G)
+        z = zeros if torch.is_tensor(zeros) else torch.full((N, G), float(zeros))
+        if tuple(z.shape) != (N, G):
+            raise ValueError(f"zeros must be a number or [out={N}, groups={G}], got {tuple(z.shape)}")
+        codes = codes.to(torch.int32)
+        chunks, base, rowlen, goff = [], [], [], torch.zeros(n_rb, G, dtype=torch.int64)
+        offset = 0
+        for r in range(n_rb):
+            rows = codes[r * rb : (r + 1) * rb]
+            parts, pos = [], 0
+            for g in range(G):
+                b = int(bmap[r, g])
+                block = rows[:, g * gs : (g + 1) * gs]
+                if block.numel() and (int(block.min()) < 0 or int(block.max()) >= 1 << b):
+                    raise ValueError(
+                        f"codes of block (rows {r * rb}.., group {g}) lie in [{int(block.min())}, "
+                        f"{int(block.max())}], outside the {b}-bit range [0, {(1 << b) - 1}]"
+                    )
+                packed = _pack_any(block, b)
+                goff[r, g] = pos
+                pos += packed.shape[1]
+                parts.append(packed)
+            row_bytes = torch.cat(parts, 1) if parts else torch.zeros(rows.shape[0], 0, dtype=torch.uint8)
+            base.append(offset)
+            rowlen.append(pos)
+            offset += row_bytes.numel()
+            chunks.append(row_bytes.reshape(-1))
+        chunks.append(torch.zeros(8, dtype=torch.uint8))  # the kernel's 64-bit loads may read 7 bytes on
+        data = torch.cat(chunks).contiguous()
+        return cls(
+            data,
+            torch.tensor(base, dtype=torch.int64),
+            torch.tensor(rowlen, dtype=torch.int64),
+            goff.contiguous(),
+            bmap,
+            scales.float().contiguous(),
+            z.float().contiguous(),
+            K,
+            gs,
+            rb,
+        )
+
+    def _args(self):
+        return (self.data, self.base, self.rowlen, self.goff, self.bits, self.scales, self.zeros,
+                self.K, self.group_size, self.row_block)  # fmt: skip
+
+    def nbytes(self) -> int:
+        ts = (self.data, self.base, self.rowlen, self.goff, self.bits, self.scales, self.zeros)
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., K]`` (float32/bfloat16/float16) -> ``[..., N]`` in ``x``'s dtype (float32 sums)."""
+        if x.shape[-1] != self.K:
+            raise ValueError(f"x has {x.shape[-1]} features but the weight has {self.K} input columns")
+        x2 = x.reshape(-1, self.K).float()
+        ext = extension()
+        tile = max(8, _TILE_ELEMS // max(self.K, 1))
+        if ext is not None:
+            y = ext.qmatmul(x2, *self._args(), tile)
+        else:
+            y = torch.empty(x2.shape[0], self.N, dtype=torch.float32)
+            for r0 in range(0, self.N, tile):
+                r1 = min(self.N, r0 + tile)
+                torch.mm(x2, self._dequantize_torch(r0, r1).T, out=y[:, r0:r1])
+        return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
+
+    def dequantize(self, rows: slice | None = None) -> torch.Tensor:
+        """Rows of ``W`` in float32, exactly ``(c - z) * s``."""
+        r0, r1, _ = (rows or slice(None)).indices(self.N)
+        r1 = max(r0, r1)
+        ext = extension()
+        if ext is not None:
+            return ext.dequantize(*self._args(), r0, r1)
+        return self._dequantize_torch(r0, r1)
+
+    def _dequantize_torch(self, r0: int, r1: int) -> torch.Tensor:
+        """The pure-torch path: unpack the rows' groups at their widths, then ``(c - z) * s``."""
+        out = torch.empty(r1 - r0, self.K, dtype=torch.float32)
+        gs, G = self.group_size, self.scales.shape[1]
+        rb = self.row_block
+        for b0 in range(r0 - r0 % rb if rb else 0, r1, rb):
+            lo, hi = max(b0, r0), min(b0 + rb, r1)
+            if lo >= hi:
+                continue
+            r = b0 // rb
+            L = int(self.rowlen[r])
+            start = int(self.base[r]) + (lo - b0) * L
+            rows = self.data[start : start + (hi - lo) * L].reshape(hi - lo, L)
+            for g in range(G):
+                b = int(self.bits[r, g])
+                c0, c1 = g * gs, min(self.K, (g + 1) * gs)
+                nbytes = -(-(c1 - c0) // 8) * b
+                seg = rows[:, int(self.goff[r, g]) : int(self.goff[r, g]) + nbytes]
+                codes = _unpack_any(seg, b, c1 - c0)
+                z = self.zeros[lo:hi, g : g + 1]
+                s = self.scales[lo:hi, g : g + 1]
+                out[lo - r0 : hi - r0, c0:c1] = (codes.float() - z) * s
+        return out
+
+
+def _unpack_any(seg: torch.Tensor, b: int, cols: int) -> torch.Tensor:
+    rows = seg.shape[0]
+    if _interleaved(b, cols):
+        per = 8 // b
+        v = seg.to(torch.int32).reshape(rows, cols // (32 * per), 1, 32)
+        shifts = (torch.arange(per, dtype=torch.int32) * b).reshape(1, 1, per, 1)
+        return ((v >> shifts) & ((1 << b) - 1)).reshape(rows, cols)
+    words = torch.zeros(rows, seg.shape[1] // b, 8, dtype=torch.uint8)
+    words[..., :b] = seg.reshape(rows, -1, b)
+    w = words.view(torch.int64)  # little-endian hosts (x86, arm64)
+    shifts = torch.arange(8, dtype=torch.int64) * b
+    return ((w >> shifts) & ((1 << b) - 1)).reshape(rows, -1)[:, :cols]

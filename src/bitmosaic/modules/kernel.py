@@ -1,0 +1,173 @@
+"""Inference paths of the quantized module kinds: the compiled low-bit matmul, never a float weight.
+
+Each packed kind turns its saved buffers (the source of truth) into a *kernel weight* the first
+time it runs a forward on the CPU (or at load, see :func:`prepare_kernels`):
+
+* ``packed``: the codes go into a :class:`~bitmosaic.kernels.lowbit.LowBitWeight` at their storage
+  width, the no-clip ``code_offset`` folded into the zero-point (``(c + o - z) s = (c - (z - o)) s``).
+  An act-order ``g_idx`` is handled the ExLlama way: the weight's input columns are permuted once,
+  here, so that every group is contiguous (``perm = argsort(g_idx)``), and each call gathers the
+  activation once (``x[..., perm]``), never per group.
+* ``packed+csr``: the dense part as above plus the CSR outliers as one sparse product.
+* ``dpq``: tiles of the INT codes are dequantized into a small buffer, rounded onto the FP8 grid,
+  scaled by the FP8 weight scale and multiplied (``W4A8`` with FP8 compute is *simulated* in float32,
+  as everywhere in bitmosaic).
+* ``huffman``: the stream is decoded once to integers; when their range fits 8 bits they become a
+  low-bit weight (one group per row), otherwise int16 tiles are scaled and multiplied.
+
+Every path is tested equal (within float rounding) to ``F.linear(x, dequantize_reference())``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.nn import functional as F
+
+from ..formats.fp import fp_round
+from ..kernels.qmatmul import LowBitWeight
+
+__all__ = ["KernelWeight", "LowBitKernel", "TiledKernel", "SparseAddKernel", "lowbit_from_codes"]
+
+_TILE_ELEMS = 1 << 16  # float32 elements of one dequantized tile (256 KiB)
+
+
+class KernelWeight:
+    """What a quantized module multiplies by: ``__call__(x [..., in]) -> [..., out]`` (no bias)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def nbytes(self) -> int:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class LowBitKernel(KernelWeight):
+    """A :class:`LowBitWeight` with an optional input-column permutation (act-order groups)."""
+
+    def __init__(self, weight: LowBitWeight, perm: torch.Tensor | None = None) -> None:
+        self.weight = weight
+        self.perm = perm
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        return self.weight.matmul(x)
+
+    def dequantize_rows(self, rows: slice) -> torch.Tensor:
+        """Float32 rows of the weight in the *saved* column order."""
+        w = self.weight.dequantize(rows)
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm] = w
+        return out
+
+    def nbytes(self) -> int:
+        perm = 0 if self.perm is None else self.perm.numel() * self.perm.element_size()
+        return self.weight.nbytes() + perm
+
+
+class TiledKernel(KernelWeight):
+    """``y = x Wᵀ`` with ``W`` produced a few rows at a time by ``tile(rows) -> float32 [r, in]``."""
+
+    def __init__(self, tile: Callable[[slice], torch.Tensor], out_features: int, in_features: int, held: int):
+        self.tile = tile
+        self.out_features = out_features
+        self.in_features = in_features
+        self.rows = max(8, _TILE_ELEMS // max(in_features, 1))
+        self._held = held
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.reshape(-1, self.in_features).float()
+        y = torch.empty(xf.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        for r0 in range(0, self.out_features, self.rows):
+            r1 = min(r0 + self.rows, self.out_features)
+            torch.mm(xf, self.tile(slice(r0, r1)).T, out=y[:, r0:r1])
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def nbytes(self) -> int:
+        return self._held
+
+
+class SparseAddKernel(KernelWeight):
+    """A dense kernel plus a sparse ``[out, in]`` matrix (SSQR's CSR outliers)."""
+
+    def __init__(self, dense: KernelWeight, sparse: torch.Tensor) -> None:
+        self.dense = dense
+        self.sparse = sparse.to_sparse_csr() if sparse.layout != torch.sparse_csr else sparse
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.dense(x)
+        if self.sparse.values().numel() == 0:
+            return y
+        xf = x.reshape(-1, x.shape[-1]).float()
+        extra = (self.sparse @ xf.T).T  # [tokens, out]
+        return (y.float() + extra.reshape(y.shape)).to(y.dtype)
+
+    def nbytes(self) -> int:
+        s = self.sparse
+        parts = (s.crow_indices(), s.col_indices(), s.values())
+        return self.dense.nbytes() + sum(t.numel() * t.element_size() for t in parts)
+
+
+def contiguous_group_perm(g_idx: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``perm`` with ``g_idx[perm]`` equal to ``arange(in) // group_size`` (act-order groups made
+    contiguous).  Raises ValueError when the group map does not have that many columns per group."""
+    perm = torch.argsort(g_idx.to(torch.int64), stable=True)
+    expect = torch.arange(g_idx.numel(), device=g_idx.device) // group_size
+    if not torch.equal(g_idx.to(torch.int64)[perm], expect):
+        raise ValueError(
+            f"g_idx does not assign {group_size} columns to each group, so its groups cannot be made "
+            "contiguous; re-quantize, or load with the weight cache (set_weight_cache(model, True))"
+        )
+    return perm
+
+
+def lowbit_from_codes(
+    codes: torch.Tensor,
+    bits: int,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | float,
+    group_size: int,
+    g_idx: torch.Tensor | None,
+) -> LowBitKernel:
+    """A :class:`LowBitKernel` from ``[out, in]`` codes in ``[0, 2**bits)`` with a group map."""
+    perm = None
+    if g_idx is not None:
+        perm = contiguous_group_perm(g_idx, group_size)
+        codes = codes.index_select(1, perm)
+    z = zeros.float() if torch.is_tensor(zeros) else float(zeros)
+    return LowBitKernel(LowBitWeight.from_codes(codes, bits, scales.float(), z, group_size), perm)
+
+
+def dpq_tiles(dense: LowBitKernel, fmt: str, fp8_scale: torch.Tensor, out: int, inp: int) -> TiledKernel:
+    """DPQ: INT tiles dequantized, rounded onto the FP8 grid and scaled in the tile."""
+    scale = fp8_scale.float()
+
+    def tile(rows: slice) -> torch.Tensor:
+        s = scale if scale.shape[0] == 1 else scale[rows]
+        return fp_round(dense.dequantize_rows(rows), fmt).mul_(s)
+
+    return TiledKernel(tile, out, inp, dense.nbytes() + scale.numel() * 4)
+
+
+def int_tiles(codes: torch.Tensor, scales: torch.Tensor) -> TiledKernel:
+    """Wide integers (``int16 [out, in]``) times one scale per row (or per matrix), tile by tile."""
+    out, inp = codes.shape
+    s = scales.float().expand(out, 1)
+
+    def tile(rows: slice) -> torch.Tensor:
+        return codes[rows].float().mul_(s[rows])
+
+    return TiledKernel(tile, out, inp, codes.numel() * codes.element_size() + scales.numel() * 4)
+
+
+def linear_with(kernel: KernelWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = kernel(x)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def dense_reference_forward(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
