@@ -17,7 +17,7 @@ def quantize_(
     method: str,
     calib: torch.Tensor,
     *,
-    batch_size: int = 8,
+    batch_size: int = 4,
     hessian_dtype: torch.dtype = torch.float32,
     progress: bool = True,
     cache_outputs: bool | None = None,

@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--nsamples", type=int, default=32)
     q.add_argument("--seqlen", type=int, default=512)
     q.add_argument("--seed", type=int, default=0)
-    q.add_argument("--batch-size", type=int, default=8, help="calibration samples per layer forward")
+    q.add_argument("--batch-size", type=int, default=4, help="calibration samples per layer forward")
     q.add_argument("--data-dir", default=None, help="shared data folder (else $BITMOSAIC_DATA, else the hub)")
     q.add_argument("--out", default=None, help="save the quantized model to this folder")
     q.add_argument("--json", default=None, help="write the run report (per layer + totals) here")

@@ -156,7 +156,7 @@ def quantize_model(
     config: WeightQuantConfig,
     *,
     arch: ArchSpec | None = None,
-    batch_size: int = 8,
+    batch_size: int = 4,
     hessian_dtype: torch.dtype = torch.float32,
     progress: bool = True,
     cache_outputs: bool | None = None,
