@@ -46,7 +46,7 @@ __all__ = ["LowBitWeight", "extension", "LAYOUT_VERSION"]
 
 LAYOUT_VERSION = 1
 _DECODE_MAX_ROWS = 8
-_TILE_ELEMS = 1 << 18  # float32 elements of one prefill tile (1 MiB)
+_TILE_ELEMS = 1 << 20  # float32 elements of one prefill tile (4 MiB; 1 MiB was slower at 512 rows)
 
 _lock = threading.Lock()
 _ext: object | None = None
