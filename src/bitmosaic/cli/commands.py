@@ -1,0 +1,204 @@
+"""The ``quantize``, ``eval``, ``inspect`` and ``methods`` subcommands."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from .args import _method_options
+
+
+def _ppl(model, tok, src, seqlen, max_windows, data_dir, progress, device=None) -> dict:
+    """Perplexity with the quantized modules' own inference path (the low-bit kernels on the CPU;
+    no float copy of the weights is kept)."""
+    from ..data import bos_token_id, eval_tokens
+    from ..eval.perplexity import perplexity
+
+    ids = eval_tokens(tok, src, data_dir=data_dir)
+    return perplexity(
+        model,
+        ids,
+        seqlen,
+        max_windows=max_windows,
+        progress=progress,
+        device=device,
+        bos_token_id=bos_token_id(tok),
+    )
+
+
+def _check_json_path(path: str | None) -> None:
+    if path and Path(path).is_dir():
+        from ..errors import BitmosaicError
+
+        raise BitmosaicError(f"--json {path} is a folder; give the path of a .json file")
+
+
+def _write_json(path: str | None, obj: dict) -> None:
+    if path:
+        from ..models.serialization import atomic_write_text
+
+        atomic_write_text(path, json.dumps(obj, indent=2))
+        print(f"report written to {path}")
+
+
+def cmd_quantize(args) -> int:
+    import torch
+
+    from ..data import bos_token_id, calibration_samples
+    from ..methods import get_method
+    from ..models import load_model, quantize_model, save_quantized
+    from ..models.loading import resolve_device, resolve_dtype
+    from ..models.pipeline import peak_rss_mb
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    spec = get_method(args.method)
+    config = spec.make_config(**_method_options(args, spec))
+    progress = not args.no_progress
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device, args.model)
+    if args.out:  # refuse a bad --out (or --json) before hours of work, not after
+        from ..models.serialization import check_output_dir
+
+        check_output_dir(args.out, args.overwrite)
+    _check_json_path(args.json)
+    t0 = time.perf_counter()
+    model, tok = load_model(args.model, dtype=dtype)
+    print(f"loaded {args.model} ({type(model).__name__}) in {time.perf_counter() - t0:.1f}s")
+    results: dict = {}
+    if args.eval_src and args.eval_float:
+        results["float"] = _ppl(
+            model, tok, args.eval_src, args.eval_seqlen, args.max_windows, args.data_dir, progress, device
+        )
+        print(f"float perplexity: {results['float']['ppl']:.3f}")
+    calib = calibration_samples(
+        tok, args.calib, args.nsamples, args.seqlen, args.seed, data_dir=args.data_dir
+    )
+    hdt = {"float32": torch.float32, "float64": torch.float64}[args.hessian_dtype]
+    orders = tuple(o for o in args.bound_orders.split(",") if o) if args.bound_orders else None
+    report = quantize_model(
+        model,
+        calib,
+        spec,
+        config,
+        batch_size=args.batch_size,
+        hessian_dtype=hdt,
+        progress=progress,
+        analyze_orders=orders,
+        seed=args.seed,
+        device=device,
+    )
+    report.calibration.update({"source": args.calib, "seed": args.seed, "bos": bos_token_id(tok) is not None})
+    out = report.to_dict()
+    out.update(model=args.model, device=str(device), dtype=str(dtype).removeprefix("torch."))
+    print(
+        f"quantized {len(report.layers)} linears with {spec.name} in {report.seconds:.1f}s, "
+        f"{report.bits_per_weight:.3f} bits/weight, peak RSS {report.peak_rss_mb:.0f} MB"
+    )
+    if args.eval_src:
+        results["quantized"] = _ppl(
+            model, tok, args.eval_src, args.eval_seqlen, args.max_windows, args.data_dir, progress, device
+        )
+        out["eval"] = results
+        rows = [("float", results["float"]["ppl"])] if "float" in results else []
+        label = f"{spec.name} {config.scheme} g{config.group_size or 'ch'}"
+        rows.append((label, results["quantized"]["ppl"]))
+        print(f"\n{'model':<28} {'perplexity':>12}")
+        for name, v in rows:
+            print(f"{name:<28} {v:>12.3f}")
+        print(f"({args.eval_src}, {results['quantized']['windows']} windows x {args.eval_seqlen} tokens)")
+    if args.out:
+        info = {
+            "method": spec.name,
+            "bits": config.bits,
+            "group_size": config.group_size,
+            "symmetric": config.symmetric,
+            "order": getattr(config, "order", None),
+            "scheme": config.scheme,
+            "config": config.to_dict(),
+            "source_model": args.model,
+        }
+        path = save_quantized(model, args.out, info, tokenizer=tok, overwrite=args.overwrite)
+        out["saved_to"] = str(path)
+        print(f"saved to {path}")
+    out["peak_rss_mb"] = peak_rss_mb()
+    _write_json(args.json, out)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    import torch
+
+    from ..errors import BitmosaicError
+    from ..models import load_model
+    from ..models.loading import resolve_device, resolve_dtype
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device, args.model)
+    _check_json_path(args.json)
+    model, tok = load_model(args.model, dtype=dtype)
+    if tok is None:
+        raise BitmosaicError(f"{args.model} has no tokenizer saved; cannot evaluate text")
+    progress = not args.no_progress
+    res = _ppl(model, tok, args.ppl, args.seqlen, args.max_windows, args.data_dir, progress, device)
+    res.update(model=args.model, source=args.ppl, device=str(device), dtype=str(dtype).removeprefix("torch."))
+    print(
+        f"perplexity {res['ppl']:.4f} over {res['tokens']} tokens ({res['windows']} windows x {args.seqlen})"
+    )
+    _write_json(args.json, res)
+    return 0
+
+
+def _dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def cmd_inspect(args) -> int:
+    from ..errors import CorruptModelError
+    from ..models.serialization import read_quant_config, stored_module_bits
+
+    path = Path(args.dir)
+    _, qc = read_quant_config(path)
+    bits_by_module = stored_module_bits(path, list(qc["modules"]))
+    rows, total_bits, total_w = [], 0.0, 0
+    for name, lc in qc["modules"].items():
+        try:
+            n_w = int(lc["in_features"]) * int(lc["out_features"])
+        except (KeyError, TypeError, ValueError):
+            raise CorruptModelError(
+                f"{path}/config.json: layer {name!r} lacks valid in_features/out_features; save it again"
+            ) from None
+        bpw = bits_by_module[name] / n_w
+        rows.append((name, lc, bpw))
+        total_bits += bits_by_module[name]
+        total_w += n_w
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    print(f"model folder     {path}")
+    print(f"method           {qc.get('method')} (format v{qc.get('format_version')})")
+    print(
+        f"bits / group     w{qc.get('bits')} g{qc.get('group_size') or 'per-channel'}"
+        f" {'sym' if qc.get('symmetric') else 'asym'}, order {qc.get('order')}"
+    )
+    print(f"quantized layers {len(rows)} ({total_w / 1e6:.1f}M weights)")
+    print(f"bits per weight  {total_bits / max(total_w, 1):.4f} (all stored tensors)")
+    print(f"weights on disk  {size / 2**20:.1f} MiB; folder {_dir_size(path) / 2**20:.1f} MiB")
+    if args.layers:
+        print(f"\n{'layer':<44} {'shape':>12} {'kind':>10} {'bits':>4} {'group':>6} {'bpw':>7}")
+        for name, lc, bpw in rows:
+            shape = f"{lc['out_features']}x{lc['in_features']}"
+            kind, bits, group = lc.get("kind", "packed"), lc.get("bits", "-"), lc.get("group_size", "-")
+            cells = f"{kind:>10} {bits:>4} {group:>6} {bpw:>7.3f}"
+            print(f"{name:<44} {shape:>12} {cells}")
+    return 0
+
+
+def cmd_methods(args) -> int:
+    from ..methods import get_method, list_methods
+
+    for name in list_methods():
+        print(f"{name:<10} {get_method(name).description}")
+    return 0
