@@ -270,3 +270,38 @@ def test_calibration_samples_with_bos_need_one_text_token(tmp_path):
     )
     with pytest.raises(ValueError, match="seqlen must be >= 2"):
         calibration_samples(tok, str(p), 3, 1, seed=0)
+
+
+def test_c4_from_a_data_folder_joins_the_first_1100_documents(tmp_path):
+    import gzip
+    import json
+
+    from bitmosaic.data import load_text
+    from bitmosaic.errors import DataError
+
+    (tmp_path / "c4").mkdir()
+    docs = [{"text": f"doc {i}", "url": "u"} for i in range(1200)]
+    with gzip.open(tmp_path / "c4" / "c4-validation.00000-of-00008.json.gz", "wt", encoding="utf-8") as f:
+        f.write("".join(json.dumps(d) + "\n" for d in docs))
+    text = load_text("c4", data_dir=tmp_path)
+    assert text == " ".join(f"doc {i}" for i in range(1100))
+    with pytest.raises(DataError, match="calibrate"):
+        load_text("c4", "calib", data_dir=tmp_path)
+
+
+def test_json_lines_file_gives_its_text_fields_and_bad_lines_are_named(tmp_path):
+    import json
+
+    from bitmosaic.data import load_text
+    from bitmosaic.errors import DataError
+
+    p = tmp_path / "x.jsonl"
+    p.write_text(json.dumps({"text": "a b"}) + "\n\n" + json.dumps({"text": "c"}) + "\n")
+    assert load_text(p) == "a b\n\nc"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\nnot json\n')
+    with pytest.raises(DataError, match="line 2 is not JSON"):
+        load_text(bad)
+    (tmp_path / "notext.jsonl").write_text('{"body": "x"}\n')
+    with pytest.raises(DataError, match="no string field 'text'"):
+        load_text(tmp_path / "notext.jsonl")

@@ -10,7 +10,15 @@ A data folder has the layout of the project's shared data::
 
     wikitext-2-raw/wiki.test.raw   WikiText-2 raw, test split         -> load_text("wikitext2", "test")
     wikitext-2/valid.txt           WikiText-2 (tokenized), valid split -> load_text("wikitext2", "calib")
+    c4/c4-validation.00000-of-00008.json.gz   C4 (en) validation shard 0  -> load_text("c4")
     SHA256SUMS                     optional; checked when present (mismatch -> warning)
+
+C4.  ``"c4"`` follows the GPTQ reference evaluation (``c4-new``): the first 1100 documents of the English
+validation shard 0, their ``text`` joined with a space, tokenized once and cut into the same
+non-overlapping windows as WikiText-2 (GPTQ keeps the first 256 windows: ``--max-windows 256``).  The
+shard comes from the data folder (``.json.gz`` or ``.json``, one JSON object a line) or else from the hub
+(``allenai/c4``, that file).  Any local JSON lines file (``*.jsonl``, ``*.jsonl.gz``, ``*.json.gz``) works
+too: the ``text`` field of every line, joined with ``"\n\n"``.
 
 Newlines.  Every text file is read as UTF-8 in Python's text mode, so ``\\r\\n`` becomes ``\\n``
 (universal newlines); nothing else is changed.  The shared ``wiki.test.raw`` has Windows line endings and
@@ -71,6 +79,11 @@ _WIKITEXT2_FILES = {
 }
 # split -> split of the hub dataset wikitext-2-raw-v1
 _WIKITEXT2_HUB_SPLITS = {"test": "test", "validation": "validation", "calib": "train"}
+
+_C4_FILE = "en/c4-validation.00000-of-00008.json.gz"
+_C4_LOCAL = ("c4/c4-validation.00000-of-00008.json.gz", "c4/c4-validation.00000-of-00008.json")
+_C4_DOCS = 1100
+_JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz")
 
 _HINT = f"pass --data-dir (data_dir=...) or set {ENV_VAR} to a folder holding the data"
 
@@ -161,6 +174,54 @@ def _load_wikitext2_hub(split: str) -> str:
     return text
 
 
+def _json_lines_texts(path: Path, limit: int | None = None) -> list[str]:
+    """The ``text`` field of each line of a JSON lines file (gzip when the name ends in ``.gz``)."""
+    import gzip
+    import json
+
+    opener = gzip.open if path.name.endswith(".gz") else open
+    texts: list[str] = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise DataError(f"{path}: line {n} is not JSON; expected one JSON object a line") from None
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                raise DataError(f"{path}: line {n} has no string field 'text'")
+            texts.append(row["text"])
+            if limit is not None and len(texts) >= limit:
+                break
+    if not texts:
+        raise DataError(f"{path} holds no JSON line with a 'text' field")
+    return texts
+
+
+def _load_c4(data_dir) -> str:
+    root = resolve_data_dir(data_dir)
+    if root is not None:
+        for rel in _C4_LOCAL:
+            if (root / rel).is_file():
+                return " ".join(_json_lines_texts(root / rel, _C4_DOCS))
+    try:
+        import datasets
+    except ImportError as e:
+        raise DataError(
+            f"C4: no {_C4_LOCAL[0]} in the data folder and the 'datasets' package is not installed "
+            f"(pip install 'bitmosaic[hub]'); {_HINT}"
+        ) from e
+    try:
+        ds = datasets.load_dataset("allenai/c4", data_files={"validation": _C4_FILE}, split="validation")
+    except Exception as e:  # offline, no cache, hub errors: all mean "no data"
+        raise DataError(
+            f"could not load C4 ({_C4_FILE}) from the hub ({type(e).__name__}); put the shard at "
+            f"<data folder>/{_C4_LOCAL[0]} and {_HINT}"
+        ) from e
+    return " ".join(ds[:_C4_DOCS]["text"])
+
+
 def load_text(
     source: str | os.PathLike, split: str = "test", data_dir: str | os.PathLike | None = None
 ) -> str:
@@ -169,8 +230,16 @@ def load_text(
     ``source`` is ``"wikitext2"`` (alias ``"wikitext-2"``) or the path of a local UTF-8 text file (``split``
     is then ignored).  For wikitext2, ``split`` is ``"test"`` (raw test split), or ``"calib"`` /
     ``"validation"`` (the validation split); see the module docstring for files, hub fallback and newlines.
+    ``"c4"`` is GPTQ's C4 evaluation text, and a JSON lines file gives its ``text`` fields (module doc).
     """
     name = os.fspath(source)
+    if name.lower() == "c4":
+        if split == "calib":  # the evaluation documents must not calibrate the model
+            raise DataError(
+                "C4 here is the evaluation text (validation shard 0); calibrate on wikitext2 or on a "
+                "text / JSON lines file of C4 training documents"
+            )
+        return _load_c4(data_dir)
     if name.lower() in _WIKITEXT2_NAMES:
         if split not in _WIKITEXT2_FILES:
             raise ValueError(
@@ -190,8 +259,10 @@ def load_text(
     path = Path(name).expanduser()
     if not path.exists():
         raise FileNotFoundError(
-            f"text source {name!r} is neither a known dataset ('wikitext2') nor an existing file"
+            f"text source {name!r} is neither a known dataset ('wikitext2', 'c4') nor an existing file"
         )
+    if path.name.endswith(_JSONL_SUFFIXES):
+        return "\n\n".join(_json_lines_texts(path))
     return _read_text_file(path)
 
 

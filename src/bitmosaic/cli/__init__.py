@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import compare as _compare
 from .args import (
     DEFAULT_MODEL,
     _add_act_args,
     _add_device_args,
+    _add_eval_extras,
     _group_size,
     _method_options,
     act_spec_from_args,
@@ -21,7 +23,13 @@ from .commands import cmd_eval, cmd_inspect, cmd_methods, cmd_quantize
 
 __all__ = ["main", "build_parser", "act_spec_from_args", "_method_options"]
 
-_HANDLERS = {"quantize": cmd_quantize, "eval": cmd_eval, "inspect": cmd_inspect, "methods": cmd_methods}
+_HANDLERS = {
+    "quantize": cmd_quantize,
+    "eval": cmd_eval,
+    "inspect": cmd_inspect,
+    "methods": cmd_methods,
+    "compare": _compare.cmd_compare,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--max-windows", type=int, default=None, help="with --eval: first K windows only")
     q.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     q.add_argument("--no-progress", action="store_true")
+    _add_eval_extras(q, quantize=True)
     _add_device_args(q)
     q.add_argument(
         "--overwrite", action="store_true", help="replace an existing bitmosaic model folder at --out"
@@ -91,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", default=None)
     e.add_argument("--threads", type=int, default=None)
     e.add_argument("--no-progress", action="store_true")
+    _add_eval_extras(e, quantize=False)
     _add_device_args(e)
 
     i = sub.add_parser("inspect", help="describe a saved quantized model folder")
@@ -98,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--layers", action="store_true", help="print the per-layer table")
 
     sub.add_parser("methods", help="list registered methods")
+    _compare.add_parser(sub)
     return p
 
 

@@ -108,6 +108,31 @@ def act_spec_from_args(args):
     return spec
 
 
+def _add_eval_extras(p: argparse.ArgumentParser, quantize: bool) -> None:
+    """Fidelity against the float model and lm-eval zero-shot tasks (``quantize`` and ``eval``)."""
+    if quantize:
+        p.add_argument(
+            "--fidelity",
+            action="store_true",
+            help="with --eval: also KL divergence (mean, p99) and top-1 agreement against the float model "
+            "on the same windows (keeps a float copy in memory)",
+        )
+    p.add_argument(
+        "--tasks", default=None, help="comma list of lm-eval tasks (arc_easy,piqa; 'zero-shot' = the set)"
+    )
+    p.add_argument("--tasks-limit", type=float, default=None, help="documents per task (lm-eval --limit)")
+    p.add_argument("--tasks-dir", default=None, help="folder of lm-eval task YAMLs with local data (offline)")
+
+
+def task_list(text: str | None) -> list[str]:
+    from ..eval.tasks import ZERO_SHOT
+
+    if not text:
+        return []
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    return [t for n in names for t in (ZERO_SHOT if n == "zero-shot" else (n,))]
+
+
 def _add_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device",

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from pathlib import Path
 
-from .args import _method_options
+from .args import _method_options, task_list
 
 
-def _ppl(model, tok, src, seqlen, max_windows, data_dir, progress, device=None) -> dict:
+def _ppl(model, tok, src, seqlen, max_windows, data_dir, progress, device=None, reference=None) -> dict:
     """Perplexity with the quantized modules' own inference path (the low-bit kernels on the CPU;
     no float copy of the weights is kept)."""
     from ..data import bos_token_id, eval_tokens
@@ -24,7 +25,21 @@ def _ppl(model, tok, src, seqlen, max_windows, data_dir, progress, device=None) 
         progress=progress,
         device=device,
         bos_token_id=bos_token_id(tok),
+        reference=reference,
     )
+
+
+def _tasks(args, model, tok, device) -> dict:
+    from ..eval.tasks import run_tasks
+
+    limit = args.tasks_limit
+    limit = int(limit) if limit is not None and limit >= 1 else limit
+    dev = "cpu" if device is None else str(device)
+    res = run_tasks(model, tok, task_list(args.tasks), limit=limit, tasks_dir=args.tasks_dir, device=dev)
+    for task, metrics in res.items():
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if not k.endswith("_stderr"))
+        print(f"{task:<16} {shown}")
+    return res
 
 
 def _check_json_path(path: str | None) -> None:
@@ -64,9 +79,12 @@ def cmd_quantize(args) -> int:
 
         check_output_dir(args.out, args.overwrite)
     _check_json_path(args.json)
+    if args.fidelity and not args.eval_src:
+        raise ValueError("--fidelity compares on the --eval windows; add --eval wikitext2 (or a text file)")
     t0 = time.perf_counter()
     model, tok = load_model(args.model, dtype=dtype)
     print(f"loaded {args.model} ({type(model).__name__}) in {time.perf_counter() - t0:.1f}s")
+    reference = copy.deepcopy(model) if args.fidelity else None
     results: dict = {}
     if args.eval_src and args.eval_float:
         results["float"] = _ppl(
@@ -99,8 +117,10 @@ def cmd_quantize(args) -> int:
     )
     if args.eval_src:
         results["quantized"] = _ppl(
-            model, tok, args.eval_src, args.eval_seqlen, args.max_windows, args.data_dir, progress, device
-        )
+            model, tok, args.eval_src, args.eval_seqlen, args.max_windows, args.data_dir, progress, device,
+            reference,
+        )  # fmt: skip
+        del reference
         out["eval"] = results
         rows = [("float", results["float"]["ppl"])] if "float" in results else []
         label = f"{spec.name} {config.scheme} g{config.group_size or 'ch'}"
@@ -109,6 +129,12 @@ def cmd_quantize(args) -> int:
         for name, v in rows:
             print(f"{name:<28} {v:>12.3f}")
         print(f"({args.eval_src}, {results['quantized']['windows']} windows x {args.eval_seqlen} tokens)")
+        if args.fidelity:
+            q = results["quantized"]
+            kl = f"KL mean {q['kl_mean']:.4f} (p99 {q['kl_p99']:.4f})"
+            print(f"vs float: {kl}, top-1 agreement {q['top1_agreement']:.4f}")
+    if args.tasks:
+        out["tasks"] = _tasks(args, model, tok, device)
     if args.out:
         info = {
             "method": spec.name,
@@ -149,6 +175,8 @@ def cmd_eval(args) -> int:
     print(
         f"perplexity {res['ppl']:.4f} over {res['tokens']} tokens ({res['windows']} windows x {args.seqlen})"
     )
+    if args.tasks:
+        res["tasks"] = _tasks(args, model, tok, device)
     _write_json(args.json, res)
     return 0
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import DeviceError
+from .fidelity import FidelityMeter
 
 __all__ = ["perplexity"]
 
@@ -54,6 +55,7 @@ def perplexity(
     progress: bool = True,
     device: str | torch.device | None = None,
     bos_token_id: int | None = None,
+    reference=None,
 ) -> dict:
     """Perplexity of ``model`` on ``tokens`` (LongTensor ``[1, N]``) over windows of ``seqlen`` tokens.
 
@@ -64,6 +66,9 @@ def perplexity(
     ``bos_token_id``: for models trained with a BOS (see :func:`bitmosaic.data.bos_token_id`), each
     window is BOS + ``seqlen - 1`` text tokens and the BOS position is not scored; the result says
     ``"bos": True``.
+    ``reference``: a model with the same vocabulary (the float model) run on the same windows where it
+    is; the result then also holds ``kl_mean``, ``kl_p99`` (nats per token, KL(reference || model)),
+    ``top1_agreement`` and ``compared_tokens``.
 
     Returns ``{"ppl", "nll" (mean NLL per predicted token), "tokens" (predicted tokens), "windows",
     "seqlen", "bos" (whether windows started with BOS)}``.  A model that does not fit on ``device`` raises
@@ -96,12 +101,13 @@ def perplexity(
 
     home = _model_device(model)
     device = home if device is None else torch.device(device)
+    meter = FidelityMeter() if reference is not None else None
     if device == home:
-        total_nll = _total_nll(model, ids, batch_size, device, progress)
+        total_nll = _total_nll(model, ids, batch_size, device, progress, reference, meter)
     else:
         try:
             model.to(device)
-            total_nll = _total_nll(model, ids, batch_size, device, progress)
+            total_nll = _total_nll(model, ids, batch_size, device, progress, reference, meter)
         except torch.OutOfMemoryError:  # the finally below puts the model back first
             raise DeviceError(
                 f"the model does not fit on {device} for the evaluation; use --device cpu "
@@ -112,7 +118,7 @@ def perplexity(
 
     predicted = windows * (seqlen - 1)
     mean_nll = total_nll / predicted
-    return {
+    out = {
         "ppl": _exp(mean_nll),
         "nll": mean_nll,
         "tokens": predicted,
@@ -120,10 +126,32 @@ def perplexity(
         "seqlen": seqlen,
         "bos": bos_token_id is not None,
     }
+    if meter is not None:
+        out.update(meter.summary())
+    return out
 
 
-def _total_nll(model, ids: torch.Tensor, batch_size: int, device: torch.device, progress: bool) -> float:
-    """Summed NLL (float64) of windows ``ids`` ``[windows, seqlen]``, each scoring its positions 1.."""
+def _logits(model, batch: torch.Tensor) -> torch.Tensor:
+    out = model(batch, use_cache=False)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    if logits.shape[:2] != batch.shape:
+        raise ValueError(
+            f"model returned logits of shape {tuple(logits.shape)} for input {tuple(batch.shape)}"
+        )
+    return logits
+
+
+def _total_nll(
+    model,
+    ids: torch.Tensor,
+    batch_size: int,
+    device: torch.device,
+    progress: bool,
+    reference=None,
+    meter: FidelityMeter | None = None,
+) -> float:
+    """Summed NLL (float64) of windows ``ids`` ``[windows, seqlen]``, each scoring its positions 1..
+    (with ``reference``, ``meter`` also gets both models' logits at those positions)."""
     from tqdm.auto import tqdm
 
     windows, seqlen = ids.shape
@@ -131,6 +159,10 @@ def _total_nll(model, ids: torch.Tensor, batch_size: int, device: torch.device, 
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):
         model.eval()
+    ref_training = getattr(reference, "training", False)
+    if reference is not None and hasattr(reference, "eval"):
+        reference.eval()
+    ref_device = _model_device(reference) if reference is not None else None
     try:
         with (
             torch.inference_mode(),
@@ -140,17 +172,16 @@ def _total_nll(model, ids: torch.Tensor, batch_size: int, device: torch.device, 
         ):
             for start in range(0, windows, batch_size):
                 batch = ids[start : start + batch_size].to(device)
-                out = model(batch, use_cache=False)
-                logits = out.logits if hasattr(out, "logits") else out[0]
-                if logits.shape[:2] != batch.shape:
-                    raise ValueError(
-                        f"model returned logits of shape {tuple(logits.shape)} for input {tuple(batch.shape)}"
-                    )
+                logits = _logits(model, batch)
                 pred = logits[:, :-1, :].float()  # position t predicts token t+1
                 target = batch[:, 1:]
                 nll = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), target.reshape(-1), reduction="none")
                 total_nll += float(nll.sum(dtype=torch.float64))
-                del out, logits, pred, nll
+                if meter is not None:
+                    ref = _logits(reference, batch.to(ref_device))[:, :-1, :].to(pred.device)
+                    meter.update(ref, pred)
+                    del ref
+                del logits, pred, nll
                 bar.update(batch.shape[0])
                 if progress:
                     done = min(start + batch_size, windows) * (seqlen - 1)
@@ -158,4 +189,6 @@ def _total_nll(model, ids: torch.Tensor, batch_size: int, device: torch.device, 
     finally:
         if was_training:
             model.train(True)
+        if ref_training:
+            reference.train(True)
     return total_nll

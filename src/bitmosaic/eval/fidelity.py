@@ -1,0 +1,68 @@
+"""Cheap fidelity of a quantized model against its float reference, on the perplexity windows.
+
+For each scored position ``t`` of a window (the same positions perplexity scores), with ``p`` the
+reference's and ``q`` the quantized model's next-token distribution:
+
+* ``KL(p || q) = Σ_v p_v (log p_v − log q_v)``, in nats, computed in float32 from the log-softmax of
+  both logits (the direction lm-eval and llama.cpp's ``--kl-divergence`` use: the float model is the
+  truth);
+* top-1 agreement: ``argmax p == argmax q``.
+
+:class:`FidelityMeter` accumulates them batch by batch; its summary is the mean KL, its 99th
+percentile (over every scored token, ``torch.quantile``'s linear interpolation) and the top-1
+agreement rate.  Nothing here holds more than one batch of logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["token_kl", "FidelityMeter"]
+
+
+def token_kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Per-position ``KL(softmax(ref) || softmax(logits))`` over the last dim, float32, shape ``[...]``."""
+    if ref_logits.shape != logits.shape:
+        raise ValueError(
+            f"reference logits {tuple(ref_logits.shape)} and model logits {tuple(logits.shape)} differ; "
+            "both models must share the tokenizer and vocabulary"
+        )
+    lp = F.log_softmax(ref_logits.float(), dim=-1)
+    lq = F.log_softmax(logits.float(), dim=-1)
+    return (lp.exp() * (lp - lq)).sum(-1).clamp_min_(0.0)
+
+
+class FidelityMeter:
+    """Accumulates per-token KL and top-1 agreement over batches of ``[batch, positions, vocab]``."""
+
+    def __init__(self) -> None:
+        self._kl: list[torch.Tensor] = []
+        self._agree = 0
+        self._count = 0
+
+    def update(self, ref_logits: torch.Tensor, logits: torch.Tensor) -> None:
+        kl = token_kl(ref_logits, logits)
+        self._kl.append(kl.reshape(-1).double().cpu())
+        self._agree += int((ref_logits.argmax(-1) == logits.argmax(-1)).sum())
+        self._count += kl.numel()
+
+    def summary(self) -> dict:
+        if not self._count:
+            raise ValueError("no tokens were compared")
+        kl = torch.cat(self._kl)
+        return {
+            "kl_mean": float(kl.mean()),
+            "kl_p99": float(torch.quantile(kl, 0.99)) if kl.numel() <= 16_000_000 else _p99_sorted(kl),
+            "top1_agreement": self._agree / self._count,
+            "compared_tokens": self._count,
+        }
+
+
+def _p99_sorted(kl: torch.Tensor) -> float:
+    """``torch.quantile`` refuses inputs over 16M elements: the same linear interpolation by sorting."""
+    s, _ = torch.sort(kl)
+    pos = 0.99 * (s.numel() - 1)
+    lo = int(pos)
+    hi = min(lo + 1, s.numel() - 1)
+    return float(s[lo] + (s[hi] - s[lo]) * (pos - lo))
