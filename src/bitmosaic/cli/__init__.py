@@ -18,10 +18,12 @@ from .args import (
     act_spec_from_args,
 )
 from .commands import cmd_eval, cmd_inspect, cmd_methods, cmd_quantize
+from .export import add_export_parser, cmd_export
 
 __all__ = ["main", "build_parser", "act_spec_from_args", "_method_options"]
 
 _HANDLERS = {"quantize": cmd_quantize, "eval": cmd_eval, "inspect": cmd_inspect, "methods": cmd_methods}
+_HANDLERS["export"] = cmd_export
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--layers", action="store_true", help="print the per-layer table")
 
     sub.add_parser("methods", help="list registered methods")
+    add_export_parser(sub)
     return p
 
 
