@@ -20,6 +20,7 @@ from .args import (
     act_spec_from_args,
 )
 from .commands import cmd_eval, cmd_inspect, cmd_methods, cmd_quantize
+from .export import add_export_parser, cmd_export
 
 __all__ = ["main", "build_parser", "act_spec_from_args", "_method_options"]
 
@@ -29,6 +30,7 @@ _HANDLERS = {
     "inspect": cmd_inspect,
     "methods": cmd_methods,
     "compare": _compare.cmd_compare,
+    "export": cmd_export,
 }
 
 
@@ -109,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("methods", help="list registered methods")
     _compare.add_parser(sub)
+    add_export_parser(sub)
     return p
 
 

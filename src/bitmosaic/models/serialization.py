@@ -137,6 +137,30 @@ def _replace_dir(tmp: Path, out_dir: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def write_safetensors(folder: Path, sd: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+    """``sd`` as ``model.safetensors``, or as shards of at most ``SHARD_BYTES`` plus the index."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in sd.items():
+        nbytes = v.numel() * v.element_size()
+        if size and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / "model.safetensors"), metadata=meta)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / name), metadata=meta)
+        weight_map.update({k: name for k in shard})
+    index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in sd.values())}}
+    index["weight_map"] = weight_map
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
 def save_quantized(
     model: nn.Module,
     out_dir: str | os.PathLike,
@@ -168,28 +192,8 @@ def save_quantized(
             gen.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        sd = _state_dict_for_save(model)
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for k, v in sd.items():
-            nbytes = v.numel() * v.element_size()
-            if size and size + nbytes > SHARD_BYTES:
-                shards.append({})
-                size = 0
-            shards[-1][k] = v
-            size += nbytes
         meta = {"format": "pt", "bitmosaic_format_version": str(FORMAT_VERSION)}
-        if len(shards) == 1:
-            save_file(shards[0], str(tmp / "model.safetensors"), metadata=meta)
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards):
-                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(tmp / name), metadata=meta)
-                weight_map.update({k: name for k in shard})
-            index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in sd.values())}}
-            index["weight_map"] = weight_map
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        write_safetensors(tmp, _state_dict_for_save(model), meta)
         check_output_dir(out_dir, overwrite)  # again: the folder may have changed while we wrote
         _replace_dir(tmp, out_dir)
     except BaseException:

@@ -1,0 +1,67 @@
+"""``bitmosaic export DIR --format {gptq,compressed-tensors} --out OUT``: a saved result as a checkpoint
+that transformers, vLLM, SGLang and GPTQModel load (see :mod:`bitmosaic.models.export`)."""
+
+from __future__ import annotations
+
+import re
+
+HELP = (
+    "write a saved bitmosaic model as a GPTQ or compressed-tensors checkpoint (vLLM, transformers, "
+    "GPTQModel). Symmetric 4/8-bit results (quantize --sym) are what vLLM's fast Marlin kernels take."
+)
+
+
+def add_export_parser(sub) -> None:
+    x = sub.add_parser("export", help=HELP, description=HELP)
+    x.add_argument("dir", help="a folder saved by `bitmosaic quantize --out`")
+    x.add_argument("--format", dest="fmt", required=True, choices=["gptq", "compressed-tensors"])
+    x.add_argument("--out", required=True, help="new output folder (written atomically)")
+    x.add_argument(
+        "--lossy",
+        action="store_true",
+        help="export layers no format holds exactly in their nearest representable form and print the "
+        "weight error that adds (default: refuse them, naming why)",
+    )
+    x.add_argument(
+        "--gptq-v2",
+        action="store_true",
+        help="GPTQ: write checkpoint_format gptq_v2 (zeros stored as they are; v1 stores zero-1 and cannot "
+        "hold a zero of 0)",
+    )
+    x.add_argument("--overwrite", action="store_true", help="replace an earlier export at --out")
+
+
+def cmd_export(args) -> int:
+    from ..models.export import export_model
+
+    res = export_model(
+        args.dir, args.out, args.fmt, lossy=args.lossy, gptq_v2=args.gptq_v2, overwrite=args.overwrite
+    )
+    s = res.summary()
+    print(f"exported {s['layers']} quantized layers as {res.format} to {res.out}")
+    for note in res.notes:
+        print(f"note: {note}")
+    if res.changed:
+        kinds: dict[str, list] = {}
+        for r in res.changed:
+            for c in r.changes:  # one row per kind of change (numbers in the text vary per layer)
+                kinds.setdefault(re.sub(r"-?\d+(\.\d+)?", "N", c), []).append(r)
+        print(
+            f"lossy: {s['changed_layers']} layer(s) changed; weight error added "
+            f"(relative Frobenius, max |diff|):"
+        )
+        print("| change | layers | mean rel err | max rel err | max abs diff |")
+        print("|---|---:|---:|---:|---:|")
+        for what, rs in kinds.items():
+            rel = [r.rel_err for r in rs]
+            print(
+                f"| {what} | {len(rs)} | {sum(rel) / len(rel):.3e} | {max(rel):.3e} | "
+                f"{max(r.max_abs for r in rs):.3e} |"
+            )
+        print(
+            f"all layers: mean rel err {s['mean_rel_err']:.3e}, max rel err {s['max_rel_err']:.3e}, "
+            f"max abs diff {s['max_abs']:.3e} (per layer in {res.out}/bitmosaic_export.json)"
+        )
+    else:
+        print("exact: every exported weight is bit-identical to the bitmosaic model's")
+    return 0

@@ -1,0 +1,187 @@
+"""Export to compressed-tensors checkpoints (the format of llm-compressor, loaded by vLLM and transformers).
+
+Each layer gets one scheme (weights + input activations) and a storage format:
+
+- ``pack-quantized`` (INT weights, 16-bit activations): ``weight_packed`` int32 ``[out, ceil(in*b/32)]``
+  holds the codes offset by ``2**(b-1)`` -- i.e. our unsigned codes -- as a little-endian bit stream
+  along the input dimension (:mod:`bitmosaic.formats.wordpack`); ``weight_scale`` fp16 ``[out, G]``;
+  ``weight_zero_point`` (asymmetric only) the zeros offset the same way, packed along the output
+  dimension ``[ceil(out*b/32), G]``; ``weight_shape`` ``[out, in]``.
+- ``int-quantized`` (INT weights with quantized activations, e.g. W8A8 INT8 with per-token dynamic
+  scales): ``weight`` int8 ``code - 2**(b-1)``, ``weight_scale``, ``weight_zero_point`` int8 (asym).
+- ``float-quantized`` (FP8 weights): ``weight`` float8_e4m3fn, ``weight_scale`` float32 ``[out, 1]``
+  (per channel) or ``[1]`` (per tensor); a static activation scale is stored as ``input_scale``.
+
+The value of an INT weight is ``(q - zp) * scale`` with signed ``q = code - 2**(b-1)`` and
+``zp = zero - 2**(b-1)``: bit-identical to bitmosaic's ``(code - zero) * scale``.  A symmetric grid has
+``zp = 0`` (bitmosaic's fixed zero ``2**(b-1)``), so no zero-point is stored.
+
+What the format cannot hold, and why: compressed-tensors 0.20 removed act-order with a group index
+(``actorder: "group"``/``weight_g_idx``), so act-order results are refused (``--format gptq`` keeps their
+``g_idx``; ``--lossy`` re-rounds the weights on contiguous groups); its group dequantization needs
+``in % group_size == 0``, so a partial last group is split exactly into groups of ``gcd(g, in)``.
+Activation quantizers map when compressed-tensors has the same scheme: INT/E4M3 per-token dynamic and
+per-tensor static (``input_scale``) or dynamic; per-group, power-of-two dynamic, E5M2, E4M3-240 and FP4
+activations are refused (dropped with ``--lossy``).  Note that a loader computes dynamic INT scales its
+own way (compressed-tensors: ``amax / 127.5``; bitmosaic and vLLM: ``amax / 127``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+
+from ...formats.wordpack import pack_words
+from ...modules import FP8ComputeQuantLinear, FP8Linear
+from ...modules.actquant import input_quant_spec
+from .common import Source, collect, record
+from .layers import IntLayer, Refusal, fp8_layer, int_layer, regroup, requantize_contiguous
+
+__all__ = ["CT_BITS", "build_compressed_tensors", "act_args"]
+
+CT_BITS = (2, 3, 4, 5, 6, 7, 8)
+
+
+def act_args(m) -> tuple[dict | None, torch.Tensor | None]:
+    """The ``input_activations`` arguments of ``m``'s activation quantizer and its static scale."""
+    spec = input_quant_spec(m)
+    if spec is None:
+        return None, None
+    why = None
+    if spec.fmt not in ("int", "e4m3"):
+        why = f"{spec.fmt} activations (compressed-tensors has INT and E4M3)"
+    elif spec.granularity == "group":
+        why = "per-group activation scales"
+    elif spec.pow2 and not spec.static:
+        why = "dynamic power-of-two activation scales"
+    if why:
+        raise Refusal(f"activation quantization {spec.label}: {why}")
+    args = {
+        "num_bits": spec.bits,
+        "type": "int" if spec.fmt == "int" else "float",
+        "symmetric": True,
+        "strategy": spec.granularity,
+        "dynamic": not spec.static,
+    }
+    return args, (m.input_quant.scale.detach().float().reshape(1).clone() if spec.static else None)
+
+
+def _weight_args(bits: int, typ: str, symmetric: bool, group: int | None) -> dict:
+    strategy = "group" if group else "channel"
+    return {
+        "num_bits": bits,
+        "type": typ,
+        "symmetric": symmetric,
+        "strategy": strategy,
+        "group_size": group,
+        "dynamic": False,
+    }
+
+
+def _int_tensors(layer: IntLayer, packed: bool) -> dict[str, torch.Tensor]:
+    out, n = layer.codes.shape
+    half = 1 << (layer.bits - 1)
+    t = {"weight_scale": layer.scales.to(torch.float16).contiguous()}
+    if packed:
+        t["weight_packed"] = pack_words(layer.codes, layer.bits, dim=1)
+        t["weight_shape"] = torch.tensor([out, n], dtype=torch.int64)
+        if not layer.symmetric:
+            t["weight_zero_point"] = pack_words(layer.zeros, layer.bits, dim=0)
+    else:
+        t["weight"] = (layer.codes - half).to(torch.int8)
+        if not layer.symmetric:
+            t["weight_zero_point"] = (layer.zeros - half).to(torch.int8)
+    return t
+
+
+def _convert(lossy: bool):
+    def fn(name, m, changes):
+        try:
+            act, input_scale = act_args(m)
+        except Refusal as r:
+            if not lossy:
+                raise
+            changes.append(f"{r.reason}: dropped")
+            act, input_scale = None, None
+        if isinstance(m, FP8Linear) or (lossy and isinstance(m, FP8ComputeQuantLinear)):
+            lay = fp8_layer(m, lossy, changes)
+            per_tensor = lay.scale.shape[0] == 1
+            w = {
+                "num_bits": 8,
+                "type": "float",
+                "symmetric": True,
+                "strategy": "tensor" if per_tensor else "channel",
+                "dynamic": False,
+            }
+            t = {"weight": lay.values, "weight_scale": lay.scale.reshape(1) if per_tensor else lay.scale}
+            fmt = "float-quantized"
+        else:
+            lay = int_layer(m, CT_BITS, lossy, changes)
+            if not lay.contiguous:
+                reason = (
+                    "act-order groups (g_idx): compressed-tensors (>= 0.19) removed actorder 'group' and "
+                    "weight_g_idx (use --format gptq, which keeps g_idx)"
+                )
+                if not lossy:
+                    raise Refusal(reason)
+                changes.append(reason + ": re-rounded (RTN) on contiguous groups")
+                lay = requantize_contiguous(m, lay)
+            n = lay.codes.shape[1]
+            if n % lay.group_size:
+                lay = regroup(lay, math.gcd(lay.group_size, n))
+            group = None if lay.group_size == n else lay.group_size
+            w = _weight_args(lay.bits, "int", lay.symmetric, group)
+            fmt = "pack-quantized" if act is None else "int-quantized"
+            t = _int_tensors(lay, fmt == "pack-quantized")
+        if input_scale is not None:
+            t["input_scale"] = input_scale
+        scheme = {"weights": w, "input_activations": act, "output_activations": None, "format": fmt}
+        return lay, t, scheme
+
+    return fn
+
+
+def build_compressed_tensors(src: Source, lossy: bool) -> tuple[dict, dict, list, list]:
+    """``(tensors, quantization_config, layer records, notes)`` of the compressed-tensors export."""
+    done, changes = collect(src.qmods, _convert(lossy), "compressed-tensors", lossy)
+    tensors, records, groups = {}, [], {}
+    for name, (lay, t, scheme) in done.items():
+        m = src.qmods[name]
+        tensors.update({f"{name}.{k}": v for k, v in t.items()})
+        if m.bias is not None:
+            tensors[f"{name}.bias"] = m.bias.detach().clone()
+        groups.setdefault(json.dumps(scheme, sort_keys=True), []).append(name)
+        w = lay.dequantize(torch.float32)
+        records.append(record(name, m, w, changes[name]))
+    ignore = src.unquantized_linears()
+    config_groups = {}
+    for i, (key, names) in enumerate(groups.items()):
+        scheme = json.loads(key)
+        scheme["targets"] = ["Linear"] if len(groups) == 1 else names
+        config_groups[f"group_{i}"] = scheme
+    formats = {json.loads(k)["format"] for k in groups}
+    qconfig = {
+        "quant_method": "compressed-tensors",
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+        "quantization_status": "compressed",
+        "config_groups": config_groups,
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "transform_config": {},
+    }
+    notes = []
+    split = sorted(
+        {
+            n
+            for n, (lay, _, _) in done.items()
+            if isinstance(lay, IntLayer)
+            and lay.group_size != getattr(src.qmods[n], "group_size", lay.group_size)
+            and not changes[n]
+        }
+    )
+    if split:
+        notes.append(f"{len(split)} layer(s) with a partial last group split into full groups (same weights)")
+    return tensors, qconfig, records, notes
