@@ -60,6 +60,7 @@ __all__ = [
     "pack_sq",
     "unpack_sq",
     "measured_bits",
+    "quantize_part",
     "weight_name",
     "act_name",
 ]
@@ -279,6 +280,17 @@ def round_low(x: torch.Tensor, fmt: SQFormat) -> torch.Tensor:
     return _round_part(x, FP_LOW, fmt.qmax_low, fmt.fp)
 
 
+def quantize_part(x: torch.Tensor, fmt: SQFormat, high: bool) -> torch.Tensor:
+    """One precision part on its own (the static strategy after reordering: a dense slice of
+    high or low channels), one scale per row (token); returns the dequantized values."""
+    if not high and fmt.h_low == 0:
+        return torch.zeros_like(x)
+    qmax = fmt.qmax_high if high else fmt.qmax_low
+    s = _fp16_scale(x.detach().abs().float().amax(-1, keepdim=True), qmax)
+    v = (round_high if high else round_low)(x.float() / s, fmt)
+    return (v * s).to(x.dtype)
+
+
 @dataclass
 class SQTensor:
     """Eq. 1 decoded: ``low``/``high`` are grid values (INT levels or FP grid values, float32)
@@ -318,7 +330,9 @@ def sq_quantize(
     """Quantize ``X`` ``[rows, K]`` to SQ-format with the given high ``mask`` (Algorithm 1 lines
     9-10: the two parts separately, each with its own scale per ``group``; default one bank)."""
     if X.dim() != 2 or mask.shape != X.shape:
-        raise ValueError(f"X and mask must be the same 2-D shape, got {tuple(X.shape)} and {tuple(mask.shape)}")
+        raise ValueError(
+            f"X and mask must be the same 2-D shape, got {tuple(X.shape)} and {tuple(mask.shape)}"
+        )
     check_mask(mask, fmt)
     group = group or fmt.bank
     ls, hs = scales if scales is not None else part_scales(X, mask, fmt, group)
@@ -353,15 +367,16 @@ def _fp8_decode(c: torch.Tensor) -> torch.Tensor:
 def _compact_index(mask: torch.Tensor, fmt: SQFormat) -> torch.Tensor:
     """Column of every high value, ``[rows, high_count]`` in bank order then position order."""
     rows, K = mask.shape
-    n = fmt.high_count(K)
-    # stable sort of ~mask puts the True places first, in position order; bank by bank
-    out = []
-    for start, size, nh in fmt.banks(K):
-        idx = torch.argsort((~mask[:, start : start + size]).to(torch.int8), dim=-1, stable=True)[:, :nh]
-        out.append(idx + start)
-    idx = torch.cat(out, dim=1)
-    assert idx.shape == (rows, n)
-    return idx
+    banks = fmt.banks(K)
+    nb = sum(1 for _, size, _ in banks if size == fmt.bank)
+    # a stable sort of ~mask puts the True places first, in position order, bank by bank
+    low = (~mask).to(torch.int8)
+    full = torch.argsort(low[:, : nb * fmt.bank].reshape(rows, nb, fmt.bank), dim=-1, stable=True)
+    off = torch.arange(nb, device=mask.device).reshape(1, nb, 1) * fmt.bank
+    parts = [(full[..., : fmt.n_high] + off).reshape(rows, -1)]
+    for start, size, nh in banks[nb:]:
+        parts.append(torch.argsort(low[:, start : start + size], dim=-1, stable=True)[:, :nh] + start)
+    return torch.cat(parts, dim=1)
 
 
 def pack_sq(t: SQTensor) -> dict[str, torch.Tensor]:
@@ -385,7 +400,9 @@ def pack_sq(t: SQTensor) -> dict[str, torch.Tensor]:
             lc = torch.where(t.mask, fmt.v_mask, lv.round().to(torch.int32) + (1 << (fmt.h_low - 1)))
         out["low"] = pack_codes(lc.to(torch.int32), fmt.h_low)
     else:
-        starts = torch.tensor([s for s, _, nh in fmt.banks(t.mask.shape[1]) for _ in range(nh)], device=idx.device)
+        starts = torch.tensor(
+            [s for s, _, nh in fmt.banks(t.mask.shape[1]) for _ in range(nh)], device=idx.device
+        )
         out["pos"] = pack_codes((idx - starts).to(torch.int32), _pos_bits(fmt))
     out["low_scale"] = t.low_scale.to(torch.float16)
     out["high_scale"] = t.high_scale.to(torch.float16)
@@ -396,7 +413,9 @@ def _pos_bits(fmt: SQFormat) -> int:
     return max(2, math.ceil(math.log2(fmt.bank)))
 
 
-def unpack_sq(buf: dict[str, torch.Tensor], fmt: SQFormat, rows: int, K: int, group: int | None = None) -> SQTensor:
+def unpack_sq(
+    buf: dict[str, torch.Tensor], fmt: SQFormat, rows: int, K: int, group: int | None = None
+) -> SQTensor:
     """Exact inverse of :func:`pack_sq`."""
     group = group or fmt.bank
     n = fmt.high_count(K)
