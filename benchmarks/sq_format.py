@@ -33,11 +33,11 @@ from bitmosaic.algorithms.sq import static_channel_mask, static_importance
 from bitmosaic.data import bos_token_id
 from bitmosaic.eval.perplexity import perplexity
 from bitmosaic.formats.act import ActQuantSpec
-from bitmosaic.formats.sq import act_name, parse_sq, weight_name
+from bitmosaic.formats.sq import act_name, act_storage_bits, parse_sq, weight_name
 from bitmosaic.methods import get_method
 from bitmosaic.models import load_quantized, quantize_model, save_quantized
 from bitmosaic.models.serialization import atomic_write_text
-from bitmosaic.modules.actquant import attach_input_quant
+from bitmosaic.modules.actquant import attach_input_quant, input_quant_spec
 from bitmosaic.modules.base import set_weight_cache
 from bitmosaic.modules.qlinear import QuantLinear
 from bitmosaic.modules.sq import SQActLinear, SQWeightLinear
@@ -147,27 +147,40 @@ class SQBench(Bench):
         return math.log(r["ppl"])
 
     @staticmethod
-    def measured(model) -> tuple[float, float]:
-        """(stored bits per weight over all quantized linears, low-precision MAC share)."""
-        bits = n = low = macs = 0
+    def measured(model) -> tuple[float, float, float]:
+        """(stored bits per weight over all quantized linears, low-precision MAC share, stored bits
+        per activation value, MAC-weighted: SQ layouts from :func:`act_storage_bits`, INT
+        per-token ``a + 16 / K``, 16 when unquantized)."""
+        bits = n = low = abits = 0.0
         for _, m in model.named_modules():
-            if hasattr(m, "bits_per_weight") and hasattr(m, "storage_tensors"):
-                k = m.in_features * m.out_features
-                bits += m.bits_per_weight() * k
-                n += k
-                lo, hi = m.mac_split() if hasattr(m, "mac_split") else (k, 0)
-                low += lo
-                macs += lo + hi
-        return bits / n, low / macs
+            if not (hasattr(m, "bits_per_weight") and hasattr(m, "storage_tensors")):
+                continue
+            k = m.in_features * m.out_features
+            bits += m.bits_per_weight() * k
+            n += k
+            spec = input_quant_spec(m)
+            a4 = spec is not None and spec.bits <= 4
+            if isinstance(m, SQActLinear):  # W4 x A(SQ): the low part runs W4A4
+                a = act_storage_bits(m.fmt, m.in_features, m.strategy)
+                low += m.mac_split()[0]
+            else:
+                a = spec.bits + 16 / m.in_features if spec is not None else 16.0
+                if isinstance(m, SQWeightLinear):  # W(SQ) x A4: the low part runs W4A4
+                    low += m.mac_split()[0] if a4 else 0
+                else:
+                    low += k if a4 and getattr(m, "bits", 16) <= 4 else 0
+            abits += a * k
+        return bits / n, low / n, abits / n
 
     def row(self, part: str, name: str, model, paper_bits, **extra) -> dict:
         t = time.perf_counter()
-        bpw, share = self.measured(model)
+        bpw, share, abits = self.measured(model)
         r = {
             "part": part,
             "name": name,
             "paper_bits": paper_bits,
             "measured_bits": bpw,
+            "act_bits": abits,
             "low_mac_share": share,
             **extra,
         }
@@ -178,7 +191,7 @@ class SQBench(Bench):
         atomic_write_text(self.out, json.dumps({"args": vars(self.args), "rows": self.done}, indent=2))
         print(
             f"  [{part}] {name:<44} ppl {r['ppl']:9.3f}  paper {paper_bits!s:>6}  bits {bpw:6.3f}"
-            f"  low-MAC {share:.3f}" + "".join(f"  {k} {v}" for k, v in extra.items()),
+            f"  act-bits {abits:6.3f}  low-MAC {share:.3f}" + "".join(f"  {k} {v}" for k, v in extra.items()),
             flush=True,
         )
         return r
@@ -315,7 +328,7 @@ PARTS = {
 
 
 def table(rows: list[dict]) -> str:
-    cols = ["part", "name", "ppl", "paper_bits", "measured_bits", "low_mac_share", "calib_loss"]
+    cols = ["part", "name", "ppl", "paper_bits", "measured_bits", "act_bits", "low_mac_share", "calib_loss"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = []

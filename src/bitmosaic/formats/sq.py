@@ -60,6 +60,7 @@ __all__ = [
     "pack_sq",
     "unpack_sq",
     "measured_bits",
+    "act_storage_bits",
     "quantize_part",
     "weight_name",
     "act_name",
@@ -438,6 +439,25 @@ def unpack_sq(
         low = torch.zeros(rows, K, device=pos.device)
     high = torch.zeros(rows, K, device=hv.device).scatter_(1, idx, hv)
     return SQTensor(fmt, mask, low, high, buf["low_scale"].float(), buf["high_scale"].float(), group)
+
+
+def act_storage_bits(fmt: SQFormat, K: int, strategy: str, tokens: int = 2048) -> float:
+    """Stored bits per activation value of ``tokens`` rows of width ``K`` (scales included).
+
+    ``dynamic``: the Fig. 1 layout built from an actual split (full-shape low tensor carrying
+    ``v_mask``, compact high values, one fp16 scale per part and token).  ``static``: the two
+    reordered dense parts (``s K`` low and ``(1 - s) K`` high values per token), one fp16 scale per
+    part and token, plus the 1-bit channel mask per linear, amortised over ``tokens``.
+    """
+    if strategy == "dynamic":
+        x = torch.randn(tokens, K, generator=torch.Generator().manual_seed(0))
+        m = bank_topk_mask(x.abs(), fmt)
+        return measured_bits(pack_sq(sq_quantize(x, m, fmt, group=K)), tokens * K)
+    if strategy != "static":
+        raise ValueError(f"strategy must be dynamic or static, got {strategy!r}")
+    kh = fmt.high_count(K)
+    per_token = (K - kh) * fmt.h_low + kh * fmt.h_high + 2 * 16
+    return (tokens * per_token + K) / (tokens * K)
 
 
 def measured_bits(buf: dict[str, torch.Tensor], numel: int, extra: list[torch.Tensor] | None = None) -> float:
