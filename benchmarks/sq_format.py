@@ -259,14 +259,15 @@ def part_calib(b: SQBench) -> None:
 
 
 def part_agrid(b: SQBench) -> None:
-    """Bank x sparsity grid for static W4A(SQ) (8/4); the best cell by calibration loss."""
-    for s in (0.5, 0.75):
-        for bank in (4, 16, 64):
-            sq = f"{bank}-(8/4)-{s:g}"
-            m = b.with_sq_acts(sq, "static")
-            b.row(
-                "agrid", f"W4A(SQ) {sq} static", m, parse_sq(sq).paper_act_bits(), calib_loss=b.calib_loss(m)
-            )
+    """Bank x sparsity grid for W4A(SQ) (8/4), static and dynamic; the best cell of each strategy
+    is chosen by calibration loss."""
+    for strat in ("static", "dynamic"):
+        for s in (0.5, 0.75):
+            for bank in (4, 16, 64):
+                sq = f"{bank}-(8/4)-{s:g}"
+                m = b.with_sq_acts(sq, strat)
+                fmt = parse_sq(sq)
+                b.row("agrid", f"W4A(SQ) {sq} {strat}", m, fmt.paper_act_bits(), calib_loss=b.calib_loss(m))
 
 
 def part_wgrid(b: SQBench) -> None:
