@@ -62,6 +62,15 @@ def _add_act_args(q: argparse.ArgumentParser) -> None:
     d.add_argument("--fp8-per-channel", action="store_true", help="FP8 weight scale per output channel")
     d.add_argument("--fp8-margin", type=float, default=None, help="FP8 weight-scale headroom factor (1)")
     d.add_argument("--solver", choices=["gptq", "rtn"], default=None, help="dpq: rtn = the RTN W4A8 baseline")
+    sq = q.add_argument_group("SQ-format (sq-weights: Algorithm 1; sq-acts: Algorithm 2)")
+    sq.add_argument("--sq", default=None, help="bank-(high/low)-sparsity: 16-(8/4)-0.5, 64-(fp8/fp4)-0.875")
+    sq.add_argument("--strategy", choices=["dynamic", "static"], default=None, help="sq-acts mask strategy")
+    sq.add_argument("--sq-importance", choices=["obs", "paper"], default=None, help="sq-weights importance")
+    sq.add_argument("--mask-timing", choices=["lazy", "upfront"], default=None, help="sq-weights mask timing")
+    sq.add_argument(
+        "--static-importance", choices=["aw", "a", "abs-aw"], default=None, help="sq-acts static mask score"
+    )
+    sq.add_argument("--sq-act-scale", choices=["token", "bank"], default=None, help="sq-acts dynamic scales")
 
 
 def act_spec_from_args(args):
@@ -167,6 +176,12 @@ _OPTIONAL_FIELDS = {
     "fp8_per_channel": "per_channel",
     "fp8_margin": "margin",
     "solver": "solver",
+    "sq": "sq",
+    "strategy": "strategy",
+    "sq_importance": "importance",
+    "mask_timing": "mask_timing",
+    "static_importance": "static_importance",
+    "sq_act_scale": "act_scale",
 }
 
 

@@ -6,6 +6,7 @@ from . import gptq as _gptq  # noqa: F401  (registers gptq, babai)
 from . import lattice as _lattice  # noqa: F401  (registers ssqr, hptq, hrtn)
 from . import rtn as _rtn  # noqa: F401  (registers rtn)
 from . import smoothquant as _smoothquant  # noqa: F401  (registers smoothquant, awq)
+from . import sq as _sq  # noqa: F401  (registers sq-weights, sq-acts)
 from .registry import LayerStats, MethodSpec, WeightQuantConfig, get_method, list_methods, register_method
 
 __all__ = ["LayerStats", "MethodSpec", "WeightQuantConfig", "get_method", "list_methods", "register_method"]

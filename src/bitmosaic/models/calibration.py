@@ -251,10 +251,12 @@ def group_statistics(
     hessian_dtype: torch.dtype = torch.float32,
     cache: OutputCache | None = None,
     act_spec=None,
+    observe: bool = False,
 ) -> tuple[dict[str, HessianAccumulator], dict[str, str], dict[str, ActObserver]]:
     """Hessians of the inputs of linears ``names`` (modules fed the very same tensor share one:
     ``owner[name]`` is the name whose accumulator holds it), and input observers when
-    ``act_spec`` is static.  The layer's forward stops as soon as every input was seen.
+    ``act_spec`` is static (or ``observe``: per-channel statistics only).  The layer's forward
+    stops as soon as every input was seen.
 
     Members of a group read one tensor (q/k/v, gate/up), so computing q and k only to reach v's
     input wastes two projections per pass (a quarter of a layer's linear FLOPs).  While a group
@@ -267,7 +269,7 @@ def group_statistics(
     accs: dict[str, HessianAccumulator] = {}
     observers: dict[str, ActObserver] = {}
     owner: dict[str, str] = {}
-    observe = act_spec is not None and act_spec.static
+    observe = observe or (act_spec is not None and act_spec.static)
     state: dict = {"stand_ins": len(mods) > 1}
 
     def make_hook(name):

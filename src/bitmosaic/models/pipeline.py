@@ -107,7 +107,7 @@ def _offload_needed(calib: torch.Tensor, hidden: int, dtype: torch.dtype, device
 
 
 def _quantize_shared(
-    method, config, layer, names, H, percdamp, prefix, check
+    method, config, layer, names, H, percdamp, prefix, check, act_stats=None
 ) -> list[tuple[str, nn.Module, dict]]:
     """Quantize linears ``names`` that share Hessian ``H``; stacked into one call when the method
     allows it.  Returns (name, packed module, report row) and puts the dequantized weights in place."""
@@ -120,7 +120,7 @@ def _quantize_shared(
     out = []
     for call_names, W in calls:
         t0 = time.perf_counter()
-        res = method.fn(W, LayerStats(hessian=H), config)
+        res = method.fn(W, LayerStats(hessian=H, act=act_stats), config)
         seconds = (time.perf_counter() - t0) / len(call_names)
         row0 = 0
         for n in call_names:
@@ -246,6 +246,7 @@ def quantize_model(
                         hessian_dtype=hessian_dtype,
                         cache=cache if use_cache else None,
                         act_spec=act,
+                        observe=getattr(config, "needs_act_stats", False),
                     )
                     shared: dict[str, list[str]] = {}
                     for name in group:
@@ -257,7 +258,9 @@ def quantize_model(
                     H = accs[own].H if own in accs else None
                     if H is not None:
                         check_finite(H, f"the calibration inputs of {prefix}.{own}")
-                    done = _quantize_shared(method, config, layer, names, H, percdamp, prefix, check_packing)
+                    done = _quantize_shared(
+                        method, config, layer, names, H, percdamp, prefix, check_packing, observers.get(own)
+                    )
                     for name, qlin, row in done:
                         if act is not None:
                             row["act"] = act.label

@@ -284,6 +284,9 @@ MODULE_KINDS = {
     "dpq": FP8ComputeQuantLinear,
     "fp8": FP8Linear,
 }
+from .sq import SQActLinear, SQWeightLinear  # noqa: E402  (SQ-format kinds; sq.py imports qlinear only)
+
+MODULE_KINDS.update({"sq-weight": SQWeightLinear, "packed+sq-act": SQActLinear})
 
 
 def full_layer_config(module: nn.Module) -> dict:

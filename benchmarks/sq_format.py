@@ -1,0 +1,412 @@
+"""SQ-format (Huang et al.) on SmolLM2-135M: Algorithm 2 (W4A(SQ), dynamic/static) against W4A8 /
+W4A4, Algorithm 1 (W(SQ)Ay) against W4Ay, defaults, ablations, grids and a Fig. 6-like PNG.
+
+Every activation setting uses ONE set of W4 weights (SmoothQuant alpha=0.5 folded, GPTQ W4 g128
+asymmetric, calibrated on 16-bit activations): W4A16/A8/A4 attach per-token INT input quantizers,
+W4A(SQ) converts each linear to :class:`~bitmosaic.modules.sq.SQActLinear` (static masks from the
+per-channel statistics of the smoothed inputs on the calibration set and the quantized ``W'``;
+the ``sq-acts`` method uses the float ``W'`` instead).  So the A-settings differ only in their
+activations.  Every W(SQ) model is calibrated on 16-bit activations as well and evaluated at A16,
+A8 and A4 with the same weights.  Activation quantization is simulated (float32 matmuls).
+
+Columns: ppl (WikiText-2), paper-equivalent bits (x or y, §4.1), measured stored bits per weight
+(all buffers, scales included), low-precision MAC share, calibration loss (CE on calibration
+windows) where a choice is made by it.
+
+Parts (``--parts``, each cached in JSON so they can run one at a time under the lock):
+acts, weights, defaults, gap, ablate, calib, agrid, wgrid, fig.
+
+Run: python benchmarks/sq_format.py --nsamples 16 --max-windows 20 --parts acts,weights,...
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from bitmosaic.algorithms.sq import static_channel_mask, static_importance
+from bitmosaic.data import bos_token_id
+from bitmosaic.eval.perplexity import perplexity
+from bitmosaic.formats.act import ActQuantSpec
+from bitmosaic.formats.sq import act_name, act_storage_bits, parse_sq, weight_name
+from bitmosaic.methods import get_method
+from bitmosaic.models import load_quantized, quantize_model, save_quantized
+from bitmosaic.models.serialization import atomic_write_text
+from bitmosaic.modules.actquant import attach_input_quant, input_quant_spec
+from bitmosaic.modules.base import set_weight_cache
+from bitmosaic.modules.qlinear import QuantLinear
+from bitmosaic.modules.sq import SQActLinear, SQWeightLinear
+
+from common import RESULTS, Bench, base_parser
+
+CACHE = Path("/tmp/bitmosaic_sq_bench")
+BASE = {"bits": 4, "group_size": 128, "alpha": 0.5, "weights": "gptq"}
+DEFAULT_LAYERS = (2, 14, 26)
+W_SQ = {"W(SQ6)": "32-(8/4)-0.75", "W(SQ5)": "64-(8/4)-0.875", "W(SQ4.5)": "64-(8/4)-0.9375"}
+
+
+def linears(model, kinds=(QuantLinear, SQWeightLinear)):
+    return [(n, m) for n, m in model.named_modules() if type(m) in kinds]
+
+
+class SQBench(Bench):
+    def __init__(self, args):
+        super().__init__(args)
+        self.out = Path(args.json) if args.json else RESULTS / "sq_format.json"
+        self.done = json.loads(self.out.read_text())["rows"] if self.out.exists() else []
+        self._base = None
+        self._stats: dict[int, dict] = {}
+
+    # -- models -------------------------------------------------------------------------------
+    def quantize(self, method: str, **opts):
+        spec = get_method(method)
+        cfg = spec.make_config(**opts)
+        model = copy.deepcopy(self.model)
+        rep = quantize_model(model, self.calib, spec, cfg, progress=True, seed=self.args.seed)
+        return model, rep
+
+    def base(self):
+        """The W4 weights every activation setting shares; cached on disk between parts."""
+        if self._base is None:
+            a = self.args
+            path = CACHE / f"base_{a.nsamples}x{a.seqlen}_s{a.seed}"
+            t = time.perf_counter()
+            if path.exists():
+                self._base = load_quantized(path, load_tokenizer=False)[0].float().eval()
+            else:
+                self._base, _ = self.quantize("smoothquant", **BASE)
+                save_quantized(self._base, path, {"method": "smoothquant", **BASE})
+            print(f"base W4 (smoothquant a=0.5 + GPTQ g128): {time.perf_counter() - t:.0f}s", flush=True)
+        return self._base
+
+    def stats(self, nsamples: int) -> dict:
+        """Per-linear mean x_j and mean |x_j| of the base model's (smoothed) inputs on the first
+        ``nsamples`` calibration sequences."""
+        if nsamples not in self._stats:
+            model = self.base()
+            acc: dict[str, list] = {}
+
+            def hook(name):
+                def f(mod, args):
+                    x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+                    a = acc.setdefault(name, [0, 0.0, 0.0])
+                    a[0] += x.shape[0]
+                    a[1] = a[1] + x.sum(0)
+                    a[2] = a[2] + x.abs().sum(0)
+
+                return f
+
+            hs = [m.register_forward_pre_hook(hook(n)) for n, m in linears(model)]
+            with torch.inference_mode():
+                for i in range(0, nsamples, 4):
+                    model(self.calib[i : min(i + 4, nsamples)], use_cache=False)
+            for h in hs:
+                h.remove()
+            self._stats[nsamples] = {n: (s / c, a / c) for n, (c, s, a) in acc.items()}
+        return self._stats[nsamples]
+
+    def with_acts(self, model, abits: int | None):
+        m = copy.deepcopy(model)
+        if abits is not None:
+            for _, lin in linears(m):
+                attach_input_quant(lin, ActQuantSpec("int", abits), lin.in_features)
+        return m
+
+    def with_sq_acts(self, sq: str, strategy: str, importance: str = "aw", nsamples: int | None = None):
+        m = copy.deepcopy(self.base())
+        fmt = parse_sq(sq)
+        st = self.stats(nsamples or self.args.nsamples) if strategy == "static" else None
+        for name, lin in linears(m, (QuantLinear,)):
+            mask = None
+            if st is not None:
+                mean, absmean = st[name]
+                W = lin.dequantize_weight(torch.float32)
+                mask = static_channel_mask(static_importance(W, mean, absmean, importance), fmt)
+            m.set_submodule(name, SQActLinear.from_packed(lin, sq, strategy, "token", mask))
+        return m
+
+    # -- measurements ---------------------------------------------------------------------------
+    def ppl_of(self, model) -> float:
+        return perplexity(
+            model,
+            self.eval_ids,
+            self.args.seqlen,
+            max_windows=self.args.max_windows,
+            progress=False,
+            bos_token_id=bos_token_id(self.tok),
+        )["ppl"]
+
+    def calib_loss(self, model) -> float:
+        """Mean CE (nats) on the first 4 calibration sequences (the selection criterion of the grids)."""
+        ids = self.calib[:4].reshape(1, -1)
+        r = perplexity(model, ids, self.args.seqlen, progress=False, bos_token_id=bos_token_id(self.tok))
+        return math.log(r["ppl"])
+
+    @staticmethod
+    def measured(model) -> tuple[float, float, float]:
+        """(stored bits per weight over all quantized linears, low-precision MAC share, stored bits
+        per activation value, MAC-weighted: SQ layouts from :func:`act_storage_bits`, INT
+        per-token ``a + 16 / K``, 16 when unquantized)."""
+        bits = n = low = abits = 0.0
+        for _, m in model.named_modules():
+            if not (hasattr(m, "bits_per_weight") and hasattr(m, "storage_tensors")):
+                continue
+            k = m.in_features * m.out_features
+            bits += m.bits_per_weight() * k
+            n += k
+            spec = input_quant_spec(m)
+            a4 = spec is not None and spec.bits <= 4
+            if isinstance(m, SQActLinear):  # W4 x A(SQ): the low part runs W4A4
+                a = act_storage_bits(m.fmt, m.in_features, m.strategy)
+                low += m.mac_split()[0]
+            else:
+                a = spec.bits + 16 / m.in_features if spec is not None else 16.0
+                if isinstance(m, SQWeightLinear):  # W(SQ) x A4: the low part runs W4A4
+                    low += m.mac_split()[0] if a4 else 0
+                else:
+                    low += k if a4 and getattr(m, "bits", 16) <= 4 else 0
+            abits += a * k
+        return bits / n, low / n, abits / n
+
+    def row(self, part: str, name: str, model, paper_bits, **extra) -> dict:
+        t = time.perf_counter()
+        bpw, share, abits = self.measured(model)
+        r = {
+            "part": part,
+            "name": name,
+            "paper_bits": paper_bits,
+            "measured_bits": bpw,
+            "act_bits": abits,
+            "low_mac_share": share,
+            **extra,
+        }
+        set_weight_cache(model, True)  # SQ weights dequantize through the reference path
+        r["ppl"] = self.ppl_of(model)
+        r["eval_seconds"] = time.perf_counter() - t
+        self.done = [d for d in self.done if not (d["part"] == part and d["name"] == name)] + [r]
+        atomic_write_text(self.out, json.dumps({"args": vars(self.args), "rows": self.done}, indent=2))
+        print(
+            f"  [{part}] {name:<44} ppl {r['ppl']:9.3f}  paper {paper_bits!s:>6}  bits {bpw:6.3f}"
+            f"  act-bits {abits:6.3f}  low-MAC {share:.3f}" + "".join(f"  {k} {v}" for k, v in extra.items()),
+            flush=True,
+        )
+        return r
+
+
+def part_acts(b: SQBench) -> None:
+    base = b.base()
+    for ab in (16, 8, 4):
+        b.row("acts", f"W4A{ab}", b.with_acts(base, None if ab == 16 else ab), f"4/{ab}")
+    for sq in ("16-(8/4)-0.5", "16-(8/4)-0.75"):
+        for strat in ("dynamic", "static"):
+            m = b.with_sq_acts(sq, strat)
+            b.row("acts", f"{act_name(4, parse_sq(sq))} {sq} {strat}", m, parse_sq(sq).paper_act_bits())
+
+
+def _sq_weights(b: SQBench, sq: str, **opts):
+    t = time.perf_counter()
+    model, rep = b.quantize("sq-weights", sq=sq, **opts)
+    loss = sum(r["hessian_error"] for r in rep.layers if r.get("hessian_error") is not None)
+    return model, {"calib_hessian_error": loss, "quant_seconds": round(time.perf_counter() - t, 1)}
+
+
+def part_weights(b: SQBench) -> None:
+    for sq in W_SQ.values():
+        model, info = _sq_weights(b, sq)
+        fmt = parse_sq(sq)
+        for ab in (4, 8, 16):
+            name = f"{weight_name(fmt, ab)} {sq}"
+            b.row(
+                "weights", name, b.with_acts(model, None if ab == 16 else ab), fmt.paper_weight_bits, **info
+            )
+        del model
+
+
+def part_defaults(b: SQBench) -> None:
+    """Importance form x mask timing for Algorithm 1, decided by the calibration loss: the float
+    model is smoothed layer by layer (the sq-weights transform), every linear of layers
+    ``DEFAULT_LAYERS`` gets its Hessian from the smoothed calibration inputs, and ``sq_gptq`` runs
+    with each combination; the loss is ``sum tr(E H E^T) / sum tr(W H W^T)`` over those linears.
+    (Four full pipeline runs would not fit the shared machine's budget.)"""
+    from bitmosaic.algorithms.hessian import HessianAccumulator
+    from bitmosaic.algorithms.sq import sq_gptq
+    from bitmosaic.models.arch import get_arch
+    from bitmosaic.models.capture import run_layer
+    from bitmosaic.models.pipeline import _apply_transform, capture_layer_inputs
+
+    spec = get_method("sq-weights")
+    m = copy.deepcopy(b.model)
+    arch = get_arch(m)
+    layers = arch.layers(m)
+    inputs, kw = capture_layer_inputs(m, layers, b.calib[:8], batch_size=4)
+    kwargs = next(iter(kw.values()))
+    gen = torch.Generator().manual_seed(b.args.seed)
+    cfg = spec.make_config(sq=W_SQ["W(SQ5)"])
+    linears_h: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for li, layer in enumerate(layers):
+        _apply_transform(spec, cfg, layer, arch, inputs, kwargs, gen)
+        accs, hooks = {}, []
+        if li in DEFAULT_LAYERS:
+            for name in [n for g in arch.sequential for n in g]:
+                lin = layer.get_submodule(name)
+                acc = accs[name] = HessianAccumulator(lin.in_features)
+                hooks.append(lin.register_forward_pre_hook(lambda mod, a, acc=acc: acc.add(a[0])))
+        with torch.inference_mode():
+            inputs = [run_layer(layer, h, k) for h, k in zip(inputs, kwargs, strict=True)]
+        for h in hooks:
+            h.remove()
+        for name, acc in accs.items():
+            linears_h.append((layer.get_submodule(name).weight.detach().float().clone(), acc.H))
+    den = sum(float(torch.einsum("ij,jk,ik->", W, H, W)) for W, H in linears_h)
+    for sq in (W_SQ["W(SQ6)"], W_SQ["W(SQ5)"], W_SQ["W(SQ4.5)"], "4-(8/0)-0.5"):
+        fmt = parse_sq(sq)
+        for imp in ("obs", "paper"):
+            for timing in ("lazy", "upfront"):
+                t = time.perf_counter()
+                num = 0.0
+                for W, H in linears_h:
+                    E = W - sq_gptq(W, H, fmt, importance=imp, mask_timing=timing).dequantize()
+                    num += float(torch.einsum("ij,jk,ik->", E, H, E))
+                r = {
+                    "part": "defaults",
+                    "name": f"{sq} {imp}/{timing}",
+                    "calib_loss": num / den,
+                    "paper_bits": fmt.paper_weight_bits,
+                    "seconds": time.perf_counter() - t,
+                }
+                b.done = [d for d in b.done if not (d["part"] == "defaults" and d["name"] == r["name"])] + [r]
+                print(f"  [defaults] {r['name']:<36} rel. output error {num / den:.5f}", flush=True)
+    atomic_write_text(b.out, json.dumps({"args": vars(b.args), "rows": b.done}, indent=2))
+
+
+def part_gap(b: SQBench) -> None:
+    for sq in ("16-(8/4)-0.5", "16-(8/3)-0.5", "16-(8/2)-0.5"):
+        for strat in ("dynamic", "static"):
+            fmt = parse_sq(sq)
+            b.row("gap", f"{act_name(4, fmt)} {sq} {strat}", b.with_sq_acts(sq, strat), fmt.paper_act_bits())
+
+
+def part_ablate(b: SQBench) -> None:
+    sq = "16-(8/4)-0.5"
+    for imp in ("aw", "a", "abs-aw"):
+        b.row("ablate", f"W4A(SQ6) {sq} static I={imp}", b.with_sq_acts(sq, "static", imp), 6.0)
+
+
+def part_calib(b: SQBench) -> None:
+    sq = "16-(8/4)-0.5"
+    for n in (8, b.args.nsamples):
+        b.row(
+            "calib",
+            f"W4A(SQ6) {sq} static, mask from {n} samples",
+            b.with_sq_acts(sq, "static", nsamples=n),
+            6.0,
+        )
+
+
+def part_agrid(b: SQBench) -> None:
+    """Bank x sparsity grid for W4A(SQ) (8/4), static and dynamic; the best cell of each strategy
+    is chosen by calibration loss."""
+    for strat in ("static", "dynamic"):
+        for s in (0.5, 0.75):
+            for bank in (4, 16, 64):
+                sq = f"{bank}-(8/4)-{s:g}"
+                m = b.with_sq_acts(sq, strat)
+                fmt = parse_sq(sq)
+                b.row("agrid", f"W4A(SQ) {sq} {strat}", m, fmt.paper_act_bits(), calib_loss=b.calib_loss(m))
+
+
+def part_wgrid(b: SQBench) -> None:
+    """Bank grid at s = 0.875 for W(SQ5)A16, the best by calibration loss (sum of layer losses)."""
+    for bank in (16, 32, 64):
+        sq = f"{bank}-(8/4)-0.875"
+        model, info = _sq_weights(b, sq)
+        b.row("wgrid", f"W(SQ5)A16 {sq}", model, 5.0, calib_loss=b.calib_loss(model), **info)
+
+
+def part_fig(b: SQBench) -> None:
+    """Fig. 6: per-channel mean |x| of one layer's input, original vs the low part after the
+    static split at s = 0.75 for b = 32 and b = 4."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    name = "model.layers.20.mlp.down_proj"
+    base = b.base()
+    lin = base.get_submodule(name)
+    xs = []
+    h = lin.register_forward_pre_hook(lambda mod, a: xs.append(a[0].detach().reshape(-1, a[0].shape[-1])))
+    with torch.inference_mode():
+        base(b.calib[:1], use_cache=False)
+    h.remove()
+    x = xs[0].float()
+    mean, absmean = b.stats(b.args.nsamples)[name]
+    W = lin.dequantize_weight(torch.float32)
+    fig, axes = plt.subplots(3, 1, figsize=(10, 7), sharex=True, sharey=True)
+    mag = x.abs().mean(0)
+    axes[0].plot(mag.numpy(), lw=0.6)
+    axes[0].set_title(f"(a) original input of {name} (mean |x| per channel)")
+    for ax, bank in zip(axes[1:], (32, 4), strict=True):
+        fmt = parse_sq(f"{bank}-(8/4)-0.75")
+        mask = static_channel_mask(static_importance(W, mean, absmean, "aw"), fmt)
+        ax.plot(mag.masked_fill(mask, 0).numpy(), lw=0.6, color="C1")
+        ax.set_title(f"low-precision part, static split, bank {bank}, s = 0.75")
+    axes[-1].set_xlabel("input channel")
+    for ax in axes:
+        ax.set_yscale("log")
+    fig.tight_layout()
+    path = RESULTS / "sq_format_fig6.png"
+    fig.savefig(path, dpi=110)
+    print(f"  figure written to {path}")
+
+
+PARTS = {
+    "acts": part_acts,
+    "weights": part_weights,
+    "defaults": part_defaults,
+    "gap": part_gap,
+    "ablate": part_ablate,
+    "calib": part_calib,
+    "agrid": part_agrid,
+    "wgrid": part_wgrid,
+    "fig": part_fig,
+}
+
+
+def table(rows: list[dict]) -> str:
+    cols = ["part", "name", "ppl", "paper_bits", "measured_bits", "act_bits", "low_mac_share", "calib_loss"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            cells.append(f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = base_parser(__doc__)
+    p.add_argument("--parts", default="acts,weights")
+    a = p.parse_args()
+    torch.manual_seed(a.seed)
+    b = SQBench(a)
+    for part in a.parts.split(","):
+        if part not in PARTS:
+            raise SystemExit(f"unknown part {part!r}; choose from {', '.join(PARTS)}")
+        t = time.perf_counter()
+        print(f"== part {part}", flush=True)
+        PARTS[part](b)
+        print(f"== part {part}: {time.perf_counter() - t:.0f}s", flush=True)
+    md = table(b.done)
+    print("\n" + md)
+    atomic_write_text(b.out.with_suffix(".md"), md + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Methods ``sq-weights`` (Algorithm 1) and ``sq-acts`` (Algorithm 2) of the SQ-format paper.
+
+Both smooth first (SmoothQuant, ``alpha = 0.5`` by default; the transform runs before the group's
+Hessian is accumulated, so the Hessian comes from the smoothed inputs, Algorithm 1 line 3).
+
+- ``sq-weights``: GPTQ through the SQ mixed grid (:func:`bitmosaic.algorithms.sq.sq_gptq`),
+  saved as :class:`~bitmosaic.modules.sq.SQWeightLinear`.  Combines with any activation quantizer
+  (``--abits 4/8``: W(SQ)A4, W(SQ)A8).  Banks must stay contiguous, so the order is natural
+  (act-order's ``g_idx`` would split banks).
+- ``sq-acts``: W4 GPTQ weights exactly as method ``smoothquant`` with ``weights="gptq"`` makes them
+  (same config fields, same packed layout), activations in SQ-format at inference
+  (:class:`~bitmosaic.modules.sq.SQActLinear`), ``strategy="dynamic"`` or ``"static"``.  The
+  weights are calibrated on 16-bit activations, so W4A8, W4A4 and W4A(SQ) built from the same
+  calibration differ only in their activations.  The static mask comes from ``Ā_j`` of the
+  smoothed calibration inputs and the smoothed float ``W'`` (Algorithm 2, line 6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from ..algorithms.sq import (
+    IMPORTANCE_FORMS,
+    MASK_TIMINGS,
+    STATIC_IMPORTANCE,
+    sq_gptq,
+    static_channel_mask,
+    static_importance,
+)
+from ..algorithms.types import QuantResult
+from ..errors import OptionError
+from ..formats.sq import act_name, parse_sq, weight_name
+from ..modules.qlinear import QuantLinear
+from ..modules.sq import STRATEGIES, SQActLinear, SQWeightLinear
+from .gptq import _require_hessian
+from .registry import LayerStats, register_method
+from .smoothquant import SmoothQuantConfig, quantize_smoothquant, smoothquant_transform
+
+__all__ = ["SQWeightsConfig", "SQActsConfig", "SQActResult"]
+
+
+def _smooth_transform(caps, cfg):
+    if not cfg.smooth:
+        return [(None, {"reason": "smoothing off"}) for _ in caps]
+    return smoothquant_transform(caps, cfg)
+
+
+@dataclass
+class SQWeightsConfig(SmoothQuantConfig):
+    """Algorithm 1.  ``importance``: ``obs`` (SparseGPT's saliency) or ``paper`` (Alg. 1 line 4);
+    ``mask_timing``: ``lazy`` (per bank, from the updated weights) or ``upfront`` (the paper)."""
+
+    IGNORED_FIELDS: ClassVar[tuple[str, ...]] = ("bits", "group_size", "symmetric", "scale_method")
+    IGNORED_WHY: ClassVar[str] = ": SQ-format sets its own grids and banks (use --sq)"
+    sq: str = "16-(8/4)-0.75"
+    importance: str = "obs"
+    mask_timing: str = "lazy"
+    smooth: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        parse_sq(self.sq)
+        if self.importance not in IMPORTANCE_FORMS:
+            raise OptionError(f"SQ importance must be one of {IMPORTANCE_FORMS}, got {self.importance!r}")
+        if self.mask_timing not in MASK_TIMINGS:
+            raise OptionError(f"SQ mask timing must be one of {MASK_TIMINGS}, got {self.mask_timing!r}")
+        if self.order != "natural":
+            raise OptionError("sq-weights keeps banks contiguous: GPTQ runs in natural order; drop --order")
+
+    @property
+    def scheme(self) -> str:
+        return weight_name(parse_sq(self.sq), None if self.act is None else self.act.bits)
+
+
+def _pack_sq_weights(res, cfg, bias):
+    return SQWeightLinear.from_result(res, bias)
+
+
+@register_method(
+    "sq-weights",
+    SQWeightsConfig,
+    description="SQ-format on weights (Algorithm 1): smoothing + GPTQ through the high/low bank grid",
+    pack=_pack_sq_weights,
+    transform=_smooth_transform,
+    row_separable=True,
+)
+def quantize_sq_weights(weight, stats: LayerStats, cfg: SQWeightsConfig):
+    H = _require_hessian(stats, "sq-weights")
+    return sq_gptq(
+        weight,
+        H,
+        parse_sq(cfg.sq),
+        importance=cfg.importance,
+        mask_timing=cfg.mask_timing,
+        percdamp=cfg.percdamp,
+        block_size=cfg.block_size,
+    )
+
+
+@dataclass
+class SQActResult(QuantResult):
+    """A W4 result plus the static channel mask of its activations (``None`` when dynamic)."""
+
+    channel_mask: torch.Tensor | None = field(default=None, kw_only=True)
+
+
+@dataclass
+class SQActsConfig(SmoothQuantConfig):
+    """Algorithm 2.  ``strategy``: dynamic | static; ``act_scale``: token | bank (dynamic only);
+    ``static_importance``: aw (the paper) | a | abs-aw (ablations)."""
+
+    needs_act_stats: ClassVar[bool] = True
+    weights: str = "gptq"
+    sq: str = "16-(8/4)-0.5"
+    strategy: str = "dynamic"
+    act_scale: str = "token"
+    static_importance: str = "aw"
+    smooth: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        parse_sq(self.sq)
+        if self.act is not None:
+            raise OptionError("sq-acts quantizes the activations itself (--sq); drop --abits/--scheme")
+        if self.weights != "gptq":
+            raise OptionError("sq-acts uses GPTQ weights (the W4 baseline's); drop --smooth-weights rtn")
+        if self.strategy not in STRATEGIES:
+            raise OptionError(f"--strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.act_scale not in ("token", "bank"):
+            raise OptionError(f"SQ activation scale must be token or bank, got {self.act_scale!r}")
+        if self.strategy == "static" and self.act_scale != "token":
+            raise OptionError("static SQ activations use per-token scales; drop --sq-act-scale bank")
+        if self.static_importance not in STATIC_IMPORTANCE:
+            raise OptionError(
+                f"static importance must be one of {STATIC_IMPORTANCE}, got {self.static_importance!r}"
+            )
+
+    @property
+    def scheme(self) -> str:
+        return act_name(self.bits, parse_sq(self.sq))
+
+
+def _pack_sq_acts(res: SQActResult, cfg: SQActsConfig, bias):
+    dense = QuantLinear.from_result(
+        res, bits=cfg.bits, group_size=cfg.group_size, symmetric=cfg.symmetric, bias=bias
+    )
+    return SQActLinear.from_packed(dense, cfg.sq, cfg.strategy, cfg.act_scale, res.channel_mask)
+
+
+@register_method(
+    "sq-acts",
+    SQActsConfig,
+    description="SQ-format on activations (Algorithm 2): smoothing + W4 GPTQ, dynamic or static split",
+    pack=_pack_sq_acts,
+    transform=_smooth_transform,
+)
+def quantize_sq_acts(weight, stats: LayerStats, cfg: SQActsConfig) -> SQActResult:
+    res = quantize_smoothquant(weight, stats, cfg)
+    mask = None
+    if cfg.strategy == "static":
+        if stats.act is None:
+            raise ValueError(
+                "static sq-acts needs calibration activation statistics; run it through the pipeline"
+            )
+        imp = static_importance(
+            weight, stats.act.channel_mean, stats.act.channel_absmean, cfg.static_importance
+        )
+        mask = static_channel_mask(imp.to(weight.device), parse_sq(cfg.sq))
+    fields = {k: getattr(res, k) for k in res.__dataclass_fields__}
+    return SQActResult(**fields, channel_mask=mask)

@@ -1,0 +1,238 @@
+"""SQ-format module kinds (Huang et al., §3.2).
+
+- :class:`SQWeightLinear` (``"sq-weight"``): weights in SQ-format (Algorithm 1), stored as in
+  §3.2.1 / Fig. 1 (:func:`bitmosaic.formats.sq.pack_sq`): the full-shape low tensor with the
+  reserved ``v_mask`` code, the compact high values, fp16 low/high scales per bank column.  The
+  forward is the *reference path*: unpack, dequantize, one float matmul (the paper's GPU results
+  are simulated the same way; the split-datapath hardware of Fig. 2(a) does not exist here).
+- :class:`SQActLinear` (``"packed+sq-act"``): W4 weights in the repo's packed layout
+  (:class:`~bitmosaic.modules.qlinear.QuantLinear`), activations in SQ-format (Algorithm 2), the
+  matmul computed as a real split:
+
+  * ``dynamic``: per token and bank the top ``(1 - s)`` by ``|x|`` are high; a dense matmul of
+    the low part (zeros at the high places) plus a sparse (CSR, gather-based) matmul of the high
+    part, summed.
+  * ``static``: one channel mask per linear from calibration
+    (:func:`~bitmosaic.algorithms.sq.static_importance`); the weight columns are stored
+    reordered high-first (``sq_perm``, saved with the model), the input is gathered by the same
+    permutation, and two dense matmuls run on contiguous slices.  :meth:`dequantize_weight`
+    still returns the weight in the original column order, so the
+    float function is unchanged (tested).
+
+  Quantized values are simulated in float32 (the products of INT8/INT4 codes and scales are
+  exact; the accumulation is float32, not int32).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from ..algorithms.sq import SQWeightResult, dynamic_split, high_first_permutation
+from ..algorithms.types import QuantResult
+from ..formats.packing import packed_cols
+from ..formats.sq import _compact_index, _pos_bits, pack_sq, parse_sq, quantize_part, unpack_sq
+from .base import QuantModule
+from .qlinear import QuantLinear
+
+__all__ = ["SQWeightLinear", "SQActLinear", "STRATEGIES"]
+
+STRATEGIES = ("dynamic", "static")
+
+
+class SQWeightLinear(QuantModule):
+    kind = "sq-weight"
+    CONFIG_KEYS = ("sq",)
+
+    def __init__(self, in_features: int, out_features: int, *, sq: str, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.fmt = parse_sq(sq)
+        f = self.fmt
+        nb = len(f.banks(in_features))
+        nh = f.high_count(in_features)
+        self.register_buffer("high", torch.zeros(out_features, packed_cols(nh, f.h_high), dtype=torch.uint8))
+        if f.h_low:
+            self.register_buffer(
+                "low", torch.zeros(out_features, packed_cols(in_features, f.h_low), dtype=torch.uint8)
+            )
+            self.pos = None
+        else:
+            self.low = None
+            self.register_buffer(
+                "pos", torch.zeros(out_features, packed_cols(nh, _pos_bits(f)), dtype=torch.uint8)
+            )
+        self.register_buffer("low_scale", torch.zeros(out_features, nb, dtype=torch.float16))
+        self.register_buffer("high_scale", torch.zeros(out_features, nb, dtype=torch.float16))
+
+    @classmethod
+    def from_result(cls, res: SQWeightResult, bias: torch.Tensor | None = None) -> SQWeightLinear:
+        out, n = res.sq.shape
+        m = cls(n, out, sq=res.sq.fmt.notation, bias=bias is not None)
+        for k, v in pack_sq(res.sq).items():
+            getattr(m, k).copy_(v)
+        m._set_bias(bias)
+        return m
+
+    def _buffers_dict(self) -> dict[str, torch.Tensor]:
+        names = ("high", "low", "pos", "low_scale", "high_scale")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+
+    def sq_tensor(self):
+        return unpack_sq(self._buffers_dict(), self.fmt, self.out_features, self.in_features)
+
+    def dequantize_reference(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.sq_tensor().dequantize(dtype)
+
+    def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.dequantize_reference(dtype)  # the reference path is the only one (module doc)
+
+    def storage_tensors(self) -> list[torch.Tensor]:
+        return list(self._buffers_dict().values())
+
+    def layer_config(self) -> dict:
+        return self._config(sq=self.fmt.notation)
+
+    def mac_split(self) -> tuple[int, int]:
+        """(low, high) multiply-accumulates per token: the high ones are the mask's places."""
+        nh = self.fmt.high_count(self.in_features) * self.out_features
+        return self.in_features * self.out_features - nh, nh
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, sq={self.fmt.notation}"
+
+
+class SQActLinear(QuantLinear):
+    kind = "packed+sq-act"
+    CONFIG_KEYS = ("sq", "strategy", "act_scale")
+
+    def __init__(self, in_features, out_features, *, sq: str, strategy: str, act_scale: str = "token", **kw):
+        super().__init__(in_features, out_features, **kw)
+        if strategy not in STRATEGIES:
+            raise ValueError(f"SQ activation strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if strategy == "static" and act_scale != "token":
+            raise ValueError("static SQ activations use per-token scales (the parts are reordered slices)")
+        self.fmt = parse_sq(sq)
+        self.fmt.banks(in_features)
+        self.strategy = strategy
+        self.act_scale = act_scale
+        if strategy == "static":
+            dt = torch.int16 if in_features <= 32767 else torch.int32
+            self.register_buffer("sq_perm", torch.arange(in_features, dtype=dt))
+        else:
+            self.sq_perm = None
+
+    @classmethod
+    def from_packed(
+        cls,
+        dense: QuantLinear,
+        sq: str,
+        strategy: str,
+        act_scale: str = "token",
+        channel_mask: torch.Tensor | None = None,
+    ) -> SQActLinear:
+        """The SQ-activation module of a packed W4 linear; ``channel_mask`` (static) reorders the
+        stored columns high-first (Algorithm 2, line 11)."""
+        kind = {"sq": parse_sq(sq).notation, "strategy": strategy, "act_scale": act_scale}
+        if strategy == "dynamic":
+            return cls._from_packed(dense, **kind)
+        if channel_mask is None:
+            raise ValueError("static SQ activations need a channel mask from calibration")
+        fmt = parse_sq(sq)
+        if int(channel_mask.sum()) != fmt.high_count(dense.in_features):
+            raise ValueError("static channel mask does not hold (1-s) of every bank")
+        perm = high_first_permutation(channel_mask.cpu())
+        codes = dense.codes()[:, perm]
+        g_idx = dense._g_idx_arg()[perm]
+        zeros = dense.zeros if dense.zeros is not None else torch.zeros_like(dense.scales)
+        res = QuantResult(codes=codes, scales=dense.scales.float(), zeros=zeros.float(), g_idx=g_idx)
+        re = QuantLinear.from_result(
+            res, bits=dense.bits, group_size=dense.group_size, symmetric=dense.symmetric, bias=dense.bias
+        )
+        m = cls._from_packed(re, **kind)
+        m.sq_perm.copy_(perm.to(m.sq_perm.dtype))
+        return m
+
+    # -- weights: stored high-first (static), served in the original column order ----------------
+    def _unpermute(self, W: torch.Tensor) -> torch.Tensor:
+        if self.sq_perm is None:
+            return W
+        return W[:, torch.argsort(self.sq_perm.long())]
+
+    def dequantize_reference(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self._unpermute(super().dequantize_reference(dtype))
+
+    def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._unpermute(super()._dequantize(dtype))
+
+    def _build_kernel(self):
+        return None  # the split forward below dequantizes the stored weight
+
+    def stored_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight in its stored column order (high channels first when static)."""
+        if self._wcache is not None and self._wcache.dtype == dtype:
+            return self._wcache
+        W = super()._dequantize(dtype)
+        if self.cache_weight:
+            self._wcache = W
+        return W
+
+    def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self._unpermute(self.stored_weight(dtype))
+
+    # -- the split matmul ------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).float()
+        W = self.stored_weight(torch.float32)
+        if self.strategy == "static":
+            kh = self.fmt.high_count(self.in_features)
+            xp = x2[:, self.sq_perm.long()]
+            y = quantize_part(xp[:, kh:], self.fmt, high=False) @ W[:, kh:].T
+            y = y + quantize_part(xp[:, :kh], self.fmt, high=True) @ W[:, :kh].T
+        else:
+            t = dynamic_split(x2, self.fmt, self.act_scale)
+            low, high = t.parts(torch.float32)
+            y = low @ W.T + _sparse_rows(high, t.mask, self.fmt) @ W.T
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def mac_split(self) -> tuple[int, int]:
+        """(low, high) multiply-accumulates per token."""
+        nh = self.fmt.high_count(self.in_features) * self.out_features
+        return self.in_features * self.out_features - nh, nh
+
+    def storage_tensors(self) -> list[torch.Tensor]:
+        extra = [self.sq_perm] if self.sq_perm is not None else []
+        return super().storage_tensors() + extra
+
+    def layer_config(self) -> dict:
+        return {
+            **super().layer_config(),
+            "sq": self.fmt.notation,
+            "strategy": self.strategy,
+            "act_scale": self.act_scale,
+        }
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, A(SQ) {self.fmt.notation} {self.strategy}"
+
+
+def _sparse_rows(high: torch.Tensor, mask: torch.Tensor, fmt) -> torch.Tensor:
+    """The high part as a CSR matrix with exactly ``high_count`` entries per row (gathered)."""
+    rows, K = high.shape
+    idx = _compact_index(mask, fmt)
+    vals = high.gather(1, idx)
+    nnz = idx.shape[1]
+    crow = torch.arange(rows + 1, device=high.device, dtype=torch.int64) * nnz
+    with warnings.catch_warnings():  # torch calls its sparse CSR support "beta"
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.sparse_csr_tensor(
+            crow, idx.reshape(-1), vals.reshape(-1), (rows, K), check_invariants=False
+        )
+
+
+def sq_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (SQWeightLinear, SQActLinear))]
