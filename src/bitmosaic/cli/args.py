@@ -62,6 +62,18 @@ def _add_act_args(q: argparse.ArgumentParser) -> None:
     d.add_argument("--fp8-per-channel", action="store_true", help="FP8 weight scale per output channel")
     d.add_argument("--fp8-margin", type=float, default=None, help="FP8 weight-scale headroom factor (1)")
     d.add_argument("--solver", choices=["gptq", "rtn"], default=None, help="dpq: rtn = the RTN W4A8 baseline")
+    mq = q.add_argument_group("mosaic (dense 4-bit base + sparse 4-bit residual blocks)")
+    mq.add_argument("--budget", type=float, default=None, help="mosaic: fraction of blocks compensated (0.1)")
+    mq.add_argument("--block", default=None, help="mosaic: residual block ROWSxCOLS (64x64)")
+    mq.add_argument(
+        "--selection",
+        choices=["delta-hessian", "magnitude", "residual-norm", "random", "channel", "oracle", "none"],
+        default=None,
+        help="mosaic: block selection criterion (delta-hessian; the others are ablations)",
+    )
+    mq.add_argument("--mosaic-base", choices=["rtn", "gptq"], default=None, help="mosaic: dense base (rtn)")
+    mq.add_argument("--clip-search", action="store_true", help="mosaic: clip search for the dense base")
+    mq.add_argument("--search-budget", type=float, default=None, help="mosaic: budget in the alpha search")
 
 
 def act_spec_from_args(args):
@@ -142,6 +154,12 @@ _OPTIONAL_FIELDS = {
     "fp8_per_channel": "per_channel",
     "fp8_margin": "margin",
     "solver": "solver",
+    "budget": "budget",
+    "block": "block",
+    "selection": "selection",
+    "mosaic_base": "base",
+    "clip_search": "clip_search",
+    "search_budget": "search_budget",
 }
 
 
