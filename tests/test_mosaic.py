@@ -243,3 +243,22 @@ def test_method_end_to_end_save_reload_bit_for_bit(tmp_path):
     assert isinstance(m2.model.layers[0].mlp.down_proj, MosaicQuantLinear)
     with torch.inference_mode():
         assert torch.equal(m2(ids).logits, out)
+
+
+def test_dense_base_variants(layer64):
+    W, X, H = layer64
+    W = W.float()
+    hd = torch.diagonal(H).float()
+    c0, s0 = dense_base(W)
+    assert bool((c0.abs() <= 7).all())  # absmax scale rounded up: nothing clips
+    c1, s1 = dense_base(W, clip_search=True, hdiag=hd)
+    e0 = ((W - c0 * s0[:, None]).pow(2) * hd).sum(1)
+    e1 = ((W - c1 * s1[:, None]).pow(2) * hd).sum(1)
+    assert bool((e1 <= e0).all()) and float(e1.sum()) < float(e0.sum())
+    cfg = get_method("mosaic").make_config(base="gptq", budget=0.0)
+    from bitmosaic.methods.mosaic import mosaic_weight
+
+    g = mosaic_weight(W, H.float(), cfg)
+    r = mosaic_weight(W, H.float(), get_method("mosaic").make_config(budget=0.0))
+    assert int(g.codes.min()) >= 0 and int(g.codes.max()) <= 15
+    assert g.info["residual_distortion"] < r.info["residual_distortion"]  # GPTQ lowers tr(R H Rᵀ)

@@ -137,7 +137,7 @@ def dense_base(
 
     codes, scale = quant(amax)
     if clip_search:
-        h = torch.ones(W.shape[1]) if hdiag is None else hdiag.float().to(W.device)
+        h = torch.ones(W.shape[1], device=W.device) if hdiag is None else hdiag.float().to(W.device)
         best = ((Wf - codes * scale[:, None]).pow(2) * h).sum(1)
         for i in range(1, int(max_shrink * grid) + 1):
             c, s = quant(amax * (1 - i / grid))
