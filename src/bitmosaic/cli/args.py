@@ -71,6 +71,18 @@ def _add_act_args(q: argparse.ArgumentParser) -> None:
         "--static-importance", choices=["aw", "a", "abs-aw"], default=None, help="sq-acts static mask score"
     )
     sq.add_argument("--sq-act-scale", choices=["token", "bank"], default=None, help="sq-acts dynamic scales")
+    mq = q.add_argument_group("mosaic (dense 4-bit base + sparse 4-bit residual blocks)")
+    mq.add_argument("--budget", type=float, default=None, help="mosaic: fraction of blocks compensated (0.1)")
+    mq.add_argument("--block", default=None, help="mosaic: residual block ROWSxCOLS (64x64)")
+    mq.add_argument(
+        "--selection",
+        choices=["delta-hessian", "magnitude", "residual-norm", "random", "channel", "oracle", "none"],
+        default=None,
+        help="mosaic: block selection criterion (delta-hessian; the others are ablations)",
+    )
+    mq.add_argument("--mosaic-base", choices=["rtn", "gptq"], default=None, help="mosaic: dense base (rtn)")
+    mq.add_argument("--clip-search", action="store_true", help="mosaic: clip search for the dense base")
+    mq.add_argument("--search-budget", type=float, default=None, help="mosaic: budget in the alpha search")
 
 
 def act_spec_from_args(args):
@@ -182,6 +194,12 @@ _OPTIONAL_FIELDS = {
     "mask_timing": "mask_timing",
     "static_importance": "static_importance",
     "sq_act_scale": "act_scale",
+    "budget": "budget",
+    "block": "block",
+    "selection": "selection",
+    "mosaic_base": "base",
+    "clip_search": "clip_search",
+    "search_budget": "search_budget",
 }
 
 

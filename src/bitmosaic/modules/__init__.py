@@ -8,6 +8,7 @@ formats <- algorithms <- modules <- methods <- models <- cli has no back-edge.
 
 from .actquant import attach_input_quant, input_quant_spec
 from .base import QuantModule
+from .mosaic import MosaicQuantLinear
 from .qlinear import QuantLinear, UnpackableCodesError, set_weight_cache
 from .qmodules import (
     MODULE_KINDS,
@@ -24,6 +25,7 @@ __all__ = [
     "FP8ComputeQuantLinear",
     "FP8Linear",
     "HuffmanQuantLinear",
+    "MosaicQuantLinear",
     "QuantLinear",
     "QuantModule",
     "SparseOutlierQuantLinear",

@@ -1,0 +1,134 @@
+"""MosaicQuant on SmolLM2-135M: perplexity against its baselines, the ablations, the budget sweep
+and the block-size sensitivity (issue #13).
+
+Parts (``--parts``, comma-separated):
+
+* ``main``: W16A16; W4A16 RTN / GPTQ / AWQ (asymmetric g128, their usual setting); W4A8 and W4A4
+  for RTN, SmoothQuant (alpha searched, RTN weights), GPTQ (act-order + MSE) and MosaicQuant, all
+  four with the paper's configuration (App. C.1): per-channel symmetric 4-bit weights, per-token
+  dynamic INT8 (A8) or per-group-128 INT4 with a partial last group (A4) activations.
+* ``ablation`` (W4A4, 10% budget, 64x64 blocks unless the row says otherwise): no sparse branch
+  with alpha re-searched / alpha kept from the full method (searched with the 10% residual), and
+  selection by channel (same element budget), magnitude, residual norm, random, the exact greedy
+  oracle (every layer: the incremental oracle is cheap), Δ-Hessian with a GPTQ dense base (our
+  extension) and with a clip-searched base.
+* ``sweep``: budgets 2.5, 5, 15, 20% (0 and 10% come from ``ablation``/``main``).
+* ``blocks``: 32x32 and 128x128 blocks (64x64 is ``main``).
+
+Activation quantization is simulated (fake-quantized inputs, float32 matmul).  Layer-level
+distortion (heatmaps, distortion vs budget per criterion) is ``benchmarks/mosaic_layers.py``;
+CPU latency and memory overhead of the sparse branch is ``benchmarks/mosaic_kernel.py``.
+
+Run: flock /tmp/bitmosaic-heavy.lock python benchmarks/mosaic.py --parts main --nsamples 16 --max-windows 20
+"""
+
+from __future__ import annotations
+
+import json
+
+from bitmosaic.formats.act import ActQuantSpec
+from bitmosaic.models.serialization import atomic_write_text
+
+from common import RESULTS, Bench, base_parser
+
+A8 = ActQuantSpec("int", 8)
+A4 = ActQuantSpec("int", 4, granularity="group", group_size=128)
+PAPER_W = {"bits": 4, "group_size": None, "symmetric": True}
+
+
+def _runs(part: str, max_tokens: int) -> list[tuple[str, str, str, dict]]:
+    sq = {"alpha": None, "max_tokens": max_tokens, **PAPER_W}
+    gptq = {"order": "act", "scale_method": "mse", **PAPER_W}
+    mos = {"max_tokens": max_tokens}
+    if part == "main":
+        runs = [
+            ("rtn W4A16 g128", "W4A16", "rtn", {}),
+            ("gptq W4A16 g128", "W4A16", "gptq", {"order": "act", "scale_method": "mse"}),
+            ("awq W4A16 g128", "W4A16", "awq", {}),
+        ]
+        for scheme, act in (("W4A8", A8), ("W4A4", A4)):
+            runs += [
+                (f"rtn {scheme}", scheme, "rtn", {**PAPER_W, "act": act}),
+                (f"smoothquant {scheme}", scheme, "smoothquant", {**sq, "act": act}),
+                (f"gptq {scheme}", scheme, "gptq", {**gptq, "act": act}),
+                (f"mosaic {scheme}", scheme, "mosaic", {**mos, "act": act}),
+            ]
+        return runs
+    w4a4 = {**mos, "act": A4}
+    if part == "ablation":
+        return [
+            ("no sparse, alpha re-searched", "W4A4", "mosaic", {**w4a4, "budget": 0.0}),
+            ("no sparse, alpha kept", "W4A4", "mosaic", {**w4a4, "budget": 0.0, "search_budget": 0.1}),
+            ("channel", "W4A4", "mosaic", {**w4a4, "selection": "channel"}),
+            ("magnitude", "W4A4", "mosaic", {**w4a4, "selection": "magnitude"}),
+            ("residual norm", "W4A4", "mosaic", {**w4a4, "selection": "residual-norm"}),
+            ("random", "W4A4", "mosaic", {**w4a4, "selection": "random"}),
+            ("oracle (greedy, exact)", "W4A4", "mosaic", {**w4a4, "selection": "oracle"}),
+            ("Δ-Hessian, GPTQ base (ours)", "W4A4", "mosaic", {**w4a4, "base": "gptq"}),
+            ("Δ-Hessian, clip-searched base", "W4A4", "mosaic", {**w4a4, "clip_search": True}),
+        ]
+    if part == "sweep":
+        return [(f"budget {b:g}", "W4A4", "mosaic", {**w4a4, "budget": b}) for b in (0.025, 0.05, 0.15, 0.2)]
+    if part == "blocks":
+        return [(f"block {b}", "W4A4", "mosaic", {**w4a4, "block": b}) for b in ("32x32", "128x128")]
+    raise SystemExit(f"unknown part {part!r}; use main, ablation, sweep, blocks")
+
+
+def _summary(row: dict) -> dict:
+    layers = row.pop("layers", [])
+    out = {}
+    rec = [r["recovered"] for r in layers if "recovered" in r]
+    if rec:
+        out["mean_recovered"] = sum(rec) / len(rec)
+        out["blocks_fraction"] = sum(r["blocks_selected"] for r in layers) / sum(
+            r["blocks_total"] for r in layers
+        )
+    alphas = [r["transform"]["alpha"] for r in layers if r.get("transform", {}).get("alpha") is not None]
+    if alphas:
+        out["mean_alpha"] = sum(alphas) / len(alphas)
+        out["alphas"] = alphas
+    return out
+
+
+def main() -> None:
+    p = base_parser(__doc__)
+    p.add_argument("--parts", default="main")
+    p.add_argument("--max-tokens", type=int, default=1024, help="alpha-search token sample")
+    p.add_argument("--only", default=None, help="comma-separated row names to run (default: all)")
+    a = p.parse_args()
+    b = Bench(a)
+    for part in a.parts.split(","):
+        b.rows = []
+        b.partial_path = RESULTS / f"mosaic_{part}.partial.json"
+        if part == "main":
+            b.float_row()["scheme"] = "W16A16"
+        for name, scheme, method, opts in _runs(part, a.max_tokens):
+            if a.only and name not in a.only.split(","):
+                continue
+            row = b.run(name, method, **opts)
+            row["scheme"] = scheme
+            row.update(_summary(row))
+            if "mean_recovered" in row:
+                print(
+                    f"      recovered {row['mean_recovered']:.3f}  mean alpha {row.get('mean_alpha')}",
+                    flush=True,
+                )
+        cols = ["scheme", "ppl", "bits_per_weight", "mean_recovered", "mean_alpha", "quant_seconds"]
+        b.args.json = str(RESULTS / f"mosaic_{part}.json")
+        b.finish(f"mosaic_{part}", cols)
+        lines = [f"| config | {' | '.join(cols)} |", "|---" * (len(cols) + 1) + "|"]
+        for r in b.rows:
+            cells = [f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols]
+            lines.append(f"| {r['name']} | {' | '.join(cells)} |")
+        head = (
+            f"SmolLM2-135M, calib {a.nsamples}x{a.seqlen} seed {a.seed}, WikiText-2 ppl on the first "
+            f"{a.max_windows} windows of {a.seqlen}; `python benchmarks/mosaic.py --parts {part} "
+            f"--nsamples {a.nsamples} --max-windows {a.max_windows}`\n\n"
+        )
+        atomic_write_text(RESULTS / f"mosaic_{part}.md", head + "\n".join(lines) + "\n")
+        (RESULTS / f"mosaic_{part}.partial.json").unlink(missing_ok=True)
+        print(json.dumps({"part": part, "rows": len(b.rows)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""CPU latency and memory overhead of MosaicQuant's sparse 4-bit branch (§4.2, §5.5, Fig. 6).
+
+For each shape (``out x in``) a random weight is MosaicQuant-ed at ``--budget`` (Δ-Hessian with a
+random diagonal-dominant Hessian, 64x64 blocks) into a :class:`MosaicQuantLinear`; then, at
+batch 1, 16 and 512 rows, median times of:
+
+* ``dense``: the dense 4-bit base alone (``LowBitWeight.matmul``: compiled GEMV for <= 8 rows,
+  tiled dequantize + GEMM above) -- the baseline of the overhead;
+* ``fused``: one tiling pass, residual blocks dequantized into the dense tile (kernels/mosaic.py);
+* ``three-step``: dense product, separate sparse pass re-gathering the activations, add;
+* ``fp32``: ``F.linear`` with the float weight.
+
+Latency overhead = time / dense - 1.  Memory overhead = stored residual bits (block indices,
+packed codes, fp16 row scales) / stored dense-base bits (packed codes + per-channel fp16 scales).
+CPU only: no GPU is lent to this task, so the Triton kernel is not written or measured.
+
+Run: flock /tmp/bitmosaic-heavy.lock python benchmarks/mosaic_kernel.py --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from bitmosaic.algorithms.mosaic import mosaic_decompose
+from bitmosaic.models.serialization import atomic_write_text
+from bitmosaic.modules.mosaic import MosaicQuantLinear
+
+from common import RESULTS
+
+SHAPES = ("576x576", "192x576", "1536x576", "576x1536", "4096x4096", "1024x4096", "14336x4096")
+
+
+def _time(fn, x, repeats: int) -> float:
+    fn(x)  # warm-up
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn(x)
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--batches", default="1,16,512")
+    p.add_argument("--budget", type=float, default=0.1)
+    p.add_argument("--block", default="64x64")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=7)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for shape in a.shapes.split(","):
+        out, n = (int(v) for v in shape.split("x"))
+        W = torch.randn(out, n, generator=g) * 0.02
+        hdiag = torch.rand(n, generator=g) * 2 + 0.1
+        res = mosaic_decompose(W, None, hdiag=hdiag, budget=a.budget, block=a.block, report=False)
+        m = MosaicQuantLinear.from_result(res)
+        k = m.kernel()
+        wf = m.dequantize_reference(torch.float32)
+        mem = m.residual_overhead()
+        for bsz in (int(b) for b in a.batches.split(",")):
+            x = torch.randn(bsz, n, generator=g)
+            reps = max(3, a.repeats if out * n * bsz < 2**31 else 3)
+            t = {
+                "dense": _time(k.dense_only, x, reps),
+                "fused": _time(k.fused, x, reps),
+                "three-step": _time(k.three_step, x, reps),
+                "fp32": _time(lambda v: torch.nn.functional.linear(v, wf), x, reps),
+            }
+            err = float((k.fused(x) - x @ wf.T).abs().max() / (x @ wf.T).abs().max())
+            row = {
+                "shape": shape,
+                "batch": bsz,
+                "blocks": f"{m.res_index.numel()}/{res.block_mask.numel()}",
+                "ms": t,
+                "fused_overhead": t["fused"] / t["dense"] - 1,
+                "three_step_overhead": t["three-step"] / t["dense"] - 1,
+                "memory_overhead": mem,
+                "bits_per_weight": m.bits_per_weight(),
+                "fused_rel_err": err,
+            }
+            rows.append(row)
+            print(
+                f"{shape:>11} b{bsz:<4} dense {t['dense']:8.3f}  fused {t['fused']:8.3f} "
+                f"({100 * row['fused_overhead']:+6.1f}%)  3-step {t['three-step']:8.3f} "
+                f"({100 * row['three_step_overhead']:+6.1f}%)  fp32 {t['fp32']:8.3f}  mem +{100 * mem:.1f}%",
+                flush=True,
+            )
+    out = {"args": vars(a), "machine": platform.platform(), "threads": torch.get_num_threads(), "rows": rows}
+    atomic_write_text(RESULTS / "mosaic_kernel.json", json.dumps(out, indent=2))
+    lines = [
+        f"CPU, {a.threads} threads, budget {a.budget:g}, {a.block} blocks, median ms "
+        f"(`python benchmarks/mosaic_kernel.py --threads {a.threads}`)",
+        "",
+        "| shape | batch | blocks | dense | fused | three-step | fp32 | fused overhead | 3-step overhead "
+        "| memory overhead |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        t = r["ms"]
+        lines.append(
+            f"| {r['shape']} | {r['batch']} | {r['blocks']} | {t['dense']:.3f} | {t['fused']:.3f} | "
+            f"{t['three-step']:.3f} | {t['fp32']:.3f} | {100 * r['fused_overhead']:+.1f}% | "
+            f"{100 * r['three_step_overhead']:+.1f}% | {100 * r['memory_overhead']:.1f}% |"
+        )
+    atomic_write_text(RESULTS / "mosaic_kernel.md", "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

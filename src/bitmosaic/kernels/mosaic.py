@@ -1,0 +1,123 @@
+"""CPU execution of MosaicQuant's dense 4-bit base plus its sparse 4-bit residual blocks.
+
+``y = Q(X) (Q(W~) + M ⊙ Q(R))ᵀ`` where ``Q(X)`` is the (already fake-quantized) input.  The dense
+base is a :class:`~bitmosaic.kernels.qmatmul.LowBitWeight` (only its public API is used:
+``from_codes``, ``matmul``, ``dequantize``, ``nbytes``); the residual is kept as int8 codes
+``[n_sel, bm, bk]`` with float32 scales ``[n_sel, bm]`` (the stored fp16 values) and block
+coordinates sorted by row block.
+
+Two paths, tested equal to the reference (within float32 summation order):
+
+* :meth:`MosaicWeight.fused` -- ZipperEngine's idea (§4.2) on the CPU: one tiling pass over the
+  output rows; each tile of the dense base is dequantized from its 4-bit codes, the selected
+  residual blocks of those rows are dequantized *into the same tile*, and one product with the
+  input tile accumulates both, so the quantized activations are read once per tile and there is
+  no separate sparse pass or reduce-add.
+* :meth:`MosaicWeight.three_step` -- the naive path: the dense product (the compiled low-bit
+  GEMV/GEMM), then a separate sparse pass that re-gathers the activations of every selected
+  block and multiplies them batched, then an add.
+
+``__call__`` uses the fused path for prefill (more than ``DECODE_ROWS`` tokens) and the three-step
+path for decode, where the compiled GEMV reads codes without building a float tile and re-reading
+a few activation rows costs nothing; ``benchmarks/mosaic.py`` measures both everywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .qmatmul import LowBitWeight
+
+__all__ = ["MosaicWeight", "DECODE_ROWS"]
+
+DECODE_ROWS = 8
+_TILE_ELEMS = 1 << 20
+
+
+class MosaicWeight:
+    def __init__(
+        self,
+        dense: LowBitWeight,
+        index: torch.Tensor,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        shape: tuple[int, int],
+        block: tuple[int, int],
+    ) -> None:
+        """``index``: ``[n_sel]`` flat block indices ``rb * n_col_blocks + cb``, ascending;
+        ``codes``: ``[n_sel, bm, bk]`` signed integers; ``scales``: ``[n_sel, bm]``."""
+        self.dense = dense
+        self.N, self.K = shape
+        self.bm, self.bk = block
+        self.ncb = -(-self.K // self.bk)
+        self.nrb = -(-self.N // self.bm)
+        idx = index.to(torch.int64)
+        if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+            raise ValueError("residual block indices must be strictly ascending")
+        self.rb, self.cb = idx // self.ncb, idx % self.ncb
+        self.codes = codes.to(torch.int8).contiguous()
+        self.scales = scales.float().contiguous()
+        # first selected block of every row block (blocks are sorted by row block)
+        self.starts = torch.searchsorted(self.rb, torch.arange(self.nrb + 1)).tolist()
+        rows_per_tile = max(1, _TILE_ELEMS // max(self.K, 1) // self.bm) * self.bm
+        self.tile_rows = rows_per_tile
+
+    def nbytes(self) -> int:
+        ts = (self.rb, self.cb, self.codes, self.scales)
+        return self.dense.nbytes() + sum(t.numel() * t.element_size() for t in ts)
+
+    def _values(self, lo: int, hi: int) -> torch.Tensor:
+        """Residual blocks ``lo:hi`` dequantized, float32 ``[n, bm, bk]``."""
+        return self.codes[lo:hi].float().mul_(self.scales[lo:hi, :, None])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(self.K, 1)
+        return self.three_step(x) if rows <= DECODE_ROWS else self.fused(x)
+
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        """One tiling pass: dense tile + residual blocks of its rows, one product per tile."""
+        K, bm, bk = self.K, self.bm, self.bk
+        x2 = x.reshape(-1, K).float()
+        Kp = self.ncb * bk
+        xp = x2 if Kp == K else torch.nn.functional.pad(x2, (0, Kp - K))
+        y = torch.empty(x2.shape[0], self.N, dtype=torch.float32)
+        for r0 in range(0, self.N, self.tile_rows):
+            r1 = min(self.N, r0 + self.tile_rows)
+            rb0, rb1 = r0 // bm, -(-r1 // bm)
+            lo, hi = self.starts[rb0], self.starts[rb1]
+            tile = self.dense.dequantize(slice(r0, r1))
+            if hi > lo:
+                padded = (rb1 - rb0) * bm != r1 - r0 or Kp != K
+                if padded:
+                    buf = torch.zeros((rb1 - rb0) * bm, Kp)
+                    buf[: r1 - r0, :K] = tile
+                    tile = buf
+                view = tile.view(rb1 - rb0, bm, self.ncb, bk).permute(0, 2, 1, 3)
+                view[self.rb[lo:hi] - rb0, self.cb[lo:hi]] += self._values(lo, hi)
+                torch.mm(xp, tile[: r1 - r0].T, out=y[:, r0:r1])
+            else:
+                torch.mm(x2, tile.T, out=y[:, r0:r1])
+        return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
+
+    def sparse_only(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual branch alone, ``x (M ⊙ Q(R))ᵀ`` (gathers the activations of every block)."""
+        x2 = x.reshape(-1, self.K).float()
+        T = x2.shape[0]
+        Kp = self.ncb * self.bk
+        xp = x2 if Kp == self.K else torch.nn.functional.pad(x2, (0, Kp - self.K))
+        ys = torch.zeros(T, self.nrb, self.bm)
+        if self.codes.shape[0]:
+            xb = xp.view(T, self.ncb, self.bk).index_select(1, self.cb)  # [T, n_sel, bk]
+            part = torch.bmm(xb.transpose(0, 1), self._values(0, self.codes.shape[0]).transpose(1, 2))
+            ys.index_add_(1, self.rb, part.transpose(0, 1))  # [T, n_sel, bm] into row blocks
+        return ys.reshape(T, -1)[:, : self.N]
+
+    def three_step(self, x: torch.Tensor) -> torch.Tensor:
+        """Dense low-bit product, then a separate sparse pass, then the add."""
+        yd = self.dense.matmul(x.reshape(-1, self.K).float())
+        y = yd + self.sparse_only(x)
+        return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
+
+    def dense_only(self, x: torch.Tensor) -> torch.Tensor:
+        """The dense base alone (the baseline the overhead is measured against)."""
+        return self.dense.matmul(x)

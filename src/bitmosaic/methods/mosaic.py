@@ -1,0 +1,185 @@
+"""Method ``mosaic``: MosaicQuant (dense 4-bit base + sparse 4-bit residual blocks chosen by the
+Δ-Hessian score), after SmoothQuant smoothing with a per-layer α search.
+
+- Smoothing (Eq. 3, App. C.1): ``s_j = max|X_j|^α / max|W_j|^(1-α)``, shared across q/k/v and
+  across gate/up and folded as :mod:`bitmosaic.models.smoothing` does (norms, ``v_proj`` when the
+  widths match, ``up_proj``).  ``o_proj`` under grouped-query attention (SmolLM2, Llama 3, Qwen)
+  has no op to fold into and is left **unsmoothed** (MosaicQuant still applies to it).
+- α per layer and group: the grid ``alpha_grid`` (default 0.3..1.0, including full migration) is
+  searched for the smallest output MSE on a token sample of the float layer's inputs
+  ``Σ_i ||X W_iᵀ - Q_x(X / s) Ŵ_i(s)ᵀ||²`` where ``Ŵ_i(s)`` is the full MosaicQuant weight of
+  ``W_i · diag(s)`` (Δ-Hessian scores from the smoothed input's ``H_jj / s_j²``) and ``Q_x`` the
+  activation quantizer: the objective the paper states (a weight-only objective drives α to 0).
+  ``search_budget`` (default: ``budget``) is the residual budget used inside the search, so the
+  "no sparse branch, α kept from the full method" ablation is ``budget=0, search_budget=0.1``.
+- Each linear (in true-sequential order, on inputs from the already quantized earlier groups):
+  :func:`~bitmosaic.algorithms.mosaic.mosaic_decompose` with ``H`` the Hessian of its float
+  (smoothed) inputs, packed as :class:`~bitmosaic.modules.mosaic.MosaicQuantLinear`.
+- Activations (App. C.1): W4A8 = per-token dynamic INT8; W4A4 = per-group (128, partial last group)
+  symmetric INT4 -- a per-token INT4 spec (what ``--scheme W4A4`` parses to) is turned into
+  per-group ``a4_group`` unless ``a4_per_group=False``.  The block K-width must divide the
+  activation group so each block sees one activation scale per token.
+- ``base="gptq"`` (our extension, not in the paper): the dense base is GPTQ on the same absmax
+  grid; ``R`` is then no longer bounded by half a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from ..algorithms.gptq import gptq_quantize
+from ..algorithms.mosaic import SELECTIONS, dense_base, mosaic_decompose, parse_block
+from ..algorithms.smooth import smooth_scales, smoothing_loss
+from ..errors import OptionError
+from ..formats.grid import IntGrid
+from ..modules.mosaic import MosaicQuantLinear
+from .registry import LayerStats, WeightQuantConfig, register_method
+from .smoothquant import _foldable_groups, act_fake_quant
+
+__all__ = ["MosaicConfig", "mosaic_weight"]
+
+ALPHA_GRID = tuple(round(0.3 + 0.1 * i, 2) for i in range(8))
+
+
+@dataclass
+class MosaicConfig(WeightQuantConfig):
+    IGNORED_FIELDS: ClassVar[tuple[str, ...]] = ("group_size", "symmetric", "scale_method")
+    IGNORED_WHY: ClassVar[str] = (
+        ": its dense base is 4-bit symmetric per-channel absmax (MosaicQuant Eq. 1-2)"
+    )
+
+    bits: int = 4
+    group_size: int | None = None
+    symmetric: bool = True
+    budget: float = 0.1
+    block: str = "64x64"
+    selection: str = "delta-hessian"
+    base: str = "rtn"  # rtn (the paper's absmax) | gptq (our extension)
+    clip_search: bool = False
+    alpha: float | None = None  # None: search per layer and group on alpha_grid
+    alpha_grid: tuple[float, ...] = field(default=ALPHA_GRID)
+    smooth: bool = True
+    search_budget: float | None = None  # residual budget inside the alpha search (None: budget)
+    max_tokens: int = 1024  # token sample of the alpha search
+    a4_per_group: bool = True
+    a4_group: int = 128
+    percdamp: float = 0.01  # GPTQ base only
+    seed: int = 0  # random selection only
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.bits != 4 or self.group_size is not None or not self.symmetric:
+            raise OptionError(
+                "mosaic quantizes weights to 4 bits, symmetric, per channel (use --scheme W4A4|W4A8)"
+            )
+        if isinstance(self.block, (tuple, list)):
+            self.block = "x".join(str(int(b)) for b in self.block)
+        bm, bk = parse_block(self.block)
+        if self.selection not in SELECTIONS:
+            raise OptionError(f"mosaic selection must be one of {SELECTIONS}, got {self.selection!r}")
+        if self.base not in ("rtn", "gptq"):
+            raise OptionError(f"mosaic base must be 'rtn' or 'gptq', got {self.base!r}")
+        for name in ("budget", "search_budget"):
+            v = getattr(self, name)
+            if v is not None and not 0.0 <= v <= 1.0:
+                raise OptionError(f"mosaic {name} must be a fraction in [0, 1], got {v}")
+        if self.alpha is not None and not 0.0 <= self.alpha <= 1.0:
+            raise OptionError(f"alpha must be in [0, 1] (or None to search), got {self.alpha}")
+        act = self.act
+        if (
+            act is not None
+            and self.a4_per_group
+            and act.fmt == "int"
+            and act.bits == 4
+            and act.granularity == "token"
+        ):
+            self.act = act = dataclasses.replace(act, granularity="group", group_size=self.a4_group)
+        if act is not None and act.granularity == "group" and act.group_size % bk:
+            raise OptionError(
+                f"block K-width {bk} must divide the activation group {act.group_size} so each block "
+                "sees one activation scale; use a block like 64x64 or 32x32"
+            )
+
+
+def _base(W: torch.Tensor, H: torch.Tensor | None, cfg: MosaicConfig):
+    if cfg.base == "rtn":
+        hdiag = None if H is None else torch.diagonal(H)
+        return dense_base(W, clip_search=cfg.clip_search, hdiag=hdiag)
+    if H is None:
+        raise OptionError("mosaic base='gptq' needs a Hessian")
+    codes, scales = dense_base(W, clip_search=cfg.clip_search, hdiag=torch.diagonal(H))
+    res = gptq_quantize(
+        W.float(),
+        H.float(),
+        IntGrid(4, True),
+        None,
+        scales=scales[:, None],
+        zeros=torch.full_like(scales[:, None], 8.0),
+        percdamp=cfg.percdamp,
+    )
+    return res.codes - 8, scales
+
+
+def mosaic_weight(
+    W: torch.Tensor, H: torch.Tensor | None, cfg: MosaicConfig, budget: float | None = None, report=True
+):
+    """The full MosaicQuant result of one (smoothed) weight under ``cfg``."""
+    codes, scales = _base(W, H, cfg)
+    return mosaic_decompose(
+        W,
+        H,
+        budget=cfg.budget if budget is None else budget,
+        block=cfg.block,
+        selection=cfg.selection,
+        base_codes=codes,
+        base_scales=scales,
+        seed=cfg.seed,
+        report=report,
+    )
+
+
+def mosaic_transform(caps, cfg: MosaicConfig):
+    qx = act_fake_quant(cfg.act)
+    budget = cfg.budget if cfg.search_budget is None else cfg.search_budget
+
+    def factors(cap, weights):
+        amax = cap.observer.channel_absmax
+        if not cfg.smooth:
+            return None, {"alpha": None, "reason": "smoothing off"}
+        if cfg.alpha is not None:
+            return smooth_scales(amax, weights, cfg.alpha), {"alpha": cfg.alpha}
+        X = cap.sample.float()
+        ref = [X @ W.float().T for W in weights]
+        best = (None, float("inf"), None)
+        losses = {}
+        for a in cfg.alpha_grid:
+            s = smooth_scales(amax, weights, float(a)).float()
+            Hs = cap.hessian.float() / (s[:, None] * s[None, :])
+
+            def qw(Wt, Hs=Hs):
+                return mosaic_weight(Wt, Hs, cfg, budget, report=False).dequantize(torch.float32)
+
+            loss = smoothing_loss(X, weights, s, qw, qx, dtype=torch.float32, reference=ref)
+            losses[float(a)] = loss
+            if loss < best[1]:
+                best = (float(a), loss, s)
+        return best[2], {"alpha": best[0], "loss": best[1], "losses": losses}
+
+    return _foldable_groups(caps, factors)
+
+
+@register_method(
+    "mosaic",
+    MosaicConfig,
+    description="MosaicQuant: dense 4-bit base + Δ-Hessian-selected sparse 4-bit residual blocks",
+    transform=mosaic_transform,
+    pack=lambda res, cfg, bias: MosaicQuantLinear.from_result(res, bias=bias),
+)
+def quantize_mosaic(weight, stats: LayerStats, cfg: MosaicConfig):
+    if stats.hessian is None:
+        raise OptionError("mosaic needs calibration statistics (a Hessian)")
+    return mosaic_weight(weight, stats.hessian, cfg)

@@ -1,0 +1,131 @@
+"""``MosaicQuantLinear`` (kind ``"mosaic"``): MosaicQuant's dense 4-bit base plus block-sparse 4-bit
+residual (MosaicQuant §3 Eq. 4, §4.1).
+
+Stored buffers (all saved, all counted in bits per weight):
+
+* the dense base as a packed symmetric per-channel 4-bit :class:`QuantLinear` (``qweight`` uint8,
+  ``scales`` fp16 ``[out, 1]``; zero-point 8 implied);
+* ``res_index`` int32 ``[n_sel]``: selected blocks as ``row_block * n_col_blocks + col_block``,
+  ascending;
+* ``res_qweight`` uint8 ``[n_sel * bm, bk / 2]``: the residual codes ``+ 8`` packed at 4 bits (edge
+  blocks are padded to the full ``bm x bk`` and the padding is counted);
+* ``res_scales`` fp16 ``[n_sel, bm]``: one scale per output row within each block.
+
+Bits per weight = all those bits / (``in_features * out_features``), the weights of the
+matrix; :meth:`MosaicQuantLinear.residual_overhead` is the residual's bits over the dense
+base's bits (the paper's memory overhead, Fig. 6).
+
+Forward: the input quantizer (``input_quant``, attached by the pipeline) produces ``Q(X)`` once;
+the kernel multiplies it by the dense base and the residual blocks in one pass
+(:mod:`bitmosaic.kernels.mosaic`), so the sparse branch uses the same quantized activations.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..algorithms.mosaic import MosaicResult, block_grid
+from ..formats.packing import pack_codes, unpack_codes
+from .qlinear import QuantLinear
+from .qmodules import MODULE_KINDS
+
+__all__ = ["MosaicQuantLinear"]
+
+
+class MosaicQuantLinear(QuantLinear):
+    kind = "mosaic"
+    CONFIG_KEYS = ("block_rows", "block_cols", "n_blocks")
+
+    def __init__(self, in_features, out_features, *, block_rows: int, block_cols: int, n_blocks: int, **kw):
+        super().__init__(in_features, out_features, **kw)
+        if self.bits != 4 or not self.symmetric or self.group_size != in_features:
+            raise ValueError("a mosaic layer's dense base is 4-bit symmetric per-channel")
+        self.block_rows, self.block_cols = int(block_rows), int(block_cols)
+        self.register_buffer("res_index", torch.zeros(n_blocks, dtype=torch.int32))
+        cols = -(-self.block_cols // 8) * 4
+        self.register_buffer("res_qweight", torch.zeros(n_blocks * self.block_rows, cols, dtype=torch.uint8))
+        self.register_buffer("res_scales", torch.zeros(n_blocks, self.block_rows, dtype=torch.float16))
+
+    @property
+    def block(self) -> tuple[int, int]:
+        return self.block_rows, self.block_cols
+
+    @classmethod
+    def from_result(cls, res: MosaicResult, *, bias=None) -> MosaicQuantLinear:
+        if not isinstance(res, MosaicResult):
+            raise TypeError(f"expected a MosaicResult, got {type(res).__name__}")
+        out, n = res.codes.shape
+        bm, bk = res.block
+        dense = QuantLinear.from_result(res, bits=4, group_size=None, symmetric=True, bias=bias)
+        nr, nc = block_grid((out, n), (bm, bk))
+        idx = torch.nonzero(res.block_mask.reshape(-1).cpu()).reshape(-1)
+        m = cls._from_packed(dense, block_rows=bm, block_cols=bk, n_blocks=idx.numel())
+        codes = torch.nn.functional.pad(res.res_codes.cpu(), (0, nc * bk - n, 0, nr * bm - out))
+        blocks = codes.reshape(nr, bm, nc, bk).permute(0, 2, 1, 3).reshape(nr * nc, bm, bk)[idx]
+        scales = torch.nn.functional.pad(res.res_scales.cpu().float(), (0, 0, 0, nr * bm - out), value=1.0)
+        bscales = scales.reshape(nr, bm, nc).permute(0, 2, 1).reshape(nr * nc, bm)[idx]
+        m.res_index.copy_(idx.to(torch.int32))
+        m.res_qweight.copy_(pack_codes((blocks + 8).reshape(-1, bk).to(torch.int32), 4))
+        m.res_scales.copy_(bscales.to(torch.float16))
+        return m
+
+    # -- the residual -------------------------------------------------------------------------
+    def residual_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Signed codes ``[n_sel, bm, bk]`` (int32) and float32 scales ``[n_sel, bm]``."""
+        bm, bk = self.block
+        c = unpack_codes(self.res_qweight, 4, bk) - 8
+        return c.reshape(-1, bm, bk), self.res_scales.float()
+
+    def residual_dense(self) -> torch.Tensor:
+        """``M ⊙ Q(R)`` as float32 ``[out, in]`` (reference scatter of the stored blocks)."""
+        bm, bk = self.block
+        out, n = self.out_features, self.in_features
+        nr, nc = block_grid((out, n), self.block)
+        c, s = self.residual_blocks()
+        full = torch.zeros(nr * nc, bm, bk, device=c.device)
+        full[self.res_index.long()] = c.float() * s[:, :, None]
+        full = full.reshape(nr, nc, bm, bk).permute(0, 2, 1, 3).reshape(nr * bm, nc * bk)
+        return full[:out, :n].contiguous()
+
+    def dequantize_reference(self, dtype=torch.float32):
+        return super().dequantize_reference(dtype) + self.residual_dense().to(dtype)
+
+    def _dequantize(self, dtype):
+        return super()._dequantize(dtype) + self.residual_dense().to(dtype)
+
+    def _build_kernel(self):
+        from ..kernels.mosaic import MosaicWeight
+
+        dense = super()._build_kernel()  # a LowBitKernel without permutation (no g_idx)
+        c, s = self.residual_blocks()
+        return MosaicWeight(
+            dense.weight, self.res_index, c, s, (self.out_features, self.in_features), self.block
+        )
+
+    # -- accounting ---------------------------------------------------------------------------
+    def residual_tensors(self) -> list[torch.Tensor]:
+        return [self.res_index, self.res_qweight, self.res_scales]
+
+    def storage_tensors(self):
+        return super().storage_tensors() + self.residual_tensors()
+
+    def residual_overhead(self) -> float:
+        """Stored bits of the residual (indices, codes, scales) / stored bits of the dense base."""
+        from ..formats.accounting import storage_bits
+
+        return storage_bits(self.residual_tensors()) / storage_bits(super().storage_tensors())
+
+    def layer_config(self) -> dict:
+        return {
+            **super().layer_config(),
+            "block_rows": self.block_rows,
+            "block_cols": self.block_cols,
+            "n_blocks": int(self.res_index.numel()),
+        }
+
+    def extra_repr(self) -> str:
+        nr, nc = block_grid((self.out_features, self.in_features), self.block)
+        return f"{super().extra_repr()}, residual {self.res_index.numel()}/{nr * nc} blocks of {self.block}"
+
+
+MODULE_KINDS[MosaicQuantLinear.kind] = MosaicQuantLinear
