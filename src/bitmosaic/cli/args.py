@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from .sfmp_args import sfmp_options
+
 DEFAULT_MODEL = "smollm2-135m"
 
 
@@ -194,4 +196,5 @@ def _method_options(args, spec) -> dict:
         if fld not in names:
             raise ValueError(f"--{arg.replace('_', '-')} does not apply to method {spec.name!r}")
         opts[fld] = value
+    opts.update(sfmp_options(args, names, spec.name))
     return opts

@@ -5,6 +5,7 @@ from . import fp8 as _fp8  # noqa: F401  (registers fp8)
 from . import gptq as _gptq  # noqa: F401  (registers gptq, babai)
 from . import lattice as _lattice  # noqa: F401  (registers ssqr, hptq, hrtn)
 from . import rtn as _rtn  # noqa: F401  (registers rtn)
+from . import sfmp as _sfmp  # noqa: F401  (registers sfmp)
 from . import smoothquant as _smoothquant  # noqa: F401  (registers smoothquant, awq)
 from .registry import LayerStats, MethodSpec, WeightQuantConfig, get_method, list_methods, register_method
 
