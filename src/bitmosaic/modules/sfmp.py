@@ -85,6 +85,7 @@ class SFMPLinear(QuantModule):
         self.register_buffer("col_perm", cp)
         # runtime only (fold_permutations): output index (None: inv(row_perm)) and input gather flag
         self._out_index: torch.Tensor | None = None
+        self._in_index: torch.Tensor | None = None  # col_perm as int64 on the input's device
         self._gather_input = True
 
     # -- construction -------------------------------------------------------------------------
@@ -176,13 +177,20 @@ class SFMPLinear(QuantModule):
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         if self.col_perm is None or not self._gather_input:
             return x
-        return x.index_select(-1, self.col_perm.long().to(x.device))
+        idx = self._in_index
+        if idx is None or idx.device != x.device:
+            idx = self._in_index = self.col_perm.to(device=x.device, dtype=torch.long)
+        return x.index_select(-1, idx)
 
     def _scatter(self, y: torch.Tensor) -> torch.Tensor:
         idx = self._out_index
         if idx is None and self.row_perm is not None:
             idx = self._out_index = inverse_perm(self.row_perm.long())
-        return y if idx is None else y.index_select(-1, idx.to(y.device))
+        if idx is None:
+            return y
+        if idx.device != y.device:
+            idx = self._out_index = idx.to(y.device)
+        return y.index_select(-1, idx)
 
     # -- accounting ---------------------------------------------------------------------------
     def storage_tensors(self) -> list[torch.Tensor]:
@@ -211,7 +219,7 @@ class SFMPLinear(QuantModule):
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
-        self._out_index = None
+        self._out_index = self._in_index = None
         self._gather_input = True
 
     def extra_repr(self) -> str:
