@@ -62,12 +62,16 @@ def _hessian_loss(
     weights: Sequence[torch.Tensor],
     H: torch.Tensor,
     s: torch.Tensor,
-    quantize_w: Callable[[torch.Tensor], torch.Tensor],
+    quantize_w: Callable[[torch.Tensor], torch.Tensor] | Sequence[Callable[[torch.Tensor], torch.Tensor]],
 ) -> float:
-    """``sum_i trace(E_i H E_i^T)``, ``E_i = W_i - Q(W_i * s) / s`` (all float64)."""
+    """``sum_i trace(E_i H E_i^T)``, ``E_i = W_i - Q_i(W_i * s) / s`` (all float64); ``quantize_w``
+    is one quantizer for all weights or one per weight."""
+    qs = [quantize_w] * len(weights) if callable(quantize_w) else list(quantize_w)
+    if len(qs) != len(weights):
+        raise ValueError(f"got {len(qs)} weight quantizers for {len(weights)} weights")
     total = 0.0
-    for W in weights:
-        Wq = quantize_w(W * s).to(torch.float64) / s
+    for W, q in zip(weights, qs, strict=True):
+        Wq = q(W * s).to(torch.float64) / s
         E = W - Wq
         total += float(((E @ H) * E).sum())
     return total
@@ -91,7 +95,7 @@ def awq_search_scales(
     x_absmean: torch.Tensor,
     weights: Sequence[torch.Tensor],
     H: torch.Tensor,
-    quantize_w: Callable[[torch.Tensor], torch.Tensor],
+    quantize_w: Callable[[torch.Tensor], torch.Tensor] | Sequence[Callable[[torch.Tensor], torch.Tensor]],
     n_grid: int = 20,
     duo_scaling: bool = True,
     *,
@@ -105,8 +109,10 @@ def awq_search_scales(
     ``>= 1e-4`` and normalised by ``sqrt(max(s) * min(s))``.  Its loss is
     ``sum_i trace(E_i H E_i^T)`` with ``E_i = W_i - quantize_w(W_i * s) / s``: for
     ``H = c * X^T X`` this is exactly ``c`` times the summed squared output error over all
-    calibration tokens, so no activations need storing.  The identity ``s = 1`` is evaluated too
-    and returned (``ratio=None``) when strictly best, so the result never loses to plain RTN.
+    calibration tokens, so no activations need storing (``quantize_w`` may also be a sequence, one
+    quantizer per weight: SFMP's per-linear mixed-width permuted quantizers).  The identity
+    ``s = 1`` is evaluated too and returned (``ratio=None``) when strictly best, so the result never
+    loses to plain RTN.
 
     ``x_absmean``: ``[n]`` mean ``|x|`` per input channel; ``weights``: the ``[out_i, n]``
     linears sharing that input (their losses are summed); ``quantize_w``: weight -> its

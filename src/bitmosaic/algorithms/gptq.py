@@ -61,6 +61,9 @@ class ColumnQuantizer(Protocol):
     ``w - dequantized`` (Eq. 12 of the DPQ paper), so ``dequantized`` must be the weight that
     inference will use.
 
+    Optional ``for_group(k) -> ColumnQuantizer``: the quantizer of group ``k`` (one per group, e.g.
+    SFMP's per-block widths), used for that group's ``fit`` and columns.
+
     Optional ``column_step(scale, zero)``: ``quantize`` bound to one group's scale/zero (GPTQ calls
     it once per group and the returned function once per column), for quantizers that can precompute
     per group; it must return exactly what ``quantize`` returns.
@@ -108,6 +111,13 @@ def _column_step(quantizer: ColumnQuantizer, scale: torch.Tensor, zero: torch.Te
     if make is not None:
         return make(scale, zero)
     return lambda w: quantizer.quantize(w, scale, zero)
+
+
+def _for_group(quantizer: ColumnQuantizer, k: int) -> ColumnQuantizer:
+    """The quantizer of group ``k``: ``quantizer.for_group(k)`` when it has one (a width per row
+    and group, SFMP's bit map), else ``quantizer`` itself."""
+    make = getattr(quantizer, "for_group", None)
+    return quantizer if make is None else make(k)
 
 
 def _block_bounds(n: int, block_size: int, group_starts: list[int]) -> list[tuple[int, int]]:
@@ -160,9 +170,9 @@ def gptq_quantize(
         quantizer = IntColumnQuantizer(grid, scale_method, clip)
     caller = torch.get_num_threads()
 
-    def fit(cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def fit(cols: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         with solver_threads(caller, W.device):
-            return quantizer.fit(cols)
+            return _for_group(quantizer, k).fit(cols)
 
     with solver_threads(threads, W.device):
         return _gptq(
@@ -192,7 +202,7 @@ def _gptq(W, H, group_size, perm, static_groups, block_size, percdamp, dtype, sc
         static_s = W.new_empty(out, G)
         static_z = W.new_empty(out, G)
         for k in range(G):
-            static_s[:, k], static_z[:, k] = fit(W[:, k * g : (k + 1) * g])
+            static_s[:, k], static_z[:, k] = fit(W[:, k * g : (k + 1) * g], k)
     aligned = static_groups or groups_contiguous(perm, g)
 
     orig_group = (perm // g).tolist()  # contiguous group of the column at each processing position
@@ -229,8 +239,9 @@ def _gptq(W, H, group_size, perm, static_groups, block_size, percdamp, dtype, sc
                             out_s[:, k], out_z[:, k] = static_s[:, k], static_z[:, k]
                         else:  # the group's current weights: this block starts at col (see above)
                             glen = min(g, n - k * g) if aligned else min(g, n - col)
-                            out_s[:, k], out_z[:, k] = fit(WT[col : col + glen].T.contiguous())
-                        steps[k] = _column_step(quantizer, out_s[:, k].clone(), out_z[:, k].clone())
+                            out_s[:, k], out_z[:, k] = fit(WT[col : col + glen].T.contiguous(), k)
+                        qk = _for_group(quantizer, k)
+                        steps[k] = _column_step(qk, out_s[:, k].clone(), out_z[:, k].clone())
                     step = steps[k]
                 w = W1[i]
                 q, dq = step(w)

@@ -21,6 +21,7 @@ from .args import (
 )
 from .commands import cmd_eval, cmd_inspect, cmd_methods, cmd_quantize
 from .export import add_export_parser, cmd_export
+from .sfmp_args import add_sfmp_args
 
 __all__ = ["main", "build_parser", "act_spec_from_args", "_method_options"]
 
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     sym.add_argument("--sym", dest="symmetric", action="store_true", default=None, help="symmetric grid")
     sym.add_argument("--asym", dest="symmetric", action="store_false", help="asymmetric grid (default)")
     _add_act_args(q)
+    add_sfmp_args(q)
     q.add_argument("--scale", dest="scale_method", choices=["minmax", "mse"], default=None)
     q.add_argument("--order", choices=["natural", "act", "gar", "min-pivot"], default=None)
     q.add_argument("--direction", choices=["front", "back"], default=None)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from .sfmp_args import sfmp_options
+
 DEFAULT_MODEL = "smollm2-135m"
 
 
@@ -73,7 +75,9 @@ def _add_act_args(q: argparse.ArgumentParser) -> None:
     sq.add_argument("--sq-act-scale", choices=["token", "bank"], default=None, help="sq-acts dynamic scales")
     mq = q.add_argument_group("mosaic (dense 4-bit base + sparse 4-bit residual blocks)")
     mq.add_argument("--budget", type=float, default=None, help="mosaic: fraction of blocks compensated (0.1)")
-    mq.add_argument("--block", default=None, help="mosaic: residual block ROWSxCOLS (64x64)")
+    mq.add_argument(
+        "--block", default=None, help="ROWSxCOLS: mosaic residual block (64x64), sfmp block (512xgroup)"
+    )
     mq.add_argument(
         "--selection",
         choices=["delta-hessian", "magnitude", "residual-norm", "random", "channel", "oracle", "none"],
@@ -249,7 +253,10 @@ def _method_options(args, spec) -> dict:
         value = getattr(args, arg)
         if value is None or value is False:
             continue
+        if arg == "block" and "block_rows" in names:  # sfmp takes --block as rows x columns
+            continue
         if fld not in names:
             raise ValueError(f"--{arg.replace('_', '-')} does not apply to method {spec.name!r}")
         opts[fld] = value
+    opts.update(sfmp_options(args, names, spec.name))
     return opts

@@ -96,11 +96,18 @@ def cmd_quantize(args) -> int:
     )
     hdt = {"float32": torch.float32, "float64": torch.float64}[args.hessian_dtype]
     orders = tuple(o for o in args.bound_orders.split(",") if o) if args.bound_orders else None
+    fisher_n = getattr(config, "fisher_samples", None)
+    salience_tokens = None
+    if spec.allocate is not None and fisher_n is not None and fisher_n > args.nsamples:
+        salience_tokens = calibration_samples(
+            tok, args.calib, fisher_n, args.seqlen, args.seed, data_dir=args.data_dir
+        )
     report = quantize_model(
         model,
         calib,
         spec,
         config,
+        salience_tokens=salience_tokens,
         batch_size=args.batch_size,
         hessian_dtype=hdt,
         progress=progress,
@@ -109,6 +116,14 @@ def cmd_quantize(args) -> int:
         device=device,
     )
     report.calibration.update({"source": args.calib, "seed": args.seed, "bos": bos_token_id(tok) is not None})
+    alloc = report.calibration.get("allocation")
+    if alloc:
+        print(
+            f"sfmp: b target {alloc['b']:.4f}, reached {alloc['b_reached']:.4f} "
+            f"({alloc['low']}/{alloc['high']} bits), "
+            f"overhead {alloc['overhead_bpw']:.4f} BPW, Fisher {alloc['fisher'].get('seconds', 0):.1f}s"
+            f"{' (cached)' if alloc['fisher'].get('cached') else ''}"
+        )
     out = report.to_dict()
     out.update(model=args.model, device=str(device), dtype=str(dtype).removeprefix("torch."))
     print(

@@ -8,7 +8,9 @@ Two optional hooks: ``pack`` (result -> module, for formats beyond the plain pac
 ``transform`` (``fn(captures, config) -> per-group info``), which runs once per decoder layer
 *before* its linears are quantized, on statistics of the float layer's inputs, and returns the
 per-channel factors to fold into the preceding ops (SmoothQuant, AWQ; see
-:mod:`bitmosaic.models.smoothing`).
+:mod:`bitmosaic.models.smoothing`); and ``allocate`` (``fn(saliences, config) -> summary``), run
+once on the float model before calibration with the Fisher diagonal of every decoder linear
+(SFMP's global bit allocation; see :mod:`bitmosaic.models.fisher`).
 
 Every config carries ``act``: the activation quantizer applied at the input of each quantized
 linear (``None`` = 16-bit activations), so every weight method composes with every activation
@@ -36,6 +38,7 @@ class LayerStats:
 
     hessian: torch.Tensor | None = None  # 2/n X^T X (undamped), [in, in]
     act: ActObserver | None = None  # per-channel input statistics (max, mean |x|, mean)
+    name: str | None = None  # qualified name of the linear (methods with a model-wide plan: sfmp)
 
 
 _SCHEME_SUFFIX = {"int": "", "e4m3": "-FP8", "e4m3-240": "-FP8-240", "e5m2": "-E5M2", "e2m1": "-FP4"}
@@ -84,6 +87,9 @@ class MethodSpec:
     # result -> nn.Module packing; None means the standard packed QuantLinear
     pack: Callable[[QuantResult, object, torch.Tensor | None], torch.nn.Module] | None = field(default=None)
     transform: Callable | None = field(default=None)
+    # ``fn(saliences {qualified linear name: Fisher diagonal [out, in]}, config) -> summary``: a
+    # model-wide plan made once, on the float model, before any layer is calibrated (sfmp)
+    allocate: Callable | None = field(default=None)
 
     def make_config(self, **kwargs) -> WeightQuantConfig:
         names = {f.name for f in dataclasses.fields(self.config_cls)}
@@ -107,6 +113,7 @@ def register_method(
     pack=None,
     transform=None,
     row_separable: bool = False,
+    allocate=None,
 ):
     """Decorator: register ``fn(weight, stats, config) -> QuantResult`` under ``name``."""
 
@@ -114,7 +121,7 @@ def register_method(
         if name in _REGISTRY:
             raise ValueError(f"method {name!r} is already registered")
         _REGISTRY[name] = MethodSpec(
-            name, config_cls, fn, needs_hessian, description, row_separable, pack, transform
+            name, config_cls, fn, needs_hessian, description, row_separable, pack, transform, allocate
         )
         return fn
 

@@ -30,6 +30,7 @@ class GroupCapture:
     sample: torch.Tensor  # [<= max_tokens, n] float32 rows of the input
     weights: dict[str, torch.Tensor]  # the group's float weights (float32 copies)
     foldable: bool  # whether per-channel factors can be folded into the preceding op
+    prefix: str = ""  # qualified name of the decoder layer (names are relative to it)
 
 
 def foldable(layer: nn.Module, arch: ArchSpec, group_index: int) -> bool:

@@ -51,6 +51,7 @@ from .calibration import (
 from .capture import capture_groups, run_layer
 from .loading import resolve_device as _resolve_named_device
 from .report import RunReport, error_metrics, peak_rss_mb
+from .sfmp import allocate_with_salience, fold_model_permutations
 from .smoothing import fold_group_scales
 
 __all__ = [
@@ -82,13 +83,15 @@ def _pack(method: MethodSpec, res, config, bias) -> nn.Module:
     )
 
 
-def _apply_transform(method: MethodSpec, config, layer, arch, inputs, kwargs, gen) -> dict[int, dict]:
+def _apply_transform(method: MethodSpec, config, layer, arch, inputs, kwargs, gen, prefix) -> dict[int, dict]:
     """Run the method's per-layer ``transform`` and fold the factors it returns; info per group."""
     if method.transform is None:
         return {}
     caps = capture_groups(
         layer, arch, inputs, kwargs, max_tokens=getattr(config, "max_tokens", 2048), generator=gen
     )
+    for cap in caps:
+        cap.prefix = prefix
     info: dict[int, dict] = {}
     for cap, (s, row) in zip(caps, method.transform(caps, config), strict=True):
         if s is not None:
@@ -120,7 +123,8 @@ def _quantize_shared(
     out = []
     for call_names, W in calls:
         t0 = time.perf_counter()
-        res = method.fn(W, LayerStats(hessian=H, act=act_stats), config)
+        name = f"{prefix}.{call_names[0]}" if len(call_names) == 1 else None
+        res = method.fn(W, LayerStats(hessian=H, act=act_stats, name=name), config)
         seconds = (time.perf_counter() - t0) / len(call_names)
         row0 = 0
         for n in call_names:
@@ -140,6 +144,8 @@ def _quantize_shared(
                 row.update({"rel_out_error": None, "hessian_error": None, "babai_bound": None})
             row["bits_per_weight"] = qlin.bits_per_weight()
             row["storage_bits"] = getattr(qlin, "storage_bits", None)
+            if hasattr(qlin, "bits_breakdown"):
+                row["bits_breakdown"] = qlin.bits_breakdown()
             row.update(r.info)
             row["seconds"] = seconds
             if stacked:
@@ -168,6 +174,8 @@ def quantize_model(
     check_packing: bool = True,
     measure_errors: bool = False,
     compute_dtype: torch.dtype | None = None,
+    salience: dict[str, torch.Tensor] | None = None,
+    salience_tokens: torch.Tensor | None = None,
 ) -> RunReport:
     """Quantize every linear of ``model``'s decoder layers in place; return the run report.
 
@@ -183,6 +191,9 @@ def quantize_model(
     Hessian (RTN, FP8), so their report rows get the error metrics too.  ``compute_dtype``: the
     dtype a decoder layer is cast to while it is calibrated (``None``: float32 on the CPU, whose
     bfloat16 matmuls are slow, else the model's own dtype); the model keeps its dtype.
+    ``salience`` / ``salience_tokens``: for methods with an ``allocate`` step (sfmp), a precomputed
+    Fisher diagonal per linear, or the tokens to estimate it from (default: ``calib``); it is
+    computed on the float model before anything else (see :mod:`bitmosaic.models.sfmp`).
     """
     t0 = time.perf_counter()
     arch = arch or get_arch(model)
@@ -216,6 +227,11 @@ def quantize_model(
     report.calibration["calibrated"] = calibrate
     report.calibration["compute_dtype"] = str(cdtype).replace("torch.", "")
     report.calibration["offload_inputs"] = bool(offload_inputs) if calibrate else None
+    if method.allocate is not None:  # model-wide plan on the float model, before any transform
+        report.calibration["allocation"] = allocate_with_salience(
+            model, calib, method, config, arch, salience=salience, salience_tokens=salience_tokens,
+            progress=progress,
+        )  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     total_bits = 0.0
     total_weights = 0
@@ -232,7 +248,7 @@ def quantize_model(
         kwargs = kwargs_by_kind[layer_kind(layer)] if calibrate else None
         group_info = {}
         if calibrate:
-            group_info = _apply_transform(method, config, layer, arch, inputs, kwargs, gen)
+            group_info = _apply_transform(method, config, layer, arch, inputs, kwargs, gen, prefix)
         use_cache = calibrate and _use_cache(cache_outputs, cache_budget_mb, calib, layer, arch)
         with OutputCache() as cache:
             for gi, group in enumerate(arch.sequential):
@@ -302,6 +318,8 @@ def quantize_model(
             if act is not None:
                 attach_input_quant(qlin, act, qlin.in_features, act_scales[name])
             layer.set_submodule(name, qlin.to(home))
+    if method.allocate is not None:
+        report.calibration["permutations_folded"] = fold_model_permutations(model, arch)
     report.seconds = time.perf_counter() - t0
     report.peak_rss_mb = peak_rss_mb()
     if dev.type == "cuda":

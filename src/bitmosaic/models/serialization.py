@@ -34,6 +34,7 @@ from torch import nn
 
 from ..errors import CorruptModelError, OutputExistsError, check_finite
 from ..modules.qmodules import full_layer_config, module_from_layer_config
+from .sfmp import fold_model_permutations
 
 __all__ = [
     "FORMAT_VERSION",
@@ -383,6 +384,7 @@ def load_quantized(path: str | os.PathLike, load_tokenizer: bool = True, dtype: 
     model.load_state_dict(sd, strict=False, assign=True)
     if tied:
         model.tie_weights()
+    fold_model_permutations(model)  # SFMP: exact runtime folds of saved permutations (if any)
     if dtype is not None:
         _cast_unquantized(model, set(qc["modules"]), dtype)
     model.quantization_info = qc

@@ -26,6 +26,7 @@ from ..formats.sparse import CSR, csr_from_dense
 from .actquant import attach_input_quant, input_quant_spec
 from .base import QuantModule
 from .qlinear import QuantLinear
+from .sfmp import SFMPLinear
 
 __all__ = [
     "SparseOutlierQuantLinear",
@@ -283,6 +284,7 @@ MODULE_KINDS = {
     "huffman": HuffmanQuantLinear,
     "dpq": FP8ComputeQuantLinear,
     "fp8": FP8Linear,
+    "sfmp": SFMPLinear,
 }
 from .sq import SQActLinear, SQWeightLinear  # noqa: E402  (SQ-format kinds; sq.py imports qlinear only)
 

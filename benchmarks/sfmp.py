@@ -1,0 +1,299 @@
+"""SFMP (issue #12) on SmolLM2-135M: perplexity at matched memory against uniform GPTQ and AWQ.
+
+Pairings (the paper's Table 3, plus 2.5/3.5/4.25): at each point the uniform baselines are run
+first and SFMP gets their *measured* total bits per weight (``bpw``: codes + scales/zeros +
+permutations + bit map all counted), so both sides store the same number of bits:
+
+=====  ==========================  ==========
+point  uniform GPTQ / AWQ          SFMP group
+=====  ==========================  ==========
+2.5    w2 g64                      g128
+3.0    w3 per-channel              g128
+3.25   w3 g128                     g256
+3.5    w3 g64                      g128
+4.0    w4 per-channel              g128
+4.25   w4 g128                     g256
+=====  ==========================  ==========
+
+Parts: ``main`` (the table above, SFMP with AWQ and with GPTQ blocks), ``reorder`` (none / row /
+column / both), ``blocks`` (m_b in {32, 64, 512} at n_b = 128, n_b in {64, 128, 256}), ``fisher``
+(Fisher from fewer/more samples).  The Fisher salience is computed once per token set and cached.
+Results accumulate in ``benchmarks/results/sfmp.partial.json`` (a re-run skips rows already there),
+so the parts can run one at a time under the shared lock; ``--report`` prints the tables, writes
+``sfmp.json``/``sfmp.md`` and the allocation PNG.
+
+Run: flock /tmp/bitmosaic-heavy.lock python benchmarks/sfmp.py --parts main --points 2.5 --nsamples 16
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from pathlib import Path
+
+from bitmosaic.data import calibration_samples
+from bitmosaic.methods import get_method
+from bitmosaic.models import quantize_model
+from bitmosaic.models.serialization import atomic_write_text
+
+from common import RESULTS, Bench, base_parser
+
+PAIRS = {  # point -> (uniform bits, uniform group or None, sfmp group)
+    "2.5": (2, 64, 128),
+    "3.0": (3, None, 128),
+    "3.25": (3, 128, 256),
+    "3.5": (3, 64, 128),
+    "4.0": (4, None, 128),
+    "4.25": (4, 128, 256),
+}
+PARTIAL = RESULTS / "sfmp.partial.json"
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class SFMPBench(Bench):
+    def __init__(self, args):
+        super().__init__(args)
+        self.partial_path = PARTIAL
+        self.done = {}
+        if PARTIAL.is_file():
+            self.done = {r["name"]: r for r in json.loads(PARTIAL.read_text())["rows"]}
+        self.rows = list(self.done.values())
+
+    def get(self, name):
+        return self.done.get(name)
+
+    def sfmp(self, name: str, fisher_tokens=None, **options) -> dict:
+        if name in self.done:
+            return self.done[name]
+        spec = get_method("sfmp")
+        cfg = spec.make_config(**options)
+        model = copy.deepcopy(self.model)
+        rep = quantize_model(model, self.calib, spec, cfg, progress=False, salience_tokens=fisher_tokens)
+        t = time.perf_counter()
+        alloc = rep.calibration["allocation"]
+        row = {
+            "name": name,
+            "method": "sfmp",
+            "options": cfg.to_dict(),
+            "bits_per_weight": rep.bits_per_weight,
+            "b_target": alloc["b"],
+            "b_reached": alloc["b_reached"],
+            "overhead_bpw": alloc["overhead_bpw"],
+            "fisher_seconds": alloc["fisher"].get("seconds"),
+            "fisher_cached": alloc["fisher"].get("cached"),
+            "fisher_samples": alloc["fisher"].get("samples"),
+            "quant_seconds": rep.seconds,
+            "per_linear_bits": alloc["per_linear"],
+            "breakdown": _breakdown(rep.layers),
+            "ppl": self.ppl(model),
+        }
+        row["eval_seconds"] = time.perf_counter() - t
+        del model
+        self.done[name] = self._add(row)
+        return row
+
+    def uniform(self, name: str, method: str, **options) -> dict:
+        if name in self.done:
+            return self.done[name]
+        row = self.run(name, method, **options)
+        row.pop("layers", None)
+        self.done[name] = row
+        self._add_partial()
+        return row
+
+    def _add_partial(self):
+        rows = [{k: v for k, v in r.items() if k != "layers"} for r in self.rows]
+        atomic_write_text(PARTIAL, json.dumps({"partial": True, "rows": rows}, indent=2))
+
+
+def _breakdown(layers) -> dict:
+    n = sum(r["shape"][0] * r["shape"][1] for r in layers)
+    keys = layers[0]["bits_breakdown"].keys()
+    return {k: sum(r["bits_breakdown"][k] * r["shape"][0] * r["shape"][1] for r in layers) / n for k in keys}
+
+
+def _gname(g):
+    return "ch" if g is None else f"g{g}"
+
+
+def part_main(b: SFMPBench, points, solvers):
+    for p in points:
+        bits, ug, sg = PAIRS[p]
+        base = {"bits": bits, "group_size": ug}
+        g = b.uniform(f"{p} gptq w{bits}{_gname(ug)}", "gptq", **base)
+        a = b.uniform(f"{p} awq w{bits}{_gname(ug)}", "awq", **base)
+        bpw = max(g["bits_per_weight"], a["bits_per_weight"])  # identical layouts: equal
+        for s in solvers:
+            b.sfmp(f"{p} sfmp-{s} g{sg}", bpw=bpw, group_size=sg, solver=s)
+
+
+def part_reorder(b: SFMPBench, points):
+    for p in points:
+        bpw = b.get(f"{p} gptq w{PAIRS[p][0]}{_gname(PAIRS[p][1])}")["bits_per_weight"]
+        sg = PAIRS[p][2]
+        for label, r, c in (("none", False, False), ("row", True, False), ("col", False, True)):
+            b.sfmp(
+                f"{p} sfmp-awq g{sg} reorder={label}", bpw=bpw, group_size=sg, row_reorder=r, col_reorder=c
+            )
+
+
+def part_blocks(b: SFMPBench, points):
+    for p in points:
+        bpw = b.get(f"{p} gptq w{PAIRS[p][0]}{_gname(PAIRS[p][1])}")["bits_per_weight"]
+        for mb in (32, 64):
+            b.sfmp(f"{p} sfmp-awq g128 mb={mb}", bpw=bpw, group_size=128, block_rows=mb)
+        for nb in (64, 256):
+            b.sfmp(f"{p} sfmp-awq g{nb} nb={nb}", bpw=bpw, group_size=nb)
+
+
+def part_fisher(b: SFMPBench, points, samples):
+    for p in points:
+        bpw = b.get(f"{p} gptq w{PAIRS[p][0]}{_gname(PAIRS[p][1])}")["bits_per_weight"]
+        sg = PAIRS[p][2]
+        for n in samples:
+            name = f"{p} sfmp-awq g{sg} fisher={n}"
+            if name in b.done:
+                continue
+            toks = calibration_samples(
+                b.tok, "wikitext2", n, b.args.seqlen, b.args.seed + 1, data_dir=b.args.data_dir
+            )
+            b.sfmp(name, fisher_tokens=toks, bpw=bpw, group_size=sg, fisher_samples=n)
+
+
+def report(rows: list[dict], args) -> str:
+    by = {r["name"]: r for r in rows}
+    lines = ["## SFMP vs uniform at matched memory (SmolLM2-135M, WikiText-2 ppl)", ""]
+    lines.append(
+        "| point | GPTQ uniform (bpw, ppl) | AWQ uniform (bpw, ppl) | SFMP-AWQ (bpw, b, ppl) "
+        "| SFMP-GPTQ (bpw, b, ppl) |"
+    )
+    lines.append("|---|---|---|---|---|")
+    for p, (bits, ug, sg) in PAIRS.items():
+        cells = []
+        for n in (f"{p} gptq w{bits}{_gname(ug)}", f"{p} awq w{bits}{_gname(ug)}"):
+            r = by.get(n)
+            cells.append(f"w{bits}{_gname(ug)}: {r['bits_per_weight']:.3f}, **{r['ppl']:.2f}**" if r else "-")
+        for s in ("awq", "gptq"):
+            r = by.get(f"{p} sfmp-{s} g{sg}")
+            cells.append(
+                f"g{sg}: {r['bits_per_weight']:.3f}, {r['b_reached']:.3f}, **{r['ppl']:.2f}**" if r else "-"
+            )
+        if any(c != "-" for c in cells):
+            lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    float_row = by.get("float")
+    if float_row:
+        lines += ["", f"Float: ppl {float_row['ppl']:.3f}."]
+    abl = [
+        r
+        for r in rows
+        if r["method"] == "sfmp" and any(k in r["name"] for k in ("reorder=", "mb=", "nb=", "fisher="))
+    ]
+    if abl:
+        lines += [
+            "",
+            "## Ablations (SFMP-AWQ)",
+            "",
+            "| run | bpw | b reached | ppl | Fisher s (samples) |",
+            "|---|---|---|---|---|",
+        ]
+        for r in abl:
+            fs = (
+                f"{r['fisher_seconds']:.1f} ({r['fisher_samples']})"
+                if r.get("fisher_seconds")
+                else f"cached ({r['fisher_samples']})"
+            )
+            lines.append(
+                f"| {r['name']} | {r['bits_per_weight']:.3f} | {r['b_reached']:.3f} | {r['ppl']:.2f} | {fs} |"
+            )
+    sf = [r for r in rows if r["method"] == "sfmp"]
+    if sf:
+        costs = [r["fisher_seconds"] for r in sf if r.get("fisher_seconds")]
+        lines += ["", f"Fisher salience cost (uncached runs): {', '.join(f'{c:.1f}s' for c in costs)}."]
+        r0 = next(
+            (r for r in sf if r["name"].endswith("sfmp-awq g128") and r["name"].startswith("2.5")), sf[0]
+        )
+        lines += ["", f"## Average code bits per projection type ({r0['name']})", ""]
+        lines += ["| " + " | ".join(PROJ) + " |", "|" + "---|" * len(PROJ)]
+        lines.append("| " + " | ".join(f"{_proj_mean(r0, p):.3f}" for p in PROJ) + " |")
+        bd = r0["breakdown"]
+        lines += [
+            "",
+            "Bits per weight of that run: " + ", ".join(f"{k} {v:.4f}" for k, v in bd.items()) + ".",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _proj_mean(row, proj):
+    v = [b for n, b in row["per_linear_bits"].items() if n.endswith(proj)]
+    return sum(v) / len(v)
+
+
+def plot(rows, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    sf = [
+        r
+        for r in rows
+        if r["method"] == "sfmp" and r["name"].split()[1] == "sfmp-awq" and len(r["name"].split()) == 3
+    ]
+    if not sf:
+        return
+    fig, axes = plt.subplots(len(sf), 1, figsize=(12, 1.6 * len(sf) + 0.8), squeeze=False)
+    for ax, r in zip(axes[:, 0], sf, strict=True):
+        names = list(r["per_linear_bits"])
+        layers = sorted({int(n.split(".")[2]) for n in names})
+        M = np.array([[r["per_linear_bits"][f"model.layers.{i}.{'self_attn' if p in PROJ[:4] else 'mlp'}.{p}"]
+                       for i in layers] for p in PROJ])  # fmt: skip
+        im = ax.imshow(M, aspect="auto", cmap="viridis")
+        ax.set_yticks(range(len(PROJ)), [p.replace("_proj", "") for p in PROJ], fontsize=7)
+        ax.set_ylabel(f"BPW {r['bits_per_weight']:.2f}\nb={r['b_reached']:.2f}", fontsize=8)
+        ax.set_xticks(range(0, len(layers), 2), [str(i) for i in layers[::2]], fontsize=7)
+        fig.colorbar(im, ax=ax, pad=0.01)
+    axes[-1, 0].set_xlabel("decoder layer")
+    fig.suptitle("SFMP(AWQ) on SmolLM2-135M: average code bits per linear", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = base_parser(__doc__)
+    p.add_argument("--parts", default="main", help="comma list: main,reorder,blocks,fisher")
+    p.add_argument("--points", default=",".join(PAIRS), help="comma list of points (2.5,3.0,...)")
+    p.add_argument("--solvers", default="awq,gptq")
+    p.add_argument("--fisher-samples", default="32,128")
+    p.add_argument("--report", action="store_true", help="only assemble tables/PNG from the partial JSON")
+    a = p.parse_args()
+    if a.report:
+        rows = json.loads(PARTIAL.read_text())["rows"]
+    else:
+        b = SFMPBench(a)
+        if "float" not in b.done:
+            b.done["float"] = b.float_row()
+            b._add_partial()
+        points = [x for x in a.points.split(",") if x]
+        parts = a.parts.split(",")
+        if "main" in parts:
+            part_main(b, points, a.solvers.split(","))
+        if "reorder" in parts:
+            part_reorder(b, points)
+        if "blocks" in parts:
+            part_blocks(b, points)
+        if "fisher" in parts:
+            part_fisher(b, points, [int(x) for x in a.fisher_samples.split(",")])
+        rows = b.rows
+    md = report(rows, a)
+    print(md)
+    atomic_write_text(RESULTS / "sfmp.md", md)
+    atomic_write_text(
+        RESULTS / "sfmp.json", json.dumps({"benchmark": "sfmp", "args": vars(a), "rows": rows}, indent=2)
+    )
+    plot(rows, RESULTS / "sfmp_bits.png")
+
+
+if __name__ == "__main__":
+    main()

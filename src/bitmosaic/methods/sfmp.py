@@ -1,0 +1,237 @@
+"""Method ``sfmp``: SFMP (Nie et al.), search-free block-wise mixed precision.
+
+Pipeline (§4.6): the Fisher diagonal ``S`` of every decoder linear is computed on the float model
+(:mod:`bitmosaic.models.fisher`, Eqs. 1-2, Alg. 1) before anything else; :func:`sfmp_allocate` then
+reorders rows/columns by salience (§4.4), cuts ``W̃`` into ``m_b x n_b`` blocks and makes ONE global
+allocation of ``floor(b)``/``ceil(b)`` over all blocks of all decoder linears (§4.2-4.3, Alg. 2),
+``b`` coming from ``avg_bits``, ``bpw`` or ``budget_mb`` with the measured overhead.  Each linear is
+then quantized block by block at its widths:
+
+* ``solver="awq"`` (the paper's choice, §5): asymmetric, fp16 scale+zero per group; AWQ's scale
+  search scores every candidate with each linear's own mixed-width *permuted* quantizer (min-max
+  RTN at the block widths on ``W̃``) and the output-aware clip search runs per (row, group) at its
+  block's width on ``W̃`` with the permuted Hessian.  AWQ's duo-scaling weight magnitude is taken
+  over the original contiguous groups (it only shapes the candidate family, not the objective).
+* ``solver="gptq"`` (our extension): GPTQ on ``W̃`` in its natural order (= Fisher column order),
+  each row's group at its block's width (:class:`~bitmosaic.algorithms.sfmp.MixedRowQuantizer`),
+  dynamic group scales (MSE by default), no AWQ scaling.
+
+Packed into :class:`~bitmosaic.modules.sfmp.SFMPLinear`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from ..algorithms.awq import awq_search_scales
+from ..algorithms.gptq import gptq_quantize
+from ..algorithms.sfmp import (
+    BlockPlan,
+    MixedRowQuantizer,
+    allocate_bits,
+    bits_from_budget,
+    block_salience,
+    group_bits,
+    inverse_perm,
+    mixed_clip_search,
+    mixed_codes,
+    mixed_fake_quant,
+    mixed_scale_zero,
+    permute,
+    reorder_perms,
+)
+from ..errors import OptionError
+from ..formats.grid import IntGrid
+from ..formats.layout import default_g_idx, normalize_group_size
+from ..modules.sfmp import SFMPLinear, SFMPResult
+from .registry import LayerStats, WeightQuantConfig, register_method
+
+__all__ = ["SFMPConfig", "sfmp_allocate", "quantize_sfmp", "plan_for"]
+
+
+@dataclass
+class SFMPConfig(WeightQuantConfig):
+    """SFMP settings.  Exactly one of ``avg_bits`` (code bits ``b``), ``bpw`` (total stored bits
+    per weight) or ``budget_mb`` (MiB of the quantized linears) sets the budget."""
+
+    IGNORED_FIELDS = ("bits", "symmetric", "scale_method")
+    IGNORED_WHY = ": sfmp takes --avg-bits/--bpw/--budget-mb and is always asymmetric"
+
+    avg_bits: float | None = None
+    bpw: float | None = None
+    budget_mb: float | None = None
+    block_rows: int = 512  # m_b
+    block_cols: int | None = None  # n_b (None: the group size)
+    row_reorder: bool = True
+    col_reorder: bool = True
+    rank: str = "mean"  # mean (weight-count budget) | sum (the paper's literal block sums)
+    solver: str = "awq"  # awq | gptq
+    n_grid: int = 20
+    duo_scaling: bool = True
+    clip_search: bool = True
+    max_shrink: float = 0.5
+    max_tokens: int = 256
+    gptq_scale: str = "mse"
+    percdamp: float = 0.01
+    block_size: int = 128
+    fisher_samples: int | None = None  # None: every calibration sample
+    fisher_cache: str | None = "auto"  # folder, "auto" (~/.cache/bitmosaic/fisher) or None (off)
+    plans: dict = field(default_factory=dict, repr=False)  # set by sfmp_allocate (not saved)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.symmetric:
+            raise OptionError("sfmp is asymmetric (fp16 scale and zero per group); drop --sym")
+        if self.solver not in ("awq", "gptq"):
+            raise OptionError(f"sfmp solver must be 'awq' or 'gptq', got {self.solver!r}")
+        if self.rank not in ("mean", "sum"):
+            raise OptionError(f"sfmp rank must be 'mean' or 'sum', got {self.rank!r}")
+        if self.block_rows < 1:
+            raise OptionError(f"block rows (m_b) must be >= 1, got {self.block_rows}")
+        g = self.group_size
+        if g is not None and self.block_cols is not None and self.block_cols % g:
+            raise OptionError(
+                f"block columns n_b={self.block_cols} must be a multiple of the group size {g} "
+                "(each group has one width); use --block MbxNb with Nb a multiple of --group-size"
+            )
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plans"}
+        d["act"] = None if self.act is None else dataclasses.asdict(self.act)
+        return d
+
+    @property
+    def scheme(self) -> str:
+        what = next(
+            (f"{k}={v}" for k, v in (("b", self.avg_bits), ("bpw", self.bpw), ("MiB", self.budget_mb)) if v),
+            "unset",
+        )
+        return f"SFMP({self.solver}, {what})"
+
+
+def _plan_shape(cfg: SFMPConfig, K: int) -> tuple[int, int]:
+    g = normalize_group_size(cfg.group_size, K)
+    nb = cfg.block_cols or g
+    if nb >= K:  # one (partial) column block: round up to whole groups
+        return g, -(-K // g) * g
+    if nb % g:
+        raise OptionError(f"block columns {nb} are not a multiple of the group size {g}")
+    return g, nb
+
+
+def sfmp_allocate(saliences: dict[str, torch.Tensor], cfg: SFMPConfig) -> dict:
+    """Plans for every linear named in ``saliences`` (their Fisher diagonals ``[out, in]``, original
+    order): permutations (Eq. 12), blocks, the budget's ``b`` and ONE global allocation (Eq. 10).
+    Stores them in ``cfg.plans`` and returns the allocation summary."""
+    plans, sums = {}, {}
+    for name, S in saliences.items():
+        N, K = S.shape
+        g, nb = _plan_shape(cfg, K)
+        rp, cp = reorder_perms(S, cfg.row_reorder, cfg.col_reorder)
+        plans[name] = BlockPlan(N, K, min(cfg.block_rows, N), nb, g, rp, cp)
+        sums[name] = block_salience(permute(S.float(), rp, cp), plans[name].block_rows, nb)
+    budget = bits_from_budget(plans, avg_bits=cfg.avg_bits, bpw=cfg.bpw, budget_mb=cfg.budget_mb)
+    alloc = allocate_bits(sums, plans, budget["b"], cfg.rank)
+    cfg.plans = plans
+    per_linear = {n: p.average_bits() for n, p in plans.items()}
+    return {**budget, **alloc, "bpw_target": budget["b"] + budget["overhead_bpw"], "per_linear": per_linear}
+
+
+def plan_for(cfg: SFMPConfig, name: str | None) -> BlockPlan:
+    if name is None or name not in cfg.plans:
+        raise OptionError(
+            f"sfmp has no allocation for linear {name!r}: it must run through the calibration pipeline, "
+            "which computes the Fisher salience and the global bit allocation first"
+        )
+    return cfg.plans[name]
+
+
+def _permuted_quantizer(plan: BlockPlan):
+    """``W -> Q(W)`` in the original order: permute, min-max RTN at the block widths, un-permute."""
+    gb = group_bits(plan)
+    rinv = None if plan.row_perm is None else inverse_perm(plan.row_perm)
+    cinv = None if plan.col_perm is None else inverse_perm(plan.col_perm)
+
+    def q(W: torch.Tensor) -> torch.Tensor:
+        Wt = permute(W, plan.row_perm, plan.col_perm)
+        return permute(mixed_fake_quant(Wt, gb.to(W.device), plan.group_size), rinv, cinv)
+
+    return q
+
+
+def sfmp_transform(caps, cfg: SFMPConfig):
+    """AWQ's scale search with each linear's own mixed-width permuted quantizer (solver awq)."""
+    out = []
+    for cap in caps:
+        if cfg.solver != "awq" or not cap.foldable:
+            out.append(
+                (None, {"reason": "gptq solver" if cfg.solver != "awq" else "no foldable preceding op"})
+            )
+            continue
+        names = list(cap.names)
+        qs = [_permuted_quantizer(plan_for(cfg, f"{cap.prefix}.{n}")) for n in names]
+        res = awq_search_scales(
+            cap.observer.channel_absmean,
+            [cap.weights[n] for n in names],
+            cap.hessian,
+            qs,
+            n_grid=cfg.n_grid,
+            duo_scaling=cfg.duo_scaling,
+            group_size=cfg.group_size,
+        )
+        gain = 1.0 - min(res.losses.values(), default=res.identity_loss) / max(res.identity_loss, 1e-30)
+        out.append(((None if res.ratio is None else res.scales), {"ratio": res.ratio, "loss_gain": gain}))
+    return out
+
+
+def _pack(res: SFMPResult, cfg, bias):
+    return SFMPLinear.from_result(res, bias=bias)
+
+
+@register_method(
+    "sfmp",
+    SFMPConfig,
+    description="SFMP: Fisher-salience block-wise mixed precision, row/col reordering, AWQ or GPTQ",
+    transform=sfmp_transform,
+    pack=_pack,
+    allocate=sfmp_allocate,
+)
+def quantize_sfmp(weight, stats: LayerStats, cfg: SFMPConfig) -> SFMPResult:
+    plan = plan_for(cfg, stats.name)
+    W = weight.float()
+    if stats.hessian is None:
+        raise OptionError("sfmp needs calibration Hessians; run it through the calibration pipeline")
+    H = stats.hessian.float().to(W.device)
+    rp, cp = plan.row_perm, plan.col_perm
+    Wt = permute(W, rp, cp)
+    Ht = H if cp is None else H.index_select(0, cp.to(H.device)).index_select(1, cp.to(H.device))
+    gb = group_bits(plan).to(W.device)
+    gs = plan.group_size
+    if cfg.solver == "awq":
+        if cfg.clip_search:
+            scales, zeros = mixed_clip_search(Wt, Ht, gb, gs, cfg.n_grid, cfg.max_shrink)
+        else:
+            scales, zeros = mixed_scale_zero(Wt, gb, gs)
+        scales, zeros = scales.to(W.dtype), zeros.to(W.dtype)
+        codes_t = mixed_codes(Wt, scales, zeros, gb, gs)
+    else:
+        r = gptq_quantize(
+            Wt, Ht, IntGrid(8), gs, quantizer=MixedRowQuantizer(gb, cfg.gptq_scale),
+            block_size=cfg.block_size, percdamp=cfg.percdamp,
+        )  # fmt: skip
+        codes_t, scales, zeros = r.codes, r.scales, r.zeros
+    rinv = None if rp is None else inverse_perm(rp)
+    codes = permute(codes_t, rinv, None if cp is None else inverse_perm(cp)).to(torch.int32)
+    if rinv is not None:
+        scales, zeros = (
+            scales.index_select(0, rinv.to(scales.device)),
+            zeros.index_select(0, rinv.to(zeros.device)),
+        )
+    g_idx = default_g_idx(W.shape[1], gs, device=W.device)
+    if cp is not None:
+        g_idx = g_idx[inverse_perm(cp).to(W.device)]
+    info = {"code_bits": plan.average_bits(), "solver": cfg.solver}
+    return SFMPResult(codes, scales, zeros, g_idx, plan=plan, info=info)

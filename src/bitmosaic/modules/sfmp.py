@@ -1,0 +1,255 @@
+"""``SFMPLinear`` (kind ``"sfmp"``): SFMP's block-wise mixed-precision layer (Nie et al. §4.3-4.5).
+
+Saved buffers: ``qweight`` (uint8, the codes of ``W̃ = P_row W P_col`` in the block-major layout
+of :mod:`bitmosaic.formats.blocks`), ``scales``/``zeros`` (fp16 ``[out, G]``, groups contiguous on
+``W̃``: no ``g_idx``), ``row_perm``/``col_perm`` (int16/int32, absent when that reordering is
+off) and ``bit_map`` (uint8 ``[n_rb, n_cb]``, the width of each block), plus the bias.  Bits per
+weight count all of them; :meth:`SFMPLinear.bits_breakdown` lists them separately.
+
+Inference (Eq. 14): ``x̃ = x[..., col_perm]``, ``ỹ = x̃ W̃ᵀ`` with the low-bit kernel, ``y`` = ``ỹ``
+un-permuted (``ỹ[..., inv(row_perm)]``).  :func:`fold_permutations` removes a gather where that is
+exact: gate/up emit their outputs directly in down_proj's column order, and down_proj then skips
+its input gather (q/k/v are always un-permuted: RoPE and the heads need the original order).  The
+folded indices are derived from the saved permutations at load, never saved.
+
+The kernel is made by :func:`_make_kernel` (today :class:`~bitmosaic.kernels.qmatmul.LowBitWeight`,
+any mix of 1..8 bits per block); swapping in the bit-plane LUT GEMV changes only that function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..algorithms.sfmp import BlockPlan, group_bits, index_dtype, inverse_perm
+from ..algorithms.types import QuantResult
+from ..formats.accounting import storage_bits
+from ..formats.blocks import pack_blocks, unpack_blocks
+from ..formats.layout import default_g_idx, num_groups
+from .base import QuantModule
+
+__all__ = ["SFMPLinear", "SFMPResult", "fold_permutations"]
+
+
+@dataclass
+class SFMPResult(QuantResult):
+    """A :class:`QuantResult` in the original row/column order (``g_idx`` = each column's group on
+    ``W̃``) that also carries the SFMP plan the codes were quantized under."""
+
+    plan: BlockPlan | None = None
+
+
+def _make_kernel(codes, gbits_rb, scales, zeros, group_size: int, row_block: int):
+    """The batch-1/batch-n kernel of ``W̃`` (codes ``[N, K]``, widths ``[n_rb, G]``).  One place to
+    switch to the bit-plane LUT GEMV (``BitPlaneWeight.from_codes``, same signature)."""
+    from ..kernels.qmatmul import LowBitWeight
+
+    return LowBitWeight.from_codes(codes, gbits_rb, scales, zeros, group_size, row_block)
+
+
+class SFMPLinear(QuantModule):
+    kind = "sfmp"
+    CONFIG_KEYS: ClassVar[tuple[str, ...]] = (
+        "group_size", "block_rows", "block_cols", "row_reorder", "col_reorder", "nbytes",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group_size: int,
+        block_rows: int,
+        block_cols: int,
+        row_reorder: bool,
+        col_reorder: bool,
+        nbytes: int,
+        bias: bool = False,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        if block_cols % group_size:
+            raise ValueError(f"block columns ({block_cols}) must be a multiple of the group ({group_size})")
+        self.group_size, self.block_rows, self.block_cols = group_size, block_rows, block_cols
+        self.row_reorder, self.col_reorder, self.nbytes = row_reorder, col_reorder, nbytes
+        G = num_groups(in_features, group_size)
+        n_rb, n_cb = -(-out_features // block_rows), -(-in_features // block_cols)
+        self.register_buffer("qweight", torch.zeros(nbytes, dtype=torch.uint8))
+        self.register_buffer("scales", torch.zeros(out_features, G, dtype=torch.float16))
+        self.register_buffer("zeros", torch.zeros(out_features, G, dtype=torch.float16))
+        self.register_buffer("bit_map", torch.ones(n_rb, n_cb, dtype=torch.uint8))
+        rp = torch.zeros(out_features, dtype=index_dtype(out_features)) if row_reorder else None
+        cp = torch.zeros(in_features, dtype=index_dtype(in_features)) if col_reorder else None
+        self.register_buffer("row_perm", rp)
+        self.register_buffer("col_perm", cp)
+        # runtime only (fold_permutations): output index (None: inv(row_perm)) and input gather flag
+        self._out_index: torch.Tensor | None = None
+        self._in_index: torch.Tensor | None = None  # col_perm as int64 on the input's device
+        self._gather_input = True
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_result(cls, res: SFMPResult, bias=None) -> SFMPLinear:
+        plan = res.plan
+        N, K = res.codes.shape
+        rp = plan.row_perm.long() if plan.row_perm is not None else torch.arange(N)
+        cp = plan.col_perm.long() if plan.col_perm is not None else torch.arange(K)
+        codes_t = res.codes.cpu()[rp][:, cp]
+        data = pack_blocks(codes_t, plan.bits, plan.block_rows, plan.block_cols)
+        m = cls(
+            K,
+            N,
+            group_size=plan.group_size,
+            block_rows=plan.block_rows,
+            block_cols=plan.block_cols,
+            row_reorder=plan.row_perm is not None,
+            col_reorder=plan.col_perm is not None,
+            nbytes=data.numel(),
+            bias=bias is not None,
+        )
+        m.qweight.copy_(data)
+        m.scales.copy_(res.scales.cpu()[rp].to(torch.float16))
+        m.zeros.copy_(res.zeros.cpu()[rp].to(torch.float16))
+        m.bit_map.copy_(plan.bits)
+        if m.row_perm is not None:
+            m.row_perm.copy_(plan.row_perm)
+        if m.col_perm is not None:
+            m.col_perm.copy_(plan.col_perm)
+        m._set_bias(bias)
+        return m
+
+    # -- weights ------------------------------------------------------------------------------
+    def _plan(self) -> BlockPlan:
+        return BlockPlan(
+            self.out_features, self.in_features, self.block_rows, self.block_cols, self.group_size,
+            self.row_perm, self.col_perm, self.bit_map,
+        )  # fmt: skip
+
+    def codes_permuted(self) -> torch.Tensor:
+        """Codes of ``W̃`` (int32 ``[out, in]``)."""
+        shape = (self.out_features, self.in_features)
+        return unpack_blocks(self.qweight, shape, self.bit_map, self.block_rows, self.block_cols)
+
+    def _unpermute(self, Wt: torch.Tensor) -> torch.Tensor:
+        W = Wt
+        if self.col_perm is not None:
+            W = torch.empty_like(Wt)
+            W[:, self.col_perm.long().to(W.device)] = Wt
+        if self.row_perm is not None:
+            W2 = torch.empty_like(W)
+            W2[self.row_perm.long().to(W.device)] = W
+            W = W2
+        return W
+
+    def dequantize_reference(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        g = default_g_idx(self.in_features, self.group_size)
+        c = self.codes_permuted().to(dtype)
+        Wt = (c - self.zeros.cpu().to(dtype)[:, g]) * self.scales.cpu().to(dtype)[:, g]
+        return self._unpermute(Wt).to(self.scales.device)
+
+    def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.dequantize_reference(dtype)
+
+    def _build_kernel(self):
+        plan = self._plan()
+        gb = group_bits(plan)[:: self.block_rows].to(torch.uint8)  # [n_rb, G]
+        w = _make_kernel(
+            self.codes_permuted(), gb, self.scales.float().cpu(), self.zeros.float().cpu(),
+            self.group_size, self.block_rows,
+        )  # fmt: skip
+        return _PermutedKernel(w, self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and not self.cache_weight:
+            y = self.kernel()(x)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
+        xt = self._gather(x)
+        w = self._permuted_weight(torch.float32).to(x.dtype)
+        y = self._scatter(torch.nn.functional.linear(xt, w))
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _permuted_weight(self, dtype):
+        g = default_g_idx(self.in_features, self.group_size, device=self.scales.device)
+        c = self.codes_permuted().to(self.scales.device, dtype)
+        return (c - self.zeros.to(dtype)[:, g]) * self.scales.to(dtype)[:, g]
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        if self.col_perm is None or not self._gather_input:
+            return x
+        idx = self._in_index
+        if idx is None or idx.device != x.device:
+            idx = self._in_index = self.col_perm.to(device=x.device, dtype=torch.long)
+        return x.index_select(-1, idx)
+
+    def _scatter(self, y: torch.Tensor) -> torch.Tensor:
+        idx = self._out_index
+        if idx is None and self.row_perm is not None:
+            idx = self._out_index = inverse_perm(self.row_perm.long())
+        if idx is None:
+            return y
+        if idx.device != y.device:
+            idx = self._out_index = idx.to(y.device)
+        return y.index_select(-1, idx)
+
+    # -- accounting ---------------------------------------------------------------------------
+    def storage_tensors(self) -> list[torch.Tensor]:
+        ts = (self.qweight, self.scales, self.zeros, self.bit_map, self.row_perm, self.col_perm)
+        return [t for t in ts if t is not None]
+
+    def bits_breakdown(self) -> dict[str, float]:
+        """Bits per weight of each stored part: weights, scales/zeros, permutations, bit map."""
+        n = self.in_features * self.out_features
+        return {
+            "weights": storage_bits([self.qweight]) / n,
+            "scales_zeros": storage_bits([self.scales, self.zeros]) / n,
+            "permutations": storage_bits([self.row_perm, self.col_perm]) / n,
+            "bit_map": storage_bits([self.bit_map]) / n,
+        }
+
+    def code_bits(self) -> float:
+        """Average code width (the paper's ``b``) of this layer."""
+        return self._plan().average_bits()
+
+    def layer_config(self) -> dict:
+        return self._config(
+            group_size=self.group_size, block_rows=self.block_rows, block_cols=self.block_cols,
+            row_reorder=self.row_reorder, col_reorder=self.col_reorder, nbytes=self.nbytes,
+        )  # fmt: skip
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self._out_index = self._in_index = None
+        self._gather_input = True
+
+    def extra_repr(self) -> str:
+        blk = f"{self.block_rows}x{self.block_cols}"
+        return f"{super().extra_repr()}, b={self.code_bits():.3f}, group={self.group_size}, block={blk}"
+
+
+class _PermutedKernel:
+    """Gather the input by the column order, the low-bit kernel on ``W̃``, un-permute the output."""
+
+    def __init__(self, weight, module: SFMPLinear) -> None:
+        self.weight, self.module = weight, module
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module._scatter(self.weight.matmul(self.module._gather(x)))
+
+    def nbytes(self) -> int:
+        return self.weight.nbytes()
+
+
+def fold_permutations(producers: list[SFMPLinear], consumer: SFMPLinear) -> bool:
+    """Let ``producers`` (gate/up) emit their outputs in ``consumer``'s (down_proj's) column order,
+    so ``consumer`` skips its input gather: ``y_p[..., inv(row_perm_p)][..., col_perm_c]`` is one
+    gather ``y_p[..., inv(row_perm_p)[col_perm_c]]``.  Exact (pure index composition).  Returns
+    whether anything was folded (nothing when the consumer keeps its natural column order)."""
+    if consumer.col_perm is None or not consumer._gather_input:
+        return False
+    cp = consumer.col_perm.long()
+    for p in producers:
+        inv = inverse_perm(p.row_perm.long()) if p.row_perm is not None else torch.arange(p.out_features)
+        p._out_index = inv[cp]
+    consumer._gather_input = False
+    return True
