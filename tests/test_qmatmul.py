@@ -121,8 +121,12 @@ def test_spans_large_groups(bits):
     _check_all(w, ref, g, batches=(1, 2, 8, 9, 33))
 
 
-def test_mixed_common_widths_every_isa():
-    """2/3/4/8-bit blocks side by side (the benchmark's mixes), row blocks not dividing N."""
+@pytest.mark.parametrize("shared", [False, True])
+def test_mixed_common_widths_every_isa(monkeypatch, shared):
+    """2/3/4/8-bit blocks side by side (the benchmark's mixes), row blocks not dividing N, several
+    prefill tiles (per-thread and shared)."""
+    monkeypatch.setattr(qmatmul, "_TILE_SHARED", shared)
+    monkeypatch.setattr(qmatmul, "_TILE_ELEMS", 8 * 600)  # 8-row tiles: 5 of them, the last partial
     gen = torch.Generator().manual_seed(5)
     bmap = torch.tensor([2, 3, 4, 8])[torch.randint(0, 4, (4, 5), generator=gen)]
     w, ref, g = _case(37, 64 * 9 + 17, 128, bmap, 10, 3)

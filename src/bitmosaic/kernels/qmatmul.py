@@ -24,8 +24,10 @@ Kernels (``csrc/qmatmul.cpp``, a torch C++ extension built on first use and cach
   sums of ``x`` computed once per call; each span's codes are converted to float once and
   multiplied-added with every row of ``x`` (float32 FMA, no quantized activations).  Rows are split
   across ``torch.get_num_threads()``.
-* **prefill** (more rows): a tile of weight rows is dequantized into a small buffer (bitwise equal
-  to the reference) and multiplied with ``torch.mm``.
+* **prefill** (more rows): each thread dequantizes a tile of weight rows into its own small buffer
+  (bitwise equal to the reference; sized for a core's L2) and multiplies it with ``torch.mm``
+  (single-threaded inside the parallel region) into its rows of ``yᵀ``; ``_TILE_SHARED`` selects
+  the older scheme (all threads fill one tile, then one parallel GEMM).
 
 Instruction sets: ``avx512`` (AVX-512 F/BW/VL/DQ/VBMI), ``avx2`` (AVX2 + FMA) and ``portable`` (plain
 C++), each function compiled with its own target attribute so the extension loads on any x86-64
@@ -56,7 +58,8 @@ LAYOUT_VERSION = 2
 ISAS = ("portable", "avx2", "avx512")  # the C++ side numbers them 0, 1, 2
 ISA_ENV = "BITMOSAIC_KERNEL_ISA"
 _DECODE_MAX_ROWS = 8
-_TILE_ELEMS = 1 << 20  # float32 elements of one prefill tile (4 MiB; 1 MiB was slower at 512 rows)
+_TILE_ELEMS = 1 << 18  # float32 elements of one prefill tile (1 MiB: a core's L2 here)
+_TILE_SHARED = False  # True: all threads fill one tile, then one parallel GEMM (False: a tile per thread)
 
 _lock = threading.Lock()
 _ext: object | None = None
@@ -264,6 +267,7 @@ class LowBitWeight:
         ext = extension()
         tile = max(8, _TILE_ELEMS // max(self.K, 1))
         if ext is not None:
+            tile = -tile if _TILE_SHARED else tile
             y = ext.qmatmul(x2, *self._args(), tile, ISAS.index(kernel_isa()))
         else:
             y = torch.empty(x2.shape[0], self.N, dtype=torch.float32)

@@ -504,17 +504,32 @@ torch::Tensor qmatmul(torch::Tensor x, torch::Tensor data, torch::Tensor base, t
     });
     return y;
   }
-  // prefill: one tile of rows at a time, dequantized in parallel, then one GEMM into rows of y^T
   auto yt = torch::empty({L.N, M}, x.options());
-  auto tile = torch::empty({std::min(tile_rows, L.N), K}, x.options());
   const auto xt = x.t();
-  for (int64_t r0 = 0; r0 < L.N; r0 += tile_rows) {
-    const int64_t r1 = std::min(L.N, r0 + tile_rows);
-    float* tp = tile.data_ptr<float>();
-    at::parallel_for(r0, r1, 8, [&](int64_t a, int64_t b) { dequant_rows(L, a, b, tp + (a - r0) * K, isa); });
-    auto dst = yt.narrow(0, r0, r1 - r0);
-    at::mm_out(dst, tile.narrow(0, 0, r1 - r0), xt);
+  if (tile_rows < 0) {  // prefill, shared tiles: dequantized by all threads, then one parallel GEMM each
+    const int64_t tr = -tile_rows;
+    auto tile = torch::empty({std::min(tr, L.N), K}, x.options());
+    for (int64_t r0 = 0; r0 < L.N; r0 += tr) {
+      const int64_t r1 = std::min(L.N, r0 + tr);
+      float* tp = tile.data_ptr<float>();
+      at::parallel_for(r0, r1, 8, [&](int64_t a, int64_t b) { dequant_rows(L, a, b, tp + (a - r0) * K, isa); });
+      auto dst = yt.narrow(0, r0, r1 - r0);
+      at::mm_out(dst, tile.narrow(0, 0, r1 - r0), xt);
+    }
+    return yt.t().contiguous();
   }
+  // prefill: each thread dequantizes its own tile of rows (cache-resident) and multiplies it at once
+  const int64_t ntiles = (L.N + tile_rows - 1) / tile_rows;
+  at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
+    auto tile = torch::empty({std::min(tile_rows, L.N), K}, x.options());
+    float* tp = tile.data_ptr<float>();
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r0 = t * tile_rows, r1 = std::min(L.N, r0 + tile_rows);
+      dequant_rows(L, r0, r1, tp, isa);
+      auto dst = yt.narrow(0, r0, r1 - r0);
+      at::mm_out(dst, tile.narrow(0, 0, r1 - r0), xt);
+    }
+  });
   return yt.t().contiguous();
 }
 
