@@ -179,12 +179,14 @@ T_AVX512 void group512(const uint8_t* p, int64_t len, const float* x, int64_t K,
   if (j < len) {  // the zero-padded last span: x is read only inside the group
     const int64_t rem = len - j;
     const __m512i v = span512<B>(p, c);
-    const __m512 cc[4] = {codes512<B, 0>(v), codes512<B, 1>(v), codes512<B, 2>(v), codes512<B, 3>(v)};
-    for (int t = 0; t < 4; ++t) {
-      const __mmask16 k = tail_mask(rem, t);
-      if (!k) break;
-      for (int m = 0; m < M; ++m)
-        a[m][t] = _mm512_fmadd_ps(cc[t], _mm512_maskz_loadu_ps(k, x + m * K + j + 16 * t), a[m][t]);
+    const __m512 c0 = codes512<B, 0>(v), c1 = codes512<B, 1>(v), c2 = codes512<B, 2>(v), c3 = codes512<B, 3>(v);
+    const __mmask16 k0 = tail_mask(rem, 0), k1 = tail_mask(rem, 1), k2 = tail_mask(rem, 2), k3 = tail_mask(rem, 3);
+    for (int m = 0; m < M; ++m) {  // constant indices: the accumulators stay in registers
+      const float* xm = x + m * K + j;
+      a[m][0] = _mm512_fmadd_ps(c0, _mm512_maskz_loadu_ps(k0, xm), a[m][0]);
+      a[m][1] = _mm512_fmadd_ps(c1, _mm512_maskz_loadu_ps(k1, xm + 16), a[m][1]);
+      a[m][2] = _mm512_fmadd_ps(c2, _mm512_maskz_loadu_ps(k2, xm + 32), a[m][2]);
+      a[m][3] = _mm512_fmadd_ps(c3, _mm512_maskz_loadu_ps(k3, xm + 48), a[m][3]);
     }
   }
   for (int m = 0; m < M; ++m) gv[m] = _mm512_add_ps(_mm512_add_ps(a[m][0], a[m][1]), _mm512_add_ps(a[m][2], a[m][3]));
