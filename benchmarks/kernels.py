@@ -8,7 +8,8 @@ W2/W3/W4/W8 at g128 (asymmetric, float32 scales and zero-points) and the mixes 2
 ``F.linear`` on a float32 and on a bfloat16 weight; the pre-kernel path (``dequantize_packed`` +
 ``F.linear``, what ``QuantLinear.forward`` did before); the bandwidth bound = bytes the kernel
 reads / this machine's read bandwidth (``x.sum()`` over 512 MiB, best of 5, same thread count).
-Times are medians over repeats after a warm-up.
+Times are medians over repeats after a warm-up.  The kernel runs its best instruction set here
+(``BITMOSAIC_KERNEL_ISA`` forces another; the table's first line names it).
 
     python benchmarks/kernels.py [--quick]     (writes benchmarks/results/kernels.{json,md})
 """
@@ -28,7 +29,7 @@ from torch.nn import functional as F
 
 from bitmosaic.formats.packing import pack_codes
 from bitmosaic.kernels.cpu import dequantize_packed
-from bitmosaic.kernels.qmatmul import LowBitWeight, extension
+from bitmosaic.kernels.qmatmul import LowBitWeight, available_isas, extension, kernel_isa
 from bitmosaic.models.serialization import atomic_write_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -128,24 +129,26 @@ def main() -> None:
                         f"({fp32 / ours:5.2f}x fp32, {ours / bound:4.1f}x bound)",
                         flush=True,
                     )
-    # W2 vs W4 latency ratios at the target shapes
+    # every width's latency over W4's at the same shape, threads and batch (target: W2 <= 0.6)
     for r in rows:
-        if r["bits"] == 2:
-            key = (r["shape"], r["threads"], r["batch"])
-            w4 = next(
-                (o for o in rows if o["bits"] == 4 and (o["shape"], o["threads"], o["batch"]) == key), None
-            )
-            r["w2_over_w4"] = r["kernel_ms"] / w4["kernel_ms"] if w4 else None
+        key = (r["shape"], r["threads"], r["batch"])
+        w4 = next((o for o in rows if o["bits"] == 4 and (o["shape"], o["threads"], o["batch"]) == key), None)
+        r["over_w4"] = r["kernel_ms"] / w4["kernel_ms"] if w4 else None
     lines = [
-        "| shape | threads | batch | bits | kernel ms | fp32 ms | bf16 ms | dequant+matmul ms | bound ms | vs fp32 | x bound |",  # noqa: E501
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"kernel ISA: {kernel_isa()}; read bandwidth GB/s: "
+        + ", ".join(f"{t} thread{'s' if t > 1 else ''} {v:.1f}" for t, v in bw.items()),
+        "",
+        "| shape | threads | batch | bits | kernel ms | fp32 ms | bf16 ms | dequant+matmul ms | bound ms | vs fp32 | x bound | / W4 |",  # noqa: E501
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         old = "—" if r["dequant_matmul_ms"] is None else f"{r['dequant_matmul_ms']:.2f}"
         lines.append(
             f"| {r['shape'][0]}x{r['shape'][1]} | {r['threads']} | {r['batch']} | {r['bits']} | "
             f"{r['kernel_ms']:.3f} | {r['fp32_ms']:.3f} | {r['bf16_ms']:.2f} | {old} | {r['bound_ms']:.3f} | "
-            f"{r['speedup_vs_fp32']:.2f}x | {r['x_bound']:.1f} |"
+            f"{r['speedup_vs_fp32']:.2f}x | {r['x_bound']:.2f} | "
+            + ("—" if r["over_w4"] is None else f"{r['over_w4']:.2f}")
+            + " |"
         )
     table = "\n".join(lines)
     print("\n" + table)
@@ -159,6 +162,8 @@ def main() -> None:
             "cpus": os.cpu_count(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "compiled_kernel": extension() is not None,
+            "kernel_isa": kernel_isa(),
+            "kernel_isas_available": available_isas(),
         },
         "read_bandwidth_gbs": bw,
         "rows": rows,

@@ -1,8 +1,12 @@
 """The compiled low-bit matmul (kernels/qmatmul.py) against the float64 reference
 ``x @ ((c - z) * s)ᵀ``, for every width 1-8, mixes per block, group sizes with partial groups, odd
-shapes, decode and prefill batches, float32 and bfloat16 inputs; and its pure-torch fallback."""
+shapes, decode and prefill batches, float32 and bfloat16 inputs -- on every instruction set this CPU
+runs (portable, AVX2, AVX-512; ``BITMOSAIC_KERNEL_ISA``); and its pure-torch fallback."""
 
 from __future__ import annotations
+
+import contextlib
+import os
 
 import pytest
 import torch
@@ -38,6 +42,33 @@ def _case(N, K, gs, bits, row_block, seed, scalar_zero=False):
     return w, ref, g
 
 
+@contextlib.contextmanager
+def _isa(name):
+    old = os.environ.get(qmatmul.ISA_ENV)
+    os.environ[qmatmul.ISA_ENV] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(qmatmul.ISA_ENV, None)
+        else:
+            os.environ[qmatmul.ISA_ENV] = old
+
+
+def _isas():
+    return qmatmul.available_isas() or ["fallback"]
+
+
+def _check_all(w, ref, g, batches, rows=None):
+    """Every instruction set: dequantize is bitwise the reference, matmul within float rounding."""
+    for isa in _isas():
+        with _isa(isa) if isa != "fallback" else contextlib.nullcontext():
+            assert torch.equal(w.dequantize(), ref), isa
+            if rows is not None:
+                assert torch.equal(w.dequantize(rows), ref[rows]), isa
+            _check_matmul(w, ref, g, batches)
+
+
 def _check_matmul(w, ref, g, batches=(1, 3, 8, 9, 33)):
     K = ref.shape[1]
     for M in batches:
@@ -63,8 +94,7 @@ def _check_matmul(w, ref, g, batches=(1, 3, 8, 9, 33)):
 )
 def test_uniform_widths_match_reference(N, K, gs, bits, scalar_zero, seed):
     w, ref, g = _case(N, K, gs, bits, None, seed, scalar_zero)
-    assert torch.equal(w.dequantize(), ref)
-    _check_matmul(w, ref, g, batches=(1, 5, 12))
+    _check_all(w, ref, g, batches=(1, 5, 12))
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)
@@ -81,23 +111,52 @@ def test_mixed_widths_per_block_match_reference(N, G, gs, tail, row_block, seed)
     G = -(-K // gs)
     bmap = torch.randint(1, 9, (-(-N // row_block), G), generator=torch.Generator().manual_seed(seed))
     w, ref, g = _case(N, K, gs, bmap, row_block, seed)
-    assert torch.equal(w.dequantize(), ref)
-    assert torch.equal(w.dequantize(slice(N // 3, N)), ref[N // 3 :])
-    _check_matmul(w, ref, g, batches=(1, 4, 11))
+    _check_all(w, ref, g, batches=(1, 4, 11), rows=slice(N // 3, N))
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
-def test_simd_layouts_large_groups(bits):
-    """The interleaved 2/4-bit blocks and the 8-bit bytes path, with a partial last group."""
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_spans_large_groups(bits):
+    """Whole spans and a partial last group (40 codes: a span's last lanes unused), every batch path."""
     w, ref, g = _case(70, 128 * 3 + 40, 128, bits, None, 1)
-    assert torch.equal(w.dequantize(), ref)
-    _check_matmul(w, ref, g)
+    _check_all(w, ref, g, batches=(1, 2, 8, 9, 33))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_mixed_common_widths_every_isa(monkeypatch, shared):
+    """2/3/4/8-bit blocks side by side (the benchmark's mixes), row blocks not dividing N, several
+    prefill tiles (per-thread and shared)."""
+    monkeypatch.setattr(qmatmul, "_TILE_SHARED", shared)
+    monkeypatch.setattr(qmatmul, "_TILE_ELEMS", 8 * 600)  # 8-row tiles: 5 of them, the last partial
+    gen = torch.Generator().manual_seed(5)
+    bmap = torch.tensor([2, 3, 4, 8])[torch.randint(0, 4, (4, 5), generator=gen)]
+    w, ref, g = _case(37, 64 * 9 + 17, 128, bmap, 10, 3)
+    _check_all(w, ref, g, batches=(1, 3, 8, 17), rows=slice(5, 29))
+
+
+def test_isa_can_be_forced(monkeypatch):
+    avail = qmatmul.available_isas()
+    if not avail:
+        pytest.skip("no compiled extension here")
+    assert avail[0] == "portable"
+    monkeypatch.setenv(qmatmul.ISA_ENV, "portable")
+    assert qmatmul.kernel_isa() == "portable"
+    monkeypatch.setenv(qmatmul.ISA_ENV, "auto")
+    assert qmatmul.kernel_isa() == avail[-1]
+    monkeypatch.setenv(qmatmul.ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="not one of auto, portable, avx2, avx512"):
+        qmatmul.kernel_isa()
+    missing = [i for i in qmatmul.ISAS if i not in avail]
+    if missing:
+        monkeypatch.setenv(qmatmul.ISA_ENV, missing[0])
+        with pytest.raises(ValueError, match="this CPU runs only"):
+            qmatmul.kernel_isa()
 
 
 def test_fallback_equals_reference(monkeypatch):
     w, ref, g = _case(30, 200, 64, torch.tensor([[4, 2, 3, 8]]), None, 2)
     monkeypatch.setattr(qmatmul, "_ext", None)
     monkeypatch.setattr(qmatmul, "_ext_tried", True)
+    assert qmatmul.available_isas() == [] and qmatmul.kernel_isa() is None
     assert torch.equal(w.dequantize(), ref)
     _check_matmul(w, ref, g, batches=(1, 9))
 

@@ -1,34 +1,44 @@
 """The CPU low-bit matmul: ``y = x Wᵀ`` from packed integer codes, never a float ``W``.
 
-Layout (``LAYOUT_VERSION = 1``), built at load time from the saved format by
+Layout (``LAYOUT_VERSION = 2``), built at load time from the saved format by
 :meth:`LowBitWeight.from_codes` (the saved format stays the source of truth):
 
 * rows are cut into row blocks of ``row_block`` rows; block ``(rb, g)`` -- the rows of ``rb`` times
   the columns of group ``g`` -- has one bit width ``bits[rb, g]`` in 1..8, so any mix of widths
   per block (SFMP) lives in one matrix;
-* every row of a row block has the same byte length; within it, the groups follow each other, each
-  packed like :mod:`bitmosaic.formats.packing` (chunks of 8 codes in ``bits`` bytes, little-endian,
-  the group's last chunk zero-padded) -- except 4-bit blocks of a multiple of 64 codes (byte ``k``
-  of every 32 holds code ``k`` and, in its high nibble, code ``k + 32``) and 2-bit blocks of a
-  multiple of 128 codes (byte ``k`` of every 32 holds codes ``k, k+32, k+64, k+96``), interleaved
-  so that AVX2 unpacks 32 codes in order with one mask or shift;
+* every row of a row block has the same byte length; within it, the groups follow each other;
+* a group of ``len`` codes at width ``b`` is cut into **spans of 64 codes** (the last one padded with
+  zero codes, whose activations the kernel never reads); a span is ``8 b`` bytes read as one
+  little-endian bit stream of 16 *lanes* of ``4 b`` bits, lane ``i`` holding codes ``i, 16 + i,
+  32 + i, 48 + i`` of the span at bits ``0, b, 2b, 3b`` (:func:`_span_order`).  One AVX-512 register
+  of 16 32-bit lanes (AVX2: two registers of 8) gathered from a span, shifted by ``t b`` and masked,
+  holds the 16 consecutive codes ``16 t .. 16 t + 15`` -- the same three instructions for every width
+  1..8, so 2-, 3-, 4- and 8-bit blocks and any mix of them take one fast path (layout 1 had SIMD
+  layouts for 2/4/8 bits only; 3 bits and mixes ran a slow generic loop);
 * ``W[n, j] = (c[n, j] - z[n, g]) * s[n, g]`` with ``g = j // group_size`` (contiguous groups; a
   partial last group is allowed); scales and zero-points are float32 ``[N, G]``.
 
 Kernels (``csrc/qmatmul.cpp``, a torch C++ extension built on first use and cached by torch):
 
 * **decode** (at most 8 rows of ``x``): per output row and group, ``s (Σ c x - z Σ x)`` with the group
-  sums of ``x`` computed once per call; a chunk of 8 codes is one 64-bit load, split into two
-  32-bit halves, shifted per lane (AVX2 ``vpsrlvd``), masked, converted and multiplied-added with 8
-  activations -- the same path for every width.  Rows are split across ``torch.get_num_threads()``.
-* **prefill** (more rows): a tile of weight rows is dequantized into a small buffer (bitwise equal
-  to the reference) and multiplied with ``torch.mm``.
+  sums of ``x`` computed once per call; each span's codes are converted to float once and
+  multiplied-added with every row of ``x`` (float32 FMA, no quantized activations).  Rows are split
+  across ``torch.get_num_threads()``.
+* **prefill** (more rows): each thread dequantizes a tile of weight rows into its own small buffer
+  (bitwise equal to the reference; sized for a core's L2) and multiplies it with ``torch.mm``
+  (single-threaded inside the parallel region) into its rows of ``yᵀ``; ``_TILE_SHARED`` selects
+  the older scheme (all threads fill one tile, then one parallel GEMM).
 
-Design choice (issue #10 asks to measure two): the unpack-in-register design above against the
-bit-plane lookup-table design (T-MAC, SFMP §4.5) is measured in ``benchmarks/kernels.py``; see
-``benchmarks/results/kernels.md``.  The AVX2 path is chosen at run time; other CPUs run the portable
-C++ loop.  Without a compiler (or with ``BITMOSAIC_NO_EXT=1``) a pure-torch path with the same API
-and results runs instead, after one warning.
+Instruction sets: ``avx512`` (AVX-512 F/BW/VL/DQ/VBMI), ``avx2`` (AVX2 + FMA) and ``portable`` (plain
+C++), each function compiled with its own target attribute so the extension loads on any x86-64
+CPU; the best one the CPU supports runs, or the one named by the environment variable
+``BITMOSAIC_KERNEL_ISA=portable|avx2|avx512`` (``auto``: the best; a name this CPU lacks is an
+error).  :func:`available_isas` lists them.  Without a compiler (or with ``BITMOSAIC_NO_EXT=1``) a
+pure-torch path with the same API and results runs instead, after one warning.
+
+Design choice (issue #10 asks to measure two): this unpack-in-register design is measured in
+``benchmarks/kernels.py`` (``benchmarks/results/kernels.md``); the bit-plane lookup-table design
+(T-MAC, SFMP §4.5) is a separate kernel.
 """
 
 from __future__ import annotations
@@ -42,11 +52,14 @@ import torch
 
 from ..formats.packing import pack_codes
 
-__all__ = ["LowBitWeight", "extension", "LAYOUT_VERSION"]
+__all__ = ["LowBitWeight", "extension", "available_isas", "kernel_isa", "ISAS", "LAYOUT_VERSION"]
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
+ISAS = ("portable", "avx2", "avx512")  # the C++ side numbers them 0, 1, 2
+ISA_ENV = "BITMOSAIC_KERNEL_ISA"
 _DECODE_MAX_ROWS = 8
-_TILE_ELEMS = 1 << 20  # float32 elements of one prefill tile (4 MiB; 1 MiB was slower at 512 rows)
+_TILE_ELEMS = 1 << 18  # float32 elements of one prefill tile (1 MiB: a core's L2 here)
+_TILE_SHARED = False  # True: all threads fill one tile, then one parallel GEMM (False: a tile per thread)
 
 _lock = threading.Lock()
 _ext: object | None = None
@@ -94,6 +107,30 @@ def extension():
     return _ext
 
 
+def available_isas() -> list[str]:
+    """The instruction sets the compiled kernel can run on this CPU (empty without the extension)."""
+    ext = extension()
+    return [] if ext is None else [name for i, name in enumerate(ISAS) if ext.isa_supported(i)]
+
+
+def kernel_isa() -> str | None:
+    """The instruction set the next kernel call uses: ``$BITMOSAIC_KERNEL_ISA`` if set (and not
+    ``auto``), else the best one available; ``None`` without the extension."""
+    avail = available_isas()
+    if not avail:
+        return None
+    want = os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"
+    if want == "auto":
+        return avail[-1]
+    if want not in ISAS:
+        raise ValueError(f"{ISA_ENV}={want!r} is not one of auto, {', '.join(ISAS)}; unset it or pick one")
+    if want not in avail:
+        raise ValueError(
+            f"{ISA_ENV}={want} but this CPU runs only {', '.join(avail)}; unset it or pick one of those"
+        )
+    return want
+
+
 def _check_bits_map(bits, n_rb: int, G: int) -> torch.Tensor:
     if isinstance(bits, bool):
         raise ValueError(f"bits must be an int in 1..8 or an int tensor, got {bits!r}")
@@ -111,28 +148,26 @@ def _check_bits_map(bits, n_rb: int, G: int) -> torch.Tensor:
     return bits.to(torch.uint8).contiguous()
 
 
-def _span(b: int) -> int:
-    return {4: 64, 2: 128}.get(b, 0)
+_SPAN = 64  # codes per span (module doc)
 
 
-def _interleaved(b: int, length: int) -> bool:
-    """4-bit blocks of a multiple of 64 codes and 2-bit blocks of a multiple of 128 are interleaved
-    (module doc); the kernel decides the same way from (bits, length)."""
-    return bool(_span(b)) and length % _span(b) == 0
+def _span_order(length: int) -> torch.Tensor:
+    """Stored position ``p`` of a group padded to whole spans holds code ``order[p]``: within a span,
+    lane ``i = p // 4`` holds codes ``i, 16 + i, 32 + i, 48 + i`` (``t = p % 4``)."""
+    n = -(-length // _SPAN) * _SPAN
+    p = torch.arange(n)
+    return (p // _SPAN) * _SPAN + 16 * (p % 4) + (p % _SPAN) // 4
 
 
 def _pack_any(codes: torch.Tensor, b: int) -> torch.Tensor:
-    """Pack one block's ``codes`` at width ``b`` in 1..8, interleaved where :func:`_interleaved`."""
+    """Pack one block's ``codes [rows, len]`` at width ``b`` in 1..8 in the span layout (module doc):
+    zero-padded to whole spans, reordered by :func:`_span_order`, then a little-endian bit stream."""
     rows, cols = codes.shape
-    if _interleaved(b, cols):
-        per = 8 // b
-        c = codes.to(torch.int32).reshape(rows, cols // (32 * per), per, 32)
-        shifts = (torch.arange(per, dtype=torch.int32) * b).reshape(1, 1, per, 1)
-        return (c << shifts).sum(2, dtype=torch.int32).to(torch.uint8).reshape(rows, cols // per)
+    order = _span_order(cols)
+    padded = torch.nn.functional.pad(codes.to(torch.int64), (0, order.numel() - cols))[:, order]
     if b >= 2:
-        return pack_codes(codes, b)
-    rows, cols = codes.shape
-    c = torch.nn.functional.pad(codes.to(torch.uint8), (0, -cols % 8)).reshape(rows, -1, 8)
+        return pack_codes(padded, b)
+    c = padded.to(torch.uint8).reshape(rows, -1, 8)
     weights = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8)
     return (c * weights).sum(-1, dtype=torch.int32).to(torch.uint8)
 
@@ -201,7 +236,7 @@ class LowBitWeight:
             rowlen.append(pos)
             offset += row_bytes.numel()
             chunks.append(row_bytes.reshape(-1))
-        chunks.append(torch.zeros(8, dtype=torch.uint8))  # the kernel's 64-bit loads may read 7 bytes on
+        chunks.append(torch.zeros(64, dtype=torch.uint8))  # a span's SIMD load may read 63 bytes on
         data = torch.cat(chunks).contiguous()
         return cls(
             data,
@@ -232,7 +267,8 @@ class LowBitWeight:
         ext = extension()
         tile = max(8, _TILE_ELEMS // max(self.K, 1))
         if ext is not None:
-            y = ext.qmatmul(x2, *self._args(), tile)
+            tile = -tile if _TILE_SHARED else tile
+            y = ext.qmatmul(x2, *self._args(), tile, ISAS.index(kernel_isa()))
         else:
             y = torch.empty(x2.shape[0], self.N, dtype=torch.float32)
             for r0 in range(0, self.N, tile):
@@ -246,7 +282,7 @@ class LowBitWeight:
         r1 = max(r0, r1)
         ext = extension()
         if ext is not None:
-            return ext.dequantize(*self._args(), r0, r1)
+            return ext.dequantize(*self._args(), r0, r1, ISAS.index(kernel_isa()))
         return self._dequantize_torch(r0, r1)
 
     def _dequantize_torch(self, r0: int, r1: int) -> torch.Tensor:
@@ -265,7 +301,7 @@ class LowBitWeight:
             for g in range(G):
                 b = int(self.bits[r, g])
                 c0, c1 = g * gs, min(self.K, (g + 1) * gs)
-                nbytes = -(-(c1 - c0) // 8) * b
+                nbytes = -(-(c1 - c0) // _SPAN) * _SPAN // 8 * b
                 seg = rows[:, int(self.goff[r, g]) : int(self.goff[r, g]) + nbytes]
                 codes = _unpack_any(seg, b, c1 - c0)
                 z = self.zeros[lo:hi, g : g + 1]
@@ -275,14 +311,13 @@ class LowBitWeight:
 
 
 def _unpack_any(seg: torch.Tensor, b: int, cols: int) -> torch.Tensor:
+    """Inverse of :func:`_pack_any`: ``seg [rows, spans * 8 * b]`` -> codes ``[rows, cols]``."""
     rows = seg.shape[0]
-    if _interleaved(b, cols):
-        per = 8 // b
-        v = seg.to(torch.int32).reshape(rows, cols // (32 * per), 1, 32)
-        shifts = (torch.arange(per, dtype=torch.int32) * b).reshape(1, 1, per, 1)
-        return ((v >> shifts) & ((1 << b) - 1)).reshape(rows, cols)
     words = torch.zeros(rows, seg.shape[1] // b, 8, dtype=torch.uint8)
     words[..., :b] = seg.reshape(rows, -1, b)
     w = words.view(torch.int64)  # little-endian hosts (x86, arm64)
     shifts = torch.arange(8, dtype=torch.int64) * b
-    return ((w >> shifts) & ((1 << b) - 1)).reshape(rows, -1)[:, :cols]
+    stored = ((w >> shifts) & ((1 << b) - 1)).reshape(rows, -1)
+    out = torch.empty_like(stored)
+    out[:, _span_order(cols)] = stored
+    return out[:, :cols]
