@@ -144,3 +144,16 @@ def test_bad_input():
         )
     with pytest.raises(ValueError, match="outside its 3-bit range"):
         BitPlaneWeight.from_codes(torch.full((8, 40), 8, dtype=torch.int32), 3, torch.ones(8, 3), 0.0, 16)
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_empty_shapes(monkeypatch, fallback):
+    if fallback:
+        monkeypatch.setattr(lut, "extension", lambda: None)
+    for N, K in ((0, 5), (4, 0), (0, 0)):
+        G = -(-K // 2) if K else 0
+        w = BitPlaneWeight.from_codes(torch.zeros(N, K, dtype=torch.int32), 3, torch.ones(N, G), 0.0, 2)
+        for M in (0, 1, 3):
+            y = w.matmul(torch.randn(M, K))
+            assert y.shape == (M, N) and not y.any()
+        assert w.dequantize().shape == (N, K)

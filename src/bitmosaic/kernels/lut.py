@@ -30,6 +30,7 @@ LUT algorithm with ``g = 8`` and 128 stored table entries (#12), for tests.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -113,7 +114,7 @@ class BitPlaneWeight:
             raise ValueError(f"x has {x.shape[-1]} features but the weight has {self.K} input columns")
         if isa not in ISAS:
             raise ValueError(f"isa must be one of {sorted(ISAS)}, got {isa!r}")
-        x2 = x.reshape(-1, self.K).float()
+        x2 = x.reshape(math.prod(x.shape[:-1]), self.K).float()
         tile = max(8, _TILE_ELEMS // max(self.K, 1))
         ext = extension()
         if ext is not None:
