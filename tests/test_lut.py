@@ -104,6 +104,8 @@ def test_drop_in_for_lowbitweight():
     torch.testing.assert_close(a.matmul(x[:1]), b.matmul(x[:1]), rtol=1e-4, atol=1e-4)
     assert a.nbytes() == sum(t.numel() * t.element_size() for t in (
         a.planes.data, a.planes.offsets, a.planes.bits, a.scales_t, a.zeros_t))  # fmt: skip
+    acc = a.bits_accounting()
+    assert acc["total_bits"] == 8 * a.nbytes()  # every held byte is accounted for
 
 
 def test_small_prefill_tiles(monkeypatch):

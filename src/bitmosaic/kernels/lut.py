@@ -106,6 +106,10 @@ class BitPlaneWeight:
         ts = (p.data, p.offsets, p.bits, self.scales_t, self.zeros_t)
         return sum(t.numel() * t.element_size() for t in ts)
 
+    def bits_accounting(self) -> dict:
+        """Every stored bit of this weight (:func:`bitplane.bits_accounting`; float32 scales/zeros)."""
+        return bp.bits_accounting(self.planes, scale_bits=32, zero_bits=32)
+
     def matmul(self, x: torch.Tensor, isa: str = "auto") -> torch.Tensor:
         """``x [..., K]`` (float32/bfloat16/float16) -> ``[..., N]`` in ``x``'s dtype (float32 sums).
         One row of ``x``: the LUT GEMV on path ``isa`` (``auto``/``avx512``/``avx2``/``portable``);
