@@ -66,11 +66,39 @@ _ext: object | None = None
 _ext_tried = False
 
 
-def _source_hash() -> str:
+def _source_hash(filename: str = "qmatmul.cpp") -> str:
     import hashlib
 
-    src = Path(__file__).with_name("csrc") / "qmatmul.cpp"
+    src = Path(__file__).with_name("csrc") / filename
     return hashlib.sha1(src.read_bytes()).hexdigest()[:10]
+
+
+def build_extension(filename: str, name: str):
+    """Build (or load torch's cached build of) ``csrc/<filename>`` as module ``name``; ``None`` after
+    one warning when it cannot be built, or at once under ``BITMOSAIC_NO_EXT=1``.  Shared by the
+    kernels modules (``kernels/lut.py`` too)."""
+    if os.environ.get("BITMOSAIC_NO_EXT") == "1":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        src = Path(__file__).with_name("csrc") / filename
+        return load(
+            name=name,
+            sources=[str(src)],
+            extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # noqa: BLE001 - any build failure falls back, with one warning
+        warnings.warn(
+            f"bitmosaic: the compiled low-bit kernel could not be built ({type(e).__name__}: "
+            f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}); quantized layers use the "
+            "slower pure-torch path. Install a C++ compiler (g++) to get the fast path.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return None
 
 
 def extension():
@@ -82,28 +110,7 @@ def extension():
         if _ext_tried:
             return _ext
         _ext_tried = True
-        if os.environ.get("BITMOSAIC_NO_EXT") == "1":
-            return None
-        try:
-            from torch.utils.cpp_extension import load
-
-            src = Path(__file__).with_name("csrc") / "qmatmul.cpp"
-            _ext = load(
-                name=f"bitmosaic_qmatmul_v{LAYOUT_VERSION}_{_source_hash()}o",
-                sources=[str(src)],
-                extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
-        except Exception as e:  # noqa: BLE001 - any build failure falls back, with one warning
-            warnings.warn(
-                f"bitmosaic: the compiled low-bit kernel could not be built ({type(e).__name__}: "
-                f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}); quantized layers use the "
-                "slower pure-torch path. Install a C++ compiler (g++) to get the fast path.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            _ext = None
+        _ext = build_extension("qmatmul.cpp", f"bitmosaic_qmatmul_v{LAYOUT_VERSION}_{_source_hash()}o")
     return _ext
 
 

@@ -1,0 +1,350 @@
+// bitmosaic bit-plane LUT GEMV for the CPU (SFMP §4.5, App. B, G; T-MAC): y = W x with W held as
+// one-bit planes in the block-major layout of bitmosaic/formats/bitplane.py (BITPLANE_VERSION 1).
+//
+// Layout: block (rb, g) = rows [rb*row_block, ...) x columns of group g, width q = bits[rb, g],
+// starting at byte offsets[rb, g].  Inside a block, tiles of 16 rows; a tile with R rows holds,
+// for each 32-column chunk c and each plane i, R little-endian uint32 words (bit t = column 32c+t).
+// Scales and zero-points are float32 [G, N] (transposed, so 16 rows of a group are contiguous).
+//
+// Arithmetic (±1 form, App. B Eq. 17): with ŝ = s/2, ẑ = s((2^q - 1)/2 - z) and a bit b meaning
+// 2b - 1 in {-1, +1},
+//   y[n] = Σ_g ŝ[n,g] Σ_i 2^i Σ_{j in g} (2 b_i[n,j] - 1) x_j  +  ẑ[n,g] Σ_{j in g} x_j.
+// The inner sum is table lookups: for every 4 activations (SIMD paths) a table of all 16 signed
+// sums ±x0±x1±x2±x3 (index bit t set = +x_t), built once per call, float32, exact up to float
+// rounding; a nibble of a plane word indexes it.  AVX-512: vpermps looks up 16 rows at once (the
+// table is one zmm register).  AVX2: two vpermps (8-entry halves) and a blend on the nibble's top bit,
+// 8 rows at once.  Portable: tables of 8 activations with 128 stored entries, the other half by
+// negation (entry p >= 128 is -T[255 - p]), one byte of a word per lookup.  Activations past a
+// group's end are zero in its tables, so padding bits (-1) add nothing.
+// Threads: the row tiles are split with at::parallel_for (torch.get_num_threads()); the loop runs
+// group by group so that a group's tables stay in L1 while its blocks stream through.
+// Batch > 1 is a tiled dequantize (exactly (c - z) * s) + at::mm; the float weight never exists whole.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define BM_X86 1
+#endif
+
+namespace {
+
+constexpr int TILE = 16;
+constexpr int WCOLS = 32;
+
+struct Planes {
+  const uint8_t* data;
+  const int64_t* off;   // [n_rb, G]
+  const uint8_t* bits;  // [n_rb, G]
+  const float* sT;      // [G, N]
+  const float* zT;      // [G, N]
+  int64_t N, K, G, gs, rb;
+  int64_t tiles_per_rb;
+  int64_t cols(int64_t g) const { return std::min(K, (g + 1) * gs) - g * gs; }
+  int64_t nch(int64_t g) const { return (cols(g) + WCOLS - 1) / WCOLS; }
+};
+
+inline uint32_t load32(const uint8_t* p) {
+  uint32_t w;
+  std::memcpy(&w, p, 4);
+  return w;  // little-endian hosts (x86-64, arm64)
+}
+
+// Table layout: per group g, chunk c, nibble n (8 per chunk): 16 floats; tbase[g] = first table.
+void build_tables4(const Planes& P, const float* x, const std::vector<int64_t>& tbase, float* tab) {
+  at::parallel_for(0, P.G, 8, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t c0 = g * P.gs, L = P.cols(g), ntab = P.nch(g) * 8;
+      for (int64_t k = 0; k < ntab; ++k) {
+        float v[4];
+        for (int t = 0; t < 4; ++t) v[t] = (4 * k + t < L) ? x[c0 + 4 * k + t] : 0.f;
+        float* T = tab + (tbase[g] + k) * 16;
+        for (int p = 0; p < 16; ++p) {
+          float s = (p & 1) ? v[0] : -v[0];
+          s += (p & 2) ? v[1] : -v[1];
+          s += (p & 4) ? v[2] : -v[2];
+          s += (p & 8) ? v[3] : -v[3];
+          T[p] = s;
+        }
+      }
+    }
+  });
+}
+
+// 8-activation tables with 128 stored entries (index bit 7 clear); per group g, chunk c, byte b.
+void build_tables8(const Planes& P, const float* x, const std::vector<int64_t>& tbase, float* tab) {
+  for (int64_t g = 0; g < P.G; ++g) {
+    const int64_t c0 = g * P.gs, L = P.cols(g), ntab = P.nch(g) * 4;
+    for (int64_t k = 0; k < ntab; ++k) {
+      float v[8];
+      for (int t = 0; t < 8; ++t) v[t] = (8 * k + t < L) ? x[c0 + 8 * k + t] : 0.f;
+      float* T = tab + (tbase[g] + k) * 128;
+      for (int p = 0; p < 128; ++p) {
+        float s = 0.f;
+        for (int t = 0; t < 8; ++t) s += ((p >> t) & 1) ? v[t] : -v[t];
+        T[p] = s;
+      }
+    }
+  }
+}
+
+// Portable: one tile (R rows starting at row n0) of block (rb, g) at width q, g=8 tables.
+void tile_portable(const Planes& P, const uint8_t* blk, int q, int64_t R, int64_t n0, int64_t g,
+                   const float* T8, float xs, float* y) {
+  const int64_t nch = P.nch(g);
+  for (int64_t r = 0; r < R; ++r) {
+    float plane_sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t c = 0; c < nch; ++c)
+      for (int i = 0; i < q; ++i) {
+        const uint32_t w = load32(blk + 4 * ((c * q + i) * R + r));
+        for (int b = 0; b < 4; ++b) {
+          const uint32_t u = (w >> (8 * b)) & 0xFF;
+          const float* T = T8 + (c * 4 + b) * 128;
+          plane_sum[i] += (u & 0x80) ? -T[255 - u] : T[u];
+        }
+      }
+    float acc = plane_sum[q - 1];
+    for (int i = q - 2; i >= 0; --i) acc = acc * 2.f + plane_sum[i];
+    const float s = P.sT[g * P.N + n0 + r], z = P.zT[g * P.N + n0 + r];
+    const float sh = 0.5f * s, zh = s * ((float)((1 << q) - 1) * 0.5f - z);
+    y[n0 + r] += sh * acc + zh * xs;
+  }
+}
+
+#ifdef BM_X86
+template <int Q>
+__attribute__((target("avx512f"))) void tile_avx512(const Planes& P, const uint8_t* blk, int64_t R, int64_t n0, int64_t g,
+                                                    const float* T4, float xs, float* y) {
+  const int64_t nch = P.nch(g);
+  const __mmask16 m = (R >= 16) ? (__mmask16)0xFFFF : (__mmask16)((1u << R) - 1);
+  __m512 acc[Q];
+  for (int i = 0; i < Q; ++i) acc[i] = _mm512_setzero_ps();
+  const uint8_t* p = blk;
+  for (int64_t c = 0; c < nch; ++c) {
+    const float* T = T4 + c * 8 * 16;
+    for (int i = 0; i < Q; ++i, p += 4 * R) {
+      const __m512i v = _mm512_maskz_loadu_epi32(m, p);
+      __m512 a0 = _mm512_permutexvar_ps(v, _mm512_loadu_ps(T));
+      __m512 a1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), _mm512_loadu_ps(T + 16));
+      a0 = _mm512_add_ps(a0, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), _mm512_loadu_ps(T + 32)));
+      a1 = _mm512_add_ps(a1, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), _mm512_loadu_ps(T + 48)));
+      a0 = _mm512_add_ps(a0, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 16), _mm512_loadu_ps(T + 64)));
+      a1 = _mm512_add_ps(a1, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 20), _mm512_loadu_ps(T + 80)));
+      a0 = _mm512_add_ps(a0, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 24), _mm512_loadu_ps(T + 96)));
+      a1 = _mm512_add_ps(a1, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 28), _mm512_loadu_ps(T + 112)));
+      acc[i] = _mm512_add_ps(acc[i], _mm512_add_ps(a0, a1));
+    }
+  }
+  __m512 sum = acc[Q - 1];
+  for (int i = Q - 2; i >= 0; --i) sum = _mm512_add_ps(_mm512_add_ps(sum, sum), acc[i]);
+  const __m512 s = _mm512_maskz_loadu_ps(m, P.sT + g * P.N + n0);
+  const __m512 z = _mm512_maskz_loadu_ps(m, P.zT + g * P.N + n0);
+  const __m512 sh = _mm512_mul_ps(_mm512_set1_ps(0.5f), s);
+  const __m512 zh = _mm512_mul_ps(s, _mm512_sub_ps(_mm512_set1_ps((float)((1 << Q) - 1) * 0.5f), z));
+  __m512 out = _mm512_maskz_loadu_ps(m, y + n0);
+  out = _mm512_add_ps(out, _mm512_add_ps(_mm512_mul_ps(sh, sum), _mm512_mul_ps(zh, _mm512_set1_ps(xs))));
+  _mm512_mask_storeu_ps(y + n0, m, out);
+}
+
+// AVX2: 16-entry table as two 8-entry halves; the nibble's bit 3 (moved to the sign bit) picks one.
+template <int Q>
+__attribute__((target("avx2,fma"))) void tile_avx2(const Planes& P, const uint8_t* blk, int64_t R, int64_t n0, int64_t g,
+                                                   const float* T4, float xs, float* y) {
+  const int64_t nch = P.nch(g);
+  for (int64_t h = 0; h < R; h += 8) {
+    const int64_t rows = std::min<int64_t>(8, R - h);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)rows), lane);
+    __m256 acc[Q];
+    for (int i = 0; i < Q; ++i) acc[i] = _mm256_setzero_ps();
+    const uint8_t* p = blk + 4 * h;
+    for (int64_t c = 0; c < nch; ++c) {
+      const float* T = T4 + c * 8 * 16;
+      for (int i = 0; i < Q; ++i, p += 4 * R) {
+        const __m256i v = _mm256_maskload_epi32((const int*)p, m);
+        __m256 a[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int n = 0; n < 8; ++n) {
+          const __m256i idx = _mm256_srli_epi32(v, 4 * n);
+          const __m256 lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(T + 16 * n), idx);
+          const __m256 hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(T + 16 * n + 8), idx);
+          const __m256 sel = _mm256_castsi256_ps(_mm256_slli_epi32(v, 28 - 4 * n));
+          a[n & 1] = _mm256_add_ps(a[n & 1], _mm256_blendv_ps(lo, hi, sel));
+        }
+        acc[i] = _mm256_add_ps(acc[i], _mm256_add_ps(a[0], a[1]));
+      }
+    }
+    __m256 sum = acc[Q - 1];
+    for (int i = Q - 2; i >= 0; --i) sum = _mm256_add_ps(_mm256_add_ps(sum, sum), acc[i]);
+    const float* sp = P.sT + g * P.N + n0 + h;
+    const float* zp = P.zT + g * P.N + n0 + h;
+    const __m256 s = _mm256_maskload_ps(sp, m), z = _mm256_maskload_ps(zp, m);
+    const __m256 sh = _mm256_mul_ps(_mm256_set1_ps(0.5f), s);
+    const __m256 zh = _mm256_mul_ps(s, _mm256_sub_ps(_mm256_set1_ps((float)((1 << Q) - 1) * 0.5f), z));
+    __m256 out = _mm256_maskload_ps(y + n0 + h, m);
+    out = _mm256_add_ps(out, _mm256_add_ps(_mm256_mul_ps(sh, sum), _mm256_mul_ps(zh, _mm256_set1_ps(xs))));
+    _mm256_maskstore_ps(y + n0 + h, m, out);
+  }
+}
+#endif
+
+enum Isa { AUTO = 0, PORTABLE = 1, AVX2 = 2, AVX512 = 3 };
+
+bool isa_ok(int isa) {
+#ifdef BM_X86
+  if (isa == AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa == AVX512) return __builtin_cpu_supports("avx512f");
+#endif
+  return isa == PORTABLE;
+}
+
+int resolve(int isa) {
+  if (isa != AUTO) {
+    TORCH_CHECK(isa_ok(isa), "requested ISA path is not available on this CPU");
+    return isa;
+  }
+  if (isa_ok(AVX512)) return AVX512;
+  if (isa_ok(AVX2)) return AVX2;
+  return PORTABLE;
+}
+
+template <int Q>
+void tile_simd(int isa, const Planes& P, const uint8_t* blk, int64_t R, int64_t n0, int64_t g, const float* T, float xs, float* y) {
+#ifdef BM_X86
+  if (isa == AVX512) return tile_avx512<Q>(P, blk, R, n0, g, T, xs, y);
+  return tile_avx2<Q>(P, blk, R, n0, g, T, xs, y);
+#endif
+}
+
+void tile_dispatch(int isa, int q, const Planes& P, const uint8_t* blk, int64_t R, int64_t n0, int64_t g, const float* T, float xs, float* y) {
+  switch (q) {
+    case 1: return tile_simd<1>(isa, P, blk, R, n0, g, T, xs, y);
+    case 2: return tile_simd<2>(isa, P, blk, R, n0, g, T, xs, y);
+    case 3: return tile_simd<3>(isa, P, blk, R, n0, g, T, xs, y);
+    case 4: return tile_simd<4>(isa, P, blk, R, n0, g, T, xs, y);
+    case 5: return tile_simd<5>(isa, P, blk, R, n0, g, T, xs, y);
+    case 6: return tile_simd<6>(isa, P, blk, R, n0, g, T, xs, y);
+    case 7: return tile_simd<7>(isa, P, blk, R, n0, g, T, xs, y);
+    default: return tile_simd<8>(isa, P, blk, R, n0, g, T, xs, y);
+  }
+}
+
+Planes make_planes(const torch::Tensor& data, const torch::Tensor& off, const torch::Tensor& bits, const torch::Tensor& sT,
+                   const torch::Tensor& zT, int64_t N, int64_t K, int64_t gs, int64_t rb) {
+  TORCH_CHECK(data.dtype() == torch::kUInt8 && data.is_contiguous(), "data must be contiguous uint8");
+  TORCH_CHECK(off.dtype() == torch::kInt64 && bits.dtype() == torch::kUInt8, "offsets int64, bits uint8");
+  TORCH_CHECK(sT.dtype() == torch::kFloat32 && zT.dtype() == torch::kFloat32 && sT.is_contiguous() && zT.is_contiguous(),
+              "scales/zeros must be contiguous float32 [G, N]");
+  Planes P;
+  P.data = data.data_ptr<uint8_t>();
+  P.off = off.data_ptr<int64_t>();
+  P.bits = bits.data_ptr<uint8_t>();
+  P.sT = sT.data_ptr<float>();
+  P.zT = zT.data_ptr<float>();
+  P.N = N; P.K = K; P.G = sT.size(0); P.gs = gs; P.rb = rb;
+  P.tiles_per_rb = (rb + TILE - 1) / TILE;
+  return P;
+}
+
+// Rows [r0, r1) of W in float32 into out [r1 - r0, K]: exactly (c - z) * s.
+void dequant_rows(const Planes& P, int64_t r0, int64_t r1, float* out) {
+  std::vector<int32_t> codes(P.gs + WCOLS);
+  for (int64_t n = r0; n < r1; ++n) {
+    const int64_t rbi = n / P.rb, rr = n - rbi * P.rb, t = rr / TILE, r = rr % TILE;
+    const int64_t brows = std::min(P.rb, P.N - rbi * P.rb);
+    const int64_t R = std::min<int64_t>(TILE, brows - t * TILE);
+    for (int64_t g = 0; g < P.G; ++g) {
+      const int q = P.bits[rbi * P.G + g];
+      const int64_t nch = P.nch(g), L = P.cols(g);
+      const uint8_t* blk = P.data + P.off[rbi * P.G + g] + t * TILE * nch * q * 4;
+      std::fill(codes.begin(), codes.begin() + nch * WCOLS, 0);
+      for (int64_t c = 0; c < nch; ++c)
+        for (int i = 0; i < q; ++i) {
+          const uint32_t w = load32(blk + 4 * ((c * q + i) * R + r));
+          for (int b = 0; b < WCOLS; ++b) codes[c * WCOLS + b] |= (int32_t)((w >> b) & 1u) << i;
+        }
+      const float s = P.sT[g * P.N + n], z = P.zT[g * P.N + n];
+      float* o = out + (n - r0) * P.K + g * P.gs;
+      for (int64_t j = 0; j < L; ++j) o[j] = ((float)codes[j] - z) * s;
+    }
+  }
+}
+
+torch::Tensor gemv(const Planes& P, const float* x, int isa) {
+  auto y = torch::zeros({P.N}, torch::kFloat32);
+  if (P.N == 0 || P.K == 0) return y;
+  float* yp = y.data_ptr<float>();
+  const int per = (isa == PORTABLE) ? 4 : 8;       // tables per 32-column chunk
+  const int entries = (isa == PORTABLE) ? 128 : 16;
+  std::vector<int64_t> tbase(P.G + 1, 0);
+  for (int64_t g = 0; g < P.G; ++g) tbase[g + 1] = tbase[g] + P.nch(g) * per;
+  std::vector<float> tab(tbase[P.G] * entries);
+  std::vector<float> xsum(P.G);
+  for (int64_t g = 0; g < P.G; ++g) {
+    float s = 0.f;
+    for (int64_t j = g * P.gs; j < g * P.gs + P.cols(g); ++j) s += x[j];
+    xsum[g] = s;
+  }
+  if (isa == PORTABLE) build_tables8(P, x, tbase, tab.data());
+  else build_tables4(P, x, tbase, tab.data());
+  const int64_t n_rb = (P.N + P.rb - 1) / P.rb, ntiles = n_rb * P.tiles_per_rb;
+  at::parallel_for(0, ntiles, 4, [&](int64_t a, int64_t b) {
+    for (int64_t g = 0; g < P.G; ++g) {
+      const float* T = tab.data() + tbase[g] * entries;
+      const int64_t chunk_bytes = P.nch(g) * 4;  // per row and plane
+      for (int64_t id = a; id < b; ++id) {
+        const int64_t rbi = id / P.tiles_per_rb, t = id % P.tiles_per_rb;
+        const int64_t brows = std::min(P.rb, P.N - rbi * P.rb);
+        if (t * TILE >= brows) continue;
+        const int64_t R = std::min<int64_t>(TILE, brows - t * TILE), n0 = rbi * P.rb + t * TILE;
+        const int q = P.bits[rbi * P.G + g];
+        const uint8_t* blk = P.data + P.off[rbi * P.G + g] + t * TILE * chunk_bytes * q;
+        if (isa == PORTABLE) tile_portable(P, blk, q, R, n0, g, T, xsum[g], yp);
+        else tile_dispatch(isa, q, P, blk, R, n0, g, T, xsum[g], yp);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+torch::Tensor lut_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor off, torch::Tensor bits, torch::Tensor sT,
+                         torch::Tensor zT, int64_t N, int64_t K, int64_t gs, int64_t rb, int64_t tile_rows, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.dtype() == torch::kFloat32, "x must be float32 [M, K]");
+  x = x.contiguous();
+  Planes P = make_planes(data, off, bits, sT, zT, N, K, gs, rb);
+  const int64_t M = x.size(0);
+  if (M == 1) return gemv(P, x.data_ptr<float>(), resolve((int)isa)).reshape({1, N});
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  auto tile = torch::empty({std::min(tile_rows, N), K}, x.options());
+  for (int64_t r0 = 0; r0 < N; r0 += tile_rows) {
+    const int64_t r1 = std::min(N, r0 + tile_rows);
+    float* tp = tile.data_ptr<float>();
+    at::parallel_for(r0, r1, 8, [&](int64_t a, int64_t b) { dequant_rows(P, a, b, tp + (a - r0) * K); });
+    y.narrow(1, r0, r1 - r0).copy_(at::mm(x, tile.narrow(0, 0, r1 - r0).t()));
+  }
+  return y;
+}
+
+torch::Tensor dequantize(torch::Tensor data, torch::Tensor off, torch::Tensor bits, torch::Tensor sT, torch::Tensor zT,
+                         int64_t N, int64_t K, int64_t gs, int64_t rb, int64_t r0, int64_t r1) {
+  Planes P = make_planes(data, off, bits, sT, zT, N, K, gs, rb);
+  TORCH_CHECK(0 <= r0 && r0 <= r1 && r1 <= N, "row range out of bounds");
+  auto out = torch::empty({r1 - r0, K}, sT.options());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(r0, r1, 8, [&](int64_t a, int64_t b) { dequant_rows(P, a, b, op + (a - r0) * K); });
+  return out;
+}
+
+bool isa_available(int64_t isa) { return isa_ok((int)isa); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("lut_matmul", &lut_matmul, "bit-plane LUT matmul y = x W^T (batch 1: LUT GEMV; more: tiled)");
+  m.def("dequantize", &dequantize, "rows of W in float32, (c - z) * s");
+  m.def("isa_available", &isa_available, "1 portable, 2 avx2, 3 avx512");
+}
