@@ -158,6 +158,7 @@ def int_layer(m, allowed_bits: tuple[int, ...], lossy: bool, changes: list[str])
         lo, hi = int(q.min()), int(q.max())
         refuse_or_note("Huffman-coded integers (HPTQ/HRTN): neither format has entropy coding")
         bits = _widest_fit(_bit_len(hi - lo), allowed_bits)
+        changes.append(f"integers stored on a {bits}-bit grid, one scale per row")
         s = m.scales.expand(m.out_features, 1)
         return embed(q, s, torch.zeros(m.in_features, dtype=torch.int32), m.in_features, bits, False)
     if isinstance(m, FP8Linear):
@@ -190,6 +191,7 @@ def int_layer(m, allowed_bits: tuple[int, ...], lossy: bool, changes: list[str])
             "no-clip integers outside the layer's bit grid (re-gridded at a wider width, clamped at 8 bits)"
         )
         bits = _widest_fit(_bit_len(hi - lo), allowed_bits)
+        changes.append(f"integers stored on a {bits}-bit grid")
         return embed(values, layer.scales, layer.g_idx, layer.group_size, bits, False)
     if layer.bits not in allowed_bits:
         bits = _widest_fit(layer.bits, allowed_bits)
