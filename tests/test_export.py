@@ -286,7 +286,7 @@ def test_dpq_exports_lossy_as_fp8_exactly_in_compressed_tensors(tmp_path):
 
 
 def test_mixed_bit_widths(tmp_path):
-    """One scheme per layer in compressed-tensors; one ``bits`` in GPTQ (refused, widened exactly with --lossy)."""
+    """One scheme per layer in compressed-tensors; GPTQ has one ``bits`` (refused; --lossy widens exactly)."""
     m4, m8 = tiny_llama(seed=3), tiny_llama(seed=3)
     quantize_(m4, "rtn", CALIB, progress=False, bits=4, group_size=32, symmetric=True)
     quantize_(m8, "rtn", CALIB, progress=False, bits=8, group_size=32, symmetric=True)
