@@ -223,7 +223,7 @@ def test_transformers_loads_the_compressed_tensors_export(tmp_path):
 
     src = quantized(tmp_path, "gptq", bits=4, group_size=32, order="gar", symmetric=True)
     export_model(src, tmp_path / "out", "compressed-tensors")
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = model(IDS).logits  # the first forward decompresses
     logits, qmods = ours(src)
@@ -359,7 +359,7 @@ def test_smollm2_exports_load_in_independent_loaders(tmp_path, smollm):
     logits, qmods = ours(src)
     ct = export_model(src, tmp_path / "ct", "compressed-tensors")
     assert not ct.changed and any("partial last group" in n for n in ct.notes)
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ct").eval()
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ct", dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = hf(IDS).logits
     q = "model.layers.0.self_attn.q_proj"
