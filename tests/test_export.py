@@ -223,7 +223,7 @@ def test_transformers_loads_the_compressed_tensors_export(tmp_path):
 
     src = quantized(tmp_path, "gptq", bits=4, group_size=32, order="gar", symmetric=True)
     export_model(src, tmp_path / "out", "compressed-tensors")
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = model(IDS).logits  # the first forward decompresses
     logits, qmods = ours(src)
@@ -285,6 +285,26 @@ def test_dpq_exports_lossy_as_fp8_exactly_in_compressed_tensors(tmp_path):
     assert res.summary()["mean_rel_err"] > 0  # as INT codes with scales s * s_w: the FP8 rounding is lost
 
 
+def test_mixed_bit_widths(tmp_path):
+    """One scheme per layer in compressed-tensors; GPTQ has one ``bits`` (refused; --lossy widens exactly)."""
+    m4, m8 = tiny_llama(seed=3), tiny_llama(seed=3)
+    quantize_(m4, "rtn", CALIB, progress=False, bits=4, group_size=32, symmetric=True)
+    quantize_(m8, "rtn", CALIB, progress=False, bits=8, group_size=32, symmetric=True)
+    m4.model.layers[1].mlp.down_proj = m8.model.layers[1].mlp.down_proj
+    src = save_quantized(m4, tmp_path / "src", {"method": "rtn"})
+    export_model(src, tmp_path / "ct", "compressed-tensors")
+    qc = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    by_bits = {g["weights"]["num_bits"]: g["targets"] for g in qc["config_groups"].values()}
+    assert by_bits[8] == ["model.layers.1.mlp.down_proj"] and len(by_bits[4]) == 13
+    got = ct_decompress(tmp_path / "ct")
+    _, qmods = ours(src)
+    assert all(torch.equal(got[n], qm.dequantize_reference(got[n].dtype)) for n, qm in qmods.items())
+    with pytest.raises(ExportError, match="different bit widths"):
+        export_model(src, tmp_path / "g", "gptq")
+    res = export_model(src, tmp_path / "g", "gptq", lossy=True)
+    assert len(res.changed) == 13 and res.summary()["max_abs"] == 0.0  # 4-bit codes on the 8-bit grid
+
+
 # -- output folder and CLI --------------------------------------------------------------------------
 def test_output_folder_rules(tmp_path):
     src = quantized(tmp_path, "rtn", bits=4, group_size=32, symmetric=True)
@@ -339,7 +359,7 @@ def test_smollm2_exports_load_in_independent_loaders(tmp_path, smollm):
     logits, qmods = ours(src)
     ct = export_model(src, tmp_path / "ct", "compressed-tensors")
     assert not ct.changed and any("partial last group" in n for n in ct.notes)
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ct").eval()
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ct", dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = hf(IDS).logits
     q = "model.layers.0.self_attn.q_proj"

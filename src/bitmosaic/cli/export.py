@@ -45,12 +45,12 @@ def cmd_export(args) -> int:
         kinds: dict[str, list] = {}
         for r in res.changed:
             for c in r.changes:  # one row per kind of change (numbers in the text vary per layer)
-                kinds.setdefault(re.sub(r"-?\d+(\.\d+)?", "N", c), []).append(r)
+                kinds.setdefault(re.sub(r"(?<![\w.])-?\d+(\.\d+)?(?!\w)", "N", c), []).append(r)
         print(
             f"lossy: {s['changed_layers']} layer(s) changed; weight error added "
             f"(relative Frobenius, max |diff|):"
         )
-        print("| change | layers | mean rel err | max rel err | max abs diff |")
+        print("| change | layers | their mean rel err | max rel err | max abs diff |")
         print("|---|---:|---:|---:|---:|")
         for what, rs in kinds.items():
             rel = [r.rel_err for r in rs]

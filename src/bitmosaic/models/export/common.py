@@ -111,7 +111,8 @@ def collect(qmods: dict, fn: Callable, fmt: str, lossy: bool) -> tuple[dict, dic
         try:
             out[name] = fn(name, m, changes[name])
         except Refusal as r:
-            refused.setdefault(r.reason, []).append(name)
+            for why in r.reasons:
+                refused.setdefault(why, []).append(name)
             if not r.fixable:
                 fatal.add(r.reason)
     if refused:

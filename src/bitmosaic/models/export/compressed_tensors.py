@@ -98,49 +98,59 @@ def _int_tensors(layer: IntLayer, packed: bool) -> dict[str, torch.Tensor]:
 
 def _convert(lossy: bool):
     def fn(name, m, changes):
+        act_refusal = None
         try:
             act, input_scale = act_args(m)
         except Refusal as r:
-            if not lossy:
-                raise
-            changes.append(f"{r.reason}: dropped")
-            act, input_scale = None, None
-        if isinstance(m, FP8Linear) or (lossy and isinstance(m, FP8ComputeQuantLinear)):
-            lay = fp8_layer(m, lossy, changes)
-            per_tensor = lay.scale.shape[0] == 1
-            w = {
-                "num_bits": 8,
-                "type": "float",
-                "symmetric": True,
-                "strategy": "tensor" if per_tensor else "channel",
-                "dynamic": False,
-            }
-            t = {"weight": lay.values, "weight_scale": lay.scale.reshape(1) if per_tensor else lay.scale}
-            fmt = "float-quantized"
-        else:
-            lay = int_layer(m, CT_BITS, lossy, changes)
-            if not lay.contiguous:
-                reason = (
-                    "act-order groups (g_idx): compressed-tensors (>= 0.19) removed actorder 'group' and "
-                    "weight_g_idx (use --format gptq, which keeps g_idx)"
-                )
-                if not lossy:
-                    raise Refusal(reason)
-                changes.append(reason + ": re-rounded (RTN) on contiguous groups")
-                lay = requantize_contiguous(m, lay)
-            n = lay.codes.shape[1]
-            if n % lay.group_size:
-                lay = regroup(lay, math.gcd(lay.group_size, n))
-            group = None if lay.group_size == n else lay.group_size
-            w = _weight_args(lay.bits, "int", lay.symmetric, group)
-            fmt = "pack-quantized" if act is None else "int-quantized"
-            t = _int_tensors(lay, fmt == "pack-quantized")
-        if input_scale is not None:
-            t["input_scale"] = input_scale
-        scheme = {"weights": w, "input_activations": act, "output_activations": None, "format": fmt}
-        return lay, t, scheme
+            act_refusal, act, input_scale = r.reason, None, None
+            if lossy:
+                changes.append(f"{r.reason}: dropped")
+        try:
+            return _layer(m, act, input_scale, lossy, changes, act_refusal)
+        except Refusal as r:
+            raise r.adding(act_refusal) from None
 
     return fn
+
+
+def _layer(m, act, input_scale, lossy: bool, changes: list[str], act_refusal: str | None):
+    """``(exported layer, tensors, scheme)`` of one module (``act``: its mapped activation scheme)."""
+    if isinstance(m, FP8Linear) or (lossy and isinstance(m, FP8ComputeQuantLinear)):
+        lay = fp8_layer(m, lossy, changes)
+        per_tensor = lay.scale.shape[0] == 1
+        w = {
+            "num_bits": 8,
+            "type": "float",
+            "symmetric": True,
+            "strategy": "tensor" if per_tensor else "channel",
+            "dynamic": False,
+        }
+        t = {"weight": lay.values, "weight_scale": lay.scale.reshape(1) if per_tensor else lay.scale}
+        fmt = "float-quantized"
+    else:
+        lay = int_layer(m, CT_BITS, lossy, changes)
+        if not lay.contiguous:
+            reason = (
+                "act-order groups (g_idx): compressed-tensors (>= 0.19) removed actorder 'group' and "
+                "weight_g_idx (use --format gptq, which keeps g_idx)"
+            )
+            if not lossy:
+                raise Refusal(reason)
+            changes.append(reason + ": re-rounded (RTN) on contiguous groups")
+            lay = requantize_contiguous(m, lay)
+        n = lay.codes.shape[1]
+        if n % lay.group_size:
+            lay = regroup(lay, math.gcd(lay.group_size, n))
+        group = None if lay.group_size == n else lay.group_size
+        w = _weight_args(lay.bits, "int", lay.symmetric, group)
+        fmt = "pack-quantized" if act is None else "int-quantized"
+        t = _int_tensors(lay, fmt == "pack-quantized")
+    if input_scale is not None:
+        t["input_scale"] = input_scale
+    if act_refusal and not lossy:
+        raise Refusal(act_refusal)
+    scheme = {"weights": w, "input_activations": act, "output_activations": None, "format": fmt}
+    return lay, t, scheme
 
 
 def build_compressed_tensors(src: Source, lossy: bool) -> tuple[dict, dict, list, list]:

@@ -56,17 +56,24 @@ def gptq_layer_tensors(layer: IntLayer, v2: bool) -> dict[str, torch.Tensor]:
 def _convert(lossy: bool):
     def fn(name, m, changes):
         spec = input_quant_spec(m)
+        act_refusal = None
         if spec is not None:
-            if not lossy:
-                raise Refusal(f"activation quantization ({spec.label}): GPTQ checkpoints hold weights only")
-            changes.append(f"activation quantizer {spec.label} dropped")
+            act_refusal = f"activation quantization ({spec.label}): GPTQ checkpoints hold weights only"
+            if lossy:
+                changes.append(f"activation quantizer {spec.label} dropped")
         if m.in_features % 32 or m.out_features % 32:
             raise Refusal(
                 "a layer size that is not a multiple of 32 (GPTQ's packing and kernels need both sizes "
                 "to be multiples of 32)",
                 fixable=False,
             )
-        return int_layer(m, GPTQ_BITS, lossy, changes)
+        try:
+            layer = int_layer(m, GPTQ_BITS, lossy, changes)
+        except Refusal as r:
+            raise r.adding(act_refusal) from None
+        if act_refusal and not lossy:
+            raise Refusal(act_refusal)
+        return layer
 
     return fn
 

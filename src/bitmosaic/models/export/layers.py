@@ -52,10 +52,17 @@ class ExportError(BitmosaicError):
 class Refusal(Exception):
     """Why one layer has no exact form in the target (``fixable``: ``--lossy`` has a nearest form)."""
 
-    def __init__(self, reason: str, fixable: bool = True) -> None:
+    def __init__(self, reason: str, fixable: bool = True, also: tuple[str, ...] = ()) -> None:
         super().__init__(reason)
         self.reason = reason
         self.fixable = fixable
+        self.reasons = (*also, reason)  # every reason this layer is refused for
+
+    def adding(self, earlier: str | None) -> Refusal:
+        """This refusal with an ``earlier`` reason (found before it) listed too."""
+        if earlier is None or earlier in self.reasons:
+            return self
+        return Refusal(self.reason, self.fixable, (*self.reasons[:-1], earlier))
 
 
 @dataclass
@@ -158,6 +165,7 @@ def int_layer(m, allowed_bits: tuple[int, ...], lossy: bool, changes: list[str])
         lo, hi = int(q.min()), int(q.max())
         refuse_or_note("Huffman-coded integers (HPTQ/HRTN): neither format has entropy coding")
         bits = _widest_fit(_bit_len(hi - lo), allowed_bits)
+        changes.append(f"integers stored on a {bits}-bit grid, one scale per row")
         s = m.scales.expand(m.out_features, 1)
         return embed(q, s, torch.zeros(m.in_features, dtype=torch.int32), m.in_features, bits, False)
     if isinstance(m, FP8Linear):
@@ -180,8 +188,9 @@ def int_layer(m, allowed_bits: tuple[int, ...], lossy: bool, changes: list[str])
     if isinstance(m, FP8ComputeQuantLinear):
         refuse_or_note(
             "DPQ's weights are nearest_FP8((q - z) s) * s_w: FP8-domain group scales and an FP8 rounding are "
-            "not an affine INT grid (exported as INT codes with scales s * s_w)"
+            "not an affine INT grid"
         )
+        changes.append("DPQ exported as its INT codes with scales s * s_w (the FP8 rounding is lost)")
         s = (m.scales.float() * m.fp8_scale.float()).to(torch.float16)
         layer.scales = s.expand(m.out_features, -1).contiguous()
     if m.storage_bits != m.bits or m.code_offset:
@@ -190,6 +199,7 @@ def int_layer(m, allowed_bits: tuple[int, ...], lossy: bool, changes: list[str])
             "no-clip integers outside the layer's bit grid (re-gridded at a wider width, clamped at 8 bits)"
         )
         bits = _widest_fit(_bit_len(hi - lo), allowed_bits)
+        changes.append(f"integers stored on a {bits}-bit grid")
         return embed(values, layer.scales, layer.g_idx, layer.group_size, bits, False)
     if layer.bits not in allowed_bits:
         bits = _widest_fit(layer.bits, allowed_bits)
