@@ -11,7 +11,7 @@ Parts (``--parts``, comma-separated):
   with alpha re-searched / alpha kept from the full method (searched with the 10% residual), and
   selection by channel (same element budget), magnitude, residual norm, random, the exact greedy
   oracle (every layer: the incremental oracle is cheap), Δ-Hessian with a GPTQ dense base (our
-  extension) and with a clip-searched base.
+  extension).
 * ``sweep``: budgets 2.5, 5, 15, 20% (0 and 10% come from ``ablation``/``main``).
 * ``blocks``: 32x32 and 128x128 blocks (64x64 is ``main``).
 
@@ -65,7 +65,6 @@ def _runs(part: str, max_tokens: int) -> list[tuple[str, str, str, dict]]:
             ("random", "W4A4", "mosaic", {**w4a4, "selection": "random"}),
             ("oracle (greedy, exact)", "W4A4", "mosaic", {**w4a4, "selection": "oracle"}),
             ("Δ-Hessian, GPTQ base (ours)", "W4A4", "mosaic", {**w4a4, "base": "gptq"}),
-            ("Δ-Hessian, clip-searched base", "W4A4", "mosaic", {**w4a4, "clip_search": True}),
         ]
     if part == "sweep":
         return [(f"budget {b:g}", "W4A4", "mosaic", {**w4a4, "budget": b}) for b in (0.025, 0.05, 0.15, 0.2)]

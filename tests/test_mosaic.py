@@ -151,7 +151,9 @@ def test_recovered_fraction_and_budget_monotone(layer64):
     assert fr[0] == 0 and fr[0] < fr[1] < fr[2] < fr[3] <= 1
     res = mosaic_decompose(W, H, budget=0.2, block=(16, 16))
     R = res.residual.double()
-    assert res.info["residual_distortion"] == pytest.approx(distortion(R, H), rel=1e-9)
+    assert res.info["residual_distortion"] == pytest.approx(distortion(R, H), rel=1e-5)
+    M = res.sparse != 0
+    assert res.info["delta_D"] == pytest.approx(delta_distortion(R, res.sparse.double(), M, H), rel=1e-4)
 
 
 def _module(out=70, n=96, block=(32, 32), budget=0.25, seed=0):

@@ -356,9 +356,10 @@ def mosaic_decompose(
         "blocks_total": int(bmask.numel()),
         "elements_compensated": int(M.sum()),
     }
-    if report and H is not None:
-        d0 = distortion(R, H)
-        dd = d0 - distortion(R - sparse, H)
+    if report and H is not None:  # float32 products, float64 sums: a report, not a selection
+        Hf = H.float().to(W.device)
+        d0 = float(((R @ Hf) * R).sum(dtype=torch.float64))
+        dd = float(((sparse @ Hf) * (2 * R - sparse)).sum(dtype=torch.float64))  # = D(R) - D(R - S)
         info.update({"residual_distortion": d0, "delta_D": dd, "recovered": dd / d0 if d0 > 0 else 0.0})
     return MosaicResult(
         codes=(base_codes + 8).to(torch.int32),
