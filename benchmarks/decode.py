@@ -1,15 +1,19 @@
 """End-to-end greedy decoding on the CPU: tokens/s and resident memory of SmolLM2-135M in float32,
 W4 g128 and W3 g128 (loaded through ``load_quantized``, the low-bit kernels as the default path),
 against llama.cpp running the very GGUF the model comes from (Q4_1) where ``llama_cpp`` is
-installed (``pip install llama-cpp-python``; it builds llama.cpp from source), same threads, same
-prompt, same number of new tokens.
+installed (``pip install llama-cpp-python``, or the ``peers`` extra; it builds llama.cpp from
+source), same threads, same prompt token ids, same number of new tokens; without it the llama.cpp
+rows are skipped with a message.
 
 Each row runs in its own process, so its resident memory is its own.  The quantized folders are
 made first with RTN (the method does not change the decode speed, only the quality; perplexity is
 measured elsewhere).  ``decode tok/s`` counts the new tokens after the first one (the first
-includes the prompt's prefill) over their wall time; ``rss MB`` is the process's resident set after
-generation, ``weights MB`` the bytes the linears hold (packed codes, scales, kernel layouts; the
-float32 linears for the float row).
+includes the prompt's prefill) over their wall time.  ``RSS MB`` is the process's resident set after
+generation and ``+model MB`` its growth from just before the model was loaded (after the imports:
+torch for bitmosaic, the llama_cpp bindings for llama.cpp).  ``linears resident MB`` is what the
+linear layers hold in memory (parameters and buffers with storage plus kernel weights; released
+saved buffers hold none, see ``modules/base.py``), ``linears stored MB`` what their saved tensors
+take (the float32 linears for the float row; the GGUF file for llama.cpp, embeddings included).
 
     python benchmarks/decode.py [--threads 1,2] [--new-tokens 64]   (writes results/decode.{md,json})
 """
@@ -40,36 +44,36 @@ def _rss_mb() -> float:
     return float("nan")
 
 
-def _linear_bytes(model) -> int:
+def _linear_bytes(model, folder: str) -> tuple[int, int]:
+    """(resident, stored) bytes of the linear layers (the tied head excluded)."""
     import torch
 
-    from bitmosaic.modules.base import QuantModule
+    from bitmosaic.models.serialization import quantized_modules, stored_module_bits
+    from bitmosaic.modules.base import resident_bytes
 
-    total = 0
+    qmods = quantized_modules(model)
+    resident = sum(resident_bytes(m) for m in qmods.values())
+    stored = sum(stored_module_bits(folder, list(qmods)).values()) // 8 if qmods else 0
     for m in model.modules():
-        if isinstance(m, QuantModule):
-            k = m.kernel()
-            total += sum(t.numel() * t.element_size() for t in m.storage_tensors())
-            total += k.nbytes() if k is not None else 0
-        elif isinstance(m, torch.nn.Linear) and m.weight.shape[0] != model.config.vocab_size:
-            total += m.weight.numel() * m.weight.element_size()
-    return total
+        if isinstance(m, torch.nn.Linear) and m.weight.shape[0] != model.config.vocab_size:
+            resident += m.weight.numel() * m.weight.element_size()
+            stored += m.weight.numel() * m.weight.element_size()
+    return resident, stored
 
 
-def _child_torch(variant: str, folder: str, threads: int, new_tokens: int) -> dict:
+def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repeats: int) -> dict:
     import time
 
     import torch
 
-    torch.set_num_threads(threads)
-    if variant == "float":
-        from bitmosaic.models import load_model
+    from bitmosaic.models import load_model, load_quantized
+    from bitmosaic.modules.base import prepare_kernels
 
+    torch.set_num_threads(threads)
+    rss_base = _rss_mb()  # after the imports: the growth from here is the model's
+    if variant == "float":
         model, tok = load_model("smollm2-135m", dtype=torch.float32)
     else:
-        from bitmosaic.models import load_quantized
-        from bitmosaic.modules.base import prepare_kernels
-
         model, tok = load_quantized(folder)
         prepare_kernels(model)
     model.eval()
@@ -83,52 +87,68 @@ def _child_torch(variant: str, folder: str, threads: int, new_tokens: int) -> di
 
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=4, do_sample=False)  # warm-up (kernels, caches)
-        out = model.generate(
-            ids,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            logits_processor=[Clock()],
-        )
-    decode = (len(times) - 1) / (times[-1] - times[0])
+        rates = []
+        for _ in range(repeats):
+            times.clear()
+            out = model.generate(
+                ids,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                logits_processor=[Clock()],
+            )
+            rates.append((len(times) - 1) / (times[-1] - times[0]))
+    decode = max(rates)
+    rss = _rss_mb()  # before anything below could rebuild a released buffer
+    resident, stored = _linear_bytes(model, folder)
     return {
         "variant": variant,
         "threads": threads,
-        "prompt_tokens": int(ids.shape[1]),
+        "prompt_ids": ids[0].tolist(),
         "new_tokens": int(out.shape[1] - ids.shape[1]),
         "decode_tok_s": decode,
-        "rss_mb": _rss_mb(),
-        "weights_mb": _linear_bytes(model) / 2**20,
+        "rss_mb": rss,
+        "model_rss_mb": rss - rss_base,
+        "linears_resident_mb": resident / 2**20,
+        "linears_stored_mb": stored / 2**20,
         "text": tok.decode(out[0, ids.shape[1] :][:24]),
     }
 
 
-def _child_llama_cpp(threads: int, new_tokens: int) -> dict:
+def _child_llama_cpp(gguf: str, prompt_ids: list[int], threads: int, new_tokens: int, repeats: int) -> dict:
     import time
 
     from llama_cpp import Llama
 
-    from bitmosaic.models.loading import _smollm2_gguf
+    rss_base = _rss_mb()
+    llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=512, seed=0, verbose=False)
 
-    llm = Llama(model_path=str(_smollm2_gguf()), n_threads=threads, n_ctx=512, verbose=False)
-    prompt = llm.tokenize(PROMPT.encode())
-    times: list[float] = []
-    llm.reset()
-    out = []
-    for tok in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
-        times.append(time.perf_counter())
-        out.append(tok)
-        if len(out) == new_tokens:
-            break
-    decode = (len(times) - 1) / (times[-1] - times[0])
+    def run(n: int, clock: list[float]) -> list[int]:
+        toks: list[int] = []
+        for t in llm.generate(prompt_ids, temp=0.0, top_k=1, reset=True):
+            clock.append(time.perf_counter())
+            toks.append(t)
+            if len(toks) == n:
+                return toks
+        return toks
+
+    run(4, [])  # warm-up, as for the torch rows
+    rates = []
+    for _ in range(repeats):
+        times: list[float] = []
+        out = run(new_tokens, times)
+        rates.append((len(times) - 1) / (times[-1] - times[0]))
+    decode = max(rates)
     return {
         "variant": "llama.cpp Q4_1",
         "threads": threads,
-        "prompt_tokens": len(prompt),
+        "prompt_ids": list(prompt_ids),
         "new_tokens": len(out),
         "decode_tok_s": decode,
         "rss_mb": _rss_mb(),
-        "weights_mb": None,
+        "model_rss_mb": _rss_mb() - rss_base,
+        "linears_resident_mb": None,
+        "linears_stored_mb": Path(gguf).stat().st_size / 2**20,
         "text": llm.detokenize(out[:24]).decode(errors="replace"),
     }
 
@@ -147,20 +167,51 @@ def _make_quantized(tmp: Path, bits: int) -> Path:
     return out
 
 
+def _run_child(args: list[str]) -> dict | None:
+    res = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+    line = [ln for ln in res.stdout.splitlines() if ln.startswith("ROW ")]
+    if res.returncode or not line:
+        print(f"{args[1]} failed:\n{res.stderr[-2000:]}")
+        return None
+    return json.loads(line[0][4:])
+
+
+def _table(rows: list[dict]) -> str:
+    lines = [
+        "| variant | threads | decode tok/s | vs float | vs llama.cpp | RSS MB | +model MB "
+        "| linears resident MB | linears stored MB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(v, spec):
+        return "—" if v is None else format(v, spec)
+
+    for r in rows:
+        lines.append(
+            f"| {r['variant']} | {r['threads']} | {r['decode_tok_s']:.1f} | {f(r['speed_vs_float'], '.2f')}x "
+            f"| {f(r['speed_vs_llama_cpp'], '.2f')}x | {r['rss_mb']:.0f} | {r['model_rss_mb']:.0f} "
+            f"| {f(r['linears_resident_mb'], '.1f')} | {f(r['linears_stored_mb'], '.1f')} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", default="1,2")
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="timed generations per row; the best is kept")
     p.add_argument("--json", default=str(RESULTS / "decode.json"))
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--folder", default="", help=argparse.SUPPRESS)
+    p.add_argument("--prompt-ids", default="[]", help=argparse.SUPPRESS)
     p.add_argument("--child-threads", type=int, default=1, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
         if a.child == "llama.cpp":
-            row = _child_llama_cpp(a.child_threads, a.new_tokens)
+            ids = json.loads(a.prompt_ids)
+            row = _child_llama_cpp(a.folder, ids, a.child_threads, a.new_tokens, a.repeats)
         else:
-            row = _child_torch(a.child, a.folder, a.child_threads, a.new_tokens)
+            row = _child_torch(a.child, a.folder, a.child_threads, a.new_tokens, a.repeats)
         print("ROW " + json.dumps(row))
         return
 
@@ -170,51 +221,40 @@ def main() -> None:
         have_llama = True
     except ImportError:
         have_llama = False
-        print("llama.cpp rows skipped: the llama_cpp package is not installed (pip install llama-cpp-python)")
+        print(
+            "llama.cpp rows skipped: the llama_cpp package is not installed "
+            "(pip install llama-cpp-python, or the 'peers' extra)"
+        )
+    from bitmosaic.models.loading import _smollm2_gguf
+
+    gguf = str(_smollm2_gguf())
+    load_before = os.getloadavg()
     rows = []
     with tempfile.TemporaryDirectory(prefix="bitmosaic-decode-") as tmp:
         folders = {"float": "", **{f"W{b} g128": str(_make_quantized(Path(tmp), b)) for b in (4, 3)}}
         for threads in (int(t) for t in a.threads.split(",")):
-            variants = list(folders) + (["llama.cpp"] if have_llama else [])
-            for v in variants:
-                cmd = [
-                    sys.executable,
-                    __file__,
-                    "--child",
-                    v,
-                    "--folder",
-                    folders.get(v, ""),
-                    "--child-threads",
-                    str(threads),
-                    "--new-tokens",
-                    str(a.new_tokens),
-                ]
-                res = subprocess.run(cmd, capture_output=True, text=True)
-                line = [ln for ln in res.stdout.splitlines() if ln.startswith("ROW ")]
-                if res.returncode or not line:
-                    print(f"{v} ({threads} threads) failed:\n{res.stderr[-2000:]}")
-                    continue
-                row = json.loads(line[0][4:])
-                rows.append(row)
-                print(
-                    f"  {row['variant']:<16} threads {threads}  {row['decode_tok_s']:7.1f} tok/s  "
-                    f"rss {row['rss_mb']:7.1f} MB",
-                    flush=True,
-                )
+            common = ["--child-threads", str(threads), "--new-tokens", str(a.new_tokens)]
+            common += ["--repeats", str(a.repeats)]
+            prompt_ids = None
+            for v, folder in folders.items():
+                row = _run_child(["--child", v, "--folder", folder, *common])
+                if row is not None:
+                    rows.append(row)
+                    prompt_ids = prompt_ids or row["prompt_ids"]
+                    print(f"  {v:<16} threads {threads}  {row['decode_tok_s']:7.1f} tok/s", flush=True)
+            if have_llama and prompt_ids:
+                ids = json.dumps(prompt_ids)
+                row = _run_child(["--child", "llama.cpp", "--folder", gguf, "--prompt-ids", ids, *common])
+                if row is not None:
+                    rows.append(row)
+                    print(f"  llama.cpp Q4_1   threads {threads}  {row['decode_tok_s']:7.1f} tok/s")
     for r in rows:
-        base = next((b for b in rows if b["variant"] == "float" and b["threads"] == r["threads"]), None)
+        same = [b for b in rows if b["threads"] == r["threads"]]
+        base = next((b for b in same if b["variant"] == "float"), None)
+        peer = next((b for b in same if b["variant"].startswith("llama.cpp")), None)
         r["speed_vs_float"] = r["decode_tok_s"] / base["decode_tok_s"] if base else None
-    lines = [
-        "| variant | threads | decode tok/s | vs float | RSS MB | linear weights MB |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        wmb = f"{r['weights_mb']:.1f}" if r["weights_mb"] is not None else "—"
-        lines.append(
-            f"| {r['variant']} | {r['threads']} | {r['decode_tok_s']:.1f} | {r['speed_vs_float']:.2f}x | "
-            f"{r['rss_mb']:.0f} | {wmb} |"
-        )
-    table = "\n".join(lines)
+        r["speed_vs_llama_cpp"] = r["decode_tok_s"] / peer["decode_tok_s"] if peer else None
+    table = _table(rows)
     print("\n" + table)
     out = {
         "benchmark": "decode",
@@ -223,8 +263,11 @@ def main() -> None:
             "platform": platform.platform(),
             "python": sys.version.split()[0],
             "cpus": os.cpu_count(),
+            "loadavg_1_5_15_before": load_before,
+            "loadavg_1_5_15_after": os.getloadavg(),
         },
         "llama_cpp": have_llama,
+        "gguf": Path(gguf).name,
         "rows": rows,
     }
     atomic_write_text(Path(a.json), json.dumps(out, indent=2))

@@ -85,6 +85,24 @@ def _state_dict_for_save(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _sort_safetensors_metadata(file: Path) -> None:
+    """safetensors writes its ``__metadata__`` table in hash order, which changes from run to run; put
+    it in sorted key order in place (same length, every other byte untouched), so that saving the same
+    model twice gives the same file, bit for bit."""
+    with open(file, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = f.read(n)
+        meta = json.loads(header).get("__metadata__")
+        if not meta:
+            return
+        old = b'"__metadata__":' + json.dumps(meta, separators=(",", ":")).encode()
+        new = b'"__metadata__":' + json.dumps(dict(sorted(meta.items())), separators=(",", ":")).encode()
+        at = header.find(old)
+        if at >= 0 and old != new:
+            f.seek(8 + at)
+            f.write(new)
+
+
 def _bitmosaic_qc(folder: Path) -> dict | None:
     """``quantization_config`` of ``folder`` if bitmosaic wrote it, else ``None`` (never raises)."""
     try:
@@ -151,11 +169,13 @@ def write_safetensors(folder: Path, sd: dict[str, torch.Tensor], meta: dict[str,
         size += nbytes
     if len(shards) == 1:
         save_file(shards[0], str(folder / "model.safetensors"), metadata=meta)
+        _sort_safetensors_metadata(folder / "model.safetensors")
         return
     weight_map = {}
     for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(folder / name), metadata=meta)
+        _sort_safetensors_metadata(folder / name)
         weight_map.update({k: name for k in shard})
     index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in sd.values())}}
     index["weight_map"] = weight_map

@@ -7,10 +7,21 @@ reference path, tested equal), ``storage_tensors()`` and ``layer_config()`` (bui
 duplicate it (issue #9: five copies of it had drifted).
 
 Nothing here assumes a device: every weight is computed from the buffers, on their device.
+
+Resident weights (issue #10): once a kind's kernel weight is built (:meth:`QuantModule.kernel`), the
+saved buffers it can rebuild *exactly* (``_saved_from_kernel``: qweight from the kernel's codes,
+fp16 scales/zeros from its float32 copies, the Huffman stream by re-encoding...) are released: each
+rebuild is checked equal to the buffer (values, dtype, shape) before the buffer's storage is dropped
+(a ``meta`` tensor of the same shape and dtype stays in its place), so a loaded model holds about one
+copy of its weights.  Reading a released buffer (``m.qweight``, ``state_dict()``, saving,
+``dequantize_reference``, ``bits_per_weight``) rebuilds it from the kernel, bit for bit; a device
+move, a dtype cast, a ``load_state_dict`` or assigning the attribute first puts every released
+buffer back and drops the kernel.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -18,7 +29,7 @@ from torch import nn
 
 from ..formats.accounting import bits_per_weight
 
-__all__ = ["QuantModule", "set_weight_cache", "prepare_kernels"]
+__all__ = ["QuantModule", "set_weight_cache", "prepare_kernels", "resident_bytes"]
 
 
 class QuantModule(nn.Module):
@@ -32,6 +43,7 @@ class QuantModule(nn.Module):
         self.cache_weight = cache_weight
         self._wcache: torch.Tensor | None = None
         self._kernel = None  # the kernel weight built from the buffers (see modules/kernel.py)
+        self._released: set[str] = set()  # saved buffers held by the kernel only (module doc)
 
     # -- what each kind implements -------------------------------------------------------------
     def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
@@ -55,6 +67,11 @@ class QuantModule(nn.Module):
         float weight), or ``None`` when the kind has none (forward then dequantizes per call)."""
         return None
 
+    def _saved_from_kernel(self, kernel) -> dict[str, Callable[[], torch.Tensor]]:
+        """The saved buffers this kind rebuilds exactly from its ``kernel``: name -> rebuild function.
+        The base releases a buffer only after checking its rebuild equal to it (module doc)."""
+        return {}
+
     # -- shared --------------------------------------------------------------------------------
     def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The inference weight ``[out, in]`` in ``dtype``; with ``cache_weight`` the last one computed
@@ -72,10 +89,57 @@ class QuantModule(nn.Module):
             self._wcache = None
 
     def kernel(self):
-        """The kernel weight, built once from the buffers (``None``: this kind has none)."""
+        """The kernel weight, built once from the buffers (``None``: this kind has none); the saved
+        buffers it rebuilds exactly are then released (module doc)."""
         if self._kernel is None:
-            self._kernel = self._build_kernel() or False
+            k = self._build_kernel()
+            self._kernel = k if k is not None else False
+            if k is not None:
+                self._release_saved(k)
         return self._kernel or None
+
+    # -- resident weights: the kernel holds the weight, released buffers are rebuilt on demand --
+    def _release_saved(self, k) -> None:
+        for name, rebuild in self._saved_from_kernel(k).items():
+            buf = self._buffers.get(name)
+            if buf is None or name in self._released:
+                continue
+            t = rebuild()
+            same = t.dtype == buf.dtype and t.shape == buf.shape and t.device == buf.device
+            if same and torch.equal(t, buf):
+                self._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype, device="meta")
+                self._released.add(name)
+
+    def _rebuilt(self, names) -> dict[str, torch.Tensor]:
+        rebuild = self._saved_from_kernel(self._kernel)
+        return {n: rebuild[n]() for n in names}
+
+    def _restore_saved(self) -> None:
+        """Put every released buffer back (rebuilt from the kernel) and drop the kernel."""
+        if self._released:
+            for name, t in self._rebuilt(sorted(self._released)).items():
+                self._buffers[name] = t
+            self._released = set()
+        self._kernel = None
+
+    def __getattr__(self, name: str):
+        released = self.__dict__.get("_released")
+        if released and name in released:
+            return self._rebuilt([name])[name]
+        return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value) -> None:
+        released = self.__dict__.get("_released")
+        if released and name in released:
+            self._restore_saved()  # the kernel was built from the old value
+            self._wcache = None
+        super().__setattr__(name, value)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._released:
+            for name, t in self._rebuilt(sorted(self._released)).items():
+                destination[prefix + name] = t
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = None if self.bias is None else self.bias.to(x.dtype)
@@ -122,14 +186,14 @@ class QuantModule(nn.Module):
 
     def _load_from_state_dict(self, *args, **kwargs):
         self._wcache = None  # new buffers: a weight (or kernel) built from the old ones is stale
-        self._kernel = None
+        self._restore_saved()
         super()._load_from_state_dict(*args, **kwargs)
 
     def _apply(self, fn, recurse=True):
         """``model.to(dtype)`` / ``.half()`` must not cast the stored format (fp16 scales, FP8 bytes,
         float32 FP8 scales): storage buffers only follow device moves; the bias follows ``fn``."""
         self._wcache = None
-        self._kernel = None
+        self._restore_saved()
         ids = {id(t) for t in self.storage_tensors()}
         keep = {k: b for k, b in self._buffers.items() if b is not None and id(b) in ids}
         for k in keep:
@@ -156,3 +220,22 @@ def set_weight_cache(model: nn.Module, enabled: bool = True) -> None:
     for m in model.modules():
         if isinstance(m, QuantModule):
             m.set_weight_cache(enabled)
+
+
+def resident_bytes(model: nn.Module) -> int:
+    """Bytes ``model``'s weights occupy in memory now: every parameter and buffer that has storage
+    (a shared storage counted once; released saved buffers have none) plus every quantized module's
+    kernel weight (:meth:`~bitmosaic.modules.kernel.KernelWeight.nbytes`)."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type == "meta":
+            continue
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+    for m in model.modules():
+        if isinstance(m, QuantModule) and m._kernel:
+            total += m._kernel.nbytes()
+    return total

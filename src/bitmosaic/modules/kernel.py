@@ -16,10 +16,15 @@ time it runs a forward on the CPU (or at load, see :func:`prepare_kernels`):
   low-bit weight (one group per row), otherwise int16 tiles are scaled and multiplied.
 
 Every path is tested equal (within float rounding) to ``F.linear(x, dequantize_reference())``.
+
+The kernel weight is lossless: :func:`lowbit_codes` reads the integer codes back out of a
+:class:`LowBitKernel` (saved column order), which is how a module rebuilds its released saved
+buffers (``modules/base.py``, resident weights).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -28,7 +33,14 @@ from torch.nn import functional as F
 from ..formats.fp import fp_round
 from ..kernels.qmatmul import LowBitWeight
 
-__all__ = ["KernelWeight", "LowBitKernel", "TiledKernel", "SparseAddKernel", "lowbit_from_codes"]
+__all__ = [
+    "KernelWeight",
+    "LowBitKernel",
+    "TiledKernel",
+    "SparseAddKernel",
+    "lowbit_from_codes",
+    "lowbit_codes",
+]
 
 _TILE_ELEMS = 1 << 16  # float32 elements of one dequantized tile (256 KiB)
 
@@ -136,32 +148,62 @@ def lowbit_from_codes(
     """A :class:`LowBitKernel` from ``[out, in]`` codes in ``[0, 2**bits)`` with a group map."""
     perm = None
     if g_idx is not None:
-        perm = contiguous_group_perm(g_idx, group_size)
+        perm = contiguous_group_perm(g_idx, group_size).to(torch.int32)  # int32: half the bytes of int64
         codes = codes.index_select(1, perm)
     z = zeros.float() if torch.is_tensor(zeros) else float(zeros)
     return LowBitKernel(LowBitWeight.from_codes(codes, bits, scales.float(), z, group_size), perm)
 
 
 def dpq_tiles(dense: LowBitKernel, fmt: str, fp8_scale: torch.Tensor, out: int, inp: int) -> TiledKernel:
-    """DPQ: INT tiles dequantized, rounded onto the FP8 grid and scaled in the tile."""
+    """DPQ: INT tiles dequantized, rounded onto the FP8 grid and scaled in the tile (``.dense`` is the
+    INT part)."""
     scale = fp8_scale.float()
 
     def tile(rows: slice) -> torch.Tensor:
         s = scale if scale.shape[0] == 1 else scale[rows]
         return fp_round(dense.dequantize_rows(rows), fmt).mul_(s)
 
-    return TiledKernel(tile, out, inp, dense.nbytes() + scale.numel() * 4)
+    k = TiledKernel(tile, out, inp, dense.nbytes() + scale.numel() * 4)
+    k.dense = dense
+    return k
 
 
 def int_tiles(codes: torch.Tensor, scales: torch.Tensor) -> TiledKernel:
-    """Wide integers (``int16 [out, in]``) times one scale per row (or per matrix), tile by tile."""
+    """Wide integers (``int16 [out, in]``, kept as ``.codes``) times one scale per row (or per
+    matrix), tile by tile."""
     out, inp = codes.shape
     s = scales.float().expand(out, 1)
 
     def tile(rows: slice) -> torch.Tensor:
         return codes[rows].float().mul_(s[rows])
 
-    return TiledKernel(tile, out, inp, codes.numel() * codes.element_size() + scales.numel() * 4)
+    k = TiledKernel(tile, out, inp, codes.numel() * codes.element_size() + scales.numel() * 4)
+    k.codes = codes
+    return k
+
+
+def lowbit_codes(kernel: LowBitKernel, rows: slice | None = None) -> torch.Tensor:
+    """The integer codes ``c`` of ``kernel``'s ``rows`` (``[r, in]`` int32, saved column order), exactly.
+
+    Read through the layout's own ``dequantize`` with every scale 1 and every zero-point 0: that is
+    ``(c - 0) * 1 = c``, exact in float32 for codes below ``2**8``, whatever the layout's packing
+    (so this follows any layout version)."""
+    w = kernel.weight
+    unit = copy.copy(w)
+    unit.scales = torch.ones_like(w.scales)
+    unit.zeros = torch.zeros_like(w.zeros)
+    c = unit.dequantize(rows or slice(None)).to(torch.int32)
+    if kernel.perm is None:
+        return c
+    out = torch.empty_like(c)
+    out[:, kernel.perm] = c
+    return out
+
+
+def row_chunks(n_rows: int, n_cols: int):
+    """Row slices of about one tile each (bounded temporary memory when unpacking a kernel)."""
+    step = max(1, _TILE_ELEMS // max(n_cols, 1))
+    return [slice(r0, min(n_rows, r0 + step)) for r0 in range(0, n_rows, step)]
 
 
 def linear_with(kernel: KernelWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -161,6 +161,30 @@ class QuantLinear(QuantModule):
         z = z - self.code_offset if not torch.is_tensor(z) else z.float() - self.code_offset
         return lowbit_from_codes(codes, self.storage_bits, self.scales, z, self.group_size, self.g_idx)
 
+    def _saved_from_kernel(self, k):
+        """Rebuilds of the packed buffers from the :class:`~bitmosaic.modules.kernel.LowBitKernel`
+        ``k``: ``qweight`` packs its codes again, ``scales``/``zeros`` are its float32 copies back in
+        fp16 (the zero-point with ``code_offset`` added back), ``g_idx`` comes from its permutation."""
+        from .kernel import lowbit_codes, row_chunks
+
+        w, n, cols, bits = k.weight, self.out_features, self.in_features, self.storage_bits
+
+        def qweight() -> torch.Tensor:
+            parts = [pack_codes(lowbit_codes(k, rows), bits) for rows in row_chunks(n, cols)]
+            return torch.cat(parts) if parts else torch.zeros(0, packed_cols(cols, bits), dtype=torch.uint8)
+
+        def g_idx() -> torch.Tensor:
+            g = torch.empty(cols, dtype=torch.int32)
+            g[k.perm] = torch.arange(cols, dtype=torch.int32) // self.group_size
+            return g
+
+        out = {"qweight": qweight, "scales": lambda: w.scales.to(torch.float16)}
+        if not self.symmetric:
+            out["zeros"] = lambda: (w.zeros + self.code_offset).to(torch.float16)
+        if k.perm is not None:
+            out["g_idx"] = g_idx
+        return out
+
     # -- accounting ---------------------------------------------------------------------------
     def storage_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.qweight, self.scales, self.zeros, self.g_idx) if t is not None]

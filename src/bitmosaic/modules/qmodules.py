@@ -45,9 +45,9 @@ class SparseOutlierQuantLinear(QuantLinear):
 
     def __init__(self, in_features, out_features, *, nnz: int = 0, **kw) -> None:
         super().__init__(in_features, out_features, **kw)
-        idx_dtype = torch.int16 if in_features <= 32767 else torch.int32
+        self._idx_dtype = torch.int16 if in_features <= 32767 else torch.int32
         self.register_buffer("outlier_row_ptr", torch.zeros(out_features + 1, dtype=torch.int32))
-        self.register_buffer("outlier_cols", torch.zeros(nnz, dtype=idx_dtype))
+        self.register_buffer("outlier_cols", torch.zeros(nnz, dtype=self._idx_dtype))
         self.register_buffer("outlier_vals", torch.zeros(nnz, dtype=torch.float16))
 
     @classmethod
@@ -77,13 +77,23 @@ class SparseOutlierQuantLinear(QuantLinear):
         with warnings.catch_warnings():  # torch calls its sparse CSR support "beta"
             warnings.simplefilter("ignore", UserWarning)
             sparse = torch.sparse_csr_tensor(
-                self.outlier_row_ptr.to(torch.int64),
-                self.outlier_cols.to(torch.int64),
+                self.outlier_row_ptr.to(torch.int32),
+                self.outlier_cols.to(torch.int32),
                 self.outlier_vals.float(),
                 (self.out_features, self.in_features),
                 check_invariants=True,
             )
         return SparseAddKernel(super()._build_kernel(), sparse)
+
+    def _saved_from_kernel(self, k):
+        """The dense part's rebuilds plus the CSR outliers from the kernel's sparse matrix."""
+        sp = k.sparse
+        return {
+            **super()._saved_from_kernel(k.dense),
+            "outlier_row_ptr": lambda: sp.crow_indices().to(torch.int32),
+            "outlier_cols": lambda: sp.col_indices().to(self._idx_dtype),
+            "outlier_vals": lambda: sp.values().to(torch.float16),
+        }
 
     def storage_tensors(self):
         return super().storage_tensors() + [self.outlier_row_ptr, self.outlier_cols, self.outlier_vals]
@@ -133,6 +143,9 @@ class FP8ComputeQuantLinear(QuantLinear):
 
         dense = QuantLinear._build_kernel(self)
         return dpq_tiles(dense, self.fmt, self.fp8_scale, self.out_features, self.in_features)
+
+    def _saved_from_kernel(self, k):
+        return super()._saved_from_kernel(k.dense)  # fp8_scale is shared with the kernel, kept
 
     def storage_tensors(self):
         return super().storage_tensors() + [self.fp8_scale]
@@ -225,12 +238,28 @@ class HuffmanQuantLinear(QuantModule):
         return m
 
     def codes(self) -> torch.Tensor:
-        """The decoded integers ``[out, in]`` (int64), decoded once and kept as int16/int32."""
+        """The integers ``[out, in]`` (int64): read back from the kernel weight once it is built, else
+        decoded once and kept as int16/int32."""
+        if self._kernel:
+            return self._kernel_ints(self._kernel).to(torch.int64)
         if self._decoded is None or self._decoded.device != self.huff_data.device:
-            q = self._decode()
-            small = bool(q.numel() == 0 or (q.abs().max() < 2**15))
-            self._decoded = q.to(torch.int16 if small else torch.int32)
+            self._decoded = self._narrow(self._decode())
         return self._decoded.to(torch.int64)
+
+    @staticmethod
+    def _narrow(q: torch.Tensor) -> torch.Tensor:
+        small = bool(q.numel() == 0 or (q.abs().max() < 2**15))
+        return q.to(torch.int16 if small else torch.int32)
+
+    @staticmethod
+    def _kernel_ints(k) -> torch.Tensor:
+        """The integers a kernel from :meth:`_build_kernel` holds (a low-bit one stores ``q - lo``
+        with the zero-point ``-lo``)."""
+        from .kernel import LowBitKernel, lowbit_codes
+
+        if isinstance(k, LowBitKernel):
+            return lowbit_codes(k) + (-k.weight.zeros).to(torch.int32)
+        return k.codes
 
     def _decode(self) -> torch.Tensor:
         tensors = {
@@ -252,13 +281,34 @@ class HuffmanQuantLinear(QuantModule):
         """Integers within 8 bits of range: a low-bit weight (one group per row); wider: int16 tiles."""
         from .kernel import int_tiles, lowbit_from_codes
 
-        q = self.codes()
+        q = self._decoded if self._decoded is not None else self._narrow(self._decode())
+        self._decoded = None  # the kernel holds the integers from now on (codes() reads them back)
         lo, hi = (int(q.min()), int(q.max())) if q.numel() else (0, 0)
         s = self.scales.float().expand(self.out_features, 1)
         if hi - lo < 256:
             bits = max(1, (hi - lo).bit_length())
-            return lowbit_from_codes((q - lo).to(torch.uint8), bits, s, float(-lo), -1, None)
-        return int_tiles(self._decoded, self.scales)
+            return lowbit_from_codes((q.to(torch.int32) - lo).to(torch.uint8), bits, s, float(-lo), -1, None)
+        return int_tiles(q, self.scales)
+
+    def _saved_from_kernel(self, k):
+        """The stream (``huff_data``, ``huff_row_ends``) re-encoded from the kernel's integers with the
+        stored code table (canonical code: the same integers give the same bits)."""
+        done: dict[str, torch.Tensor] = {}
+
+        def stream(key: str):
+            def rebuild() -> torch.Tensor:
+                if not done:
+                    code = huffman.HuffmanCode(
+                        symbols=self.huff_symbols.cpu().numpy().astype(np.int64),
+                        lengths=self.huff_lengths.cpu().numpy().astype(np.uint8),
+                    )
+                    q = self._kernel_ints(k).cpu().numpy()
+                    done.update(huffman.to_tensors(huffman.encode(q, code)))
+                return done[key]
+
+            return rebuild
+
+        return {"huff_data": stream("data"), "huff_row_ends": stream("row_ends")}
 
     def _load_from_state_dict(self, *args, **kwargs):
         self._decoded = None
