@@ -18,10 +18,12 @@ from .args import (
     act_spec_from_args,
 )
 from .commands import cmd_eval, cmd_inspect, cmd_methods, cmd_quantize
+from .reproduce import add_reproduce_parser, cmd_reproduce
 
 __all__ = ["main", "build_parser", "act_spec_from_args", "_method_options"]
 
 _HANDLERS = {"quantize": cmd_quantize, "eval": cmd_eval, "inspect": cmd_inspect, "methods": cmd_methods}
+_HANDLERS["reproduce"] = cmd_reproduce
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,8 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quantize", help="quantize a model with calibration data")
     q.add_argument("--model", default=DEFAULT_MODEL, help="HF dir, hub id, gguf:PATH or alias (smollm2-135m)")
     q.add_argument(
-        "--method", default="gptq", help="rtn | gptq | awq | smoothquant | ... (`bitmosaic methods`)"
+        "--method", default=None, help="rtn | gptq | awq | smoothquant | ... (`bitmosaic methods`; gptq)"
     )
+    q.add_argument("--recipe", default=None, help="YAML/JSON recipe: method, settings, overrides, skip")
     q.add_argument("--bits", "--wbits", dest="bits", type=int, default=None, help="weight bits (2-8; 4)")
     q.add_argument(
         "--group-size", type=_group_size, default=None, help="group size; -1 = per-channel (default 128)"
@@ -98,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--layers", action="store_true", help="print the per-layer table")
 
     sub.add_parser("methods", help="list registered methods")
+    add_reproduce_parser(sub)
     return p
 
 
