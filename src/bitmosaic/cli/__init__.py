@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quantize", help="quantize a model with calibration data")
     q.add_argument("--model", default=DEFAULT_MODEL, help="HF dir, hub id, gguf:PATH or alias (smollm2-135m)")
     q.add_argument(
-        "--method", default=None, help="rtn | gptq | awq | smoothquant | ... (`bitmosaic methods`; gptq)"
+        "--method", default="gptq", help="rtn | gptq | awq | smoothquant | ... (`bitmosaic methods`)"
     )
     q.add_argument("--recipe", default=None, help="YAML/JSON recipe: method, settings, overrides, skip")
     q.add_argument("--bits", "--wbits", dest="bits", type=int, default=None, help="weight bits (2-8; 4)")

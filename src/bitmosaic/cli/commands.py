@@ -44,7 +44,7 @@ def _write_json(path: str | None, obj: dict) -> None:
 
 # the flags that set the method and its settings (what a --recipe file says instead)
 _METHOD_FLAGS = (
-    "method", "bits", "group_size", "symmetric", "scale_method", "no_clip", "alpha", "scheme", "abits",
+    "bits", "group_size", "symmetric", "scale_method", "no_clip", "alpha", "scheme", "abits",
     "afmt", "a_granularity", "a_group_size", "a_static", "a_pow2", "a_calib", "a_percentile",
 )  # fmt: skip
 
@@ -57,13 +57,15 @@ def recipe_from_args(args):
     from .args import _OPTIONAL_FIELDS
 
     if args.recipe is None:
-        spec = get_method(args.method or "gptq")
+        spec = get_method(args.method)
         return Recipe.from_options(spec.name, _method_options(args, spec))
     given = [
         "--" + a.replace("_", "-")
         for a in (*_METHOD_FLAGS, *_OPTIONAL_FIELDS)
         if getattr(args, a, None) not in (None, False)
     ]
+    if args.method != "gptq":  # the default: a --method next to --recipe (other than it) is an error
+        given.insert(0, "--method")
     if given:
         raise OptionError(
             f"--recipe sets the method and its settings, so {', '.join(given)} cannot be given too; "
