@@ -114,7 +114,7 @@ def provenance(args, recipe, calib, tok, device, dtype) -> dict:
     fp = calibration_fingerprint(calib, source=args.calib, seed=args.seed, bos=bos_token_id(tok) is not None)
     return {
         "versions": library_versions(),
-        "model": args.model,
+        "model": str(Path(args.model).resolve()) if Path(args.model).exists() else args.model,
         "calibration": fp,
         "pipeline": {
             "device": str(device),

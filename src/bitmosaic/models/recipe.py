@@ -19,6 +19,11 @@ resolver (qualified linear name -> ``(MethodSpec, config)`` or ``None`` to skip)
 :func:`bitmosaic.models.pipeline.quantize_model`.  Every mistake is a one-line
 :class:`~bitmosaic.errors.OptionError` naming the bad key and the fix; every pattern must match at
 least one linear of the model.
+
+Linears that read one input (q/k/v, gate/up) are stacked into one GPTQ/Babai/RTN call only when
+they resolve to the same method and config, and a smoothing transform (SmoothQuant, AWQ) is
+applied to such a group only when all its linears share that method and config (otherwise the
+group stays unsmoothed); their static activation quantizers, if any, must be the same.
 """
 
 from __future__ import annotations
