@@ -1,12 +1,18 @@
 """bitmosaic: post-training quantization of LLMs (GPTQ/Babai, RTN, packed formats, one pipeline).
 
 The top-level names are loaded lazily, so ``import bitmosaic.formats`` (or any other subpackage)
-loads only what that subpackage needs.
+loads only what that subpackage needs.  ``import bitmosaic`` also lets transformers load saved
+bitmosaic folders (``AutoModelForCausalLM.from_pretrained(dir)``; see ``models/hf_integration.py``),
+registering with transformers only once transformers' quantizer registry is imported.
 """
+
+from . import _hf_hook
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "get_method", "list_methods", "quantize_"]
+__all__ = ["__version__", "get_method", "list_methods", "load", "quantize_"]
+
+_hf_hook.install()
 
 
 def __getattr__(name: str):
@@ -14,6 +20,10 @@ def __getattr__(name: str):
         from .api import quantize_
 
         return quantize_
+    if name == "load":
+        from .models.hf_integration import load
+
+        return load
     if name in ("get_method", "list_methods"):
         from . import methods
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .formats.act import parse_scheme
-from .methods import get_method
 from .models.pipeline import RunReport, quantize_model
+from .models.recipe import method_config
 
 __all__ = ["quantize_"]
 
@@ -40,13 +39,7 @@ def quantize_(
     memory; ``measure_errors`` calibrates even Hessian-free methods (RTN, FP8) for the report's
     error metrics.  See :func:`bitmosaic.models.pipeline.quantize_model`.
     """
-    spec = get_method(method)
-    if scheme is not None:
-        bits, act = parse_scheme(scheme)
-        if options.get("bits", bits) != bits:
-            raise ValueError(f"scheme {scheme} says {bits}-bit weights but bits={options['bits']}")
-        options = {**options, "bits": bits, "act": act}
-    config = spec.make_config(**options)
+    spec, config = method_config(method, options, scheme)
     return quantize_model(
         model,
         calib,

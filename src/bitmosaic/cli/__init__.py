@@ -21,6 +21,7 @@ from .args import (
 )
 from .commands import cmd_eval, cmd_inspect, cmd_methods, cmd_quantize
 from .export import add_export_parser, cmd_export
+from .reproduce import add_reproduce_parser, cmd_reproduce
 from .sfmp_args import add_sfmp_args
 
 __all__ = ["main", "build_parser", "act_spec_from_args", "_method_options"]
@@ -32,6 +33,7 @@ _HANDLERS = {
     "methods": cmd_methods,
     "compare": _compare.cmd_compare,
     "export": cmd_export,
+    "reproduce": cmd_reproduce,
 }
 
 
@@ -44,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument(
         "--method", default="gptq", help="rtn | gptq | awq | smoothquant | ... (`bitmosaic methods`)"
     )
+    q.add_argument("--recipe", default=None, help="YAML/JSON recipe: method, settings, overrides, skip")
     q.add_argument("--bits", "--wbits", dest="bits", type=int, default=None, help="weight bits (2-8; 4)")
     q.add_argument(
         "--group-size", type=_group_size, default=None, help="group size; -1 = per-channel (default 128)"
@@ -114,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("methods", help="list registered methods")
     _compare.add_parser(sub)
     add_export_parser(sub)
+    add_reproduce_parser(sub)
     return p
 
 

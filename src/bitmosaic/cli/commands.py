@@ -57,20 +57,112 @@ def _write_json(path: str | None, obj: dict) -> None:
         print(f"report written to {path}")
 
 
-def cmd_quantize(args) -> int:
+# the flags that set the method and its settings (what a --recipe file says instead)
+_METHOD_FLAGS = (
+    "bits", "group_size", "symmetric", "scale_method", "no_clip", "alpha", "scheme", "abits",
+    "afmt", "a_granularity", "a_group_size", "a_static", "a_pow2", "a_calib", "a_percentile",
+)  # fmt: skip
+
+
+def recipe_from_args(args):
+    """The recipe of a ``quantize`` command line: ``--recipe FILE``, or the flags as a one-entry recipe."""
+    from ..errors import OptionError
+    from ..methods import get_method
+    from ..models.recipe import Recipe, load_recipe
+    from .args import _OPTIONAL_FIELDS
+    from .sfmp_args import _SFMP_FLAGS
+
+    if args.recipe is None:
+        spec = get_method(args.method)
+        return Recipe.from_options(spec.name, _method_options(args, spec))
+    given = [
+        "--" + a.replace("_", "-")
+        for a in (*_METHOD_FLAGS, *_OPTIONAL_FIELDS, *_SFMP_FLAGS, "no_row_reorder", "no_col_reorder")
+        if getattr(args, a, None) not in (None, False)
+    ]
+    if args.method != "gptq":  # the default: a --method next to --recipe (other than it) is an error
+        given.insert(0, "--method")
+    if given:
+        raise OptionError(
+            f"--recipe sets the method and its settings, so {', '.join(given)} cannot be given too; "
+            "put them in the recipe file"
+        )
+    return load_recipe(args.recipe)
+
+
+def run_recipe(model, tok, recipe, args, device, progress: bool, calib=None):
+    """Calibration samples from ``args`` (unless given) and the quantization itself:
+    ``(report, calib)``.  ``quantize`` and ``reproduce`` both run this."""
     import torch
 
     from ..data import bos_token_id, calibration_samples
-    from ..methods import get_method
-    from ..models import load_model, quantize_model, save_quantized
+    from ..models.recipe import quantize_with_recipe
+
+    if calib is None:
+        calib = calibration_samples(
+            tok, args.calib, args.nsamples, args.seqlen, args.seed, data_dir=args.data_dir
+        )
+    hdt = {"float32": torch.float32, "float64": torch.float64}[args.hessian_dtype]
+    orders = tuple(o for o in args.bound_orders.split(",") if o) if args.bound_orders else None
+    spec, config = recipe.default()
+    fisher_n = getattr(config, "fisher_samples", None)
+    salience_tokens = None  # sfmp: more Fisher samples than calibration samples
+    if spec.allocate is not None and fisher_n is not None and fisher_n > args.nsamples:
+        salience_tokens = calibration_samples(
+            tok, args.calib, fisher_n, args.seqlen, args.seed, data_dir=args.data_dir
+        )
+    torch.manual_seed(args.seed)
+    report = quantize_with_recipe(
+        model,
+        calib,
+        recipe,
+        salience_tokens=salience_tokens,
+        batch_size=args.batch_size,
+        hessian_dtype=hdt,
+        progress=progress,
+        analyze_orders=orders,
+        seed=args.seed,
+        device=device,
+    )
+    report.calibration.update({"source": args.calib, "seed": args.seed, "bos": bos_token_id(tok) is not None})
+    return report, calib
+
+
+def provenance(args, recipe, calib, tok, device, dtype) -> dict:
+    """What :func:`run_recipe` needs to run again, and the versions and data it ran with."""
+    import torch
+
+    from ..data import bos_token_id
+    from ..models.provenance import calibration_fingerprint, library_versions
+
+    fp = calibration_fingerprint(calib, source=args.calib, seed=args.seed, bos=bos_token_id(tok) is not None)
+    return {
+        "versions": library_versions(),
+        "model": str(Path(args.model).resolve()) if Path(args.model).exists() else args.model,
+        "calibration": fp,
+        "pipeline": {
+            "device": str(device),
+            "dtype": str(dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(),
+            "batch_size": args.batch_size,
+            "hessian_dtype": args.hessian_dtype,
+            "bound_orders": args.bound_orders,
+        },
+    }
+
+
+def cmd_quantize(args) -> int:
+    import torch
+
+    from ..models import load_model, save_quantized
     from ..models.loading import resolve_device, resolve_dtype
     from ..models.pipeline import peak_rss_mb
 
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    spec = get_method(args.method)
-    config = spec.make_config(**_method_options(args, spec))
+    recipe = recipe_from_args(args)
+    spec, config = recipe.default()
     progress = not args.no_progress
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device, args.model)
@@ -91,31 +183,7 @@ def cmd_quantize(args) -> int:
             model, tok, args.eval_src, args.eval_seqlen, args.max_windows, args.data_dir, progress, device
         )
         print(f"float perplexity: {results['float']['ppl']:.3f}")
-    calib = calibration_samples(
-        tok, args.calib, args.nsamples, args.seqlen, args.seed, data_dir=args.data_dir
-    )
-    hdt = {"float32": torch.float32, "float64": torch.float64}[args.hessian_dtype]
-    orders = tuple(o for o in args.bound_orders.split(",") if o) if args.bound_orders else None
-    fisher_n = getattr(config, "fisher_samples", None)
-    salience_tokens = None
-    if spec.allocate is not None and fisher_n is not None and fisher_n > args.nsamples:
-        salience_tokens = calibration_samples(
-            tok, args.calib, fisher_n, args.seqlen, args.seed, data_dir=args.data_dir
-        )
-    report = quantize_model(
-        model,
-        calib,
-        spec,
-        config,
-        salience_tokens=salience_tokens,
-        batch_size=args.batch_size,
-        hessian_dtype=hdt,
-        progress=progress,
-        analyze_orders=orders,
-        seed=args.seed,
-        device=device,
-    )
-    report.calibration.update({"source": args.calib, "seed": args.seed, "bos": bos_token_id(tok) is not None})
+    report, calib = run_recipe(model, tok, recipe, args, device, progress)
     alloc = report.calibration.get("allocation")
     if alloc:
         print(
@@ -160,6 +228,8 @@ def cmd_quantize(args) -> int:
             "scheme": config.scheme,
             "config": config.to_dict(),
             "source_model": args.model,
+            "recipe": recipe.to_dict(),
+            "provenance": provenance(args, recipe, calib, tok, device, dtype),
         }
         path = save_quantized(model, args.out, info, tokenizer=tok, overwrite=args.overwrite)
         out["saved_to"] = str(path)

@@ -33,7 +33,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..algorithms.lattice import order_bound_table
-from ..errors import check_finite
+from ..errors import OptionError, check_finite
 from ..formats.grid import IntGrid
 from ..methods.registry import LayerStats, MethodSpec, WeightQuantConfig
 from ..modules.actquant import attach_input_quant
@@ -83,23 +83,48 @@ def _pack(method: MethodSpec, res, config, bias) -> nn.Module:
     )
 
 
-def _apply_transform(
-    method: MethodSpec, config, layer, arch, inputs, kwargs, gen, prefix: str = ""
-) -> dict[int, dict]:
-    """Run the method's per-layer ``transform`` and fold the factors it returns; info per group."""
-    if method.transform is None:
+def _apply_transform(plan: dict, layer, arch, inputs, kwargs, gen, prefix: str = "") -> dict[int, dict]:
+    """Run the per-layer ``transform`` of the method each group's linears use and fold the factors
+    it returns; info per group.  A group is transformed only when all its linears resolve to one
+    (method, config) that has a transform (skipped linears and mixed groups stay unsmoothed)."""
+    todo: dict[tuple, list[int]] = {}
+    for gi, group in enumerate(arch.sequential):
+        keys = {_key(plan[n]) if plan[n] else None for n in group}
+        if len(keys) == 1 and None not in keys and plan[group[0]][0].transform is not None:
+            todo.setdefault(keys.pop(), []).append(gi)
+    if not todo:
         return {}
-    caps = capture_groups(
-        layer, arch, inputs, kwargs, max_tokens=getattr(config, "max_tokens", 2048), generator=gen
-    )
+    by_key = {_key(p): p for p in plan.values() if p}
+    max_tokens = max(getattr(by_key[k][1], "max_tokens", 2048) for k in todo)
+    caps = capture_groups(layer, arch, inputs, kwargs, max_tokens=max_tokens, generator=gen)
     for cap in caps:
         cap.prefix = prefix
     info: dict[int, dict] = {}
-    for cap, (s, row) in zip(caps, method.transform(caps, config), strict=True):
-        if s is not None:
-            fold_group_scales(layer, arch, cap.index, s)
-        info[cap.index] = {**row, "folded": s is not None}
+    for key, gis in todo.items():
+        method, config = by_key[key]
+        mine = [cap for cap in caps if cap.index in gis]
+        for cap, (s, row) in zip(mine, method.transform(mine, config), strict=True):
+            if s is not None:
+                fold_group_scales(layer, arch, cap.index, s)
+            info[cap.index] = {**row, "folded": s is not None}
     return info
+
+
+def _key(entry) -> tuple:
+    """Identity of a resolved ``(MethodSpec, config)``: linears with equal keys may be stacked."""
+    method, config = entry
+    return method.name, repr(config)
+
+
+def _static_act(plan: dict, group, prefix: str):
+    """The static activation quantizer the group's statistics observe (one per group)."""
+    specs = {repr(a): a for n in group if plan[n] and (a := getattr(plan[n][1], "act", None)) and a.static}
+    if len(specs) > 1:
+        raise OptionError(
+            f"linears of {prefix} that read one input ({', '.join(group)}) were given different static "
+            "activation quantizers; give them the same act settings in the recipe"
+        )
+    return next(iter(specs.values()), None)
 
 
 def _offload_needed(calib: torch.Tensor, hidden: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -176,6 +201,7 @@ def quantize_model(
     check_packing: bool = True,
     measure_errors: bool = False,
     compute_dtype: torch.dtype | None = None,
+    resolve=None,
     salience: dict[str, torch.Tensor] | None = None,
     salience_tokens: torch.Tensor | None = None,
 ) -> RunReport:
@@ -193,6 +219,9 @@ def quantize_model(
     Hessian (RTN, FP8), so their report rows get the error metrics too.  ``compute_dtype``: the
     dtype a decoder layer is cast to while it is calibrated (``None``: float32 on the CPU, whose
     bfloat16 matmuls are slow, else the model's own dtype); the model keeps its dtype.
+    ``resolve``: qualified linear name -> ``(MethodSpec, config)``, or ``None`` to leave that linear
+    in float (a recipe, :mod:`bitmosaic.models.recipe`); ``None`` = ``(method, config)`` for all.
+    Linears sharing a Hessian are stacked only when they resolve to the same method and config.
     ``salience`` / ``salience_tokens``: for methods with an ``allocate`` step (sfmp), a precomputed
     Fisher diagonal per linear, or the tokens to estimate it from (default: ``calib``); it is
     computed on the float model before anything else (see :mod:`bitmosaic.models.sfmp`).
@@ -203,19 +232,20 @@ def quantize_model(
     dev = resolve_device(device, model)
     cdtype = _compute_dtype(compute_dtype, model, dev)
     model.eval()
+    resolver = resolve or (lambda name: (method, config))
+    plans = [
+        {n: resolver(f"{arch.layers_path}.{li}.{n}") for g in arch.sequential for n in g}
+        for li in range(len(layers))
+    ]
+    entries = [e for plan in plans for e in plan.values() if e]
     report = RunReport(method=method.name, config=config.to_dict(), device=str(dev))
     report.calibration = {"samples": int(calib.shape[0]), "seqlen": int(calib.shape[1])}
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    act = getattr(config, "act", None)
-    calibrate = (
-        method.needs_hessian
-        or method.transform is not None
-        or bool(analyze_orders)
-        or measure_errors
-        or (act is not None and act.static)
-    )
-    percdamp = getattr(config, "percdamp", 0.01)
+    calibrate = bool(analyze_orders) or measure_errors
+    for m, c in entries:
+        static = getattr(c, "act", None) is not None and c.act.static
+        calibrate = calibrate or m.needs_hessian or m.transform is not None or static
     inputs = kwargs_by_kind = None
     if calibrate:
         first, kwargs_by_kind = capture_layer_inputs(model, layers, calib, batch_size, dev)
@@ -245,12 +275,13 @@ def quantize_model(
         home, home_dtype = first_param.device, first_param.dtype
         layer.to(dev, cdtype)
         prefix = f"{arch.layers_path}.{li}"
+        plan = plans[li]
         qmods: dict[str, nn.Module] = {}
         act_scales: dict[str, torch.Tensor | None] = {}
         kwargs = kwargs_by_kind[layer_kind(layer)] if calibrate else None
         group_info = {}
         if calibrate:
-            group_info = _apply_transform(method, config, layer, arch, inputs, kwargs, gen, prefix)
+            group_info = _apply_transform(plan, layer, arch, inputs, kwargs, gen, prefix)
         use_cache = calibrate and _use_cache(cache_outputs, cache_budget_mb, calib, layer, arch)
         with OutputCache() as cache:
             for gi, group in enumerate(arch.sequential):
@@ -263,8 +294,8 @@ def quantize_model(
                         kwargs,
                         hessian_dtype=hessian_dtype,
                         cache=cache if use_cache else None,
-                        act_spec=act,
-                        observe=getattr(config, "needs_act_stats", False),
+                        act_spec=_static_act(plan, group, prefix),
+                        observe=any(getattr(plan[n][1], "needs_act_stats", False) for n in group if plan[n]),
                     )
                     shared: dict[str, list[str]] = {}
                     for name in group:
@@ -272,34 +303,48 @@ def quantize_model(
                 else:
                     accs, observers = {}, {}
                     shared = {name: [name] for name in group}
+                done = []
                 for own, names in shared.items():
                     H = accs[own].H if own in accs else None
                     if H is not None:
                         check_finite(H, f"the calibration inputs of {prefix}.{own}")
-                    done = _quantize_shared(
-                        method, config, layer, names, H, percdamp, prefix, check_packing, observers.get(own)
-                    )
-                    for name, qlin, row in done:
-                        if act is not None:
-                            row["act"] = act.label
-                        if group_info.get(gi):
-                            row["transform"] = group_info[gi]
-                        if analyze_orders and H is not None:
-                            grid = IntGrid(config.bits, config.symmetric)
-                            W = layer.get_submodule(name).weight.data.float()
-                            row["order_bounds"] = order_bound_table(
-                                W, H, grid, config.group_size, tuple(analyze_orders), percdamp=percdamp
-                            )
-                        report.layers.append(row)
-                        total_bits += row["bits_per_weight"] * qlin.in_features * qlin.out_features
-                        total_weights += qlin.in_features * qlin.out_features
-                        qmods[name] = qlin
-                        lin = layer.get_submodule(name)
-                        if act is not None:  # later groups and the next layer see quantized inputs
-                            act_scales[name] = observers[own].static_scale() if act.static else None
-                            attach_input_quant(lin, act, lin.in_features, act_scales[name]).to(dev)
-                        if use_cache and gi < len(arch.sequential) - 1:
-                            cache.install(lin)
+                    by_key: dict[tuple, list[str]] = {}  # stacked only with the same method + config
+                    for n in names:
+                        if plan[n] is not None:
+                            by_key.setdefault(_key(plan[n]), []).append(n)
+                    for sub in by_key.values():
+                        m, c = plan[sub[0]]
+                        pd = getattr(c, "percdamp", 0.01)
+                        rows = _quantize_shared(
+                            m, c, layer, sub, H, pd, prefix, check_packing, observers.get(own)
+                        )
+                        done += [(own, m, c, H, *r) for r in rows]
+                for own, m, c, H, name, qlin, row in done:
+                    act = getattr(c, "act", None)
+                    if resolve is not None:
+                        row["method"] = m.name
+                    if act is not None:
+                        row["act"] = act.label
+                    if group_info.get(gi):
+                        row["transform"] = group_info[gi]
+                    if analyze_orders and H is not None:
+                        grid = IntGrid(c.bits, c.symmetric)
+                        W = layer.get_submodule(name).weight.data.float()
+                        pd = getattr(c, "percdamp", 0.01)
+                        row["order_bounds"] = order_bound_table(
+                            W, H, grid, c.group_size, tuple(analyze_orders), percdamp=pd
+                        )
+                    report.layers.append(row)
+                    total_bits += row["bits_per_weight"] * qlin.in_features * qlin.out_features
+                    total_weights += qlin.in_features * qlin.out_features
+                    qmods[name] = qlin
+                    lin = layer.get_submodule(name)
+                    if act is not None:  # later groups and the next layer see quantized inputs
+                        act_scales[name] = observers[own].static_scale() if act.static else None
+                        attach_input_quant(lin, act, lin.in_features, act_scales[name]).to(dev)
+                for name in group:  # quantized or skipped: final from now on
+                    if use_cache and gi < len(arch.sequential) - 1:
+                        cache.install(layer.get_submodule(name))
                 if use_cache and gi < len(arch.sequential) - 1:
                     for child in _finished_children(layer, arch, gi):
                         cache.install(child)
@@ -317,6 +362,7 @@ def quantize_model(
         _release_host_memory()
         layer.to(home, home_dtype)  # before the packed modules go in: their scales keep their dtype
         for name, qlin in qmods.items():
+            act = getattr(plan[name][1], "act", None)
             if act is not None:
                 attach_input_quant(qlin, act, qlin.in_features, act_scales[name])
             layer.set_submodule(name, qlin.to(home))

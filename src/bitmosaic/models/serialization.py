@@ -44,6 +44,8 @@ __all__ = [
     "atomic_write_text",
     "check_output_dir",
     "read_quant_config",
+    "check_quant_config",
+    "install_quantized_modules",
     "stored_module_bits",
 ]
 
@@ -255,6 +257,13 @@ def read_quant_config(path: str | os.PathLike) -> tuple[dict, dict]:
             f"{path} is not a bitmosaic model (quantization_config.quant_method missing); "
             "load a float model with load_model"
         )
+    check_quant_config(qc, path)
+    return raw, qc
+
+
+def check_quant_config(qc: dict, path) -> None:
+    """Check a bitmosaic ``quantization_config`` (``path`` names its folder in errors): a readable
+    ``format_version`` this bitmosaic knows and a ``modules`` table of per-layer dicts."""
     try:
         version = int(qc.get("format_version", 0))
     except (TypeError, ValueError):
@@ -271,7 +280,6 @@ def read_quant_config(path: str | os.PathLike) -> tuple[dict, dict]:
         raise CorruptModelError(
             f"{path}/config.json: quantization_config.modules is missing or not a table of layers; {_RESAVE}"
         )
-    return raw, qc
 
 
 def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
@@ -365,6 +373,19 @@ def _cast_unquantized(model: nn.Module, qnames, dtype: torch.dtype) -> None:
                 p.data = p.data.to(dtype)
 
 
+def install_quantized_modules(model: nn.Module, modules: dict, path) -> None:
+    """Put an empty quantized module of the saved kind at every name of ``modules`` (the per-layer
+    table of a ``quantization_config``); a bad entry raises :class:`CorruptModelError`."""
+    for name, lc in modules.items():
+        try:
+            model.set_submodule(name, module_from_layer_config(lc))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CorruptModelError(
+                f"{path}/config.json: quantized layer {name!r} has a bad entry ({type(e).__name__}: {e}); "
+                f"{_RESAVE}"
+            ) from None
+
+
 def load_quantized(path: str | os.PathLike, load_tokenizer: bool = True, dtype: torch.dtype | None = None):
     """Load a bitmosaic model folder -> ``(transformers model, tokenizer or None)``.
 
@@ -388,14 +409,7 @@ def load_quantized(path: str | os.PathLike, load_tokenizer: bool = True, dtype: 
         delattr(config, "quantization_config")
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config)
-    for name, lc in qc["modules"].items():
-        try:
-            model.set_submodule(name, module_from_layer_config(lc))
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise CorruptModelError(
-                f"{path}/config.json: quantized layer {name!r} has a bad entry ({type(e).__name__}: {e}); "
-                f"{_RESAVE}"
-            ) from None
+    install_quantized_modules(model, qc["modules"], path)
     sd = _read_state_dict(path)
     tied = getattr(config, "tie_word_embeddings", False)
     _check_state_dict(path, model, sd, tied)

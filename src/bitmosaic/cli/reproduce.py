@@ -1,0 +1,148 @@
+"""``bitmosaic reproduce DIR``: rerun the recipe a saved model records, on the data it records, and
+compare every saved tensor with the new result -- bit for bit, else the largest difference per
+tensor.  Exit 0 when every tensor matches, 1 when any differs (or the calibration data is not the
+recorded one), 2 on bad input.
+
+The folder's ``quantization_config`` holds ``recipe`` and ``provenance`` (model, calibration
+fingerprint, device, dtype, threads, batch size, library versions; see
+:mod:`bitmosaic.models.provenance`).  The run uses the recorded device and thread count unless
+``--device`` / ``--threads`` say otherwise; a different torch build, device or thread count can
+change float rounding, so the versions are printed side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_reproduce_parser(sub) -> None:
+    r = sub.add_parser("reproduce", help="rerun a saved model's recorded recipe and compare every tensor")
+    r.add_argument("dir", help="a folder saved by `bitmosaic quantize --out`")
+    r.add_argument(
+        "--model", default=None, help="the source model, if its recorded spec does not resolve here"
+    )
+    r.add_argument("--data-dir", default=None, help="shared data folder (else $BITMOSAIC_DATA, else the hub)")
+    r.add_argument("--device", default=None, help="default: the recorded device")
+    r.add_argument("--threads", type=int, default=None, help="default: the recorded thread count")
+    r.add_argument("--json", default=None, help="write the comparison here")
+    r.add_argument("--no-progress", action="store_true")
+
+
+def _recorded(path: Path, qc: dict):
+    from ..errors import BitmosaicError
+    from ..models.recipe import Recipe
+
+    recipe, prov = qc.get("recipe"), qc.get("provenance")
+    if not isinstance(recipe, dict) or not isinstance(prov, dict):
+        raise BitmosaicError(
+            f"{path} records no recipe and provenance (saved by an older bitmosaic or by the Python API); "
+            "only folders written by `bitmosaic quantize --out` can be reproduced"
+        )
+    try:
+        cal, pipe = prov["calibration"], prov["pipeline"]
+        cal["source"], cal["nsamples"], cal["seqlen"], cal["seed"], pipe["device"], prov["model"]
+    except (KeyError, TypeError) as e:
+        raise BitmosaicError(
+            f"{path}/config.json: provenance lacks {e}; the folder was edited or damaged"
+        ) from None
+    return Recipe.from_dict(recipe, where=f"{path.name} recipe"), prov
+
+
+def compare_state_dicts(saved: dict, new: dict) -> list[dict]:
+    """Per tensor: ``{"name", "equal", "max_abs_diff"}`` (``None`` when shapes/dtypes differ or one
+    side lacks it)."""
+    import torch
+
+    rows = []
+    for name in sorted(set(saved) | set(new)):
+        a, b = saved.get(name), new.get(name)
+        if a is None or b is None:
+            rows.append({"name": name, "equal": False, "max_abs_diff": None, "why": "missing on one side"})
+            continue
+        if a.dtype != b.dtype or a.shape != b.shape:
+            why = f"{a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
+            rows.append({"name": name, "equal": False, "max_abs_diff": None, "why": why})
+            continue
+        eq = torch.equal(_bits(a), _bits(b))  # bit for bit: -0.0 and 0.0 differ
+        diff = 0.0 if eq or not a.numel() else float((a.double() - b.double()).abs().max())
+        rows.append({"name": name, "equal": eq, "max_abs_diff": diff})
+    return rows
+
+
+def _bits(t):
+    import torch
+
+    if not t.is_floating_point():
+        return t
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def cmd_reproduce(args) -> int:
+    import json
+
+    import torch
+
+    from ..data import calibration_samples
+    from ..models import load_model
+    from ..models.loading import resolve_device
+    from ..models.provenance import calibration_fingerprint, compare_fingerprints, library_versions
+    from ..models.serialization import _read_state_dict, _state_dict_for_save, read_quant_config
+    from .commands import _check_json_path, _write_json, run_recipe
+
+    path = Path(args.dir)
+    _, qc = read_quant_config(path)
+    recipe, prov = _recorded(path, qc)
+    cal, pipe = prov["calibration"], prov["pipeline"]
+    _check_json_path(args.json)
+    torch.set_num_threads(args.threads or int(pipe.get("threads") or torch.get_num_threads()))
+    device = resolve_device(args.device or pipe["device"])
+    dtype = getattr(torch, pipe.get("dtype") or "float32")
+    now = library_versions()
+    rec = prov.get("versions") or {}
+    print(f"{'library':<14} {'recorded':<22} {'now':<22}")
+    for k in sorted(set(rec) | set(now)):
+        mark = "" if rec.get(k) == now.get(k) else "  <- differs"
+        print(f"{k:<14} {rec.get(k)!s:<22} {now.get(k)!s:<22}{mark}")
+    run = argparse.Namespace(
+        model=args.model or prov["model"],
+        calib=cal["source"],
+        nsamples=int(cal["nsamples"]),
+        seqlen=int(cal["seqlen"]),
+        seed=int(cal["seed"]),
+        data_dir=args.data_dir,
+        batch_size=int(pipe.get("batch_size", 4)),
+        hessian_dtype=pipe.get("hessian_dtype", "float32"),
+        bound_orders=pipe.get("bound_orders"),
+    )
+    model, tok = load_model(run.model, dtype=dtype)
+    calib = calibration_samples(tok, run.calib, run.nsamples, run.seqlen, run.seed, data_dir=run.data_dir)
+    fp = calibration_fingerprint(calib, source=run.calib, seed=run.seed, bos=bool(cal.get("bos")))
+    result: dict = {"dir": str(path), "versions": {"recorded": rec, "now": now}}
+    diffs = compare_fingerprints(cal, fp)
+    if diffs:
+        print("calibration data differs from the recorded data: " + "; ".join(diffs))
+        result.update(match=False, calibration_differs=diffs)
+        _write_json(args.json, result)
+        return 1
+    print(
+        f"calibration data matches ({run.nsamples} x {run.seqlen} tokens from {run.calib}, seed {run.seed})"
+    )
+    run_recipe(model, tok, recipe, run, device, progress=not args.no_progress, calib=calib)
+    rows = compare_state_dicts(_read_state_dict(path), _state_dict_for_save(model))
+    bad = [r for r in rows if not r["equal"]]
+    for r in bad[:30]:
+        print(
+            f"DIFFERS {r['name']:<52} max |diff| {r['max_abs_diff']}"
+            + (f" ({r['why']})" if "why" in r else "")
+        )
+    if len(bad) > 30:
+        print(f"... and {len(bad) - 30} more")
+    print(
+        f"all {len(rows)} tensors match bit for bit"
+        if not bad
+        else f"{len(bad)} of {len(rows)} tensors differ"
+    )
+    result.update(match=not bad, tensors=len(rows), differing=bad)
+    _write_json(args.json, json.loads(json.dumps(result, default=str)))
+    return 0 if not bad else 1

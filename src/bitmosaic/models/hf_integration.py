@@ -1,0 +1,112 @@
+"""transformers integration: ``AutoModelForCausalLM.from_pretrained(dir)`` loads bitmosaic folders.
+
+A saved folder's ``config.json`` carries ``quantization_config.quant_method = "bitmosaic"`` (every
+format version, from the first one on).  :func:`register` adds to transformers' quantizer registry
+(``register_quantization_config`` / ``register_quantizer``):
+
+- :class:`BitmosaicConfig`, a ``QuantizationConfigMixin`` that keeps the saved table as it is
+  (``modules``: per layer its module kind and settings; the method, recipe and provenance), so
+  ``model.save_pretrained`` writes it back unchanged;
+- :class:`BitmosaicHfQuantizer`, an ``HfQuantizer`` for pre-quantized folders only: before the
+  weights are read it swaps every listed ``nn.Linear`` (still on the meta device) for an empty
+  module of the saved kind -- packed, packed+csr, dpq, fp8, huffman, each with its activation
+  quantizer -- so transformers' own loader fills their buffers from the safetensors shards.
+  Smoothing factors are already folded into the stored norms and weights, so nothing else changes.
+
+``import bitmosaic`` arranges the registration (``bitmosaic/_hf_hook.py``): at once when
+transformers' quantizer registry is already imported, else the moment it is, so a plain
+``import bitmosaic`` does not pay transformers' import time.  Registration is idempotent.
+:func:`load` is the short form (``bitmosaic.load(dir)``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers.quantizers.auto import (
+    AUTO_QUANTIZATION_CONFIG_MAPPING,
+    AUTO_QUANTIZER_MAPPING,
+    register_quantization_config,
+    register_quantizer,
+)
+from transformers.quantizers.base import HfQuantizer
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from ..errors import CorruptModelError, check_finite
+from ..modules.base import QuantModule
+from .serialization import check_quant_config, install_quantized_modules, read_quant_config
+
+__all__ = ["QUANT_METHOD", "BitmosaicConfig", "BitmosaicHfQuantizer", "register", "load"]
+
+QUANT_METHOD = "bitmosaic"
+
+
+class BitmosaicConfig(QuantizationConfigMixin):
+    """A bitmosaic ``quantization_config``: every saved key is kept as an attribute, unchanged."""
+
+    def __init__(self, modules: dict | None = None, **fields) -> None:
+        fields.pop("quant_method", None)
+        self.quant_method = QUANT_METHOD
+        self.modules = modules
+        for k, v in fields.items():
+            setattr(self, k, v)
+
+
+class BitmosaicHfQuantizer(HfQuantizer):
+    """Loads pre-quantized bitmosaic folders (quantizing on load is what ``bitmosaic quantize`` does)."""
+
+    requires_calibration = True  # transformers then refuses to "quantize" a float model with it
+
+    def _process_model_before_weight_loading(self, model, **kwargs):
+        qc = self.quantization_config.to_dict()
+        path = model.config.name_or_path or "the model folder"
+        check_quant_config(qc, path)
+        with torch.device("meta"):  # transformers fills the buffers from the shards
+            install_quantized_modules(model, qc["modules"], path)
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        path = model.config.name_or_path or "the model folder"
+        for name, mod in model.named_modules():
+            if not isinstance(mod, QuantModule):
+                continue
+            for key, t in [*mod.named_buffers(prefix=name), *mod.named_parameters(prefix=name)]:
+                if t.is_meta:
+                    raise CorruptModelError(
+                        f"{path}: tensor {key} is missing from the saved weights; "
+                        "the saved model is damaged: save or download it again"
+                    )
+                check_finite(t, f"tensor {key} of the saved model {path}")
+        model.quantization_info = self.quantization_config.to_dict()
+        return model
+
+    def is_serializable(self, **kwargs) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+
+def register() -> None:
+    """Add the bitmosaic config and quantizer to transformers' registry (a no-op the second time)."""
+    if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        register_quantization_config(QUANT_METHOD)(BitmosaicConfig)
+    if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
+        register_quantizer(QUANT_METHOD)(BitmosaicHfQuantizer)
+
+
+def load(path: str | os.PathLike, **kwargs):
+    """``AutoModelForCausalLM.from_pretrained(path, **kwargs)`` for a bitmosaic folder.
+
+    The folder is checked first (one-line :class:`~bitmosaic.errors.CorruptModelError` for a missing
+    or damaged ``config.json`` or a folder that is not a bitmosaic model).  Returns the transformers
+    model; its tokenizer is ``AutoTokenizer.from_pretrained(path)``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    register()
+    read_quant_config(Path(path))
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
