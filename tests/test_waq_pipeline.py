@@ -52,10 +52,11 @@ def test_folded_factors_leave_the_float_model_unchanged(calib, ids, method, opts
     inputs, kw = capture_layer_inputs(m, layers, calib, batch_size=4)
     kwargs = next(iter(kw.values()))
     before = copy.deepcopy(m.state_dict())
+    plan = {n: (spec, cfg) for g in arch.sequential for n in g}  # every linear: this method
     infos = []
     for layer in layers:
         infos.append(
-            _apply_transform(spec, cfg, layer, arch, inputs, kwargs, torch.Generator().manual_seed(0))
+            _apply_transform(plan, layer, arch, inputs, kwargs, torch.Generator().manual_seed(0))
         )
         with torch.inference_mode():
             inputs = [layer(h, **k) for h, k in zip(inputs, kwargs, strict=True)]

@@ -67,7 +67,7 @@ def method_config(method: str, options: dict, scheme: str | None = None):
     ignored = sorted(k for k in options if k in getattr(spec.config_cls, "IGNORED_FIELDS", ()))
     if ignored:
         why = getattr(spec.config_cls, "IGNORED_WHY", "")
-        raise ValueError(f"{', '.join(ignored)} does not apply to method {spec.name!r}{why}")
+        raise OptionError(f"{', '.join(ignored)} does not apply to method {spec.name!r}{why}")
     return spec, spec.make_config(**options)
 
 

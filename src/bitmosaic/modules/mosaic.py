@@ -102,6 +102,13 @@ class MosaicQuantLinear(QuantLinear):
             dense.weight, self.res_index, c, s, (self.out_features, self.in_features), self.block
         )
 
+    def _saved_from_kernel(self, k):
+        """The dense base's buffers rebuild from the kernel's dense part (resident weights, see
+        :mod:`bitmosaic.modules.base`); the residual blocks (about ``budget`` of the blocks) stay."""
+        from .kernel import LowBitKernel
+
+        return super()._saved_from_kernel(LowBitKernel(k.dense))
+
     # -- accounting ---------------------------------------------------------------------------
     def residual_tensors(self) -> list[torch.Tensor]:
         return [self.res_index, self.res_qweight, self.res_scales]
