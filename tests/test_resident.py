@@ -19,6 +19,9 @@ from bitmosaic.modules.base import QuantModule, prepare_kernels, resident_bytes
 from .test_kernel_modules import KERNEL_RUNS, _close, _quantized
 
 KIND_RUNS = [KERNEL_RUNS[i] for i in (0, 1, 2, 5, 6, 7, 8)]  # packed (+act, sym, offset), csr, huffman, dpq
+KIND_RUNS += [
+    ("mosaic", {"scheme": "W4A8", "block": "32x32", "budget": 0.25}),  # dense base + residual blocks
+]
 
 
 def _snapshot(m: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -313,5 +313,5 @@ def cmd_methods(args) -> int:
     from ..methods import get_method, list_methods
 
     for name in list_methods():
-        print(f"{name:<10} {get_method(name).description}")
+        print(f"{name:<12} {get_method(name).description}")
     return 0
