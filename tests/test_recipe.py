@@ -40,7 +40,7 @@ MIXED = {
         ({"settings": {}}, "needs 'method: NAME'"),
         ({"method": "gpq"}, "unknown method 'gpq'"),
         ({"method": "rtn", "settings": {"order": "act"}}, "no option(s) ['order']"),
-        ({"method": "hptq", "settings": {"bits": 3}}, "bits does not apply to method 'hptq'"),
+        ({"method": "hptq", "settings": {"bits": 3}}, "hptq/hrtn do not use bits=3"),
         ({"method": "rtn", "settings": [4]}, "key 'settings' must be a mapping"),
         (
             {"method": "rtn", "overrides": [{"match": "(", "settings": {}}]},

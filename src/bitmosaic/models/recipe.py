@@ -45,7 +45,8 @@ _RULE_KEYS = ("match", "method", "scheme", "settings")
 
 def method_config(method: str, options: dict, scheme: str | None = None):
     """``(MethodSpec, config)`` for ``method`` with config fields ``options``; ``scheme`` (``W4A8``,
-    ``W8A8-FP8``, ...) sets ``bits`` and ``act`` at once.  Raises ``ValueError`` on bad options."""
+    ``W8A8-FP8``, ...) sets ``bits`` and ``act`` at once.  Raises ``ValueError`` (mostly
+    :class:`~bitmosaic.errors.OptionError`, from the method's config class) on bad options."""
     from ..formats.act import parse_scheme
     from ..formats.packing import SUPPORTED_BITS
     from ..methods import get_method
@@ -61,13 +62,9 @@ def method_config(method: str, options: dict, scheme: str | None = None):
         options = {**options, "bits": bits, "act": act}
     bits, group = options.get("bits"), options.get("group_size")
     if bits is not None and (type(bits) is not int or bits not in SUPPORTED_BITS):
-        raise ValueError(f"bits={bits!r} is not a supported width; use one of {list(SUPPORTED_BITS)}")
+        raise OptionError(f"bits={bits!r} is not a supported width; use one of {list(SUPPORTED_BITS)}")
     if group is not None and (type(group) is not int or group < 1):
-        raise ValueError(f"group_size={group!r} must be a positive integer, or -1 / null for per-channel")
-    ignored = sorted(k for k in options if k in getattr(spec.config_cls, "IGNORED_FIELDS", ()))
-    if ignored:
-        why = getattr(spec.config_cls, "IGNORED_WHY", "")
-        raise OptionError(f"{', '.join(ignored)} does not apply to method {spec.name!r}{why}")
+        raise OptionError(f"group_size={group!r} must be a positive integer, or -1 / null for per-channel")
     return spec, spec.make_config(**options)
 
 
