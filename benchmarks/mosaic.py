@@ -56,15 +56,15 @@ def _runs(part: str, max_tokens: int) -> list[tuple[str, str, str, dict]]:
             ]
         return runs
     w4a4 = {**mos, "act": A4}
-    if part == "ablation":
+    if part == "ablation":  # most telling first: a run cut short keeps these
         return [
-            ("no sparse, alpha re-searched", "W4A4", "mosaic", {**w4a4, "budget": 0.0}),
-            ("no sparse, alpha kept", "W4A4", "mosaic", {**w4a4, "budget": 0.0, "search_budget": 0.1}),
             ("channel", "W4A4", "mosaic", {**w4a4, "selection": "channel"}),
+            ("no sparse, alpha re-searched", "W4A4", "mosaic", {**w4a4, "budget": 0.0}),
+            ("Δ-Hessian, GPTQ base (ours)", "W4A4", "mosaic", {**w4a4, "base": "gptq"}),
+            ("random", "W4A4", "mosaic", {**w4a4, "selection": "random"}),
             ("magnitude", "W4A4", "mosaic", {**w4a4, "selection": "magnitude"}),
             ("residual norm", "W4A4", "mosaic", {**w4a4, "selection": "residual-norm"}),
-            ("random", "W4A4", "mosaic", {**w4a4, "selection": "random"}),
-            ("Δ-Hessian, GPTQ base (ours)", "W4A4", "mosaic", {**w4a4, "base": "gptq"}),
+            ("no sparse, alpha kept", "W4A4", "mosaic", {**w4a4, "budget": 0.0, "search_budget": 0.1}),
         ]
     if part == "oracle":
         return [("oracle (greedy, exact)", "W4A4", "mosaic", {**w4a4, "selection": "oracle"})]
