@@ -67,12 +67,14 @@ def analyse_linear(W, H, block, budgets, criteria):
     rc, rs = residual_quant(R, block)
     QR = residual_values(rc, rs, block[1])
     d0 = distortion(R, H)
+    Hf = H.float()
     curves = {}
     for c in criteria:
         curves[c] = []
         for b in budgets:
             M = select(c, W=W, R=R, QR=QR, hdiag=hdiag, H=H, block=block, budget=b, seed=0)
-            curves[c].append(delta_distortion(R, QR, M, H) / d0)
+            S = M.float() * QR
+            curves[c].append(float(((S @ Hf) * (2 * R - S)).sum(dtype=torch.float64)) / d0)  # exact ΔD
     # per-block residual distortion (block-diagonal part of tr(R H Rᵀ))
     out, n = W.shape
     dblock = torch.zeros(block_reduce(R, block).shape, dtype=torch.float64)
