@@ -83,7 +83,9 @@ def _pack(method: MethodSpec, res, config, bias) -> nn.Module:
     )
 
 
-def _apply_transform(method: MethodSpec, config, layer, arch, inputs, kwargs, gen, prefix) -> dict[int, dict]:
+def _apply_transform(
+    method: MethodSpec, config, layer, arch, inputs, kwargs, gen, prefix: str = ""
+) -> dict[int, dict]:
     """Run the method's per-layer ``transform`` and fold the factors it returns; info per group."""
     if method.transform is None:
         return {}
