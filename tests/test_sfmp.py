@@ -206,6 +206,7 @@ def test_sfmp_reaches_the_budget_and_reports_each_part(tiny_sfmp):
 
 
 def test_sfmp_kernel_forward_matches_reference_and_folds_exactly(tiny_sfmp):
+    from bitmosaic.modules import set_weight_cache
     from bitmosaic.modules.sfmp import SFMPLinear
 
     model, _, rep, _ = tiny_sfmp
@@ -218,6 +219,12 @@ def test_sfmp_kernel_forward_matches_reference_and_folds_exactly(tiny_sfmp):
     Wg, Wu, Wd = (m.dequantize_reference() for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
     want = (torch.nn.functional.silu(x @ Wg.T) * (x @ Wu.T)) @ Wd.T
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)
+    set_weight_cache(mlp, True)  # the dequantized-weight path sees the same folded orders
+    try:
+        y2 = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    finally:
+        set_weight_cache(mlp, False)
+    torch.testing.assert_close(y2, want, rtol=1e-4, atol=1e-5)
     q = model.model.layers[1].self_attn.q_proj
     assert isinstance(q, SFMPLinear) and q.row_perm is not None
     torch.testing.assert_close(q(x), x @ q.dequantize_reference().T, rtol=1e-4, atol=1e-5)

@@ -83,10 +83,7 @@ class SFMPLinear(QuantModule):
         cp = torch.zeros(in_features, dtype=index_dtype(in_features)) if col_reorder else None
         self.register_buffer("row_perm", rp)
         self.register_buffer("col_perm", cp)
-        # runtime only (fold_permutations): output index (None: inv(row_perm)) and input gather flag
-        self._out_index: torch.Tensor | None = None
-        self._in_index: torch.Tensor | None = None  # col_perm as int64 on the input's device
-        self._gather_input = True
+        self._reset_runtime()  # runtime only (fold_permutations), derived from the saved buffers
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -149,7 +146,14 @@ class SFMPLinear(QuantModule):
         return self._unpermute(Wt).to(self.scales.device)
 
     def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.dequantize_reference(dtype)
+        """The *inference* weight: the original-order weight, its rows in the emitted order and its
+        columns in the expected input order when :func:`fold_permutations` changed them."""
+        W = self.dequantize_reference(dtype)
+        if self._emit is not None:
+            W = W.index_select(0, self._emit.to(W.device))
+        if not self._gather_input:
+            W = W.index_select(1, self.col_perm.long().to(W.device))
+        return W
 
     def _build_kernel(self):
         plan = self._plan()
@@ -160,20 +164,6 @@ class SFMPLinear(QuantModule):
         )  # fmt: skip
         return _PermutedKernel(w, self)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and not self.cache_weight:
-            y = self.kernel()(x)
-            return y if self.bias is None else y + self.bias.to(y.dtype)
-        xt = self._gather(x)
-        w = self._permuted_weight(torch.float32).to(x.dtype)
-        y = self._scatter(torch.nn.functional.linear(xt, w))
-        return y if self.bias is None else y + self.bias.to(y.dtype)
-
-    def _permuted_weight(self, dtype):
-        g = default_g_idx(self.in_features, self.group_size, device=self.scales.device)
-        c = self.codes_permuted().to(self.scales.device, dtype)
-        return (c - self.zeros.to(dtype)[:, g]) * self.scales.to(dtype)[:, g]
-
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         if self.col_perm is None or not self._gather_input:
             return x
@@ -183,14 +173,27 @@ class SFMPLinear(QuantModule):
         return x.index_select(-1, idx)
 
     def _scatter(self, y: torch.Tensor) -> torch.Tensor:
+        """``ỹ`` (rows of ``W̃``) -> the emitted order: original, or ``_emit`` when folded."""
         idx = self._out_index
-        if idx is None and self.row_perm is not None:
-            idx = self._out_index = inverse_perm(self.row_perm.long())
         if idx is None:
-            return y
+            if self.row_perm is None and self._emit is None:
+                return y
+            inv = inverse_perm(self.row_perm.long()) if self.row_perm is not None else None
+            if self._emit is None:
+                idx = inv
+            else:
+                idx = self._emit if inv is None else inv[self._emit]
+            self._out_index = idx
         if idx.device != y.device:
             idx = self._out_index = idx.to(y.device)
         return y.index_select(-1, idx)
+
+    def _reset_runtime(self) -> None:
+        self._emit: torch.Tensor | None = None  # folded: emit outputs in this order (original indices)
+        self._out_index: torch.Tensor | None = None  # ỹ -> emitted order (derived, cached)
+        self._in_index: torch.Tensor | None = None  # col_perm as int64 on the input's device
+        self._gather_input = True
+        self._wcache = None
 
     # -- accounting ---------------------------------------------------------------------------
     def storage_tensors(self) -> list[torch.Tensor]:
@@ -219,8 +222,7 @@ class SFMPLinear(QuantModule):
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
-        self._out_index = self._in_index = None
-        self._gather_input = True
+        self._reset_runtime()
 
     def extra_repr(self) -> str:
         blk = f"{self.block_rows}x{self.block_cols}"
@@ -249,7 +251,6 @@ def fold_permutations(producers: list[SFMPLinear], consumer: SFMPLinear) -> bool
         return False
     cp = consumer.col_perm.long()
     for p in producers:
-        inv = inverse_perm(p.row_perm.long()) if p.row_perm is not None else torch.arange(p.out_features)
-        p._out_index = inv[cp]
-    consumer._gather_input = False
+        p._emit, p._out_index, p._wcache, p._kernel = cp, None, None, None
+    consumer._gather_input, consumer._wcache, consumer._kernel = False, None, None
     return True
