@@ -115,6 +115,57 @@ def dpq_gar_vs_act(res: dict) -> tuple[str, str]:
 
 
 B = "Babai (GPTQ geometry)"
+# -- SQ-format (paper 000) ---------------------------------------------------------------------
+def _sq_rows(res: dict, part: str) -> dict[str, dict]:
+    return {r["name"]: r for r in res["rows"] if r.get("part") == part}
+
+
+def sq_between_a4_a8(res: dict) -> tuple[str, str]:
+    r = _sq_rows(res, "acts")
+    a8, a4 = r["W4A8"]["ppl"], r["W4A4"]["ppl"]
+    sq = {k: v["ppl"] for k, v in r.items() if k.startswith("W4A(SQ")}
+    inside = [k for k, p in sq.items() if a8 <= p <= a4]
+    nums = f"W4A8 {fmt(a8)}, W4A4 {fmt(a4)}; " + ", ".join(f"{k} {fmt(p)}" for k, p in sq.items())
+    return nums, verdict(len(inside) == len(sq), f"{len(sq) - len(inside)} setting(s) outside [A8, A4]")
+
+
+def sq_static_close_at_84(res: dict) -> tuple[str, str]:
+    r = _sq_rows(res, "acts")
+    d = r["W4A(SQ6) 16-(8/4)-0.5 dynamic"]["ppl"]
+    st = r["W4A(SQ6) 16-(8/4)-0.5 static"]["ppl"]
+    gap = st / d - 1
+    return f"(8/4) b16 s0.5: dynamic {fmt(d)}, static {fmt(st)} (+{gap:.0%})", verdict(gap <= 0.05)
+
+
+def sq_weights_improve_as_s_falls(res: dict) -> tuple[str, str]:
+    r = _sq_rows(res, "weights")
+    cfgs = ("W(SQ4.5){} 64-(8/4)-0.9375", "W(SQ5){} 64-(8/4)-0.875", "W(SQ6){} 32-(8/4)-0.75")
+    ppl = [r[k.format("A16")]["ppl"] for k in cfgs]
+    nums = "A16: s 0.9375 / 0.875 / 0.75 -> " + " / ".join(fmt(p) for p in ppl)
+    a4 = [r[k.format("A4")]["ppl"] for k in cfgs]
+    nums += "; A4: " + " / ".join(fmt(p) for p in a4) + " (per-token A4 collapses on this model)"
+    return nums, verdict(ppl[0] > ppl[1] > ppl[2])
+
+
+# -- MosaicQuant (paper 002) --------------------------------------------------------------------
+def mosaic_a4_no_collapse(res: dict) -> tuple[str, str]:
+    r = rows_by_name(res)
+    m, sq_, rt, g = r["mosaic W4A4"], r["smoothquant W4A4"], r["rtn W4A4"], r["gptq W4A4"]
+    fl = r["float"]["ppl"]
+    nums = (f"W4A4: MosaicQuant {fmt(m['ppl'])} @ {fmt(m['bits_per_weight'], 3)} bpw, SmoothQuant "
+            f"{fmt(sq_['ppl'])}, GPTQ {fmt(g['ppl'])}, RTN {fmt(rt['ppl'])} (float {fmt(fl)})")  # fmt: skip
+    best_other = min(sq_["ppl"], rt["ppl"], g["ppl"])
+    ok = m["ppl"] < best_other and m["ppl"] < 2 * fl
+    return nums, verdict(ok, "best of the W4A4 rows, yet over 2x the float perplexity")
+
+
+def mosaic_w4a8(res: dict) -> tuple[str, str]:
+    r = rows_by_name(res)
+    m, sq_, g = r["mosaic W4A8"], r["smoothquant W4A8"], r["gptq W4A8"]
+    nums = f"W4A8: MosaicQuant {fmt(m['ppl'])}, SmoothQuant {fmt(sq_['ppl'])}, GPTQ {fmt(g['ppl'])}"
+    return nums, verdict(m["ppl"] < min(sq_["ppl"], g["ppl"]), "GPTQ's dense base beats it")
+
+
 FINDINGS: list[Finding] = [
     Finding(B, "GPTQ back-to-front = Babai's nearest plane (Thm. 4)", "fresh", None),
     Finding(B, "no-clip GPTQ error ≤ ¼ Σ D_jj s_j² (Thm. 5)", "lattice", babai_bound_table),
@@ -123,6 +174,13 @@ FINDINGS: list[Finding] = [
     Finding(B, "SSQR (1-3% outliers) beats GPTQ at equal bits", "ssqr_groups", ssqr_vs_gptq),
     Finding("DPQ", "DPQ W4A8 beats naive GPTQ and RTN W4A8", "dpq", dpq_vs_baselines),
     Finding("DPQ", "GAR ≈ act-order accuracy without g_idx", "dpq", dpq_gar_vs_act),
+    Finding("SQ-format", "W4A(SQ) lands between W4A4 and W4A8", "sq_format", sq_between_a4_a8),
+    Finding("SQ-format", "static masks ≈ dynamic at (8/4)", "sq_format", sq_static_close_at_84),
+    Finding("SQ-format", "W(SQ) improves as the sparsity s falls", "sq_format",
+            sq_weights_improve_as_s_falls),  # fmt: skip
+    Finding("MosaicQuant", "W4A4 MosaicQuant avoids the RTN/SmoothQuant collapse", "mosaic_main",
+            mosaic_a4_no_collapse),  # fmt: skip
+    Finding("MosaicQuant", "MosaicQuant beats SmoothQuant and GPTQ at W4A8", "mosaic_main", mosaic_w4a8),
 ]
 
 
