@@ -4,7 +4,8 @@ One row per claim: the paper, the claim, the numbers behind it and a verdict (ho
 here / cannot be tested here, with why).  The numbers are never typed in: each row reads the JSON
 that the method's own benchmark wrote (``benchmarks/results/<name>.json``; ``--run NAME`` reruns
 that benchmark first, with its recorded arguments), and the Babai equivalence and bound rows are
-measured afresh here on real SmolLM2 layers (``--skip-fresh`` skips that).  A benchmark whose JSON
+measured afresh here on real SmolLM2 layers (``--skip-fresh`` reuses the last such measurement
+from ``findings.json``).  A benchmark whose JSON
 is missing gives the row "not measured" and the command that measures it.
 
 Run: python benchmarks/findings.py   (writes benchmarks/results/findings.md and findings.json)
@@ -255,7 +256,11 @@ def main() -> None:
     a = p.parse_args()
     for name in filter(None, a.run.split(",")):
         rerun(name)
-    fresh = None if a.skip_fresh else fresh_babai()
+    if a.skip_fresh:  # keep the last fresh measurement, if any (it is recorded in findings.json)
+        prev = load("findings")
+        fresh = (prev or {}).get("fresh")
+    else:
+        fresh = fresh_babai()
     rows = []
     for f in FINDINGS:
         if f.source == "fresh":
