@@ -12,8 +12,9 @@ exact: gate/up emit their outputs directly in down_proj's column order, and down
 its input gather (q/k/v are always un-permuted: RoPE and the heads need the original order).  The
 folded indices are derived from the saved permutations at load, never saved.
 
-The kernel is made by :func:`_make_kernel` (today :class:`~bitmosaic.kernels.qmatmul.LowBitWeight`,
-any mix of 1..8 bits per block); swapping in the bit-plane LUT GEMV changes only that function.
+The kernel is made by :func:`_make_kernel`: the bit-plane LUT GEMV of §4.5 / App. G
+(:class:`~bitmosaic.kernels.lut.BitPlaneWeight`, any mix of 1..8 bits per block, blocks of
+``block_rows`` x ``group_size``) at batch 1, its tiled dequantize + matmul for more rows.
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ class SFMPResult(QuantResult):
 
 
 def _make_kernel(codes, gbits_rb, scales, zeros, group_size: int, row_block: int):
-    """The batch-1/batch-n kernel of ``W̃`` (codes ``[N, K]``, widths ``[n_rb, G]``).  One place to
-    switch to the bit-plane LUT GEMV (``BitPlaneWeight.from_codes``, same signature)."""
-    from ..kernels.qmatmul import LowBitWeight
+    """The kernel of ``W̃`` (codes ``[N, K]``, widths ``[n_rb, G]``): the bit-plane LUT GEMV at batch 1
+    (SFMP §4.5; faster than the unpack+FMA ``LowBitWeight`` at 1-3 bits, ``benchmarks/lut_gemv.py``),
+    tiled dequantize + matmul above."""
+    from ..kernels.lut import BitPlaneWeight
 
-    return LowBitWeight.from_codes(codes, gbits_rb, scales, zeros, group_size, row_block)
+    return BitPlaneWeight.from_codes(codes, gbits_rb, scales, zeros, group_size, row_block)
 
 
 class SFMPLinear(QuantModule):
