@@ -149,6 +149,11 @@ class QuantModule(nn.Module):
                 y = k(x)
                 return y if b is None else y + b
         w = self.dequantize_weight(torch.float32).to(x.dtype)
+        return self._linear(x, w, b)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """``x`` times the dequantized weight ``w`` ``[out, in]`` (plus ``b``); a kind whose inputs take a
+        structured path (the SQ-format activation split) overrides this, never ``forward``."""
         return nn.functional.linear(x, w, b)
 
     def bits_per_weight(self) -> float:

@@ -170,33 +170,26 @@ class SQActLinear(QuantLinear):
         return None  # the split forward below dequantizes the stored weight
 
     def stored_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight in its stored column order (high channels first when static)."""
-        if self._wcache is not None and self._wcache.dtype == dtype:
-            return self._wcache
-        W = super()._dequantize(dtype)
-        if self.cache_weight:
-            self._wcache = W
-        return W
+        """The weight in its stored column order (high channels first when static; a new tensor)."""
+        return super()._dequantize(dtype)
 
-    def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self._unpermute(self.stored_weight(dtype))
-
-    # -- the split matmul ------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    # -- the split matmul (the base's forward calls it with the weight in the original order) -------
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float()
-        W = self.stored_weight(torch.float32)
+        W = w.float()
         if self.strategy == "static":
             kh = self.fmt.high_count(self.in_features)
-            xp = x2[:, self.sq_perm.long()]
-            y = quantize_part(xp[:, kh:], self.fmt, high=False) @ W[:, kh:].T
-            y = y + quantize_part(xp[:, :kh], self.fmt, high=True) @ W[:, :kh].T
+            perm = self.sq_perm.long()
+            xp, Wp = x2[:, perm], W[:, perm]  # high channels first, as stored
+            y = quantize_part(xp[:, kh:], self.fmt, high=False) @ Wp[:, kh:].T
+            y = y + quantize_part(xp[:, :kh], self.fmt, high=True) @ Wp[:, :kh].T
         else:
             t = dynamic_split(x2, self.fmt, self.act_scale)
             low, high = t.parts(torch.float32)
             y = low @ W.T + _sparse_rows(high, t.mask, self.fmt) @ W.T
-        if self.bias is not None:
-            y = y + self.bias.float()
+        if b is not None:
+            y = y + b.float()
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
     def mac_split(self) -> tuple[int, int]:
