@@ -184,3 +184,25 @@ def test_extension_builds_here():
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("no C++ compiler on this machine: the pure-torch path runs instead")
     assert qmatmul.extension() is not None
+
+
+@pytest.mark.parametrize("mode", ["inference", "no_grad", "plain"])
+def test_prefill_under_inference_mode_on_several_threads(mode):
+    """The prefill workers run tensor ops: they must see the caller's inference/grad mode (the
+    perplexity loop runs under ``torch.inference_mode``; a worker without it may not write the output)."""
+    g = torch.Generator().manual_seed(3)
+    N, K = 3 * max(8, qmatmul._TILE_ELEMS // 1024) + 5, 1024  # several per-thread tiles
+    codes = torch.randint(0, 16, (N, K), generator=g)
+    scales, zeros = torch.rand(N, 8, generator=g) + 0.1, torch.full((N, 8), 7.0)
+    ctx = {"inference": torch.inference_mode, "no_grad": torch.no_grad, "plain": contextlib.nullcontext}[mode]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with ctx():
+            w = LowBitWeight.from_codes(codes, 4, scales, zeros, 128)
+            x = torch.randn(40, K, generator=g)
+            y = w.matmul(x)
+            ref = x.double() @ w.dequantize().double().T
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-3)

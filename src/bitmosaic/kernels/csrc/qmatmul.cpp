@@ -21,6 +21,7 @@
 // the extension is compiled for the baseline x86-64 and loads on any CPU.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 
 #include <cstdint>
 #include <cstring>
@@ -522,7 +523,9 @@ torch::Tensor qmatmul(torch::Tensor x, torch::Tensor data, torch::Tensor base, t
   }
   // prefill: each thread dequantizes its own tile of rows (cache-resident) and multiplies it at once
   const int64_t ntiles = (L.N + tile_rows - 1) / tile_rows;
+  const at::ThreadLocalState tls;  // the caller's inference/grad mode for the tensor ops in the workers
   at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
+    at::ThreadLocalStateGuard guard(tls);
     auto tile = torch::empty({std::min(tile_rows, L.N), K}, x.options());
     float* tp = tile.data_ptr<float>();
     for (int64_t t = t0; t < t1; ++t) {
