@@ -40,7 +40,7 @@ import math
 import torch
 
 from ..formats import bitplane as bp
-from .qmatmul import _source_hash, build_extension
+from .qmatmul import _source_hash, build_extension, tiled_matmul_torch
 
 __all__ = ["BitPlaneWeight", "extension", "lut_gemv_reference", "available_isas", "ISAS"]
 
@@ -131,10 +131,7 @@ class BitPlaneWeight:
                 raise ValueError(f"the {isa} path is not available on this CPU; use isa='auto'")
             y = ext.lut_matmul(x2, *self._args(), tile, ISAS[isa])
         else:
-            y = torch.empty(x2.shape[0], self.N, dtype=torch.float32)
-            for r0 in range(0, self.N, tile):
-                r1 = min(self.N, r0 + tile)
-                torch.mm(x2, self._dequantize_torch(r0, r1).T, out=y[:, r0:r1])
+            y = tiled_matmul_torch(x2, self.N, tile, self._dequantize_torch)
         return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
 
     def dequantize(self, rows: slice | None = None) -> torch.Tensor:

@@ -179,6 +179,16 @@ def _pack_any(codes: torch.Tensor, b: int) -> torch.Tensor:
     return (c * weights).sum(-1, dtype=torch.int32).to(torch.uint8)
 
 
+def tiled_matmul_torch(x2: torch.Tensor, n_rows: int, tile: int, dequantize_rows) -> torch.Tensor:
+    """The pure-torch prefill/fallback: ``x2 [M, K]`` times the weight, ``tile`` rows of it dequantized
+    at a time by ``dequantize_rows(r0, r1)`` (float32 ``[r1 - r0, K]``); never the whole float weight."""
+    y = torch.empty(x2.shape[0], n_rows, dtype=torch.float32)
+    for r0 in range(0, n_rows, tile):
+        r1 = min(n_rows, r0 + tile)
+        torch.mm(x2, dequantize_rows(r0, r1).T, out=y[:, r0:r1])
+    return y
+
+
 class LowBitWeight:
     """A low-bit weight in the kernel layout (module doc); ``matmul`` never builds the float weight."""
 
@@ -277,10 +287,7 @@ class LowBitWeight:
             tile = -tile if _TILE_SHARED else tile
             y = ext.qmatmul(x2, *self._args(), tile, ISAS.index(kernel_isa()))
         else:
-            y = torch.empty(x2.shape[0], self.N, dtype=torch.float32)
-            for r0 in range(0, self.N, tile):
-                r1 = min(self.N, r0 + tile)
-                torch.mm(x2, self._dequantize_torch(r0, r1).T, out=y[:, r0:r1])
+            y = tiled_matmul_torch(x2, self.N, tile, self._dequantize_torch)
         return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
 
     def dequantize(self, rows: slice | None = None) -> torch.Tensor:
