@@ -314,3 +314,18 @@ def test_cli_sfmp_flags():
         spec.make_config(avg_bits=3, group_size=128, block_cols=64)
     with pytest.raises(ValueError, match="512x128"):  # --block is shared with mosaic: checked per method
         _method_options(p.parse_args(["quantize", "--method", "sfmp", "--block", "512"]), spec)
+
+
+def test_cli_quantize_sfmp_end_to_end(tmp_path):
+    """Through the CLI (a one-entry recipe): the global allocation reaches every linear."""
+    from bitmosaic.cli import main
+    from tests.test_io_helpers import save_hf_dir, words
+
+    model = save_hf_dir(tmp_path / "tiny")
+    text = tmp_path / "t.txt"
+    text.write_text(words(3000))
+    argv = ["quantize", "--model", str(model), "--method", "sfmp", "--avg-bits", "3.5", "--group-size", "32",
+            "--block", "32x32", "--fisher-cache", "none", "--calib", str(text), "--nsamples", "2",
+            "--seqlen", "32", "--no-progress", "--out", str(tmp_path / "q")]  # fmt: skip
+    assert main(argv) == 0
+    assert (tmp_path / "q" / "config.json").is_file()

@@ -180,6 +180,7 @@ class Recipe:
             i = next((i for i, r in enumerate(self.overrides) if re.search(r.match, name)), None)
             return configs[i]
 
+        resolve.default = configs[None]  # the very config object the default linears get (sfmp's plan)
         return resolve
 
 
@@ -217,7 +218,7 @@ def quantize_with_recipe(model, calib, recipe: Recipe, **pipeline_kwargs):
         for n in g
     ]
     resolve = recipe.resolver(names)
-    spec, config = recipe.default()
+    spec, config = resolve.default  # one object: a model-wide plan made on it reaches every linear
     return quantize_model(model, calib, spec, config, arch=arch, resolve=resolve, **pipeline_kwargs)
 
 
