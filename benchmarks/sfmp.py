@@ -211,7 +211,9 @@ def _decode_rate(model, prompt, new_tokens: int) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-def decode_reorder_cost(model, calib, prompt, salience, *, bpw, group_size, new_tokens=64, repeats=7) -> dict:
+def decode_reorder_cost(
+    model, calib, prompt, salience, *, bpw, group_size, new_tokens=64, repeats=7, progress=False
+) -> dict:
     """Greedy decode speed of SFMP with reordering (rows and columns, gate/up folded into down_proj)
     against no reordering (``--no-row-reorder --no-col-reorder``), both built here from ``model`` with
     the same Fisher ``salience`` and timed in this process, interleaved (A B B A ...), median of
@@ -235,7 +237,7 @@ def decode_reorder_cost(model, calib, prompt, salience, *, bpw, group_size, new_
             extra["avg_bits"] = b
         m = copy.deepcopy(model)
         cfg = spec.make_config(**cheap, **extra)
-        rep = quantize_model(m, calib, spec, cfg, progress=False, salience=salience)
+        rep = quantize_model(m, calib, spec, cfg, progress=progress, salience=salience)
         alloc = rep.calibration["allocation"]
         b = alloc["b"] if b is None else b
         prepare_kernels(m)
@@ -249,6 +251,8 @@ def decode_reorder_cost(model, calib, prompt, salience, *, bpw, group_size, new_
     for r in range(repeats):
         for name in names if r % 2 == 0 else names[::-1]:
             runs[name]["rates"].append(_decode_rate(runs[name]["model"], prompt, new_tokens))
+            if progress:
+                print(f"  repeat {r + 1}/{repeats} {name}: {runs[name]['rates'][-1]:.2f} tok/s", flush=True)
     for v in runs.values():
         del v["model"]
         v["tok_s"] = statistics.median(v["rates"])
@@ -271,8 +275,9 @@ def part_decode(a) -> None:
     prompt = calib[:1, : a.prompt_tokens]
     bpw, group = float(a.decode_point), PAIRS[a.decode_point][2]
     res = decode_reorder_cost(
-        model, calib, prompt, sal, bpw=bpw, group_size=group, new_tokens=a.new_tokens, repeats=a.repeats
-    )
+        model, calib, prompt, sal, bpw=bpw, group_size=group, new_tokens=a.new_tokens, repeats=a.repeats,
+        progress=True,
+    )  # fmt: skip
     res.update(
         model=a.model, point=a.decode_point, group_size=group, prompt_tokens=prompt.shape[1],
         new_tokens=a.new_tokens, repeats=a.repeats, threads=torch.get_num_threads(), fisher=finfo,
