@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .errors import OptionError
 from .models.pipeline import RunReport, quantize_model
 from .models.recipe import method_config
 
@@ -26,6 +27,8 @@ def quantize_(
     device: str | torch.device | None = None,
     offload_inputs: bool | None = None,
     measure_errors: bool = False,
+    salience: dict[str, torch.Tensor] | None = None,
+    salience_tokens: torch.Tensor | None = None,
     **options,
 ) -> RunReport:
     """Quantize ``model`` in place with the registered ``method`` and return the run report.
@@ -37,9 +40,17 @@ def quantize_(
     solvers run (``"auto"``: CUDA when available; the model stays in host memory and each decoder
     layer visits the device in turn); ``offload_inputs`` keeps the calibration activations in host
     memory; ``measure_errors`` calibrates even Hessian-free methods (RTN, FP8) for the report's
-    error metrics.  See :func:`bitmosaic.models.pipeline.quantize_model`.
+    error metrics.  ``salience`` / ``salience_tokens`` (methods with a global allocation: ``sfmp``): a
+    precomputed Fisher diagonal per decoder linear (qualified name -> ``[out, in]``), or the tokens
+    to estimate it from instead of ``calib`` (e.g. more samples).  See
+    :func:`bitmosaic.models.pipeline.quantize_model`.
     """
     spec, config = method_config(method, options, scheme)
+    if spec.allocate is None and (salience is not None or salience_tokens is not None):
+        raise OptionError(
+            f"salience/salience_tokens feed a global bit allocation, which method {spec.name!r} does not "
+            "make; drop them (they apply to sfmp)"
+        )
     return quantize_model(
         model,
         calib,
@@ -54,4 +65,6 @@ def quantize_(
         device=device,
         offload_inputs=offload_inputs,
         measure_errors=measure_errors,
+        salience=salience,
+        salience_tokens=salience_tokens,
     )

@@ -157,6 +157,7 @@ def cmd_quantize(args) -> int:
     from ..models import load_model, save_quantized
     from ..models.loading import resolve_device, resolve_dtype
     from ..models.pipeline import peak_rss_mb
+    from ..models.sfmp import sfmp_run_info
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -231,6 +232,8 @@ def cmd_quantize(args) -> int:
             "recipe": recipe.to_dict(),
             "provenance": provenance(args, recipe, calib, tok, device, dtype),
         }
+        if alloc:  # sfmp: the budget, target b and candidates (save adds what the modules hold)
+            info["sfmp"] = sfmp_run_info(report)
         path = save_quantized(model, args.out, info, tokenizer=tok, overwrite=args.overwrite)
         out["saved_to"] = str(path)
         print(f"saved to {path}")
@@ -273,6 +276,7 @@ def _dir_size(path: Path) -> int:
 def cmd_inspect(args) -> int:
     from ..errors import CorruptModelError
     from ..models.serialization import read_quant_config, stored_module_bits
+    from ..models.sfmp import stored_sfmp_summary
 
     path = Path(args.dir)
     _, qc = read_quant_config(path)
@@ -290,23 +294,48 @@ def cmd_inspect(args) -> int:
         total_bits += bits_by_module[name]
         total_w += n_w
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    sfmp = stored_sfmp_summary(path, qc["modules"])
     print(f"model folder     {path}")
     print(f"method           {qc.get('method')} (format v{qc.get('format_version')})")
-    print(
-        f"bits / group     w{qc.get('bits')} g{qc.get('group_size') or 'per-channel'}"
-        f" {'sym' if qc.get('symmetric') else 'asym'}, order {qc.get('order')}"
-    )
+    if sfmp is None:
+        print(
+            f"bits / group     w{qc.get('bits')} g{qc.get('group_size') or 'per-channel'}"
+            f" {'sym' if qc.get('symmetric') else 'asym'}, order {qc.get('order')}"
+        )
+    else:
+        _print_sfmp(sfmp, qc.get("sfmp") or {})
     print(f"quantized layers {len(rows)} ({total_w / 1e6:.1f}M weights)")
     print(f"bits per weight  {total_bits / max(total_w, 1):.4f} (all stored tensors)")
     print(f"weights on disk  {size / 2**20:.1f} MiB; folder {_dir_size(path) / 2**20:.1f} MiB")
     if args.layers:
-        print(f"\n{'layer':<44} {'shape':>12} {'kind':>10} {'bits':>4} {'group':>6} {'bpw':>7}")
+        print(f"\n{'layer':<44} {'shape':>12} {'kind':>10} {'bits':>5} {'group':>6} {'bpw':>7}")
+        per_b = sfmp["per_linear_b"] if sfmp else {}
         for name, lc, bpw in rows:
             shape = f"{lc['out_features']}x{lc['in_features']}"
             kind, bits, group = lc.get("kind", "packed"), lc.get("bits", "-"), lc.get("group_size", "-")
-            cells = f"{kind:>10} {bits:>4} {group:>6} {bpw:>7.3f}"
+            if name in per_b:  # sfmp: the layer's average code bits
+                bits = f"{per_b[name]:.2f}"
+            cells = f"{kind:>10} {bits:>5} {group:>6} {bpw:>7.3f}"
             print(f"{name:<44} {shape:>12} {cells}")
     return 0
+
+
+def _print_sfmp(s: dict, saved: dict) -> None:
+    """SFMP's header lines: the budget and target it ran with (when saved), the ``b`` reached and the
+    bits per weight of the SFMP linears by part, measured from the stored tensors."""
+    widths = "/".join(str(w) for w in saved.get("candidate_widths") or s["widths_used"])
+    target = ", ".join(f"{k} {v:g}" for k, v in (saved.get("budget") or {}).items())
+    if "b_target" in saved:
+        target += f"{', ' if target else ''}b target {saved['b_target']:.4f}"
+    print(
+        f"sfmp             b reached {s['b_reached']:.4f} ({target or 'target not saved'}), widths {widths}, "
+        f"group {'/'.join(map(str, s['group_sizes']))}, block {'/'.join(s['block_shapes'])}"
+    )
+    p = s["bits_per_weight_parts"]
+    print(
+        f"sfmp bits/weight {s['bits_per_weight']:.4f} = weights {p['weights']:.4f} + scales/zeros "
+        f"{p['scales_zeros']:.4f} + permutations {p['permutations']:.4f} + bit map {p['bit_map']:.4f}"
+    )
 
 
 def cmd_methods(args) -> int:

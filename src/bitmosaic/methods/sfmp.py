@@ -85,6 +85,12 @@ class SFMPConfig(WeightQuantConfig):
         super().__post_init__()
         if self.symmetric:
             raise OptionError("sfmp is asymmetric (fp16 scale and zero per group); drop --sym")
+        given = [k for k in ("avg_bits", "bpw", "budget_mb") if getattr(self, k) is not None]
+        if len(given) != 1:  # checked here: before minutes of Fisher salience, not after
+            raise OptionError(
+                "sfmp needs exactly one budget: --avg-bits B, --bpw X or --budget-mb M "
+                f"(avg_bits=, bpw=, budget_mb=); got {', '.join(given) or 'none'}"
+            )
         if self.solver not in ("awq", "gptq"):
             raise OptionError(f"sfmp solver must be 'awq' or 'gptq', got {self.solver!r}")
         if self.rank not in ("mean", "sum"):
@@ -99,7 +105,10 @@ class SFMPConfig(WeightQuantConfig):
             )
 
     def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plans"}
+        """The settings, without ``plans`` and without the unused ``bits``/``scale_method`` (a saved
+        ``"bits": 4`` misread a mixed-width model)."""
+        skip = ("plans", "bits", "scale_method")
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
         d["act"] = None if self.act is None else dataclasses.asdict(self.act)
         return d
 

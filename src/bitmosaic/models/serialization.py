@@ -34,7 +34,7 @@ from torch import nn
 
 from ..errors import CorruptModelError, OutputExistsError, check_finite
 from ..modules.qmodules import full_layer_config, module_from_layer_config
-from .sfmp import fold_model_permutations
+from .sfmp import fold_model_permutations, sfmp_saved_info
 
 __all__ = [
     "FORMAT_VERSION",
@@ -207,6 +207,7 @@ def save_quantized(
         cfg = model.config.to_dict()
         cfg.pop("quantization_config", None)
         qc = {"quant_method": "bitmosaic", "format_version": FORMAT_VERSION, **quant_info}
+        qc.update(sfmp_saved_info(model, qc.get("sfmp")))  # SFMP: what it really used (no single "bits")
         qc["modules"] = {n: full_layer_config(m) for n, m in qmods.items()}
         cfg["quantization_config"] = qc
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))

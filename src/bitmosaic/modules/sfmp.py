@@ -14,7 +14,10 @@ folded indices are derived from the saved permutations at load, never saved.
 
 The kernel is made by :func:`_make_kernel`: the bit-plane LUT GEMV of §4.5 / App. G
 (:class:`~bitmosaic.kernels.lut.BitPlaneWeight`, any mix of 1..8 bits per block, blocks of
-``block_rows`` x ``group_size``) at batch 1, its tiled dequantize + matmul for more rows.
+``block_rows`` x ``group_size``) at batch 1, its tiled dequantize + matmul for more rows.  Once it
+is built, ``qweight``/``scales``/``zeros`` are released and rebuilt from it, bit for bit, whenever
+something reads them (the one mechanism of :mod:`bitmosaic.modules.base`, resident weights), so a
+loaded model holds one copy of its weights, not two.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 from ..algorithms.sfmp import BlockPlan, group_bits, index_dtype, inverse_perm
 from ..algorithms.types import QuantResult
 from ..formats.accounting import storage_bits
+from ..formats.bitplane import unpack as unpack_planes
 from ..formats.blocks import pack_blocks, unpack_blocks
 from ..formats.layout import default_g_idx, num_groups
 from .base import QuantModule
@@ -166,6 +170,28 @@ class SFMPLinear(QuantModule):
         )  # fmt: skip
         return _PermutedKernel(w, self)
 
+    def _saved_from_kernel(self, k):
+        """Rebuilds of the codes and fp16 scales/zeros from the bit-plane kernel ``k`` (resident
+        weights, ``modules/base.py``): ``qweight`` is re-packed row block by row block from the planes
+        (the saved layout is row-block-major, so the pieces concatenate), ``scales``/``zeros`` are the
+        kernel's float32 copies back in fp16.  The bit map and permutations stay (small, and the
+        gathers read them)."""
+        w = k.weight
+
+        def qweight() -> torch.Tensor:
+            parts = []
+            for rb in range(self.bit_map.shape[0]):
+                rows = slice(rb * self.block_rows, min(self.out_features, (rb + 1) * self.block_rows))
+                codes = unpack_planes(w.planes, rows)
+                parts.append(pack_blocks(codes, self.bit_map[rb : rb + 1], self.block_rows, self.block_cols))
+            return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+
+        return {
+            "qweight": qweight,
+            "scales": lambda: w.scales_t.T.to(torch.float16).contiguous(),
+            "zeros": lambda: w.zeros_t.T.to(torch.float16).contiguous(),
+        }
+
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         if self.col_perm is None or not self._gather_input:
             return x
@@ -202,15 +228,21 @@ class SFMPLinear(QuantModule):
         ts = (self.qweight, self.scales, self.zeros, self.bit_map, self.row_perm, self.col_perm)
         return [t for t in ts if t is not None]
 
+    def part_bits(self) -> dict[str, int]:
+        """Stored bits of each part: weights (codes), scales/zeros, permutations, bit map.  Read from
+        the buffers' shapes and dtypes, so a released buffer is not rebuilt for it."""
+        b = self._buffers
+        return {
+            "weights": storage_bits([b["qweight"]]),
+            "scales_zeros": storage_bits([b["scales"], b["zeros"]]),
+            "permutations": storage_bits([b["row_perm"], b["col_perm"]]),
+            "bit_map": storage_bits([b["bit_map"]]),
+        }
+
     def bits_breakdown(self) -> dict[str, float]:
         """Bits per weight of each stored part: weights, scales/zeros, permutations, bit map."""
         n = self.in_features * self.out_features
-        return {
-            "weights": storage_bits([self.qweight]) / n,
-            "scales_zeros": storage_bits([self.scales, self.zeros]) / n,
-            "permutations": storage_bits([self.row_perm, self.col_perm]) / n,
-            "bit_map": storage_bits([self.bit_map]) / n,
-        }
+        return {k: v / n for k, v in self.part_bits().items()}
 
     def code_bits(self) -> float:
         """Average code width (the paper's ``b``) of this layer."""
@@ -252,7 +284,7 @@ def fold_permutations(producers: list[SFMPLinear], consumer: SFMPLinear) -> bool
     if consumer.col_perm is None or not consumer._gather_input:
         return False
     cp = consumer.col_perm.long()
-    for p in producers:
-        p._emit, p._out_index, p._wcache, p._kernel = cp, None, None, None
-    consumer._gather_input, consumer._wcache, consumer._kernel = False, None, None
+    for p in producers:  # the kernels (of W̃) stay valid: they read the gathers at call time
+        p._emit, p._out_index, p._wcache = cp, None, None
+    consumer._gather_input, consumer._wcache = False, None
     return True
