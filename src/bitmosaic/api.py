@@ -26,6 +26,7 @@ def quantize_(
     device: str | torch.device | None = None,
     offload_inputs: bool | None = None,
     measure_errors: bool = False,
+    calib_cache=None,
     **options,
 ) -> RunReport:
     """Quantize ``model`` in place with the registered ``method`` and return the run report.
@@ -37,7 +38,8 @@ def quantize_(
     solvers run (``"auto"``: CUDA when available; the model stays in host memory and each decoder
     layer visits the device in turn); ``offload_inputs`` keeps the calibration activations in host
     memory; ``measure_errors`` calibrates even Hessian-free methods (RTN, FP8) for the report's
-    error metrics.  See :func:`bitmosaic.models.pipeline.quantize_model`.
+    error metrics; ``calib_cache`` (a :class:`~bitmosaic.models.calib_cache.CalibCache`) shares the
+    float-model statistics between runs.  See :func:`bitmosaic.models.pipeline.quantize_model`.
     """
     spec, config = method_config(method, options, scheme)
     return quantize_model(
@@ -54,4 +56,5 @@ def quantize_(
         device=device,
         offload_inputs=offload_inputs,
         measure_errors=measure_errors,
+        calib_cache=calib_cache,
     )
