@@ -151,11 +151,20 @@ def test_size_cap_evicts_least_recently_used_entries_only(tmp_path):
     other.parent.mkdir(parents=True)
     other.write_bytes(b"x" * 10)
     keys = [f"{i:024x}" for i in range(4)]
+    stale, fresh = (
+        other.parent / f"{'f' * 24}.safetensors.tmp1",
+        other.parent / f"{'e' * 24}.safetensors.tmp2",
+    )
+    for p in (stale, fresh):
+        p.write_bytes(b"partial")
+    os.utime(stale, (0, 0))  # a writer killed long ago
     for t, k in enumerate(keys):
         cache.store("inputs", k, {"x": torch.zeros(256)})
         os.utime(cache.path("inputs", k), (t, t))  # distinct, increasing use times
     left = sorted(p.name for p in (tmp_path / "inputs").iterdir())
-    assert left == sorted([f"{keys[2]}.safetensors", f"{keys[3]}.safetensors", "notes.safetensors"])
+    assert left == sorted(
+        [f"{keys[2]}.safetensors", f"{keys[3]}.safetensors", "notes.safetensors", fresh.name]
+    )
 
 
 def test_disabled_cache_reads_and_writes_nothing(tmp_path, monkeypatch):

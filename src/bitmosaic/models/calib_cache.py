@@ -102,19 +102,23 @@ class _Uncacheable(Exception):
     """The value holds something other than tensors, containers and scalars."""
 
 
-def _flatten(obj, tensors: dict[str, torch.Tensor], seen: dict[int, str]):
+def _flatten(obj, tensors: dict[str, torch.Tensor], seen: dict[int, str], storages: set[int]):
     if torch.is_tensor(obj):
         name = seen.get(id(obj))
         if name is None:  # one tensor referenced twice is stored once and shared again on load
             name = seen[id(obj)] = f"t{len(seen)}"
-            tensors[name] = obj.detach().cpu().clone().contiguous()
+            t = obj.detach().cpu()
+            if t.untyped_storage().data_ptr() in storages or not t.is_contiguous():
+                t = t.clone(memory_format=torch.contiguous_format)  # views of one storage: copies
+            storages.add(t.untyped_storage().data_ptr())
+            tensors[name] = t
         return {"t": name}
     if obj is None or isinstance(obj, bool | int | float | str):
         return {"v": obj}
     if isinstance(obj, tuple | list):
-        return {type(obj).__name__: [_flatten(o, tensors, seen) for o in obj]}
+        return {type(obj).__name__: [_flatten(o, tensors, seen, storages) for o in obj]}
     if isinstance(obj, dict) and all(isinstance(k, str) for k in obj):
-        return {"dict": [[k, _flatten(v, tensors, seen)] for k, v in obj.items()]}
+        return {"dict": [[k, _flatten(v, tensors, seen, storages)] for k, v in obj.items()]}
     raise _Uncacheable(type(obj).__name__)
 
 
@@ -146,7 +150,7 @@ def write_entry(path: Path, obj) -> None:
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
-    tree = _flatten(obj, tensors, {})
+    tree = _flatten(obj, tensors, {}, set())
     meta = {_META: json.dumps(tree), "sha256": _digest(tensors), "format": str(FORMAT_VERSION)}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
@@ -242,7 +246,11 @@ class CalibCache:
 
     def _evict(self, keep: Path) -> None:
         """Delete the least recently used entries under ``root`` (only files named like entries, in
-        the kinds' folders) while they hold more than the cap; never ``keep``."""
+        the kinds' folders) while they hold more than the cap; never ``keep``.  Temporary files of
+        writers killed over a day ago go too."""
+        for tmp in self.root.glob("*/*.safetensors.tmp*"):  # left by a killed writer a day ago
+            if _ENTRY.fullmatch(tmp.name.split(".tmp")[0]) and time.time() - tmp.stat().st_mtime > 86400:
+                tmp.unlink(missing_ok=True)
         files = [p for p in self.root.glob("*/*.safetensors") if _ENTRY.fullmatch(p.name) and p != keep]
         files.sort(key=lambda p: p.stat().st_mtime)
         total = keep.stat().st_size + sum(p.stat().st_size for p in files)
