@@ -143,6 +143,17 @@ def test_unstorable_values_are_not_cached(tmp_path):
     assert not list(tmp_path.rglob("*.safetensors"))
 
 
+def test_an_unwritable_cache_warns_and_the_run_goes_on(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    with pytest.warns(UserWarning, match="cannot write"):
+        _, rep = _run("gptq", {"bits": 4, "group_size": 32}, CalibCache(blocker))
+    assert rep.calibration["cache"]["misses"] == ["inputs"]
+    monkeypatch.setenv("BITMOSAIC_CACHE_MAX_GB", "lots")
+    with pytest.raises(ValueError, match="BITMOSAIC_CACHE_MAX_GB"):
+        CalibCache(tmp_path)
+
+
 def test_size_cap_evicts_least_recently_used_entries_only(tmp_path):
     import os
 

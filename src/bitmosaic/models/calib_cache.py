@@ -190,8 +190,13 @@ class CalibCache:
     def __init__(self, root="auto", *, dirs: dict[str, Path] | None = None, max_gb: float | None = None):
         self.root = None if root is None else default_cache_root() if root == "auto" else Path(root)
         self.dirs = {k: Path(v) for k, v in (dirs or {}).items()}
-        cap = max_gb if max_gb is not None else float(os.environ.get("BITMOSAIC_CACHE_MAX_GB", 20))
-        self.max_bytes = int(cap * 2**30)
+        if max_gb is None:
+            env = os.environ.get("BITMOSAIC_CACHE_MAX_GB", "20")
+            try:
+                max_gb = float(env)
+            except ValueError:
+                raise ValueError(f"BITMOSAIC_CACHE_MAX_GB={env!r} is not a size in GB; set e.g. 20") from None
+        self.max_bytes = int(max_gb * 2**30)
         self.hits: list[str] = []
         self.misses: list[str] = []
         self.corrupt: list[str] = []
@@ -240,6 +245,9 @@ class CalibCache:
         except _Uncacheable as e:
             warnings.warn(f"calibration cache: {kind} holds a {e} and is not cached", stacklevel=2)
             return False
+        except OSError as e:  # full disk, no permission: the run goes on without the entry
+            warnings.warn(f"calibration cache: cannot write {path} ({e}); not cached", stacklevel=2)
+            return False
         if kind not in self.dirs:  # a folder given for one kind is the user's: never pruned
             self._evict(path)
         return True
@@ -249,15 +257,18 @@ class CalibCache:
         the kinds' folders) while they hold more than the cap; never ``keep``.  Temporary files of
         writers killed over a day ago go too."""
         for tmp in self.root.glob("*/*.safetensors.tmp*"):  # left by a killed writer a day ago
-            if _ENTRY.fullmatch(tmp.name.split(".tmp")[0]) and time.time() - tmp.stat().st_mtime > 86400:
+            st = _stat(tmp)
+            if _ENTRY.fullmatch(tmp.name.split(".tmp")[0]) and st and time.time() - st.st_mtime > 86400:
                 tmp.unlink(missing_ok=True)
-        files = [p for p in self.root.glob("*/*.safetensors") if _ENTRY.fullmatch(p.name) and p != keep]
-        files.sort(key=lambda p: p.stat().st_mtime)
-        total = keep.stat().st_size + sum(p.stat().st_size for p in files)
-        for p in files:
+        files = [(st, p) for p in self.root.glob("*/*.safetensors")
+                 if _ENTRY.fullmatch(p.name) and p != keep and (st := _stat(p))]  # fmt: skip
+        files.sort(key=lambda f: f[0].st_mtime)
+        kept = _stat(keep)
+        total = sum(st.st_size for st, _ in files) + (kept.st_size if kept else 0)
+        for st, p in files:
             if total <= self.max_bytes:
                 break
-            total -= p.stat().st_size
+            total -= st.st_size
             p.unlink(missing_ok=True)
 
     def summary(self) -> dict:
@@ -322,6 +333,13 @@ class RunCache:
                    "tokens": c.observer.tokens, "batches": c.observer.batches} for c in caps]  # fmt: skip
         self.cache.store("captures", key, {"groups": groups, "generator": generator.get_state()})
         return caps
+
+
+def _stat(p: Path) -> os.stat_result | None:
+    try:  # another process may remove it meanwhile
+        return p.stat()
+    except FileNotFoundError:
+        return None
 
 
 def _sub_key(base: str, **parts) -> str:

@@ -19,6 +19,10 @@ float layer's group inputs and return per-channel factors that are folded into t
 With activation quantization (``config.act``) each linear's static input scale is calibrated on
 its inputs as they arrive and an input quantizer is attached once it is quantized.
 
+With a calibration cache (:mod:`bitmosaic.models.calib_cache`), step 1's captured inputs, the
+float layer 0's transform statistics and the Fisher salience -- the statistics of the float model,
+the only ones methods can share -- come from disk when an earlier run stored them (bit-identical).
+
 Methods that need no Hessian (RTN, FP8, HRTN) skip calibration entirely unless something else
 needs it (static activation scales, a transform, ``analyze_orders``); their report rows then have
 no error metrics.
