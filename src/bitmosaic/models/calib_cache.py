@@ -15,9 +15,11 @@ the *float* model can be shared, and only these are consumed from it:
 ``captures``
     The float statistics of layer 0's groups that a smoothing ``transform`` reads
     (:func:`~bitmosaic.models.capture.capture_groups`): per-channel ``max|x|`` (SmoothQuant, Mosaic),
-    ``mean|x|`` (AWQ, SFMP's AWQ solver), ``mean x``, the Hessian (AWQ, Mosaic, SFMP) and the seeded
-    token sample (SmoothQuant's alpha search, Mosaic), plus the state of the sample generator after
-    it, so the later layers draw the very same samples.  Layer 0 only: the transforms of later
+    ``mean|x|`` (AWQ, SFMP's AWQ solver), the Hessian (AWQ, Mosaic, SFMP) and the seeded token
+    sample (SmoothQuant's alpha search, Mosaic; its size ``max_tokens`` is part of the key, so
+    SmoothQuant and SQ-format share an entry, AWQ and SFMP another), plus ``mean x`` (so the
+    observer is whole) and the state of the sample generator after the capture, so the later
+    layers draw the very same samples.  Layer 0 only: the transforms of later
     layers see inputs from quantized layers.
 ``fisher``
     The Fisher-diagonal salience of every decoder linear (SFMP's allocation,
@@ -25,14 +27,18 @@ the *float* model can be shared, and only these are consumed from it:
 
 Not cached: Hessians and observers of the sequential pass (SQ-format's static mask statistics and
 static activation scales are gathered there too), since they depend on how earlier layers were
-quantized.  No pipeline mode gathers Hessians on float inputs (a "non-sequential" GPTQ), so there
-are no float Hessians per linear to share beyond layer 0's captures above.
+quantized.  (The one exception, the Hessian of layer 0's first group -- q/k/v read the float
+layer-0 inputs when no transform changed layer 0 -- is about 1/(4L) of the pass and is not cached.)
+No pipeline mode gathers Hessians on float inputs (a "non-sequential" GPTQ), so there are no float
+Hessians per linear to share beyond layer 0's captures above.
 
 **Keys.**  One scheme for every kind (:func:`cache_key`, also Fisher's): SHA-256 of the model's
 config, a checksum (shape, sum, sum of magnitudes) of every tensor the entry depends on, the exact
 calibration token tensor (which fixes data, sample count, sequence length and the sampling seed),
 a format version and the run settings the values depend on (batch size, device, compute dtype,
-seed, threads, torch version), so a hit returns bit for bit what the run would compute.
+seed, threads, torch version), so a hit returns bit for bit what the run would compute.  Fisher's
+key checksums the decoder linears only (its original scheme, kept so entries stored before this
+module stay valid): two models that differ only in embeddings or norms would share an entry.
 
 **Storage.**  ``<root>/<kind>/<key>.safetensors``; ``root`` is ``$BITMOSAIC_CACHE`` or
 ``~/.cache/bitmosaic`` (``--cache-dir`` / ``--no-cache`` on ``quantize`` and ``compare``).  Each entry
