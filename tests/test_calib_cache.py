@@ -43,10 +43,9 @@ _SFMP = {"avg_bits": 2.5, "group_size": 16, "block_rows": 8, "n_grid": 4}
 def test_second_run_comes_from_the_cache_bit_for_bit(tmp_path, method, opts, kinds):
     first, rep1 = _run(method, opts, CalibCache(tmp_path))
     second, rep2 = _run(method, opts, CalibCache(tmp_path))
-    assert rep1.calibration["cache"]["hits"] == [] and sorted(rep1.calibration["cache"]["misses"]) == sorted(
-        kinds
-    )
-    assert rep2.calibration["cache"]["hits"] == kinds and rep2.calibration["cache"]["misses"] == []
+    c1, c2 = rep1.calibration["cache"], rep2.calibration["cache"]
+    assert c1["hits"] == [] and sorted(c1["misses"]) == sorted(kinds)
+    assert c2["hits"] == kinds and c2["misses"] == []
     _assert_identical(first, second)
     assert sorted(p.parent.name for p in tmp_path.glob("*/*.safetensors")) == sorted(kinds)
 
@@ -61,9 +60,15 @@ def test_methods_share_the_float_statistics(tmp_path):
     assert rep.calibration["cache"]["hits"] == ["inputs", "captures"]
     _assert_identical(plain, shared)
     _, rep = _run("awq", {"bits": 4, "group_size": 32}, CalibCache(tmp_path))
-    assert rep.calibration["cache"]["hits"] == ["inputs"] and rep.calibration["cache"]["misses"] == [
-        "captures"
-    ]
+    assert (rep.calibration["cache"]["hits"], rep.calibration["cache"]["misses"]) == (
+        ["inputs"],
+        ["captures"],
+    )
+    _, rep = _run("smoothquant", {}, CalibCache(tmp_path), seed=1)  # another token sample
+    assert (rep.calibration["cache"]["hits"], rep.calibration["cache"]["misses"]) == (
+        ["inputs"],
+        ["captures"],
+    )
 
 
 def test_key_follows_tokens_settings_and_weights(tmp_path):

@@ -289,7 +289,8 @@ class CalibCache:
 class RunCache:
     """A :class:`CalibCache` bound to one pipeline run: the key parts its entries share are fixed
     when it is made, before anything changes the model (config, checksums of every tensor outside
-    the decoder stack and of layer 0, the calibration tokens, batch size, device, dtypes, seed)."""
+    the decoder stack and of layer 0, the calibration tokens, batch size, device, threads); layer 0's
+    captures add the compute dtype, the seed and the sample size."""
 
     def __init__(self, cache, model, layers, calib, batch_size, device, compute_dtype, seed) -> None:
         self.cache = cache
@@ -302,9 +303,10 @@ class RunCache:
         tensors += [(f"layer0.{n}:{t.dtype}", t) for n, t in first]
         dev = torch.device(device)
         env = {"batch_size": batch_size, "device": dev.type, "torch": torch.__version__,
-               "threads": torch.get_num_threads(), "compute_dtype": str(compute_dtype), "seed": seed,
+               "threads": torch.get_num_threads(),
                "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None}  # fmt: skip
         self.base = cache_key(model, calib, tensors, FORMAT_VERSION, env)
+        self.run = {"compute_dtype": str(compute_dtype), "seed": seed}
 
     def layer_inputs(self, model, layers, calib, batch_size, device, capture):
         """``capture(model, layers, calib, batch_size, device)`` (layer-0 inputs, kwargs by kind),
@@ -324,7 +326,7 @@ class RunCache:
         holds them; ``generator`` is left in the state the capture leaves it in either way."""
         if not self.cache.enabled:
             return capture_groups(layer, arch, inputs, kwargs, max_tokens=max_tokens, generator=generator)
-        key = _sub_key(self.base, kind="captures", max_tokens=max_tokens,
+        key = _sub_key(self.base, kind="captures", max_tokens=max_tokens, **self.run,
                        generator=_digest({"g": generator.get_state()}))  # fmt: skip
         n = len(arch.sequential)
         got = self.cache.load(
