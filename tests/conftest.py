@@ -12,6 +12,18 @@ def pytest_configure(config):
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_calibration_cache(tmp_path_factory):
+    """Runs that cache calibration statistics by default (the CLI) write to a session folder, not to
+    ~/.cache/bitmosaic, unless $BITMOSAIC_CACHE is set."""
+    if os.environ.get("BITMOSAIC_CACHE"):
+        yield
+        return
+    os.environ["BITMOSAIC_CACHE"] = str(tmp_path_factory.mktemp("bitmosaic-cache"))
+    yield
+    os.environ.pop("BITMOSAIC_CACHE", None)
+
+
 def correlated_inputs(n_tokens: int, n: int, seed: int = 0, dtype=torch.float64) -> torch.Tensor:
     """Inputs with LLM-like structure: varied channel scales, a few outlier channels, correlations."""
     g = torch.Generator().manual_seed(seed)

@@ -29,6 +29,7 @@ def quantize_(
     measure_errors: bool = False,
     salience: dict[str, torch.Tensor] | None = None,
     salience_tokens: torch.Tensor | None = None,
+    calib_cache=None,
     **options,
 ) -> RunReport:
     """Quantize ``model`` in place with the registered ``method`` and return the run report.
@@ -42,8 +43,9 @@ def quantize_(
     memory; ``measure_errors`` calibrates even Hessian-free methods (RTN, FP8) for the report's
     error metrics.  ``salience`` / ``salience_tokens`` (methods with a global allocation: ``sfmp``): a
     precomputed Fisher diagonal per decoder linear (qualified name -> ``[out, in]``), or the tokens
-    to estimate it from instead of ``calib`` (e.g. more samples).  See
-    :func:`bitmosaic.models.pipeline.quantize_model`.
+    to estimate it from instead of ``calib`` (e.g. more samples).  ``calib_cache`` (a
+    :class:`~bitmosaic.models.calib_cache.CalibCache`) shares the float-model statistics between
+    runs.  See :func:`bitmosaic.models.pipeline.quantize_model`.
     """
     spec, config = method_config(method, options, scheme)
     if spec.allocate is None and (salience is not None or salience_tokens is not None):
@@ -67,4 +69,5 @@ def quantize_(
         measure_errors=measure_errors,
         salience=salience,
         salience_tokens=salience_tokens,
+        calib_cache=calib_cache,
     )

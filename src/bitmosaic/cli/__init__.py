@@ -18,6 +18,7 @@ from .args import (
     _group_size,
     _method_options,
     act_spec_from_args,
+    add_cache_args,
 )
 from .commands import cmd_eval, cmd_inspect, cmd_methods, cmd_quantize
 from .export import add_export_parser, cmd_export
@@ -83,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seqlen", type=int, default=512)
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--batch-size", type=int, default=4, help="calibration samples per layer forward")
+    add_cache_args(q)
     q.add_argument("--data-dir", default=None, help="shared data folder (else $BITMOSAIC_DATA, else the hub)")
     q.add_argument("--out", default=None, help="save the quantized model to this folder")
     q.add_argument("--json", default=None, help="write the run report (per layer + totals) here")

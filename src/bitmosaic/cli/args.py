@@ -158,6 +158,26 @@ def task_list(text: str | None) -> list[str]:
     return [t for n in names for t in (ZERO_SHOT if n == "zero-shot" else (n,))]
 
 
+def add_cache_args(p: argparse.ArgumentParser) -> None:
+    """``--cache-dir`` / ``--no-cache``: the calibration statistics cache (bitmosaic.models.calib_cache)."""
+    c = p.add_mutually_exclusive_group()
+    c.add_argument(
+        "--cache-dir",
+        default=None,
+        help="cache of float-model calibration statistics shared between runs (layer-0 inputs, Fisher; "
+        "default: $BITMOSAIC_CACHE or ~/.cache/bitmosaic)",
+    )
+    c.add_argument("--no-cache", action="store_true", help="read and write no calibration cache")
+
+
+def calib_cache_from_args(args):
+    from ..models.calib_cache import CalibCache
+
+    if getattr(args, "no_cache", False):
+        return CalibCache(None)
+    return CalibCache(getattr(args, "cache_dir", None) or "auto")
+
+
 def _add_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device",

@@ -7,7 +7,7 @@ import json
 import time
 from pathlib import Path
 
-from .args import _method_options, task_list
+from .args import _method_options, calib_cache_from_args, task_list
 
 
 def _ppl(model, tok, src, seqlen, max_windows, data_dir, progress, device=None, reference=None) -> dict:
@@ -123,6 +123,7 @@ def run_recipe(model, tok, recipe, args, device, progress: bool, calib=None):
         analyze_orders=orders,
         seed=args.seed,
         device=device,
+        calib_cache=calib_cache_from_args(args),
     )
     report.calibration.update({"source": args.calib, "seed": args.seed, "bos": bos_token_id(tok) is not None})
     return report, calib
@@ -199,6 +200,10 @@ def cmd_quantize(args) -> int:
         f"quantized {len(report.layers)} linears with {spec.name} in {report.seconds:.1f}s, "
         f"{report.bits_per_weight:.3f} bits/weight, peak RSS {report.peak_rss_mb:.0f} MB"
     )
+    cache = report.calibration.get("cache") or {}
+    if cache.get("hits") or cache.get("misses"):
+        hits, misses = ", ".join(cache["hits"]) or "-", ", ".join(cache["misses"]) or "-"
+        print(f"calibration cache {cache['root']}: hits {hits}; misses {misses}")
     if args.eval_src:
         results["quantized"] = _ppl(
             model, tok, args.eval_src, args.eval_seqlen, args.max_windows, args.data_dir, progress, device,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .args import DEFAULT_MODEL
+from .args import DEFAULT_MODEL, add_cache_args
 
 
 def add_parser(sub) -> None:
@@ -32,6 +32,7 @@ def add_parser(sub) -> None:
     c.add_argument("--device", default="auto")
     c.add_argument("--dtype", default="auto")
     c.add_argument("--no-progress", action="store_true")
+    add_cache_args(c)  # one cache folder for every config, so they share the float-model statistics
 
 
 def _shared(args, names: list[tuple[str, str]]) -> list[str]:
@@ -45,6 +46,7 @@ def _shared(args, names: list[tuple[str, str]]) -> list[str]:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from ..eval.compare import parse_configs, run_compare
+    from ..models.calib_cache import default_cache_root
 
     configs = parse_configs(args.configs)
     both = [("data_dir", "--data-dir"), ("threads", "--threads"), ("tasks", "--tasks"),
@@ -53,6 +55,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     common = _shared(args, [("calib", "--calib"), ("nsamples", "--nsamples"), ("seqlen", "--seqlen"),
                             ("seed", "--seed"), ("eval_src", "--eval"), ("eval_seqlen", "--eval-seqlen"),
                             ("max_windows", "--max-windows"), *both])  # fmt: skip
+    cache_dir = str(args.cache_dir or default_cache_root())
+    common += ["--no-cache"] if args.no_cache else ["--cache-dir", cache_dir]
     eval_flags = _shared(args, [("eval_src", "--ppl"), ("eval_seqlen", "--seqlen"),
                                 ("max_windows", "--max-windows"), *both])  # fmt: skip
     out = run_compare(args.model, configs, common, args.out, eval_flags=eval_flags,

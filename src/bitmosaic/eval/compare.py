@@ -19,10 +19,13 @@ written atomically when a config finishes: a rerun skips finished configs (resum
 interrupted one leaves nothing behind and starts over.  Then ``OUT/results.{csv,json,md}`` and
 ``OUT/pareto.png`` are (re)written from every finished run.
 
-What is shared between configs: the float model's evaluation and the calibration samples (the same
-``--seed`` draws the same samples).  Hessians and activation statistics are *not* shared: the sequential
-pipeline gathers each layer's statistics on the outputs of the already-quantized earlier layers, so they
-differ from method to method; the SFMP Fisher salience (float model) is cached on disk by that method.
+What is shared between configs: the float model's evaluation, the calibration samples (the same
+``--seed`` draws the same samples) and, through one calibration cache folder passed to every config
+(:mod:`bitmosaic.models.calib_cache`), the statistics of the *float* model: the inputs of the first
+decoder layer, layer 0's smoothing statistics and the SFMP Fisher salience.  The column ``cache_hits``
+says which each config found there.  Other Hessians and activation statistics are *not* shared: the
+sequential pipeline gathers each layer's statistics on the outputs of the already-quantized earlier
+layers, so they differ from method to method.
 """
 
 from __future__ import annotations
@@ -239,7 +242,7 @@ def collect_rows(out: str | Path, configs: list[CompareConfig] | None = None) ->
         rows.append({"name": "float", "method": "float", "setting": "", "bits_per_weight": None,
                      "size_mb": None, "ppl": f["ppl"], "kl_mean": 0.0, "kl_p99": 0.0,
                      "top1_agreement": 1.0, "tasks": f.get("tasks", {}), "quant_seconds": None,
-                     "peak_rss_mb": None})  # fmt: skip
+                     "peak_rss_mb": None, "cache_hits": ""})  # fmt: skip
     names = [c.slug for c in configs] if configs else sorted(
         p.stem for p in (out / "runs").glob("*.json") if p.stem != "float"
     )
@@ -264,12 +267,13 @@ def collect_rows(out: str | Path, configs: list[CompareConfig] | None = None) ->
             "tasks": r.get("tasks", {}),
             "quant_seconds": r.get("seconds"),
             "peak_rss_mb": r.get("peak_rss_mb"),
+            "cache_hits": " ".join((r.get("calibration") or {}).get("cache", {}).get("hits", [])),
         })  # fmt: skip
     return rows
 
 
 _COLS = ["name", "method", "bits_per_weight", "size_mb", "ppl", "kl_mean", "kl_p99", "top1_agreement",
-         "quant_seconds", "peak_rss_mb"]  # fmt: skip
+         "quant_seconds", "peak_rss_mb", "cache_hits"]  # fmt: skip
 
 
 def _task_cols(rows: list[dict]) -> list[str]:

@@ -8,16 +8,15 @@ accumulator by a post-accumulate-grad hook and then dropped, so no optimizer sta
 gradient of any other parameter (embeddings, norms, ``lm_head``) is ever kept.
 
 The calibration text is the calibration source (``wikitext2`` = WikiText-2 *valid* split), disjoint
-from the evaluation split (``test``).  Results are cached on disk (safetensors), keyed by a hash of
-the model (config + a checksum of every salience-bearing weight), the exact calibration tokens
-(which fixes data, number of samples, sequence length and seed) and this estimator's version.
+from the evaluation split (``test``).  Results are cached on disk
+(:mod:`bitmosaic.models.calib_cache`, kind ``fisher``), keyed by its one scheme: a hash of the model
+(config + a checksum of every salience-bearing weight), the exact calibration tokens (which fixes
+data, number of samples, sequence length and seed) and this estimator's version.
 Runs where the model is (the whole model takes part in the backward pass).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
 from pathlib import Path
@@ -27,15 +26,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .arch import ArchSpec, get_arch
+from .calib_cache import CalibCache, cache_key
 
-__all__ = ["fisher_salience", "salience_linear_names", "default_cache_dir"]
+__all__ = ["fisher_salience", "salience_linear_names"]
 
 _VERSION = 1
-
-
-def default_cache_dir() -> Path:
-    root = os.environ.get("BITMOSAIC_CACHE") or Path.home() / ".cache" / "bitmosaic"
-    return Path(root) / "fisher"
 
 
 def salience_linear_names(model: nn.Module, arch: ArchSpec | None = None) -> list[str]:
@@ -45,20 +40,12 @@ def salience_linear_names(model: nn.Module, arch: ArchSpec | None = None) -> lis
     return [f"{arch.layers_path}.{i}.{name}" for i in range(n) for name in arch.linear_names()]
 
 
-def _cache_key(model: nn.Module, names: list[str], tokens: torch.Tensor) -> str:
-    h = hashlib.sha256()
-    cfg = getattr(model, "config", None)
-    h.update(json.dumps(cfg.to_dict() if cfg is not None else {}, sort_keys=True, default=str).encode())
-    for n in names:
-        w = model.get_submodule(n).weight.detach()
-        h.update(
-            f"{n}:{tuple(w.shape)}:{float(w.double().sum()):.17g}:{float(w.double().abs().sum()):.17g}".encode()
-        )
-    t = tokens.to(torch.int64).cpu().contiguous()
-    h.update(str(tuple(t.shape)).encode())
-    h.update(t.numpy().tobytes())
-    h.update(f"v{_VERSION}".encode())
-    return h.hexdigest()[:24]
+def _cache(cache_dir) -> CalibCache:
+    if isinstance(cache_dir, CalibCache):
+        return cache_dir
+    if cache_dir is None or cache_dir == "auto":
+        return CalibCache(None if cache_dir is None else "auto")
+    return CalibCache(None, dirs={"fisher": Path(cache_dir)})
 
 
 def fisher_salience(
@@ -66,39 +53,35 @@ def fisher_salience(
     tokens: torch.Tensor,
     names: list[str] | None = None,
     *,
-    cache_dir: str | os.PathLike | None = "auto",
+    cache_dir: str | os.PathLike | CalibCache | None = "auto",
     progress: bool = True,
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """``({name: S [out, in] float32}, info)`` for the decoder linears ``names`` (default: all).
 
-    ``tokens``: ``[n, seqlen]`` calibration ids, one sample per backward.  ``cache_dir``: a folder,
-    ``"auto"`` (:func:`default_cache_dir`) or ``None`` (no cache).  ``info`` has ``seconds`` (the
-    estimation's wall time; ~0 and ``cached: True`` when loaded), ``samples``, ``seqlen``, ``key``.
+    ``tokens``: ``[n, seqlen]`` calibration ids, one sample per backward.  ``cache_dir``: the
+    folder of the entries, ``"auto"`` (``fisher/`` under
+    :func:`~bitmosaic.models.calib_cache.default_cache_root`), a
+    :class:`~bitmosaic.models.calib_cache.CalibCache` (its ``fisher/``) or ``None`` (no cache).
+    ``info`` has ``seconds`` (the estimation's wall time; ~0 and ``cached: True`` when loaded),
+    ``samples``, ``seqlen``, ``key``.
     """
-    from safetensors.torch import load_file, save_file
-
     names = names or salience_linear_names(model)
     if tokens.dim() != 2 or tokens.shape[0] < 1:
         raise ValueError(f"Fisher tokens must be [samples >= 1, seqlen], got {tuple(tokens.shape)}")
-    key = _cache_key(model, names, tokens)
+    weights = [(n, model.get_submodule(n).weight) for n in names]
+    key = cache_key(model, tokens, weights, _VERSION)
     info = {"samples": int(tokens.shape[0]), "seqlen": int(tokens.shape[1]), "key": key, "cached": False}
-    path = None
-    if cache_dir is not None:
-        path = (default_cache_dir() if cache_dir == "auto" else Path(cache_dir)) / f"{key}.safetensors"
-        if path.is_file():
-            t0 = time.perf_counter()
-            sal = load_file(str(path))
-            if set(sal) == set(names):
-                return sal, {**info, "cached": True, "seconds": 0.0, "load_seconds": time.perf_counter() - t0,
-                             "path": str(path)}  # fmt: skip
+    cache = _cache(cache_dir)
+    path = cache.path("fisher", key)
+    t0 = time.perf_counter()
+    sal = cache.load("fisher", key, lambda v: isinstance(v, dict) and set(v) == set(names))
+    if sal is not None:
+        return sal, {**info, "cached": True, "seconds": 0.0, "load_seconds": time.perf_counter() - t0,
+                     "path": str(path)}  # fmt: skip
     t0 = time.perf_counter()
     sal = _estimate(model, tokens, names, progress)
     info["seconds"] = time.perf_counter() - t0
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        save_file({n: s.contiguous() for n, s in sal.items()}, str(tmp))
-        os.replace(tmp, path)
+    if cache.store("fisher", key, {n: s.contiguous() for n, s in sal.items()}):
         info["path"] = str(path)
     return sal, info
 

@@ -19,6 +19,10 @@ float layer's group inputs and return per-channel factors that are folded into t
 With activation quantization (``config.act``) each linear's static input scale is calibrated on
 its inputs as they arrive and an input quantizer is attached once it is quantized.
 
+With a calibration cache (:mod:`bitmosaic.models.calib_cache`), step 1's captured inputs, the
+float layer 0's transform statistics and the Fisher salience -- the statistics of the float model,
+the only ones methods can share -- come from disk when an earlier run stored them (bit-identical).
+
 Methods that need no Hessian (RTN, FP8, HRTN) skip calibration entirely unless something else
 needs it (static activation scales, a transform, ``analyze_orders``); their report rows then have
 no error metrics.
@@ -39,6 +43,7 @@ from ..methods.registry import LayerStats, MethodSpec, WeightQuantConfig
 from ..modules.actquant import attach_input_quant
 from ..modules.qlinear import QuantLinear
 from .arch import ArchSpec, get_arch
+from .calib_cache import CalibCache
 from .calibration import (
     LayerInputs,
     OutputCache,
@@ -83,10 +88,13 @@ def _pack(method: MethodSpec, res, config, bias) -> nn.Module:
     )
 
 
-def _apply_transform(plan: dict, layer, arch, inputs, kwargs, gen, prefix: str = "") -> dict[int, dict]:
+def _apply_transform(
+    plan: dict, layer, arch, inputs, kwargs, gen, prefix: str = "", runc=None
+) -> dict[int, dict]:
     """Run the per-layer ``transform`` of the method each group's linears use and fold the factors
     it returns; info per group.  A group is transformed only when all its linears resolve to one
-    (method, config) that has a transform (skipped linears and mixed groups stay unsmoothed)."""
+    (method, config) that has a transform (skipped linears and mixed groups stay unsmoothed).
+    ``runc``: the run's calibration cache, for the float layer 0 (its statistics may be cached)."""
     todo: dict[tuple, list[int]] = {}
     for gi, group in enumerate(arch.sequential):
         keys = {_key(plan[n]) if plan[n] else None for n in group}
@@ -96,7 +104,10 @@ def _apply_transform(plan: dict, layer, arch, inputs, kwargs, gen, prefix: str =
         return {}
     by_key = {_key(p): p for p in plan.values() if p}
     max_tokens = max(getattr(by_key[k][1], "max_tokens", 2048) for k in todo)
-    caps = capture_groups(layer, arch, inputs, kwargs, max_tokens=max_tokens, generator=gen)
+    if runc is not None:
+        caps = runc.group_captures(layer, arch, inputs, kwargs, max_tokens=max_tokens, generator=gen)
+    else:
+        caps = capture_groups(layer, arch, inputs, kwargs, max_tokens=max_tokens, generator=gen)
     for cap in caps:
         cap.prefix = prefix
     info: dict[int, dict] = {}
@@ -204,6 +215,7 @@ def quantize_model(
     resolve=None,
     salience: dict[str, torch.Tensor] | None = None,
     salience_tokens: torch.Tensor | None = None,
+    calib_cache: CalibCache | None = None,
 ) -> RunReport:
     """Quantize every linear of ``model``'s decoder layers in place; return the run report.
 
@@ -225,6 +237,9 @@ def quantize_model(
     ``salience`` / ``salience_tokens``: for methods with an ``allocate`` step (sfmp), a precomputed
     Fisher diagonal per linear, or the tokens to estimate it from (default: ``calib``); it is
     computed on the float model before anything else (see :mod:`bitmosaic.models.sfmp`).
+    ``calib_cache``: a :class:`~bitmosaic.models.calib_cache.CalibCache` for the float-model
+    statistics runs can share (layer-0 inputs, layer 0's transform statistics, Fisher); results are
+    bit-identical with and without it; ``report.calibration["cache"]`` lists its hits.
     """
     t0 = time.perf_counter()
     arch = arch or get_arch(model)
@@ -247,8 +262,12 @@ def quantize_model(
         static = getattr(c, "act", None) is not None and c.act.static
         calibrate = calibrate or m.needs_hessian or m.transform is not None or static
     inputs = kwargs_by_kind = None
+    runc = None
     if calibrate:
-        first, kwargs_by_kind = capture_layer_inputs(model, layers, calib, batch_size, dev)
+        runc = (calib_cache or CalibCache(None)).bind(
+            model, layers, calib, batch_size=batch_size, device=dev, compute_dtype=cdtype, seed=seed
+        )
+        first, kwargs_by_kind = runc.layer_inputs(model, layers, calib, batch_size, dev, capture_layer_inputs)
         if offload_inputs is None:
             offload_inputs = _offload_needed(calib, first[0].shape[-1], first[0].dtype, dev)
         inputs = LayerInputs(first, dev, bool(offload_inputs), cdtype)
@@ -262,7 +281,7 @@ def quantize_model(
     if method.allocate is not None:  # model-wide plan on the float model, before any transform
         report.calibration["allocation"] = allocate_with_salience(
             model, calib, method, config, arch, salience=salience, salience_tokens=salience_tokens,
-            progress=progress,
+            progress=progress, calib_cache=calib_cache,
         )  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     total_bits = 0.0
@@ -281,7 +300,8 @@ def quantize_model(
         kwargs = kwargs_by_kind[layer_kind(layer)] if calibrate else None
         group_info = {}
         if calibrate:
-            group_info = _apply_transform(plan, layer, arch, inputs, kwargs, gen, prefix)
+            runc0 = runc if li == 0 else None  # later layers' inputs come from quantized layers
+            group_info = _apply_transform(plan, layer, arch, inputs, kwargs, gen, prefix, runc0)
         use_cache = calibrate and _use_cache(cache_outputs, cache_budget_mb, calib, layer, arch)
         with OutputCache() as cache:
             for gi, group in enumerate(arch.sequential):
@@ -368,6 +388,8 @@ def quantize_model(
             layer.set_submodule(name, qlin.to(home))
     if method.allocate is not None:
         report.calibration["permutations_folded"] = fold_model_permutations(model, arch)
+    if calib_cache is not None:
+        report.calibration["cache"] = calib_cache.summary()
     report.seconds = time.perf_counter() - t0
     report.peak_rss_mb = peak_rss_mb()
     if dev.type == "cuda":

@@ -21,11 +21,14 @@ __all__ = [
 
 
 def allocate_with_salience(model, calib, method, config, arch: ArchSpec, *, salience=None,
-                           salience_tokens=None, progress=True) -> dict:  # fmt: skip
+                           salience_tokens=None, progress=True, calib_cache=None) -> dict:  # fmt: skip
     """Fisher salience of every decoder linear on the *float* model (before any AWQ scaling; from
     ``salience`` when given, else from ``salience_tokens`` or ``calib``, the first
     ``config.fisher_samples`` samples), then the method's global ``allocate``.  Returns the summary
-    (with ``fisher``: cost in seconds, samples, cache key)."""
+    (with ``fisher``: cost in seconds, samples, cache key).  The salience is cached where
+    ``config.fisher_cache`` says; when that is ``"auto"`` and ``calib_cache``
+    (:class:`~bitmosaic.models.calib_cache.CalibCache`) is given, in that cache (or nowhere when it
+    is off)."""
     names = salience_linear_names(model, arch)
     info: dict = {"given": True}
     if salience is None:
@@ -38,9 +41,10 @@ def allocate_with_salience(model, calib, method, config, arch: ArchSpec, *, sali
                     "pass more samples (--nsamples) or salience_tokens"
                 )
             tokens = tokens[:n]
-        salience, info = fisher_salience(
-            model, tokens, names, cache_dir=getattr(config, "fisher_cache", "auto"), progress=progress
-        )
+        where = getattr(config, "fisher_cache", "auto")
+        if where == "auto" and calib_cache is not None:
+            where = calib_cache
+        salience, info = fisher_salience(model, tokens, names, cache_dir=where, progress=progress)
     missing = [n for n in names if n not in salience]
     if missing:
         raise ValueError(f"the salience lacks {len(missing)} linears, e.g. {missing[0]}")
