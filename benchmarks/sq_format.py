@@ -104,7 +104,9 @@ class SQBench(Bench):
             calib = self.calib
             if nsamples > len(calib):  # more sequences than the weights were calibrated on
                 a = self.args
-                calib = calibration_samples(self.tok, "wikitext2", nsamples, a.seqlen, a.seed, data_dir=a.data_dir)
+                calib = calibration_samples(
+                    self.tok, "wikitext2", nsamples, a.seqlen, a.seed, data_dir=a.data_dir
+                )
             hs = [m.register_forward_pre_hook(hook(n)) for n, m in linears(model)]
             with torch.inference_mode():
                 for i in range(0, nsamples, 4):
