@@ -260,6 +260,19 @@ def mosaic_block_beats_channel(res: dict) -> tuple[str, str]:
     return nums, verdict(b > c)
 
 
+def mosaic_selection_ablation(res: dict) -> tuple[str, str]:
+    """W4A4 perplexity: the Δ-Hessian selection (the main table's row) against the other block
+    criteria and no sparse branch, at the same 10% budget."""
+    r = rows_by_name(res)
+    main = rows_by_name(load("mosaic_main") or {"rows": []})["mosaic W4A4"]
+    others = ["magnitude", "residual norm", "random", "no sparse, alpha re-searched", "no sparse, alpha kept"]
+    nums = f"W4A4 ppl: Δ-Hessian {fmt(main['ppl'])}; " + ", ".join(f"{k} {fmt(r[k]['ppl'])}" for k in others)
+    gq = r.get("Δ-Hessian, GPTQ base (ours)")
+    if gq:
+        nums += f"; with a GPTQ dense base (ours) {fmt(gq['ppl'])}"
+    return nums, verdict(all(main["ppl"] < r[k]["ppl"] for k in others))
+
+
 def mosaic_diminishing(res: dict) -> tuple[str, str]:
     """Diminishing returns: the mean slope of the recovered-distortion curve falls from one roughly
     doubling budget range to the next (0-5%, 5-10%, 10-20%, 20-50%)."""
@@ -362,6 +375,8 @@ FINDINGS: list[Finding] = [
     Finding(
         "MosaicQuant", "block selection beats channel selection", "mosaic_layers", mosaic_block_beats_channel
     ),
+    Finding("MosaicQuant", "Δ-Hessian selection beats magnitude/residual/random/none", "mosaic_ablation",
+            mosaic_selection_ablation),  # fmt: skip
     Finding("MosaicQuant", "the budget has diminishing returns", "mosaic_layers", mosaic_diminishing),
     Finding(
         "MosaicQuant",
