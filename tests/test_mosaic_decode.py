@@ -36,7 +36,7 @@ def _weight(N, K, block, density, seed):
 
 def _compiled_residual(k, x, y0):
     y = y0.clone()
-    mosaic.extension().residual_accumulate(x, k.codes, k.scales, k.cb, k.starts_t, y)
+    mosaic.extension().residual_accumulate(x, k.codes_t, k.scales, k.cb, k.starts_t, y, k.bm)
     return y
 
 

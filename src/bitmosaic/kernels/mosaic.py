@@ -3,8 +3,9 @@
 ``y = Q(X) (Q(W~) + M ⊙ Q(R))ᵀ`` where ``Q(X)`` is the (already fake-quantized) input.  The dense
 base is a :class:`~bitmosaic.kernels.qmatmul.LowBitWeight` (only its public API is used:
 ``from_codes``, ``matmul``, ``dequantize``, ``nbytes``); the residual is kept as int8 codes
-``[n_sel, bm, bk]`` with float32 scales ``[n_sel, bm]`` (the stored fp16 values) and block
-coordinates sorted by row block.
+(transposed, ``[n_sel, bk, bm]`` with ``bm`` padded to 16; ``codes`` is a ``[n_sel, bm, bk]`` view)
+with float32 scales ``[n_sel, bm]`` (the stored fp16 values) and block coordinates sorted by row
+block.
 
 Three paths, tested equal to the reference (within float32 summation order):
 
@@ -15,7 +16,8 @@ Three paths, tested equal to the reference (within float32 summation order):
   no separate sparse pass or reduce-add.
 * :meth:`MosaicWeight.decode` -- for at most ``DECODE_ROWS`` rows: the compiled dense GEMV
   (``LowBitWeight.matmul``), then a compiled residual pass (``csrc/mosaic.cpp``) that accumulates
-  ``scale * (codes · x_block)`` of every selected block straight into that output buffer.  This is
+  ``scale * (codes · x_block)`` of every selected block straight into that output buffer (codes held
+  transposed, 16 rows of a column contiguous, so the accumulators stay in registers).  This is
   **two compiled passes over one output buffer, not one fused loop**: the few activation rows are
   read twice, but they stay in cache, and there is no gather, no float copy of the blocks and no
   separate add.  Row blocks are split across threads (the blocks of one row block go to one
@@ -27,7 +29,7 @@ Three paths, tested equal to the reference (within float32 summation order):
   activations of every selected block, ``bmm``, ``index_add``), then an add.
 
 ``__call__`` uses :meth:`decode` for at most ``DECODE_ROWS`` rows and :meth:`fused` above;
-``benchmarks/mosaic_kernel.py`` measures all three everywhere.
+``benchmarks/mosaic_kernel.py`` measures them (``decode`` at its batch sizes only).
 """
 
 from __future__ import annotations
@@ -71,7 +73,12 @@ class MosaicWeight:
         if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
             raise ValueError("residual block indices must be strictly ascending")
         self.rb, self.cb = idx // self.ncb, idx % self.ncb
-        self.codes = codes.to(torch.int8).contiguous()
+        # stored transposed with rows padded to 16 (``codes_t [n_sel, bk, bmp]``, the compiled pass's
+        # layout); ``codes`` is a ``[n_sel, bm, bk]`` view of it for the torch paths
+        bmp = -(-self.bm // 16) * 16
+        self.codes_t = torch.zeros(codes.shape[0], self.bk, bmp, dtype=torch.int8)
+        self.codes_t[:, :, : self.bm] = codes.to(torch.int8).transpose(1, 2)
+        self.codes = self.codes_t[:, :, : self.bm].transpose(1, 2)
         self.scales = scales.float().contiguous()
         # first selected block of every row block (blocks are sorted by row block)
         starts = torch.searchsorted(self.rb, torch.arange(self.nrb + 1))
@@ -80,7 +87,7 @@ class MosaicWeight:
         self.tile_rows = rows_per_tile
 
     def nbytes(self) -> int:
-        ts = (self.rb, self.cb, self.codes, self.scales)
+        ts = (self.rb, self.cb, self.codes_t, self.scales)
         return self.dense.nbytes() + sum(t.numel() * t.element_size() for t in ts)
 
     def _values(self, lo: int, hi: int) -> torch.Tensor:
@@ -102,7 +109,7 @@ class MosaicWeight:
         if ext is None:
             y = y + self.sparse_only(x2)
         else:
-            ext.residual_accumulate(x2, self.codes, self.scales, self.cb, self.starts_t, y)
+            ext.residual_accumulate(x2, self.codes_t, self.scales, self.cb, self.starts_t, y, self.bm)
         return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
 
     def fused(self, x: torch.Tensor) -> torch.Tensor:
