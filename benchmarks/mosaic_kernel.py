@@ -7,6 +7,8 @@ batch 1, 16 and 512 rows, median times of:
 * ``dense``: the dense 4-bit base alone (``LowBitWeight.matmul``: compiled GEMV for <= 8 rows,
   tiled dequantize + GEMM above) -- the baseline of the overhead;
 * ``fused``: one tiling pass, residual blocks dequantized into the dense tile (kernels/mosaic.py);
+* ``decode`` (batch <= ``DECODE_ROWS`` only, what ``__call__`` runs there): the compiled dense GEMV,
+  then the compiled residual pass (``csrc/mosaic.cpp``) accumulating into the same output;
 * ``three-step``: dense product, separate sparse pass re-gathering the activations, add;
 * ``fp32``: ``F.linear`` with the float weight.
 
@@ -28,6 +30,7 @@ import time
 import torch
 
 from bitmosaic.algorithms.mosaic import mosaic_decompose
+from bitmosaic.kernels.mosaic import DECODE_ROWS
 from bitmosaic.models.serialization import atomic_write_text
 from bitmosaic.modules.mosaic import MosaicQuantLinear
 
@@ -76,7 +79,11 @@ def main() -> None:
                 "three-step": _time(k.three_step, x, reps),
                 "fp32": _time(lambda v: torch.nn.functional.linear(v, wf), x, reps),
             }
-            err = float((k.fused(x) - x @ wf.T).abs().max() / (x @ wf.T).abs().max())
+            ref = x @ wf.T
+            err = float((k.fused(x) - ref).abs().max() / ref.abs().max())
+            dec = bsz <= DECODE_ROWS
+            if dec:
+                t["decode"] = _time(k.decode, x, reps)
             row = {
                 "shape": shape,
                 "batch": bsz,
@@ -87,10 +94,13 @@ def main() -> None:
                 "memory_overhead": mem,
                 "bits_per_weight": m.bits_per_weight(),
                 "fused_rel_err": err,
+                "decode_overhead": t["decode"] / t["dense"] - 1 if dec else None,
+                "decode_rel_err": float((k.decode(x) - ref).abs().max() / ref.abs().max()) if dec else None,
             }
             rows.append(row)
+            dtxt = f"decode {t['decode']:8.3f} ({100 * row['decode_overhead']:+6.1f}%)  " if dec else ""
             print(
-                f"{shape:>11} b{bsz:<4} dense {t['dense']:8.3f}  fused {t['fused']:8.3f} "
+                f"{shape:>11} b{bsz:<4} dense {t['dense']:8.3f}  {dtxt}fused {t['fused']:8.3f} "
                 f"({100 * row['fused_overhead']:+6.1f}%)  3-step {t['three-step']:8.3f} "
                 f"({100 * row['three_step_overhead']:+6.1f}%)  fp32 {t['fp32']:8.3f}  mem +{100 * mem:.1f}%",
                 flush=True,
@@ -101,15 +111,18 @@ def main() -> None:
         f"CPU, {a.threads} threads, budget {a.budget:g}, {a.block} blocks, median ms "
         f"(`python benchmarks/mosaic_kernel.py --threads {a.threads}`)",
         "",
-        "| shape | batch | blocks | dense | fused | three-step | fp32 | fused overhead | 3-step overhead "
-        "| memory overhead |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | batch | blocks | dense | decode | fused | three-step | fp32 | decode overhead "
+        "| fused overhead | 3-step overhead | memory overhead |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         t = r["ms"]
+        dec = r["decode_overhead"] is not None
+        dcol = f"{t['decode']:.3f}" if dec else "-"
+        dover = f"{100 * r['decode_overhead']:+.1f}%" if dec else "-"
         lines.append(
-            f"| {r['shape']} | {r['batch']} | {r['blocks']} | {t['dense']:.3f} | {t['fused']:.3f} | "
-            f"{t['three-step']:.3f} | {t['fp32']:.3f} | {100 * r['fused_overhead']:+.1f}% | "
+            f"| {r['shape']} | {r['batch']} | {r['blocks']} | {t['dense']:.3f} | {dcol} | {t['fused']:.3f} | "
+            f"{t['three-step']:.3f} | {t['fp32']:.3f} | {dover} | {100 * r['fused_overhead']:+.1f}% | "
             f"{100 * r['three_step_overhead']:+.1f}% | {100 * r['memory_overhead']:.1f}% |"
         )
     atomic_write_text(RESULTS / "mosaic_kernel.md", "\n".join(lines) + "\n")

@@ -3,35 +3,53 @@
 ``y = Q(X) (Q(W~) + M ⊙ Q(R))ᵀ`` where ``Q(X)`` is the (already fake-quantized) input.  The dense
 base is a :class:`~bitmosaic.kernels.qmatmul.LowBitWeight` (only its public API is used:
 ``from_codes``, ``matmul``, ``dequantize``, ``nbytes``); the residual is kept as int8 codes
-``[n_sel, bm, bk]`` with float32 scales ``[n_sel, bm]`` (the stored fp16 values) and block
-coordinates sorted by row block.
+(transposed, ``[n_sel, bk, bm]`` with ``bm`` padded to 16; ``codes`` is a ``[n_sel, bm, bk]`` view)
+with float32 scales ``[n_sel, bm]`` (the stored fp16 values) and block coordinates sorted by row
+block.
 
-Two paths, tested equal to the reference (within float32 summation order):
+Three paths, tested equal to the reference (within float32 summation order):
 
 * :meth:`MosaicWeight.fused` -- ZipperEngine's idea (§4.2) on the CPU: one tiling pass over the
   output rows; each tile of the dense base is dequantized from its 4-bit codes, the selected
   residual blocks of those rows are dequantized *into the same tile*, and one product with the
   input tile accumulates both, so the quantized activations are read once per tile and there is
   no separate sparse pass or reduce-add.
-* :meth:`MosaicWeight.three_step` -- the naive path: the dense product (the compiled low-bit
-  GEMV/GEMM), then a separate sparse pass that re-gathers the activations of every selected
-  block and multiplies them batched, then an add.
+* :meth:`MosaicWeight.decode` -- for at most ``DECODE_ROWS`` rows: the compiled dense GEMV
+  (``LowBitWeight.matmul``), then a compiled residual pass (``csrc/mosaic.cpp``) that accumulates
+  ``scale * (codes · x_block)`` of every selected block straight into that output buffer (codes held
+  transposed, 16 rows of a column contiguous, so the accumulators stay in registers).  This is
+  **two compiled passes over one output buffer, not one fused loop**: the few activation rows are
+  read twice, but they stay in cache, and there is no gather, no float copy of the blocks and no
+  separate add.  Row blocks are split across threads (the blocks of one row block go to one
+  thread, so no write races); edge blocks skip the columns beyond ``K`` and rows beyond ``N``,
+  which the torch path zero-pads and drops (same result).  Without the extension (no compiler,
+  ``BITMOSAIC_NO_EXT=1``) the residual pass is :meth:`sparse_only` added to the dense output.
+* :meth:`MosaicWeight.three_step` -- the naive torch path: the dense product (the compiled low-bit
+  GEMV/GEMM), then a separate sparse pass (:meth:`sparse_only`: index_select gather of the
+  activations of every selected block, ``bmm``, ``index_add``), then an add.
 
-``__call__`` uses the fused path for prefill (more than ``DECODE_ROWS`` tokens) and the three-step
-path for decode, where the compiled GEMV reads codes without building a float tile and re-reading
-a few activation rows costs nothing; ``benchmarks/mosaic.py`` measures both everywhere.
+``__call__`` uses :meth:`decode` for at most ``DECODE_ROWS`` rows and :meth:`fused` above;
+``benchmarks/mosaic_kernel.py`` measures them (``decode`` at its batch sizes only).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from .qmatmul import LowBitWeight
+from .qmatmul import LowBitWeight, _source_hash, build_extension
 
-__all__ = ["MosaicWeight", "DECODE_ROWS"]
+__all__ = ["MosaicWeight", "DECODE_ROWS", "extension"]
 
 DECODE_ROWS = 8
 _TILE_ELEMS = 1 << 20
+
+
+@functools.cache
+def extension():
+    """The compiled residual pass, or ``None`` (no compiler, build failure, or ``BITMOSAIC_NO_EXT=1``)."""
+    return build_extension("mosaic.cpp", f"bitmosaic_mosaic_{_source_hash('mosaic.cpp')}")
 
 
 class MosaicWeight:
@@ -55,15 +73,21 @@ class MosaicWeight:
         if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
             raise ValueError("residual block indices must be strictly ascending")
         self.rb, self.cb = idx // self.ncb, idx % self.ncb
-        self.codes = codes.to(torch.int8).contiguous()
+        # stored transposed with rows padded to 16 (``codes_t [n_sel, bk, bmp]``, the compiled pass's
+        # layout); ``codes`` is a ``[n_sel, bm, bk]`` view of it for the torch paths
+        bmp = -(-self.bm // 16) * 16
+        self.codes_t = torch.zeros(codes.shape[0], self.bk, bmp, dtype=torch.int8)
+        self.codes_t[:, :, : self.bm] = codes.to(torch.int8).transpose(1, 2)
+        self.codes = self.codes_t[:, :, : self.bm].transpose(1, 2)
         self.scales = scales.float().contiguous()
         # first selected block of every row block (blocks are sorted by row block)
-        self.starts = torch.searchsorted(self.rb, torch.arange(self.nrb + 1)).tolist()
+        starts = torch.searchsorted(self.rb, torch.arange(self.nrb + 1))
+        self.starts, self.starts_t = starts.tolist(), starts.to(torch.int64).contiguous()
         rows_per_tile = max(1, _TILE_ELEMS // max(self.K, 1) // self.bm) * self.bm
         self.tile_rows = rows_per_tile
 
     def nbytes(self) -> int:
-        ts = (self.rb, self.cb, self.codes, self.scales)
+        ts = (self.rb, self.cb, self.codes_t, self.scales)
         return self.dense.nbytes() + sum(t.numel() * t.element_size() for t in ts)
 
     def _values(self, lo: int, hi: int) -> torch.Tensor:
@@ -72,7 +96,21 @@ class MosaicWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(self.K, 1)
-        return self.three_step(x) if rows <= DECODE_ROWS else self.fused(x)
+        return self.decode(x) if rows <= DECODE_ROWS else self.fused(x)
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """At most ``DECODE_ROWS`` rows: compiled dense GEMV, then the compiled residual pass
+        accumulating into the same output (two passes over one buffer; module doc)."""
+        x2 = x.reshape(-1, self.K).float().contiguous()
+        if x2.shape[0] > DECODE_ROWS:
+            raise ValueError(f"decode takes at most {DECODE_ROWS} rows, got {x2.shape[0]}; use fused")
+        y = self.dense.matmul(x2).contiguous()
+        ext = extension()
+        if ext is None:
+            y = y + self.sparse_only(x2)
+        else:
+            ext.residual_accumulate(x2, self.codes_t, self.scales, self.cb, self.starts_t, y, self.bm)
+        return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
 
     def fused(self, x: torch.Tensor) -> torch.Tensor:
         """One tiling pass: dense tile + residual blocks of its rows, one product per tile."""

@@ -16,8 +16,10 @@ matrix; :meth:`MosaicQuantLinear.residual_overhead` is the residual's bits over 
 base's bits (the paper's memory overhead, Fig. 6).
 
 Forward: the input quantizer (``input_quant``, attached by the pipeline) produces ``Q(X)`` once;
-the kernel multiplies it by the dense base and the residual blocks in one pass
-(:mod:`bitmosaic.kernels.mosaic`), so the sparse branch uses the same quantized activations.
+the kernel multiplies it by the dense base and the residual blocks -- in one tiling pass for
+prefill, and for decode (at most 8 rows) in two compiled passes (dense GEMV, then the residual
+blocks accumulated into the same output) -- so the sparse branch uses the same quantized activations
+(:mod:`bitmosaic.kernels.mosaic`).
 """
 
 from __future__ import annotations
