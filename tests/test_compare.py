@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from bitmosaic.errors import BitmosaicError
 from bitmosaic.eval.compare import collect_rows, parse_configs
-from bitmosaic.eval.plots import pareto_front, pareto_plot
+from bitmosaic.eval.plots import CLIP, pareto_front, pareto_plot
 from tests.test_io_helpers import save_hf_dir, words
 
 
@@ -33,6 +33,15 @@ def test_config_grammar_maps_onto_quantize_flags():
 def test_bad_configs_are_one_line_errors(bad, why):
     with pytest.raises(BitmosaicError, match=why):
         parse_configs(bad)
+
+
+def test_long_config_list_with_slashes_is_not_taken_for_a_path():
+    """'(8/4)' splits the text into path parts; a part over 255 bytes made is_file() raise."""
+    head = ", ".join(f"{m}:w{b}g{g}" for m in ("rtn", "gptq") for b in (2, 3, 4, 8) for g in (32, 64, 128))
+    spec = head + ", sq-weights:;sq=32-(8/4)-0.75, sq-acts:w4;sq=16-(8/4)-0.5;strategy=static"
+    assert len(spec.split("/")[0]) > 255
+    c = parse_configs(spec)
+    assert len(c) == 26 and c[-1].flags[-2:] == ["--strategy", "static"]
 
 
 def test_configs_file_json(tmp_path):
@@ -63,7 +72,7 @@ def test_pareto_plot_png_has_size_and_data(tmp_path):
              "ppl": 10 + rng.random() * 100} for i in range(8)]  # fmt: skip
     fig = pareto_plot(rows, tmp_path / "p.png", float_ppl=9.0)
     img = mpimg.imread(tmp_path / "p.png")
-    assert img.shape[:2] == (550, 800)
+    assert img.shape[:2] == (600, 900)
     ax = fig.axes[0]
     assert ax.get_yscale() == "log"
     plotted = sum(len(c.get_offsets()) for c in ax.collections)
@@ -72,6 +81,17 @@ def test_pareto_plot_png_has_size_and_data(tmp_path):
     line = next(ln for ln in ax.lines if ln.get_label() == "Pareto frontier")
     assert list(line.get_xdata()) == [rows[i]["bits_per_weight"] for i in front]
     assert (img[..., :3] < 0.5).any()  # something dark was drawn
+
+
+def test_pareto_plot_puts_a_collapsed_config_on_the_top_edge(tmp_path):
+    rows = [{"name": "good", "method": "gptq", "bits_per_weight": 4.0, "ppl": 20.0},
+            {"name": "ok", "method": "rtn", "bits_per_weight": 3.0, "ppl": 60.0},
+            {"name": "broken", "method": "rtn", "bits_per_weight": 2.0, "ppl": 8e5}]  # fmt: skip
+    ax = pareto_plot(rows, tmp_path / "p.png").axes[0]
+    ys = sorted(y for c in ax.collections for _, y in c.get_offsets())
+    assert ys[-1] == pytest.approx(CLIP * 20.0) and ys[:2] == [20.0, 60.0]
+    assert any("broken (8e+05, off scale)" == t.get_text() for t in ax.texts)
+    assert ax.get_ylim()[1] < 8e5
 
 
 def test_compare_end_to_end_is_resumable(tmp_path, capsys):

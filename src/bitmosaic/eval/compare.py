@@ -126,7 +126,11 @@ def _parse_one(text: str) -> CompareConfig:
 def parse_configs(spec: str) -> list[CompareConfig]:
     """Configs from a comma list (module doc) or from a JSON/YAML file holding a list of mappings."""
     path = Path(spec)
-    if path.suffix.lower() in (".json", ".yaml", ".yml") or path.is_file():
+    try:
+        is_file = path.is_file()
+    except OSError:  # a long comma list is no valid path (ENAMETOOLONG)
+        is_file = False
+    if is_file or ("," not in spec and path.suffix.lower() in (".json", ".yaml", ".yml")):
         if not path.is_file():
             raise BitmosaicError(f"--configs {spec}: no such file")
         text = path.read_text(encoding="utf-8")
