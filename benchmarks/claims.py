@@ -328,6 +328,14 @@ def sfmp_latency_linear(res: dict) -> tuple[str, str]:
     return nums, verdict(bool(rows) and min(r["r2"] for r in rows) >= 0.95, "R² < 0.95 on an 8B shape")
 
 
+def sfmp_reorder_decode_cost(res: dict) -> tuple[str, str]:
+    v = res["variants"]
+    nums = ", ".join(f"{k} {x['tok_s']:.2f} tok/s" for k, x in v.items())
+    cost = res["decode_cost_pct"]
+    nums += f"; reorder costs {cost:.1f}% of decode speed (batch 1, {res['threads']} thread(s))"
+    return nums, verdict(res["decode_cost_pct"] <= 5.0, "over 5%")
+
+
 def sfmp_reorder_helps(res: dict) -> tuple[str, str]:
     r = [v for v in res["rows"] if "reorder=" in v["name"]]
     if not r:
@@ -395,4 +403,5 @@ FINDINGS: list[Finding] = [
     Finding("SFMP", "SFMP beats uniform quantization at equal memory", "sfmp", sfmp_beats_uniform),
     Finding("SFMP", "bit-plane LUT GEMV latency falls ~linearly with bits", "lut_gemv", sfmp_latency_linear),
     Finding("SFMP", "row+column reordering lowers perplexity", "sfmp", sfmp_reorder_helps),
+    Finding("SFMP", "reordering costs at most ~5% of decode speed", "sfmp_decode", sfmp_reorder_decode_cost),
 ]
