@@ -176,7 +176,7 @@ def test_module_packs_exactly_and_counts_its_bits(block):
     assert 0 < m.residual_overhead() < 1
 
 
-@pytest.mark.parametrize("tokens", [1, 5, 40])
+@pytest.mark.parametrize("tokens", [1, 5, 40, 100])  # 2x: decode, three-step, three-step, fused
 def test_fused_and_three_step_paths_equal_the_reference(tokens):
     res, m = _module(block=(24, 40))  # partial edge blocks on both axes
     x = torch.randn(2, tokens, 96, generator=torch.Generator().manual_seed(tokens))

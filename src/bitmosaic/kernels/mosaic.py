@@ -28,8 +28,11 @@ Three paths, tested equal to the reference (within float32 summation order):
   GEMV/GEMM), then a separate sparse pass (:meth:`sparse_only`: index_select gather of the
   activations of every selected block, ``bmm``, ``index_add``), then an add.
 
-``__call__`` uses :meth:`decode` for at most ``DECODE_ROWS`` rows and :meth:`fused` above;
-``benchmarks/mosaic_kernel.py`` measures them (``decode`` at its batch sizes only).
+``__call__`` uses :meth:`decode` for at most ``DECODE_ROWS`` rows, :meth:`three_step` below
+``FUSED_MIN_ROWS`` and :meth:`fused` from there: measured on 2 cores (``benchmarks/mosaic_kernel.py``,
+4096-wide shapes), at 16 rows the three-step path costs +18..35% over the dense product and the
+fused tiles +65..100%, at 512 rows three-step +25..59% and fused +3..11%; 128 sits between the two
+measured points on a log scale.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from .qmatmul import LowBitWeight, _source_hash, build_extension
 __all__ = ["MosaicWeight", "DECODE_ROWS", "extension"]
 
 DECODE_ROWS = 8
+FUSED_MIN_ROWS = 128
 _TILE_ELEMS = 1 << 20
 
 
@@ -96,7 +100,9 @@ class MosaicWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(self.K, 1)
-        return self.decode(x) if rows <= DECODE_ROWS else self.fused(x)
+        if rows <= DECODE_ROWS:
+            return self.decode(x)
+        return self.three_step(x) if rows < FUSED_MIN_ROWS else self.fused(x)
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         """At most ``DECODE_ROWS`` rows: compiled dense GEMV, then the compiled residual pass
