@@ -135,7 +135,7 @@ def sfmp_beats_uniform(res: dict) -> tuple[str, str]:
     by_point: dict[str, dict[str, dict]] = {}
     for r in res["rows"]:
         point, _, name = r["name"].partition(" ")
-        if r["method"] != "float":
+        if r["method"] != "float" and "=" not in name:  # main rows only, not the ablations
             by_point.setdefault(point, {})[name] = r
     lines, wins, total = [], 0, 0
     for point, rows in by_point.items():
