@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from findings_lib import MISSING, UNTESTABLE, Finding, fmt, load, rows_by_name, verdict
 
+from bitmosaic.formats.sq import parse_sq
+
 
 # -- Babai / GPTQ (paper 004) ------------------------------------------------------------------
 def babai_bound_table(res: dict) -> tuple[str, str]:
@@ -189,8 +191,8 @@ def sq_static_small_banks(res: dict) -> tuple[str, str]:
     rows = [v for v in res["rows"] if v.get("part") == "agrid" and v["name"].endswith("static")]
     by_s: dict[str, list[tuple[int, dict]]] = {}
     for v in rows:
-        bank, _, s = v["name"].split()[1].split("-", 2)[0], None, v["name"].split()[1].rsplit("-", 1)[1]
-        by_s.setdefault(s, []).append((int(bank), v))
+        f = parse_sq(v["name"].split()[1])  # "W4A(SQ) 16-(8/4)-0.5 static"
+        by_s.setdefault(f"{f.sparsity:g}", []).append((f.bank, v))
     if not by_s:
         raise KeyError("agrid rows")
     lines, ok = [], True

@@ -137,16 +137,6 @@ class SQBench(Bench):
         return m
 
     # -- measurements ---------------------------------------------------------------------------
-    def ppl_of(self, model) -> float:
-        return perplexity(
-            model,
-            self.eval_ids,
-            self.args.seqlen,
-            max_windows=self.args.max_windows,
-            progress=False,
-            bos_token_id=bos_token_id(self.tok),
-        )["ppl"]
-
     def calib_loss(self, model) -> float:
         """Mean CE (nats) on the first 4 calibration sequences (the selection criterion of the grids)."""
         ids = self.calib[:4].reshape(1, -1)
@@ -192,7 +182,7 @@ class SQBench(Bench):
             **extra,
         }
         set_weight_cache(model, True)  # SQ weights dequantize through the reference path
-        r["ppl"] = self.ppl_of(model)
+        r["ppl"] = self.ppl(model)
         r["eval_seconds"] = time.perf_counter() - t
         self.done = [d for d in self.done if not (d["part"] == part and d["name"] == name)] + [r]
         atomic_write_text(self.out, json.dumps({"args": vars(self.args), "rows": self.done}, indent=2))
