@@ -69,8 +69,11 @@ _ext_tried = False
 def _source_hash(filename: str = "qmatmul.cpp") -> str:
     import hashlib
 
-    src = Path(__file__).with_name("csrc") / filename
-    return hashlib.sha1(src.read_bytes()).hexdigest()[:10]
+    csrc = Path(__file__).with_name("csrc")
+    h = hashlib.sha1((csrc / filename).read_bytes())
+    for header in sorted(csrc.glob(f"{Path(filename).stem}_*.h")):  # torch keys its cache on sources only
+        h.update(header.read_bytes())
+    return h.hexdigest()[:10]
 
 
 def build_extension(filename: str, name: str):

@@ -1,0 +1,115 @@
+// bitmosaic low-bit matmul: the layout view, the portable span decoder and portable kernels.
+// Part of qmatmul.cpp (one translation unit); see the layout comment there.
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define BM_X86 1
+#define T_AVX2 __attribute__((target("avx2,fma")))
+#define T_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx2,fma")))
+#endif
+
+namespace {
+
+enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+
+struct Layout {
+  const uint8_t* data;
+  const int64_t* base;
+  const int64_t* rowlen;
+  const int64_t* goff;   // [nrb, G]
+  const uint8_t* bits;   // [nrb, G]
+  const float* scales;   // [N, G]
+  const float* zeros;    // [N, G]
+  int64_t N, K, G, group_size, row_block;
+
+  const uint8_t* row(int64_t n) const {
+    const int64_t rb = n / row_block;
+    return data + base[rb] + (n - rb * row_block) * rowlen[rb];
+  }
+  int64_t glen(int64_t g) const {
+    const int64_t c0 = g * group_size;
+    return (c0 + group_size <= K) ? group_size : K - c0;
+  }
+};
+
+inline uint64_t load64(const uint8_t* p) {
+  uint64_t w;
+  std::memcpy(&w, p, 8);  // the buffer is padded by 64 bytes: never reads past it
+  return w;
+}
+
+// The codes of one group as integers (portable): code j of span s sits at bit b * (4 * (j % 16) + (j % 64) / 16)
+// of the span.
+inline void decode_group(const uint8_t* p, int b, int64_t len, int32_t* out) {
+  const uint64_t mask = (1ull << b) - 1;
+  for (int64_t j = 0; j < len; ++j) {
+    const int64_t bit = (j / 64) * 64 * b + b * (4 * (j % 16) + (j % 64) / 16);
+    out[j] = (int32_t)((load64(p + (bit >> 3)) >> (bit & 7)) & mask);
+  }
+}
+
+template <int M>
+void gemv_rows_portable(const Layout& L, const float* x, const float* xsum, float* y, int64_t n0, int64_t n1) {
+  std::vector<int32_t> c(L.group_size);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = L.row(n);
+    const int64_t rb = n / L.row_block;
+    float out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t g = 0; g < L.G; ++g) {
+      const int64_t c0 = g * L.group_size, len = L.glen(g);
+      decode_group(row + L.goff[rb * L.G + g], L.bits[rb * L.G + g], len, c.data());
+      const float s = L.scales[n * L.G + g], z = L.zeros[n * L.G + g];
+      for (int m = 0; m < M; ++m) {
+        const float* xm = x + m * L.K + c0;
+        float acc = 0.f;
+        for (int64_t j = 0; j < len; ++j) acc += (float)c[j] * xm[j];
+        out[m] += s * (acc - z * xsum[m * L.G + g]);
+      }
+    }
+    for (int m = 0; m < M; ++m) y[m * L.N + n] = out[m];
+  }
+}
+
+void dequant_rows_portable(const Layout& L, int64_t r0, int64_t r1, float* out) {
+  std::vector<int32_t> codes(L.group_size);
+  for (int64_t n = r0; n < r1; ++n) {
+    const uint8_t* row = L.row(n);
+    const int64_t rb = n / L.row_block;
+    float* o = out + (n - r0) * L.K;
+    for (int64_t g = 0; g < L.G; ++g) {
+      const int64_t c0 = g * L.group_size, len = L.glen(g);
+      const float s = L.scales[n * L.G + g], z = L.zeros[n * L.G + g];
+      decode_group(row + L.goff[rb * L.G + g], L.bits[rb * L.G + g], len, codes.data());
+      for (int64_t j = 0; j < len; ++j) o[c0 + j] = ((float)codes[j] - z) * s;  // no contraction
+    }
+  }
+}
+
+#ifdef BM_X86
+// ---------------------------------------------------------------- shared by the AVX-512 and AVX2 kernels
+// byte gather + per-lane shift so that lane i holds bits [4*b*i, 4*b*i + 32) of the span (compile-time tables)
+template <int B, int LANES, int GROUP>
+struct LaneTab {
+  alignas(64) uint8_t idx[4 * LANES];
+  alignas(64) int32_t sh[LANES];
+  constexpr LaneTab() : idx(), sh() {
+    for (int i = 0; i < LANES; ++i) {
+      const int bit = 4 * B * (i % GROUP);  // AVX2: the pattern repeats per 128-bit half (GROUP = 4)
+      for (int k = 0; k < 4; ++k) idx[4 * i + k] = (uint8_t)((bit >> 3) + k);
+      sh[i] = bit & 7;
+    }
+  }
+};
+template <int B, int LANES, int GROUP>
+constexpr LaneTab<B, LANES, GROUP> kLaneTab{};
+#endif  // BM_X86
+
+}  // namespace
