@@ -194,7 +194,8 @@ def part_fisher(b: SFMPBench, points, samples):
             toks = calibration_samples(
                 b.tok, "wikitext2", n, b.args.seqlen, b.args.seed + 1, data_dir=b.args.data_dir
             )
-            b.sfmp(name, fisher_tokens=toks, bpw=bpw, group_size=sg, fisher_samples=n)
+            # no cache: the row's fisher_seconds is the estimation's cost, not a load
+            b.sfmp(name, fisher_tokens=toks, bpw=bpw, group_size=sg, fisher_samples=n, fisher_cache=None)
 
 
 def _decode_rate(model, prompt, new_tokens: int) -> float:

@@ -159,3 +159,26 @@ def test_empty_shapes(monkeypatch, fallback):
             y = w.matmul(torch.randn(M, K))
             assert y.shape == (M, N) and not y.any()
         assert w.dequantize().shape == (N, K)
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_fused_permutations_equal_index_select(monkeypatch, fallback):
+    """``in_index``/``out_index`` (SFMP's column gather and row un-permutation, done inside the
+    compiled call) give exactly ``matmul(x[:, in])[:, out]``, on every path and batch size."""
+    if fallback:
+        monkeypatch.setattr(lut, "extension", lambda: None)
+    w, _, g = _weight(45, 100, 32, 20, "mix", 29)
+    cin = torch.randperm(100, generator=g)
+    cout = torch.randperm(45, generator=g)[:30]  # a subset in any order is fine too
+    for M in (1, 2, 9):
+        x = torch.randn(M, 100, generator=g)
+        for isa in ["auto"] + ([] if fallback else ISAS):
+            want = w.matmul(x.index_select(1, cin), isa=isa).index_select(1, cout)
+            assert torch.equal(w.matmul(x, isa=isa, in_index=cin, out_index=cout), want)
+            assert torch.equal(w.matmul(x, isa=isa, in_index=cin), w.matmul(x.index_select(1, cin), isa=isa))
+        assert w.matmul(x.unsqueeze(0), out_index=cout).shape == (1, M, 30)
+    if not fallback:
+        with pytest.raises(RuntimeError, match="in_index must have K entries"):
+            w.matmul(torch.randn(1, 100), in_index=cin[:50])
+        with pytest.raises(RuntimeError, match="out_index out of range"):
+            w.matmul(torch.randn(1, 100), out_index=torch.tensor([45]))

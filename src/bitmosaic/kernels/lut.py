@@ -115,24 +115,38 @@ class BitPlaneWeight:
         """Every stored bit of this weight (:func:`bitplane.bits_accounting`; float32 scales/zeros)."""
         return bp.bits_accounting(self.planes, scale_bits=32, zero_bits=32)
 
-    def matmul(self, x: torch.Tensor, isa: str = "auto") -> torch.Tensor:
+    def matmul(
+        self,
+        x: torch.Tensor,
+        isa: str = "auto",
+        in_index: torch.Tensor | None = None,
+        out_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``x [..., K]`` (float32/bfloat16/float16) -> ``[..., N]`` in ``x``'s dtype (float32 sums).
         One row of ``x``: the LUT GEMV on path ``isa`` (``auto``/``avx512``/``avx2``/``portable``);
-        more rows: the tiled dequantize + mm."""
+        more rows: the tiled dequantize + mm.  ``in_index`` (int64 ``[K]``): multiply
+        ``x[..., in_index]`` instead; ``out_index`` (int64 ``[n]``): return ``y[..., out_index]``.  The
+        compiled path does both inside the call (SFMP's permutations, §4.4 Eq. 14), exactly equal to
+        the two ``index_select`` around it."""
         if x.shape[-1] != self.K:
             raise ValueError(f"x has {x.shape[-1]} features but the weight has {self.K} input columns")
         if isa not in ISAS:
             raise ValueError(f"isa must be one of {sorted(ISAS)}, got {isa!r}")
         x2 = x.reshape(math.prod(x.shape[:-1]), self.K).float()
         tile = max(8, _TILE_ELEMS // max(self.K, 1))
+        n_out = self.N if out_index is None else out_index.numel()
         ext = extension()
         if ext is not None:
             if isa != "auto" and not ext.isa_available(ISAS[isa]):
                 raise ValueError(f"the {isa} path is not available on this CPU; use isa='auto'")
-            y = ext.lut_matmul(x2, *self._args(), tile, ISAS[isa])
+            y = ext.lut_matmul(x2, *self._args(), tile, ISAS[isa], in_index, out_index)
         else:
+            if in_index is not None:
+                x2 = x2.index_select(1, in_index)
             y = tiled_matmul_torch(x2, self.N, tile, self._dequantize_torch)
-        return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
+            if out_index is not None:
+                y = y.index_select(1, out_index)
+        return y.reshape(*x.shape[:-1], n_out).to(x.dtype)
 
     def dequantize(self, rows: slice | None = None) -> torch.Tensor:
         """Rows of ``W`` in float32, exactly ``(c - z) * s``."""

@@ -192,29 +192,32 @@ class SFMPLinear(QuantModule):
             "zeros": lambda: w.zeros_t.T.to(torch.float16).contiguous(),
         }
 
-    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+    def _input_index(self, device: torch.device) -> torch.Tensor | None:
+        """``col_perm`` as int64 on ``device``: the kernel reads ``x[..., col_perm]`` (``None``: the
+        natural order, or folded into the producers)."""
         if self.col_perm is None or not self._gather_input:
-            return x
+            return None
         idx = self._in_index
-        if idx is None or idx.device != x.device:
-            idx = self._in_index = self.col_perm.to(device=x.device, dtype=torch.long)
-        return x.index_select(-1, idx)
+        if idx is None or idx.device != device:
+            idx = self._in_index = self.col_perm.to(device=device, dtype=torch.long)
+        return idx
 
-    def _scatter(self, y: torch.Tensor) -> torch.Tensor:
-        """``ỹ`` (rows of ``W̃``) -> the emitted order: original, or ``_emit`` when folded."""
+    def _output_index(self, device: torch.device) -> torch.Tensor | None:
+        """``ỹ`` (rows of ``W̃``) -> the emitted order: original, or ``_emit`` when folded; ``None``
+        when ``ỹ`` is already in it."""
         idx = self._out_index
         if idx is None:
             if self.row_perm is None and self._emit is None:
-                return y
+                return None
             inv = inverse_perm(self.row_perm.long()) if self.row_perm is not None else None
             if self._emit is None:
                 idx = inv
             else:
                 idx = self._emit if inv is None else inv[self._emit]
             self._out_index = idx
-        if idx.device != y.device:
-            idx = self._out_index = idx.to(y.device)
-        return y.index_select(-1, idx)
+        if idx.device != device:
+            idx = self._out_index = idx.to(device)
+        return idx
 
     def _reset_runtime(self) -> None:
         self._emit: torch.Tensor | None = None  # folded: emit outputs in this order (original indices)
@@ -264,13 +267,15 @@ class SFMPLinear(QuantModule):
 
 
 class _PermutedKernel:
-    """Gather the input by the column order, the low-bit kernel on ``W̃``, un-permute the output."""
+    """The low-bit kernel on ``W̃`` with the input gathered by the column order and the output
+    un-permuted (both inside the kernel call)."""
 
     def __init__(self, weight, module: SFMPLinear) -> None:
         self.weight, self.module = weight, module
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module._scatter(self.weight.matmul(self.module._gather(x)))
+        m = self.module  # the gather and un-permutation run inside the kernel call
+        return self.weight.matmul(x, in_index=m._input_index(x.device), out_index=m._output_index(x.device))
 
     def nbytes(self) -> int:
         return self.weight.nbytes()

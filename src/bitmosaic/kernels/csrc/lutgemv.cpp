@@ -312,23 +312,58 @@ torch::Tensor gemv(const Planes& P, const float* x, int isa) {
 
 }  // namespace
 
+// in_index (optional int64 [K]): the kernel's input is x[:, in_index] (SFMP's column order, Eq. 14);
+// out_index (optional int64 [n_out]): the result is y[:, out_index] (the row un-permutation).  At
+// batch 1 both are plain loops here, so a permuted layer costs no extra tensor ops per token.
 torch::Tensor lut_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor off, torch::Tensor bits, torch::Tensor sT,
-                         torch::Tensor zT, int64_t N, int64_t K, int64_t gs, int64_t rb, int64_t tile_rows, int64_t isa) {
+                         torch::Tensor zT, int64_t N, int64_t K, int64_t gs, int64_t rb, int64_t tile_rows, int64_t isa,
+                         c10::optional<torch::Tensor> in_index, c10::optional<torch::Tensor> out_index) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.dtype() == torch::kFloat32, "x must be float32 [M, K]");
+  for (const auto* ix : {&in_index, &out_index})
+    if (ix->has_value())
+      TORCH_CHECK((*ix)->dtype() == torch::kInt64 && (*ix)->dim() == 1 && (*ix)->is_contiguous(),
+                  "in_index/out_index must be contiguous int64 vectors");
+  TORCH_CHECK(!in_index.has_value() || in_index->numel() == K, "in_index must have K entries");
   x = x.contiguous();
   Planes P = make_planes(data, off, bits, sT, zT, N, K, gs, rb);
   const int64_t M = x.size(0);
-  if (M == 1) return gemv(P, x.data_ptr<float>(), resolve((int)isa)).reshape({1, N});
-  auto y = torch::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
-  auto tile = torch::empty({std::min(tile_rows, N), K}, x.options());
-  for (int64_t r0 = 0; r0 < N; r0 += tile_rows) {
-    const int64_t r1 = std::min(N, r0 + tile_rows);
-    float* tp = tile.data_ptr<float>();
-    at::parallel_for(r0, r1, 8, [&](int64_t a, int64_t b) { dequant_rows(P, a, b, tp + (a - r0) * K); });
-    y.narrow(1, r0, r1 - r0).copy_(at::mm(x, tile.narrow(0, 0, r1 - r0).t()));
+  if (M == 1) {
+    const float* xp = x.data_ptr<float>();
+    std::vector<float> xg;
+    if (in_index.has_value()) {
+      const int64_t* ix = in_index->data_ptr<int64_t>();
+      xg.resize(K);
+      for (int64_t j = 0; j < K; ++j) {
+        TORCH_CHECK(ix[j] >= 0 && ix[j] < K, "in_index out of range");
+        xg[j] = xp[ix[j]];
+      }
+      xp = xg.data();
+    }
+    auto y = gemv(P, xp, resolve((int)isa));
+    if (!out_index.has_value()) return y.reshape({1, N});
+    const int64_t n_out = out_index->numel();
+    const int64_t* ox = out_index->data_ptr<int64_t>();
+    auto yo = torch::empty({1, n_out}, x.options());
+    const float* yp = y.data_ptr<float>();
+    float* op = yo.data_ptr<float>();
+    for (int64_t k = 0; k < n_out; ++k) {
+      TORCH_CHECK(ox[k] >= 0 && ox[k] < N, "out_index out of range");
+      op[k] = yp[ox[k]];
+    }
+    return yo;
   }
-  return y;
+  if (in_index.has_value()) x = x.index_select(1, *in_index);
+  auto y = torch::empty({M, N}, x.options());
+  if (M > 0 && N > 0) {
+    auto tile = torch::empty({std::min(tile_rows, N), K}, x.options());
+    for (int64_t r0 = 0; r0 < N; r0 += tile_rows) {
+      const int64_t r1 = std::min(N, r0 + tile_rows);
+      float* tp = tile.data_ptr<float>();
+      at::parallel_for(r0, r1, 8, [&](int64_t a, int64_t b) { dequant_rows(P, a, b, tp + (a - r0) * K); });
+      y.narrow(1, r0, r1 - r0).copy_(at::mm(x, tile.narrow(0, 0, r1 - r0).t()));
+    }
+  }
+  return out_index.has_value() ? y.index_select(1, *out_index) : y;
 }
 
 torch::Tensor dequantize(torch::Tensor data, torch::Tensor off, torch::Tensor bits, torch::Tensor sT, torch::Tensor zT,
@@ -344,7 +379,10 @@ torch::Tensor dequantize(torch::Tensor data, torch::Tensor off, torch::Tensor bi
 bool isa_available(int64_t isa) { return isa_ok((int)isa); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("lut_matmul", &lut_matmul, "bit-plane LUT matmul y = x W^T (batch 1: LUT GEMV; more: tiled)");
+  m.def("lut_matmul", &lut_matmul, "bit-plane LUT matmul y = x[:, in] W^T [:, out] (batch 1: LUT GEMV; more: tiled)",
+        py::arg("x"), py::arg("data"), py::arg("off"), py::arg("bits"), py::arg("sT"), py::arg("zT"), py::arg("N"),
+        py::arg("K"), py::arg("gs"), py::arg("rb"), py::arg("tile_rows"), py::arg("isa"),
+        py::arg("in_index") = py::none(), py::arg("out_index") = py::none());
   m.def("dequantize", &dequantize, "rows of W in float32, (c - z) * s");
   m.def("isa_available", &isa_available, "1 portable, 2 avx2, 3 avx512");
 }
