@@ -390,17 +390,22 @@ def sfmp_reorder_decode_cost(res: dict) -> tuple[str, str]:
 
 
 def sfmp_reorder_helps(res: dict) -> tuple[str, str]:
-    r = [v for v in res["rows"] if "reorder=" in v["name"]]
-    if not r:
+    """Per solver: none / row / column from the ablation rows, both = the main row at that point."""
+    by = rows_by_name(res)
+    cells: dict[str, dict[str, float]] = {}
+    for v in res["rows"]:
+        if "reorder=" in v["name"]:
+            head, label = v["name"].split(" reorder=")
+            cells.setdefault(head, {})[label] = v["ppl"]
+    if not cells:
         raise KeyError("reorder rows")
-    point = r[0]["name"].split()[0]
-    both = rows_by_name(res).get(f"{point} sfmp-awq g{r[0]['name'].split()[2][1:]}")
-    cells = {v["name"].split("reorder=")[1]: v["ppl"] for v in r}
-    if both:
-        cells["both"] = both["ppl"]
-    nums = f"BPW {point}: " + ", ".join(f"{k} {fmt(v)}" for k, v in cells.items())
-    ok = "both" in cells and "none" in cells and cells["both"] < cells["none"]
-    return nums, verdict(ok, "reordering does not lower perplexity")
+    parts, ok = [], True
+    for head, c in cells.items():
+        if head in by:
+            c["both"] = by[head]["ppl"]
+        parts.append(f"{head}: " + ", ".join(f"{k} {fmt(x)}" for k, x in c.items()))
+        ok &= "both" in c and "none" in c and c["both"] < c["none"]
+    return "; ".join(parts), verdict(ok, "reordering does not lower perplexity")
 
 
 FINDINGS: list[Finding] = [

@@ -13,6 +13,11 @@ proportional to bits) and R².
 
     flock /tmp/bitmosaic-heavy.lock python benchmarks/lut_gemv.py [--quick]
     (writes benchmarks/results/lut_gemv.{json,md})
+
+``--batch``: instead, SFMP's kernel at 1-128 rows of ``x`` (speculative decode, small batches,
+prefill): up to 32 rows it runs the LUT GEMV once per row, above that a tiled dequantize + mm;
+against LowBitWeight (its own multi-row GEMV up to 8 rows, then tiles) and fp32 ``F.linear``, on a
+SmolLM2 and an 8B shape at 2, 3 and 4 bits (writes ``lut_gemv_batch.{json,md}``).
 """
 
 from __future__ import annotations
@@ -121,15 +126,72 @@ def markdown(rows: list[dict], lin: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+BATCH_SHAPES = [(1536, 576), (4096, 4096)]
+BATCH_ROWS = [1, 2, 8, 16, 32, 33, 64, 128]
+
+
+def batch_sweep(out: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for N, K in BATCH_SHAPES:
+        Wf = torch.randn(N, K, generator=g) * 0.02
+        for bits in (2, 3, 4):
+            codes, bmap, scales, zeros = make_codes(N, K, bits, g)
+            torch.set_num_threads(1)
+            w = BitPlaneWeight.from_codes(codes, bmap, scales, zeros, GS, RB)
+            f = LowBitWeight.from_codes(codes, bmap, scales, zeros, GS, RB)
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for M in BATCH_ROWS:
+                    x = torch.randn(M, K, generator=g)
+                    r = {
+                        "shape": [N, K], "bits": bits, "threads": threads, "rows": M,
+                        "lut_ms": median_ms(lambda: w.matmul(x)),  # noqa: B023
+                        "fma_ms": median_ms(lambda: f.matmul(x)),  # noqa: B023
+                        "fp32_ms": median_ms(lambda: F.linear(x, Wf)),  # noqa: B023
+                    }  # fmt: skip
+                    rows.append(r)
+                    print(
+                        f"{N}x{K} W{bits} t{threads} M{M:<4} LUT {r['lut_ms']:8.3f}  FMA {r['fma_ms']:8.3f}  "
+                        f"fp32 {r['fp32_ms']:8.3f}",
+                        flush=True,
+                    )
+    meta = {
+        "cpu": cpu_name(), "isas": lut.available_isas(), "torch": torch.__version__, "cpus": os.cpu_count()
+    }  # fmt: skip
+    lines = [
+        f"SFMP's kernel (BitPlaneWeight) vs LowBitWeight vs fp32 `F.linear` at M rows of x; g{GS}, blocks "
+        f"{RB}x{GS}; {meta['cpu']}; torch {meta['torch']}. ms (median); LUT/FMA < 1: the LUT path is faster.",
+        "",
+        "| shape | bits | threads | M | LUT ms | FMA ms | fp32 ms | LUT/FMA | LUT/fp32 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['shape'][0]}x{r['shape'][1]} | {r['bits']} | {r['threads']} | {r['rows']} | "
+            f"{r['lut_ms']:.3f} | {r['fma_ms']:.3f} | {r['fp32_ms']:.3f} | {r['lut_ms'] / r['fma_ms']:.2f} | "
+            f"{r['lut_ms'] / r['fp32_ms']:.2f} |"
+        )
+    md = "\n".join(lines) + "\n"
+    print(md)
+    atomic_write_text(out, json.dumps({"meta": meta, "rows": rows}, indent=1))
+    atomic_write_text(out.with_suffix(".md"), md)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="576x576 and 4096x4096 only")
     p.add_argument("--shapes", default=None, help="comma-separated OUTxIN shapes (default: all five)")
-    p.add_argument("--json", default=str(RESULTS / "lut_gemv.json"))
+    p.add_argument("--json", default=None, help="output (default results/lut_gemv[_batch].json)")
+    p.add_argument("--batch", action="store_true", help="only the 1-128 rows sweep (lut_gemv_batch)")
     a = p.parse_args()
     if lut.extension() is None or fma_extension() is None:
         print("a compiled kernel is not available here: the rows would time the pure-torch fallback")
         sys.exit(2)
+    if a.batch:
+        batch_sweep(Path(a.json or RESULTS / "lut_gemv_batch.json"))
+        return
+    a.json = a.json or str(RESULTS / "lut_gemv.json")
     isas = lut.available_isas()
     shapes = [SHAPES[0], SHAPES[3]] if a.quick else SHAPES
     if a.shapes:

@@ -157,14 +157,17 @@ def part_main(b: SFMPBench, points, solvers):
             b.sfmp(f"{p} sfmp-{s} g{sg}", bpw=bpw, group_size=sg, solver=s)
 
 
-def part_reorder(b: SFMPBench, points):
+def part_reorder(b: SFMPBench, points, solvers):
+    """none / row / column (both = the main row) for each solver."""
     for p in points:
         bpw = matched_bpw(b, p)
         sg = PAIRS[p][2]
-        for label, r, c in (("none", False, False), ("row", True, False), ("col", False, True)):
-            b.sfmp(
-                f"{p} sfmp-awq g{sg} reorder={label}", bpw=bpw, group_size=sg, row_reorder=r, col_reorder=c
-            )
+        for s in solvers:
+            for label, r, c in (("none", False, False), ("row", True, False), ("col", False, True)):
+                b.sfmp(
+                    f"{p} sfmp-{s} g{sg} reorder={label}", bpw=bpw, group_size=sg, solver=s,
+                    row_reorder=r, col_reorder=c,
+                )  # fmt: skip
 
 
 def part_blocks(b: SFMPBench, points):
@@ -350,7 +353,7 @@ def report(rows: list[dict], args) -> str:
     if abl:
         lines += [
             "",
-            "## Ablations (SFMP-AWQ)",
+            "## Ablations (SFMP-AWQ unless the name says gptq)",
             "",
             "| run | bpw | b reached | ppl | Fisher s (samples) |",
             "|---|---|---|---|---|",
@@ -446,7 +449,7 @@ def main() -> None:
         if "main" in parts:
             part_main(b, points, a.solvers.split(","))
         if "reorder" in parts:
-            part_reorder(b, points)
+            part_reorder(b, points, a.solvers.split(","))
         if "blocks" in parts:
             part_blocks(b, points)
         if "fisher" in parts:

@@ -18,7 +18,8 @@
 // group's end are zero in its tables, so padding bits (-1) add nothing.
 // Threads: the row tiles are split with at::parallel_for (torch.get_num_threads()); the loop runs
 // group by group so that a group's tables stay in L1 while its blocks stream through.
-// Batch > 1 is a tiled dequantize (exactly (c - z) * s) + at::mm; the float weight never exists whole.
+// 2-32 rows of x: the GEMV once per row.  More: a tiled dequantize (exactly (c - z) * s) + at::mm; the float
+// weight never exists whole.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -35,6 +36,7 @@ namespace {
 
 constexpr int TILE = 16;
 constexpr int WCOLS = 32;
+constexpr int64_t GEMV_MAX_ROWS = 32;  // up to this many rows of x: the LUT GEMV per row (faster than tiles, benchmarks/lut_gemv.py)
 
 struct Planes {
   const uint8_t* data;
@@ -249,9 +251,23 @@ Planes make_planes(const torch::Tensor& data, const torch::Tensor& off, const to
   return P;
 }
 
-// Rows [r0, r1) of W in float32 into out [r1 - r0, K]: exactly (c - z) * s.
+// kSpread.v[u]: the 8 bits of byte u moved to the low bit of 8 bytes (bit k -> byte k), so one
+// shifted OR adds one plane's bit to 8 codes held as bytes (codes are at most 8 bits wide).
+struct Spread {
+  uint64_t v[256];
+  constexpr Spread() : v() {
+    for (int u = 0; u < 256; ++u)
+      for (int k = 0; k < 8; ++k)
+        if ((u >> k) & 1) v[u] |= 1ull << (8 * k);
+  }
+};
+constexpr Spread kSpread{};
+
+// Rows [r0, r1) of W in float32 into out [r1 - r0, K]: exactly (c - z) * s.  Per 32-column chunk,
+// each plane word adds its bit to 32 byte-codes through kSpread (4 table reads), then the bytes
+// become floats (a loop the compiler vectorizes); little-endian hosts (x86-64, arm64).
 void dequant_rows(const Planes& P, int64_t r0, int64_t r1, float* out) {
-  std::vector<int32_t> codes(P.gs + WCOLS);
+  std::vector<uint8_t> codes(P.gs + WCOLS);
   for (int64_t n = r0; n < r1; ++n) {
     const int64_t rbi = n / P.rb, rr = n - rbi * P.rb, t = rr / TILE, r = rr % TILE;
     const int64_t brows = std::min(P.rb, P.N - rbi * P.rb);
@@ -260,15 +276,18 @@ void dequant_rows(const Planes& P, int64_t r0, int64_t r1, float* out) {
       const int q = P.bits[rbi * P.G + g];
       const int64_t nch = P.nch(g), L = P.cols(g);
       const uint8_t* blk = P.data + P.off[rbi * P.G + g] + t * TILE * nch * q * 4;
-      std::fill(codes.begin(), codes.begin() + nch * WCOLS, 0);
-      for (int64_t c = 0; c < nch; ++c)
+      for (int64_t c = 0; c < nch; ++c) {
+        uint64_t acc[4] = {0, 0, 0, 0};
         for (int i = 0; i < q; ++i) {
           const uint32_t w = load32(blk + 4 * ((c * q + i) * R + r));
-          for (int b = 0; b < WCOLS; ++b) codes[c * WCOLS + b] |= (int32_t)((w >> b) & 1u) << i;
+          for (int k = 0; k < 4; ++k) acc[k] |= kSpread.v[(w >> (8 * k)) & 255u] << i;
         }
+        std::memcpy(codes.data() + c * WCOLS, acc, WCOLS);
+      }
       const float s = P.sT[g * P.N + n], z = P.zT[g * P.N + n];
       float* o = out + (n - r0) * P.K + g * P.gs;
-      for (int64_t j = 0; j < L; ++j) o[j] = ((float)codes[j] - z) * s;
+      const uint8_t* cp = codes.data();
+      for (int64_t j = 0; j < L; ++j) o[j] = ((float)cp[j] - z) * s;
     }
   }
 }
@@ -354,7 +373,10 @@ torch::Tensor lut_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor off,
   }
   if (in_index.has_value()) x = x.index_select(1, *in_index);
   auto y = torch::empty({M, N}, x.options());
-  if (M > 0 && N > 0) {
+  if (M <= GEMV_MAX_ROWS && N > 0) {  // a few rows (speculative decode, small batches): one GEMV each
+    const int isa_r = resolve((int)isa);
+    for (int64_t m = 0; m < M; ++m) y[m].copy_(gemv(P, x.data_ptr<float>() + m * K, isa_r));
+  } else if (M > 0 && N > 0) {
     auto tile = torch::empty({std::min(tile_rows, N), K}, x.options());
     for (int64_t r0 = 0; r0 < N; r0 += tile_rows) {
       const int64_t r1 = std::min(N, r0 + tile_rows);
