@@ -399,13 +399,14 @@ def sfmp_reorder_helps(res: dict) -> tuple[str, str]:
             cells.setdefault(head, {})[label] = v["ppl"]
     if not cells:
         raise KeyError("reorder rows")
-    parts, ok = [], True
+    parts, fails = [], []
     for head, c in cells.items():
         if head in by:
             c["both"] = by[head]["ppl"]
         parts.append(f"{head}: " + ", ".join(f"{k} {fmt(x)}" for k, x in c.items()))
-        ok &= "both" in c and "none" in c and c["both"] < c["none"]
-    return "; ".join(parts), verdict(ok, "reordering does not lower perplexity")
+        if not ("both" in c and "none" in c and c["both"] < c["none"]):
+            fails.append(head.split()[1])
+    return "; ".join(parts), verdict(not fails, f"not with {', '.join(fails)} blocks")
 
 
 FINDINGS: list[Finding] = [

@@ -116,3 +116,39 @@ def test_act_order_is_a_load_time_permutation():
         k = mod.kernel()
         assert k.perm is not None
         assert torch.equal(mod.g_idx.long()[k.perm], torch.arange(mod.in_features) // mod.group_size)
+
+
+def test_low_bit_kinds_decode_on_the_lut(monkeypatch):
+    """At 1-3 storage bits the packed kinds run on the bit-plane LUT kernel (act-order gather inside
+    its call), wider ones on LowBitWeight; $BITMOSAIC_LUT_MAX_BITS moves the line (0: off), and both
+    kernels give the same outputs within float rounding."""
+    from bitmosaic.kernels import lut
+    from bitmosaic.kernels.lut import BitPlaneWeight
+    from bitmosaic.kernels.qmatmul import LowBitWeight
+
+    if lut.extension() is None:
+        pytest.skip("no C++ compiler: the LUT kernel is not used without its compiled path")
+    m3, _ = _quantized("gptq", {"bits": 3, "group_size": 24, "order": "act"})
+    m4, _ = _quantized("gptq", {"bits": 4, "group_size": 32})
+    mods3, mods4 = list(quantized_modules(m3).values()), list(quantized_modules(m4).values())
+    assert all(isinstance(mod.kernel().weight, BitPlaneWeight) for mod in mods3)
+    assert all(isinstance(mod.kernel().weight, LowBitWeight) for mod in mods4)
+    g = torch.Generator().manual_seed(3)
+    xs = {id(mod): torch.randn(3, mod.in_features, generator=g) for mod in mods3}
+    with torch.no_grad():
+        lut_out = {id(mod): mod(xs[id(mod)][:1]) for mod in mods3}
+    monkeypatch.setenv(lut.LUT_MAX_BITS_ENV, "0")
+    for mod in mods3:
+        assert "qweight" in mod._released  # the bit-plane kernel rebuilt the packed codes exactly
+        mod._restore_saved()  # buffers back from the LUT kernel, which is dropped
+        assert isinstance(mod.kernel().weight, LowBitWeight)
+        w = mod.dequantize_reference(torch.float32)
+        with torch.no_grad():
+            _close(lut_out[id(mod)], mod(xs[id(mod)][:1]).double(), xs[id(mod)][:1], w)
+    monkeypatch.setenv(lut.LUT_MAX_BITS_ENV, "4")
+    mods4[0]._restore_saved()
+    assert isinstance(mods4[0].kernel().weight, BitPlaneWeight)
+    monkeypatch.setenv(lut.LUT_MAX_BITS_ENV, "three")
+    mods4[0]._restore_saved()
+    with pytest.raises(ValueError, match="BITMOSAIC_LUT_MAX_BITS must be an integer"):
+        mods4[0].kernel()

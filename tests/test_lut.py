@@ -176,6 +176,8 @@ def test_fused_permutations_equal_index_select(monkeypatch, fallback):
             want = w.matmul(x.index_select(1, cin), isa=isa).index_select(1, cout)
             assert torch.equal(w.matmul(x, isa=isa, in_index=cin, out_index=cout), want)
             assert torch.equal(w.matmul(x, isa=isa, in_index=cin), w.matmul(x.index_select(1, cin), isa=isa))
+            got32 = w.matmul(x, isa=isa, in_index=cin.int(), out_index=cout.int())  # int32 indices too
+            assert torch.equal(got32, want)
         assert w.matmul(x.unsqueeze(0), out_index=cout).shape == (1, M, 30)
     if not fallback:
         with pytest.raises(RuntimeError, match="in_index must have K entries"):

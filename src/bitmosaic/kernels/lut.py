@@ -19,8 +19,13 @@ build helper of :mod:`bitmosaic.kernels.qmatmul`):
   are float32, so the result equals ``dequantize`` + matmul up to float rounding.  The ISA is chosen
   at run time (``isa="auto"``: AVX-512, else AVX2, else portable).  Quantised (int8) tables, as
   T-MAC uses, would change the numerics and are not offered.
-* **batch > 1** (prefill): a tile of rows is dequantized (exactly ``(c - z) * s``) into a small
+* **2-32 rows**: the GEMV once per row (faster than tiles there, ``lut_gemv.py --batch``).
+* **more rows** (prefill): a tile of rows is dequantized (exactly ``(c - z) * s``) into a small
   buffer and multiplied with ``torch.mm``; the float weight never exists whole.
+
+:func:`decode_lut_max_bits`: the packed kinds (RTN, GPTQ, AWQ, ...) run on this kernel instead of
+``LowBitWeight`` when their storage width is at most this (3 by default: faster at 1-32 rows on
+every measured shape; ``$BITMOSAIC_LUT_MAX_BITS`` overrides it, 0 turns it off).
 
 Measured (``benchmarks/lut_gemv.py``, ``benchmarks/results/lut_gemv.md``, AVX-512 path, batch 1): faster
 than the unpack+FMA ``LowBitWeight`` at 1-3 bits and the 2.5/3.5 mixes on every measured shape, and at 4
@@ -42,7 +47,26 @@ import torch
 from ..formats import bitplane as bp
 from .qmatmul import _source_hash, build_extension, tiled_matmul_torch
 
-__all__ = ["BitPlaneWeight", "extension", "lut_gemv_reference", "available_isas", "ISAS"]
+__all__ = [
+    "BitPlaneWeight", "extension", "lut_gemv_reference", "available_isas", "ISAS", "decode_lut_max_bits"
+]  # fmt: skip
+
+LUT_MAX_BITS_ENV = "BITMOSAIC_LUT_MAX_BITS"
+_LUT_MAX_BITS = 3  # 1-3 bits: faster than LowBitWeight at 1-32 rows on every measured shape
+
+
+def decode_lut_max_bits() -> int:
+    """The widest storage width (``0``: none) at which the packed kinds use :class:`BitPlaneWeight`
+    as their kernel: ``$BITMOSAIC_LUT_MAX_BITS`` if set, else 3; ``0`` without the compiled LUT
+    (its pure-torch fallback is no faster than ``LowBitWeight``'s)."""
+    import os
+
+    raw = os.environ.get(LUT_MAX_BITS_ENV, "").strip()
+    try:
+        n = int(raw) if raw else _LUT_MAX_BITS
+    except ValueError:
+        raise ValueError(f"${LUT_MAX_BITS_ENV} must be an integer 0-8, got {raw!r}") from None
+    return n if n > 0 and extension() is not None else 0
 
 ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
 _TILE_ELEMS = 1 << 20  # float32 elements of one prefill tile (4 MiB), as qmatmul
@@ -101,6 +125,23 @@ class BitPlaneWeight:
         z = zeros.float() if torch.is_tensor(zeros) else torch.full((N, G), float(zeros))
         return cls(planes, scales.float().T.contiguous(), z.T.contiguous())
 
+    # [N, G] float32 views, as LowBitWeight's (the kernels keep them transposed)
+    @property
+    def scales(self) -> torch.Tensor:
+        return self.scales_t.T.contiguous()
+
+    @scales.setter
+    def scales(self, value: torch.Tensor) -> None:
+        self.scales_t = value.float().T.contiguous()
+
+    @property
+    def zeros(self) -> torch.Tensor:
+        return self.zeros_t.T.contiguous()
+
+    @zeros.setter
+    def zeros(self, value: torch.Tensor) -> None:
+        self.zeros_t = value.float().T.contiguous()
+
     def _args(self):
         p = self.planes
         return (p.data, p.offsets, p.bits, self.scales_t, self.zeros_t, p.N, p.K, p.group_size, p.row_block)
@@ -123,11 +164,11 @@ class BitPlaneWeight:
         out_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x [..., K]`` (float32/bfloat16/float16) -> ``[..., N]`` in ``x``'s dtype (float32 sums).
-        One row of ``x``: the LUT GEMV on path ``isa`` (``auto``/``avx512``/``avx2``/``portable``);
-        more rows: the tiled dequantize + mm.  ``in_index`` (int64 ``[K]``): multiply
-        ``x[..., in_index]`` instead; ``out_index`` (int64 ``[n]``): return ``y[..., out_index]``.  The
-        compiled path does both inside the call (SFMP's permutations, §4.4 Eq. 14), exactly equal to
-        the two ``index_select`` around it."""
+        1-32 rows of ``x``: the LUT GEMV (per row) on path ``isa`` (``auto``/``avx512``/``avx2``/
+        ``portable``); more rows: the tiled dequantize + mm.  ``in_index`` (int32/int64 ``[K]``):
+        multiply ``x[..., in_index]`` instead; ``out_index`` (int32/int64 ``[n]``): return
+        ``y[..., out_index]``.  The compiled path does both inside the call (SFMP's permutations,
+        §4.4 Eq. 14; act-order groups), exactly equal to the two ``index_select`` around it."""
         if x.shape[-1] != self.K:
             raise ValueError(f"x has {x.shape[-1]} features but the weight has {self.K} input columns")
         if isa not in ISAS:

@@ -31,6 +31,7 @@ import torch
 from torch.nn import functional as F
 
 from ..formats.fp import fp_round
+from ..kernels.lut import BitPlaneWeight, decode_lut_max_bits
 from ..kernels.qmatmul import LowBitWeight
 
 __all__ = [
@@ -56,13 +57,18 @@ class KernelWeight:
 
 
 class LowBitKernel(KernelWeight):
-    """A :class:`LowBitWeight` with an optional input-column permutation (act-order groups)."""
+    """A :class:`LowBitWeight` (or, at 1-3 bits, a
+    :class:`~bitmosaic.kernels.lut.BitPlaneWeight`: same interface) with an optional input-column
+    permutation (act-order groups; the bit-plane kernel gathers inside its call)."""
 
-    def __init__(self, weight: LowBitWeight, perm: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: LowBitWeight | BitPlaneWeight, perm: torch.Tensor | None = None) -> None:
         self.weight = weight
         self.perm = perm
+        self._fused = isinstance(weight, BitPlaneWeight)  # it gathers x by perm inside its call
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused:
+            return self.weight.matmul(x, in_index=self.perm)
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
         return self.weight.matmul(x)
@@ -144,14 +150,19 @@ def lowbit_from_codes(
     zeros: torch.Tensor | float,
     group_size: int,
     g_idx: torch.Tensor | None,
+    lut: bool = False,
 ) -> LowBitKernel:
-    """A :class:`LowBitKernel` from ``[out, in]`` codes in ``[0, 2**bits)`` with a group map."""
+    """A :class:`LowBitKernel` from ``[out, in]`` codes in ``[0, 2**bits)`` with a group map.  With
+    ``lut`` and ``bits`` at most :func:`~bitmosaic.kernels.lut.decode_lut_max_bits`, the weight is a
+    bit-plane :class:`~bitmosaic.kernels.lut.BitPlaneWeight` (faster at 1-32 rows; within about
+    1.1x at prefill, ``benchmarks/results/lut_gemv_batch.md``)."""
     perm = None
     if g_idx is not None:
         perm = contiguous_group_perm(g_idx, group_size).to(torch.int32)  # int32: half the bytes of int64
         codes = codes.index_select(1, perm)
     z = zeros.float() if torch.is_tensor(zeros) else float(zeros)
-    return LowBitKernel(LowBitWeight.from_codes(codes, bits, scales.float(), z, group_size), perm)
+    kind = BitPlaneWeight if lut and bits <= decode_lut_max_bits() else LowBitWeight
+    return LowBitKernel(kind.from_codes(codes, bits, scales.float(), z, group_size), perm)
 
 
 def dpq_tiles(dense: LowBitKernel, fmt: str, fp8_scale: torch.Tensor, out: int, inp: int) -> TiledKernel:

@@ -32,6 +32,8 @@ class UnpackableCodesError(ValueError):
 
 class QuantLinear(QuantModule):
     kind = "packed"
+    # at 1-3 storage bits the kernel is the bit-plane LUT (kernels/lut.py: faster at 1-32 rows)
+    LUT_DECODE = True
 
     def __init__(
         self,
@@ -159,7 +161,9 @@ class QuantLinear(QuantModule):
         codes = unpack_codes(self.qweight, self.storage_bits, self.in_features)
         z = self._zeros_arg()
         z = z - self.code_offset if not torch.is_tensor(z) else z.float() - self.code_offset
-        return lowbit_from_codes(codes, self.storage_bits, self.scales, z, self.group_size, self.g_idx)
+        return lowbit_from_codes(
+            codes, self.storage_bits, self.scales, z, self.group_size, self.g_idx, lut=self.LUT_DECODE
+        )
 
     def _saved_from_kernel(self, k):
         """Rebuilds of the packed buffers from the :class:`~bitmosaic.modules.kernel.LowBitKernel`

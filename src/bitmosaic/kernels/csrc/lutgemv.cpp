@@ -331,8 +331,21 @@ torch::Tensor gemv(const Planes& P, const float* x, int isa) {
 
 }  // namespace
 
-// in_index (optional int64 [K]): the kernel's input is x[:, in_index] (SFMP's column order, Eq. 14);
-// out_index (optional int64 [n_out]): the result is y[:, out_index] (the row un-permutation).  At
+// out[k] = src[index[k]] for an int32 or int64 index, each entry checked against [0, n).
+template <typename T>
+void gather_typed(const T* ix, int64_t count, const float* src, int64_t n, float* out, const char* what) {
+  for (int64_t k = 0; k < count; ++k) {
+    TORCH_CHECK(ix[k] >= 0 && ix[k] < n, what);
+    out[k] = src[ix[k]];
+  }
+}
+void gather_checked(const torch::Tensor& index, const float* src, int64_t n, float* out, const char* what) {
+  if (index.dtype() == torch::kInt32) gather_typed(index.data_ptr<int32_t>(), index.numel(), src, n, out, what);
+  else gather_typed(index.data_ptr<int64_t>(), index.numel(), src, n, out, what);
+}
+
+// in_index (optional int32/int64 [K]): the kernel's input is x[:, in_index] (SFMP's column order, Eq. 14);
+// out_index (optional int32/int64 [n_out]): the result is y[:, out_index] (the row un-permutation).  At
 // batch 1 both are plain loops here, so a permuted layer costs no extra tensor ops per token.
 torch::Tensor lut_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor off, torch::Tensor bits, torch::Tensor sT,
                          torch::Tensor zT, int64_t N, int64_t K, int64_t gs, int64_t rb, int64_t tile_rows, int64_t isa,
@@ -340,8 +353,9 @@ torch::Tensor lut_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor off,
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.dtype() == torch::kFloat32, "x must be float32 [M, K]");
   for (const auto* ix : {&in_index, &out_index})
     if (ix->has_value())
-      TORCH_CHECK((*ix)->dtype() == torch::kInt64 && (*ix)->dim() == 1 && (*ix)->is_contiguous(),
-                  "in_index/out_index must be contiguous int64 vectors");
+      TORCH_CHECK(((*ix)->dtype() == torch::kInt64 || (*ix)->dtype() == torch::kInt32) && (*ix)->dim() == 1 &&
+                      (*ix)->is_contiguous(),
+                  "in_index/out_index must be contiguous int32/int64 vectors");
   TORCH_CHECK(!in_index.has_value() || in_index->numel() == K, "in_index must have K entries");
   x = x.contiguous();
   Planes P = make_planes(data, off, bits, sT, zT, N, K, gs, rb);
@@ -350,25 +364,14 @@ torch::Tensor lut_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor off,
     const float* xp = x.data_ptr<float>();
     std::vector<float> xg;
     if (in_index.has_value()) {
-      const int64_t* ix = in_index->data_ptr<int64_t>();
       xg.resize(K);
-      for (int64_t j = 0; j < K; ++j) {
-        TORCH_CHECK(ix[j] >= 0 && ix[j] < K, "in_index out of range");
-        xg[j] = xp[ix[j]];
-      }
+      gather_checked(*in_index, xp, K, xg.data(), "in_index out of range");
       xp = xg.data();
     }
     auto y = gemv(P, xp, resolve((int)isa));
     if (!out_index.has_value()) return y.reshape({1, N});
-    const int64_t n_out = out_index->numel();
-    const int64_t* ox = out_index->data_ptr<int64_t>();
-    auto yo = torch::empty({1, n_out}, x.options());
-    const float* yp = y.data_ptr<float>();
-    float* op = yo.data_ptr<float>();
-    for (int64_t k = 0; k < n_out; ++k) {
-      TORCH_CHECK(ox[k] >= 0 && ox[k] < N, "out_index out of range");
-      op[k] = yp[ox[k]];
-    }
+    auto yo = torch::empty({1, out_index->numel()}, x.options());
+    gather_checked(*out_index, y.data_ptr<float>(), N, yo.data_ptr<float>(), "out_index out of range");
     return yo;
   }
   if (in_index.has_value()) x = x.index_select(1, *in_index);
