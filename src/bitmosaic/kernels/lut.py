@@ -24,8 +24,8 @@ build helper of :mod:`bitmosaic.kernels.qmatmul`):
   buffer and multiplied with ``torch.mm``; the float weight never exists whole.
 
 :func:`decode_lut_max_bits`: the packed kinds (RTN, GPTQ, AWQ, ...) run on this kernel instead of
-``LowBitWeight`` when their storage width is at most this (3 by default: faster at 1-32 rows on
-every measured shape; ``$BITMOSAIC_LUT_MAX_BITS`` overrides it, 0 turns it off).
+``LowBitWeight`` when their storage width is at most ``$BITMOSAIC_LUT_MAX_BITS`` (default 0: off;
+see ``_LUT_MAX_BITS`` for the measurements behind that default).
 
 Measured (``benchmarks/lut_gemv.py``, ``benchmarks/results/lut_gemv.md``, AVX-512 path, batch 1): faster
 than the unpack+FMA ``LowBitWeight`` at 1-3 bits and the 2.5/3.5 mixes on every measured shape, and at 4
@@ -52,13 +52,16 @@ __all__ = [
 ]  # fmt: skip
 
 LUT_MAX_BITS_ENV = "BITMOSAIC_LUT_MAX_BITS"
-_LUT_MAX_BITS = 3  # 1-3 bits: faster than LowBitWeight at 1-32 rows on every measured shape
+# Off by default: per call the LUT is ~2x faster at 1-3 bits while the weight is cache-resident
+# (lut_gemv_batch.md), but decoding SmolLM2 end to end, where every weight streams from memory once
+# per token, W3/W2 ran 6-7% slower than on LowBitWeight (decode.md, the "(LUT)" rows).
+_LUT_MAX_BITS = 0
 
 
 def decode_lut_max_bits() -> int:
     """The widest storage width (``0``: none) at which the packed kinds use :class:`BitPlaneWeight`
-    as their kernel: ``$BITMOSAIC_LUT_MAX_BITS`` if set, else 3; ``0`` without the compiled LUT
-    (its pure-torch fallback is no faster than ``LowBitWeight``'s)."""
+    as their kernel: ``$BITMOSAIC_LUT_MAX_BITS`` if set, else 0 (off); ``0`` without the compiled
+    LUT (its pure-torch fallback is no faster than ``LowBitWeight``'s)."""
     import os
 
     raw = os.environ.get(LUT_MAX_BITS_ENV, "").strip()

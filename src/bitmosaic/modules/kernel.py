@@ -3,11 +3,13 @@
 Each packed kind turns its saved buffers (the source of truth) into a *kernel weight* the first
 time it runs a forward on the CPU (or at load, see :func:`prepare_kernels`):
 
-* ``packed``: the codes go into a :class:`~bitmosaic.kernels.lowbit.LowBitWeight` at their storage
-  width, the no-clip ``code_offset`` folded into the zero-point (``(c + o - z) s = (c - (z - o)) s``).
+* ``packed``: the codes go into a :class:`~bitmosaic.kernels.qmatmul.LowBitWeight` at their storage
+  width, or, opted in with ``$BITMOSAIC_LUT_MAX_BITS=3``, at 1-3 bits into the bit-plane
+  :class:`~bitmosaic.kernels.lut.BitPlaneWeight` (the LUT GEMV; off by default, see ``kernels/lut.py``),
+  the no-clip ``code_offset`` folded into the zero-point (``(c + o - z) s = (c - (z - o)) s``).
   An act-order ``g_idx`` is handled the ExLlama way: the weight's input columns are permuted once,
   here, so that every group is contiguous (``perm = argsort(g_idx)``), and each call gathers the
-  activation once (``x[..., perm]``), never per group.
+  activation once (``x[..., perm]``; the bit-plane kernel inside its call), never per group.
 * ``packed+csr``: the dense part as above plus the CSR outliers as one sparse product.
 * ``dpq``: tiles of the INT codes are dequantized into a small buffer, rounded onto the FP8 grid,
   scaled by the FP8 weight scale and multiplied (``W4A8`` with FP8 compute is *simulated* in float32,
@@ -57,8 +59,8 @@ class KernelWeight:
 
 
 class LowBitKernel(KernelWeight):
-    """A :class:`LowBitWeight` (or, at 1-3 bits, a
-    :class:`~bitmosaic.kernels.lut.BitPlaneWeight`: same interface) with an optional input-column
+    """A :class:`LowBitWeight` (or, opted in, a :class:`~bitmosaic.kernels.lut.BitPlaneWeight`:
+    same interface) with an optional input-column
     permutation (act-order groups; the bit-plane kernel gathers inside its call)."""
 
     def __init__(self, weight: LowBitWeight | BitPlaneWeight, perm: torch.Tensor | None = None) -> None:
@@ -153,9 +155,9 @@ def lowbit_from_codes(
     lut: bool = False,
 ) -> LowBitKernel:
     """A :class:`LowBitKernel` from ``[out, in]`` codes in ``[0, 2**bits)`` with a group map.  With
-    ``lut`` and ``bits`` at most :func:`~bitmosaic.kernels.lut.decode_lut_max_bits`, the weight is a
-    bit-plane :class:`~bitmosaic.kernels.lut.BitPlaneWeight` (faster at 1-32 rows; within about
-    1.1x at prefill, ``benchmarks/results/lut_gemv_batch.md``)."""
+    ``lut`` and ``bits`` at most :func:`~bitmosaic.kernels.lut.decode_lut_max_bits` (0 unless
+    ``$BITMOSAIC_LUT_MAX_BITS`` is set), the weight is a bit-plane
+    :class:`~bitmosaic.kernels.lut.BitPlaneWeight`."""
     perm = None
     if g_idx is not None:
         perm = contiguous_group_perm(g_idx, group_size).to(torch.int32)  # int32: half the bytes of int64
