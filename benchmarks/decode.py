@@ -1,6 +1,6 @@
 """End-to-end greedy decoding on the CPU: tokens/s and resident memory of SmolLM2-135M in float32,
-W4, W3 and W2 g128 (loaded through ``load_quantized``, the low-bit kernels as the default path; the
-``(LUT)`` rows run the same W3/W2 folders on the bit-plane LUT, ``$BITMOSAIC_LUT_MAX_BITS=3``),
+W4, W3 and W2 g128 (loaded through ``load_quantized``, the low-bit kernels as the default path: the
+bit-plane LUT at 1-3 bits; the ``(FMA)`` rows run the same W3/W2 folders on ``LowBitWeight``),
 against llama.cpp running the very GGUF the model comes from (Q4_1) where ``llama_cpp`` is
 installed (``pip install llama-cpp-python``, or the ``peers`` extra; it builds llama.cpp from
 source), same threads, same prompt token ids, same number of new tokens; without it the llama.cpp
@@ -71,10 +71,10 @@ def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repea
     from bitmosaic.modules.base import prepare_kernels
 
     torch.set_num_threads(threads)
-    if variant.endswith("(LUT)"):  # the same folder on the bit-plane LUT instead of LowBitWeight
+    if variant.endswith("(FMA)"):  # the same folder on LowBitWeight instead of the bit-plane LUT
         from bitmosaic.kernels.lut import LUT_MAX_BITS_ENV
 
-        os.environ[LUT_MAX_BITS_ENV] = "3"
+        os.environ[LUT_MAX_BITS_ENV] = "0"
     rss_base = _rss_mb()  # after the imports: the growth from here is the model's
     if variant == "float":
         model, tok = load_model("smollm2-135m", dtype=torch.float32)
@@ -237,8 +237,8 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bitmosaic-decode-") as tmp:
         folders = {"float": "", **{f"W{b} g128": str(_make_quantized(Path(tmp), b)) for b in (4, 3, 2)}}
-        for b in (3, 2):  # the same folders on the bit-plane LUT kernel (opt-in at 1-3 bits)
-            folders[f"W{b} g128 (LUT)"] = folders[f"W{b} g128"]
+        for b in (3, 2):  # 1-3 bits decode on the LUT by default: the same folders on LowBitWeight
+            folders[f"W{b} g128 (FMA)"] = folders[f"W{b} g128"]
         for threads in (int(t) for t in a.threads.split(",")):
             common = ["--child-threads", str(threads), "--new-tokens", str(a.new_tokens)]
             common += ["--repeats", str(a.repeats)]

@@ -14,8 +14,8 @@ proportional to bits) and R².
     flock /tmp/bitmosaic-heavy.lock python benchmarks/lut_gemv.py [--quick]
     (writes benchmarks/results/lut_gemv.{json,md})
 
-``--batch``: instead, SFMP's kernel at 1-128 rows of ``x`` (speculative decode, small batches,
-prefill): up to 32 rows it runs the LUT GEMV once per row, above that a tiled dequantize + mm;
+``--batch``: instead, the LUT kernel at 1-128 rows of ``x`` (speculative decode, small batches,
+prefill): up to 64 rows it runs the LUT GEMV once per row, above that a tiled dequantize + mm;
 against LowBitWeight (its own multi-row GEMV up to 8 rows, then tiles) and fp32 ``F.linear``, on a
 SmolLM2 and an 8B shape at 2, 3 and 4 bits (writes ``lut_gemv_batch.{json,md}``).
 """
@@ -127,7 +127,7 @@ def markdown(rows: list[dict], lin: list[dict], meta: dict) -> str:
 
 
 BATCH_SHAPES = [(1536, 576), (4096, 4096)]
-BATCH_ROWS = [1, 2, 8, 16, 32, 33, 64, 128]
+BATCH_ROWS = [1, 2, 8, 16, 32, 64, 65, 128]
 
 
 def batch_sweep(out: Path) -> None:

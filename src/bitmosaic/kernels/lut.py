@@ -19,18 +19,19 @@ build helper of :mod:`bitmosaic.kernels.qmatmul`):
   are float32, so the result equals ``dequantize`` + matmul up to float rounding.  The ISA is chosen
   at run time (``isa="auto"``: AVX-512, else AVX2, else portable).  Quantised (int8) tables, as
   T-MAC uses, would change the numerics and are not offered.
-* **2-32 rows**: the GEMV once per row (faster than tiles there, ``lut_gemv.py --batch``).
+* **2-64 rows**: the GEMV once per row (faster than tiles there, ``lut_gemv.py --batch``).
 * **more rows** (prefill): a tile of rows is dequantized (exactly ``(c - z) * s``) into a small
   buffer and multiplied with ``torch.mm``; the float weight never exists whole.
 
 :func:`decode_lut_max_bits`: the packed kinds (RTN, GPTQ, AWQ, ...) run on this kernel instead of
-``LowBitWeight`` when their storage width is at most ``$BITMOSAIC_LUT_MAX_BITS`` (default 0: off;
-see ``_LUT_MAX_BITS`` for the measurements behind that default).
+``LowBitWeight`` when their storage width is at most ``$BITMOSAIC_LUT_MAX_BITS`` (default 3; 0
+turns it off; see ``_LUT_MAX_BITS`` for the measurements behind that default).
 
 Measured (``benchmarks/lut_gemv.py``, ``benchmarks/results/lut_gemv.md``, AVX-512 path, batch 1): faster
-than the unpack+FMA ``LowBitWeight`` at 1-3 bits and the 2.5/3.5 mixes on every measured shape, and at 4
-bits except 14336x4096; slower at 8 bits.  Latency grows about linearly with bits on 14336x4096 (W1/W4
-0.13-0.15, W8/W4 about 2); small shapes carry a fixed cost (tables, call) of about half the W4 time.
+than the unpack+FMA ``LowBitWeight`` at 1-4 bits on every measured shape, slower at 8 bits; latency
+grows linearly with bits (R² 0.97-0.99; W1/W4 0.2-0.7, W8/W4 about 2).  The GEMV prefetches the
+tile four ahead: without it, weights that stream from memory (every layer of a decode step) left
+its loads waiting and it lost to ``LowBitWeight`` end to end.
 
 Without a compiler (or with ``BITMOSAIC_NO_EXT=1``) every batch runs the pure-torch tiled
 dequantize + mm, after one warning.  :func:`lut_gemv_reference` is the pure-PyTorch statement of the
@@ -52,16 +53,15 @@ __all__ = [
 ]  # fmt: skip
 
 LUT_MAX_BITS_ENV = "BITMOSAIC_LUT_MAX_BITS"
-# Off by default: per call the LUT is ~2x faster at 1-3 bits while the weight is cache-resident
-# (lut_gemv_batch.md), but decoding SmolLM2 end to end, where every weight streams from memory once
-# per token, W3/W2 ran 6-7% slower than on LowBitWeight (decode.md, the "(LUT)" rows).
-_LUT_MAX_BITS = 0
+# 1-3 bits by default: decoding SmolLM2 end to end (1 thread), W2 54.6 / W3 51.2 tok/s against 45.9 /
+# 44.6 on LowBitWeight (decode.md, the "(FMA)" rows); 4 bits is about even per call, so it stays there.
+_LUT_MAX_BITS = 3
 
 
 def decode_lut_max_bits() -> int:
     """The widest storage width (``0``: none) at which the packed kinds use :class:`BitPlaneWeight`
-    as their kernel: ``$BITMOSAIC_LUT_MAX_BITS`` if set, else 0 (off); ``0`` without the compiled
-    LUT (its pure-torch fallback is no faster than ``LowBitWeight``'s)."""
+    as their kernel: ``$BITMOSAIC_LUT_MAX_BITS`` if set, else 3; ``0`` without the compiled LUT
+    (its pure-torch fallback is no faster than ``LowBitWeight``'s)."""
     import os
 
     raw = os.environ.get(LUT_MAX_BITS_ENV, "").strip()
@@ -72,7 +72,7 @@ def decode_lut_max_bits() -> int:
     return n if n > 0 and extension() is not None else 0
 
 ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
-_TILE_ELEMS = 1 << 20  # float32 elements of one prefill tile (4 MiB), as qmatmul
+_TILE_ELEMS = 1 << 19  # float32 elements of one prefill tile (2 MiB; a tile per thread), as qmatmul
 
 
 @functools.cache
@@ -167,7 +167,7 @@ class BitPlaneWeight:
         out_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x [..., K]`` (float32/bfloat16/float16) -> ``[..., N]`` in ``x``'s dtype (float32 sums).
-        1-32 rows of ``x``: the LUT GEMV (per row) on path ``isa`` (``auto``/``avx512``/``avx2``/
+        1-64 rows of ``x``: the LUT GEMV (per row) on path ``isa`` (``auto``/``avx512``/``avx2``/
         ``portable``); more rows: the tiled dequantize + mm.  ``in_index`` (int32/int64 ``[K]``):
         multiply ``x[..., in_index]`` instead; ``out_index`` (int32/int64 ``[n]``): return
         ``y[..., out_index]``.  The compiled path does both inside the call (SFMP's permutations,

@@ -4,8 +4,8 @@ Each packed kind turns its saved buffers (the source of truth) into a *kernel we
 time it runs a forward on the CPU (or at load, see :func:`prepare_kernels`):
 
 * ``packed``: the codes go into a :class:`~bitmosaic.kernels.qmatmul.LowBitWeight` at their storage
-  width, or, opted in with ``$BITMOSAIC_LUT_MAX_BITS=3``, at 1-3 bits into the bit-plane
-  :class:`~bitmosaic.kernels.lut.BitPlaneWeight` (the LUT GEMV; off by default, see ``kernels/lut.py``),
+  width, or at 1-3 bits into the bit-plane :class:`~bitmosaic.kernels.lut.BitPlaneWeight` (the LUT
+  GEMV, faster there end to end; ``$BITMOSAIC_LUT_MAX_BITS``, see ``kernels/lut.py``),
   the no-clip ``code_offset`` folded into the zero-point (``(c + o - z) s = (c - (z - o)) s``).
   An act-order ``g_idx`` is handled the ExLlama way: the weight's input columns are permuted once,
   here, so that every group is contiguous (``perm = argsort(g_idx)``), and each call gathers the
@@ -59,7 +59,7 @@ class KernelWeight:
 
 
 class LowBitKernel(KernelWeight):
-    """A :class:`LowBitWeight` (or, opted in, a :class:`~bitmosaic.kernels.lut.BitPlaneWeight`:
+    """A :class:`LowBitWeight` (or, at 1-3 bits, a :class:`~bitmosaic.kernels.lut.BitPlaneWeight`:
     same interface) with an optional input-column
     permutation (act-order groups; the bit-plane kernel gathers inside its call)."""
 
@@ -155,8 +155,8 @@ def lowbit_from_codes(
     lut: bool = False,
 ) -> LowBitKernel:
     """A :class:`LowBitKernel` from ``[out, in]`` codes in ``[0, 2**bits)`` with a group map.  With
-    ``lut`` and ``bits`` at most :func:`~bitmosaic.kernels.lut.decode_lut_max_bits` (0 unless
-    ``$BITMOSAIC_LUT_MAX_BITS`` is set), the weight is a bit-plane
+    ``lut`` and ``bits`` at most :func:`~bitmosaic.kernels.lut.decode_lut_max_bits` (3 unless
+    ``$BITMOSAIC_LUT_MAX_BITS`` says otherwise), the weight is a bit-plane
     :class:`~bitmosaic.kernels.lut.BitPlaneWeight`."""
     perm = None
     if g_idx is not None:

@@ -32,7 +32,7 @@ class UnpackableCodesError(ValueError):
 
 class QuantLinear(QuantModule):
     kind = "packed"
-    # may run on the bit-plane LUT kernel when $BITMOSAIC_LUT_MAX_BITS allows (kernels/lut.py)
+    # at 1-3 storage bits the kernel is the bit-plane LUT ($BITMOSAIC_LUT_MAX_BITS, kernels/lut.py)
     LUT_DECODE = True
 
     def __init__(

@@ -18,10 +18,11 @@
 // group's end are zero in its tables, so padding bits (-1) add nothing.
 // Threads: the row tiles are split with at::parallel_for (torch.get_num_threads()); the loop runs
 // group by group so that a group's tables stay in L1 while its blocks stream through.
-// 2-32 rows of x: the GEMV once per row.  More: a tiled dequantize (exactly (c - z) * s) + at::mm; the float
+// 2-64 rows of x: the GEMV once per row.  More: a tiled dequantize (exactly (c - z) * s) + at::mm; the float
 // weight never exists whole.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 
 #include <cstdint>
 #include <cstring>
@@ -36,7 +37,10 @@ namespace {
 
 constexpr int TILE = 16;
 constexpr int WCOLS = 32;
-constexpr int64_t GEMV_MAX_ROWS = 32;  // up to this many rows of x: the LUT GEMV per row (faster than tiles, benchmarks/lut_gemv.py)
+// Tiles ahead to prefetch in the GEMV: without it the tiles' loads wait on memory whenever the weight
+// is not cache-resident (every layer of a decode step), which cost the LUT its lead over LowBitWeight.
+constexpr int64_t PREFETCH_TILES = 4;
+constexpr int64_t GEMV_MAX_ROWS = 64;  // up to this many rows of x: the LUT GEMV per row (lut_gemv.py --batch)
 
 struct Planes {
   const uint8_t* data;
@@ -321,6 +325,11 @@ torch::Tensor gemv(const Planes& P, const float* x, int isa) {
         const int64_t R = std::min<int64_t>(TILE, brows - t * TILE), n0 = rbi * P.rb + t * TILE;
         const int q = P.bits[rbi * P.G + g];
         const uint8_t* blk = P.data + P.off[rbi * P.G + g] + t * TILE * chunk_bytes * q;
+        if ((t + PREFETCH_TILES) * TILE < brows) {  // a later tile of this block, on its way meanwhile
+          const int64_t tb = TILE * chunk_bytes * q;  // bytes of a full tile
+          const uint8_t* ahead = blk + PREFETCH_TILES * tb;
+          for (int64_t o = 0; o < tb; o += 64) __builtin_prefetch(ahead + o, 0, 3);
+        }
         if (isa == PORTABLE) tile_portable(P, blk, q, R, n0, g, T, xsum[g], yp);
         else tile_dispatch(isa, q, P, blk, R, n0, g, T, xsum[g], yp);
       }
@@ -380,13 +389,25 @@ torch::Tensor lut_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor off,
     const int isa_r = resolve((int)isa);
     for (int64_t m = 0; m < M; ++m) y[m].copy_(gemv(P, x.data_ptr<float>() + m * K, isa_r));
   } else if (M > 0 && N > 0) {
-    auto tile = torch::empty({std::min(tile_rows, N), K}, x.options());
-    for (int64_t r0 = 0; r0 < N; r0 += tile_rows) {
-      const int64_t r1 = std::min(N, r0 + tile_rows);
+    // prefill: each thread dequantizes its own tiles of rows and multiplies each at once (no barrier
+    // between the two, as in qmatmul.cpp; a shared tile stalled whenever one thread was late)
+    const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
+    const int64_t tr = std::max<int64_t>(8, std::min(tile_rows, (N + nt - 1) / nt));
+    auto yt = torch::empty({N, M}, x.options());
+    const auto xt = x.t();
+    const at::ThreadLocalState tls;  // the caller's inference/grad mode for the tensor ops in the workers
+    at::parallel_for(0, (N + tr - 1) / tr, 1, [&](int64_t t0, int64_t t1) {
+      at::ThreadLocalStateGuard guard(tls);
+      auto tile = torch::empty({std::min(tr, N), K}, x.options());
       float* tp = tile.data_ptr<float>();
-      at::parallel_for(r0, r1, 8, [&](int64_t a, int64_t b) { dequant_rows(P, a, b, tp + (a - r0) * K); });
-      y.narrow(1, r0, r1 - r0).copy_(at::mm(x, tile.narrow(0, 0, r1 - r0).t()));
-    }
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t r0 = t * tr, r1 = std::min(N, r0 + tr);
+        dequant_rows(P, r0, r1, tp);
+        auto dst = yt.narrow(0, r0, r1 - r0);
+        at::mm_out(dst, tile.narrow(0, 0, r1 - r0), xt);
+      }
+    });
+    y = yt.t().contiguous();
   }
   return out_index.has_value() ? y.index_select(1, *out_index) : y;
 }
