@@ -53,8 +53,10 @@ __all__ = [
 ]  # fmt: skip
 
 LUT_MAX_BITS_ENV = "BITMOSAIC_LUT_MAX_BITS"
-# 1-3 bits by default: decoding SmolLM2 end to end (1 thread), W2 54.6 / W3 51.2 tok/s against 45.9 /
-# 44.6 on LowBitWeight (decode.md, the "(FMA)" rows); 4 bits is about even per call, so it stays there.
+# 1-3 bits by default: decoding SmolLM2 end to end (1 thread), W2 51.2 / W3 50.0 tok/s against 42.7 /
+# 43.4 on LowBitWeight (decode.md, the "(FMA)" rows; +15-20% in each of three runs).  At 4 bits it
+# is faster per call too, but end to end it measured +4% on 1 thread and -13% on 2 (one run, noisy),
+# so 4 bits stays on LowBitWeight.
 _LUT_MAX_BITS = 3
 
 
