@@ -91,6 +91,14 @@ def available_isas() -> list[str]:
     return [] if ext is None else [k for k, v in ISAS.items() if v and ext.isa_available(v)]
 
 
+def _transposed(attr: str) -> property:
+    """An ``[N, G]`` float32 property stored transposed (``[G, N]``, contiguous) in ``attr``."""
+    return property(
+        lambda self: getattr(self, attr).T.contiguous(),
+        lambda self, value: setattr(self, attr, value.float().T.contiguous()),
+    )
+
+
 class BitPlaneWeight:
     """A low-bit weight in the bit-plane layout; ``matmul`` never builds the whole float weight."""
 
@@ -130,22 +138,9 @@ class BitPlaneWeight:
         z = zeros.float() if torch.is_tensor(zeros) else torch.full((N, G), float(zeros))
         return cls(planes, scales.float().T.contiguous(), z.T.contiguous())
 
-    # [N, G] float32 views, as LowBitWeight's (the kernels keep them transposed)
-    @property
-    def scales(self) -> torch.Tensor:
-        return self.scales_t.T.contiguous()
-
-    @scales.setter
-    def scales(self, value: torch.Tensor) -> None:
-        self.scales_t = value.float().T.contiguous()
-
-    @property
-    def zeros(self) -> torch.Tensor:
-        return self.zeros_t.T.contiguous()
-
-    @zeros.setter
-    def zeros(self, value: torch.Tensor) -> None:
-        self.zeros_t = value.float().T.contiguous()
+    # [N, G] float32, as LowBitWeight's (the kernels keep them transposed in scales_t / zeros_t)
+    scales = _transposed("scales_t")
+    zeros = _transposed("zeros_t")
 
     def _args(self):
         p = self.planes

@@ -24,6 +24,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -296,10 +297,10 @@ void dequant_rows(const Planes& P, int64_t r0, int64_t r1, float* out) {
   }
 }
 
-torch::Tensor gemv(const Planes& P, const float* x, int isa) {
-  auto y = torch::zeros({P.N}, torch::kFloat32);
-  if (P.N == 0 || P.K == 0) return y;
-  float* yp = y.data_ptr<float>();
+// yp[0..N) = W x for one activation row x[0..K).
+void gemv(const Planes& P, const float* x, int isa, float* yp) {
+  std::fill(yp, yp + P.N, 0.f);
+  if (P.N == 0 || P.K == 0) return;
   const int per = (isa == PORTABLE) ? 4 : 8;       // tables per 32-column chunk
   const int entries = (isa == PORTABLE) ? 128 : 16;
   std::vector<int64_t> tbase(P.G + 1, 0);
@@ -335,7 +336,6 @@ torch::Tensor gemv(const Planes& P, const float* x, int isa) {
       }
     }
   });
-  return y;
 }
 
 }  // namespace
@@ -369,26 +369,27 @@ torch::Tensor lut_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor off,
   x = x.contiguous();
   Planes P = make_planes(data, off, bits, sT, zT, N, K, gs, rb);
   const int64_t M = x.size(0);
-  if (M == 1) {
-    const float* xp = x.data_ptr<float>();
-    std::vector<float> xg;
-    if (in_index.has_value()) {
-      xg.resize(K);
-      gather_checked(*in_index, xp, K, xg.data(), "in_index out of range");
-      xp = xg.data();
+  if (M <= GEMV_MAX_ROWS) {  // decode, speculative decode, small batches: one GEMV per row, with the
+    // gather and the un-permutation as plain loops (no extra tensor ops per call)
+    const int64_t n_out = out_index.has_value() ? out_index->numel() : N;
+    auto y = torch::empty({M, n_out}, x.options());
+    std::vector<float> xg(in_index.has_value() ? K : 0), yr(out_index.has_value() ? N : 0);
+    const int isa_r = resolve((int)isa);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xp = x.data_ptr<float>() + m * K;
+      float* yp = y.data_ptr<float>() + m * n_out;
+      if (in_index.has_value()) {
+        gather_checked(*in_index, xp, K, xg.data(), "in_index out of range");
+        xp = xg.data();
+      }
+      gemv(P, xp, isa_r, out_index.has_value() ? yr.data() : yp);
+      if (out_index.has_value()) gather_checked(*out_index, yr.data(), N, yp, "out_index out of range");
     }
-    auto y = gemv(P, xp, resolve((int)isa));
-    if (!out_index.has_value()) return y.reshape({1, N});
-    auto yo = torch::empty({1, out_index->numel()}, x.options());
-    gather_checked(*out_index, y.data_ptr<float>(), N, yo.data_ptr<float>(), "out_index out of range");
-    return yo;
+    return y;
   }
   if (in_index.has_value()) x = x.index_select(1, *in_index);
   auto y = torch::empty({M, N}, x.options());
-  if (M <= GEMV_MAX_ROWS && N > 0) {  // a few rows (speculative decode, small batches): one GEMV each
-    const int isa_r = resolve((int)isa);
-    for (int64_t m = 0; m < M; ++m) y[m].copy_(gemv(P, x.data_ptr<float>() + m * K, isa_r));
-  } else if (M > 0 && N > 0) {
+  if (N > 0) {
     // prefill: each thread dequantizes its own tiles of rows and multiplies each at once (no barrier
     // between the two, as in qmatmul.cpp; a shared tile stalled whenever one thread was late)
     const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
