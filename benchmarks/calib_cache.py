@@ -1,4 +1,4 @@
-"""What the calibration statistics cache (``bitmosaic.models.calib_cache``) saves on SmolLM2-135M.
+"""What the calibration statistics cache (``bitmosaic.pipeline.calib_cache``) saves on SmolLM2-135M.
 
 ``stages``: for each cached kind, the time to compute it, to compute and store it (a cold cache)
 and to load it (a warm cache), the entry's size, and whether the loaded values equal the computed
@@ -24,13 +24,14 @@ import torch
 
 from bitmosaic.api import method_config
 from bitmosaic.data import calibration_samples
-from bitmosaic.models import load_model, quantize_model
+from bitmosaic.io import load_model
+from bitmosaic.io.serialization import atomic_write_text
 from bitmosaic.models.arch import get_arch
-from bitmosaic.models.calib_cache import CalibCache
-from bitmosaic.models.calibration import LayerInputs, capture_layer_inputs, cast_floating
-from bitmosaic.models.capture import capture_groups
-from bitmosaic.models.fisher import fisher_salience
-from bitmosaic.models.serialization import atomic_write_text
+from bitmosaic.pipeline import quantize_model
+from bitmosaic.pipeline.calib_cache import CalibCache
+from bitmosaic.pipeline.calibration import LayerInputs, capture_layer_inputs, cast_floating
+from bitmosaic.pipeline.capture import capture_groups
+from bitmosaic.pipeline.fisher import fisher_salience
 
 from common import RESULTS, base_parser
 

@@ -16,10 +16,11 @@ import torch
 
 from bitmosaic.data import bos_token_id, calibration_samples, eval_tokens
 from bitmosaic.eval.perplexity import perplexity
+from bitmosaic.io import load_model
+from bitmosaic.io.serialization import atomic_write_text
 from bitmosaic.methods import get_method
-from bitmosaic.models import load_model, quantize_model
-from bitmosaic.models.pipeline import peak_rss_mb
-from bitmosaic.models.serialization import atomic_write_text
+from bitmosaic.pipeline import quantize_model
+from bitmosaic.pipeline.pipeline import peak_rss_mb
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

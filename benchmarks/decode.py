@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bitmosaic.models.serialization import atomic_write_text
+from bitmosaic.io.serialization import atomic_write_text
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -49,7 +49,7 @@ def _linear_bytes(model, folder: str) -> tuple[int, int]:
     """(resident, stored) bytes of the linear layers (the tied head excluded)."""
     import torch
 
-    from bitmosaic.models.serialization import quantized_modules, stored_module_bits
+    from bitmosaic.io.serialization import quantized_modules, stored_module_bits
     from bitmosaic.modules.base import resident_bytes
 
     qmods = quantized_modules(model)
@@ -67,7 +67,7 @@ def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repea
 
     import torch
 
-    from bitmosaic.models import load_model, load_quantized
+    from bitmosaic.io import load_model, load_quantized
     from bitmosaic.modules.base import prepare_kernels
 
     torch.set_num_threads(threads)
@@ -162,7 +162,7 @@ def _make_quantized(tmp: Path, bits: int) -> Path:
     import torch
 
     from bitmosaic import quantize_
-    from bitmosaic.models import load_model, save_quantized
+    from bitmosaic.io import load_model, save_quantized
 
     out = tmp / f"w{bits}g128"
     model, tok = load_model("smollm2-135m", dtype=torch.float32)
@@ -230,7 +230,7 @@ def main() -> None:
             "llama.cpp rows skipped: the llama_cpp package is not installed "
             "(pip install llama-cpp-python, or the 'peers' extra)"
         )
-    from bitmosaic.models.loading import _smollm2_gguf
+    from bitmosaic.io.loading import _smollm2_gguf
 
     gguf = str(_smollm2_gguf())
     load_before = os.getloadavg()

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from bitmosaic import quantize_
-from bitmosaic.models import save_quantized
-from bitmosaic.models.export import ExportError, export_model
-from bitmosaic.models.serialization import atomic_write_text
+from bitmosaic.io import save_quantized
+from bitmosaic.io.export import ExportError, export_model
+from bitmosaic.io.serialization import atomic_write_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -85,7 +85,7 @@ def main() -> None:
         suffix = ""
     else:
         from bitmosaic.data import calibration_samples
-        from bitmosaic.models import load_model
+        from bitmosaic.io import load_model
 
         base, tok = load_model(a.model)
         calib = calibration_samples(tok, "wikitext2", a.nsamples, a.seqlen, 0)

@@ -22,7 +22,7 @@ import sys
 from claims import FINDINGS, Finding
 from findings_lib import HERE, MISSING, RESULTS, load, verdict
 
-from bitmosaic.models.serialization import atomic_write_text
+from bitmosaic.io.serialization import atomic_write_text
 
 
 def register(more: list[Finding]) -> None:
@@ -36,11 +36,11 @@ def fresh_babai(nsamples: int = 8, seqlen: int = 256, layers=(0, 15)) -> dict:
 
     from bitmosaic.algorithms import HessianAccumulator
     from bitmosaic.data import calibration_samples
+    from bitmosaic.io import load_model
     from bitmosaic.methods.gptq import BabaiConfig, GPTQConfig, quantize_babai, quantize_gptq
     from bitmosaic.methods.registry import LayerStats
-    from bitmosaic.models import load_model
-    from bitmosaic.models.capture import run_layer
-    from bitmosaic.models.pipeline import capture_layer_inputs
+    from bitmosaic.pipeline.capture import run_layer
+    from bitmosaic.pipeline.pipeline import capture_layer_inputs
 
     model, tok = load_model("smollm2-135m")
     calib = calibration_samples(tok, "wikitext2", nsamples, seqlen, seed=0)

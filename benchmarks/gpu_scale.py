@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from bitmosaic.models.serialization import atomic_write_text
+from bitmosaic.io.serialization import atomic_write_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -28,9 +28,9 @@ import torch
 from torch.nn import functional as F
 
 from bitmosaic.formats.packing import pack_codes
+from bitmosaic.io.serialization import atomic_write_text
 from bitmosaic.kernels.cpu import dequantize_packed
 from bitmosaic.kernels.qmatmul import LowBitWeight, available_isas, extension, kernel_isa
-from bitmosaic.models.serialization import atomic_write_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (4096, 4096), (14336, 4096), (4096, 14336)]

@@ -60,7 +60,7 @@ def main() -> None:
     import copy
 
     from bitmosaic.methods import get_method
-    from bitmosaic.models import quantize_model
+    from bitmosaic.pipeline import quantize_model
 
     model = copy.deepcopy(b.model)
     spec = get_method("gptq")

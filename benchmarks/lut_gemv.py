@@ -35,11 +35,11 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels import median_ms  # noqa: E402  (benchmarks/kernels.py)
 
+from bitmosaic.io.serialization import atomic_write_text  # noqa: E402
 from bitmosaic.kernels import lut  # noqa: E402
 from bitmosaic.kernels.lut import BitPlaneWeight  # noqa: E402
 from bitmosaic.kernels.qmatmul import LowBitWeight  # noqa: E402
 from bitmosaic.kernels.qmatmul import extension as fma_extension  # noqa: E402
-from bitmosaic.models.serialization import atomic_write_text  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (4096, 4096), (14336, 4096)]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 
 from bitmosaic.formats.act import ActQuantSpec
-from bitmosaic.models.serialization import atomic_write_text
+from bitmosaic.io.serialization import atomic_write_text
 
 from common import RESULTS, Bench, base_parser
 

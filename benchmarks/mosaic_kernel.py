@@ -30,8 +30,8 @@ import time
 import torch
 
 from bitmosaic.algorithms.mosaic import mosaic_decompose
+from bitmosaic.io.serialization import atomic_write_text
 from bitmosaic.kernels.mosaic import DECODE_ROWS
-from bitmosaic.models.serialization import atomic_write_text
 from bitmosaic.modules.mosaic import MosaicQuantLinear
 
 from common import RESULTS

@@ -44,14 +44,14 @@ from bitmosaic.algorithms.mosaic import (
 )
 from bitmosaic.data import calibration_samples
 from bitmosaic.formats.act import ActQuantSpec, fake_quant
+from bitmosaic.io import load_model
+from bitmosaic.io.serialization import atomic_write_text
 from bitmosaic.methods import get_method
 from bitmosaic.methods.mosaic import mosaic_transform, mosaic_weight
-from bitmosaic.models import load_model
 from bitmosaic.models.arch import get_arch
-from bitmosaic.models.capture import capture_groups, run_layer
-from bitmosaic.models.pipeline import capture_layer_inputs
-from bitmosaic.models.serialization import atomic_write_text
 from bitmosaic.modules.mosaic import MosaicQuantLinear
+from bitmosaic.pipeline.capture import capture_groups, run_layer
+from bitmosaic.pipeline.pipeline import capture_layer_inputs
 
 from common import RESULTS
 

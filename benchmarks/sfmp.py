@@ -39,9 +39,9 @@ import time
 from pathlib import Path
 
 from bitmosaic.data import calibration_samples
+from bitmosaic.io.serialization import atomic_write_text
 from bitmosaic.methods import get_method
-from bitmosaic.models import quantize_model
-from bitmosaic.models.serialization import atomic_write_text
+from bitmosaic.pipeline import quantize_model
 
 from common import RESULTS, Bench, base_parser
 
@@ -275,8 +275,8 @@ def part_decode(a) -> None:
     """SmolLM2-135M at one point: the reorder / no-reorder decode speed, to ``sfmp_decode.{json,md}``."""
     import torch
 
-    from bitmosaic.models import load_model
-    from bitmosaic.models.fisher import fisher_salience, salience_linear_names
+    from bitmosaic.io import load_model
+    from bitmosaic.pipeline.fisher import fisher_salience, salience_linear_names
 
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bitmosaic.models.serialization import atomic_write_text
+from bitmosaic.io.serialization import atomic_write_text
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -55,7 +55,7 @@ def _child(args) -> dict:
 
     from bitmosaic.data import bos_token_id, calibration_samples, eval_tokens
     from bitmosaic.eval.perplexity import perplexity
-    from bitmosaic.models import load_model
+    from bitmosaic.io import load_model
 
     tool, opts = CONFIGS[args.child]
     opts = dict(opts)

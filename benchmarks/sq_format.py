@@ -34,13 +34,14 @@ from bitmosaic.data import bos_token_id, calibration_samples
 from bitmosaic.eval.perplexity import perplexity
 from bitmosaic.formats.act import ActQuantSpec
 from bitmosaic.formats.sq import act_name, act_storage_bits, parse_sq, weight_name
+from bitmosaic.io import load_quantized, save_quantized
+from bitmosaic.io.serialization import atomic_write_text
 from bitmosaic.methods import get_method
-from bitmosaic.models import load_quantized, quantize_model, save_quantized
-from bitmosaic.models.serialization import atomic_write_text
 from bitmosaic.modules.actquant import attach_input_quant, input_quant_spec
 from bitmosaic.modules.base import set_weight_cache
 from bitmosaic.modules.qlinear import QuantLinear
 from bitmosaic.modules.sq import SQActLinear, SQWeightLinear
+from bitmosaic.pipeline import quantize_model
 
 from common import RESULTS, Bench, base_parser
 
@@ -232,8 +233,8 @@ def part_defaults(b: SQBench) -> None:
     from bitmosaic.algorithms.hessian import HessianAccumulator
     from bitmosaic.algorithms.sq import sq_gptq
     from bitmosaic.models.arch import get_arch
-    from bitmosaic.models.capture import run_layer
-    from bitmosaic.models.pipeline import _apply_transform, capture_layer_inputs
+    from bitmosaic.pipeline.capture import run_layer
+    from bitmosaic.pipeline.pipeline import _apply_transform, capture_layer_inputs
 
     spec = get_method("sq-weights")
     m = copy.deepcopy(b.model)

@@ -67,7 +67,7 @@ def data_dir() -> Path | None:
 @pytest.fixture(scope="session")
 def smollm():
     """The real SmolLM2-135M (model, tokenizer); tests must not modify it (deepcopy first)."""
-    from bitmosaic.models import load_model
+    from bitmosaic.io import load_model
 
     return load_model("smollm2-135m")
 
@@ -83,8 +83,8 @@ def smollm_calib(smollm):
 def real_layer_inputs(model, calib, layer_indices):
     """Yield ``(i, layer, inputs, kwargs)`` for each decoder layer ``i`` in ``layer_indices``, with
     the float model's inputs to that layer on ``calib`` (earlier layers are run to get them)."""
-    from bitmosaic.models.capture import run_layer
-    from bitmosaic.models.pipeline import capture_layer_inputs
+    from bitmosaic.pipeline.capture import run_layer
+    from bitmosaic.pipeline.pipeline import capture_layer_inputs
 
     layers = model.model.layers
     inputs, kw = capture_layer_inputs(model, layers, calib, batch_size=4)

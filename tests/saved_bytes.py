@@ -69,7 +69,7 @@ def saved_digests(case: str, tmp: Path, model_fn=None, tokens=None) -> dict[str,
     from safetensors.torch import load_file
 
     import bitmosaic
-    from bitmosaic.models import save_quantized
+    from bitmosaic.io import save_quantized
 
     method, options = CASES[case]
     threads = torch.get_num_threads()
@@ -100,7 +100,7 @@ def main(argv: list[str]) -> int:
         if "--smollm2" in argv:
             out = Path(argv[argv.index("--smollm2") + 1])
             from bitmosaic.data import calibration_samples
-            from bitmosaic.models import load_model
+            from bitmosaic.io import load_model
 
             tok = load_model("smollm2-135m")[1]
             tokens = calibration_samples(tok, "wikitext2", 8, 256, seed=0)

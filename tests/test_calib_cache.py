@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bitmosaic import quantize_
-from bitmosaic.models.calib_cache import CalibCache, cache_key, default_cache_root, read_entry, write_entry
+from bitmosaic.pipeline.calib_cache import CalibCache, cache_key, default_cache_root, read_entry, write_entry
 from tests.test_pipeline import tiny_llama
 
 
@@ -196,7 +196,7 @@ def test_fisher_key_is_unchanged_and_old_entries_still_load(tmp_path):
     same key) are still found."""
     from safetensors.torch import save_file
 
-    from bitmosaic.models.fisher import fisher_salience, salience_linear_names
+    from bitmosaic.pipeline.fisher import fisher_salience, salience_linear_names
 
     model = tiny_llama()
     calib = _calib(2, 12)

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from bitmosaic import quantize_
-from bitmosaic.models import quantized_modules
-from bitmosaic.models.calibration import LayerInputs, capture_layer_inputs, group_statistics
+from bitmosaic.io import quantized_modules
+from bitmosaic.pipeline.calibration import LayerInputs, capture_layer_inputs, group_statistics
 
 from .test_pipeline import tiny_llama
 
@@ -105,7 +105,7 @@ def test_codes_unchanged_by_the_pass_savings():
     a, b = tiny_llama(layers=2), tiny_llama(layers=2)
     quantize_(a, "gptq", calib, bits=4, group_size=16, progress=False, batch_size=4)
     from bitmosaic.methods import get_method
-    from bitmosaic.models import quantize_model
+    from bitmosaic.pipeline import quantize_model
 
     spec = get_method("gptq")
     quantize_model(

@@ -11,8 +11,8 @@ import torch
 
 from bitmosaic import quantize_
 from bitmosaic.errors import NonFiniteError
-from bitmosaic.models import load_quantized, quantized_modules, save_quantized
-from bitmosaic.models.pipeline import resolve_device
+from bitmosaic.io import load_quantized, quantized_modules, save_quantized
+from bitmosaic.pipeline.pipeline import resolve_device
 
 from .test_pipeline import tiny_llama
 
@@ -76,7 +76,7 @@ def test_stacked_shared_hessian_rows_equal_separate_calls(calib):
     are those of separate per-linear GPTQ calls on the same Hessian."""
     from bitmosaic.algorithms import gptq_quantize, make_order
     from bitmosaic.formats.grid import IntGrid
-    from bitmosaic.models.calibration import LayerInputs, capture_layer_inputs, group_statistics
+    from bitmosaic.pipeline.calibration import LayerInputs, capture_layer_inputs, group_statistics
 
     m = tiny_llama(layers=1)
     layer = m.model.layers[0]

@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 from bitmosaic import quantize_
 from bitmosaic.cli import main
 from bitmosaic.formats.wordpack import pack_words, unpack_words
-from bitmosaic.models import load_quantized, save_quantized
-from bitmosaic.models.export import MARKER, ExportError, export_model
+from bitmosaic.io import load_quantized, save_quantized
+from bitmosaic.io.export import MARKER, ExportError, export_model
 
 from .test_io_helpers import SPECIALS, VOCAB, tiny_llama, word_tokenizer
 

@@ -32,7 +32,7 @@ def _calib():
 
 def _save(path, method, options, model=None):
     from bitmosaic import quantize_
-    from bitmosaic.models import save_quantized
+    from bitmosaic.io import save_quantized
 
     m = model if model is not None else tiny_llama()
     quantize_(m, method, _calib(), progress=False, **options)
@@ -59,8 +59,8 @@ def test_from_pretrained_loads_every_kind_bit_for_bit(saved, name):
     from transformers import AutoModelForCausalLM
 
     import bitmosaic  # noqa: F401  (registers the quantizer)
-    from bitmosaic.models import load_quantized
-    from bitmosaic.models.serialization import quantized_modules
+    from bitmosaic.io import load_quantized
+    from bitmosaic.io.serialization import quantized_modules
 
     path, quantized = saved[name]
     hf = AutoModelForCausalLM.from_pretrained(path)
@@ -83,7 +83,7 @@ def test_from_pretrained_loads_every_kind_bit_for_bit(saved, name):
 
 def test_load_short_form_and_save_pretrained_round_trip(saved, tmp_path):
     import bitmosaic
-    from bitmosaic.models import load_quantized
+    from bitmosaic.io import load_quantized
 
     path, _ = saved["gptq-act-w3"]
     model = bitmosaic.load(path)
@@ -110,7 +110,7 @@ def test_folder_from_an_older_bitmosaic_loads(tmp_path):
     """First-format folders listed layers without ``kind`` (packed was the only kind) and carried
     no recipe or provenance: both loaders still take them."""
     import bitmosaic
-    from bitmosaic.models import load_quantized
+    from bitmosaic.io import load_quantized
 
     path = tmp_path / "old"
     _save(path, "rtn", {"bits": 4, "group_size": 32})
@@ -150,7 +150,7 @@ def test_registration_is_lazy_and_idempotent():
         "import sys, bitmosaic\n"
         "assert 'transformers' not in sys.modules, 'import bitmosaic imported transformers'\n"
         "from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING as Q\n"
-        "from bitmosaic.models.hf_integration import BitmosaicHfQuantizer, register\n"
+        "from bitmosaic.io.hf_integration import BitmosaicHfQuantizer, register\n"
         "assert Q['bitmosaic'] is BitmosaicHfQuantizer\n"
         "register(); register()\n"
         "import importlib; importlib.reload(bitmosaic)\n"
@@ -166,7 +166,7 @@ def test_smollm2_through_transformers(smollm, smollm_calib, tmp_path):
     import copy
 
     import bitmosaic
-    from bitmosaic.models import load_quantized, save_quantized
+    from bitmosaic.io import load_quantized, save_quantized
 
     model = copy.deepcopy(smollm[0])
     bitmosaic.quantize_(model, "rtn", smollm_calib, bits=4, group_size=128, progress=False)

@@ -83,7 +83,7 @@ def test_gemma_cli_eval_uses_bos_and_records_it(tmp_path, capsys):
     res = json.loads(js.read_text())
     assert res["bos"] is True
     # the same model scored without BOS windows differs: the protocol really changed
-    from bitmosaic.models import load_model
+    from bitmosaic.io import load_model
 
     model, tok = load_model(str(d))
     ids = eval_tokens(tok, f)

@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import bitmosaic.models as bm_models
+import bitmosaic.io as bm_io
+import bitmosaic.pipeline as bm_pipeline
 from bitmosaic.cli import main
 
 from .test_io_helpers import is_bitmosaic, quantized_dir, save_hf_dir, snapshot, tiny_llama, words
@@ -56,7 +57,7 @@ def _never(*args, **kwargs):
 def test_out_at_the_source_model_is_refused_before_any_work(tmp_path, text, capsys, monkeypatch):
     src = save_hf_dir(tmp_path / "float")
     before = snapshot(src)
-    monkeypatch.setattr(bm_models, "load_model", _never)
+    monkeypatch.setattr(bm_io, "load_model", _never)
     line = _error_line(capsys, _quantize(src, text, "--out", str(src), "--overwrite"))
     assert "not a bitmosaic model folder" in line and "--out" in line
     assert snapshot(src) == before
@@ -133,7 +134,7 @@ def test_documented_pipeline_errors_are_one_line(tmp_path, text, capsys, monkeyp
     def boom(*args, **kwargs):
         raise exc
 
-    monkeypatch.setattr(bm_models, "quantize_model", boom)
+    monkeypatch.setattr(bm_pipeline, "quantize_model", boom)
     line = _error_line(capsys, _quantize(save_hf_dir(tmp_path / "m"), text))
     assert line.startswith("error: ") and str(exc).split()[0] in line
 
@@ -149,7 +150,7 @@ def test_internal_bugs_still_raise(tmp_path, text, monkeypatch):
     def bug(*args, **kwargs):
         raise KeyError("internal")
 
-    monkeypatch.setattr(bm_models, "quantize_model", bug)
+    monkeypatch.setattr(bm_pipeline, "quantize_model", bug)
     with pytest.raises(KeyError):
         main(_quantize(save_hf_dir(tmp_path / "m"), text))
 
@@ -176,7 +177,7 @@ def test_quantize_passes_device_and_dtype(tmp_path, text, monkeypatch):
         seen.update(kw, dtype=model.model.embed_tokens.weight.dtype)
         raise Stop
 
-    monkeypatch.setattr(bm_models, "quantize_model", spy)
+    monkeypatch.setattr(bm_pipeline, "quantize_model", spy)
     src = save_hf_dir(tmp_path / "m", model=tiny_llama().to(torch.bfloat16))
     with pytest.raises(Stop):
         main(_quantize(src, text, "--dtype", "float16"))
@@ -200,7 +201,7 @@ def test_quantize_report_records_device_dtype_and_bos(tmp_path, text):
 
 def test_cuda_unavailable_is_one_line(tmp_path, text, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(bm_models, "load_model", _never)
+    monkeypatch.setattr(bm_io, "load_model", _never)
     for argv in (_quantize("x", text, "--device", "cuda"), ["eval", "x", "--device", "cuda"]):
         assert "CUDA is not available" in _error_line(capsys, argv)
 

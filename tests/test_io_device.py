@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from bitmosaic.errors import BitmosaicError, CorruptModelError, DeviceError
-from bitmosaic.models import load_model, load_quantized
-from bitmosaic.models.loading import checkpoint_dtype, resolve_device, resolve_dtype, resolve_model_spec
+from bitmosaic.io import load_model, load_quantized
+from bitmosaic.io.loading import checkpoint_dtype, resolve_device, resolve_dtype, resolve_model_spec
 
 from .test_io_helpers import quantized_dir, save_hf_dir, tiny_llama
 

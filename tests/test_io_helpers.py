@@ -87,7 +87,7 @@ def save_hf_dir(path: Path, model=None, bos: bool = False) -> Path:
 def quantized_dir(path: Path, *, tokenizer: bool = True) -> Path:
     """A bitmosaic folder: the tiny Llama quantized with RTN w4 g32."""
     from bitmosaic import quantize_
-    from bitmosaic.models import save_quantized
+    from bitmosaic.io import save_quantized
 
     m = tiny_llama()
     calib = torch.randint(len(SPECIALS), VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))

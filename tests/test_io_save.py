@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bitmosaic.errors import BitmosaicError, CorruptModelError, NonFiniteError, OutputExistsError
-from bitmosaic.models import load_model, load_quantized, save_quantized
+from bitmosaic.io import load_model, load_quantized, save_quantized
 
 from .test_io_helpers import is_bitmosaic, quantized_dir, save_hf_dir, snapshot, tiny_llama
 
@@ -124,7 +124,7 @@ def test_no_weights_file(saved):
 
 
 def test_missing_shard_and_broken_index(tmp_path, monkeypatch):
-    import bitmosaic.models.serialization as ser
+    import bitmosaic.io.serialization as ser
 
     monkeypatch.setattr(ser, "SHARD_BYTES", 20_000)
     out = save_quantized(_quantized_model(), tmp_path / "sharded", {"method": "rtn"})

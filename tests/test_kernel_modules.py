@@ -8,7 +8,7 @@ import torch
 from torch.nn import functional as F
 
 from bitmosaic import quantize_
-from bitmosaic.models import load_quantized, quantized_modules, save_quantized
+from bitmosaic.io import load_quantized, quantized_modules, save_quantized
 from bitmosaic.modules.base import QuantModule, prepare_kernels
 
 from .test_pipeline import tiny_llama

@@ -12,7 +12,7 @@ from bitmosaic import quantize_
 from bitmosaic.algorithms.types import QuantResult
 from bitmosaic.formats.grid import fp16_exact
 from bitmosaic.formats.layout import default_g_idx, num_groups
-from bitmosaic.models import quantized_modules
+from bitmosaic.io import quantized_modules
 from bitmosaic.modules import MODULE_KINDS, QuantLinear, UnpackableCodesError, set_weight_cache
 from bitmosaic.modules.base import QuantModule
 

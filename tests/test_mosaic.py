@@ -27,8 +27,8 @@ from bitmosaic.algorithms.mosaic import (
 )
 from bitmosaic.errors import OptionError
 from bitmosaic.formats.act import ActQuantSpec
+from bitmosaic.io import load_quantized, save_quantized
 from bitmosaic.methods import get_method
-from bitmosaic.models import load_quantized, save_quantized
 from bitmosaic.modules.mosaic import MosaicQuantLinear
 
 from .conftest import correlated_inputs

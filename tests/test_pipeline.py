@@ -7,15 +7,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bitmosaic import quantize_
-from bitmosaic.models import (
-    QuantLinear,
-    UnknownArchitectureError,
-    get_arch,
-    load_quantized,
-    quantized_modules,
-    save_quantized,
-)
-from bitmosaic.models.pipeline import StopForward, capture_layer_inputs
+from bitmosaic.io import load_quantized, quantized_modules, save_quantized
+from bitmosaic.models import UnknownArchitectureError, get_arch
+from bitmosaic.modules import QuantLinear
+from bitmosaic.pipeline.pipeline import StopForward, capture_layer_inputs
 
 
 def tiny_llama(seed=0, layers=2, kv_heads=2):
@@ -174,7 +169,7 @@ def test_no_clip_codes_are_stored_exactly(tmp_path, calib):
 def test_interrupted_save_leaves_nothing(tmp_path, calib, monkeypatch):
     m = tiny_llama()
     quantize_(m, "rtn", calib, bits=4, group_size=32, progress=False)
-    import bitmosaic.models.serialization as ser
+    import bitmosaic.io.serialization as ser
 
     def fail(*a, **k):
         raise OSError("disk full")

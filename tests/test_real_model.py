@@ -37,7 +37,7 @@ def calib(smollm_calib):
 @pytest.fixture(scope="module")
 def real_layer(smollm, calib):
     """Weights and float64 Hessians of decoder layer 2's q_proj and down_proj on real activations."""
-    from bitmosaic.models.calibration import group_statistics
+    from bitmosaic.pipeline.calibration import group_statistics
 
     _, layer, inputs, kwargs = next(real_layer_inputs(smollm[0], calib, [2]))
     out = {}
@@ -89,7 +89,7 @@ def test_real_model_gptq_w4_end_to_end(smollm, calib, tmp_path):
     from bitmosaic import quantize_
     from bitmosaic.data import eval_tokens
     from bitmosaic.eval import perplexity
-    from bitmosaic.models import load_quantized, save_quantized
+    from bitmosaic.io import load_quantized, save_quantized
 
     model, tok = smollm
     ids = eval_tokens(tok, "wikitext2", data_dir=data_dir())

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from bitmosaic.errors import OptionError
-from bitmosaic.models.recipe import Recipe, load_recipe, quantize_with_recipe
+from bitmosaic.pipeline.recipe import Recipe, load_recipe, quantize_with_recipe
 
 from .test_io_helpers import SPECIALS, VOCAB, save_hf_dir, tiny_llama, words
 
@@ -93,8 +93,8 @@ def test_one_entry_recipe_is_the_plain_method():
 def test_overrides_and_skips_reach_every_linear(tmp_path):
     from bitmosaic.algorithms import rtn_quantize
     from bitmosaic.formats.grid import IntGrid
-    from bitmosaic.models import save_quantized
-    from bitmosaic.models.serialization import quantized_modules
+    from bitmosaic.io import save_quantized
+    from bitmosaic.io.serialization import quantized_modules
 
     model = tiny_llama()
     float_down = model.model.layers[1].mlp.down_proj.weight.detach().clone()

@@ -9,7 +9,7 @@ import torch
 from bitmosaic.algorithms import babai_bound, gptq_quantize, hessian_error, make_order, relative_output_error
 from bitmosaic.algorithms.rtn import rtn_quantize
 from bitmosaic.formats.grid import IntGrid
-from bitmosaic.models.report import error_metrics
+from bitmosaic.pipeline.report import error_metrics
 
 
 def _direct(W, Wq, H, Hd):

@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bitmosaic import quantize_
-from bitmosaic.models import load_quantized, quantized_modules, save_quantized
+from bitmosaic.io import load_quantized, quantized_modules, save_quantized
 from bitmosaic.modules import set_weight_cache
 from bitmosaic.modules.base import QuantModule, prepare_kernels, resident_bytes
 

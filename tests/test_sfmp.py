@@ -231,7 +231,7 @@ def test_sfmp_kernel_forward_matches_reference_and_folds_exactly(tiny_sfmp):
 
 
 def test_sfmp_save_load_round_trip(tiny_sfmp, tmp_path):
-    from bitmosaic.models import load_quantized, save_quantized
+    from bitmosaic.io import load_quantized, save_quantized
 
     model, _, _, _ = tiny_sfmp
     ids = _calib(model, 2, 16)
@@ -246,7 +246,7 @@ def test_sfmp_save_load_round_trip(tiny_sfmp, tmp_path):
 
 
 def test_fisher_is_the_per_sample_squared_gradient_and_is_cached(tiny_sfmp):
-    from bitmosaic.models.fisher import fisher_salience, salience_linear_names
+    from bitmosaic.pipeline.fisher import fisher_salience, salience_linear_names
 
     _, ref, _, cache = tiny_sfmp
     model = copy.deepcopy(ref)

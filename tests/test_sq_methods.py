@@ -16,8 +16,8 @@ from bitmosaic.algorithms.sq import (
 from bitmosaic.cli import build_parser
 from bitmosaic.formats.act import ActQuantSpec
 from bitmosaic.formats.sq import check_mask, pack_sq, parse_sq, unpack_sq
+from bitmosaic.io import load_quantized, save_quantized
 from bitmosaic.methods import get_method
-from bitmosaic.models import load_quantized, save_quantized
 from bitmosaic.modules.qlinear import QuantLinear
 from bitmosaic.modules.sq import SQActLinear, SQWeightLinear
 

@@ -8,10 +8,10 @@ import torch
 
 from bitmosaic import quantize_
 from bitmosaic.cli import build_parser
+from bitmosaic.io import load_quantized, save_quantized
 from bitmosaic.methods import get_method
-from bitmosaic.models import load_quantized, save_quantized
 from bitmosaic.models.arch import get_arch
-from bitmosaic.models.pipeline import _apply_transform, capture_layer_inputs
+from bitmosaic.pipeline.pipeline import _apply_transform, capture_layer_inputs
 
 from .test_pipeline import tiny_llama
 

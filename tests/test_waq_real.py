@@ -23,7 +23,7 @@ pytestmark = [
 def layer2(smollm, smollm_calib):
     """Float-input captures of decoder layer 2's groups (its down_proj input has ~90x outliers)."""
     from bitmosaic.models.arch import get_arch
-    from bitmosaic.models.capture import capture_groups
+    from bitmosaic.pipeline.capture import capture_groups
 
     _, layer, inputs, kwargs = next(real_layer_inputs(smollm[0], smollm_calib, [2]))
     caps = capture_groups(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bitmosaic import quantize_
-from bitmosaic.models import load_quantized, quantized_modules, save_quantized
+from bitmosaic.io import load_quantized, quantized_modules, save_quantized
 
 from .test_pipeline import tiny_llama
 

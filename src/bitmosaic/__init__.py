@@ -21,7 +21,7 @@ def __getattr__(name: str):
 
         return quantize_
     if name == "load":
-        from .models.hf_integration import load
+        from .io.hf_integration import load
 
         return load
     if name in ("get_method", "list_methods"):

@@ -17,7 +17,10 @@ _TARGET = "transformers.quantizers.auto"
 
 
 def _register() -> None:
-    from .models.hf_integration import register
+    mod = sys.modules.get(f"{__package__}.io.hf_integration")
+    if mod is not None and not hasattr(mod, "register"):
+        return  # it is importing transformers' registry right now, and registers at its own end
+    from .io.hf_integration import register
 
     register()
 

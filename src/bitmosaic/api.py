@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from .errors import OptionError
-from .models.pipeline import RunReport, quantize_model
-from .models.recipe import method_config
+from .pipeline.pipeline import RunReport, quantize_model
+from .pipeline.recipe import method_config
 
 __all__ = ["quantize_"]
 
@@ -44,8 +44,8 @@ def quantize_(
     error metrics.  ``salience`` / ``salience_tokens`` (methods with a global allocation: ``sfmp``): a
     precomputed Fisher diagonal per decoder linear (qualified name -> ``[out, in]``), or the tokens
     to estimate it from instead of ``calib`` (e.g. more samples).  ``calib_cache`` (a
-    :class:`~bitmosaic.models.calib_cache.CalibCache`) shares the float-model statistics between
-    runs.  See :func:`bitmosaic.models.pipeline.quantize_model`.
+    :class:`~bitmosaic.pipeline.calib_cache.CalibCache`) shares the float-model statistics between
+    runs.  See :func:`bitmosaic.pipeline.pipeline.quantize_model`.
     """
     spec, config = method_config(method, options, scheme)
     if spec.allocate is None and (salience is not None or salience_tokens is not None):

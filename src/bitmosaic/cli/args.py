@@ -159,7 +159,7 @@ def task_list(text: str | None) -> list[str]:
 
 
 def add_cache_args(p: argparse.ArgumentParser) -> None:
-    """``--cache-dir`` / ``--no-cache``: the calibration statistics cache (bitmosaic.models.calib_cache)."""
+    """``--cache-dir`` / ``--no-cache``: the calibration statistics cache (bitmosaic.pipeline.calib_cache)."""
     c = p.add_mutually_exclusive_group()
     c.add_argument(
         "--cache-dir",
@@ -171,7 +171,7 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
 
 
 def calib_cache_from_args(args):
-    from ..models.calib_cache import CalibCache
+    from ..pipeline.calib_cache import CalibCache
 
     if getattr(args, "no_cache", False):
         return CalibCache(None)

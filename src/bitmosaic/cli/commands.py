@@ -51,7 +51,7 @@ def _check_json_path(path: str | None) -> None:
 
 def _write_json(path: str | None, obj: dict) -> None:
     if path:
-        from ..models.serialization import atomic_write_text
+        from ..io.serialization import atomic_write_text
 
         atomic_write_text(path, json.dumps(obj, indent=2))
         print(f"report written to {path}")
@@ -68,7 +68,7 @@ def recipe_from_args(args):
     """The recipe of a ``quantize`` command line: ``--recipe FILE``, or the flags as a one-entry recipe."""
     from ..errors import OptionError
     from ..methods import get_method
-    from ..models.recipe import Recipe, load_recipe
+    from ..pipeline.recipe import Recipe, load_recipe
     from .args import _OPTIONAL_FIELDS
     from .sfmp_args import _SFMP_FLAGS
 
@@ -96,7 +96,7 @@ def run_recipe(model, tok, recipe, args, device, progress: bool, calib=None):
     import torch
 
     from ..data import bos_token_id, calibration_samples
-    from ..models.recipe import quantize_with_recipe
+    from ..pipeline.recipe import quantize_with_recipe
 
     if calib is None:
         calib = calibration_samples(
@@ -134,7 +134,7 @@ def provenance(args, recipe, calib, tok, device, dtype) -> dict:
     import torch
 
     from ..data import bos_token_id
-    from ..models.provenance import calibration_fingerprint, library_versions
+    from ..io.provenance import calibration_fingerprint, library_versions
 
     fp = calibration_fingerprint(calib, source=args.calib, seed=args.seed, bos=bos_token_id(tok) is not None)
     return {
@@ -155,10 +155,10 @@ def provenance(args, recipe, calib, tok, device, dtype) -> dict:
 def cmd_quantize(args) -> int:
     import torch
 
-    from ..models import load_model, save_quantized
-    from ..models.loading import resolve_device, resolve_dtype
-    from ..models.pipeline import peak_rss_mb
-    from ..models.sfmp import sfmp_run_info
+    from ..io import load_model, save_quantized
+    from ..io.loading import resolve_device, resolve_dtype
+    from ..pipeline.pipeline import peak_rss_mb
+    from ..pipeline.sfmp import sfmp_run_info
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -169,7 +169,7 @@ def cmd_quantize(args) -> int:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device, args.model)
     if args.out:  # refuse a bad --out (or --json) before hours of work, not after
-        from ..models.serialization import check_output_dir
+        from ..io.serialization import check_output_dir
 
         check_output_dir(args.out, args.overwrite)
     _check_json_path(args.json)
@@ -251,8 +251,8 @@ def cmd_eval(args) -> int:
     import torch
 
     from ..errors import BitmosaicError
-    from ..models import load_model
-    from ..models.loading import resolve_device, resolve_dtype
+    from ..io import load_model
+    from ..io.loading import resolve_device, resolve_dtype
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -280,8 +280,8 @@ def _dir_size(path: Path) -> int:
 
 def cmd_inspect(args) -> int:
     from ..errors import CorruptModelError
-    from ..models.serialization import read_quant_config, stored_module_bits
-    from ..models.sfmp import stored_sfmp_summary
+    from ..io.serialization import read_quant_config, stored_module_bits
+    from ..pipeline.sfmp import stored_sfmp_summary
 
     path = Path(args.dir)
     _, qc = read_quant_config(path)

@@ -46,7 +46,7 @@ def _shared(args, names: list[tuple[str, str]]) -> list[str]:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from ..eval.compare import parse_configs, run_compare
-    from ..models.calib_cache import default_cache_root
+    from ..pipeline.calib_cache import default_cache_root
 
     configs = parse_configs(args.configs)
     both = [("data_dir", "--data-dir"), ("threads", "--threads"), ("tasks", "--tasks"),

@@ -1,5 +1,5 @@
 """``bitmosaic export DIR --format {gptq,compressed-tensors} --out OUT``: a saved result as a checkpoint
-that transformers, vLLM, SGLang and GPTQModel load (see :mod:`bitmosaic.models.export`)."""
+that transformers, vLLM, SGLang and GPTQModel load (see :mod:`bitmosaic.io.export`)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def add_export_parser(sub) -> None:
 
 
 def cmd_export(args) -> int:
-    from ..models.export import export_model
+    from ..io.export import export_model
 
     res = export_model(
         args.dir, args.out, args.fmt, lossy=args.lossy, gptq_v2=args.gptq_v2, overwrite=args.overwrite

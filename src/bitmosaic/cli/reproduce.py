@@ -5,7 +5,7 @@ recorded one), 2 on bad input.
 
 The folder's ``quantization_config`` holds ``recipe`` and ``provenance`` (model, calibration
 fingerprint, device, dtype, threads, batch size, library versions; see
-:mod:`bitmosaic.models.provenance`).  The run uses the recorded device and thread count unless
+:mod:`bitmosaic.io.provenance`).  The run uses the recorded device and thread count unless
 ``--device`` / ``--threads`` say otherwise; a different torch build, device or thread count can
 change float rounding, so the versions are printed side by side.
 """
@@ -31,7 +31,7 @@ def add_reproduce_parser(sub) -> None:
 
 def _recorded(path: Path, qc: dict):
     from ..errors import BitmosaicError
-    from ..models.recipe import Recipe
+    from ..pipeline.recipe import Recipe
 
     recipe, prov = qc.get("recipe"), qc.get("provenance")
     if not isinstance(recipe, dict) or not isinstance(prov, dict):
@@ -84,10 +84,10 @@ def cmd_reproduce(args) -> int:
     import torch
 
     from ..data import calibration_samples
-    from ..models import load_model
-    from ..models.loading import resolve_device
-    from ..models.provenance import calibration_fingerprint, compare_fingerprints, library_versions
-    from ..models.serialization import _read_state_dict, _state_dict_for_save, read_quant_config
+    from ..io import load_model
+    from ..io.loading import resolve_device
+    from ..io.provenance import calibration_fingerprint, compare_fingerprints, library_versions
+    from ..io.serialization import _read_state_dict, _state_dict_for_save, read_quant_config
     from .commands import _check_json_path, _write_json, run_recipe
 
     path = Path(args.dir)

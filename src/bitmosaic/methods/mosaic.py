@@ -2,7 +2,7 @@
 Δ-Hessian score), after SmoothQuant smoothing with a per-layer α search.
 
 - Smoothing (Eq. 3, App. C.1): ``s_j = max|X_j|^α / max|W_j|^(1-α)``, shared across q/k/v and
-  across gate/up and folded as :mod:`bitmosaic.models.smoothing` does (norms, ``v_proj`` when the
+  across gate/up and folded as :mod:`bitmosaic.pipeline.smoothing` does (norms, ``v_proj`` when the
   widths match, ``up_proj``).  ``o_proj`` under grouped-query attention (SmolLM2, Llama 3, Qwen)
   has no op to fold into and is left **unsmoothed** (MosaicQuant still applies to it).
 - α per layer and group: the grid ``alpha_grid`` (default 0.3..1.0, including full migration) is

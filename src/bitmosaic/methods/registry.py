@@ -8,9 +8,9 @@ Two optional hooks: ``pack`` (result -> module, for formats beyond the plain pac
 ``transform`` (``fn(captures, config) -> per-group info``), which runs once per decoder layer
 *before* its linears are quantized, on statistics of the float layer's inputs, and returns the
 per-channel factors to fold into the preceding ops (SmoothQuant, AWQ; see
-:mod:`bitmosaic.models.smoothing`); and ``allocate`` (``fn(saliences, config) -> summary``), run
+:mod:`bitmosaic.pipeline.smoothing`); and ``allocate`` (``fn(saliences, config) -> summary``), run
 once on the float model before calibration with the Fisher diagonal of every decoder linear
-(SFMP's global bit allocation; see :mod:`bitmosaic.models.fisher`).
+(SFMP's global bit allocation; see :mod:`bitmosaic.pipeline.fisher`).
 
 Every config carries ``act``: the activation quantizer applied at the input of each quantized
 linear (``None`` = 16-bit activations), so every weight method composes with every activation

@@ -16,7 +16,7 @@ A recipe is a YAML or JSON mapping::
 ``group_size: -1`` means per-channel (``null`` too).  The CLI flags are a one-entry recipe
 (:meth:`Recipe.from_options`), so both take one code path: :func:`quantize_with_recipe` builds a
 resolver (qualified linear name -> ``(MethodSpec, config)`` or ``None`` to skip) for
-:func:`bitmosaic.models.pipeline.quantize_model`.  Every mistake is a one-line
+:func:`bitmosaic.pipeline.pipeline.quantize_model`.  Every mistake is a one-line
 :class:`~bitmosaic.errors.OptionError` naming the bad key and the fix; every pattern must match at
 least one linear of the model.
 
@@ -206,9 +206,9 @@ def load_recipe(path: str | os.PathLike) -> Recipe:
 
 def quantize_with_recipe(model, calib, recipe: Recipe, **pipeline_kwargs):
     """Quantize ``model`` in place as ``recipe`` says; returns the run report
-    (see :func:`bitmosaic.models.pipeline.quantize_model` for ``pipeline_kwargs``)."""
-    from . import quantize_model  # the package's name, so callers (and tests) can wrap it
-    from .arch import get_arch
+    (see :func:`bitmosaic.pipeline.pipeline.quantize_model` for ``pipeline_kwargs``)."""
+    from ..models.arch import get_arch
+    from ..pipeline import quantize_model  # the package's name, so callers (and tests) can wrap it
 
     arch = pipeline_kwargs.pop("arch", None) or get_arch(model)
     names = [

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..algorithms.smooth import fold_scales_into_linear_rows, fold_scales_into_norm
-from .arch import ArchSpec
+from ..models.arch import ArchSpec
 from .capture import foldable
 
 __all__ = ["fold_group_scales"]

@@ -1,6 +1,6 @@
 """Export a bitmosaic result to the checkpoint formats serving stacks load: GPTQ
-(:mod:`~bitmosaic.models.export.gptq`) and compressed-tensors
-(:mod:`~bitmosaic.models.export.compressed_tensors`).
+(:mod:`~bitmosaic.io.export.gptq`) and compressed-tensors
+(:mod:`~bitmosaic.io.export.compressed_tensors`).
 
 :func:`export_model` writes the layers a format can hold bit-identically; a layer it cannot hold is
 refused with the reason (Huffman codes, DPQ's FP8-domain scales, SSQR's sparse outliers, no-clip

@@ -34,7 +34,7 @@ from torch import nn
 
 from ..errors import CorruptModelError, OutputExistsError, check_finite
 from ..modules.qmodules import full_layer_config, module_from_layer_config
-from .sfmp import fold_model_permutations, sfmp_saved_info
+from ..pipeline.sfmp import fold_model_permutations, sfmp_saved_info
 
 __all__ = [
     "FORMAT_VERSION",

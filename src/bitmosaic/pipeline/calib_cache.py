@@ -1,6 +1,6 @@
 """On-disk cache of the calibration statistics that quantization runs can share.
 
-**What is shareable.**  The pipeline (:mod:`bitmosaic.models.pipeline`) is sequential: the inputs of
+**What is shareable.**  The pipeline (:mod:`bitmosaic.pipeline.pipeline`) is sequential: the inputs of
 decoder layer ``i > 0`` -- and of every group of a layer after its first -- are computed by the
 already *quantized* earlier layers and groups, so they, their Hessians ``2/n XᵀX`` and their
 activation statistics differ from method to method (and from config to config).  Only statistics of
@@ -9,12 +9,12 @@ the *float* model can be shared, and only these are consumed from it:
 ``inputs``
     The hidden states entering decoder layer 0 and the keyword arguments (rotary embeddings,
     masks, positions) every kind of layer receives
-    (:func:`~bitmosaic.models.calibration.capture_layer_inputs`).
+    (:func:`~bitmosaic.pipeline.calibration.capture_layer_inputs`).
     Every calibrating method (GPTQ, Babai, DPQ, SmoothQuant, AWQ, SQ-format, Mosaic, SFMP, static
     activation scales) starts from them.
 ``captures``
     The float statistics of layer 0's groups that a smoothing ``transform`` reads
-    (:func:`~bitmosaic.models.capture.capture_groups`): per-channel ``max|x|`` (SmoothQuant, Mosaic),
+    (:func:`~bitmosaic.pipeline.capture.capture_groups`): per-channel ``max|x|`` (SmoothQuant, Mosaic),
     ``mean|x|`` (AWQ, SFMP's AWQ solver), the Hessian (AWQ, Mosaic, SFMP) and the seeded token
     sample (SmoothQuant's alpha search, Mosaic; its size ``max_tokens`` is part of the key, so
     SmoothQuant and SQ-format share an entry, AWQ and SFMP another), plus ``mean x`` (so the
@@ -23,7 +23,7 @@ the *float* model can be shared, and only these are consumed from it:
     layers see inputs from quantized layers.
 ``fisher``
     The Fisher-diagonal salience of every decoder linear (SFMP's allocation,
-    :mod:`bitmosaic.models.fisher`), computed with the whole float model.
+    :mod:`bitmosaic.pipeline.fisher`), computed with the whole float model.
 
 Not cached: Hessians and observers of the sequential pass (SQ-format's static mask statistics and
 static activation scales are gathered there too), since they depend on how earlier layers were

@@ -1,6 +1,6 @@
 """The sequential layer-by-layer calibration pipeline, on the CPU or a GPU.
 
-1. Capture the decoder-layer inputs (:func:`~bitmosaic.models.calibration.capture_layer_inputs`).
+1. Capture the decoder-layer inputs (:func:`~bitmosaic.pipeline.calibration.capture_layer_inputs`).
 2. For each decoder layer: move it to the calibration ``device``; for each true-sequential group
    (q/k/v -> o -> gate/up -> down) accumulate ``H = 2/n sum x x^T`` in float32 on the device
    (modules fed the very same tensor share one Hessian), stopping the layer's forward as soon as
@@ -19,7 +19,7 @@ float layer's group inputs and return per-channel factors that are folded into t
 With activation quantization (``config.act``) each linear's static input scale is calibrated on
 its inputs as they arrive and an input quantizer is attached once it is quantized.
 
-With a calibration cache (:mod:`bitmosaic.models.calib_cache`), step 1's captured inputs, the
+With a calibration cache (:mod:`bitmosaic.pipeline.calib_cache`), step 1's captured inputs, the
 float layer 0's transform statistics and the Fisher salience -- the statistics of the float model,
 the only ones methods can share -- come from disk when an earlier run stored them (bit-identical).
 
@@ -39,10 +39,11 @@ from tqdm.auto import tqdm
 from ..algorithms.lattice import order_bound_table
 from ..errors import OptionError, check_finite
 from ..formats.grid import IntGrid
+from ..io.loading import resolve_device as _resolve_named_device
 from ..methods.registry import LayerStats, MethodSpec, WeightQuantConfig
+from ..models.arch import ArchSpec, get_arch
 from ..modules.actquant import attach_input_quant
 from ..modules.qlinear import QuantLinear
-from .arch import ArchSpec, get_arch
 from .calib_cache import CalibCache
 from .calibration import (
     LayerInputs,
@@ -54,7 +55,6 @@ from .calibration import (
     layer_kind,
 )
 from .capture import capture_groups, run_layer
-from .loading import resolve_device as _resolve_named_device
 from .report import RunReport, error_metrics, peak_rss_mb
 from .sfmp import allocate_with_salience, fold_model_permutations
 from .smoothing import fold_group_scales
@@ -70,7 +70,7 @@ __all__ = [
 
 
 def resolve_device(device: str | torch.device | None, model: nn.Module | None = None) -> torch.device:
-    """``None`` -> where the model is; otherwise :func:`bitmosaic.models.loading.resolve_device`
+    """``None`` -> where the model is; otherwise :func:`bitmosaic.io.loading.resolve_device`
     (``"auto"``: CUDA when available, else CPU; a clear error for CUDA without a GPU)."""
     if device is None:
         if model is not None:
@@ -223,7 +223,7 @@ def quantize_model(
     CUDA when available).  Each decoder layer is moved there for its turn and back afterwards.
     ``offload_inputs``: keep the calibration activations in host memory (``None``: when they would
     not fit comfortably on the device).  ``cache_outputs`` keeps quantized linears' outputs for the
-    rest of their layer (exact; see :class:`~bitmosaic.models.calibration.OutputCache`); ``None``
+    rest of their layer (exact; see :class:`~bitmosaic.pipeline.calibration.OutputCache`); ``None``
     turns it on when that takes at most ``cache_budget_mb``.  ``analyze_orders`` adds, per layer,
     the Babai bound and the measured no-clip GPTQ error under each named order.  ``seed`` fixes
     the token samples a ``transform`` draws.  ``check_packing`` verifies every packed module
@@ -232,12 +232,12 @@ def quantize_model(
     dtype a decoder layer is cast to while it is calibrated (``None``: float32 on the CPU, whose
     bfloat16 matmuls are slow, else the model's own dtype); the model keeps its dtype.
     ``resolve``: qualified linear name -> ``(MethodSpec, config)``, or ``None`` to leave that linear
-    in float (a recipe, :mod:`bitmosaic.models.recipe`); ``None`` = ``(method, config)`` for all.
+    in float (a recipe, :mod:`bitmosaic.pipeline.recipe`); ``None`` = ``(method, config)`` for all.
     Linears sharing a Hessian are stacked only when they resolve to the same method and config.
     ``salience`` / ``salience_tokens``: for methods with an ``allocate`` step (sfmp), a precomputed
     Fisher diagonal per linear, or the tokens to estimate it from (default: ``calib``); it is
-    computed on the float model before anything else (see :mod:`bitmosaic.models.sfmp`).
-    ``calib_cache``: a :class:`~bitmosaic.models.calib_cache.CalibCache` for the float-model
+    computed on the float model before anything else (see :mod:`bitmosaic.pipeline.sfmp`).
+    ``calib_cache``: a :class:`~bitmosaic.pipeline.calib_cache.CalibCache` for the float-model
     statistics runs can share (layer-0 inputs, layer 0's transform statistics, Fisher); results are
     bit-identical with and without it; ``report.calibration["cache"]`` lists its hits.
     """

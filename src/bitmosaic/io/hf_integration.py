@@ -110,3 +110,6 @@ def load(path: str | os.PathLike, **kwargs):
     register()
     read_quant_config(Path(path))
     return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+
+
+register()  # importing this module is asking for the integration (see also bitmosaic/_hf_hook.py)

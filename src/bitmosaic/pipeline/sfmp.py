@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from ..algorithms.sfmp import BlockPlan
+from ..models.arch import ArchSpec, get_arch
 from ..modules.sfmp import SFMPLinear, fold_permutations
-from .arch import ArchSpec, get_arch
 from .fisher import fisher_salience, salience_linear_names
 
 __all__ = [
@@ -27,7 +27,7 @@ def allocate_with_salience(model, calib, method, config, arch: ArchSpec, *, sali
     ``config.fisher_samples`` samples), then the method's global ``allocate``.  Returns the summary
     (with ``fisher``: cost in seconds, samples, cache key).  The salience is cached where
     ``config.fisher_cache`` says; when that is ``"auto"`` and ``calib_cache``
-    (:class:`~bitmosaic.models.calib_cache.CalibCache`) is given, in that cache (or nowhere when it
+    (:class:`~bitmosaic.pipeline.calib_cache.CalibCache`) is given, in that cache (or nowhere when it
     is off)."""
     names = salience_linear_names(model, arch)
     info: dict = {"given": True}
@@ -53,7 +53,7 @@ def allocate_with_salience(model, calib, method, config, arch: ArchSpec, *, sali
         if tuple(salience[n].shape) != want:
             raise ValueError(
                 f"the salience of {n} is {tuple(salience[n].shape)}, its weight {want}: pass one "
-                "[out, in] tensor per linear (e.g. from bitmosaic.models.fisher.fisher_salience)"
+                "[out, in] tensor per linear (e.g. from bitmosaic.pipeline.fisher.fisher_salience)"
             )
     summary = method.allocate({n: salience[n] for n in names}, config)
     summary["fisher"] = info
@@ -182,7 +182,7 @@ def stored_sfmp_summary(path, modules: dict) -> dict | None:
     from safetensors import SafetensorError, safe_open
 
     from ..errors import CorruptModelError
-    from .serialization import _dtype_bits
+    from ..io.serialization import _dtype_bits
 
     names = {n for n, lc in modules.items() if lc.get("kind") == "sfmp"}
     if not names:

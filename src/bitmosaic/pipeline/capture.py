@@ -16,7 +16,7 @@ from torch import nn
 
 from ..algorithms.hessian import HessianAccumulator
 from ..algorithms.observers import ActObserver
-from .arch import ArchSpec
+from ..models.arch import ArchSpec
 
 __all__ = ["GroupCapture", "capture_groups", "foldable", "run_layer"]
 

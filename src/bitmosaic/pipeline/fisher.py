@@ -9,7 +9,7 @@ gradient of any other parameter (embeddings, norms, ``lm_head``) is ever kept.
 
 The calibration text is the calibration source (``wikitext2`` = WikiText-2 *valid* split), disjoint
 from the evaluation split (``test``).  Results are cached on disk
-(:mod:`bitmosaic.models.calib_cache`, kind ``fisher``), keyed by its one scheme: a hash of the model
+(:mod:`bitmosaic.pipeline.calib_cache`, kind ``fisher``), keyed by its one scheme: a hash of the model
 (config + a checksum of every salience-bearing weight), the exact calibration tokens (which fixes
 data, number of samples, sequence length and seed) and this estimator's version.
 Runs where the model is (the whole model takes part in the backward pass).
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .arch import ArchSpec, get_arch
+from ..models.arch import ArchSpec, get_arch
 from .calib_cache import CalibCache, cache_key
 
 __all__ = ["fisher_salience", "salience_linear_names"]
@@ -60,8 +60,8 @@ def fisher_salience(
 
     ``tokens``: ``[n, seqlen]`` calibration ids, one sample per backward.  ``cache_dir``: the
     folder of the entries, ``"auto"`` (``fisher/`` under
-    :func:`~bitmosaic.models.calib_cache.default_cache_root`), a
-    :class:`~bitmosaic.models.calib_cache.CalibCache` (its ``fisher/``) or ``None`` (no cache).
+    :func:`~bitmosaic.pipeline.calib_cache.default_cache_root`), a
+    :class:`~bitmosaic.pipeline.calib_cache.CalibCache` (its ``fisher/``) or ``None`` (no cache).
     ``info`` has ``seconds`` (the estimation's wall time; ~0 and ``cached: True`` when loaded),
     ``samples``, ``seqlen``, ``key``.
     """
