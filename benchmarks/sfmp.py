@@ -79,7 +79,8 @@ class SFMPBench(Bench):
         spec = get_method("sfmp")
         cfg = spec.make_config(**options)
         model = copy.deepcopy(self.model)
-        rep = quantize_model(model, self.calib, spec, cfg, progress=False, salience_tokens=fisher_tokens)
+        inputs = {"salience_tokens": fisher_tokens}
+        rep = quantize_model(model, self.calib, spec, cfg, progress=False, method_inputs=inputs)
         t = time.perf_counter()
         alloc = rep.calibration["allocation"]
         row = {
@@ -248,7 +249,7 @@ def decode_reorder_cost(
             extra["avg_bits"] = b
         m = copy.deepcopy(model)
         cfg = spec.make_config(**cheap, **extra)
-        rep = quantize_model(m, calib, spec, cfg, progress=progress, salience=salience)
+        rep = quantize_model(m, calib, spec, cfg, progress=progress, method_inputs={"salience": salience})
         alloc = rep.calibration["allocation"]
         b = alloc["b"] if b is None else b
         prepare_kernels(m)

@@ -13,10 +13,11 @@ from bitmosaic.cli import _method_options, build_parser, main
 from bitmosaic.errors import OptionError
 from bitmosaic.io import load_quantized, save_quantized
 from bitmosaic.methods import get_method
+from bitmosaic.methods.sfmp import sfmp_run_info
 from bitmosaic.modules.base import prepare_kernels, resident_bytes
 from bitmosaic.modules.sfmp import SFMPLinear
+from bitmosaic.modules.sfmp_model import stored_summary as stored_sfmp_summary
 from bitmosaic.pipeline.fisher import salience_linear_names
-from bitmosaic.pipeline.sfmp import sfmp_run_info, stored_sfmp_summary
 from tests.test_io_helpers import VOCAB, save_hf_dir, tiny_llama, words
 
 OPTS = {

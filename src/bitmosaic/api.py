@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .errors import OptionError
 from .pipeline.pipeline import RunReport, quantize_model
 from .pipeline.recipe import method_config
 
@@ -27,8 +26,6 @@ def quantize_(
     device: str | torch.device | None = None,
     offload_inputs: bool | None = None,
     measure_errors: bool = False,
-    salience: dict[str, torch.Tensor] | None = None,
-    salience_tokens: torch.Tensor | None = None,
     calib_cache=None,
     **options,
 ) -> RunReport:
@@ -41,18 +38,17 @@ def quantize_(
     solvers run (``"auto"``: CUDA when available; the model stays in host memory and each decoder
     layer visits the device in turn); ``offload_inputs`` keeps the calibration activations in host
     memory; ``measure_errors`` calibrates even Hessian-free methods (RTN, FP8) for the report's
-    error metrics.  ``salience`` / ``salience_tokens`` (methods with a global allocation: ``sfmp``): a
-    precomputed Fisher diagonal per decoder linear (qualified name -> ``[out, in]``), or the tokens
-    to estimate it from instead of ``calib`` (e.g. more samples).  ``calib_cache`` (a
+    error metrics.  Options a method's ``prepare`` step takes (its ``prepare_inputs``; e.g. sfmp's
+    ``salience``, a precomputed Fisher diagonal per decoder linear, or ``salience_tokens``, the
+    tokens to estimate it from instead of ``calib``) go to that step.  ``calib_cache`` (a
     :class:`~bitmosaic.pipeline.calib_cache.CalibCache`) shares the float-model statistics between
     runs.  See :func:`bitmosaic.pipeline.pipeline.quantize_model`.
     """
+    from .methods import get_method, list_methods
+
+    takes = {i for m in list_methods() for i in get_method(m).prepare_inputs}
+    inputs = {k: options.pop(k) for k in list(options) if k in takes}  # checked by the pipeline
     spec, config = method_config(method, options, scheme)
-    if spec.allocate is None and (salience is not None or salience_tokens is not None):
-        raise OptionError(
-            f"salience/salience_tokens feed a global bit allocation, which method {spec.name!r} does not "
-            "make; drop them (they apply to sfmp)"
-        )
     return quantize_model(
         model,
         calib,
@@ -67,7 +63,6 @@ def quantize_(
         device=device,
         offload_inputs=offload_inputs,
         measure_errors=measure_errors,
-        salience=salience,
-        salience_tokens=salience_tokens,
+        method_inputs=inputs,
         calib_cache=calib_cache,
     )

@@ -104,19 +104,16 @@ def run_recipe(model, tok, recipe, args, device, progress: bool, calib=None):
         )
     hdt = {"float32": torch.float32, "float64": torch.float64}[args.hessian_dtype]
     orders = tuple(o for o in args.bound_orders.split(",") if o) if args.bound_orders else None
-    spec, config = recipe.default()
-    fisher_n = getattr(config, "fisher_samples", None)
-    salience_tokens = None  # sfmp: more Fisher samples than calibration samples
-    if spec.allocate is not None and fisher_n is not None and fisher_n > args.nsamples:
-        salience_tokens = calibration_samples(
-            tok, args.calib, fisher_n, args.seqlen, args.seed, data_dir=args.data_dir
-        )
+
+    def more_calib(n: int) -> torch.Tensor:  # a prepare step that wants more samples than --nsamples
+        return calibration_samples(tok, args.calib, n, args.seqlen, args.seed, data_dir=args.data_dir)
+
     torch.manual_seed(args.seed)
     report = quantize_with_recipe(
         model,
         calib,
         recipe,
-        salience_tokens=salience_tokens,
+        more_calib=more_calib,
         batch_size=args.batch_size,
         hessian_dtype=hdt,
         progress=progress,
@@ -158,7 +155,6 @@ def cmd_quantize(args) -> int:
     from ..io import load_model, save_quantized
     from ..io.loading import resolve_device, resolve_dtype
     from ..pipeline.pipeline import peak_rss_mb
-    from ..pipeline.sfmp import sfmp_run_info
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -186,14 +182,8 @@ def cmd_quantize(args) -> int:
         )
         print(f"float perplexity: {results['float']['ppl']:.3f}")
     report, calib = run_recipe(model, tok, recipe, args, device, progress)
-    alloc = report.calibration.get("allocation")
-    if alloc:
-        print(
-            f"sfmp: b target {alloc['b']:.4f}, reached {alloc['b_reached']:.4f} "
-            f"({alloc['low']}/{alloc['high']} bits), "
-            f"overhead {alloc['overhead_bpw']:.4f} BPW, Fisher {alloc['fisher'].get('seconds', 0):.1f}s"
-            f"{' (cached)' if alloc['fisher'].get('cached') else ''}"
-        )
+    for line in spec.summary_lines(report):
+        print(line)
     out = report.to_dict()
     out.update(model=args.model, device=str(device), dtype=str(dtype).removeprefix("torch."))
     print(
@@ -237,8 +227,7 @@ def cmd_quantize(args) -> int:
             "recipe": recipe.to_dict(),
             "provenance": provenance(args, recipe, calib, tok, device, dtype),
         }
-        if alloc:  # sfmp: the budget, target b and candidates (save adds what the modules hold)
-            info["sfmp"] = sfmp_run_info(report)
+        info.update(spec.saved_info(report))  # what the method planned (save adds what the modules hold)
         path = save_quantized(model, args.out, info, tokenizer=tok, overwrite=args.overwrite)
         out["saved_to"] = str(path)
         print(f"saved to {path}")
@@ -281,7 +270,7 @@ def _dir_size(path: Path) -> int:
 def cmd_inspect(args) -> int:
     from ..errors import CorruptModelError
     from ..io.serialization import read_quant_config, stored_module_bits
-    from ..pipeline.sfmp import stored_sfmp_summary
+    from ..modules.sfmp_model import stored_summary as stored_sfmp_summary
 
     path = Path(args.dir)
     _, qc = read_quant_config(path)

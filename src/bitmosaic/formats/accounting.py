@@ -14,11 +14,12 @@ a formula written from this definition):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 
 import torch
 
-__all__ = ["storage_bits", "bits_per_weight"]
+__all__ = ["storage_bits", "bits_per_weight", "dtype_name_bits"]
 
 
 def storage_bits(tensors: Iterable[torch.Tensor | None] | Mapping[str, torch.Tensor | None]) -> int:
@@ -44,3 +45,9 @@ def bits_per_weight(
     if n_weights <= 0:
         raise ValueError(f"n_weights must be positive, got {n_weights}")
     return storage_bits(tensors) / n_weights
+
+
+def dtype_name_bits(name: str) -> int:
+    """Bits of one element of a safetensors dtype name: ``BF16`` -> 16, ``F8_E4M3`` -> 8, ``BOOL`` -> 8."""
+    m = re.match(r"[A-Z]+(\d+)", name)
+    return int(m.group(1)) if m else 8

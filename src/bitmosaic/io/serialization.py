@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -33,8 +32,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import CorruptModelError, OutputExistsError, check_finite
+from ..formats.accounting import dtype_name_bits
+from ..models.arch import get_arch
 from ..modules.qmodules import full_layer_config, module_from_layer_config
-from ..pipeline.sfmp import fold_model_permutations, sfmp_saved_info
+from ..modules.sfmp_model import fold_model_permutations, saved_summary
 
 __all__ = [
     "FORMAT_VERSION",
@@ -207,7 +208,7 @@ def save_quantized(
         cfg = model.config.to_dict()
         cfg.pop("quantization_config", None)
         qc = {"quant_method": "bitmosaic", "format_version": FORMAT_VERSION, **quant_info}
-        qc.update(sfmp_saved_info(model, qc.get("sfmp")))  # SFMP: what it really used (no single "bits")
+        qc.update(saved_summary(model, qc.get("sfmp")))  # SFMP: what it really used (no single "bits")
         qc["modules"] = {n: full_layer_config(m) for n, m in qmods.items()}
         cfg["quantization_config"] = qc
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
@@ -419,19 +420,13 @@ def load_quantized(path: str | os.PathLike, load_tokenizer: bool = True, dtype: 
     model.load_state_dict(sd, strict=False, assign=True)
     if tied:
         model.tie_weights()
-    fold_model_permutations(model)  # SFMP: exact runtime folds of saved permutations (if any)
+    fold_model_permutations(model, get_arch(model))  # SFMP: exact runtime folds of saved permutations
     if dtype is not None:
         _cast_unquantized(model, set(qc["modules"]), dtype)
     model.quantization_info = qc
     model.eval()
     tok = _load_tokenizer(path) if load_tokenizer else None
     return model, tok
-
-
-def _dtype_bits(name: str) -> int:
-    """Bits of one element of a safetensors dtype name: ``BF16`` -> 16, ``F8_E4M3`` -> 8, ``BOOL`` -> 8."""
-    m = re.match(r"[A-Z]+(\d+)", name)
-    return int(m.group(1)) if m else 8
 
 
 def stored_module_bits(path: str | os.PathLike, names) -> dict[str, int]:
@@ -450,7 +445,7 @@ def stored_module_bits(path: str | os.PathLike, names) -> dict[str, int]:
                         n = 1
                         for d in sl.get_shape():
                             n *= d
-                        bits[mod] += n * _dtype_bits(sl.get_dtype())
+                        bits[mod] += n * dtype_name_bits(sl.get_dtype())
         except (SafetensorError, OSError) as e:
             reason = " ".join(str(e).split()) or type(e).__name__
             raise CorruptModelError(

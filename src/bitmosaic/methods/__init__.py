@@ -1,14 +1,9 @@
-"""Quantization recipes, registered by name: ``get_method("gptq")``."""
+"""The methods, registered by name: ``get_method("gptq")``.  A new method is one file here (its
+config and :class:`~.base.Method` subclass with ``@register``) and one line below."""
 
-from . import dpq as _dpq  # noqa: F401  (registers dpq)
-from . import fp8 as _fp8  # noqa: F401  (registers fp8)
-from . import gptq as _gptq  # noqa: F401  (registers gptq, babai)
-from . import lattice as _lattice  # noqa: F401  (registers ssqr, hptq, hrtn)
-from . import mosaic as _mosaic  # noqa: F401  (registers mosaic)
-from . import rtn as _rtn  # noqa: F401  (registers rtn)
-from . import sfmp as _sfmp  # noqa: F401  (registers sfmp)
-from . import smoothquant as _smoothquant  # noqa: F401  (registers smoothquant, awq)
-from . import sq as _sq  # noqa: F401  (registers sq-weights, sq-acts)
-from .registry import LayerStats, MethodSpec, WeightQuantConfig, get_method, list_methods, register_method
+from . import dpq, fp8, gptq, lattice, mosaic, rtn, sfmp, smoothquant, sq  # noqa: F401  (registration)
+from .registry import LayerStats, Method, MethodContext, WeightQuantConfig, get_method, list_methods, register
 
-__all__ = ["LayerStats", "MethodSpec", "WeightQuantConfig", "get_method", "list_methods", "register_method"]
+__all__ = [
+    "LayerStats", "Method", "MethodContext", "WeightQuantConfig", "get_method", "list_methods", "register",
+]  # fmt: skip

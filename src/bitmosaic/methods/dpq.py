@@ -18,7 +18,7 @@ from ..formats.act import ActQuantSpec
 from ..formats.grid import IntGrid
 from ..modules.qmodules import FP8ComputeQuantLinear
 from .gptq import HESSIAN_DTYPES, _processing_order, _require_hessian
-from .registry import LayerStats, WeightQuantConfig, register_method
+from .registry import LayerStats, Method, WeightQuantConfig, register
 
 __all__ = ["DPQConfig"]
 
@@ -65,9 +65,6 @@ def _pack_dpq(res, cfg: DPQConfig, bias):
     )
 
 
-@register_method(
-    "dpq", DPQConfig, description="DPQ: W4A8 FP8 compute, dual-precision GPTQ, GAR", pack=_pack_dpq
-)
 def quantize_dpq(weight, stats: LayerStats, cfg: DPQConfig):
     grid = INT4 if cfg.bits == 4 else IntGrid(cfg.bits)
     fp8 = {"per_channel": cfg.per_channel, "margin": cfg.margin, "pow2": cfg.pow2}
@@ -91,3 +88,15 @@ def quantize_dpq(weight, stats: LayerStats, cfg: DPQConfig):
         grid=grid,
         **fp8,
     )
+
+
+@register
+class DPQ(Method):
+    name, config_cls = "dpq", DPQConfig
+    description = "DPQ: W4A8 FP8 compute, dual-precision GPTQ, GAR"
+
+    def quantize(self, weight, stats, cfg, state=None, name=None):
+        return quantize_dpq(weight, stats, cfg)
+
+    def pack(self, res, cfg, bias):
+        return _pack_dpq(res, cfg, bias)

@@ -12,7 +12,7 @@ import torch
 from ..algorithms.dpq import fp8_weight_scale
 from ..formats.fp import fp_round, get_float_format
 from ..modules.qmodules import FP8Linear
-from .registry import LayerStats, WeightQuantConfig, register_method
+from .registry import LayerStats, Method, WeightQuantConfig, register
 
 __all__ = ["FP8WeightConfig", "FP8WeightResult"]
 
@@ -57,14 +57,20 @@ def _pack_fp8(res: FP8WeightResult, cfg: FP8WeightConfig, bias):
     return FP8Linear.from_values(res.values, res.scale, res.fmt, bias)
 
 
-@register_method(
-    "fp8",
-    FP8WeightConfig,
-    needs_hessian=False,
-    description="FP8 (E4M3/E5M2) weights, per-channel scale",
-    pack=_pack_fp8,
-)
 def quantize_fp8(weight, stats: LayerStats, cfg: FP8WeightConfig) -> FP8WeightResult:
     W = weight.float()
     s = fp8_weight_scale(W, cfg.fmt, per_channel=cfg.per_channel, pow2=cfg.pow2)
     return FP8WeightResult(fp_round(W / s, cfg.fmt), s, cfg.fmt)
+
+
+@register
+class FP8(Method):
+    name, config_cls = 'fp8', FP8WeightConfig
+    description = "FP8 (E4M3/E5M2) weights, per-channel scale"
+    needs_hessian = False
+
+    def quantize(self, weight, stats, cfg, state=None, name=None):
+        return quantize_fp8(weight, stats, cfg)
+
+    def pack(self, res, cfg, bias):
+        return _pack_fp8(res, cfg, bias)

@@ -19,7 +19,7 @@ from ..algorithms.scales import group_scale_zero
 from ..algorithms.types import QuantResult
 from ..formats.grid import IntGrid
 from ..formats.layout import default_g_idx
-from .registry import LayerStats, WeightQuantConfig, register_method
+from .registry import LayerStats, Method, WeightQuantConfig, register
 
 HESSIAN_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -60,9 +60,6 @@ def _require_hessian(stats: LayerStats, name: str) -> torch.Tensor:
     return stats.hessian
 
 
-@register_method(
-    "gptq", GPTQConfig, description="GPTQ (OPTQ) with orders, groups, clip/no-clip", row_separable=True
-)
 def quantize_gptq(weight, stats: LayerStats, cfg: GPTQConfig) -> QuantResult:
     H = _require_hessian(stats, "gptq")
     return gptq_quantize(
@@ -88,9 +85,6 @@ class BabaiConfig(WeightQuantConfig):
     dtype: str = "float64"
 
 
-@register_method(
-    "babai", BabaiConfig, description="Babai's nearest plane on the Hessian lattice", row_separable=True
-)
 def quantize_babai(weight, stats: LayerStats, cfg: BabaiConfig) -> QuantResult:
     H0 = _require_hessian(stats, "babai")
     dtype = HESSIAN_DTYPES[cfg.dtype]
@@ -106,3 +100,21 @@ def quantize_babai(weight, stats: LayerStats, cfg: BabaiConfig) -> QuantResult:
         W, Hd, grid, scales[:, g_idx], zeros[:, g_idx], perm.flip(0), cfg.clip, return_pivots=True
     )
     return QuantResult(codes, scales, zeros, g_idx, perm=perm, hessian=Hd, pivots=D.flip(0))
+
+
+@register
+class GPTQ(Method):
+    name, config_cls, row_separable = "gptq", GPTQConfig, True
+    description = "GPTQ (OPTQ) with orders, groups, clip/no-clip"
+
+    def quantize(self, weight, stats: LayerStats, cfg: GPTQConfig, state=None, name=None) -> QuantResult:
+        return quantize_gptq(weight, stats, cfg)
+
+
+@register
+class Babai(Method):
+    name, config_cls, row_separable = "babai", BabaiConfig, True
+    description = "Babai's nearest plane on the Hessian lattice"
+
+    def quantize(self, weight, stats: LayerStats, cfg: BabaiConfig, state=None, name=None) -> QuantResult:
+        return quantize_babai(weight, stats, cfg)

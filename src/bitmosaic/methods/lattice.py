@@ -11,7 +11,7 @@ from ..algorithms.lattice import SSQR_GROUPS, entropy_coded_quantize, ssqr_quant
 from ..errors import OptionError
 from ..modules.qmodules import HuffmanQuantLinear, SparseOutlierQuantLinear
 from .gptq import _processing_order, _require_hessian
-from .registry import LayerStats, WeightQuantConfig, register_method
+from .registry import LayerStats, Method, WeightQuantConfig, register
 
 
 @dataclass
@@ -47,9 +47,6 @@ def _pack_ssqr(res, cfg: SSQRConfig, bias):
     )
 
 
-@register_method(
-    "ssqr", SSQRConfig, description="no-clip GPTQ + exact sparse outliers (SSQR)", pack=_pack_ssqr
-)
 def quantize_ssqr(weight, stats: LayerStats, cfg: SSQRConfig):
     H = _require_hessian(stats, "ssqr")
     return ssqr_quantize(
@@ -103,12 +100,6 @@ def _pack_huffman(res, cfg, bias):
     return HuffmanQuantLinear.from_result(res, bias=bias)
 
 
-@register_method(
-    "hptq",
-    EntropyConfig,
-    description="no-clip GPTQ, one scale, Huffman-coded ints (HPTQ)",
-    pack=_pack_huffman,
-)
 def quantize_hptq(weight, stats: LayerStats, cfg: EntropyConfig):
     H = _require_hessian(stats, "hptq")
     return entropy_coded_quantize(
@@ -122,12 +113,38 @@ def quantize_hptq(weight, stats: LayerStats, cfg: EntropyConfig):
     )
 
 
-@register_method(
-    "hrtn",
-    EntropyConfig,
-    needs_hessian=False,
-    description="RTN, one scale, Huffman-coded ints (HRTN)",
-    pack=_pack_huffman,
-)
 def quantize_hrtn(weight, stats: LayerStats, cfg: EntropyConfig):
     return entropy_coded_quantize(weight, None, cfg.target_bits, scale_per=cfg.scale_per, use_gptq=False)
+
+
+@register
+class SSQR(Method):
+    name, config_cls = "ssqr", SSQRConfig
+    description = "no-clip GPTQ + exact sparse outliers (SSQR)"
+
+    def quantize(self, weight, stats: LayerStats, cfg: SSQRConfig, state=None, name=None):
+        return quantize_ssqr(weight, stats, cfg)
+
+    def pack(self, res, cfg: SSQRConfig, bias):
+        return _pack_ssqr(res, cfg, bias)
+
+
+@register
+class HPTQ(Method):
+    name, config_cls = "hptq", EntropyConfig
+    description = "no-clip GPTQ, one scale, Huffman-coded ints (HPTQ)"
+
+    def quantize(self, weight, stats: LayerStats, cfg: EntropyConfig, state=None, name=None):
+        return quantize_hptq(weight, stats, cfg)
+
+    def pack(self, res, cfg: EntropyConfig, bias):
+        return _pack_huffman(res, cfg, bias)
+
+
+@register
+class HRTN(HPTQ):
+    name, needs_hessian = "hrtn", False
+    description = "RTN, one scale, Huffman-coded ints (HRTN)"
+
+    def quantize(self, weight, stats: LayerStats, cfg: EntropyConfig, state=None, name=None):
+        return quantize_hrtn(weight, stats, cfg)

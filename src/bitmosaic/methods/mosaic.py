@@ -37,7 +37,7 @@ from ..algorithms.smooth import smooth_scales, smoothing_loss
 from ..errors import OptionError
 from ..formats.grid import IntGrid
 from ..modules.mosaic import MosaicQuantLinear
-from .registry import LayerStats, WeightQuantConfig, register_method
+from .registry import LayerStats, Method, WeightQuantConfig, register
 from .smoothquant import _foldable_groups, act_fake_quant
 
 __all__ = ["MosaicConfig", "mosaic_weight"]
@@ -172,14 +172,22 @@ def mosaic_transform(caps, cfg: MosaicConfig):
     return _foldable_groups(caps, factors)
 
 
-@register_method(
-    "mosaic",
-    MosaicConfig,
-    description="MosaicQuant: dense 4-bit base + Δ-Hessian-selected sparse 4-bit residual blocks",
-    transform=mosaic_transform,
-    pack=lambda res, cfg, bias: MosaicQuantLinear.from_result(res, bias=bias),
-)
 def quantize_mosaic(weight, stats: LayerStats, cfg: MosaicConfig):
     if stats.hessian is None:
         raise OptionError("mosaic needs calibration statistics (a Hessian)")
     return mosaic_weight(weight, stats.hessian, cfg)
+
+
+@register
+class MosaicQuant(Method):
+    name, config_cls = "mosaic", MosaicConfig
+    description = "MosaicQuant: dense 4-bit base + Δ-Hessian-selected sparse 4-bit residual blocks"
+
+    def quantize(self, weight, stats, cfg, state=None, name=None):
+        return quantize_mosaic(weight, stats, cfg)
+
+    def pack(self, res, cfg, bias):
+        return MosaicQuantLinear.from_result(res, bias=bias)
+
+    def transform(self, caps, cfg, state):
+        return mosaic_transform(caps, cfg)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ..algorithms.rtn import rtn_quantize
 from ..formats.grid import IntGrid
-from .registry import LayerStats, WeightQuantConfig, register_method
+from .registry import LayerStats, Method, WeightQuantConfig, register
 
 
 @dataclass
@@ -14,8 +14,11 @@ class RTNConfig(WeightQuantConfig):
     pass
 
 
-@register_method(
-    "rtn", RTNConfig, needs_hessian=False, description="round-to-nearest", row_separable=True
-)
-def quantize_rtn(weight, stats: LayerStats, cfg: RTNConfig):
-    return rtn_quantize(weight, IntGrid(cfg.bits, cfg.symmetric), cfg.group_size, cfg.scale_method, cfg.clip)
+@register
+class RTN(Method):
+    name, config_cls, description = "rtn", RTNConfig, "round-to-nearest"
+    needs_hessian, row_separable = False, True
+
+    def quantize(self, weight, stats: LayerStats, cfg: RTNConfig, state=None, name=None):
+        grid = IntGrid(cfg.bits, cfg.symmetric)
+        return rtn_quantize(weight, grid, cfg.group_size, cfg.scale_method, cfg.clip)

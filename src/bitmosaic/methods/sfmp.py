@@ -1,7 +1,7 @@
 """Method ``sfmp``: SFMP (Nie et al.), search-free block-wise mixed precision.
 
 Pipeline (§4.6): the Fisher diagonal ``S`` of every decoder linear is computed on the float model
-(:mod:`bitmosaic.pipeline.fisher`, Eqs. 1-2, Alg. 1) before anything else; :func:`sfmp_allocate` then
+(the pipeline's Fisher service, Eqs. 1-2, Alg. 1) in the ``prepare`` hook; :func:`sfmp_allocate` then
 reorders rows/columns by salience (§4.4), cuts ``W̃`` into ``m_b x n_b`` blocks and makes ONE global
 allocation of ``floor(b)``/``ceil(b)`` over all blocks of all decoder linears (§4.2-4.3, Alg. 2),
 ``b`` coming from ``avg_bits``, ``bpw`` or ``budget_mb`` with the measured overhead.  Each linear is
@@ -16,13 +16,16 @@ then quantized block by block at its widths:
   each row's group at its block's width (:class:`~bitmosaic.algorithms.sfmp.MixedRowQuantizer`),
   dynamic group scales (MSE by default), no AWQ scaling.
 
-Packed into :class:`~bitmosaic.modules.sfmp.SFMPLinear`.
+Packed into :class:`~bitmosaic.modules.sfmp.SFMPLinear`.  The plans are the run's state
+(:class:`SFMPState`), never written into the config; ``finalize`` folds the permutations between
+gate/up and down_proj (exact).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -47,9 +50,10 @@ from ..errors import OptionError
 from ..formats.grid import IntGrid
 from ..formats.layout import default_g_idx, normalize_group_size
 from ..modules.sfmp import SFMPLinear, SFMPResult
-from .registry import LayerStats, WeightQuantConfig, register_method
+from ..modules.sfmp_model import fold_model_permutations
+from .registry import LayerStats, Method, MethodContext, WeightQuantConfig, register
 
-__all__ = ["SFMPConfig", "sfmp_allocate", "quantize_sfmp", "plan_for"]
+__all__ = ["SFMP", "SFMPConfig", "SFMPState", "sfmp_allocate", "quantize_sfmp", "plan_for", "sfmp_run_info"]
 
 
 @dataclass
@@ -79,7 +83,6 @@ class SFMPConfig(WeightQuantConfig):
     block_size: int = 128
     fisher_samples: int | None = None  # None: every calibration sample
     fisher_cache: str | None = "auto"  # folder, "auto" (~/.cache/bitmosaic/fisher) or None (off)
-    plans: dict = field(default_factory=dict, repr=False)  # set by sfmp_allocate (not saved)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -105,9 +108,9 @@ class SFMPConfig(WeightQuantConfig):
             )
 
     def to_dict(self) -> dict:
-        """The settings, without ``plans`` and without the unused ``bits``/``scale_method`` (a saved
-        ``"bits": 4`` misread a mixed-width model)."""
-        skip = ("plans", "bits", "scale_method")
+        """The settings, without the unused ``bits``/``scale_method`` (a saved ``"bits": 4`` misread a
+        mixed-width model)."""
+        skip = ("bits", "scale_method")
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
         d["act"] = None if self.act is None else dataclasses.asdict(self.act)
         return d
@@ -131,10 +134,17 @@ def _plan_shape(cfg: SFMPConfig, K: int) -> tuple[int, int]:
     return g, nb
 
 
-def sfmp_allocate(saliences: dict[str, torch.Tensor], cfg: SFMPConfig) -> dict:
+@dataclass
+class SFMPState:
+    """The run state of SFMP: one :class:`BlockPlan` per qualified linear name."""
+
+    plans: dict[str, BlockPlan] = field(default_factory=dict)
+
+
+def sfmp_allocate(saliences: dict[str, torch.Tensor], cfg: SFMPConfig) -> tuple[SFMPState, dict]:
     """Plans for every linear named in ``saliences`` (their Fisher diagonals ``[out, in]``, original
     order): permutations (Eq. 12), blocks, the budget's ``b`` and ONE global allocation (Eq. 10).
-    Stores them in ``cfg.plans`` and returns the allocation summary."""
+    Returns the state (the plans) and the allocation summary."""
     plans, sums = {}, {}
     for name, S in saliences.items():
         N, K = S.shape
@@ -144,18 +154,19 @@ def sfmp_allocate(saliences: dict[str, torch.Tensor], cfg: SFMPConfig) -> dict:
         sums[name] = block_salience(permute(S.float(), rp, cp), plans[name].block_rows, nb)
     budget = bits_from_budget(plans, avg_bits=cfg.avg_bits, bpw=cfg.bpw, budget_mb=cfg.budget_mb)
     alloc = allocate_bits(sums, plans, budget["b"], cfg.rank)
-    cfg.plans = plans
     per_linear = {n: p.average_bits() for n, p in plans.items()}
-    return {**budget, **alloc, "bpw_target": budget["b"] + budget["overhead_bpw"], "per_linear": per_linear}
+    summary = {**budget, **alloc, "bpw_target": budget["b"] + budget["overhead_bpw"]}
+    summary["per_linear"] = per_linear
+    return SFMPState(plans), summary
 
 
-def plan_for(cfg: SFMPConfig, name: str | None) -> BlockPlan:
-    if name is None or name not in cfg.plans:
+def plan_for(state: SFMPState | None, name: str | None) -> BlockPlan:
+    if state is None or name is None or name not in state.plans:
         raise OptionError(
             f"sfmp has no allocation for linear {name!r}: it must run through the calibration pipeline, "
             "which computes the Fisher salience and the global bit allocation first"
         )
-    return cfg.plans[name]
+    return state.plans[name]
 
 
 def _permuted_quantizer(plan: BlockPlan):
@@ -171,7 +182,7 @@ def _permuted_quantizer(plan: BlockPlan):
     return q
 
 
-def sfmp_transform(caps, cfg: SFMPConfig):
+def sfmp_transform(caps, cfg: SFMPConfig, state: SFMPState):
     """AWQ's scale search with each linear's own mixed-width permuted quantizer (solver awq)."""
     out = []
     for cap in caps:
@@ -181,7 +192,7 @@ def sfmp_transform(caps, cfg: SFMPConfig):
             )
             continue
         names = list(cap.names)
-        qs = [_permuted_quantizer(plan_for(cfg, f"{cap.prefix}.{n}")) for n in names]
+        qs = [_permuted_quantizer(plan_for(state, f"{cap.prefix}.{n}")) for n in names]
         res = awq_search_scales(
             cap.observer.channel_absmean,
             [cap.weights[n] for n in names],
@@ -196,20 +207,8 @@ def sfmp_transform(caps, cfg: SFMPConfig):
     return out
 
 
-def _pack(res: SFMPResult, cfg, bias):
-    return SFMPLinear.from_result(res, bias=bias)
-
-
-@register_method(
-    "sfmp",
-    SFMPConfig,
-    description="SFMP: Fisher-salience block-wise mixed precision, row/col reordering, AWQ or GPTQ",
-    transform=sfmp_transform,
-    pack=_pack,
-    allocate=sfmp_allocate,
-)
-def quantize_sfmp(weight, stats: LayerStats, cfg: SFMPConfig) -> SFMPResult:
-    plan = plan_for(cfg, stats.name)
+def quantize_sfmp(weight, stats: LayerStats, cfg: SFMPConfig, plan: BlockPlan) -> SFMPResult:
+    """One linear at its plan's block widths (the plan from :func:`sfmp_allocate`)."""
     W = weight.float()
     if stats.hessian is None:
         raise OptionError("sfmp needs calibration Hessians; run it through the calibration pipeline")
@@ -244,3 +243,78 @@ def quantize_sfmp(weight, stats: LayerStats, cfg: SFMPConfig) -> SFMPResult:
         g_idx = g_idx[inverse_perm(cp).to(W.device)]
     info = {"code_bits": plan.average_bits(), "solver": cfg.solver}
     return SFMPResult(codes, scales, zeros, g_idx, plan=plan, info=info)
+
+
+def sfmp_run_info(report) -> dict:
+    """What an SFMP run *asked for and planned* (from its run report): the budget given (``avg_bits`` /
+    ``bpw`` / ``budget_mb``), the target ``b`` it gave, the measured overhead, the candidate widths
+    ``floor(b)``/``ceil(b)``, the configured group and block, the reordering, solver, rank and the
+    Fisher salience's cost.  ``{}`` for a run without an allocation."""
+    alloc = report.calibration.get("allocation")
+    if not alloc:
+        return {}
+    cfg = report.config
+    keys = ("avg_bits", "bpw", "budget_mb")
+    fisher = {k: alloc.get("fisher", {}).get(k) for k in ("seconds", "samples", "cached", "given")}
+    return {
+        "budget": {k: cfg.get(k) for k in keys if cfg.get(k) is not None},
+        "b_target": alloc["b"],
+        "bpw_target": alloc["bpw_target"],
+        "overhead_bpw": alloc["overhead_bpw"],
+        "candidate_widths": sorted({alloc["low"], alloc["high"]}),
+        "b_planned": alloc["b_reached"],
+        "group_size": cfg.get("group_size"),
+        "block": [cfg.get("block_rows"), cfg.get("block_cols") or cfg.get("group_size")],
+        **{k: cfg.get(k) for k in ("row_reorder", "col_reorder", "solver", "rank")},
+        "fisher": {k: v for k, v in fisher.items() if v is not None},
+    }
+
+
+@register
+class SFMP(Method):
+    name, config_cls = "sfmp", SFMPConfig
+    description = "SFMP: Fisher-salience block-wise mixed precision, row/col reordering, AWQ or GPTQ"
+    # a precomputed Fisher diagonal per linear, or the tokens to estimate it from instead of calib
+    prepare_inputs: ClassVar[tuple[str, ...]] = ("salience", "salience_tokens")
+
+    def prepare(self, model, cfg: SFMPConfig, ctx: MethodContext) -> SFMPState:
+        """Fisher salience of every decoder linear on the *float* model (before any AWQ scaling), the
+        first ``fisher_samples`` samples, then ONE global allocation (§4.6)."""
+        salience, info = ctx.fisher(
+            ctx.names,
+            given=ctx.inputs.get("salience"),
+            tokens=ctx.inputs.get("salience_tokens"),
+            samples=cfg.fisher_samples,
+            cache=cfg.fisher_cache,
+        )
+        state, summary = sfmp_allocate(salience, cfg)
+        summary["fisher"] = info
+        ctx.record("allocation", summary)
+        return state
+
+    def transform(self, caps, cfg: SFMPConfig, state: SFMPState):
+        return sfmp_transform(caps, cfg, state)
+
+    def quantize(self, weight, stats: LayerStats, cfg: SFMPConfig, state=None, name=None) -> SFMPResult:
+        return quantize_sfmp(weight, stats, cfg, plan_for(state, name))
+
+    def pack(self, res: SFMPResult, cfg, bias):
+        return SFMPLinear.from_result(res, bias=bias)
+
+    def finalize(self, model, cfg: SFMPConfig, state: SFMPState, ctx: MethodContext) -> None:
+        ctx.record("permutations_folded", fold_model_permutations(model, ctx.arch))
+
+    def saved_info(self, report) -> dict:
+        return {"sfmp": sfmp_run_info(report)}
+
+    def summary_lines(self, report) -> list[str]:
+        alloc = report.calibration.get("allocation")
+        if not alloc:
+            return []
+        fisher = alloc["fisher"]
+        return [
+            f"sfmp: b target {alloc['b']:.4f}, reached {alloc['b_reached']:.4f} "
+            f"({alloc['low']}/{alloc['high']} bits), "
+            f"overhead {alloc['overhead_bpw']:.4f} BPW, Fisher {fisher.get('seconds', 0):.1f}s"
+            f"{' (cached)' if fisher.get('cached') else ''}"
+        ]

@@ -27,7 +27,7 @@ from ..formats.act import ActQuantSpec, fake_quant
 from ..formats.grid import IntGrid, quantize_codes
 from ..formats.layout import default_g_idx
 from .gptq import GPTQConfig, quantize_gptq
-from .registry import LayerStats, WeightQuantConfig, register_method
+from .registry import LayerStats, Method, WeightQuantConfig, register
 
 __all__ = ["SmoothQuantConfig", "AWQConfig", "weight_fake_quant", "act_fake_quant"]
 
@@ -104,12 +104,6 @@ def smoothquant_transform(caps, cfg: SmoothQuantConfig):
     return _foldable_groups(caps, factors)
 
 
-@register_method(
-    "smoothquant",
-    SmoothQuantConfig,
-    description="SmoothQuant: migrate activation outliers into weights (alpha fixed/searched), RTN or GPTQ",
-    transform=smoothquant_transform,
-)
 def quantize_smoothquant(weight, stats: LayerStats, cfg: SmoothQuantConfig) -> QuantResult:
     if cfg.weights == "gptq":
         return quantize_gptq(weight, stats, cfg)
@@ -154,12 +148,6 @@ def awq_transform(caps, cfg: AWQConfig):
     return _foldable_groups(caps, factors)
 
 
-@register_method(
-    "awq",
-    AWQConfig,
-    description="AWQ: activation-aware scale search + output-aware clip search, then RTN",
-    transform=awq_transform,
-)
 def quantize_awq(weight, stats: LayerStats, cfg: AWQConfig) -> QuantResult:
     grid = IntGrid(cfg.bits, cfg.symmetric)
     if not cfg.clip_search or stats.hessian is None:
@@ -171,3 +159,27 @@ def quantize_awq(weight, stats: LayerStats, cfg: AWQConfig) -> QuantResult:
     g_idx = default_g_idx(W.shape[1], cfg.group_size, device=W.device)
     codes = quantize_codes(W, scales[:, g_idx], zeros[:, g_idx], grid.maxq)
     return QuantResult(codes.to(torch.int32), scales, zeros, g_idx, info={"clip_search": True})
+
+
+@register
+class SmoothQuant(Method):
+    name, config_cls = "smoothquant", SmoothQuantConfig
+    description = "SmoothQuant: migrate activation outliers into weights (alpha fixed/searched), RTN or GPTQ"
+
+    def quantize(self, weight, stats, cfg, state=None, name=None):
+        return quantize_smoothquant(weight, stats, cfg)
+
+    def transform(self, caps, cfg, state):
+        return smoothquant_transform(caps, cfg)
+
+
+@register
+class AWQ(Method):
+    name, config_cls = "awq", AWQConfig
+    description = "AWQ: activation-aware scale search + output-aware clip search, then RTN"
+
+    def quantize(self, weight, stats, cfg, state=None, name=None):
+        return quantize_awq(weight, stats, cfg)
+
+    def transform(self, caps, cfg, state):
+        return awq_transform(caps, cfg)

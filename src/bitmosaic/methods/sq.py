@@ -36,7 +36,7 @@ from ..formats.sq import act_name, parse_sq, weight_name
 from ..modules.qlinear import QuantLinear
 from ..modules.sq import STRATEGIES, SQActLinear, SQWeightLinear
 from .gptq import _require_hessian
-from .registry import LayerStats, register_method
+from .registry import LayerStats, Method, register
 from .smoothquant import SmoothQuantConfig, quantize_smoothquant, smoothquant_transform
 
 __all__ = ["SQWeightsConfig", "SQActsConfig", "SQActResult"]
@@ -79,14 +79,6 @@ def _pack_sq_weights(res, cfg, bias):
     return SQWeightLinear.from_result(res, bias)
 
 
-@register_method(
-    "sq-weights",
-    SQWeightsConfig,
-    description="SQ-format on weights (Algorithm 1): smoothing + GPTQ through the high/low bank grid",
-    pack=_pack_sq_weights,
-    transform=_smooth_transform,
-    row_separable=True,
-)
 def quantize_sq_weights(weight, stats: LayerStats, cfg: SQWeightsConfig):
     H = _require_hessian(stats, "sq-weights")
     return sq_gptq(
@@ -150,13 +142,6 @@ def _pack_sq_acts(res: SQActResult, cfg: SQActsConfig, bias):
     return SQActLinear.from_packed(dense, cfg.sq, cfg.strategy, cfg.act_scale, res.channel_mask)
 
 
-@register_method(
-    "sq-acts",
-    SQActsConfig,
-    description="SQ-format on activations (Algorithm 2): smoothing + W4 GPTQ, dynamic or static split",
-    pack=_pack_sq_acts,
-    transform=_smooth_transform,
-)
 def quantize_sq_acts(weight, stats: LayerStats, cfg: SQActsConfig) -> SQActResult:
     res = quantize_smoothquant(weight, stats, cfg)
     mask = None
@@ -171,3 +156,34 @@ def quantize_sq_acts(weight, stats: LayerStats, cfg: SQActsConfig) -> SQActResul
         mask = static_channel_mask(imp.to(weight.device), parse_sq(cfg.sq))
     fields = {k: getattr(res, k) for k in res.__dataclass_fields__}
     return SQActResult(**fields, channel_mask=mask)
+
+
+@register
+class SQWeights(Method):
+    name, config_cls = "sq-weights", SQWeightsConfig
+    description = "SQ-format on weights (Algorithm 1): smoothing + GPTQ through the high/low bank grid"
+    row_separable = True
+
+    def quantize(self, weight, stats, cfg, state=None, name=None):
+        return quantize_sq_weights(weight, stats, cfg)
+
+    def pack(self, res, cfg, bias):
+        return _pack_sq_weights(res, cfg, bias)
+
+    def transform(self, caps, cfg, state):
+        return _smooth_transform(caps, cfg)
+
+
+@register
+class SQActs(Method):
+    name, config_cls = "sq-acts", SQActsConfig
+    description = "SQ-format on activations (Algorithm 2): smoothing + W4 GPTQ, dynamic or static split"
+
+    def quantize(self, weight, stats, cfg, state=None, name=None):
+        return quantize_sq_acts(weight, stats, cfg)
+
+    def pack(self, res, cfg, bias):
+        return _pack_sq_acts(res, cfg, bias)
+
+    def transform(self, caps, cfg, state):
+        return _smooth_transform(caps, cfg)

@@ -28,7 +28,8 @@ from tqdm.auto import tqdm
 from ..models.arch import ArchSpec, get_arch
 from .calib_cache import CalibCache, cache_key
 
-__all__ = ["fisher_salience", "salience_linear_names"]
+__all__ = [
+    "fisher_service","fisher_salience", "salience_linear_names"]
 
 _VERSION = 1
 
@@ -84,6 +85,48 @@ def fisher_salience(
     if cache.store("fisher", key, {n: s.contiguous() for n, s in sal.items()}):
         info["path"] = str(path)
     return sal, info
+
+
+def fisher_service(model: nn.Module, calib: torch.Tensor, progress: bool = True, calib_cache=None,
+                   more_calib=None):  # fmt: skip
+    """The Fisher-salience service a method's ``prepare`` hook calls (``ctx.fisher``):
+    ``fisher(names, given=None, tokens=None, samples=None, cache="auto") -> (salience, info)``.
+
+    ``given``: a precomputed ``{name: [out, in]}`` (checked, not recomputed); else estimated on the
+    *float* model from ``tokens`` (default: the calibration tokens), their first ``samples``
+    (``more_calib(samples)`` when the calibration tokens are fewer and the caller can draw more).
+    ``cache``: a folder, ``None`` (off) or ``"auto"`` (the run's calibration cache when it has one,
+    else ``~/.cache/bitmosaic/fisher``)."""
+
+    def fisher(names, given=None, tokens=None, samples=None, cache="auto"):
+        info: dict = {"given": True}
+        if given is None:
+            if tokens is None:
+                tokens = calib
+                if samples is not None and samples > calib.shape[0] and more_calib is not None:
+                    tokens = more_calib(samples)
+            if samples is not None:
+                if samples > tokens.shape[0]:
+                    raise ValueError(
+                        f"fisher_samples={samples} but only {tokens.shape[0]} calibration samples were "
+                        "given; pass more samples (--nsamples) or salience_tokens"
+                    )
+                tokens = tokens[:samples]
+            where = calib_cache if cache == "auto" and calib_cache is not None else cache
+            given, info = fisher_salience(model, tokens, names, cache_dir=where, progress=progress)
+        missing = [n for n in names if n not in given]
+        if missing:
+            raise ValueError(f"the salience lacks {len(missing)} linears, e.g. {missing[0]}")
+        for n in names:
+            want = tuple(model.get_submodule(n).weight.shape)
+            if tuple(given[n].shape) != want:
+                raise ValueError(
+                    f"the salience of {n} is {tuple(given[n].shape)}, its weight {want}: pass one "
+                    "[out, in] tensor per linear (e.g. from bitmosaic.pipeline.fisher.fisher_salience)"
+                )
+        return {n: given[n] for n in names}, info
+
+    return fisher
 
 
 def _estimate(

@@ -40,10 +40,9 @@ from ..algorithms.lattice import order_bound_table
 from ..errors import OptionError, check_finite
 from ..formats.grid import IntGrid
 from ..io.loading import resolve_device as _resolve_named_device
-from ..methods.registry import LayerStats, MethodSpec, WeightQuantConfig
+from ..methods.base import LayerStats, Method, MethodContext, WeightQuantConfig
 from ..models.arch import ArchSpec, get_arch
 from ..modules.actquant import attach_input_quant
-from ..modules.qlinear import QuantLinear
 from .calib_cache import CalibCache
 from .calibration import (
     LayerInputs,
@@ -55,8 +54,8 @@ from .calibration import (
     layer_kind,
 )
 from .capture import capture_groups, run_layer
+from .fisher import fisher_service
 from .report import RunReport, error_metrics, peak_rss_mb
-from .sfmp import allocate_with_salience, fold_model_permutations
 from .smoothing import fold_group_scales
 
 __all__ = [
@@ -80,25 +79,18 @@ def resolve_device(device: str | torch.device | None, model: nn.Module | None = 
     return _resolve_named_device(device)
 
 
-def _pack(method: MethodSpec, res, config, bias) -> nn.Module:
-    if method.pack is not None:
-        return method.pack(res, config, bias)
-    return QuantLinear.from_result(
-        res, bits=config.bits, group_size=config.group_size, symmetric=config.symmetric, bias=bias
-    )
-
-
 def _apply_transform(
-    plan: dict, layer, arch, inputs, kwargs, gen, prefix: str = "", runc=None
+    plan: dict, layer, arch, inputs, kwargs, gen, prefix: str = "", runc=None, states=None
 ) -> dict[int, dict]:
     """Run the per-layer ``transform`` of the method each group's linears use and fold the factors
     it returns; info per group.  A group is transformed only when all its linears resolve to one
     (method, config) that has a transform (skipped linears and mixed groups stay unsmoothed).
-    ``runc``: the run's calibration cache, for the float layer 0 (its statistics may be cached)."""
+    ``runc``: the run's calibration cache, for the float layer 0 (its statistics may be cached);
+    ``states``: the run state each (method, config) key's ``prepare`` returned."""
     todo: dict[tuple, list[int]] = {}
     for gi, group in enumerate(arch.sequential):
         keys = {_key(plan[n]) if plan[n] else None for n in group}
-        if len(keys) == 1 and None not in keys and plan[group[0]][0].transform is not None:
+        if len(keys) == 1 and None not in keys and plan[group[0]][0].has_transform:
             todo.setdefault(keys.pop(), []).append(gi)
     if not todo:
         return {}
@@ -114,7 +106,8 @@ def _apply_transform(
     for key, gis in todo.items():
         method, config = by_key[key]
         mine = [cap for cap in caps if cap.index in gis]
-        for cap, (s, row) in zip(mine, method.transform(mine, config), strict=True):
+        state = (states or {}).get(key)
+        for cap, (s, row) in zip(mine, method.transform(mine, config, state), strict=True):
             if s is not None:
                 fold_group_scales(layer, arch, cap.index, s)
             info[cap.index] = {**row, "folded": s is not None}
@@ -122,7 +115,8 @@ def _apply_transform(
 
 
 def _key(entry) -> tuple:
-    """Identity of a resolved ``(MethodSpec, config)``: linears with equal keys may be stacked."""
+    """Identity of a resolved ``(Method, config)``: linears with equal keys may be stacked and share
+    one run state."""
     method, config = entry
     return method.name, repr(config)
 
@@ -148,7 +142,7 @@ def _offload_needed(calib: torch.Tensor, hidden: int, dtype: torch.dtype, device
 
 
 def _quantize_shared(
-    method, config, layer, names, H, percdamp, prefix, check, act_stats=None
+    method, config, layer, names, H, percdamp, prefix, check, act_stats=None, state=None
 ) -> list[tuple[str, nn.Module, dict]]:
     """Quantize linears ``names`` that share Hessian ``H``; stacked into one call when the method
     allows it.  Returns (name, packed module, report row) and puts the dequantized weights in place."""
@@ -162,7 +156,7 @@ def _quantize_shared(
     for call_names, W in calls:
         t0 = time.perf_counter()
         name = f"{prefix}.{call_names[0]}" if len(call_names) == 1 else None
-        res = method.fn(W, LayerStats(hessian=H, act=act_stats, name=name), config)
+        res = method.quantize(W, LayerStats(hessian=H, act=act_stats), config, state, name)
         seconds = (time.perf_counter() - t0) / len(call_names)
         row0 = 0
         for n in call_names:
@@ -172,7 +166,7 @@ def _quantize_shared(
             Wn = W[row0 : row0 + rows]
             row0 += rows
             Wq = r.dequantize(torch.float32)
-            qlin = _pack(method, r, config, lin.bias)
+            qlin = method.pack(r, config, lin.bias)
             if check and not torch.equal(qlin.dequantize_weight(torch.float32), Wq.to("cpu")):
                 raise RuntimeError(f"internal: packed weights of {prefix}.{n} differ from the simulated ones")
             row = {"name": f"{prefix}.{n}", "shape": list(Wn.shape)}
@@ -196,7 +190,7 @@ def _quantize_shared(
 def quantize_model(
     model: nn.Module,
     calib: torch.Tensor,
-    method: MethodSpec,
+    method: Method,
     config: WeightQuantConfig,
     *,
     arch: ArchSpec | None = None,
@@ -213,9 +207,9 @@ def quantize_model(
     measure_errors: bool = False,
     compute_dtype: torch.dtype | None = None,
     resolve=None,
-    salience: dict[str, torch.Tensor] | None = None,
-    salience_tokens: torch.Tensor | None = None,
+    method_inputs: dict | None = None,
     calib_cache: CalibCache | None = None,
+    more_calib=None,
 ) -> RunReport:
     """Quantize every linear of ``model``'s decoder layers in place; return the run report.
 
@@ -231,12 +225,13 @@ def quantize_model(
     Hessian (RTN, FP8), so their report rows get the error metrics too.  ``compute_dtype``: the
     dtype a decoder layer is cast to while it is calibrated (``None``: float32 on the CPU, whose
     bfloat16 matmuls are slow, else the model's own dtype); the model keeps its dtype.
-    ``resolve``: qualified linear name -> ``(MethodSpec, config)``, or ``None`` to leave that linear
+    ``resolve``: qualified linear name -> ``(Method, config)``, or ``None`` to leave that linear
     in float (a recipe, :mod:`bitmosaic.pipeline.recipe`); ``None`` = ``(method, config)`` for all.
     Linears sharing a Hessian are stacked only when they resolve to the same method and config.
-    ``salience`` / ``salience_tokens``: for methods with an ``allocate`` step (sfmp), a precomputed
-    Fisher diagonal per linear, or the tokens to estimate it from (default: ``calib``); it is
-    computed on the float model before anything else (see :mod:`bitmosaic.pipeline.sfmp`).
+    ``method_inputs``: extra inputs for the methods' ``prepare`` hooks (each method's
+    ``prepare_inputs`` names the ones it takes), run once per (method, config) on the float model
+    before anything else; ``more_calib(n)``: ``n`` calibration samples drawn like ``calib``, for a
+    prepare step that asks for more samples than ``calib`` has (e.g. sfmp's ``fisher_samples``).
     ``calib_cache``: a :class:`~bitmosaic.pipeline.calib_cache.CalibCache` for the float-model
     statistics runs can share (layer-0 inputs, layer 0's transform statistics, Fisher); results are
     bit-identical with and without it; ``report.calibration["cache"]`` lists its hits.
@@ -260,7 +255,7 @@ def quantize_model(
     calibrate = bool(analyze_orders) or measure_errors
     for m, c in entries:
         static = getattr(c, "act", None) is not None and c.act.static
-        calibrate = calibrate or m.needs_hessian or m.transform is not None or static
+        calibrate = calibrate or m.needs_hessian or m.has_transform or static
     inputs = kwargs_by_kind = None
     runc = None
     if calibrate:
@@ -278,11 +273,10 @@ def quantize_model(
     report.calibration["calibrated"] = calibrate
     report.calibration["compute_dtype"] = str(cdtype).replace("torch.", "")
     report.calibration["offload_inputs"] = bool(offload_inputs) if calibrate else None
-    if method.allocate is not None:  # model-wide plan on the float model, before any transform
-        report.calibration["allocation"] = allocate_with_salience(
-            model, calib, method, config, arch, salience=salience, salience_tokens=salience_tokens,
-            progress=progress, calib_cache=calib_cache,
-        )  # fmt: skip
+    fisher = fisher_service(model, calib, progress, calib_cache, more_calib)
+    contexts, states = _prepare(model, calib, plans, arch, progress, method_inputs or {}, fisher)
+    for ctx in contexts.values():
+        report.calibration.update(ctx._record)
     gen = torch.Generator().manual_seed(seed)
     total_bits = 0.0
     total_weights = 0
@@ -301,7 +295,7 @@ def quantize_model(
         group_info = {}
         if calibrate:
             runc0 = runc if li == 0 else None  # later layers' inputs come from quantized layers
-            group_info = _apply_transform(plan, layer, arch, inputs, kwargs, gen, prefix, runc0)
+            group_info = _apply_transform(plan, layer, arch, inputs, kwargs, gen, prefix, runc0, states)
         use_cache = calibrate and _use_cache(cache_outputs, cache_budget_mb, calib, layer, arch)
         with OutputCache() as cache:
             for gi, group in enumerate(arch.sequential):
@@ -336,8 +330,9 @@ def quantize_model(
                         m, c = plan[sub[0]]
                         pd = getattr(c, "percdamp", 0.01)
                         rows = _quantize_shared(
-                            m, c, layer, sub, H, pd, prefix, check_packing, observers.get(own)
-                        )
+                            m, c, layer, sub, H, pd, prefix, check_packing, observers.get(own),
+                            states.get(_key(plan[sub[0]])),
+                        )  # fmt: skip
                         done += [(own, m, c, H, *r) for r in rows]
                 for own, m, c, H, name, qlin, row in done:
                     act = getattr(c, "act", None)
@@ -386,8 +381,11 @@ def quantize_model(
             if act is not None:
                 attach_input_quant(qlin, act, qlin.in_features, act_scales[name])
             layer.set_submodule(name, qlin.to(home))
-    if method.allocate is not None:
-        report.calibration["permutations_folded"] = fold_model_permutations(model, arch)
+    for key, ctx in contexts.items():
+        m, c = ctx.entry
+        ctx._record.clear()
+        m.finalize(model, c, states.get(key), ctx)
+        report.calibration.update(ctx._record)
     if calib_cache is not None:
         report.calibration["cache"] = calib_cache.summary()
     report.seconds = time.perf_counter() - t0
@@ -396,6 +394,35 @@ def quantize_model(
         report.peak_device_mb = torch.cuda.max_memory_allocated(dev) / 2**20
     report.bits_per_weight = total_bits / max(total_weights, 1)
     return report
+
+
+def _prepare(model, calib, plans, arch, progress, inputs, fisher):
+    """One :class:`MethodContext` per distinct (method, config) of the run and, for methods with a
+    ``prepare`` hook, its run state (computed here, on the float model, before any calibration).
+    Inputs that no method of the run takes are an error."""
+    names: dict[tuple, list[str]] = {}
+    entries: dict[tuple, tuple] = {}
+    for li, plan in enumerate(plans):
+        for n, e in plan.items():
+            if e:
+                names.setdefault(_key(e), []).append(f"{arch.layers_path}.{li}.{n}")
+                entries.setdefault(_key(e), e)
+    wanted = {i for m, _ in entries.values() for i in m.prepare_inputs}
+    unused = sorted(k for k, v in inputs.items() if v is not None and k not in wanted)
+    if unused:
+        run = ", ".join(sorted({m.name for m, _ in entries.values()}))
+        raise OptionError(
+            f"{', '.join(unused)} feed a method's prepare step (e.g. a global bit allocation), which "
+            f"no method of this run ({run}) takes; drop them"
+        )
+    contexts, states = {}, {}
+    for key, (m, c) in entries.items():
+        mine = {k: v for k, v in inputs.items() if k in m.prepare_inputs and v is not None}
+        ctx = MethodContext(arch, names[key], calib, progress, mine, fisher, (m, c))
+        contexts[key] = ctx
+        if m.has_prepare:
+            states[key] = m.prepare(model, c, ctx)
+    return contexts, states
 
 
 def _release_host_memory() -> None:

@@ -1,0 +1,173 @@
+"""The shape of every method: a config (its options) and a :class:`Method` with lifecycle hooks.
+
+Learned from llm-compressor's modifiers (``on_initialize``/``on_start``/``on_finalize``, run state
+kept apart from the recipe) and torchao's config-keyed handlers.  The calibration pipeline
+(:mod:`bitmosaic.pipeline`) calls the hooks in this order and names no method:
+
+1. ``prepare(model, config, ctx) -> state``: once, on the float model, before any layer is
+   calibrated (global work: SFMP's Fisher salience and bit allocation).  The returned ``state`` is
+   the run's state; it is handed to every later hook and never written into the config.
+2. ``transform(caps, config, state)``: once per decoder layer, on statistics of the float layer's
+   group inputs, returning per-channel factors the pipeline folds into the preceding ops
+   (SmoothQuant, AWQ, MosaicQuant's smoothing; later: rotations).
+3. ``quantize(weight, stats, config, state, name)``: one linear (or several stacked row-wise when
+   ``row_separable``) -> a :class:`~bitmosaic.algorithms.types.QuantResult`.
+4. ``pack(result, config, bias)``: the result as a quantized module (default: the packed
+   :class:`~bitmosaic.modules.qlinear.QuantLinear`).
+5. ``finalize(model, config, state, ctx)``: once, after the last layer (SFMP folds permutations).
+
+``saved_info(report)`` adds to what a saved model records; ``summary_lines(report)`` to what the CLI
+prints.  Hooks report through ``ctx.record(key, value)`` (into ``report.calibration``).  What a
+method needs from the model (decoder layers, groups, fold targets; the Fisher salience service)
+comes in the :class:`MethodContext`, so no method imports the pipeline or the model maps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..algorithms.observers import ActObserver
+from ..algorithms.types import QuantResult
+from ..errors import OptionError
+from ..formats.act import ActQuantSpec
+
+__all__ = ["LayerStats", "Method", "MethodContext", "WeightQuantConfig"]
+
+
+@dataclass
+class LayerStats:
+    """Calibration statistics of one linear layer's input."""
+
+    hessian: torch.Tensor | None = None  # 2/n X^T X (undamped), [in, in]
+    act: ActObserver | None = None  # per-channel input statistics (max, mean |x|, mean)
+
+
+_SCHEME_SUFFIX = {"int": "", "e4m3": "-FP8", "e4m3-240": "-FP8-240", "e5m2": "-E5M2", "e2m1": "-FP4"}
+
+
+@dataclass
+class WeightQuantConfig:
+    """Settings shared by every weight quantizer."""
+
+    bits: int = 4
+    group_size: int | None = 128  # None = per-channel
+    symmetric: bool = False
+    scale_method: str = "minmax"  # "minmax" | "mse"
+    clip: bool = True
+    act: ActQuantSpec | None = None  # activation quantizer at each linear's input (None = A16)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.act, dict):
+            self.act = ActQuantSpec(**self.act)
+        if self.act is not None and not isinstance(self.act, ActQuantSpec):
+            raise TypeError(f"act must be an ActQuantSpec, a dict or None, got {type(self.act).__name__}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def scheme(self) -> str:
+        """``W4A16``-style name (``-FP8``/``-FP4`` suffix for float activations)."""
+        if self.act is None:
+            return f"W{self.bits}A16"
+        suffix = _SCHEME_SUFFIX[self.act.fmt]
+        return f"W{self.bits}A{self.act.bits}{suffix}"
+
+
+@dataclass
+class MethodContext:
+    """What the pipeline hands a method's model-level hooks (``prepare``/``finalize``).
+
+    ``arch``: the model's architecture map (``layers(model)``, ``layers_path``, ``sequential``
+    groups, ``smooth_prev``); ``names``: the qualified decoder linears this (method, config) was
+    resolved for; ``calib``: the calibration tokens; ``inputs``: the extra inputs the caller gave
+    for this method (its ``prepare_inputs``); ``fisher(names, tokens, cache)``: the pipeline's
+    Fisher-salience service (``({name: [out, in]}, info)``); ``record(key, value)`` puts a fact in
+    the run report (``report.calibration[key]``)."""
+
+    arch: Any
+    names: list[str]
+    calib: torch.Tensor
+    progress: bool = True
+    inputs: dict = field(default_factory=dict)
+    fisher: Callable | None = None
+    entry: tuple | None = None  # the (method, config) this context belongs to
+    _record: dict = field(default_factory=dict, repr=False)
+
+    def record(self, key: str, value) -> None:
+        self._record[key] = value
+
+
+class Method:
+    """One quantization method: class attributes say what it is, the hooks what it does.
+
+    Subclasses set ``name``, ``config_cls`` and ``description`` and implement :meth:`quantize`;
+    every other hook does nothing by default.  ``needs_hessian``: the pipeline calibrates for it;
+    ``row_separable``: every output row is quantized independently given the Hessian (GPTQ,
+    Babai, RTN), so linears sharing one Hessian are stacked into one call; ``prepare_inputs``:
+    keyword inputs ``quantize_`` passes through to ``prepare`` (``ctx.inputs``)."""
+
+    name: ClassVar[str] = ""
+    config_cls: ClassVar[type] = WeightQuantConfig
+    description: ClassVar[str] = ""
+    needs_hessian: ClassVar[bool] = True
+    row_separable: ClassVar[bool] = False
+    prepare_inputs: ClassVar[tuple[str, ...]] = ()
+
+    # -- what the pipeline asks --------------------------------------------------------------------
+    @property
+    def has_prepare(self) -> bool:
+        return type(self).prepare is not Method.prepare
+
+    @property
+    def has_transform(self) -> bool:
+        return type(self).transform is not Method.transform
+
+    def make_config(self, **kwargs) -> WeightQuantConfig:
+        names = {f.name for f in dataclasses.fields(self.config_cls)}
+        unknown = sorted(k for k in kwargs if k not in names)
+        if unknown:
+            raise OptionError(
+                f"method {self.name!r} has no option(s) {unknown}; its options are {sorted(names)}"
+            )
+        return self.config_cls(**kwargs)
+
+    # -- the hooks -----------------------------------------------------------------------------------
+    def prepare(self, model: nn.Module, config, ctx: MethodContext) -> Any:
+        """Global work on the float model before calibration; returns the run state."""
+        return None
+
+    def transform(self, caps, config, state) -> list[tuple[torch.Tensor | None, dict]]:
+        """Per group capture: ``(factors to fold or None, report info)``."""
+        raise NotImplementedError
+
+    def quantize(self, weight: torch.Tensor, stats: LayerStats, config, state=None, name=None) -> QuantResult:
+        """One weight ``[out, in]`` (``name``: its qualified name; ``None`` for stacked linears)."""
+        raise NotImplementedError(f"method {self.name!r} must implement quantize()")
+
+    def pack(self, result: QuantResult, config, bias: torch.Tensor | None) -> nn.Module:
+        from ..modules.qlinear import QuantLinear
+
+        return QuantLinear.from_result(
+            result, bits=config.bits, group_size=config.group_size, symmetric=config.symmetric, bias=bias
+        )
+
+    def finalize(self, model: nn.Module, config, state, ctx: MethodContext) -> None:
+        """Model-level work after every layer is packed."""
+
+    def saved_info(self, report) -> dict:
+        """Extra ``quantization_config`` fields a saved model of this run records."""
+        return {}
+
+    def summary_lines(self, report) -> list[str]:
+        """Extra lines the CLI prints after a run."""
+        return []
+
+    def __repr__(self) -> str:
+        return f"<method {self.name}>"
