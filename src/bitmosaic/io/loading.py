@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..devices import DEVICE_CHOICES, resolve_device
 from ..errors import BitmosaicError, CorruptModelError, DeviceError, check_finite
 
 __all__ = [
@@ -28,7 +29,6 @@ __all__ = [
     "resolve_model_spec",
 ]
 
-DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -88,33 +88,6 @@ def resolve_model_spec(spec: str) -> tuple[str, dict]:
         f"cannot load model {spec!r}: give a Hugging Face model directory, a hub id 'org/name', "
         f"'gguf:PATH', or one of the aliases {sorted(ALIASES)}"
     )
-
-
-def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
-    """The device a run uses: ``"auto"`` (or ``None``) = CUDA when available, else CPU; ``"cpu"``;
-    ``"cuda"`` / ``"cuda:N"``, which raise :class:`DeviceError` when CUDA (or GPU ``N``) is not there."""
-    if isinstance(name, torch.device):
-        name = str(name)
-    name = "auto" if name is None else str(name).strip().lower()
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cpu":
-        return torch.device("cpu")
-    if name == "cuda" or name.startswith("cuda:"):
-        try:
-            dev = torch.device(name)
-        except RuntimeError:
-            raise DeviceError(f"bad device {name!r}; use cuda or cuda:N") from None
-        if not torch.cuda.is_available():
-            raise DeviceError(
-                f"--device {name}: CUDA is not available here (torch {torch.__version__}, "
-                f"CUDA build: {torch.version.cuda or 'no'}); use --device cpu or --device auto"
-            )
-        count = torch.cuda.device_count()
-        if dev.index is not None and dev.index >= count:
-            raise DeviceError(f"--device {name}: this machine has {count} CUDA device(s); use cuda:0..")
-        return dev
-    raise DeviceError(f"unknown device {name!r}; choose one of {', '.join(DEVICE_CHOICES)} (or cuda:N)")
 
 
 def checkpoint_dtype(spec: str | None) -> torch.dtype | None:

@@ -37,9 +37,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..algorithms.lattice import order_bound_table
+from ..devices import resolve_device
 from ..errors import OptionError, check_finite
 from ..formats.grid import IntGrid
-from ..io.loading import resolve_device as _resolve_named_device
 from ..methods.base import LayerStats, Method, MethodContext, WeightQuantConfig
 from ..models.arch import ArchSpec, get_arch
 from ..modules.actquant import attach_input_quant
@@ -64,19 +64,7 @@ __all__ = [
     "quantize_model",
     "peak_rss_mb",
     "capture_layer_inputs",
-    "resolve_device",
 ]
-
-
-def resolve_device(device: str | torch.device | None, model: nn.Module | None = None) -> torch.device:
-    """``None`` -> where the model is; otherwise :func:`bitmosaic.io.loading.resolve_device`
-    (``"auto"``: CUDA when available, else CPU; a clear error for CUDA without a GPU)."""
-    if device is None:
-        if model is not None:
-            for p in model.parameters():
-                return p.device
-        return torch.device("cpu")
-    return _resolve_named_device(device)
 
 
 def _apply_transform(
