@@ -10,22 +10,21 @@ the *float* model can be shared, and only these are consumed from it:
     The hidden states entering decoder layer 0 and the keyword arguments (rotary embeddings,
     masks, positions) every kind of layer receives
     (:func:`~bitmosaic.pipeline.calibration.capture_layer_inputs`).
-    Every calibrating method (GPTQ, Babai, DPQ, SmoothQuant, AWQ, SQ-format, Mosaic, SFMP, static
-    activation scales) starts from them.
+    Every calibrating method (and static activation scales) starts from them.
 ``captures``
     The float statistics of layer 0's groups that a smoothing ``transform`` reads
-    (:func:`~bitmosaic.pipeline.capture.capture_groups`): per-channel ``max|x|`` (SmoothQuant, Mosaic),
-    ``mean|x|`` (AWQ, SFMP's AWQ solver), the Hessian (AWQ, Mosaic, SFMP) and the seeded token
-    sample (SmoothQuant's alpha search, Mosaic; its size ``max_tokens`` is part of the key, so
-    SmoothQuant and SQ-format share an entry, AWQ and SFMP another), plus ``mean x`` (so the
-    observer is whole) and the state of the sample generator after the capture, so the later
+    (:func:`~bitmosaic.pipeline.capture.capture_groups`): per-channel ``max|x|`` and ``mean|x|``, the
+    Hessian and the seeded token sample (its size, the config's ``max_tokens``, is part of the key,
+    so methods whose transforms sample the same number of tokens share an entry), plus ``mean x``
+    (so the observer is whole) and the state of the sample generator after the capture, so the later
     layers draw the very same samples.  Layer 0 only: the transforms of later
     layers see inputs from quantized layers.
 ``fisher``
-    The Fisher-diagonal salience of every decoder linear (SFMP's allocation,
-    :mod:`bitmosaic.pipeline.fisher`), computed with the whole float model.
+    The Fisher-diagonal salience of every decoder linear (the pipeline's Fisher service,
+    :mod:`bitmosaic.pipeline.fisher`, for methods whose ``prepare`` asks for it), computed with the
+    whole float model.
 
-Not cached: Hessians and observers of the sequential pass (SQ-format's static mask statistics and
+Not cached: Hessians and observers of the sequential pass (per-channel statistics for static masks and
 static activation scales are gathered there too), since they depend on how earlier layers were
 quantized.  (The one exception, the Hessian of layer 0's first group -- q/k/v read the float
 layer-0 inputs when no transform changed layer 0 -- is about 1/(4L) of the pass and is not cached.)

@@ -1,6 +1,6 @@
 """Statistics of a float decoder layer's linear inputs, per true-sequential group.
 
-Used by methods with a ``transform`` (SmoothQuant, AWQ): before a layer is quantized, one
+Used by methods with a ``transform`` hook (smoothing): before a layer is quantized, one
 forward of the (still float) layer over the calibration batches records, at the input of each
 group, the per-channel statistics (:class:`~bitmosaic.algorithms.observers.ActObserver`), the
 Hessian ``2/n XᵀX`` and a seeded random sample of token rows (for objectives that quantize the

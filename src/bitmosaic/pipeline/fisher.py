@@ -1,4 +1,4 @@
-"""Fisher-diagonal weight salience (SFMP §4.1 Eqs. 1-2, App. C, Alg. 1; SqueezeLLM's estimator).
+"""Fisher-diagonal weight salience (Nie et al. §4.1 Eqs. 1-2, App. C, Alg. 1; SqueezeLLM's estimator).
 
 ``S = (1/|D|) Σ_samples (∂L/∂W)²`` with ``L`` the causal-LM cross-entropy of one calibration
 sample with labels = inputs (the model's own next-token loss).  Each sample is its own forward +

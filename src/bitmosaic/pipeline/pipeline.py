@@ -14,7 +14,7 @@
 
 The model stays in host memory; peak device memory is about one decoder layer, its Hessians and
 the calibration activations (which are offloaded to host memory, batch by batch, when they would
-not fit: ``offload_inputs``).  Methods with a ``transform`` (SmoothQuant, AWQ) first see the
+not fit: ``offload_inputs``).  Methods with a ``transform`` hook (smoothing) first see the
 float layer's group inputs and return per-channel factors that are folded into the preceding ops.
 With activation quantization (``config.act``) each linear's static input scale is calibrated on
 its inputs as they arrive and an input quantizer is attached once it is quantized.
@@ -219,7 +219,7 @@ def quantize_model(
     ``method_inputs``: extra inputs for the methods' ``prepare`` hooks (each method's
     ``prepare_inputs`` names the ones it takes), run once per (method, config) on the float model
     before anything else; ``more_calib(n)``: ``n`` calibration samples drawn like ``calib``, for a
-    prepare step that asks for more samples than ``calib`` has (e.g. sfmp's ``fisher_samples``).
+    prepare step that asks for more samples than ``calib`` has (e.g. for its Fisher salience).
     ``calib_cache``: a :class:`~bitmosaic.pipeline.calib_cache.CalibCache` for the float-model
     statistics runs can share (layer-0 inputs, layer 0's transform statistics, Fisher); results are
     bit-identical with and without it; ``report.calibration["cache"]`` lists its hits.

@@ -21,7 +21,7 @@ resolver (qualified linear name -> ``(MethodSpec, config)`` or ``None`` to skip)
 least one linear of the model.
 
 Linears that read one input (q/k/v, gate/up) are stacked into one GPTQ/Babai/RTN call only when
-they resolve to the same method and config, and a smoothing transform (SmoothQuant, AWQ) is
+they resolve to the same method and config, and a smoothing ``transform`` is
 applied to such a group only when all its linears share that method and config (otherwise the
 group stays unsmoothed); their static activation quantizers, if any, must be the same.
 """
@@ -180,7 +180,7 @@ class Recipe:
             i = next((i for i, r in enumerate(self.overrides) if re.search(r.match, name)), None)
             return configs[i]
 
-        resolve.default = configs[None]  # the very config object the default linears get (sfmp's plan)
+        resolve.default = configs[None]  # the very config object the default linears get
         return resolve
 
 
