@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import sys
 import tempfile
 from pathlib import Path
 
@@ -77,8 +76,7 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     if a.model == "tiny":
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from test_io_helpers import SPECIALS, VOCAB, tiny_llama, word_tokenizer
+        from bitmosaic.testing import SPECIALS, VOCAB, tiny_llama, word_tokenizer
 
         base, tok, group = tiny_llama(), word_tokenizer(), 32
         calib = torch.randint(len(SPECIALS), VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
