@@ -1,5 +1,8 @@
-"""Shared harness for the benchmarks: load SmolLM2-135M once, run quantization configs on fresh
-copies of the float model, measure perplexity, print a table and write JSON (atomically)."""
+"""The one harness every benchmark uses: a timer (:func:`median_ms`), the machine's facts and its
+measured read bandwidth (:func:`machine_info`, :func:`read_bandwidth_gbs`), and one writer of the
+results (:func:`write_results`: JSON, and a Markdown table beside it, atomically, into
+``benchmarks/results/``); plus :class:`Bench`, which loads SmolLM2-135M once, runs quantization
+configs on fresh copies of the float model and measures perplexity."""
 
 from __future__ import annotations
 
@@ -23,6 +26,70 @@ from bitmosaic.pipeline import quantize_model
 from bitmosaic.pipeline.pipeline import peak_rss_mb
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def median_ms(fn, budget_s: float = 0.6, max_reps: int = 50, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` in ms: ``warmup`` untimed calls, then at least 3 timed calls and
+    more while ``budget_s`` lasts (at most ``max_reps``)."""
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max_reps and (len(times) < 3 or time.perf_counter() - start < budget_s):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return times[len(times) // 2] * 1e3
+
+
+def read_bandwidth_gbs() -> float:
+    """The machine's measured memory read bandwidth (GB/s): the best of 5 sums over 512 MiB (the
+    physical bound a memory-bound kernel is compared with)."""
+    big = torch.ones(128 * 2**20)
+    best = min(median_ms(big.sum, 0.0, 1, warmup=0) for _ in range(5))
+    return big.numel() * 4 / (best / 1e3) / 1e9
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(**extra) -> dict:
+    """What the numbers were measured on: platform, CPU, cores, threads, versions, load average (and
+    the GPU when one is there)."""
+    info = {
+        "platform": platform.platform(),
+        "cpu": cpu_name(),
+        "cpus": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "loadavg_1_5_15": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return {**info, **extra}
+
+
+def write_results(path: str | os.PathLike | None, name: str, out: dict, markdown: str | None = None) -> Path:
+    """Write ``out`` (with ``benchmark`` and ``machine`` filled in when absent) as JSON to ``path``
+    (default ``benchmarks/results/<name>.json``) and ``markdown`` beside it (``.md``), atomically."""
+    path = Path(path) if path else RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out = {"benchmark": name, **out}
+    out.setdefault("machine", machine_info())
+    atomic_write_text(path, json.dumps(out, indent=2, default=str))
+    if markdown is not None:
+        atomic_write_text(path.with_suffix(".md"), markdown.rstrip() + "\n")
+    print(f"\nJSON written to {path}")
+    return path
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:
@@ -120,20 +187,5 @@ class Bench:
                 v = r.get(c)
                 cells.append(f"{v:>{w}.4g}" if isinstance(v, float) else f"{str(v):>{w}}")
             print(f"{r['name']:<34}" + "".join(cells))
-        out = {
-            "benchmark": name,
-            "args": vars(a),
-            "machine": {
-                "platform": platform.platform(),
-                "python": sys.version.split()[0],
-                "torch": torch.__version__,
-                "threads": torch.get_num_threads(),
-                "cpus": os.cpu_count(),
-            },
-            "peak_rss_mb": peak_rss_mb(),
-            "rows": self.rows,
-            **(extra or {}),
-        }
-        path = Path(a.json) if a.json else RESULTS / f"{name}.json"
-        atomic_write_text(path, json.dumps(out, indent=2))
-        print(f"\nJSON written to {path}")
+        out = {"args": vars(a), "peak_rss_mb": peak_rss_mb(), "rows": self.rows, **(extra or {})}
+        write_results(a.json, name, out)

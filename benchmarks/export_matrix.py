@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import tempfile
 from pathlib import Path
 
@@ -23,9 +22,8 @@ import torch
 from bitmosaic import quantize_
 from bitmosaic.io import save_quantized
 from bitmosaic.io.export import ExportError, export_model
-from bitmosaic.io.serialization import atomic_write_text
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from common import RESULTS, write_results
 
 
 def methods(group: int) -> list[tuple[str, str, dict]]:
@@ -134,11 +132,8 @@ def main() -> None:
                 lines.append(f"- {r['name']} / {k} changes: {'; '.join(r[k]['changes'])}")
     md = "\n".join(lines)
     print(md)
-    RESULTS.mkdir(exist_ok=True)
-    atomic_write_text(
-        RESULTS / f"export_matrix{suffix}.json", json.dumps({"model": a.model, "rows": rows}, indent=2)
-    )
-    atomic_write_text(RESULTS / f"export_matrix{suffix}.md", md + "\n")
+    out = {"model": a.model, "rows": rows}
+    write_results(RESULTS / f"export_matrix{suffix}.json", "export_matrix", out, md)
 
 
 if __name__ == "__main__":

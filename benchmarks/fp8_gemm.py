@@ -10,7 +10,6 @@ Run: python benchmarks/fp8_gemm.py   (writes benchmarks/results/fp8_gemm.json)
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -18,6 +17,8 @@ import torch
 
 from bitmosaic.formats.fp import fp_round
 from bitmosaic.kernels.fp8 import fp8_gemm_reference, fp8_gemm_scaled_mm, scaled_mm_available
+
+from common import machine_info, write_results
 
 SHAPES = [
     (m, k, n)
@@ -66,12 +67,8 @@ def main() -> int:
         t_fp8 = timed(lambda x8=x8, w8=w8, s_x=s_x, s_w=s_w: fp8_gemm_scaled_mm(x8, w8, s_x, s_w), a.reps)
         rows.append({"m": m, "k": k, "n": n, "bf16_ms": t_bf16, "fp8_ms": t_fp8, "max_rel_err": err})
         print(f"{m:>6} {k:>6} {n:>6} {t_bf16:>9.4f} {t_fp8:>9.4f} {t_bf16 / t_fp8:>9.2f} {err:>12.2e}")
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(a.json).with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=2))
-    tmp.replace(a.json)
-    print(f"JSON written to {a.json}")
+    out = {"device": torch.cuda.get_device_name(), "machine": machine_info(), "rows": rows}
+    write_results(a.json, "fp8_gemm", out)
     return 0
 
 

@@ -14,15 +14,13 @@ and peak host RSS.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from bitmosaic.io.serialization import atomic_write_text
+from common import machine_info, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -139,16 +137,9 @@ def main() -> None:
         print(f"  {r['quant_seconds']:.1f} s, peak device {dev_mb} MB, peak RSS {r['peak_rss_mb']:.0f} MB")
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    out = {
-        "benchmark": "gpu_scale",
-        "device": name,
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-        "args": vars(a),
-        "rows": rows,
-    }
-    atomic_write_text(a.json, json.dumps(out, indent=2))
-    print(f"JSON written to {a.json}")
+    out = {"device": name, "args": vars(a), "machine": machine_info(), "rows": rows}
+    write_results(a.json, "gpu_scale", out)
+
 
 
 if __name__ == "__main__":

@@ -18,12 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
-
-from bitmosaic.io.serialization import atomic_write_text
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -192,19 +189,12 @@ def main() -> None:
         r["rss_ratio_vs_llm_compressor"] = r["peak_rss_mb"] / base["peak_rss_mb"] if base else None
         sp = f"{r['speedup_vs_llm_compressor']:.2f}x" if base else "-"
         print(f"{r['name']:<46} {r['seconds']:>8.1f} {sp:>8} {r['peak_rss_mb']:>12.0f} {r['ppl']:>8.3f}")
-    out = {
-        "benchmark": "speed",
-        "args": {k: v for k, v in vars(a).items() if k != "child"},
-        "machine": {
-            "platform": platform.platform(),
-            "python": sys.version.split()[0],
-            "cpus": os.cpu_count(),
-        },
-        "rows": rows,
-        "skipped": skipped,
-    }
-    atomic_write_text(a.json, json.dumps(out, indent=2))
-    print(f"\nJSON written to {a.json}")
+    from common import machine_info, write_results  # the parent only: a child may run in another env
+
+    args = {k: v for k, v in vars(a).items() if k != "child"}
+    out = {"args": args, "machine": machine_info(), "rows": rows}
+    write_results(a.json, "speed", {**out, "skipped": skipped})
+
 
 
 if __name__ == "__main__":
