@@ -7,7 +7,8 @@ import json
 import time
 from pathlib import Path
 
-from .args import _method_options, calib_cache_from_args, task_list
+from .args import ACT_DESTS, calib_cache_from_args, task_list
+from .method_flags import method_flags, method_options
 
 
 def _ppl(model, tok, src, seqlen, max_windows, data_dir, progress, device=None, reference=None) -> dict:
@@ -57,29 +58,21 @@ def _write_json(path: str | None, obj: dict) -> None:
         print(f"report written to {path}")
 
 
-# the flags that set the method and its settings (what a --recipe file says instead)
-_METHOD_FLAGS = (
-    "bits", "group_size", "symmetric", "scale_method", "no_clip", "alpha", "scheme", "abits",
-    "afmt", "a_granularity", "a_group_size", "a_static", "a_pow2", "a_calib", "a_percentile",
-)  # fmt: skip
-
-
 def recipe_from_args(args):
     """The recipe of a ``quantize`` command line: ``--recipe FILE``, or the flags as a one-entry recipe."""
     from ..errors import OptionError
     from ..methods import get_method
     from ..pipeline.recipe import Recipe, load_recipe
-    from .args import _OPTIONAL_FIELDS
-    from .sfmp_args import _SFMP_FLAGS
 
     if args.recipe is None:
         spec = get_method(args.method)
-        return Recipe.from_options(spec.name, _method_options(args, spec))
+        return Recipe.from_options(spec.name, method_options(args, spec))
     given = [
-        "--" + a.replace("_", "-")
-        for a in (*_METHOD_FLAGS, *_OPTIONAL_FIELDS, *_SFMP_FLAGS, "no_row_reorder", "no_col_reorder")
-        if getattr(args, a, None) not in (None, False)
+        d.typed(getattr(args, d.dest))
+        for d in method_flags().values()
+        if getattr(args, d.dest, None) is not None
     ]
+    given += ["--" + a.replace("_", "-") for a in ACT_DESTS if getattr(args, a, None) not in (None, False)]
     if args.method != "gptq":  # the default: a --method next to --recipe (other than it) is an error
         given.insert(0, "--method")
     if given:
@@ -333,8 +326,7 @@ def _print_sfmp(s: dict, saved: dict) -> None:
 
 
 def cmd_methods(args) -> int:
-    from ..methods import get_method, list_methods
+    from .method_flags import methods_table
 
-    for name in list_methods():
-        print(f"{name:<12} {get_method(name).description}")
+    print(methods_table(markdown=getattr(args, "markdown", False)))
     return 0
