@@ -49,12 +49,16 @@ _HANDLERS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ..methods import DEFAULT_METHOD
+
     p = argparse.ArgumentParser(prog="bitmosaic", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     q = sub.add_parser("quantize", help="quantize a model with calibration data", formatter_class=_Help)
     q.add_argument("--model", default=DEFAULT_MODEL, help="HF dir, hub id, gguf:PATH or alias")
-    q.add_argument("--method", default="gptq", help="a registered method (`bitmosaic methods` lists them)")
+    q.add_argument(
+        "--method", default=DEFAULT_METHOD, help="a registered method (`bitmosaic methods` lists them)"
+    )
     q.add_argument("--recipe", default=None, help="YAML/JSON recipe: method, settings, overrides, skip")
     add_method_args(q)
     _add_act_args(q)

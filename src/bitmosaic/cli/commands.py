@@ -61,7 +61,7 @@ def _write_json(path: str | None, obj: dict) -> None:
 def recipe_from_args(args):
     """The recipe of a ``quantize`` command line: ``--recipe FILE``, or the flags as a one-entry recipe."""
     from ..errors import OptionError
-    from ..methods import get_method
+    from ..methods import DEFAULT_METHOD, get_method
     from ..pipeline.recipe import Recipe, load_recipe
 
     if args.recipe is None:
@@ -73,7 +73,7 @@ def recipe_from_args(args):
         if getattr(args, d.dest, None) is not None
     ]
     given += ["--" + a.replace("_", "-") for a in ACT_DESTS if getattr(args, a, None) not in (None, False)]
-    if args.method != "gptq":  # the default: a --method next to --recipe (other than it) is an error
+    if args.method != DEFAULT_METHOD:  # a --method next to --recipe (other than the default) is an error
         given.insert(0, "--method")
     if given:
         raise OptionError(

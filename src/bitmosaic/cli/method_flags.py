@@ -67,7 +67,7 @@ def method_flags() -> dict[str, MethodFlag]:
 
 def _show(f: dataclasses.Field, cls) -> str:
     spec = option_spec(f)
-    if spec.sets:  # a composite flag (sfmp --block): the default of every field it sets
+    if spec.sets:  # a composite flag (one --block, two fields): the default of every field it sets
         vals = [default_of(config_options(cls)[n]) for n in spec.sets]
         return "x".join("group" if v is None else str(v) for v in vals)
     v = default_of(f)
@@ -246,22 +246,30 @@ def method_options(args, method) -> dict:
 
 
 def methods_table(markdown: bool = False) -> str:
-    """The registered methods with their description and the flags only they (or few) use."""
-    methods = _registry()
-    flags = method_flags()
-    rows = []
-    for m in methods:
-        own = [d.flag for d in flags.values() if m.name in d.users and len(d.users) < len(methods)]
+    """The registered methods with their description and every flag they use (their config's
+    fields, in declaration order): ``bitmosaic methods`` and the README's method table."""
+    rows, no_act = [], [m.name for m in _registry() if "act" in getattr(m.config_cls, "unused", {})]
+    for m in _registry():
+        own = []
+        for f in used_options(m.config_cls).values():
+            if not option_spec(f).shared and flag_of(f) not in own:
+                own.append(flag_of(f))
         rows.append((m.name, m.description, own))
     if not markdown:
         return "\n".join(f"{n:<12} {desc}\n{'':<12} {' '.join(fl)}" for n, desc, fl in rows)
-    shared = " ".join(f"`{d.flag}`" for d in flags.values() if len(d.users) == len(methods))
-    lines = [
-        "| method | what it does | its flags |",
-        "|---|---|---|",
-        *(f"| `{n}` | {desc} | {' '.join(f'`{x}`' for x in fl)} |" for n, desc, fl in rows),
-        "",
-        f"Every method takes {shared} (unless it says otherwise) and the activation flags "
-        "`--scheme --abits --afmt --a-*`.",
-    ]
-    return "\n".join(lines)
+    return "\n".join(
+        [
+            "| method | what it does | its flags |",
+            "|---|---|---|",
+            *(f"| `{n}` | {desc} | {' '.join(f'`{x}`' for x in fl)} |" for n, desc, fl in rows),
+            "",
+            f"Every method also takes the activation flags `--scheme --abits --afmt --a-*`{_except(no_act)}.",
+        ]
+    )
+
+
+def _except(names: list[str]) -> str:
+    if not names:
+        return ""
+    who = "it quantizes" if len(names) == 1 else "they quantize"
+    return f" (except {', '.join(f'`{n}`' for n in names)}: {who} activations itself)"

@@ -98,7 +98,7 @@ def rename_old_keys(cls, kwargs: dict, where: str = "") -> dict:
             warnings.warn(
                 f"{where}option {k!r} is now called {new!r}; the old name goes away in the next release",
                 FutureWarning,
-                stacklevel=4,
+                stacklevel=3,
             )
             k = new
         out[k] = v
