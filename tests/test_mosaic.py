@@ -221,7 +221,7 @@ def test_cli_flags_reach_the_config():
         ]  # fmt: skip
     )
     cfg = get_method("mosaic").make_config(**method_options(args, get_method("mosaic")))
-    assert (cfg.budget, cfg.block, cfg.selection, cfg.base) == (0.05, "32x32", "channel", "gptq")
+    assert (cfg.budget_frac, cfg.block, cfg.selection, cfg.solver) == (0.05, "32x32", "channel", "gptq")
     assert cfg.act.bits == 4 and cfg.act.granularity == "group"
 
 

@@ -305,7 +305,7 @@ def test_cli_sfmp_flags():
     assert not cfg.row_reorder and cfg.col_reorder and cfg.solver == "gptq" and cfg.rank == "sum"
     assert cfg.fisher_samples == 16
     bad = p.parse_args(["quantize", "--method", "gptq", "--avg-bits", "3"])
-    with pytest.raises(ValueError, match="do not apply"):
+    with pytest.raises(ValueError, match="--avg-bits does not apply to method .gptq."):
         method_options(bad, get_method("gptq"))
     bad = p.parse_args(["quantize", "--method", "sfmp", "--bits", "3", "--avg-bits", "3"])
     with pytest.raises(ValueError, match="--bits"):

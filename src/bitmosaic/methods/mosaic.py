@@ -87,7 +87,7 @@ class MosaicConfig(WeightQuantConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.bits != 4 or self.group_size is not None or not self.symmetric:
+        if self.bits != 4 or self.group_size is not None or not self.sym:
             raise OptionError(
                 "mosaic quantizes weights to 4 bits, symmetric, per channel (use --scheme W4A4|W4A8)"
             )

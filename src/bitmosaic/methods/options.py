@@ -115,8 +115,12 @@ class ConfigMeta(type):
 
 
 def check_range(cls, name: str, value) -> None:
-    """A value outside its field's declared range is an :class:`~bitmosaic.errors.OptionError`."""
+    """A value outside its field's declared choices or range is an :class:`~bitmosaic.errors.OptionError`."""
     spec = option_spec(config_options(cls)[name])
+    if spec.choices and value is not None and not isinstance(value, bool) and value not in spec.choices:
+        from ..errors import OptionError
+
+        raise OptionError(f"{name}={value!r} is not one of {', '.join(map(str, spec.choices))}")
     if spec.range is None or value is None or isinstance(value, (str, bool)):
         return
     lo, hi = spec.range
