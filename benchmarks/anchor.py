@@ -23,7 +23,7 @@ def main() -> None:
         b.run(
             f"gptq w{bits} g64 act static", "gptq", bits=bits, group_size=64, order="act", static_groups=True
         )
-        b.run(f"gptq w{bits} g64 act mse", "gptq", bits=bits, group_size=64, order="act", scale_method="mse")
+        b.run(f"gptq w{bits} g64 act mse", "gptq", bits=bits, group_size=64, order="act", scale="mse")
     for row in b.rows:
         key = row["name"] if row["name"] == "float" else " ".join(row["name"].split()[:3])
         row["llm_compressor_ppl"] = REFERENCE.get(key)

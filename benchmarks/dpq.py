@@ -26,7 +26,7 @@ def main() -> None:
     fp8 = ActQuantSpec(fmt, 8, granularity="tensor", static=True)
     b.float_row()
     b.run("W8A8-FP8", "fp8", fmt=fmt, act=fp8)
-    b.run("W4A16 gptq gar", "gptq", bits=4, group_size=128, order="gar", scale_method="mse")
+    b.run("W4A16 gptq gar", "gptq", bits=4, group_size=128, order="gar", scale="mse")
     common = {"bits": 4, "group_size": 128, "fp8_range": a.fp8_range}
     b.run("W4A8 dpq gar", "dpq", order="gar", **common)
     b.run("W4A8 dpq act-order", "dpq", order="act", **common)

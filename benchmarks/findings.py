@@ -59,11 +59,11 @@ def fresh_babai(nsamples: int = 8, seqlen: int = 256, layers=(0, 15)) -> dict:
                     for h, k in zip(inputs, kwargs, strict=True):
                         run_layer(blocks[i], h, k)
                     hook.remove()
-                    common = dict(bits=3, group_size=128, scale_method="minmax", order="act")
+                    common = dict(bits=3, group_size=128, scale="minmax", order="act")
                     common["direction"] = "back"
                     W, st = lin.weight.double(), LayerStats(hessian=acc.H)
-                    b = quantize_babai(W, st, BabaiConfig(**common, percdamp=0.01, dtype="float64"))
-                    g = quantize_gptq(W, st, GPTQConfig(**common, static_groups=True, dtype="float64"))
+                    b = quantize_babai(W, st, BabaiConfig(**common, damp=0.01, solver_dtype="float64"))
+                    g = quantize_gptq(W, st, GPTQConfig(**common, static_groups=True, solver_dtype="float64"))
                     same += int((b.codes == g.codes).sum())
                     total += b.codes.numel()
             inputs = [run_layer(blocks[i], h, k) for h, k in zip(inputs, kwargs, strict=True)]

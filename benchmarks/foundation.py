@@ -18,7 +18,7 @@ def main() -> None:
     for bits in (4, 3):
         b.run(f"rtn w{bits} g{g}", "rtn", bits=bits, group_size=g)
         b.run(f"gptq w{bits} g{g}", "gptq", bits=bits, group_size=g)
-        b.run(f"gptq w{bits} g{g} act mse", "gptq", bits=bits, group_size=g, order="act", scale_method="mse")
+        b.run(f"gptq w{bits} g{g} act mse", "gptq", bits=bits, group_size=g, order="act", scale="mse")
     b.finish("foundation", ["ppl", "bits_per_weight", "mean_rel_out_error", "quant_seconds"])
 
 

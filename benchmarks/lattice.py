@@ -46,8 +46,8 @@ def main() -> None:
     targets = [(bits, bits + 0.125) for bits in bits_list]
     act = {"order": "act"}
     for bits, target in targets:
-        b.run(f"rtn w{bits} g128 mse", "rtn", bits=bits, group_size=128, scale_method="mse")
-        b.run(f"gptq w{bits} g128 mse act", "gptq", bits=bits, group_size=128, scale_method="mse", **act)
+        b.run(f"rtn w{bits} g128 mse", "rtn", bits=bits, group_size=128, scale="mse")
+        b.run(f"gptq w{bits} g128 mse act", "gptq", bits=bits, group_size=128, scale="mse", **act)
         b.run(f"hrtn {target}", "hrtn", target_bits=target)
         b.run(f"hptq {target}", "hptq", target_bits=target, **act)
     for rate in () if a.skip_ssqr else (0.01, 0.03, 0.05):

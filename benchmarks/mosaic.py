@@ -39,12 +39,12 @@ PAPER_W = {"bits": 4, "group_size": None, "symmetric": True}
 
 def _runs(part: str, max_tokens: int) -> list[tuple[str, str, str, dict]]:
     sq = {"alpha": None, "max_tokens": max_tokens, **PAPER_W}
-    gptq = {"order": "act", "scale_method": "mse", **PAPER_W}
+    gptq = {"order": "act", "scale": "mse", **PAPER_W}
     mos = {"max_tokens": max_tokens}
     if part == "main":
         runs = [
             ("rtn W4A16 g128", "W4A16", "rtn", {}),
-            ("gptq W4A16 g128", "W4A16", "gptq", {"order": "act", "scale_method": "mse"}),
+            ("gptq W4A16 g128", "W4A16", "gptq", {"order": "act", "scale": "mse"}),
             ("awq W4A16 g128", "W4A16", "awq", {}),
         ]
         for scheme, act in (("W4A8", A8), ("W4A4", A4)):
@@ -59,17 +59,18 @@ def _runs(part: str, max_tokens: int) -> list[tuple[str, str, str, dict]]:
     if part == "ablation":  # most telling first: a run cut short keeps these
         return [
             ("channel", "W4A4", "mosaic", {**w4a4, "selection": "channel"}),
-            ("no sparse, alpha re-searched", "W4A4", "mosaic", {**w4a4, "budget": 0.0}),
-            ("Δ-Hessian, GPTQ base (ours)", "W4A4", "mosaic", {**w4a4, "base": "gptq"}),
+            ("no sparse, alpha re-searched", "W4A4", "mosaic", {**w4a4, "budget_frac": 0.0}),
+            ("Δ-Hessian, GPTQ base (ours)", "W4A4", "mosaic", {**w4a4, "solver": "gptq"}),
             ("random", "W4A4", "mosaic", {**w4a4, "selection": "random"}),
             ("magnitude", "W4A4", "mosaic", {**w4a4, "selection": "magnitude"}),
             ("residual norm", "W4A4", "mosaic", {**w4a4, "selection": "residual-norm"}),
-            ("no sparse, alpha kept", "W4A4", "mosaic", {**w4a4, "budget": 0.0, "search_budget": 0.1}),
+            ("no sparse, alpha kept", "W4A4", "mosaic", {**w4a4, "budget_frac": 0.0, "search_budget": 0.1}),
         ]
     if part == "oracle":
         return [("oracle (greedy, exact)", "W4A4", "mosaic", {**w4a4, "selection": "oracle"})]
     if part == "sweep":
-        return [(f"budget {b:g}", "W4A4", "mosaic", {**w4a4, "budget": b}) for b in (0.025, 0.05, 0.15, 0.2)]
+        fracs = (0.025, 0.05, 0.15, 0.2)
+        return [(f"budget {b:g}", "W4A4", "mosaic", {**w4a4, "budget_frac": b}) for b in fracs]
     if part == "blocks":
         return [(f"block {b}", "W4A4", "mosaic", {**w4a4, "block": b}) for b in ("32x32", "128x128")]
     raise SystemExit(f"unknown part {part!r}; use main, ablation, oracle, sweep, blocks")

@@ -46,7 +46,7 @@ from bitmosaic.pipeline import quantize_model
 from common import RESULTS, Bench, base_parser
 
 CACHE = Path("/tmp/bitmosaic_sq_bench")
-BASE = {"bits": 4, "group_size": 128, "alpha": 0.5, "weights": "gptq"}
+BASE = {"bits": 4, "group_size": 128, "alpha": 0.5, "solver": "gptq"}
 DEFAULT_LAYERS = (2, 14, 26)
 W_SQ = {"W(SQ6)": "32-(8/4)-0.75", "W(SQ5)": "64-(8/4)-0.875", "W(SQ4.5)": "64-(8/4)-0.9375"}
 

@@ -19,7 +19,7 @@ def main() -> None:
     a = p.parse_args()
     b = Bench(a)
     b.float_row()
-    act = {"order": "act", "scale_method": "mse"}
+    act = {"order": "act", "scale": "mse"}
     for g in (128, 64, 32):
         b.run(f"gptq w3 g{g} act mse", "gptq", bits=3, group_size=g, **act)
     for rate in (float(r) for r in a.rates.split(",")):

@@ -19,12 +19,12 @@ from common import RESULTS, Bench, base_parser
 SCHEMES = ("W4A16", "W8A8", "W4A8", "W4A8-FP8", "W4A4")
 METHODS = {
     "rtn": ("rtn", {}),
-    "gptq": ("gptq", {"order": "act", "scale_method": "mse"}),
+    "gptq": ("gptq", {"order": "act", "scale": "mse"}),
     "smoothquant": ("smoothquant", {"alpha": None}),
     "awq": ("awq", {}),
     "smoothquant+gptq": (
         "smoothquant",
-        {"alpha": None, "weights": "gptq", "order": "act", "scale_method": "mse"},
+        {"alpha": None, "solver": "gptq", "order": "act", "scale": "mse"},
     ),
 }
 

@@ -42,7 +42,7 @@ def test_cli_group_size_and_flags_parse():
             "mse",
         ]
     )
-    assert a.bits == 3 and a.group_size == -1 and a.symmetric and a.no_clip and a.scale_method == "mse"
+    assert a.bits == 3 and a.group_size == -1 and a.sym and a.clip is False and a.scale == "mse"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["quantize", "--order", "random"])
 
@@ -53,18 +53,18 @@ def test_cli_unknown_method_is_a_clear_error(capsys):
 
 
 def test_cli_lattice_options_reach_the_method_config():
-    from bitmosaic.cli import _method_options
+    from bitmosaic.cli import method_options
     from bitmosaic.methods import get_method
 
     p = build_parser()
     a = p.parse_args(
         ["quantize", "--method", "ssqr", "--bits", "3", "--group-size", "128", "--outlier-rate", "0.02"]
     )
-    cfg = get_method("ssqr").make_config(**_method_options(a, get_method("ssqr")))
+    cfg = get_method("ssqr").make_config(**method_options(a, get_method("ssqr")))
     assert cfg.outlier_rate == 0.02 and cfg.bits == 3 and cfg.group_size == 128 and cfg.order == "act"
     a = p.parse_args(["quantize", "--method", "hptq", "--target-bits", "3.125", "--scale-per", "row"])
-    cfg = get_method("hptq").make_config(**_method_options(a, get_method("hptq")))
+    cfg = get_method("hptq").make_config(**method_options(a, get_method("hptq")))
     assert cfg.target_bits == 3.125 and cfg.scale_per == "row" and cfg.group_size is None
     a = p.parse_args(["quantize", "--method", "rtn", "--outlier-rate", "0.02"])
     with pytest.raises(ValueError, match="does not apply"):
-        _method_options(a, get_method("rtn"))
+        method_options(a, get_method("rtn"))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bitmosaic import quantize_
-from bitmosaic.cli import _method_options, build_parser, main
+from bitmosaic.cli import build_parser, main, method_options
 from bitmosaic.errors import BitmosaicError, OptionError
 from bitmosaic.methods import get_method
 from bitmosaic.methods.lattice import EntropyConfig, SSQRConfig
@@ -19,7 +19,7 @@ from .test_io_helpers import tiny_llama
 def _config(argv: list[str]):
     args = build_parser().parse_args(["quantize", *argv])
     spec = get_method(args.method)
-    return spec.make_config(**_method_options(args, spec))
+    return spec.make_config(**method_options(args, spec))
 
 
 def _cli_error(capsys, argv: list[str]) -> str:
@@ -33,11 +33,11 @@ def _cli_error(capsys, argv: list[str]) -> str:
 
 
 def test_ssqr_refuses_minmax_scales():
-    with pytest.raises(OptionError, match="ssqr.*scale_method='minmax'.*MSE"):
-        SSQRConfig(scale_method="minmax")
-    assert SSQRConfig(scale_method="mse").scale_method == "mse"
+    with pytest.raises(OptionError, match="ssqr.*scale='minmax'.*MSE"):
+        SSQRConfig(scale="minmax")
+    assert SSQRConfig(scale="mse").scale == "mse"
     with pytest.raises(OptionError, match="minmax"):
-        get_method("ssqr").make_config(scale_method="minmax")
+        get_method("ssqr").make_config(scale="minmax")
 
 
 @pytest.mark.parametrize(
@@ -45,8 +45,9 @@ def test_ssqr_refuses_minmax_scales():
     [
         ({"bits": 3}, "bits=3"),
         ({"group_size": 64}, "group_size=64"),
-        ({"symmetric": True}, "symmetric=True"),
-        ({"scale_method": "mse"}, "scale_method='mse'"),
+        ({"sym": True}, "sym=True"),
+        ({"scale": "mse"}, "scale='mse'"),
+        ({"symmetric": True}, "sym=True"),  # the old names still load (with a warning)
     ],
 )
 def test_entropy_methods_refuse_unused_options(kwargs, needle):

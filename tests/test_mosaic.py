@@ -201,8 +201,7 @@ def test_config_rules():
 
 
 def test_cli_flags_reach_the_config():
-    from bitmosaic.cli import build_parser
-    from bitmosaic.cli.args import _method_options
+    from bitmosaic.cli import build_parser, method_options
 
     args = build_parser().parse_args(
         [
@@ -221,8 +220,8 @@ def test_cli_flags_reach_the_config():
             "gptq",
         ]  # fmt: skip
     )
-    cfg = get_method("mosaic").make_config(**_method_options(args, get_method("mosaic")))
-    assert (cfg.budget, cfg.block, cfg.selection, cfg.base) == (0.05, "32x32", "channel", "gptq")
+    cfg = get_method("mosaic").make_config(**method_options(args, get_method("mosaic")))
+    assert (cfg.budget_frac, cfg.block, cfg.selection, cfg.solver) == (0.05, "32x32", "channel", "gptq")
     assert cfg.act.bits == 4 and cfg.act.granularity == "group"
 
 

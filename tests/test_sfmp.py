@@ -291,7 +291,7 @@ def test_sfmp_below_two_bits_and_gptq_solver():
 
 
 def test_cli_sfmp_flags():
-    from bitmosaic.cli import _method_options, build_parser
+    from bitmosaic.cli import build_parser, method_options
     from bitmosaic.methods import get_method
 
     p = build_parser()
@@ -300,20 +300,20 @@ def test_cli_sfmp_flags():
          "--no-row-reorder", "--sfmp-solver", "gptq", "--rank", "sum", "--fisher-samples", "16"]
     )  # fmt: skip
     spec = get_method("sfmp")
-    cfg = spec.make_config(**_method_options(args, spec))
+    cfg = spec.make_config(**method_options(args, spec))
     assert (cfg.bpw, cfg.group_size, cfg.block_rows, cfg.block_cols) == (3.25, 256, 64, 256)
     assert not cfg.row_reorder and cfg.col_reorder and cfg.solver == "gptq" and cfg.rank == "sum"
     assert cfg.fisher_samples == 16
     bad = p.parse_args(["quantize", "--method", "gptq", "--avg-bits", "3"])
-    with pytest.raises(ValueError, match="do not apply"):
-        _method_options(bad, get_method("gptq"))
+    with pytest.raises(ValueError, match="--avg-bits does not apply to method .gptq."):
+        method_options(bad, get_method("gptq"))
     bad = p.parse_args(["quantize", "--method", "sfmp", "--bits", "3", "--avg-bits", "3"])
     with pytest.raises(ValueError, match="--bits"):
-        _method_options(bad, spec)
+        method_options(bad, spec)
     with pytest.raises(ValueError, match="multiple of the group"):
         spec.make_config(avg_bits=3, group_size=128, block_cols=64)
     with pytest.raises(ValueError, match="512x128"):  # --block is shared with mosaic: checked per method
-        _method_options(p.parse_args(["quantize", "--method", "sfmp", "--block", "512"]), spec)
+        method_options(p.parse_args(["quantize", "--method", "sfmp", "--block", "512"]), spec)
 
 
 def test_cli_quantize_sfmp_end_to_end(tmp_path):

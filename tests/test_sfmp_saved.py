@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bitmosaic import quantize_
-from bitmosaic.cli import _method_options, build_parser, main
+from bitmosaic.cli import build_parser, main, method_options
 from bitmosaic.errors import OptionError
 from bitmosaic.io import load_quantized, save_quantized
 from bitmosaic.methods import get_method
@@ -156,12 +156,12 @@ def test_cli_budget_flags_reach_the_config():
         a = p.parse_args(
             ["quantize", "--method", "sfmp", flag, str(v), "--block", "64x256", "--group-size", "128"]
         )
-        cfg = spec.make_config(**_method_options(a, spec))
+        cfg = spec.make_config(**method_options(a, spec))
         assert getattr(cfg, field) == v and (cfg.block_rows, cfg.block_cols) == (64, 256)
     for extra in (["--bpw", "3", "--avg-bits", "2.5"], []):  # refused before any Fisher salience
         a = p.parse_args(["quantize", "--method", "sfmp", *extra])
         with pytest.raises(OptionError, match="exactly one budget"):
-            spec.make_config(**_method_options(a, spec))
+            spec.make_config(**method_options(a, spec))
 
 
 def test_cli_quantize_then_inspect_lists_the_bits_by_part(tmp_path, capsys):

@@ -190,4 +190,4 @@ def test_smoothquant_keeps_its_own_weight_defaults():
     from bitmosaic.methods.smoothquant import SmoothQuantConfig
 
     cfg = SmoothQuantConfig()
-    assert (cfg.scale_method, cfg.order, cfg.weights) == ("minmax", "natural", "rtn")
+    assert (cfg.scale, cfg.order, cfg.solver) == ("minmax", "natural", "rtn")

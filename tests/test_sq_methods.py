@@ -183,13 +183,13 @@ def test_sq_acts_weights_are_the_w4_baseline(calib):
 
 
 def test_cli_flags_build_the_configs():
-    from bitmosaic.cli.args import _method_options
+    from bitmosaic.cli import method_options
 
     p = build_parser()
     args = p.parse_args(
         ["quantize", "--method", "sq-acts", "--strategy", "static", "--sq", "16-(8/4)-0.5", "--wbits", "4"]
     )
-    cfg = get_method("sq-acts").make_config(**_method_options(args, get_method("sq-acts")))
+    cfg = get_method("sq-acts").make_config(**method_options(args, get_method("sq-acts")))
     assert (cfg.strategy, cfg.sq, cfg.bits, cfg.scheme) == ("static", "16-(8/4)-0.5", 4, "W4A(SQ6)")
     args = p.parse_args(
         [
@@ -206,7 +206,7 @@ def test_cli_flags_build_the_configs():
             "upfront",
         ]
     )
-    cfg = get_method("sq-weights").make_config(**_method_options(args, get_method("sq-weights")))
+    cfg = get_method("sq-weights").make_config(**method_options(args, get_method("sq-weights")))
     assert (cfg.importance, cfg.mask_timing, cfg.act.bits, cfg.scheme) == ("paper", "upfront", 8, "W(SQ5)A8")
 
 

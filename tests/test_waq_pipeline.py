@@ -136,10 +136,10 @@ def test_smoothquant_beats_rtn_at_w8a8_with_outlier_channels(calib, ids):
 
 
 def _opts(argv):
-    from bitmosaic.cli import _method_options
+    from bitmosaic.cli import method_options
 
     args = build_parser().parse_args(["quantize", *argv])
-    return _method_options(args, get_method(args.method))
+    return method_options(args, get_method(args.method))
 
 
 def test_cli_activation_flags():

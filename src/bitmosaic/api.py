@@ -1,21 +1,121 @@
-"""One entry point: ``quantize_(model, method, calib, **options)`` (torchao-style)."""
+"""One entry point: ``quantize_(model, method_or_recipe, calib, **options)`` (torchao-style).
+
+The run is attached to the model (``model.bitmosaic_run``: report, recipe, provenance), so
+:func:`bitmosaic.io.save_quantized` writes what ``bitmosaic reproduce`` needs, whether the model was
+quantized from Python or by ``bitmosaic quantize``.
+"""
 
 from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from .pipeline.pipeline import RunReport, quantize_model
-from .pipeline.recipe import method_config
+from .errors import OptionError
+from .pipeline.pipeline import RunReport
 
-__all__ = ["quantize_"]
+__all__ = ["quantize_", "as_recipe", "calibration_tokens"]
+
+_DATASETS = ("wikitext2", "wikitext-2")
+
+
+def as_recipe(method, options: dict | None = None, scheme: str | None = None):
+    """A :class:`~bitmosaic.pipeline.recipe.Recipe` from a method name (with config ``options`` and
+    ``scheme``), a ``Recipe``, a recipe dict, or the path of a YAML/JSON recipe file."""
+    from .pipeline.recipe import Recipe, _jsonable, load_recipe
+
+    options = dict(options or {})
+    if isinstance(method, (Recipe, dict)) or (isinstance(method, (str, os.PathLike)) and _is_file(method)):
+        if options or scheme is not None:
+            raise OptionError(
+                f"a recipe sets the method and its settings, so {sorted(options) or ['scheme']} cannot be "
+                "given too; put them in the recipe's settings"
+            )
+        if isinstance(method, Recipe):
+            return method
+        return Recipe.from_dict(method) if isinstance(method, dict) else load_recipe(method)
+    if not isinstance(method, str):
+        raise OptionError(
+            f"method must be a method name (`bitmosaic methods`), a Recipe, a recipe dict or a recipe file; "
+            f"got {type(method).__name__}"
+        )
+    from .methods import get_method
+    from .methods.options import rename_old_keys
+
+    try:
+        spec = get_method(method)
+    except ValueError as e:
+        raise OptionError(str(e)) from None
+    options = rename_old_keys(spec.config_cls, options, f"method {spec.name!r}: ")
+    d = {"method": spec.name, "settings": _jsonable(options)}
+    if scheme is not None:
+        d["scheme"] = scheme
+    return Recipe.from_dict(d)
+
+
+def _is_file(p) -> bool:
+    try:
+        return Path(p).suffix.lower() in (".yaml", ".yml", ".json") and Path(p).is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def calibration_tokens(calib, tokenizer=None, *, nsamples: int = 128, seqlen: int = 512, seed: int = 0,
+                       data_dir=None) -> tuple[torch.Tensor, str | None]:  # fmt: skip
+    """``(LongTensor [nsamples, seqlen], source)`` from token ids, a dataset name (``"wikitext2"``), a
+    text file or raw text (the last three need ``tokenizer``); ``source`` is ``None`` for ids and for raw
+    text (nothing to draw them from again)."""
+    from .data import calibration_samples
+
+    if isinstance(calib, torch.Tensor):
+        if calib.dtype.is_floating_point or calib.dtype == torch.bool or calib.dim() != 2:
+            raise OptionError(
+                f"calib must be a [nsamples, seqlen] integer tensor of token ids, got {calib.dtype} "
+                f"{list(calib.shape)}; or pass a dataset name, a text file or text with tokenizer="
+            )
+        return calib.long(), None
+    if not isinstance(calib, (str, os.PathLike)):
+        raise OptionError(
+            f"calib must be token ids (LongTensor [n, seqlen]), a dataset name ('wikitext2'), a text file "
+            f"or text; got {type(calib).__name__}"
+        )
+    text = os.fspath(calib)
+    if tokenizer is None:
+        raise OptionError(f"calib {text[:40]!r} is text: pass tokenizer= (the model's) to tokenize it")
+    kind = "dataset" if text.lower() in _DATASETS else "file" if _exists(text) else "text"
+    if kind == "text" and len(text.split()) < 2:
+        raise OptionError(
+            f"calib {text!r} is no dataset name ({', '.join(_DATASETS)}), no existing file and not text; "
+            "fix the name or the path"
+        )
+    if kind != "text":
+        source = text if kind == "dataset" else str(Path(text).resolve())
+        return calibration_samples(tokenizer, source, nsamples, seqlen, seed, data_dir=data_dir), source
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "calib.txt"
+        f.write_text(text, encoding="utf-8")
+        return calibration_samples(tokenizer, f, nsamples, seqlen, seed), None
+
+
+def _exists(p: str) -> bool:
+    try:
+        return len(p) < 4096 and "\n" not in p and Path(p).is_file()
+    except (OSError, ValueError):
+        return False
 
 
 def quantize_(
     model: nn.Module,
-    method: str,
-    calib: torch.Tensor,
+    method,
+    calib,
     *,
+    tokenizer=None,
+    nsamples: int = 128,
+    seqlen: int = 512,
+    data_dir=None,
     batch_size: int = 4,
     hessian_dtype: torch.dtype = torch.float32,
     progress: bool = True,
@@ -27,33 +127,56 @@ def quantize_(
     offload_inputs: bool | None = None,
     measure_errors: bool = False,
     calib_cache=None,
+    calib_source: str | None = None,
+    source_model: str | None = None,
+    more_calib=None,
     **options,
 ) -> RunReport:
-    """Quantize ``model`` in place with the registered ``method`` and return the run report.
+    """Quantize ``model`` in place and return the run report.
 
-    ``calib`` is a ``[n, seqlen]`` LongTensor of token ids (see :func:`bitmosaic.data.calibration_samples`);
-    ``options`` are the method's config fields, e.g. ``bits=4, group_size=128, order="act"``;
-    ``scheme="W4A8"`` (or ``W8A8``, ``W4A4``, ``W4A8-FP8``, ...) sets ``bits`` and ``act`` at once
-    (see :func:`bitmosaic.formats.act.parse_scheme`).  ``device`` is where calibration and the
-    solvers run (``"auto"``: CUDA when available; the model stays in host memory and each decoder
-    layer visits the device in turn); ``offload_inputs`` keeps the calibration activations in host
-    memory; ``measure_errors`` calibrates even Hessian-free methods (RTN, FP8) for the report's
-    error metrics.  Options a method's ``prepare`` step takes (its ``prepare_inputs``; e.g. sfmp's
-    ``salience``, a precomputed Fisher diagonal per decoder linear, or ``salience_tokens``, the
-    tokens to estimate it from instead of ``calib``) go to that step.  ``calib_cache`` (a
-    :class:`~bitmosaic.pipeline.calib_cache.CalibCache`) shares the float-model statistics between
-    runs.  See :func:`bitmosaic.pipeline.pipeline.quantize_model`.
+    ``method``: a registered method name (``options`` are its config fields, the same names as the
+    CLI flags: ``bits=4, group_size=128, order="act", damp=0.01``; ``scheme="W4A8"`` sets ``bits`` and
+    ``act`` at once), or a recipe: a :class:`~bitmosaic.pipeline.recipe.Recipe`, a recipe dict or a
+    YAML/JSON file (then no ``options``).  ``calib``: token ids ``[n, seqlen]``, or with ``tokenizer=``
+    a dataset name (``"wikitext2"``), a text file or raw text, cut into ``nsamples`` windows of
+    ``seqlen`` tokens drawn with ``seed``.  ``device`` is where calibration and the solvers run
+    (``"auto"``: CUDA when available; the model stays in host memory and each decoder layer visits the
+    device in turn); ``offload_inputs`` keeps the calibration activations in host memory;
+    ``measure_errors`` calibrates even Hessian-free methods (RTN, FP8) for the report's error metrics.
+    Options a method's ``prepare`` step takes (its ``prepare_inputs``; e.g. sfmp's ``salience``, a
+    precomputed Fisher diagonal per decoder linear, or ``salience_tokens``) go to that step.
+    ``calib_cache`` (a :class:`~bitmosaic.pipeline.calib_cache.CalibCache`) shares the float-model
+    statistics between runs.  ``calib_source``/``source_model`` name the data a token tensor was drawn
+    from and the model (default: its ``config._name_or_path``) for ``bitmosaic reproduce``.
+
+    The report, the recipe and the provenance are attached as ``model.bitmosaic_run``;
+    :func:`bitmosaic.io.save_quantized` writes them.  Bad arguments are one-line
+    :class:`~bitmosaic.errors.OptionError` s.  See :func:`bitmosaic.pipeline.pipeline.quantize_model`.
     """
+    from .data import bos_token_id
     from .methods import get_method, list_methods
+    from .pipeline.recipe import quantize_with_recipe
 
+    if not isinstance(model, nn.Module):
+        raise OptionError(f"model must be a torch nn.Module (transformers model); got {type(model).__name__}")
     takes = {i for m in list_methods() for i in get_method(m).prepare_inputs}
     inputs = {k: options.pop(k) for k in list(options) if k in takes}  # checked by the pipeline
-    spec, config = method_config(method, options, scheme)
-    return quantize_model(
+    recipe = as_recipe(method, options, scheme)
+    ids, source = calibration_tokens(
+        calib, tokenizer, nsamples=nsamples, seqlen=seqlen, seed=seed, data_dir=data_dir
+    )
+    source = calib_source or source
+    if more_calib is None and source is not None and tokenizer is not None:
+        from .data import calibration_samples
+
+        def more_calib(n: int) -> torch.Tensor:  # a prepare step that wants more samples
+            return calibration_samples(tokenizer, source, n, ids.shape[1], seed, data_dir=data_dir)
+
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    report = quantize_with_recipe(
         model,
-        calib,
-        spec,
-        config,
+        ids,
+        recipe,
         batch_size=batch_size,
         hessian_dtype=hessian_dtype,
         progress=progress,
@@ -65,4 +188,16 @@ def quantize_(
         measure_errors=measure_errors,
         method_inputs=inputs,
         calib_cache=calib_cache,
+        more_calib=more_calib,
     )
+    bos = bos_token_id(tokenizer) is not None if tokenizer is not None else False
+    report.calibration.update({"source": source or "tensor", "seed": seed, "bos": bos})
+    from .io.provenance import run_provenance
+
+    spec = source_model or getattr(getattr(model, "config", None), "_name_or_path", None) or None
+    prov = run_provenance(
+        ids, source=source, seed=seed, bos=bos, model=spec, device=report.device, dtype=dtype,
+        batch_size=batch_size, hessian_dtype=hessian_dtype, analyze_orders=analyze_orders,
+    )  # fmt: skip
+    model.bitmosaic_run = {"report": report, "recipe": recipe, "provenance": prov}
+    return report

@@ -15,17 +15,27 @@ from .args import (
     _add_act_args,
     _add_device_args,
     _add_eval_extras,
-    _group_size,
-    _method_options,
     act_spec_from_args,
     add_cache_args,
 )
 from .commands import cmd_eval, cmd_inspect, cmd_methods, cmd_quantize
 from .export import add_export_parser, cmd_export
+from .method_flags import add_method_args, method_options
 from .reproduce import add_reproduce_parser, cmd_reproduce
-from .sfmp_args import add_sfmp_args
 
-__all__ = ["main", "build_parser", "act_spec_from_args", "_method_options"]
+__all__ = ["main", "build_parser", "act_spec_from_args", "method_options"]
+
+
+class _Help(argparse.HelpFormatter):
+    """Shows ``(default: X)`` after a flag's help when it has a default and does not say it."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        no_default = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if "default" in h or no_default or action.nargs == 0 or not action.option_strings:
+            return h
+        return h + " (default: %(default)s)"
+
 
 _HANDLERS = {
     "quantize": cmd_quantize,
@@ -39,50 +49,31 @@ _HANDLERS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ..methods import DEFAULT_METHOD
+
     p = argparse.ArgumentParser(prog="bitmosaic", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    q = sub.add_parser("quantize", help="quantize a model with calibration data")
-    q.add_argument("--model", default=DEFAULT_MODEL, help="HF dir, hub id, gguf:PATH or alias (smollm2-135m)")
+    q = sub.add_parser("quantize", help="quantize a model with calibration data", formatter_class=_Help)
+    q.add_argument("--model", default=DEFAULT_MODEL, help="HF dir, hub id, gguf:PATH or alias")
     q.add_argument(
-        "--method", default="gptq", help="rtn | gptq | awq | smoothquant | ... (`bitmosaic methods`)"
+        "--method", default=DEFAULT_METHOD, help="a registered method (`bitmosaic methods` lists them)"
     )
     q.add_argument("--recipe", default=None, help="YAML/JSON recipe: method, settings, overrides, skip")
-    q.add_argument("--bits", "--wbits", dest="bits", type=int, default=None, help="weight bits (2-8; 4)")
-    q.add_argument(
-        "--group-size", type=_group_size, default=None, help="group size; -1 = per-channel (default 128)"
-    )
-    sym = q.add_mutually_exclusive_group()
-    sym.add_argument("--sym", dest="symmetric", action="store_true", default=None, help="symmetric grid")
-    sym.add_argument("--asym", dest="symmetric", action="store_false", help="asymmetric grid (default)")
+    add_method_args(q)
     _add_act_args(q)
-    add_sfmp_args(q)
-    q.add_argument("--scale", dest="scale_method", choices=["minmax", "mse"], default=None)
-    q.add_argument("--order", choices=["natural", "act", "gar", "min-pivot"], default=None)
-    q.add_argument("--direction", choices=["front", "back"], default=None)
-    q.add_argument("--no-clip", action="store_true", help="keep unbounded integers (lattice analysis)")
-    q.add_argument("--static-groups", action="store_true", help="fix group scales before GPTQ updates")
-    q.add_argument("--damp", type=float, default=None, help="damping, fraction of mean diag(H) (0.01)")
-    q.add_argument("--outlier-rate", type=float, default=None, help="ssqr: target outlier density")
-    q.add_argument(
-        "--ssqr-groups",
-        choices=["dynamic", "static"],
-        default=None,
-        help="ssqr: the paper's static groups (default) or GPTQ's act-order dynamic groups",
-    )
-    q.add_argument("--target-bits", type=float, default=None, help="hptq/hrtn: target encoded bits/weight")
-    q.add_argument("--scale-per", choices=["matrix", "row"], default=None, help="hptq/hrtn scale sharing")
     q.add_argument(
         "--bound-orders",
         default=None,
         help="comma list of orders (e.g. natural,act,min-pivot): per-layer Babai bound and no-clip error",
     )
-    q.add_argument("--solver-dtype", choices=["float32", "float64"], default=None)
-    q.add_argument("--hessian-dtype", choices=["float32", "float64"], default="float32")
-    q.add_argument("--calib", default="wikitext2", help="wikitext2 or a text file")
-    q.add_argument("--nsamples", type=int, default=32)
-    q.add_argument("--seqlen", type=int, default=512)
-    q.add_argument("--seed", type=int, default=0)
+    q.add_argument(
+        "--hessian-dtype", choices=["float32", "float64"], default="float32", help="calibration Hessian dtype"
+    )
+    q.add_argument("--calib", default="wikitext2", help="calibration data: wikitext2 or a text file")
+    q.add_argument("--nsamples", type=int, default=32, help="calibration samples")
+    q.add_argument("--seqlen", type=int, default=512, help="tokens per calibration sample")
+    q.add_argument("--seed", type=int, default=0, help="seed of the calibration sampling and the run")
     q.add_argument("--batch-size", type=int, default=4, help="calibration samples per layer forward")
     add_cache_args(q)
     q.add_argument("--data-dir", default=None, help="shared data folder (else $BITMOSAIC_DATA, else the hub)")
@@ -90,10 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--json", default=None, help="write the run report (per layer + totals) here")
     q.add_argument("--eval", dest="eval_src", default=None, help="also measure perplexity on this source")
     q.add_argument("--eval-float", action="store_true", help="with --eval, also measure the float model")
-    q.add_argument("--eval-seqlen", type=int, default=512)
+    q.add_argument("--eval-seqlen", type=int, default=512, help="tokens per evaluation window")
     q.add_argument("--max-windows", type=int, default=None, help="with --eval: first K windows only")
     q.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    q.add_argument("--no-progress", action="store_true")
+    q.add_argument("--no-progress", action="store_true", help="no progress bars")
     _add_eval_extras(q, quantize=True)
     _add_device_args(q)
     q.add_argument(
@@ -116,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("dir")
     i.add_argument("--layers", action="store_true", help="print the per-layer table")
 
-    sub.add_parser("methods", help="list registered methods")
+    ms = sub.add_parser("methods", help="list registered methods and their flags")
+    ms.add_argument("--markdown", action="store_true", help="as the README's markdown table")
     _compare.add_parser(sub)
     add_export_parser(sub)
     add_reproduce_parser(sub)
@@ -135,4 +127,3 @@ def main(argv: list[str] | None = None) -> int:
         msg = " ".join(str(e).split()) or type(e).__name__
         print(f"error: {msg}", file=sys.stderr)
         return 2
-

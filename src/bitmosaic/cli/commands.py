@@ -7,7 +7,8 @@ import json
 import time
 from pathlib import Path
 
-from .args import _method_options, calib_cache_from_args, task_list
+from .args import ACT_DESTS, calib_cache_from_args, task_list
+from .method_flags import method_flags, method_options
 
 
 def _ppl(model, tok, src, seqlen, max_windows, data_dir, progress, device=None, reference=None) -> dict:
@@ -57,30 +58,22 @@ def _write_json(path: str | None, obj: dict) -> None:
         print(f"report written to {path}")
 
 
-# the flags that set the method and its settings (what a --recipe file says instead)
-_METHOD_FLAGS = (
-    "bits", "group_size", "symmetric", "scale_method", "no_clip", "alpha", "scheme", "abits",
-    "afmt", "a_granularity", "a_group_size", "a_static", "a_pow2", "a_calib", "a_percentile",
-)  # fmt: skip
-
-
 def recipe_from_args(args):
     """The recipe of a ``quantize`` command line: ``--recipe FILE``, or the flags as a one-entry recipe."""
     from ..errors import OptionError
-    from ..methods import get_method
+    from ..methods import DEFAULT_METHOD, get_method
     from ..pipeline.recipe import Recipe, load_recipe
-    from .args import _OPTIONAL_FIELDS
-    from .sfmp_args import _SFMP_FLAGS
 
     if args.recipe is None:
         spec = get_method(args.method)
-        return Recipe.from_options(spec.name, _method_options(args, spec))
+        return Recipe.from_options(spec.name, method_options(args, spec))
     given = [
-        "--" + a.replace("_", "-")
-        for a in (*_METHOD_FLAGS, *_OPTIONAL_FIELDS, *_SFMP_FLAGS, "no_row_reorder", "no_col_reorder")
-        if getattr(args, a, None) not in (None, False)
+        d.typed(getattr(args, d.dest))
+        for d in method_flags().values()
+        if getattr(args, d.dest, None) is not None
     ]
-    if args.method != "gptq":  # the default: a --method next to --recipe (other than it) is an error
+    given += ["--" + a.replace("_", "-") for a in ACT_DESTS if getattr(args, a, None) not in (None, False)]
+    if args.method != DEFAULT_METHOD:  # a --method next to --recipe (other than the default) is an error
         given.insert(0, "--method")
     if given:
         raise OptionError(
@@ -91,12 +84,13 @@ def recipe_from_args(args):
 
 
 def run_recipe(model, tok, recipe, args, device, progress: bool, calib=None):
-    """Calibration samples from ``args`` (unless given) and the quantization itself:
+    """Calibration samples from ``args`` (unless given) and the quantization itself (through
+    :func:`bitmosaic.quantize_`, which attaches the report, recipe and provenance to the model):
     ``(report, calib)``.  ``quantize`` and ``reproduce`` both run this."""
     import torch
 
-    from ..data import bos_token_id, calibration_samples
-    from ..pipeline.recipe import quantize_with_recipe
+    from ..api import quantize_
+    from ..data import calibration_samples
 
     if calib is None:
         calib = calibration_samples(
@@ -109,10 +103,13 @@ def run_recipe(model, tok, recipe, args, device, progress: bool, calib=None):
         return calibration_samples(tok, args.calib, n, args.seqlen, args.seed, data_dir=args.data_dir)
 
     torch.manual_seed(args.seed)
-    report = quantize_with_recipe(
+    report = quantize_(
         model,
-        calib,
         recipe,
+        calib,
+        tokenizer=tok,
+        calib_source=args.calib,
+        source_model=str(Path(args.model).resolve()) if Path(args.model).exists() else args.model,
         more_calib=more_calib,
         batch_size=args.batch_size,
         hessian_dtype=hdt,
@@ -122,31 +119,7 @@ def run_recipe(model, tok, recipe, args, device, progress: bool, calib=None):
         device=device,
         calib_cache=calib_cache_from_args(args),
     )
-    report.calibration.update({"source": args.calib, "seed": args.seed, "bos": bos_token_id(tok) is not None})
     return report, calib
-
-
-def provenance(args, recipe, calib, tok, device, dtype) -> dict:
-    """What :func:`run_recipe` needs to run again, and the versions and data it ran with."""
-    import torch
-
-    from ..data import bos_token_id
-    from ..io.provenance import calibration_fingerprint, library_versions
-
-    fp = calibration_fingerprint(calib, source=args.calib, seed=args.seed, bos=bos_token_id(tok) is not None)
-    return {
-        "versions": library_versions(),
-        "model": str(Path(args.model).resolve()) if Path(args.model).exists() else args.model,
-        "calibration": fp,
-        "pipeline": {
-            "device": str(device),
-            "dtype": str(dtype).removeprefix("torch."),
-            "threads": torch.get_num_threads(),
-            "batch_size": args.batch_size,
-            "hessian_dtype": args.hessian_dtype,
-            "bound_orders": args.bound_orders,
-        },
-    }
 
 
 def cmd_quantize(args) -> int:
@@ -181,7 +154,7 @@ def cmd_quantize(args) -> int:
             model, tok, args.eval_src, args.eval_seqlen, args.max_windows, args.data_dir, progress, device
         )
         print(f"float perplexity: {results['float']['ppl']:.3f}")
-    report, calib = run_recipe(model, tok, recipe, args, device, progress)
+    report, _ = run_recipe(model, tok, recipe, args, device, progress)
     for line in spec.summary_lines(report):
         print(line)
     out = report.to_dict()
@@ -214,21 +187,8 @@ def cmd_quantize(args) -> int:
             print(f"vs float: {kl}, top-1 agreement {q['top1_agreement']:.4f}")
     if args.tasks:
         out["tasks"] = _tasks(args, model, tok, device)
-    if args.out:
-        info = {
-            "method": spec.name,
-            "bits": config.bits,
-            "group_size": config.group_size,
-            "symmetric": config.symmetric,
-            "order": getattr(config, "order", None),
-            "scheme": config.scheme,
-            "config": config.to_dict(),
-            "source_model": args.model,
-            "recipe": recipe.to_dict(),
-            "provenance": provenance(args, recipe, calib, tok, device, dtype),
-        }
-        info.update(spec.saved_info(report))  # what the method planned (save adds what the modules hold)
-        path = save_quantized(model, args.out, info, tokenizer=tok, overwrite=args.overwrite)
+    if args.out:  # what quantize_ attached: method, settings, recipe, provenance
+        path = save_quantized(model, args.out, tokenizer=tok, overwrite=args.overwrite)
         out["saved_to"] = str(path)
         print(f"saved to {path}")
     out["peak_rss_mb"] = peak_rss_mb()
@@ -333,8 +293,7 @@ def _print_sfmp(s: dict, saved: dict) -> None:
 
 
 def cmd_methods(args) -> int:
-    from ..methods import get_method, list_methods
+    from .method_flags import methods_table
 
-    for name in list_methods():
-        print(f"{name:<12} {get_method(name).description}")
+    print(methods_table(markdown=getattr(args, "markdown", False)))
     return 0

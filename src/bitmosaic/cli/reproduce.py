@@ -18,7 +18,7 @@ from pathlib import Path
 
 def add_reproduce_parser(sub) -> None:
     r = sub.add_parser("reproduce", help="rerun a saved model's recorded recipe and compare every tensor")
-    r.add_argument("dir", help="a folder saved by `bitmosaic quantize --out`")
+    r.add_argument("dir", help="a folder saved by `bitmosaic quantize --out` or quantize_ + save_quantized")
     r.add_argument(
         "--model", default=None, help="the source model, if its recorded spec does not resolve here"
     )
@@ -36,8 +36,8 @@ def _recorded(path: Path, qc: dict):
     recipe, prov = qc.get("recipe"), qc.get("provenance")
     if not isinstance(recipe, dict) or not isinstance(prov, dict):
         raise BitmosaicError(
-            f"{path} records no recipe and provenance (saved by an older bitmosaic or by the Python API); "
-            "only folders written by `bitmosaic quantize --out` can be reproduced"
+            f"{path} records no recipe and provenance (saved by an older bitmosaic, or with an explicit "
+            "quant_info); save it again with `bitmosaic quantize --out` or quantize_ + save_quantized"
         )
     try:
         cal, pipe = prov["calibration"], prov["pipeline"]
@@ -46,6 +46,11 @@ def _recorded(path: Path, qc: dict):
         raise BitmosaicError(
             f"{path}/config.json: provenance lacks {e}; the folder was edited or damaged"
         ) from None
+    if cal["source"] == "tensor":
+        raise BitmosaicError(
+            f"{path} was calibrated on token ids given from Python, which it does not hold; reproduce needs "
+            "a dataset name or text file as quantize_'s calib (or calib_source=)"
+        )
     return Recipe.from_dict(recipe, where=f"{path.name} recipe"), prov
 
 
@@ -84,6 +89,7 @@ def cmd_reproduce(args) -> int:
     import torch
 
     from ..data import calibration_samples
+    from ..errors import BitmosaicError
     from ..io import load_model
     from ..io.loading import resolve_device
     from ..io.provenance import calibration_fingerprint, compare_fingerprints, library_versions
@@ -104,6 +110,8 @@ def cmd_reproduce(args) -> int:
     for k in sorted(set(rec) | set(now)):
         mark = "" if rec.get(k) == now.get(k) else "  <- differs"
         print(f"{k:<14} {rec.get(k)!s:<22} {now.get(k)!s:<22}{mark}")
+    if not (args.model or prov["model"]):
+        raise BitmosaicError(f"{path} does not record its source model; pass --model")
     run = argparse.Namespace(
         model=args.model or prov["model"],
         calib=cal["source"],

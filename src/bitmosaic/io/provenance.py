@@ -8,7 +8,9 @@
 - ``pipeline``: the options that change the numbers (device, dtype, threads, batch size,
   Hessian dtype).
 
-With the ``recipe`` saved beside it, ``bitmosaic reproduce DIR`` reruns the quantization and
+:func:`bitmosaic.quantize_` attaches ``{"report", "recipe", "provenance"}`` to the model
+(``model.bitmosaic_run``); :func:`saved_run_info` is what :func:`~bitmosaic.io.save_quantized` writes
+of it.  With the ``recipe`` saved beside it, ``bitmosaic reproduce DIR`` reruns the quantization and
 compares every tensor (``cli/reproduce.py``).
 """
 
@@ -20,7 +22,9 @@ import platform
 
 import torch
 
-__all__ = ["library_versions", "calibration_fingerprint", "compare_fingerprints"]
+__all__ = [
+    "library_versions", "calibration_fingerprint", "compare_fingerprints", "run_provenance", "saved_run_info",
+]  # fmt: skip
 
 _LIBRARIES = ("torch", "transformers", "safetensors", "accelerate", "numpy", "tokenizers", "gguf")
 
@@ -69,3 +73,46 @@ def compare_fingerprints(recorded: dict, now: dict) -> list[str]:
     if bad:
         diffs.append(f"token hashes differ for {len(bad)} of {len(a)} samples (first: sample {bad[0]})")
     return diffs
+
+
+def run_provenance(
+    calib: torch.Tensor, *, source: str | None, seed: int, bos: bool, model: str | None, device, dtype,
+    batch_size: int, hessian_dtype, analyze_orders=None,
+) -> dict:  # fmt: skip
+    """The provenance of one quantization run (module doc); ``source`` ``None``: token ids given
+    directly (recorded as ``"tensor"``: the fingerprint, but nothing to draw them from again)."""
+    return {
+        "versions": library_versions(),
+        "model": model,
+        "calibration": calibration_fingerprint(calib, source=source or "tensor", seed=seed, bos=bos),
+        "pipeline": {
+            "device": str(device),
+            "dtype": str(dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(),
+            "batch_size": int(batch_size),
+            "hessian_dtype": str(hessian_dtype).removeprefix("torch."),
+            "bound_orders": ",".join(analyze_orders) if analyze_orders else None,
+        },
+    }
+
+
+def saved_run_info(run: dict) -> dict:
+    """The ``quantization_config`` entries of a run attached by :func:`bitmosaic.quantize_`: the
+    default entry's method and settings, the recipe, the provenance and what the method adds
+    (``Method.saved_info``)."""
+    recipe, report, prov = run["recipe"], run["report"], run["provenance"]
+    spec, config = recipe.default()
+    info = {
+        "method": spec.name,
+        "bits": config.bits,
+        "group_size": config.group_size,
+        "symmetric": config.sym,
+        "order": getattr(config, "order", None),
+        "scheme": config.scheme,
+        "config": config.to_dict(),
+        "source_model": prov.get("model"),
+        "recipe": recipe.to_dict(),
+        "provenance": prov,
+    }
+    info.update(spec.saved_info(report))  # what the method planned (save adds what the modules hold)
+    return info

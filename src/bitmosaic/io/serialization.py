@@ -188,12 +188,16 @@ def write_safetensors(folder: Path, sd: dict[str, torch.Tensor], meta: dict[str,
 def save_quantized(
     model: nn.Module,
     out_dir: str | os.PathLike,
-    quant_info: dict,
+    quant_info: dict | None = None,
     tokenizer=None,
     *,
     overwrite: bool = False,
 ) -> Path:
     """Save ``model`` (with QuantLinear modules) to ``out_dir`` atomically; returns the path.
+
+    ``quant_info``: the ``quantization_config`` entries to record; ``None``: what the model carries
+    from :func:`bitmosaic.quantize_` (``model.bitmosaic_run``: method, settings, recipe, provenance,
+    so ``bitmosaic reproduce`` works on the folder).
 
     ``out_dir`` must be new or empty, or (with ``overwrite=True``) a folder bitmosaic saved before; see
     :func:`check_output_dir`.  Raises :class:`~bitmosaic.errors.OutputExistsError` otherwise.
@@ -201,6 +205,15 @@ def save_quantized(
     qmods = quantized_modules(model)
     if not qmods:
         raise ValueError("model has no quantized layers; run quantization before saving")
+    if quant_info is None:
+        run = getattr(model, "bitmosaic_run", None)
+        if not isinstance(run, dict):
+            raise ValueError(
+                "the model carries no quantization run (bitmosaic.quantize_ attaches one); pass quant_info"
+            )
+        from .provenance import saved_run_info
+
+        quant_info = saved_run_info(run)
     out_dir = check_output_dir(out_dir, overwrite)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))

@@ -2,8 +2,18 @@
 config and :class:`~.base.Method` subclass with ``@register``) and one line below."""
 
 from . import dpq, fp8, gptq, lattice, mosaic, rtn, sfmp, smoothquant, sq  # noqa: F401  (registration)
-from .registry import LayerStats, Method, MethodContext, WeightQuantConfig, get_method, list_methods, register
+from .registry import (
+    DEFAULT_METHOD,
+    LayerStats,
+    Method,
+    MethodContext,
+    WeightQuantConfig,
+    get_method,
+    list_methods,
+    register,
+)
 
 __all__ = [
-    "LayerStats", "Method", "MethodContext", "WeightQuantConfig", "get_method", "list_methods", "register",
+    "DEFAULT_METHOD", "LayerStats", "Method", "MethodContext", "WeightQuantConfig", "get_method",
+    "list_methods", "register",
 ]  # fmt: skip

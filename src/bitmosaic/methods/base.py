@@ -36,6 +36,7 @@ from ..algorithms.observers import ActObserver
 from ..algorithms.types import QuantResult
 from ..errors import OptionError
 from ..formats.act import ActQuantSpec
+from .options import ConfigMeta, check_range, option, rename_old_keys
 
 __all__ = ["LayerStats", "Method", "MethodContext", "WeightQuantConfig"]
 
@@ -52,15 +53,41 @@ _SCHEME_SUFFIX = {"int": "", "e4m3": "-FP8", "e4m3-240": "-FP8-240", "e5m2": "-E
 
 
 @dataclass
-class WeightQuantConfig:
-    """Settings shared by every weight quantizer."""
+class WeightQuantConfig(metaclass=ConfigMeta):
+    """Settings shared by every weight quantizer (each field declared with :func:`~.options.option`;
+    a subclass lists the inherited ones it does not use in ``unused``)."""
 
-    bits: int = 4
-    group_size: int | None = 128  # None = per-channel
-    symmetric: bool = False
-    scale_method: str = "minmax"  # "minmax" | "mse"
-    clip: bool = True
-    act: ActQuantSpec | None = None  # activation quantizer at each linear's input (None = A16)
+    unused: ClassVar[dict[str, str]] = {}
+
+    bits: int = option(4, help="weight bits", range=(1, 8), aliases=("--wbits",))
+    group_size: int | None = option(
+        128, help="weights per scale along the input; -1 = per-channel", type=int
+    )
+    sym: bool = option(
+        False, help="symmetric integer grid (--asym: asymmetric)", negative="--asym", old_names=("symmetric",)
+    )
+    scale: str = option(
+        "minmax", help="group scale search: min-max or MSE-optimal", choices=("minmax", "mse"),
+        old_names=("scale_method",),
+    )  # fmt: skip
+    clip: bool = option(True, help="clip codes to the grid (--no-clip: unbounded integers, lattice analysis)")
+    act: ActQuantSpec | None = option(
+        None, help="activation quantizer at each linear's input (--scheme --abits --afmt --a-*; none = A16)",
+        flag="--abits", shared=True,
+    )  # fmt: skip
+
+    # the old names, read-only (code outside the methods still reads them)
+    @property
+    def symmetric(self) -> bool:
+        return self.sym
+
+    @property
+    def scale_method(self) -> str:
+        return self.scale
+
+    @property
+    def percdamp(self) -> float:
+        return getattr(self, "damp", 0.01)
 
     def __post_init__(self) -> None:
         if isinstance(self.act, dict):
@@ -130,12 +157,15 @@ class Method:
         return type(self).transform is not Method.transform
 
     def make_config(self, **kwargs) -> WeightQuantConfig:
+        kwargs = rename_old_keys(self.config_cls, kwargs, f"method {self.name!r}: ")
         names = {f.name for f in dataclasses.fields(self.config_cls)}
         unknown = sorted(k for k in kwargs if k not in names)
         if unknown:
             raise OptionError(
                 f"method {self.name!r} has no option(s) {unknown}; its options are {sorted(names)}"
             )
+        for k, v in kwargs.items():
+            check_range(self.config_cls, k, v)
         return self.config_cls(**kwargs)
 
     # -- the hooks -----------------------------------------------------------------------------------
@@ -155,7 +185,7 @@ class Method:
         from ..modules.qlinear import QuantLinear
 
         return QuantLinear.from_result(
-            result, bits=config.bits, group_size=config.group_size, symmetric=config.symmetric, bias=bias
+            result, bits=config.bits, group_size=config.group_size, symmetric=config.sym, bias=bias
         )
 
     def finalize(self, model: nn.Module, config, state, ctx: MethodContext) -> None:

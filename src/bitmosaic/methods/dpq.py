@@ -17,7 +17,8 @@ from ..algorithms.rtn import rtn_quantize
 from ..formats.act import ActQuantSpec
 from ..formats.grid import IntGrid
 from ..modules.qmodules import FP8ComputeQuantLinear
-from .gptq import HESSIAN_DTYPES, _processing_order, _require_hessian
+from .gptq import HESSIAN_DTYPES, GPTQConfig, _processing_order, _require_hessian
+from .options import like, option
 from .registry import LayerStats, Method, WeightQuantConfig, register
 
 __all__ = ["DPQConfig"]
@@ -27,19 +28,30 @@ FP8_RANGES = {448: "e4m3", 240: "e4m3-240"}
 
 @dataclass
 class DPQConfig(WeightQuantConfig):
-    scale_method: str = "mse"
-    order: str = "gar"  # gar | act | natural
-    fp8_range: int = 448  # 448 (OCP / Gaudi 3) or 240 (Gaudi 2)
-    per_channel: bool = False  # FP8 weight scale per output channel instead of per tensor
-    margin: float = 1.0  # headroom for compensated weights (ours; 1 = the paper's Eq. 6)
-    pow2: bool = False  # power-of-two FP8 weight (and default activation) scales
-    naive: bool = False
-    solver: str = "gptq"  # gptq | rtn (the RTN W4A8 baseline)
-    direction: str = "front"
-    block_size: int = 128
-    percdamp: float = 0.01
-    dtype: str = "float32"
-    act: ActQuantSpec | None | str = "fp8"  # "fp8": E4M3 per-tensor static, same range and pow2
+    scale: str = like(WeightQuantConfig, "scale", "mse")
+    order: str = like(GPTQConfig, "order", "gar")
+    fp8_range: int = option(
+        448, help="E4M3 range: 448 (OCP, Gaudi 3) or 240 (Gaudi 2)", choices=(448, 240), type=int
+    )
+    per_channel: bool = option(
+        False, help="FP8 weight scale per output channel (else per tensor)", deprecated=("--fp8-per-channel",)
+    )
+    margin: float = option(
+        1.0, help="FP8 weight-scale headroom for compensated weights (1 = the paper's Eq. 6)",
+        range=(1, None), deprecated=("--fp8-margin",),
+    )  # fmt: skip
+    pow2: bool = option(False, help="power-of-two FP8 scales", deprecated=("--pow2-scales",))
+    naive: bool = option(False, help="the paper's naive GPTQ W4A8 baseline (only the INT4 error compensated)")
+    solver: str = option(
+        "gptq", help="inner solver: gptq | rtn (dpq: rtn = the RTN W4A8 baseline; sfmp: awq | gptq; "
+        "mosaic: dense base rtn | gptq; smoothquant, sq-acts: weights rtn | gptq)",
+        choices=("gptq", "rtn", "awq"),
+    )  # fmt: skip
+    direction: str = like(GPTQConfig, "direction")
+    block_size: int = like(GPTQConfig, "block_size")
+    damp: float = like(GPTQConfig, "damp")
+    solver_dtype: str = like(GPTQConfig, "solver_dtype")
+    act: ActQuantSpec | None | str = like(WeightQuantConfig, "act", "fp8")  # E4M3 per-tensor static
 
     def __post_init__(self) -> None:
         if self.fp8_range not in FP8_RANGES:
@@ -48,7 +60,7 @@ class DPQConfig(WeightQuantConfig):
             raise ValueError(f"dpq order must be gar, act or natural, got {self.order!r}")
         if self.solver not in ("gptq", "rtn"):
             raise ValueError(f"dpq solver must be gptq or rtn, got {self.solver!r}")
-        if self.symmetric:
+        if self.sym:
             raise ValueError("dpq stores asymmetric INT codes (paper §2.1); drop --sym")
         if self.act == "fp8":
             self.act = ActQuantSpec(self.fmt, 8, granularity="tensor", static=True, pow2=self.pow2)
@@ -69,9 +81,7 @@ def quantize_dpq(weight, stats: LayerStats, cfg: DPQConfig):
     grid = INT4 if cfg.bits == 4 else IntGrid(cfg.bits)
     fp8 = {"per_channel": cfg.per_channel, "margin": cfg.margin, "pow2": cfg.pow2}
     if cfg.solver == "rtn":
-        return fp8_on_top(
-            rtn_quantize(weight, grid, cfg.group_size, cfg.scale_method, cfg.clip), cfg.fmt, **fp8
-        )
+        return fp8_on_top(rtn_quantize(weight, grid, cfg.group_size, cfg.scale, cfg.clip), cfg.fmt, **fp8)
     H = _require_hessian(stats, "dpq")
     return dpq_quantize(
         weight,
@@ -79,12 +89,12 @@ def quantize_dpq(weight, stats: LayerStats, cfg: DPQConfig):
         fmt=cfg.fmt,
         group_size=cfg.group_size,
         perm=_processing_order(H, cfg),
-        scale_method=cfg.scale_method,
+        scale_method=cfg.scale,
         clip=cfg.clip,
         naive=cfg.naive,
         block_size=cfg.block_size,
-        percdamp=cfg.percdamp,
-        dtype=HESSIAN_DTYPES[cfg.dtype],
+        percdamp=cfg.damp,
+        dtype=HESSIAN_DTYPES[cfg.solver_dtype],
         grid=grid,
         **fp8,
     )

@@ -6,12 +6,15 @@ paper (Table 3).  Stored as real FP8 bytes (:class:`~bitmosaic.modules.qmodules.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from ..algorithms.dpq import fp8_weight_scale
 from ..formats.fp import fp_round, get_float_format
 from ..modules.qmodules import FP8Linear
+from .dpq import DPQConfig
+from .options import like, option
 from .registry import LayerStats, Method, WeightQuantConfig, register
 
 __all__ = ["FP8WeightConfig", "FP8WeightResult"]
@@ -37,12 +40,19 @@ class FP8WeightResult:
 
 @dataclass
 class FP8WeightConfig(WeightQuantConfig):
-    bits: int = 8
-    group_size: int | None = None
-    symmetric: bool = True
-    fmt: str = "e4m3"  # e4m3 | e4m3-240 | e5m2
-    per_channel: bool = True
-    pow2: bool = False
+    unused: ClassVar[dict[str, str]] = {
+        "group_size": "fp8 has one scale per channel or tensor (--per-channel)",
+        "sym": "FP8 values are signed floats",
+        "scale": "the FP8 scale is max|W| / the format's maximum",
+        "clip": "FP8 rounding saturates at the format's maximum",
+    }
+
+    bits: int = like(WeightQuantConfig, "bits", 8, range=(8, 8))
+    group_size: int | None = like(WeightQuantConfig, "group_size", None)
+    sym: bool = like(WeightQuantConfig, "sym", True)
+    fmt: str = option("e4m3", help="FP8 format of the weights", choices=("e4m3", "e4m3-240", "e5m2"))
+    per_channel: bool = like(DPQConfig, "per_channel", True)
+    pow2: bool = like(DPQConfig, "pow2")
 
     def __post_init__(self) -> None:
         f = get_float_format(self.fmt)
@@ -65,7 +75,7 @@ def quantize_fp8(weight, stats: LayerStats, cfg: FP8WeightConfig) -> FP8WeightRe
 
 @register
 class FP8(Method):
-    name, config_cls = 'fp8', FP8WeightConfig
+    name, config_cls = "fp8", FP8WeightConfig
     description = "FP8 (E4M3/E5M2) weights, per-channel scale"
     needs_hessian = False
 

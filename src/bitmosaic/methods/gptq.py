@@ -19,26 +19,48 @@ from ..algorithms.scales import group_scale_zero
 from ..algorithms.types import QuantResult
 from ..formats.grid import IntGrid
 from ..formats.layout import default_g_idx
+from .options import like, option
 from .registry import LayerStats, Method, WeightQuantConfig, register
 
 HESSIAN_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+# options several methods share (one declaration each; other configs take them with ``like``)
+ORDER = lambda: option(  # noqa: E731
+    "act", help="processing order of the columns (act: diag(H) descending; gar: group-aware)",
+    choices=("natural", "act", "gar", "min-pivot"),
+)  # fmt: skip
+DIRECTION = lambda: option(  # noqa: E731
+    "front", help="process the order from the front or the back", choices=("front", "back")
+)
+DAMP = lambda: option(  # noqa: E731
+    0.01, help="Hessian damping, fraction of mean diag(H)", range=(0, 1), old_names=("percdamp",)
+)
+SOLVER_DTYPE = lambda: option(  # noqa: E731
+    "float32", help="working precision of the GPTQ/Babai solver", choices=tuple(HESSIAN_DTYPES),
+    old_names=("dtype",),
+)  # fmt: skip
+BLOCK_SIZE = lambda: option(  # noqa: E731
+    128, help="GPTQ lazy-batch width (columns updated together)", range=(1, None)
+)
 
 
 @dataclass
 class GPTQConfig(WeightQuantConfig):
     """GPTQ settings.  Defaults: act-order (``diag(H)`` descending) with MSE group scales, the best
     setting measured on SmolLM2 (``--method gptq --bits 4`` alone gives it); ``order="natural"``
-    and ``scale_method="minmax"`` give the original GPTQ.  ``static_groups`` fixes every group's
-    scale from the original weights (the Babai-equivalent lattice); ``dtype`` is the solver's
+    and ``scale="minmax"`` give the original GPTQ.  ``static_groups`` fixes every group's
+    scale from the original weights (the Babai-equivalent lattice); ``solver_dtype`` is the solver's
     working precision."""
 
-    scale_method: str = "mse"  # minmax | mse
-    order: str = "act"  # natural | act | gar | min-pivot
-    direction: str = "front"  # front | back
-    static_groups: bool = False
-    block_size: int = 128
-    percdamp: float = 0.01
-    dtype: str = "float32"  # working precision of the solver
+    scale: str = like(WeightQuantConfig, "scale", "mse")
+    order: str = ORDER()
+    direction: str = DIRECTION()
+    static_groups: bool = option(
+        False, help="fix every group's scale from the original weights before the updates"
+    )
+    block_size: int = BLOCK_SIZE()
+    damp: float = DAMP()
+    solver_dtype: str = SOLVER_DTYPE()
 
 
 def _processing_order(H: torch.Tensor, cfg) -> torch.Tensor:
@@ -48,7 +70,7 @@ def _processing_order(H: torch.Tensor, cfg) -> torch.Tensor:
     method must pass the calibration Hessian as stored, so that gptq and babai see the same order.
     """
     if cfg.order == "min-pivot":
-        H = damp_hessian(H, cfg.percdamp)[0]
+        H = damp_hessian(H, cfg.damp)[0]
     return make_order(H, cfg.order, cfg.group_size, cfg.direction)
 
 
@@ -65,35 +87,35 @@ def quantize_gptq(weight, stats: LayerStats, cfg: GPTQConfig) -> QuantResult:
     return gptq_quantize(
         weight,
         H,
-        IntGrid(cfg.bits, cfg.symmetric),
+        IntGrid(cfg.bits, cfg.sym),
         cfg.group_size,
         perm=_processing_order(H, cfg),
         clip=cfg.clip,
-        scale_method=cfg.scale_method,
+        scale_method=cfg.scale,
         static_groups=cfg.static_groups,
         block_size=cfg.block_size,
-        percdamp=cfg.percdamp,
-        dtype=HESSIAN_DTYPES[cfg.dtype],
+        percdamp=cfg.damp,
+        dtype=HESSIAN_DTYPES[cfg.solver_dtype],
     )
 
 
 @dataclass
 class BabaiConfig(WeightQuantConfig):
-    order: str = "natural"
-    direction: str = "front"
-    percdamp: float = 0.01
-    dtype: str = "float64"
+    order: str = like(GPTQConfig, "order", "natural")
+    direction: str = DIRECTION()
+    damp: float = DAMP()
+    solver_dtype: str = like(GPTQConfig, "solver_dtype", "float64")
 
 
 def quantize_babai(weight, stats: LayerStats, cfg: BabaiConfig) -> QuantResult:
     H0 = _require_hessian(stats, "babai")
-    dtype = HESSIAN_DTYPES[cfg.dtype]
+    dtype = HESSIAN_DTYPES[cfg.solver_dtype]
     W = weight.to(dtype).clone()
     H = H0.to(device=W.device, dtype=dtype)
     W[:, torch.diagonal(H) == 0] = 0
-    Hd, _, _ = damp_hessian(H, cfg.percdamp)
-    grid = IntGrid(cfg.bits, cfg.symmetric)
-    scales, zeros = group_scale_zero(W, grid, cfg.group_size, cfg.scale_method)
+    Hd, _, _ = damp_hessian(H, cfg.damp)
+    grid = IntGrid(cfg.bits, cfg.sym)
+    scales, zeros = group_scale_zero(W, grid, cfg.group_size, cfg.scale)
     g_idx = default_g_idx(W.shape[1], cfg.group_size, device=W.device)
     perm = _processing_order(H0, cfg).to(W.device)  # as gptq: from the undamped Hessian
     codes, D = babai_nearest_plane(

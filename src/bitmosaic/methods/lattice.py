@@ -10,29 +10,33 @@ from typing import ClassVar
 from ..algorithms.lattice import SSQR_GROUPS, entropy_coded_quantize, ssqr_quantize
 from ..errors import OptionError
 from ..modules.qmodules import HuffmanQuantLinear, SparseOutlierQuantLinear
-from .gptq import _processing_order, _require_hessian
+from .gptq import GPTQConfig, _processing_order, _require_hessian
+from .options import like, option
 from .registry import LayerStats, Method, WeightQuantConfig, register
 
 
 @dataclass
 class SSQRConfig(WeightQuantConfig):
-    outlier_rate: float = 0.01
-    order: str = "act"  # the paper's experiments use act-order for every method
-    direction: str = "front"
-    percdamp: float = 0.01
-    scale_method: str = "mse"  # SSQR initialises its scales with the MSE search (fixed)
+    outlier_rate: float = option(0.01, help="target density of the exact sparse outliers", range=(0, 0.5))
+    order: str = like(GPTQConfig, "order")  # the paper's experiments use act-order for every method
+    direction: str = like(GPTQConfig, "direction")
+    damp: float = like(GPTQConfig, "damp")
+    scale: str = like(WeightQuantConfig, "scale", "mse")  # SSQR starts from MSE scales (fixed)
     # "static": the paper's contiguous groups fitted before GPTQ (Algorithm 9), the default;
     # "dynamic": GPTQ's act-order dynamic groups x the global multiplier (the grouping and scales
     # of the GPTQ baseline).  Measured on SmolLM2 w3 g128 1% outliers (issue #9 §5,
     # benchmarks/ssqr_groups.py): static 57.55 ppl at 3.62 bpw, dynamic 58.80 at 3.67, so the
     # paper's variant stays the default; GPTQ act+MSE g64 gives 47.28 at 3.55 bpw.
-    groups: str = "static"
+    groups: str = option(
+        "static", help="static: the paper's groups fitted before GPTQ; dynamic: GPTQ's act-order groups",
+        choices=SSQR_GROUPS, deprecated=("--ssqr-groups",),
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.scale_method != "mse":
+        if self.scale != "mse":
             raise OptionError(
-                f"ssqr: scale_method={self.scale_method!r} is not used: SSQR always starts from MSE "
+                f"ssqr: scale={self.scale!r} is not used: SSQR always starts from MSE "
                 "scales (Babai paper §5); drop --scale or pass --scale mse"
             )
         if not 0 < self.outlier_rate < 0.5:
@@ -43,7 +47,7 @@ class SSQRConfig(WeightQuantConfig):
 
 def _pack_ssqr(res, cfg: SSQRConfig, bias):
     return SparseOutlierQuantLinear.from_result(
-        res, bits=cfg.bits, group_size=cfg.group_size, symmetric=cfg.symmetric, bias=bias
+        res, bits=cfg.bits, group_size=cfg.group_size, symmetric=cfg.sym, bias=bias
     )
 
 
@@ -56,8 +60,8 @@ def quantize_ssqr(weight, stats: LayerStats, cfg: SSQRConfig):
         cfg.group_size,
         cfg.outlier_rate,
         perm=_processing_order(H, cfg),
-        symmetric=cfg.symmetric,
-        percdamp=cfg.percdamp,
+        symmetric=cfg.sym,
+        percdamp=cfg.damp,
         groups=cfg.groups,
     )
 
@@ -68,28 +72,27 @@ class EntropyConfig(WeightQuantConfig):
 
     # options of every weight quantizer that these methods do not use (they have one scale per
     # matrix or row and unbounded integers): giving them is an error, never a silent no-op
-    IGNORED_FIELDS: ClassVar[tuple[str, ...]] = ("bits", "group_size", "symmetric", "scale_method")
-    IGNORED_WHY: ClassVar[str] = (
-        ": HPTQ/HRTN keep unbounded integers with one scale per matrix or row (--scale-per) and "
-        "Huffman-code them to --target-bits; drop the flag"
+    unused: ClassVar[dict[str, str]] = dict.fromkeys(
+        ("bits", "group_size", "sym", "scale"),
+        "HPTQ/HRTN keep unbounded integers with one scale per matrix or row (--scale-per) and "
+        "Huffman-code them to --target-bits; drop the flag",
     )
 
-    target_bits: float = 3.125
-    scale_per: str = "matrix"  # "matrix" | "row"
-    order: str = "act"
-    direction: str = "front"
-    percdamp: float = 0.01
-    group_size: int | None = None  # one scale per matrix/row: no groups
+    target_bits: float = option(3.125, help="target Huffman-coded bits per weight", range=(0, 16))
+    scale_per: str = option("matrix", help="one scale per matrix or per row", choices=("matrix", "row"))
+    order: str = like(GPTQConfig, "order")
+    direction: str = like(GPTQConfig, "direction")
+    damp: float = like(GPTQConfig, "damp")
+    group_size: int | None = like(WeightQuantConfig, "group_size", None)  # one scale per matrix/row
 
     def __post_init__(self) -> None:
         super().__post_init__()
         base = WeightQuantConfig()
-        defaults = {"bits": base.bits, "group_size": None, "symmetric": base.symmetric}
-        defaults["scale_method"] = base.scale_method
+        defaults = {"bits": base.bits, "group_size": None, "sym": base.sym, "scale": base.scale}
         for name, default in defaults.items():
             value = getattr(self, name)
             if value != default:
-                raise OptionError(f"hptq/hrtn do not use {name}={value!r}{self.IGNORED_WHY}")
+                raise OptionError(f"hptq/hrtn do not use {name}={value!r}: {self.unused[name]}")
         if self.scale_per not in ("matrix", "row"):
             raise OptionError(f"scale_per must be 'matrix' or 'row', got {self.scale_per!r}")
         if not 0 < self.target_bits <= 16:
@@ -109,7 +112,7 @@ def quantize_hptq(weight, stats: LayerStats, cfg: EntropyConfig):
         scale_per=cfg.scale_per,
         use_gptq=True,
         perm=_processing_order(H, cfg),
-        percdamp=cfg.percdamp,
+        percdamp=cfg.damp,
     )
 
 

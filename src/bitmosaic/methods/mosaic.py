@@ -11,7 +11,7 @@
   ``W_i · diag(s)`` (Δ-Hessian scores from the smoothed input's ``H_jj / s_j²``) and ``Q_x`` the
   activation quantizer: the objective the paper states (a weight-only objective drives α to 0).
   ``search_budget`` (default: ``budget``) is the residual budget used inside the search, so the
-  "no sparse branch, α kept from the full method" ablation is ``budget=0, search_budget=0.1``.
+  "no sparse branch, α kept from the full method" ablation is ``budget_frac=0, search_budget=0.1``.
 - Each linear (in true-sequential order, on inputs from the already quantized earlier groups):
   :func:`~bitmosaic.algorithms.mosaic.mosaic_decompose` with ``H`` the Hessian of its float
   (smoothed) inputs, packed as :class:`~bitmosaic.modules.mosaic.MosaicQuantLinear`.
@@ -19,14 +19,14 @@
   symmetric INT4 -- a per-token INT4 spec (what ``--scheme W4A4`` parses to) is turned into
   per-group ``a4_group`` unless ``a4_per_group=False``.  The block K-width must divide the
   activation group so each block sees one activation scale per token.
-- ``base="gptq"`` (our extension, not in the paper): the dense base is GPTQ on the same absmax
+- ``solver="gptq"`` (our extension, not in the paper): the dense base is GPTQ on the same absmax
   grid; ``R`` is then no longer bounded by half a step.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -37,8 +37,11 @@ from ..algorithms.smooth import smooth_scales, smoothing_loss
 from ..errors import OptionError
 from ..formats.grid import IntGrid
 from ..modules.mosaic import MosaicQuantLinear
+from .dpq import DPQConfig
+from .gptq import GPTQConfig
+from .options import like, option, parse_block_text
 from .registry import LayerStats, Method, WeightQuantConfig, register
-from .smoothquant import _foldable_groups, act_fake_quant
+from .smoothquant import SMOOTH, AWQConfig, SmoothQuantConfig, _foldable_groups, act_fake_quant
 
 __all__ = ["MosaicConfig", "mosaic_weight"]
 
@@ -47,32 +50,44 @@ ALPHA_GRID = tuple(round(0.3 + 0.1 * i, 2) for i in range(8))
 
 @dataclass
 class MosaicConfig(WeightQuantConfig):
-    IGNORED_FIELDS: ClassVar[tuple[str, ...]] = ("group_size", "symmetric", "scale_method")
-    IGNORED_WHY: ClassVar[str] = (
-        ": its dense base is 4-bit symmetric per-channel absmax (MosaicQuant Eq. 1-2)"
+    unused: ClassVar[dict[str, str]] = dict.fromkeys(
+        ("group_size", "sym", "scale"),
+        "its dense base is 4-bit symmetric per-channel absmax (MosaicQuant Eq. 1-2)",
     )
 
-    bits: int = 4
-    group_size: int | None = None
-    symmetric: bool = True
-    budget: float = 0.1
-    block: str = "64x64"
-    selection: str = "delta-hessian"
-    base: str = "rtn"  # rtn (the paper's absmax) | gptq (our extension)
-    clip_search: bool = False
-    alpha: float | None = None  # None: search per layer and group on alpha_grid
-    alpha_grid: tuple[float, ...] = field(default=ALPHA_GRID)
-    smooth: bool = True
-    search_budget: float | None = None  # residual budget inside the alpha search (None: budget)
-    max_tokens: int = 1024  # token sample of the alpha search
-    a4_per_group: bool = True
-    a4_group: int = 128
-    percdamp: float = 0.01  # GPTQ base only
-    seed: int = 0  # random selection only
+    bits: int = like(WeightQuantConfig, "bits", 4)
+    group_size: int | None = like(WeightQuantConfig, "group_size", None)
+    sym: bool = like(WeightQuantConfig, "sym", True)
+    budget_frac: float = option(
+        0.1, help="fraction of weight blocks given a sparse 4-bit residual", range=(0, 1),
+        old_names=("budget",), deprecated=("--budget",),
+    )  # fmt: skip
+    block: str = option("64x64", help="residual block ROWSxCOLS", parse=parse_block_text)
+    selection: str = option(
+        "delta-hessian", help="block selection (the others are ablations)", choices=SELECTIONS
+    )
+    solver: str = like(DPQConfig, "solver", "rtn", old_names=("base",), deprecated=("--mosaic-base",))
+    clip_search: bool = like(AWQConfig, "clip_search", False)
+    alpha: float | None = like(SmoothQuantConfig, "alpha", None)  # None: search per layer and group
+    alpha_grid: tuple[float, ...] = like(SmoothQuantConfig, "alpha_grid", ALPHA_GRID)
+    smooth: bool = SMOOTH()
+    search_budget: float | None = option(
+        None,
+        help="residual budget inside the alpha search (default: --budget-frac)",
+        range=(0, 1),
+        type=float,
+    )
+    max_tokens: int = like(SmoothQuantConfig, "max_tokens", 1024)
+    a4_per_group: bool = option(
+        True, help="W4A4: per-group (--a4-group) INT4 activations instead of per-token"
+    )
+    a4_group: int = option(128, help="W4A4 activation group", range=(1, None))
+    damp: float = like(GPTQConfig, "damp")  # GPTQ base only
+    selection_seed: int = option(0, help="seed of --selection random", old_names=("seed",))
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.bits != 4 or self.group_size is not None or not self.symmetric:
+        if self.bits != 4 or self.group_size is not None or not self.sym:
             raise OptionError(
                 "mosaic quantizes weights to 4 bits, symmetric, per channel (use --scheme W4A4|W4A8)"
             )
@@ -81,9 +96,9 @@ class MosaicConfig(WeightQuantConfig):
         bm, bk = parse_block(self.block)
         if self.selection not in SELECTIONS:
             raise OptionError(f"mosaic selection must be one of {SELECTIONS}, got {self.selection!r}")
-        if self.base not in ("rtn", "gptq"):
-            raise OptionError(f"mosaic base must be 'rtn' or 'gptq', got {self.base!r}")
-        for name in ("budget", "search_budget"):
+        if self.solver not in ("rtn", "gptq"):
+            raise OptionError(f"mosaic solver (dense base) must be 'rtn' or 'gptq', got {self.solver!r}")
+        for name in ("budget_frac", "search_budget"):
             v = getattr(self, name)
             if v is not None and not 0.0 <= v <= 1.0:
                 raise OptionError(f"mosaic {name} must be a fraction in [0, 1], got {v}")
@@ -106,11 +121,11 @@ class MosaicConfig(WeightQuantConfig):
 
 
 def _base(W: torch.Tensor, H: torch.Tensor | None, cfg: MosaicConfig):
-    if cfg.base == "rtn":
+    if cfg.solver == "rtn":
         hdiag = None if H is None else torch.diagonal(H)
         return dense_base(W, clip_search=cfg.clip_search, hdiag=hdiag)
     if H is None:
-        raise OptionError("mosaic base='gptq' needs a Hessian")
+        raise OptionError("mosaic solver='gptq' needs a Hessian")
     codes, scales = dense_base(W, clip_search=cfg.clip_search, hdiag=torch.diagonal(H))
     res = gptq_quantize(
         W.float(),
@@ -119,7 +134,7 @@ def _base(W: torch.Tensor, H: torch.Tensor | None, cfg: MosaicConfig):
         None,
         scales=scales[:, None],
         zeros=torch.full_like(scales[:, None], 8.0),
-        percdamp=cfg.percdamp,
+        percdamp=cfg.damp,
     )
     return res.codes - 8, scales
 
@@ -132,19 +147,19 @@ def mosaic_weight(
     return mosaic_decompose(
         W,
         H,
-        budget=cfg.budget if budget is None else budget,
+        budget=cfg.budget_frac if budget is None else budget,
         block=cfg.block,
         selection=cfg.selection,
         base_codes=codes,
         base_scales=scales,
-        seed=cfg.seed,
+        seed=cfg.selection_seed,
         report=report,
     )
 
 
 def mosaic_transform(caps, cfg: MosaicConfig):
     qx = act_fake_quant(cfg.act)
-    budget = cfg.budget if cfg.search_budget is None else cfg.search_budget
+    budget = cfg.budget_frac if cfg.search_budget is None else cfg.search_budget
 
     def factors(cap, weights):
         amax = cap.observer.channel_absmax

@@ -10,10 +10,12 @@ from __future__ import annotations
 from .base import LayerStats, Method, MethodContext, WeightQuantConfig
 
 __all__ = [
-    "LayerStats", "Method", "MethodContext", "WeightQuantConfig", "get_method", "list_methods", "register",
+    "DEFAULT_METHOD", "LayerStats", "Method", "MethodContext", "WeightQuantConfig", "get_method",
+    "list_methods", "register",
 ]  # fmt: skip
 
 _REGISTRY: dict[str, Method] = {}
+DEFAULT_METHOD = "gptq"  # what `bitmosaic quantize` runs without --method
 
 
 def register(cls: type[Method]) -> type[Method]:

@@ -51,7 +51,11 @@ from ..formats.grid import IntGrid
 from ..formats.layout import default_g_idx, normalize_group_size
 from ..modules.sfmp import SFMPLinear, SFMPResult
 from ..modules.sfmp_model import fold_model_permutations
+from .dpq import DPQConfig
+from .gptq import GPTQConfig
+from .options import like, option, parse_block, parse_none
 from .registry import LayerStats, Method, MethodContext, WeightQuantConfig, register
+from .smoothquant import AWQConfig
 
 __all__ = ["SFMP", "SFMPConfig", "SFMPState", "sfmp_allocate", "quantize_sfmp", "plan_for", "sfmp_run_info"]
 
@@ -61,32 +65,58 @@ class SFMPConfig(WeightQuantConfig):
     """SFMP settings.  Exactly one of ``avg_bits`` (code bits ``b``), ``bpw`` (total stored bits
     per weight) or ``budget_mb`` (MiB of the quantized linears) sets the budget."""
 
-    IGNORED_FIELDS = ("bits", "symmetric", "scale_method")
-    IGNORED_WHY = ": sfmp takes --avg-bits/--bpw/--budget-mb and is always asymmetric"
+    unused: ClassVar[dict[str, str]] = dict.fromkeys(
+        ("bits", "sym", "scale"), "sfmp takes --avg-bits/--bpw/--budget-mb and is always asymmetric"
+    )
 
-    avg_bits: float | None = None
-    bpw: float | None = None
-    budget_mb: float | None = None
-    block_rows: int = 512  # m_b
-    block_cols: int | None = None  # n_b (None: the group size)
-    row_reorder: bool = True
-    col_reorder: bool = True
-    rank: str = "mean"  # mean (weight-count budget) | sum (the paper's literal block sums)
-    solver: str = "awq"  # awq | gptq
-    n_grid: int = 20
-    duo_scaling: bool = True
-    clip_search: bool = True
-    max_shrink: float = 0.5
-    max_tokens: int = 256
-    gptq_scale: str = "mse"
-    percdamp: float = 0.01
-    block_size: int = 128
-    fisher_samples: int | None = None  # None: every calibration sample
-    fisher_cache: str | None = "auto"  # folder, "auto" (~/.cache/bitmosaic/fisher) or None (off)
+    avg_bits: float | None = option(
+        None, help="budget: average code bits b (e.g. 2.75)", range=(1, 8), type=float
+    )
+    bpw: float | None = option(
+        None, help="budget: total stored bits per weight (b + overhead)", range=(1, 16), type=float
+    )
+    budget_mb: float | None = option(
+        None, help="budget: MiB of the stored quantized linears", range=(0, None), type=float
+    )
+    block_rows: int = option(
+        512, help="block ROWSxCOLS (sfmp: m_b x n_b, COLS a multiple of the group; default 512xGROUP)",
+        flag="--block", parse=parse_block, sets=("block_rows", "block_cols"),
+    )  # fmt: skip
+    block_cols: int | None = option(
+        None, help="block columns n_b (set with --block ROWSxCOLS; default: the group size)", flag="--block",
+        parse=parse_block, sets=("block_rows", "block_cols"),
+    )  # fmt: skip
+    row_reorder: bool = option(
+        True, help="reorder rows by salience (--no-row-reorder keeps the natural order)"
+    )
+    col_reorder: bool = option(
+        True, help="reorder columns by salience (--no-col-reorder keeps the natural order)"
+    )
+    rank: str = option(
+        "mean", help="block ranking: mean (weight-count budget) or the paper's sum", choices=("mean", "sum")
+    )
+    solver: str = like(DPQConfig, "solver", "awq", deprecated=("--sfmp-solver",))
+    n_grid: int = like(AWQConfig, "n_grid")
+    duo_scaling: bool = like(AWQConfig, "duo_scaling")
+    clip_search: bool = like(AWQConfig, "clip_search")
+    max_shrink: float = like(AWQConfig, "max_shrink")
+    max_tokens: int = like(AWQConfig, "max_tokens")
+    gptq_scale: str = option("mse", help="sfmp --solver gptq: group scale search", choices=("minmax", "mse"))
+    damp: float = like(GPTQConfig, "damp")
+    block_size: int = like(GPTQConfig, "block_size")
+    fisher_samples: int | None = option(
+        None,
+        help="samples for the Fisher salience (default: every calibration sample)",
+        range=(1, None),
+        type=int,
+    )
+    fisher_cache: str | None = option(
+        "auto", help="Fisher cache folder, auto (~/.cache/bitmosaic/fisher) or none", parse=parse_none
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.symmetric:
+        if self.sym:
             raise OptionError("sfmp is asymmetric (fp16 scale and zero per group); drop --sym")
         given = [k for k in ("avg_bits", "bpw", "budget_mb") if getattr(self, k) is not None]
         if len(given) != 1:  # checked here: before minutes of Fisher salience, not after
@@ -108,9 +138,9 @@ class SFMPConfig(WeightQuantConfig):
             )
 
     def to_dict(self) -> dict:
-        """The settings, without the unused ``bits``/``scale_method`` (a saved ``"bits": 4`` misread a
+        """The settings, without the unused ``bits``/``scale`` (a saved ``"bits": 4`` misread a
         mixed-width model)."""
-        skip = ("bits", "scale_method")
+        skip = ("bits", "scale")
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
         d["act"] = None if self.act is None else dataclasses.asdict(self.act)
         return d
@@ -228,7 +258,7 @@ def quantize_sfmp(weight, stats: LayerStats, cfg: SFMPConfig, plan: BlockPlan) -
     else:
         r = gptq_quantize(
             Wt, Ht, IntGrid(8), gs, quantizer=MixedRowQuantizer(gb, cfg.gptq_scale),
-            block_size=cfg.block_size, percdamp=cfg.percdamp,
+            block_size=cfg.block_size, percdamp=cfg.damp,
         )  # fmt: skip
         codes_t, scales, zeros = r.codes, r.scales, r.zeros
     rinv = None if rp is None else inverse_perm(rp)

@@ -13,7 +13,7 @@ weight quantization.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -26,18 +26,21 @@ from ..errors import OptionError
 from ..formats.act import ActQuantSpec, fake_quant
 from ..formats.grid import IntGrid, quantize_codes
 from ..formats.layout import default_g_idx
+from .dpq import DPQConfig
 from .gptq import GPTQConfig, quantize_gptq
+from .options import like, option, parse_alpha, parse_floats
 from .registry import LayerStats, Method, WeightQuantConfig, register
 
 __all__ = ["SmoothQuantConfig", "AWQConfig", "weight_fake_quant", "act_fake_quant"]
 
 ALPHA_GRID = tuple(i / 20 for i in range(21))
+SMOOTH = lambda: option(True, help="smooth (SmoothQuant factors) before quantizing")  # noqa: E731
 
 
 def weight_fake_quant(cfg: WeightQuantConfig):
     """RTN with ``cfg``'s grid: the weight quantizer the factor searches score with."""
-    grid = IntGrid(cfg.bits, cfg.symmetric)
-    return lambda W: rtn_quantize(W, grid, cfg.group_size, cfg.scale_method).dequantize(W.dtype)
+    grid = IntGrid(cfg.bits, cfg.sym)
+    return lambda W: rtn_quantize(W, grid, cfg.group_size, cfg.scale).dequantize(W.dtype)
 
 
 def act_fake_quant(spec: ActQuantSpec | None):
@@ -60,17 +63,22 @@ def act_fake_quant(spec: ActQuantSpec | None):
 class SmoothQuantConfig(GPTQConfig):
     # SmoothQuant's own weight quantizer settings (the paper's RTN): not GPTQ's act-order + MSE
     # defaults, which would change its results and slow the alpha search tenfold
-    scale_method: str = "minmax"
-    order: str = "natural"
-    alpha: float | None = 0.5  # None: search per group on alpha_grid
-    alpha_grid: tuple[float, ...] = field(default=ALPHA_GRID)
-    weights: str = "rtn"  # rtn | gptq
-    max_tokens: int = 2048  # token sample for the alpha search
+    scale: str = like(WeightQuantConfig, "scale", "minmax")
+    order: str = like(GPTQConfig, "order", "natural")
+    alpha: float | None = option(
+        0.5, help="migration strength in [0, 1], or 'search' (per group, on --alpha-grid)", parse=parse_alpha,
+        type=float,
+    )  # fmt: skip
+    alpha_grid: tuple[float, ...] = option(
+        ALPHA_GRID, help="alpha values searched (comma list)", parse=parse_floats
+    )
+    solver: str = like(DPQConfig, "solver", "rtn", old_names=("weights",), deprecated=("--smooth-weights",))
+    max_tokens: int = option(2048, help="token sample of the alpha/scale search", range=(1, None))
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.weights not in ("rtn", "gptq"):
-            raise ValueError(f"smoothquant weights must be 'rtn' or 'gptq', got {self.weights!r}")
+        if self.solver not in ("rtn", "gptq"):
+            raise ValueError(f"smoothquant solver (weights) must be 'rtn' or 'gptq', got {self.solver!r}")
         if self.alpha is not None and not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1] (or None to search), got {self.alpha}")
 
@@ -105,18 +113,18 @@ def smoothquant_transform(caps, cfg: SmoothQuantConfig):
 
 
 def quantize_smoothquant(weight, stats: LayerStats, cfg: SmoothQuantConfig) -> QuantResult:
-    if cfg.weights == "gptq":
+    if cfg.solver == "gptq":
         return quantize_gptq(weight, stats, cfg)
-    return rtn_quantize(weight, IntGrid(cfg.bits, cfg.symmetric), cfg.group_size, cfg.scale_method, cfg.clip)
+    return rtn_quantize(weight, IntGrid(cfg.bits, cfg.sym), cfg.group_size, cfg.scale, cfg.clip)
 
 
 @dataclass
 class AWQConfig(WeightQuantConfig):
-    n_grid: int = 20
-    duo_scaling: bool = True
-    clip_search: bool = True
-    max_shrink: float = 0.5
-    max_tokens: int = 256  # the search works through Hessians; the sample is not used
+    n_grid: int = option(20, help="AWQ scale-search grid points", range=(1, None))
+    duo_scaling: bool = option(True, help="AWQ duo scaling: scales from activations and weights")
+    clip_search: bool = option(True, help="clip search: per group (awq, sfmp) / for the dense base (mosaic)")
+    max_shrink: float = option(0.5, help="largest clip shrink the AWQ clip search tries", range=(0, 1))
+    max_tokens: int = like(SmoothQuantConfig, "max_tokens", 256)  # the search works through Hessians
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -149,9 +157,9 @@ def awq_transform(caps, cfg: AWQConfig):
 
 
 def quantize_awq(weight, stats: LayerStats, cfg: AWQConfig) -> QuantResult:
-    grid = IntGrid(cfg.bits, cfg.symmetric)
+    grid = IntGrid(cfg.bits, cfg.sym)
     if not cfg.clip_search or stats.hessian is None:
-        return rtn_quantize(weight, grid, cfg.group_size, cfg.scale_method, cfg.clip)
+        return rtn_quantize(weight, grid, cfg.group_size, cfg.scale, cfg.clip)
     W = weight.float()
     scales, zeros = awq_clip_search(
         W, stats.hessian.float(), grid, cfg.group_size, cfg.n_grid, cfg.max_shrink

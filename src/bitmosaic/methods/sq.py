@@ -7,7 +7,7 @@ Hessian is accumulated, so the Hessian comes from the smoothed inputs, Algorithm
   saved as :class:`~bitmosaic.modules.sq.SQWeightLinear`.  Combines with any activation quantizer
   (``--abits 4/8``: W(SQ)A4, W(SQ)A8).  Banks must stay contiguous, so the order is natural
   (act-order's ``g_idx`` would split banks).
-- ``sq-acts``: W4 GPTQ weights exactly as method ``smoothquant`` with ``weights="gptq"`` makes them
+- ``sq-acts``: W4 GPTQ weights exactly as method ``smoothquant`` with ``solver="gptq"`` makes them
   (same config fields, same packed layout), activations in SQ-format at inference
   (:class:`~bitmosaic.modules.sq.SQActLinear`), ``strategy="dynamic"`` or ``"static"``.  The
   weights are calibrated on 16-bit activations, so W4A8, W4A4 and W4A(SQ) built from the same
@@ -36,8 +36,9 @@ from ..formats.sq import act_name, parse_sq, weight_name
 from ..modules.qlinear import QuantLinear
 from ..modules.sq import STRATEGIES, SQActLinear, SQWeightLinear
 from .gptq import _require_hessian
+from .options import like, option
 from .registry import LayerStats, Method, register
-from .smoothquant import SmoothQuantConfig, quantize_smoothquant, smoothquant_transform
+from .smoothquant import SMOOTH, SmoothQuantConfig, quantize_smoothquant, smoothquant_transform
 
 __all__ = ["SQWeightsConfig", "SQActsConfig", "SQActResult"]
 
@@ -53,12 +54,24 @@ class SQWeightsConfig(SmoothQuantConfig):
     """Algorithm 1.  ``importance``: ``obs`` (SparseGPT's saliency) or ``paper`` (Alg. 1 line 4);
     ``mask_timing``: ``lazy`` (per bank, from the updated weights) or ``upfront`` (the paper)."""
 
-    IGNORED_FIELDS: ClassVar[tuple[str, ...]] = ("bits", "group_size", "symmetric", "scale_method")
-    IGNORED_WHY: ClassVar[str] = ": SQ-format sets its own grids and banks (use --sq)"
-    sq: str = "16-(8/4)-0.75"
-    importance: str = "obs"
-    mask_timing: str = "lazy"
-    smooth: bool = True
+    unused: ClassVar[dict[str, str]] = {
+        **dict.fromkeys(
+            ("bits", "group_size", "sym", "scale"), "SQ-format sets its own grids and banks (use --sq)"
+        ),
+        "solver": "its weights are GPTQ through the SQ grid",
+    }
+    sq: str = option(
+        "16-(8/4)-0.75", help="SQ format bank-(high/low)-sparsity, e.g. 16-(8/4)-0.5 or 64-(fp8/fp4)-0.875"
+    )
+    importance: str = option(
+        "obs", help="weight importance: obs (SparseGPT saliency) or paper (Alg. 1 line 4)",
+        choices=IMPORTANCE_FORMS, deprecated=("--sq-importance",),
+    )  # fmt: skip
+    mask_timing: str = option(
+        "lazy", help="mask per bank from the updated weights (lazy) or all first (upfront, the paper)",
+        choices=MASK_TIMINGS,
+    )  # fmt: skip
+    smooth: bool = SMOOTH()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -87,7 +100,7 @@ def quantize_sq_weights(weight, stats: LayerStats, cfg: SQWeightsConfig):
         parse_sq(cfg.sq),
         importance=cfg.importance,
         mask_timing=cfg.mask_timing,
-        percdamp=cfg.percdamp,
+        percdamp=cfg.damp,
         block_size=cfg.block_size,
     )
 
@@ -105,26 +118,34 @@ class SQActsConfig(SmoothQuantConfig):
     ``static_importance``: aw (the paper) | a | abs-aw (ablations)."""
 
     needs_act_stats: ClassVar[bool] = True
-    weights: str = "gptq"
-    sq: str = "16-(8/4)-0.5"
-    strategy: str = "dynamic"
-    act_scale: str = "token"
-    static_importance: str = "aw"
-    smooth: bool = True
+    unused: ClassVar[dict[str, str]] = {"act": "sq-acts quantizes the activations itself (--sq)"}
+    solver: str = like(SmoothQuantConfig, "solver", "gptq")
+    sq: str = like(SQWeightsConfig, "sq", "16-(8/4)-0.5")
+    strategy: str = option(
+        "dynamic", help="activation mask: per input (dynamic) or calibrated (static)", choices=STRATEGIES
+    )
+    act_scale: str = option(
+        "token", help="dynamic activation scales per token or per bank", choices=("token", "bank"),
+        deprecated=("--sq-act-scale",),
+    )  # fmt: skip
+    static_importance: str = option(
+        "aw", help="static mask score: aw (the paper), a, abs-aw (ablations)", choices=STATIC_IMPORTANCE
+    )
+    smooth: bool = SMOOTH()
 
     def __post_init__(self) -> None:
         super().__post_init__()
         parse_sq(self.sq)
         if self.act is not None:
             raise OptionError("sq-acts quantizes the activations itself (--sq); drop --abits/--scheme")
-        if self.weights != "gptq":
-            raise OptionError("sq-acts uses GPTQ weights (the W4 baseline's); drop --smooth-weights rtn")
+        if self.solver != "gptq":
+            raise OptionError("sq-acts uses GPTQ weights (the W4 baseline's); drop --solver rtn")
         if self.strategy not in STRATEGIES:
             raise OptionError(f"--strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.act_scale not in ("token", "bank"):
             raise OptionError(f"SQ activation scale must be token or bank, got {self.act_scale!r}")
         if self.strategy == "static" and self.act_scale != "token":
-            raise OptionError("static SQ activations use per-token scales; drop --sq-act-scale bank")
+            raise OptionError("static SQ activations use per-token scales; drop --act-scale bank")
         if self.static_importance not in STATIC_IMPORTANCE:
             raise OptionError(
                 f"static importance must be one of {STATIC_IMPORTANCE}, got {self.static_importance!r}"
@@ -137,7 +158,7 @@ class SQActsConfig(SmoothQuantConfig):
 
 def _pack_sq_acts(res: SQActResult, cfg: SQActsConfig, bias):
     dense = QuantLinear.from_result(
-        res, bits=cfg.bits, group_size=cfg.group_size, symmetric=cfg.symmetric, bias=bias
+        res, bits=cfg.bits, group_size=cfg.group_size, symmetric=cfg.sym, bias=bias
     )
     return SQActLinear.from_packed(dense, cfg.sq, cfg.strategy, cfg.act_scale, res.channel_mask)
 
