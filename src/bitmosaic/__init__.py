@@ -2,13 +2,12 @@
 
 The top-level names are loaded lazily, so ``import bitmosaic.formats`` (or any other subpackage)
 loads only what that subpackage needs.  ``import bitmosaic`` also lets transformers load saved
-bitmosaic folders (``AutoModelForCausalLM.from_pretrained(dir)``; see ``models/hf_integration.py``),
+bitmosaic folders (``AutoModelForCausalLM.from_pretrained(dir)``; see ``io/hf_integration.py``),
 registering with transformers only once transformers' quantizer registry is imported.
 """
 
 from . import _hf_hook
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = ["__version__", "get_method", "list_methods", "load", "quantize_"]
 

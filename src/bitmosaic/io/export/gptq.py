@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from ... import __version__
+from ..._version import __version__
 from ...formats.wordpack import pack_words
 from ...modules.actquant import input_quant_spec
 from .common import Source, collect, record
