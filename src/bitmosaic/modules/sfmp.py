@@ -33,7 +33,7 @@ from ..formats.accounting import storage_bits
 from ..formats.bitplane import unpack as unpack_planes
 from ..formats.blocks import pack_blocks, unpack_blocks
 from ..formats.layout import default_g_idx, num_groups
-from .base import QuantModule
+from .base import NoIntForm, QuantModule
 
 __all__ = ["SFMPLinear", "SFMPResult", "fold_permutations"]
 
@@ -225,6 +225,14 @@ class SFMPLinear(QuantModule):
         self._in_index: torch.Tensor | None = None  # col_perm as int64 on the input's device
         self._gather_input = True
         self._wcache = None
+
+    # -- export -------------------------------------------------------------------------------
+    def int_form(self, allowed_bits, lossy, changes):
+        raise NoIntForm(
+            "SFMP's block-wise mixed bit widths with row/column permutations: both formats hold one width "
+            "per layer and no row permutation",
+            fixable=False,
+        )
 
     # -- accounting ---------------------------------------------------------------------------
     def storage_tensors(self) -> list[torch.Tensor]:
