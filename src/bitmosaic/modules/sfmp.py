@@ -226,6 +226,45 @@ class SFMPLinear(QuantModule):
         self._gather_input = True
         self._wcache = None
 
+    # -- what the kind means at load, save and inspect (see modules/sfmp_model.py) ---------------
+    @classmethod
+    def finish_model(cls, model, modules, arch) -> None:
+        """The exact runtime folds of the saved permutations (gate/up -> down_proj)."""
+        from .sfmp_model import fold_model_permutations
+
+        fold_model_permutations(model, arch)
+
+    @classmethod
+    def saved_summary(cls, model, modules, run) -> dict:
+        """``bits`` is ``None`` (no single width); ``sfmp``: what SFMP used (``run["sfmp"]``) and reached."""
+        from .sfmp_model import saved_summary
+
+        return saved_summary(model, run.get("sfmp"))
+
+    @classmethod
+    def describe_saved(cls, path, layer_cfgs, qc) -> tuple[list[str], dict]:
+        """The budget and target the run had (when saved), the ``b`` reached and the bits per weight of
+        the SFMP linears by part, measured from the stored tensors; per layer its average code bits."""
+        from .sfmp_model import stored_summary
+
+        s = stored_summary(path, layer_cfgs)
+        if s is None:
+            return [], {}
+        saved = qc.get("sfmp") or {}
+        widths = "/".join(str(w) for w in saved.get("candidate_widths") or s["widths_used"])
+        target = ", ".join(f"{k} {v:g}" for k, v in (saved.get("budget") or {}).items())
+        if "b_target" in saved:
+            target += f"{', ' if target else ''}b target {saved['b_target']:.4f}"
+        p = s["bits_per_weight_parts"]
+        lines = [
+            f"sfmp             b reached {s['b_reached']:.4f} ({target or 'target not saved'}), "
+            f"widths {widths}, "
+            f"group {'/'.join(map(str, s['group_sizes']))}, block {'/'.join(s['block_shapes'])}",
+            f"sfmp bits/weight {s['bits_per_weight']:.4f} = weights {p['weights']:.4f} + scales/zeros "
+            f"{p['scales_zeros']:.4f} + permutations {p['permutations']:.4f} + bit map {p['bit_map']:.4f}",
+        ]
+        return lines, {n: f"{b:.2f}" for n, b in s["per_linear_b"].items()}
+
     # -- export -------------------------------------------------------------------------------
     def int_form(self, allowed_bits, lossy, changes):
         raise NoIntForm(
