@@ -32,7 +32,7 @@ from ..algorithms.types import QuantResult
 from ..formats.accounting import storage_bits
 from ..formats.bitplane import unpack as unpack_planes
 from ..formats.blocks import pack_blocks, unpack_blocks
-from ..formats.layout import default_g_idx, num_groups
+from ..formats.layout import default_g_idx, dequantize, num_groups
 from .base import NoIntForm, QuantModule
 
 __all__ = ["SFMPLinear", "SFMPResult", "fold_permutations"]
@@ -147,8 +147,7 @@ class SFMPLinear(QuantModule):
 
     def dequantize_reference(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         g = default_g_idx(self.in_features, self.group_size)
-        c = self.codes_permuted().to(dtype)
-        Wt = (c - self.zeros.cpu().to(dtype)[:, g]) * self.scales.cpu().to(dtype)[:, g]
+        Wt = dequantize(self.codes_permuted(), self.scales.cpu(), self.zeros.cpu(), g, dtype=dtype)
         return self._unpermute(Wt).to(self.scales.device)
 
     def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
