@@ -183,3 +183,17 @@ def test_the_io_layer_names_no_method():
     texts["cmd_inspect"] = inspect.getsource(cmd_inspect)
     found = {k: sorted(set(_METHOD_NAMES.findall(t))) for k, t in texts.items()}
     assert not {k: v for k, v in found.items() if v}
+
+
+@pytest.mark.parametrize(
+    "case,why,exact",
+    [("mosaic", "block-sparse 4-bit residual", False), ("sq-acts", "SQ-format activations", True),
+     ("sq-acts-static", "SQ-format activations", True)],
+)  # fmt: skip
+def test_lossy_drops_what_no_format_holds_and_reports_the_error(root, case, why, exact):
+    from bitmosaic.io.export import export_model
+
+    res = export_model(saved(root, case), root / f"{case}-lossy", "gptq", lossy=True, gptq_v2=True)
+    assert res.records and all(why in " ".join(r.changes) for r in res.records)
+    # SQ-format activations: the weights themselves are exact (static ones back in column order)
+    assert (res.summary()["max_abs"] == 0.0) == exact
