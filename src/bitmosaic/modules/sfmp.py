@@ -32,6 +32,7 @@ from ..algorithms.types import QuantResult
 from ..formats.accounting import storage_bits
 from ..formats.bitplane import unpack as unpack_planes
 from ..formats.blocks import pack_blocks, unpack_blocks
+from ..formats.intform import IntForm, embed, widest_fit
 from ..formats.layout import default_g_idx, dequantize, num_groups
 from .base import NoIntForm, QuantModule
 
@@ -266,11 +267,35 @@ class SFMPLinear(QuantModule):
 
     # -- export -------------------------------------------------------------------------------
     def int_form(self, allowed_bits, lossy, changes):
-        raise NoIntForm(
-            "SFMP's block-wise mixed bit widths with row/column permutations: both formats hold one width "
-            "per layer and no row permutation",
-            fixable=False,
-        )
+        """The weight in the original row and column order: rows un-permuted (exact), the column order
+        kept as each column's group on ``W̃`` (``g_idx``, like act-order).  One width per layer: a layer
+        whose blocks all share an allowed width is exact; mixed widths are refused, and with ``lossy``
+        put on the widest needed grid (the same values: a wider grid holds a narrower one)."""
+        zf = self.zeros.float()
+        if not torch.equal(zf, zf.round()):
+            raise NoIntForm("fractional zero-points (GPTQ and compressed-tensors store integer zeros)")
+        K = self.in_features
+        scales, zeros = self.scales.clone(), zf.to(torch.int64)
+        if self.row_perm is not None:  # stored in W̃'s row order
+            rp = self.row_perm.long()
+            scales, zeros = torch.empty_like(scales), torch.empty_like(zeros)
+            scales[rp], zeros[rp] = self.scales, zf.to(torch.int64)
+        pos = inverse_perm(self.col_perm.long()) if self.col_perm is not None else torch.arange(K)
+        g_idx = (pos // self.group_size).to(torch.int32)  # column j sits at W̃ column pos[j]
+        codes = self._unpermute(self.codes_permuted()).to(torch.int64)
+        values = codes - zeros.gather(1, g_idx.long().expand_as(codes))
+        widths = sorted({int(b) for b in self.bit_map.unique()})
+        bits = widest_fit(max(widths), allowed_bits)
+        if len(widths) > 1 or widths[0] != bits:
+            self._refuse_or_note(
+                f"SFMP's block-wise bit widths {'/'.join(map(str, widths))}: the format stores one width "
+                f"per layer of {'/'.join(map(str, allowed_bits))} bits (widened to {bits} bits, same values)",
+                lossy,
+                changes,
+            )
+            return embed(values, scales, g_idx, self.group_size, bits, False)
+        codes, zeros = codes.to(torch.int32), zeros.to(torch.int32)
+        return IntForm(codes, scales, zeros, g_idx, bits, self.group_size, False)
 
     # -- accounting ---------------------------------------------------------------------------
     def storage_tensors(self) -> list[torch.Tensor]:
