@@ -230,12 +230,13 @@ def _dir_size(path: Path) -> int:
 def cmd_inspect(args) -> int:
     from ..errors import CorruptModelError
     from ..io.serialization import read_quant_config, stored_module_bits
-    from ..modules.sfmp_model import stored_summary as stored_sfmp_summary
+    from ..modules import KINDS
 
     path = Path(args.dir)
     _, qc = read_quant_config(path)
     bits_by_module = stored_module_bits(path, list(qc["modules"]))
     rows, total_bits, total_w = [], 0.0, 0
+    by_kind: dict[type, dict] = {}
     for name, lc in qc["modules"].items():
         try:
             n_w = int(lc["in_features"]) * int(lc["out_features"])
@@ -247,49 +248,36 @@ def cmd_inspect(args) -> int:
         rows.append((name, lc, bpw))
         total_bits += bits_by_module[name]
         total_w += n_w
+        cls = KINDS.get(lc.get("kind", "packed"))
+        if cls is not None:
+            by_kind.setdefault(cls, {})[name] = lc
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    sfmp = stored_sfmp_summary(path, qc["modules"])
+    header, bits_cells = [], {}
+    for cls, cfgs in by_kind.items():  # what each kind present says of itself
+        lines, cells = cls.describe_saved(path, cfgs, qc)
+        header += lines
+        bits_cells.update(cells)
     print(f"model folder     {path}")
     print(f"method           {qc.get('method')} (format v{qc.get('format_version')})")
-    if sfmp is None:
+    if not header:
         print(
             f"bits / group     w{qc.get('bits')} g{qc.get('group_size') or 'per-channel'}"
             f" {'sym' if qc.get('symmetric') else 'asym'}, order {qc.get('order')}"
         )
-    else:
-        _print_sfmp(sfmp, qc.get("sfmp") or {})
+    for line in header:
+        print(line)
     print(f"quantized layers {len(rows)} ({total_w / 1e6:.1f}M weights)")
     print(f"bits per weight  {total_bits / max(total_w, 1):.4f} (all stored tensors)")
     print(f"weights on disk  {size / 2**20:.1f} MiB; folder {_dir_size(path) / 2**20:.1f} MiB")
     if args.layers:
         print(f"\n{'layer':<44} {'shape':>12} {'kind':>10} {'bits':>5} {'group':>6} {'bpw':>7}")
-        per_b = sfmp["per_linear_b"] if sfmp else {}
         for name, lc, bpw in rows:
             shape = f"{lc['out_features']}x{lc['in_features']}"
             kind, bits, group = lc.get("kind", "packed"), lc.get("bits", "-"), lc.get("group_size", "-")
-            if name in per_b:  # sfmp: the layer's average code bits
-                bits = f"{per_b[name]:.2f}"
+            bits = bits_cells.get(name, bits)  # a kind's own cell (e.g. a layer's average code bits)
             cells = f"{kind:>10} {bits:>5} {group:>6} {bpw:>7.3f}"
             print(f"{name:<44} {shape:>12} {cells}")
     return 0
-
-
-def _print_sfmp(s: dict, saved: dict) -> None:
-    """SFMP's header lines: the budget and target it ran with (when saved), the ``b`` reached and the
-    bits per weight of the SFMP linears by part, measured from the stored tensors."""
-    widths = "/".join(str(w) for w in saved.get("candidate_widths") or s["widths_used"])
-    target = ", ".join(f"{k} {v:g}" for k, v in (saved.get("budget") or {}).items())
-    if "b_target" in saved:
-        target += f"{', ' if target else ''}b target {saved['b_target']:.4f}"
-    print(
-        f"sfmp             b reached {s['b_reached']:.4f} ({target or 'target not saved'}), widths {widths}, "
-        f"group {'/'.join(map(str, s['group_sizes']))}, block {'/'.join(s['block_shapes'])}"
-    )
-    p = s["bits_per_weight_parts"]
-    print(
-        f"sfmp bits/weight {s['bits_per_weight']:.4f} = weights {p['weights']:.4f} + scales/zeros "
-        f"{p['scales_zeros']:.4f} + permutations {p['permutations']:.4f} + bit map {p['bit_map']:.4f}"
-    )
 
 
 def cmd_methods(args) -> int:

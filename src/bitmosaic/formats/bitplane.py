@@ -50,6 +50,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .layout import dequantize as dequantize_groups
+
 __all__ = [
     "BITPLANE_VERSION",
     "TILE_ROWS",
@@ -255,9 +257,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros, group_size: int
     """The reference ``W = (c - z) * s`` in float32 (``z`` a number or ``[N, G]``)."""
     N, K = codes.shape
     gs = K if group_size is None or group_size < 0 or group_size >= K else max(int(group_size), 1)
-    gi = torch.arange(K) // gs
-    z = _expand(zeros, N, scales.shape[1])
-    return (codes.float() - z[:, gi]) * scales.float()[:, gi]
+    return dequantize_groups(codes, scales, _expand(zeros, N, scales.shape[1]), torch.arange(K) // gs)
 
 
 def bits_accounting(p: BitPlanes, scale_bits: int = 32, zero_bits: int | None = 32) -> dict:

@@ -9,9 +9,10 @@ format version, from the first one on).  :func:`register` adds to transformers' 
   ``model.save_pretrained`` writes it back unchanged;
 - :class:`BitmosaicHfQuantizer`, an ``HfQuantizer`` for pre-quantized folders only: before the
   weights are read it swaps every listed ``nn.Linear`` (still on the meta device) for an empty
-  module of the saved kind -- packed, packed+csr, dpq, fp8, huffman, each with its activation
-  quantizer -- so transformers' own loader fills their buffers from the safetensors shards.
-  Smoothing factors are already folded into the stored norms and weights, so nothing else changes.
+  module of the saved kind (each with its activation quantizer), so transformers' own loader fills
+  their buffers from the safetensors shards; afterwards it runs the same
+  :func:`~bitmosaic.io.finish.finish_load` as :func:`~bitmosaic.io.serialization.load_quantized`, so
+  both loaders return the same modules, bit for bit.
 
 ``import bitmosaic`` arranges the registration (``bitmosaic/_hf_hook.py``): at once when
 transformers' quantizer registry is already imported, else the moment it is, so a plain
@@ -36,6 +37,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..errors import CorruptModelError, check_finite
 from ..modules.base import QuantModule
+from .finish import finish_load, model_arch
 from .serialization import check_quant_config, install_quantized_modules, read_quant_config
 
 __all__ = ["QUANT_METHOD", "BitmosaicConfig", "BitmosaicHfQuantizer", "register", "load"]
@@ -79,8 +81,7 @@ class BitmosaicHfQuantizer(HfQuantizer):
                         "the saved model is damaged: save or download it again"
                     )
                 check_finite(t, f"tensor {key} of the saved model {path}")
-        model.quantization_info = self.quantization_config.to_dict()
-        return model
+        return finish_load(model, self.quantization_config.to_dict(), model_arch(model))
 
     def is_serializable(self, **kwargs) -> bool:
         return True

@@ -33,9 +33,8 @@ from torch import nn
 
 from ..errors import CorruptModelError, OutputExistsError, check_finite
 from ..formats.accounting import dtype_name_bits
-from ..models.arch import get_arch
 from ..modules.qmodules import full_layer_config, module_from_layer_config
-from ..modules.sfmp_model import fold_model_permutations, saved_summary
+from .finish import finish_load, model_arch, quant_modules_by_kind
 
 __all__ = [
     "FORMAT_VERSION",
@@ -221,7 +220,8 @@ def save_quantized(
         cfg = model.config.to_dict()
         cfg.pop("quantization_config", None)
         qc = {"quant_method": "bitmosaic", "format_version": FORMAT_VERSION, **quant_info}
-        qc.update(saved_summary(model, qc.get("sfmp")))  # SFMP: what it really used (no single "bits")
+        for kind, mods in quant_modules_by_kind(model).items():  # what each kind records of itself
+            qc.update(kind.saved_summary(model, mods, qc))
         qc["modules"] = {n: full_layer_config(m) for n, m in qmods.items()}
         cfg["quantization_config"] = qc
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
@@ -378,16 +378,6 @@ def _load_tokenizer(path: Path):
         ) from None
 
 
-def _cast_unquantized(model: nn.Module, qnames, dtype: torch.dtype) -> None:
-    """Cast the float parameters outside the quantized modules (embeddings, norms, head) to ``dtype``."""
-    for mname, mod in model.named_modules():
-        if any(mname == q or mname.startswith(q + ".") for q in qnames):
-            continue
-        for p in mod.parameters(recurse=False):
-            if p.is_floating_point() and p.dtype != dtype:
-                p.data = p.data.to(dtype)
-
-
 def install_quantized_modules(model: nn.Module, modules: dict, path) -> None:
     """Put an empty quantized module of the saved kind at every name of ``modules`` (the per-layer
     table of a ``quantization_config``); a bad entry raises :class:`CorruptModelError`."""
@@ -433,11 +423,7 @@ def load_quantized(path: str | os.PathLike, load_tokenizer: bool = True, dtype: 
     model.load_state_dict(sd, strict=False, assign=True)
     if tied:
         model.tie_weights()
-    fold_model_permutations(model, get_arch(model))  # SFMP: exact runtime folds of saved permutations
-    if dtype is not None:
-        _cast_unquantized(model, set(qc["modules"]), dtype)
-    model.quantization_info = qc
-    model.eval()
+    finish_load(model, qc, model_arch(model), dtype)  # the same end as the transformers loader's
     tok = _load_tokenizer(path) if load_tokenizer else None
     return model, tok
 

@@ -7,10 +7,10 @@ formats <- algorithms <- modules <- methods <- models <- cli has no back-edge.
 """
 
 from .actquant import attach_input_quant, input_quant_spec
-from .base import QuantModule
+from .base import KINDS, NoIntForm, QuantModule
 from .mosaic import MosaicQuantLinear
 from .qlinear import QuantLinear, UnpackableCodesError, set_weight_cache
-from .qmodules import (
+from .qmodules import (  # imports every kind: the registry is complete
     MODULE_KINDS,
     FP8ComputeQuantLinear,
     FP8Linear,
@@ -21,7 +21,9 @@ from .qmodules import (
 )
 
 __all__ = [
+    "KINDS",
     "MODULE_KINDS",
+    "NoIntForm",
     "FP8ComputeQuantLinear",
     "FP8Linear",
     "HuffmanQuantLinear",

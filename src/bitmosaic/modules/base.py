@@ -29,11 +29,49 @@ from torch import nn
 
 from ..formats.accounting import bits_per_weight
 
-__all__ = ["QuantModule", "set_weight_cache", "prepare_kernels", "resident_bytes"]
+__all__ = ["KINDS", "NoIntForm", "QuantModule", "set_weight_cache", "prepare_kernels", "resident_bytes"]
+
+# every module kind, by its saved name: filled by QuantModule.__init_subclass__ (one place)
+KINDS: dict[str, type[QuantModule]] = {}
+
+
+class NoIntForm(Exception):
+    """Why a module has no exact form in an export target (``fixable``: ``--lossy`` has a nearest form);
+    raised by :meth:`QuantModule.int_form` / :meth:`QuantModule.fp8_form`."""
+
+    def __init__(self, reason: str, fixable: bool = True, also: tuple[str, ...] = ()) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.fixable = fixable
+        self.reasons = (*also, reason)  # every reason this layer is refused for
+
+    def adding(self, earlier: str | None) -> NoIntForm:
+        """This refusal with an ``earlier`` reason (found before it) listed too."""
+        if earlier is None or earlier in self.reasons:
+            return self
+        return NoIntForm(self.reason, self.fixable, (*self.reasons[:-1], earlier))
 
 
 class QuantModule(nn.Module):
+    """Every kind registers itself under its ``kind`` (the name saved per layer) and declares what it
+    means beyond its buffers, through the hooks below (defaults: nothing to do, no export form):
+
+    - :meth:`after_load` (per module) and :meth:`finish_model` (per kind, the whole model) run once a
+      saved model's buffers are filled, by every load path (``bitmosaic.io.finish.finish_load``);
+    - :meth:`saved_summary` (what a save records beside the per-layer table) and :meth:`describe_saved`
+      (the header lines ``bitmosaic inspect`` prints for the kind);
+    - :meth:`int_form` / :meth:`fp8_form` / :meth:`exports_as_fp8`: what an export can write.
+    """
+
     kind = "base"
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "kind" in cls.__dict__:  # a kind of its own (a subclass that only tweaks one inherits it)
+            other = KINDS.get(cls.kind)
+            if other is not None and other.__qualname__ != cls.__qualname__:
+                raise TypeError(f"module kind {cls.kind!r} is taken by {other.__name__}")
+            KINDS[cls.kind] = cls
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, cache_weight: bool = False):
         super().__init__()
@@ -188,6 +226,49 @@ class QuantModule(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}"
+
+    # -- what the kind means at load, save, inspect and export (defaults) -----------------------
+    def after_load(self, dtype: torch.dtype | None = None) -> None:
+        """Called on each module once a saved model's buffers are filled (``dtype``: the float dtype the
+        model was loaded in; the stored format never follows it).  Default: nothing."""
+
+    @classmethod
+    def finish_model(cls, model: nn.Module, modules: dict[str, QuantModule], arch) -> None:
+        """Called once per kind present after loading (``modules``: this kind's modules by name,
+        ``arch``: the model's architecture map or ``None``), e.g. exact runtime folds.  Default: nothing."""
+
+    @classmethod
+    def saved_summary(cls, model: nn.Module, modules: dict[str, QuantModule], run: dict) -> dict:
+        """Fields this kind adds to a saved ``quantization_config`` (``run``: what the run recorded so far).
+        Default: none."""
+        return {}
+
+    @classmethod
+    def describe_saved(cls, path, layer_cfgs: dict[str, dict], qc: dict) -> tuple[list[str], dict]:
+        """``(header lines, per-layer "bits" cells)`` that ``bitmosaic inspect`` prints for this kind's
+        layers of the saved folder ``path`` (``layer_cfgs``: their per-layer table).  Default: none."""
+        return [], {}
+
+    def int_form(self, allowed_bits: tuple[int, ...], lossy: bool, changes: list[str]):
+        """The weight as an affine INT grid (:class:`~bitmosaic.formats.intform.IntForm`) whose width is
+        in ``allowed_bits``; with ``lossy`` the nearest such grid, each change appended to ``changes``.
+        Raises :class:`NoIntForm` naming why there is none (the default: a kind with no INT form)."""
+        raise NoIntForm(f"module kind {self.kind!r} has no INT form", fixable=False)
+
+    def exports_as_fp8(self, lossy: bool) -> bool:
+        """Whether a format with FP8 weights should take this module as FP8 rather than INT."""
+        return False
+
+    def fp8_form(self, lossy: bool, changes: list[str]):
+        """The weight as E4M3 values times a float32 scale (:class:`~bitmosaic.formats.intform.FP8Form`);
+        raises :class:`NoIntForm` when there is none (the default)."""
+        raise NoIntForm(f"a {self.kind} layer is not FP8 (use an INT format for it)", fixable=False)
+
+    def _refuse_or_note(self, reason: str, lossy: bool, changes: list[str]) -> None:
+        """Refuse (:class:`NoIntForm`, fixable) unless ``lossy``; then record ``reason`` as a change."""
+        if not lossy:
+            raise NoIntForm(reason)
+        changes.append(reason)
 
     def _load_from_state_dict(self, *args, **kwargs):
         self._wcache = None  # new buffers: a weight (or kernel) built from the old ones is stale

@@ -29,7 +29,6 @@ import torch
 from ..algorithms.mosaic import MosaicResult, block_grid
 from ..formats.packing import pack_codes, unpack_codes
 from .qlinear import QuantLinear
-from .qmodules import MODULE_KINDS
 
 __all__ = ["MosaicQuantLinear"]
 
@@ -112,6 +111,18 @@ class MosaicQuantLinear(QuantLinear):
 
         return super()._saved_from_kernel(LowBitKernel(k.dense))
 
+    # -- export -------------------------------------------------------------------------------
+    def int_form(self, allowed_bits, lossy, changes):
+        """The dense 4-bit base only: no format holds the block-sparse residual (dropped with ``lossy``)."""
+        layer, values = self._packed_form()
+        if self.res_index.numel():
+            self._refuse_or_note(
+                "MosaicQuant's block-sparse 4-bit residual: neither format holds a sparse residual (dropped)",
+                lossy,
+                changes,
+            )
+        return self._fit_grid(layer, values, allowed_bits, lossy, changes)
+
     # -- accounting ---------------------------------------------------------------------------
     def residual_tensors(self) -> list[torch.Tensor]:
         return [self.res_index, self.res_qweight, self.res_scales]
@@ -136,6 +147,3 @@ class MosaicQuantLinear(QuantLinear):
     def extra_repr(self) -> str:
         nr, nc = block_grid((self.out_features, self.in_features), self.block)
         return f"{super().extra_repr()}, residual {self.res_index.numel()}/{nr * nc} blocks of {self.block}"
-
-
-MODULE_KINDS[MosaicQuantLinear.kind] = MosaicQuantLinear

@@ -18,10 +18,11 @@ import math
 import torch
 
 from ..algorithms.types import QuantResult
+from ..formats.intform import IntForm, bit_len, embed, widest_fit
 from ..formats.layout import dequantize, is_trivial_g_idx, normalize_group_size, num_groups
 from ..formats.packing import SUPPORTED_BITS, pack_codes, packed_cols, unpack_codes
 from ..kernels.cpu import dequantize_packed
-from .base import QuantModule, set_weight_cache
+from .base import NoIntForm, QuantModule, set_weight_cache
 
 __all__ = ["QuantLinear", "UnpackableCodesError", "set_weight_cache"]
 
@@ -188,6 +189,61 @@ class QuantLinear(QuantModule):
         if k.perm is not None:
             out["g_idx"] = g_idx
         return out
+
+    # -- export -------------------------------------------------------------------------------
+    def int_form(self, allowed_bits, lossy, changes) -> IntForm:
+        """The packed buffers as they are: exact when the codes are on the ``bits`` grid and ``bits`` is
+        allowed (else re-gridded at a wider width with ``lossy``)."""
+        layer, values = self._packed_form()
+        return self._fit_grid(layer, values, allowed_bits, lossy, changes)
+
+    def _packed_form(self) -> tuple[IntForm, torch.Tensor]:
+        """The packed buffers as an :class:`IntForm` at ``storage_bits`` (plus the signed values)."""
+        codes = self.codes().to(torch.int64)
+        G = self.scales.shape[1]
+        if self.symmetric:
+            zeros = torch.full((self.out_features, G), 1 << (self.bits - 1), dtype=torch.int64)
+        else:
+            zf = self.zeros.float()
+            if not torch.equal(zf, zf.round()):
+                raise NoIntForm("fractional zero-points (GPTQ and compressed-tensors store integer zeros)")
+            zeros = zf.long()
+        g_idx = self._g_idx_arg().to(torch.int32)
+        values = codes - zeros.gather(1, g_idx.long().expand_as(codes))
+        layer = IntForm(
+            codes.to(torch.int32),
+            self.scales.clone(),
+            zeros.to(torch.int32),
+            g_idx,
+            self.bits,
+            self.group_size,
+            self.symmetric,
+        )
+        return layer, values
+
+    def _fit_grid(self, layer: IntForm, values, allowed_bits, lossy, changes) -> IntForm:
+        """``layer`` at a width in ``allowed_bits``: no-clip integers and disallowed widths re-gridded."""
+        if self.storage_bits != self.bits or self.code_offset:
+            lo, hi = int(values.min()), int(values.max())
+            self._refuse_or_note(
+                "no-clip integers outside the layer's bit grid "
+                "(re-gridded at a wider width, clamped at 8 bits)",
+                lossy,
+                changes,
+            )
+            bits = widest_fit(bit_len(hi - lo), allowed_bits)
+            changes.append(f"integers stored on a {bits}-bit grid")
+            return embed(values, layer.scales, layer.g_idx, layer.group_size, bits, False)
+        if layer.bits not in allowed_bits:
+            bits = widest_fit(layer.bits, allowed_bits)
+            self._refuse_or_note(
+                f"{layer.bits}-bit codes: the format stores "
+                f"{'/'.join(map(str, allowed_bits))} bits (widened)",
+                lossy,
+                changes,
+            )
+            return embed(values, layer.scales, layer.g_idx, layer.group_size, bits, layer.symmetric)
+        return layer
 
     # -- accounting ---------------------------------------------------------------------------
     def storage_tensors(self) -> list[torch.Tensor]:

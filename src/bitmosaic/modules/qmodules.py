@@ -18,15 +18,18 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..algorithms.rtn import rtn_quantize
 from ..algorithms.types import QuantResult
 from ..formats import huffman
 from ..formats.act import ActQuantSpec
 from ..formats.fp import fp_round, get_float_format
+from ..formats.grid import IntGrid
+from ..formats.intform import FP8Form, IntForm, bit_len, embed, widest_fit
 from ..formats.sparse import CSR, csr_from_dense
+from . import mosaic, sfmp, sq  # noqa: F401  (every kind registers itself: the registry is complete)
 from .actquant import attach_input_quant, input_quant_spec
-from .base import QuantModule
+from .base import KINDS, QuantModule
 from .qlinear import QuantLinear
-from .sfmp import SFMPLinear
 
 __all__ = [
     "SparseOutlierQuantLinear",
@@ -95,6 +98,14 @@ class SparseOutlierQuantLinear(QuantLinear):
             "outlier_vals": lambda: sp.values().to(torch.float16),
         }
 
+    def int_form(self, allowed_bits, lossy, changes) -> IntForm:
+        layer, values = self._packed_form()
+        if self.outlier_vals.numel():
+            self._refuse_or_note(
+                "SSQR's CSR outliers are a sparse residual no format holds (dropped)", lossy, changes
+            )
+        return self._fit_grid(layer, values, allowed_bits, lossy, changes)
+
     def storage_tensors(self):
         return super().storage_tensors() + [self.outlier_row_ptr, self.outlier_cols, self.outlier_vals]
 
@@ -147,6 +158,32 @@ class FP8ComputeQuantLinear(QuantLinear):
     def _saved_from_kernel(self, k):
         return super()._saved_from_kernel(k.dense)  # fp8_scale is shared with the kernel, kept
 
+    _NOT_AFFINE = (
+        "DPQ's weights are nearest_FP8((q - z) s) * s_w: FP8-domain group scales and an FP8 rounding are "
+        "not an affine INT grid"
+    )
+
+    def int_form(self, allowed_bits, lossy, changes) -> IntForm:
+        layer, values = self._packed_form()
+        self._refuse_or_note(self._NOT_AFFINE, lossy, changes)
+        changes.append("DPQ exported as its INT codes with scales s * s_w (the FP8 rounding is lost)")
+        s = (self.scales.float() * self.fp8_scale.float()).to(torch.float16)
+        layer.scales = s.expand(self.out_features, -1).contiguous()
+        return self._fit_grid(layer, values, allowed_bits, lossy, changes)
+
+    def exports_as_fp8(self, lossy: bool) -> bool:
+        return lossy  # its exact FP8 weight operand (8 bits/weight) is the nearest form
+
+    def fp8_form(self, lossy, changes) -> FP8Form:
+        if self.fmt not in ("e4m3", "e4m3-240"):
+            return super().fp8_form(lossy, changes)
+        self._refuse_or_note(self._NOT_AFFINE, lossy, changes)
+        changes[-1:] = [
+            "DPQ stored as its FP8 weight operand nearest_FP8((q - z) s) with scale s_w "
+            "(values exact, 8 bits/weight)"
+        ]
+        return FP8Form(self.fp8_weight().to(torch.float8_e4m3fn), self.fp8_scale.float().clone())
+
     def storage_tensors(self):
         return super().storage_tensors() + [self.fp8_scale]
 
@@ -193,6 +230,37 @@ class FP8Linear(QuantModule):
 
     def layer_config(self) -> dict:
         return self._config(fmt=self.fmt, scale_rows=int(self.weight_scale.shape[0]))
+
+    def int_form(self, allowed_bits, lossy, changes) -> IntForm:
+        self._refuse_or_note(
+            f"{self.fmt} floating-point weights are not an INT grid (re-rounded to INT8 per channel)",
+            lossy,
+            changes,
+        )
+        res = rtn_quantize(self.dequantize_reference(torch.float32), IntGrid(8, True), None)
+        return IntForm(
+            res.codes,
+            res.scales.to(torch.float16),
+            res.zeros.to(torch.int32),
+            res.g_idx.to(torch.int32),
+            8,
+            self.in_features,
+            True,
+        )
+
+    def exports_as_fp8(self, lossy: bool) -> bool:
+        return True
+
+    def fp8_form(self, lossy, changes) -> FP8Form:
+        W8 = self.weight_fp8.view(self._dtype).float()
+        scale = self.weight_scale.float()
+        if self.fmt in ("e4m3", "e4m3-240"):  # e4m3-240 is e4m3 clamped to +-240: a subset of the E4M3 grid
+            return FP8Form(W8.to(torch.float8_e4m3fn), scale)
+        self._refuse_or_note(f"{self.fmt} weights (compressed-tensors' FP8 is E4M3)", lossy, changes)
+        changes[-1] = f"{self.fmt} weights rounded to E4M3"
+        row = W8.abs().amax(dim=1, keepdim=True) if scale.shape[0] > 1 else W8.abs().amax().reshape(1, 1)
+        up = (row / 448.0).clamp(min=1.0)
+        return FP8Form(fp_round(W8 / up, "e4m3").to(torch.float8_e4m3fn), scale * up)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {self.fmt}"
@@ -317,6 +385,17 @@ class HuffmanQuantLinear(QuantModule):
     def storage_tensors(self):
         return [self.scales, self.huff_data, self.huff_symbols, self.huff_lengths, self.huff_row_ends]
 
+    def int_form(self, allowed_bits, lossy, changes) -> IntForm:
+        q = self.codes()
+        lo, hi = int(q.min()), int(q.max())
+        self._refuse_or_note(
+            "Huffman-coded integers (HPTQ/HRTN): neither format has entropy coding", lossy, changes
+        )
+        bits = widest_fit(bit_len(hi - lo), allowed_bits)
+        changes.append(f"integers stored on a {bits}-bit grid, one scale per row")
+        s = self.scales.expand(self.out_features, 1)
+        return embed(q, s, torch.zeros(self.in_features, dtype=torch.int32), self.in_features, bits, False)
+
     def layer_config(self) -> dict:
         return self._config(
             n_scales=int(self.scales.shape[0]),
@@ -328,17 +407,7 @@ class HuffmanQuantLinear(QuantModule):
         return f"{super().extra_repr()}, huffman, {self.bits_per_weight():.3f} bpw"
 
 
-MODULE_KINDS = {
-    "packed": QuantLinear,
-    "packed+csr": SparseOutlierQuantLinear,
-    "huffman": HuffmanQuantLinear,
-    "dpq": FP8ComputeQuantLinear,
-    "fp8": FP8Linear,
-    "sfmp": SFMPLinear,
-}
-from .sq import SQActLinear, SQWeightLinear  # noqa: E402  (SQ-format kinds; sq.py imports qlinear only)
-
-MODULE_KINDS.update({"sq-weight": SQWeightLinear, "packed+sq-act": SQActLinear})
+MODULE_KINDS = KINDS  # the one registry (filled by QuantModule.__init_subclass__), by its old name
 
 
 def full_layer_config(module: nn.Module) -> dict:
@@ -352,11 +421,9 @@ def full_layer_config(module: nn.Module) -> dict:
 
 def module_from_layer_config(cfg: dict) -> nn.Module:
     kind = cfg.get("kind", "packed")
-    if kind not in MODULE_KINDS:
-        raise ValueError(
-            f"unknown quantized module kind {kind!r}; this bitmosaic knows {sorted(MODULE_KINDS)}"
-        )
-    m = MODULE_KINDS[kind].from_layer_config(cfg)
+    if kind not in KINDS:
+        raise ValueError(f"unknown quantized module kind {kind!r}; this bitmosaic knows {sorted(KINDS)}")
+    m = KINDS[kind].from_layer_config(cfg)
     if cfg.get("act"):
         attach_input_quant(m, ActQuantSpec(**cfg["act"]), cfg["in_features"])
     return m

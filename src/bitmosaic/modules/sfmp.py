@@ -32,8 +32,9 @@ from ..algorithms.types import QuantResult
 from ..formats.accounting import storage_bits
 from ..formats.bitplane import unpack as unpack_planes
 from ..formats.blocks import pack_blocks, unpack_blocks
-from ..formats.layout import default_g_idx, num_groups
-from .base import QuantModule
+from ..formats.intform import IntForm, embed, widest_fit
+from ..formats.layout import default_g_idx, dequantize, num_groups
+from .base import NoIntForm, QuantModule
 
 __all__ = ["SFMPLinear", "SFMPResult", "fold_permutations"]
 
@@ -147,8 +148,7 @@ class SFMPLinear(QuantModule):
 
     def dequantize_reference(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         g = default_g_idx(self.in_features, self.group_size)
-        c = self.codes_permuted().to(dtype)
-        Wt = (c - self.zeros.cpu().to(dtype)[:, g]) * self.scales.cpu().to(dtype)[:, g]
+        Wt = dequantize(self.codes_permuted(), self.scales.cpu(), self.zeros.cpu(), g, dtype=dtype)
         return self._unpermute(Wt).to(self.scales.device)
 
     def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
@@ -225,6 +225,77 @@ class SFMPLinear(QuantModule):
         self._in_index: torch.Tensor | None = None  # col_perm as int64 on the input's device
         self._gather_input = True
         self._wcache = None
+
+    # -- what the kind means at load, save and inspect (see modules/sfmp_model.py) ---------------
+    @classmethod
+    def finish_model(cls, model, modules, arch) -> None:
+        """The exact runtime folds of the saved permutations (gate/up -> down_proj)."""
+        from .sfmp_model import fold_model_permutations
+
+        fold_model_permutations(model, arch)
+
+    @classmethod
+    def saved_summary(cls, model, modules, run) -> dict:
+        """``bits`` is ``None`` (no single width); ``sfmp``: what SFMP used (``run["sfmp"]``) and reached."""
+        from .sfmp_model import saved_summary
+
+        return saved_summary(model, run.get("sfmp"))
+
+    @classmethod
+    def describe_saved(cls, path, layer_cfgs, qc) -> tuple[list[str], dict]:
+        """The budget and target the run had (when saved), the ``b`` reached and the bits per weight of
+        the SFMP linears by part, measured from the stored tensors; per layer its average code bits."""
+        from .sfmp_model import stored_summary
+
+        s = stored_summary(path, layer_cfgs)
+        if s is None:
+            return [], {}
+        saved = qc.get("sfmp") or {}
+        widths = "/".join(str(w) for w in saved.get("candidate_widths") or s["widths_used"])
+        target = ", ".join(f"{k} {v:g}" for k, v in (saved.get("budget") or {}).items())
+        if "b_target" in saved:
+            target += f"{', ' if target else ''}b target {saved['b_target']:.4f}"
+        p = s["bits_per_weight_parts"]
+        lines = [
+            f"sfmp             b reached {s['b_reached']:.4f} ({target or 'target not saved'}), "
+            f"widths {widths}, "
+            f"group {'/'.join(map(str, s['group_sizes']))}, block {'/'.join(s['block_shapes'])}",
+            f"sfmp bits/weight {s['bits_per_weight']:.4f} = weights {p['weights']:.4f} + scales/zeros "
+            f"{p['scales_zeros']:.4f} + permutations {p['permutations']:.4f} + bit map {p['bit_map']:.4f}",
+        ]
+        return lines, {n: f"{b:.2f}" for n, b in s["per_linear_b"].items()}
+
+    # -- export -------------------------------------------------------------------------------
+    def int_form(self, allowed_bits, lossy, changes):
+        """The weight in the original row and column order: rows un-permuted (exact), the column order
+        kept as each column's group on ``W̃`` (``g_idx``, like act-order).  One width per layer: a layer
+        whose blocks all share an allowed width is exact; mixed widths are refused, and with ``lossy``
+        put on the widest needed grid (the same values: a wider grid holds a narrower one)."""
+        zf = self.zeros.float()
+        if not torch.equal(zf, zf.round()):
+            raise NoIntForm("fractional zero-points (GPTQ and compressed-tensors store integer zeros)")
+        K = self.in_features
+        scales, zeros = self.scales.clone(), zf.to(torch.int64)
+        if self.row_perm is not None:  # stored in W̃'s row order
+            rp = self.row_perm.long()
+            scales, zeros = torch.empty_like(scales), torch.empty_like(zeros)
+            scales[rp], zeros[rp] = self.scales, zf.to(torch.int64)
+        pos = inverse_perm(self.col_perm.long()) if self.col_perm is not None else torch.arange(K)
+        g_idx = (pos // self.group_size).to(torch.int32)  # column j sits at W̃ column pos[j]
+        codes = self._unpermute(self.codes_permuted()).to(torch.int64)
+        values = codes - zeros.gather(1, g_idx.long().expand_as(codes))
+        widths = sorted({int(b) for b in self.bit_map.unique()})
+        bits = widest_fit(max(widths), allowed_bits)
+        if len(widths) > 1 or widths[0] != bits:
+            self._refuse_or_note(
+                f"SFMP's block-wise bit widths {'/'.join(map(str, widths))}: the format stores one width "
+                f"per layer of {'/'.join(map(str, allowed_bits))} bits (widened to {bits} bits, same values)",
+                lossy,
+                changes,
+            )
+            return embed(values, scales, g_idx, self.group_size, bits, False)
+        codes, zeros = codes.to(torch.int32), zeros.to(torch.int32)
+        return IntForm(codes, scales, zeros, g_idx, bits, self.group_size, False)
 
     # -- accounting ---------------------------------------------------------------------------
     def storage_tensors(self) -> list[torch.Tensor]:

@@ -34,7 +34,7 @@ from ..algorithms.sq import SQWeightResult, dynamic_split, high_first_permutatio
 from ..algorithms.types import QuantResult
 from ..formats.packing import packed_cols
 from ..formats.sq import _compact_index, _pos_bits, pack_sq, parse_sq, quantize_part, unpack_sq
-from .base import QuantModule
+from .base import NoIntForm, QuantModule
 from .qlinear import QuantLinear
 
 __all__ = ["SQWeightLinear", "SQActLinear", "STRATEGIES"]
@@ -93,6 +93,13 @@ class SQWeightLinear(QuantModule):
 
     def layer_config(self) -> dict:
         return self._config(sq=self.fmt.notation)
+
+    def int_form(self, allowed_bits, lossy, changes):
+        raise NoIntForm(
+            f"SQ-format weights ({self.fmt.notation}: high and low parts with their own scales per bank) "
+            "are not one INT grid",
+            fixable=False,
+        )
 
     def mac_split(self) -> tuple[int, int]:
         """(low, high) multiply-accumulates per token: the high ones are the mask's places."""
@@ -191,6 +198,21 @@ class SQActLinear(QuantLinear):
         if b is not None:
             y = y + b.float()
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def int_form(self, allowed_bits, lossy, changes):
+        """The packed W4 weights in the original column order (exact; static results then have
+        act-order-like groups); the SQ-format activation split has no equivalent (dropped with ``lossy``)."""
+        layer, values = self._packed_form()
+        self._refuse_or_note(
+            f"SQ-format activations ({self.fmt.notation}, {self.strategy}): neither format splits the "
+            "inputs into high and low parts (dropped)",
+            lossy,
+            changes,
+        )
+        if self.sq_perm is not None:  # stored high-first: back to the original column order
+            inv = torch.argsort(self.sq_perm.long())
+            layer.codes, layer.g_idx, values = layer.codes[:, inv], layer.g_idx[inv], values[:, inv]
+        return self._fit_grid(layer, values, allowed_bits, lossy, changes)
 
     def mac_split(self) -> tuple[int, int]:
         """(low, high) multiply-accumulates per token."""

@@ -3,9 +3,10 @@
 (:mod:`~bitmosaic.io.export.compressed_tensors`).
 
 :func:`export_model` writes the layers a format can hold bit-identically; a layer it cannot hold is
-refused with the reason (Huffman codes, DPQ's FP8-domain scales, SSQR's sparse outliers, no-clip
-integers, act-order in compressed-tensors, ...), unless ``lossy`` asks for the nearest representable
-form -- then the result lists, per layer, what changed and the weight error it adds.
+refused with the reason the module kind gives (``QuantModule.int_form``: entropy-coded integers,
+FP8-domain scales, sparse residuals, no-clip integers, act-order in compressed-tensors, ...), unless
+``lossy`` asks for the nearest representable form -- then the result lists, per layer, what changed
+and the weight error it adds.
 """
 
 from __future__ import annotations

@@ -34,7 +34,6 @@ import math
 import torch
 
 from ...formats.wordpack import pack_words
-from ...modules import FP8ComputeQuantLinear, FP8Linear
 from ...modules.actquant import input_quant_spec
 from .common import Source, collect, record
 from .layers import IntLayer, Refusal, fp8_layer, int_layer, regroup, requantize_contiguous
@@ -115,7 +114,7 @@ def _convert(lossy: bool):
 
 def _layer(m, act, input_scale, lossy: bool, changes: list[str], act_refusal: str | None):
     """``(exported layer, tensors, scheme)`` of one module (``act``: its mapped activation scheme)."""
-    if isinstance(m, FP8Linear) or (lossy and isinstance(m, FP8ComputeQuantLinear)):
+    if m.exports_as_fp8(lossy):
         lay = fp8_layer(m, lossy, changes)
         per_tensor = lay.scale.shape[0] == 1
         w = {
