@@ -2,15 +2,17 @@
 Huffman streams, FP8 bytes, DPQ's FP8-compute layout) and the activation quantizer they carry.
 
 They depend only on :mod:`bitmosaic.formats`, :mod:`bitmosaic.kernels` and the result type of
-:mod:`bitmosaic.algorithms`; methods pack into them and models load them, so the layering
-formats <- algorithms <- modules <- methods <- models <- cli has no back-edge.
+:mod:`bitmosaic.algorithms`; methods pack into them and io loads them, so the layering
+formats <- algorithms <- modules <- methods <- pipeline/io <- cli has no back-edge.  Every kind
+registers itself (``QuantModule.__init_subclass__``); the imports below are the list of kinds, so
+the registry is complete whenever ``bitmosaic.modules`` is imported.
 """
 
 from .actquant import attach_input_quant, input_quant_spec
 from .base import KINDS, NoIntForm, QuantModule
 from .mosaic import MosaicQuantLinear
 from .qlinear import QuantLinear, UnpackableCodesError, set_weight_cache
-from .qmodules import (  # imports every kind: the registry is complete
+from .qmodules import (
     MODULE_KINDS,
     FP8ComputeQuantLinear,
     FP8Linear,
@@ -19,6 +21,8 @@ from .qmodules import (  # imports every kind: the registry is complete
     full_layer_config,
     module_from_layer_config,
 )
+from .sfmp import SFMPLinear
+from .sq import SQActLinear, SQWeightLinear
 
 __all__ = [
     "KINDS",
@@ -30,6 +34,9 @@ __all__ = [
     "MosaicQuantLinear",
     "QuantLinear",
     "QuantModule",
+    "SFMPLinear",
+    "SQActLinear",
+    "SQWeightLinear",
     "SparseOutlierQuantLinear",
     "UnpackableCodesError",
     "attach_input_quant",

@@ -26,7 +26,6 @@ from ..formats.fp import fp_round, get_float_format
 from ..formats.grid import IntGrid
 from ..formats.intform import FP8Form, IntForm, bit_len, embed, widest_fit
 from ..formats.sparse import CSR, csr_from_dense
-from . import mosaic, sfmp, sq  # noqa: F401  (every kind registers itself: the registry is complete)
 from .actquant import attach_input_quant, input_quant_spec
 from .base import KINDS, QuantModule
 from .qlinear import QuantLinear

@@ -7,7 +7,7 @@ off) and ``bit_map`` (uint8 ``[n_rb, n_cb]``, the width of each block), plus the
 weight count all of them; :meth:`SFMPLinear.bits_breakdown` lists them separately.
 
 Inference (Eq. 14): ``x̃ = x[..., col_perm]``, ``ỹ = x̃ W̃ᵀ`` with the low-bit kernel, ``y`` = ``ỹ``
-un-permuted (``ỹ[..., inv(row_perm)]``).  :func:`fold_permutations` removes a gather where that is
+un-permuted (``ỹ[..., inv(row_perm)]``).  ``sfmp_model.fold_permutations`` removes a gather where that is
 exact: gate/up emit their outputs directly in down_proj's column order, and down_proj then skips
 its input gather (q/k/v are always un-permuted: RoPE and the heads need the original order).  The
 folded indices are derived from the saved permutations at load, never saved.
@@ -36,7 +36,7 @@ from ..formats.intform import IntForm, embed, widest_fit
 from ..formats.layout import default_g_idx, dequantize, num_groups
 from .base import NoIntForm, QuantModule
 
-__all__ = ["SFMPLinear", "SFMPResult", "fold_permutations"]
+__all__ = ["SFMPLinear", "SFMPResult"]
 
 
 @dataclass
@@ -350,17 +350,3 @@ class _PermutedKernel:
 
     def nbytes(self) -> int:
         return self.weight.nbytes()
-
-
-def fold_permutations(producers: list[SFMPLinear], consumer: SFMPLinear) -> bool:
-    """Let ``producers`` (gate/up) emit their outputs in ``consumer``'s (down_proj's) column order,
-    so ``consumer`` skips its input gather: ``y_p[..., inv(row_perm_p)][..., col_perm_c]`` is one
-    gather ``y_p[..., inv(row_perm_p)[col_perm_c]]``.  Exact (pure index composition).  Returns
-    whether anything was folded (nothing when the consumer keeps its natural column order)."""
-    if consumer.col_perm is None or not consumer._gather_input:
-        return False
-    cp = consumer.col_perm.long()
-    for p in producers:  # the kernels (of W̃) stay valid: they read the gathers at call time
-        p._emit, p._out_index, p._wcache = cp, None, None
-    consumer._gather_input, consumer._wcache = False, None
-    return True

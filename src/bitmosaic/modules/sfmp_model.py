@@ -13,9 +13,8 @@ from torch import nn
 from ..algorithms.sfmp import BlockPlan
 from ..errors import CorruptModelError
 from ..formats.accounting import dtype_name_bits
-from .sfmp import SFMPLinear, fold_permutations
 
-__all__ = ["fold_model_permutations", "saved_summary", "stored_summary", "summarize"]
+__all__ = ["fold_permutations", "fold_model_permutations", "saved_summary", "stored_summary", "summarize"]
 
 
 def fold_model_permutations(model: nn.Module, arch) -> int:
@@ -31,9 +30,26 @@ def fold_model_permutations(model: nn.Module, arch) -> int:
     folded = 0
     for layer in arch.layers(model):
         mods = [layer.get_submodule(n) for n in (*producers, consumer[0])]
-        if all(isinstance(m, SFMPLinear) for m in mods):
+        if all(getattr(m, "kind", None) == KIND for m in mods):
             folded += fold_permutations(mods[:-1], mods[-1])
     return folded
+
+
+KIND = "sfmp"  # the kind of modules/sfmp.py's SFMPLinear (which imports this file, not the reverse)
+
+
+def fold_permutations(producers: list, consumer) -> bool:
+    """Let ``producers`` (gate/up) emit their outputs in ``consumer``'s (down_proj's) column order,
+    so ``consumer`` skips its input gather: ``y_p[..., inv(row_perm_p)][..., col_perm_c]`` is one
+    gather ``y_p[..., inv(row_perm_p)[col_perm_c]]``.  Exact (pure index composition).  Returns
+    whether anything was folded (nothing when the consumer keeps its natural column order)."""
+    if consumer.col_perm is None or not consumer._gather_input:
+        return False
+    cp = consumer.col_perm.long()
+    for p in producers:  # the kernels (of W̃) stay valid: they read the gathers at call time
+        p._emit, p._out_index, p._wcache = cp, None, None
+    consumer._gather_input, consumer._wcache = False, None
+    return True
 
 
 PARTS = ("weights", "scales_zeros", "permutations", "bit_map")
@@ -84,7 +100,7 @@ def saved_summary(model: nn.Module, run: dict | None = None) -> dict:
     recs = {
         n: _layer_record(m.layer_config(), m.bit_map, m.part_bits())
         for n, m in model.named_modules()
-        if isinstance(m, SFMPLinear)
+        if getattr(m, "kind", None) == KIND
     }
     if not recs:
         return {}
@@ -98,7 +114,7 @@ def stored_summary(path, modules: dict) -> dict | None:
     from the safetensors headers and the (small) bit maps; ``None`` when it has none."""
     from safetensors import SafetensorError, safe_open
 
-    names = {n for n, lc in modules.items() if lc.get("kind") == SFMPLinear.kind}
+    names = {n for n, lc in modules.items() if lc.get("kind") == KIND}
     if not names:
         return None
     bits: dict[str, dict[str, int]] = {n: {} for n in names}
