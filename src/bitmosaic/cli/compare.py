@@ -11,7 +11,7 @@ def add_parser(sub) -> None:
     c = sub.add_parser(
         "compare",
         help="quantize one model with many configs; table + Pareto plot (resumable)",
-        description="Each config is `method:setting[;option...]` (e.g. gptq:w3g128, smoothquant:w8a8, "
+        description="Each config is `method:setting[;option...]` (e.g. gptq:w3g128, rtn:w8g128, "
         "gptq:w4g128;order=natural) or a JSON/YAML file; see bitmosaic.eval.compare.",
     )
     c.add_argument("--model", default=DEFAULT_MODEL)

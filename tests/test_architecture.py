@@ -1,0 +1,145 @@
+"""The package's shape: no import cycle, dependencies point one way, the generic layers (pipeline, io,
+cli) name no method, and a method's footprint stays small (``scripts/method_footprint.py``)."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PKG = REPO / "src" / "bitmosaic"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in PKG.rglob("*.py"):
+        rel = p.relative_to(PKG.parent).with_suffix("")
+        name = ".".join(rel.parts)
+        out[name.removesuffix(".__init__")] = p
+    return out
+
+
+def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    """Every bitmosaic module ``name`` imports, at module level or inside a function."""
+    is_pkg = path.name == "__init__.py"
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = name.split(".") if is_pkg else name.split(".")[:-1]
+            if node.level:
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods else mod for a in node.names]
+        for t in targets:
+            while t and t not in mods:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.add(t)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {m: _imports(m, p, mods) for m, p in mods.items()}
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    index, low, stack, on, cycles = {}, {}, [], set(), []
+    sys.setrecursionlimit(10_000)
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+# layer -> the layers it must not import (formats <- algorithms <- modules/kernels <- methods <-
+# pipeline/io <- cli; models/ holds the declarative maps the upper layers read)
+FORBIDDEN = {
+    "formats": ("algorithms", "modules", "kernels", "methods", "pipeline", "io", "cli", "models", "eval"),
+    "algorithms": ("modules", "kernels", "methods", "pipeline", "io", "cli", "models", "eval"),
+    "kernels": ("modules", "methods", "pipeline", "io", "cli", "models", "eval"),
+    "modules": ("methods", "pipeline", "io", "cli", "models", "eval"),
+    "methods": ("pipeline", "io", "cli", "models", "eval"),
+    "models": ("algorithms", "modules", "kernels", "methods", "pipeline", "io", "cli", "eval"),
+    "pipeline": ("cli", "eval"),
+    "io": ("cli", "eval", "pipeline"),
+}
+
+
+def test_dependencies_point_one_way():
+    bad = []
+    for mod, deps in _graph().items():
+        parts = mod.split(".")
+        if len(parts) < 2 or parts[1] not in FORBIDDEN:
+            continue
+        for d in deps:
+            dp = d.split(".")
+            if len(dp) > 1 and dp[1] in FORBIDDEN[parts[1]]:
+                bad.append(f"{mod} -> {d}")
+    assert not bad, "imports that point up the layers:\n" + "\n".join(sorted(bad))
+
+
+def _footprint():
+    spec = importlib.util.spec_from_file_location("method_footprint", REPO / "scripts" / "method_footprint.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# names that are only methods (gptq, rtn and fp8 also name a checkpoint format, a rounding rule used
+# by lossy export and a number format, so the generic layers may say them)
+METHOD_ONLY = ("sfmp", "mosaic", "smoothquant", "awq", "dpq", "ssqr", "hptq", "hrtn", "sq-weights", "sq-acts")
+
+
+@pytest.mark.parametrize("layer", ["pipeline", "io", "cli"])
+def test_generic_layers_name_no_method(layer):
+    code_text = _footprint().code_text
+    pat = re.compile(r"(?<![a-z0-9])(" + "|".join(re.escape(m) for m in METHOD_ONLY) + r")(?![a-z0-9])")
+    hits = []
+    for p in sorted((PKG / layer).rglob("*.py")):
+        found = sorted(set(pat.findall(code_text(p).lower())))
+        if found:
+            hits.append(f"{p.relative_to(PKG)}: {', '.join(found)}")
+    assert not hits, "method names in a generic layer:\n" + "\n".join(hits)
+
+
+def test_a_method_touches_few_files():
+    fp = _footprint().footprint()
+    # SFMP (a new storage format too): its algorithms, methods and module-kind files, the kind's
+    # model-level helpers and the one registration line
+    assert len(fp["sfmp"]) <= 7, fp["sfmp"]
+    for m in ("mosaic", "ssqr", "hptq/hrtn", "sq-weights/sq-acts", "smoothquant", "awq", "dpq"):
+        assert len(fp[m]) <= 7, (m, fp[m])
