@@ -113,7 +113,8 @@ def test_dependencies_point_one_way():
 
 
 def _footprint():
-    spec = importlib.util.spec_from_file_location("method_footprint", REPO / "scripts" / "method_footprint.py")
+    path = REPO / "scripts" / "method_footprint.py"
+    spec = importlib.util.spec_from_file_location("method_footprint", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -1,7 +1,7 @@
 """The method flags of ``quantize``, generated from the registered configs' fields.
 
 Each config field declares its flag with :func:`bitmosaic.methods.options.option`; a flag several
-configs declare is one argument (the first declaration's help, every method's default shown).
+configs declare is one argument (each method's own help when they differ, every method's default).
 :func:`method_options` turns the flags given into the chosen method's config fields; a flag the
 method does not use is a one-line :class:`~bitmosaic.errors.OptionError` naming flag and method.
 :func:`methods_table` is ``bitmosaic methods`` (and the README's method table).
@@ -96,8 +96,16 @@ def _help(d: MethodFlag, n_methods: int) -> str:
         who = f" [not {', '.join(sorted(set(_names()) - set(d.users)))}]"
     else:
         who = f" [{', '.join(d.users)}]"
-    choices = f" {{{'|'.join(map(str, d.spec.choices))}}}" if d.spec.choices and not _same_choices(d) else ""
-    return (d.spec.help + choices + who + f" ({default})").replace("%", "%%")
+    helps: dict[str, list[str]] = {}  # each config says what the flag means for it (and its choices)
+    same = d.spec.choices is None or _same_choices(d) is not None
+    for m, f in d.users.items():
+        spec = option_spec(f)
+        own = f" {{{'|'.join(map(str, spec.choices))}}}" if spec.choices and not same else ""
+        helps.setdefault(spec.help + own, []).append(m)
+    text = next(iter(helps), d.spec.help) if len(helps) <= 1 else "; ".join(
+        f"{', '.join(ms)}: {h}" for h, ms in helps.items()
+    )
+    return (text + who + f" ({default})").replace("%", "%%")
 
 
 def _names() -> list[str]:

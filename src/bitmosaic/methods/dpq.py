@@ -17,7 +17,7 @@ from ..algorithms.rtn import rtn_quantize
 from ..formats.act import ActQuantSpec
 from ..formats.grid import IntGrid
 from ..modules.qmodules import FP8ComputeQuantLinear
-from .gptq import HESSIAN_DTYPES, GPTQConfig, _processing_order, _require_hessian
+from .common import HESSIAN_DTYPES, processing_order, require_hessian, shared
 from .options import like, option
 from .registry import LayerStats, Method, WeightQuantConfig, register
 
@@ -29,28 +29,22 @@ FP8_RANGES = {448: "e4m3", 240: "e4m3-240"}
 @dataclass
 class DPQConfig(WeightQuantConfig):
     scale: str = like(WeightQuantConfig, "scale", "mse")
-    order: str = like(GPTQConfig, "order", "gar")
+    order: str = shared("order", "gar")
     fp8_range: int = option(
         448, help="E4M3 range: 448 (OCP, Gaudi 3) or 240 (Gaudi 2)", choices=(448, 240), type=int
     )
-    per_channel: bool = option(
-        False, help="FP8 weight scale per output channel (else per tensor)", deprecated=("--fp8-per-channel",)
-    )
+    per_channel: bool = shared("per_channel", deprecated=("--fp8-per-channel",))
     margin: float = option(
         1.0, help="FP8 weight-scale headroom for compensated weights (1 = the paper's Eq. 6)",
         range=(1, None), deprecated=("--fp8-margin",),
     )  # fmt: skip
-    pow2: bool = option(False, help="power-of-two FP8 scales", deprecated=("--pow2-scales",))
+    pow2: bool = shared("pow2", deprecated=("--pow2-scales",))
     naive: bool = option(False, help="the paper's naive GPTQ W4A8 baseline (only the INT4 error compensated)")
-    solver: str = option(
-        "gptq", help="inner solver: gptq | rtn (dpq: rtn = the RTN W4A8 baseline; sfmp: awq | gptq; "
-        "mosaic: dense base rtn | gptq; smoothquant, sq-acts: weights rtn | gptq)",
-        choices=("gptq", "rtn", "awq"),
-    )  # fmt: skip
-    direction: str = like(GPTQConfig, "direction")
-    block_size: int = like(GPTQConfig, "block_size")
-    damp: float = like(GPTQConfig, "damp")
-    solver_dtype: str = like(GPTQConfig, "solver_dtype")
+    solver: str = shared("solver", help="the INT solver: gptq | rtn (the RTN W4A8 baseline)")
+    direction: str = shared("direction")
+    block_size: int = shared("block_size")
+    damp: float = shared("damp")
+    solver_dtype: str = shared("solver_dtype")
     act: ActQuantSpec | None | str = like(WeightQuantConfig, "act", "fp8")  # E4M3 per-tensor static
 
     def __post_init__(self) -> None:
@@ -82,13 +76,13 @@ def quantize_dpq(weight, stats: LayerStats, cfg: DPQConfig):
     fp8 = {"per_channel": cfg.per_channel, "margin": cfg.margin, "pow2": cfg.pow2}
     if cfg.solver == "rtn":
         return fp8_on_top(rtn_quantize(weight, grid, cfg.group_size, cfg.scale, cfg.clip), cfg.fmt, **fp8)
-    H = _require_hessian(stats, "dpq")
+    H = require_hessian(stats, "dpq")
     return dpq_quantize(
         weight,
         H,
         fmt=cfg.fmt,
         group_size=cfg.group_size,
-        perm=_processing_order(H, cfg),
+        perm=processing_order(H, cfg),
         scale_method=cfg.scale,
         clip=cfg.clip,
         naive=cfg.naive,

@@ -13,7 +13,7 @@ import torch
 from ..algorithms.dpq import fp8_weight_scale
 from ..formats.fp import fp_round, get_float_format
 from ..modules.qmodules import FP8Linear
-from .dpq import DPQConfig
+from .common import shared
 from .options import like, option
 from .registry import LayerStats, Method, WeightQuantConfig, register
 
@@ -51,8 +51,8 @@ class FP8WeightConfig(WeightQuantConfig):
     group_size: int | None = like(WeightQuantConfig, "group_size", None)
     sym: bool = like(WeightQuantConfig, "sym", True)
     fmt: str = option("e4m3", help="FP8 format of the weights", choices=("e4m3", "e4m3-240", "e5m2"))
-    per_channel: bool = like(DPQConfig, "per_channel", True)
-    pow2: bool = like(DPQConfig, "pow2")
+    per_channel: bool = shared("per_channel", True)
+    pow2: bool = shared("pow2")
 
     def __post_init__(self) -> None:
         f = get_float_format(self.fmt)

@@ -14,34 +14,13 @@ import torch
 from ..algorithms.babai import babai_nearest_plane
 from ..algorithms.gptq import gptq_quantize
 from ..algorithms.hessian import damp_hessian
-from ..algorithms.orders import make_order
 from ..algorithms.scales import group_scale_zero
 from ..algorithms.types import QuantResult
 from ..formats.grid import IntGrid
 from ..formats.layout import default_g_idx
+from .common import HESSIAN_DTYPES, processing_order, require_hessian, shared
 from .options import like, option
 from .registry import LayerStats, Method, WeightQuantConfig, register
-
-HESSIAN_DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
-# options several methods share (one declaration each; other configs take them with ``like``)
-ORDER = lambda: option(  # noqa: E731
-    "act", help="processing order of the columns (act: diag(H) descending; gar: group-aware)",
-    choices=("natural", "act", "gar", "min-pivot"),
-)  # fmt: skip
-DIRECTION = lambda: option(  # noqa: E731
-    "front", help="process the order from the front or the back", choices=("front", "back")
-)
-DAMP = lambda: option(  # noqa: E731
-    0.01, help="Hessian damping, fraction of mean diag(H)", range=(0, 1), old_names=("percdamp",)
-)
-SOLVER_DTYPE = lambda: option(  # noqa: E731
-    "float32", help="working precision of the GPTQ/Babai solver", choices=tuple(HESSIAN_DTYPES),
-    old_names=("dtype",),
-)  # fmt: skip
-BLOCK_SIZE = lambda: option(  # noqa: E731
-    128, help="GPTQ lazy-batch width (columns updated together)", range=(1, None)
-)
 
 
 @dataclass
@@ -53,43 +32,24 @@ class GPTQConfig(WeightQuantConfig):
     working precision."""
 
     scale: str = like(WeightQuantConfig, "scale", "mse")
-    order: str = ORDER()
-    direction: str = DIRECTION()
+    order: str = shared("order")
+    direction: str = shared("direction")
     static_groups: bool = option(
         False, help="fix every group's scale from the original weights before the updates"
     )
-    block_size: int = BLOCK_SIZE()
-    damp: float = DAMP()
-    solver_dtype: str = SOLVER_DTYPE()
-
-
-def _processing_order(H: torch.Tensor, cfg) -> torch.Tensor:
-    """The processing order for ``cfg.order``/``cfg.direction`` from the *undamped* ``H``.
-
-    min-pivot pivots on the damped Hessian (the factorisation GPTQ uses), damped here once; every
-    method must pass the calibration Hessian as stored, so that gptq and babai see the same order.
-    """
-    if cfg.order == "min-pivot":
-        H = damp_hessian(H, cfg.damp)[0]
-    return make_order(H, cfg.order, cfg.group_size, cfg.direction)
-
-
-def _require_hessian(stats: LayerStats, name: str) -> torch.Tensor:
-    if stats.hessian is None:
-        raise ValueError(
-            f"method {name!r} needs calibration Hessians; run it through the calibration pipeline"
-        )
-    return stats.hessian
+    block_size: int = shared("block_size")
+    damp: float = shared("damp")
+    solver_dtype: str = shared("solver_dtype")
 
 
 def quantize_gptq(weight, stats: LayerStats, cfg: GPTQConfig) -> QuantResult:
-    H = _require_hessian(stats, "gptq")
+    H = require_hessian(stats, "gptq")
     return gptq_quantize(
         weight,
         H,
         IntGrid(cfg.bits, cfg.sym),
         cfg.group_size,
-        perm=_processing_order(H, cfg),
+        perm=processing_order(H, cfg),
         clip=cfg.clip,
         scale_method=cfg.scale,
         static_groups=cfg.static_groups,
@@ -101,14 +61,14 @@ def quantize_gptq(weight, stats: LayerStats, cfg: GPTQConfig) -> QuantResult:
 
 @dataclass
 class BabaiConfig(WeightQuantConfig):
-    order: str = like(GPTQConfig, "order", "natural")
-    direction: str = DIRECTION()
-    damp: float = DAMP()
-    solver_dtype: str = like(GPTQConfig, "solver_dtype", "float64")
+    order: str = shared("order", "natural")
+    direction: str = shared("direction")
+    damp: float = shared("damp")
+    solver_dtype: str = shared("solver_dtype", "float64")
 
 
 def quantize_babai(weight, stats: LayerStats, cfg: BabaiConfig) -> QuantResult:
-    H0 = _require_hessian(stats, "babai")
+    H0 = require_hessian(stats, "babai")
     dtype = HESSIAN_DTYPES[cfg.solver_dtype]
     W = weight.to(dtype).clone()
     H = H0.to(device=W.device, dtype=dtype)
@@ -117,7 +77,7 @@ def quantize_babai(weight, stats: LayerStats, cfg: BabaiConfig) -> QuantResult:
     grid = IntGrid(cfg.bits, cfg.sym)
     scales, zeros = group_scale_zero(W, grid, cfg.group_size, cfg.scale)
     g_idx = default_g_idx(W.shape[1], cfg.group_size, device=W.device)
-    perm = _processing_order(H0, cfg).to(W.device)  # as gptq: from the undamped Hessian
+    perm = processing_order(H0, cfg).to(W.device)  # as gptq: from the undamped Hessian
     codes, D = babai_nearest_plane(
         W, Hd, grid, scales[:, g_idx], zeros[:, g_idx], perm.flip(0), cfg.clip, return_pivots=True
     )

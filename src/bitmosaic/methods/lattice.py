@@ -10,7 +10,7 @@ from typing import ClassVar
 from ..algorithms.lattice import SSQR_GROUPS, entropy_coded_quantize, ssqr_quantize
 from ..errors import OptionError
 from ..modules.qmodules import HuffmanQuantLinear, SparseOutlierQuantLinear
-from .gptq import GPTQConfig, _processing_order, _require_hessian
+from .common import processing_order, require_hessian, shared
 from .options import like, option
 from .registry import LayerStats, Method, WeightQuantConfig, register
 
@@ -18,9 +18,9 @@ from .registry import LayerStats, Method, WeightQuantConfig, register
 @dataclass
 class SSQRConfig(WeightQuantConfig):
     outlier_rate: float = option(0.01, help="target density of the exact sparse outliers", range=(0, 0.5))
-    order: str = like(GPTQConfig, "order")  # the paper's experiments use act-order for every method
-    direction: str = like(GPTQConfig, "direction")
-    damp: float = like(GPTQConfig, "damp")
+    order: str = shared("order")  # the paper's experiments use act-order for every method
+    direction: str = shared("direction")
+    damp: float = shared("damp")
     scale: str = like(WeightQuantConfig, "scale", "mse")  # SSQR starts from MSE scales (fixed)
     # "static": the paper's contiguous groups fitted before GPTQ (Algorithm 9), the default;
     # "dynamic": GPTQ's act-order dynamic groups x the global multiplier (the grouping and scales
@@ -52,14 +52,14 @@ def _pack_ssqr(res, cfg: SSQRConfig, bias):
 
 
 def quantize_ssqr(weight, stats: LayerStats, cfg: SSQRConfig):
-    H = _require_hessian(stats, "ssqr")
+    H = require_hessian(stats, "ssqr")
     return ssqr_quantize(
         weight,
         H,
         cfg.bits,
         cfg.group_size,
         cfg.outlier_rate,
-        perm=_processing_order(H, cfg),
+        perm=processing_order(H, cfg),
         symmetric=cfg.sym,
         percdamp=cfg.damp,
         groups=cfg.groups,
@@ -80,9 +80,9 @@ class EntropyConfig(WeightQuantConfig):
 
     target_bits: float = option(3.125, help="target Huffman-coded bits per weight", range=(0, 16))
     scale_per: str = option("matrix", help="one scale per matrix or per row", choices=("matrix", "row"))
-    order: str = like(GPTQConfig, "order")
-    direction: str = like(GPTQConfig, "direction")
-    damp: float = like(GPTQConfig, "damp")
+    order: str = shared("order")
+    direction: str = shared("direction")
+    damp: float = shared("damp")
     group_size: int | None = like(WeightQuantConfig, "group_size", None)  # one scale per matrix/row
 
     def __post_init__(self) -> None:
@@ -104,14 +104,14 @@ def _pack_huffman(res, cfg, bias):
 
 
 def quantize_hptq(weight, stats: LayerStats, cfg: EntropyConfig):
-    H = _require_hessian(stats, "hptq")
+    H = require_hessian(stats, "hptq")
     return entropy_coded_quantize(
         weight,
         H,
         cfg.target_bits,
         scale_per=cfg.scale_per,
         use_gptq=True,
-        perm=_processing_order(H, cfg),
+        perm=processing_order(H, cfg),
         percdamp=cfg.damp,
     )
 

@@ -37,11 +37,9 @@ from ..algorithms.smooth import smooth_scales, smoothing_loss
 from ..errors import OptionError
 from ..formats.grid import IntGrid
 from ..modules.mosaic import MosaicQuantLinear
-from .dpq import DPQConfig
-from .gptq import GPTQConfig
-from .options import like, option, parse_block_text
+from .common import act_fake_quant, foldable_groups, shared
+from .options import like, option, parse_block_text, parse_floats
 from .registry import LayerStats, Method, WeightQuantConfig, register
-from .smoothquant import SMOOTH, AWQConfig, SmoothQuantConfig, _foldable_groups, act_fake_quant
 
 __all__ = ["MosaicConfig", "mosaic_weight"]
 
@@ -66,23 +64,28 @@ class MosaicConfig(WeightQuantConfig):
     selection: str = option(
         "delta-hessian", help="block selection (the others are ablations)", choices=SELECTIONS
     )
-    solver: str = like(DPQConfig, "solver", "rtn", old_names=("base",), deprecated=("--mosaic-base",))
-    clip_search: bool = like(AWQConfig, "clip_search", False)
-    alpha: float | None = like(SmoothQuantConfig, "alpha", None)  # None: search per layer and group
-    alpha_grid: tuple[float, ...] = like(SmoothQuantConfig, "alpha_grid", ALPHA_GRID)
-    smooth: bool = SMOOTH()
+    solver: str = shared(
+        "solver", "rtn", help="the dense base: rtn (the paper's absmax) | gptq (ours)",
+        choices=("rtn", "gptq"), old_names=("base",), deprecated=("--mosaic-base",),
+    )  # fmt: skip
+    clip_search: bool = shared("clip_search", False, help="clip search for the dense base")
+    alpha: float | None = shared("alpha", None)  # None: search per layer and group
+    alpha_grid: tuple[float, ...] = option(
+        ALPHA_GRID, help="alpha values searched (comma list)", parse=parse_floats
+    )
+    smooth: bool = shared("smooth")
     search_budget: float | None = option(
         None,
         help="residual budget inside the alpha search (default: --budget-frac)",
         range=(0, 1),
         type=float,
     )
-    max_tokens: int = like(SmoothQuantConfig, "max_tokens", 1024)
+    max_tokens: int = shared("max_tokens", 1024)
     a4_per_group: bool = option(
         True, help="W4A4: per-group (--a4-group) INT4 activations instead of per-token"
     )
     a4_group: int = option(128, help="W4A4 activation group", range=(1, None))
-    damp: float = like(GPTQConfig, "damp")  # GPTQ base only
+    damp: float = shared("damp")  # GPTQ base only
     selection_seed: int = option(0, help="seed of --selection random", old_names=("seed",))
 
     def __post_init__(self) -> None:
@@ -184,7 +187,7 @@ def mosaic_transform(caps, cfg: MosaicConfig):
                 best = (float(a), loss, s)
         return best[2], {"alpha": best[0], "loss": best[1], "losses": losses}
 
-    return _foldable_groups(caps, factors)
+    return foldable_groups(caps, factors)
 
 
 def quantize_mosaic(weight, stats: LayerStats, cfg: MosaicConfig):

@@ -51,11 +51,9 @@ from ..formats.grid import IntGrid
 from ..formats.layout import default_g_idx, normalize_group_size
 from ..modules.sfmp import SFMPLinear, SFMPResult
 from ..modules.sfmp_model import fold_model_permutations
-from .dpq import DPQConfig
-from .gptq import GPTQConfig
-from .options import like, option, parse_block, parse_none
+from .common import shared
+from .options import option, parse_block, parse_none
 from .registry import LayerStats, Method, MethodContext, WeightQuantConfig, register
-from .smoothquant import AWQConfig
 
 __all__ = ["SFMP", "SFMPConfig", "SFMPState", "sfmp_allocate", "quantize_sfmp", "plan_for", "sfmp_run_info"]
 
@@ -95,15 +93,18 @@ class SFMPConfig(WeightQuantConfig):
     rank: str = option(
         "mean", help="block ranking: mean (weight-count budget) or the paper's sum", choices=("mean", "sum")
     )
-    solver: str = like(DPQConfig, "solver", "awq", deprecated=("--sfmp-solver",))
-    n_grid: int = like(AWQConfig, "n_grid")
-    duo_scaling: bool = like(AWQConfig, "duo_scaling")
-    clip_search: bool = like(AWQConfig, "clip_search")
-    max_shrink: float = like(AWQConfig, "max_shrink")
-    max_tokens: int = like(AWQConfig, "max_tokens")
+    solver: str = shared(
+        "solver", "awq", help="the solver inside each block: awq (the paper) | gptq (ours)",
+        choices=("awq", "gptq"), deprecated=("--sfmp-solver",),
+    )  # fmt: skip
+    n_grid: int = shared("n_grid")
+    duo_scaling: bool = shared("duo_scaling")
+    clip_search: bool = shared("clip_search")
+    max_shrink: float = shared("max_shrink")
+    max_tokens: int = shared("max_tokens")
     gptq_scale: str = option("mse", help="sfmp --solver gptq: group scale search", choices=("minmax", "mse"))
-    damp: float = like(GPTQConfig, "damp")
-    block_size: int = like(GPTQConfig, "block_size")
+    damp: float = shared("damp")
+    block_size: int = shared("block_size")
     fisher_samples: int | None = option(
         None,
         help="samples for the Fisher salience (default: every calibration sample)",

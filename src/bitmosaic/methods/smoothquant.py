@@ -18,15 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from ..algorithms.awq import awq_clip_search, awq_search_scales
-from ..algorithms.observers import ActObserver
 from ..algorithms.rtn import rtn_quantize
 from ..algorithms.smooth import search_alpha, smooth_scales, smoothing_loss
 from ..algorithms.types import QuantResult
 from ..errors import OptionError
-from ..formats.act import ActQuantSpec, fake_quant
 from ..formats.grid import IntGrid, quantize_codes
 from ..formats.layout import default_g_idx
-from .dpq import DPQConfig
+from .common import act_fake_quant, foldable_groups, shared, weight_fake_quant
 from .gptq import GPTQConfig, quantize_gptq
 from .options import like, option, parse_alpha, parse_floats
 from .registry import LayerStats, Method, WeightQuantConfig, register
@@ -34,29 +32,6 @@ from .registry import LayerStats, Method, WeightQuantConfig, register
 __all__ = ["SmoothQuantConfig", "AWQConfig", "weight_fake_quant", "act_fake_quant"]
 
 ALPHA_GRID = tuple(i / 20 for i in range(21))
-SMOOTH = lambda: option(True, help="smooth (SmoothQuant factors) before quantizing")  # noqa: E731
-
-
-def weight_fake_quant(cfg: WeightQuantConfig):
-    """RTN with ``cfg``'s grid: the weight quantizer the factor searches score with."""
-    grid = IntGrid(cfg.bits, cfg.sym)
-    return lambda W: rtn_quantize(W, grid, cfg.group_size, cfg.scale).dequantize(W.dtype)
-
-
-def act_fake_quant(spec: ActQuantSpec | None):
-    """The activation quantizer as a function of a token sample (static scales from that sample)."""
-    if spec is None:
-        return lambda X: X
-
-    def q(X: torch.Tensor) -> torch.Tensor:
-        scale = None
-        if spec.static:
-            obs = ActObserver(X.shape[-1], spec)
-            obs.add(X)
-            scale = obs.static_scale()
-        return fake_quant(X, spec, scale)
-
-    return q
 
 
 @dataclass
@@ -64,7 +39,7 @@ class SmoothQuantConfig(GPTQConfig):
     # SmoothQuant's own weight quantizer settings (the paper's RTN): not GPTQ's act-order + MSE
     # defaults, which would change its results and slow the alpha search tenfold
     scale: str = like(WeightQuantConfig, "scale", "minmax")
-    order: str = like(GPTQConfig, "order", "natural")
+    order: str = shared("order", "natural")
     alpha: float | None = option(
         0.5, help="migration strength in [0, 1], or 'search' (per group, on --alpha-grid)", parse=parse_alpha,
         type=float,
@@ -72,8 +47,11 @@ class SmoothQuantConfig(GPTQConfig):
     alpha_grid: tuple[float, ...] = option(
         ALPHA_GRID, help="alpha values searched (comma list)", parse=parse_floats
     )
-    solver: str = like(DPQConfig, "solver", "rtn", old_names=("weights",), deprecated=("--smooth-weights",))
-    max_tokens: int = option(2048, help="token sample of the alpha/scale search", range=(1, None))
+    solver: str = shared(
+        "solver", "rtn", help="the weight quantizer after smoothing: rtn (the paper) | gptq",
+        old_names=("weights",), deprecated=("--smooth-weights",),
+    )  # fmt: skip
+    max_tokens: int = shared("max_tokens")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -81,16 +59,6 @@ class SmoothQuantConfig(GPTQConfig):
             raise ValueError(f"smoothquant solver (weights) must be 'rtn' or 'gptq', got {self.solver!r}")
         if self.alpha is not None and not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1] (or None to search), got {self.alpha}")
-
-
-def _foldable_groups(caps, factors):
-    """``factors(cap, weights) -> (scales | None, info)`` on foldable groups; the rest unsmoothed."""
-    return [
-        factors(cap, [cap.weights[n] for n in cap.names])
-        if cap.foldable
-        else (None, {"reason": "no foldable preceding op"})
-        for cap in caps
-    ]
 
 
 def smoothquant_transform(caps, cfg: SmoothQuantConfig):
@@ -109,7 +77,7 @@ def smoothquant_transform(caps, cfg: SmoothQuantConfig):
             return None, {**info, "alpha": None}
         return res.scales, info
 
-    return _foldable_groups(caps, factors)
+    return foldable_groups(caps, factors)
 
 
 def quantize_smoothquant(weight, stats: LayerStats, cfg: SmoothQuantConfig) -> QuantResult:
@@ -120,11 +88,11 @@ def quantize_smoothquant(weight, stats: LayerStats, cfg: SmoothQuantConfig) -> Q
 
 @dataclass
 class AWQConfig(WeightQuantConfig):
-    n_grid: int = option(20, help="AWQ scale-search grid points", range=(1, None))
-    duo_scaling: bool = option(True, help="AWQ duo scaling: scales from activations and weights")
-    clip_search: bool = option(True, help="clip search: per group (awq, sfmp) / for the dense base (mosaic)")
-    max_shrink: float = option(0.5, help="largest clip shrink the AWQ clip search tries", range=(0, 1))
-    max_tokens: int = like(SmoothQuantConfig, "max_tokens", 256)  # the search works through Hessians
+    n_grid: int = shared("n_grid")
+    duo_scaling: bool = shared("duo_scaling")
+    clip_search: bool = shared("clip_search")
+    max_shrink: float = shared("max_shrink")
+    max_tokens: int = shared("max_tokens", 256)  # the search works through Hessians
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -153,7 +121,7 @@ def awq_transform(caps, cfg: AWQConfig):
         gain = 1.0 - min(res.losses.values(), default=res.identity_loss) / max(res.identity_loss, 1e-30)
         return (None if res.ratio is None else res.scales), {"ratio": res.ratio, "loss_gain": gain}
 
-    return _foldable_groups(caps, factors)
+    return foldable_groups(caps, factors)
 
 
 def quantize_awq(weight, stats: LayerStats, cfg: AWQConfig) -> QuantResult:

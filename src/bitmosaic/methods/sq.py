@@ -35,10 +35,10 @@ from ..errors import OptionError
 from ..formats.sq import act_name, parse_sq, weight_name
 from ..modules.qlinear import QuantLinear
 from ..modules.sq import STRATEGIES, SQActLinear, SQWeightLinear
-from .gptq import _require_hessian
+from .common import require_hessian, shared
 from .options import like, option
 from .registry import LayerStats, Method, register
-from .smoothquant import SMOOTH, SmoothQuantConfig, quantize_smoothquant, smoothquant_transform
+from .smoothquant import SmoothQuantConfig, quantize_smoothquant, smoothquant_transform
 
 __all__ = ["SQWeightsConfig", "SQActsConfig", "SQActResult"]
 
@@ -71,7 +71,7 @@ class SQWeightsConfig(SmoothQuantConfig):
         "lazy", help="mask per bank from the updated weights (lazy) or all first (upfront, the paper)",
         choices=MASK_TIMINGS,
     )  # fmt: skip
-    smooth: bool = SMOOTH()
+    smooth: bool = shared("smooth")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -93,7 +93,7 @@ def _pack_sq_weights(res, cfg, bias):
 
 
 def quantize_sq_weights(weight, stats: LayerStats, cfg: SQWeightsConfig):
-    H = _require_hessian(stats, "sq-weights")
+    H = require_hessian(stats, "sq-weights")
     return sq_gptq(
         weight,
         H,
@@ -119,7 +119,9 @@ class SQActsConfig(SmoothQuantConfig):
 
     needs_act_stats: ClassVar[bool] = True
     unused: ClassVar[dict[str, str]] = {"act": "sq-acts quantizes the activations itself (--sq)"}
-    solver: str = like(SmoothQuantConfig, "solver", "gptq")
+    solver: str = shared(
+        "solver", "gptq", help="the weight quantizer after smoothing: gptq (the W4 baseline's)"
+    )
     sq: str = like(SQWeightsConfig, "sq", "16-(8/4)-0.5")
     strategy: str = option(
         "dynamic", help="activation mask: per input (dynamic) or calibrated (static)", choices=STRATEGIES
@@ -131,7 +133,7 @@ class SQActsConfig(SmoothQuantConfig):
     static_importance: str = option(
         "aw", help="static mask score: aw (the paper), a, abs-aw (ablations)", choices=STATIC_IMPORTANCE
     )
-    smooth: bool = SMOOTH()
+    smooth: bool = shared("smooth")
 
     def __post_init__(self) -> None:
         super().__post_init__()

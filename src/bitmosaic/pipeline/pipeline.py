@@ -23,9 +23,9 @@ With a calibration cache (:mod:`bitmosaic.pipeline.calib_cache`), step 1's captu
 float layer 0's transform statistics and the Fisher salience -- the statistics of the float model,
 the only ones methods can share -- come from disk when an earlier run stored them (bit-identical).
 
-Methods that need no Hessian (``needs_hessian = False``, e.g. round-to-nearest) skip calibration entirely unless something else
-needs it (static activation scales, a transform, ``analyze_orders``); their report rows then have
-no error metrics.
+Methods that need no Hessian (``needs_hessian = False``, e.g. round-to-nearest) skip calibration
+entirely unless something else needs it (static activation scales, a transform,
+``analyze_orders``); their report rows then have no error metrics.
 """
 
 from __future__ import annotations
