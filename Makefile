@@ -23,7 +23,7 @@ test-fast:
 	$(PYTHON) -m pytest -q -m "not model"
 
 lint:
-	$(PYTHON) -m ruff check src tests benchmarks
+	$(PYTHON) -m ruff check src tests benchmarks scripts
 
 bench: install
 	$(PYTHON) benchmarks/orders.py

@@ -47,7 +47,8 @@ def code_text(path: Path) -> str:
     for node in ast.walk(ast.parse(src)):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             body = getattr(node, "body", [])
-            if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+            first = body[0] if body else None
+            if isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant):
                 doc_lines.update(range(body[0].lineno, body[0].end_lineno + 1))
     out = []
     for tok in tokenize.generate_tokens(io.StringIO(src).readline):
@@ -58,7 +59,9 @@ def code_text(path: Path) -> str:
 
 
 def footprint() -> dict[str, list[str]]:
-    files = sorted(p for p in PKG.rglob("*") if p.suffix in (".py", ".cpp", ".h") and "__pycache__" not in p.parts)
+    files = sorted(
+        p for p in PKG.rglob("*") if p.suffix in (".py", ".cpp", ".h") and "__pycache__" not in p.parts
+    )
     texts = {p: code_text(p).lower() for p in files}
     out = {}
     for method, words in METHODS.items():
