@@ -1,0 +1,73 @@
+"""KL divergence and top-1 agreement against a reference model, in the perplexity pass."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bitmosaic.eval import perplexity
+from bitmosaic.eval.fidelity import FidelityMeter, token_kl
+from tests.eval.test_perplexity import NextTokenLM, TinyLM, UniformLM, V, counting
+
+
+def test_token_kl_matches_torch_kl_div():
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(3, 5, 11, generator=g), torch.randn(3, 5, 11, generator=g)
+    ours = token_kl(a, b)
+    # torch's kl_div(input=log q, target=log p, log_target=True) is sum p (log p - log q)
+    ref = F.kl_div(F.log_softmax(b, -1), F.log_softmax(a, -1), log_target=True, reduction="none").sum(-1)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    assert torch.all(token_kl(a, a) < 1e-6)
+
+
+def test_token_kl_shape_mismatch_is_one_clear_error():
+    with pytest.raises(ValueError, match="vocabulary"):
+        token_kl(torch.zeros(2, 5), torch.zeros(2, 6))
+
+
+def test_meter_summary_against_numpy():
+    g = torch.Generator().manual_seed(2)
+    m = FidelityMeter()
+    kls, agree, n = [], 0, 0
+    for _ in range(3):
+        a, b = torch.randn(2, 7, 13, generator=g), torch.randn(2, 7, 13, generator=g)
+        m.update(a, b)
+        pa, pb = np.exp(a.double().numpy()), np.exp(b.double().numpy())
+        pa, pb = pa / pa.sum(-1, keepdims=True), pb / pb.sum(-1, keepdims=True)
+        kls.append((pa * (np.log(pa) - np.log(pb))).sum(-1).ravel())
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        n += 14
+    kl = np.concatenate(kls)
+    s = m.summary()
+    assert s["compared_tokens"] == n
+    assert s["kl_mean"] == pytest.approx(kl.mean(), rel=1e-5)
+    assert s["kl_p99"] == pytest.approx(np.percentile(kl, 99), rel=1e-5)
+    assert s["top1_agreement"] == pytest.approx(agree / n)
+
+
+def test_perplexity_with_itself_as_reference_is_zero_kl_full_agreement():
+    model = TinyLM()
+    r = perplexity(model, counting(200), 16, progress=False, reference=TinyLM())
+    assert r["kl_mean"] < 1e-6 and r["kl_p99"] < 1e-6
+    assert r["top1_agreement"] == 1.0
+    assert r["compared_tokens"] == r["tokens"] == 12 * 15
+
+
+@pytest.mark.parametrize("bos", [None, 0])
+def test_perplexity_kl_uniform_model_against_sharp_reference(bos):
+    """Reference: next token with probability ~1; model: uniform.  KL = log V - H(p) per token."""
+    r = perplexity(UniformLM(), counting(400), 20, progress=False, reference=NextTokenLM(), bos_token_id=bos)
+    p = torch.softmax(torch.tensor([30.0] + [-30.0] * (V - 1), dtype=torch.float64), 0)
+    expected = float((p * (p.log() + math.log(V))).sum())
+    assert r["kl_mean"] == pytest.approx(expected, rel=1e-4)
+    assert r["compared_tokens"] == r["tokens"]
+    # uniform logits: argmax is token 0, which the reference predicts only after token V-1
+    assert 0.0 < r["top1_agreement"] < 0.1
+    assert r["ppl"] == pytest.approx(V, rel=1e-5)
+
+
+def test_perplexity_without_reference_has_no_fidelity_keys():
+    r = perplexity(TinyLM(), counting(100), 16, progress=False)
+    assert "kl_mean" not in r

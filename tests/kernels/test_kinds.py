@@ -1,0 +1,201 @@
+"""Module kinds: one registry; every method's result exports or is refused with one line (exit 2);
+every load path (``load_quantized``, ``bitmosaic.load``, ``AutoModelForCausalLM.from_pretrained``)
+returns the same modules, bit for bit; the io layer names no method."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bitmosaic.cli import main
+from bitmosaic.modules import KINDS, MODULE_KINDS, QuantModule
+from tests.methods.saved_bytes import CASES, calib, tiny_llama
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "bitmosaic"
+
+_saved: dict[str, Path] = {}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("kinds")
+
+
+def saved(root: Path, case: str) -> Path:
+    """The tiny Llama quantized with ``CASES[case]`` and saved (once per module)."""
+    if case not in _saved or not _saved[case].exists():
+        import bitmosaic
+        from bitmosaic.io import save_quantized
+
+        method, options = CASES[case]
+        model = tiny_llama()
+        bitmosaic.quantize_(model, method, calib(), progress=False, **options)
+        _saved[case] = save_quantized(model, root / case, {"method": method})
+    return _saved[case]
+
+
+def test_every_kind_is_registered_once():
+    assert MODULE_KINDS is KINDS
+    assert {
+        "packed",
+        "packed+csr",
+        "dpq",
+        "fp8",
+        "huffman",
+        "sfmp",
+        "mosaic",
+        "sq-weight",
+        "packed+sq-act",
+    } <= set(KINDS)
+    for kind, cls in KINDS.items():
+        assert issubclass(cls, QuantModule) and cls.kind == kind
+    with pytest.raises(TypeError, match="taken"):
+        type("Other", (QuantModule,), {"kind": "packed"})
+
+
+# (case, format) -> None: exports; else a piece of the one-line refusal
+GPTQ, CT = "gptq", "compressed-tensors"
+REFUSED = {
+    ("gptq-act", CT): "act-order groups",
+    ("smoothquant-w8a8", GPTQ): "GPTQ checkpoints hold weights only",
+    ("dpq", GPTQ): "DPQ's weights are nearest_FP8",
+    ("dpq", CT): "DPQ's weights are nearest_FP8",
+    ("ssqr", GPTQ): "CSR outliers",
+    ("ssqr", CT): "CSR outliers",
+    ("hptq", GPTQ): "Huffman-coded",
+    ("hptq", CT): "Huffman-coded",
+    ("hrtn", GPTQ): "Huffman-coded",
+    ("hrtn", CT): "Huffman-coded",
+    ("fp8", GPTQ): "floating-point weights are not an INT grid",
+    ("sq-weights", GPTQ): "SQ-format weights",
+    ("sq-weights", CT): "SQ-format weights",
+    ("sq-acts", GPTQ): "SQ-format activations",
+    ("sq-acts", CT): "SQ-format activations",
+    ("sq-acts-static", GPTQ): "SQ-format activations",
+    ("sq-acts-static", CT): "SQ-format activations",
+    ("sfmp", GPTQ): "SFMP's block-wise bit widths",
+    ("sfmp", CT): "SFMP's block-wise bit widths",
+    ("sfmp-gptq", GPTQ): "SFMP's block-wise bit widths",
+    ("sfmp-gptq", CT): "SFMP's block-wise bit widths",
+    ("mosaic", GPTQ): "block-sparse 4-bit residual",
+    ("mosaic", CT): "block-sparse 4-bit residual",
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_result_exports_or_is_refused_in_one_line(root, case, capsys):
+    from bitmosaic.io import load_quantized
+
+    src = saved(root, case)
+    for fmt in (GPTQ, CT):
+        out = root / f"{case}-{fmt}"
+        extra = ["--gptq-v2"] if fmt == GPTQ else []
+        rc = main(["export", str(src), "--format", fmt, "--out", str(out), *extra])
+        err = capsys.readouterr().err.strip()
+        why = REFUSED.get((case, fmt))
+        if why is None:
+            assert rc == 0, err
+            if fmt == CT:  # the independent compressed-tensors package decompresses the same weights
+                from tests.io.test_export import ct_decompress
+
+                got = ct_decompress(out)
+                model, _ = load_quantized(src, load_tokenizer=False)
+                for name, w in got.items():
+                    ref = model.get_submodule(name).dequantize_reference(w.dtype)
+                    assert torch.equal(w, ref), name
+        else:
+            assert rc == 2, f"{case} {fmt}: expected a refusal ({why})"
+            assert "\n" not in err and err.startswith(f"error: cannot export as {fmt}"), err
+            assert why in err, err
+            assert not out.exists()
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("case", ["sfmp", "gptq-act"])
+def test_three_load_paths_give_the_same_modules(root, case):
+    from transformers import AutoModelForCausalLM
+
+    import bitmosaic
+    from bitmosaic.io import load_quantized
+    from bitmosaic.modules.sfmp import SFMPLinear
+
+    path = saved(root, case)
+    ours, _ = load_quantized(path, load_tokenizer=False)
+    short = bitmosaic.load(path)
+    hf = AutoModelForCausalLM.from_pretrained(path)
+    x = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    sa = _state(ours)
+    with torch.no_grad():
+        want = ours(x).logits
+    for other in (short, hf):
+        assert {n: type(m) for n, m in other.named_modules()} == {n: type(m) for n, m in ours.named_modules()}
+        sb = _state(other)
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
+        for name, m in ours.named_modules():
+            if isinstance(m, SFMPLinear):  # the permutation folds happen in every path
+                o = other.get_submodule(name)
+                assert o._gather_input == m._gather_input, name
+                assert (o._emit is None) == (m._emit is None), name
+                assert o._emit is None or torch.equal(o._emit, m._emit), name
+        assert other.quantization_info == ours.quantization_info
+        assert not other.training
+        with torch.no_grad():
+            assert torch.equal(other(x).logits, want)
+    if case == "sfmp":
+        assert any(getattr(m, "_emit", None) is not None for m in ours.modules())
+
+
+def test_load_in_a_fresh_process(root):
+    path = saved(root, "sfmp")
+    code = (
+        "import sys, bitmosaic, torch; m = bitmosaic.load(sys.argv[1]); "
+        "print(type(m).__name__, sum(1 for x in m.modules() if hasattr(x, 'kind')), "
+        "any(getattr(x, '_emit', None) is not None for x in m.modules()))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(SRC.parent)}
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env,
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["LlamaForCausalLM", "14", "True"]
+
+
+_METHOD_NAMES = re.compile(r"\b(sfmp|mosaic|dpq|ssqr|hptq|hrtn|awq|smoothquant)\b", re.IGNORECASE)
+
+
+def test_the_io_layer_names_no_method():
+    from bitmosaic.cli.commands import cmd_inspect
+
+    texts = {str(p): p.read_text() for p in (SRC / "io").rglob("*.py")}
+    texts["cli/export.py"] = (SRC / "cli" / "export.py").read_text()
+    texts["cmd_inspect"] = inspect.getsource(cmd_inspect)
+    found = {k: sorted(set(_METHOD_NAMES.findall(t))) for k, t in texts.items()}
+    assert not {k: v for k, v in found.items() if v}
+
+
+@pytest.mark.parametrize(
+    "case,why,exact",
+    [("mosaic", "block-sparse 4-bit residual", False), ("sq-acts", "SQ-format activations", True),
+     ("sq-acts-static", "SQ-format activations", True), ("sfmp", "SFMP's block-wise bit widths", True),
+     ("sfmp-gptq", "SFMP's block-wise bit widths", True)],
+)  # fmt: skip
+def test_lossy_drops_what_no_format_holds_and_reports_the_error(root, case, why, exact):
+    from bitmosaic.io.export import export_model
+
+    res = export_model(saved(root, case), root / f"{case}-lossy", "gptq", lossy=True, gptq_v2=True)
+    named = [why in " ".join(r.changes) for r in res.records]
+    assert res.records and (any(named) if case.startswith("sfmp") else all(named))  # SFMP: mixed layers
+    # SQ-format activations: the weights themselves are exact (static ones back in column order);
+    # SFMP: rows un-permuted, columns as act-order groups, mixed widths widened: the same values
+    assert (res.summary()["max_abs"] == 0.0) == exact
