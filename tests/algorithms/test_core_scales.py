@@ -1,4 +1,4 @@
-"""The vectorised MSE scale search equals GPTQ's sequential candidate loop (issue #9)."""
+"""The vectorised MSE scale search equals GPTQ's sequential candidate loop."""
 
 import pytest
 import torch

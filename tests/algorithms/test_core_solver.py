@@ -1,4 +1,4 @@
-"""The GPTQ solver core (issue #9): LDL pivots, factorisation retries, thread state, scale floor."""
+"""The GPTQ solver core: LDL pivots, factorisation retries, thread state, scale floor."""
 
 import warnings
 

@@ -1,5 +1,5 @@
 """Options a method would silently ignore are errors, in the config classes (Python API) and in the CLI,
-which checks only the flags the user gave (issue #9, task 4)."""
+which checks only the flags the user gave."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""transformers integration (issue #14): ``AutoModelForCausalLM.from_pretrained(dir)`` and
+"""transformers integration: ``AutoModelForCausalLM.from_pretrained(dir)`` and
 ``bitmosaic.load(dir)`` load every module kind bitmosaic saves, bit for bit, and ``generate`` works."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""BOS protocol (issue #9, task 5): for tokenizers that add a BOS by default, every calibration sample
+"""BOS protocol: for tokenizers that add a BOS by default, every calibration sample
 and every perplexity window starts with BOS; for the others nothing changes."""
 
 from __future__ import annotations

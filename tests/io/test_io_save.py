@@ -1,5 +1,5 @@
 """Saving never destroys a folder bitmosaic did not write; damaged saved models fail with one clear line;
-non-finite weights are refused when a model loads (issue #9, tasks 1-3)."""
+non-finite weights are refused when a model loads."""
 
 from __future__ import annotations
 

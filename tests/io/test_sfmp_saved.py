@@ -1,4 +1,4 @@
-"""SFMP (issue #12) around the method: resident weights (one copy once the kernel is built), the
+"""SFMP around the method: resident weights (one copy once the kernel is built), the
 ``quantize_`` entry with a precomputed salience, what a saved model records, and ``inspect``."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Resident weights ~ packed size (issue #10): once a quantized module's kernel weight is built, the
+"""Resident weights ~ packed size: once a quantized module's kernel weight is built, the
 saved buffers it rebuilds exactly are released, and everything that reads them (state_dict, saving,
 dequantize_reference, bits_per_weight, device moves, the weight cache) gets them back bit for bit."""
 

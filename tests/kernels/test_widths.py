@@ -1,4 +1,4 @@
-"""Every packing width 2-8 end to end, and the DPQ no-clip weight (issue #9 defects)."""
+"""Every packing width 2-8 end to end, and the DPQ no-clip weight."""
 
 from __future__ import annotations
 

@@ -325,7 +325,7 @@ def test_dpq_module_forward_equals_an_fp8_gemm():
     assert torch.equal(w8.double(), fp_round(w8.double(), "e4m3"))
 
 
-# --- the vectorised per-group step (issue #9) -----------------------------------------------------
+# --- the vectorised per-group step -----------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -1,4 +1,4 @@
-"""SFMP (issue #12): allocation, reordering, blocks, the sfmp module kind, Fisher salience, CLI."""
+"""SFMP: allocation, reordering, blocks, the sfmp module kind, Fisher salience, CLI."""
 
 from __future__ import annotations
 

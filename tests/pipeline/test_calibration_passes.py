@@ -1,4 +1,4 @@
-"""The calibration passes run each projection once per layer and batch (issue #9: q/k before v,
+"""The calibration passes run each projection once per layer and batch(q/k before v,
 gate before up, and q/k/v again under the attention cache were recomputed), with Hessians equal
 to a pass that runs every module."""
 

@@ -1,4 +1,4 @@
-"""Recipes (issue #14): parsing with one-line errors, per-layer overrides and skips in the pipeline
+"""Recipes: parsing with one-line errors, per-layer overrides and skips in the pipeline
 (a different method per layer, stacking only within one method + config), flags = a one-entry
 recipe, and ``bitmosaic reproduce``."""
 

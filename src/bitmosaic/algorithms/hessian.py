@@ -26,7 +26,7 @@ class DampingError(RuntimeError):
 def solver_threads(threads: int | None, device: torch.device | str = "cpu") -> Iterator[None]:
     """Run one sequential solve (GPTQ, Babai, min-pivot) with ``threads`` CPU threads, set once.
 
-    Why (issue #9): those solves are long chains of small dependent ops, and many small ops open
+    Why: those solves are long chains of small dependent ops, and many small ops open
     an OpenMP region anyway (``torch.round`` goes parallel above 2048 elements, MKL threads
     ``ger``/``gemm``/``potri`` by its own rules).  libgomp's barriers wait for every thread of the
     team, so whenever another process holds a core each region costs a scheduler slice: measured

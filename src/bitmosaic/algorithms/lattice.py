@@ -9,7 +9,7 @@ bound of Theorem 5; clipping breaks that bound.  Two ways to keep small scales *
   clamped value.  ``alpha`` is found by binary search so that the outlier density meets a target
   (Algorithm 9): a larger ``alpha`` widens the grid and lowers the density.  Groups are either the
   paper's static contiguous groups (scales fitted on the original weights before GPTQ; the
-  default), or GPTQ's *dynamic* groups (issue #9 §5): formed
+  default), or GPTQ's *dynamic* groups: formed
   by processing position under act-order, each scale fitted by MSE on the error-updated weights
   when its group starts, then multiplied by ``alpha``.  That is the grouping and scale choice of
   the GPTQ baseline, so the two differ only in clipping vs sparse outliers.  The Babai bound still

@@ -4,11 +4,11 @@ forward, bits-per-weight accounting, the common saved-config keys and dtype-safe
 A kind implements ``_dequantize(dtype)`` (its fast path), ``dequantize_reference(dtype)`` (the
 reference path, tested equal), ``storage_tensors()`` and ``layer_config()`` (built on
 :meth:`QuantModule._config`).  The cache logic lives here alone, so a kind can never bypass or
-duplicate it (issue #9: five copies of it had drifted).
+duplicate it (five copies of it once drifted apart).
 
 Nothing here assumes a device: every weight is computed from the buffers, on their device.
 
-Resident weights (issue #10): once a kind's kernel weight is built (:meth:`QuantModule.kernel`), the
+Resident weights: once a kind's kernel weight is built (:meth:`QuantModule.kernel`), the
 saved buffers it can rebuild *exactly* (``_saved_from_kernel``: qweight from the kernel's codes,
 fp16 scales/zeros from its float32 copies, the Huffman stream by re-encoding...) are released: each
 rebuild is checked equal to the buffer (values, dtype, shape) before the buffer's storage is dropped
