@@ -184,6 +184,7 @@ def main() -> None:
     p.add_argument("--shapes", default=None, help="comma-separated OUTxIN shapes (default: all five)")
     p.add_argument("--json", default=None, help="output (default results/lut_gemv[_batch].json)")
     p.add_argument("--batch", action="store_true", help="only the 1-128 rows sweep (lut_gemv_batch)")
+    p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     a = p.parse_args()
     if lut.extension() is None or fma_extension() is None:
         print("a compiled kernel is not available here: the rows would time the pure-torch fallback")
@@ -208,7 +209,7 @@ def main() -> None:
             w = BitPlaneWeight.from_codes(codes, bmap, scales, zeros, GS, RB)
             f = LowBitWeight.from_codes(codes, bmap, scales, zeros, GS, RB)
             del codes
-            for threads in (1, 2):
+            for threads in (int(t) for t in a.threads.split(",")):
                 torch.set_num_threads(threads)
                 if threads not in fp32:
                     fp32[threads] = median_ms(lambda: F.linear(x, Wf))  # noqa: B023
