@@ -30,7 +30,8 @@ from torch.nn import functional as F
 
 from bitmosaic.formats.packing import pack_codes
 from bitmosaic.kernels.cpu import dequantize_packed
-from bitmosaic.kernels.qmatmul import LowBitWeight, available_isas, extension, kernel_isa
+from bitmosaic.kernels.isa import available_isas, kernel_isa
+from bitmosaic.kernels.qmatmul import LowBitWeight, extension
 from bitmosaic.models.serialization import atomic_write_text
 
 RESULTS = Path(__file__).resolve().parent / "results"

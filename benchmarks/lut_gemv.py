@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels import median_ms  # noqa: E402  (benchmarks/kernels.py)
 
 from bitmosaic.kernels import lut  # noqa: E402
+from bitmosaic.kernels.isa import available_isas  # noqa: E402
 from bitmosaic.kernels.lut import BitPlaneWeight  # noqa: E402
 from bitmosaic.kernels.qmatmul import LowBitWeight  # noqa: E402
 from bitmosaic.kernels.qmatmul import extension as fma_extension  # noqa: E402
@@ -157,7 +158,8 @@ def batch_sweep(out: Path) -> None:
                         flush=True,
                     )
     meta = {
-        "cpu": cpu_name(), "isas": lut.available_isas(), "torch": torch.__version__, "cpus": os.cpu_count()
+        "cpu": cpu_name(), "isas": available_isas(lut.extension()), "torch": torch.__version__,
+        "cpus": os.cpu_count(),
     }  # fmt: skip
     lines = [
         f"SFMP's kernel (BitPlaneWeight) vs LowBitWeight vs fp32 `F.linear` at M rows of x; g{GS}, blocks "
@@ -193,7 +195,7 @@ def main() -> None:
         batch_sweep(Path(a.json or RESULTS / "lut_gemv_batch.json"))
         return
     a.json = a.json or str(RESULTS / "lut_gemv.json")
-    isas = lut.available_isas()
+    isas = available_isas(lut.extension())
     shapes = [SHAPES[0], SHAPES[3]] if a.quick else SHAPES
     if a.shapes:
         shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
