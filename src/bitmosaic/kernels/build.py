@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import sys
 import threading
 import time
@@ -27,9 +28,10 @@ __all__ = ["EXTENSIONS", "NO_EXT_ENV", "load", "build_all", "module_name"]
 NO_EXT_ENV = "BITMOSAIC_NO_EXT"
 CSRC = Path(__file__).with_name("csrc")
 EXTENSIONS = {"qmatmul": "qmatmul.cpp", "lutgemv": "lutgemv.cpp", "mosaic": "mosaic.cpp"}  # name -> source
-COLD_BUILD_S = "about 1.5-2 minutes for all three on 2 cores"  # measured, README "Kernels"
-# pure-torch fallback against the compiled kernels at batch 1 (LowBitWeight, 4096x4096, 1 thread)
-FALLBACK_SLOWDOWN = "about 50x"
+COLD_BUILD_S = "about 2 minutes for all three"  # 113 s measured on 2 shared cores (README "Kernels")
+# the pure-torch fallback against the compiled kernels at batch 1, 4096x4096 g128, 1 thread: LowBitWeight
+# W2/W4 1.4 ms -> 590-600 ms (about 430x), BitPlaneWeight W2/W4 1.6/5.7 ms -> 670-730 ms (130-430x)
+FALLBACK_SLOWDOWN = "100-400x"
 _CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 
 _lock = threading.Lock()
@@ -37,12 +39,24 @@ _loaded: dict[str, object | None] = {}
 _warned = False
 
 
+def _sources(filename: str, seen: set[str] | None = None) -> list[str]:
+    """``filename`` and every ``csrc`` file it includes with ``#include "..."``, recursively."""
+    seen = set() if seen is None else seen
+    if filename in seen or not (CSRC / filename).exists():
+        return []
+    seen.add(filename)
+    out = [filename]
+    for inc in re.findall(r'^\s*#\s*include\s+"([^"]+)"', (CSRC / filename).read_text(), re.M):
+        out += _sources(inc, seen)
+    return out
+
+
 def module_name(name: str) -> str:
-    """The torch extension name: the kernel and a hash of its source and every ``csrc`` header (torch's
-    cache keys on the listed source only, and the headers are shared; a layout change changes both)."""
-    h = hashlib.sha1((CSRC / EXTENSIONS[name]).read_bytes())
-    for header in sorted(CSRC.glob("*.h")):
-        h.update(header.read_bytes())
+    """The torch extension name: the kernel and a hash of its source and the ``csrc`` headers it
+    includes (torch's cache keys on the listed source only)."""
+    h = hashlib.sha1()
+    for f in _sources(EXTENSIONS[name]):
+        h.update(f.encode() + (CSRC / f).read_bytes())
     return f"bitmosaic_{name}_{h.hexdigest()[:10]}"
 
 

@@ -2,6 +2,11 @@
 // No include guard: mosaic.cpp includes this file once per ISA (baseline, and inside the AVX2 and
 // AVX-512 target regions), each in its own namespace.
 
+#if BM_VEC
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x16u __attribute__((vector_size(64), aligned(4), may_alias));  // unaligned loads
+#endif
+
 // out[t][i] = sum_k cf[k * bmp + i] x[t * K + k] for C x 16 rows i (C x T accumulators in registers)
 template <int T, int C>
 BM_INLINE void tile(const float* cf, const float* x, int64_t K, int64_t kw, int64_t bmp,

@@ -45,17 +45,18 @@ void group(const uint8_t* p, int64_t len, const float* x, int64_t K, typename V:
       }
     }
   }
-  if (j < len) {  // the zero-padded last span: x is read only inside the group
+  if (j < len) {  // the zero-padded last span: x is read only inside the group (masked loads; the
+    // lanes past it add c * 0 = +0 to accumulators that are never -0, so the sums are unchanged)
     const int64_t rem = len - j;
     for (int h = 0; h < P; ++h) {
       const typename V::I v = V::template span<B>(p + B * W * h / 2, c);
       const F cc[4] = {codes<V, B, 0>(v), codes<V, B, 1>(v), codes<V, B, 2>(v), codes<V, B, 3>(v)};
-      for (int t = 0; t < 4; ++t) {
-        const int64_t k = rem - 16 * t - W * h;
-        if (k <= 0) break;
-        const typename V::Mask mk = V::mask(k);
-        for (int m = 0; m < M; ++m)
-          a[m][chain<V>(h, t)] = V::fma(cc[t], V::maskz_load(x + m * K + j + 16 * t + W * h, mk), a[m][chain<V>(h, t)]);
+      const typename V::Mask mk[4] = {V::mask(rem - W * h), V::mask(rem - 16 - W * h), V::mask(rem - 32 - W * h),
+                                      V::mask(rem - 48 - W * h)};
+      for (int m = 0; m < M; ++m) {  // constant indices: the accumulators stay in registers
+        const float* xm = x + m * K + j + W * h;
+        for (int t = 0; t < 4; ++t)
+          a[m][chain<V>(h, t)] = V::fma(cc[t], V::maskz_load(xm + 16 * t, mk[t]), a[m][chain<V>(h, t)]);
       }
     }
   }
