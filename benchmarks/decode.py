@@ -72,9 +72,9 @@ def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repea
 
     torch.set_num_threads(threads)
     if variant.endswith("(FMA)"):  # the same folder on LowBitWeight instead of the bit-plane LUT
-        from bitmosaic.kernels.lut import LUT_MAX_BITS_ENV
+        from bitmosaic.kernels.select import KERNEL_ENV
 
-        os.environ[LUT_MAX_BITS_ENV] = "0"
+        os.environ[KERNEL_ENV] = "lowbit"
     rss_base = _rss_mb()  # after the imports: the growth from here is the model's
     if variant == "float":
         model, tok = load_model("smollm2-135m", dtype=torch.float32)

@@ -12,6 +12,7 @@ Times are medians over repeats after a warm-up.  The kernel runs its best instru
 (``BITMOSAIC_KERNEL_ISA`` forces another; the table's first line names it).
 
     python benchmarks/kernels.py [--quick]     (writes benchmarks/results/kernels.{json,md})
+    python benchmarks/kernels.py --shapes 4096x4096 --threads 1 --bits 2,4 --json /tmp/k.json   (a subset)
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from torch.nn import functional as F
 from bitmosaic.formats.packing import pack_codes
 from bitmosaic.io.serialization import atomic_write_text
 from bitmosaic.kernels.cpu import dequantize_packed
-from bitmosaic.kernels.qmatmul import LowBitWeight, available_isas, extension, kernel_isa
+from bitmosaic.kernels.isa import available_isas, kernel_isa
+from bitmosaic.kernels.qmatmul import LowBitWeight, extension
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (4096, 4096), (14336, 4096), (4096, 14336)]
@@ -79,15 +81,22 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="SmolLM2 shapes and 4096x4096 only, W2/W4")
     p.add_argument("--json", default=str(RESULTS / "kernels.json"))
+    p.add_argument("--shapes", default=None, help="comma-separated OUTxIN shapes (e.g. 4096x4096)")
+    p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    p.add_argument("--bits", default=None, help="comma-separated widths (e.g. 2,3,4,8,2.5)")
     a = p.parse_args()
     if extension() is None:
         print("the compiled kernel is not available here: the rows time the pure-torch fallback")
     shapes = SHAPES[:4] if a.quick else SHAPES
     bit_list = [2, 4] if a.quick else [2, 3, 4, 8, 2.5, 3.5]
+    if a.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    if a.bits:
+        bit_list = [float(b) if "." in b else int(b) for b in a.bits.split(",")]
     g = torch.Generator().manual_seed(0)
     rows = []
     bw = {}
-    for threads in (1, 2):
+    for threads in (int(t) for t in a.threads.split(",")):
         torch.set_num_threads(threads)
         bw[threads] = read_bandwidth_gbs()
         print(f"threads {threads}: read bandwidth {bw[threads]:.1f} GB/s", flush=True)

@@ -37,6 +37,7 @@ from kernels import median_ms  # noqa: E402  (benchmarks/kernels.py)
 
 from bitmosaic.io.serialization import atomic_write_text  # noqa: E402
 from bitmosaic.kernels import lut  # noqa: E402
+from bitmosaic.kernels.isa import available_isas  # noqa: E402
 from bitmosaic.kernels.lut import BitPlaneWeight  # noqa: E402
 from bitmosaic.kernels.qmatmul import LowBitWeight  # noqa: E402
 from bitmosaic.kernels.qmatmul import extension as fma_extension  # noqa: E402
@@ -157,7 +158,8 @@ def batch_sweep(out: Path) -> None:
                         flush=True,
                     )
     meta = {
-        "cpu": cpu_name(), "isas": lut.available_isas(), "torch": torch.__version__, "cpus": os.cpu_count()
+        "cpu": cpu_name(), "isas": available_isas(lut.extension()), "torch": torch.__version__,
+        "cpus": os.cpu_count(),
     }  # fmt: skip
     lines = [
         f"SFMP's kernel (BitPlaneWeight) vs LowBitWeight vs fp32 `F.linear` at M rows of x; g{GS}, blocks "
@@ -184,6 +186,7 @@ def main() -> None:
     p.add_argument("--shapes", default=None, help="comma-separated OUTxIN shapes (default: all five)")
     p.add_argument("--json", default=None, help="output (default results/lut_gemv[_batch].json)")
     p.add_argument("--batch", action="store_true", help="only the 1-128 rows sweep (lut_gemv_batch)")
+    p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     a = p.parse_args()
     if lut.extension() is None or fma_extension() is None:
         print("a compiled kernel is not available here: the rows would time the pure-torch fallback")
@@ -192,7 +195,7 @@ def main() -> None:
         batch_sweep(Path(a.json or RESULTS / "lut_gemv_batch.json"))
         return
     a.json = a.json or str(RESULTS / "lut_gemv.json")
-    isas = lut.available_isas()
+    isas = available_isas(lut.extension())
     shapes = [SHAPES[0], SHAPES[3]] if a.quick else SHAPES
     if a.shapes:
         shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
@@ -208,7 +211,7 @@ def main() -> None:
             w = BitPlaneWeight.from_codes(codes, bmap, scales, zeros, GS, RB)
             f = LowBitWeight.from_codes(codes, bmap, scales, zeros, GS, RB)
             del codes
-            for threads in (1, 2):
+            for threads in (int(t) for t in a.threads.split(",")):
                 torch.set_num_threads(threads)
                 if threads not in fp32:
                     fp32[threads] = median_ms(lambda: F.linear(x, Wf))  # noqa: B023

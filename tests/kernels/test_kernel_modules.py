@@ -119,16 +119,17 @@ def test_act_order_is_a_load_time_permutation():
 
 def test_low_bit_kinds_decode_on_the_lut(monkeypatch):
     """By default the packed kinds at 1-3 storage bits run on the bit-plane LUT kernel (act-order
-    gather inside its call, codes rebuilt exactly), wider ones on LowBitWeight;
-    $BITMOSAIC_LUT_MAX_BITS moves the line (0: off), and both kernels give the same outputs within
+    gather inside its call, codes rebuilt exactly), wider ones on LowBitWeight (kernels/select.py);
+    $BITMOSAIC_KERNEL forces one where the kind lists it, and both kernels give the same outputs within
     float rounding."""
     from bitmosaic.kernels import lut
     from bitmosaic.kernels.lut import BitPlaneWeight
     from bitmosaic.kernels.qmatmul import LowBitWeight
+    from bitmosaic.kernels.select import KERNEL_ENV
 
     if lut.extension() is None:
         pytest.skip("no C++ compiler: the LUT kernel is not used without its compiled path")
-    monkeypatch.delenv(lut.LUT_MAX_BITS_ENV, raising=False)
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
     m3, _ = _quantized("gptq", {"bits": 3, "group_size": 24, "order": "act"})
     m4, _ = _quantized("gptq", {"bits": 4, "group_size": 32})
     mods3, mods4 = list(quantized_modules(m3).values()), list(quantized_modules(m4).values())
@@ -138,7 +139,7 @@ def test_low_bit_kinds_decode_on_the_lut(monkeypatch):
     xs = {id(mod): torch.randn(3, mod.in_features, generator=g) for mod in mods3}
     with torch.no_grad():
         lut_out = {id(mod): mod(xs[id(mod)][:1]) for mod in mods3}
-    monkeypatch.setenv(lut.LUT_MAX_BITS_ENV, "0")
+    monkeypatch.setenv(KERNEL_ENV, "lowbit")
     for mod in mods3:
         assert "qweight" in mod._released  # the bit-plane kernel rebuilt the packed codes exactly
         mod._restore_saved()  # buffers back from the LUT kernel, which is dropped
@@ -146,10 +147,10 @@ def test_low_bit_kinds_decode_on_the_lut(monkeypatch):
         w = mod.dequantize_reference(torch.float32)
         with torch.no_grad():
             _close(lut_out[id(mod)], mod(xs[id(mod)][:1]).double(), xs[id(mod)][:1], w)
-    monkeypatch.setenv(lut.LUT_MAX_BITS_ENV, "4")
+    monkeypatch.setenv(KERNEL_ENV, "lut")
     mods4[0]._restore_saved()
     assert isinstance(mods4[0].kernel().weight, BitPlaneWeight)
-    monkeypatch.setenv(lut.LUT_MAX_BITS_ENV, "three")
+    monkeypatch.setenv(KERNEL_ENV, "fastest")
     mods4[0]._restore_saved()
-    with pytest.raises(ValueError, match="BITMOSAIC_LUT_MAX_BITS must be an integer"):
+    with pytest.raises(ValueError, match="BITMOSAIC_KERNEL='fastest' is not one of auto"):
         mods4[0].kernel()

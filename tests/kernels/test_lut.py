@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bitmosaic.formats import bitplane as bp
-from bitmosaic.kernels import lut
+from bitmosaic.kernels import isa, lut, tiles
 from bitmosaic.kernels.lut import BitPlaneWeight, lut_gemv_reference
 from bitmosaic.kernels.qmatmul import LowBitWeight
 from tests.formats.test_bitplane import random_case
 
-ISAS = lut.available_isas()
+ISAS = isa.available_isas(lut.extension()) if lut.extension() is not None else []
 
 
 def _weight(N, K, gs, rb, bits, seed, scalar_zero=False):
@@ -48,8 +48,8 @@ def _check_all(w, ref, g):
     x = torch.randn(1, K, generator=g)
     _close(lut_gemv_reference(w, x[0]).unsqueeze(0), x, ref, w.err_scale)
     _close(w.matmul(x), x, ref, w.err_scale)
-    for isa in ISAS:
-        _close(w.matmul(x, isa=isa), x, ref, w.err_scale)
+    for name in ISAS:
+        _close(w.matmul(x, isa=name), x, ref, w.err_scale)
     for M in (2, 9, 65):  # 2-64 rows: a GEMV per row; 65: tiles
         xm = torch.randn(M, K, generator=g)
         _close(w.matmul(xm), xm, ref, w.err_scale)
@@ -108,7 +108,7 @@ def test_drop_in_for_lowbitweight():
 
 
 def test_small_prefill_tiles(monkeypatch):
-    monkeypatch.setattr(lut, "_TILE_ELEMS", 64)  # tiles of 8 rows: many tiles, a partial last one
+    monkeypatch.setattr(tiles, "PREFILL_TILE_ELEMS", 64)  # tiles of 8 rows: many tiles, a partial last one
     w, ref, g = _weight(45, 100, 32, 20, "mix", 17)
     x = torch.randn(70, 100, generator=g)  # over 64 rows: the tiled path
     _close(w.matmul(x), x, ref, w.err_scale)
@@ -171,11 +171,12 @@ def test_fused_permutations_equal_index_select(monkeypatch, fallback):
     cout = torch.randperm(45, generator=g)[:30]  # a subset in any order is fine too
     for M in (1, 2, 70):
         x = torch.randn(M, 100, generator=g)
-        for isa in ["auto"] + ([] if fallback else ISAS):
-            want = w.matmul(x.index_select(1, cin), isa=isa).index_select(1, cout)
-            assert torch.equal(w.matmul(x, isa=isa, in_index=cin, out_index=cout), want)
-            assert torch.equal(w.matmul(x, isa=isa, in_index=cin), w.matmul(x.index_select(1, cin), isa=isa))
-            got32 = w.matmul(x, isa=isa, in_index=cin.int(), out_index=cout.int())  # int32 indices too
+        for name in ["auto"] + ([] if fallback else ISAS):
+            want = w.matmul(x.index_select(1, cin), isa=name).index_select(1, cout)
+            assert torch.equal(w.matmul(x, isa=name, in_index=cin, out_index=cout), want)
+            got = w.matmul(x, isa=name, in_index=cin)
+            assert torch.equal(got, w.matmul(x.index_select(1, cin), isa=name))
+            got32 = w.matmul(x, isa=name, in_index=cin.int(), out_index=cout.int())  # int32 indices too
             assert torch.equal(got32, want)
         assert w.matmul(x.unsqueeze(0), out_index=cout).shape == (1, M, 30)
     if not fallback:

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bitmosaic.kernels import qmatmul
+from bitmosaic.kernels import isa, qmatmul, tiles
 from bitmosaic.kernels.qmatmul import LowBitWeight
 
 
@@ -44,28 +44,33 @@ def _case(N, K, gs, bits, row_block, seed, scalar_zero=False):
 
 @contextlib.contextmanager
 def _isa(name):
-    old = os.environ.get(qmatmul.ISA_ENV)
-    os.environ[qmatmul.ISA_ENV] = name
+    old = os.environ.get(isa.ISA_ENV)
+    os.environ[isa.ISA_ENV] = name
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop(qmatmul.ISA_ENV, None)
+            os.environ.pop(isa.ISA_ENV, None)
         else:
-            os.environ[qmatmul.ISA_ENV] = old
+            os.environ[isa.ISA_ENV] = old
+
+
+def _available():
+    ext = qmatmul.extension()
+    return isa.available_isas(ext) if ext is not None else []
 
 
 def _isas():
-    return qmatmul.available_isas() or ["fallback"]
+    return _available() or ["fallback"]
 
 
 def _check_all(w, ref, g, batches, rows=None):
     """Every instruction set: dequantize is bitwise the reference, matmul within float rounding."""
-    for isa in _isas():
-        with _isa(isa) if isa != "fallback" else contextlib.nullcontext():
-            assert torch.equal(w.dequantize(), ref), isa
+    for name in _isas():
+        with _isa(name) if name != "fallback" else contextlib.nullcontext():
+            assert torch.equal(w.dequantize(), ref), name
             if rows is not None:
-                assert torch.equal(w.dequantize(rows), ref[rows]), isa
+                assert torch.equal(w.dequantize(rows), ref[rows]), name
             _check_matmul(w, ref, g, batches)
 
 
@@ -126,7 +131,7 @@ def test_mixed_common_widths_every_isa(monkeypatch, shared):
     """2/3/4/8-bit blocks side by side (the benchmark's mixes), row blocks not dividing N, several
     prefill tiles (per-thread and shared)."""
     monkeypatch.setattr(qmatmul, "_TILE_SHARED", shared)
-    monkeypatch.setattr(qmatmul, "_TILE_ELEMS", 8 * 600)  # 8-row tiles: 5 of them, the last partial
+    monkeypatch.setattr(tiles, "PREFILL_TILE_ELEMS", 8 * 600)  # 8-row tiles: 5 of them, the last partial
     gen = torch.Generator().manual_seed(5)
     bmap = torch.tensor([2, 3, 4, 8])[torch.randint(0, 4, (4, 5), generator=gen)]
     w, ref, g = _case(37, 64 * 9 + 17, 128, bmap, 10, 3)
@@ -134,29 +139,27 @@ def test_mixed_common_widths_every_isa(monkeypatch, shared):
 
 
 def test_isa_can_be_forced(monkeypatch):
-    avail = qmatmul.available_isas()
+    avail = _available()
     if not avail:
         pytest.skip("no compiled extension here")
     assert avail[0] == "portable"
-    monkeypatch.setenv(qmatmul.ISA_ENV, "portable")
-    assert qmatmul.kernel_isa() == "portable"
-    monkeypatch.setenv(qmatmul.ISA_ENV, "auto")
-    assert qmatmul.kernel_isa() == avail[-1]
-    monkeypatch.setenv(qmatmul.ISA_ENV, "sse9")
+    monkeypatch.setenv(isa.ISA_ENV, "portable")
+    assert isa.kernel_isa() == "portable"
+    monkeypatch.setenv(isa.ISA_ENV, "auto")
+    assert isa.kernel_isa() == avail[-1]
+    monkeypatch.setenv(isa.ISA_ENV, "sse9")
     with pytest.raises(ValueError, match="not one of auto, portable, avx2, avx512"):
-        qmatmul.kernel_isa()
-    missing = [i for i in qmatmul.ISAS if i not in avail]
+        isa.kernel_isa()
+    missing = [i for i in isa.ISAS if i not in avail]
     if missing:
-        monkeypatch.setenv(qmatmul.ISA_ENV, missing[0])
+        monkeypatch.setenv(isa.ISA_ENV, missing[0])
         with pytest.raises(ValueError, match="this CPU runs only"):
-            qmatmul.kernel_isa()
+            isa.kernel_isa()
 
 
 def test_fallback_equals_reference(monkeypatch):
     w, ref, g = _case(30, 200, 64, torch.tensor([[4, 2, 3, 8]]), None, 2)
-    monkeypatch.setattr(qmatmul, "_ext", None)
-    monkeypatch.setattr(qmatmul, "_ext_tried", True)
-    assert qmatmul.available_isas() == [] and qmatmul.kernel_isa() is None
+    monkeypatch.setattr(qmatmul, "extension", lambda: None)
     assert torch.equal(w.dequantize(), ref)
     _check_matmul(w, ref, g, batches=(1, 9))
 
@@ -191,7 +194,7 @@ def test_prefill_under_inference_mode_on_several_threads(mode):
     """The prefill workers run tensor ops: they must see the caller's inference/grad mode (the
     perplexity loop runs under ``torch.inference_mode``; a worker without it may not write the output)."""
     g = torch.Generator().manual_seed(3)
-    N, K = 3 * max(8, qmatmul._TILE_ELEMS // 1024) + 5, 1024  # several per-thread tiles
+    N, K = 3 * max(8, tiles.PREFILL_TILE_ELEMS // 1024) + 5, 1024  # several per-thread tiles
     codes = torch.randint(0, 16, (N, K), generator=g)
     scales, zeros = torch.rand(N, 8, generator=g) + 0.1, torch.full((N, 8), 7.0)
     ctx = {"inference": torch.inference_mode, "no_grad": torch.no_grad, "plain": contextlib.nullcontext}[mode]

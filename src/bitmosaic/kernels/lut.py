@@ -8,24 +8,27 @@ the block-major bit-plane layout of :mod:`bitmosaic.formats.bitplane` (built at 
 saved format stays the source of truth); scales and zero-points are float32, kept transposed
 ``[G, N]`` so that 16 rows of one group are contiguous.
 
-Kernels (``csrc/lutgemv.cpp``, a torch C++ extension built on first use and cached by torch, with the
-build helper of :mod:`bitmosaic.kernels.qmatmul`):
+Kernels (``csrc/lutgemv.cpp``, a torch C++ extension built on first use and cached by torch,
+:mod:`bitmosaic.kernels.build`):
 
 * **batch 1** (decode): the LUT GEMV.  With the ±1 form (App. B Eq. 17: ``ŝ = s/2``,
   ``Ŵ_i = 2 W_i - 1``, ``ẑ = s ((2^q - 1)/2 - z)``), ``y = Σ_g ŝ Σ_i 2^i (Σ_j Ŵ_i[j] x_j) + ẑ·Σ_g x``;
   the inner sums are table lookups.  AVX-512 (``vpermps``, 16 rows at once) and AVX2 (two 8-entry
   lookups and a blend, 8 rows at once) use tables of all 16 signed sums of 4 activations; the portable
   loop uses tables of 8 activations with 128 stored entries (the other half by negation).  The tables
-  are float32, so the result equals ``dequantize`` + matmul up to float rounding.  The ISA is chosen
-  at run time (``isa="auto"``: AVX-512, else AVX2, else portable).  Quantised (int8) tables, as
+  are float32, so the result equals ``dequantize`` + matmul up to float rounding.  The AVX2 and AVX-512
+  tiles are one body over vector traits (``csrc/lutgemv_simd.h``).  The ISA is chosen per call
+  (:mod:`bitmosaic.kernels.isa`: ``isa="auto"`` is ``$BITMOSAIC_KERNEL_ISA`` or the best this CPU
+  has; a name forces one).  Quantised (int8) tables, as
   T-MAC uses, would change the numerics and are not offered.
 * **2-64 rows**: the GEMV once per row (faster than tiles there, ``lut_gemv.py --batch``).
 * **more rows** (prefill): a tile of rows is dequantized (exactly ``(c - z) * s``) into a small
   buffer and multiplied with ``torch.mm``; the float weight never exists whole.
 
-:func:`decode_lut_max_bits`: the packed kinds (RTN, GPTQ, AWQ, ...) run on this kernel instead of
-``LowBitWeight`` when their storage width is at most ``$BITMOSAIC_LUT_MAX_BITS`` (default 3; 0
-turns it off; see ``_LUT_MAX_BITS`` for the measurements behind that default).
+Capabilities (read by :func:`bitmosaic.kernels.select.select_kernel`): any width 1-8 per block, CPU,
+any group size; the measured choice at 1-3 bits and 1-64 rows of x with its compiled extension
+(``FAST_BITS``, the measurements are noted there), so the packed kinds (RTN, GPTQ, AWQ, ...) decode on it
+at 1-3 bits and on ``LowBitWeight`` from 4 bits.
 
 Measured (``benchmarks/lut_gemv.py``, ``benchmarks/results/lut_gemv.md``, AVX-512 path, batch 1): faster
 than the unpack+FMA ``LowBitWeight`` at 1-4 bits on every measured shape, slower at 8 bits; latency
@@ -40,55 +43,21 @@ LUT algorithm with ``g = 8`` and 128 stored table entries (#12), for tests.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 from ..formats import bitplane as bp
-from .qmatmul import _source_hash, build_extension, tiled_matmul_torch
+from . import build, tiles
+from .isa import ISAS, isa_number
+from .qmatmul import tiled_matmul_torch
 
-__all__ = [
-    "BitPlaneWeight", "extension", "lut_gemv_reference", "available_isas", "ISAS", "decode_lut_max_bits"
-]  # fmt: skip
-
-LUT_MAX_BITS_ENV = "BITMOSAIC_LUT_MAX_BITS"
-# 1-3 bits by default: decoding SmolLM2 end to end (1 thread), W2 51.2 / W3 50.0 tok/s against 42.7 /
-# 43.4 on LowBitWeight (decode.md, the "(FMA)" rows; +15-20% in each of three runs).  At 4 bits it
-# is faster per call too, but end to end it measured +4% on 1 thread and -13% on 2 (one run, noisy),
-# so 4 bits stays on LowBitWeight.
-_LUT_MAX_BITS = 3
+__all__ = ["BitPlaneWeight", "extension", "lut_gemv_reference"]
 
 
-def decode_lut_max_bits() -> int:
-    """The widest storage width (``0``: none) at which the packed kinds use :class:`BitPlaneWeight`
-    as their kernel: ``$BITMOSAIC_LUT_MAX_BITS`` if set, else 3; ``0`` without the compiled LUT
-    (its pure-torch fallback is no faster than ``LowBitWeight``'s)."""
-    import os
-
-    raw = os.environ.get(LUT_MAX_BITS_ENV, "").strip()
-    try:
-        n = int(raw) if raw else _LUT_MAX_BITS
-    except ValueError:
-        raise ValueError(f"${LUT_MAX_BITS_ENV} must be an integer 0-8, got {raw!r}") from None
-    return n if n > 0 and extension() is not None else 0
-
-ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
-_TILE_ELEMS = 1 << 19  # float32 elements of one prefill tile (2 MiB; a tile per thread), as qmatmul
-
-
-@functools.cache
 def extension():
     """The compiled LUT extension, or ``None`` (no compiler, build failure, or ``BITMOSAIC_NO_EXT=1``)."""
-    return build_extension(
-        "lutgemv.cpp", f"bitmosaic_lutgemv_v{bp.BITPLANE_VERSION}_{_source_hash('lutgemv.cpp')}"
-    )
-
-
-def available_isas() -> list[str]:
-    """The compiled GEMV paths this CPU can run (empty without the extension)."""
-    ext = extension()
-    return [] if ext is None else [k for k, v in ISAS.items() if v and ext.isa_available(v)]
+    return build.load("lutgemv")
 
 
 def _transposed(attr: str) -> property:
@@ -101,6 +70,22 @@ def _transposed(attr: str) -> property:
 
 class BitPlaneWeight:
     """A low-bit weight in the bit-plane layout; ``matmul`` never builds the whole float weight."""
+
+    KERNEL_NAME = "lut"
+    SUPPORTS_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
+    SUPPORTS_MIXED_BITS = True
+    SUPPORTS_DEVICES = ("cpu",)
+    SUPPORTS_GROUP_SIZE_MULTIPLE = 1
+    SUPPORTS_ROWS = (1, 64)  # the GEMV per row up to 64 rows (lut_gemv.py --batch); tiles above
+    # 1-3 bits: decoding SmolLM2 end to end (1 thread), W2 51.2 / W3 50.0 tok/s against 42.7 / 43.4 on
+    # LowBitWeight (decode.md, the "(FMA)" rows; +15-20% in each of three runs).  At 4 bits it is faster
+    # per call too, but end to end it measured +4% on 1 thread and -13% on 2 (one run, noisy).
+    FAST_BITS = (1, 2, 3)
+    NEEDS_COMPILED = True  # its pure-torch fallback is no faster than LowBitWeight's
+
+    @staticmethod
+    def compiled() -> bool:
+        return extension() is not None
 
     def __init__(self, planes: bp.BitPlanes, scales_t: torch.Tensor, zeros_t: torch.Tensor):
         self.planes = planes
@@ -171,16 +156,14 @@ class BitPlaneWeight:
         §4.4 Eq. 14; act-order groups), exactly equal to the two ``index_select`` around it."""
         if x.shape[-1] != self.K:
             raise ValueError(f"x has {x.shape[-1]} features but the weight has {self.K} input columns")
-        if isa not in ISAS:
-            raise ValueError(f"isa must be one of {sorted(ISAS)}, got {isa!r}")
+        if isa != "auto" and isa not in ISAS:
+            raise ValueError(f"isa must be one of auto, {', '.join(ISAS)}, got {isa!r}")
         x2 = x.reshape(math.prod(x.shape[:-1]), self.K).float()
-        tile = max(8, _TILE_ELEMS // max(self.K, 1))
+        tile = max(8, tiles.PREFILL_TILE_ELEMS // max(self.K, 1))
         n_out = self.N if out_index is None else out_index.numel()
         ext = extension()
         if ext is not None:
-            if isa != "auto" and not ext.isa_available(ISAS[isa]):
-                raise ValueError(f"the {isa} path is not available on this CPU; use isa='auto'")
-            y = ext.lut_matmul(x2, *self._args(), tile, ISAS[isa], in_index, out_index)
+            y = ext.lut_matmul(x2, *self._args(), tile, isa_number(isa, ext), in_index, out_index)
         else:
             if in_index is not None:
                 x2 = x2.index_select(1, in_index)

@@ -22,7 +22,8 @@ Three paths, tested equal to the reference (within float32 summation order):
   read twice, but they stay in cache, and there is no gather, no float copy of the blocks and no
   separate add.  Row blocks are split across threads (the blocks of one row block go to one
   thread, so no write races); edge blocks skip the columns beyond ``K`` and rows beyond ``N``,
-  which the torch path zero-pads and drops (same result).  Without the extension (no compiler,
+  which the torch path zero-pads and drops (same result).  The ISA is chosen per call like the other
+  kernels' (:mod:`bitmosaic.kernels.isa`).  Without the extension (no compiler,
   ``BITMOSAIC_NO_EXT=1``) the residual pass is :meth:`sparse_only` added to the dense output.
 * :meth:`MosaicWeight.three_step` -- the naive torch path: the dense product (the compiled low-bit
   GEMV/GEMM), then a separate sparse pass (:meth:`sparse_only`: index_select gather of the
@@ -37,23 +38,21 @@ measured points on a log scale.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from .qmatmul import LowBitWeight, _source_hash, build_extension
+from . import build, tiles
+from .isa import isa_number
+from .qmatmul import LowBitWeight
 
 __all__ = ["MosaicWeight", "DECODE_ROWS", "extension"]
 
 DECODE_ROWS = 8
 FUSED_MIN_ROWS = 128
-_TILE_ELEMS = 1 << 20
 
 
-@functools.cache
 def extension():
     """The compiled residual pass, or ``None`` (no compiler, build failure, or ``BITMOSAIC_NO_EXT=1``)."""
-    return build_extension("mosaic.cpp", f"bitmosaic_mosaic_{_source_hash('mosaic.cpp')}")
+    return build.load("mosaic")
 
 
 class MosaicWeight:
@@ -87,7 +86,7 @@ class MosaicWeight:
         # first selected block of every row block (blocks are sorted by row block)
         starts = torch.searchsorted(self.rb, torch.arange(self.nrb + 1))
         self.starts, self.starts_t = starts.tolist(), starts.to(torch.int64).contiguous()
-        rows_per_tile = max(1, _TILE_ELEMS // max(self.K, 1) // self.bm) * self.bm
+        rows_per_tile = max(1, tiles.FUSED_TILE_ELEMS // max(self.K, 1) // self.bm) * self.bm
         self.tile_rows = rows_per_tile
 
     def nbytes(self) -> int:
@@ -115,7 +114,8 @@ class MosaicWeight:
         if ext is None:
             y = y + self.sparse_only(x2)
         else:
-            ext.residual_accumulate(x2, self.codes_t, self.scales, self.cb, self.starts_t, y, self.bm)
+            args = (x2, self.codes_t, self.scales, self.cb, self.starts_t, y, self.bm)
+            ext.residual_accumulate(*args, isa_number(ext=ext))
         return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
 
     def fused(self, x: torch.Tensor) -> torch.Tensor:

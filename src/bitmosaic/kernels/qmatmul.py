@@ -18,23 +18,26 @@ Layout (``LAYOUT_VERSION = 2``), built at load time from the saved format by
 * ``W[n, j] = (c[n, j] - z[n, g]) * s[n, g]`` with ``g = j // group_size`` (contiguous groups; a
   partial last group is allowed); scales and zero-points are float32 ``[N, G]``.
 
-Kernels (``csrc/qmatmul.cpp``, a torch C++ extension built on first use and cached by torch):
+Kernels (``csrc/qmatmul.cpp``, a torch C++ extension built on first use and cached by torch,
+:mod:`bitmosaic.kernels.build`):
 
 * **decode** (at most 8 rows of ``x``): per output row and group, ``s (Σ c x - z Σ x)`` with the group
   sums of ``x`` computed once per call; each span's codes are converted to float once and
   multiplied-added with every row of ``x`` (float32 FMA, no quantized activations).  Rows are split
   across ``torch.get_num_threads()``.
 * **prefill** (more rows): each thread dequantizes a tile of weight rows into its own small buffer
-  (bitwise equal to the reference; 2 MiB, tuned at batch 64) and multiplies it with ``torch.mm``
+  (bitwise equal to the reference; ``tiles.PREFILL_TILE_ELEMS``) and multiplies it with ``torch.mm``
   (single-threaded inside the parallel region) into its rows of ``yᵀ``; ``_TILE_SHARED`` selects
   the older scheme (all threads fill one tile, then one parallel GEMM).
 
-Instruction sets: ``avx512`` (AVX-512 F/BW/VL/DQ/VBMI), ``avx2`` (AVX2 + FMA) and ``portable`` (plain
-C++), each function compiled with its own target attribute so the extension loads on any x86-64
-CPU; the best one the CPU supports runs, or the one named by the environment variable
-``BITMOSAIC_KERNEL_ISA=portable|avx2|avx512`` (``auto``: the best; a name this CPU lacks is an
-error).  :func:`available_isas` lists them.  Without a compiler (or with ``BITMOSAIC_NO_EXT=1``) a
+Instruction sets (:mod:`bitmosaic.kernels.isa`): ``avx512``, ``avx2`` and ``portable``, one kernel body
+for both SIMD sets over vector traits (``csrc/vec.h``, ``csrc/qmatmul_simd.h``), each compiled for its
+target so the extension loads on any x86-64 CPU; every call runs on :func:`~bitmosaic.kernels.isa.kernel_isa`
+(the best, or ``$BITMOSAIC_KERNEL_ISA``).  Without a compiler (or with ``BITMOSAIC_NO_EXT=1``) a
 pure-torch path with the same API and results runs instead, after one warning.
+
+Capabilities (read by :func:`bitmosaic.kernels.select.select_kernel`): any width 1-8 per block, CPU,
+any group size; fast at every width and batch (the GEMV up to 8 rows, tiles above), compiled or not.
 
 Design choice (issue #10 asks to measure two): this unpack-in-register design is measured in
 ``benchmarks/kernels.py`` (``benchmarks/results/kernels.md``); the bit-plane lookup-table design
@@ -43,102 +46,22 @@ Design choice (issue #10 asks to measure two): this unpack-in-register design is
 
 from __future__ import annotations
 
-import os
-import threading
-import warnings
-from pathlib import Path
-
 import torch
 
 from ..formats.packing import pack_codes
+from . import build, tiles
+from .isa import isa_number
 
-__all__ = ["LowBitWeight", "extension", "available_isas", "kernel_isa", "ISAS", "LAYOUT_VERSION"]
+__all__ = ["LowBitWeight", "extension", "LAYOUT_VERSION"]
 
 LAYOUT_VERSION = 2
-ISAS = ("portable", "avx2", "avx512")  # the C++ side numbers them 0, 1, 2
-ISA_ENV = "BITMOSAIC_KERNEL_ISA"
 _DECODE_MAX_ROWS = 8
-_TILE_ELEMS = 1 << 19  # float32 elements of one prefill tile (2 MiB: 128 rows at K=4096 was best of 16..128)
 _TILE_SHARED = False  # True: all threads fill one tile, then one parallel GEMM (False: a tile per thread)
-
-_lock = threading.Lock()
-_ext: object | None = None
-_ext_tried = False
-
-
-def _source_hash(filename: str = "qmatmul.cpp") -> str:
-    import hashlib
-
-    csrc = Path(__file__).with_name("csrc")
-    h = hashlib.sha1((csrc / filename).read_bytes())
-    for header in sorted(csrc.glob(f"{Path(filename).stem}_*.h")):  # torch keys its cache on sources only
-        h.update(header.read_bytes())
-    return h.hexdigest()[:10]
-
-
-def build_extension(filename: str, name: str):
-    """Build (or load torch's cached build of) ``csrc/<filename>`` as module ``name``; ``None`` after
-    one warning when it cannot be built, or at once under ``BITMOSAIC_NO_EXT=1``.  Shared by the
-    kernels modules (``kernels/lut.py`` too)."""
-    if os.environ.get("BITMOSAIC_NO_EXT") == "1":
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        src = Path(__file__).with_name("csrc") / filename
-        return load(
-            name=name,
-            sources=[str(src)],
-            extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as e:  # noqa: BLE001 - any build failure falls back, with one warning
-        warnings.warn(
-            f"bitmosaic: the compiled low-bit kernel could not be built ({type(e).__name__}: "
-            f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}); quantized layers use the "
-            "slower pure-torch path. Install a C++ compiler (g++) to get the fast path.",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-        return None
 
 
 def extension():
     """The compiled extension, or ``None`` (no compiler, build failure, or ``BITMOSAIC_NO_EXT=1``)."""
-    global _ext, _ext_tried
-    if _ext_tried:
-        return _ext
-    with _lock:
-        if _ext_tried:
-            return _ext
-        _ext_tried = True
-        _ext = build_extension("qmatmul.cpp", f"bitmosaic_qmatmul_v{LAYOUT_VERSION}_{_source_hash()}o")
-    return _ext
-
-
-def available_isas() -> list[str]:
-    """The instruction sets the compiled kernel can run on this CPU (empty without the extension)."""
-    ext = extension()
-    return [] if ext is None else [name for i, name in enumerate(ISAS) if ext.isa_supported(i)]
-
-
-def kernel_isa() -> str | None:
-    """The instruction set the next kernel call uses: ``$BITMOSAIC_KERNEL_ISA`` if set (and not
-    ``auto``), else the best one available; ``None`` without the extension."""
-    avail = available_isas()
-    if not avail:
-        return None
-    want = os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"
-    if want == "auto":
-        return avail[-1]
-    if want not in ISAS:
-        raise ValueError(f"{ISA_ENV}={want!r} is not one of auto, {', '.join(ISAS)}; unset it or pick one")
-    if want not in avail:
-        raise ValueError(
-            f"{ISA_ENV}={want} but this CPU runs only {', '.join(avail)}; unset it or pick one of those"
-        )
-    return want
+    return build.load("qmatmul")
 
 
 def _check_bits_map(bits, n_rb: int, G: int) -> torch.Tensor:
@@ -194,6 +117,19 @@ def tiled_matmul_torch(x2: torch.Tensor, n_rows: int, tile: int, dequantize_rows
 
 class LowBitWeight:
     """A low-bit weight in the kernel layout (module doc); ``matmul`` never builds the float weight."""
+
+    KERNEL_NAME = "lowbit"
+    SUPPORTS_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
+    SUPPORTS_MIXED_BITS = True
+    SUPPORTS_DEVICES = ("cpu",)
+    SUPPORTS_GROUP_SIZE_MULTIPLE = 1
+    SUPPORTS_ROWS = (1, None)
+    FAST_BITS = SUPPORTS_BITS
+    NEEDS_COMPILED = False  # its pure-torch path is the default everywhere else
+
+    @staticmethod
+    def compiled() -> bool:
+        return extension() is not None
 
     def __init__(self, data, base, rowlen, goff, bits, scales, zeros, K, group_size, row_block):
         self.data, self.base, self.rowlen, self.goff, self.bits = data, base, rowlen, goff, bits
@@ -285,10 +221,10 @@ class LowBitWeight:
             raise ValueError(f"x has {x.shape[-1]} features but the weight has {self.K} input columns")
         x2 = x.reshape(-1, self.K).float()
         ext = extension()
-        tile = max(8, _TILE_ELEMS // max(self.K, 1))
+        tile = max(8, tiles.PREFILL_TILE_ELEMS // max(self.K, 1))
         if ext is not None:
             tile = -tile if _TILE_SHARED else tile
-            y = ext.qmatmul(x2, *self._args(), tile, ISAS.index(kernel_isa()))
+            y = ext.qmatmul(x2, *self._args(), tile, isa_number(ext=ext))
         else:
             y = tiled_matmul_torch(x2, self.N, tile, self._dequantize_torch)
         return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
@@ -299,7 +235,7 @@ class LowBitWeight:
         r1 = max(r0, r1)
         ext = extension()
         if ext is not None:
-            return ext.dequantize(*self._args(), r0, r1, ISAS.index(kernel_isa()))
+            return ext.dequantize(*self._args(), r0, r1, isa_number(ext=ext))
         return self._dequantize_torch(r0, r1)
 
     def _dequantize_torch(self, r0: int, r1: int) -> torch.Tensor:

@@ -3,10 +3,11 @@
 Each packed kind turns its saved buffers (the source of truth) into a *kernel weight* the first
 time it runs a forward on the CPU (or at load, see :func:`prepare_kernels`):
 
-* ``packed``: the codes go into a :class:`~bitmosaic.kernels.qmatmul.LowBitWeight` at their storage
-  width, or at 1-3 bits into the bit-plane :class:`~bitmosaic.kernels.lut.BitPlaneWeight` (the LUT
-  GEMV, faster there end to end; ``$BITMOSAIC_LUT_MAX_BITS``, see ``kernels/lut.py``),
-  the no-clip ``code_offset`` folded into the zero-point (``(c + o - z) s = (c - (z - o)) s``).
+* ``packed``: the codes go, at their storage width, into the kernel
+  :func:`~bitmosaic.kernels.select.select_kernel` picks among the kind's ``KERNELS``: by default the
+  bit-plane :class:`~bitmosaic.kernels.lut.BitPlaneWeight` at 1-3 bits (the LUT GEMV, faster there end
+  to end), :class:`~bitmosaic.kernels.qmatmul.LowBitWeight` from 4 bits (``$BITMOSAIC_KERNEL``
+  overrides it), the no-clip ``code_offset`` folded into the zero-point (``(c + o - z) s = (c - (z - o)) s``).
   An act-order ``g_idx`` is handled the ExLlama way: the weight's input columns are permuted once,
   here, so that every group is contiguous (``perm = argsort(g_idx)``), and each call gathers the
   activation once (``x[..., perm]``; the bit-plane kernel inside its call), never per group.
@@ -33,8 +34,10 @@ import torch
 from torch.nn import functional as F
 
 from ..formats.fp import fp_round
-from ..kernels.lut import BitPlaneWeight, decode_lut_max_bits
+from ..kernels.lut import BitPlaneWeight
 from ..kernels.qmatmul import LowBitWeight
+from ..kernels.select import select_kernel
+from ..kernels.tiles import TORCH_TILE_ELEMS
 
 __all__ = [
     "KernelWeight",
@@ -44,8 +47,6 @@ __all__ = [
     "lowbit_from_codes",
     "lowbit_codes",
 ]
-
-_TILE_ELEMS = 1 << 16  # float32 elements of one dequantized tile (256 KiB)
 
 
 class KernelWeight:
@@ -96,7 +97,7 @@ class TiledKernel(KernelWeight):
         self.tile = tile
         self.out_features = out_features
         self.in_features = in_features
-        self.rows = max(8, _TILE_ELEMS // max(in_features, 1))
+        self.rows = max(8, TORCH_TILE_ELEMS // max(in_features, 1))
         self._held = held
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,18 +153,17 @@ def lowbit_from_codes(
     zeros: torch.Tensor | float,
     group_size: int,
     g_idx: torch.Tensor | None,
-    lut: bool = False,
+    kernels: tuple[str, ...] = ("lowbit",),
 ) -> LowBitKernel:
-    """A :class:`LowBitKernel` from ``[out, in]`` codes in ``[0, 2**bits)`` with a group map.  With
-    ``lut`` and ``bits`` at most :func:`~bitmosaic.kernels.lut.decode_lut_max_bits` (3 unless
-    ``$BITMOSAIC_LUT_MAX_BITS`` says otherwise), the weight is a bit-plane
-    :class:`~bitmosaic.kernels.lut.BitPlaneWeight`."""
+    """A :class:`LowBitKernel` from ``[out, in]`` codes in ``[0, 2**bits)`` with a group map, its weight
+    the kernel :func:`~bitmosaic.kernels.select.select_kernel` picks among ``kernels`` (a module kind's
+    ``KERNELS``) for ``bits``."""
     perm = None
     if g_idx is not None:
         perm = contiguous_group_perm(g_idx, group_size).to(torch.int32)  # int32: half the bytes of int64
         codes = codes.index_select(1, perm)
     z = zeros.float() if torch.is_tensor(zeros) else float(zeros)
-    kind = BitPlaneWeight if lut and bits <= decode_lut_max_bits() else LowBitWeight
+    kind = select_kernel(kernels, bits, group_size=group_size)
     return LowBitKernel(kind.from_codes(codes, bits, scales.float(), z, group_size), perm)
 
 
@@ -215,7 +215,7 @@ def lowbit_codes(kernel: LowBitKernel, rows: slice | None = None) -> torch.Tenso
 
 def row_chunks(n_rows: int, n_cols: int):
     """Row slices of about one tile each (bounded temporary memory when unpacking a kernel)."""
-    step = max(1, _TILE_ELEMS // max(n_cols, 1))
+    step = max(1, TORCH_TILE_ELEMS // max(n_cols, 1))
     return [slice(r0, min(n_rows, r0 + step)) for r0 in range(0, n_rows, step)]
 
 

@@ -35,7 +35,7 @@ __all__ = ["MosaicQuantLinear"]
 
 class MosaicQuantLinear(QuantLinear):
     kind = "mosaic"
-    LUT_DECODE = False  # the residual pass adds into LowBitWeight's GEMV and fused tiles
+    KERNELS = ("lowbit",)  # the residual pass adds into LowBitWeight's GEMV and fused tiles
     CONFIG_KEYS = ("block_rows", "block_cols", "n_blocks")
 
     def __init__(self, in_features, out_features, *, block_rows: int, block_cols: int, n_blocks: int, **kw):

@@ -14,6 +14,7 @@ which is tested bitwise-equal to the reference :func:`bitmosaic.formats.layout.d
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 
@@ -33,8 +34,9 @@ class UnpackableCodesError(ValueError):
 
 class QuantLinear(QuantModule):
     kind = "packed"
-    # at 1-3 storage bits the kernel is the bit-plane LUT ($BITMOSAIC_LUT_MAX_BITS, kernels/lut.py)
-    LUT_DECODE = True
+    # the kernels that run this kind, preferred first (kernels/select.py picks one from their declared
+    # capabilities: the bit-plane LUT at 1-3 storage bits, LowBitWeight from 4)
+    KERNELS: ClassVar[tuple[str, ...]] = ("lut", "lowbit")
 
     def __init__(
         self,
@@ -163,7 +165,7 @@ class QuantLinear(QuantModule):
         z = self._zeros_arg()
         z = z - self.code_offset if not torch.is_tensor(z) else z.float() - self.code_offset
         return lowbit_from_codes(
-            codes, self.storage_bits, self.scales, z, self.group_size, self.g_idx, lut=self.LUT_DECODE
+            codes, self.storage_bits, self.scales, z, self.group_size, self.g_idx, kernels=self.KERNELS
         )
 
     def _saved_from_kernel(self, k):

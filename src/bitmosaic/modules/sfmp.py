@@ -47,17 +47,20 @@ class SFMPResult(QuantResult):
     plan: BlockPlan | None = None
 
 
-def _make_kernel(codes, gbits_rb, scales, zeros, group_size: int, row_block: int):
-    """The kernel of ``W̃`` (codes ``[N, K]``, widths ``[n_rb, G]``): the bit-plane LUT GEMV at batch 1
-    (SFMP §4.5; faster than the unpack+FMA ``LowBitWeight`` at 1-3 bits, ``benchmarks/lut_gemv.py``),
-    tiled dequantize + matmul above."""
-    from ..kernels.lut import BitPlaneWeight
+def _make_kernel(codes, gbits_rb, scales, zeros, group_size: int, row_block: int, kernels=("lut",)):
+    """The kernel of ``W̃`` (codes ``[N, K]``, widths ``[n_rb, G]``) that
+    :func:`~bitmosaic.kernels.select.select_kernel` picks among ``kernels``: for SFMP the bit-plane LUT
+    GEMV at batch 1 (SFMP §4.5; faster than the unpack+FMA ``LowBitWeight`` at 1-3 bits,
+    ``benchmarks/lut_gemv.py``), tiled dequantize + matmul above."""
+    from ..kernels.select import select_kernel
 
-    return BitPlaneWeight.from_codes(codes, gbits_rb, scales, zeros, group_size, row_block)
+    kind = select_kernel(kernels, gbits_rb, group_size=group_size)
+    return kind.from_codes(codes, gbits_rb, scales, zeros, group_size, row_block)
 
 
 class SFMPLinear(QuantModule):
     kind = "sfmp"
+    KERNELS: ClassVar[tuple[str, ...]] = ("lut",)  # its column gather / row un-permutation run in the call
     CONFIG_KEYS: ClassVar[tuple[str, ...]] = (
         "group_size", "block_rows", "block_cols", "row_reorder", "col_reorder", "nbytes",
     )  # fmt: skip
@@ -166,7 +169,7 @@ class SFMPLinear(QuantModule):
         gb = group_bits(plan)[:: self.block_rows].to(torch.uint8)  # [n_rb, G]
         w = _make_kernel(
             self.codes_permuted(), gb, self.scales.float().cpu(), self.zeros.float().cpu(),
-            self.group_size, self.block_rows,
+            self.group_size, self.block_rows, self.KERNELS,
         )  # fmt: skip
         return _PermutedKernel(w, self)
 

@@ -20,6 +20,8 @@
 // group by group so that a group's tables stay in L1 while its blocks stream through.
 // 2-64 rows of x: the GEMV once per row.  More: a tiled dequantize (exactly (c - z) * s) + at::mm; the float
 // weight never exists whole.
+// ISA (isa.h): chosen per call by the caller (kernels/isa.py); the AVX2 and AVX-512 tiles are one body
+// (lutgemv_simd.h) over the vector traits of vec.h, compiled once per ISA in its target region.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
@@ -29,10 +31,8 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define BM_X86 1
-#endif
+#include "isa.h"
+#include "vec.h"
 
 namespace {
 
@@ -123,120 +123,27 @@ void tile_portable(const Planes& P, const uint8_t* blk, int q, int64_t R, int64_
 }
 
 #ifdef BM_X86
-template <int Q>
-__attribute__((target("avx512f"))) void tile_avx512(const Planes& P, const uint8_t* blk, int64_t R, int64_t n0, int64_t g,
-                                                    const float* T4, float xs, float* y) {
-  const int64_t nch = P.nch(g);
-  const __mmask16 m = (R >= 16) ? (__mmask16)0xFFFF : (__mmask16)((1u << R) - 1);
-  __m512 acc[Q];
-  for (int i = 0; i < Q; ++i) acc[i] = _mm512_setzero_ps();
-  const uint8_t* p = blk;
-  for (int64_t c = 0; c < nch; ++c) {
-    const float* T = T4 + c * 8 * 16;
-    for (int i = 0; i < Q; ++i, p += 4 * R) {
-      const __m512i v = _mm512_maskz_loadu_epi32(m, p);
-      __m512 a0 = _mm512_permutexvar_ps(v, _mm512_loadu_ps(T));
-      __m512 a1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), _mm512_loadu_ps(T + 16));
-      a0 = _mm512_add_ps(a0, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), _mm512_loadu_ps(T + 32)));
-      a1 = _mm512_add_ps(a1, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), _mm512_loadu_ps(T + 48)));
-      a0 = _mm512_add_ps(a0, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 16), _mm512_loadu_ps(T + 64)));
-      a1 = _mm512_add_ps(a1, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 20), _mm512_loadu_ps(T + 80)));
-      a0 = _mm512_add_ps(a0, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 24), _mm512_loadu_ps(T + 96)));
-      a1 = _mm512_add_ps(a1, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 28), _mm512_loadu_ps(T + 112)));
-      acc[i] = _mm512_add_ps(acc[i], _mm512_add_ps(a0, a1));
-    }
-  }
-  __m512 sum = acc[Q - 1];
-  for (int i = Q - 2; i >= 0; --i) sum = _mm512_add_ps(_mm512_add_ps(sum, sum), acc[i]);
-  const __m512 s = _mm512_maskz_loadu_ps(m, P.sT + g * P.N + n0);
-  const __m512 z = _mm512_maskz_loadu_ps(m, P.zT + g * P.N + n0);
-  const __m512 sh = _mm512_mul_ps(_mm512_set1_ps(0.5f), s);
-  const __m512 zh = _mm512_mul_ps(s, _mm512_sub_ps(_mm512_set1_ps((float)((1 << Q) - 1) * 0.5f), z));
-  __m512 out = _mm512_maskz_loadu_ps(m, y + n0);
-  out = _mm512_add_ps(out, _mm512_add_ps(_mm512_mul_ps(sh, sum), _mm512_mul_ps(zh, _mm512_set1_ps(xs))));
-  _mm512_mask_storeu_ps(y + n0, m, out);
-}
-
-// AVX2: 16-entry table as two 8-entry halves; the nibble's bit 3 (moved to the sign bit) picks one.
-template <int Q>
-__attribute__((target("avx2,fma"))) void tile_avx2(const Planes& P, const uint8_t* blk, int64_t R, int64_t n0, int64_t g,
-                                                   const float* T4, float xs, float* y) {
-  const int64_t nch = P.nch(g);
-  for (int64_t h = 0; h < R; h += 8) {
-    const int64_t rows = std::min<int64_t>(8, R - h);
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)rows), lane);
-    __m256 acc[Q];
-    for (int i = 0; i < Q; ++i) acc[i] = _mm256_setzero_ps();
-    const uint8_t* p = blk + 4 * h;
-    for (int64_t c = 0; c < nch; ++c) {
-      const float* T = T4 + c * 8 * 16;
-      for (int i = 0; i < Q; ++i, p += 4 * R) {
-        const __m256i v = _mm256_maskload_epi32((const int*)p, m);
-        __m256 a[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int n = 0; n < 8; ++n) {
-          const __m256i idx = _mm256_srli_epi32(v, 4 * n);
-          const __m256 lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(T + 16 * n), idx);
-          const __m256 hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(T + 16 * n + 8), idx);
-          const __m256 sel = _mm256_castsi256_ps(_mm256_slli_epi32(v, 28 - 4 * n));
-          a[n & 1] = _mm256_add_ps(a[n & 1], _mm256_blendv_ps(lo, hi, sel));
-        }
-        acc[i] = _mm256_add_ps(acc[i], _mm256_add_ps(a[0], a[1]));
-      }
-    }
-    __m256 sum = acc[Q - 1];
-    for (int i = Q - 2; i >= 0; --i) sum = _mm256_add_ps(_mm256_add_ps(sum, sum), acc[i]);
-    const float* sp = P.sT + g * P.N + n0 + h;
-    const float* zp = P.zT + g * P.N + n0 + h;
-    const __m256 s = _mm256_maskload_ps(sp, m), z = _mm256_maskload_ps(zp, m);
-    const __m256 sh = _mm256_mul_ps(_mm256_set1_ps(0.5f), s);
-    const __m256 zh = _mm256_mul_ps(s, _mm256_sub_ps(_mm256_set1_ps((float)((1 << Q) - 1) * 0.5f), z));
-    __m256 out = _mm256_maskload_ps(y + n0 + h, m);
-    out = _mm256_add_ps(out, _mm256_add_ps(_mm256_mul_ps(sh, sum), _mm256_mul_ps(zh, _mm256_set1_ps(xs))));
-    _mm256_maskstore_ps(y + n0 + h, m, out);
-  }
-}
+BM_BEGIN_TARGET(BM_AVX2_TARGET)
+namespace avx2 {
+#include "lutgemv_simd.h"
+}  // namespace avx2
+BM_END_TARGET
+BM_BEGIN_TARGET(BM_AVX512_TARGET)
+namespace avx512 {
+#include "lutgemv_simd.h"
+}  // namespace avx512
+BM_END_TARGET
 #endif
 
-enum Isa { AUTO = 0, PORTABLE = 1, AVX2 = 2, AVX512 = 3 };
-
-bool isa_ok(int isa) {
+// the SIMD tile of width q on `isa` (AVX2 or AVX-512)
+void tile_simd(int64_t isa, int q, const Planes& P, const uint8_t* blk, int64_t R, int64_t n0, int64_t g, const float* T,
+               float xs, float* y) {
 #ifdef BM_X86
-  if (isa == AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (isa == AVX512) return __builtin_cpu_supports("avx512f");
+  bm::dispatch_1to8(q, [&](auto Q) {
+    if (isa == bm::kAvx512) avx512::tile<bm::Avx512, decltype(Q)::value>(P, blk, R, n0, g, T, xs, y);
+    else avx2::tile<bm::Avx2, decltype(Q)::value>(P, blk, R, n0, g, T, xs, y);
+  });
 #endif
-  return isa == PORTABLE;
-}
-
-int resolve(int isa) {
-  if (isa != AUTO) {
-    TORCH_CHECK(isa_ok(isa), "requested ISA path is not available on this CPU");
-    return isa;
-  }
-  if (isa_ok(AVX512)) return AVX512;
-  if (isa_ok(AVX2)) return AVX2;
-  return PORTABLE;
-}
-
-template <int Q>
-void tile_simd(int isa, const Planes& P, const uint8_t* blk, int64_t R, int64_t n0, int64_t g, const float* T, float xs, float* y) {
-#ifdef BM_X86
-  if (isa == AVX512) return tile_avx512<Q>(P, blk, R, n0, g, T, xs, y);
-  return tile_avx2<Q>(P, blk, R, n0, g, T, xs, y);
-#endif
-}
-
-void tile_dispatch(int isa, int q, const Planes& P, const uint8_t* blk, int64_t R, int64_t n0, int64_t g, const float* T, float xs, float* y) {
-  switch (q) {
-    case 1: return tile_simd<1>(isa, P, blk, R, n0, g, T, xs, y);
-    case 2: return tile_simd<2>(isa, P, blk, R, n0, g, T, xs, y);
-    case 3: return tile_simd<3>(isa, P, blk, R, n0, g, T, xs, y);
-    case 4: return tile_simd<4>(isa, P, blk, R, n0, g, T, xs, y);
-    case 5: return tile_simd<5>(isa, P, blk, R, n0, g, T, xs, y);
-    case 6: return tile_simd<6>(isa, P, blk, R, n0, g, T, xs, y);
-    case 7: return tile_simd<7>(isa, P, blk, R, n0, g, T, xs, y);
-    default: return tile_simd<8>(isa, P, blk, R, n0, g, T, xs, y);
-  }
 }
 
 Planes make_planes(const torch::Tensor& data, const torch::Tensor& off, const torch::Tensor& bits, const torch::Tensor& sT,
@@ -298,11 +205,11 @@ void dequant_rows(const Planes& P, int64_t r0, int64_t r1, float* out) {
 }
 
 // yp[0..N) = W x for one activation row x[0..K).
-void gemv(const Planes& P, const float* x, int isa, float* yp) {
+void gemv(const Planes& P, const float* x, int64_t isa, float* yp) {
   std::fill(yp, yp + P.N, 0.f);
   if (P.N == 0 || P.K == 0) return;
-  const int per = (isa == PORTABLE) ? 4 : 8;       // tables per 32-column chunk
-  const int entries = (isa == PORTABLE) ? 128 : 16;
+  const int per = (isa == bm::kPortable) ? 4 : 8;       // tables per 32-column chunk
+  const int entries = (isa == bm::kPortable) ? 128 : 16;
   std::vector<int64_t> tbase(P.G + 1, 0);
   for (int64_t g = 0; g < P.G; ++g) tbase[g + 1] = tbase[g] + P.nch(g) * per;
   std::vector<float> tab(tbase[P.G] * entries);
@@ -312,7 +219,7 @@ void gemv(const Planes& P, const float* x, int isa, float* yp) {
     for (int64_t j = g * P.gs; j < g * P.gs + P.cols(g); ++j) s += x[j];
     xsum[g] = s;
   }
-  if (isa == PORTABLE) build_tables8(P, x, tbase, tab.data());
+  if (isa == bm::kPortable) build_tables8(P, x, tbase, tab.data());
   else build_tables4(P, x, tbase, tab.data());
   const int64_t n_rb = (P.N + P.rb - 1) / P.rb, ntiles = n_rb * P.tiles_per_rb;
   at::parallel_for(0, ntiles, 4, [&](int64_t a, int64_t b) {
@@ -331,8 +238,8 @@ void gemv(const Planes& P, const float* x, int isa, float* yp) {
           const uint8_t* ahead = blk + PREFETCH_TILES * tb;
           for (int64_t o = 0; o < tb; o += 64) __builtin_prefetch(ahead + o, 0, 3);
         }
-        if (isa == PORTABLE) tile_portable(P, blk, q, R, n0, g, T, xsum[g], yp);
-        else tile_dispatch(isa, q, P, blk, R, n0, g, T, xsum[g], yp);
+        if (isa == bm::kPortable) tile_portable(P, blk, q, R, n0, g, T, xsum[g], yp);
+        else tile_simd(isa, q, P, blk, R, n0, g, T, xsum[g], yp);
       }
     }
   });
@@ -366,6 +273,7 @@ torch::Tensor lut_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor off,
                       (*ix)->is_contiguous(),
                   "in_index/out_index must be contiguous int32/int64 vectors");
   TORCH_CHECK(!in_index.has_value() || in_index->numel() == K, "in_index must have K entries");
+  bm::check_isa(isa);
   x = x.contiguous();
   Planes P = make_planes(data, off, bits, sT, zT, N, K, gs, rb);
   const int64_t M = x.size(0);
@@ -374,7 +282,6 @@ torch::Tensor lut_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor off,
     const int64_t n_out = out_index.has_value() ? out_index->numel() : N;
     auto y = torch::empty({M, n_out}, x.options());
     std::vector<float> xg(in_index.has_value() ? K : 0), yr(out_index.has_value() ? N : 0);
-    const int isa_r = resolve((int)isa);
     for (int64_t m = 0; m < M; ++m) {
       const float* xp = x.data_ptr<float>() + m * K;
       float* yp = y.data_ptr<float>() + m * n_out;
@@ -382,7 +289,7 @@ torch::Tensor lut_matmul(torch::Tensor x, torch::Tensor data, torch::Tensor off,
         gather_checked(*in_index, xp, K, xg.data(), "in_index out of range");
         xp = xg.data();
       }
-      gemv(P, xp, isa_r, out_index.has_value() ? yr.data() : yp);
+      gemv(P, xp, isa, out_index.has_value() ? yr.data() : yp);
       if (out_index.has_value()) gather_checked(*out_index, yr.data(), N, yp, "out_index out of range");
     }
     return y;
@@ -423,13 +330,11 @@ torch::Tensor dequantize(torch::Tensor data, torch::Tensor off, torch::Tensor bi
   return out;
 }
 
-bool isa_available(int64_t isa) { return isa_ok((int)isa); }
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lut_matmul", &lut_matmul, "bit-plane LUT matmul y = x[:, in] W^T [:, out] (batch 1: LUT GEMV; more: tiled)",
         py::arg("x"), py::arg("data"), py::arg("off"), py::arg("bits"), py::arg("sT"), py::arg("zT"), py::arg("N"),
         py::arg("K"), py::arg("gs"), py::arg("rb"), py::arg("tile_rows"), py::arg("isa"),
         py::arg("in_index") = py::none(), py::arg("out_index") = py::none());
   m.def("dequantize", &dequantize, "rows of W in float32, (c - z) * s");
-  m.def("isa_available", &isa_available, "1 portable, 2 avx2, 3 avx512");
+  m.def("isa_supported", &bm::isa_supported, "whether this CPU runs kernel ISA 0 (portable), 1 (AVX2), 2 (AVX-512)");
 }

@@ -16,43 +16,42 @@
 // every row of x.  Prefill (batch > 8): a tile of rows is dequantized into a buffer (bitwise equal
 // to the reference (c - z) * s: a subtraction, then a product, never contracted) and multiplied with
 // at::mm; the whole weight never exists in float.
-// ISA: AVX-512 (F, BW, VL, VBMI) / AVX2+FMA / portable C++, chosen at run time by the caller among
-// those the CPU supports (isa_supported); every SIMD function carries its own target attribute, so
-// the extension is compiled for the baseline x86-64 and loads on any CPU.
+// ISA (isa.h): AVX-512 / AVX2+FMA / portable C++, chosen per call by the caller (kernels/isa.py) among
+// those the CPU supports.  The AVX2 and AVX-512 kernels are one body (qmatmul_simd.h) over the vector
+// traits of vec.h, compiled once per ISA in its target region, so the extension is compiled for the
+// baseline x86-64 and loads on any CPU.
 
 #include "qmatmul_common.h"
-#include "qmatmul_avx512.h"
-#include "qmatmul_avx2.h"
+#include "vec.h"
 
 namespace {
 
-
-bool isa_supported_(int64_t isa) {
-  if (isa == kPortable) return true;
 #ifdef BM_X86
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  static const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                             __builtin_cpu_supports("avx512vbmi");
-  if (isa == kAvx2) return avx2;
-  if (isa == kAvx512) return avx512;
+BM_BEGIN_TARGET(BM_AVX2_TARGET)
+namespace avx2 {
+#include "qmatmul_simd.h"
+}  // namespace avx2
+BM_END_TARGET
+BM_BEGIN_TARGET(BM_AVX512_TARGET)
+namespace avx512 {
+#include "qmatmul_simd.h"
+}  // namespace avx512
+BM_END_TARGET
 #endif
-  return false;
-}
 
 template <int M>
 void gemv_rows(const Layout& L, const float* x, const float* xsum, float* y, int64_t n0, int64_t n1, int64_t isa) {
 #ifdef BM_X86
-  if (isa == kAvx512) return gemv_rows_avx512<M>(L, x, xsum, y, n0, n1);
-  if (isa == kAvx2) return gemv_rows_avx2<M>(L, x, xsum, y, n0, n1);
+  if (isa == bm::kAvx512) return avx512::gemv_rows<bm::Avx512, M>(L, x, xsum, y, n0, n1);
+  if (isa == bm::kAvx2) return avx2::gemv_rows<bm::Avx2, M>(L, x, xsum, y, n0, n1);
 #endif
   gemv_rows_portable<M>(L, x, xsum, y, n0, n1);
 }
 
 void dequant_rows(const Layout& L, int64_t r0, int64_t r1, float* out, int64_t isa) {
 #ifdef BM_X86
-  if (isa == kAvx512) return dequant_rows_avx512(L, r0, r1, out);
-  if (isa == kAvx2) return dequant_rows_avx2(L, r0, r1, out);
+  if (isa == bm::kAvx512) return avx512::dequant_rows<bm::Avx512>(L, r0, r1, out);
+  if (isa == bm::kAvx2) return avx2::dequant_rows<bm::Avx2>(L, r0, r1, out);
 #endif
   dequant_rows_portable(L, r0, r1, out);
 }
@@ -62,7 +61,7 @@ Layout make_layout(const torch::Tensor& data, const torch::Tensor& base, const t
                    const torch::Tensor& zeros, int64_t K, int64_t group_size, int64_t row_block, int64_t isa) {
   TORCH_CHECK(data.dtype() == torch::kUInt8 && data.is_contiguous(), "data must be contiguous uint8");
   TORCH_CHECK(scales.dtype() == torch::kFloat32 && zeros.dtype() == torch::kFloat32, "scales/zeros must be float32");
-  TORCH_CHECK(isa_supported_(isa), "kernel ISA ", isa, " is not supported by this CPU");
+  bm::check_isa(isa);
   Layout L;
   L.data = data.data_ptr<uint8_t>();
   L.base = base.data_ptr<int64_t>();
@@ -103,16 +102,7 @@ torch::Tensor qmatmul(torch::Tensor x, torch::Tensor data, torch::Tensor base, t
       }
     const float* xs = xsum.data();
     at::parallel_for(0, L.N, 16, [&](int64_t n0, int64_t n1) {
-      switch (M) {
-        case 1: gemv_rows<1>(L, xp, xs, yp, n0, n1, isa); break;
-        case 2: gemv_rows<2>(L, xp, xs, yp, n0, n1, isa); break;
-        case 3: gemv_rows<3>(L, xp, xs, yp, n0, n1, isa); break;
-        case 4: gemv_rows<4>(L, xp, xs, yp, n0, n1, isa); break;
-        case 5: gemv_rows<5>(L, xp, xs, yp, n0, n1, isa); break;
-        case 6: gemv_rows<6>(L, xp, xs, yp, n0, n1, isa); break;
-        case 7: gemv_rows<7>(L, xp, xs, yp, n0, n1, isa); break;
-        default: gemv_rows<8>(L, xp, xs, yp, n0, n1, isa); break;
-      }
+      bm::dispatch_1to8(M, [&](auto m) { gemv_rows<decltype(m)::value>(L, xp, xs, yp, n0, n1, isa); });
     });
     return y;
   }
@@ -158,10 +148,8 @@ torch::Tensor dequantize(torch::Tensor data, torch::Tensor base, torch::Tensor r
   return out;
 }
 
-bool isa_supported(int64_t isa) { return isa_supported_(isa); }
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul", &qmatmul, "low-bit matmul y = x W^T");
   m.def("dequantize", &dequantize, "rows of W in float32");
-  m.def("isa_supported", &isa_supported, "whether this CPU runs kernel ISA 0 (portable), 1 (AVX2), 2 (AVX-512)");
+  m.def("isa_supported", &bm::isa_supported, "whether this CPU runs kernel ISA 0 (portable), 1 (AVX2), 2 (AVX-512)");
 }

@@ -1,7 +1,6 @@
 // bitmosaic low-bit matmul: the layout view, the portable span decoder and portable kernels.
 // Part of qmatmul.cpp (one translation unit); see the layout comment there.
 #pragma once
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 
@@ -9,16 +8,9 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define BM_X86 1
-#define T_AVX2 __attribute__((target("avx2,fma")))
-#define T_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx2,fma")))
-#endif
+#include "isa.h"
 
 namespace {
-
-enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
 
 struct Layout {
   const uint8_t* data;
@@ -92,24 +84,5 @@ void dequant_rows_portable(const Layout& L, int64_t r0, int64_t r1, float* out) 
     }
   }
 }
-
-#ifdef BM_X86
-// ---------------------------------------------------------------- shared by the AVX-512 and AVX2 kernels
-// byte gather + per-lane shift so that lane i holds bits [4*b*i, 4*b*i + 32) of the span (compile-time tables)
-template <int B, int LANES, int GROUP>
-struct LaneTab {
-  alignas(64) uint8_t idx[4 * LANES];
-  alignas(64) int32_t sh[LANES];
-  constexpr LaneTab() : idx(), sh() {
-    for (int i = 0; i < LANES; ++i) {
-      const int bit = 4 * B * (i % GROUP);  // AVX2: the pattern repeats per 128-bit half (GROUP = 4)
-      for (int k = 0; k < 4; ++k) idx[4 * i + k] = (uint8_t)((bit >> 3) + k);
-      sh[i] = bit & 7;
-    }
-  }
-};
-template <int B, int LANES, int GROUP>
-constexpr LaneTab<B, LANES, GROUP> kLaneTab{};
-#endif  // BM_X86
 
 }  // namespace

@@ -1,0 +1,138 @@
+"""Building the C++ kernels (``csrc/``): once, on first use (or ahead with ``python -m
+bitmosaic.kernels.build``), cached by torch (``$TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``) under a name that changes with the sources.
+
+Three extensions: ``qmatmul`` (:mod:`bitmosaic.kernels.qmatmul`), ``lutgemv``
+(:mod:`bitmosaic.kernels.lut`) and ``mosaic`` (:mod:`bitmosaic.kernels.mosaic`), each compiled for the
+baseline x86-64 with its SIMD code per ISA inside (:mod:`bitmosaic.kernels.isa`).  A build prints one
+line to stderr first (it takes a while: ``COLD_BUILD_S``).  When an extension cannot be built (no C++
+compiler, a failed build) or ``$BITMOSAIC_NO_EXT=1``, :func:`load` returns ``None`` and the kernels run
+their pure-torch path, after one warning per process::
+
+    bitmosaic: C++ kernels unavailable (<reason>); using the pure-torch path, <N> slower
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+__all__ = ["EXTENSIONS", "NO_EXT_ENV", "load", "build_all", "module_name"]
+
+NO_EXT_ENV = "BITMOSAIC_NO_EXT"
+CSRC = Path(__file__).with_name("csrc")
+EXTENSIONS = {"qmatmul": "qmatmul.cpp", "lutgemv": "lutgemv.cpp", "mosaic": "mosaic.cpp"}  # name -> source
+COLD_BUILD_S = "about 2 minutes for all three"  # 113 s measured on 2 shared cores (README "Kernels")
+# the pure-torch fallback against the compiled kernels at batch 1, 4096x4096 g128, 1 thread: LowBitWeight
+# W2/W4 1.4 ms -> 590-600 ms (about 430x), BitPlaneWeight W2/W4 1.6/5.7 ms -> 670-730 ms (130-430x)
+FALLBACK_SLOWDOWN = "100-400x"
+_CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+
+_lock = threading.Lock()
+_loaded: dict[str, object | None] = {}
+_warned = False
+
+
+def _sources(filename: str, seen: set[str] | None = None) -> list[str]:
+    """``filename`` and every ``csrc`` file it includes with ``#include "..."``, recursively."""
+    seen = set() if seen is None else seen
+    if filename in seen or not (CSRC / filename).exists():
+        return []
+    seen.add(filename)
+    out = [filename]
+    for inc in re.findall(r'^\s*#\s*include\s+"([^"]+)"', (CSRC / filename).read_text(), re.M):
+        out += _sources(inc, seen)
+    return out
+
+
+def module_name(name: str) -> str:
+    """The torch extension name: the kernel and a hash of its source and the ``csrc`` headers it
+    includes (torch's cache keys on the listed source only)."""
+    h = hashlib.sha1()
+    for f in _sources(EXTENSIONS[name]):
+        h.update(f.encode() + (CSRC / f).read_bytes())
+    return f"bitmosaic_{name}_{h.hexdigest()[:10]}"
+
+
+def _reason(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    msg = f"{type(e).__name__}: {lines[-1]}" if lines else type(e).__name__
+    return msg if len(msg) <= 200 else msg[:197] + "..."
+
+
+def _warn_unavailable(reason: str) -> None:
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    warnings.warn(
+        f"bitmosaic: C++ kernels unavailable ({reason}); using the pure-torch path, "
+        f"{FALLBACK_SLOWDOWN} slower",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def _compile(name: str):
+    from torch.utils import cpp_extension
+
+    modname = module_name(name)
+    try:  # a private helper, only for the one-line notice
+        built = (Path(cpp_extension._get_build_directory(modname, False)) / f"{modname}.so").exists()
+    except Exception:  # noqa: BLE001
+        built = True
+    if not built:
+        print(f"bitmosaic: compiling the {name} C++ kernel (first use only; {COLD_BUILD_S})", file=sys.stderr)
+    return cpp_extension.load(
+        name=modname,
+        sources=[str(CSRC / EXTENSIONS[name])],
+        extra_cflags=_CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
+
+
+def load(name: str):
+    """The compiled extension ``name`` (built once per process, or loaded from torch's cache), or
+    ``None`` under ``$BITMOSAIC_NO_EXT=1`` or when it cannot be built (one warning per process)."""
+    if os.environ.get(NO_EXT_ENV) == "1":
+        _warn_unavailable(f"${NO_EXT_ENV}=1")
+        return None
+    try:
+        return _loaded[name]
+    except KeyError:
+        pass
+    with _lock:
+        if name not in _loaded:
+            try:
+                _loaded[name] = _compile(name)
+            except Exception as e:  # noqa: BLE001 - any build failure falls back, with one warning
+                _loaded[name] = None
+                _warn_unavailable(_reason(e))
+    return _loaded[name]
+
+
+def build_all() -> dict[str, bool]:
+    """Build (or load) every extension now; ``{name: built}``."""
+    return {name: load(name) is not None for name in EXTENSIONS}
+
+
+def main() -> int:
+    t0 = time.perf_counter()
+    ok = build_all()
+    for name, built in ok.items():
+        print(f"{name}: {'ready' if built else 'unavailable (pure-torch path)'}")
+    from .isa import available_isas
+
+    print(f"ISAs on this CPU: {', '.join(available_isas()) or 'none'}; {time.perf_counter() - t0:.1f} s")
+    return 0 if all(ok.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

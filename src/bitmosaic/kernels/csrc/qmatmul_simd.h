@@ -1,0 +1,127 @@
+// bitmosaic low-bit matmul: the SIMD kernels, written once over the vector traits V (vec.h).
+// No include guard: qmatmul.cpp includes this file once per ISA, inside that ISA's target region and
+// namespace, and instantiates it with that ISA's traits (bm::Avx2, bm::Avx512).
+//
+// A span (64 codes, 8*B bytes) is P = 16 / V::W registers ("parts") of int32 lanes; part h holds lanes
+// W*h .. W*h + W-1 and starts at byte B*W*h/2.  Shifted by t*B and masked, part h gives the codes
+// 16t + W*h .. 16t + W*h + W-1 of the span (codes<B, t>).
+// Accumulation order (kept from the per-ISA kernels, results unchanged): AVX-512 keeps one chain per
+// step t (4 per row of x), AVX2 one chain per part h (2 per row), each chain summing in span order;
+// the chains are added pairwise at the end of a group.
+
+template <class V, int B, int T>
+BM_INLINE typename V::F codes(typename V::I v) {
+  constexpr bool clean = (T == 3) && (B == 8 || B == 4 || B == 2);  // nothing above the last code
+  typename V::I c = T ? V::srli(v, T * B) : v;
+  if constexpr (!clean) c = V::andi(c, V::set1i((1 << B) - 1));
+  return V::cvt(c);
+}
+
+template <class V>
+constexpr int kParts = 16 / V::W;
+template <class V>
+constexpr int kChains = kParts<V> == 1 ? 4 : kParts<V>;
+template <class V>
+constexpr int chain(int h, int t) { return kParts<V> == 1 ? t : h; }
+
+// gv[m] = sum_j c[j] x[m, j] over one group (len codes at p, x already offset to the group's columns)
+template <class V, int M, int B>
+void group(const uint8_t* p, int64_t len, const float* x, int64_t K, typename V::F* gv) {
+  using F = typename V::F;
+  constexpr int P = kParts<V>, C = kChains<V>, W = V::W;
+  const typename V::Lanes c = V::template consts<B>();
+  F a[M][C];
+  for (int m = 0; m < M; ++m)
+    for (int k = 0; k < C; ++k) a[m][k] = V::zero();
+  const int64_t full = len & ~int64_t(63);
+  int64_t j = 0;
+  for (; j < full; j += 64, p += 8 * B) {
+    for (int h = 0; h < P; ++h) {
+      const typename V::I v = V::template span<B>(p + B * W * h / 2, c);
+      const F cc[4] = {codes<V, B, 0>(v), codes<V, B, 1>(v), codes<V, B, 2>(v), codes<V, B, 3>(v)};
+      for (int m = 0; m < M; ++m) {
+        const float* xm = x + m * K + j + W * h;
+        for (int t = 0; t < 4; ++t) a[m][chain<V>(h, t)] = V::fma(cc[t], V::loadu(xm + 16 * t), a[m][chain<V>(h, t)]);
+      }
+    }
+  }
+  if (j < len) {  // the zero-padded last span: x is read only inside the group (masked loads; the
+    // lanes past it add c * 0 = +0 to accumulators that are never -0, so the sums are unchanged)
+    const int64_t rem = len - j;
+    for (int h = 0; h < P; ++h) {
+      const typename V::I v = V::template span<B>(p + B * W * h / 2, c);
+      const F cc[4] = {codes<V, B, 0>(v), codes<V, B, 1>(v), codes<V, B, 2>(v), codes<V, B, 3>(v)};
+      const typename V::Mask mk[4] = {V::mask(rem - W * h), V::mask(rem - 16 - W * h), V::mask(rem - 32 - W * h),
+                                      V::mask(rem - 48 - W * h)};
+      for (int m = 0; m < M; ++m) {  // constant indices: the accumulators stay in registers
+        const float* xm = x + m * K + j + W * h;
+        for (int t = 0; t < 4; ++t)
+          a[m][chain<V>(h, t)] = V::fma(cc[t], V::maskz_load(xm + 16 * t, mk[t]), a[m][chain<V>(h, t)]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    if constexpr (C == 4) gv[m] = V::add(V::add(a[m][0], a[m][1]), V::add(a[m][2], a[m][3]));
+    else gv[m] = V::add(a[m][0], a[m][1]);
+  }
+}
+
+// y[m, n] for rows n0..n1 of W and the M rows of x (decode; module comment of qmatmul.cpp)
+template <class V, int M>
+void gemv_rows(const Layout& L, const float* x, const float* xsum, float* y, int64_t n0, int64_t n1) {
+  typename V::F gv[M], racc[M];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = L.row(n);
+    const int64_t rb = n / L.row_block;
+    float rs[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int m = 0; m < M; ++m) racc[m] = V::zero();
+    for (int64_t g = 0; g < L.G; ++g) {
+      const int64_t c0 = g * L.group_size, len = L.glen(g);
+      const uint8_t* p = row + L.goff[rb * L.G + g];
+      const float* xg = x + c0;
+      bm::dispatch_1to8(L.bits[rb * L.G + g], [&](auto b) { group<V, M, decltype(b)::value>(p, len, xg, L.K, gv); });
+      const float s = L.scales[n * L.G + g], z = L.zeros[n * L.G + g];
+      const typename V::F sv = V::set1(s);
+      for (int m = 0; m < M; ++m) {
+        racc[m] = V::fma(sv, gv[m], racc[m]);
+        rs[m] -= s * (z * xsum[m * L.G + g]);
+      }
+    }
+    for (int m = 0; m < M; ++m) y[m * L.N + n] = V::reduce(racc[m]) + rs[m];
+  }
+}
+
+// o[j] = (c[j] - z) * s for one group (a subtraction, then a product: bitwise the reference)
+template <class V, int B>
+void dequant_group(const uint8_t* p, int64_t len, float s, float z, float* o) {
+  using F = typename V::F;
+  constexpr int P = kParts<V>, W = V::W;
+  const typename V::Lanes c = V::template consts<B>();
+  const F sv = V::set1(s), zv = V::set1(z);
+  for (int64_t j = 0; j < len; j += 64, p += 8 * B) {
+    for (int h = 0; h < P; ++h) {
+      const typename V::I v = V::template span<B>(p + B * W * h / 2, c);
+      const F cc[4] = {codes<V, B, 0>(v), codes<V, B, 1>(v), codes<V, B, 2>(v), codes<V, B, 3>(v)};
+      for (int t = 0; t < 4; ++t) {
+        const int64_t k = len - j - 16 * t - W * h;
+        if (k <= 0) break;
+        V::store_tail(o + j + 16 * t + W * h, k, V::mul(V::sub(cc[t], zv), sv));
+      }
+    }
+  }
+}
+
+template <class V>
+void dequant_rows(const Layout& L, int64_t r0, int64_t r1, float* out) {
+  for (int64_t n = r0; n < r1; ++n) {
+    const uint8_t* row = L.row(n);
+    const int64_t rb = n / L.row_block;
+    float* o = out + (n - r0) * L.K;
+    for (int64_t g = 0; g < L.G; ++g) {
+      const int64_t c0 = g * L.group_size, len = L.glen(g);
+      const uint8_t* p = row + L.goff[rb * L.G + g];
+      const float s = L.scales[n * L.G + g], z = L.zeros[n * L.G + g];
+      bm::dispatch_1to8(L.bits[rb * L.G + g], [&](auto b) { dequant_group<V, decltype(b)::value>(p, len, s, z, o + c0); });
+    }
+  }
+}

@@ -1,0 +1,99 @@
+"""Which kernel a quantized module kind builds: one selector over the kernels' declared capabilities.
+
+Every kernel class declares what it runs (the GPTQModel style)::
+
+    KERNEL_NAME                   "lowbit" (LowBitWeight) or "lut" (BitPlaneWeight)
+    SUPPORTS_BITS                 code widths it runs (per block, any mix when SUPPORTS_MIXED_BITS)
+    SUPPORTS_DEVICES              devices its weights live on
+    SUPPORTS_GROUP_SIZE_MULTIPLE  group sizes it takes are multiples of this (1: any; -1 = one per row)
+    SUPPORTS_ROWS                 (lo, hi) rows of x it is fast for (hi None: any)
+    FAST_BITS                     widths at which it is the measured choice
+    NEEDS_COMPILED                fast only with its compiled extension (``compiled()``)
+
+and every module kind lists, in order of preference, the kernels that can run it (a ``KERNELS`` class
+attribute: packed kinds ``("lut", "lowbit")``, mosaic ``("lowbit",)``, SFMP ``("lut",)``).
+:func:`select_kernel` takes the first listed kernel that runs the request and is fast for it, else the
+first that runs it.  So by default the packed kinds run the bit-plane LUT at 1-3 bits and LowBitWeight
+from 4 bits (and everywhere without the compiled LUT), mosaic LowBitWeight, SFMP the LUT.
+
+One override, for benchmarking: ``$BITMOSAIC_KERNEL=lut|lowbit`` picks that kernel for every kind that
+lists it and can run the request (``auto`` or unset: the selection above).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from .lut import BitPlaneWeight
+from .qmatmul import LowBitWeight
+
+__all__ = ["KERNEL_ENV", "KERNELS", "select_kernel", "runs", "is_fast"]
+
+KERNEL_ENV = "BITMOSAIC_KERNEL"
+KERNELS: dict[str, type] = {k.KERNEL_NAME: k for k in (LowBitWeight, BitPlaneWeight)}
+
+
+def _widths(bits) -> set[int]:
+    if torch.is_tensor(bits):
+        return {int(b) for b in bits.unique().tolist()} if bits.numel() else set()
+    return {int(bits)}
+
+
+def runs(kernel: type, bits, device: str = "cpu", group_size: int | None = None) -> bool:
+    """Whether ``kernel`` can run weights of these ``bits`` (an int, or a per-block map) on ``device``."""
+    widths = _widths(bits)
+    if len(widths) > 1 and not kernel.SUPPORTS_MIXED_BITS:
+        return False
+    if not widths <= set(kernel.SUPPORTS_BITS):
+        return False
+    if torch.device(device).type not in kernel.SUPPORTS_DEVICES:
+        return False
+    mult = kernel.SUPPORTS_GROUP_SIZE_MULTIPLE
+    return group_size is None or group_size < 0 or mult <= 1 or group_size % mult == 0
+
+
+def is_fast(kernel: type, bits, rows: int = 1) -> bool:
+    """Whether ``kernel`` is the measured choice for these ``bits`` at ``rows`` rows of x here."""
+    lo, hi = kernel.SUPPORTS_ROWS
+    if rows < lo or (hi is not None and rows > hi):
+        return False
+    if not _widths(bits) <= set(kernel.FAST_BITS):
+        return False
+    return not kernel.NEEDS_COMPILED or kernel.compiled()
+
+
+def select_kernel(
+    candidates: Sequence[str],
+    bits,
+    *,
+    rows: int = 1,
+    device: str = "cpu",
+    group_size: int | None = None,
+) -> type:
+    """The kernel class a module kind with these ``candidates`` (``KERNELS`` names, preferred first)
+    builds for ``bits`` (an int or a per-block map), ``rows`` rows of x (1: decode) on ``device``:
+    ``$BITMOSAIC_KERNEL`` if set and among the runnable candidates, else the first runnable candidate
+    that is fast for the request, else the first runnable one."""
+    unknown = [c for c in candidates if c not in KERNELS]
+    if unknown:
+        raise ValueError(f"unknown kernel(s) {unknown}; the kernels are {', '.join(KERNELS)}")
+    runnable = [KERNELS[c] for c in candidates if runs(KERNELS[c], bits, device, group_size)]
+    if not runnable:
+        raise ValueError(
+            f"none of the kernels {list(candidates)} runs {sorted(_widths(bits))}-bit weights on {device} "
+            f"(group size {group_size})"
+        )
+    forced = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
+    if forced != "auto":
+        if forced not in KERNELS:
+            raise ValueError(f"${KERNEL_ENV}={forced!r} is not one of auto, {', '.join(KERNELS)}")
+        for k in runnable:
+            if k.KERNEL_NAME == forced:
+                return k
+    for k in runnable:
+        if is_fast(k, bits, rows):
+            return k
+    return runnable[0]
