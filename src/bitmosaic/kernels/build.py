@@ -1,5 +1,5 @@
 """Building the C++ kernels (``csrc/``): once, on first use (or ahead with ``python -m
-bitmosaic.kernels.build``), cached by torch (``$TORCH_EXTENSIONS_DIR``, default
+bitmosaic.kernels``), cached by torch (``$TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``) under a name that changes with the sources.
 
 Three extensions: ``qmatmul`` (:mod:`bitmosaic.kernels.qmatmul`), ``lutgemv``
@@ -19,7 +19,6 @@ import os
 import re
 import sys
 import threading
-import time
 import warnings
 from pathlib import Path
 
@@ -121,18 +120,3 @@ def load(name: str):
 def build_all() -> dict[str, bool]:
     """Build (or load) every extension now; ``{name: built}``."""
     return {name: load(name) is not None for name in EXTENSIONS}
-
-
-def main() -> int:
-    t0 = time.perf_counter()
-    ok = build_all()
-    for name, built in ok.items():
-        print(f"{name}: {'ready' if built else 'unavailable (pure-torch path)'}")
-    from .isa import available_isas
-
-    print(f"ISAs on this CPU: {', '.join(available_isas()) or 'none'}; {time.perf_counter() - t0:.1f} s")
-    return 0 if all(ok.values()) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -38,7 +38,7 @@ its loads waiting and it lost to ``LowBitWeight`` end to end.
 
 Without a compiler (or with ``BITMOSAIC_NO_EXT=1``) every batch runs the pure-torch tiled
 dequantize + mm, after one warning.  :func:`lut_gemv_reference` is the pure-PyTorch statement of the
-LUT algorithm with ``g = 8`` and 128 stored table entries (#12), for tests.
+LUT algorithm with ``g = 8`` and 128 stored table entries, for tests.
 """
 
 from __future__ import annotations

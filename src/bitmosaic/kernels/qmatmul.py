@@ -39,7 +39,7 @@ pure-torch path with the same API and results runs instead, after one warning.
 Capabilities (read by :func:`bitmosaic.kernels.select.select_kernel`): any width 1-8 per block, CPU,
 any group size; fast at every width and batch (the GEMV up to 8 rows, tiles above), compiled or not.
 
-Design choice (issue #10 asks to measure two): this unpack-in-register design is measured in
+Design choice (two designs were measured): this unpack-in-register design is measured in
 ``benchmarks/kernels.py`` (``benchmarks/results/kernels.md``); the bit-plane lookup-table design
 (T-MAC, SFMP §4.5) is a separate kernel.
 """

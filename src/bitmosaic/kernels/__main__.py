@@ -1,0 +1,23 @@
+"""``python -m bitmosaic.kernels``: build (or load) the three C++ extensions now, say which are ready
+and which instruction sets this CPU runs them on."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from .build import build_all
+from .isa import available_isas
+
+
+def main() -> int:
+    t0 = time.perf_counter()
+    ok = build_all()
+    for name, built in ok.items():
+        print(f"{name}: {'ready' if built else 'unavailable (pure-torch path)'}")
+    print(f"ISAs on this CPU: {', '.join(available_isas()) or 'none'}; {time.perf_counter() - t0:.1f} s")
+    return 0 if all(ok.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
