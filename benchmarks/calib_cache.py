@@ -22,18 +22,17 @@ from pathlib import Path
 
 import torch
 
-from bitmosaic.api import method_config
 from bitmosaic.data import calibration_samples
 from bitmosaic.io import load_model
-from bitmosaic.io.serialization import atomic_write_text
 from bitmosaic.models.arch import get_arch
 from bitmosaic.pipeline import quantize_model
 from bitmosaic.pipeline.calib_cache import CalibCache
 from bitmosaic.pipeline.calibration import LayerInputs, capture_layer_inputs, cast_floating
 from bitmosaic.pipeline.capture import capture_groups
 from bitmosaic.pipeline.fisher import fisher_salience
+from bitmosaic.pipeline.recipe import method_config
 
-from common import RESULTS, base_parser
+from common import RESULTS, base_parser, write_text
 
 
 def _same(a, b) -> bool:
@@ -168,8 +167,8 @@ def main() -> None:
             md += ["## quantize_model wall time (seconds)", "", *_md(out["e2e"]), ""]
     print("\n".join(md))
     path = Path(args.json) if args.json else RESULTS / "calib_cache.json"
-    atomic_write_text(path, json.dumps(out, indent=2))
-    atomic_write_text(path.with_suffix(".md"), "\n".join(md) + "\n")
+    write_text(path, json.dumps(out, indent=2))
+    write_text(path.with_suffix(".md"), "\n".join(md) + "\n")
     print(f"JSON written to {path}")
 
 

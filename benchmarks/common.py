@@ -78,6 +78,11 @@ def machine_info(**extra) -> dict:
     return {**info, **extra}
 
 
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Write a text file (a Markdown table, a figure's data) atomically: a temporary file, renamed."""
+    atomic_write_text(path, text)
+
+
 def write_results(path: str | os.PathLike | None, name: str, out: dict, markdown: str | None = None) -> Path:
     """Write ``out`` (with ``benchmark`` and ``machine`` filled in when absent) as JSON to ``path``
     (default ``benchmarks/results/<name>.json``) and ``markdown`` beside it (``.md``), atomically."""

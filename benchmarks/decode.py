@@ -24,13 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-
-from bitmosaic.io.serialization import atomic_write_text
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -263,23 +260,12 @@ def main() -> None:
         r["speed_vs_llama_cpp"] = r["decode_tok_s"] / peer["decode_tok_s"] if peer else None
     table = _table(rows)
     print("\n" + table)
-    out = {
-        "benchmark": "decode",
-        "args": vars(a),
-        "machine": {
-            "platform": platform.platform(),
-            "python": sys.version.split()[0],
-            "cpus": os.cpu_count(),
-            "loadavg_1_5_15_before": load_before,
-            "loadavg_1_5_15_after": os.getloadavg(),
-        },
-        "llama_cpp": have_llama,
-        "gguf": Path(gguf).name,
-        "rows": rows,
-    }
-    atomic_write_text(Path(a.json), json.dumps(out, indent=2))
-    atomic_write_text(Path(a.json).with_suffix(".md"), table + "\n")
-    print(f"\nJSON written to {a.json}")
+    from common import machine_info, write_results  # the parent only (children run the variants)
+
+    machine = machine_info(loadavg_1_5_15_before=load_before, loadavg_1_5_15_after=os.getloadavg())
+    out = {"args": vars(a), "machine": machine, "llama_cpp": have_llama, "gguf": Path(gguf).name}
+    out["rows"] = rows
+    write_results(a.json, "decode", out, table)
 
 
 if __name__ == "__main__":

@@ -18,43 +18,21 @@ Times are medians over repeats after a warm-up.  The kernel runs its best instru
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import sys
-import time
 from pathlib import Path
 
 import torch
 from torch.nn import functional as F
 
 from bitmosaic.formats.packing import pack_codes
-from bitmosaic.io.serialization import atomic_write_text
 from bitmosaic.kernels.cpu import dequantize_packed
 from bitmosaic.kernels.isa import available_isas, kernel_isa
 from bitmosaic.kernels.qmatmul import LowBitWeight, extension
 
+from common import machine_info, median_ms, read_bandwidth_gbs, write_results
+
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (4096, 4096), (14336, 4096), (4096, 14336)]
 GS = 128
-
-
-def median_ms(fn, budget_s: float = 0.6, max_reps: int = 50) -> float:
-    fn()
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < max_reps and (len(times) < 3 or time.perf_counter() - start < budget_s):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    times.sort()
-    return times[len(times) // 2] * 1e3
-
-
-def read_bandwidth_gbs() -> float:
-    big = torch.ones(128 * 2**20)  # 512 MiB
-    best = min(median_ms(big.sum, 0.0, 1) for _ in range(5))
-    return big.numel() * 4 / (best / 1e3) / 1e9
 
 
 def make_weight(N: int, K: int, bits: float, g: torch.Generator):
@@ -161,25 +139,12 @@ def main() -> None:
         )
     table = "\n".join(lines)
     print("\n" + table)
-    out = {
-        "benchmark": "kernels",
-        "args": vars(a),
-        "machine": {
-            "platform": platform.platform(),
-            "python": sys.version.split()[0],
-            "torch": torch.__version__,
-            "cpus": os.cpu_count(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "compiled_kernel": extension() is not None,
-            "kernel_isa": kernel_isa(),
-            "kernel_isas_available": available_isas(),
-        },
-        "read_bandwidth_gbs": bw,
-        "rows": rows,
-    }
-    atomic_write_text(Path(a.json), json.dumps(out, indent=2))
-    atomic_write_text(Path(a.json).with_suffix(".md"), table + "\n")
-    print(f"\nJSON written to {a.json}")
+    machine = machine_info(
+        cpu_capability=torch.backends.cpu.get_cpu_capability(), compiled_kernel=extension() is not None,
+        kernel_isa=kernel_isa(), kernel_isas_available=available_isas(),
+    )  # fmt: skip
+    out = {"args": vars(a), "machine": machine, "read_bandwidth_gbs": bw, "rows": rows}
+    write_results(a.json, "kernels", out, table)
 
 
 if __name__ == "__main__":

@@ -23,24 +23,20 @@ SmolLM2 and an 8B shape at 2, 3 and 4 bits (writes ``lut_gemv_batch.{json,md}``)
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 from pathlib import Path
 
 import torch
 from torch.nn import functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels import median_ms  # noqa: E402  (benchmarks/kernels.py)
+from bitmosaic.kernels import lut
+from bitmosaic.kernels.isa import available_isas
+from bitmosaic.kernels.lut import BitPlaneWeight
+from bitmosaic.kernels.qmatmul import LowBitWeight
+from bitmosaic.kernels.qmatmul import extension as fma_extension
 
-from bitmosaic.io.serialization import atomic_write_text  # noqa: E402
-from bitmosaic.kernels import lut  # noqa: E402
-from bitmosaic.kernels.isa import available_isas  # noqa: E402
-from bitmosaic.kernels.lut import BitPlaneWeight  # noqa: E402
-from bitmosaic.kernels.qmatmul import LowBitWeight  # noqa: E402
-from bitmosaic.kernels.qmatmul import extension as fma_extension  # noqa: E402
+from common import cpu_name, machine_info, median_ms, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (4096, 4096), (14336, 4096)]
@@ -60,16 +56,6 @@ def make_codes(N: int, K: int, bits: float, g: torch.Generator):
     scales = torch.rand(N, G, generator=g) * 0.01 + 1e-3
     zeros = torch.randint(0, 4, (N, G), generator=g).float()
     return codes, bmap, scales, zeros
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def linearity(rows: list[dict]) -> list[dict]:
@@ -176,8 +162,7 @@ def batch_sweep(out: Path) -> None:
         )
     md = "\n".join(lines) + "\n"
     print(md)
-    atomic_write_text(out, json.dumps({"meta": meta, "rows": rows}, indent=1))
-    atomic_write_text(out.with_suffix(".md"), md)
+    write_results(out, "lut_gemv_batch", {"meta": meta, "machine": machine_info(), "rows": rows}, md)
 
 
 def main() -> None:
@@ -239,8 +224,8 @@ def main() -> None:
     print(md)
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out, json.dumps({"meta": meta, "rows": rows, "linearity": lin}, indent=1))
-    atomic_write_text(out.with_suffix(".md"), md)
+    result = {"meta": meta, "machine": machine_info(), "rows": rows, "linearity": lin}
+    write_results(out, "lut_gemv", result, md)
 
 
 if __name__ == "__main__":

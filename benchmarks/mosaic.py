@@ -28,9 +28,8 @@ from __future__ import annotations
 import json
 
 from bitmosaic.formats.act import ActQuantSpec
-from bitmosaic.io.serialization import atomic_write_text
 
-from common import RESULTS, Bench, base_parser
+from common import RESULTS, Bench, base_parser, write_text
 
 A8 = ActQuantSpec("int", 8)
 A4 = ActQuantSpec("int", 4, granularity="group", group_size=128)
@@ -127,7 +126,7 @@ def main() -> None:
             f"{a.max_windows} windows of {a.seqlen}; `python benchmarks/mosaic.py --parts {part} "
             f"--nsamples {a.nsamples} --max-windows {a.max_windows}`\n\n"
         )
-        atomic_write_text(RESULTS / f"mosaic_{part}.md", head + "\n".join(lines) + "\n")
+        write_text(RESULTS / f"mosaic_{part}.md", head + "\n".join(lines) + "\n")
         (RESULTS / f"mosaic_{part}.partial.json").unlink(missing_ok=True)
         print(json.dumps({"part": part, "rows": len(b.rows)}))
 

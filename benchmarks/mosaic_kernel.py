@@ -22,19 +22,16 @@ Run: flock /tmp/bitmosaic-heavy.lock python benchmarks/mosaic_kernel.py --thread
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
 
 import torch
 
 from bitmosaic.algorithms.mosaic import mosaic_decompose
-from bitmosaic.io.serialization import atomic_write_text
 from bitmosaic.kernels.mosaic import DECODE_ROWS
 from bitmosaic.modules.mosaic import MosaicQuantLinear
 
-from common import RESULTS
+from common import RESULTS, machine_info, write_results
 
 SHAPES = ("576x576", "192x576", "1536x576", "576x1536", "4096x4096", "1024x4096", "14336x4096")
 
@@ -105,8 +102,7 @@ def main() -> None:
                 f"({100 * row['three_step_overhead']:+6.1f}%)  fp32 {t['fp32']:8.3f}  mem +{100 * mem:.1f}%",
                 flush=True,
             )
-    out = {"args": vars(a), "machine": platform.platform(), "threads": torch.get_num_threads(), "rows": rows}
-    atomic_write_text(RESULTS / "mosaic_kernel.json", json.dumps(out, indent=2))
+    out = {"args": vars(a), "machine": machine_info(), "rows": rows}
     lines = [
         f"CPU, {a.threads} threads, budget {a.budget:g}, {a.block} blocks, median ms "
         f"(`python benchmarks/mosaic_kernel.py --threads {a.threads}`)",
@@ -125,7 +121,7 @@ def main() -> None:
             f"{t['three-step']:.3f} | {t['fp32']:.3f} | {dover} | {100 * r['fused_overhead']:+.1f}% | "
             f"{100 * r['three_step_overhead']:+.1f}% | {100 * r['memory_overhead']:.1f}% |"
         )
-    atomic_write_text(RESULTS / "mosaic_kernel.md", "\n".join(lines) + "\n")
+    write_results(RESULTS / "mosaic_kernel.json", "mosaic_kernel", out, "\n".join(lines))
 
 
 if __name__ == "__main__":

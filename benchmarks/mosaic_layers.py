@@ -45,7 +45,6 @@ from bitmosaic.algorithms.mosaic import (
 from bitmosaic.data import calibration_samples
 from bitmosaic.formats.act import ActQuantSpec, fake_quant
 from bitmosaic.io import load_model
-from bitmosaic.io.serialization import atomic_write_text
 from bitmosaic.methods import get_method
 from bitmosaic.methods.mosaic import mosaic_transform, mosaic_weight
 from bitmosaic.models.arch import get_arch
@@ -53,7 +52,7 @@ from bitmosaic.modules.mosaic import MosaicQuantLinear
 from bitmosaic.pipeline.capture import capture_groups, run_layer
 from bitmosaic.pipeline.pipeline import capture_layer_inputs
 
-from common import RESULTS
+from common import RESULTS, write_text
 
 CRITERIA = ("delta-hessian", "oracle", "channel", "magnitude", "residual-norm", "random")
 A4 = ActQuantSpec("int", 4, granularity="group", group_size=128)
@@ -199,7 +198,7 @@ def main() -> None:
             print(f"layer {li}: per-matrix {per / total:.3f}, global {glob / total:.3f}", flush=True)
         with torch.inference_mode():
             inputs = [run_layer(layer, h, k) for h, k in zip(inputs, kwargs, strict=True)]
-    atomic_write_text(RESULTS / "mosaic_layers.json", json.dumps(result, indent=1))
+    write_text(RESULTS / "mosaic_layers.json", json.dumps(result, indent=1))
     _plots(result, hblock)
     _markdown(result)
 
@@ -261,7 +260,7 @@ def _markdown(result) -> None:
         lines += ["Δ-Hessian vs budget (mean of the 7 linears): " + ", ".join(
             f"{100 * b:g}%: {sum(r['curves']['delta-hessian'][j] for r in L['linears'].values()) / 7:.3f}"
             for j, b in enumerate(budgets)), ""]  # fmt: skip
-    atomic_write_text(RESULTS / "mosaic_layers.md", "\n".join(lines) + "\n")
+    write_text(RESULTS / "mosaic_layers.md", "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -39,11 +39,10 @@ import time
 from pathlib import Path
 
 from bitmosaic.data import calibration_samples
-from bitmosaic.io.serialization import atomic_write_text
 from bitmosaic.methods import get_method
 from bitmosaic.pipeline import quantize_model
 
-from common import RESULTS, Bench, base_parser
+from common import RESULTS, Bench, base_parser, write_text
 
 PAIRS = {  # point -> (uniform bits, uniform group or None, sfmp group)
     "2.5": (2, 64, 128),
@@ -120,7 +119,7 @@ class SFMPBench(Bench):
 
     def _add_partial(self):
         rows = [{k: v for k, v in r.items() if k != "layers"} for r in self.rows]
-        atomic_write_text(PARTIAL, json.dumps({"partial": True, "rows": rows}, indent=2))
+        write_text(PARTIAL, json.dumps({"partial": True, "rows": rows}, indent=2))
 
 
 def _breakdown(layers) -> dict:
@@ -315,8 +314,8 @@ def part_decode(a) -> None:
     ]
     md = "\n".join(lines) + "\n"
     print(md)
-    atomic_write_text(RESULTS / "sfmp_decode.md", md)
-    atomic_write_text(RESULTS / "sfmp_decode.json", json.dumps({"benchmark": "sfmp_decode", **res}, indent=2))
+    write_text(RESULTS / "sfmp_decode.md", md)
+    write_text(RESULTS / "sfmp_decode.json", json.dumps({"benchmark": "sfmp_decode", **res}, indent=2))
 
 
 def report(rows: list[dict], args) -> str:
@@ -458,8 +457,8 @@ def main() -> None:
         rows = b.rows
     md = report(rows, a)
     print(md)
-    atomic_write_text(RESULTS / "sfmp.md", md)
-    atomic_write_text(
+    write_text(RESULTS / "sfmp.md", md)
+    write_text(
         RESULTS / "sfmp.json", json.dumps({"benchmark": "sfmp", "args": vars(a), "rows": rows}, indent=2)
     )
     plot(rows, RESULTS / "sfmp_bits.png")

@@ -35,7 +35,6 @@ from bitmosaic.eval.perplexity import perplexity
 from bitmosaic.formats.act import ActQuantSpec
 from bitmosaic.formats.sq import act_name, act_storage_bits, parse_sq, weight_name
 from bitmosaic.io import load_quantized, save_quantized
-from bitmosaic.io.serialization import atomic_write_text
 from bitmosaic.methods import get_method
 from bitmosaic.modules.actquant import attach_input_quant, input_quant_spec
 from bitmosaic.modules.base import set_weight_cache
@@ -43,7 +42,7 @@ from bitmosaic.modules.qlinear import QuantLinear
 from bitmosaic.modules.sq import SQActLinear, SQWeightLinear
 from bitmosaic.pipeline import quantize_model
 
-from common import RESULTS, Bench, base_parser
+from common import RESULTS, Bench, base_parser, write_text
 
 CACHE = Path("/tmp/bitmosaic_sq_bench")
 BASE = {"bits": 4, "group_size": 128, "alpha": 0.5, "solver": "gptq"}
@@ -186,7 +185,7 @@ class SQBench(Bench):
         r["ppl"] = self.ppl(model)
         r["eval_seconds"] = time.perf_counter() - t
         self.done = [d for d in self.done if not (d["part"] == part and d["name"] == name)] + [r]
-        atomic_write_text(self.out, json.dumps({"args": vars(self.args), "rows": self.done}, indent=2))
+        write_text(self.out, json.dumps({"args": vars(self.args), "rows": self.done}, indent=2))
         print(
             f"  [{part}] {name:<44} ppl {r['ppl']:9.3f}  paper {paper_bits!s:>6}  bits {bpw:6.3f}"
             f"  act-bits {abits:6.3f}  low-MAC {share:.3f}" + "".join(f"  {k} {v}" for k, v in extra.items()),
@@ -278,7 +277,7 @@ def part_defaults(b: SQBench) -> None:
                 }
                 b.done = [d for d in b.done if not (d["part"] == "defaults" and d["name"] == r["name"])] + [r]
                 print(f"  [defaults] {r['name']:<36} rel. output error {num / den:.5f}", flush=True)
-    atomic_write_text(b.out, json.dumps({"args": vars(b.args), "rows": b.done}, indent=2))
+    write_text(b.out, json.dumps({"args": vars(b.args), "rows": b.done}, indent=2))
 
 
 def part_gap(b: SQBench) -> None:
@@ -407,7 +406,7 @@ def main() -> None:
         print(f"== part {part}: {time.perf_counter() - t:.0f}s", flush=True)
     md = table(b.done)
     print("\n" + md)
-    atomic_write_text(b.out.with_suffix(".md"), md + "\n")
+    write_text(b.out.with_suffix(".md"), md + "\n")
 
 
 if __name__ == "__main__":
