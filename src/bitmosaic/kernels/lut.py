@@ -48,6 +48,7 @@ import math
 import torch
 
 from ..formats import bitplane as bp
+from ..formats.grid import dequantize_codes
 from . import build, tiles
 from .isa import ISAS, isa_number
 from .qmatmul import tiled_matmul_torch
@@ -184,7 +185,7 @@ class BitPlaneWeight:
     def _dequantize_torch(self, r0: int, r1: int) -> torch.Tensor:
         codes = bp.unpack(self.planes, slice(r0, r1))
         gi = torch.arange(self.K) // self.group_size
-        return (codes.float() - self.zeros_t.T[r0:r1, gi]) * self.scales_t.T[r0:r1, gi]
+        return dequantize_codes(codes.float(), self.scales_t.T[r0:r1, gi], self.zeros_t.T[r0:r1, gi])
 
 
 # signs of the 128 stored entries of an 8-activation table: entry p (bit 7 clear) = Σ_t ±x_t

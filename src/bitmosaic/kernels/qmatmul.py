@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import torch
 
+from ..formats.grid import dequantize_codes
 from ..formats.packing import pack_codes
 from . import build, tiles
 from .isa import isa_number
@@ -259,7 +260,7 @@ class LowBitWeight:
                 codes = _unpack_any(seg, b, c1 - c0)
                 z = self.zeros[lo:hi, g : g + 1]
                 s = self.scales[lo:hi, g : g + 1]
-                out[lo - r0 : hi - r0, c0:c1] = (codes.float() - z) * s
+                out[lo - r0 : hi - r0, c0:c1] = dequantize_codes(codes.float(), s, z)
         return out
 
 

@@ -31,7 +31,6 @@ import copy
 from collections.abc import Callable
 
 import torch
-from torch.nn import functional as F
 
 from ..formats.fp import fp_round
 from ..kernels.lut import BitPlaneWeight
@@ -217,12 +216,3 @@ def row_chunks(n_rows: int, n_cols: int):
     """Row slices of about one tile each (bounded temporary memory when unpacking a kernel)."""
     step = max(1, TORCH_TILE_ELEMS // max(n_cols, 1))
     return [slice(r0, min(n_rows, r0 + step)) for r0 in range(0, n_rows, step)]
-
-
-def linear_with(kernel: KernelWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    y = kernel(x)
-    return y if bias is None else y + bias.to(y.dtype)
-
-
-def dense_reference_forward(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
