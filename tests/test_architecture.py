@@ -137,10 +137,15 @@ def test_generic_layers_name_no_method(layer):
     assert not hits, "method names in a generic layer:\n" + "\n".join(hits)
 
 
+# the registration lines: the list of methods, the list of module kinds, the list of C++ extensions
+REGISTRATION = {"methods/__init__.py", "modules/__init__.py", "kernels/build.py"}
+
+
 def test_a_method_touches_few_files():
+    """A method is its algorithms file, its methods file and, for a new storage format, its module
+    kind and kernel, plus registration lines (the issue's bound: SFMP at most 7 files in all)."""
     fp = _footprint().footprint()
-    # SFMP (a new storage format too): its algorithms, methods and module-kind files, the kind's
-    # model-level helpers and the one registration line
     assert len(fp["sfmp"]) <= 7, fp["sfmp"]
-    for m in ("mosaic", "ssqr", "hptq/hrtn", "sq-weights/sq-acts", "smoothquant", "awq", "dpq"):
-        assert len(fp[m]) <= 7, (m, fp[m])
+    for m in ("sfmp", "mosaic", "ssqr", "hptq/hrtn", "sq-weights/sq-acts", "smoothquant", "awq", "dpq"):
+        own = [f for f in fp[m] if f not in REGISTRATION]
+        assert len(own) <= 5, (m, own)
