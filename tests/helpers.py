@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -40,3 +41,28 @@ def snapshot(path: Path) -> dict[str, bytes]:
 def is_bitmosaic(path: Path) -> bool:
     qc = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
     return qc.get("quant_method") == "bitmosaic"
+
+
+@contextlib.contextmanager
+def compare_in_process(subprocess_if=lambda cmd: False):
+    """``bitmosaic compare`` runs each config as ``python -m bitmosaic.cli ...``; here the same argv runs
+    through ``main`` in this process, its output going to the same log file (a fresh interpreter costs
+    about 3 s of imports per config).  Commands for which ``subprocess_if(cmd)`` holds still run as
+    real subprocesses."""
+    import bitmosaic.eval.compare as compare
+    from bitmosaic.cli import main
+
+    saved = compare._run
+
+    def run(cmd: list[str], log: Path) -> int:
+        assert cmd[1:3] == ["-m", "bitmosaic.cli"], cmd
+        if subprocess_if(cmd):
+            return saved(cmd, log)
+        with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+            return main(cmd[3:])
+
+    compare._run = run
+    try:
+        yield
+    finally:
+        compare._run = saved

@@ -43,6 +43,7 @@ import pytest
 import torch
 
 from .conftest import REPO, data_dir
+from .helpers import compare_in_process
 
 README = REPO / "README.md"
 FULL_COMPARE = os.environ.get("BITMOSAIC_README_FULL_COMPARE") == "1"
@@ -250,7 +251,7 @@ class Workspace:
                 )
                 continue
             expected = next((rc for cmd, rc in EXIT_CODES.items() if shlex.join(argv).startswith(cmd)), 0)
-            with _compare_in_process() if argv[1] == "compare" else contextlib.nullcontext():
+            with compare_in_process() if argv[1] == "compare" else contextlib.nullcontext():
                 rc = main(argv[1:])
             assert rc == expected, f"README.md:{block.line}: `{shlex.join(argv)}` exited {rc}, not {expected}"
             ran.append(shlex.join(argv))
@@ -287,26 +288,6 @@ class Workspace:
         calib = calibration_samples(tok, self.values["data"], 4, 32, seed=0)
         report = quantize_(model, recipe, calib, progress=False)
         return {"model": model, "report": report}
-
-
-@contextlib.contextmanager
-def _compare_in_process():
-    """``bitmosaic compare`` runs each config as ``python -m bitmosaic.cli ...``; here the same argv runs
-    through ``main`` in this process, its output going to the same log file."""
-    import bitmosaic.eval.compare as compare
-    from bitmosaic.cli import main
-
-    def run(cmd: list[str], log: Path) -> int:
-        assert cmd[1:3] == ["-m", "bitmosaic.cli"], cmd
-        with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
-            return main(cmd[3:])
-
-    saved = compare._run
-    compare._run = run
-    try:
-        yield
-    finally:
-        compare._run = saved
 
 
 @pytest.fixture(scope="module")

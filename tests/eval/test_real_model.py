@@ -92,7 +92,9 @@ def test_real_model_gptq_w4_end_to_end(smollm, calib, tmp_path):
 
     model, tok = smollm
     ids = eval_tokens(tok, "wikitext2", data_dir=data_dir())
-    base = perplexity(model, ids, 512, max_windows=4, progress=False)["ppl"]
+    # 2 windows of 512 (seed 0 calibration): float 27.0, RTN 36.2, GPTQ 32.5; over 4 windows the same
+    # order (30.2, 40.6, 35.4) -- the margins do not need the slower, longer run
+    base = perplexity(model, ids, 512, max_windows=2, progress=False)["ppl"]
     ppl = {}
     for method in ("rtn", "gptq"):
         q = copy.deepcopy(model)
@@ -100,7 +102,7 @@ def test_real_model_gptq_w4_end_to_end(smollm, calib, tmp_path):
         assert len(rep.layers) == 30 * 7
         # 4 + 32/128, plus 576's partial group of 64; GPTQ's default act-order adds an int32 g_idx
         assert 4.25 < rep.bits_per_weight < (4.3 if method == "rtn" else 4.33)
-        ppl[method] = perplexity(q, ids, 512, max_windows=4, progress=False)["ppl"]  # low-bit kernels
+        ppl[method] = perplexity(q, ids, 512, max_windows=2, progress=False)["ppl"]  # low-bit kernels
     # SmolLM2-135M is fragile at 4 bits g128 (its weights were Q4_1 g32): the anchors lose 39%
     # (llm-compressor GPTQ w4 g64); we require GPTQ to beat RTN and stay within 1.5x of float.
     assert ppl["gptq"] < ppl["rtn"], ppl

@@ -158,16 +158,26 @@ def test_three_load_paths_give_the_same_modules(root, case):
 
 
 def test_load_in_a_fresh_process(root):
+    """``bitmosaic.load`` in a new interpreter (an SFMP folder: its permutation fold runs), and the
+    transformers registration it relies on: ``import bitmosaic`` alone imports no transformers, and
+    registering again (or reloading the package) is harmless."""
     path = saved(root, "sfmp")
     code = (
-        "import sys, bitmosaic, torch; m = bitmosaic.load(sys.argv[1]); "
+        "import sys, bitmosaic, torch\n"
+        "assert 'transformers' not in sys.modules, 'import bitmosaic imported transformers'\n"
+        "m = bitmosaic.load(sys.argv[1])\n"
+        "from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING as Q\n"
+        "from bitmosaic.io.hf_integration import BitmosaicHfQuantizer, register\n"
+        "assert Q['bitmosaic'] is BitmosaicHfQuantizer\n"
+        "register(); register()\n"
+        "import importlib; importlib.reload(bitmosaic)\n"
         "print(type(m).__name__, sum(1 for x in m.modules() if hasattr(x, 'kind')), "
-        "any(getattr(x, '_emit', None) is not None for x in m.modules()))"
+        "any(getattr(x, '_emit', None) is not None for x in m.modules()))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(SRC.parent)}
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env,
                          timeout=300)  # fmt: skip
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["LlamaForCausalLM", "14", "True"]
 
 

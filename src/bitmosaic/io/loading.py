@@ -146,9 +146,6 @@ def load_model(spec: str, dtype: torch.dtype | str = torch.float32):
     Raises :class:`ModelSpecError` for names that cannot be loaded, :class:`CorruptModelError` for
     damaged files and :class:`NonFiniteError` for NaN/Inf weights.
     """
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if isinstance(dtype, str):
         if dtype.strip().lower() == "auto":
             raise DeviceError("load_model needs a concrete dtype; resolve 'auto' with resolve_dtype")
@@ -159,12 +156,15 @@ def load_model(spec: str, dtype: torch.dtype | str = torch.float32):
 
         return load_quantized(info["path"], dtype=dtype)
     if kind == "gguf":
-        p = info["path"]
-        src, kw = str(p.parent), {"gguf_file": p.name}
-    elif kind == "hf-dir":
-        src, kw = str(info["path"]), {}
-    else:
-        src, kw = info["repo_id"], {}
+        return _load_gguf(info["path"], spec, dtype)
+    src = str(info["path"]) if kind == "hf-dir" else info["repo_id"]
+    return _from_pretrained(src, {}, spec, dtype)
+
+
+def _from_pretrained(src: str, kw: dict, spec: str, dtype: torch.dtype):
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     try:
         tok = AutoTokenizer.from_pretrained(src, **kw)
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kw)
@@ -178,3 +178,22 @@ def load_model(spec: str, dtype: torch.dtype | str = torch.float32):
     model.eval()
     _check_weights(model, spec)
     return model, tok
+
+
+def _load_gguf(path: Path, spec: str, dtype: torch.dtype):
+    """A GGUF file, through its converted copy (:mod:`bitmosaic.io.gguf_cache`) when there is one."""
+    from .gguf_cache import drop_copy, gguf_copy
+
+    def convert(src, kw):
+        return _from_pretrained(src, kw, spec, torch.float32)
+
+    folder = gguf_copy(path, convert)
+    if folder is not None:
+        try:
+            return _from_pretrained(str(folder), {}, spec, dtype)
+        except (ModelSpecError, CorruptModelError, ValueError) as e:
+            drop_copy(folder, path, str(e).splitlines()[0] if str(e) else type(e).__name__)
+            folder = gguf_copy(path, convert)
+            if folder is not None:
+                return _from_pretrained(str(folder), {}, spec, dtype)
+    return _from_pretrained(str(path.parent), {"gguf_file": path.name}, spec, dtype)

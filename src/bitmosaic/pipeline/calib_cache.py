@@ -62,6 +62,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..paths import default_cache_root
 from .capture import GroupCapture, capture_groups, foldable
 
 __all__ = ["CalibCache", "RunCache", "cache_key", "default_cache_root"]
@@ -69,11 +70,6 @@ __all__ = ["CalibCache", "RunCache", "cache_key", "default_cache_root"]
 FORMAT_VERSION = 1
 _META = "bitmosaic_tree"
 _ENTRY = re.compile(r"[0-9a-f]{24}\.safetensors")
-
-
-def default_cache_root() -> Path:
-    """``$BITMOSAIC_CACHE``, else ``~/.cache/bitmosaic``."""
-    return Path(os.environ.get("BITMOSAIC_CACHE") or Path.home() / ".cache" / "bitmosaic")
 
 
 def cache_key(

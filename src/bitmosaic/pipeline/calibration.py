@@ -110,6 +110,9 @@ class LayerInputs:
         return sum(b.numel() * b.element_size() for b in self.batches)
 
 
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "cache")
+
+
 @torch.inference_mode()
 def capture_layer_inputs(
     model: nn.Module,
@@ -137,7 +140,9 @@ def capture_layer_inputs(
                 seen.add(kind)
                 kw = {k: v for k, v in kwargs.items() if k != "hidden_states"}
                 kw["use_cache"] = False
-                kw["past_key_values"] = None
+                for k in _CACHE_KWARGS:  # transformers >= 5.2x names it ``cache``; never add a name
+                    if k in kw:
+                        kw[k] = None
                 kwargs_by_kind[kind].append(kw)
             if seen == kinds_needed:
                 raise StopForward
