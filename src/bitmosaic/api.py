@@ -130,6 +130,7 @@ def quantize_(
     calib_source: str | None = None,
     source_model: str | None = None,
     more_calib=None,
+    store=None,
     **options,
 ) -> RunReport:
     """Quantize ``model`` in place and return the run report.
@@ -189,6 +190,7 @@ def quantize_(
         method_inputs=inputs,
         calib_cache=calib_cache,
         more_calib=more_calib,
+        store=store,
     )
     bos = bos_token_id(tokenizer) is not None if tokenizer is not None else False
     report.calibration.update({"source": source or "tensor", "seed": seed, "bos": bos})

@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument(
         "--overwrite", action="store_true", help="replace an existing bitmosaic model folder at --out"
     )
+    q.add_argument(
+        "--stream", choices=("auto", "on", "off"), default="auto",
+        help="read, quantize and write one decoder layer at a time, resumable after a crash (auto: when "
+        "--out is given and the model would take over half the free memory, or a run into --out was "
+        "interrupted; default: %(default)s)",
+    )  # fmt: skip
 
     e = sub.add_parser("eval", help="perplexity of a model or a saved quantized folder")
     e.add_argument("model", nargs="?", default=DEFAULT_MODEL)

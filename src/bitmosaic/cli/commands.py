@@ -144,20 +144,28 @@ def cmd_quantize(args) -> int:
     _check_json_path(args.json)
     if args.fidelity and not args.eval_src:
         raise ValueError("--fidelity compares on the --eval windows; add --eval wikitext2 (or a text file)")
-    t0 = time.perf_counter()
-    model, tok = load_model(args.model, dtype=dtype)
-    print(f"loaded {args.model} ({type(model).__name__}) in {time.perf_counter() - t0:.1f}s")
-    reference = copy.deepcopy(model) if args.fidelity else None
-    results: dict = {}
-    if args.eval_src and args.eval_float:
-        results["float"] = _ppl(
-            model, tok, args.eval_src, args.eval_seqlen, args.max_windows, args.data_dir, progress, device
-        )
-        print(f"float perplexity: {results['float']['ppl']:.3f}")
-    report, _ = run_recipe(model, tok, recipe, args, device, progress)
+    from .stream import run_streaming, should_stream
+
+    if should_stream(args, recipe, dtype):
+        report, out = run_streaming(args, recipe, spec, config, device, dtype, progress)
+        model = tok = reference = None
+        results: dict = {}
+    else:
+        t0 = time.perf_counter()
+        model, tok = load_model(args.model, dtype=dtype)
+        print(f"loaded {args.model} ({type(model).__name__}) in {time.perf_counter() - t0:.1f}s")
+        reference = copy.deepcopy(model) if args.fidelity else None
+        results = {}
+        if args.eval_src and args.eval_float:
+            results["float"] = _ppl(
+                model, tok, args.eval_src, args.eval_seqlen, args.max_windows, args.data_dir, progress, device
+            )
+            print(f"float perplexity: {results['float']['ppl']:.3f}")
+        report, _ = run_recipe(model, tok, recipe, args, device, progress)
+        out = {}
     for line in spec.summary_lines(report):
         print(line)
-    out = report.to_dict()
+    out = {**report.to_dict(), **out}
     out.update(model=args.model, device=str(device), dtype=str(dtype).removeprefix("torch."))
     print(
         f"quantized {len(report.layers)} linears with {spec.name} in {report.seconds:.1f}s, "
@@ -167,6 +175,20 @@ def cmd_quantize(args) -> int:
     if cache.get("hits") or cache.get("misses"):
         hits, misses = ", ".join(cache["hits"]) or "-", ", ".join(cache["misses"]) or "-"
         print(f"calibration cache {cache['root']}: hits {hits}; misses {misses}")
+    if model is None:  # streamed: the model is on disk; evaluation loads what was saved
+        print(f"saved to {out['saved_to']}")
+        if args.eval_src or args.tasks:
+            from ..io import load_quantized
+
+            if args.eval_src and (args.eval_float or args.fidelity):
+                reference, ftok = load_model(args.model, dtype=dtype)
+                if args.eval_float:
+                    results["float"] = _ppl(reference, ftok, args.eval_src, args.eval_seqlen,
+                                            args.max_windows, args.data_dir, progress, device)  # fmt: skip
+                    print(f"float perplexity: {results['float']['ppl']:.3f}")
+                if not args.fidelity:
+                    reference = None
+            model, tok = load_quantized(args.out, dtype=dtype)
     if args.eval_src:
         results["quantized"] = _ppl(
             model, tok, args.eval_src, args.eval_seqlen, args.max_windows, args.data_dir, progress, device,
@@ -187,7 +209,7 @@ def cmd_quantize(args) -> int:
             print(f"vs float: {kl}, top-1 agreement {q['top1_agreement']:.4f}")
     if args.tasks:
         out["tasks"] = _tasks(args, model, tok, device)
-    if args.out:  # what quantize_ attached: method, settings, recipe, provenance
+    if args.out and "saved_to" not in out:  # what quantize_ attached: method, settings, recipe, provenance
         path = save_quantized(model, args.out, tokenizer=tok, overwrite=args.overwrite)
         out["saved_to"] = str(path)
         print(f"saved to {path}")

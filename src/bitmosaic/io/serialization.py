@@ -47,10 +47,14 @@ __all__ = [
     "check_quant_config",
     "install_quantized_modules",
     "stored_module_bits",
+    "saved_config",
+    "tensors_for_save",
+    "write_shard",
 ]
 
 FORMAT_VERSION = 1
 SHARD_BYTES = 2 * 1024**3
+SAVE_META = {"format": "pt", "bitmosaic_format_version": str(FORMAT_VERSION)}
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -72,13 +76,16 @@ def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def _state_dict_for_save(model: nn.Module) -> dict[str, torch.Tensor]:
-    sd = model.state_dict()
     tied = getattr(model.config, "tie_word_embeddings", False)
+    sd = model.state_dict()
+    return tensors_for_save({k: v for k, v in sd.items() if not (tied and k == "lm_head.weight")})
+
+
+def tensors_for_save(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``sd`` as safetensors can write it: detached, contiguous, on the CPU, one copy per shared tensor."""
     out = {}
     seen_ptrs = {}
     for k, v in sd.items():
-        if tied and k == "lm_head.weight":
-            continue
         ptr = (v.data_ptr(), v.numel(), v.dtype) if v.numel() else None
         if ptr is not None and ptr in seen_ptrs:  # shared tensor: keep one copy
             v = v.clone()
@@ -158,6 +165,25 @@ def _replace_dir(tmp: Path, out_dir: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def write_shard(file: Path, sd: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> None:
+    """One safetensors file, its metadata table in sorted order (the same tensors give the same bytes)."""
+    save_file(sd, str(file), metadata=meta or SAVE_META)
+    _sort_safetensors_metadata(file)
+
+
+def saved_config(model: nn.Module, quant_info: dict, modules: dict[str, dict]) -> dict:
+    """The ``config.json`` of a quantized model: the model's config with its ``quantization_config``
+    (``quant_info``, what each module kind records of itself, and ``modules``: per-layer settings)."""
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    qc = {"quant_method": "bitmosaic", "format_version": FORMAT_VERSION, **quant_info}
+    for kind, mods in quant_modules_by_kind(model).items():  # what each kind records of itself
+        qc.update(kind.saved_summary(model, mods, qc))
+    qc["modules"] = modules
+    cfg["quantization_config"] = qc
+    return cfg
+
+
 def write_safetensors(folder: Path, sd: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
     """``sd`` as ``model.safetensors``, or as shards of at most ``SHARD_BYTES`` plus the index."""
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -170,14 +196,12 @@ def write_safetensors(folder: Path, sd: dict[str, torch.Tensor], meta: dict[str,
         shards[-1][k] = v
         size += nbytes
     if len(shards) == 1:
-        save_file(shards[0], str(folder / "model.safetensors"), metadata=meta)
-        _sort_safetensors_metadata(folder / "model.safetensors")
+        write_shard(folder / "model.safetensors", shards[0], meta)
         return
     weight_map = {}
     for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / name), metadata=meta)
-        _sort_safetensors_metadata(folder / name)
+        write_shard(folder / name, shard, meta)
         weight_map.update({k: name for k in shard})
     index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in sd.values())}}
     index["weight_map"] = weight_map
@@ -217,21 +241,14 @@ def save_quantized(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        cfg = model.config.to_dict()
-        cfg.pop("quantization_config", None)
-        qc = {"quant_method": "bitmosaic", "format_version": FORMAT_VERSION, **quant_info}
-        for kind, mods in quant_modules_by_kind(model).items():  # what each kind records of itself
-            qc.update(kind.saved_summary(model, mods, qc))
-        qc["modules"] = {n: full_layer_config(m) for n, m in qmods.items()}
-        cfg["quantization_config"] = qc
+        cfg = saved_config(model, quant_info, {n: full_layer_config(m) for n, m in qmods.items()})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
         gen = getattr(model, "generation_config", None)
         if gen is not None:
             gen.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        meta = {"format": "pt", "bitmosaic_format_version": str(FORMAT_VERSION)}
-        write_safetensors(tmp, _state_dict_for_save(model), meta)
+        write_safetensors(tmp, _state_dict_for_save(model), SAVE_META)
         check_output_dir(out_dir, overwrite)  # again: the folder may have changed while we wrote
         _replace_dir(tmp, out_dir)
     except BaseException:

@@ -156,6 +156,10 @@ class Method:
     def has_transform(self) -> bool:
         return type(self).transform is not Method.transform
 
+    @property
+    def has_finalize(self) -> bool:
+        return type(self).finalize is not Method.finalize
+
     def make_config(self, **kwargs) -> WeightQuantConfig:
         kwargs = rename_old_keys(self.config_cls, kwargs, f"method {self.name!r}: ")
         names = {f.name for f in dataclasses.fields(self.config_cls)}

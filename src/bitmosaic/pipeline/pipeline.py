@@ -198,6 +198,7 @@ def quantize_model(
     method_inputs: dict | None = None,
     calib_cache: CalibCache | None = None,
     more_calib=None,
+    store=None,
 ) -> RunReport:
     """Quantize every linear of ``model``'s decoder layers in place; return the run report.
 
@@ -223,6 +224,8 @@ def quantize_model(
     ``calib_cache``: a :class:`~bitmosaic.pipeline.calib_cache.CalibCache` for the float-model
     statistics runs can share (layer-0 inputs, layer 0's transform statistics, Fisher); results are
     bit-identical with and without it; ``report.calibration["cache"]`` lists its hits.
+    ``store``: where decoder layers come from and go to, one at a time (streaming, with resume:
+    :class:`bitmosaic.pipeline.stream.LayerStore`); ``None``: the model holds every layer.
     """
     t0 = time.perf_counter()
     arch = arch or get_arch(model)
@@ -268,10 +271,17 @@ def quantize_model(
     gen = torch.Generator().manual_seed(seed)
     total_bits = 0.0
     total_weights = 0
+    start = 0
+    if store is not None:  # layers an earlier, interrupted run finished: their rows, RNG and outputs
+        start, total_bits, total_weights = store.resume(report, gen, inputs)
     desc = f"{method.name} {config.scheme}"
-    bar = tqdm(range(len(layers)), desc=desc, unit="layer", disable=not progress)
+    bar = tqdm(range(start, len(layers)), desc=desc, unit="layer", disable=not progress, initial=start,
+               total=len(layers))  # fmt: skip
     for li in bar:
         layer = layers[li]
+        n_rows = len(report.layers)
+        if store is not None:
+            store.load(li, layer)
         first_param = next(layer.parameters())
         home, home_dtype = first_param.device, first_param.dtype
         layer.to(dev, cdtype)
@@ -369,6 +379,9 @@ def quantize_model(
             if act is not None:
                 attach_input_quant(qlin, act, qlin.in_features, act_scales[name])
             layer.set_submodule(name, qlin.to(home))
+        if store is not None:  # written, recorded as finished, and freed
+            store.done(li, layer, report.layers[n_rows:], inputs, gen, total_bits, total_weights)
+            _release_host_memory()
     for key, ctx in contexts.items():
         m, c = ctx.entry
         ctx._record.clear()

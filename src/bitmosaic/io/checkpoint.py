@@ -1,0 +1,154 @@
+"""A float checkpoint read one tensor at a time, and an empty model to read it into.
+
+Streaming quantization (:mod:`bitmosaic.pipeline.stream`) never holds a whole model: it builds the
+model's modules with their parameters on the ``meta`` device (no memory; buffers such as the rotary
+frequencies are real), then fills one module at a time from the checkpoint's safetensors files,
+which are memory-mapped (``safe_open``), and empties it again when done.
+
+Sources: a Hugging Face folder (``model.safetensors`` or shards with ``model.safetensors.index.json``),
+a hub id (downloaded with ``huggingface_hub.snapshot_download``, safetensors only), or a GGUF file
+through its converted copy (:mod:`bitmosaic.io.gguf_cache`; GGUF files over the copy's size limit
+cannot be streamed yet and are refused in one line).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import CorruptModelError, check_finite
+from .loading import ModelSpecError, resolve_model_spec
+
+__all__ = ["Checkpoint", "open_checkpoint"]
+
+
+def _missing(spec: str, name: str) -> str:
+    return f"{spec}: tensor {name} is missing from the checkpoint; re-download it"
+
+
+class Checkpoint:
+    """The tensors of a safetensors model folder, by name, read lazily."""
+
+    def __init__(self, folder: str | Path, spec: str | None = None) -> None:
+        self.folder = Path(folder)
+        self.spec = spec or str(folder)
+        index = self.folder / "model.safetensors.index.json"
+        single = self.folder / "model.safetensors"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                msg = f"{index} is not a valid safetensors index ({e}); re-download it"
+                raise CorruptModelError(msg) from None
+            self.files = {k: self.folder / v for k, v in weight_map.items()}
+        elif single.is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(single), "pt") as f:
+                self.files = dict.fromkeys(f.keys(), single)
+        else:
+            raise ModelSpecError(
+                f"{self.folder} holds no safetensors weights (model.safetensors or an index): streaming "
+                "reads safetensors only; convert the checkpoint with save_pretrained(safe_serialization=True)"
+            )
+        self._open: dict[Path, object] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def keys(self) -> list[str]:
+        return list(self.files)
+
+    def _handle(self, file: Path):
+        from safetensors import SafetensorError, safe_open
+
+        if file not in self._open:
+            try:
+                self._open[file] = safe_open(str(file), "pt")
+            except (SafetensorError, OSError) as e:
+                raise CorruptModelError(
+                    f"cannot read {file} ({' '.join(str(e).split())}); re-download or re-save the model"
+                ) from None
+        return self._open[file]
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Tensor ``name`` (a copy in ``dtype`` when given), checked for NaN/Inf."""
+        if name not in self.files:
+            raise CorruptModelError(_missing(self.spec, name))
+        t = self._handle(self.files[name]).get_tensor(name)
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        check_finite(t, f"weight {name} of model {self.spec!r}")
+        return t
+
+    def fingerprint(self) -> str:
+        """What identifies the checkpoint cheaply: its config and every file's name, size and mtime."""
+        h = hashlib.sha256((self.folder / "config.json").read_bytes())
+        for f in sorted(set(self.files.values())):
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        return h.hexdigest()[:24]
+
+    def config(self):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.folder)
+
+    def empty_model(self, dtype: torch.dtype) -> nn.Module:
+        """The model's modules in ``dtype`` with parameters on ``meta`` (buffers real), in eval mode."""
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
+
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(self.config(), dtype=dtype)
+        return model.eval()
+
+    def fill(self, module: nn.Module, prefix: str, dtype: torch.dtype) -> None:
+        """Read ``module``'s parameters (and persistent buffers) named ``prefix + name`` into it."""
+        sd = {}
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            key = prefix + name
+            if key in self.files:
+                sd[name] = self.get(key, dtype if t.is_floating_point() else None)
+            elif t.device.type == "meta":
+                raise CorruptModelError(_missing(self.spec, key))
+        module.load_state_dict(sd, strict=False, assign=True)
+
+
+def open_checkpoint(spec: str) -> tuple[Checkpoint, object]:
+    """``(Checkpoint, tokenizer)`` of a model argument (folder, hub id, GGUF file or alias)."""
+    from transformers import AutoTokenizer
+
+    kind, info = resolve_model_spec(spec)
+    if kind == "bitmosaic":
+        raise ModelSpecError(f"{spec} is already quantized by bitmosaic; give the float model it came from")
+    if kind == "hf-dir":
+        folder = info["path"]
+    elif kind == "hub":
+        from huggingface_hub import snapshot_download
+
+        try:
+            patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+            folder = Path(snapshot_download(info["repo_id"], allow_patterns=patterns))
+        except Exception as e:  # offline, unknown id, gated: one line
+            raise ModelSpecError(f"could not download {spec!r}: {' '.join(str(e).split())[:200]}") from None
+    else:
+        from .gguf_cache import gguf_copy
+        from .loading import _from_pretrained
+
+        folder = gguf_copy(info["path"], lambda src, kw: _from_pretrained(src, kw, spec, torch.float32))
+        if folder is None:
+            raise ModelSpecError(
+                f"{spec}: streaming reads a GGUF file through its converted copy, which is off or too large "
+                "(BITMOSAIC_GGUF_CACHE, BITMOSAIC_GGUF_CACHE_MAX_GB); raise the limit or use --stream off"
+            )
+    try:
+        tok = AutoTokenizer.from_pretrained(folder)
+    except OSError as e:
+        why = " ".join(str(e).split())
+        raise ModelSpecError(f"could not load the tokenizer of {spec!r}: {why}") from None
+    return Checkpoint(folder, spec), tok

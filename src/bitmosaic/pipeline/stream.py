@@ -1,0 +1,288 @@
+"""Streaming quantization: a model larger than memory, one decoder layer at a time, resumable.
+
+:func:`quantize_streaming` never holds the whole model.  It builds the model with its parameters on
+the ``meta`` device (:class:`~bitmosaic.io.checkpoint.Checkpoint`), reads the embeddings, captures
+the calibration inputs of layer 0 and writes the embeddings to the output, then for each decoder
+layer: reads it from the checkpoint (memory-mapped safetensors), calibrates and quantizes it with the
+very pipeline the in-memory path uses (:func:`~bitmosaic.pipeline.pipeline.quantize_model` with a
+:class:`LayerStore`), writes its packed tensors as one finished shard, and frees it.  Peak host memory
+is about one decoder layer in the compute dtype, its Hessians, and the calibration activations (kept
+in the compute dtype -- float32 on the CPU -- so that results are bit-identical to the in-memory path).
+The output is sharded safetensors with an index, as ``save_pretrained`` writes, and loads with
+``bitmosaic.load``, ``load_quantized`` and ``from_pretrained`` exactly as before.
+
+**Resume.**  Work goes to ``.<out>.partial/`` beside the output folder.  After each layer it holds the
+layer's shard, the next layer's calibration inputs (``inputs-NNNNN.safetensors``, with the random
+generator's state) and ``progress.json``: finished layers, their report rows and saved settings, and
+the run's fingerprint (source checkpoint, recipe, calibration tokens, pipeline settings, library
+version).  ``progress.json`` is written last, atomically, so a crash or ``kill -9`` at any moment
+leaves a consistent record.  Rerunning the same command continues after the last finished layer
+and gives the same bytes as an uninterrupted run; a rerun with anything in the fingerprint changed
+refuses in one line naming it.  When the run completes, the folder is renamed into place.
+
+Methods with a whole-model step (a ``prepare`` or ``finalize`` hook, e.g. a global bit allocation
+from gradients through the full model) cannot stream and are refused in one line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .._version import __version__
+from ..errors import OptionError
+from ..io.checkpoint import Checkpoint
+from ..io.serialization import (
+    SAVE_META,
+    _replace_dir,
+    atomic_write_text,
+    check_output_dir,
+    saved_config,
+    tensors_for_save,
+    write_shard,
+)
+from ..models.arch import get_arch
+from ..modules.qmodules import full_layer_config
+
+__all__ = ["LayerStore", "quantize_streaming", "partial_dir", "streamable"]
+
+PROGRESS = "progress.json"
+_PROGRESS_VERSION = 1
+
+
+def partial_dir(out: str | os.PathLike) -> Path:
+    """Where an unfinished streaming run into ``out`` keeps its work."""
+    out = Path(out)
+    return out.parent / f".{out.name}.partial"
+
+
+def streamable(recipe) -> str | None:
+    """``None`` when every method of ``recipe`` can run layer by layer, else why not (one line)."""
+    entries = [recipe.default()]
+    entries += [recipe._entry_config(r, f"recipe overrides[{i}]") for i, r in enumerate(recipe.overrides)]
+    for method, _ in entries:
+        if method is not None and (method.has_prepare or method.has_finalize):
+            return (
+                f"method {method.name} has a whole-model step (its prepare/finalize hooks see every layer at "
+                "once), so it cannot stream one layer at a time; use --stream off (the model is then loaded "
+                "whole)"
+            )
+    return None
+
+
+class _Freed(nn.Module):
+    """What a finished decoder layer leaves in the model: nothing."""
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:24]
+
+
+_FINGERPRINT = (("version", "bitmosaic version"), ("source", "model checkpoint"), ("recipe", "recipe"),
+                ("calibration", "calibration tokens"), ("settings", "pipeline settings"))  # fmt: skip
+
+
+class LayerStore:
+    """The pipeline's source and sink of decoder layers in a streaming run (module doc)."""
+
+    def __init__(self, ckpt: Checkpoint, model: nn.Module, work: Path, dtype: torch.dtype, fingerprint: dict):
+        self.ckpt, self.model, self.work, self.dtype = ckpt, model, work, dtype
+        self.arch = get_arch(model)
+        self.layers = self.arch.layers(model)
+        self.n_shards = len(self.layers) + 2  # embeddings, one per layer, the rest (final norm, head)
+        self.fingerprint = fingerprint
+        self.state = {"version": _PROGRESS_VERSION, "fingerprint": fingerprint, "layers_done": 0,
+                      "rows": [], "modules": {}, "total_bits": 0.0, "total_weights": 0}  # fmt: skip
+        prog = work / PROGRESS
+        if prog.is_file():
+            try:
+                old = json.loads(prog.read_text(encoding="utf-8"))
+            except ValueError:
+                old = None
+            if isinstance(old, dict) and old.get("version") == _PROGRESS_VERSION:
+                self._check_same_run(old.get("fingerprint") or {})
+                self.state = old
+
+    def _check_same_run(self, old: dict) -> None:
+        for key, what in _FINGERPRINT:
+            if old.get(key) != self.fingerprint.get(key):
+                raise OptionError(
+                    f"{self.work} holds an unfinished run with a different {what} ({old.get(key)} vs "
+                    f"{self.fingerprint.get(key)}); rerun the exact command that started it, or delete "
+                    f"{self.work} to start over"
+                )
+
+    def shard(self, i: int) -> str:
+        return f"model-{i + 1:05d}-of-{self.n_shards:05d}.safetensors"
+
+    def _write(self, i: int, sd: dict[str, torch.Tensor]) -> None:
+        tmp = self.work / (self.shard(i) + ".tmp")
+        write_shard(tmp, tensors_for_save(sd), SAVE_META)
+        os.replace(tmp, self.work / self.shard(i))
+
+    # -- what the pipeline calls -----------------------------------------------------------------
+    def resume(self, report, gen: torch.Generator, inputs) -> tuple[int, float, int]:
+        k = int(self.state["layers_done"])
+        if k == 0:
+            return 0, 0.0, 0
+        from safetensors.torch import load_file
+
+        saved = load_file(str(self.work / f"inputs-{k:05d}.safetensors"))
+        gen.set_state(saved.pop("gen_state"))
+        if inputs is not None:
+            dtype = inputs.batches[0].dtype
+            inputs.replace([saved[f"b{i}"].to(inputs.device, dtype) for i in range(len(inputs.batches))])
+        report.layers.extend(self.state["rows"])
+        for li in range(k):
+            self.layers[li] = _Freed()
+        return k, float(self.state["total_bits"]), int(self.state["total_weights"])
+
+    def load(self, li: int, layer: nn.Module) -> None:
+        self.ckpt.fill(layer, f"{self.arch.layers_path}.{li}.", self.dtype)
+
+    def done(self, li, layer, rows, inputs, gen, total_bits, total_weights) -> None:
+        prefix = f"{self.arch.layers_path}.{li}."
+        mods = {prefix + n: full_layer_config(m) for n, m in layer.named_modules()
+                if hasattr(m, "layer_config")}  # fmt: skip
+        self._write(li + 1, {prefix + k: v for k, v in layer.state_dict().items()})
+        spill = {f"b{i}": b.contiguous() for i, b in enumerate(inputs.batches)} if inputs is not None else {}
+        spill["gen_state"] = gen.get_state()
+        tmp = self.work / f"inputs-{li + 1:05d}.safetensors.tmp"
+        write_shard(tmp, {k: v.detach().cpu().contiguous() for k, v in spill.items()}, SAVE_META)
+        os.replace(tmp, self.work / f"inputs-{li + 1:05d}.safetensors")
+        st = self.state
+        st["layers_done"] = li + 1
+        st["rows"] = st["rows"] + json.loads(json.dumps(rows, default=_jsonable))
+        st["modules"].update(mods)
+        st["total_bits"], st["total_weights"] = total_bits, total_weights
+        atomic_write_text(self.work / PROGRESS, json.dumps(st, indent=1))  # the commit point
+        (self.work / f"inputs-{li:05d}.safetensors").unlink(missing_ok=True)
+        self.layers[li] = _Freed()
+
+
+def _jsonable(v):
+    if isinstance(v, torch.Tensor):
+        return v.tolist()
+    if hasattr(v, "item"):
+        return v.item()
+    return str(v)
+
+
+def _write_outside(store: LayerStore, ckpt: Checkpoint, model: nn.Module) -> None:
+    """The tensors outside the decoder stack: the input embeddings in the first shard, the rest (final
+    norm, an untied output head) in the last; each read, cast and written alone."""
+    layers_path = store.arch.layers_path + "."
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    names = [n for n, _ in [*model.named_parameters(), *model.named_buffers()]
+             if not n.startswith(layers_path) and n in ckpt
+             and not (tied and n == "lm_head.weight")]  # fmt: skip
+    embed = model.get_input_embeddings()
+    emb_names = [n for n, p in model.named_parameters() if p is embed.weight and n in names]
+    rest = [n for n in names if n not in emb_names]
+    for i, group in ((0, emb_names), (store.n_shards - 1, rest)):
+        if not (store.work / store.shard(i)).is_file():
+            store._write(i, {n: ckpt.get(n, store.dtype) for n in group})
+
+
+def _fill_outside(ckpt: Checkpoint, model: nn.Module, layers_path: str, dtype: torch.dtype) -> None:
+    """Everything outside the decoder stack except the output head (only the output needs it)."""
+    head = model.get_output_embeddings()
+    for name, child in model.named_children():
+        for sub, mod in child.named_modules(prefix=name):
+            if sub == layers_path or sub.startswith(layers_path + ".") or mod is head:
+                continue
+            own = [n for n, p in mod.named_parameters(recurse=False)]
+            own += [n for n, _ in mod.named_buffers(recurse=False) if f"{sub}.{n}" in ckpt]
+            if own:
+                part = {}
+                for n in own:
+                    t = getattr(mod, n)
+                    part[n] = ckpt.get(f"{sub}.{n}", dtype if t.is_floating_point() else None)
+                mod.load_state_dict(part, strict=False, assign=True)
+
+
+def quantize_streaming(
+    ckpt: Checkpoint,
+    tokenizer,
+    out: str | os.PathLike,
+    recipe,
+    calib: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.float32,
+    overwrite: bool = False,
+    settings: dict | None = None,
+    **quantize_kwargs,
+):
+    """Quantize checkpoint ``ckpt`` into folder ``out`` layer by layer (module doc); returns the run
+    report.  ``dtype``: the dtype tensors are read in and unquantized tensors are saved in (as the
+    in-memory path's load dtype); ``settings``: pipeline settings that change results (they join the
+    resume fingerprint); ``quantize_kwargs`` go to :func:`bitmosaic.quantize_` (tokenizer, seed,
+    batch size, device, ...)."""
+    from ..api import quantize_
+
+    why = streamable(recipe)
+    if why:
+        raise OptionError(why)
+    out = check_output_dir(out, overwrite)
+    work = partial_dir(out)
+    work.mkdir(parents=True, exist_ok=True)
+    model = ckpt.empty_model(dtype)
+    fingerprint = {
+        "version": __version__,
+        "source": ckpt.fingerprint(),
+        "recipe": _sha(json.dumps(recipe.to_dict(), sort_keys=True, default=str).encode()),
+        "calibration": _sha(str(tuple(calib.shape)).encode() + calib.to(torch.int64).numpy().tobytes()),
+        "settings": _sha(json.dumps({**(settings or {}), "dtype": str(dtype)}, sort_keys=True).encode()),
+    }
+    store = LayerStore(ckpt, model, work, dtype, fingerprint)
+    arch = store.arch
+    _write_outside(store, ckpt, model)
+    _fill_outside(ckpt, model, arch.layers_path, dtype)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    report = quantize_(model, recipe, calib, tokenizer=tokenizer, store=store, **quantize_kwargs)
+    from ..io.provenance import saved_run_info
+
+    cfg = saved_config(model, saved_run_info(model.bitmosaic_run), store.state["modules"])
+    (work / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        gen.save_pretrained(work)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(work)
+    weight_map, total = {}, 0
+    from safetensors import safe_open
+
+    for i in range(store.n_shards):
+        with safe_open(str(work / store.shard(i)), "pt") as f:
+            for k in f.keys():
+                weight_map[k] = store.shard(i)
+                sl = f.get_slice(k)
+                n = 1
+                for d in sl.get_shape():
+                    n *= d
+                total += n * _itemsize(sl.get_dtype())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (work / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    for f in work.glob("inputs-*.safetensors"):
+        f.unlink()
+    (work / PROGRESS).unlink()
+    check_output_dir(out, overwrite)
+    _replace_dir(work, out)
+    shutil.rmtree(work, ignore_errors=True)
+    model.bitmosaic_run["saved_to"] = str(out)
+    return report
+
+
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+             "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}  # fmt: skip
+
+
+def _itemsize(dtype: str) -> int:
+    return _ITEMSIZE.get(dtype, 1)
