@@ -55,7 +55,6 @@ class Checkpoint:
                 f"{self.folder} holds no safetensors weights (model.safetensors or an index): streaming "
                 "reads safetensors only; convert the checkpoint with save_pretrained(safe_serialization=True)"
             )
-        self._open: dict[Path, object] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
@@ -63,25 +62,23 @@ class Checkpoint:
     def keys(self) -> list[str]:
         return list(self.files)
 
-    def _handle(self, file: Path):
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Tensor ``name`` (in ``dtype`` when given), checked for NaN/Inf.  The file is opened for this
+        one read and the tensor is copied out of its memory map, so no page of the checkpoint stays
+        mapped (and counted in the process's resident memory) after the read."""
         from safetensors import SafetensorError, safe_open
 
-        if file not in self._open:
-            try:
-                self._open[file] = safe_open(str(file), "pt")
-            except (SafetensorError, OSError) as e:
-                raise CorruptModelError(
-                    f"cannot read {file} ({' '.join(str(e).split())}); re-download or re-save the model"
-                ) from None
-        return self._open[file]
-
-    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Tensor ``name`` (a copy in ``dtype`` when given), checked for NaN/Inf."""
         if name not in self.files:
             raise CorruptModelError(_missing(self.spec, name))
-        t = self._handle(self.files[name]).get_tensor(name)
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
+        file = self.files[name]
+        try:
+            with safe_open(str(file), "pt") as f:
+                t = f.get_tensor(name)
+                t = t.to(dtype, copy=True) if dtype is not None and t.is_floating_point() else t.clone()
+        except (SafetensorError, OSError) as e:
+            raise CorruptModelError(
+                f"cannot read {file} ({' '.join(str(e).split())}); re-download or re-save the model"
+            ) from None
         check_finite(t, f"weight {name} of model {self.spec!r}")
         return t
 

@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -97,6 +98,8 @@ class LayerStore:
         self.layers = self.arch.layers(model)
         self.n_shards = len(self.layers) + 2  # embeddings, one per layer, the rest (final norm, head)
         self.fingerprint = fingerprint
+        self._t = time.perf_counter()
+        self._outside_freed = False
         self.state = {"version": _PROGRESS_VERSION, "fingerprint": fingerprint, "layers_done": 0,
                       "rows": [], "modules": {}, "total_bits": 0.0, "total_weights": 0}  # fmt: skip
         prog = work / PROGRESS
@@ -144,6 +147,9 @@ class LayerStore:
         return k, float(self.state["total_bits"]), int(self.state["total_weights"])
 
     def load(self, li: int, layer: nn.Module) -> None:
+        if not self._outside_freed:  # the layer-0 inputs are captured: the embeddings are not needed
+            _free_outside(self.model, self.arch.layers_path)
+            self._outside_freed = True
         self.ckpt.fill(layer, f"{self.arch.layers_path}.{li}.", self.dtype)
 
     def done(self, li, layer, rows, inputs, gen, total_bits, total_weights) -> None:
@@ -161,9 +167,22 @@ class LayerStore:
         st["rows"] = st["rows"] + json.loads(json.dumps(rows, default=_jsonable))
         st["modules"].update(mods)
         st["total_bits"], st["total_weights"] = total_bits, total_weights
+        now = time.perf_counter()  # wall time per layer (the first one includes the capture)
+        st["layer_seconds"] = [*st.get("layer_seconds", []), round(now - self._t, 3)]
+        self._t = now
         atomic_write_text(self.work / PROGRESS, json.dumps(st, indent=1))  # the commit point
         (self.work / f"inputs-{li:05d}.safetensors").unlink(missing_ok=True)
         self.layers[li] = _Freed()
+
+
+def _free_outside(model: nn.Module, layers_path: str) -> None:
+    """Put every parameter outside the decoder stack back on ``meta`` (they are in the output shards)."""
+    for name, mod in model.named_modules():
+        if name == layers_path or name.startswith(layers_path + "."):
+            continue
+        for n, p in list(mod._parameters.items()):
+            if p is not None and p.device.type != "meta":
+                mod._parameters[n] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
 
 
 def _jsonable(v):
