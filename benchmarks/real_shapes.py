@@ -105,26 +105,35 @@ def gemm_gflops(n: int = 4096, k: int = 4096, m: int = 8192) -> float:
     return 2 * m * n * k / (ms / 1e3) / 1e9
 
 
-def layer_flops(shape: str, tokens: int) -> dict:
+def layer_flops(shape: str, tokens: int, seqlen: int = 512) -> dict:
     """FLOPs of one decoder layer's GPTQ run (module doc of pipeline.py): the layer forwards the
-    pipeline makes (no output cache at these sizes: 1 partial + 3 fuller passes + the final one),
-    the Hessians ``2 T d^2`` of four inputs, and GPTQ's solve per stacked group (Cholesky ``d^3/3``,
-    inverse ``d^3/3``, column updates ``2 rows d^2``)."""
+    pipeline makes (no output cache at these sizes: a pass up to each group's inputs -- q/k/v's
+    costs nothing -- and the final one) with their attention ``4 T seqlen h``, the Hessians
+    ``2 T d^2`` of the four inputs (the upper triangle is ``T d^2``, plus the diagonal blocks), GPTQ's
+    solve per stacked group (Cholesky ``d^3/3``, triangular inverse ``d^3/3``, column updates
+    ``2 rows d^2``) and the report's error metrics (``w^T H w`` per row: ``2 rows d^2``)."""
     s = SHAPES[shape]
     h, f = s["hidden_size"], s["intermediate_size"]
     kv = s["num_key_value_heads"] * (h // s["num_attention_heads"])
     qkv, o, gu, down = h * (h + 2 * kv), h * h, 2 * h * f, f * h
     passes = qkv + (qkv + o) + (qkv + o + gu) + (qkv + o + gu + down)
-    forward = 2 * tokens * passes
-    hess = 2 * tokens * (3 * h * h + f * f)
-    solve = sum(2 * d**3 / 3 + 2 * rows * d * d for rows, d in ((h + 2 * kv, h), (h, h), (2 * f, h), (h, f)))
-    return {"forward": forward, "hessian": hess, "gptq": solve, "total": forward + hess + solve}
+    forward = 2 * tokens * passes + 4 * (4 * tokens * seqlen * h)
+    hess = tokens * (3 * h * h + f * f)
+    groups = ((h + 2 * kv, h), (h, h), (2 * f, h), (h, f))
+    solve = sum(2 * d**3 / 3 + 2 * rows * d * d for rows, d in groups)
+    metrics = sum(2 * rows * d * d for rows, d in groups)
+    return {"forward": forward, "hessian": hess, "gptq": solve, "metrics": metrics,
+            "total": forward + hess + solve + metrics}  # fmt: skip
 
 
-def _vmhwm_mb(pid: int) -> float:
+def _rss_mb(pid: int) -> float:
+    return _vmhwm_mb(pid, "VmRSS:")
+
+
+def _vmhwm_mb(pid: int, field: str = "VmHWM:") -> float:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
@@ -141,9 +150,10 @@ def run(folder: Path, shape: str, layers: int, out: Path, threads: int | None) -
         argv += ["--threads", str(threads)]
     t0 = time.perf_counter()
     p = subprocess.Popen(argv)
-    peak, done = 0.0, 0
+    peak, done, trace = 0.0, 0, []
     while p.poll() is None:
         peak = max(peak, _vmhwm_mb(p.pid))
+        trace.append((round(time.perf_counter() - t0, 1), round(_rss_mb(p.pid)), done))
         try:
             done = json.loads(prog.read_text())["layers_done"]
         except (OSError, ValueError, KeyError):
@@ -157,7 +167,7 @@ def run(folder: Path, shape: str, layers: int, out: Path, threads: int | None) -
     state = json.loads(prog.read_text()) if prog.is_file() else None
     per_layer = state["layer_seconds"] if state else None
     return {"returncode": p.returncode, "wall_s": wall, "peak_rss_mb": peak, "layer_seconds": per_layer,
-            "finished": out.is_dir()}  # fmt: skip
+            "finished": out.is_dir(), "rss_trace": trace}  # fmt: skip
 
 
 def main() -> None:
@@ -188,11 +198,14 @@ def main() -> None:
         "bound_s_per_layer": bound, "layer_seconds": secs, "mean_s_per_layer_after_first": mean,
         "ratio_to_bound": mean / bound if bound else None, "projected_total_s": mean * n_layers,
         "peak_rss_mb": res["peak_rss_mb"], "finished": res["finished"], "wall_s": res["wall_s"],
+        "rss_trace_s_mb_layers": res["rss_trace"][::4],
     }  # fmt: skip
     md = [f"# {args.shape}: GPTQ w4 g128 (default order/scales), 16 x 512 calibration, streamed", "",
           "| quantity | value |", "|---|---|",
           f"| float32 GEMM rate (4096x4096 @ 8192 rows) | {gemm:.0f} GFLOP/s |",
-          f"| FLOPs per layer (forwards + Hessians + GPTQ) | {flops['total'] / 1e12:.2f} TFLOP |",
+          f"| FLOPs per layer: forwards + Hessians + GPTQ + error metrics | "
+          f"{' + '.join(f'{flops[k] / 1e12:.2f}' for k in ('forward', 'hessian', 'gptq', 'metrics'))} = "
+          f"{flops['total'] / 1e12:.2f} TFLOP |",
           f"| bound per layer (FLOPs / GEMM rate) | {bound:.1f} s |",
           f"| seconds per layer (wall, as run) | {', '.join(f'{s:.1f}' for s in secs)} |",
           f"| mean after the first / bound | {mean:.1f} s / {bound:.1f} s = {rows['ratio_to_bound']:.2f}x |",

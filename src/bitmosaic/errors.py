@@ -71,10 +71,18 @@ def check_finite(tensor: torch.Tensor, what: str) -> None:
     # Fast path: NaN and Inf always propagate into a sum, so a finite sum proves every element
     # finite (one reduction, no bool tensor); only a non-finite sum (or an overflow) needs the
     # exact element check.  Half types are summed in float32 so that overflow stays rare.
+    # A half tensor is summed a chunk at a time: ``sum(dtype=float32)`` converts its whole input
+    # first (2 GB for a bf16 Llama-3 embedding).
     acc = torch.float32 if t.dtype in (torch.float16, torch.bfloat16) or t.element_size() == 1 else None
-    if t.numel() and bool(torch.isfinite(t.sum(dtype=acc) if acc else t.sum()).all()):
-        return
     flat = t.reshape(-1)
+    if acc is None:
+        if t.numel() and bool(torch.isfinite(t.sum()).all()):
+            return
+    elif all(
+        bool(torch.isfinite(flat[s : s + _CHUNK].sum(dtype=acc)))
+        for s in range(0, flat.numel(), _CHUNK)
+    ):
+        return
     for start in range(0, flat.numel(), _CHUNK):
         chunk = flat[start : start + _CHUNK]
         if not bool(torch.isfinite(chunk.float() if chunk.element_size() == 1 else chunk).all()):

@@ -37,7 +37,7 @@ def test_babai_equals_back_to_front_gptq(seed, order, clip):
     res = gptq_quantize(W, H, grid, 16, perm=P.flip(0), clip=clip, static_groups=True)
     s, z = group_scale_zero(W, grid, 16)
     g = default_g_idx(W.shape[1], 16)
-    codes = babai_nearest_plane(W, res.hessian, grid, s[:, g], z[:, g], basis_order=P, clip=clip)
+    codes = babai_nearest_plane(W, res.damped_hessian(H), grid, s[:, g], z[:, g], basis_order=P, clip=clip)
     assert torch.equal(codes, res.codes)
     if not clip:  # the no-clip lattice really is unbounded here, so the test covers overflow
         assert int(res.codes.min()) < 0 or int(res.codes.max()) > grid.maxq
@@ -51,7 +51,7 @@ def test_babai_direction_flag_is_the_reversal():
     )
     s, z = group_scale_zero(W, grid, None)
     codes = babai_nearest_plane(
-        W, back.hessian, grid, s.expand(-1, W.shape[1]), z.expand(-1, W.shape[1]), clip=False
+        W, back.damped_hessian(H), grid, s.expand(-1, W.shape[1]), z.expand(-1, W.shape[1]), clip=False
     )
     assert torch.equal(codes, back.codes)
     front = gptq_quantize(W, H, grid, None, clip=False, static_groups=True)
@@ -66,8 +66,8 @@ def test_babai_bound_holds_without_clipping(order, direction):
     perm = make_order(H, order, 32, direction)
     res = gptq_quantize(W, H, grid, 32, perm=perm, clip=False)
     Wq = res.dequantize(torch.float64)
-    err = hessian_error(W, Wq, res.hessian)
-    bound = babai_bound(res.hessian, res.scales[:, res.g_idx], res.perm)
+    err = hessian_error(W, Wq, res.damped_hessian(H))
+    bound = babai_bound(res.damped_hessian(H), res.scales[:, res.g_idx], res.perm)
     assert (err <= bound * (1 + 1e-9)).all()
     # ||X(w - w_hat)||^2 with the undamped H = 2/n X^T X: damping only adds a PSD term
     out_err = ((X @ (W - Wq).T) ** 2).sum(0) * 2 / X.shape[0]
@@ -100,7 +100,7 @@ def test_babai_bound_tight_at_corner():
 def test_babai_gptq_step_errors_equal_hessian_error(layer64):
     W, _, H = layer64
     res = gptq_quantize(W, H, IntGrid(3), 16, perm=make_order(H, "act", 16))
-    err = hessian_error(W, res.dequantize(torch.float64), res.hessian)
+    err = hessian_error(W, res.dequantize(torch.float64), res.damped_hessian(H))
     assert torch.allclose(err, res.step_errors, rtol=1e-9, atol=1e-12)
 
 

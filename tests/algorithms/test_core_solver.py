@@ -30,7 +30,7 @@ def test_pivots_give_the_babai_bound(layer64, order, direction, dtype):
     assert res.pivots is not None and res.pivots.shape == (64,)
     s = res.scales[:, res.g_idx].double()
     from_pivots = 0.25 * (res.pivots.double()[None, :] * s[:, res.perm] ** 2).sum(dim=1)
-    ref = babai_bound(res.hessian.double(), s, res.perm)
+    ref = babai_bound(res.damped_hessian(H).double(), s, res.perm)
     rtol = 1e-12 if dtype == torch.float64 else 1e-4
     torch.testing.assert_close(from_pivots, ref, rtol=rtol, atol=0.0)
 
@@ -46,7 +46,9 @@ def test_pivots_on_lattice_paths(layer64):
         assert res.pivots is not None
         s = res.scales[:, res.g_idx].double()
         bound = 0.25 * (res.pivots.double()[None, :] * s[:, res.perm] ** 2).sum(dim=1)
-        torch.testing.assert_close(bound, babai_bound(res.hessian.double(), s, res.perm), rtol=1e-4, atol=0)
+        torch.testing.assert_close(
+            bound, babai_bound(res.damped_hessian(H).double(), s, res.perm), rtol=1e-4, atol=0
+        )
 
 
 def _ill_conditioned(seed: int = 11, n: int = 64, cond_exp: int = 8):
@@ -66,7 +68,7 @@ def test_ill_conditioned_hessian_does_not_crash_the_second_factorisation():
         res = gptq_quantize(W, H, IntGrid(4), None, percdamp=0.0)
     assert res.codes.min() >= 0 and res.codes.max() <= 15
     assert torch.isfinite(res.step_errors).all() and torch.isfinite(res.pivots).all()
-    err = hessian_error(W.double(), res.dequantize(torch.float64), res.hessian.double())
+    err = hessian_error(W.double(), res.dequantize(torch.float64), res.damped_hessian(H).double())
     torch.testing.assert_close(res.step_errors.double(), err, rtol=1e-2, atol=1e-6)
 
 
@@ -187,3 +189,61 @@ def test_blocked_solver_equals_unblocked_reference(layer64, order, static, clip)
     perm = make_order(H, order, 16)
     res = gptq_quantize(W, H, grid, 16, perm=perm, static_groups=static, clip=clip, block_size=40)
     assert torch.equal(res.codes, _reference_gptq(W, H, grid, 16, perm, static, clip))
+
+
+@pytest.mark.parametrize("n", [5, 128, 300, 301])
+def test_in_place_triangular_inverse_and_flip(n):
+    """gptq_factor inverts its Cholesky factor and flips it in place (memory: one n x n matrix
+    besides H); both equal the allocating operations they replace."""
+    from bitmosaic.algorithms.hessian import _flip_both_, _transpose_, _tril_inverse_
+
+    g = torch.Generator().manual_seed(n)
+    L = torch.tril(torch.randn(n, n, generator=g, dtype=torch.float64)) + 4 * n**0.5 * torch.eye(
+        n, dtype=torch.float64
+    )
+    ref = torch.linalg.solve_triangular(L, torch.eye(n, dtype=torch.float64), upper=False)
+    got = _tril_inverse_(L.clone())
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+    assert torch.equal(_flip_both_(got.clone(), rows=7), got.flip(0, 1))
+    assert torch.equal(_transpose_(got.clone(), block=64), got.T)
+
+
+def test_gptq_factor_returns_the_damped_diagonal(layer64):
+    from bitmosaic.algorithms.hessian import damp_hessian, gptq_factor
+
+    _, _, H = layer64
+    H = H.double().clone()
+    H[3, :] = 0
+    H[:, 3] = 0  # a dead input: diagonal 1 + damping
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    diag, U, pivots, pd = gptq_factor(H, 0.01, perm)
+    Hd = damp_hessian(H, 0.01)[0]
+    assert torch.equal(diag, torch.diagonal(Hd))
+    Hp = Hd[perm][:, perm]
+    torch.testing.assert_close(
+        U, torch.linalg.cholesky(torch.linalg.inv(Hp), upper=True), rtol=1e-8, atol=1e-10
+    )
+    torch.testing.assert_close(pivots, 1 / torch.diagonal(U) ** 2, rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("wide_from, expect", [(64, 2), (65, 1)])
+def test_wide_factorisation_runs_in_the_callers_threads(layer64, monkeypatch, wide_from, expect):
+    """GPTQ's column loop runs in ``threads``; the factorisation and the between-block updates of a
+    Hessian at least WIDE_SOLVE_MIN wide (a few large ops) in the caller's threads."""
+    import bitmosaic.algorithms.gptq as G
+
+    W, _, H = layer64
+    seen = []
+    real_factor = G.gptq_factor
+    monkeypatch.setattr(G, "WIDE_SOLVE_MIN", wide_from)
+    monkeypatch.setattr(
+        G, "gptq_factor", lambda *a: (seen.append(torch.get_num_threads()), real_factor(*a))[1]
+    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gptq_quantize(W.float(), H.float(), IntGrid(4), 16, threads=1)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [expect]

@@ -69,7 +69,7 @@ def test_real_layer_babai_equals_back_to_front_gptq(real_layer):
     res = gptq_quantize(W, H, grid, 128, perm=P.flip(0), clip=False, static_groups=True)
     s, z = group_scale_zero(W, grid, 128)
     codes = babai_nearest_plane(
-        W, res.hessian, grid, s[:, res.g_idx], z[:, res.g_idx], basis_order=P, clip=False
+        W, res.damped_hessian(H), grid, s[:, res.g_idx], z[:, res.g_idx], basis_order=P, clip=False
     )
     assert torch.equal(codes, res.codes)
 
@@ -78,8 +78,8 @@ def test_real_layer_babai_equals_back_to_front_gptq(real_layer):
 def test_real_layer_babai_bound_holds_without_clipping(real_layer, order):
     W, H = real_layer["mlp.down_proj"]
     res = gptq_quantize(W, H, IntGrid(3), 128, perm=make_order(H, order, 128), clip=False)
-    err = hessian_error(W, res.dequantize(torch.float64), res.hessian)
-    bound = babai_bound(res.hessian, res.scales[:, res.g_idx], res.perm)
+    err = hessian_error(W, res.dequantize(torch.float64), res.damped_hessian(H))
+    bound = babai_bound(res.damped_hessian(H), res.scales[:, res.g_idx], res.perm)
     assert (err <= bound * (1 + 1e-9)).all()
 
 

@@ -293,8 +293,9 @@ def dpq_quantize(
     if not isinstance(quantizer, DualPrecisionQuantizer):
         out = fp8_on_top(res, f.name, per_channel, margin, pow2)
         # GPTQ's step errors describe the INT4 weight; report the inference weight's error
-        W0 = W.to(res.hessian.dtype).masked_fill((torch.diagonal(H) == 0)[None, :], 0)
-        out.step_errors = hessian_error(W0, out.dequantize(res.hessian.dtype), res.hessian)
+        Hd = res.damped_hessian(H)
+        W0 = W.to(Hd.dtype).masked_fill((torch.diagonal(H) == 0)[None, :], 0)
+        out.step_errors = hessian_error(W0, out.dequantize(Hd.dtype), Hd)
         return out
     s_w = quantizer.fp8_scale_rows.reshape(-1, 1)
     return DPQResult(
@@ -304,6 +305,7 @@ def dpq_quantize(
         g_idx=res.g_idx,
         perm=res.perm,
         hessian=res.hessian,
+        hessian_diag=res.hessian_diag,
         step_errors=res.step_errors,
         pivots=res.pivots,
         info={
@@ -331,6 +333,7 @@ def fp8_on_top(
         g_idx=res.g_idx,
         perm=res.perm,
         hessian=res.hessian,
+        hessian_diag=res.hessian_diag,
         step_errors=None,
         info={
             "fp8_format": f.name,

@@ -51,6 +51,8 @@ ColumnStep = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # Columns per rank-one inner block; the rest of a block gets their errors by one matrix product.
 _INNER = 32
 
+WIDE_SOLVE_MIN = 4096  # in_features from which GPTQ's large ops use the caller's threads
+
 
 class ColumnQuantizer(Protocol):
     """The per-column quantization step of GPTQ (GPTQ paper Alg. 1, DPQ paper Alg. 1 lines 4-10).
@@ -162,7 +164,9 @@ def gptq_quantize(
     Runs on ``W``'s device.  On the CPU the solve (factorisation, column loop, block products) runs
     with ``threads`` threads, set once for the call and restored (``None``: the caller's setting;
     see :func:`bitmosaic.algorithms.hessian.solver_threads`); group fits (``quantizer.fit``, e.g.
-    the vectorised MSE search: a few large ops) run in the caller's setting.
+    the vectorised MSE search: a few large ops) run in the caller's setting, and so do the
+    factorisation and the between-block updates when ``H`` is at least ``WIDE_SOLVE_MIN`` wide
+    (results then depend on the caller's thread count, as every multi-threaded BLAS result may).
     """
     if H.shape != (W.shape[1], W.shape[1]):
         raise ValueError(f"Hessian shape {tuple(H.shape)} does not match weight in_features {W.shape[1]}")
@@ -174,13 +178,23 @@ def gptq_quantize(
         with solver_threads(caller, W.device):
             return _for_group(quantizer, k).fit(cols)
 
+    wide = threads is not None and H.shape[0] >= WIDE_SOLVE_MIN
+
+    def large_op():
+        # The factorisation and the between-block updates of a wide solve are a few large ops (a
+        # 14336-wide factorisation: 30 s on one thread, 16 s on two), not a chain of small ones:
+        # they run in the caller's threads; the column loop stays in ``threads``.
+        return solver_threads(caller if wide else None, W.device)
+
     with solver_threads(threads, W.device):
         return _gptq(
-            W, H, group_size, perm, static_groups, block_size, percdamp, dtype, scales, zeros, quantizer, fit
-        )
+            W, H, group_size, perm, static_groups, block_size, percdamp, dtype, scales, zeros, quantizer,
+            fit, large_op,
+        )  # fmt: skip
 
 
-def _gptq(W, H, group_size, perm, static_groups, block_size, percdamp, dtype, scales, zeros, quantizer, fit):
+def _gptq(W, H, group_size, perm, static_groups, block_size, percdamp, dtype, scales, zeros, quantizer, fit,
+          large_op):  # fmt: skip
     out, n = W.shape
     dtype = dtype or (torch.float64 if W.dtype == torch.float64 else torch.float32)
     dev = W.device
@@ -188,7 +202,8 @@ def _gptq(W, H, group_size, perm, static_groups, block_size, percdamp, dtype, sc
     H = H.to(device=dev, dtype=dtype)
     W[:, torch.diagonal(H) == 0] = 0  # dead inputs
     perm = torch.arange(n, device=dev) if perm is None else perm.to(dev)
-    Hd, U, pivots, _ = gptq_factor(H, percdamp, perm)
+    with large_op():
+        Hd_diag, U, pivots, _ = gptq_factor(H, percdamp, perm)
 
     g = normalize_group_size(group_size, n)
     G = num_groups(n, group_size)
@@ -216,10 +231,11 @@ def _gptq(W, H, group_size, perm, static_groups, block_size, percdamp, dtype, sc
 
     # Processing order, one weight column per row: every per-column op reads a contiguous vector.
     WT = W.T.index_select(0, perm)
+    del W  # memory: WT is the working copy from here on
     codesT = torch.empty_like(WT)
-    out_s = W.new_zeros(out, G)
-    out_z = W.new_zeros(out, G)
-    errsum = W.new_zeros(out)
+    out_s = WT.new_zeros(out, G)
+    out_z = WT.new_zeros(out, G)
+    errsum = WT.new_zeros(out)
     steps: dict[int, ColumnStep] = {}
     step: ColumnStep | None = None
     diagU = torch.diagonal(U)
@@ -253,21 +269,27 @@ def _gptq(W, H, group_size, perm, static_groups, block_size, percdamp, dtype, sc
                 W1[b:].addmm_(U1[a:b, b:].T, E1[a:b], alpha=-1)
         errsum += (E1 * E1).sum(dim=0)
         if i2 < n:
-            WT[i2:].addmm_(U[i1:i2, i2:].T, E1, alpha=-1)
+            with large_op():
+                WT[i2:].addmm_(U[i1:i2, i2:].T, E1, alpha=-1)
 
-    codes = codesT.index_select(0, torch.argsort(perm)).T.contiguous()
+    del WT, U, diagU, W1, U1, E1
+    codes = torch.empty(out, n, dtype=torch.int32, device=dev)  # original column order
+    step = max(1, (1 << 22) // max(out, 1))  # memory: no second [out, in] array of codes
+    for k in range(0, n, step):
+        codes.T[perm[k : k + step]] = codesT[k : k + step].to(torch.int32)
+    del codesT
     if aligned:
         g_idx = default_g_idx(n, g, device=dev)
     else:
         g_idx = torch.empty(n, dtype=torch.long, device=dev)
         g_idx[perm] = torch.arange(n, device=dev) // g
     return QuantResult(
-        codes=codes.to(torch.int32),
+        codes=codes,
         scales=out_s,
         zeros=out_z,
         g_idx=g_idx,
         perm=perm,
-        hessian=Hd,
+        hessian_diag=Hd_diag,
         step_errors=errsum,
         pivots=pivots,
     )

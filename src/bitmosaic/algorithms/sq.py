@@ -191,8 +191,11 @@ def sq_gptq(
     W32 = W.float().clone()
     H32 = H.to(W32.device, torch.float32)
     W32[:, torch.diagonal(H32) == 0] = 0
-    Hd, U, pivots, _ = gptq_factor(H32, percdamp, torch.arange(n, device=W32.device))
+    Hd_diag, U, _, _ = gptq_factor(H32, percdamp, torch.arange(n, device=W32.device))
+    Hd = H32.clone()
+    torch.diagonal(Hd).copy_(Hd_diag)
     d = weight_importance_denominator(Hd, U, importance)
+    del U
     mask = None
     if mask_timing == "upfront" or not compensate:
         mask = bank_topk_mask(W32.square() / d.square()[None, :], fmt)

@@ -80,17 +80,26 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
         )
     maxq = (1 << bits) - 1
     rows, cols = codes.shape
-    c = codes.to(torch.int64)
-    if c.numel():
-        bad = (c < 0) | (c > maxq)
-        n_bad = int(bad.sum())
-        if n_bad:
+    if codes.numel():
+        lo, hi = int(codes.min()), int(codes.max())
+        if lo < 0 or hi > maxq:
+            n_bad = int(((codes < 0) | (codes > maxq)).sum())
             raise ValueError(
-                f"{n_bad} of {c.numel()} codes are out of range for {bits}-bit packing "
-                f"(observed min {int(c.min())}, max {int(c.max())}; allowed range [0, {maxq}]); "
+                f"{n_bad} of {codes.numel()} codes are out of range for {bits}-bit packing "
+                f"(observed min {lo}, max {hi}; allowed range [0, {maxq}]); "
                 "clamp the codes to the grid (quantize with clip=True) or use more bits"
             )
     n_chunks = -(-cols // _CHUNK)
+    out = torch.empty(rows, n_chunks * bits, dtype=torch.uint8, device=codes.device)
+    step = max(1, (1 << 22) // max(cols, 1))  # rows at a time: the int64 words stay ~32 MB
+    for r in range(0, rows, step):
+        out[r : r + step] = _pack_rows(codes[r : r + step], bits, n_chunks)
+    return out
+
+
+def _pack_rows(codes: torch.Tensor, bits: int, n_chunks: int) -> torch.Tensor:
+    rows, cols = codes.shape
+    c = codes.to(torch.int64)
     pad = n_chunks * _CHUNK - cols
     if pad:
         c = torch.nn.functional.pad(c, (0, pad))

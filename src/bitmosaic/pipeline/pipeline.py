@@ -141,17 +141,21 @@ def _quantize_shared(
     stacked = method.row_separable and len(names) > 1
     calls = [(names, torch.cat(Ws))] if stacked else [((n,), W) for n, W in zip(names, Ws, strict=True)]
     out = []
-    for call_names, W in calls:
+    del Ws
+    while calls:
+        call_names, W = calls.pop(0)
         t0 = time.perf_counter()
         name = f"{prefix}.{call_names[0]}" if len(call_names) == 1 else None
         res = method.quantize(W, LayerStats(hessian=H, act=act_stats), config, state, name)
         seconds = (time.perf_counter() - t0) / len(call_names)
+        del W  # memory: a stacked copy; the metrics below read the layer's own (still float) weights
+        _release_host_memory()
         row0 = 0
         for n in call_names:
             lin = layer.get_submodule(n)
             rows = lin.weight.shape[0]
             r = res.select_rows(row0, row0 + rows) if len(call_names) > 1 else res
-            Wn = W[row0 : row0 + rows]
+            Wn = lin.weight.data.float()
             row0 += rows
             Wq = r.dequantize(torch.float32)
             qlin = method.pack(r, config, lin.bias)

@@ -54,11 +54,21 @@ class RunReport:
         }
 
 
+_ROWS = 1 << 22  # elements of an [out, in] temporary at a time (the metrics of a 4096 x 14336
+# linear would otherwise take several 0.2-0.5 GB copies)
+
+
+def _row_chunks(E: torch.Tensor):
+    step = max(1, _ROWS // max(E.shape[1], 1))
+    return (E[r : r + step] for r in range(0, E.shape[0], step))
+
+
 def _row_quadratic(E: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
     """Per-row ``e H eᵀ`` in float32 (float64 inputs stay float64), summed in float64."""
     dt = torch.float64 if E.dtype == torch.float64 or H.dtype == torch.float64 else torch.float32
-    E = E.to(dt)
-    return ((E @ H.to(dt)) * E).sum(dim=1, dtype=torch.float64)
+    H = H.to(dt)
+    out = [((e @ H) * e).sum(dim=1, dtype=torch.float64) for e in (c.to(dt) for c in _row_chunks(E))]
+    return torch.cat(out) if out else E.new_zeros(0, dtype=torch.float64)
 
 
 @torch.no_grad()
@@ -69,19 +79,27 @@ def error_metrics(
     H = H.to(W.device)
     diag = torch.diagonal(H)
     dead = diag == 0
-    Hd = res.hessian
-    if Hd is None:
-        Hd = damp_hessian(H.float() if H.dtype != torch.float64 else H, percdamp)[0]
-    Hd = Hd.to(W.device)
     den = float(_row_quadratic(W, H).sum())
     E = W.float() - Wq.float() if W.dtype != torch.float64 else W - Wq.double()
     step_errors = getattr(res, "step_errors", None)
+    Hd, Hd_diag = None, getattr(res, "hessian_diag", None) if res.hessian is None else None
+
+    def damped():
+        Hd = res.damped_hessian(H) if hasattr(res, "damped_hessian") else res.hessian
+        if Hd is None:
+            Hd = damp_hessian(H.float() if H.dtype != torch.float64 else H, percdamp)[0]
+        return Hd.to(W.device)
+
+    if Hd_diag is None or step_errors is None or getattr(res, "sparse", None) is not None:
+        Hd = damped()  # the whole damped matrix (GPTQ's results keep only its diagonal: 0.8 GB at 14336)
+        Hd_diag = torch.diagonal(Hd)
     if step_errors is not None and getattr(res, "sparse", None) is None:
         # step errors were measured on W with dead columns zeroed: (w_z - ŵ)ᵀ H_d (w_z - ŵ)
         hess = float(step_errors.double().sum())
-        lam = (torch.diagonal(Hd).to(torch.float64) - diag.to(torch.float64)).masked_fill(dead, 0)
+        lam = (Hd_diag.to(W.device, torch.float64) - diag.to(torch.float64)).masked_fill(dead, 0)
         # the undamped H is zero on dead columns (lam masks them), so they add nothing to the output error
-        num = hess - float((E.square().sum(dim=0, dtype=torch.float64) * lam).sum())
+        colsq = sum(e.square().sum(dim=0, dtype=torch.float64) for e in _row_chunks(E))
+        num = hess - float((colsq * lam).sum())
     else:
         hess = float(_row_quadratic(E, Hd).sum())
         num = float(_row_quadratic(E, H).sum())
@@ -89,10 +107,14 @@ def error_metrics(
     lattice = res.lattice_scales() if hasattr(res, "lattice_scales") else None
     if getattr(res, "perm", None) is not None and lattice is not None:
         if getattr(res, "pivots", None) is not None:
-            s = lattice.to(torch.float64)[:, res.perm.to(lattice.device)]
-            bound = float(0.25 * (s * s * res.pivots.to(torch.float64).to(s.device)[None, :]).sum())
+            perm = res.perm.to(lattice.device)
+            piv = res.pivots.to(device=lattice.device, dtype=torch.float64)[None, :]
+            bound = 0.0
+            for c in _row_chunks(lattice):
+                s = c.to(torch.float64)[:, perm]
+                bound += float(0.25 * (s * s * piv).sum())
         else:
-            bound = float(babai_bound(Hd.double(), lattice, res.perm).sum())
+            bound = float(babai_bound((Hd if Hd is not None else damped()).double(), lattice, res.perm).sum())
     return {
         "rel_out_error": max(num, 0.0) / den if den > 0 else 0.0,
         "hessian_error": hess,
