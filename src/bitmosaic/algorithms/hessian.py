@@ -74,6 +74,17 @@ class HessianAccumulator:
             self._full = torch.triu(self._upper) + torch.triu(self._upper, 1).T
         return self._full
 
+    def raw_sum(self) -> tuple[torch.Tensor, int]:
+        """``(upper triangle of Σ x xᵀ, n)``: the un-normalised state, for sums over processes."""
+        return self._upper * (self.n / 2.0), self.n
+
+    def set_sum(self, upper_sum: torch.Tensor, n: int) -> None:
+        """Hold the tokens of ``upper_sum`` (an upper triangle of ``Σ x xᵀ`` over ``n`` tokens):
+        ``H = 2/n Σ x xᵀ``, normalised once."""
+        self.n = n
+        self._upper = upper_sum.to(self._upper) * (2.0 / n) if n else torch.zeros_like(self._upper)
+        self._full = None
+
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).to(device=self.device, dtype=self.dtype)
         m = x.shape[0]

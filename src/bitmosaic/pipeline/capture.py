@@ -10,6 +10,7 @@ activations and so cannot be written through the Hessian).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -17,6 +18,9 @@ from torch import nn
 from ..algorithms.hessian import HessianAccumulator
 from ..algorithms.observers import ActObserver
 from ..models.arch import ArchSpec
+
+if TYPE_CHECKING:
+    from .distributed import Dist
 
 __all__ = ["GroupCapture", "capture_groups", "foldable", "run_layer"]
 
@@ -60,13 +64,23 @@ def capture_groups(
     *,
     max_tokens: int = 2048,
     generator: torch.Generator | None = None,
+    dist: Dist | None = None,
 ) -> list[GroupCapture]:
+    """``dist``: this process's share of a data-parallel run (its batches in ``inputs``); the
+    statistics are then reduced over the ranks and the token sample is the one a single process
+    draws (see :mod:`bitmosaic.pipeline.distributed`)."""
     groups = arch.sequential
     heads = [layer.get_submodule(g[0]) for g in groups]
     obs = [ActObserver(m.weight.shape[1]) for m in heads]
     accs = [HessianAccumulator(m.weight.shape[1]) for m in heads]
     samples: list[list[torch.Tensor]] = [[] for _ in groups]
-    per_batch = -(-max_tokens // max(len(inputs), 1))
+    many = dist is not None and dist.world > 1
+    per_batch = -(-max_tokens // max(dist.batches if many else len(inputs), 1))
+
+    def skip_draws(j: int | None) -> None:  # the draws a single process makes for other ranks' batches
+        for tokens in dist.skipped_tokens(j) if many else ():
+            for _ in groups:
+                torch.randperm(tokens, generator=generator)
 
     def make_hook(i):
         def hook(module, args):
@@ -81,11 +95,18 @@ def capture_groups(
 
     handles = [m.register_forward_pre_hook(make_hook(i)) for i, m in enumerate(heads)]
     try:
-        for hs, kw in zip(inputs, kwargs, strict=True):
+        for j, (hs, kw) in enumerate(zip(inputs, kwargs, strict=True)):
+            skip_draws(j)
             run_layer(layer, hs, kw)
+        skip_draws(None)
     finally:
         for h in handles:
             h.remove()
+    if many:
+        for i in range(len(groups)):
+            dist.reduce_observer(obs[i])
+            dist.reduce_hessian(accs[i])
+            samples[i] = dist.in_batch_order(samples[i])
     return [
         GroupCapture(
             index=i,

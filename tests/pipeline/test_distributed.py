@@ -1,0 +1,158 @@
+"""Data-parallel calibration (``torchrun -m bitmosaic quantize``): 2 gloo processes on the CPU give the
+codes of one process (>= 99.9% identical), every rank ends with the same model, rank 0 alone writes."""
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+
+from bitmosaic import quantize_
+from bitmosaic.algorithms.hessian import HessianAccumulator
+from bitmosaic.algorithms.types import QuantResult
+from bitmosaic.cli import main
+from bitmosaic.errors import OptionError
+from bitmosaic.io import load_quantized, quantized_modules
+from bitmosaic.pipeline.capture import capture_groups
+from bitmosaic.pipeline.distributed import Dist
+from bitmosaic.testing import save_hf_dir, tiny_llama, words
+
+# Python API runs in every rank: (method, options); smoothquant searches alpha on its token sample
+API_RUNS = {
+    "awq": {"bits": 4, "group_size": 32},
+    "smoothquant": {"bits": 4, "group_size": 32, "alpha": None, "alpha_grid": (0.3, 0.5, 0.7)},
+}
+CLI_FLAGS = ["quantize", "--method", "gptq", "--bits", "4", "--group-size", "32", "--nsamples", "7",
+             "--seqlen", "32", "--batch-size", "2", "--no-progress", "--no-cache"]  # fmt: skip
+
+
+def _calib() -> torch.Tensor:  # 7 samples in batches of 2: 4 batches, the last one short
+    return torch.randint(4, 128, (7, 32), generator=torch.Generator().manual_seed(0))
+
+
+def _codes(model) -> dict[str, torch.Tensor]:
+    return {n: m.codes().clone() for n, m in sorted(quantized_modules(model).items())}
+
+
+def _free_ports() -> tuple[int, int]:
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        return a.getsockname()[1], b.getsockname()[1]
+
+
+def _worker(rank: int, world: int, ports: tuple[int, int], tmp: str) -> None:
+    env = dict(RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world, MASTER_PORT=ports[0])
+    os.environ.update({k: str(v) for k, v in env.items()}, MASTER_ADDR="127.0.0.1")
+    torch.set_num_threads(1)
+    out = os.path.join(tmp, "dp")
+    args = [*CLI_FLAGS, "--model", os.path.join(tmp, "model"), "--calib", os.path.join(tmp, "calib.txt"),
+            "--out", out, "--json", os.path.join(tmp, "dp.json")]  # fmt: skip
+    assert main(args) == 0  # starts and ends its own process group (init_from_env)
+    os.environ["MASTER_PORT"] = str(ports[1])  # rank 0's first store may still be up
+    torch.distributed.init_process_group("gloo")
+    try:
+        got = {}
+        for method, opts in API_RUNS.items():
+            model = tiny_llama(0)
+            report = quantize_(model, method, _calib(), batch_size=2, progress=False, **opts)
+            got[method] = {"codes": _codes(model), "dist": report.calibration["distributed"],
+                           "transform": [r.get("transform") for r in report.layers]}  # fmt: skip
+        torch.save(got, os.path.join(tmp, f"api{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _same_fraction(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys() and len(a) == 14  # 2 layers x 7 linears, really compared
+    same = sum(int((a[n] == b[n]).sum()) for n in a)
+    total = sum(a[n].numel() for n in a)
+    assert total > 10_000
+    return same / total
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dist")
+    save_hf_dir(tmp / "model", tiny_llama(0))
+    (tmp / "calib.txt").write_text(words(4000))
+    torch.multiprocessing.spawn(_worker, args=(2, _free_ports(), str(tmp)), nprocs=2, join=True)
+    return tmp
+
+
+def test_two_processes_give_the_codes_of_one_and_only_rank0_writes(runs, capsys):
+    single = runs / "single"
+    args = ["--model", str(runs / "model"), "--calib", str(runs / "calib.txt"), "--out", str(single)]
+    assert main([*CLI_FLAGS, *args]) == 0
+    capsys.readouterr()
+    one, _ = load_quantized(single)
+    dp, _ = load_quantized(runs / "dp")
+    assert _same_fraction(_codes(dp), _codes(one)) >= 0.999
+    report = json.loads((runs / "dp.json").read_text())
+    assert report["calibration"]["distributed"]["samples_per_rank"] == [4, 3]
+    assert len(report["calibration"]["distributed"]["peak_rss_mb_per_rank"]) == 2
+    written = sorted(p.name for p in runs.iterdir())
+    assert written == ["api0.pt", "api1.pt", "calib.txt", "dp", "dp.json", "model", "single"]
+
+
+@pytest.mark.parametrize("method", sorted(API_RUNS))
+def test_smoothing_methods_match_one_process_and_every_rank_agrees(runs, method):
+    r0, r1 = (torch.load(runs / f"api{r}.pt")[method] for r in (0, 1))
+    for n in r0["codes"]:  # every rank packs the same gathered results: bit for bit
+        assert torch.equal(r0["codes"][n], r1["codes"][n]), n
+    model = tiny_llama(0)
+    report = quantize_(model, method, _calib(), batch_size=2, progress=False, **API_RUNS[method])
+    assert "distributed" not in report.calibration
+    assert _same_fraction(r0["codes"], _codes(model)) >= 0.999
+    choice = {"awq": "ratio", "smoothquant": "alpha"}[method]  # the searches chose the same factors
+    picked = [t.get(choice) for t in r0["transform"]]
+    assert any(p is not None for p in picked)
+    assert picked == [r["transform"].get(choice) for r in report.layers]
+
+
+def test_split_deals_batches_round_robin_and_refuses_too_many_ranks():
+    calib = torch.arange(7 * 3).reshape(7, 3)
+    d1 = Dist(rank=1, world=2)
+    share = d1.split(calib, 2)  # batches [0,1] [2,3] [4,5] [6]: rank 1 takes the 2nd and 4th
+    assert share[:, 0].tolist() == [6, 9, 18]
+    assert d1.skipped_tokens(0) == [6] and d1.skipped_tokens(1) == [6] and d1.skipped_tokens(None) == []
+    d0 = Dist(rank=0, world=2)
+    d0.split(calib, 2)
+    assert d0.skipped_tokens(0) == [] and d0.skipped_tokens(1) == [6] and d0.skipped_tokens(None) == [3]
+    with pytest.raises(OptionError, match="5 processes but only 4 calibration batches"):
+        Dist(rank=0, world=5).split(calib, 2)
+
+
+def test_cat_rows_undoes_select_rows_and_hessian_sums_round_trip():
+    g = torch.Generator().manual_seed(0)
+    res = QuantResult(torch.randint(0, 15, (10, 8), generator=g), torch.rand(10, 2), torch.rand(10, 2),
+                      torch.arange(8) // 4, step_errors=torch.rand(10), pivots=torch.rand(8))  # fmt: skip
+    back = QuantResult.cat_rows([res.select_rows(0, 3), res.select_rows(3, 10)])
+    for f in ("codes", "scales", "zeros", "g_idx", "step_errors", "pivots"):
+        assert torch.equal(getattr(back, f), getattr(res, f)), f
+    x = torch.randn(50, 16, generator=g)
+    a, b, whole = HessianAccumulator(16), HessianAccumulator(16), HessianAccumulator(16)
+    a.add(x[:20])
+    b.add(x[20:])
+    whole.add(x)
+    (ua, na), (ub, nb) = a.raw_sum(), b.raw_sum()
+    a.set_sum(ua + ub, na + nb)
+    torch.testing.assert_close(a.H, whole.H, rtol=1e-5, atol=1e-6)
+
+
+def test_one_process_capture_is_unchanged_by_the_dist_argument():
+    model = tiny_llama(0)
+    layer = model.model.layers[0]
+    from bitmosaic.models.arch import get_arch
+
+    arch = get_arch(model)
+    hs = [torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    pos = model.model.rotary_emb(hs[0], torch.arange(8)[None])
+    kw = [{"position_embeddings": pos, "attention_mask": None}] * 3
+    caps = [
+        capture_groups(layer, arch, hs, kw, max_tokens=10, generator=torch.Generator().manual_seed(1), dist=d)
+        for d in (None, Dist())
+    ]
+    for c0, c1 in zip(*caps, strict=True):
+        assert torch.equal(c0.sample, c1.sample) and torch.equal(c0.hessian, c1.hessian)
