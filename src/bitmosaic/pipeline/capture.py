@@ -66,9 +66,9 @@ def capture_groups(
     generator: torch.Generator | None = None,
     dist: Dist | None = None,
 ) -> list[GroupCapture]:
-    """``dist``: this process's share of a data-parallel run (its batches in ``inputs``); the
-    statistics are then reduced over the ranks and the token sample is the one a single process
-    draws (see :mod:`bitmosaic.pipeline.distributed`)."""
+    """``dist``: this process's rank of a data-parallel run (``inputs``: its batches); every rank
+    then adds every batch's group inputs in batch order (:meth:`~.distributed.Dist.stream`), so
+    the statistics and the token sample are those of one process."""
     groups = arch.sequential
     heads = [layer.get_submodule(g[0]) for g in groups]
     obs = [ActObserver(m.weight.shape[1]) for m in heads]
@@ -76,37 +76,45 @@ def capture_groups(
     samples: list[list[torch.Tensor]] = [[] for _ in groups]
     many = dist is not None and dist.world > 1
     per_batch = -(-max_tokens // max(dist.batches if many else len(inputs), 1))
+    blocks = [dist.hessian_blocks(a) for a in accs] if many else [None] * len(groups)
+    stash: list[tuple[int, torch.Tensor]] = []
 
-    def skip_draws(j: int | None) -> None:  # the draws a single process makes for other ranks' batches
-        for tokens in dist.skipped_tokens(j) if many else ():
-            for _ in groups:
-                torch.randperm(tokens, generator=generator)
+    def take(i: int, x: torch.Tensor) -> None:  # group i's input of the next batch (batch order)
+        obs[i].add(x)
+        accs[i].add(x, blocks[i])
+        k = min(per_batch, x.shape[0])
+        idx = torch.randperm(x.shape[0], generator=generator)[:k].sort().values
+        samples[i].append(x[idx.to(x.device)].cpu())
 
     def make_hook(i):
         def hook(module, args):
             x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            obs[i].add(x)
-            accs[i].add(x)
-            k = min(per_batch, x.shape[0])
-            idx = torch.randperm(x.shape[0], generator=generator)[:k].sort().values
-            samples[i].append(x[idx.to(x.device)].cpu())
+            if many:
+                stash.append((i, x))  # broadcast and taken after the forward
+            else:
+                take(i, x)
 
         return hook
 
+    batches = iter(zip(inputs, kwargs, strict=True))
+
+    def forward(j: int) -> list:
+        stash.clear()
+        run_layer(layer, *next(batches))
+        return list(stash)
+
     handles = [m.register_forward_pre_hook(make_hook(i)) for i, m in enumerate(heads)]
     try:
-        for j, (hs, kw) in enumerate(zip(inputs, kwargs, strict=True)):
-            skip_draws(j)
-            run_layer(layer, hs, kw)
-        skip_draws(None)
+        if many:
+            dist.stream(len(inputs), forward, lambda b, items: [take(i, x) for i, x in items])
+            for acc, mine in zip(accs, blocks, strict=True):
+                dist.gather_hessian(acc, mine)
+        else:
+            for hs, kw in zip(inputs, kwargs, strict=True):
+                run_layer(layer, hs, kw)
     finally:
         for h in handles:
             h.remove()
-    if many:
-        for i in range(len(groups)):
-            dist.reduce_observer(obs[i])
-            dist.reduce_hessian(accs[i])
-            samples[i] = dist.in_batch_order(samples[i])
     return [
         GroupCapture(
             index=i,

@@ -8,40 +8,39 @@ quantize ...`` (``--nnodes`` for several machines) with the same flags as one pr
 
 **Who does what.**
 
-- *Samples*: the calibration batches (``batch_size`` samples each, in order) are dealt
+- *Forward passes*: the calibration batches (``batch_size`` samples each, in order) are dealt
   round-robin, rank ``r`` taking batches ``r, r+N, r+2N, ...`` (:meth:`Dist.split`).  Each rank
   captures the layer-0 inputs of its own batches and runs only those through every layer: the
   statistics passes and the final pass that makes the next layer's inputs.  More ranks than
   batches is a one-line error.
-- *Statistics* (Hessians, activation observers, the float captures a ``transform`` reads, Fisher
-  sums) are reduced so that every rank holds bitwise the same values (below).
+- *Statistics* (Hessians, activation observers, the float captures a ``transform`` reads): the
+  inputs of each group's linears are broadcast batch by batch in global batch order
+  (:meth:`Dist.stream`), and every rank adds every batch in the order one process adds them.
+  The Hessian's block rows (:class:`~bitmosaic.algorithms.hessian.HessianAccumulator` adds 128 or
+  256 rows at a time) are dealt over the ranks, longest first to the least loaded
+  (:meth:`Dist.hessian_blocks`); each rank computes its own and the owners broadcast them
+  (:meth:`Dist.gather_hessian`).
 - *Solves*: a method whose rows are quantized independently (``row_separable``) has every solve
   call split into N contiguous row blocks, one per rank; any other method's calls are owned
-  whole, round-robin by a counter that runs over the whole run (call ``k`` of the run on rank
-  ``k mod N``).  ``transform`` hooks (smoothing searches) are owned per group capture the same
-  way.  Results are all-gathered (on the CPU, pickled), so every rank packs and writes back the
-  same weights and the next layer's inputs are right on every rank.
+  whole, round-robin by a counter that runs over the whole run (call ``k`` on rank ``k mod N``).
+  ``transform`` hooks (smoothing searches) are owned per group capture the same way.  Results are
+  all-gathered (on the CPU, pickled), so every rank packs and writes back the same weights and
+  the next layer's inputs are right on every rank.
+- *Fisher salience* (a ``prepare`` step's service): rank ``r`` sums the squared gradients of
+  samples ``r, r+N, ...`` in order; the sums are added in rank order and divided by the number of
+  samples once.
 - *Output*: only rank 0 prints, shows progress, evaluates and writes the folder and the JSON.
 
-**Reduction order.**  Sums are all-gathered and added in rank order, ``((p_0 + p_1) + p_2) + ...``,
-chunk by chunk (16 Mi elements), identically on every rank (no ring-allreduce chunk order).
-``p_r`` is rank ``r``'s own sum over its batches in batch order.
-
-- Hessian: ``p_r = (n_r / 2) H_r`` (the un-normalised upper triangle of ``Σ x xᵀ`` in the Hessian
-  dtype, ``n_r`` its tokens); ``H = 2/n · Σ_r p_r`` once.  One process keeps a running mean over
-  all batches instead, so the two differ by rounding only.
-- Observers: ``max|x|`` and static-scale group maxima by all-reduce MAX (exact); ``Σ|x|`` and
-  ``Σ x`` (float64), token and batch counts and percentile sums by the rank-order sum.
-- Transform captures: as above for their Hessian and observer.  Their token sample is exact:
-  each rank draws the very random rows one process draws for its batches (the sample generator
-  is advanced over the other ranks' batches), and the rows are gathered in global batch order.
-- Fisher salience: rank ``r`` sums the squared gradients of samples ``r, r+N, ...`` in order, the
-  sums are added in rank order and divided by the number of samples once.
-
-Results therefore equal one process's up to the rounding of these sums; a GPTQ code can flip where
-a weight sits within rounding of a grid midpoint, and the flip moves later columns and layers a
-little (tested: >= 99.9% identical codes).  The calibration cache (layer-0 inputs and captures) is
-not used under torchrun; the Fisher cache is, when every rank finds the entry.
+**Reduction order.**  Hessians and observers are not reduced over ranks: every element goes
+through the operations one process applies to it (the running mean over the batches in batch
+order; each block row by the same ``addmm``), so they are bit-identical to one process's whenever
+the BLAS gives the same bits for the same product whatever the thread count (true here: 1 and 2
+threads give the same codes).  This matters: GPTQ with MSE scales is chaotic in its inputs.
+Summing per-rank Hessians (rounding-level differences) changed 36% of SmolLM2-135M's codes, 0.09%
+in the first layer, growing layer after layer.  The one real sum, Fisher's, adds the per-rank
+sums in rank order, ``((p_0 + p_1) + p_2) + ...``, chunk by chunk and identically on every rank
+(:meth:`Dist.sum`), so it differs from one process's by rounding.  The calibration cache (layer-0
+inputs and captures) is not used under torchrun; the Fisher cache is, when every rank finds it.
 """
 
 from __future__ import annotations
@@ -79,7 +78,6 @@ class Dist:
         self.device = device or torch.device("cpu")  # where collectives' tensors live
         self.batches: int = 0  # calibration batches in all, set by split()
         self._calls = 0  # the run's round-robin owner counter
-        self._tokens: list[int] = []  # tokens of every calibration batch, set by split()
 
     @property
     def is_main(self) -> bool:
@@ -100,37 +98,22 @@ class Dist:
         batches of ``batch_size`` (the global last batch, possibly short, stays last), so batching
         the share again with ``batch_size`` gives exactly those batches.  Resets the owner counter."""
         self._calls = 0
-        n, seqlen = calib.shape[0], calib.shape[1]
-        self.batches = -(-n // batch_size)
-        self._tokens = [min(batch_size, n - b * batch_size) * seqlen for b in range(self.batches)]
+        self.batches = self.check_batches(calib.shape[0], batch_size)
         if self.world == 1:
             return calib
-        if self.batches < self.world:
-            raise OptionError(
-                f"{self.world} processes but only {self.batches} calibration batches "
-                f"({calib.shape[0]} samples / --batch-size {batch_size}); use at most {self.batches} "
-                "processes, more --nsamples or a smaller --batch-size"
-            )
         mine = range(self.rank, self.batches, self.world)
         return torch.cat([calib[b * batch_size : (b + 1) * batch_size] for b in mine])
 
-    def skipped_tokens(self, j: int | None) -> list[int]:
-        """Token counts of the other ranks' batches between this rank's batch ``j - 1`` and its
-        batch ``j`` (``j=None``: after its last batch), in batch order."""
-        if self.world == 1:
-            return []
-        mine = range(self.rank, self.batches, self.world)
-        prev = mine[j - 1] if j else (mine[-1] if j is None else -1)
-        stop = self.batches if j is None else mine[j]
-        return [self._tokens[b] for b in range(prev + 1, stop)]
-
-    def in_batch_order(self, local: list) -> list:
-        """Per-batch items of every rank (``local``: this rank's, in its batch order), gathered and
-        put in global batch order."""
-        if self.world == 1:
-            return local
-        every = self.all_gather_object(local)
-        return [every[b % self.world][b // self.world] for b in range(self.batches)]
+    def check_batches(self, samples: int, batch_size: int) -> int:
+        """The number of calibration batches; a one-line error when some rank would get none."""
+        batches = -(-samples // batch_size)
+        if batches < self.world:
+            raise OptionError(
+                f"{self.world} processes but only {batches} calibration batches ({samples} samples / "
+                f"--batch-size {batch_size}); use at most {batches} processes, more --nsamples or a "
+                "smaller --batch-size"
+            )
+        return batches
 
     # -- collectives -----------------------------------------------------------------------------
     def all_gather_object(self, obj: Any) -> list:
@@ -169,37 +152,65 @@ class Dist:
             return flag
         return bool(self.max(torch.tensor([0.0 if flag else 1.0])).item() == 0.0)
 
-    def count(self, n: int | float) -> float:
-        return float(self.sum(torch.tensor([float(n)], dtype=torch.float64)).item())
-
     # -- statistics ------------------------------------------------------------------------------
-    def reduce_hessian(self, acc) -> None:
-        """Make a :class:`~bitmosaic.algorithms.hessian.HessianAccumulator` hold every rank's tokens."""
+    def stream(self, local: int, produce: Callable[[int], list], consume: Callable[[int, list], Any]) -> None:
+        """``consume(b, items)`` on every rank for every calibration batch ``b``, in batch order, where
+        ``items`` (``[(key, tensor)]``) is what ``produce(j)`` returned on the rank holding ``b`` as
+        its ``j``-th batch (``local``: how many this rank holds); the tensors are broadcast."""
+        if self.world == 1:
+            for j in range(local):
+                consume(j, produce(j))
+            return
+        assert local == len(range(self.rank, self.batches, self.world)), "stream over this rank's share"
+        for j in range(-(-self.batches // self.world)):
+            items = produce(j) if j < local else None
+            for r in range(self.world):
+                b = j * self.world + r
+                if b < self.batches:
+                    consume(b, self._broadcast_items(items if r == self.rank else None, r))
+
+    def _broadcast_items(self, items: list | None, src: int) -> list:
+        meta = [[(k, tuple(t.shape), t.dtype) for k, t in items] if items is not None else None]
+        torch.distributed.broadcast_object_list(meta, src=src, device=self.device)
+        out = []
+        for n, (k, shape, dtype) in enumerate(meta[0]):
+            if self.rank == src:
+                buf = items[n][1].to(self.device).contiguous()
+            else:
+                buf = torch.empty(shape, dtype=dtype, device=self.device)
+            torch.distributed.broadcast(buf, src=src)
+            out.append((k, items[n][1] if self.rank == src else buf))
+        return out
+
+    def hessian_blocks(self, acc) -> set[int]:
+        """The block rows of ``acc`` this rank computes: longest first to the least loaded rank
+        (the block row from row ``i`` costs ``rows x (n - i)``)."""
+        starts = list(acc.block_starts)
+        if self.world == 1:
+            return set(range(len(starts)))
+        n = acc.in_features
+        ends = [*starts[1:], n]
+        cost = [(e - i) * (n - i) for i, e in zip(starts, ends, strict=True)]
+        load = [0] * self.world
+        mine = set()
+        for k in sorted(range(len(starts)), key=lambda k: (-cost[k], k)):
+            r = min(range(self.world), key=lambda r: (load[r], r))
+            load[r] += cost[k]
+            if r == self.rank:
+                mine.add(k)
+        return mine
+
+    def gather_hessian(self, acc, mine: set[int]) -> None:
+        """Every rank's block rows of ``acc`` (``mine``: this rank's), broadcast by their owners."""
         if self.world == 1:
             return
-        upper, n = acc.raw_sum()
-        acc.set_sum(self.sum(upper), int(self.count(n)))
-
-    def reduce_observer(self, obs) -> None:
-        """Make an :class:`~bitmosaic.algorithms.observers.ActObserver` hold every rank's tokens."""
-        if self.world == 1:
-            return
-        obs.tokens = int(self.count(obs.tokens))
-        obs.batches = int(self.count(obs.batches))
-        obs.channel_absmax = self.max(obs.channel_absmax)
-        obs.channel_abssum = self.sum(obs.channel_abssum)
-        obs.channel_sum = self.sum(obs.channel_sum)
-        if obs.group_amax is not None:
-            obs.group_amax = self.max(obs.group_amax)
-        if obs.pct_sum is not None:
-            obs.pct_sum = self.sum(obs.pct_sum)
-
-    def reduce_statistics(self, accs: dict, observers: dict) -> None:
-        """The Hessians and observers of one group (:func:`group_statistics`), over every rank."""
-        for name in sorted(accs):
-            self.reduce_hessian(accs[name])
-        for name in sorted(observers):
-            self.reduce_observer(observers[name])
+        for r, blocks in enumerate(self.all_gather_object(sorted(mine))):
+            for k in blocks:
+                view = acc.block_row(k)
+                buf = view.contiguous().to(self.device)
+                torch.distributed.broadcast(buf, src=r)
+                if r != self.rank:
+                    view.copy_(buf)
 
     # -- owned work ------------------------------------------------------------------------------
     def map_owned(self, items: Sequence, fn: Callable[[Any], Any]) -> list:

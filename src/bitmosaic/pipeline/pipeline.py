@@ -331,8 +331,8 @@ def quantize_model(
                         cache=cache if use_cache else None,
                         act_spec=_static_act(plan, group, prefix),
                         observe=any(getattr(plan[n][1], "needs_act_stats", False) for n in group if plan[n]),
+                        dist=dist,
                     )
-                    dist.reduce_statistics(accs, observers)
                     shared: dict[str, list[str]] = {}
                     for name in group:
                         shared.setdefault(owner[name], []).append(name)
