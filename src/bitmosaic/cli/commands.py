@@ -137,6 +137,7 @@ def cmd_quantize(args) -> int:
             torch.set_num_threads(args.threads)
         elif dist.world > 1:  # the cores of this machine, shared by its ranks
             torch.set_num_threads(local_threads())
+        dist.check_batches(args.nsamples, args.batch_size)  # before the model loads
         if not dist.is_main:
             from transformers.utils import logging as hf_logging
 
