@@ -1,6 +1,9 @@
 """Data-parallel calibration (``torchrun -m bitmosaic quantize``): 2 gloo processes on the CPU give the
-codes of one process (>= 99.9% identical), every rank ends with the same model, rank 0 alone writes."""
+codes of one process (>= 99.9% identical) and its perplexity (< 0.1% apart), every rank ends with the
+same model, rank 0 alone writes; a streamed run is refused in one line."""
 
+import contextlib
+import io
 import json
 import os
 import socket
@@ -13,9 +16,11 @@ from bitmosaic.algorithms.hessian import HessianAccumulator
 from bitmosaic.algorithms.types import QuantResult
 from bitmosaic.cli import main
 from bitmosaic.errors import OptionError
+from bitmosaic.eval.perplexity import perplexity
 from bitmosaic.io import load_quantized, quantized_modules
 from bitmosaic.pipeline.capture import capture_groups
-from bitmosaic.pipeline.distributed import Dist
+from bitmosaic.pipeline.distributed import Dist, current
+from bitmosaic.pipeline.fisher import fisher_salience
 from bitmosaic.testing import save_hf_dir, tiny_llama, words
 
 # Python API runs in every rank: (method, options); smoothquant searches alpha on its token sample
@@ -35,14 +40,15 @@ def _codes(model) -> dict[str, torch.Tensor]:
     return {n: m.codes().clone() for n, m in sorted(quantized_modules(model).items())}
 
 
-def _free_ports() -> tuple[int, int]:
-    with socket.socket() as a, socket.socket() as b:
-        a.bind(("127.0.0.1", 0))
-        b.bind(("127.0.0.1", 0))
-        return a.getsockname()[1], b.getsockname()[1]
+def _free_ports(n: int = 3) -> list[int]:
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
-def _worker(rank: int, world: int, ports: tuple[int, int], tmp: str) -> None:
+def _worker(rank: int, world: int, ports: list[int], tmp: str) -> None:
     env = dict(RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world, MASTER_PORT=ports[0])
     os.environ.update({k: str(v) for k, v in env.items()}, MASTER_ADDR="127.0.0.1")
     torch.set_num_threads(1)
@@ -50,10 +56,19 @@ def _worker(rank: int, world: int, ports: tuple[int, int], tmp: str) -> None:
     args = [*CLI_FLAGS, "--model", os.path.join(tmp, "model"), "--calib", os.path.join(tmp, "calib.txt"),
             "--out", out, "--json", os.path.join(tmp, "dp.json")]  # fmt: skip
     assert main(args) == 0  # starts and ends its own process group (init_from_env)
-    os.environ["MASTER_PORT"] = str(ports[1])  # rank 0's first store may still be up
+    os.environ["MASTER_PORT"] = str(ports[1])  # each group on its own port: rank 0's last store may be up
+    err = io.StringIO()
+    stream = [*CLI_FLAGS, "--model", os.path.join(tmp, "model"), "--calib", os.path.join(tmp, "calib.txt"),
+              "--out", os.path.join(tmp, "st"), "--stream", "on"]  # fmt: skip
+    with contextlib.redirect_stderr(err):
+        code = main(stream)
+    os.environ["MASTER_PORT"] = str(ports[2])
     torch.distributed.init_process_group("gloo")
     try:
-        got = {}
+        got = {"stream": (code, err.getvalue())}
+        tokens = _calib()[:5]  # 5 samples: rank 0 sums 3, rank 1 sums 2
+        sal, _ = fisher_salience(tiny_llama(0), tokens, cache_dir=None, progress=False, dist=current())
+        got["fisher"] = sal
         for method, opts in API_RUNS.items():
             model = tiny_llama(0)
             report = quantize_(model, method, _calib(), batch_size=2, progress=False, **opts)
@@ -92,8 +107,28 @@ def test_two_processes_give_the_codes_of_one_and_only_rank0_writes(runs, capsys)
     report = json.loads((runs / "dp.json").read_text())
     assert report["calibration"]["distributed"]["samples_per_rank"] == [4, 3]
     assert len(report["calibration"]["distributed"]["peak_rss_mb_per_rank"]) == 2
-    written = sorted(p.name for p in runs.iterdir())
+    written = sorted(p.name for p in runs.iterdir())  # no "st" nor its partial folder: refused up front
     assert written == ["api0.pt", "api1.pt", "calib.txt", "dp", "dp.json", "model", "single"]
+    ids = torch.randint(4, 128, (1, 8 * 32), generator=torch.Generator().manual_seed(1))
+    ppl = [perplexity(m, ids, 32, progress=False)["ppl"] for m in (dp, one)]
+    assert abs(ppl[0] / ppl[1] - 1) < 1e-3, ppl
+
+
+def test_a_streamed_run_is_refused_on_every_rank_in_one_line(runs):
+    for r in (0, 1):
+        code, err = torch.load(runs / f"api{r}.pt")["stream"]
+        assert code == 2 and err.count("\n") == 1, err
+        assert "would stream (--stream on)" in err and "2 processes" in err and "--stream off" in err
+
+
+def test_fisher_sums_over_ranks_equal_one_process_up_to_rounding(runs):
+    got = [torch.load(runs / f"api{r}.pt")["fisher"] for r in (0, 1)]
+    one, _ = fisher_salience(tiny_llama(0), _calib()[:5], cache_dir=None, progress=False)
+    assert set(got[0]) == set(one) and len(one) == 14
+    for n in one:
+        assert torch.equal(got[0][n], got[1][n]), n  # the same bits on every rank (rank-order sum)
+        assert one[n].abs().sum() > 0
+        torch.testing.assert_close(got[0][n], one[n], rtol=1e-5, atol=1e-12)
 
 
 @pytest.mark.parametrize("method", sorted(API_RUNS))

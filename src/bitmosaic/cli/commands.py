@@ -143,14 +143,15 @@ def cmd_quantize(args) -> int:
 
             hf_logging.disable_progress_bar()
             args.no_progress = True
-        return _quantize(args, device, dist.is_main)
+        return _quantize(args, device, dist)
     finally:
         shutdown()
 
 
-def _quantize(args, device, main: bool) -> int:
+def _quantize(args, device, dist) -> int:
     import torch
 
+    from ..errors import OptionError
     from ..io import load_model, save_quantized
     from ..io.loading import resolve_dtype
     from ..pipeline.pipeline import peak_rss_mb
@@ -169,7 +170,15 @@ def _quantize(args, device, main: bool) -> int:
         raise ValueError("--fidelity compares on the --eval windows; add --eval wikitext2 (or a text file)")
     from .stream import run_streaming, should_stream
 
-    if should_stream(args, recipe, dtype):
+    main = dist.is_main
+    streamed = should_stream(args, recipe, dtype)
+    if streamed and dist.world > 1:
+        raise OptionError(
+            f"this run would stream (--stream {args.stream}), which torchrun's {dist.world} processes cannot "
+            "share: its resume record holds one process's calibration activations; use --stream off (every "
+            "process then holds the whole model) or run the streamed quantization as one process"
+        )
+    if streamed:
         report, out = run_streaming(args, recipe, spec, config, device, dtype, progress)
         model = tok = reference = None
         results: dict = {}
