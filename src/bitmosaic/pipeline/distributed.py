@@ -108,9 +108,10 @@ class Dist:
         """The number of calibration batches; a one-line error when some rank would get none."""
         batches = -(-samples // batch_size)
         if batches < self.world:
+            b, p = ("batch", "process") if batches == 1 else ("batches", "processes")
             raise OptionError(
-                f"{self.world} processes but only {batches} calibration batches ({samples} samples / "
-                f"--batch-size {batch_size}); use at most {batches} processes, more --nsamples or a "
+                f"{self.world} processes but only {batches} calibration {b} ({samples} samples / "
+                f"--batch-size {batch_size}); use at most {batches} {p}, more --nsamples or a "
                 "smaller --batch-size"
             )
         return batches
