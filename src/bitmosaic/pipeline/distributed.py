@@ -31,16 +31,28 @@ quantize ...`` (``--nnodes`` for several machines) with the same flags as one pr
   samples once.
 - *Output*: only rank 0 prints, shows progress, evaluates and writes the folder and the JSON.
 
-**Reduction order.**  Hessians and observers are not reduced over ranks: every element goes
-through the operations one process applies to it (the running mean over the batches in batch
-order; each block row by the same ``addmm``), so they are bit-identical to one process's whenever
-the BLAS gives the same bits for the same product whatever the thread count (true here: 1 and 2
-threads give the same codes).  This matters: GPTQ with MSE scales is chaotic in its inputs.
-Summing per-rank Hessians (rounding-level differences) changed 36% of SmolLM2-135M's codes, 0.09%
-in the first layer, growing layer after layer.  The one real sum, Fisher's, adds the per-rank
-sums in rank order, ``((p_0 + p_1) + p_2) + ...``, chunk by chunk and identically on every rank
-(:meth:`Dist.sum`), so it differs from one process's by rounding.  The calibration cache (layer-0
-inputs and captures) is not used under torchrun; the Fisher cache is, when every rank finds it.
+**Reduction order.**  Hessians and observers (activation maxima, AWQ's channel means, static
+scales) are not summed over ranks: every element goes through the operations one process applies
+to it (the running mean over the batches in global batch order; each block row by the same
+``addmm``), so they are bit-identical to one process's whenever the BLAS gives the same bits for
+the same product whatever the thread count and the rows around it (true here: 1 and 2 threads, 1
+and 2 processes give the same codes; a split solve's rows likewise).  This matters: GPTQ with MSE
+scales is chaotic in its inputs.  Summing per-rank Hessians in rank order instead (this module's
+first version) differed from one process by rounding only in layer 0's q/k/v (0.01-0.09% of their
+codes), but the flips grow through the sequential updates: 36% of layer 0's down_proj, 36% of
+SmolLM2-135M's codes in all, perplexity +0.9% (GPTQ w4 g128, 16 x 512 tokens).  The one real sum,
+Fisher's, adds the per-rank sums in rank order, ``((p_0 + p_1) + p_2) + ...``, chunk by chunk and
+identically on every rank (:meth:`Dist.sum`), so it differs from one process's by rounding.  The
+calibration cache (layer-0 inputs and captures) is not used under torchrun; the Fisher cache is,
+when every rank finds it.
+
+**Traffic.**  The price of exactness: each group's inputs, ``tokens x in_features`` values in the
+compute dtype, reach every rank (SmolLM2-135M with 16 x 512 tokens: about 0.1 GB per layer),
+where summing Hessians would move ``in_features²``; on one machine (shared-memory loopback, NVLink)
+this is small next to the forward passes, across slow links it may not be.
+
+**Streaming** (``quantize --stream``) is refused under torchrun in one line: its resume record
+holds one process's calibration activations and random state, not one share per rank.
 """
 
 from __future__ import annotations
