@@ -10,7 +10,7 @@ tenfold with a warning, then :class:`DampingError`.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -88,7 +88,21 @@ class HessianAccumulator:
             self._mirrored = True
         return self._upper
 
-    def add(self, x: torch.Tensor) -> None:
+    @property
+    def block_starts(self) -> range:
+        """First rows of the block rows :meth:`add` updates one at a time."""
+        return range(0, self.in_features, self._block)
+
+    def block_row(self, k: int) -> torch.Tensor:
+        """A view of block row ``k`` of the accumulated upper triangle (``H[i:i+B, i:]`` unscaled by
+        the mirror): what :meth:`add` with ``blocks`` computes, for sharing between processes."""
+        i = self.block_starts[k]
+        self._mirrored = False
+        return self._upper[i : i + self._block, i:]
+
+    def add(self, x: torch.Tensor, blocks: Container[int] | None = None) -> None:
+        """Add the tokens of ``x``; ``blocks``: compute only these block rows (the others keep their
+        old values times the running-mean factor), each bit for bit what a full ``add`` gives."""
         x = x.reshape(-1, x.shape[-1]).to(device=self.device, dtype=self.dtype)
         m = x.shape[0]
         if m == 0:
@@ -98,8 +112,9 @@ class HessianAccumulator:
         self.n += m
         alpha = 2.0 / self.n  # scaled in the product: no scaled copy of x
         B = self._block
-        for i in range(0, self.in_features, B):
-            self._upper[i : i + B, i:].addmm_(x[:, i : i + B].T, x[:, i:], alpha=alpha)
+        for k, i in enumerate(range(0, self.in_features, B)):
+            if blocks is None or k in blocks:
+                self._upper[i : i + B, i:].addmm_(x[:, i : i + B].T, x[:, i:], alpha=alpha)
 
 
 def _damping_tries(H: torch.Tensor, percdamp: float, max_tries: int, stacklevel: int):

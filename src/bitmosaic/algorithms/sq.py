@@ -155,6 +155,16 @@ class SQWeightResult(QuantResult):
             **{f.name: getattr(base, f.name) for f in dataclasses.fields(QuantResult)}, sq=sq
         )
 
+    @classmethod
+    def cat_rows(cls, parts: list[SQWeightResult]) -> SQWeightResult:
+        base = QuantResult.cat_rows(parts)
+        t = parts[0].sq
+        fields = ("mask", "low", "high", "low_scale", "high_scale")
+        sq = SQTensor(t.fmt, *(torch.cat([getattr(p.sq, k) for p in parts]) for k in fields), t.group)
+        return SQWeightResult(
+            **{f.name: getattr(base, f.name) for f in dataclasses.fields(QuantResult)}, sq=sq
+        )
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.sq.dequantize(dtype)
 

@@ -73,6 +73,30 @@ class QuantResult:
             info=dict(self.info),
         )
 
+    @classmethod
+    def cat_rows(cls, parts: list[QuantResult]) -> QuantResult:
+        """The inverse of :meth:`select_rows`: the results of consecutive row blocks of one matrix,
+        quantized apart against one Hessian (a row-separable method split over processes), as one
+        result; every per-row field concatenated, shared ones (and ``info``) from the first."""
+
+        def rows(name):
+            vals = [getattr(p, name) for p in parts]
+            return None if vals[0] is None else torch.cat(vals)
+
+        first = parts[0]
+        return QuantResult(
+            codes=rows("codes"),
+            scales=rows("scales"),
+            zeros=rows("zeros"),
+            g_idx=first.g_idx,
+            perm=first.perm,
+            hessian=first.hessian,
+            step_errors=rows("step_errors"),
+            pivots=first.pivots,
+            sparse=rows("sparse"),
+            info=dict(first.info),
+        )
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         W = dequantize(self.codes, self.scales, self.zeros, self.g_idx, dtype=dtype)
         return W if self.sparse is None else W + self.sparse.to(dtype)

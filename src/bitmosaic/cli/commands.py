@@ -123,19 +123,43 @@ def run_recipe(model, tok, recipe, args, device, progress: bool, calib=None):
 
 
 def cmd_quantize(args) -> int:
+    """``quantize``; under ``torchrun`` (``WORLD_SIZE`` > 1) every process runs it with the same
+    flags, calibrates on its share of the samples (:mod:`bitmosaic.pipeline.distributed`), and
+    rank 0 alone prints, evaluates and writes ``--out`` / ``--json``."""
     import torch
 
+    from ..io.loading import resolve_device
+    from ..pipeline.distributed import init_from_env, local_threads, shutdown
+
+    dist, device = init_from_env(resolve_device(args.device))
+    try:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        elif dist.world > 1:  # the cores of this machine, shared by its ranks
+            torch.set_num_threads(local_threads())
+        dist.check_batches(args.nsamples, args.batch_size)  # before the model loads
+        if not dist.is_main:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+            args.no_progress = True
+        return _quantize(args, device, dist)
+    finally:
+        shutdown()
+
+
+def _quantize(args, device, dist) -> int:
+    import torch
+
+    from ..errors import OptionError
     from ..io import load_model, save_quantized
-    from ..io.loading import resolve_device, resolve_dtype
+    from ..io.loading import resolve_dtype
     from ..pipeline.pipeline import peak_rss_mb
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     recipe = recipe_from_args(args)
     spec, config = recipe.default()
     progress = not args.no_progress
-    device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device, args.model)
     if args.out:  # refuse a bad --out (or --json) before hours of work, not after
         from ..io.serialization import check_output_dir
@@ -146,23 +170,34 @@ def cmd_quantize(args) -> int:
         raise ValueError("--fidelity compares on the --eval windows; add --eval wikitext2 (or a text file)")
     from .stream import run_streaming, should_stream
 
-    if should_stream(args, recipe, dtype):
+    main = dist.is_main
+    streamed = should_stream(args, recipe, dtype)
+    if streamed and dist.world > 1:
+        raise OptionError(
+            f"this run would stream (--stream {args.stream}), which torchrun's {dist.world} processes cannot "
+            "share: its resume record holds one process's calibration activations; use --stream off (every "
+            "process then holds the whole model) or run the streamed quantization as one process"
+        )
+    if streamed:
         report, out = run_streaming(args, recipe, spec, config, device, dtype, progress)
         model = tok = reference = None
         results: dict = {}
     else:
         t0 = time.perf_counter()
         model, tok = load_model(args.model, dtype=dtype)
-        print(f"loaded {args.model} ({type(model).__name__}) in {time.perf_counter() - t0:.1f}s")
-        reference = copy.deepcopy(model) if args.fidelity else None
+        if main:
+            print(f"loaded {args.model} ({type(model).__name__}) in {time.perf_counter() - t0:.1f}s")
+        reference = copy.deepcopy(model) if args.fidelity and main else None
         results = {}
-        if args.eval_src and args.eval_float:
+        if args.eval_src and args.eval_float and main:
             results["float"] = _ppl(
                 model, tok, args.eval_src, args.eval_seqlen, args.max_windows, args.data_dir, progress, device
             )
             print(f"float perplexity: {results['float']['ppl']:.3f}")
         report, _ = run_recipe(model, tok, recipe, args, device, progress)
         out = {}
+    if not main:  # the other ranks of a torchrun: rank 0 reports and writes
+        return 0
     for line in spec.summary_lines(report):
         print(line)
     out = {**report.to_dict(), **out}
@@ -171,6 +206,10 @@ def cmd_quantize(args) -> int:
         f"quantized {len(report.layers)} linears with {spec.name} in {report.seconds:.1f}s, "
         f"{report.bits_per_weight:.3f} bits/weight, peak RSS {report.peak_rss_mb:.0f} MB"
     )
+    dp = report.calibration.get("distributed")
+    if dp:
+        rss = ", ".join(f"{v:.0f}" for v in dp["peak_rss_mb_per_rank"])
+        print(f"data-parallel: {dp['world']} processes, {dp['batches']} batches; peak RSS per rank {rss} MB")
     cache = report.calibration.get("cache") or {}
     if cache.get("hits") or cache.get("misses"):
         hits, misses = ", ".join(cache["hits"]) or "-", ", ".join(cache["misses"]) or "-"

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,6 +23,9 @@ from ..algorithms.hessian import HessianAccumulator
 from ..algorithms.observers import ActObserver
 from ..errors import check_finite
 from .capture import run_layer
+
+if TYPE_CHECKING:
+    from .distributed import Dist
 
 __all__ = [
     "StopForward",
@@ -257,6 +261,7 @@ def group_statistics(
     cache: OutputCache | None = None,
     act_spec=None,
     observe: bool = False,
+    dist: Dist | None = None,
 ) -> tuple[dict[str, HessianAccumulator], dict[str, str], dict[str, ActObserver]]:
     """Hessians of the inputs of linears ``names`` (modules fed the very same tensor share one:
     ``owner[name]`` is the name whose accumulator holds it), and input observers when
@@ -269,6 +274,10 @@ def group_statistics(
     when a later member then reads a tensor that is *not* one already recorded (so it may have been
     computed from a stand-in), the pass is redone with every member running, for that batch and the
     rest.  Inputs are added to the Hessians only when a pass completes, so a redone pass counts once.
+
+    ``dist``: this process's rank of a data-parallel run (``inputs``: its batches); every rank then
+    adds every batch in batch order (:mod:`bitmosaic.pipeline.distributed`): the statistics of one
+    process, bit for bit.
     """
     mods = {n: layer.get_submodule(n) for n in names}
     accs: dict[str, HessianAccumulator] = {}
@@ -308,33 +317,46 @@ def group_statistics(
     patched = [m for m in mods.values() if isinstance(m, nn.Linear) and "forward" not in vars(m)]
     for m in patched:
         m.forward = make_forward(m)
+    many = dist is not None and dist.world > 1
+    blocks: dict[str, set[int] | None] = {}
+
+    def forward(b: int, hs: torch.Tensor, kw: dict) -> list[tuple[str, torch.Tensor]]:
+        """Batch ``b``'s pass(es) until every member's input was seen: the owners' inputs."""
+        if cache is not None:
+            cache.batch = b
+        while True:
+            state["seen"], state["stood_in"] = [], False
+            try:
+                run_layer(layer, hs, kw)
+            except StopForward:
+                break
+            except _StandInsSpoiled:
+                state["stand_ins"] = False  # this group's members do not share one input
+                continue
+            missing = sorted(set(mods) - {n for n, _ in state["seen"]})
+            raise RuntimeError(f"layer forward never called {missing}; check the architecture's layer map")
+        seen, state["seen"] = [(n, x) for n, x in state["seen"] if owner[n] == n], []
+        return seen
+
+    def take(seen: list[tuple[str, torch.Tensor]]) -> None:  # one batch's inputs, in batch order
+        for name, x in seen:
+            acc = accs.get(name)
+            if acc is None:
+                acc = accs[name] = HessianAccumulator(x.shape[-1], dtype=hessian_dtype, device=x.device)
+                blocks[name] = dist.hessian_blocks(acc) if many else None
+            acc.add(x, blocks[name])
+            if observe:
+                observers.setdefault(name, ActObserver(x.shape[-1], act_spec)).add(x)
+
     try:
-        for b, (hs, kw) in enumerate(zip(inputs, kwargs, strict=True)):
-            if cache is not None:
-                cache.batch = b
-            while True:
-                state["seen"], state["stood_in"] = [], False
-                try:
-                    run_layer(layer, hs, kw)
-                except StopForward:
-                    break
-                except _StandInsSpoiled:
-                    state["stand_ins"] = False  # this group's members do not share one input
-                    continue
-                missing = sorted(set(mods) - {n for n, _ in state["seen"]})
-                raise RuntimeError(
-                    f"layer forward never called {missing}; check the architecture's layer map"
-                )
-            for name, x in state["seen"]:
-                if owner[name] != name:
-                    continue
-                acc = accs.get(name)
-                if acc is None:
-                    acc = accs[name] = HessianAccumulator(x.shape[-1], dtype=hessian_dtype, device=x.device)
-                acc.add(x)
-                if observe:
-                    observers.setdefault(name, ActObserver(x.shape[-1], act_spec)).add(x)
-            state["seen"] = []
+        if many:  # each rank runs its batches; every rank adds every batch (bit-identical statistics)
+            batches = iter(zip(inputs, kwargs, strict=True))
+            dist.stream(len(inputs), lambda j: forward(j, *next(batches)), lambda b, seen: take(seen))
+            for name, acc in accs.items():
+                dist.gather_hessian(acc, blocks[name])
+        else:
+            for b, (hs, kw) in enumerate(zip(inputs, kwargs, strict=True)):
+                take(forward(b, hs, kw))
     finally:
         for h in handles:
             h.remove()

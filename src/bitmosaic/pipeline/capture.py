@@ -10,6 +10,7 @@ activations and so cannot be written through the Hessian).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -17,6 +18,9 @@ from torch import nn
 from ..algorithms.hessian import HessianAccumulator
 from ..algorithms.observers import ActObserver
 from ..models.arch import ArchSpec
+
+if TYPE_CHECKING:
+    from .distributed import Dist
 
 __all__ = ["GroupCapture", "capture_groups", "foldable", "run_layer"]
 
@@ -60,29 +64,54 @@ def capture_groups(
     *,
     max_tokens: int = 2048,
     generator: torch.Generator | None = None,
+    dist: Dist | None = None,
 ) -> list[GroupCapture]:
+    """``dist``: this process's rank of a data-parallel run (``inputs``: its batches); every rank
+    then adds every batch's group inputs in batch order (:meth:`~.distributed.Dist.stream`), so
+    the statistics and the token sample are those of one process."""
     groups = arch.sequential
     heads = [layer.get_submodule(g[0]) for g in groups]
     obs = [ActObserver(m.weight.shape[1]) for m in heads]
     accs = [HessianAccumulator(m.weight.shape[1]) for m in heads]
     samples: list[list[torch.Tensor]] = [[] for _ in groups]
-    per_batch = -(-max_tokens // max(len(inputs), 1))
+    many = dist is not None and dist.world > 1
+    per_batch = -(-max_tokens // max(dist.batches if many else len(inputs), 1))
+    blocks = [dist.hessian_blocks(a) for a in accs] if many else [None] * len(groups)
+    stash: list[tuple[int, torch.Tensor]] = []
+
+    def take(i: int, x: torch.Tensor) -> None:  # group i's input of the next batch (batch order)
+        obs[i].add(x)
+        accs[i].add(x, blocks[i])
+        k = min(per_batch, x.shape[0])
+        idx = torch.randperm(x.shape[0], generator=generator)[:k].sort().values
+        samples[i].append(x[idx.to(x.device)].cpu())
 
     def make_hook(i):
         def hook(module, args):
             x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            obs[i].add(x)
-            accs[i].add(x)
-            k = min(per_batch, x.shape[0])
-            idx = torch.randperm(x.shape[0], generator=generator)[:k].sort().values
-            samples[i].append(x[idx.to(x.device)].cpu())
+            if many:
+                stash.append((i, x))  # broadcast and taken after the forward
+            else:
+                take(i, x)
 
         return hook
 
+    batches = iter(zip(inputs, kwargs, strict=True))
+
+    def forward(j: int) -> list:
+        stash.clear()
+        run_layer(layer, *next(batches))
+        return list(stash)
+
     handles = [m.register_forward_pre_hook(make_hook(i)) for i, m in enumerate(heads)]
     try:
-        for hs, kw in zip(inputs, kwargs, strict=True):
-            run_layer(layer, hs, kw)
+        if many:
+            dist.stream(len(inputs), forward, lambda b, items: [take(i, x) for i, x in items])
+            for acc, mine in zip(accs, blocks, strict=True):
+                dist.gather_hessian(acc, mine)
+        else:
+            for hs, kw in zip(inputs, kwargs, strict=True):
+                run_layer(layer, hs, kw)
     finally:
         for h in handles:
             h.remove()

@@ -56,6 +56,7 @@ def fisher_salience(
     *,
     cache_dir: str | os.PathLike | CalibCache | None = "auto",
     progress: bool = True,
+    dist=None,
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """``({name: S [out, in] float32}, info)`` for the decoder linears ``names`` (default: all).
 
@@ -64,8 +65,11 @@ def fisher_salience(
     :func:`~bitmosaic.pipeline.calib_cache.default_cache_root`), a
     :class:`~bitmosaic.pipeline.calib_cache.CalibCache` (its ``fisher/``) or ``None`` (no cache).
     ``info`` has ``seconds`` (the estimation's wall time; ~0 and ``cached: True`` when loaded),
-    ``samples``, ``seqlen``, ``key``.
+    ``samples``, ``seqlen``, ``key``.  ``dist`` (a :class:`~bitmosaic.pipeline.distributed.Dist`):
+    each rank sums the samples ``rank, rank + world, ...``, the sums are added in rank order; a
+    cached entry is used only when every rank finds it, and rank 0 stores a new one.
     """
+    many = dist is not None and dist.world > 1
     names = names or salience_linear_names(model)
     if tokens.dim() != 2 or tokens.shape[0] < 1:
         raise ValueError(f"Fisher tokens must be [samples >= 1, seqlen], got {tuple(tokens.shape)}")
@@ -76,19 +80,25 @@ def fisher_salience(
     path = cache.path("fisher", key)
     t0 = time.perf_counter()
     sal = cache.load("fisher", key, lambda v: isinstance(v, dict) and set(v) == set(names))
+    if many and not dist.all_true(sal is not None):
+        sal = None
     if sal is not None:
         return sal, {**info, "cached": True, "seconds": 0.0, "load_seconds": time.perf_counter() - t0,
                      "path": str(path)}  # fmt: skip
     t0 = time.perf_counter()
-    sal = _estimate(model, tokens, names, progress)
+    if many:
+        sums = _estimate(model, dist.fisher_share(tokens), names, progress, mean=False)
+        sal = {n: dist.sum(sums[n]) / tokens.shape[0] for n in names}
+    else:
+        sal = _estimate(model, tokens, names, progress)
     info["seconds"] = time.perf_counter() - t0
-    if cache.store("fisher", key, {n: s.contiguous() for n, s in sal.items()}):
+    if (not many or dist.is_main) and cache.store("fisher", key, {n: s.contiguous() for n, s in sal.items()}):
         info["path"] = str(path)
     return sal, info
 
 
 def fisher_service(model: nn.Module, calib: torch.Tensor, progress: bool = True, calib_cache=None,
-                   more_calib=None):  # fmt: skip
+                   more_calib=None, dist=None):  # fmt: skip
     """The Fisher-salience service a method's ``prepare`` hook calls (``ctx.fisher``):
     ``fisher(names, given=None, tokens=None, samples=None, cache="auto") -> (salience, info)``.
 
@@ -96,7 +106,8 @@ def fisher_service(model: nn.Module, calib: torch.Tensor, progress: bool = True,
     *float* model from ``tokens`` (default: the calibration tokens), their first ``samples``
     (``more_calib(samples)`` when the calibration tokens are fewer and the caller can draw more).
     ``cache``: a folder, ``None`` (off) or ``"auto"`` (the run's calibration cache when it has one,
-    else ``~/.cache/bitmosaic/fisher``)."""
+    else ``~/.cache/bitmosaic/fisher``).  ``dist``: a data-parallel run's rank (the samples are
+    split over the ranks)."""
 
     def fisher(names, given=None, tokens=None, samples=None, cache="auto"):
         info: dict = {"given": True}
@@ -113,7 +124,7 @@ def fisher_service(model: nn.Module, calib: torch.Tensor, progress: bool = True,
                     )
                 tokens = tokens[:samples]
             where = calib_cache if cache == "auto" and calib_cache is not None else cache
-            given, info = fisher_salience(model, tokens, names, cache_dir=where, progress=progress)
+            given, info = fisher_salience(model, tokens, names, cache_dir=where, progress=progress, dist=dist)
         missing = [n for n in names if n not in given]
         if missing:
             raise ValueError(f"the salience lacks {len(missing)} linears, e.g. {missing[0]}")
@@ -130,8 +141,9 @@ def fisher_service(model: nn.Module, calib: torch.Tensor, progress: bool = True,
 
 
 def _estimate(
-    model: nn.Module, tokens: torch.Tensor, names: list[str], progress: bool
+    model: nn.Module, tokens: torch.Tensor, names: list[str], progress: bool, mean: bool = True
 ) -> dict[str, torch.Tensor]:
+    """The mean of the squared per-sample gradients over ``tokens`` (``mean=False``: their sum)."""
     params = {n: model.get_submodule(n).weight for n in names}
     dev = next(iter(params.values())).device
     acc = {n: torch.zeros(p.shape, dtype=torch.float32, device=dev) for n, p in params.items()}
@@ -164,4 +176,6 @@ def _estimate(
             p.requires_grad_(saved[id(p)])
             p.grad = None
         model.train(was_training)
+    if not mean:
+        return {n: a.cpu() for n, a in acc.items()}
     return {n: (a / tokens.shape[0]).cpu() for n, a in acc.items()}

@@ -54,6 +54,7 @@ from .calibration import (
     layer_kind,
 )
 from .capture import capture_groups, run_layer
+from .distributed import Dist, current
 from .fisher import fisher_service
 from .report import RunReport, error_metrics, peak_rss_mb
 from .smoothing import fold_group_scales
@@ -68,13 +69,14 @@ __all__ = [
 
 
 def _apply_transform(
-    plan: dict, layer, arch, inputs, kwargs, gen, prefix: str = "", runc=None, states=None
+    plan: dict, layer, arch, inputs, kwargs, gen, prefix: str = "", runc=None, states=None, dist=None
 ) -> dict[int, dict]:
     """Run the per-layer ``transform`` of the method each group's linears use and fold the factors
     it returns; info per group.  A group is transformed only when all its linears resolve to one
     (method, config) that has a transform (skipped linears and mixed groups stay unsmoothed).
     ``runc``: the run's calibration cache, for the float layer 0 (its statistics may be cached);
-    ``states``: the run state each (method, config) key's ``prepare`` returned."""
+    ``states``: the run state each (method, config) key's ``prepare`` returned; ``dist``: a
+    data-parallel run's rank (statistics reduced, each capture's transform run by one rank)."""
     todo: dict[tuple, list[int]] = {}
     for gi, group in enumerate(arch.sequential):
         keys = {_key(plan[n]) if plan[n] else None for n in group}
@@ -87,7 +89,7 @@ def _apply_transform(
     if runc is not None:
         caps = runc.group_captures(layer, arch, inputs, kwargs, max_tokens=max_tokens, generator=gen)
     else:
-        caps = capture_groups(layer, arch, inputs, kwargs, max_tokens=max_tokens, generator=gen)
+        caps = capture_groups(layer, arch, inputs, kwargs, max_tokens=max_tokens, generator=gen, dist=dist)
     for cap in caps:
         cap.prefix = prefix
     info: dict[int, dict] = {}
@@ -95,7 +97,12 @@ def _apply_transform(
         method, config = by_key[key]
         mine = [cap for cap in caps if cap.index in gis]
         state = (states or {}).get(key)
-        for cap, (s, row) in zip(mine, method.transform(mine, config, state), strict=True):
+        if dist is not None and dist.world > 1:  # the hook's contract: one result per capture
+            one = lambda cap, m=method, c=config, st=state: m.transform([cap], c, st)[0]  # noqa: E731
+            results = dist.map_owned(mine, one)
+        else:
+            results = method.transform(mine, config, state)
+        for cap, (s, row) in zip(mine, results, strict=True):
             if s is not None:
                 fold_group_scales(layer, arch, cap.index, s)
             info[cap.index] = {**row, "folded": s is not None}
@@ -130,26 +137,32 @@ def _offload_needed(calib: torch.Tensor, hidden: int, dtype: torch.dtype, device
 
 
 def _quantize_shared(
-    method, config, layer, names, H, percdamp, prefix, check, act_stats=None, state=None
+    method, config, layer, names, H, percdamp, prefix, check, act_stats=None, state=None, dist=None
 ) -> list[tuple[str, nn.Module, dict]]:
     """Quantize linears ``names`` that share Hessian ``H``; stacked into one call when the method
-    allows it.  Returns (name, packed module, report row) and puts the dequantized weights in place."""
+    allows it.  Returns (name, packed module, report row) and puts the dequantized weights in place.
+    ``dist``: the solves of a data-parallel run are spread over its ranks (:meth:`Dist.solve`)."""
     lins = [layer.get_submodule(n) for n in names]
     Ws = [lin.weight.data.float() for lin in lins]
     for n, W in zip(names, Ws, strict=True):
         check_finite(W, f"the weight of {prefix}.{n}")
     stacked = method.row_separable and len(names) > 1
     calls = [(names, torch.cat(Ws))] if stacked else [((n,), W) for n, W in zip(names, Ws, strict=True)]
+    stats = LayerStats(hessian=H, act=act_stats)
+    names_of = [call_names for call_names, _ in calls]
+    weights = [W for _, W in calls]
+    del Ws, calls
+
+    def solve(i: int, W: torch.Tensor):
+        name = f"{prefix}.{names_of[i][0]}" if len(names_of[i]) == 1 else None
+        return method.quantize(W, stats, config, state, name)
+
+    solved = (dist or current()).solve(weights, solve, method.row_separable)
+    del weights  # memory: the stacked copies; the metrics below read the layer's own float weights
+    _release_host_memory()
     out = []
-    del Ws
-    while calls:
-        call_names, W = calls.pop(0)
-        t0 = time.perf_counter()
-        name = f"{prefix}.{call_names[0]}" if len(call_names) == 1 else None
-        res = method.quantize(W, LayerStats(hessian=H, act=act_stats), config, state, name)
-        seconds = (time.perf_counter() - t0) / len(call_names)
-        del W  # memory: a stacked copy; the metrics below read the layer's own (still float) weights
-        _release_host_memory()
+    for call_names, (res, seconds) in zip(names_of, solved, strict=True):
+        seconds /= len(call_names)
         row0 = 0
         for n in call_names:
             lin = layer.get_submodule(n)
@@ -203,6 +216,7 @@ def quantize_model(
     calib_cache: CalibCache | None = None,
     more_calib=None,
     store=None,
+    dist: Dist | None = None,
 ) -> RunReport:
     """Quantize every linear of ``model``'s decoder layers in place; return the run report.
 
@@ -230,12 +244,21 @@ def quantize_model(
     bit-identical with and without it; ``report.calibration["cache"]`` lists its hits.
     ``store``: where decoder layers come from and go to, one at a time (streaming, with resume:
     :class:`bitmosaic.pipeline.stream.LayerStore`); ``None``: the model holds every layer.
+    ``dist``: this process's rank of a data-parallel run (default: the ``torch.distributed``
+    process group when one is initialised, e.g. under ``torchrun``; see
+    :mod:`bitmosaic.pipeline.distributed`): each rank calibrates on its share of the batches, the
+    statistics are reduced, the solves spread over the ranks, and every rank ends with the same
+    quantized model; only rank 0 shows progress.  The calibration cache then serves the Fisher
+    salience only.
     """
     t0 = time.perf_counter()
     arch = arch or get_arch(model)
     layers = arch.layers(model)
     dev = resolve_device(device, model)
     cdtype = _compute_dtype(compute_dtype, model, dev)
+    dist = dist or current()
+    local = dist.split(calib, batch_size)  # this rank's calibration batches (all of them alone)
+    progress = progress and dist.is_main
     model.eval()
     resolver = resolve or (lambda name: (method, config))
     plans = [
@@ -254,21 +277,22 @@ def quantize_model(
     inputs = kwargs_by_kind = None
     runc = None
     if calibrate:
-        runc = (calib_cache or CalibCache(None)).bind(
-            model, layers, calib, batch_size=batch_size, device=dev, compute_dtype=cdtype, seed=seed
+        cache0 = calib_cache if dist.world == 1 else None  # a rank's own statistics: not shareable
+        runc = (cache0 or CalibCache(None)).bind(
+            model, layers, local, batch_size=batch_size, device=dev, compute_dtype=cdtype, seed=seed
         )
-        first, kwargs_by_kind = runc.layer_inputs(model, layers, calib, batch_size, dev, capture_layer_inputs)
+        first, kwargs_by_kind = runc.layer_inputs(model, layers, local, batch_size, dev, capture_layer_inputs)
         if offload_inputs is None:
-            offload_inputs = _offload_needed(calib, first[0].shape[-1], first[0].dtype, dev)
+            offload_inputs = _offload_needed(local, first[0].shape[-1], first[0].dtype, dev)
         inputs = LayerInputs(first, dev, bool(offload_inputs), cdtype)
         kwargs_by_kind = {k: [cast_floating(kw, dev, cdtype) for kw in v] for k, v in kwargs_by_kind.items()}
         del first
-        use0 = _use_cache(cache_outputs, cache_budget_mb, calib, layers[0], arch)
+        use0 = _use_cache(cache_outputs, cache_budget_mb, local, layers[0], arch)
         report.calibration["output_cache"] = use0
     report.calibration["calibrated"] = calibrate
     report.calibration["compute_dtype"] = str(cdtype).replace("torch.", "")
     report.calibration["offload_inputs"] = bool(offload_inputs) if calibrate else None
-    fisher = fisher_service(model, calib, progress, calib_cache, more_calib)
+    fisher = fisher_service(model, calib, progress, calib_cache, more_calib, dist)
     contexts, states = _prepare(model, calib, plans, arch, progress, method_inputs or {}, fisher)
     for ctx in contexts.values():
         report.calibration.update(ctx._record)
@@ -296,9 +320,9 @@ def quantize_model(
         kwargs = kwargs_by_kind[layer_kind(layer)] if calibrate else None
         group_info = {}
         if calibrate:
-            runc0 = runc if li == 0 else None  # later layers' inputs come from quantized layers
-            group_info = _apply_transform(plan, layer, arch, inputs, kwargs, gen, prefix, runc0, states)
-        use_cache = calibrate and _use_cache(cache_outputs, cache_budget_mb, calib, layer, arch)
+            runc0 = runc if li == 0 and dist.world == 1 else None  # later layers: inputs from quantized ones
+            group_info = _apply_transform(plan, layer, arch, inputs, kwargs, gen, prefix, runc0, states, dist)
+        use_cache = calibrate and _use_cache(cache_outputs, cache_budget_mb, local, layer, arch)
         with OutputCache() as cache:
             for gi, group in enumerate(arch.sequential):
                 bar.set_postfix_str(f"{li}.{'/'.join(n.rsplit('.', 1)[-1] for n in group)}")
@@ -312,6 +336,7 @@ def quantize_model(
                         cache=cache if use_cache else None,
                         act_spec=_static_act(plan, group, prefix),
                         observe=any(getattr(plan[n][1], "needs_act_stats", False) for n in group if plan[n]),
+                        dist=dist,
                     )
                     shared: dict[str, list[str]] = {}
                     for name in group:
@@ -333,7 +358,7 @@ def quantize_model(
                         pd = getattr(c, "percdamp", 0.01)
                         rows = _quantize_shared(
                             m, c, layer, sub, H, pd, prefix, check_packing, observers.get(own),
-                            states.get(_key(plan[sub[0]])),
+                            states.get(_key(plan[sub[0]])), dist,
                         )  # fmt: skip
                         done += [(own, m, c, H, *r) for r in rows]
                 for own, m, c, H, name, qlin, row in done:
@@ -395,6 +420,15 @@ def quantize_model(
         report.calibration["cache"] = calib_cache.summary()
     report.seconds = time.perf_counter() - t0
     report.peak_rss_mb = peak_rss_mb()
+    if dist.world > 1:
+        every = dist.all_gather_object((report.seconds, report.peak_rss_mb, local.shape[0]))
+        report.calibration["distributed"] = {
+            "world": dist.world,
+            "batches": dist.batches,
+            "samples_per_rank": [e[2] for e in every],
+            "seconds_per_rank": [e[0] for e in every],
+            "peak_rss_mb_per_rank": [e[1] for e in every],
+        }
     if dev.type == "cuda":
         report.peak_device_mb = torch.cuda.max_memory_allocated(dev) / 2**20
     report.bits_per_weight = total_bits / max(total_weights, 1)
