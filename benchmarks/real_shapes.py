@@ -11,6 +11,7 @@ layer and this machine's measured float32 GEMM rate, so the time can be read aga
 
     python benchmarks/real_shapes.py write --shape llama3-8b --dir /tmp/l8b
     python benchmarks/real_shapes.py run --shape llama3-8b --dir /tmp/l8b --layers 4
+    python benchmarks/real_shapes.py check --dir /tmp/l8b      # the finished output loads and generates
     python benchmarks/real_shapes.py write --shape llama3-70b-layer --dir /tmp/l70
     python benchmarks/real_shapes.py run --shape llama3-70b-layer --dir /tmp/l70 --layers 0
 """
@@ -32,10 +33,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_info, median_ms, write_results  # noqa: E402
 
 SHAPES = {
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256),  # fmt: skip
-    "llama3-70b-layer": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=1,
-                             num_attention_heads=64, num_key_value_heads=8, vocab_size=128256),  # fmt: skip
+    "llama3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),  # fmt: skip
+    "llama3-70b-layer": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=1,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),  # fmt: skip
+    # for the arithmetic of docs/scaling.md (quantizing it needs ~40 GB: more than this machine has)
+    "llama3-405b-layer": dict(
+        hidden_size=16384,
+        intermediate_size=53248,
+        num_hidden_layers=1,
+        num_attention_heads=128,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),  # fmt: skip
 }
 
 
@@ -92,7 +114,8 @@ def write_checkpoint(folder: Path, shape: str, seed: int = 0) -> None:
             weight_map[n] = file
             total += 2 * int(torch.tensor(names[n]).prod())
     (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
     cfg.save_pretrained(folder)
     word_tokenizer().save_pretrained(folder)
     (folder / "calib.txt").write_text(" ".join(f"w{i % 997}" for i in range(200_000)))
@@ -150,12 +173,13 @@ def run(folder: Path, shape: str, layers: int, out: Path, threads: int | None) -
         argv += ["--threads", str(threads)]
     t0 = time.perf_counter()
     p = subprocess.Popen(argv)
-    peak, done, trace = 0.0, 0, []
+    peak, done, trace, state = 0.0, 0, [], None
     while p.poll() is None:
         peak = max(peak, _vmhwm_mb(p.pid))
         trace.append((round(time.perf_counter() - t0, 1), round(_rss_mb(p.pid)), done))
-        try:
-            done = json.loads(prog.read_text())["layers_done"]
+        try:  # kept as last read: a finished run's work folder becomes the output, without it
+            state = json.loads(prog.read_text())
+            done = state["layers_done"]
         except (OSError, ValueError, KeyError):
             pass
         if layers and done >= layers:
@@ -164,15 +188,41 @@ def run(folder: Path, shape: str, layers: int, out: Path, threads: int | None) -
             break
         time.sleep(0.5)
     wall = time.perf_counter() - t0
-    state = json.loads(prog.read_text()) if prog.is_file() else None
-    per_layer = state["layer_seconds"] if state else None
+    per_layer = state.get("layer_seconds") if state else None
     return {"returncode": p.returncode, "wall_s": wall, "peak_rss_mb": peak, "layer_seconds": per_layer,
             "finished": out.is_dir(), "rss_trace": trace}  # fmt: skip
 
 
+def check(out: Path, new_tokens: int = 8) -> dict:
+    """Load the finished output with ``bitmosaic.load`` (transformers' ``from_pretrained`` with the
+    packed modules) and generate greedily: load seconds, decode tokens/s, peak RSS, finite logits."""
+    import resource
+
+    from transformers import AutoTokenizer
+
+    import bitmosaic
+
+    t0 = time.perf_counter()
+    model = bitmosaic.load(str(out))
+    load_s = time.perf_counter() - t0
+    tok = AutoTokenizer.from_pretrained(str(out))
+    ids = tok("w1 w2 w3 w4", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        logits = model(ids).logits
+        t0 = time.perf_counter()
+        gen = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens)
+        gen_s = time.perf_counter() - t0
+    kinds = sorted({type(m).__name__ for m in model.modules() if "Linear" in type(m).__name__})
+    new = int(gen.shape[1] - ids.shape[1])
+    return {"load_s": load_s, "generate_s": gen_s, "new_tokens": new, "tokens_per_s": new / gen_s,
+            "logits_finite": bool(torch.isfinite(logits).all()),
+            "linear_kinds": kinds, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "output_gb": sum(p.stat().st_size for p in out.glob("*.safetensors")) / 1e9}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("write", "run"))
+    ap.add_argument("what", choices=("write", "run", "check"))
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     ap.add_argument("--dir", type=Path, required=True, help="the checkpoint folder")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default DIR-gptq-w4g128)")
@@ -185,6 +235,15 @@ def main() -> None:
         write_checkpoint(args.dir, args.shape, args.seed)
         return
     out = args.out or args.dir.with_name(args.dir.name + "-gptq-w4g128")
+    if args.what == "check":
+        res = check(out)
+        print(json.dumps(res, indent=1))
+        path = Path(args.json or Path(__file__).parent / "results" / f"real_shapes_{args.shape}.json")
+        if path.is_file():  # beside the run's numbers
+            data = json.loads(path.read_text())
+            data["results"]["load_and_generate"] = res
+            path.write_text(json.dumps(data, indent=2, default=str))
+        return
     gemm = gemm_gflops()
     res = run(args.dir, args.shape, args.layers, out, args.threads)
     flops = layer_flops(args.shape, 16 * 512)

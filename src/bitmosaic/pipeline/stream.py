@@ -175,22 +175,6 @@ class LayerStore:
         self.layers[li] = _Freed()
 
 
-def _return_freed_memory(threshold: int = 4 << 20) -> None:
-    """Have glibc serve allocations of ``threshold`` bytes and more from their own memory maps,
-    returned to the OS when freed.  By default glibc raises that threshold to 32 MB as it goes, so
-    the many 4-32 MB temporaries of a large layer (row blocks, scale searches) land on the heap,
-    whose freed pages it keeps: measured here, 0.5-0.9 GB of an 8B-shaped run's peak.  Results do
-    not change (only where memory comes from); other C libraries: nothing to do."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD (a fixed value also stops the raising)
-        libc.mallopt(-1, threshold)  # M_TRIM_THRESHOLD: give back a heap top above this
-    except (OSError, AttributeError):
-        pass
-
-
 def _free_outside(model: nn.Module, layers_path: str) -> None:
     """Put every parameter outside the decoder stack back on ``meta`` (they are in the output shards)."""
     for name, mod in model.named_modules():
@@ -267,7 +251,6 @@ def quantize_streaming(
     out = check_output_dir(out, overwrite)
     work = partial_dir(out)
     work.mkdir(parents=True, exist_ok=True)
-    _return_freed_memory()
     model = ckpt.empty_model(dtype)
     fingerprint = {
         "version": __version__,
