@@ -237,7 +237,7 @@ def test_wide_factorisation_runs_in_the_callers_threads(layer64, monkeypatch, wi
     real_factor = G.gptq_factor
     monkeypatch.setattr(G, "WIDE_SOLVE_MIN", wide_from)
     monkeypatch.setattr(
-        G, "gptq_factor", lambda *a: (seen.append(torch.get_num_threads()), real_factor(*a))[1]
+        G, "gptq_factor", lambda *a, **k: (seen.append(torch.get_num_threads()), real_factor(*a, **k))[1]
     )
     before = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -144,6 +144,7 @@ def gptq_quantize(
     zeros: torch.Tensor | None = None,
     quantizer: ColumnQuantizer | None = None,
     threads: int | None = 1,
+    overwrite_hessian: bool = False,
 ) -> QuantResult:
     """Quantize ``W`` (``[out, in]``) against Hessian ``H`` (``[in, in]``).
 
@@ -167,6 +168,12 @@ def gptq_quantize(
     the vectorised MSE search: a few large ops) run in the caller's setting, and so do the
     factorisation and the between-block updates when ``H`` is at least ``WIDE_SOLVE_MIN`` wide
     (results then depend on the caller's thread count, as every multi-threaded BLAS result may).
+
+    ``overwrite_hessian``: factorise ``H`` in its own memory (:func:`gptq_factor` with
+    ``overwrite``; the same numbers, one ``[in, in]`` matrix less; ``H`` is garbage afterwards, and a
+    factorisation that needs more damping raises
+    :class:`~bitmosaic.algorithms.hessian.HessianSpentError` instead of retrying).  ``W`` is never
+    modified.
     """
     if H.shape != (W.shape[1], W.shape[1]):
         raise ValueError(f"Hessian shape {tuple(H.shape)} does not match weight in_features {W.shape[1]}")
@@ -189,21 +196,22 @@ def gptq_quantize(
     with solver_threads(threads, W.device):
         return _gptq(
             W, H, group_size, perm, static_groups, block_size, percdamp, dtype, scales, zeros, quantizer,
-            fit, large_op,
+            fit, large_op, overwrite_hessian,
         )  # fmt: skip
 
 
 def _gptq(W, H, group_size, perm, static_groups, block_size, percdamp, dtype, scales, zeros, quantizer, fit,
-          large_op):  # fmt: skip
+          large_op, overwrite):  # fmt: skip
     out, n = W.shape
     dtype = dtype or (torch.float64 if W.dtype == torch.float64 else torch.float32)
     dev = W.device
-    W = W.to(dtype).clone()
+    W = W.to(dtype)  # read only: the working copy is WT below (memory: no clone of W)
     H = H.to(device=dev, dtype=dtype)
-    W[:, torch.diagonal(H) == 0] = 0  # dead inputs
+    dead = torch.diagonal(H) == 0  # dead inputs: their weights count as zero
     perm = torch.arange(n, device=dev) if perm is None else perm.to(dev)
     with large_op():
-        Hd_diag, U, pivots, _ = gptq_factor(H, percdamp, perm)
+        Hd_diag, U, pivots, _ = gptq_factor(H, percdamp, perm, overwrite=overwrite)
+    del H
 
     g = normalize_group_size(group_size, n)
     G = num_groups(n, group_size)
@@ -217,7 +225,10 @@ def _gptq(W, H, group_size, perm, static_groups, block_size, percdamp, dtype, sc
         static_s = W.new_empty(out, G)
         static_z = W.new_empty(out, G)
         for k in range(G):
-            static_s[:, k], static_z[:, k] = fit(W[:, k * g : (k + 1) * g], k)
+            cols, dk = W[:, k * g : (k + 1) * g], dead[k * g : (k + 1) * g]
+            if bool(dk.any()):
+                cols = cols.masked_fill(dk, 0)
+            static_s[:, k], static_z[:, k] = fit(cols, k)
     aligned = static_groups or groups_contiguous(perm, g)
 
     orig_group = (perm // g).tolist()  # contiguous group of the column at each processing position
@@ -232,6 +243,9 @@ def _gptq(W, H, group_size, perm, static_groups, block_size, percdamp, dtype, sc
     # Processing order, one weight column per row: every per-column op reads a contiguous vector.
     WT = W.T.index_select(0, perm)
     del W  # memory: WT is the working copy from here on
+    dead_p = dead.index_select(0, perm)
+    if bool(dead_p.any()):
+        WT[dead_p] = 0
     codesT = torch.empty_like(WT)
     out_s = WT.new_zeros(out, G)
     out_z = WT.new_zeros(out, G)

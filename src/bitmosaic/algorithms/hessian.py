@@ -15,11 +15,17 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["HessianAccumulator", "damp_hessian", "gptq_factor", "solver_threads", "DampingError"]
+__all__ = ["HessianAccumulator", "damp_hessian", "gptq_factor", "solver_threads", "DampingError",
+           "HessianSpentError"]
 
 
 class DampingError(RuntimeError):
     """Raised when the damped Hessian stays non positive-definite after all retries."""
+
+
+class HessianSpentError(RuntimeError):
+    """A factorisation in the Hessian's own memory (``gptq_factor(overwrite=True)``) failed and
+    would need the matrix again to retry with more damping: recompute it and solve with a kept one."""
 
 
 @contextmanager
@@ -207,8 +213,31 @@ def _flip_both_(M: torch.Tensor, rows: int = 256) -> torch.Tensor:
     return M
 
 
+def _permute_sym_(M: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``M[p][:, p]`` in place: the columns a block of rows at a time, then the rows along the
+    cycles of ``p`` (one row of scratch).  Returns ``M``."""
+    n = M.shape[0]
+    step = max(1, (1 << 22) // max(n, 1))
+    for r in range(0, n, step):
+        M[r : r + step] = M[r : r + step].index_select(1, p)
+    pl, seen = p.tolist(), bytearray(n)
+    for start in range(n):
+        if seen[start]:
+            continue
+        seen[start] = 1
+        if pl[start] == start:
+            continue
+        tmp, i = M[start].clone(), start
+        while pl[i] != start:  # row i takes row p[i]
+            M[i] = M[pl[i]]
+            i = pl[i]
+            seen[i] = 1
+        M[i] = tmp
+    return M
+
+
 def gptq_factor(
-    H: torch.Tensor, percdamp: float, perm: torch.Tensor, max_tries: int = 6
+    H: torch.Tensor, percdamp: float, perm: torch.Tensor, max_tries: int = 6, overwrite: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """``(diag(H_damped), U, pivots, percdamp_used)`` for GPTQ on processing order ``perm``
     (``H_damped`` equals ``H`` off the diagonal, so only its diagonal is returned).
@@ -223,11 +252,18 @@ def gptq_factor(
     ``pivots[k] = 1 / U_kk^2 = D_kk``: the LDL pivots of ``H_p`` in processing order, i.e. the
     ``D`` of the Babai bound (Thm. 5) reversed.  A failed factorisation, or a non-finite inverse,
     raises the damping as :func:`damp_hessian` does (warning, then DampingError).
+
+    ``overwrite=True``: ``H`` (exactly symmetric, as :class:`HessianAccumulator` makes it) is
+    permuted, factorised and inverted in its own memory and ``U`` is that memory: no second
+    ``n x n`` matrix (0.8 GB at ``n = 14336``), the same numbers.  ``H`` is garbage afterwards.  A
+    try that fails cannot be retried (torch's factorisation zeroes the other triangle, so the
+    matrix is gone): :class:`HessianSpentError`, without a warning, and the caller solves again
+    with a kept ``H``, which retries (and warns) exactly as if it had never been handed over.
     """
-    # Memory: H and one permuted copy, factorised, inverted and flipped in place, plus one
-    # n/2 x n/2 product (d = 14336 makes each full matrix 0.8 GB in float32).  The copy is laid
-    # out column-major for the factorisation, which LAPACK then does in place (a row-major
-    # ``out=`` costs torch a column-major copy); the factor is transposed back in place after.
+    # Memory: H and one permuted copy (none with ``overwrite``), factorised, inverted and flipped
+    # in place, plus one n/2 x n/2 product (d = 14336 makes each full matrix 0.8 GB in float32).
+    # The copy is laid out column-major for the factorisation, which LAPACK then does in place (a
+    # row-major ``out=`` costs torch a column-major copy); the factor is transposed back in place.
     n = H.shape[0]
     dead = torch.diagonal(H) == 0
     # mean of the diagonal with dead inputs counted as 1, reduced as a strided vector like the
@@ -236,29 +272,35 @@ def gptq_factor(
     buf[:, 0] = torch.diagonal(H)
     buf[:, 0][dead] = 1.0
     mean_diag = buf[:, 0].mean()
+    h_diag = torch.diagonal(H).clone()
     basis = perm.flip(0)
     dead_p = dead.index_select(0, basis)
     pd = percdamp
     for _ in range(max_tries):
         amount = pd * mean_diag
-        L = torch.empty_like(H)  # row-major storage; L.mT is J H_p J, column-major
-        step = max(1, (1 << 22) // max(n, 1))
-        for r in range(0, n, step):
-            L[r : r + step] = H[basis.unsqueeze(1), basis[r : r + step]].T
+        if overwrite:  # L = (J H_p J)^T, what the copy below holds, in H's own memory
+            L = _transpose_(_permute_sym_(H, basis))
+        else:
+            L = torch.empty_like(H)  # row-major storage; L.mT is J H_p J, column-major
+            step = max(1, (1 << 22) // max(n, 1))
+            for r in range(0, n, step):
+                L[r : r + step] = H[basis.unsqueeze(1), basis[r : r + step]].T
         dp = torch.diagonal(L)
         dp[dead_p] = 1.0
         dp.add_(amount)
         info = torch.empty((), dtype=torch.int32, device=H.device)
         torch.linalg.cholesky_ex(L.mT, out=(L.mT, info))
-        _transpose_(L)  # the lower factor, row-major
         if int(info) == 0:
+            _transpose_(L)  # the lower factor, row-major
             pivots = (torch.diagonal(L) ** 2).flip(0)
             _tril_inverse_(L)
             if bool(torch.isfinite(L.sum())):  # one cheap reduction: inf/NaN anywhere shows
-                diag = torch.diagonal(H).clone()
+                diag = h_diag
                 diag[dead] = 1.0
                 diag.add_(amount)
                 return diag, _flip_both_(L), pivots, pd
+        if overwrite:
+            raise HessianSpentError(f"the factorisation with damping {pd:g} x mean(diag) failed in place")
         del L
         new = pd * 10 if pd > 0 else 1e-6
         warnings.warn(

@@ -47,6 +47,8 @@ class LayerStats:
 
     hessian: torch.Tensor | None = None  # 2/n X^T X (undamped), [in, in]
     act: ActObserver | None = None  # per-channel input statistics (max, mean |x|, mean)
+    # the caller reads ``hessian`` no more: a method with ``may_overwrite_hessian`` may use its memory
+    hessian_disposable: bool = False
 
 
 _SCHEME_SUFFIX = {"int": "", "e4m3": "-FP8", "e4m3-240": "-FP8-240", "e5m2": "-E5M2", "e2m1": "-FP4"}
@@ -137,7 +139,11 @@ class Method:
     Subclasses set ``name``, ``config_cls`` and ``description`` and implement :meth:`quantize`;
     every other hook does nothing by default.  ``needs_hessian``: the pipeline calibrates for it;
     ``row_separable``: every output row is quantized independently given the Hessian (GPTQ,
-    Babai, RTN), so linears sharing one Hessian are stacked into one call; ``prepare_inputs``:
+    Babai, RTN), so linears sharing one Hessian are stacked into one call; ``may_overwrite_hessian``:
+    :meth:`quantize` factorises a ``LayerStats.hessian_disposable`` Hessian in its own memory (and
+    raises :class:`~bitmosaic.algorithms.hessian.HessianSpentError` when it would need it again);
+    its results carry ``step_errors`` and ``hessian_diag``, so the report needs no more of it;
+    ``prepare_inputs``:
     keyword inputs ``quantize_`` passes through to ``prepare`` (``ctx.inputs``)."""
 
     name: ClassVar[str] = ""
@@ -145,6 +151,7 @@ class Method:
     description: ClassVar[str] = ""
     needs_hessian: ClassVar[bool] = True
     row_separable: ClassVar[bool] = False
+    may_overwrite_hessian: ClassVar[bool] = False
     prepare_inputs: ClassVar[tuple[str, ...]] = ()
 
     # -- what the pipeline asks --------------------------------------------------------------------

@@ -56,6 +56,7 @@ def quantize_gptq(weight, stats: LayerStats, cfg: GPTQConfig) -> QuantResult:
         block_size=cfg.block_size,
         percdamp=cfg.damp,
         dtype=HESSIAN_DTYPES[cfg.solver_dtype],
+        overwrite_hessian=stats.hessian_disposable,
     )
 
 
@@ -87,6 +88,7 @@ def quantize_babai(weight, stats: LayerStats, cfg: BabaiConfig) -> QuantResult:
 @register
 class GPTQ(Method):
     name, config_cls, row_separable = "gptq", GPTQConfig, True
+    may_overwrite_hessian = True
     description = "GPTQ (OPTQ) with orders, groups, clip/no-clip"
 
     def quantize(self, weight, stats: LayerStats, cfg: GPTQConfig, state=None, name=None) -> QuantResult:

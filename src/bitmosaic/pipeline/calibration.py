@@ -85,7 +85,11 @@ class LayerInputs:
     """Hidden states entering the current layer, one tensor per calibration batch.
 
     ``offload=True`` keeps them in host memory and yields each on ``device`` when used; otherwise
-    they live on ``device``.  ``dtype``: the compute dtype they are cast to.
+    they live on ``device``.  ``dtype``: the compute dtype they are yielded in.  ``store_dtype``: the
+    dtype they are kept in between layers (default ``dtype``); the pipeline keeps them in the model's
+    own dtype -- bfloat16 for a bfloat16 checkpoint, whose hidden states pass between decoder layers
+    in bfloat16 at inference too -- so a layer calibrated in float32 on the CPU hands on half the
+    bytes, rounded as the model itself would round them.
     """
 
     def __init__(
@@ -94,21 +98,23 @@ class LayerInputs:
         device: torch.device,
         offload: bool,
         dtype: torch.dtype | None = None,
+        store_dtype: torch.dtype | None = None,
     ) -> None:
         self.device = device
         self.offload = offload
-        dtype = dtype or batches[0].dtype
-        self.batches = [b.to("cpu" if offload else device, dtype) for b in batches]
+        self.dtype = dtype or batches[0].dtype
+        self.store_dtype = store_dtype or self.dtype
+        self.batches = [b.to("cpu" if offload else device, self.store_dtype) for b in batches]
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         for b in self.batches:
-            yield b.to(self.device, non_blocking=True) if self.offload else b
+            yield b.to(self.device, self.dtype, non_blocking=True)
 
     def replace(self, outputs: list[torch.Tensor]) -> None:
-        self.batches = [o.cpu() if self.offload else o for o in outputs]
+        self.batches = [o.to("cpu" if self.offload else self.device, self.store_dtype) for o in outputs]
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.batches)

@@ -40,7 +40,7 @@ from ..algorithms.lattice import order_bound_table
 from ..devices import resolve_device
 from ..errors import OptionError, check_finite
 from ..formats.grid import IntGrid
-from ..methods.base import LayerStats, Method, MethodContext, WeightQuantConfig
+from ..methods.base import Method, MethodContext, WeightQuantConfig
 from ..models.arch import ArchSpec, get_arch
 from ..modules.actquant import attach_input_quant
 from .calib_cache import CalibCache
@@ -56,8 +56,9 @@ from .calibration import (
 from .capture import capture_groups, run_layer
 from .distributed import Dist, current
 from .fisher import fisher_service
-from .report import RunReport, error_metrics, peak_rss_mb
+from .report import RunReport, peak_rss_mb
 from .smoothing import fold_group_scales
+from .solve import HessianSpentError, quantize_shared, release_host_memory
 
 __all__ = [
     "StopForward",
@@ -134,62 +135,6 @@ def _offload_needed(calib: torch.Tensor, hidden: int, dtype: torch.dtype, device
     need = 2 * calib.numel() * hidden * torch.tensor([], dtype=dtype).element_size()
     free, _ = torch.cuda.mem_get_info(device)
     return need > 0.4 * free
-
-
-def _quantize_shared(
-    method, config, layer, names, H, percdamp, prefix, check, act_stats=None, state=None, dist=None
-) -> list[tuple[str, nn.Module, dict]]:
-    """Quantize linears ``names`` that share Hessian ``H``; stacked into one call when the method
-    allows it.  Returns (name, packed module, report row) and puts the dequantized weights in place.
-    ``dist``: the solves of a data-parallel run are spread over its ranks (:meth:`Dist.solve`)."""
-    lins = [layer.get_submodule(n) for n in names]
-    Ws = [lin.weight.data.float() for lin in lins]
-    for n, W in zip(names, Ws, strict=True):
-        check_finite(W, f"the weight of {prefix}.{n}")
-    stacked = method.row_separable and len(names) > 1
-    calls = [(names, torch.cat(Ws))] if stacked else [((n,), W) for n, W in zip(names, Ws, strict=True)]
-    stats = LayerStats(hessian=H, act=act_stats)
-    names_of = [call_names for call_names, _ in calls]
-    weights = [W for _, W in calls]
-    del Ws, calls
-
-    def solve(i: int, W: torch.Tensor):
-        name = f"{prefix}.{names_of[i][0]}" if len(names_of[i]) == 1 else None
-        return method.quantize(W, stats, config, state, name)
-
-    solved = (dist or current()).solve(weights, solve, method.row_separable)
-    del weights  # memory: the stacked copies; the metrics below read the layer's own float weights
-    _release_host_memory()
-    out = []
-    for call_names, (res, seconds) in zip(names_of, solved, strict=True):
-        seconds /= len(call_names)
-        row0 = 0
-        for n in call_names:
-            lin = layer.get_submodule(n)
-            rows = lin.weight.shape[0]
-            r = res.select_rows(row0, row0 + rows) if len(call_names) > 1 else res
-            Wn = lin.weight.data.float()
-            row0 += rows
-            Wq = r.dequantize(torch.float32)
-            qlin = method.pack(r, config, lin.bias)
-            if check and not torch.equal(qlin.dequantize_weight(torch.float32), Wq.to("cpu")):
-                raise RuntimeError(f"internal: packed weights of {prefix}.{n} differ from the simulated ones")
-            row = {"name": f"{prefix}.{n}", "shape": list(Wn.shape)}
-            if H is not None:
-                row.update(error_metrics(Wn, Wq, H, r, percdamp))
-            else:
-                row.update({"rel_out_error": None, "hessian_error": None, "babai_bound": None})
-            row["bits_per_weight"] = qlin.bits_per_weight()
-            row["storage_bits"] = getattr(qlin, "storage_bits", None)
-            if hasattr(qlin, "bits_breakdown"):
-                row["bits_breakdown"] = qlin.bits_breakdown()
-            row.update(r.info)
-            row["seconds"] = seconds
-            if stacked:
-                row["stacked_with"] = [m for m in call_names if m != n]
-            lin.weight.data.copy_(Wq.to(lin.weight.dtype))
-            out.append((n, qlin, row))
-    return out
 
 
 def quantize_model(
@@ -284,7 +229,7 @@ def quantize_model(
         first, kwargs_by_kind = runc.layer_inputs(model, layers, local, batch_size, dev, capture_layer_inputs)
         if offload_inputs is None:
             offload_inputs = _offload_needed(local, first[0].shape[-1], first[0].dtype, dev)
-        inputs = LayerInputs(first, dev, bool(offload_inputs), cdtype)
+        inputs = LayerInputs(first, dev, bool(offload_inputs), cdtype, _model_dtype(layers))
         kwargs_by_kind = {k: [cast_floating(kw, dev, cdtype) for kw in v] for k, v in kwargs_by_kind.items()}
         del first
         use0 = _use_cache(cache_outputs, cache_budget_mb, local, layers[0], arch)
@@ -327,17 +272,14 @@ def quantize_model(
             for gi, group in enumerate(arch.sequential):
                 bar.set_postfix_str(f"{li}.{'/'.join(n.rsplit('.', 1)[-1] for n in group)}")
                 if calibrate:
-                    accs, owner, observers = group_statistics(
-                        layer,
-                        group,
-                        inputs,
-                        kwargs,
+                    stat_kw = dict(
                         hessian_dtype=hessian_dtype,
                         cache=cache if use_cache else None,
                         act_spec=_static_act(plan, group, prefix),
                         observe=any(getattr(plan[n][1], "needs_act_stats", False) for n in group if plan[n]),
                         dist=dist,
                     )
+                    accs, owner, observers = group_statistics(layer, group, inputs, kwargs, **stat_kw)
                     shared: dict[str, list[str]] = {}
                     for name in group:
                         shared.setdefault(owner[name], []).append(name)
@@ -353,14 +295,19 @@ def quantize_model(
                     for n in names:
                         if plan[n] is not None:
                             by_key.setdefault(_key(plan[n]), []).append(n)
+                    # H is no one's after a lone solve: the solver may overwrite it (solve.py)
+                    lone = len(shared) == 1 and len(by_key) == 1 and not analyze_orders and dist.world == 1
                     for sub in by_key.values():
                         m, c = plan[sub[0]]
                         pd = getattr(c, "percdamp", 0.01)
-                        rows = _quantize_shared(
-                            m, c, layer, sub, H, pd, prefix, check_packing, observers.get(own),
-                            states.get(_key(plan[sub[0]])), dist,
-                        )  # fmt: skip
-                        done += [(own, m, c, H, *r) for r in rows]
+                        args = (m, c, layer, sub, H, pd, prefix, check_packing, observers.get(own),
+                                states.get(_key(plan[sub[0]])), dist)  # fmt: skip
+                        try:
+                            rows = quantize_shared(*args, disposable=lone)
+                        except HessianSpentError:  # needs a retry with more damping: a kept H
+                            H = group_statistics(layer, group, inputs, kwargs, **stat_kw)[0][own].H
+                            rows = quantize_shared(*args[:4], H, *args[5:])
+                        done += [(own, m, c, None if lone else H, *r) for r in rows]
                 for own, m, c, H, name, qlin, row in done:
                     act = getattr(c, "act", None)
                     if resolve is not None:
@@ -391,7 +338,7 @@ def quantize_model(
                     for child in _finished_children(layer, arch, gi):
                         cache.install(child)
                 del accs
-                _release_host_memory()  # the heap pages this group's temporaries freed
+                release_host_memory()  # the heap pages this group's temporaries freed
             if calibrate:
                 with torch.inference_mode():
                     outputs = []
@@ -402,7 +349,7 @@ def quantize_model(
                         cache.release(b)  # this batch's cached outputs are not needed again
                     inputs.replace(outputs)
                     del outputs
-        _release_host_memory()
+        release_host_memory()
         layer.to(home, home_dtype)  # before the packed modules go in: their scales keep their dtype
         for name, qlin in qmods.items():
             act = getattr(plan[name][1], "act", None)
@@ -411,7 +358,7 @@ def quantize_model(
             layer.set_submodule(name, qlin.to(home))
         if store is not None:  # written, recorded as finished, and freed
             store.done(li, layer, report.layers[n_rows:], inputs, gen, total_bits, total_weights)
-            _release_host_memory()
+            release_host_memory()
     for key, ctx in contexts.items():
         m, c = ctx.entry
         ctx._record.clear()
@@ -465,24 +412,21 @@ def _prepare(model, calib, plans, arch, progress, inputs, fisher):
     return contexts, states
 
 
-def _release_host_memory() -> None:
-    """Give freed heap pages back to the OS (glibc only; after each solve, group and layer): without
-    it, the allocator keeps the pages of freed 4-32 MB temporaries (row blocks, scale searches) and
-    the footprint creeps up -- 0.3-0.9 GB of an 8B-shaped layer's peak, measured."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
-
-
 def _compute_dtype(dtype: torch.dtype | None, model: nn.Module, dev: torch.device) -> torch.dtype:
     if dtype is not None:
         return dtype
     if dev.type == "cpu":
         return torch.float32
     return next(model.parameters()).dtype
+
+
+def _model_dtype(layers) -> torch.dtype:
+    """The dtype the decoder layers' weights are stored in: the calibration activations are kept in it."""
+    for layer in layers:
+        for p in layer.parameters():
+            if p.is_floating_point():
+                return p.dtype
+    return torch.float32
 
 
 def _finished_children(layer: nn.Module, arch: ArchSpec, gi: int) -> list[nn.Module]:

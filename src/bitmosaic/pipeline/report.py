@@ -72,19 +72,29 @@ def _row_quadratic(E: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def error_metrics(
-    W: torch.Tensor, Wq: torch.Tensor, H: torch.Tensor, res: QuantResult, percdamp: float
-) -> dict:
-    """``rel_out_error``, ``hessian_error`` and ``babai_bound`` of one linear (module doc)."""
+def hessian_summary(W: torch.Tensor, H: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """``(wᵀ H w summed over rows, diag H)``: what :func:`error_metrics` reads of ``H`` for a result
+    that carries its step errors (GPTQ's), taken before a solve that overwrites ``H``."""
     H = H.to(W.device)
-    diag = torch.diagonal(H)
+    return float(_row_quadratic(W, H).sum()), torch.diagonal(H).clone()
+
+
+def error_metrics(
+    W: torch.Tensor, Wq: torch.Tensor, H: torch.Tensor | None, res: QuantResult, percdamp: float,
+    summary: tuple[float, torch.Tensor] | None = None,
+) -> dict:
+    """``rel_out_error``, ``hessian_error`` and ``babai_bound`` of one linear (module doc).
+    ``summary``: :func:`hessian_summary` of ``W`` and ``H``, taken before ``H`` was overwritten;
+    ``H`` is then not read (``None`` allowed) unless the result lacks its step errors."""
+    den, diag = summary if summary is not None else hessian_summary(W, H)
     dead = diag == 0
-    den = float(_row_quadratic(W, H).sum())
     E = W.float() - Wq.float() if W.dtype != torch.float64 else W - Wq.double()
     step_errors = getattr(res, "step_errors", None)
     Hd, Hd_diag = None, getattr(res, "hessian_diag", None) if res.hessian is None else None
 
     def damped():
+        if H is None and res.hessian is None:
+            raise RuntimeError("internal: error metrics need the Hessian the solve overwrote")
         Hd = res.damped_hessian(H) if hasattr(res, "damped_hessian") else res.hessian
         if Hd is None:
             Hd = damp_hessian(H.float() if H.dtype != torch.float64 else H, percdamp)[0]
@@ -102,7 +112,7 @@ def error_metrics(
         num = hess - float((colsq * lam).sum())
     else:
         hess = float(_row_quadratic(E, Hd).sum())
-        num = float(_row_quadratic(E, H).sum())
+        num = float(_row_quadratic(E, H.to(W.device)).sum())
     bound = None
     lattice = res.lattice_scales() if hasattr(res, "lattice_scales") else None
     if getattr(res, "perm", None) is not None and lattice is not None:
