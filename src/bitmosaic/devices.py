@@ -42,3 +42,36 @@ def resolve_device(name: str | torch.device | None = "auto", model: nn.Module | 
             raise DeviceError(f"--device {name}: this machine has {count} CUDA device(s); use cuda:0..")
         return dev
     raise DeviceError(f"unknown device {name!r}; choose one of {', '.join(DEVICE_CHOICES)} (or cuda:N)")
+
+
+def _rss_mb() -> float:
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE_MB
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+_PAGE_MB = 4096 / 2**20
+_trimmed_at = [0.0]  # the process's resident size after the last trim (one process, one heap)
+
+
+def release_host_memory(grown_mb: float = 0.0) -> None:
+    """Give freed heap pages back to the OS (glibc's ``malloc_trim``; nothing elsewhere).
+
+    Freed temporaries under glibc's mmap threshold (up to 32 MB: row blocks, scale searches, a
+    layer's activations) stay in the heap, and long-lived small blocks allocated between them keep
+    the holes from being returned or coalesced: measured on an 8B-shaped layer, 0.2-0.5 GB of holes
+    within one 14336-wide GPTQ solve and 0.3-0.9 GB over a layer.  A trim costs a few milliseconds
+    plus the page faults of reusing the pages.  ``grown_mb``: trim only when the resident size grew
+    by that much since the last trim (for calls inside loops).  The pipeline trims after each
+    solve, group and layer; a wide GPTQ solve after a group's scale fit, past 64 MB of growth."""
+    if grown_mb and _rss_mb() - _trimmed_at[0] < grown_mb:
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+    _trimmed_at[0] = _rss_mb()

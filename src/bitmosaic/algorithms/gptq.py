@@ -37,6 +37,7 @@ from typing import Protocol
 
 import torch
 
+from ..devices import release_host_memory
 from ..formats.grid import IntGrid, dequantize_codes, quantize_codes
 from ..formats.layout import default_g_idx, normalize_group_size, num_groups
 from .hessian import gptq_factor, solver_threads
@@ -181,11 +182,14 @@ def gptq_quantize(
         quantizer = IntColumnQuantizer(grid, scale_method, clip)
     caller = torch.get_num_threads()
 
+    wide = threads is not None and H.shape[0] >= WIDE_SOLVE_MIN
+
     def fit(cols: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         with solver_threads(caller, W.device):
-            return _for_group(quantizer, k).fit(cols)
-
-    wide = threads is not None and H.shape[0] >= WIDE_SOLVE_MIN
+            sz = _for_group(quantizer, k).fit(cols)
+        if wide and W.device.type == "cpu":  # memory: the fit's freed temporaries (devices.py)
+            release_host_memory(grown_mb=64)
+        return sz
 
     def large_op():
         # The factorisation and the between-block updates of a wide solve are a few large ops (a

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..algorithms.hessian import HessianAccumulator
 from ..algorithms.observers import ActObserver
+from ..devices import release_host_memory
 from ..errors import check_finite
 from .capture import run_layer
 
@@ -363,6 +364,7 @@ def group_statistics(
         else:
             for b, (hs, kw) in enumerate(zip(inputs, kwargs, strict=True)):
                 take(forward(b, hs, kw))
+                release_host_memory(grown_mb=64)  # the forward's freed temporaries (devices.py)
     finally:
         for h in handles:
             h.remove()

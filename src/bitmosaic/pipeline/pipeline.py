@@ -37,7 +37,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..algorithms.lattice import order_bound_table
-from ..devices import resolve_device
+from ..devices import release_host_memory, resolve_device
 from ..errors import OptionError, check_finite
 from ..formats.grid import IntGrid
 from ..methods.base import Method, MethodContext, WeightQuantConfig
@@ -58,7 +58,7 @@ from .distributed import Dist, current
 from .fisher import fisher_service
 from .report import RunReport, peak_rss_mb
 from .smoothing import fold_group_scales
-from .solve import HessianSpentError, quantize_shared, release_host_memory
+from .solve import HessianSpentError, quantize_shared
 
 __all__ = [
     "StopForward",
@@ -347,6 +347,7 @@ def quantize_model(
                         outputs.append(run_layer(layer, hs, kw))
                         check_finite(outputs[-1], f"the outputs of {prefix} (calibration batch {b})")
                         cache.release(b)  # this batch's cached outputs are not needed again
+                        release_host_memory(grown_mb=64)
                     inputs.replace(outputs)
                     del outputs
         release_host_memory()

@@ -21,12 +21,13 @@ import torch
 from torch import nn
 
 from ..algorithms.hessian import HessianSpentError
+from ..devices import release_host_memory
 from ..errors import check_finite
 from ..methods.base import LayerStats
 from .distributed import current
 from .report import error_metrics, hessian_summary
 
-__all__ = ["HessianSpentError", "quantize_shared", "release_host_memory"]
+__all__ = ["HessianSpentError", "quantize_shared"]
 
 
 def quantize_shared(
@@ -87,15 +88,3 @@ def quantize_shared(
             lin.weight.data.copy_(Wq.to(lin.weight.dtype))
             out.append((n, qlin, row))
     return out
-
-
-def release_host_memory() -> None:
-    """Give freed heap pages back to the OS (glibc only; after each solve, group and layer): without
-    it, the allocator keeps the pages of freed 4-32 MB temporaries (row blocks, scale searches) and
-    the footprint creeps up -- 0.3-0.9 GB of an 8B-shaped layer's peak, measured."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
