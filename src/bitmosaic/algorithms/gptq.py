@@ -109,6 +109,14 @@ class IntColumnQuantizer:
         return step
 
 
+def _code_dtype(quantizer: ColumnQuantizer) -> torch.dtype | None:
+    """``uint8`` where every code is an integer in ``[0, 255]`` (a clipped INT grid of up to 8 bits),
+    else ``None`` (the working dtype: unclipped codes and other quantizers' codes)."""
+    if isinstance(quantizer, IntColumnQuantizer) and quantizer.clip and quantizer.grid.maxq <= 255:
+        return torch.uint8
+    return None
+
+
 def _column_step(quantizer: ColumnQuantizer, scale: torch.Tensor, zero: torch.Tensor) -> ColumnStep:
     make = getattr(quantizer, "column_step", None)
     if make is not None:
@@ -250,7 +258,7 @@ def _gptq(W, H, group_size, perm, static_groups, block_size, percdamp, dtype, sc
     dead_p = dead.index_select(0, perm)
     if bool(dead_p.any()):
         WT[dead_p] = 0
-    codesT = torch.empty_like(WT)
+    codesT = torch.empty_like(WT, dtype=_code_dtype(quantizer))  # memory: 1 byte per code on a clipped grid
     out_s = WT.new_zeros(out, G)
     out_z = WT.new_zeros(out, G)
     errsum = WT.new_zeros(out)
