@@ -6,9 +6,12 @@ frequencies are real), then fills one module at a time from the checkpoint's saf
 which are memory-mapped (``safe_open``), and empties it again when done.
 
 Sources: a Hugging Face folder (``model.safetensors`` or shards with ``model.safetensors.index.json``),
-a hub id (downloaded with ``huggingface_hub.snapshot_download``, safetensors only), or a GGUF file
-through its converted copy (:mod:`bitmosaic.io.gguf_cache`; GGUF files over the copy's size limit
-cannot be streamed yet and are refused in one line).
+a hub id (downloaded with ``huggingface_hub.snapshot_download``, safetensors only), or a GGUF file of
+any size: read tensor by tensor from the file itself
+(:class:`~bitmosaic.io.gguf_checkpoint.GGUFCheckpoint`), or from its converted copy
+(:mod:`bitmosaic.io.gguf_cache`) when an earlier load already made one (the same float32 values, read
+without dequantizing).  A GGUF architecture that cannot be read tensor by tensor goes through a new
+converted copy when copies are on and the file is under their size limit, else is refused in one line.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import CorruptModelError, check_finite
+from ..errors import BitmosaicError, CorruptModelError, check_finite
 from .loading import ModelSpecError, resolve_model_spec
 
 __all__ = ["Checkpoint", "open_checkpoint"]
@@ -33,9 +36,10 @@ def _missing(spec: str, name: str) -> str:
 class Checkpoint:
     """The tensors of a safetensors model folder, by name, read lazily."""
 
-    def __init__(self, folder: str | Path, spec: str | None = None) -> None:
+    def __init__(self, folder: str | Path, spec: str | None = None, fingerprint: str | None = None) -> None:
         self.folder = Path(folder)
         self.spec = spec or str(folder)
+        self._fingerprint = fingerprint  # the source's, when this folder is a GGUF file's converted copy
         index = self.folder / "model.safetensors.index.json"
         single = self.folder / "model.safetensors"
         if index.is_file():
@@ -83,7 +87,10 @@ class Checkpoint:
         return t
 
     def fingerprint(self) -> str:
-        """What identifies the checkpoint cheaply: its config and every file's name, size and mtime."""
+        """What identifies the checkpoint cheaply: its config and every file's name, size and mtime (a
+        GGUF file's converted copy: the GGUF file's, so a resumed run may read either)."""
+        if self._fingerprint is not None:
+            return self._fingerprint
         h = hashlib.sha256((self.folder / "config.json").read_bytes())
         for f in sorted(set(self.files.values())):
             st = f.stat()
@@ -109,7 +116,7 @@ class Checkpoint:
         sd = {}
         for name, t in [*module.named_parameters(), *module.named_buffers()]:
             key = prefix + name
-            if key in self.files:
+            if key in self:
                 sd[name] = self.get(key, dtype if t.is_floating_point() else None)
             elif t.device.type == "meta":
                 raise CorruptModelError(_missing(self.spec, key))
@@ -123,9 +130,11 @@ def open_checkpoint(spec: str) -> tuple[Checkpoint, object]:
     kind, info = resolve_model_spec(spec)
     if kind == "bitmosaic":
         raise ModelSpecError(f"{spec} is already quantized by bitmosaic; give the float model it came from")
+    if kind == "gguf":
+        return _open_gguf(info["path"], spec)
     if kind == "hf-dir":
         folder = info["path"]
-    elif kind == "hub":
+    else:
         from huggingface_hub import snapshot_download
 
         try:
@@ -133,19 +142,40 @@ def open_checkpoint(spec: str) -> tuple[Checkpoint, object]:
             folder = Path(snapshot_download(info["repo_id"], allow_patterns=patterns))
         except Exception as e:  # offline, unknown id, gated: one line
             raise ModelSpecError(f"could not download {spec!r}: {' '.join(str(e).split())[:200]}") from None
-    else:
-        from .gguf_cache import gguf_copy
-        from .loading import _from_pretrained
+    return Checkpoint(folder, spec), _tokenizer(spec, AutoTokenizer.from_pretrained, folder)
 
-        folder = gguf_copy(info["path"], lambda src, kw: _from_pretrained(src, kw, spec, torch.float32))
-        if folder is None:
-            raise ModelSpecError(
-                f"{spec}: streaming reads a GGUF file through its converted copy, which is off or too large "
-                "(BITMOSAIC_GGUF_CACHE, BITMOSAIC_GGUF_CACHE_MAX_GB); raise the limit or use --stream off"
-            )
+
+def _tokenizer(spec: str, load, *args, **kwargs):
     try:
-        tok = AutoTokenizer.from_pretrained(folder)
+        return load(*args, **kwargs)
     except OSError as e:
         why = " ".join(str(e).split())
         raise ModelSpecError(f"could not load the tokenizer of {spec!r}: {why}") from None
-    return Checkpoint(folder, spec), tok
+
+
+def _open_gguf(path: Path, spec: str) -> tuple[Checkpoint, object]:
+    """A GGUF file: its converted copy when one exists already (no dequantizing), else the file itself
+    tensor by tensor; an architecture that cannot be read so gets a new copy when copies are allowed."""
+    from transformers import AutoTokenizer
+
+    from .gguf_cache import existing_copy, gguf_copy
+    from .gguf_checkpoint import GGUFCheckpoint, UnsupportedGGUFError, gguf_fingerprint
+    from .loading import _from_pretrained
+
+    folder = existing_copy(path)
+    if folder is None:
+        try:
+            ckpt = GGUFCheckpoint(path, spec)
+        except UnsupportedGGUFError as e:
+            try:
+                folder = gguf_copy(path, lambda src, kw: _from_pretrained(src, kw, spec, torch.float32))
+            except BitmosaicError:
+                raise
+            except Exception:  # transformers cannot convert it either: the one-line refusal
+                folder = None
+            if folder is None:
+                raise e
+        else:
+            return ckpt, _tokenizer(spec, AutoTokenizer.from_pretrained, path.parent, gguf_file=path.name)
+    ckpt = Checkpoint(folder, spec, fingerprint=gguf_fingerprint(path))
+    return ckpt, _tokenizer(spec, AutoTokenizer.from_pretrained, folder)

@@ -12,6 +12,10 @@ The key is the file's resolved path, size and modification time and the transfor
 converter decides the values).  Files over ``$BITMOSAIC_GGUF_CACHE_MAX_GB`` (default 1 GB: a float32
 copy of about 2B parameters) are not copied; ``BITMOSAIC_GGUF_CACHE=0`` turns the copy off.  A copy
 that fails to load is deleted with one warning and made again.
+
+Streaming quantization (:func:`bitmosaic.io.checkpoint.open_checkpoint`) reads a copy that exists
+already, and otherwise reads the GGUF file tensor by tensor (:mod:`bitmosaic.io.gguf_checkpoint`)
+without making one, so it has no size limit.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from pathlib import Path
 
 from ..paths import default_cache_root
 
-__all__ = ["gguf_copy", "drop_copy"]
+__all__ = ["gguf_copy", "existing_copy", "drop_copy"]
 
 _FORMAT = 1  # bump when what a copy holds changes
 _DONE = "bitmosaic-gguf-copy.json"
@@ -58,6 +62,15 @@ def _enabled(path: Path) -> bool:
     if os.environ.get("BITMOSAIC_GGUF_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
         return False
     return path.stat().st_size <= _max_bytes()
+
+
+def existing_copy(path: Path) -> Path | None:
+    """The folder of the converted copy of GGUF ``path`` if one is made already and copies are on."""
+    path = Path(path)
+    if not _enabled(path):
+        return None
+    folder = default_cache_root() / "gguf" / _key(path)[0]
+    return folder if (folder / _DONE).is_file() else None
 
 
 def gguf_copy(path: Path, load_fn) -> Path | None:

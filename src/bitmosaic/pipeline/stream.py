@@ -3,7 +3,8 @@
 :func:`quantize_streaming` never holds the whole model.  It builds the model with its parameters on
 the ``meta`` device (:class:`~bitmosaic.io.checkpoint.Checkpoint`), reads the embeddings, captures
 the calibration inputs of layer 0 and writes the embeddings to the output, then for each decoder
-layer: reads it from the checkpoint (memory-mapped safetensors), calibrates and quantizes it with the
+layer: reads it from the checkpoint (memory-mapped safetensors, or a GGUF file tensor by tensor:
+:class:`~bitmosaic.io.gguf_checkpoint.GGUFCheckpoint`), calibrates and quantizes it with the
 very pipeline the in-memory path uses (:func:`~bitmosaic.pipeline.pipeline.quantize_model` with a
 :class:`LayerStore`), writes its packed tensors as one finished shard, and frees it.  Peak host memory
 is about one decoder layer in the compute dtype, its Hessians, and the calibration activations (kept

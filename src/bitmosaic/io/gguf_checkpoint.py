@@ -1,0 +1,201 @@
+"""A GGUF file read one tensor at a time, for streaming quantization of GGUF models of any size.
+
+:class:`GGUFCheckpoint` has the interface of :class:`~bitmosaic.io.checkpoint.Checkpoint` (``keys``,
+``in``, ``get``, ``fingerprint``, ``config``, ``empty_model``, ``fill``) and reads what transformers'
+GGUF loader would, without ever holding more than the one tensor asked for:
+
+- the config is transformers' own (``AutoConfig.from_pretrained(folder, gguf_file=name)``), and so is
+  the per-architecture tensor processing (its ``TENSOR_PROCESSORS``: the reverse permutation of
+  Llama's q/k rows, Gemma's norms stored as ``w + 1``), configured with the metadata transformers
+  gives it (``load_gguf_checkpoint(..., return_tensors=False)``);
+- GGUF tensor names map to the model's names with transformers' ``get_gguf_hf_weights_map`` on the
+  empty (``meta``) model; an output head absent from the file means tied embeddings, as there;
+- ``get`` maps only that tensor's bytes from the file (``numpy.memmap`` at its offset, released when
+  the read is done, so no page of the file stays mapped), dequantizes it with
+  ``gguf.quants.dequantize``, applies the processing and returns float32 -- bit for bit the tensor
+  ``from_pretrained(..., gguf_file=..., dtype=torch.float32)`` builds, and that the converted copy
+  (:mod:`bitmosaic.io.gguf_cache`) holds -- cast to the requested dtype.
+
+Architectures: those whose GGUF tensors map one to one onto the model's and whose conversion has been
+checked against transformers' loader (:data:`STREAMABLE`); others are refused in one line
+(:class:`UnsupportedGGUFError`).  The resume fingerprint is the file's path, size and modification
+time and the transformers and gguf versions (:func:`gguf_fingerprint`).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ..errors import CorruptModelError, check_finite
+from .checkpoint import Checkpoint, _missing
+from .loading import ModelSpecError
+
+__all__ = ["GGUFCheckpoint", "STREAMABLE", "UnsupportedGGUFError", "gguf_fingerprint"]
+
+# GGUF ``general.architecture`` values read tensor by tensor (each checked against transformers' loader
+# in tests/io/test_gguf_checkpoint.py).  Mistral GGUFs say "llama".
+STREAMABLE = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3")
+
+
+class UnsupportedGGUFError(ModelSpecError):
+    """A GGUF file whose architecture cannot be read tensor by tensor."""
+
+
+class _Tensor(NamedTuple):
+    """Where one tensor's bytes are in the file, as ``GGUFReader`` lays them out for ``dequantize``."""
+
+    qtype: object  # gguf.GGMLQuantizationType
+    offset: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+
+def gguf_fingerprint(path: str | os.PathLike) -> str:
+    """What identifies a GGUF file's float tensors cheaply: its resolved path, size and modification
+    time, and the versions of transformers (the conversion) and gguf (the dequantization)."""
+    import gguf
+    import transformers
+
+    path = Path(path)
+    st = path.stat()
+    info = {"gguf_file": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "transformers": transformers.__version__,
+            "gguf": getattr(gguf, "__version__", None) or _dist_version("gguf")}  # fmt: skip
+    return hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _dist_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _unsupported(spec: str, arch: str, why: str = "") -> UnsupportedGGUFError:
+    return UnsupportedGGUFError(
+        f"{spec}: GGUF architecture {arch!r} cannot be streamed tensor by tensor{why} (streamable: "
+        f"{', '.join(STREAMABLE)}); use --stream off (the model is loaded whole), or convert it with "
+        "transformers (AutoModelForCausalLM.from_pretrained(folder, gguf_file=NAME).save_pretrained(DIR)) "
+        "and stream DIR"
+    )
+
+
+class GGUFCheckpoint(Checkpoint):
+    """The float tensors of a GGUF file, by the model's names, dequantized one per read (module doc)."""
+
+    def __init__(self, path: str | os.PathLike, spec: str | None = None) -> None:
+        from gguf import GGUFReader
+        from transformers.modeling_gguf_pytorch_utils import (
+            TENSOR_PROCESSORS,
+            TensorProcessor,
+            get_gguf_hf_weights_map,
+            load_gguf_checkpoint,
+        )
+
+        self.path = Path(path)
+        self.folder = self.path.parent
+        self.spec = spec or str(path)
+        try:
+            reader = GGUFReader(os.fspath(self.path))
+            arch = _string_field(reader, "general.architecture")
+            # only offsets and layouts are kept: the reader's map of the whole file is dropped with it
+            self._tensors = {
+                t.name: _Tensor(t.tensor_type, int(t.data_offset), t.data.dtype, tuple(t.data.shape))
+                for t in reader.tensors
+            }
+        except (ValueError, OSError, KeyError, IndexError) as e:
+            raise CorruptModelError(
+                f"{self.spec}: cannot read the GGUF file ({' '.join(str(e).split())[:200]}); re-download it"
+            ) from None
+        del reader
+        self.arch = arch
+        if arch not in STREAMABLE:
+            raise _unsupported(self.spec, arch)
+        self._config = None
+        try:
+            # the metadata transformers' weight loader configures its tensor processor with
+            params = load_gguf_checkpoint(os.fspath(self.path), return_tensors=False)
+            self._processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=params["config"])
+            gguf_to_hf = get_gguf_hf_weights_map(self.empty_model(torch.float32), self._processor)
+        except (NotImplementedError, ValueError) as e:  # e.g. a model type gguf-py has no name map for
+            raise _unsupported(self.spec, arch, f" ({' '.join(str(e).split())[:160]})") from None
+        # the model's name -> the file's; in file order, a later tensor wins, as in transformers' loop
+        self.names = {gguf_to_hf[g]: g for g in self._tensors if g in gguf_to_hf}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+    def keys(self) -> list[str]:
+        return list(self.names)
+
+    def gguf_name(self, name: str) -> str:
+        """The file's name for the model's tensor ``name``."""
+        return self.names[name]
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Tensor ``name`` as transformers loads it in float32 (then in ``dtype`` when given), checked
+        for NaN/Inf.  Only this tensor's bytes are mapped, dequantized and processed."""
+        from gguf import quants
+
+        if name not in self.names:
+            raise CorruptModelError(_missing(self.spec, name))
+        gname = self.names[name]
+        info = self._tensors[gname]
+        try:
+            raw = np.memmap(self.path, dtype=info.dtype, mode="r", offset=info.offset, shape=info.shape)
+        except (OSError, ValueError) as e:
+            raise CorruptModelError(
+                f"cannot read tensor {gname} of {self.path} ({' '.join(str(e).split())}); re-download it"
+            ) from None
+        w = quants.dequantize(raw, info.qtype)
+        res = self._processor.process(weights=w, name=gname)
+        if res.name != gname:  # a processor that merges or renames tensors is not streamable
+            raise _unsupported(self.spec, self.arch, f" (tensor {gname} is not read one to one)")
+        w = res.weights
+        if not (w.flags.writeable and w.flags.c_contiguous):  # a view of the file: copy it out
+            w = np.copy(w)
+        del raw, res
+        t = torch.from_numpy(w).to(torch.float32)  # the dtype the converted copy is made in
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        check_finite(t, f"weight {name} of model {self.spec!r}")
+        return t
+
+    def fingerprint(self) -> str:
+        return gguf_fingerprint(self.path)
+
+    def empty_model(self, dtype: torch.dtype):
+        """As :meth:`Checkpoint.empty_model`; the config names the model class, as the converted copy's
+        does (``save_pretrained`` writes it; a GGUF file's config has none)."""
+        model = super().empty_model(dtype)
+        if not model.config.architectures:
+            model.config.architectures = [type(model).__name__]
+        return model
+
+    def config(self):
+        """transformers' config of the file (read once; a copy each call)."""
+        if self._config is None:
+            from transformers import AutoConfig
+
+            try:
+                self._config = AutoConfig.from_pretrained(self.folder, gguf_file=self.path.name)
+            except (OSError, ValueError) as e:
+                raise ModelSpecError(
+                    f"could not read the config of {self.spec!r}: {' '.join(str(e).split())[:200]}"
+                ) from None
+        return copy.deepcopy(self._config)
+
+
+def _string_field(reader, key: str) -> str:
+    f = reader.fields[key]
+    return bytes(f.parts[f.data[0]]).decode("utf-8")
