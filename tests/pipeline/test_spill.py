@@ -1,7 +1,7 @@
 """Calibration activations spilled to disk (``bitmosaic.pipeline.spill``): the same saved bytes with and
 without spilling (in memory, streamed, and resumed after an interruption while spilled), at most two
 batches in memory at once, the spill folder removed however the run ends, the streamed resume file
-and written and read one batch at a time; sizes and the spill decision."""
+written and read one batch at a time, and ``--max-memory`` parsed with one-line errors."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 import bitmosaic
 from bitmosaic import quantize_
+from bitmosaic.cli import build_parser, main
 from bitmosaic.errors import OptionError
 from bitmosaic.io import save_quantized
 from bitmosaic.pipeline import pipeline as P
@@ -22,6 +23,7 @@ from bitmosaic.pipeline import spill as S
 from bitmosaic.pipeline.calibration import LayerInputs
 from bitmosaic.pipeline.spill import SpillStore, TensorFile, parse_size, write_tensor_file
 from bitmosaic.pipeline.stream import LayerStore, partial_dir
+from bitmosaic.testing import save_hf_dir, words
 from tests.pipeline.test_pipeline import tiny_llama
 from tests.pipeline.test_stream import CASES, _calib, _same_folder, _src, _stream
 
@@ -257,3 +259,44 @@ def test_resume_while_spilled_gives_the_same_bytes(at, tmp_path, monkeypatch):
     assert reads == ["gen_state", "b0", "b1"]  # 8 samples, batch size 4: read one at a time
     _same_folder(tmp_path / "whole", tmp_path / "out")
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(S.SPILL_PREFIX)]
+
+
+# --- the CLI ----------------------------------------------------------------------------------------
+
+
+def test_cli_max_memory_spills_beside_out_and_bad_values_are_one_line(tmp_path, capsys):
+    assert build_parser().parse_args(["quantize"]).max_memory == "auto"
+    src = save_hf_dir(tmp_path / "float")
+    text = tmp_path / "t.txt"
+    text.write_text(words(2000))
+    base = ["quantize", "--model", str(src), "--calib", str(text), "--method", "gptq", "--group-size", "32",
+            "--nsamples", "4", "--seqlen", "16", "--batch-size", "2", "--no-progress", "--device", "cpu",
+            "--stream", "off"]  # fmt: skip
+    for bad in ("8", "lots", "0GB"):
+        capsys.readouterr()
+        assert main([*base, "--max-memory", bad, "--out", str(tmp_path / "never")]) == 2
+        err = capsys.readouterr().err
+        lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+        assert len(lines) == 1 and "--max-memory" in lines[0] and "8GB" in lines[0], err
+    assert not (tmp_path / "never").exists()
+    for budget, name in (("auto", "mem"), ("1KB", "spilled")):
+        out = tmp_path / "runs" / name
+        js = tmp_path / f"{name}.json"
+        assert main([*base, "--max-memory", budget, "--out", str(out), "--json", str(js)]) == 0
+    rec = json.loads((tmp_path / "spilled.json").read_text())["calibration"]["spill"]
+    assert rec["spilled"] and Path(rec["dir"]).parent == tmp_path / "runs" and rec["budget_mb"] == 0.0
+    assert json.loads((tmp_path / "mem.json").read_text())["calibration"]["spill"]["spilled"] is False
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["mem", "spilled"]  # nothing left
+    _same_folder(tmp_path / "runs" / "mem", tmp_path / "runs" / "spilled")
+
+
+def test_stream_auto_follows_the_budget(tmp_path):
+    from bitmosaic.cli.stream import should_stream
+    from bitmosaic.pipeline.recipe import Recipe
+
+    src = save_hf_dir(tmp_path / "float")
+    args = build_parser().parse_args(["quantize", "--model", str(src), "--out", str(tmp_path / "o")])
+    recipe = Recipe.from_options("gptq", {})
+    assert not should_stream(args, recipe, torch.float32)  # a tiny model: far under the free memory
+    args.max_memory = "1KB"
+    assert should_stream(args, recipe, torch.float32)
