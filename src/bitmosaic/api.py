@@ -125,6 +125,8 @@ def quantize_(
     seed: int = 0,
     device: str | torch.device | None = None,
     offload_inputs: bool | None = None,
+    max_memory: int | str | None = None,
+    spill_dir=None,
     measure_errors: bool = False,
     calib_cache=None,
     calib_source: str | None = None,
@@ -143,6 +145,9 @@ def quantize_(
     ``seqlen`` tokens drawn with ``seed``.  ``device`` is where calibration and the solvers run
     (``"auto"``: CUDA when available; the model stays in host memory and each decoder layer visits the
     device in turn); ``offload_inputs`` keeps the calibration activations in host memory;
+    ``max_memory`` (bytes or ``"8GB"``; default: the memory available) is the host-memory budget: past
+    40% of it one layer's activations, in and out, spill to a temporary folder made in ``spill_dir``
+    (default: the system's temporary folder) and are read back batch by batch, with the same results;
     ``measure_errors`` calibrates even Hessian-free methods (RTN, FP8) for the report's error metrics.
     Options a method's ``prepare`` step takes (its ``prepare_inputs``; e.g. sfmp's ``salience``, a
     precomputed Fisher diagonal per decoder linear, or ``salience_tokens``) go to that step.
@@ -186,6 +191,8 @@ def quantize_(
         seed=seed,
         device=device,
         offload_inputs=offload_inputs,
+        max_memory=max_memory,
+        spill_dir=spill_dir,
         measure_errors=measure_errors,
         method_inputs=inputs,
         calib_cache=calib_cache,

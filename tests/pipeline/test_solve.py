@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import bitmosaic.algorithms.gptq as G
+import bitmosaic.pipeline.calibration as C
 import bitmosaic.pipeline.pipeline as P
 from bitmosaic import quantize_
 from bitmosaic.algorithms.hessian import HessianSpentError
@@ -90,12 +91,13 @@ def test_activations_are_kept_in_the_models_dtype(calib, monkeypatch):
     layer (half the bytes, rounded as the model itself rounds them); a float32 model keeps float32."""
     kept = []
 
-    class Spy(P.LayerInputs):
-        def replace(self, outputs):
-            super().replace(outputs)
-            kept.append((outputs[0].dtype, self.batches[0].dtype, next(iter(self)).dtype))
+    class Spy(C.LayerInputs):
+        def set(self, b, output):  # the final forward hands on each output as it is made
+            super().set(b, output)
+            if b == 0:
+                kept.append((output.dtype, self.stored(0).dtype, next(iter(self)).dtype))
 
-    monkeypatch.setattr(P, "LayerInputs", Spy)
+    monkeypatch.setattr(C, "LayerInputs", Spy)
     for dtype in (torch.bfloat16, torch.float32):
         kept.clear()
         m = tiny_llama().to(dtype)

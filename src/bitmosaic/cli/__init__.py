@@ -93,8 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument(
         "--stream", choices=("auto", "on", "off"), default="auto",
         help="read, quantize and write one decoder layer at a time, resumable after a crash (auto: when "
-        "--out is given and the model would take over half the free memory, or a run into --out was "
+        "--out is given and the model would take over half of --max-memory, or a run into --out was "
         "interrupted; default: %(default)s)",
+    )  # fmt: skip
+    q.add_argument(
+        "--max-memory", default="auto", metavar="SIZE",
+        help="host-memory budget, e.g. 8GB, 512MB, 1.5TB (powers of 1024) or auto (the memory available "
+        "now): one layer's calibration activations spill to a temporary folder beside --out when they "
+        "would take over 40%% of it, and --stream auto streams when the float weights would take over "
+        "half of it; default: %(default)s",
     )  # fmt: skip
 
     e = sub.add_parser("eval", help="perplexity of a model or a saved quantized folder")

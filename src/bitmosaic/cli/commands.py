@@ -118,6 +118,8 @@ def run_recipe(model, tok, recipe, args, device, progress: bool, calib=None):
         seed=args.seed,
         device=device,
         calib_cache=calib_cache_from_args(args),
+        max_memory=getattr(args, "max_memory", None),
+        spill_dir=Path(args.out).resolve().parent if getattr(args, "out", None) else None,
     )
     return report, calib
 
@@ -155,7 +157,9 @@ def _quantize(args, device, dist) -> int:
     from ..io import load_model, save_quantized
     from ..io.loading import resolve_dtype
     from ..pipeline.pipeline import peak_rss_mb
+    from ..pipeline.spill import parse_size
 
+    args.max_memory = parse_size(args.max_memory)  # a bad size fails before the model loads
     torch.manual_seed(args.seed)
     recipe = recipe_from_args(args)
     spec, config = recipe.default()

@@ -1,10 +1,10 @@
 """``quantize --stream``: when a run streams the model layer by layer from disk, and that run.
 
 ``--stream auto`` (the default) streams when ``--out`` is given and either the model's float weights
-would take more than half of the memory available now, or an unfinished streaming run into that
-``--out`` is waiting to be resumed; ``on`` always streams (and so always records progress for a
-resume); ``off`` never does.  A streamed run gives the same saved bytes as the in-memory run
-(:mod:`bitmosaic.pipeline.stream`).
+would take more than half of the memory budget (``--max-memory``, default: the memory available now),
+or an unfinished streaming run into that ``--out`` is waiting to be resumed; ``on`` always streams
+(and so always records progress for a resume); ``off`` never does.  A streamed run gives the same
+saved bytes as the in-memory run (:mod:`bitmosaic.pipeline.stream`).
 """
 
 from __future__ import annotations
@@ -13,18 +13,6 @@ import time
 from pathlib import Path
 
 STREAM_CHOICES = ("auto", "on", "off")
-
-
-def _available_bytes() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def _float_bytes(model_spec: str, dtype) -> int | None:
@@ -57,6 +45,7 @@ def should_stream(args, recipe, dtype) -> bool:
     """Whether this ``quantize`` command streams (module doc); ``on`` with a method that cannot stream
     is a one-line error."""
     from ..errors import OptionError
+    from ..pipeline.spill import available_bytes, parse_size
     from ..pipeline.stream import partial_dir, streamable
 
     mode = getattr(args, "stream", "auto")
@@ -74,7 +63,8 @@ def should_stream(args, recipe, dtype) -> bool:
     if (partial_dir(args.out) / "progress.json").is_file():
         return True
     need = _float_bytes(args.model, dtype)
-    return need is not None and need > 0.5 * _available_bytes()
+    budget = parse_size(getattr(args, "max_memory", None))
+    return need is not None and need > 0.5 * (budget if budget is not None else available_bytes())
 
 
 def run_streaming(args, recipe, spec, config, device, dtype, progress: bool) -> tuple[object, dict]:
@@ -99,7 +89,7 @@ def run_streaming(args, recipe, spec, config, device, dtype, progress: bool) -> 
     report = quantize_streaming(
         ckpt, tok, args.out, recipe, calib, dtype=dtype, overwrite=args.overwrite, settings=settings,
         calib_source=args.calib, batch_size=args.batch_size, hessian_dtype=hdt, progress=progress,
-        analyze_orders=orders, seed=args.seed, device=device,
+        analyze_orders=orders, seed=args.seed, device=device, max_memory=getattr(args, "max_memory", None),
         source_model=str(Path(args.model).resolve()) if Path(args.model).exists() else args.model,
     )  # fmt: skip
     report.seconds = time.perf_counter() - t0

@@ -4,8 +4,9 @@
   arguments (masks, rotary embeddings) each kind of layer receives.  Only the modules that run
   *before* the first decoder layer (embeddings, rotary tables; everything outside the decoder
   stack but the output head) are moved to the calibration device for it, and moved back after.
-- :class:`LayerInputs`: one layer's calibration activations, per batch, kept on the device or
-  offloaded to host memory (then each batch is moved to the device as it is used).
+- :class:`LayerInputs`: one layer's calibration activations, per batch, kept on the device,
+  offloaded to host memory or spilled to files (then each batch is moved to the device as it is
+  used); :func:`first_layer_inputs` captures them for layer 0 and decides where they live.
 - :class:`OutputCache`: outputs of already-quantized linears for the rest of their layer.
 - :func:`group_statistics`: Hessians ``2/n XᵀX`` (float32, on the device) and, when static
   activation scales are calibrated, input observers for one true-sequential group.
@@ -24,6 +25,7 @@ from ..algorithms.observers import ActObserver
 from ..devices import release_host_memory
 from ..errors import check_finite
 from .capture import run_layer
+from .spill import SpillStore, spill_decision
 
 if TYPE_CHECKING:
     from .distributed import Dist
@@ -33,6 +35,7 @@ __all__ = [
     "LayerInputs",
     "OutputCache",
     "capture_layer_inputs",
+    "first_layer_inputs",
     "group_statistics",
     "layer_kind",
     "move_outside_layers",
@@ -90,7 +93,15 @@ class LayerInputs:
     dtype they are kept in between layers (default ``dtype``); the pipeline keeps them in the model's
     own dtype -- bfloat16 for a bfloat16 checkpoint, whose hidden states pass between decoder layers
     in bfloat16 at inference too -- so a layer calibrated in float32 on the CPU hands on half the
-    bytes, rounded as the model itself would round them.
+    bytes, rounded as the model itself would round them.  ``spill``: keep them in files instead
+    (:class:`~bitmosaic.pipeline.spill.SpillStore`; ``batches`` is then empty), read back one batch
+    at a time as they are iterated.
+
+    The layer's final forward hands on its outputs batch by batch: :meth:`set` ``(b, output)`` once
+    batch ``b`` was used for the last time, then :meth:`advance`.  In memory batch ``b`` is replaced at
+    once; spilled, the outputs go to the next file.  Either way the outputs are never all held at once
+    beside all the inputs.  :meth:`close` removes the spill files (the pipeline calls it however the run
+    ends).
     """
 
     def __init__(
@@ -100,25 +111,82 @@ class LayerInputs:
         offload: bool,
         dtype: torch.dtype | None = None,
         store_dtype: torch.dtype | None = None,
+        spill: SpillStore | None = None,
     ) -> None:
         self.device = device
         self.offload = offload
         self.dtype = dtype or batches[0].dtype
         self.store_dtype = store_dtype or self.dtype
-        self.batches = [b.to("cpu" if offload else device, self.store_dtype) for b in batches]
+        self.spill = spill
+        self._place = "cpu" if offload or spill is not None else device
+        self.batches: list[torch.Tensor] = []
+        for b in batches:
+            self.append(b)
+
+    @property
+    def spilled(self) -> bool:
+        return self.spill is not None
+
+    def append(self, batch: torch.Tensor) -> None:
+        """Add a batch (the first layer's inputs, e.g. as they are captured)."""
+        t = batch.to(self._place, self.store_dtype)
+        if self.spill is not None:
+            self.spill.append(t)
+        else:
+            self.batches.append(t)
 
     def __len__(self) -> int:
-        return len(self.batches)
+        return len(self.spill) if self.spill is not None else len(self.batches)
+
+    def stored(self, i: int) -> torch.Tensor:
+        """Batch ``i`` as it is kept (``store_dtype``; on the host when offloaded or spilled)."""
+        return self.spill.read(i) if self.spill is not None else self.batches[i]
+
+    def spec(self, i: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of stored batch ``i``, without reading it."""
+        if self.spill is not None:
+            return self.spill.spec(i)
+        return tuple(self.batches[i].shape), self.batches[i].dtype
+
+    def get(self, i: int) -> torch.Tensor:
+        """Batch ``i`` on ``device`` in the compute dtype."""
+        return self.stored(i).to(self.device, self.dtype, non_blocking=True)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        for b in self.batches:
-            yield b.to(self.device, self.dtype, non_blocking=True)
+        for i in range(len(self)):
+            yield self.get(i)
+
+    def set(self, b: int, output: torch.Tensor) -> None:
+        """Batch ``b`` of the next layer's inputs; this layer's batch ``b`` must not be read again."""
+        t = output.to(self._place, self.store_dtype)
+        if self.spill is not None:
+            self.spill.write(b, t)
+        else:
+            self.batches[b] = t
+
+    def advance(self) -> None:
+        """Every batch was :meth:`set`: from now on the batches are the next layer's inputs."""
+        if self.spill is not None:
+            self.spill.advance()
 
     def replace(self, outputs: list[torch.Tensor]) -> None:
-        self.batches = [o.to("cpu" if self.offload else self.device, self.store_dtype) for o in outputs]
+        """All of the next layer's inputs at once."""
+        if self.spill is None:
+            self.batches = [o.to(self._place, self.store_dtype) for o in outputs]
+            return
+        for b, o in enumerate(outputs):
+            self.set(b, o)
+        self.advance()
 
     def nbytes(self) -> int:
+        if self.spill is not None:
+            return self.spill.nbytes()
         return sum(b.numel() * b.element_size() for b in self.batches)
+
+    def close(self) -> None:
+        """Remove the spill files (nothing to do in memory); the batches are gone after it."""
+        if self.spill is not None:
+            self.spill.close()
 
 
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "cache")
@@ -131,14 +199,18 @@ def capture_layer_inputs(
     calib: torch.Tensor,
     batch_size: int,
     device: torch.device | None = None,
+    sink=None,
 ):
     """Return (hidden states entering layer 0 per batch, {layer kind: [kwargs per batch]}).
 
     With ``device``, the modules before the decoder stack run there (and are moved back after),
-    so the captured tensors are on ``device``.
+    so the captured tensors are on ``device``.  ``sink``: a callable that takes each batch's hidden
+    states as they are captured (e.g. :meth:`LayerInputs.append` of spilled inputs); they are then
+    not kept, and the first list returned is empty.
     """
     kinds_needed = {layer_kind(layer) for layer in layers}
     inputs: list[torch.Tensor] = []
+    taken: list[None] = []  # batches handed to the sink
     kwargs_by_kind: dict[str, list[dict]] = {k: [] for k in kinds_needed}
     seen: set[str] = set()
 
@@ -146,7 +218,12 @@ def capture_layer_inputs(
         def hook(module, args, kwargs):
             if idx == 0:
                 hs = args[0] if args else kwargs["hidden_states"]
-                inputs.append(hs.detach())
+                if sink is None:
+                    inputs.append(hs.detach())
+                else:
+                    check_finite(hs, f"the inputs of decoder layer 0 (calibration batch {len(taken)})")
+                    taken.append(None)
+                    sink(hs.detach())
             if kind not in seen:
                 seen.add(kind)
                 kw = {k: v for k, v in kwargs.items() if k != "hidden_states"}
@@ -191,6 +268,55 @@ def capture_layer_inputs(
     for i, hs in enumerate(inputs):
         check_finite(hs, f"the inputs of decoder layer 0 (calibration batch {i})")
     return inputs, kwargs_by_kind
+
+
+def first_layer_inputs(model, layers, calib, batch_size, dev, cdtype, runc, offload, budget, spill_dir):
+    """The layer-0 inputs (a :class:`LayerInputs` in the model's dtype), their kwargs by layer kind, and
+    the report's spill record (:func:`~bitmosaic.pipeline.spill.spill_decision`).  Spilled inputs are
+    captured straight into their file, batch by batch, not through the calibration cache (whose entry
+    is read and written whole); the results are the same bytes either way."""
+    store_dtype = model_dtype(layers)
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    first = None
+    if not isinstance(hidden, int):  # unknown before the capture: capture, then decide
+        first, kwargs = runc.layer_inputs(model, layers, calib, batch_size, dev, capture_layer_inputs)
+        hidden = first[0].shape[-1]
+    if offload is None:
+        offload = _offload_needed(calib, hidden, store_dtype, dev)
+    record = spill_decision(calib.numel(), hidden, store_dtype, budget, dev.type == "cpu" or bool(offload))
+    spill = SpillStore(spill_dir) if record["spilled"] else None
+    record["dir"] = str(spill.dir) if spill is not None else None
+    inputs = LayerInputs([], dev, bool(offload), cdtype, store_dtype, spill)
+    try:
+        if first is None and spill is not None:
+            kwargs = capture_layer_inputs(model, layers, calib, batch_size, dev, sink=inputs.append)[1]
+        else:
+            if first is None:
+                first, kwargs = runc.layer_inputs(model, layers, calib, batch_size, dev, capture_layer_inputs)
+            while first:
+                inputs.append(first.pop(0))  # each captured batch freed as it is stored
+    except BaseException:
+        inputs.close()
+        raise
+    return inputs, kwargs, record
+
+
+def _offload_needed(calib: torch.Tensor, hidden: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Offload activations when inputs + outputs of one layer would take over 40% of free memory."""
+    if device.type != "cuda":
+        return False
+    need = 2 * calib.numel() * hidden * torch.tensor([], dtype=dtype).element_size()
+    free, _ = torch.cuda.mem_get_info(device)
+    return need > 0.4 * free
+
+
+def model_dtype(layers) -> torch.dtype:
+    """The dtype the decoder layers' weights are stored in: the calibration activations are kept in it."""
+    for layer in layers:
+        for p in layer.parameters():
+            if p.is_floating_point():
+                return p.dtype
+    return torch.float32
 
 
 class OutputCache:

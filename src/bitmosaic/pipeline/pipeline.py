@@ -14,8 +14,10 @@
 
 The model stays in host memory; peak device memory is about one decoder layer, its Hessians and
 the calibration activations (which are offloaded to host memory, batch by batch, when they would
-not fit: ``offload_inputs``).  Methods with a ``transform`` hook (smoothing) first see the
-float layer's group inputs and return per-channel factors that are folded into the preceding ops.
+not fit: ``offload_inputs``).  In host memory they spill to files when they would take over 40% of
+the memory budget (``max_memory``; :mod:`bitmosaic.pipeline.spill`), read back one batch at a time.
+Methods with a ``transform`` hook (smoothing) first see the float layer's group inputs and return
+per-channel factors that are folded into the preceding ops.
 With activation quantization (``config.act``) each linear's static input scale is calibrated on
 its inputs as they arrive and an input quantizer is attached once it is quantized.
 
@@ -45,11 +47,11 @@ from ..models.arch import ArchSpec, get_arch
 from ..modules.actquant import attach_input_quant
 from .calib_cache import CalibCache
 from .calibration import (
-    LayerInputs,
     OutputCache,
     StopForward,
     capture_layer_inputs,
     cast_floating,
+    first_layer_inputs,
     group_statistics,
     layer_kind,
 )
@@ -59,6 +61,7 @@ from .fisher import fisher_service
 from .report import RunReport, peak_rss_mb
 from .smoothing import fold_group_scales
 from .solve import HessianSpentError, quantize_shared
+from .spill import parse_size
 
 __all__ = [
     "StopForward",
@@ -128,15 +131,6 @@ def _static_act(plan: dict, group, prefix: str):
     return next(iter(specs.values()), None)
 
 
-def _offload_needed(calib: torch.Tensor, hidden: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Offload activations when inputs + outputs of one layer would take over 40% of free memory."""
-    if device.type != "cuda":
-        return False
-    need = 2 * calib.numel() * hidden * torch.tensor([], dtype=dtype).element_size()
-    free, _ = torch.cuda.mem_get_info(device)
-    return need > 0.4 * free
-
-
 def quantize_model(
     model: nn.Module,
     calib: torch.Tensor,
@@ -162,6 +156,8 @@ def quantize_model(
     more_calib=None,
     store=None,
     dist: Dist | None = None,
+    max_memory: int | str | None = None,
+    spill_dir=None,
 ) -> RunReport:
     """Quantize every linear of ``model``'s decoder layers in place; return the run report.
 
@@ -194,9 +190,16 @@ def quantize_model(
     :mod:`bitmosaic.pipeline.distributed`): each rank calibrates on its share of the batches, the
     statistics are reduced, the solves spread over the ranks, and every rank ends with the same
     quantized model; only rank 0 shows progress.  The calibration cache then serves the Fisher
-    salience only.
+    salience only.  ``max_memory``: the host-memory budget (bytes, or a size such as ``"8GB"``:
+    :func:`~bitmosaic.pipeline.spill.parse_size`; ``None``: the memory available when the run
+    starts); when one layer's calibration activations, in and out, would take over 40% of it they
+    spill to files in a temporary folder made in ``spill_dir`` (default: a streaming ``store``'s
+    work folder, else the system's temporary folder) and are read back one batch at a time
+    (:mod:`bitmosaic.pipeline.spill`; the same bytes result).  ``report.calibration["spill"]`` says
+    whether they spilled and where; the folder is removed when the run ends, also on an error.
     """
     t0 = time.perf_counter()
+    budget = parse_size(max_memory)  # a bad size fails before any work
     arch = arch or get_arch(model)
     layers = arch.layers(model)
     dev = resolve_device(device, model)
@@ -226,162 +229,169 @@ def quantize_model(
         runc = (cache0 or CalibCache(None)).bind(
             model, layers, local, batch_size=batch_size, device=dev, compute_dtype=cdtype, seed=seed
         )
-        first, kwargs_by_kind = runc.layer_inputs(model, layers, local, batch_size, dev, capture_layer_inputs)
-        if offload_inputs is None:
-            offload_inputs = _offload_needed(local, first[0].shape[-1], first[0].dtype, dev)
-        inputs = LayerInputs(first, dev, bool(offload_inputs), cdtype, _model_dtype(layers))
+        where = spill_dir if spill_dir is not None else getattr(store, "work", None)
+        inputs, kwargs_by_kind, report.calibration["spill"] = first_layer_inputs(
+            model, layers, local, batch_size, dev, cdtype, runc, offload_inputs, budget, where
+        )
+        offload_inputs = inputs.offload
         kwargs_by_kind = {k: [cast_floating(kw, dev, cdtype) for kw in v] for k, v in kwargs_by_kind.items()}
-        del first
         use0 = _use_cache(cache_outputs, cache_budget_mb, local, layers[0], arch)
         report.calibration["output_cache"] = use0
     report.calibration["calibrated"] = calibrate
     report.calibration["compute_dtype"] = str(cdtype).replace("torch.", "")
     report.calibration["offload_inputs"] = bool(offload_inputs) if calibrate else None
-    fisher = fisher_service(model, calib, progress, calib_cache, more_calib, dist)
-    contexts, states = _prepare(model, calib, plans, arch, progress, method_inputs or {}, fisher)
-    for ctx in contexts.values():
-        report.calibration.update(ctx._record)
-    gen = torch.Generator().manual_seed(seed)
-    total_bits = 0.0
-    total_weights = 0
-    start = 0
-    if store is not None:  # layers an earlier, interrupted run finished: their rows, RNG and outputs
-        start, total_bits, total_weights = store.resume(report, gen, inputs)
-    desc = f"{method.name} {config.scheme}"
-    bar = tqdm(range(start, len(layers)), desc=desc, unit="layer", disable=not progress, initial=start,
-               total=len(layers))  # fmt: skip
-    for li in bar:
-        layer = layers[li]
-        n_rows = len(report.layers)
-        if store is not None:
-            store.load(li, layer)
-        first_param = next(layer.parameters())
-        home, home_dtype = first_param.device, first_param.dtype
-        layer.to(dev, cdtype)
-        prefix = f"{arch.layers_path}.{li}"
-        plan = plans[li]
-        qmods: dict[str, nn.Module] = {}
-        act_scales: dict[str, torch.Tensor | None] = {}
-        kwargs = kwargs_by_kind[layer_kind(layer)] if calibrate else None
-        group_info = {}
-        if calibrate:
-            runc0 = runc if li == 0 and dist.world == 1 else None  # later layers: inputs from quantized ones
-            group_info = _apply_transform(plan, layer, arch, inputs, kwargs, gen, prefix, runc0, states, dist)
-        use_cache = calibrate and _use_cache(cache_outputs, cache_budget_mb, local, layer, arch)
-        with OutputCache() as cache:
-            for gi, group in enumerate(arch.sequential):
-                bar.set_postfix_str(f"{li}.{'/'.join(n.rsplit('.', 1)[-1] for n in group)}")
-                if calibrate:
-                    stat_kw = dict(
-                        hessian_dtype=hessian_dtype,
-                        cache=cache if use_cache else None,
-                        act_spec=_static_act(plan, group, prefix),
-                        observe=any(getattr(plan[n][1], "needs_act_stats", False) for n in group if plan[n]),
-                        dist=dist,
-                    )
-                    accs, owner, observers = group_statistics(layer, group, inputs, kwargs, **stat_kw)
-                    shared: dict[str, list[str]] = {}
-                    for name in group:
-                        shared.setdefault(owner[name], []).append(name)
-                else:
-                    accs, observers = {}, {}
-                    shared = {name: [name] for name in group}
-                done = []
-                for own, names in shared.items():
-                    H = accs[own].H if own in accs else None
-                    if H is not None:
-                        check_finite(H, f"the calibration inputs of {prefix}.{own}")
-                    by_key: dict[tuple, list[str]] = {}  # stacked only with the same method + config
-                    for n in names:
-                        if plan[n] is not None:
-                            by_key.setdefault(_key(plan[n]), []).append(n)
-                    # H is no one's after a lone solve: the solver may overwrite it (solve.py)
-                    lone = len(shared) == 1 and len(by_key) == 1 and not analyze_orders and dist.world == 1
-                    for sub in by_key.values():
-                        m, c = plan[sub[0]]
-                        pd = getattr(c, "percdamp", 0.01)
-                        args = (m, c, layer, sub, H, pd, prefix, check_packing, observers.get(own),
-                                states.get(_key(plan[sub[0]])), dist)  # fmt: skip
-                        try:
-                            rows = quantize_shared(*args, disposable=lone)
-                        except HessianSpentError:  # needs a retry with more damping: a kept H
-                            H = group_statistics(layer, group, inputs, kwargs, **stat_kw)[0][own].H
-                            rows = quantize_shared(*args[:4], H, *args[5:])
-                        done += [(own, m, c, None if lone else H, *r) for r in rows]
-                for own, m, c, H, name, qlin, row in done:
-                    act = getattr(c, "act", None)
-                    if resolve is not None:
-                        row["method"] = m.name
-                    if act is not None:
-                        row["act"] = act.label
-                    if group_info.get(gi):
-                        row["transform"] = group_info[gi]
-                    if analyze_orders and H is not None:
-                        grid = IntGrid(c.bits, c.symmetric)
-                        W = layer.get_submodule(name).weight.data.float()
-                        pd = getattr(c, "percdamp", 0.01)
-                        row["order_bounds"] = order_bound_table(
-                            W, H, grid, c.group_size, tuple(analyze_orders), percdamp=pd
-                        )
-                    report.layers.append(row)
-                    total_bits += row["bits_per_weight"] * qlin.in_features * qlin.out_features
-                    total_weights += qlin.in_features * qlin.out_features
-                    qmods[name] = qlin
-                    lin = layer.get_submodule(name)
-                    if act is not None:  # later groups and the next layer see quantized inputs
-                        act_scales[name] = observers[own].static_scale() if act.static else None
-                        attach_input_quant(lin, act, lin.in_features, act_scales[name]).to(dev)
-                for name in group:  # quantized or skipped: final from now on
-                    if use_cache and gi < len(arch.sequential) - 1:
-                        cache.install(layer.get_submodule(name))
-                if use_cache and gi < len(arch.sequential) - 1:
-                    for child in _finished_children(layer, arch, gi):
-                        cache.install(child)
-                del accs
-                release_host_memory()  # the heap pages this group's temporaries freed
+    try:
+        fisher = fisher_service(model, calib, progress, calib_cache, more_calib, dist)
+        contexts, states = _prepare(model, calib, plans, arch, progress, method_inputs or {}, fisher)
+        for ctx in contexts.values():
+            report.calibration.update(ctx._record)
+        gen = torch.Generator().manual_seed(seed)
+        total_bits = 0.0
+        total_weights = 0
+        start = 0
+        if store is not None:  # layers an earlier, interrupted run finished: their rows, RNG and outputs
+            start, total_bits, total_weights = store.resume(report, gen, inputs)
+        desc = f"{method.name} {config.scheme}"
+        bar = tqdm(range(start, len(layers)), desc=desc, unit="layer", disable=not progress, initial=start,
+                   total=len(layers))  # fmt: skip
+        for li in bar:
+            layer = layers[li]
+            n_rows = len(report.layers)
+            if store is not None:
+                store.load(li, layer)
+            first_param = next(layer.parameters())
+            home, home_dtype = first_param.device, first_param.dtype
+            layer.to(dev, cdtype)
+            prefix = f"{arch.layers_path}.{li}"
+            plan = plans[li]
+            qmods: dict[str, nn.Module] = {}
+            act_scales: dict[str, torch.Tensor | None] = {}
+            kwargs = kwargs_by_kind[layer_kind(layer)] if calibrate else None
+            group_info = {}
             if calibrate:
-                with torch.inference_mode():
-                    outputs = []
-                    for b, (hs, kw) in enumerate(zip(inputs, kwargs, strict=True)):
-                        cache.batch = b
-                        outputs.append(run_layer(layer, hs, kw))
-                        check_finite(outputs[-1], f"the outputs of {prefix} (calibration batch {b})")
-                        cache.release(b)  # this batch's cached outputs are not needed again
-                        release_host_memory(grown_mb=64)
-                    inputs.replace(outputs)
-                    del outputs
-        release_host_memory()
-        layer.to(home, home_dtype)  # before the packed modules go in: their scales keep their dtype
-        for name, qlin in qmods.items():
-            act = getattr(plan[name][1], "act", None)
-            if act is not None:
-                attach_input_quant(qlin, act, qlin.in_features, act_scales[name])
-            layer.set_submodule(name, qlin.to(home))
-        if store is not None:  # written, recorded as finished, and freed
-            store.done(li, layer, report.layers[n_rows:], inputs, gen, total_bits, total_weights)
+                runc0 = runc if li == 0 and dist.world == 1 else None  # later layers: quantized inputs
+                group_info = _apply_transform(plan, layer, arch, inputs, kwargs, gen, prefix, runc0, states,
+                                              dist)  # fmt: skip
+            use_cache = calibrate and _use_cache(cache_outputs, cache_budget_mb, local, layer, arch)
+            with OutputCache() as cache:
+                for gi, group in enumerate(arch.sequential):
+                    bar.set_postfix_str(f"{li}.{'/'.join(n.rsplit('.', 1)[-1] for n in group)}")
+                    if calibrate:
+                        stat_kw = dict(
+                            hessian_dtype=hessian_dtype,
+                            cache=cache if use_cache else None,
+                            act_spec=_static_act(plan, group, prefix),
+                            observe=any(getattr(plan[n][1], "needs_act_stats", False)
+                                        for n in group if plan[n]),  # fmt: skip
+                            dist=dist,
+                        )
+                        accs, owner, observers = group_statistics(layer, group, inputs, kwargs, **stat_kw)
+                        shared: dict[str, list[str]] = {}
+                        for name in group:
+                            shared.setdefault(owner[name], []).append(name)
+                    else:
+                        accs, observers = {}, {}
+                        shared = {name: [name] for name in group}
+                    done = []
+                    for own, names in shared.items():
+                        H = accs[own].H if own in accs else None
+                        if H is not None:
+                            check_finite(H, f"the calibration inputs of {prefix}.{own}")
+                        by_key: dict[tuple, list[str]] = {}  # stacked only with the same method + config
+                        for n in names:
+                            if plan[n] is not None:
+                                by_key.setdefault(_key(plan[n]), []).append(n)
+                        # H is no one's after a lone solve: the solver may overwrite it (solve.py)
+                        lone = len(shared) == 1 and len(by_key) == 1 and not analyze_orders
+                        lone = lone and dist.world == 1
+                        for sub in by_key.values():
+                            m, c = plan[sub[0]]
+                            pd = getattr(c, "percdamp", 0.01)
+                            args = (m, c, layer, sub, H, pd, prefix, check_packing, observers.get(own),
+                                    states.get(_key(plan[sub[0]])), dist)  # fmt: skip
+                            try:
+                                rows = quantize_shared(*args, disposable=lone)
+                            except HessianSpentError:  # needs a retry with more damping: a kept H
+                                H = group_statistics(layer, group, inputs, kwargs, **stat_kw)[0][own].H
+                                rows = quantize_shared(*args[:4], H, *args[5:])
+                            done += [(own, m, c, None if lone else H, *r) for r in rows]
+                    for own, m, c, H, name, qlin, row in done:
+                        act = getattr(c, "act", None)
+                        if resolve is not None:
+                            row["method"] = m.name
+                        if act is not None:
+                            row["act"] = act.label
+                        if group_info.get(gi):
+                            row["transform"] = group_info[gi]
+                        if analyze_orders and H is not None:
+                            grid = IntGrid(c.bits, c.symmetric)
+                            W = layer.get_submodule(name).weight.data.float()
+                            pd = getattr(c, "percdamp", 0.01)
+                            row["order_bounds"] = order_bound_table(
+                                W, H, grid, c.group_size, tuple(analyze_orders), percdamp=pd
+                            )
+                        report.layers.append(row)
+                        total_bits += row["bits_per_weight"] * qlin.in_features * qlin.out_features
+                        total_weights += qlin.in_features * qlin.out_features
+                        qmods[name] = qlin
+                        lin = layer.get_submodule(name)
+                        if act is not None:  # later groups and the next layer see quantized inputs
+                            act_scales[name] = observers[own].static_scale() if act.static else None
+                            attach_input_quant(lin, act, lin.in_features, act_scales[name]).to(dev)
+                    for name in group:  # quantized or skipped: final from now on
+                        if use_cache and gi < len(arch.sequential) - 1:
+                            cache.install(layer.get_submodule(name))
+                    if use_cache and gi < len(arch.sequential) - 1:
+                        for child in _finished_children(layer, arch, gi):
+                            cache.install(child)
+                    del accs
+                    release_host_memory()  # the heap pages this group's temporaries freed
+                if calibrate:  # the next layer's inputs, each batch handed on as soon as it is made
+                    with torch.inference_mode():
+                        for b in range(len(inputs)):  # no iterator keeps the last batch alive
+                            cache.batch = b
+                            y = run_layer(layer, inputs.get(b), kwargs[b])
+                            check_finite(y, f"the outputs of {prefix} (calibration batch {b})")
+                            cache.release(b)  # this batch's cached outputs are not needed again
+                            inputs.set(b, y)  # input b is not read again
+                            release_host_memory(grown_mb=64)
+                            y = None
+                        inputs.advance()
             release_host_memory()
-    for key, ctx in contexts.items():
-        m, c = ctx.entry
-        ctx._record.clear()
-        m.finalize(model, c, states.get(key), ctx)
-        report.calibration.update(ctx._record)
-    if calib_cache is not None:
-        report.calibration["cache"] = calib_cache.summary()
-    report.seconds = time.perf_counter() - t0
-    report.peak_rss_mb = peak_rss_mb()
-    if dist.world > 1:
-        every = dist.all_gather_object((report.seconds, report.peak_rss_mb, local.shape[0]))
-        report.calibration["distributed"] = {
-            "world": dist.world,
-            "batches": dist.batches,
-            "samples_per_rank": [e[2] for e in every],
-            "seconds_per_rank": [e[0] for e in every],
-            "peak_rss_mb_per_rank": [e[1] for e in every],
-        }
-    if dev.type == "cuda":
-        report.peak_device_mb = torch.cuda.max_memory_allocated(dev) / 2**20
-    report.bits_per_weight = total_bits / max(total_weights, 1)
-    return report
+            layer.to(home, home_dtype)  # before the packed modules go in: their scales keep their dtype
+            for name, qlin in qmods.items():
+                act = getattr(plan[name][1], "act", None)
+                if act is not None:
+                    attach_input_quant(qlin, act, qlin.in_features, act_scales[name])
+                layer.set_submodule(name, qlin.to(home))
+            if store is not None:  # written, recorded as finished, and freed
+                store.done(li, layer, report.layers[n_rows:], inputs, gen, total_bits, total_weights)
+                release_host_memory()
+        for key, ctx in contexts.items():
+            m, c = ctx.entry
+            ctx._record.clear()
+            m.finalize(model, c, states.get(key), ctx)
+            report.calibration.update(ctx._record)
+        if calib_cache is not None:
+            report.calibration["cache"] = calib_cache.summary()
+        report.seconds = time.perf_counter() - t0
+        report.peak_rss_mb = peak_rss_mb()
+        if dist.world > 1:
+            every = dist.all_gather_object((report.seconds, report.peak_rss_mb, local.shape[0]))
+            report.calibration["distributed"] = {
+                "world": dist.world,
+                "batches": dist.batches,
+                "samples_per_rank": [e[2] for e in every],
+                "seconds_per_rank": [e[0] for e in every],
+                "peak_rss_mb_per_rank": [e[1] for e in every],
+            }
+        if dev.type == "cuda":
+            report.peak_device_mb = torch.cuda.max_memory_allocated(dev) / 2**20
+        report.bits_per_weight = total_bits / max(total_weights, 1)
+        return report
+    finally:
+        if inputs is not None:
+            inputs.close()  # the spill files go however the run ends
 
 
 def _prepare(model, calib, plans, arch, progress, inputs, fisher):
@@ -419,15 +429,6 @@ def _compute_dtype(dtype: torch.dtype | None, model: nn.Module, dev: torch.devic
     if dev.type == "cpu":
         return torch.float32
     return next(model.parameters()).dtype
-
-
-def _model_dtype(layers) -> torch.dtype:
-    """The dtype the decoder layers' weights are stored in: the calibration activations are kept in it."""
-    for layer in layers:
-        for p in layer.parameters():
-            if p.is_floating_point():
-                return p.dtype
-    return torch.float32
 
 
 def _finished_children(layer: nn.Module, arch: ArchSpec, gi: int) -> list[nn.Module]:

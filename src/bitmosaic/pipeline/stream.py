@@ -7,19 +7,22 @@ layer: reads it from the checkpoint (memory-mapped safetensors, or a GGUF file t
 :class:`~bitmosaic.io.gguf_checkpoint.GGUFCheckpoint`), calibrates and quantizes it with the
 very pipeline the in-memory path uses (:func:`~bitmosaic.pipeline.pipeline.quantize_model` with a
 :class:`LayerStore`), writes its packed tensors as one finished shard, and frees it.  Peak host memory
-is about one decoder layer in the compute dtype, its Hessians, and the calibration activations (kept
-in the compute dtype -- float32 on the CPU -- so that results are bit-identical to the in-memory path).
+is about one decoder layer in the compute dtype, its Hessians, and the calibration activations (in the
+model's dtype, as the in-memory path keeps them; past the memory budget they spill to a
+``.bitmosaic-spill-*`` folder inside the work folder and are read back one batch at a time:
+:mod:`bitmosaic.pipeline.spill`).
 The output is sharded safetensors with an index, as ``save_pretrained`` writes, and loads with
 ``bitmosaic.load``, ``load_quantized`` and ``from_pretrained`` exactly as before.
 
 **Resume.**  Work goes to ``.<out>.partial/`` beside the output folder.  After each layer it holds the
 layer's shard, the next layer's calibration inputs (``inputs-NNNNN.safetensors``, with the random
-generator's state) and ``progress.json``: finished layers, their report rows and saved settings, and
-the run's fingerprint (source checkpoint, recipe, calibration tokens, pipeline settings, library
-version).  ``progress.json`` is written last, atomically, so a crash or ``kill -9`` at any moment
-leaves a consistent record.  Rerunning the same command continues after the last finished layer
-and gives the same bytes as an uninterrupted run; a rerun with anything in the fingerprint changed
-refuses in one line naming it.  When the run completes, the folder is renamed into place.
+generator's state; written and read one batch at a time) and ``progress.json``: finished layers, their
+report rows and saved settings, and the run's fingerprint (source checkpoint, recipe, calibration
+tokens, pipeline settings, library version).  ``progress.json`` is written last, atomically, so a
+crash or ``kill -9`` at any moment leaves a consistent record.  Rerunning the same command continues
+after the last finished layer and gives the same bytes as an uninterrupted run; a rerun with anything
+in the fingerprint changed refuses in one line naming it.  When the run completes, the folder is
+renamed into place.
 
 Methods with a whole-model step (a ``prepare`` or ``finalize`` hook, e.g. a global bit allocation
 from gradients through the full model) cannot stream and are refused in one line.
@@ -51,6 +54,7 @@ from ..io.serialization import (
 )
 from ..models.arch import get_arch
 from ..modules.qmodules import full_layer_config
+from .spill import SPILL_PREFIX, TensorFile, write_tensor_file
 
 __all__ = ["LayerStore", "quantize_streaming", "partial_dir", "streamable"]
 
@@ -135,13 +139,12 @@ class LayerStore:
         k = int(self.state["layers_done"])
         if k == 0:
             return 0, 0.0, 0
-        from safetensors.torch import load_file
-
-        saved = load_file(str(self.work / f"inputs-{k:05d}.safetensors"))
-        gen.set_state(saved.pop("gen_state"))
-        if inputs is not None:
-            dtype = inputs.batches[0].dtype
-            inputs.replace([saved[f"b{i}"].to(inputs.device, dtype) for i in range(len(inputs.batches))])
+        with TensorFile(self.work / f"inputs-{k:05d}.safetensors") as saved:  # one batch at a time
+            gen.set_state(saved.get("gen_state"))
+            if inputs is not None:
+                for i in range(len(inputs)):
+                    inputs.set(i, saved.get(f"b{i}"))
+                inputs.advance()
         report.layers.extend(self.state["rows"])
         for li in range(k):
             self.layers[li] = _Freed()
@@ -158,10 +161,11 @@ class LayerStore:
         mods = {prefix + n: full_layer_config(m) for n, m in layer.named_modules()
                 if hasattr(m, "layer_config")}  # fmt: skip
         self._write(li + 1, {prefix + k: v for k, v in layer.state_dict().items()})
-        spill = {f"b{i}": b.contiguous() for i, b in enumerate(inputs.batches)} if inputs is not None else {}
-        spill["gen_state"] = gen.get_state()
-        tmp = self.work / f"inputs-{li + 1:05d}.safetensors.tmp"
-        write_shard(tmp, {k: v.detach().cpu().contiguous() for k, v in spill.items()}, SAVE_META)
+        batches = [(f"b{i}", *inputs.spec(i)) for i in range(len(inputs))] if inputs is not None else []
+        state = gen.get_state()
+        specs = [*batches, ("gen_state", tuple(state.shape), state.dtype)]
+        tmp = self.work / f"inputs-{li + 1:05d}.safetensors.tmp"  # written one batch at a time
+        write_tensor_file(tmp, specs, lambda i: inputs.stored(i) if i < len(batches) else state, SAVE_META)
         os.replace(tmp, self.work / f"inputs-{li + 1:05d}.safetensors")
         st = self.state
         st["layers_done"] = li + 1
@@ -252,6 +256,8 @@ def quantize_streaming(
     out = check_output_dir(out, overwrite)
     work = partial_dir(out)
     work.mkdir(parents=True, exist_ok=True)
+    for old in work.glob(SPILL_PREFIX + "*"):  # spilled activations of a run that was killed
+        shutil.rmtree(old, ignore_errors=True)
     model = ckpt.empty_model(dtype)
     fingerprint = {
         "version": __version__,
