@@ -16,8 +16,9 @@ import torch
 import bitmosaic
 from bitmosaic.api import as_recipe
 from bitmosaic.io import gguf_cache, loading, save_quantized
-from bitmosaic.io.checkpoint import Checkpoint, open_checkpoint
+from bitmosaic.io.checkpoint import Checkpoint
 from bitmosaic.io.gguf_checkpoint import STREAMABLE, GGUFCheckpoint, UnsupportedGGUFError, gguf_fingerprint
+from bitmosaic.io.sources import open_checkpoint
 from bitmosaic.pipeline.stream import quantize_streaming
 from bitmosaic.testing import tiny_llama, word_tokenizer
 from tests.conftest import smollm2_gguf

@@ -72,7 +72,7 @@ def run_streaming(args, recipe, spec, config, device, dtype, progress: bool) -> 
     import torch
 
     from ..data import calibration_samples
-    from ..io.checkpoint import open_checkpoint
+    from ..io.sources import open_checkpoint
     from ..pipeline.stream import partial_dir, quantize_streaming
 
     t0 = time.perf_counter()

@@ -88,7 +88,13 @@ def error_metrics(
     ``H`` is then not read (``None`` allowed) unless the result lacks its step errors."""
     den, diag = summary if summary is not None else hessian_summary(W, H)
     dead = diag == 0
-    E = W.float() - Wq.float() if W.dtype != torch.float64 else W - Wq.double()
+    wide = torch.float64 if W.dtype == torch.float64 else torch.float32
+
+    def diff(a: int | None = None, b: int | None = None) -> torch.Tensor:  # W - Wq, rows a:b
+        return W[a:b].to(wide) - Wq[a:b].to(wide)
+
+    step = max(1, _ROWS // max(W.shape[1], 1))
+    blocks = [(r, r + step) for r in range(0, W.shape[0], step)]  # memory: no full-size difference
     step_errors = getattr(res, "step_errors", None)
     Hd, Hd_diag = None, getattr(res, "hessian_diag", None) if res.hessian is None else None
 
@@ -108,12 +114,25 @@ def error_metrics(
         hess = float(step_errors.double().sum())
         lam = (Hd_diag.to(W.device, torch.float64) - diag.to(torch.float64)).masked_fill(dead, 0)
         # the undamped H is zero on dead columns (lam masks them), so they add nothing to the output error
-        colsq = sum(e.square().sum(dim=0, dtype=torch.float64) for e in _row_chunks(E))
+        colsq = sum(diff(a, b).square().sum(dim=0, dtype=torch.float64) for a, b in blocks)
         num = hess - float((colsq * lam).sum())
     else:
+        E = diff()
         hess = float(_row_quadratic(E, Hd).sum())
         num = float(_row_quadratic(E, H.to(W.device)).sum())
+        del E
     bound = None
+    pivoted = getattr(res, "perm", None) is not None and getattr(res, "pivots", None) is not None
+    if pivoted and _plain_lattice(res):
+        # the base lattice (group scales per column), built a row block at a time
+        perm = res.perm.to(res.scales.device)
+        g_idx = res.g_idx.to(res.scales.device).long()
+        piv = res.pivots.to(device=res.scales.device, dtype=torch.float64)[None, :]
+        bound = 0.0
+        for a, b in blocks:
+            s = res.scales[a:b][:, g_idx].to(torch.float64)[:, perm]
+            bound += float(0.25 * (s * s * piv).sum())
+        return _metrics(num, den, hess, bound)
     lattice = res.lattice_scales() if hasattr(res, "lattice_scales") else None
     if getattr(res, "perm", None) is not None and lattice is not None:
         if getattr(res, "pivots", None) is not None:
@@ -125,8 +144,17 @@ def error_metrics(
                 bound += float(0.25 * (s * s * piv).sum())
         else:
             bound = float(babai_bound((Hd if Hd is not None else damped()).double(), lattice, res.perm).sum())
+    return _metrics(num, den, hess, bound)
+
+
+def _metrics(num: float, den: float, hess: float, bound: float | None) -> dict:
     return {
         "rel_out_error": max(num, 0.0) / den if den > 0 else 0.0,
         "hessian_error": hess,
         "babai_bound": bound,
     }
+
+
+def _plain_lattice(res) -> bool:
+    """``res``'s lattice is :class:`QuantResult`'s own (group scales per column, no override)."""
+    return type(res).lattice_scales is QuantResult.lattice_scales and getattr(res, "scales", None) is not None
