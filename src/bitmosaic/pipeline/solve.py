@@ -7,7 +7,7 @@ dequantized weights in place, so later groups calibrate on quantized outputs.
 
 **Disposable Hessians.**  A Hessian nobody reads after the solve (one call owns it, no order
 analysis) is handed over with ``LayerStats.hessian_disposable``: a method whose
-``may_overwrite_hessian`` is set (GPTQ) then factorises it in its own memory instead of beside a
+``may_overwrite_hessian`` is set then factorises it in its own memory instead of beside a
 copy (at Llama-3-8B's ``down_proj``, 0.8 GB less at the layer's peak).  What the report needs of
 ``H`` (``wᵀ H w`` and its diagonal) is taken before.  The rare factorisation that must be retried
 with more damping cannot be retried on an overwritten matrix: the solver then raises
