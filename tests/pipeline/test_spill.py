@@ -120,6 +120,7 @@ def test_spilled_in_memory_run_saves_the_same_bytes(method, opts, dtype, calib, 
         rep = quantize_(m, method, calib, max_memory=budget, spill_dir=tmp_path, **_KW, **opts)
         rec = rep.calibration["spill"]
         assert rec["spilled"] is (budget is not None)
+        assert rep.calibration["output_cache"] is (budget is None)  # it, too, must fit in 40% of the budget
         if budget is not None:
             assert Path(rec["dir"]).parent == tmp_path and not Path(rec["dir"]).exists()
         saved[budget] = save_quantized(m, tmp_path / f"out-{budget}")
