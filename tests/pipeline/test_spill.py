@@ -6,6 +6,7 @@ written and read one batch at a time, and ``--max-memory`` parsed with one-line 
 from __future__ import annotations
 
 import json
+import shutil
 import weakref
 from pathlib import Path
 
@@ -57,6 +58,10 @@ def test_spill_store_gives_back_the_bytes_written_one_generation_at_a_time(dtype
     s.close()
     s.close()  # idempotent
     assert not s.dir.exists()
+    gone = SpillStore(tmp_path)
+    shutil.rmtree(gone.dir)  # a write that fails (a full disk, a vanished folder) says what to do
+    with pytest.raises(OSError, match="free disk space there, or raise --max-memory"):
+        gone.append(first[0])
 
 
 def test_a_streamed_tensor_file_is_a_safetensors_file_both_ways(tmp_path):
@@ -120,6 +125,7 @@ def test_spilled_in_memory_run_saves_the_same_bytes(method, opts, dtype, calib, 
         rep = quantize_(m, method, calib, max_memory=budget, spill_dir=tmp_path, **_KW, **opts)
         rec = rep.calibration["spill"]
         assert rec["spilled"] is (budget is not None)
+        assert rep.calibration["output_cache"] is (budget is None)  # it, too, must fit in 40% of the budget
         if budget is not None:
             assert Path(rec["dir"]).parent == tmp_path and not Path(rec["dir"]).exists()
         saved[budget] = save_quantized(m, tmp_path / f"out-{budget}")
@@ -283,6 +289,7 @@ def test_cli_max_memory_spills_beside_out_and_bad_values_are_one_line(tmp_path, 
         out = tmp_path / "runs" / name
         js = tmp_path / f"{name}.json"
         assert main([*base, "--max-memory", budget, "--out", str(out), "--json", str(js)]) == 0
+        assert ("spilled to" in capsys.readouterr().out) is (budget != "auto")
     rec = json.loads((tmp_path / "spilled.json").read_text())["calibration"]["spill"]
     assert rec["spilled"] and Path(rec["dir"]).parent == tmp_path / "runs" and rec["budget_mb"] == 0.0
     assert json.loads((tmp_path / "mem.json").read_text())["calibration"]["spill"]["spilled"] is False

@@ -210,6 +210,10 @@ def _quantize(args, device, dist) -> int:
         f"quantized {len(report.layers)} linears with {spec.name} in {report.seconds:.1f}s, "
         f"{report.bits_per_weight:.3f} bits/weight, peak RSS {report.peak_rss_mb:.0f} MB"
     )
+    sp = report.calibration.get("spill") or {}
+    if sp.get("spilled"):
+        print(f"calibration activations ({sp['activations_mb']:.0f} MB in and out, over 40% of the "
+              f"{sp['budget_mb']:.0f} MB budget) spilled to {sp['dir']} (now removed)")  # fmt: skip
     dp = report.calibration.get("distributed")
     if dp:
         rss = ", ".join(f"{v:.0f}" for v in dp["peak_rss_mb_per_rank"])

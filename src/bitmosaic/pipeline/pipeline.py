@@ -61,7 +61,7 @@ from .fisher import fisher_service
 from .report import RunReport, peak_rss_mb
 from .smoothing import fold_group_scales
 from .solve import HessianSpentError, quantize_shared
-from .spill import parse_size
+from .spill import SPILL_FRACTION, parse_size
 
 __all__ = [
     "StopForward",
@@ -166,8 +166,9 @@ def quantize_model(
     ``offload_inputs``: keep the calibration activations in host memory (``None``: when they would
     not fit comfortably on the device).  ``cache_outputs`` keeps quantized linears' outputs for the
     rest of their layer (exact; see :class:`~bitmosaic.pipeline.calibration.OutputCache`); ``None``
-    turns it on when that takes at most ``cache_budget_mb``.  ``analyze_orders`` adds, per layer,
-    the Babai bound and the measured no-clip GPTQ error under each named order.  ``seed`` fixes
+    turns it on when that takes at most ``cache_budget_mb`` and 40% of ``max_memory`` (below).
+    ``analyze_orders`` adds, per layer, the Babai bound and the measured no-clip GPTQ error under
+    each named order.  ``seed`` fixes
     the token samples a ``transform`` draws.  ``check_packing`` verifies every packed module
     against the simulated weights.  ``measure_errors`` calibrates even methods that need no
     Hessian (RTN, FP8), so their report rows get the error metrics too.  ``compute_dtype``: the
@@ -234,6 +235,8 @@ def quantize_model(
             model, layers, local, batch_size, dev, cdtype, runc, offload_inputs, budget, where
         )
         offload_inputs = inputs.offload
+        # the output cache holds every batch's linear outputs: no more of the budget than the activations
+        cache_budget_mb = min(cache_budget_mb, SPILL_FRACTION * report.calibration["spill"]["budget_mb"])
         kwargs_by_kind = {k: [cast_floating(kw, dev, cdtype) for kw in v] for k, v in kwargs_by_kind.items()}
         use0 = _use_cache(cache_outputs, cache_budget_mb, local, layers[0], arch)
         report.calibration["output_cache"] = use0

@@ -153,11 +153,17 @@ class SpillStore:
         return self._cur[i][1:]
 
     def _put(self, gen: int, t: torch.Tensor):
-        if self._writer is None:
-            self._writer = open(self._path(gen), "ab")
         t = t.detach().to("cpu").contiguous()
-        entry = (self._writer.tell(), tuple(t.shape), t.dtype)
-        self._writer.write(_as_bytes(t))
+        try:
+            if self._writer is None:
+                self._writer = open(self._path(gen), "ab")
+            entry = (self._writer.tell(), tuple(t.shape), t.dtype)
+            self._writer.write(_as_bytes(t))
+        except OSError as e:  # e.g. a full disk: say what was being written and what to do
+            raise OSError(
+                f"spilling calibration activations to {self.dir} failed ({e}); free disk space there, "
+                "or raise --max-memory so that they stay in memory"
+            ) from e
         return entry
 
     def append(self, t: torch.Tensor) -> None:
@@ -173,11 +179,9 @@ class SpillStore:
         if self._reader is None:
             self._reader = open(self._path(self._gen), "rb")
         off, shape, dtype = self._cur[i]
-        n = dtype.itemsize
-        for d in shape:
-            n *= d
         self._reader.seek(off)
-        buf = _read_exact(self._reader, n, f"spilled activation batch {i} ({self._path(self._gen)})")
+        what = f"spilled activation batch {i} ({self._path(self._gen)})"
+        buf = _read_exact(self._reader, _numel(shape) * dtype.itemsize, what)
         return buf.view(dtype).reshape(shape)
 
     def write(self, i: int, t: torch.Tensor) -> None:
