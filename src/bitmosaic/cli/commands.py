@@ -290,11 +290,11 @@ def _dir_size(path: Path) -> int:
 
 def cmd_inspect(args) -> int:
     from ..errors import CorruptModelError
-    from ..io.serialization import read_quant_config, stored_module_bits
+    from ..io.serialization import stored_module_bits, verify_saved
     from ..modules import KINDS
 
     path = Path(args.dir)
-    _, qc = read_quant_config(path)
+    _, qc = verify_saved(path)  # every entry, file and tensor, as the loaders check them
     bits_by_module = stored_module_bits(path, list(qc["modules"]))
     rows, total_bits, total_w = [], 0.0, 0
     by_kind: dict[type, dict] = {}

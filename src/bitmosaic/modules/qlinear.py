@@ -52,6 +52,12 @@ class QuantLinear(QuantModule):
         code_offset: int = 0,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias)
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= max(SUPPORTED_BITS):
+            raise ValueError(
+                f"bits {bits!r} is not a weight width bitmosaic stores (1 to {max(SUPPORTED_BITS)})"
+            )
+        if storage_bits is not None and storage_bits < bits:
+            raise ValueError(f"storage width {storage_bits!r} is narrower than bits {bits}")
         self.bits = bits
         self.group_size = normalize_group_size(group_size, in_features)
         self.symmetric = symmetric

@@ -1,0 +1,141 @@
+"""Bad inputs tried as a hostile user would (issue 26, section 0): each gives one ``error:`` line on
+stderr and exit status 2 (or, for a warning, one ``bitmosaic: warning:`` line), with no traceback and
+no output left behind.  ``docs/errors.md`` lists every row with the test that checks it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from bitmosaic.cli import main
+from tests.helpers import quantized_dir, save_hf_dir, snapshot, words
+
+
+def _error_line(capsys, argv) -> str:
+    """Exit status 2 and exactly one ``error:`` line, no usage text, no traceback; the line without
+    its ``error: `` prefix."""
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in err and "usage:" not in err, err
+    return lines[0].removeprefix("error: ")
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("must not be reached: the bad input is refused before any work")
+
+
+@pytest.fixture(scope="module")
+def qdir(tmp_path_factory):
+    """A good bitmosaic folder (tiny Llama, RTN w4 g32, with tokenizer); copy it before damaging it."""
+    return quantized_dir(tmp_path_factory.mktemp("q") / "q")
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    """A float tiny-Llama folder and a calibration text."""
+    root = tmp_path_factory.mktemp("src")
+    (root / "text.txt").write_text(words(2000))
+    return save_hf_dir(root / "float"), root / "text.txt"
+
+
+def _quantize(model_dir, text, *extra) -> list[str]:
+    flags = "--method rtn --group-size 32 --nsamples 2 --seqlen 16 --no-progress --device cpu".split()
+    return ["quantize", "--model", str(model_dir), "--calib", str(text), *flags, *extra]
+
+
+# --- 1 and 6: damaged saved folders, the same line from every loader --------------------------------
+
+
+def _damage(path, how: str) -> None:
+    if how in ("tensor", "module"):
+        cfg = json.loads((path / "config.json").read_text())
+        name = "model.layers.0.mlp.down_proj"
+        if how == "tensor":  # one packed tensor deleted from the weights
+            sd = load_file(str(path / "model.safetensors"))
+            del sd[f"{name}.qweight"]
+            save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+        else:  # one layer deleted from the per-layer table
+            del cfg["quantization_config"]["modules"][name]
+            (path / "config.json").write_text(json.dumps(cfg))
+    elif how == "bits9":  # the config edited to a width no packing holds
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["quantization_config"]["bits"] = 9
+        for lc in cfg["quantization_config"]["modules"].values():
+            lc["bits"] = 9
+        (path / "config.json").write_text(json.dumps(cfg))
+    elif how == "no-weights":
+        (path / "model.safetensors").unlink()
+
+
+def _loaders():
+    from transformers import AutoModelForCausalLM
+
+    import bitmosaic
+    from bitmosaic.io import load_quantized
+
+    return {
+        "bitmosaic.load": bitmosaic.load,
+        "from_pretrained": AutoModelForCausalLM.from_pretrained,
+        "load_quantized": load_quantized,
+    }
+
+
+@pytest.mark.parametrize("how", ["tensor", "module", "bits9", "no-weights"])
+def test_damaged_folder_gives_one_line_from_every_loader(qdir, tmp_path, capsys, how):
+    from bitmosaic.errors import CorruptModelError
+
+    path = tmp_path / "q"
+    shutil.copytree(qdir, path)
+    _damage(path, how)
+    lines = {}
+    loaders = _loaders()
+    if how == "no-weights":  # transformers looks for the weight files before any quantizer runs
+        with pytest.raises(OSError, match="model.safetensors"):
+            loaders.pop("from_pretrained")(str(path))
+    for name, load in loaders.items():
+        with pytest.raises(CorruptModelError) as e:
+            load(str(path))
+        lines[name] = _one_line(e.value)
+    lines["eval"] = _error_line(capsys, ["eval", str(path), "--device", "cpu", "--no-progress"])
+    lines["inspect"] = _error_line(capsys, ["inspect", str(path)])
+    export = ["export", str(path), "--format", "gptq", "--out", str(tmp_path / "x")]
+    lines["export"] = _error_line(capsys, export)
+    assert len(set(lines.values())) == 1, lines
+    line = lines["eval"]
+    needle = {
+        "tensor": "model.layers.0.mlp.down_proj.qweight",
+        "module": "model.layers.0.mlp.down_proj",
+        "bits9": "bits 9",
+        "no-weights": "model.safetensors",
+    }[how]
+    assert needle in line and str(path) in line, line
+    assert not (tmp_path / "x").exists()
+
+
+def test_reproduce_refuses_an_edited_config(tmp_path, src, capsys):
+    model, text = src
+    out = tmp_path / "q"
+    assert main(_quantize(model, text, "--out", str(out))) == 0
+    good = snapshot(out)
+    _damage(out, "bits9")
+    line = _error_line(capsys, ["reproduce", str(out), "--device", "cpu", "--no-progress"])
+    assert "bits 9" in line
+    # a valid but edited per-layer setting (bits 3 stored in 4-bit codes): the tensors all match, the
+    # settings do not, so reproduce must say so
+    for name, data in good.items():
+        (out / name).write_bytes(data)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["modules"]["model.layers.1.mlp.up_proj"]["bits"] = 3
+    (out / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert main(["reproduce", str(out), "--device", "cpu", "--no-progress"]) == 1
+    assert "model.layers.1.mlp.up_proj" in capsys.readouterr().out
