@@ -139,3 +139,54 @@ def test_reproduce_refuses_an_edited_config(tmp_path, src, capsys):
     capsys.readouterr()
     assert main(["reproduce", str(out), "--device", "cpu", "--no-progress"]) == 1
     assert "model.layers.1.mlp.up_proj" in capsys.readouterr().out
+
+
+# --- 2: compare --out ------------------------------------------------------------------------------
+
+
+def test_compare_refuses_a_folder_it_did_not_write(tmp_path, src, capsys, monkeypatch):
+    import bitmosaic.eval.compare as compare
+
+    model, text = src
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "results.csv").write_text("my own table\n")
+    (out / "results.md").write_text("my notes\n")
+    before = snapshot(out)
+    monkeypatch.setattr(compare, "_run", _never)
+    argv = ["compare", "--model", str(model), "--configs", "rtn:w4g32", "--calib", str(text),
+            "--out", str(out), "--no-progress"]  # fmt: skip
+    line = _error_line(capsys, argv)
+    assert str(out) in line and "compare" in line
+    assert snapshot(out) == before and sorted(p.name for p in out.iterdir()) == ["results.csv", "results.md"]
+
+
+def test_compare_output_folder_check():
+    from bitmosaic.errors import OutputExistsError
+    from bitmosaic.eval.compare import check_compare_out
+
+    def folder(tmp, *names):
+        for n in names:
+            p = tmp / n
+            if n.endswith("/"):
+                p.mkdir(parents=True)
+            else:
+                p.parent.mkdir(parents=True, exist_ok=True)
+                p.write_text("x")
+        return tmp
+
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        root = Path(d)
+        check_compare_out(root / "new")  # does not exist: fine
+        check_compare_out(folder(root / "empty"))
+        # written by an earlier bitmosaic (no marker): only compare's own names
+        check_compare_out(folder(root / "old", "runs/float.json", "logs/", "models/", "results.csv"))
+        check_compare_out(folder(root / "marked", "compare.json", "notes.txt"))
+        for bad in (folder(root / "b1", "results.csv"), folder(root / "b2", "runs/", "logs/", "thesis.tex")):
+            with pytest.raises(OutputExistsError, match="not a bitmosaic compare folder"):
+                check_compare_out(bad)
+        with pytest.raises(OutputExistsError, match="not a folder"):
+            check_compare_out(folder(root, "file") / "file")
