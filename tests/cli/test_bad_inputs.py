@@ -8,10 +8,11 @@ import json
 import shutil
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from bitmosaic.cli import main
-from tests.helpers import quantized_dir, save_hf_dir, snapshot, words
+from tests.helpers import SPECIALS, VOCAB, quantized_dir, save_hf_dir, snapshot, tiny_llama, words
 
 
 def _error_line(capsys, argv) -> str:
@@ -190,3 +191,55 @@ def test_compare_output_folder_check():
                 check_compare_out(bad)
         with pytest.raises(OutputExistsError, match="not a folder"):
             check_compare_out(folder(root, "file") / "file")
+
+
+# --- 3: non-finite evaluation -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def overflowing(tmp_path_factory):
+    """A model whose first norm weight is scaled by 1e30: finite weights, Inf/NaN activations."""
+    m = tiny_llama()
+    with torch.no_grad():
+        m.model.layers[0].input_layernorm.weight.mul_(1e30)
+    return save_hf_dir(tmp_path_factory.mktemp("nan") / "m", model=m)
+
+
+def test_eval_refuses_non_finite_logits(overflowing, src, capsys):
+    _, text = src
+    argv = ["eval", str(overflowing), "--ppl", str(text), "--seqlen", "32", "--max-windows", "3",
+            "--no-progress", "--device", "cpu"]  # fmt: skip
+    line = _error_line(capsys, argv)
+    assert "window 1 of 3" in line and "not finite" in line
+    assert "perplexity nan" not in capsys.readouterr().out
+
+
+def test_perplexity_refuses_non_finite_logits():
+    from bitmosaic.errors import NonFiniteError
+    from bitmosaic.eval.perplexity import perplexity
+
+    m = tiny_llama()
+    ids = torch.randint(len(SPECIALS), VOCAB, (1, 80), generator=torch.Generator().manual_seed(0))
+    real, calls = m.forward, []
+
+    def forward(input_ids, **kw):  # the second window's logits overflow
+        out = real(input_ids, **kw)
+        calls.append(1)
+        if len(calls) == 2:
+            out.logits[0, 3, 5] = float("inf")
+        return out
+
+    m.forward = forward
+    with pytest.raises(NonFiniteError, match=r"window 2 of 5 .*Inf"):
+        perplexity(m, ids, 16, progress=False)
+
+
+def test_quantize_with_non_finite_evaluation_saves_nothing(overflowing, src, tmp_path, capsys):
+    _, text = src
+    out, js = tmp_path / "q", tmp_path / "r.json"
+    argv = _quantize(overflowing, text, "--eval", str(text), "--eval-seqlen", "32", "--max-windows", "2",
+                     "--out", str(out), "--json", str(js))  # fmt: skip
+    line = _error_line(capsys, argv)
+    assert "window 1 of 2" in line and "not finite" in line
+    assert not out.exists() and not js.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

@@ -229,10 +229,17 @@ def _quantize(args, device, dist) -> int:
                     reference = None
             model, tok = load_quantized(args.out, dtype=dtype)
     if args.eval_src:
-        results["quantized"] = _ppl(
-            model, tok, args.eval_src, args.eval_seqlen, args.max_windows, args.data_dir, progress, device,
-            reference,
-        )  # fmt: skip
+        from ..errors import NonFiniteError
+
+        try:
+            results["quantized"] = _ppl(
+                model, tok, args.eval_src, args.eval_seqlen, args.max_windows, args.data_dir, progress,
+                device, reference,
+            )  # fmt: skip
+        except NonFiniteError as e:  # never a "perplexity nan" and exit 0; never a saved model that does this
+            if "saved_to" in out:  # streamed: saved before it could be evaluated
+                raise NonFiniteError(f"the model saved to {out['saved_to']} does not evaluate: {e}") from None
+            raise NonFiniteError(f"{e}; nothing was saved" if args.out or args.json else str(e)) from None
         del reference
         out["eval"] = results
         rows = [("float", results["float"]["ppl"])] if "float" in results else []
