@@ -4,13 +4,16 @@ no output left behind.  ``docs/errors.md`` lists every row with the test that ch
 
 from __future__ import annotations
 
+import errno
 import json
+import pickle
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import bitmosaic.io as bm_io
 from bitmosaic.cli import main
 from tests.helpers import SPECIALS, VOCAB, quantized_dir, save_hf_dir, snapshot, tiny_llama, words
 
@@ -243,3 +246,99 @@ def test_quantize_with_non_finite_evaluation_saves_nothing(overflowing, src, tmp
     assert "window 1 of 2" in line and "not finite" in line
     assert not out.exists() and not js.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+# --- 4: tracebacks where one line was promised ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def huge_layer(tmp_path_factory):
+    """down_proj of layer 0 scaled by 1e8: finite, but its group scales overflow float16."""
+    m = tiny_llama()
+    with torch.no_grad():
+        m.model.layers[0].mlp.down_proj.weight.mul_(1e8)
+    return save_hf_dir(tmp_path_factory.mktemp("huge") / "m", model=m)
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_layer_too_large_for_float16_scales(huge_layer, src, tmp_path, capsys, method):
+    _, text = src
+    argv = _quantize(huge_layer, text, "--method", method, "--out", str(tmp_path / "q"))
+    line = _error_line(capsys, argv)
+    assert "model.layers.0.mlp.down_proj" in line and "float16" in line and "65504" in line, line
+    assert "internal" not in line and "no-clip" not in line  # (7) no clipping was turned off
+    assert not (tmp_path / "q").exists()
+
+
+def test_unpackable_codes_blame_no_clip_only_when_it_was_given():
+    from bitmosaic.algorithms.types import QuantResult
+    from bitmosaic.modules.qlinear import QuantLinear, UnpackableCodesError
+
+    codes = torch.tensor([[0, 3000, -5, 1]], dtype=torch.int32)
+    res = QuantResult(codes, torch.ones(1, 1), torch.zeros(1, 1), torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(UnpackableCodesError) as e:
+        QuantLinear.from_result(res, bits=4, group_size=None, symmetric=False, clip=True)
+    assert "no-clip" not in str(e.value) and "clip" in str(e.value)
+    with pytest.raises(UnpackableCodesError, match="no-clip quantization"):
+        QuantLinear.from_result(res, bits=4, group_size=None, symmetric=False, clip=False)
+
+
+class _Payload:
+    """Unpickling this creates ``marker``: proof that the pickle ran."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_pickled_checkpoint_is_refused_unread(src, tmp_path, capsys):
+    model, text = src
+    folder = tmp_path / "pickled"
+    shutil.copytree(model, folder)
+    (folder / "model.safetensors").unlink()
+    marker = tmp_path / "payload-ran"
+    (folder / "pytorch_model.bin").write_bytes(pickle.dumps({"x": _Payload(marker)}))
+    for argv in (_quantize(folder, text), ["eval", str(folder), "--device", "cpu"]):
+        line = _error_line(capsys, argv)
+        assert "pickle" in line and "safetensors" in line and str(folder) in line
+    assert not marker.exists()
+
+
+def test_saved_model_as_quantize_input(qdir, src, capsys, monkeypatch):
+    import bitmosaic
+    from bitmosaic.errors import OptionError
+    from bitmosaic.io import load_quantized
+
+    _, text = src
+    monkeypatch.setattr(bm_io, "load_model", _never)
+    line = _error_line(capsys, _quantize(qdir, text))
+    assert "already quantized" in line and "float model" in line
+    model, _ = load_quantized(qdir)
+    calib = torch.randint(len(SPECIALS), VOCAB, (2, 16))
+    with pytest.raises(OptionError, match="already quantized"):
+        bitmosaic.quantize_(model, "rtn", calib, progress=False)
+
+
+@pytest.mark.parametrize("where", ["safetensors", "config"])
+def test_full_disk_during_save(src, tmp_path, capsys, monkeypatch, where):
+    import bitmosaic.io.serialization as ser
+
+    model, text = src
+    out = tmp_path / "out" / "q"
+
+    def full(*args, **kwargs):
+        if where == "safetensors":  # what safetensors raises (not an OSError)
+            from safetensors import SafetensorError
+
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if where == "safetensors":
+        monkeypatch.setattr(ser, "save_file", full)
+    else:
+        monkeypatch.setattr(ser, "_write_config", full)
+    line = _error_line(capsys, _quantize(model, text, "--out", str(out)))
+    assert str(out) in line and "No space left on device" in line
+    assert not out.exists() and list((tmp_path / "out").iterdir()) == []

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from .args import ACT_DESTS, calib_cache_from_args, task_list
+from .checks import check_float_model
 from .method_flags import method_flags, method_options
 
 
@@ -160,6 +161,7 @@ def _quantize(args, device, dist) -> int:
     recipe = recipe_from_args(args)
     spec, config = recipe.default()
     progress = not args.no_progress
+    check_float_model(args.model)
     dtype = resolve_dtype(args.dtype, device, args.model)
     if args.out:  # refuse a bad --out (or --json) before hours of work, not after
         from ..io.serialization import check_output_dir

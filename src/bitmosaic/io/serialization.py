@@ -31,7 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..errors import CorruptModelError, OutputExistsError, check_finite
+from ..errors import CorruptModelError, OutputExistsError, OutputWriteError, check_finite
 from ..formats.accounting import dtype_name_bits
 from ..modules.qmodules import full_layer_config, module_from_layer_config
 from .finish import finish_load, model_arch, quant_modules_by_kind
@@ -242,23 +242,41 @@ def save_quantized(
 
         quant_info = saved_run_info(run)
     out_dir = check_output_dir(out_dir, overwrite)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        cfg = saved_config(model, quant_info, {n: full_layer_config(m) for n, m in qmods.items()})
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
-        gen = getattr(model, "generation_config", None)
-        if gen is not None:
-            gen.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        write_safetensors(tmp, _state_dict_for_save(model), SAVE_META)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    except OSError as e:
+        raise _write_error(out_dir, e) from None
+    try:
+        try:
+            cfg = saved_config(model, quant_info, {n: full_layer_config(m) for n, m in qmods.items()})
+            _write_config(tmp, cfg)
+            gen = getattr(model, "generation_config", None)
+            if gen is not None:
+                gen.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            write_safetensors(tmp, _state_dict_for_save(model), SAVE_META)
+        except (OSError, SafetensorError) as e:  # a full disk, a lost mount: one line, nothing left behind
+            raise _write_error(out_dir, e) from None
         check_output_dir(out_dir, overwrite)  # again: the folder may have changed while we wrote
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _write_config(folder: Path, cfg: dict) -> None:
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
+
+
+def _write_error(out_dir: Path, e: BaseException) -> OutputWriteError:
+    reason = getattr(e, "strerror", None) or " ".join(str(e).split()) or type(e).__name__
+    return OutputWriteError(
+        f"cannot write the model to {out_dir}: {reason}; nothing was saved there (free some space or "
+        "choose another --out)"
+    )
 
 
 _RESAVE = "the saved model is damaged: save or download it again"
