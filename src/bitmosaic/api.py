@@ -168,6 +168,8 @@ def quantize_(
             f"the model is already quantized ({len(done)} bitmosaic layers, e.g. {next(iter(done))}); "
             "quantize the float model it was made from"
         )
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise OptionError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     takes = {i for m in list_methods() for i in get_method(m).prepare_inputs}
     inputs = {k: options.pop(k) for k in list(options) if k in takes}  # checked by the pipeline
     recipe = as_recipe(method, options, scheme)

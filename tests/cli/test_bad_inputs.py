@@ -342,3 +342,108 @@ def test_full_disk_during_save(src, tmp_path, capsys, monkeypatch, where):
     line = _error_line(capsys, _quantize(model, text, "--out", str(out)))
     assert str(out) in line and "No space left on device" in line
     assert not out.exists() and list((tmp_path / "out").iterdir()) == []
+
+
+# --- 5: option values ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--method", "gptq", "--damp", "-1"], "damp"),
+        (["--scheme", "W4A4", "--abits", "8"], "--abits 8"),
+        (["--scheme", "W4A8", "--afmt", "fp8"], "--afmt"),
+        (["--threads", "0"], "--threads"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--group-size", "0"], "group"),
+        (["--nsamples", "0"], "--nsamples"),
+        (["--seqlen", "0"], "--seqlen"),
+        (["--eval-seqlen", "1", "--eval", "x.txt"], "--eval-seqlen"),
+        (["--max-windows", "0", "--eval", "x.txt"], "--max-windows"),
+    ],
+)
+def test_bad_option_values_are_refused_before_loading(src, capsys, monkeypatch, extra, needle):
+    model, text = src
+    monkeypatch.setattr(bm_io, "load_model", _never)
+    assert needle in _error_line(capsys, _quantize(model, text, *extra))
+
+
+def test_matching_scheme_and_abits_are_accepted():
+    from bitmosaic.cli import build_parser, method_options
+    from bitmosaic.methods import get_method
+
+    a = build_parser().parse_args(["quantize", "--scheme", "W4A8", "--abits", "8"])
+    assert method_options(a, get_method("rtn"))["act"].bits == 8
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["eval", "x", "--threads", "0"],
+        ["eval", "x", "--seqlen", "1"],
+        ["compare", "--configs", "rtn:w4", "--out", "o", "--threads", "0"],
+    ],
+)
+def test_bad_option_values_of_eval_and_compare(capsys, monkeypatch, argv):
+    monkeypatch.setattr(bm_io, "load_model", _never)
+    _error_line(capsys, argv)
+
+
+def test_python_api_refuses_batch_size_zero():
+    import bitmosaic
+    from bitmosaic.errors import OptionError
+
+    with pytest.raises(OptionError, match="batch_size"):
+        bitmosaic.quantize_(tiny_llama(), "rtn", torch.randint(4, VOCAB, (2, 16)), batch_size=0)
+
+
+# --- 7: misleading messages -------------------------------------------------------------------------
+
+
+def test_non_utf8_calibration_file_is_named(src, tmp_path, capsys):
+    model, _ = src
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(words(300).encode() + "caf\xe9".encode("latin-1") + b"\n")
+    line = _error_line(capsys, _quantize(model, bad))
+    assert str(bad) in line and "UTF-8" in line and "byte" in line
+
+
+def test_seqlen_beyond_the_model_positions_warns(src, capsys):
+    model, text = src  # tiny Llama: 128 positions
+    capsys.readouterr()
+    assert main(_quantize(model, text, "--seqlen", "160", "--nsamples", "1")) == 0
+    warn = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
+    assert len(warn) == 1 and "--seqlen 160" in warn[0] and "128" in warn[0], warn
+
+
+# --- 8: output paths checked before the run ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["--out", "--json"])
+def test_unwritable_output_is_refused_before_loading(src, tmp_path, capsys, monkeypatch, flag):
+    model, text = src
+    monkeypatch.setattr(bm_io, "load_model", _never)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    target = blocker / "sub" / ("r.json" if flag == "--json" else "q")
+    extra = [flag, str(target)] + (["--out", str(tmp_path / "q")] if flag == "--json" else [])
+    line = _error_line(capsys, _quantize(model, text, *extra))
+    assert flag in line and str(blocker) in line
+    assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("flag", ["--out", "--json"])
+def test_output_without_write_permission_is_refused(src, tmp_path, capsys, monkeypatch, flag):
+    import os
+
+    model, text = src
+    monkeypatch.setattr(bm_io, "load_model", _never)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(locked) else real(p, mode))
+    target = locked / ("r.json" if flag == "--json" else "q")
+    extra = [flag, str(target)] + (["--out", str(tmp_path / "q")] if flag == "--json" else [])
+    line = _error_line(capsys, _quantize(model, text, *extra))
+    assert flag in line and "permission" in line and str(locked) in line
+    assert not (tmp_path / "q").exists()

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from .args import ACT_DESTS, calib_cache_from_args, task_list
-from .checks import check_float_model
+from .checks import check_counts, check_float_model, warn_positions
 from .method_flags import method_flags, method_options
 
 
@@ -45,10 +45,16 @@ def _tasks(args, model, tok, device) -> dict:
 
 
 def _check_json_path(path: str | None) -> None:
-    if path and Path(path).is_dir():
+    """Refuse a ``--json`` that cannot be written, before any work (one line)."""
+    if not path:
+        return
+    if Path(path).is_dir():
         from ..errors import BitmosaicError
 
         raise BitmosaicError(f"--json {path} is a folder; give the path of a .json file")
+    from ..io.serialization import check_writable
+
+    check_writable(path, "--json")
 
 
 def _write_json(path: str | None, obj: dict) -> None:
@@ -132,6 +138,7 @@ def cmd_quantize(args) -> int:
     from ..io.loading import resolve_device
     from ..pipeline.distributed import init_from_env, local_threads, shutdown
 
+    check_counts(args)
     dist, device = init_from_env(resolve_device(args.device))
     try:
         if args.threads:
@@ -189,6 +196,9 @@ def _quantize(args, device, dist) -> int:
         model, tok = load_model(args.model, dtype=dtype)
         if main:
             print(f"loaded {args.model} ({type(model).__name__}) in {time.perf_counter() - t0:.1f}s")
+            warn_positions(model, args.seqlen, "--seqlen")
+            if args.eval_src:
+                warn_positions(model, args.eval_seqlen, "--eval-seqlen")
         reference = copy.deepcopy(model) if args.fidelity and main else None
         results = {}
         if args.eval_src and args.eval_float and main:
@@ -273,6 +283,7 @@ def cmd_eval(args) -> int:
     from ..io import load_model
     from ..io.loading import resolve_device, resolve_dtype
 
+    check_counts(args, seqlen=2)  # an evaluation window: one token of context, one predicted
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
@@ -281,6 +292,7 @@ def cmd_eval(args) -> int:
     model, tok = load_model(args.model, dtype=dtype)
     if tok is None:
         raise BitmosaicError(f"{args.model} has no tokenizer saved; cannot evaluate text")
+    warn_positions(model, args.seqlen, "--seqlen")
     progress = not args.no_progress
     res = _ppl(model, tok, args.ppl, args.seqlen, args.max_windows, args.data_dir, progress, device)
     res.update(model=args.model, source=args.ppl, device=str(device), dtype=str(dtype).removeprefix("torch."))

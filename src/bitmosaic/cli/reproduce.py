@@ -116,8 +116,10 @@ def cmd_reproduce(args) -> int:
     from ..io.provenance import calibration_fingerprint, compare_fingerprints, library_versions
     from ..io.serialization import _read_state_dict, _state_dict_for_save, quantized_modules, verify_saved
     from ..modules.qmodules import full_layer_config
+    from .checks import check_counts
     from .commands import _check_json_path, _write_json, run_recipe
 
+    check_counts(args)
     path = Path(args.dir)
     _, qc = verify_saved(path)  # an edited or damaged folder is refused as the loaders refuse it
     recipe, prov = _recorded(path, qc)

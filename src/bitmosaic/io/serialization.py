@@ -43,6 +43,7 @@ __all__ = [
     "quantized_modules",
     "atomic_write_text",
     "check_output_dir",
+    "check_writable",
     "read_quant_config",
     "check_quant_config",
     "check_saved_tensors",
@@ -126,6 +127,24 @@ def _bitmosaic_qc(folder: Path) -> dict | None:
     return qc if isinstance(qc, dict) and qc.get("quant_method") == "bitmosaic" else None
 
 
+def check_writable(path: str | os.PathLike, flag: str = "--out") -> None:
+    """Raise :class:`~bitmosaic.errors.OutputWriteError` when ``path`` (a file or folder to create or
+    replace) cannot be written: the nearest existing folder above it is a file, or not writable.  Cheap:
+    call it before a long run."""
+    p = Path(path).expanduser().absolute()
+    anc = p.parent
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise OutputWriteError(
+            f"{flag} {path} cannot be written: {anc} is a file, not a folder; choose another {flag}"
+        )
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise OutputWriteError(
+            f"{flag} {path} cannot be written: no permission to write in {anc}; choose another {flag}"
+        )
+
+
 def check_output_dir(out_dir: str | os.PathLike, overwrite: bool = False) -> Path:
     """The resolved ``out_dir`` if :func:`save_quantized` may write there, else :class:`OutputExistsError`.
 
@@ -134,6 +153,7 @@ def check_output_dir(out_dir: str | os.PathLike, overwrite: bool = False) -> Pat
     folder of notes), is always refused.  Cheap: call it before a long quantization run.
     """
     out = Path(out_dir).expanduser().resolve()
+    check_writable(out, "--out")
     if not out.exists():
         return out
     if not out.is_dir():
