@@ -384,9 +384,14 @@ def test_matching_scheme_and_abits_are_accepted():
         ["compare", "--configs", "rtn:w4", "--out", "o", "--threads", "0"],
     ],
 )
-def test_bad_option_values_of_eval_and_compare(capsys, monkeypatch, argv):
+def test_bad_option_values_of_eval_and_compare(tmp_path, capsys, monkeypatch, argv):
+    import bitmosaic.eval.compare as compare
+
+    monkeypatch.chdir(tmp_path)  # nothing may be written, but never into the checkout
     monkeypatch.setattr(bm_io, "load_model", _never)
+    monkeypatch.setattr(compare, "_run", _never)
     _error_line(capsys, argv)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_python_api_refuses_batch_size_zero():
@@ -447,3 +452,13 @@ def test_output_without_write_permission_is_refused(src, tmp_path, capsys, monke
     line = _error_line(capsys, _quantize(model, text, *extra))
     assert flag in line and "permission" in line and str(locked) in line
     assert not (tmp_path / "q").exists()
+
+
+def test_docs_errors_table_names_tests_that_exist():
+    """Every test ``docs/errors.md`` names is a test of this file (parameter ids aside)."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "errors.md").read_text()
+    named = set(re.findall(r"`(test_\w+)", doc))
+    assert named and not sorted(n for n in named if not callable(globals().get(n))), named
