@@ -165,6 +165,16 @@ def quantize_(
 
     if not isinstance(model, nn.Module):
         raise OptionError(f"model must be a torch nn.Module (transformers model); got {type(model).__name__}")
+    from .io.serialization import quantized_modules
+
+    done = quantized_modules(model)
+    if done:
+        raise OptionError(
+            f"the model is already quantized ({len(done)} bitmosaic layers, e.g. {next(iter(done))}); "
+            "quantize the float model it was made from"
+        )
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise OptionError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     takes = {i for m in list_methods() for i in get_method(m).prepare_inputs}
     inputs = {k: options.pop(k) for k in list(options) if k in takes}  # checked by the pipeline
     recipe = as_recipe(method, options, scheme)

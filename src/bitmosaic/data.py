@@ -115,11 +115,32 @@ def resolve_data_dir(data_dir: str | os.PathLike | None) -> Path | None:
 def _read_text_file(path: Path) -> str:
     if not path.is_file():
         raise FileNotFoundError(f"text file {str(path)!r} does not exist")
-    with open(path, encoding="utf-8") as f:  # text mode: universal newlines (\r\n -> \n)
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:  # text mode: universal newlines (\r\n -> \n)
+            text = f.read()
+    except UnicodeDecodeError:
+        raise _not_utf8(path) from None
     if not text.strip():
         raise ValueError(f"text file {str(path)!r} is empty")
     return text
+
+
+def _not_utf8(path: Path) -> DataError:
+    """The one-line error for a text file that is not UTF-8, naming the file and the first bad byte."""
+    import gzip
+
+    try:
+        raw = gzip.open(path).read() if path.name.endswith(".gz") else path.read_bytes()
+        raw.decode("utf-8")
+        where = ""
+    except UnicodeDecodeError as e:
+        where = f" (byte 0x{raw[e.start]:02x} at offset {e.start})"
+    except OSError:
+        where = ""
+    return DataError(
+        f"text file {str(path)!r} is not UTF-8 text{where}; convert it to UTF-8 "
+        "(e.g. iconv -f latin1 -t utf-8)"
+    )
 
 
 def _check_sha256(root: Path, rel: str) -> None:
@@ -182,7 +203,16 @@ def _json_lines_texts(path: Path, limit: int | None = None) -> list[str]:
     opener = gzip.open if path.name.endswith(".gz") else open
     texts: list[str] = []
     with opener(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+        lines = iter(f)
+        n = 0
+        while True:
+            try:
+                line = next(lines)
+            except StopIteration:
+                break
+            except UnicodeDecodeError:
+                raise _not_utf8(path) from None
+            n += 1
             if not line.strip():
                 continue
             try:

@@ -19,6 +19,8 @@ __all__ = [
     "OutputExistsError",
     "CorruptModelError",
     "NonFiniteError",
+    "ScaleOverflowError",
+    "OutputWriteError",
     "check_finite",
 ]
 
@@ -53,6 +55,15 @@ class CorruptModelError(BitmosaicError):
 
 class NonFiniteError(BitmosaicError):
     """A tensor holds NaN or Inf values where finite numbers are required."""
+
+
+class ScaleOverflowError(BitmosaicError):
+    """A layer's weights need a quantization scale larger than its storage format holds (float16)."""
+
+
+class OutputWriteError(BitmosaicError, OSError):
+    """An output could not be written (full disk, no permission, a file where a folder must be);
+    nothing partial is left behind.  Also an ``OSError``."""
 
 
 _CHUNK = 1 << 24  # elements checked at a time: bounds the temporary bool mask of a huge tensor

@@ -63,18 +63,22 @@ def act_spec_from_args(args):
     from ..formats.act import ActQuantSpec, normalize_fmt, parse_scheme
 
     spec = None
+    abits, afmt = args.abits, args.afmt
     if args.scheme:
         wbits, spec = parse_scheme(args.scheme)
         if args.bits_given and args.bits != wbits:
             raise ValueError(f"--scheme {args.scheme} says {wbits}-bit weights but --bits is {args.bits}")
         args.bits = wbits
-    if args.abits is not None or args.afmt is not None:
-        fmt = normalize_fmt(args.afmt or "int")
-        if args.abits is not None and args.abits >= 16:
-            if args.afmt:
+        _check_scheme_act(args.scheme, spec, abits, afmt)
+        if afmt is None:  # a matching --abits adds nothing to the scheme
+            abits = None
+    if abits is not None or afmt is not None:
+        fmt = normalize_fmt(afmt or "int")
+        if abits is not None and abits >= 16:
+            if afmt:
                 raise ValueError("--afmt needs --abits below 16")
             return None
-        bits = args.abits if args.abits is not None else (8 if fmt == "int" else None)
+        bits = abits if abits is not None else (8 if fmt == "int" else None)
         if fmt == "int":
             spec = ActQuantSpec("int", bits)
         else:
@@ -98,6 +102,26 @@ def act_spec_from_args(args):
             extra["static"] = False
         spec = dataclasses.replace(spec, **extra)
     return spec
+
+
+def _check_scheme_act(scheme: str, spec, abits: int | None, afmt: str | None) -> None:
+    """``--abits``/``--afmt`` next to ``--scheme`` may repeat the scheme's activations or pick a variant
+    of its float format (``W4A8-FP8 --afmt fp8-e4m3-240``), never contradict it."""
+    from ..errors import OptionError
+    from ..formats.act import normalize_fmt
+
+    sbits = 16 if spec is None else spec.bits
+    if abits is not None and abits != sbits:
+        raise OptionError(
+            f"--scheme {scheme} says {sbits}-bit activations but --abits {abits} says otherwise; "
+            "give only one"
+        )
+    if afmt is not None:
+        sfmt = "none" if spec is None else spec.fmt
+        if spec is None or (normalize_fmt(afmt) == "int") != (sfmt == "int"):
+            raise OptionError(
+                f"--scheme {scheme} says {sfmt} activations but --afmt {afmt} says otherwise; give only one"
+            )
 
 
 def _add_eval_extras(p: argparse.ArgumentParser, quantize: bool) -> None:

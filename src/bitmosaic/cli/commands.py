@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from .args import ACT_DESTS, calib_cache_from_args, task_list
+from .checks import check_counts, check_float_model, warn_positions
 from .method_flags import method_flags, method_options
 
 
@@ -44,10 +45,16 @@ def _tasks(args, model, tok, device) -> dict:
 
 
 def _check_json_path(path: str | None) -> None:
-    if path and Path(path).is_dir():
+    """Refuse a ``--json`` that cannot be written, before any work (one line)."""
+    if not path:
+        return
+    if Path(path).is_dir():
         from ..errors import BitmosaicError
 
         raise BitmosaicError(f"--json {path} is a folder; give the path of a .json file")
+    from ..io.serialization import check_writable
+
+    check_writable(path, "--json")
 
 
 def _write_json(path: str | None, obj: dict) -> None:
@@ -133,6 +140,7 @@ def cmd_quantize(args) -> int:
     from ..io.loading import resolve_device
     from ..pipeline.distributed import init_from_env, local_threads, shutdown
 
+    check_counts(args)
     dist, device = init_from_env(resolve_device(args.device))
     try:
         if args.threads:
@@ -164,6 +172,7 @@ def _quantize(args, device, dist) -> int:
     recipe = recipe_from_args(args)
     spec, config = recipe.default()
     progress = not args.no_progress
+    check_float_model(args.model)
     dtype = resolve_dtype(args.dtype, device, args.model)
     if args.out:  # refuse a bad --out (or --json) before hours of work, not after
         from ..io.serialization import check_output_dir
@@ -191,6 +200,9 @@ def _quantize(args, device, dist) -> int:
         model, tok = load_model(args.model, dtype=dtype)
         if main:
             print(f"loaded {args.model} ({type(model).__name__}) in {time.perf_counter() - t0:.1f}s")
+            warn_positions(model, args.seqlen, "--seqlen")
+            if args.eval_src:
+                warn_positions(model, args.eval_seqlen, "--eval-seqlen")
         reference = copy.deepcopy(model) if args.fidelity and main else None
         results = {}
         if args.eval_src and args.eval_float and main:
@@ -237,10 +249,17 @@ def _quantize(args, device, dist) -> int:
                     reference = None
             model, tok = load_quantized(args.out, dtype=dtype)
     if args.eval_src:
-        results["quantized"] = _ppl(
-            model, tok, args.eval_src, args.eval_seqlen, args.max_windows, args.data_dir, progress, device,
-            reference,
-        )  # fmt: skip
+        from ..errors import NonFiniteError
+
+        try:
+            results["quantized"] = _ppl(
+                model, tok, args.eval_src, args.eval_seqlen, args.max_windows, args.data_dir, progress,
+                device, reference,
+            )  # fmt: skip
+        except NonFiniteError as e:  # never a "perplexity nan" and exit 0; never a saved model that does this
+            if "saved_to" in out:  # streamed: saved before it could be evaluated
+                raise NonFiniteError(f"the model saved to {out['saved_to']} does not evaluate: {e}") from None
+            raise NonFiniteError(f"{e}; nothing was saved" if args.out or args.json else str(e)) from None
         del reference
         out["eval"] = results
         rows = [("float", results["float"]["ppl"])] if "float" in results else []
@@ -272,6 +291,7 @@ def cmd_eval(args) -> int:
     from ..io import load_model
     from ..io.loading import resolve_device, resolve_dtype
 
+    check_counts(args, seqlen=2)  # an evaluation window: one token of context, one predicted
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
@@ -280,6 +300,7 @@ def cmd_eval(args) -> int:
     model, tok = load_model(args.model, dtype=dtype)
     if tok is None:
         raise BitmosaicError(f"{args.model} has no tokenizer saved; cannot evaluate text")
+    warn_positions(model, args.seqlen, "--seqlen")
     progress = not args.no_progress
     res = _ppl(model, tok, args.ppl, args.seqlen, args.max_windows, args.data_dir, progress, device)
     res.update(model=args.model, source=args.ppl, device=str(device), dtype=str(dtype).removeprefix("torch."))
@@ -298,11 +319,11 @@ def _dir_size(path: Path) -> int:
 
 def cmd_inspect(args) -> int:
     from ..errors import CorruptModelError
-    from ..io.serialization import read_quant_config, stored_module_bits
+    from ..io.serialization import stored_module_bits, verify_saved
     from ..modules import KINDS
 
     path = Path(args.dir)
-    _, qc = read_quant_config(path)
+    _, qc = verify_saved(path)  # every entry, file and tensor, as the loaders check them
     bits_by_module = stored_module_bits(path, list(qc["modules"]))
     rows, total_bits, total_w = [], 0.0, 0
     by_kind: dict[type, dict] = {}

@@ -45,9 +45,12 @@ def _shared(args, names: list[tuple[str, str]]) -> list[str]:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from ..eval.compare import parse_configs, run_compare
+    from ..eval.compare import check_compare_out, parse_configs, run_compare
     from ..pipeline.calib_cache import default_cache_root
+    from .checks import check_counts
 
+    check_counts(args)
+    check_compare_out(args.out)  # a folder of other files is refused before any run
     configs = parse_configs(args.configs)
     both = [("data_dir", "--data-dir"), ("threads", "--threads"), ("tasks", "--tasks"),
             ("tasks_limit", "--tasks-limit"), ("tasks_dir", "--tasks-dir"), ("device", "--device"),

@@ -75,6 +75,27 @@ def compare_state_dicts(saved: dict, new: dict) -> list[dict]:
     return rows
 
 
+def compare_layer_configs(saved: dict, new: dict) -> list[dict]:
+    """Per quantized layer whose saved settings (``quantization_config.modules``) differ from the rerun's:
+    ``{"name": "<layer> (settings)", "equal": False, "max_abs_diff": None, "why": ...}``.  The tensors can
+    all match while an edited setting (``bits``) changes what they mean."""
+    import json
+
+    rows = []
+    for name in sorted(set(saved) | set(new)):
+        a, b = saved.get(name), new.get(name)
+        if a is None or b is None:
+            why = "not in the saved config" if a is None else "not quantized by the rerun"
+        else:
+            a, b = (json.loads(json.dumps(x, default=str)) for x in (a, b))  # as config.json holds them
+            keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+            if not keys:
+                continue
+            why = "; ".join(f"{k}: saved {a.get(k)!r}, rerun {b.get(k)!r}" for k in keys[:3])
+        rows.append({"name": f"{name} (settings)", "equal": False, "max_abs_diff": None, "why": why})
+    return rows
+
+
 def _bits(t):
     import torch
 
@@ -93,11 +114,14 @@ def cmd_reproduce(args) -> int:
     from ..io import load_model
     from ..io.loading import resolve_device
     from ..io.provenance import calibration_fingerprint, compare_fingerprints, library_versions
-    from ..io.serialization import _read_state_dict, _state_dict_for_save, read_quant_config
+    from ..io.serialization import _read_state_dict, _state_dict_for_save, quantized_modules, verify_saved
+    from ..modules.qmodules import full_layer_config
+    from .checks import check_counts
     from .commands import _check_json_path, _write_json, run_recipe
 
+    check_counts(args)
     path = Path(args.dir)
-    _, qc = read_quant_config(path)
+    _, qc = verify_saved(path)  # an edited or damaged folder is refused as the loaders refuse it
     recipe, prov = _recorded(path, qc)
     cal, pipe = prov["calibration"], prov["pipeline"]
     _check_json_path(args.json)
@@ -138,6 +162,9 @@ def cmd_reproduce(args) -> int:
     )
     run_recipe(model, tok, recipe, run, device, progress=not args.no_progress, calib=calib)
     rows = compare_state_dicts(_read_state_dict(path), _state_dict_for_save(model))
+    n_tensors = len(rows)
+    rerun = {n: full_layer_config(m) for n, m in quantized_modules(model).items()}
+    rows += compare_layer_configs(qc["modules"], rerun)
     bad = [r for r in rows if not r["equal"]]
     for r in bad[:30]:
         print(
@@ -146,11 +173,12 @@ def cmd_reproduce(args) -> int:
         )
     if len(bad) > 30:
         print(f"... and {len(bad) - 30} more")
+    n_settings = sum(1 for r in bad if r["name"].endswith(" (settings)"))
     print(
-        f"all {len(rows)} tensors match bit for bit"
+        f"all {n_tensors} tensors match bit for bit, and so do the settings of all {len(rerun)} layers"
         if not bad
-        else f"{len(bad)} of {len(rows)} tensors differ"
+        else f"{len(bad) - n_settings} of {n_tensors} tensors and {n_settings} layer settings differ"
     )
-    result.update(match=not bad, tensors=len(rows), differing=bad)
+    result.update(match=not bad, tensors=n_tensors, differing=bad)
     _write_json(args.json, json.loads(json.dumps(result, default=str)))
     return 0 if not bad else 1

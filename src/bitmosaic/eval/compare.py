@@ -17,7 +17,9 @@ with ``--fidelity`` (KL and top-1 against the float model on the evaluation wind
 the float model is measured once by ``bitmosaic eval``.  Results go to ``OUT/runs/<slug>.json``,
 written atomically when a config finishes: a rerun skips finished configs (resumable), and an
 interrupted one leaves nothing behind and starts over.  Then ``OUT/results.{csv,json,md}`` and
-``OUT/pareto.png`` are (re)written from every finished run.
+``OUT/pareto.png`` are (re)written from every finished run.  ``OUT`` must be new, empty or a compare
+folder (``OUT/compare.json``, written first, marks one): a folder of other files is refused, never
+overwritten (:func:`check_compare_out`).
 
 What is shared between configs: the float model's evaluation, the calibration samples (the same
 ``--seed`` draws the same samples) and, through one calibration cache folder passed to every config
@@ -42,7 +44,9 @@ from pathlib import Path
 
 from ..errors import BitmosaicError
 
-__all__ = ["CompareConfig", "parse_configs", "run_compare", "collect_rows", "write_reports"]
+__all__ = [
+    "CompareConfig", "check_compare_out", "parse_configs", "run_compare", "collect_rows", "write_reports",
+]  # fmt: skip
 
 _TOKEN = re.compile(r"(w\d+|gch|g-?\d+|a\d+(?:-fp8|-fp4|-e5m2)?|bpw\d+(?:\.\d+)?|sym|asym)")
 
@@ -162,6 +166,32 @@ def parse_configs(spec: str) -> list[CompareConfig]:
     return configs
 
 
+MARKER = "compare.json"  # written first into every compare folder: what it compares
+_OWN_NAMES = {"runs", "logs", "models", "failures.json", "results.csv", "results.json", "results.md",
+              "pareto.png", MARKER}  # fmt: skip
+
+
+def check_compare_out(out: str | Path) -> Path:
+    """``out`` resolved, if ``bitmosaic compare`` may write there: a new or empty folder, or one that
+    compare wrote (it holds ``compare.json``; a folder from a bitmosaic before that marker holds
+    ``runs/`` and nothing but the names compare writes).  Anything else is a one-line
+    :class:`~bitmosaic.errors.OutputExistsError`: compare rewrites ``results.*`` and ``pareto.png``."""
+    from ..errors import OutputExistsError
+
+    out = Path(out).expanduser().resolve()
+    if not out.exists():
+        return out
+    if not out.is_dir():
+        raise OutputExistsError(f"--out {out} exists and is not a folder; choose another --out")
+    names = {p.name for p in out.iterdir()}
+    if not names or MARKER in names or ("runs" in names and (out / "runs").is_dir() and names <= _OWN_NAMES):
+        return out
+    raise OutputExistsError(
+        f"--out {out} is not empty and is not a bitmosaic compare folder (no {MARKER}); compare would "
+        "overwrite its results.csv/results.md: choose a new or empty --out"
+    )
+
+
 def _atomic_json(path: Path, obj) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2))
@@ -192,9 +222,11 @@ def run_compare(
     """Run every config not finished yet (module doc), then write the reports; returns ``out``."""
     from tqdm.auto import tqdm
 
-    out = Path(out)
+    out = check_compare_out(out)
     for sub in ("runs", "logs", "models"):
         (out / sub).mkdir(parents=True, exist_ok=True)
+    if not (out / MARKER).is_file():
+        _atomic_json(out / MARKER, {"model": model, "configs": [c.name for c in configs]})
     cli = [python, "-m", "bitmosaic.cli"]
     float_json = out / "runs" / "float.json"
     todo = [c for c in configs if not (out / "runs" / f"{c.slug}.json").is_file()]

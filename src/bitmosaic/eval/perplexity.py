@@ -25,7 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..errors import DeviceError
+from ..errors import DeviceError, NonFiniteError
 from .fidelity import FidelityMeter
 
 __all__ = ["perplexity"]
@@ -72,7 +72,8 @@ def perplexity(
 
     Returns ``{"ppl", "nll" (mean NLL per predicted token), "tokens" (predicted tokens), "windows",
     "seqlen", "bos" (whether windows started with BOS)}``.  A model that does not fit on ``device`` raises
-    :class:`~bitmosaic.errors.DeviceError` (the model is put back first).
+    :class:`~bitmosaic.errors.DeviceError` (the model is put back first); NaN or Inf logits on a window
+    raise :class:`~bitmosaic.errors.NonFiniteError` naming the first such window (never a NaN perplexity).
     """
     if not isinstance(tokens, torch.Tensor):
         tokens = torch.as_tensor(tokens)
@@ -141,6 +142,22 @@ def _logits(model, batch: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+def _check_finite_windows(values: torch.Tensor, logits: torch.Tensor, start: int, windows: int, who: str):
+    """A :class:`~bitmosaic.errors.NonFiniteError` naming the first window (1-based, of ``windows``)
+    whose ``values`` (per-token NLL or logits, ``[batch, ...]``) hold a NaN or an Inf."""
+    ok = torch.isfinite(values.reshape(values.shape[0], -1)).all(dim=1)
+    if bool(ok.all()):
+        return
+    j = int((~ok).nonzero()[0, 0])
+    lg = logits[j]
+    nan, inf = int(torch.isnan(lg).sum()), int(torch.isinf(lg).sum())
+    raise NonFiniteError(
+        f"{who}'s outputs on evaluation window {start + j + 1} of {windows} are not finite ({nan} NaN and "
+        f"{inf} Inf logit(s)): its activations overflow, so its perplexity is undefined; check the weights "
+        "(a norm or layer scaled out of range) or evaluate in float32"
+    )
+
+
 def _total_nll(
     model,
     ids: torch.Tensor,
@@ -176,9 +193,11 @@ def _total_nll(
                 pred = logits[:, :-1, :].float()  # position t predicts token t+1
                 target = batch[:, 1:]
                 nll = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), target.reshape(-1), reduction="none")
+                _check_finite_windows(nll.view(target.shape), pred, start, windows, "the model")
                 total_nll += float(nll.sum(dtype=torch.float64))
                 if meter is not None:
                     ref = _logits(reference, batch.to(ref_device))[:, :-1, :].to(pred.device)
+                    _check_finite_windows(ref, ref, start, windows, "the reference model")
                     meter.update(ref, pred)
                     del ref
                 del logits, pred, nll

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["IntGrid", "quantize_codes", "dequantize_codes", "fp16_exact", "fp16_ceil"]
+__all__ = ["FP16_MAX", "IntGrid", "quantize_codes", "dequantize_codes", "fp16_exact", "fp16_ceil"]
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,26 @@ def fp16_exact(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float16).to(x.dtype)
 
 
+FP16_MAX = 65504.0
+
+
 def fp16_ceil(x: torch.Tensor) -> torch.Tensor:
-    """Smallest float16 value ``>= x`` (in ``x``'s dtype): a stored scale never shrinks the range."""
+    """Smallest float16 value ``>= x`` (in ``x``'s dtype): a stored scale never shrinks the range.
+
+    A finite ``x`` above the largest float16 (65504) has no such value: that is a
+    :class:`~bitmosaic.errors.ScaleOverflowError` (the weights are too large for float16 scales),
+    never an Inf scale that would silently turn the weights into NaN."""
+    big = x > FP16_MAX
+    if bool(big.any()):
+        big &= torch.isfinite(x)
+        if bool(big.any()):
+            from ..errors import ScaleOverflowError
+
+            raise ScaleOverflowError(
+                f"its weights are too large for float16 scales: a group needs a scale of "
+                f"{float(x[big].max()):.3g}, and float16 holds at most {FP16_MAX:.0f}; rescale the "
+                "checkpoint, or keep this layer in float (a recipe's skip)"
+            )
     h = x.to(torch.float16)
     low = h.to(x.dtype) < x
     if low.any():

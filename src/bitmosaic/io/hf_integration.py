@@ -38,7 +38,14 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from ..errors import CorruptModelError, check_finite
 from ..modules.base import QuantModule
 from .finish import finish_load, model_arch
-from .serialization import check_quant_config, install_quantized_modules, read_quant_config
+from .serialization import (
+    check_quant_config,
+    check_saved_tensors,
+    install_quantized_modules,
+    read_quant_config,
+    stored_tensors,
+    stored_tensors_of_file,
+)
 
 __all__ = ["QUANT_METHOD", "BitmosaicConfig", "BitmosaicHfQuantizer", "register", "load"]
 
@@ -61,16 +68,23 @@ class BitmosaicHfQuantizer(HfQuantizer):
 
     requires_calibration = True  # transformers then refuses to "quantize" a float model with it
 
-    def _process_model_before_weight_loading(self, model, **kwargs):
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         qc = self.quantization_config.to_dict()
-        path = model.config.name_or_path or "the model folder"
+        path = _folder(model, checkpoint_files)
         check_quant_config(qc, path)
         with torch.device("meta"):  # transformers fills the buffers from the shards
             install_quantized_modules(model, qc["modules"], path)
+        files = [Path(f) for f in checkpoint_files or () if str(f).endswith(".safetensors")]
+        if files:  # before transformers reads them: what it would leave uninitialised or random
+            stored = {}
+            for f in files:
+                stored.update(stored_tensors_of_file(f))
+            tied = bool(getattr(model.config, "tie_word_embeddings", False))
+            check_saved_tensors(path, model, stored, tied)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        path = model.config.name_or_path or "the model folder"
+        path = _folder(model)
         for name, mod in model.named_modules():
             if not isinstance(mod, QuantModule):
                 continue
@@ -89,6 +103,16 @@ class BitmosaicHfQuantizer(HfQuantizer):
     @property
     def is_trainable(self) -> bool:
         return False
+
+
+def _folder(model, checkpoint_files=None) -> str:
+    """The saved folder, named as the caller gave it (the same text as ``load_quantized``'s errors)."""
+    name = getattr(model.config, "name_or_path", None)
+    if name and Path(name).is_dir():
+        return str(Path(name))
+    if checkpoint_files:
+        return str(Path(checkpoint_files[0]).parent)
+    return name or "the model folder"
 
 
 def register() -> None:
@@ -110,6 +134,8 @@ def load(path: str | os.PathLike, **kwargs):
 
     register()
     read_quant_config(Path(path))
+    if Path(path).is_dir():
+        stored_tensors(path)  # the weight files first, as load_quantized does
     return AutoModelForCausalLM.from_pretrained(path, **kwargs)
 
 

@@ -80,6 +80,8 @@ def resolve_model_spec(spec: str) -> tuple[str, dict]:
         qc = raw.get("quantization_config")
         qc = qc if isinstance(qc, dict) else {}
         kind = "bitmosaic" if qc.get("quant_method") == "bitmosaic" else "hf-dir"
+        if kind == "hf-dir":
+            _refuse_pickles(p)
         return kind, {"path": p}
     parts = spec.split("/")
     if len(parts) == 2 and all(parts) and not spec.startswith((".", "~")) and not os.path.exists(spec):
@@ -88,6 +90,23 @@ def resolve_model_spec(spec: str) -> tuple[str, dict]:
         f"cannot load model {spec!r}: give a Hugging Face model directory, a hub id 'org/name', "
         f"'gguf:PATH', or one of the aliases {sorted(ALIASES)}"
     )
+
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+def _refuse_pickles(folder: Path) -> None:
+    """A model folder whose weights are pickled (``pytorch_model.bin``, ``*.pt``) and not safetensors is
+    refused without reading it: unpickling a file from a stranger can run any code."""
+    if any(folder.glob("*.safetensors")):
+        return
+    pickled = sorted(f.name for f in folder.iterdir() if f.suffix.lower() in _PICKLE_SUFFIXES and f.is_file())
+    if pickled:
+        raise ModelSpecError(
+            f"{folder} holds pickled weights ({', '.join(pickled[:3])}) and no safetensors: pickled "
+            "checkpoints are not loaded (unpickling can run code); convert it to safetensors (load it where "
+            "you trust it and save_pretrained(..., safe_serialization=True))"
+        )
 
 
 def checkpoint_dtype(spec: str | None) -> torch.dtype | None:
@@ -165,9 +184,11 @@ def _from_pretrained(src: str, kw: dict, spec: str, dtype: torch.dtype):
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # never unpickle weights (a hub repo with only pytorch_model.bin is refused by transformers then)
+    only_safe = {} if "gguf_file" in kw else {"use_safetensors": True}
     try:
         tok = AutoTokenizer.from_pretrained(src, **kw)
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kw)
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kw, **only_safe)
     except OSError as e:
         raise ModelSpecError(f"could not load {spec!r}: {' '.join(str(e).split())}") from e
     except SafetensorError as e:

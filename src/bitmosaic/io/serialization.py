@@ -31,7 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..errors import CorruptModelError, OutputExistsError, check_finite
+from ..errors import CorruptModelError, OutputExistsError, OutputWriteError, check_finite
 from ..formats.accounting import dtype_name_bits
 from ..modules.qmodules import full_layer_config, module_from_layer_config
 from .finish import finish_load, model_arch, quant_modules_by_kind
@@ -43,8 +43,13 @@ __all__ = [
     "quantized_modules",
     "atomic_write_text",
     "check_output_dir",
+    "check_writable",
     "read_quant_config",
     "check_quant_config",
+    "check_saved_tensors",
+    "stored_tensors",
+    "stored_tensors_of_file",
+    "verify_saved",
     "install_quantized_modules",
     "stored_module_bits",
     "saved_config",
@@ -122,6 +127,24 @@ def _bitmosaic_qc(folder: Path) -> dict | None:
     return qc if isinstance(qc, dict) and qc.get("quant_method") == "bitmosaic" else None
 
 
+def check_writable(path: str | os.PathLike, flag: str = "--out") -> None:
+    """Raise :class:`~bitmosaic.errors.OutputWriteError` when ``path`` (a file or folder to create or
+    replace) cannot be written: the nearest existing folder above it is a file, or not writable.  Cheap:
+    call it before a long run."""
+    p = Path(path).expanduser().absolute()
+    anc = p.parent
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise OutputWriteError(
+            f"{flag} {path} cannot be written: {anc} is a file, not a folder; choose another {flag}"
+        )
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise OutputWriteError(
+            f"{flag} {path} cannot be written: no permission to write in {anc}; choose another {flag}"
+        )
+
+
 def check_output_dir(out_dir: str | os.PathLike, overwrite: bool = False) -> Path:
     """The resolved ``out_dir`` if :func:`save_quantized` may write there, else :class:`OutputExistsError`.
 
@@ -130,6 +153,7 @@ def check_output_dir(out_dir: str | os.PathLike, overwrite: bool = False) -> Pat
     folder of notes), is always refused.  Cheap: call it before a long quantization run.
     """
     out = Path(out_dir).expanduser().resolve()
+    check_writable(out, "--out")
     if not out.exists():
         return out
     if not out.is_dir():
@@ -238,23 +262,41 @@ def save_quantized(
 
         quant_info = saved_run_info(run)
     out_dir = check_output_dir(out_dir, overwrite)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        cfg = saved_config(model, quant_info, {n: full_layer_config(m) for n, m in qmods.items()})
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
-        gen = getattr(model, "generation_config", None)
-        if gen is not None:
-            gen.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        write_safetensors(tmp, _state_dict_for_save(model), SAVE_META)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    except OSError as e:
+        raise _write_error(out_dir, e) from None
+    try:
+        try:
+            cfg = saved_config(model, quant_info, {n: full_layer_config(m) for n, m in qmods.items()})
+            _write_config(tmp, cfg)
+            gen = getattr(model, "generation_config", None)
+            if gen is not None:
+                gen.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            write_safetensors(tmp, _state_dict_for_save(model), SAVE_META)
+        except (OSError, SafetensorError) as e:  # a full disk, a lost mount: one line, nothing left behind
+            raise _write_error(out_dir, e) from None
         check_output_dir(out_dir, overwrite)  # again: the folder may have changed while we wrote
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _write_config(folder: Path, cfg: dict) -> None:
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
+
+
+def _write_error(out_dir: Path, e: BaseException) -> OutputWriteError:
+    reason = getattr(e, "strerror", None) or " ".join(str(e).split()) or type(e).__name__
+    return OutputWriteError(
+        f"cannot write the model to {out_dir}: {reason}; nothing was saved there (free some space or "
+        "choose another --out)"
+    )
 
 
 _RESAVE = "the saved model is damaged: save or download it again"
@@ -314,19 +356,26 @@ def check_quant_config(qc: dict, path) -> None:
         )
 
 
+def _st_error(file: Path, e: BaseException) -> CorruptModelError:
+    reason = " ".join(str(e).split()) or type(e).__name__
+    return CorruptModelError(
+        f"weights file {file} is truncated or not a safetensors file ({reason}); {_RESAVE}"
+    )
+
+
 def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
     if not file.is_file():
         raise CorruptModelError(f"weights file {file} is missing; {_RESAVE}")
     try:
         return load_file(str(file))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        reason = " ".join(str(e).split()) or type(e).__name__
-        raise CorruptModelError(
-            f"weights file {file} is truncated or not a safetensors file ({reason}); {_RESAVE}"
-        ) from None
+        raise _st_error(file, e) from None
 
 
-def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+def _weight_files(path: Path) -> tuple[list[Path], dict | None]:
+    """The safetensors files of a saved folder (``model.safetensors``, or the shards its index names)
+    and the index's ``weight_map`` (``None`` for one file); a missing file or a bad index raises
+    :class:`CorruptModelError`."""
     single = path / "model.safetensors"
     index = path / "model.safetensors.index.json"
     if single.exists() or not index.exists():
@@ -334,35 +383,105 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
             raise CorruptModelError(
                 f"{path} has neither model.safetensors nor model.safetensors.index.json; {_RESAVE}"
             )
-        return _load_safetensors(single)
+        return [single], None
     weight_map = _read_json(index).get("weight_map")
     names = set(weight_map.values()) if isinstance(weight_map, dict) else {None}
     if not names or not all(isinstance(n, str) and n and Path(n).name == n for n in names):
         raise CorruptModelError(f"{index}: weight_map is missing or names files outside the folder")
+    files = [path / n for n in sorted(names)]
+    for f in files:
+        if not f.is_file():
+            raise CorruptModelError(f"weights file {f} is missing; {_RESAVE}")
+    return files, weight_map
+
+
+def _check_placement(file: Path, keys, weight_map: dict | None) -> None:
+    if weight_map is None:
+        return
+    stray = sorted(k for k in keys if weight_map.get(k) != file.name)
+    if stray:
+        raise CorruptModelError(f"{file} holds tensors the index does not put there: {stray[:3]}")
+
+
+def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    files, weight_map = _weight_files(path)
     sd: dict[str, torch.Tensor] = {}
-    for name in sorted(names):
-        shard = _load_safetensors(path / name)
-        stray = sorted(k for k in shard if weight_map.get(k) != name)
-        if stray:
-            raise CorruptModelError(f"{path / name} holds tensors the index does not put there: {stray[:3]}")
+    for file in files:
+        shard = _load_safetensors(file)
+        _check_placement(file, shard, weight_map)
         sd.update(shard)
     return sd
 
 
-def _check_state_dict(path: Path, model: nn.Module, sd: dict[str, torch.Tensor], tied: bool) -> None:
-    """Every tensor the model needs is there, with its shape and kind of dtype; no stray tensors."""
+def stored_tensors(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    """Name -> (shape, dtype) of every tensor a saved folder stores, read from the safetensors headers
+    only (``dtype`` ``None``: a type torch does not have).  Damaged or missing files raise
+    :class:`CorruptModelError`, with the messages :func:`load_quantized` gives."""
+    path = Path(path)
+    files, weight_map = _weight_files(path)
+    out: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {}
+    for file in files:
+        one = stored_tensors_of_file(file)
+        _check_placement(file, one, weight_map)
+        out.update(one)
+    return out
+
+
+def stored_tensors_of_file(file: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    """:func:`stored_tensors` of one safetensors file (its header only)."""
+    from safetensors import safe_open
+    from safetensors.torch import _TYPES
+
+    file = Path(file)
+    if not file.is_file():
+        raise CorruptModelError(f"weights file {file} is missing; {_RESAVE}")
+    out = {}
+    try:
+        with safe_open(str(file), "pt") as st:
+            for k in st.keys():
+                sl = st.get_slice(k)
+                out[k] = (tuple(int(d) for d in sl.get_shape()), _TYPES.get(sl.get_dtype()))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise _st_error(file, e) from None
+    return out
+
+
+def check_saved_tensors(
+    path, model: nn.Module, stored: dict[str, tuple[tuple[int, ...], torch.dtype | None]], tied: bool
+) -> None:
+    """Every tensor ``model`` (its quantized modules installed; may be on the meta device) needs is in
+    ``stored`` (:func:`stored_tensors`), with its shape and kind of dtype, and nothing else is: else a
+    one-line :class:`CorruptModelError`.  Every loader (``load_quantized``, ``bitmosaic.load``,
+    ``AutoModelForCausalLM.from_pretrained``) and ``inspect`` run it, so they refuse alike."""
     expected = model.state_dict()
-    missing = [k for k in expected if k not in sd and not (tied and k == "lm_head.weight")]
-    unexpected = [k for k in sd if k not in expected]
+    missing = [k for k in expected if k not in stored and not (tied and k == "lm_head.weight")]
+    unexpected = [k for k in stored if k not in expected]
+    mods = dict(model.named_modules())
+    unlisted = sorted(
+        {
+            k.rpartition(".")[0]
+            for k in unexpected
+            if isinstance(mods.get(k.rpartition(".")[0]), nn.Linear)
+            and f"{k.rpartition('.')[0]}.weight" in missing
+        }
+    )
+    if unlisted:
+        more = f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""
+        raise CorruptModelError(
+            f"{path}: layer {unlisted[0]}{more} has quantized tensors in the weights but no entry in "
+            f"config.json's quantization_config.modules; {_RESAVE}"
+        )
     bad = []
-    for k, v in sd.items():
+    for k, (shape, dtype) in stored.items():
         e = expected.get(k)
         if e is None:
             continue
-        if tuple(v.shape) != tuple(e.shape):
-            bad.append(f"{k} has shape {list(v.shape)}, expected {list(e.shape)}")
-        elif v.dtype != e.dtype and not (v.is_floating_point() and e.is_floating_point()):
-            bad.append(f"{k} has dtype {v.dtype}, expected {e.dtype}")
+        if tuple(shape) != tuple(e.shape):
+            bad.append(f"{k} has shape {list(shape)}, expected {list(e.shape)}")
+        elif dtype != e.dtype and not (
+            dtype is not None and dtype.is_floating_point and e.is_floating_point()
+        ):
+            bad.append(f"{k} has dtype {dtype}, expected {e.dtype}")
     if missing or unexpected or bad:
         parts = [
             f"missing {missing[:3]}" if missing else "",
@@ -408,6 +527,41 @@ def install_quantized_modules(model: nn.Module, modules: dict, path) -> None:
             ) from None
 
 
+def _skeleton(path: Path, qc: dict, meta: bool = False) -> tuple[nn.Module, bool]:
+    """The model of a saved folder with empty quantized modules installed, and whether its head is
+    tied; ``meta``: the quantized modules on the meta device too (nothing allocated)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:  # transformers raises ValueError, KeyError, OSError, ... on bad configs
+        reason = " ".join(str(e).split())[:200] or type(e).__name__
+        raise CorruptModelError(f"{path}/config.json is not a usable model config ({reason})") from None
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    with init_empty_weights(include_buffers=meta):
+        model = AutoModelForCausalLM.from_config(config)
+    if meta:
+        with torch.device("meta"):
+            install_quantized_modules(model, qc["modules"], path)
+    else:
+        install_quantized_modules(model, qc["modules"], path)
+    return model, bool(getattr(config, "tie_word_embeddings", False))
+
+
+def verify_saved(path: str | os.PathLike) -> tuple[dict, dict]:
+    """Check a saved folder without reading its tensors: ``config.json``, every per-layer entry, the
+    weight files and every tensor's name, shape and kind of dtype (what the loaders check, in the same
+    order, with the same one-line :class:`CorruptModelError`).  Returns ``read_quant_config``'s pair."""
+    path = Path(path)
+    raw, qc = read_quant_config(path)
+    stored = stored_tensors(path)
+    model, tied = _skeleton(path, qc, meta=True)
+    check_saved_tensors(path, model, stored, tied)
+    return raw, qc
+
+
 def load_quantized(path: str | os.PathLike, load_tokenizer: bool = True, dtype: torch.dtype | None = None):
     """Load a bitmosaic model folder -> ``(transformers model, tokenizer or None)``.
 
@@ -417,24 +571,12 @@ def load_quantized(path: str | os.PathLike, load_tokenizer: bool = True, dtype: 
     :class:`~bitmosaic.errors.CorruptModelError`, NaN/Inf in a stored float tensor
     :class:`~bitmosaic.errors.NonFiniteError`.
     """
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     path = Path(path)
     _, qc = read_quant_config(path)
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except Exception as e:  # transformers raises ValueError, KeyError, OSError, ... on bad configs
-        reason = " ".join(str(e).split())[:200] or type(e).__name__
-        raise CorruptModelError(f"{path}/config.json is not a usable model config ({reason})") from None
-    if hasattr(config, "quantization_config"):
-        delattr(config, "quantization_config")
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config)
-    install_quantized_modules(model, qc["modules"], path)
+    stored = stored_tensors(path)  # the files first, as bitmosaic.load does
+    model, tied = _skeleton(path, qc)
+    check_saved_tensors(path, model, stored, tied)
     sd = _read_state_dict(path)
-    tied = getattr(config, "tie_word_embeddings", False)
-    _check_state_dict(path, model, sd, tied)
     for k, v in sd.items():
         check_finite(v, f"tensor {k} of the saved model {path}")
     model.load_state_dict(sd, strict=False, assign=True)

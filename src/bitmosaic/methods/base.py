@@ -196,8 +196,9 @@ class Method:
         from ..modules.qlinear import QuantLinear
 
         return QuantLinear.from_result(
-            result, bits=config.bits, group_size=config.group_size, symmetric=config.sym, bias=bias
-        )
+            result, bits=config.bits, group_size=config.group_size, symmetric=config.sym, bias=bias,
+            clip=getattr(config, "clip", None),
+        )  # fmt: skip
 
     def finalize(self, model: nn.Module, config, state, ctx: MethodContext) -> None:
         """Model-level work after every layer is packed."""

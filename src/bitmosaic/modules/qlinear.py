@@ -52,6 +52,12 @@ class QuantLinear(QuantModule):
         code_offset: int = 0,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias)
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= max(SUPPORTED_BITS):
+            raise ValueError(
+                f"bits {bits!r} is not a weight width bitmosaic stores (1 to {max(SUPPORTED_BITS)})"
+            )
+        if storage_bits is not None and storage_bits < bits:
+            raise ValueError(f"storage width {storage_bits!r} is narrower than bits {bits}")
         self.bits = bits
         self.group_size = normalize_group_size(group_size, in_features)
         self.symmetric = symmetric
@@ -77,8 +83,11 @@ class QuantLinear(QuantModule):
     # -- construction -------------------------------------------------------------------------
     @classmethod
     def from_result(
-        cls, res: QuantResult, *, bits: int, group_size: int | None, symmetric: bool, bias=None
-    ) -> QuantLinear:
+        cls, res: QuantResult, *, bits: int, group_size: int | None, symmetric: bool, bias=None,
+        clip: bool | None = None,
+    ) -> QuantLinear:  # fmt: skip
+        """The packed module of ``res``.  ``clip``: whether the codes were clipped to the grid (the
+        method's ``--no-clip``; ``None``: unknown), which only changes what an error blames."""
         out, n = res.codes.shape
         lo, hi = int(res.codes.min()), int(res.codes.max())
         maxq = (1 << bits) - 1
@@ -88,11 +97,21 @@ class QuantLinear(QuantModule):
             need = max(1, math.ceil(math.log2(hi - offset + 1)))
             fits = [b for b in SUPPORTED_BITS if b >= max(need, bits)]
             if not fits:
-                raise UnpackableCodesError(
-                    f"no-clip quantization produced integers in [{lo}, {hi}], which need {need} bits; "
-                    f"the widest packing is {max(SUPPORTED_BITS)} bits. Quantize with clipping, use a "
-                    "larger scale, or do not save this model."
+                what = (
+                    f"quantization produced integers in [{lo}, {hi}], which need {need} bits; the widest "
+                    f"packing is {max(SUPPORTED_BITS)} bits"
                 )
+                if clip is False:
+                    why = ". Quantize with clipping, use a larger scale, or do not save this model."
+                    raise UnpackableCodesError(f"no-clip {what}{why}")
+                why = (
+                    f", although its codes are clipped to [0, {maxq}]: the layer's weights, scales or "
+                    "rounding errors are not finite or too large for its grid; check the checkpoint's weights"
+                    if clip
+                    else ": with --no-clip, quantize with clipping or a larger scale; else the layer's "
+                    "weights or scales are not finite or too large for its grid"
+                )
+                raise UnpackableCodesError(what + why)
             storage = fits[0]
         g_idx = res.g_idx.to(torch.int32)
         trivial = is_trivial_g_idx(g_idx, group_size)

@@ -22,8 +22,9 @@ from torch import nn
 
 from ..algorithms.hessian import HessianSpentError
 from ..devices import release_host_memory
-from ..errors import check_finite
+from ..errors import ScaleOverflowError, check_finite
 from ..methods.base import LayerStats
+from ..modules.qlinear import UnpackableCodesError
 from .distributed import current
 from .report import error_metrics, hessian_summary
 
@@ -55,7 +56,11 @@ def quantize_shared(
         name = f"{prefix}.{names_of[i][0]}" if len(names_of[i]) == 1 else None
         return method.quantize(W, stats, config, state, name)
 
-    solved = (dist or current()).solve(weights, solve, method.row_separable)
+    try:
+        solved = (dist or current()).solve(weights, solve, method.row_separable)
+    except ScaleOverflowError as e:  # name the layer(s): the grid code does not know them
+        which = ", ".join(f"{prefix}.{n}" for n in names)
+        raise ScaleOverflowError(f"layer {which}: {e}") from None
     del weights  # memory: the stacked copies; the metrics below read the layer's own float weights
     release_host_memory()
     out = []
@@ -69,7 +74,10 @@ def quantize_shared(
             Wn = lin.weight.data.float()
             row0 += rows
             Wq = r.dequantize(torch.float32)
-            qlin = method.pack(r, config, lin.bias)
+            try:
+                qlin = method.pack(r, config, lin.bias)
+            except UnpackableCodesError as e:
+                raise UnpackableCodesError(f"layer {prefix}.{n}: {e}") from None
             if check and not torch.equal(qlin.dequantize_weight(torch.float32), Wq.to("cpu")):
                 raise RuntimeError(f"internal: packed weights of {prefix}.{n} differ from the simulated ones")
             row = {"name": f"{prefix}.{n}", "shape": list(Wn.shape)}
