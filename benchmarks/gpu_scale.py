@@ -21,41 +21,9 @@ from pathlib import Path
 import torch
 
 from common import machine_info, write_results
+from shapes import SHAPES
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-# meta-llama/Meta-Llama-3-8B config.json
-_LLAMA3_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    max_position_embeddings=8192,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-)
-SHAPES = {
-    "llama3-8b": _LLAMA3_8B,
-    # meta-llama/Meta-Llama-3-70B: one decoder layer is timed (8192 hidden, 28672 MLP, GQA 64/8)
-    "llama3-70b-layer": {
-        **_LLAMA3_8B,
-        "hidden_size": 8192,
-        "intermediate_size": 28672,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 64,
-    },
-    "tiny": dict(
-        hidden_size=128,
-        intermediate_size=352,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=256,
-    ),
-}
 
 
 def build_random_llama(shape: str, dtype: torch.dtype):
@@ -139,7 +107,6 @@ def main() -> None:
             torch.cuda.empty_cache()
     out = {"device": name, "args": vars(a), "machine": machine_info(), "rows": rows}
     write_results(a.json, "gpu_scale", out)
-
 
 
 if __name__ == "__main__":

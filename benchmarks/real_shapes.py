@@ -31,41 +31,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_info, median_ms, write_results  # noqa: E402
-
-SHAPES = {
-    "llama3-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-    ),  # fmt: skip
-    "llama3-70b-layer": dict(
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=1,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        vocab_size=128256,
-    ),  # fmt: skip
-    # for the arithmetic of docs/scaling.md (quantizing it needs ~40 GB: more than this machine has)
-    "llama3-405b-layer": dict(
-        hidden_size=16384,
-        intermediate_size=53248,
-        num_hidden_layers=1,
-        num_attention_heads=128,
-        num_key_value_heads=8,
-        vocab_size=128256,
-    ),  # fmt: skip
-}
+from shapes import SHAPES  # noqa: E402
 
 
 def _config(shape: str):
     from transformers import LlamaConfig
 
-    return LlamaConfig(**SHAPES[shape], max_position_embeddings=8192, rope_theta=500000.0,
-                       tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=0,
+    return LlamaConfig(**SHAPES[shape], tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=0,
                        eos_token_id=1)  # fmt: skip
 
 
