@@ -103,3 +103,34 @@ def test_activations_are_kept_in_the_models_dtype(calib, monkeypatch):
         m = tiny_llama().to(dtype)
         quantize_(m, "gptq", calib, **_KW)
         assert kept == [(torch.float32, dtype, torch.float32)] * 2  # computed, kept, handed on
+
+
+def test_a_handed_hessian_is_freed_before_packing(calib, monkeypatch):
+    """A disposable Hessian is garbage once the solve returns: nothing holds it while the layer
+    is packed, checked and measured (the post-solve peak of a Llama-3-8B ``down_proj``)."""
+    import weakref
+
+    gptq = type(get_method("gptq"))
+    real_quantize, real_pack = gptq.quantize, gptq.pack
+    refs, alive = [], []
+
+    def quantize(self, weight, stats, cfg, state=None, name=None):
+        refs.append((weakref.ref(stats.hessian), stats.hessian_disposable))
+        return real_quantize(self, weight, stats, cfg, state, name)
+
+    def pack(self, res, cfg, bias=None):
+        ref, disposable = refs[-1]
+        alive.append((ref() is not None, disposable))
+        return real_pack(self, res, cfg, bias)
+
+    monkeypatch.setattr(gptq, "quantize", quantize)
+    monkeypatch.setattr(gptq, "pack", pack)
+    m = tiny_llama()
+    quantize_(m, "gptq", calib, **_KW)
+    assert len(alive) >= 8 and all(d for _, d in alive)
+    assert not any(a for a, _ in alive)  # freed, not merely overwritten
+    alive.clear()
+    refs.clear()
+    monkeypatch.setattr(gptq, "may_overwrite_hessian", False)  # a kept Hessian is still read
+    quantize_(tiny_llama(), "gptq", calib, **_KW)
+    assert alive and all(a for a, _ in alive)

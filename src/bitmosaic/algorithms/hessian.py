@@ -94,6 +94,12 @@ class HessianAccumulator:
             self._mirrored = True
         return self._upper
 
+    def take(self) -> torch.Tensor:
+        """:attr:`H`, handed over: the accumulator keeps no reference and takes no more tokens."""
+        H = self.H
+        self._upper = None
+        return H
+
     @property
     def block_starts(self) -> range:
         """First rows of the block rows :meth:`add` updates one at a time."""

@@ -60,7 +60,7 @@ from .distributed import Dist, current
 from .fisher import fisher_service
 from .report import RunReport, peak_rss_mb
 from .smoothing import fold_group_scales
-from .solve import HessianSpentError, quantize_shared
+from .solve import Handed, HessianSpentError, quantize_shared
 from .spill import SPILL_FRACTION, parse_size
 
 __all__ = [
@@ -307,6 +307,8 @@ def quantize_model(
                         # H is no one's after a lone solve: the solver may overwrite it (solve.py)
                         lone = len(shared) == 1 and len(by_key) == 1 and not analyze_orders
                         lone = lone and dist.world == 1
+                        if lone and H is not None:  # handed over: no reference stays here (solve.py)
+                            H = Handed(accs.pop(own).take())
                         for sub in by_key.values():
                             m, c = plan[sub[0]]
                             pd = getattr(c, "percdamp", 0.01)
