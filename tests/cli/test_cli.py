@@ -298,3 +298,32 @@ def test_help_documents_the_flags(capsys):
     with pytest.raises(SystemExit):
         main(["quantize", "--help"])
     assert "--overwrite" in capsys.readouterr().out
+
+
+# --- eval --fidelity and --ppl none (issue 27, section 4) -------------------------------------------
+
+
+def test_eval_fidelity_against_the_source_model(tmp_path, text):
+    """``eval DIR --fidelity`` finds the float model in the folder's provenance and reports KL and
+    top-1 on the perplexity windows; the float model against itself gives KL 0 and agreement 1."""
+    src = save_hf_dir(tmp_path / "m")
+    out = tmp_path / "q"
+    assert main(_quantize(src, text, "--bits", "2", "--out", str(out))) == 0
+    flags = ["--ppl", str(text), "--seqlen", "32", "--max-windows", "3", "--no-progress", "--device", "cpu"]
+    js = tmp_path / "q.json"
+    assert main(["eval", str(out), "--fidelity", *flags, "--json", str(js)]) == 0
+    res = json.loads(js.read_text())
+    assert res["fidelity_reference"] == str(src) and res["compared_tokens"] == 3 * 31
+    assert res["kl_mean"] > 0 and 0 <= res["top1_agreement"] <= 1
+    assert main(["eval", str(src), "--fidelity", str(src), *flags, "--json", str(js)]) == 0
+    same = json.loads(js.read_text())
+    assert same["kl_mean"] < 1e-6 and same["top1_agreement"] == 1.0
+    assert same["ppl"] != res["ppl"]
+
+
+def test_eval_fidelity_and_ppl_none_refusals(tmp_path, capsys):
+    src = save_hf_dir(tmp_path / "m")
+    assert "--tasks" in _error_line(capsys, ["eval", str(src), "--ppl", "none"])
+    assert "--fidelity" in _error_line(capsys, ["eval", str(src), "--ppl", "none", "--fidelity", str(src)])
+    line = _error_line(capsys, ["eval", str(src), "--fidelity"])  # a float folder records no source
+    assert "--fidelity MODEL" in line or "provenance" in line

@@ -106,7 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="perplexity of a model or a saved quantized folder")
     e.add_argument("model", nargs="?", default=DEFAULT_MODEL)
-    e.add_argument("--ppl", default="wikitext2", help="wikitext2 or a text file")
+    e.add_argument("--ppl", default="wikitext2", help="wikitext2, a text file, or none (skip perplexity)")
+    e.add_argument(
+        "--fidelity", nargs="?", const="source", default=None, metavar="REF",
+        help="also KL divergence (mean, p99) and top-1 agreement against the float model REF on the "
+        "same windows; without REF, the model a saved folder was quantized from (its provenance)",
+    )  # fmt: skip
     e.add_argument("--seqlen", type=int, default=512)
     e.add_argument("--max-windows", type=int, default=None)
     e.add_argument("--data-dir", default=None)

@@ -287,30 +287,65 @@ def _quantize(args, device, dist) -> int:
 def cmd_eval(args) -> int:
     import torch
 
-    from ..errors import BitmosaicError
+    from ..errors import BitmosaicError, OptionError
     from ..io import load_model
     from ..io.loading import resolve_device, resolve_dtype
 
     check_counts(args, seqlen=2)  # an evaluation window: one token of context, one predicted
+    skip_ppl = args.ppl.lower() == "none"
+    if skip_ppl and args.fidelity:
+        raise OptionError("--fidelity compares on the perplexity windows; give --ppl wikitext2 or a file")
+    if skip_ppl and not args.tasks:
+        raise OptionError("--ppl none leaves nothing to evaluate; add --tasks (or drop --ppl none)")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device, args.model)
     _check_json_path(args.json)
+    ref_spec = _fidelity_reference(args.model, args.fidelity) if args.fidelity else None
     model, tok = load_model(args.model, dtype=dtype)
     if tok is None:
         raise BitmosaicError(f"{args.model} has no tokenizer saved; cannot evaluate text")
     warn_positions(model, args.seqlen, "--seqlen")
     progress = not args.no_progress
-    res = _ppl(model, tok, args.ppl, args.seqlen, args.max_windows, args.data_dir, progress, device)
-    res.update(model=args.model, source=args.ppl, device=str(device), dtype=str(dtype).removeprefix("torch."))
-    print(
-        f"perplexity {res['ppl']:.4f} over {res['tokens']} tokens ({res['windows']} windows x {args.seqlen})"
-    )
+    res = {"model": args.model, "source": None if skip_ppl else args.ppl, "device": str(device)}
+    res["dtype"] = str(dtype).removeprefix("torch.")
+    if not skip_ppl:
+        reference = load_model(ref_spec, dtype=dtype)[0] if ref_spec else None
+        windows = (args.ppl, args.seqlen, args.max_windows, args.data_dir, progress, device)
+        res.update(_ppl(model, tok, *windows, reference))
+        del reference
+        n = f"{res['tokens']} tokens ({res['windows']} windows x {args.seqlen})"
+        print(f"perplexity {res['ppl']:.4f} over {n}")
+        if ref_spec:
+            res["fidelity_reference"] = ref_spec
+            print(
+                f"KL to {ref_spec}: mean {res['kl_mean']:.5f} p99 {res['kl_p99']:.5f} nats; "
+                f"top-1 agreement {res['top1_agreement']:.4f}"
+            )
     if args.tasks:
         res["tasks"] = _tasks(args, model, tok, device)
     _write_json(args.json, res)
     return 0
+
+
+def _fidelity_reference(model: str, ref: str) -> str:
+    """The float model ``eval --fidelity`` compares with: REF, or a saved folder's source model."""
+    if ref != "source":
+        return ref
+    from ..errors import BitmosaicError, OptionError
+    from ..io.serialization import verify_saved
+
+    if not (Path(model) / "config.json").is_file():
+        raise OptionError(f"--fidelity needs the float model to compare {model} with: give --fidelity MODEL")
+    try:
+        _, qc = verify_saved(Path(model))
+    except BitmosaicError as e:
+        raise OptionError(f"--fidelity without MODEL reads {model}'s provenance: {e}") from None
+    src = qc.get("source_model") or (qc.get("provenance") or {}).get("model")
+    if not src:
+        raise OptionError(f"{model} does not record the model it was quantized from: give --fidelity MODEL")
+    return str(src)
 
 
 def _dir_size(path: Path) -> int:
