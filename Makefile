@@ -1,6 +1,9 @@
 # bitmosaic: `make demo` quantizes SmolLM2-135M (GPTQ w4 g128) and prints perplexities;
-# `make test` installs and runs the test-suite.
-PYTHON ?= python3
+# `make test` installs and runs the test-suite.  Both install into the project's virtual environment
+# .venv (created on first use; `source .venv/bin/activate` afterwards); `make PYTHON=python3 test`
+# uses another interpreter as it is.
+VENV ?= .venv
+PYTHON ?= $(VENV)/bin/python
 SHARED_DATA := $(wildcard $(abspath ../shared/data))
 ifneq ($(SHARED_DATA),)
 export BITMOSAIC_DATA ?= $(SHARED_DATA)
@@ -9,7 +12,7 @@ endif
 .PHONY: install demo test test-fast lint bench compare
 
 install:
-	PYTHON=$(PYTHON) bash scripts/install.sh
+	VENV=$(VENV) PYTHON=$(PYTHON) bash scripts/install.sh
 
 demo: install
 	$(PYTHON) -m bitmosaic.cli quantize --model smollm2-135m --method gptq --bits 4 --group-size 128 \
@@ -22,7 +25,7 @@ test: install
 test-fast:
 	$(PYTHON) -m pytest -q -m "not model"
 
-lint:
+lint: install
 	$(PYTHON) -m ruff check src tests benchmarks scripts
 
 bench: install
