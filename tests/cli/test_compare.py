@@ -122,3 +122,24 @@ def test_compare_end_to_end_is_resumable(tmp_path, capsys):
     assert main(argv[:4] + ["rtn:w4g32, rtn:w8g32"] + argv[5:]) == 0  # resumes: nothing is rerun
     assert (out / "runs" / "rtn_w4g32.json").stat().st_mtime_ns == stamp
     assert not (out / "logs" / "rtn_w4g32.log").exists()
+
+
+def test_compare_without_keeping_models_keeps_their_sizes(tmp_path, capsys):
+    """``--no-keep-models``: the table still has each model's size (measured before deletion), no
+    model stays on disk, and the run says how much disk the folder takes."""
+    from bitmosaic.cli import main
+
+    model = save_hf_dir(tmp_path / "tiny")
+    text = tmp_path / "text.txt"
+    text.write_text(words(4000))
+    out = tmp_path / "cmp"
+    argv = ["compare", "--model", str(model), "--configs", "rtn:w4g32, rtn:w8g32", "--calib", str(text),
+            "--eval", str(text), "--nsamples", "2", "--seqlen", "32", "--eval-seqlen", "32",
+            "--max-windows", "2", "--out", str(out), "--no-progress", "--no-keep-models"]  # fmt: skip
+    with compare_in_process():
+        assert main(argv) == 0
+    rows = collect_rows(out)
+    w4, w8 = rows[1], rows[2]
+    assert 0 < w4["size_mb"] < w8["size_mb"]
+    assert not any((out / "models").glob("*/*.safetensors"))
+    assert "disk: " in capsys.readouterr().out

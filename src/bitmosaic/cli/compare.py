@@ -32,6 +32,11 @@ def add_parser(sub) -> None:
     c.add_argument("--device", default="auto")
     c.add_argument("--dtype", default="auto")
     c.add_argument("--no-progress", action="store_true")
+    c.add_argument(
+        "--keep-models", action=argparse.BooleanOptionalAction, default=True,
+        help="keep each config's saved model under OUT/models (default; a few MB to GBs each); "
+        "--no-keep-models keeps only the table, the plot and the run records",
+    )  # fmt: skip
     add_cache_args(c)  # one cache folder for every config, so they share the float-model statistics
 
 
@@ -45,7 +50,7 @@ def _shared(args, names: list[tuple[str, str]]) -> list[str]:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from ..eval.compare import check_compare_out, parse_configs, run_compare
+    from ..eval.compare import check_compare_out, disk_use, parse_configs, run_compare
     from ..pipeline.calib_cache import default_cache_root
     from .checks import check_counts
 
@@ -62,9 +67,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     common += ["--no-cache"] if args.no_cache else ["--cache-dir", cache_dir]
     eval_flags = _shared(args, [("eval_src", "--ppl"), ("eval_seqlen", "--seqlen"),
                                 ("max_windows", "--max-windows"), *both])  # fmt: skip
+    if args.keep_models:
+        print(f"each config's model is saved under {args.out}/models (--no-keep-models: only the table)")
     out = run_compare(args.model, configs, common, args.out, eval_flags=eval_flags,
-                      progress=not args.no_progress)  # fmt: skip
+                      progress=not args.no_progress, keep_models=args.keep_models)  # fmt: skip
     print((out / "results.md").read_text())
     print(f"table: {out / 'results.csv'}; plot: {out / 'pareto.png'}")
+    print(f"disk: {disk_use(out) / 2**20:.1f} MiB in {out}")
     failed = (out / "failures.json").read_text().strip() not in ("{}", "")
     return 1 if failed else 0

@@ -36,6 +36,7 @@ import csv
 import io
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -46,6 +47,7 @@ from ..errors import BitmosaicError
 
 __all__ = [
     "CompareConfig", "check_compare_out", "parse_configs", "run_compare", "collect_rows", "write_reports",
+    "disk_use",
 ]  # fmt: skip
 
 _TOKEN = re.compile(r"(w\d+|gch|g-?\d+|a\d+(?:-fp8|-fp4|-e5m2)?|bpw\d+(?:\.\d+)?|sym|asym)")
@@ -218,8 +220,10 @@ def run_compare(
     eval_flags: list[str],
     progress: bool = True,
     python: str = sys.executable,
+    keep_models: bool = True,
 ) -> Path:
-    """Run every config not finished yet (module doc), then write the reports; returns ``out``."""
+    """Run every config not finished yet (module doc), then write the reports; returns ``out``.
+    ``keep_models=False``: each saved model is measured (its size goes in the table) and deleted."""
     from tqdm.auto import tqdm
 
     out = check_compare_out(out)
@@ -252,16 +256,25 @@ def run_compare(
             rc = _run(cmd, out / "logs" / f"{c.slug}.log")
             if rc == 0:
                 rec = json.loads(tmp.read_text())
+                saved = out / "models" / c.slug
                 rec["compare"] = {"name": c.name, "method": c.method, "flags": c.flags,
-                                  "wall_seconds": time.perf_counter() - t0}  # fmt: skip
+                                  "wall_seconds": time.perf_counter() - t0,
+                                  "size_bytes": _dir_bytes(saved), "model_kept": keep_models}  # fmt: skip
                 _atomic_json(out / "runs" / f"{c.slug}.json", rec)
                 tmp.unlink()
+                if not keep_models:
+                    shutil.rmtree(saved, ignore_errors=True)
             else:
                 failures[c.name] = _last_error(out / "logs" / f"{c.slug}.log")
             bar.update(1)
     _atomic_json(out / "failures.json", failures)
     write_reports(collect_rows(out, configs), out)
     return out
+
+
+def disk_use(out: str | Path) -> int:
+    """Bytes of every file under a compare folder (the saved models are most of it)."""
+    return sum(f.stat().st_size for f in Path(out).rglob("*") if f.is_file())
 
 
 def _dir_bytes(path: Path) -> int:
@@ -295,7 +308,7 @@ def collect_rows(out: str | Path, configs: list[CompareConfig] | None = None) ->
             "method": meta.get("method", r.get("method", "?")),
             "setting": name.partition(":")[2],
             "bits_per_weight": r.get("bits_per_weight"),
-            "size_mb": _dir_bytes(out / "models" / slug) / 2**20,
+            "size_mb": meta.get("size_bytes", _dir_bytes(out / "models" / slug)) / 2**20,
             "ppl": q.get("ppl"),
             "kl_mean": q.get("kl_mean"),
             "kl_p99": q.get("kl_p99"),
