@@ -50,10 +50,10 @@ def _files(folder: Path) -> list[str]:
 
 
 def write_sums(folder: str | Path) -> dict[str, str]:
-    """Hash every file under ``folder`` (``SHA256SUMS`` itself aside) and write ``folder/SHA256SUMS``;
-    returns name -> hex.  Call it when the folder is complete, before renaming it into place."""
+    """Hash every file under ``folder`` (``SHA256SUMS`` and a temporary's marker aside) and write
+    ``folder/SHA256SUMS``; returns name -> hex.  Call it when the folder is complete, before the rename."""
     folder = Path(folder)
-    sums = {name: file_sha256(folder / name) for name in _files(folder) if name != SUMS}
+    sums = {name: file_sha256(folder / name) for name in _files(folder) if name not in (SUMS, TEMP_MARKER)}
     (folder / SUMS).write_text("".join(f"{h}  {n}\n" for n, h in sums.items()), encoding="utf-8")
     return sums
 

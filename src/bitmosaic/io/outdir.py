@@ -132,9 +132,9 @@ def replace_dir(tmp: Path, out_dir: Path) -> None:
     """Move the finished ``tmp`` to ``out_dir``; an old ``out_dir`` is removed only after that worked.
     The old folder waits under a marked ``.<name>.old-`` name, so a run killed in between leaves
     something the next run can put back or remove (:func:`clean_stale_temporaries`)."""
-    (tmp / TEMP_MARKER).unlink(missing_ok=True)
     if not out_dir.exists():
         os.replace(tmp, out_dir)
+        (out_dir / TEMP_MARKER).unlink(missing_ok=True)  # the temporary's marker: now it is the output
         return
     old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
     old.rmdir()  # a fresh unique name for the old folder
@@ -150,6 +150,7 @@ def replace_dir(tmp: Path, out_dir: Path) -> None:
         os.replace(old, out_dir)  # put the old model back
         (out_dir / TEMP_MARKER).unlink(missing_ok=True)
         raise
+    (out_dir / TEMP_MARKER).unlink(missing_ok=True)
     shutil.rmtree(old, ignore_errors=True)
 
 

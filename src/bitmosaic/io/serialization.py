@@ -214,10 +214,7 @@ def save_quantized(
 
 
 def finish_folder(folder: Path) -> None:
-    """The last step of a save, before the rename: drop the temporary's marker, hash every file."""
-    from .integrity import TEMP_MARKER
-
-    (folder / TEMP_MARKER).unlink(missing_ok=True)
+    """The last step of a save, before the rename: hash every file (``SHA256SUMS``)."""
     write_sums(folder)
 
 
