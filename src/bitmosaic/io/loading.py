@@ -204,6 +204,9 @@ def _from_pretrained(src: str, kw: dict, spec: str, dtype: torch.dtype):
 def _load_gguf(path: Path, spec: str, dtype: torch.dtype):
     """A GGUF file, through its converted copy (:mod:`bitmosaic.io.gguf_cache`) when there is one."""
     from .gguf_cache import drop_copy, gguf_copy
+    from .gguf_checkpoint import open_gguf
+
+    open_gguf(path, spec)  # a truncated or damaged file: one line naming it, before transformers reads it
 
     def convert(src, kw):
         return _from_pretrained(src, kw, spec, torch.float32)
