@@ -176,6 +176,10 @@ def load_model(spec: str, dtype: torch.dtype | str = torch.float32):
         return load_quantized(info["path"], dtype=dtype)
     if kind == "gguf":
         return _load_gguf(info["path"], spec, dtype)
+    if kind == "hf-dir":
+        from .float_check import check_float_folder
+
+        check_float_folder(info["path"])  # an unknown model_type, a missing shard, wrong shapes: one line
     src = str(info["path"]) if kind == "hf-dir" else info["repo_id"]
     return _from_pretrained(src, {}, spec, dtype)
 
