@@ -71,10 +71,29 @@ def test_yaml_and_json_files_agree(tmp_path):
         load_recipe(tmp_path / "bad.yaml")
 
 
-def test_a_pattern_that_matches_nothing_is_an_error():
+def test_a_pattern_that_matches_nothing_warns(capsys):
     r = Recipe.from_dict({"method": "rtn", "skip": ["mlp.dwn_proj"]})
-    with pytest.raises(OptionError, match=r"skip\[0\] 'mlp.dwn_proj' matches no linear"):
+    report = quantize_with_recipe(tiny_llama(), _calib(), r, progress=False)
+    warn = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
+    assert len(warn) == 1 and "skip[0] 'mlp.dwn_proj' matches no linear" in warn[0], warn
+    assert len(report.layers) == 14  # nothing skipped
+
+
+@pytest.mark.parametrize(
+    "recipe, needle",
+    [
+        ({"skip": ["down_proj", r"mlp\.down_proj$"]}, "skip[1]"),  # the same linears twice
+        ({"skip": ["layers\\.1\\."], "overrides": [{"match": "layers\\.1\\.mlp", "settings": {"bits": 8}}]},
+         "overrides[0].match"),  # every match already skipped
+        ({"overrides": [{"match": "proj", "settings": {"bits": 8}}, {"match": "q_proj"}]},
+         "overrides[1].match"),  # shadowed by the first override
+    ],
+)
+def test_an_entry_that_could_never_apply_is_refused(recipe, needle):
+    r = Recipe.from_dict({"method": "rtn", **recipe})
+    with pytest.raises(OptionError) as e:
         quantize_with_recipe(tiny_llama(), _calib(), r, progress=False)
+    assert needle in str(e.value) and "already took" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_one_entry_recipe_is_the_plain_method():
