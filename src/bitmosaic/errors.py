@@ -22,6 +22,7 @@ __all__ = [
     "ScaleOverflowError",
     "OutputWriteError",
     "OutputLockedError",
+    "ModelSpecError",
     "Interrupted",
     "check_finite",
 ]
@@ -66,6 +67,10 @@ class ScaleOverflowError(BitmosaicError):
 class OutputWriteError(BitmosaicError, OSError):
     """An output could not be written (full disk, no permission, a file where a folder must be);
     nothing partial is left behind.  Also an ``OSError``."""
+
+
+class ModelSpecError(BitmosaicError):
+    """The model argument names nothing loadable (also importable from ``bitmosaic.io.loading``)."""
 
 
 class OutputLockedError(BitmosaicError):

@@ -34,9 +34,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..errors import CorruptModelError, check_finite
+from ..errors import CorruptModelError, ModelSpecError, check_finite
 from .checkpoint import Checkpoint, _missing
-from .loading import ModelSpecError
 
 __all__ = ["GGUFCheckpoint", "STREAMABLE", "UnsupportedGGUFError", "gguf_fingerprint", "open_gguf"]
 

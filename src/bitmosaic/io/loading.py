@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..devices import DEVICE_CHOICES, resolve_device
-from ..errors import BitmosaicError, CorruptModelError, DeviceError, check_finite
+from ..errors import CorruptModelError, DeviceError, ModelSpecError, check_finite
 
 __all__ = [
     "ALIASES",
@@ -31,10 +31,6 @@ __all__ = [
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelSpecError(BitmosaicError):
-    """The model argument names nothing loadable."""
 
 
 def _smollm2_gguf() -> Path:
