@@ -202,6 +202,9 @@ def test_cli_recipe_then_reproduce(cli_env, tmp_path, capsys):
     sd[key][0, 0] += 1.0
     moved = abs(sd[key][0, 0].double().item() - before)  # 1.0 after fp16 rounding
     save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
+    assert main(["reproduce", str(out), "--no-progress"]) == 2  # SHA256SUMS: the file changed since the save
+    assert "model.safetensors differs" in capsys.readouterr().err
+    (out / "SHA256SUMS").unlink()  # as a folder from before the hashes: the rerun compares the tensors
     assert main(["reproduce", str(out), "--no-progress", "--json", str(tmp_path / "r.json")]) == 1
     assert f"DIFFERS {key}" in capsys.readouterr().out
     res = json.loads((tmp_path / "r.json").read_text())
@@ -226,5 +229,6 @@ def test_cli_flags_are_a_one_entry_recipe_and_exclude_recipe(cli_env, tmp_path, 
     cfg = json.loads((out / "config.json").read_text())
     del cfg["quantization_config"]["recipe"]
     (out / "config.json").write_text(json.dumps(cfg))
+    (out / "SHA256SUMS").unlink()  # else the edited config.json is refused first, as changed
     assert main(["reproduce", str(out)]) == 2
     assert "records no recipe and provenance" in capsys.readouterr().err

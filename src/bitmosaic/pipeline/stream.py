@@ -264,8 +264,15 @@ def quantize_streaming(
         raise OptionError(why)
     out = check_output_dir(out, overwrite)
     with output_lock(out):  # one run per output folder; its .partial is this run's alone
-        return _quantize_streaming(ckpt, tokenizer, out, recipe, calib, dtype, overwrite, settings,
-                                   quantize_kwargs)  # fmt: skip
+        work = partial_dir(out)
+        fresh = not (work / PROGRESS).is_file()
+        try:
+            return _quantize_streaming(ckpt, tokenizer, out, recipe, calib, dtype, overwrite, settings,
+                                       quantize_kwargs)  # fmt: skip
+        except BaseException:  # a refused recipe, a signal in layer 0: no finished layer worth keeping
+            if fresh and not (work / PROGRESS).is_file():
+                shutil.rmtree(work, ignore_errors=True)
+            raise
 
 
 def _quantize_streaming(ckpt, tokenizer, out: Path, recipe, calib, dtype, overwrite, settings, kwargs):
