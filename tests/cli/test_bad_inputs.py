@@ -459,14 +459,15 @@ def test_output_without_write_permission_is_refused(src, tmp_path, capsys, monke
 
 
 def test_docs_errors_table_names_tests_that_exist():
-    """Every test ``docs/errors.md`` names is a test of this file, ``test_bad_models.py`` or
-    ``test_integrity.py`` (parameter ids aside)."""
+    """Every test ``docs/errors.md`` names is a test of this file, ``test_bad_models.py``,
+    ``test_integrity.py`` or ``tests/pipeline/test_recipe.py`` (parameter ids aside)."""
     import re
     from pathlib import Path
 
     from tests.cli import test_bad_models, test_integrity
+    from tests.pipeline import test_recipe
 
-    known = {**vars(test_bad_models), **vars(test_integrity), **globals()}
+    known = {**vars(test_recipe), **vars(test_bad_models), **vars(test_integrity), **globals()}
     doc = (Path(__file__).resolve().parents[2] / "docs" / "errors.md").read_text()
     named = set(re.findall(r"`(test_\w+)", doc))
     assert named and not sorted(n for n in named if not callable(known.get(n))), named
