@@ -21,6 +21,9 @@ __all__ = [
     "NonFiniteError",
     "ScaleOverflowError",
     "OutputWriteError",
+    "OutputLockedError",
+    "ModelSpecError",
+    "Interrupted",
     "check_finite",
 ]
 
@@ -64,6 +67,23 @@ class ScaleOverflowError(BitmosaicError):
 class OutputWriteError(BitmosaicError, OSError):
     """An output could not be written (full disk, no permission, a file where a folder must be);
     nothing partial is left behind.  Also an ``OSError``."""
+
+
+class ModelSpecError(BitmosaicError):
+    """The model argument names nothing loadable (also importable from ``bitmosaic.io.loading``)."""
+
+
+class OutputLockedError(BitmosaicError):
+    """Another bitmosaic run is writing the same output folder now (it holds the folder's lock)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM reached a bitmosaic command (``signum``); a ``KeyboardInterrupt``, so every
+    ``except BaseException`` / ``finally`` on the way removes its temporaries."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 _CHUNK = 1 << 24  # elements checked at a time: bounds the temporary bool mask of a huge tensor

@@ -71,10 +71,29 @@ def test_yaml_and_json_files_agree(tmp_path):
         load_recipe(tmp_path / "bad.yaml")
 
 
-def test_a_pattern_that_matches_nothing_is_an_error():
+def test_a_pattern_that_matches_nothing_warns(capsys):
     r = Recipe.from_dict({"method": "rtn", "skip": ["mlp.dwn_proj"]})
-    with pytest.raises(OptionError, match=r"skip\[0\] 'mlp.dwn_proj' matches no linear"):
+    report = quantize_with_recipe(tiny_llama(), _calib(), r, progress=False)
+    warn = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
+    assert len(warn) == 1 and "skip[0] 'mlp.dwn_proj' matches no linear" in warn[0], warn
+    assert len(report.layers) == 14  # nothing skipped
+
+
+@pytest.mark.parametrize(
+    "recipe, needle",
+    [
+        ({"skip": ["down_proj", r"mlp\.down_proj$"]}, "skip[1]"),  # the same linears twice
+        ({"skip": ["layers\\.1\\."], "overrides": [{"match": "layers\\.1\\.mlp", "settings": {"bits": 8}}]},
+         "overrides[0].match"),  # every match already skipped
+        ({"overrides": [{"match": "proj", "settings": {"bits": 8}}, {"match": "q_proj"}]},
+         "overrides[1].match"),  # shadowed by the first override
+    ],
+)
+def test_an_entry_that_could_never_apply_is_refused(recipe, needle):
+    r = Recipe.from_dict({"method": "rtn", **recipe})
+    with pytest.raises(OptionError) as e:
         quantize_with_recipe(tiny_llama(), _calib(), r, progress=False)
+    assert needle in str(e.value) and "already took" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_one_entry_recipe_is_the_plain_method():
@@ -183,6 +202,9 @@ def test_cli_recipe_then_reproduce(cli_env, tmp_path, capsys):
     sd[key][0, 0] += 1.0
     moved = abs(sd[key][0, 0].double().item() - before)  # 1.0 after fp16 rounding
     save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
+    assert main(["reproduce", str(out), "--no-progress"]) == 2  # SHA256SUMS: the file changed since the save
+    assert "model.safetensors differs" in capsys.readouterr().err
+    (out / "SHA256SUMS").unlink()  # as a folder from before the hashes: the rerun compares the tensors
     assert main(["reproduce", str(out), "--no-progress", "--json", str(tmp_path / "r.json")]) == 1
     assert f"DIFFERS {key}" in capsys.readouterr().out
     res = json.loads((tmp_path / "r.json").read_text())
@@ -207,5 +229,6 @@ def test_cli_flags_are_a_one_entry_recipe_and_exclude_recipe(cli_env, tmp_path, 
     cfg = json.loads((out / "config.json").read_text())
     del cfg["quantization_config"]["recipe"]
     (out / "config.json").write_text(json.dumps(cfg))
+    (out / "SHA256SUMS").unlink()  # else the edited config.json is refused first, as changed
     assert main(["reproduce", str(out)]) == 2
     assert "records no recipe and provenance" in capsys.readouterr().err

@@ -7,7 +7,10 @@ subcommands add a module and one line in ``_HANDLERS``); shared flags are in ``a
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 
 from . import compare as _compare
 from .args import (
@@ -124,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="describe a saved quantized model folder")
     i.add_argument("dir")
     i.add_argument("--layers", action="store_true", help="print the per-layer table")
+    i.add_argument(
+        "--verify", action="store_true",
+        help="hash every file again and compare with the SHA-256 recorded when it was saved (SHA256SUMS); "
+        "exit 2 naming the first file that differs",
+    )  # fmt: skip
 
     ms = sub.add_parser("methods", help="list registered methods and their flags")
     ms.add_argument("--markdown", action="store_true", help="as the README's markdown table")
@@ -133,13 +141,40 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@contextlib.contextmanager
+def _signals_stop():
+    """SIGINT and SIGTERM raise :class:`~bitmosaic.errors.Interrupted` while a command runs, so the
+    ``finally`` and ``except BaseException`` blocks on the way remove temporaries and release locks
+    (SIGTERM would otherwise end the process at once).  The previous handlers come back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from ..errors import Interrupted
+
+    def stop(signum, frame):
+        raise Interrupted(signum)
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from ..algorithms.hessian import DampingError
     from ..errors import BitmosaicError
 
     try:
-        return _HANDLERS[args.command](args)
+        with _signals_stop():
+            return _HANDLERS[args.command](args)
+    except KeyboardInterrupt as e:  # SIGINT or SIGTERM: stopped cleanly, exit 128 + the signal
+        signum = getattr(e, "signum", signal.SIGINT)
+        note = getattr(e, "bitmosaic_note", None) or "temporary files removed, nothing half-written is left"
+        print(f"error: interrupted by {signal.Signals(signum).name}; {note}", file=sys.stderr)
+        return 128 + signum
     except (BitmosaicError, DampingError, ValueError, FileNotFoundError, FileExistsError, OSError) as e:
         # documented errors: one line, exit 2 (internal bugs still show their traceback)
         msg = " ".join(str(e).split()) or type(e).__name__

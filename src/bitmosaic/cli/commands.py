@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import time
@@ -153,7 +154,13 @@ def cmd_quantize(args) -> int:
 
             hf_logging.disable_progress_bar()
             args.no_progress = True
-        return _quantize(args, device, dist)
+        with contextlib.ExitStack() as stack:
+            if args.out and dist.is_main:  # one run per --out: a second one refuses now, not at save
+                from ..io.serialization import check_output_dir, output_lock
+
+                check_output_dir(args.out, args.overwrite)
+                stack.enter_context(output_lock(args.out))
+            return _quantize(args, device, dist)
     finally:
         shutdown()
 
@@ -192,7 +199,16 @@ def _quantize(args, device, dist) -> int:
             "process then holds the whole model) or run the streamed quantization as one process"
         )
     if streamed:
-        report, out = run_streaming(args, recipe, spec, config, device, dtype, progress)
+        try:
+            report, out = run_streaming(args, recipe, spec, config, device, dtype, progress)
+        except KeyboardInterrupt as e:  # the finished layers stay for a resume
+            from ..pipeline.stream import partial_dir
+
+            e.bitmosaic_note = (
+                f"the finished layers are kept in {partial_dir(Path(args.out).resolve())}: rerun the same "
+                "command to resume"
+            )
+            raise
         model = tok = reference = None
         results: dict = {}
     else:
@@ -352,12 +368,31 @@ def _dir_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def verify_file_hashes(path: Path) -> list[str] | None:
+    """Check ``path``'s files against its ``SHA256SUMS`` (one line naming a changed file); a folder
+    saved before bitmosaic recorded hashes gets one warning line and ``None``."""
+    import sys
+
+    from ..io.integrity import SUMS, verify_folder
+
+    checked = verify_folder(path)
+    if checked is None:
+        print(
+            f"bitmosaic: warning: {path} has no {SUMS} (saved by a bitmosaic before file hashes were "
+            "recorded): its files cannot be verified; save it again to record them",
+            file=sys.stderr,
+        )
+    return checked
+
+
 def cmd_inspect(args) -> int:
     from ..errors import CorruptModelError
     from ..io.serialization import stored_module_bits, verify_saved
     from ..modules import KINDS
 
     path = Path(args.dir)
+    if args.verify:  # the hashes first: a changed file is named as such, whatever else it breaks
+        checked = verify_file_hashes(path)
     _, qc = verify_saved(path)  # every entry, file and tensor, as the loaders check them
     bits_by_module = stored_module_bits(path, list(qc["modules"]))
     rows, total_bits, total_w = [], 0.0, 0
@@ -394,6 +429,8 @@ def cmd_inspect(args) -> int:
     print(f"quantized layers {len(rows)} ({total_w / 1e6:.1f}M weights)")
     print(f"bits per weight  {total_bits / max(total_w, 1):.4f} (all stored tensors)")
     print(f"weights on disk  {size / 2**20:.1f} MiB; folder {_dir_size(path) / 2**20:.1f} MiB")
+    if args.verify and checked is not None:
+        print(f"verified         all {len(checked)} files match the SHA-256 recorded at save (SHA256SUMS)")
     if args.layers:
         print(f"\n{'layer':<44} {'shape':>12} {'kind':>10} {'bits':>5} {'group':>6} {'bpw':>7}")
         for name, lc, bpw in rows:

@@ -117,10 +117,13 @@ def cmd_reproduce(args) -> int:
     from ..io.serialization import _read_state_dict, _state_dict_for_save, quantized_modules, verify_saved
     from ..modules.qmodules import full_layer_config
     from .checks import check_counts
-    from .commands import _check_json_path, _write_json, run_recipe
+    from .commands import _check_json_path, _write_json, run_recipe, verify_file_hashes
 
     check_counts(args)
     path = Path(args.dir)
+    checked = verify_file_hashes(path)  # first: a file changed since the save is named as such
+    if checked is not None:
+        print(f"all {len(checked)} files match the SHA-256 recorded at save (SHA256SUMS)")
     _, qc = verify_saved(path)  # an edited or damaged folder is refused as the loaders refuse it
     recipe, prov = _recorded(path, qc)
     cal, pipe = prov["calibration"], prov["pipeline"]

@@ -16,10 +16,11 @@ Each config runs in its own ``bitmosaic quantize`` process (so its time and peak
 with ``--fidelity`` (KL and top-1 against the float model on the evaluation windows) and ``--json``;
 the float model is measured once by ``bitmosaic eval``.  Results go to ``OUT/runs/<slug>.json``,
 written atomically when a config finishes: a rerun skips finished configs (resumable), and an
-interrupted one leaves nothing behind and starts over.  Then ``OUT/results.{csv,json,md}`` and
-``OUT/pareto.png`` are (re)written from every finished run.  ``OUT`` must be new, empty or a compare
-folder (``OUT/compare.json``, written first, marks one): a folder of other files is refused, never
-overwritten (:func:`check_compare_out`).
+interrupted one leaves nothing behind and starts over.  Each config's process runs in its own process
+group; stopping compare (SIGINT, SIGTERM) stops it too, so no orphan keeps writing.  Then
+``OUT/results.{csv,json,md}`` and ``OUT/pareto.png`` are (re)written from every finished run.  ``OUT``
+must be new, empty or a compare folder (``OUT/compare.json``, written first, marks one): a folder of
+other files is refused, never overwritten (:func:`check_compare_out`).
 
 What is shared between configs: the float model's evaluation, the calibration samples (the same
 ``--seed`` draws the same samples) and, through one calibration cache folder passed to every config
@@ -32,11 +33,14 @@ layers, so they differ from method to method.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -201,8 +205,39 @@ def _atomic_json(path: Path, obj) -> None:
 
 
 def _run(cmd: list[str], log: Path) -> int:
+    """Run one config's command (output to ``log``) in its own process group; when compare itself is
+    stopped (SIGINT, SIGTERM: an exception here), the group is stopped too (:func:`_stop`), so no
+    orphan keeps writing."""
     with open(log, "w") as f:
-        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=False).returncode
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return proc.wait()
+        except BaseException:
+            _stop(proc)
+            raise
+
+
+def _stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
+    """SIGTERM to ``proc``'s process group (bitmosaic then removes its temporaries and exits 143);
+    SIGKILL when it has not ended after ``grace`` seconds, or when compare is interrupted again."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace)
+    except ProcessLookupError:
+        pass
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _run_config(cmd: list[str], log: Path, partial: Path) -> int:
+    """:func:`_run`; an interrupted run's unfinished ``partial`` result is removed."""
+    try:
+        return _run(cmd, log)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def _last_error(log: Path) -> str:
@@ -242,7 +277,7 @@ def run_compare(
             bar.set_postfix_str("float")
             tmp = out / "runs" / "float.json.partial"
             cmd = [*cli, "eval", model, *eval_flags, "--no-progress", "--json", str(tmp)]
-            if _run(cmd, out / "logs" / "float.log") == 0:
+            if _run_config(cmd, out / "logs" / "float.log", tmp) == 0:
                 tmp.replace(float_json)
             else:
                 failures["float"] = _last_error(out / "logs" / "float.log")
@@ -253,7 +288,7 @@ def run_compare(
             cmd = [*cli, "quantize", "--model", model, *c.flags, *common, "--fidelity", "--no-progress",
                    "--json", str(tmp), "--out", str(out / "models" / c.slug), "--overwrite"]  # fmt: skip
             t0 = time.perf_counter()
-            rc = _run(cmd, out / "logs" / f"{c.slug}.log")
+            rc = _run_config(cmd, out / "logs" / f"{c.slug}.log", tmp)
             if rc == 0:
                 rec = json.loads(tmp.read_text())
                 saved = out / "models" / c.slug

@@ -23,8 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import CorruptModelError, check_finite
-from .loading import ModelSpecError
+from ..errors import CorruptModelError, ModelSpecError, check_finite
 
 __all__ = ["Checkpoint"]
 

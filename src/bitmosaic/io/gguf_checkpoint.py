@@ -34,11 +34,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..errors import CorruptModelError, check_finite
+from ..errors import CorruptModelError, ModelSpecError, check_finite
 from .checkpoint import Checkpoint, _missing
-from .loading import ModelSpecError
 
-__all__ = ["GGUFCheckpoint", "STREAMABLE", "UnsupportedGGUFError", "gguf_fingerprint"]
+__all__ = ["GGUFCheckpoint", "STREAMABLE", "UnsupportedGGUFError", "gguf_fingerprint", "open_gguf"]
 
 # GGUF ``general.architecture`` values read tensor by tensor (each checked against transformers' loader
 # in tests/io/test_gguf_checkpoint.py).  Mistral GGUFs say "llama".
@@ -90,11 +89,28 @@ def _unsupported(spec: str, arch: str, why: str = "") -> UnsupportedGGUFError:
     )
 
 
+def _damaged(spec: str, path: Path, e: BaseException) -> CorruptModelError:
+    reason = " ".join(str(e).split())[:160] or type(e).__name__
+    named = "" if str(spec) == str(path) else f"{spec}: "
+    return CorruptModelError(f"{named}GGUF file {path} is truncated or damaged ({reason}); re-download it")
+
+
+def open_gguf(path: str | os.PathLike, spec: str | None = None):
+    """``gguf.GGUFReader`` of ``path``; a truncated or damaged file (numpy's "cannot reshape array",
+    a bad magic, a short header) raises one line naming the file (:class:`CorruptModelError`)."""
+    from gguf import GGUFReader
+
+    path = Path(path)
+    try:
+        return GGUFReader(os.fspath(path))
+    except (ValueError, OSError, KeyError, IndexError, EOFError) as e:
+        raise _damaged(spec or str(path), path, e) from None
+
+
 class GGUFCheckpoint(Checkpoint):
     """The float tensors of a GGUF file, by the model's names, dequantized one per read (module doc)."""
 
     def __init__(self, path: str | os.PathLike, spec: str | None = None) -> None:
-        from gguf import GGUFReader
         from transformers.modeling_gguf_pytorch_utils import (
             TENSOR_PROCESSORS,
             TensorProcessor,
@@ -105,8 +121,8 @@ class GGUFCheckpoint(Checkpoint):
         self.path = Path(path)
         self.folder = self.path.parent
         self.spec = spec or str(path)
+        reader = open_gguf(self.path, self.spec)
         try:
-            reader = GGUFReader(os.fspath(self.path))
             arch = _string_field(reader, "general.architecture")
             # only offsets and layouts are kept: the reader's map of the whole file is dropped with it
             self._tensors = {
@@ -114,9 +130,7 @@ class GGUFCheckpoint(Checkpoint):
                 for t in reader.tensors
             }
         except (ValueError, OSError, KeyError, IndexError) as e:
-            raise CorruptModelError(
-                f"{self.spec}: cannot read the GGUF file ({' '.join(str(e).split())[:200]}); re-download it"
-            ) from None
+            raise _damaged(self.spec, self.path, e) from None
         del reader
         self.arch = arch
         if arch not in STREAMABLE:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..devices import DEVICE_CHOICES, resolve_device
-from ..errors import BitmosaicError, CorruptModelError, DeviceError, check_finite
+from ..errors import CorruptModelError, DeviceError, ModelSpecError, check_finite
 
 __all__ = [
     "ALIASES",
@@ -31,10 +31,6 @@ __all__ = [
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelSpecError(BitmosaicError):
-    """The model argument names nothing loadable."""
 
 
 def _smollm2_gguf() -> Path:
@@ -176,6 +172,10 @@ def load_model(spec: str, dtype: torch.dtype | str = torch.float32):
         return load_quantized(info["path"], dtype=dtype)
     if kind == "gguf":
         return _load_gguf(info["path"], spec, dtype)
+    if kind == "hf-dir":
+        from .float_check import check_float_folder
+
+        check_float_folder(info["path"])  # an unknown model_type, a missing shard, wrong shapes: one line
     src = str(info["path"]) if kind == "hf-dir" else info["repo_id"]
     return _from_pretrained(src, {}, spec, dtype)
 
@@ -204,6 +204,9 @@ def _from_pretrained(src: str, kw: dict, spec: str, dtype: torch.dtype):
 def _load_gguf(path: Path, spec: str, dtype: torch.dtype):
     """A GGUF file, through its converted copy (:mod:`bitmosaic.io.gguf_cache`) when there is one."""
     from .gguf_cache import drop_copy, gguf_copy
+    from .gguf_checkpoint import open_gguf
+
+    open_gguf(path, spec)  # a truncated or damaged file: one line naming it, before transformers reads it
 
     def convert(src, kw):
         return _from_pretrained(src, kw, spec, torch.float32)

@@ -8,10 +8,12 @@
 settings, so mixed-precision models load the same way.
 
 Writing goes to a temporary sibling directory that is renamed into place only when complete, so
-an interrupted save never leaves a partial model under the requested name.  An existing folder is
-replaced only when bitmosaic wrote it (its ``config.json`` says ``quant_method: "bitmosaic"``) *and* the
-caller passed ``overwrite=True``; any other non-empty folder, or a file, is never touched
-(:func:`check_output_dir`).
+an interrupted save never leaves a partial model under the requested name; the folder ends with
+``SHA256SUMS``, the hash of every file written (:mod:`bitmosaic.io.integrity`).  An existing folder is
+replaced only when bitmosaic wrote it (its ``config.json`` says ``quant_method: "bitmosaic"``), holds
+nothing else, *and* the caller passed ``overwrite=True``; any other non-empty folder, or a file, is never
+touched (:func:`~bitmosaic.io.outdir.check_output_dir`).  One save at a time per folder
+(:func:`~bitmosaic.io.outdir.output_lock`).
 
 Loading checks what it reads: unreadable JSON, truncated or garbage safetensors, missing shards, and
 tensors that do not match the model raise :class:`~bitmosaic.errors.CorruptModelError` (one line, naming
@@ -23,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -31,10 +32,19 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..errors import CorruptModelError, OutputExistsError, OutputWriteError, check_finite
+from ..errors import CorruptModelError, OutputWriteError, check_finite
 from ..formats.accounting import dtype_name_bits
 from ..modules.qmodules import full_layer_config, module_from_layer_config
 from .finish import finish_load, model_arch, quant_modules_by_kind
+from .integrity import write_sums
+from .outdir import (  # noqa: F401  (the names other modules import from here)
+    _replace_dir,
+    atomic_write_text,
+    check_output_dir,
+    check_writable,
+    make_temporary,
+    output_lock,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -55,25 +65,12 @@ __all__ = [
     "saved_config",
     "tensors_for_save",
     "write_shard",
+    "finish_folder",
 ]
 
 FORMAT_VERSION = 1
 SHARD_BYTES = 2 * 1024**3
 SAVE_META = {"format": "pt", "bitmosaic_format_version": str(FORMAT_VERSION)}
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file and an atomic rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -115,78 +112,6 @@ def _sort_safetensors_metadata(file: Path) -> None:
         if at >= 0 and old != new:
             f.seek(8 + at)
             f.write(new)
-
-
-def _bitmosaic_qc(folder: Path) -> dict | None:
-    """``quantization_config`` of ``folder`` if bitmosaic wrote it, else ``None`` (never raises)."""
-    try:
-        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    qc = raw.get("quantization_config") if isinstance(raw, dict) else None
-    return qc if isinstance(qc, dict) and qc.get("quant_method") == "bitmosaic" else None
-
-
-def check_writable(path: str | os.PathLike, flag: str = "--out") -> None:
-    """Raise :class:`~bitmosaic.errors.OutputWriteError` when ``path`` (a file or folder to create or
-    replace) cannot be written: the nearest existing folder above it is a file, or not writable.  Cheap:
-    call it before a long run."""
-    p = Path(path).expanduser().absolute()
-    anc = p.parent
-    while not anc.exists() and anc != anc.parent:
-        anc = anc.parent
-    if not anc.is_dir():
-        raise OutputWriteError(
-            f"{flag} {path} cannot be written: {anc} is a file, not a folder; choose another {flag}"
-        )
-    if not os.access(anc, os.W_OK | os.X_OK):
-        raise OutputWriteError(
-            f"{flag} {path} cannot be written: no permission to write in {anc}; choose another {flag}"
-        )
-
-
-def check_output_dir(out_dir: str | os.PathLike, overwrite: bool = False) -> Path:
-    """The resolved ``out_dir`` if :func:`save_quantized` may write there, else :class:`OutputExistsError`.
-
-    Allowed: a path that does not exist, an empty folder, and -- only with ``overwrite=True`` -- a folder
-    that bitmosaic saved.  A file, or a non-empty folder that bitmosaic did not write (a float model, a
-    folder of notes), is always refused.  Cheap: call it before a long quantization run.
-    """
-    out = Path(out_dir).expanduser().resolve()
-    check_writable(out, "--out")
-    if not out.exists():
-        return out
-    if not out.is_dir():
-        raise OutputExistsError(f"output {out} exists and is not a folder; choose another --out")
-    if not any(out.iterdir()):
-        return out
-    if _bitmosaic_qc(out) is None:
-        raise OutputExistsError(
-            f"output folder {out} is not empty and is not a bitmosaic model folder (no config.json with "
-            "quantization_config.quant_method 'bitmosaic'); bitmosaic never replaces it: choose another --out"
-        )
-    if not overwrite:
-        raise OutputExistsError(
-            f"output folder {out} already holds a bitmosaic model; pass --overwrite (overwrite=True) "
-            "to replace it, or choose another --out"
-        )
-    return out
-
-
-def _replace_dir(tmp: Path, out_dir: Path) -> None:
-    """Move the finished ``tmp`` to ``out_dir``; an old ``out_dir`` is removed only after that worked."""
-    if not out_dir.exists():
-        os.replace(tmp, out_dir)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-    old.rmdir()  # a fresh unique name for the old folder
-    os.replace(out_dir, old)
-    try:
-        os.replace(tmp, out_dir)
-    except BaseException:
-        os.replace(old, out_dir)  # put the old model back
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def write_shard(file: Path, sd: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> None:
@@ -262,29 +187,35 @@ def save_quantized(
 
         quant_info = saved_run_info(run)
     out_dir = check_output_dir(out_dir, overwrite)
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    except OSError as e:
-        raise _write_error(out_dir, e) from None
-    try:
+    with output_lock(out_dir):
         try:
-            cfg = saved_config(model, quant_info, {n: full_layer_config(m) for n, m in qmods.items()})
-            _write_config(tmp, cfg)
-            gen = getattr(model, "generation_config", None)
-            if gen is not None:
-                gen.save_pretrained(tmp)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
-            write_safetensors(tmp, _state_dict_for_save(model), SAVE_META)
-        except (OSError, SafetensorError) as e:  # a full disk, a lost mount: one line, nothing left behind
+            tmp = make_temporary(out_dir)
+        except OSError as e:
             raise _write_error(out_dir, e) from None
-        check_output_dir(out_dir, overwrite)  # again: the folder may have changed while we wrote
-        _replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        try:
+            try:
+                cfg = saved_config(model, quant_info, {n: full_layer_config(m) for n, m in qmods.items()})
+                _write_config(tmp, cfg)
+                gen = getattr(model, "generation_config", None)
+                if gen is not None:
+                    gen.save_pretrained(tmp)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(tmp)
+                write_safetensors(tmp, _state_dict_for_save(model), SAVE_META)
+                finish_folder(tmp)
+            except (OSError, SafetensorError) as e:  # a full disk, a lost mount: one line, nothing left
+                raise _write_error(out_dir, e) from None
+            check_output_dir(out_dir, overwrite)  # again: the folder may have changed while we wrote
+            _replace_dir(tmp, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return out_dir
+
+
+def finish_folder(folder: Path) -> None:
+    """The last step of a save, before the rename: hash every file (``SHA256SUMS``)."""
+    write_sums(folder)
 
 
 def _write_config(folder: Path, cfg: dict) -> None:

@@ -35,6 +35,9 @@ def open_checkpoint(spec: str) -> tuple[Checkpoint, object]:
             folder = Path(snapshot_download(info["repo_id"], allow_patterns=patterns))
         except Exception as e:  # offline, unknown id, gated: one line
             raise ModelSpecError(f"could not download {spec!r}: {' '.join(str(e).split())[:200]}") from None
+    from .float_check import check_float_folder
+
+    check_float_folder(folder)  # as load_model checks it: one line, before any layer is read
     return Checkpoint(folder, spec), _tokenizer(spec, AutoTokenizer.from_pretrained, folder)
 
 

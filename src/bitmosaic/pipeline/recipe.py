@@ -17,8 +17,9 @@ A recipe is a YAML or JSON mapping::
 (:meth:`Recipe.from_options`), so both take one code path: :func:`quantize_with_recipe` builds a
 resolver (qualified linear name -> ``(MethodSpec, config)`` or ``None`` to skip) for
 :func:`bitmosaic.pipeline.pipeline.quantize_model`.  Every mistake is a one-line
-:class:`~bitmosaic.errors.OptionError` naming the bad key and the fix; every pattern must match at
-least one linear of the model.
+:class:`~bitmosaic.errors.OptionError` naming the bad key and the fix.  A pattern that matches no
+linear of the model gets a warning line; an entry that matches only linears an earlier entry took (so
+it would never apply, e.g. the same pattern twice) is refused.
 
 Linears that read one input (q/k/v, gate/up) are stacked into one GPTQ/Babai/RTN call only when
 they resolve to the same method and config, and a smoothing ``transform`` is
@@ -31,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,13 +165,12 @@ class Recipe:
         return self._entry_config(None, "recipe")
 
     def resolver(self, names) -> Callable[[str], tuple | None]:
-        """``name -> (MethodSpec, config)`` (``None``: skipped) over the linears ``names``; a pattern
-        that matches none of them is an error (a typo would otherwise silently do nothing)."""
+        """``name -> (MethodSpec, config)`` (``None``: skipped) over the linears ``names``.  A pattern
+        that matches none of them gets a warning line (a recipe may serve several models; a typo is
+        then at least said); an entry whose every match an earlier entry already took (skips first,
+        then overrides in order) would never apply, and is an error naming both."""
         names = list(names)
-        for i, p in enumerate(self.skip):
-            _must_match(p, names, f"recipe skip[{i}]")
-        for i, r in enumerate(self.overrides):
-            _must_match(r.match, names, f"recipe overrides[{i}].match")
+        _check_entries(self, names)
         configs = {None: self._entry_config(None, "recipe")}
         for i, r in enumerate(self.overrides):
             configs[i] = self._entry_config(r, f"recipe overrides[{i}]")
@@ -253,12 +254,30 @@ def _pattern(p, where: str) -> str:
     return p
 
 
-def _must_match(p: str, names: list[str], where: str) -> None:
-    if not any(re.search(p, n) for n in names):
-        raise OptionError(
-            f"{where} {p!r} matches no linear of the model (names look like {names[0]!r}); "
-            "fix the pattern (`bitmosaic inspect DIR --layers` lists the names)"
-        )
+def _check_entries(recipe: Recipe, names: list[str]) -> None:
+    """Warn about patterns that match nothing; refuse an entry that matches only linears an earlier
+    entry took (the resolver's order: skips, then overrides, first match wins)."""
+    entries = [(f"recipe skip[{i}]", p) for i, p in enumerate(recipe.skip)]
+    entries += [(f"recipe overrides[{i}].match", r.match) for i, r in enumerate(recipe.overrides)]
+    taken: dict[str, str] = {}  # linear -> the entry that took it
+    for where, p in entries:
+        hits = [n for n in names if re.search(p, n)]
+        if not hits:
+            print(
+                f"bitmosaic: warning: {where} {p!r} matches no linear of the model (names look like "
+                f"{names[0]!r}), so it does nothing; fix the pattern if it should "
+                "(`bitmosaic inspect DIR --layers` lists the names)",
+                file=sys.stderr,
+            )
+            continue
+        if all(n in taken for n in hits):
+            raise OptionError(
+                f"{where} {p!r} matches only linears that {taken[hits[0]]} already took (e.g. {hits[0]!r}), "
+                "so it would never apply: each linear gets one entry (skips first, then the first matching "
+                "override); remove it or make the patterns disjoint"
+            )
+        for n in hits:
+            taken.setdefault(n, where)
 
 
 def _jsonable(options: dict) -> dict:

@@ -48,6 +48,8 @@ from ..io.serialization import (
     _replace_dir,
     atomic_write_text,
     check_output_dir,
+    finish_folder,
+    output_lock,
     saved_config,
     tensors_for_save,
     write_shard,
@@ -131,8 +133,12 @@ class LayerStore:
 
     def _write(self, i: int, sd: dict[str, torch.Tensor]) -> None:
         tmp = self.work / (self.shard(i) + ".tmp")
-        write_shard(tmp, tensors_for_save(sd), SAVE_META)
-        os.replace(tmp, self.work / self.shard(i))
+        try:
+            write_shard(tmp, tensors_for_save(sd), SAVE_META)
+            os.replace(tmp, self.work / self.shard(i))
+        except BaseException:  # SIGINT, SIGTERM, a full disk: no half-written shard left
+            tmp.unlink(missing_ok=True)
+            raise
 
     # -- what the pipeline calls -----------------------------------------------------------------
     def resume(self, report, gen: torch.Generator, inputs) -> tuple[int, float, int]:
@@ -165,8 +171,13 @@ class LayerStore:
         state = gen.get_state()
         specs = [*batches, ("gen_state", tuple(state.shape), state.dtype)]
         tmp = self.work / f"inputs-{li + 1:05d}.safetensors.tmp"  # written one batch at a time
-        write_tensor_file(tmp, specs, lambda i: inputs.stored(i) if i < len(batches) else state, SAVE_META)
-        os.replace(tmp, self.work / f"inputs-{li + 1:05d}.safetensors")
+        try:
+            write_tensor_file(tmp, specs, lambda i: inputs.stored(i) if i < len(batches) else state,
+                              SAVE_META)  # fmt: skip
+            os.replace(tmp, self.work / f"inputs-{li + 1:05d}.safetensors")
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         st = self.state
         st["layers_done"] = li + 1
         st["rows"] = st["rows"] + json.loads(json.dumps(rows, default=_jsonable))
@@ -248,16 +259,31 @@ def quantize_streaming(
     in-memory path's load dtype); ``settings``: pipeline settings that change results (they join the
     resume fingerprint); ``quantize_kwargs`` go to :func:`bitmosaic.quantize_` (tokenizer, seed,
     batch size, device, ...)."""
-    from ..api import quantize_
-
     why = streamable(recipe)
     if why:
         raise OptionError(why)
     out = check_output_dir(out, overwrite)
+    with output_lock(out):  # one run per output folder; its .partial is this run's alone
+        work = partial_dir(out)
+        fresh = not (work / PROGRESS).is_file()
+        try:
+            return _quantize_streaming(ckpt, tokenizer, out, recipe, calib, dtype, overwrite, settings,
+                                       quantize_kwargs)  # fmt: skip
+        except BaseException:  # a refused recipe, a signal in layer 0: no finished layer worth keeping
+            if fresh and not (work / PROGRESS).is_file():
+                shutil.rmtree(work, ignore_errors=True)
+            raise
+
+
+def _quantize_streaming(ckpt, tokenizer, out: Path, recipe, calib, dtype, overwrite, settings, kwargs):
+    from ..api import quantize_
+
     work = partial_dir(out)
     work.mkdir(parents=True, exist_ok=True)
     for old in work.glob(SPILL_PREFIX + "*"):  # spilled activations of a run that was killed
         shutil.rmtree(old, ignore_errors=True)
+    for old in work.glob("*.tmp"):  # a shard or inputs file a killed run was writing
+        old.unlink(missing_ok=True)
     model = ckpt.empty_model(dtype)
     fingerprint = {
         "version": __version__,
@@ -272,7 +298,7 @@ def quantize_streaming(
     _fill_outside(ckpt, model, arch.layers_path, dtype)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
-    report = quantize_(model, recipe, calib, tokenizer=tokenizer, store=store, **quantize_kwargs)
+    report = quantize_(model, recipe, calib, tokenizer=tokenizer, store=store, **kwargs)
     from ..io.provenance import saved_run_info
 
     cfg = saved_config(model, saved_run_info(model.bitmosaic_run), store.state["modules"])
@@ -299,6 +325,7 @@ def quantize_streaming(
     for f in work.glob("inputs-*.safetensors"):
         f.unlink()
     (work / PROGRESS).unlink()
+    finish_folder(work)
     check_output_dir(out, overwrite)
     _replace_dir(work, out)
     shutil.rmtree(work, ignore_errors=True)

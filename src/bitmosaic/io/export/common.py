@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..integrity import SUMS
 from ..serialization import (
     _read_state_dict,
     _replace_dir,
@@ -41,7 +42,7 @@ __all__ = [
 ]
 
 MARKER = "bitmosaic_export.json"  # the export report; also marks a folder an export may replace
-_NOT_COPIED = {"config.json", "model.safetensors.index.json", MARKER}
+_NOT_COPIED = {"config.json", "model.safetensors.index.json", MARKER, SUMS}  # SUMS: the source's hashes
 
 
 @dataclass
