@@ -281,21 +281,47 @@ def _header_mutated(draw):
     return len(new).to_bytes(8, "little") + new + body
 
 
+_SHARD = "model-00001-of-00001.safetensors"
+
+
 def safetensors_strategy():
+    """``(file bytes, None)``: one ``model.safetensors`` mutated; or ``(valid bytes, index)``: one shard
+    and a mutated ``model.safetensors.index.json`` (names with folder parts, ``..``, non-strings)."""
     data = _safetensors_bytes()
     hot = 8 + int.from_bytes(data[:8], "little")
-    return st.one_of(mutated_bytes(data, hot), _header_mutated())
+    n = int.from_bytes(data[:8], "little")
+    keys = [k for k in json.loads(data[8 : 8 + n]) if k != "__metadata__"]
+    index = {"metadata": {"total_size": len(data)}, "weight_map": dict.fromkeys(keys, _SHARD)}
+    evil = st.sampled_from(["../x.safetensors", "/etc/passwd", "..", ".", "", "a/b.safetensors", "..\\x"])
+    index_cases = st.one_of(
+        mutated_json(index, ("weight_map",)),
+        st.tuples(st.sampled_from(keys), evil).map(lambda kv: {**index, "weight_map": {**index["weight_map"],
+                                                                                     kv[0]: kv[1]}}),
+    )  # fmt: skip
+    return st.one_of(
+        st.tuples(st.one_of(mutated_bytes(data, hot), _header_mutated()), st.none()),
+        st.tuples(st.just(data), index_cases),
+    )
 
 
-def check_safetensors(data: bytes) -> None:
+def check_safetensors(case) -> None:
     """The header readers of a saved folder and of a float checkpoint, and the full read."""
     from bitmosaic.io.checkpoint import Checkpoint
-    from bitmosaic.io.serialization import _load_safetensors, stored_module_bits, stored_tensors_of_file
+    from bitmosaic.io.serialization import (
+        _load_safetensors,
+        stored_module_bits,
+        stored_tensors,
+        stored_tensors_of_file,
+    )
 
+    data, index = case
     with _scratch() as d:
-        f = d / "model.safetensors"
+        f = d / ("model.safetensors" if index is None else _SHARD)
         f.write_bytes(data)
+        if index is not None:
+            (d / "model.safetensors.index.json").write_text(json.dumps(index))
         ours(stored_tensors_of_file, f)
+        ours(stored_tensors, d)
         ours(stored_module_bits, d, ["a", "b", "c", "d"])
         ours(_load_safetensors, f)
         ckpt = ours(Checkpoint, d)
