@@ -23,6 +23,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,18 +33,26 @@ from hypothesis import strategies as st
 
 from bitmosaic.errors import BitmosaicError
 
-__all__ = ["PROPERTIES", "Property", "run", "ours"]
+__all__ = ["OUTCOMES", "PROPERTIES", "Property", "run", "ours"]
+
+
+OUTCOMES: Counter = Counter()  # "<function>: accepted" / "<function>: <ErrorClass>" -> count
 
 
 def ours(fn: Callable, *args, **kwargs):
     """``fn(*args, **kwargs)``; a :class:`BitmosaicError` with a one-line message counts as a refusal
-    (returns ``None``); every other exception propagates (the defect the fuzzing looks for)."""
+    (returns ``None``); every other exception propagates (the defect the fuzzing looks for).  Each
+    outcome is counted in :data:`OUTCOMES`."""
+    name = getattr(fn, "__qualname__", str(fn))
     try:
-        return fn(*args, **kwargs)
+        out = fn(*args, **kwargs)
     except BitmosaicError as e:
         msg = str(e).strip()
         assert msg and "\n" not in msg, f"{type(e).__name__} message is not one line: {msg!r}"
+        OUTCOMES[f"{name}: {type(e).__name__}"] += 1
         return None
+    OUTCOMES[f"{name}: accepted"] += 1
+    return out
 
 
 @contextlib.contextmanager
@@ -401,6 +410,32 @@ def check_gguf(data: bytes) -> None:
                     ours(ckpt.get, k)
 
 
+def check_gguf_load(data: bytes) -> None:
+    """The whole-model loader (transformers' GGUF conversion, no converted copy kept)."""
+    from bitmosaic.io import load_model
+
+    with _scratch() as d, _env(BITMOSAIC_GGUF_CACHE="0"):
+        f = d / "model.gguf"
+        f.write_bytes(data)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ours(load_model, f"gguf:{f}")
+
+
+@contextlib.contextmanager
+def _env(**values):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 # -- the registry -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Property:
@@ -418,7 +453,8 @@ PROPERTIES: dict[str, Property] = {
     "safetensors": Property(safetensors_strategy, check_safetensors, 600, "safetensors headers and reads"),
     "saved_config": Property(saved_config_strategy, check_saved_config, 200,
                              "a saved model's config.json (read_quant_config, verify_saved)"),
-    "gguf": Property(gguf_strategy, check_gguf, 200, "GGUF files read tensor by tensor"),
+    "gguf": Property(gguf_strategy, check_gguf, 200, "GGUF files read tensor by tensor (streaming)"),
+    "gguf_load": Property(gguf_strategy, check_gguf_load, 25, "GGUF files loaded whole (transformers)"),
 }  # fmt: skip
 
 
