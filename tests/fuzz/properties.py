@@ -70,10 +70,33 @@ _INTS = st.one_of(
     st.sampled_from([-1, 0, 1, 2, 3, 4, 8, 9, 16, 17, 32, 64, 2**31, 2**32, 2**53 + 1, 2**63, 2**64]),
 )
 _SCALARS = st.one_of(
-    st.none(), st.booleans(), _INTS, st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
-    st.sampled_from(["int", "fp8", "e4m3", "rtn", "gptq", "W4A8", "64x64", "16-(8/4)-0.5", "float16",
-                     "uint8", "I32", "F16", "BF16", "", "none", "-1", "nan"]),
-)  # fmt: skip
+    st.none(),
+    st.booleans(),
+    _INTS,
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.sampled_from(
+        [
+            "int",
+            "fp8",
+            "e4m3",
+            "rtn",
+            "gptq",
+            "W4A8",
+            "64x64",
+            "16-(8/4)-0.5",
+            "float16",
+            "uint8",
+            "I32",
+            "F16",
+            "BF16",
+            "",
+            "none",
+            "-1",
+            "nan",
+        ]
+    ),
+)
 JSON = st.recursive(
     _SCALARS,
     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=10), c, max_size=4),
@@ -161,16 +184,23 @@ def _near(examples: list[str], alphabet: str):
 
 _GRAMMARS = {
     # flag: (methods that take it, valid examples, alphabet of the grammar)
-    "--sq": (("sq-weights", "sq-acts"), ["16-(8/4)-0.5", "64-(fp8/fp4)-0.875", "8-(4/2)-0"], "0123456789-()/.fpFP e"),
+    "--sq": (
+        ("sq-weights", "sq-acts"),
+        ["16-(8/4)-0.5", "64-(fp8/fp4)-0.875", "8-(4/2)-0"],
+        "0123456789-()/.fpFP e",
+    ),
     "--block": (("mosaic", "sfmp"), ["64x64", "512x128", "1x1"], "0123456789xX -+e."),
-    "--scheme": (("rtn", "gptq", "mosaic"), ["W4A8", "W4A16", "W8A8-FP8", "W4A4-FP4", "W4A8-E5M2"],
-                 "WA0123456789-FPEM wa_"),
+    "--scheme": (
+        ("rtn", "gptq", "mosaic"),
+        ["W4A8", "W4A16", "W8A8-FP8", "W4A4-FP4", "W4A8-E5M2"],
+        "WA0123456789-FPEM wa_",
+    ),
     "--group-size": (("rtn", "gptq"), ["128", "-1", "32"], "0123456789-+ e."),
     "--alpha": (("smoothquant", "awq"), ["0.5", "search", "1"], "0123456789.-e+ nainfsearch"),
     "--alpha-grid": (("smoothquant",), ["0.3,0.5,0.7", "0.5"], "0123456789.,-e+ nainf"),
     "--max-memory": (("gptq",), ["8GB", "512MB", "1.5T", "64GiB", "auto"], "0123456789.KMGTiBkmgtb -e+"),
     "--bits": (("gptq",), ["4", "3", "8"], "0123456789-+ ."),
-}  # fmt: skip
+}
 
 
 def grammar_strategy():
@@ -193,9 +223,16 @@ def check_grammar(case) -> None:
     from bitmosaic.pipeline.spill import parse_size
 
     flag, method, text = case
-    direct = {"--sq": [parse_sq], "--block": [parse_block, mosaic_block], "--scheme": [parse_scheme],
-              "--group-size": [parse_group_size], "--alpha": [parse_alpha], "--alpha-grid": [parse_floats],
-              "--max-memory": [parse_size], "--bits": []}[flag]  # fmt: skip
+    direct = {
+        "--sq": [parse_sq],
+        "--block": [parse_block, mosaic_block],
+        "--scheme": [parse_scheme],
+        "--group-size": [parse_group_size],
+        "--alpha": [parse_alpha],
+        "--alpha-grid": [parse_floats],
+        "--max-memory": [parse_size],
+        "--bits": [],
+    }[flag]
     for fn in direct:
         ours(fn, text)
     ours(normalize_fmt, text)
@@ -233,8 +270,11 @@ def check_recipe(d) -> None:
 
     recipe = ours(Recipe.from_dict, d)
     if recipe is not None:
-        names = [f"model.layers.{i}.{n}" for i in range(2)
-                 for n in ("self_attn.q_proj", "mlp.down_proj", "mlp.gate_proj")]  # fmt: skip
+        names = [
+            f"model.layers.{i}.{n}"
+            for i in range(2)
+            for n in ("self_attn.q_proj", "mlp.down_proj", "mlp.gate_proj")
+        ]
         resolve = ours(recipe.resolver, names)
         if resolve is not None:
             for n in names:
@@ -243,9 +283,17 @@ def check_recipe(d) -> None:
 
 def recipe_file_strategy():
     as_text = mutated_json(_RECIPE).map(lambda d: json.dumps(d).encode())
-    yaml_text = st.sampled_from([b"method: gptq\nsettings: {bits: 4}\n", b"- a\n- [b, {c: d}]\n",
-                                 b"method: &a [*a]\n", b"a: !!python/object/apply:os.system ['true']\n",
-                                 b"[" * 400, b"{a: " * 300, b"method: gptq\nsettings: !!binary aGVsbG8=\n"])  # fmt: skip
+    yaml_text = st.sampled_from(
+        [
+            b"method: gptq\nsettings: {bits: 4}\n",
+            b"- a\n- [b, {c: d}]\n",
+            b"method: &a [*a]\n",
+            b"a: !!python/object/apply:os.system ['true']\n",
+            b"[" * 400,
+            b"{a: " * 300,
+            b"method: gptq\nsettings: !!binary aGVsbG8=\n",
+        ]
+    )
     raw = st.one_of(as_text, yaml_text, st.binary(max_size=64))
     data = raw.flatmap(lambda b: st.one_of(st.just(b), mutated_bytes(b, len(b) or 1)))
     return st.tuples(data, st.sampled_from([".json", ".yaml", ".yml", ".txt"]))
@@ -268,9 +316,13 @@ def _safetensors_bytes() -> bytes:
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(0)
-    sd = {"a.qweight": torch.randint(0, 2**31 - 1, (4, 8), dtype=torch.int32, generator=g),
-          "a.scales": torch.randn(4, 2, generator=g).half(), "b.weight": torch.randn(3, 5, generator=g),
-          "c.bias": torch.zeros(0), "d.codes": torch.randint(0, 255, (7,), dtype=torch.uint8, generator=g)}  # fmt: skip
+    sd = {
+        "a.qweight": torch.randint(0, 2**31 - 1, (4, 8), dtype=torch.int32, generator=g),
+        "a.scales": torch.randn(4, 2, generator=g).half(),
+        "b.weight": torch.randn(3, 5, generator=g),
+        "c.bias": torch.zeros(0),
+        "d.codes": torch.randint(0, 255, (7,), dtype=torch.uint8, generator=g),
+    }
     with _scratch() as d:
         save_file(sd, str(d / "x.safetensors"), metadata={"format": "pt", "bitmosaic_format_version": "1"})
         return (d / "x.safetensors").read_bytes()
@@ -304,9 +356,10 @@ def safetensors_strategy():
     evil = st.sampled_from(["../x.safetensors", "/etc/passwd", "..", ".", "", "a/b.safetensors", "..\\x"])
     index_cases = st.one_of(
         mutated_json(index, ("weight_map",)),
-        st.tuples(st.sampled_from(keys), evil).map(lambda kv: {**index, "weight_map": {**index["weight_map"],
-                                                                                     kv[0]: kv[1]}}),
-    )  # fmt: skip
+        st.tuples(st.sampled_from(keys), evil).map(
+            lambda kv: {**index, "weight_map": {**index["weight_map"], kv[0]: kv[1]}}
+        ),
+    )
     return st.one_of(
         st.tuples(st.one_of(mutated_bytes(data, hot), _header_mutated()), st.none()),
         st.tuples(st.just(data), index_cases),
@@ -446,16 +499,24 @@ class Property:
 
 
 PROPERTIES: dict[str, Property] = {
-    "grammars": Property(grammar_strategy, check_grammar, 1500,
-                         "--sq/--block/--scheme/--group-size/--alpha/--alpha-grid/--max-memory/--bits"),
-    "recipe": Property(recipe_strategy, check_recipe, 800, "recipe mappings (Recipe.from_dict)"),
-    "recipe_file": Property(recipe_file_strategy, check_recipe_file, 300, "recipe files (YAML/JSON bytes)"),
-    "safetensors": Property(safetensors_strategy, check_safetensors, 600, "safetensors headers and reads"),
-    "saved_config": Property(saved_config_strategy, check_saved_config, 200,
-                             "a saved model's config.json (read_quant_config, verify_saved)"),
-    "gguf": Property(gguf_strategy, check_gguf, 200, "GGUF files read tensor by tensor (streaming)"),
-    "gguf_load": Property(gguf_strategy, check_gguf_load, 25, "GGUF files loaded whole (transformers)"),
-}  # fmt: skip
+    "grammars": Property(
+        grammar_strategy,
+        check_grammar,
+        1500,
+        "--sq/--block/--scheme/--group-size/--alpha/--alpha-grid/--max-memory/--bits",
+    ),
+    "recipe": Property(recipe_strategy, check_recipe, 1000, "recipe mappings (Recipe.from_dict)"),
+    "recipe_file": Property(recipe_file_strategy, check_recipe_file, 100, "recipe files (YAML/JSON bytes)"),
+    "safetensors": Property(safetensors_strategy, check_safetensors, 200, "safetensors headers and reads"),
+    "saved_config": Property(
+        saved_config_strategy,
+        check_saved_config,
+        30,
+        "a saved model's config.json (read_quant_config, verify_saved)",
+    ),
+    "gguf": Property(gguf_strategy, check_gguf, 50, "GGUF files read tensor by tensor (streaming)"),
+    "gguf_load": Property(gguf_strategy, check_gguf_load, 8, "GGUF files loaded whole (transformers)"),
+}
 
 
 def run(name: str, examples: int | None = None, seed: int | None = None) -> None:
@@ -463,14 +524,16 @@ def run(name: str, examples: int | None = None, seed: int | None = None) -> None
     ``seed`` is given.  Raises the first defect found (shrunk by hypothesis)."""
     prop = PROPERTIES[name]
     cfg = settings(
-        max_examples=examples or prop.examples, deadline=None, derandomize=seed is None, database=None,
-        suppress_health_check=list(HealthCheck), print_blob=False,
-    )  # fmt: skip
+        max_examples=examples or prop.examples,
+        deadline=None,
+        derandomize=seed is None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
     test = cfg(given(prop.strategy())(prop.check))
     if seed is not None:
         from hypothesis import seed as hseed
 
         test = hseed(seed)(test)
     test()
-
-
