@@ -32,7 +32,8 @@ __all__ = ["Checkpoint"]
 def is_file_name(name) -> bool:
     """Whether ``name`` (from an index file) is a plain file name: a non-empty string with no folder part,
     not ``.`` or ``..``, so that the file it names lies in the index's own folder."""
-    return isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name and "\\" not in name
+    plain = isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name
+    return plain and "\\" not in name
 
 
 def _missing(spec: str, name: str) -> str:
