@@ -209,8 +209,9 @@ def _from_pretrained(src: str, kw: dict, spec: str, dtype: torch.dtype):
         # transformers' GGUF reader fails on a truncated or damaged file with whatever its parsing hits
         # (numpy's "cannot reshape", KeyError 'tokens', an unknown value type, bad UTF-8, ...)
         raise CorruptModelError(
-            f"could not load {spec!r}: the GGUF file {kw['gguf_file']} is truncated or damaged "
-            f"({type(e).__name__}: {' '.join(str(e).split())[:160]}); re-download it"
+            f"could not load {spec!r}: transformers cannot read the GGUF file {kw['gguf_file']} "
+            f"({type(e).__name__}: {' '.join(str(e).split())[:160]}); it is truncated, damaged or of an "
+            "architecture transformers does not convert: re-download it, or convert it with llama.cpp"
         ) from None
     model.eval()
     _check_weights(model, spec)
