@@ -211,7 +211,7 @@ def _from_pretrained(src: str, kw: dict, spec: str, dtype: torch.dtype):
         raise CorruptModelError(
             f"could not load {spec!r}: transformers cannot read the GGUF file {kw['gguf_file']} "
             f"({type(e).__name__}: {' '.join(str(e).split())[:160]}); it is truncated, damaged or of an "
-            "architecture transformers does not convert: re-download it, or convert it with llama.cpp"
+            "architecture transformers does not convert: re-download it, or use the model's safetensors"
         ) from None
     model.eval()
     _check_weights(model, spec)
