@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import OptionError
 from ..formats.grid import fp16_ceil
 from ..formats.layout import default_g_idx
 from .types import QuantResult
@@ -69,7 +70,7 @@ def parse_block(block) -> tuple[int, int]:
         try:
             dims = tuple(int(p) for p in parts)
         except ValueError:
-            raise ValueError(f"block must look like 64x64, got {block!r}") from None
+            raise OptionError(f"block must look like 64x64, got {block!r}") from None
     elif isinstance(block, int):
         dims = (block,)
     else:
@@ -77,7 +78,7 @@ def parse_block(block) -> tuple[int, int]:
     if len(dims) == 1:
         dims = dims * 2
     if len(dims) != 2 or min(dims) < 1:
-        raise ValueError(f"block must be two positive sizes like 64x64, got {block!r}")
+        raise OptionError(f"block must be two positive sizes like 64x64, got {block!r}")
     return dims  # type: ignore[return-value]
 
 

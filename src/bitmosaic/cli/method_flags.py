@@ -202,13 +202,16 @@ def _converter(f: dataclasses.Field):
 
 def _convert(d: MethodFlag, f: dataclasses.Field, raw):
     spec = option_spec(f)
+    if isinstance(raw, list):  # argparse reads `--block=--` as an empty list
+        raise OptionError(f"{d.flag} got no value (argparse takes '--' as the end of the options)")
     if isinstance(raw, bool) or not isinstance(raw, str):
         return raw
     parse = _converter(f)
     try:
         value = parse(raw)
     except ValueError as e:
-        raise OptionError(f"{d.flag} {raw}: {e}") from None
+        shown = raw if raw.isprintable() else repr(raw)  # a newline in the text stays on one line
+        raise OptionError(f"{d.flag} {shown}: {e}") from None
     if spec.choices and value not in spec.choices:
         raise OptionError(f"{d.flag} {raw!r} must be one of {', '.join(map(str, spec.choices))}")
     return value

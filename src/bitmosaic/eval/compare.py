@@ -65,7 +65,8 @@ class CompareConfig:
 
     @property
     def slug(self) -> str:
-        return re.sub(r"[^A-Za-z0-9._-]+", "_", self.name).strip("_") or self.method
+        # a plain file name: no folder part, no "." or ".." naming OUT/models itself or its parent
+        return re.sub(r"[^A-Za-z0-9._-]+", "_", self.name).strip("._") or self.method
 
 
 def _setting_flags(setting: str, where: str) -> list[str]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import OptionError
 from .fp import FP_FORMATS, fp_round, get_float_format
 
 __all__ = [
@@ -114,7 +115,7 @@ def normalize_fmt(name: str) -> str:
     try:
         return _FMT_ALIASES[name.lower()]
     except KeyError:
-        raise ValueError(f"unknown activation format {name!r}; choose from {sorted(_FMT_ALIASES)}") from None
+        raise OptionError(f"unknown activation format {name!r}; choose from {sorted(_FMT_ALIASES)}") from None
 
 
 def parse_scheme(scheme: str) -> tuple[int, ActQuantSpec | None]:
@@ -123,11 +124,11 @@ def parse_scheme(scheme: str) -> tuple[int, ActQuantSpec | None]:
     setting); INT activations to dynamic per-token scales (the usual W8A8/W4A4 setting)."""
     m = re.fullmatch(r"W(\d+)A(\d+)(?:-(\w[\w-]*))?", scheme.strip().upper())
     if not m:
-        raise ValueError(f"scheme {scheme!r} is not of the form W<bits>A<bits>[-FP8|-FP4|-E5M2]")
+        raise OptionError(f"scheme {scheme!r} is not of the form W<bits>A<bits>[-FP8|-FP4|-E5M2]")
     wbits, abits, fmt = int(m.group(1)), int(m.group(2)), m.group(3)
     if abits >= 16:
         if fmt:
-            raise ValueError(f"scheme {scheme!r}: 16-bit activations take no format suffix")
+            raise OptionError(f"scheme {scheme!r}: 16-bit activations take no format suffix")
         return wbits, None
     if fmt is None:
         return wbits, ActQuantSpec("int", abits)

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import OptionError
 from .fp import fp_round, get_float_format
 from .packing import pack_codes, unpack_codes
 
@@ -95,20 +96,20 @@ class SQFormat:
 
     def __post_init__(self) -> None:
         if self.bank not in BANKS:
-            raise ValueError(f"SQ bank size must be one of {BANKS}, got {self.bank}")
+            raise OptionError(f"SQ bank size must be one of {BANKS}, got {self.bank}")
         if self.sparsity not in SPARSITIES:
-            raise ValueError(f"SQ sparsity must be one of {SPARSITIES}, got {self.sparsity}")
+            raise OptionError(f"SQ sparsity must be one of {SPARSITIES}, got {self.sparsity}")
         nh = (1 - self.sparsity) * self.bank
         if nh != int(nh) or nh < 1:
-            raise ValueError(
+            raise OptionError(
                 f"SQ bank {self.bank} at sparsity {self.sparsity} keeps (1-s)*b = {nh} high values per "
                 "bank, which is not a positive integer; use a larger bank or a smaller sparsity"
             )
         if self.fp:
             if (self.h_high, self.h_low) not in ((8, 4), (8, 0)):
-                raise ValueError(f"the FP SQ pair is (fp8/fp4) (or fp8/0), got ({self.h_high}/{self.h_low})")
+                raise OptionError(f"the FP SQ pair is (fp8/fp4) (or fp8/0), got ({self.h_high}/{self.h_low})")
         elif (self.h_high, self.h_low) not in INT_PAIRS and not (self.h_low == 0 and self.h_high in (4, 8)):
-            raise ValueError(
+            raise OptionError(
                 f"SQ precision pair ({self.h_high}/{self.h_low}) is not supported; use one of "
                 f"{', '.join(f'({a}/{b})' for a, b in INT_PAIRS)} or (8/0), (4/0) for pruning"
             )
@@ -183,16 +184,18 @@ def parse_sq(text: str | SQFormat, partial_last_bank: bool = False) -> SQFormat:
         return text
     m = _SQ_RE.fullmatch(text)
     if not m:
-        raise ValueError(
+        raise OptionError(
             f"SQ setting {text!r} is not of the form <bank>-(<high>/<low>)-<sparsity>, e.g. 16-(8/4)-0.5 "
             "or 64-(fp8/fp4)-0.875"
         )
     fp_h, fp_l = bool(m.group(2)), bool(m.group(4))
     if fp_h != fp_l and int(m.group(5)) != 0:
-        raise ValueError(f"SQ setting {text!r} mixes FP and INT; write both as fpN or both as N")
-    return SQFormat(
-        int(m.group(1)), int(m.group(3)), int(m.group(5)), float(m.group(6)), fp_h, partial_last_bank
-    )
+        raise OptionError(f"SQ setting {text!r} mixes FP and INT; write both as fpN or both as N")
+    try:
+        sparsity = float(m.group(6))
+    except ValueError:  # "0.5.5": the pattern admits any run of digits and dots
+        raise OptionError(f"SQ setting {text!r}: sparsity {m.group(6)!r} is not a number, e.g. 0.5") from None
+    return SQFormat(int(m.group(1)), int(m.group(3)), int(m.group(5)), sparsity, fp_h, partial_last_bank)
 
 
 def weight_name(fmt: SQFormat, abits: int | None) -> str:

@@ -28,6 +28,13 @@ from ..errors import CorruptModelError, ModelSpecError, check_finite
 __all__ = ["Checkpoint"]
 
 
+def is_file_name(name) -> bool:
+    """Whether ``name`` (from an index file) is a plain file name: a non-empty string with no folder part,
+    not ``.`` or ``..``, so that the file it names lies in the index's own folder."""
+    plain = isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name
+    return plain and "\\" not in name
+
+
 def _missing(spec: str, name: str) -> str:
     return f"{spec}: tensor {name} is missing from the checkpoint; re-download it"
 
@@ -47,12 +54,23 @@ class Checkpoint:
             except (ValueError, KeyError, TypeError) as e:
                 msg = f"{index} is not a valid safetensors index ({e}); re-download it"
                 raise CorruptModelError(msg) from None
+            if not isinstance(weight_map, dict) or not all(map(is_file_name, weight_map.values())):
+                raise CorruptModelError(
+                    f"{index}: weight_map is not a table of tensor -> file name in this folder (a name "
+                    "with a folder part or '..' may not leave it); re-download it"
+                )
             self.files = {k: self.folder / v for k, v in weight_map.items()}
         elif single.is_file():
-            from safetensors import safe_open
+            from safetensors import SafetensorError, safe_open
 
-            with safe_open(str(single), "pt") as f:
-                self.files = dict.fromkeys(f.keys(), single)
+            try:
+                with safe_open(str(single), "pt") as f:
+                    self.files = dict.fromkeys(f.keys(), single)
+            except (SafetensorError, OSError) as e:
+                raise CorruptModelError(
+                    f"{single} is truncated or not a safetensors file ({' '.join(str(e).split())}); "
+                    "re-download or re-save the model"
+                ) from None
         else:
             raise ModelSpecError(
                 f"{self.folder} holds no safetensors weights (model.safetensors or an index): streaming "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import struct
 from pathlib import Path
 
 import torch
@@ -31,6 +32,10 @@ __all__ = [
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# what transformers' GGUF reading raises on a damaged file (struct.error included)
+_GGUF_READ_ERRORS = (ValueError, KeyError, IndexError, TypeError, OverflowError, AttributeError, struct.error)
 
 
 def _smollm2_gguf() -> Path:
@@ -195,6 +200,18 @@ def _from_pretrained(src: str, kw: dict, spec: str, dtype: torch.dtype):
         raise CorruptModelError(
             f"could not load {spec!r}: its weights are truncated or not safetensors "
             f"({' '.join(str(e).split())}); re-download or re-save the model"
+        ) from None
+    except BitmosaicError:
+        raise
+    except _GGUF_READ_ERRORS as e:
+        if "gguf_file" not in kw:
+            raise
+        # transformers' GGUF reader fails on a truncated or damaged file with whatever its parsing hits
+        # (numpy's "cannot reshape", KeyError 'tokens', an unknown value type, bad UTF-8, ...)
+        raise CorruptModelError(
+            f"could not load {spec!r}: transformers cannot read the GGUF file {kw['gguf_file']} "
+            f"({type(e).__name__}: {' '.join(str(e).split())[:160]}); it is truncated, damaged or of an "
+            "architecture transformers does not convert: re-download it, or use the model's safetensors"
         ) from None
     model.eval()
     _check_weights(model, spec)

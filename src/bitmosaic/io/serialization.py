@@ -35,6 +35,7 @@ from torch import nn
 from ..errors import CorruptModelError, OutputWriteError, check_finite
 from ..formats.accounting import dtype_name_bits
 from ..modules.qmodules import full_layer_config, module_from_layer_config
+from .checkpoint import is_file_name
 from .finish import finish_load, model_arch, quant_modules_by_kind
 from .integrity import write_sums
 from .outdir import (  # noqa: F401  (the names other modules import from here)
@@ -316,10 +317,10 @@ def _weight_files(path: Path) -> tuple[list[Path], dict | None]:
             )
         return [single], None
     weight_map = _read_json(index).get("weight_map")
-    names = set(weight_map.values()) if isinstance(weight_map, dict) else {None}
-    if not names or not all(isinstance(n, str) and n and Path(n).name == n for n in names):
+    names = list(weight_map.values()) if isinstance(weight_map, dict) else [None]
+    if not names or not all(map(is_file_name, names)):
         raise CorruptModelError(f"{index}: weight_map is missing or names files outside the folder")
-    files = [path / n for n in sorted(names)]
+    files = [path / n for n in sorted(set(names))]
     for f in files:
         if not f.is_file():
             raise CorruptModelError(f"weights file {f} is missing; {_RESAVE}")

@@ -17,6 +17,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import OptionError
+
 __all__ = [
     "ConfigMeta", "OptionSpec", "option", "option_spec", "config_options", "used_options", "rename_old_keys",
     "parse_block", "parse_block_text", "parse_group_size", "parse_alpha", "parse_floats", "parse_none",
@@ -92,8 +94,6 @@ def rename_old_keys(cls, kwargs: dict, where: str = "") -> dict:
         if k in old:
             new = old[k]
             if new in kwargs:
-                from ..errors import OptionError
-
                 raise OptionError(f"{where}both {k!r} (old name) and {new!r} given; keep only {new!r}")
             warnings.warn(
                 f"{where}option {k!r} is now called {new!r}; the old name goes away in the next release",
@@ -118,8 +118,6 @@ def check_range(cls, name: str, value) -> None:
     """A value outside its field's declared choices or range is an :class:`~bitmosaic.errors.OptionError`."""
     spec = option_spec(config_options(cls)[name])
     if spec.choices and value is not None and not isinstance(value, bool) and value not in spec.choices:
-        from ..errors import OptionError
-
         raise OptionError(f"{name}={value!r} is not one of {', '.join(map(str, spec.choices))}")
     if spec.range is None or value is None or isinstance(value, (str, bool)):
         return
@@ -129,8 +127,6 @@ def check_range(cls, name: str, value) -> None:
         or (lo is not None and value < lo)
         or (hi is not None and value > hi)
     ):
-        from ..errors import OptionError
-
         span = f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
         raise OptionError(f"{name}={value!r} is out of range {span}")
 
@@ -144,9 +140,9 @@ def parse_block(text) -> tuple[int, int]:
         try:
             r, c = (int(v) for v in str(text).lower().split("x"))
         except ValueError:
-            raise ValueError("a block must look like ROWSxCOLS, e.g. 64x64 or 512x128") from None
+            raise OptionError("a block must look like ROWSxCOLS, e.g. 64x64 or 512x128") from None
     if r < 1 or c < 1:
-        raise ValueError("block sizes must be positive")
+        raise OptionError("block sizes must be positive, e.g. 64x64")
     return r, c
 
 
@@ -156,9 +152,12 @@ def parse_block_text(text) -> str:
 
 
 def parse_group_size(text) -> int | None:
-    v = int(text)
+    try:
+        v = int(text)
+    except ValueError:
+        raise OptionError("group size must be a whole number: positive, or -1 for per-channel") from None
     if v < -1 or v == 0:
-        raise ValueError("group size must be positive, or -1 for per-channel")
+        raise OptionError("group size must be positive, or -1 for per-channel")
     return None if v == -1 else v
 
 
@@ -168,9 +167,9 @@ def parse_alpha(text) -> float | None:
     try:
         v = float(text)
     except ValueError:
-        raise ValueError("alpha must be a number in [0, 1] or 'search'") from None
+        raise OptionError("alpha must be a number in [0, 1] or 'search'") from None
     if not 0.0 <= v <= 1.0:
-        raise ValueError("alpha must be in [0, 1] or 'search'")
+        raise OptionError("alpha must be in [0, 1] or 'search'")
     return v
 
 
@@ -178,7 +177,7 @@ def parse_floats(text) -> tuple[float, ...]:
     try:
         return tuple(float(v) for v in str(text).split(",") if v.strip())
     except ValueError:
-        raise ValueError(f"{text!r} must be a comma list of numbers (0.3,0.5,0.7)") from None
+        raise OptionError(f"{text!r} must be a comma list of numbers (0.3,0.5,0.7)") from None
 
 
 def parse_none(text) -> str | None:

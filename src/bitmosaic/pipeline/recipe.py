@@ -195,11 +195,16 @@ def load_recipe(path: str | os.PathLike) -> Recipe:
         raise OptionError(
             f"--recipe {path}: cannot read it ({e.strerror or e}); give a YAML or JSON file"
         ) from None
+    except UnicodeDecodeError as e:
+        raise OptionError(
+            f"--recipe {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+            "give a YAML or JSON file"
+        ) from None
     import yaml
 
     try:
         data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as e:
+    except (ValueError, yaml.YAMLError, RecursionError) as e:  # RecursionError: nesting too deep
         reason = " ".join(str(e).split())[:200]
         raise OptionError(f"--recipe {path} is not valid YAML/JSON ({reason}); fix the file") from None
     return Recipe.from_dict(data, where=f"recipe {path.name}")

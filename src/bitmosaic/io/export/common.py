@@ -155,6 +155,20 @@ def check_export_dir(out, overwrite: bool, src: Path) -> Path:
     return out
 
 
+def _check_inside(f: Path, folder: Path) -> None:
+    """A file to copy from the saved ``folder`` must be its own: a symlink pointing outside it (a
+    downloaded folder's ``tokenizer.json -> ~/.ssh/id_rsa``) would put a stranger's choice of the user's
+    files into the export.  A Hugging Face cache snapshot's links into its ``blobs`` folder are fine."""
+    target = f.resolve()
+    inside = target.is_relative_to(folder.resolve())
+    hub_blob = target.parent == folder.resolve().parent.parent / "blobs"  # snapshots/<rev> -> blobs
+    if f.is_symlink() and not (inside or hub_blob):
+        raise ExportError(
+            f"{f} is a symlink to {target}, outside the saved folder; export copies only the folder's own "
+            "files: replace the link by the file it should be, or remove it"
+        )
+
+
 def write(
     src: Source, out: Path, overwrite: bool, tensors: dict, qconfig: dict, result: ExportResult
 ) -> None:
@@ -168,6 +182,7 @@ def write(
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
         for f in sorted(src.path.iterdir()):  # tokenizer, generation config, chat template ...
             if f.is_file() and f.name not in _NOT_COPIED and not f.name.endswith(".safetensors"):
+                _check_inside(f, src.path)
                 shutil.copy2(f, tmp / f.name)
         sd = {k: v.contiguous() for k, v in {**src.plain_tensors(), **tensors}.items()}
         write_safetensors(tmp, sd, {"format": "pt"})

@@ -1,0 +1,86 @@
+"""The long fuzz run (issue 26, section 3): every property of ``tests/fuzz/properties.py`` -- the test
+suite's fuzzing of every parser of untrusted input -- for many more cases, each with its own random seed
+unless ``--derandomize``.  Writes ``benchmarks/results/fuzz_long.{json,md}``: per property the cases run,
+the seconds, and how the inputs ended (accepted, or refused with which one-line error); a property that
+finds a defect records its exception and the run exits 1.
+
+    python benchmarks/fuzz_long.py --examples 5000            # every property, 5000 cases each
+    python benchmarks/fuzz_long.py --examples 20000 --only grammars recipe
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests.fuzz
+
+from tests.fuzz.properties import OUTCOMES, PROPERTIES, run  # noqa: E402
+
+from common import write_results  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--examples", type=int, default=5000, help="cases per property (default: %(default)s)")
+    p.add_argument(
+        "--scale-slow",
+        action="store_true",
+        help="give the slow properties (saved_config, gguf, gguf_load) the same count; by default they "
+        "get the test suite's share of it (their cases take 0.3-3 s each)",
+    )
+    p.add_argument("--only", nargs="*", choices=sorted(PROPERTIES), help="these properties only")
+    p.add_argument("--seed", type=int, default=None, help="the random seed (default: a new one)")
+    p.add_argument("--derandomize", action="store_true", help="the test suite's fixed cases, only more")
+    p.add_argument("--json", default=None, help="output JSON (default benchmarks/results/fuzz_long.json)")
+    args = p.parse_args()
+    if args.examples < 1:
+        p.error(f"--examples {args.examples} must be at least 1")
+    seed = None if args.derandomize else (args.seed if args.seed is not None else int(time.time()))
+    most = max(prop.examples for prop in PROPERTIES.values())
+    rows, failed = [], 0
+    for name in args.only or sorted(PROPERTIES):
+        prop = PROPERTIES[name]
+        n = args.examples if args.scale_slow else max(1, round(args.examples * prop.examples / most))
+        OUTCOMES.clear()
+        t0 = time.perf_counter()
+        try:
+            run(name, n, seed=seed)
+            defect = None
+        except Exception as e:  # a defect: recorded, the other properties still run
+            defect = "".join(traceback.format_exception_only(type(e), e)).strip()[-600:]
+            failed += 1
+        secs = time.perf_counter() - t0
+        row = {
+            "property": name,
+            "what": prop.what,
+            "examples": n,
+            "seconds": round(secs, 1),
+            "defect": defect,
+            "outcomes": dict(sorted(OUTCOMES.items())),
+        }
+        rows.append(row)
+        print(f"{name:14s} {n:7d} cases {secs:8.1f}s  {'DEFECT: ' + defect if defect else 'ok'}", flush=True)
+    cmd = "python benchmarks/fuzz_long.py " + " ".join(sys.argv[1:])
+    md = [
+        f"# Long fuzz run\n\n`{cmd}` (seed {seed if seed is not None else 'derandomized'})\n",
+        "| property | parses | cases | seconds | accepted | refused (one line) | defect |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        acc = sum(v for k, v in r["outcomes"].items() if k.endswith(": accepted"))
+        ref = sum(r["outcomes"].values()) - acc
+        md.append(
+            f"| {r['property']} | {r['what']} | {r['examples']} | {r['seconds']} | {acc} | {ref} | "
+            f"{r['defect'] or 'none'} |"
+        )
+    md.append("\naccepted/refused count parser calls (one case calls several parsers).")
+    write_results(args.json, "fuzz_long", {"command": cmd, "seed": seed, "rows": rows}, "\n".join(md))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
