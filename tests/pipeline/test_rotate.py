@@ -22,8 +22,9 @@ _COMMON = dict(
 _EXTRA = {
     "qwen2": dict(),  # q/k/v biases
     "qwen3": dict(),  # q_norm/k_norm
-    "granite": dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
-                    logits_scaling=3.0),  # fmt: skip
+    "granite": dict(
+        embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0
+    ),  # fmt: skip
     "gemma": dict(),
     "llama": dict(attention_bias=True),  # o_proj bias too
     "smollm3": dict(),

@@ -42,7 +42,8 @@ def foldable(layer: nn.Module, arch: ArchSpec, group_index: int) -> bool:
     when the group's input is rotated online: the rotation mixes the channels between the two)."""
     if arch.smooth_prev is None or arch.smooth_prev[group_index] is None:
         return False
-    if any(getattr(layer.get_submodule(n), "input_rotation", None) is not None for n in arch.sequential[group_index]):
+    group = arch.sequential[group_index]
+    if any(getattr(layer.get_submodule(n), "input_rotation", None) is not None for n in group):
         return False
     prev = layer.get_submodule(arch.smooth_prev[group_index])
     n = layer.get_submodule(arch.sequential[group_index][0]).weight.shape[1]

@@ -52,12 +52,14 @@ def check_rotatable(model: nn.Module, arch: ArchSpec, kind: str) -> None:
         why = rmap.refuse if rmap is not None else "it has no rotation map"
         raise OptionError(f"--rotate {kind} cannot rotate {mtype} exactly: {why}; use --rotate none")
     if any(input_rotation_spec(m) is not None for m in model.modules()):
-        raise OptionError("the model is already rotated (it has online rotations); rotate the float model once")
+        raise OptionError(
+            "the model is already rotated (it has online rotations); rotate the float model once"
+        )
     layer = arch.layers(model)[0]
     for n in (*rmap.writers, *rmap.online, *(x for _, g in rmap.norms for x in g)):
         if not isinstance(layer.get_submodule(n), nn.Linear):
-            raise OptionError(f"--rotate needs float linears, but {n} is {type(layer.get_submodule(n)).__name__}; "
-                              "rotate the float model")  # fmt: skip
+            what = type(layer.get_submodule(n)).__name__
+            raise OptionError(f"--rotate needs float linears, but {n} is {what}; rotate the float model")
     if kind == "hadamard":
         d = model.get_submodule(rmap.embed).weight.shape[1]
         sizes = {"hidden size": d, "head_dim": _head_dim(model.config)}
@@ -67,7 +69,8 @@ def check_rotatable(model: nn.Module, arch: ArchSpec, kind: str) -> None:
             if hadamard_factor(n) is None:
                 raise OptionError(
                     f"--rotate hadamard: no Hadamard matrix of order {n} ({what} of {mtype}) is known here "
-                    "(known: m·2^k with m = 1, 2 or a Paley order such as 12, 20, 28, 36); use --rotate random"
+                    "(known: m·2^k with m = 1, 2 or a Paley order such as 12, 20, 28, 36); "
+                    "use --rotate random"
                 )
 
 
@@ -83,7 +86,9 @@ def _fold_norm(norm: nn.Module, linears: list[nn.Linear], offset: float) -> None
         _set(lin.weight, lin.weight.double() * g[None, :])
     norm.weight.fill_(1.0 - offset)  # scale-free: 1 (Gemma: 1 + 0)
     if getattr(norm, "bias", None) is not None:
-        raise OptionError(f"--rotate: {type(norm).__name__} has a bias, which a rotation cannot pass; use --rotate none")
+        raise OptionError(
+            f"--rotate: {type(norm).__name__} has a bias, which a rotation cannot pass; use --rotate none"
+        )
 
 
 @torch.no_grad()
