@@ -58,3 +58,11 @@ def test_orthogonal_matrices():
     assert not torch.equal(random_orthogonal(20, 1), random_orthogonal(20, 2))
     a, b = orthogonal_matrix("hadamard", 16, 0), orthogonal_matrix("hadamard", 16, 1)
     assert not torch.equal(a, b)  # the seed draws the random signs
+
+
+def test_half_precision_inputs_transform_in_float32():
+    x = torch.randn(4, 576, generator=torch.Generator().manual_seed(0)).bfloat16()
+    got = hadamard_transform(x)
+    assert got.dtype == torch.bfloat16
+    want = (x.double() @ hadamard_matrix(576) / 24).bfloat16()
+    assert torch.equal(got, want)

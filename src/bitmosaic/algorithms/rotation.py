@@ -131,12 +131,14 @@ def hadamard_matrix(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
 
 def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     """``x @ hadamard_matrix(n) / sqrt(n)`` over the last dimension (an orthogonal map), computed as a
-    fast Walsh-Hadamard transform over the power-of-two factor and one ``m × m`` matmul; same dtype."""
+    fast Walsh-Hadamard transform over the power-of-two factor and one ``m × m`` matmul; same dtype
+    (16-bit inputs are transformed in float32: ``log2 n`` rounds of 16-bit sums would lose bits)."""
     n = x.shape[-1]
     m = _require_factor(n)
     p = n // m
     shape = x.shape
-    y = x.reshape(-1, m, p)  # index i = a·p + b for kron(H_m, H_p)
+    work = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    y = x.to(work).reshape(-1, m, p)  # index i = a·p + b for kron(H_m, H_p)
     h = 1
     while h < p:  # butterflies: (y[.., j], y[.., j + h]) -> (sum, difference), blocks of 2h
         y = y.reshape(-1, m, p // (2 * h), 2, h)
