@@ -25,7 +25,9 @@ from bitmosaic.data import bos_token_id
 from bitmosaic.eval.perplexity import perplexity
 from bitmosaic.formats.act import ActQuantSpec
 from bitmosaic.methods import get_method
+from bitmosaic.models.arch import get_arch
 from bitmosaic.pipeline import quantize_model
+from bitmosaic.pipeline.rotate import rotate_model
 
 from common import RESULTS, Bench, base_parser, write_results
 
@@ -111,7 +113,11 @@ def markdown(rows: list[dict], args) -> str:
     ]
     for r in rows:
         if r["name"] == "float":
-            lines.append(f"| float | - | {r['ppl']:.2f} | 1.00 | 0 | 1 | 32 | |")
+            lines.append(f"| float | none | {r['ppl']:.2f} | 1.00 | 0 | 1 | 32 | |")
+            continue
+        if r["name"] == "float +hadamard":
+            lines.append(f"| float | hadamard | {r['ppl']:.2f} | {r['ppl'] / f:.4f} | {r['kl_mean']:.1e} | "
+                         f"{r['top1_agreement']:.4f} | 32 | |")  # fmt: skip
             continue
         lines.append(
             f"| {r['method']} W4{r['acts']} | {r['rotate']} | {r['ppl']:.2f} | {r['ppl'] / f:.2f} | "
@@ -147,7 +153,7 @@ def main() -> None:
     b = Bench(a)
 
     def save() -> None:
-        order = ["float"] + [name_of(*c) for c in CONFIGS]
+        order = ["float", "float +hadamard"] + [name_of(*c) for c in CONFIGS]
         out = [rows[n] for n in order if n in rows]
         args = {k: getattr(a, k) for k in keys}
         write_results(path, "rotation", {"protocol": "fast", "args": args, "rows": out}, markdown(out, args))
@@ -155,6 +161,14 @@ def main() -> None:
     if "float" not in rows or a.redo:
         rows["float"] = {"name": "float", **evaluate(b, b.model)}
         print(f"  float ppl {rows['float']['ppl']:.3f}", flush=True)
+        save()
+    if "float +hadamard" not in rows or a.redo:  # the rotation alone changes nothing (float32 rounding)
+        model = copy.deepcopy(b.model)
+        rotate_model(model, get_arch(model), "hadamard", a.seed)
+        rows["float +hadamard"] = {"name": "float +hadamard", **evaluate(b, model)}
+        del model
+        r = rows["float +hadamard"]
+        print(f"  float +hadamard ppl {r['ppl']:.3f} KL {r['kl_mean']:.2e} top-1 {r['top1_agreement']:.4f}")
         save()
     for c in todo:
         if a.budget_min is not None and time.perf_counter() - t0 > 60 * a.budget_min:
