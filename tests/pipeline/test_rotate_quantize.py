@@ -192,6 +192,8 @@ def test_cli_quantize_inspect_eval_and_stream_refusal(tmp_path, capsys):
           "--no-progress"]  # fmt: skip
     assert main(ev) == 0
     capsys.readouterr()
+    assert main(["reproduce", str(out)]) == 0  # the recipe's rotate key reruns the same rotation
+    assert "match bit for bit" in capsys.readouterr().out
     assert main([*base, "--rotate", "hadamard", "--stream", "on", "--out", str(tmp_path / "s")]) == 2
     err = capsys.readouterr().err.strip()
     assert (
