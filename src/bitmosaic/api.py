@@ -22,17 +22,19 @@ __all__ = ["quantize_", "as_recipe", "calibration_tokens"]
 _DATASETS = ("wikitext2", "wikitext-2")
 
 
-def as_recipe(method, options: dict | None = None, scheme: str | None = None):
-    """A :class:`~bitmosaic.pipeline.recipe.Recipe` from a method name (with config ``options`` and
-    ``scheme``), a ``Recipe``, a recipe dict, or the path of a YAML/JSON recipe file."""
+def as_recipe(method, options: dict | None = None, scheme: str | None = None, rotate: str | None = None):
+    """A :class:`~bitmosaic.pipeline.recipe.Recipe` from a method name (with config ``options``,
+    ``scheme`` and ``rotate``), a ``Recipe``, a recipe dict, or the path of a YAML/JSON recipe file."""
     from .pipeline.recipe import Recipe, _jsonable, load_recipe
 
     options = dict(options or {})
     if isinstance(method, (Recipe, dict)) or (isinstance(method, (str, os.PathLike)) and _is_file(method)):
-        if options or scheme is not None:
+        if options or scheme is not None or rotate is not None:
+            given = sorted(options) + (["scheme"] if scheme is not None else [])
+            given += ["rotate"] if rotate is not None else []
             raise OptionError(
-                f"a recipe sets the method and its settings, so {sorted(options) or ['scheme']} cannot be "
-                "given too; put them in the recipe's settings"
+                f"a recipe sets the method and its settings, so {given} cannot be "
+                "given too; put them in the recipe (its settings, or its 'rotate' key)"
             )
         if isinstance(method, Recipe):
             return method
@@ -53,6 +55,8 @@ def as_recipe(method, options: dict | None = None, scheme: str | None = None):
     d = {"method": spec.name, "settings": _jsonable(options)}
     if scheme is not None:
         d["scheme"] = scheme
+    if rotate is not None:
+        d["rotate"] = rotate
     return Recipe.from_dict(d)
 
 
@@ -133,6 +137,7 @@ def quantize_(
     source_model: str | None = None,
     more_calib=None,
     store=None,
+    rotate: str | None = None,
     **options,
 ) -> RunReport:
     """Quantize ``model`` in place and return the run report.
@@ -149,6 +154,8 @@ def quantize_(
     40% of it one layer's activations, in and out, spill to a temporary folder made in ``spill_dir``
     (default: the system's temporary folder) and are read back batch by batch, with the same results;
     ``measure_errors`` calibrates even Hessian-free methods (RTN, FP8) for the report's error metrics.
+    ``rotate`` (``"none"``, ``"hadamard"``, ``"random"``; a recipe's ``rotate`` key) folds QuaRot's
+    rotations into the float model first (:mod:`bitmosaic.pipeline.rotate`; seeded by ``seed``).
     Options a method's ``prepare`` step takes (its ``prepare_inputs``; e.g. sfmp's ``salience``, a
     precomputed Fisher diagonal per decoder linear, or ``salience_tokens``) go to that step.
     ``calib_cache`` (a :class:`~bitmosaic.pipeline.calib_cache.CalibCache`) shares the float-model
@@ -177,7 +184,7 @@ def quantize_(
         raise OptionError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     takes = {i for m in list_methods() for i in get_method(m).prepare_inputs}
     inputs = {k: options.pop(k) for k in list(options) if k in takes}  # checked by the pipeline
-    recipe = as_recipe(method, options, scheme)
+    recipe = as_recipe(method, options, scheme, rotate)
     ids, source = calibration_tokens(
         calib, tokenizer, nsamples=nsamples, seqlen=seqlen, seed=seed, data_dir=data_dir
     )

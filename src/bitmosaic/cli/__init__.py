@@ -77,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--nsamples", type=int, default=32, help="calibration samples")
     q.add_argument("--seqlen", type=int, default=512, help="tokens per calibration sample")
     q.add_argument("--seed", type=int, default=0, help="seed of the calibration sampling and the run")
+    q.add_argument(
+        "--rotate", choices=("none", "hadamard", "random"), default=None,
+        help="QuaRot rotation folded into the float model before any method (norm scales folded, residual "
+        "stream rotated, per-head value/output rotation, online Hadamard before down_proj): 4-bit "
+        "activations without outlier collapse; random = random orthogonal matrices (default: none)",
+    )  # fmt: skip
     q.add_argument("--batch-size", type=int, default=4, help="calibration samples per layer forward")
     add_cache_args(q)
     q.add_argument("--data-dir", default=None, help="shared data folder (else $BITMOSAIC_DATA, else the hub)")

@@ -74,13 +74,16 @@ def recipe_from_args(args):
 
     if args.recipe is None:
         spec = get_method(args.method)
-        return Recipe.from_options(spec.name, method_options(args, spec))
+        rotate = getattr(args, "rotate", None)
+        return Recipe.from_options(spec.name, method_options(args, spec), rotate=rotate)
     given = [
         d.typed(getattr(args, d.dest))
         for d in method_flags().values()
         if getattr(args, d.dest, None) is not None
     ]
     given += ["--" + a.replace("_", "-") for a in ACT_DESTS if getattr(args, a, None) not in (None, False)]
+    if getattr(args, "rotate", None) is not None:
+        given.append("--rotate (the recipe's 'rotate' key)")
     if args.method != DEFAULT_METHOD:  # a --method next to --recipe (other than the default) is an error
         given.insert(0, "--method")
     if given:
@@ -280,6 +283,8 @@ def _quantize(args, device, dist) -> int:
         out["eval"] = results
         rows = [("float", results["float"]["ppl"])] if "float" in results else []
         label = f"{spec.name} {config.scheme} g{config.group_size or 'ch'}"
+        if recipe.rotate != "none":
+            label += f" +{recipe.rotate}"
         rows.append((label, results["quantized"]["ppl"]))
         print(f"\n{'model':<28} {'perplexity':>12}")
         for name, v in rows:
@@ -426,6 +431,13 @@ def cmd_inspect(args) -> int:
         )
     for line in header:
         print(line)
+    rot = qc.get("rotation")
+    if rot:
+        online = rot.get("online") or {}
+        kinds = sorted({s.get("type", "?") for s in online.values()})
+        untied = "; head untied from the embeddings" if rot.get("untied") else ""
+        print(f"rotation         {rot.get('kind')} (seed {rot.get('seed')}): online {'/'.join(kinds) or '-'} "
+              f"at the input of {len(online)} layer(s){untied}")  # fmt: skip
     print(f"quantized layers {len(rows)} ({total_w / 1e6:.1f}M weights)")
     print(f"bits per weight  {total_bits / max(total_w, 1):.4f} (all stored tensors)")
     print(f"weights on disk  {size / 2**20:.1f} MiB; folder {_dir_size(path) / 2**20:.1f} MiB")

@@ -9,7 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import CorruptModelError
 from ..modules.base import QuantModule
+from ..modules.rotation import apply_saved_rotations
 
 __all__ = ["finish_load", "model_arch", "quant_modules_by_kind"]
 
@@ -50,7 +52,19 @@ def finish_load(
     """Finish a loaded bitmosaic model in place and return it: cast the parameters outside the quantized
     modules to ``dtype`` (when given; stored formats never follow it), then each module's ``after_load``
     and each kind's ``finish_model`` (``arch``: the architecture map, e.g. for exact permutation folds
-    between layers), record ``quant_config`` as ``model.quantization_info`` and switch to eval mode."""
+    between layers), record ``quant_config`` as ``model.quantization_info`` and switch to eval mode.
+    A rotated model (``quant_config["rotation"]``, ``--rotate``) first gets its online rotations back
+    at the inputs they were folded for (before any input quantizer), and keeps the record as
+    ``model.bitmosaic_rotation`` (so a re-save keeps it)."""
+    rotation = quant_config.get("rotation")
+    try:
+        apply_saved_rotations(model, rotation)
+    except (ValueError, TypeError, AttributeError) as e:
+        raise CorruptModelError(
+            f"the saved model's quantization_config 'rotation' entry is unusable ({e}); re-save the model"
+        ) from None
+    if rotation:
+        model.bitmosaic_rotation = rotation
     kinds = quant_modules_by_kind(model)
     if dtype is not None:
         _cast_unquantized(model, {n for mods in kinds.values() for n in mods}, dtype)

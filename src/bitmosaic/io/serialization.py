@@ -127,6 +127,9 @@ def saved_config(model: nn.Module, quant_info: dict, modules: dict[str, dict]) -
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
     qc = {"quant_method": "bitmosaic", "format_version": FORMAT_VERSION, **quant_info}
+    rotation = getattr(model, "bitmosaic_rotation", None)
+    if rotation:  # the online rotations every load path re-attaches (io/finish.py)
+        qc["rotation"] = rotation
     for kind, mods in quant_modules_by_kind(model).items():  # what each kind records of itself
         qc.update(kind.saved_summary(model, mods, qc))
     qc["modules"] = modules

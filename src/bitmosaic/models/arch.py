@@ -13,6 +13,12 @@ op exists (post-norm blocks, fused projections), and the group is left unsmoothe
 o_proj`` is used only when their widths match (no grouped-query attention); with GQA one ``v``
 channel feeds several heads and per-channel factors cannot be folded exactly.  ``norm_offset``
 is 1 for Gemma-style RMSNorms, which multiply by ``1 + weight``.
+
+``rotation`` (a :class:`RotationMap`) says where QuaRot's rotations go (``--rotate``;
+:mod:`bitmosaic.pipeline.rotate`): the embeddings, the final norm and the head, each pre-norm and
+the linears reading it, the linears writing the residual stream, the value/output pair of the
+attention heads and the linears that get an online Hadamard at their input.  ``refuse`` names why an
+architecture cannot be rotated exactly (post-norms between a block's output and the residual add).
 """
 
 from __future__ import annotations
@@ -22,11 +28,34 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["ArchSpec", "ARCHS", "register_arch", "get_arch", "UnknownArchitectureError"]
+__all__ = ["ArchSpec", "ARCHS", "RotationMap", "register_arch", "get_arch", "UnknownArchitectureError"]
 
 
 class UnknownArchitectureError(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class RotationMap:
+    """Where a residual-stream rotation R1, the per-head value/output rotation R2 and the online
+    Hadamards go (names relative to the model, or to a decoder layer for ``norms`` ... ``online``)."""
+
+    embed: str = "model.embed_tokens"
+    final_norm: str = "model.norm"
+    head: str = "lm_head"
+    # (pre-norm, the linears reading its output): its scale is folded into them, then R1 on their inputs
+    norms: tuple[tuple[str, tuple[str, ...]], ...] = (
+        ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+    )
+    writers: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")  # R1ᵀ on their outputs
+    value: str | None = "self_attn.v_proj"  # R2 per head on its output rows ...
+    attn_out: str | None = "self_attn.o_proj"  # ... and on these input columns
+    online: tuple[str, ...] = ("mlp.down_proj",)  # an online Hadamard at the input
+    refuse: str | None = None  # why this architecture cannot be rotated (None: it can)
+
+
+LLAMA_ROTATION = RotationMap()
 
 
 @dataclass(frozen=True)
@@ -36,6 +65,7 @@ class ArchSpec:
     skipped: tuple[str, ...] = ("lm_head", "embed_tokens")
     smooth_prev: tuple[str | None, ...] | None = None
     norm_offset: float = 0.0
+    rotation: RotationMap | None = LLAMA_ROTATION
 
     def layers(self, model: nn.Module) -> nn.ModuleList:
         return model.get_submodule(self.layers_path)
@@ -61,6 +91,10 @@ GEMMA2_LIKE = dataclasses.replace(
     LLAMA_LIKE,
     smooth_prev=("input_layernorm", "self_attn.v_proj", "pre_feedforward_layernorm", "mlp.up_proj"),
     norm_offset=1.0,
+    rotation=RotationMap(
+        refuse="it normalises the attention and MLP outputs (post-norms with their own scales) before the "
+        "residual add, which a residual-stream rotation cannot pass through"
+    ),
 )
 
 PHI3 = ArchSpec(
@@ -68,6 +102,7 @@ PHI3 = ArchSpec(
     sequential=(("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",)),
     # o_proj and down_proj read slices of fused projections: not foldable per channel here
     smooth_prev=("input_layernorm", None, "post_attention_layernorm", None),
+    rotation=RotationMap(refuse="its fused qkv_proj/gate_up_proj have no rotation map here yet"),
 )
 
 ARCHS: dict[str, ArchSpec] = {
@@ -81,7 +116,12 @@ ARCHS: dict[str, ArchSpec] = {
     "gemma3": dataclasses.replace(GEMMA2_LIKE, layers_path="model.language_model.layers"),
     "smollm3": LLAMA_LIKE,
     # OLMo 2 normalises after attention/MLP: q/k/v and gate/up read the raw residual stream
-    "olmo2": dataclasses.replace(LLAMA_LIKE, smooth_prev=(None, "self_attn.v_proj", None, "mlp.up_proj")),
+    "olmo2": dataclasses.replace(
+        LLAMA_LIKE,
+        smooth_prev=(None, "self_attn.v_proj", None, "mlp.up_proj"),
+        rotation=RotationMap(refuse="it normalises after attention and MLP (post-norm blocks), which a "
+                             "residual-stream rotation cannot pass through"),
+    ),
     "granite": LLAMA_LIKE,
     "phi3": PHI3,
 }

@@ -45,6 +45,8 @@ def fold_permutations(producers: list, consumer) -> bool:
     whether anything was folded (nothing when the consumer keeps its natural column order)."""
     if consumer.col_perm is None or not consumer._gather_input:
         return False
+    if getattr(consumer, "input_rotation", None) is not None:  # rotated online between the two: no fold
+        return False
     cp = consumer.col_perm.long()
     for p in producers:  # the kernels (of W̃) stay valid: they read the gathers at call time
         p._emit, p._out_index, p._wcache = cp, None, None

@@ -38,8 +38,12 @@ class GroupCapture:
 
 
 def foldable(layer: nn.Module, arch: ArchSpec, group_index: int) -> bool:
-    """True when ``arch.smooth_prev`` names an op whose output channels are the group's inputs."""
+    """True when ``arch.smooth_prev`` names an op whose output channels are the group's inputs (not
+    when the group's input is rotated online: the rotation mixes the channels between the two)."""
     if arch.smooth_prev is None or arch.smooth_prev[group_index] is None:
+        return False
+    group = arch.sequential[group_index]
+    if any(getattr(layer.get_submodule(n), "input_rotation", None) is not None for n in group):
         return False
     prev = layer.get_submodule(arch.smooth_prev[group_index])
     n = layer.get_submodule(arch.sequential[group_index][0]).weight.shape[1]

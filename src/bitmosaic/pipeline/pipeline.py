@@ -45,6 +45,7 @@ from ..formats.grid import IntGrid
 from ..methods.base import Method, MethodContext, WeightQuantConfig
 from ..models.arch import ArchSpec, get_arch
 from ..modules.actquant import attach_input_quant
+from ..modules.rotation import carry_input_rotation
 from .calib_cache import CalibCache
 from .calibration import (
     OutputCache,
@@ -59,6 +60,7 @@ from .capture import capture_groups, run_layer
 from .distributed import Dist, current
 from .fisher import fisher_service
 from .report import RunReport, peak_rss_mb
+from .rotate import rotate_model
 from .smoothing import fold_group_scales
 from .solve import Handed, HessianSpentError, quantize_shared
 from .spill import SPILL_FRACTION, parse_size
@@ -158,6 +160,7 @@ def quantize_model(
     dist: Dist | None = None,
     max_memory: int | str | None = None,
     spill_dir=None,
+    rotate: str = "none",
 ) -> RunReport:
     """Quantize every linear of ``model``'s decoder layers in place; return the run report.
 
@@ -198,10 +201,21 @@ def quantize_model(
     work folder, else the system's temporary folder) and are read back one batch at a time
     (:mod:`bitmosaic.pipeline.spill`; the same bytes result).  ``report.calibration["spill"]`` says
     whether they spilled and where; the folder is removed when the run ends, also on an error.
+    ``rotate``: ``"hadamard"`` or ``"random"`` first folds QuaRot's rotations into the float model
+    (:mod:`bitmosaic.pipeline.rotate`; ``model.bitmosaic_rotation`` and
+    ``report.calibration["rotation"]`` record them, a saved model re-applies the online ones on load).
     """
     t0 = time.perf_counter()
     budget = parse_size(max_memory)  # a bad size fails before any work
     arch = arch or get_arch(model)
+    if rotate not in (None, "none") and store is not None:
+        raise OptionError(
+            f"--rotate {rotate} rotates the whole float model before calibration, which a streamed run "
+            "(one layer in memory at a time) cannot do; use --stream off"
+        )
+    rotation = rotate_model(model, arch, rotate or "none", seed)
+    if rotation:
+        model.bitmosaic_rotation = rotation
     layers = arch.layers(model)
     dev = resolve_device(device, model)
     cdtype = _compute_dtype(compute_dtype, model, dev)
@@ -217,6 +231,11 @@ def quantize_model(
     entries = [e for plan in plans for e in plan.values() if e]
     report = RunReport(method=method.name, config=config.to_dict(), device=str(dev))
     report.calibration = {"samples": int(calib.shape[0]), "seqlen": int(calib.shape[1])}
+    if rotation:
+        report.calibration["rotation"] = {
+            "kind": rotation["kind"], "seed": rotation["seed"], "online": len(rotation["online"]),
+            "untied_head": rotation["untied"],
+        }  # fmt: skip
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     calibrate = bool(analyze_orders) or measure_errors
@@ -368,6 +387,7 @@ def quantize_model(
                 act = getattr(plan[name][1], "act", None)
                 if act is not None:
                     attach_input_quant(qlin, act, qlin.in_features, act_scales[name])
+                carry_input_rotation(layer.get_submodule(name), qlin)  # online rotation: still first
                 layer.set_submodule(name, qlin.to(home))
             if store is not None:  # written, recorded as finished, and freed
                 store.done(li, layer, report.layers[n_rows:], inputs, gen, total_bits, total_weights)

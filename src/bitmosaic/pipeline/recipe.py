@@ -12,6 +12,7 @@ A recipe is a YAML or JSON mapping::
         method: rtn                   # another method: its own settings (and scheme) only
         settings: {bits: 8, group_size: -1}
     skip: ['layers\\.1\\.mlp\\.gate_proj']   # regexes: these linears stay in float
+    rotate: hadamard                  # optional: none (default), hadamard or random (pipeline/rotate.py)
 
 ``group_size: -1`` means per-channel (``null`` too).  The CLI flags are a one-entry recipe
 (:meth:`Recipe.from_options`), so both take one code path: :func:`quantize_with_recipe` builds a
@@ -38,10 +39,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import OptionError
+from .rotate import ROTATIONS
 
 __all__ = ["Recipe", "Rule", "load_recipe", "method_config", "quantize_with_recipe"]
 
-_TOP_KEYS = ("method", "scheme", "settings", "overrides", "skip")
+_TOP_KEYS = ("method", "scheme", "settings", "overrides", "skip", "rotate")
 _RULE_KEYS = ("match", "method", "scheme", "settings")
 
 
@@ -85,6 +87,7 @@ class Recipe:
     scheme: str | None = None
     overrides: tuple[Rule, ...] = ()
     skip: tuple[str, ...] = ()
+    rotate: str = "none"  # QuaRot rotation folded into the float model first (pipeline/rotate.py)
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -119,17 +122,25 @@ class Recipe:
         if not isinstance(skip, list):
             raise OptionError(f"{where} key 'skip' must be a list of regexes")
         skips = tuple(_pattern(p, f"{where} skip[{i}]") for i, p in enumerate(skip))
-        recipe = cls(d["method"], settings, scheme, tuple(rules), skips)
+        rotate = d.get("rotate", "none")
+        if rotate is None or rotate is False:
+            rotate = "none"
+        if rotate not in ROTATIONS:
+            raise OptionError(f"{where} key 'rotate' must be one of {', '.join(ROTATIONS)}; got {rotate!r}")
+        recipe = cls(d["method"], settings, scheme, tuple(rules), skips, rotate)
         recipe._entry_config(None, f"{where} (method/settings/scheme)")
         for i, rule in enumerate(recipe.overrides):
             recipe._entry_config(rule, f"{where} overrides[{i}]")
         return recipe
 
     @classmethod
-    def from_options(cls, method: str, options: dict) -> Recipe:
+    def from_options(cls, method: str, options: dict, rotate: str | None = None) -> Recipe:
         """The one-entry recipe the CLI flags stand for (``options``: config fields, ``act`` may be
-        an :class:`~bitmosaic.formats.act.ActQuantSpec`)."""
-        return cls.from_dict({"method": method, "settings": _jsonable(options)})
+        an :class:`~bitmosaic.formats.act.ActQuantSpec`; ``rotate``: ``--rotate``)."""
+        d = {"method": method, "settings": _jsonable(options)}
+        if rotate not in (None, "none"):
+            d["rotate"] = rotate
+        return cls.from_dict(d)
 
     def to_dict(self) -> dict:
         d: dict = {"method": self.method, "settings": dict(self.settings)}
@@ -142,6 +153,8 @@ class Recipe:
             ]
         if self.skip:
             d["skip"] = list(self.skip)
+        if self.rotate != "none":
+            d["rotate"] = self.rotate
         return d
 
     # -- resolution ----------------------------------------------------------------------------
@@ -225,7 +238,9 @@ def quantize_with_recipe(model, calib, recipe: Recipe, **pipeline_kwargs):
     ]
     resolve = recipe.resolver(names)
     spec, config = resolve.default  # one object: a model-wide plan made on it reaches every linear
-    return quantize_model(model, calib, spec, config, arch=arch, resolve=resolve, **pipeline_kwargs)
+    return quantize_model(
+        model, calib, spec, config, arch=arch, resolve=resolve, rotate=recipe.rotate, **pipeline_kwargs
+    )
 
 
 # -- validation helpers ------------------------------------------------------------------------------

@@ -72,6 +72,11 @@ def partial_dir(out: str | os.PathLike) -> Path:
 
 def streamable(recipe) -> str | None:
     """``None`` when every method of ``recipe`` can run layer by layer, else why not (one line)."""
+    if getattr(recipe, "rotate", "none") != "none":
+        return (
+            f"--rotate {recipe.rotate} folds rotations into the embeddings, the head and every layer of the "
+            "float model before calibration, so it cannot stream one layer at a time; use --stream off"
+        )
     entries = [recipe.default()]
     entries += [recipe._entry_config(r, f"recipe overrides[{i}]") for i, r in enumerate(recipe.overrides)]
     for method, _ in entries:

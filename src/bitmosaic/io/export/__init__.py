@@ -42,6 +42,7 @@ def export_model(
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if gptq_v2 and fmt != "gptq":
         raise ExportError("--gptq-v2 applies to --format gptq only")
+    _refuse_rotation(src, fmt)
     source = Source.read(src)
     check_export_dir(out, overwrite, source.path)  # fail before converting
     if fmt == "gptq":
@@ -55,3 +56,19 @@ def export_model(
     result = ExportResult(Path(out).expanduser().resolve(), fmt, records, notes)
     write(source, result.out, overwrite, tensors, qconfig, result)
     return result
+
+
+def _refuse_rotation(src, fmt: str) -> None:
+    """A rotated model (``--rotate``) needs its online rotations at run time, which neither format holds."""
+    from ..serialization import read_quant_config
+
+    rotation = read_quant_config(src)[1].get("rotation")
+    if rotation:
+        n = len(rotation.get("online") or {})
+        raise ExportError(
+            f"cannot export as {fmt}: the model was quantized with --rotate {rotation.get('kind')}, whose "
+            "online "
+            f"rotation at the input of {n} layer(s) (e.g. down_proj) a {fmt} checkpoint cannot express (its "
+            "loaders would compute another function); load the bitmosaic folder itself (bitmosaic.load or "
+            "from_pretrained), or quantize with --rotate none to export"
+        )
