@@ -22,13 +22,15 @@ def add_export_parser(sub) -> None:
         "smollm2-135m, gguf:PATH, a folder)",
     )
     x.add_argument("--format", dest="fmt", required=True, choices=["gptq", "compressed-tensors", "gguf"])
-    x.add_argument("--out", required=True, help="new output folder, or FILE.gguf for gguf (written atomically)")
+    x.add_argument(
+        "--out", required=True, help="new output folder, or FILE.gguf for gguf (written atomically)"
+    )
     x.add_argument(
         "--gguf-type",
         type=str.upper,
         metavar="TYPE",
-        help="gguf: the type of the quantized matrices, Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 or F32 F16 BF16 (default: the "
-        "smallest that holds the weights exactly for their bits and symmetry; a float model: per tensor, "
+        help="gguf: the type of the quantized matrices, Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 or F32 F16 BF16 (default: "
+        "the smallest that holds the weights exactly for their bits and symmetry; a float model: per tensor, "
         "the first of F16, BF16, F32 that holds it exactly)",
     )
     x.add_argument(

@@ -165,8 +165,8 @@ class GGUFCheckpoint(Checkpoint):
         if got.shape == probe.shape and np.array_equal(np.sort(got.ravel()), probe.ravel()):
             return got.ravel().astype(np.int64)
         raise UnsupportedGGUFError(
-            f"{self.spec}: reading tensor {gname} of GGUF architecture {self.arch!r} changes its values, so it "
-            "cannot be written back bit for bit"
+            f"{self.spec}: reading tensor {gname} of GGUF architecture {self.arch!r} changes its values, "
+            "so it cannot be written back bit for bit"
         )
 
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:

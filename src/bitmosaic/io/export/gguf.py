@@ -100,8 +100,8 @@ def _source_gguf(model: _Model, given) -> Path:
         kind = None
     if kind != "gguf":
         raise ExportError(
-            f"{model.spec} was not loaded from a GGUF file (source: {spec or 'not recorded'}), and GGUF export "
-            "takes metadata and tokenizer from one (converting a Hugging Face tokenizer is not implemented); "
+            f"{model.spec} was not loaded from a GGUF file (source: {spec or 'not recorded'}), and GGUF "
+            "export takes metadata and tokenizer from one (converting a Hugging Face tokenizer is not implemented); "
             "pass --source-gguf FILE with the GGUF of the same model"
         )
     return Path(info["path"]).resolve()
@@ -114,7 +114,8 @@ def _check_out(out, overwrite: bool) -> Path:
     if out.exists():
         if not _written_by_us(out):
             raise ExportError(
-                f"{out} exists and was not written by bitmosaic export; it is never replaced: choose another --out"
+                f"{out} exists and was not written by bitmosaic export; it is never replaced: "
+                "choose another --out"
             )
         if not overwrite:
             raise ExportError(f"{out} holds an earlier export; pass --overwrite to replace it")
@@ -144,8 +145,8 @@ def _default_type(qmods: dict) -> str:
 
 def _why_wide(form, t: BlockType) -> str:
     if not t.with_min and not form.symmetric and form.bits <= t.bits:
-        return f"asymmetric integers outside [{t.value_range[0]}, {t.value_range[1]}] ({t.name} is symmetric: use " \
-               f"{t.name[:-1]}1)"  # fmt: skip
+        lo, hi = t.value_range
+        return f"asymmetric integers outside [{lo}, {hi}] ({t.name} is symmetric: use {t.name[:-1]}1)"
     return f"{form.bits}-bit integers wider than {t.name} holds ({t.bits} bits)"
 
 
@@ -195,7 +196,9 @@ def _block_layer(t: BlockType, lossy: bool):
     return fn
 
 
-def _float_tensor(w: torch.Tensor, forced: str | None, file_type, lossy: bool) -> tuple[np.ndarray, str, bool]:
+def _float_tensor(
+    w: torch.Tensor, forced: str | None, file_type, lossy: bool
+) -> tuple[np.ndarray, str, bool]:
     """``(data, type name, exact)``: ``w`` in the first type of the candidates that holds it exactly
     (``forced``; else the source file's block type, F16, BF16, F32); 1-D tensors in F32."""
     from gguf import GGMLQuantizationType as Q
@@ -222,8 +225,8 @@ def _float_tensor(w: torch.Tensor, forced: str | None, file_type, lossy: bool) -
 def _file_type(types: list[str]):
     from gguf import LlamaFileType as F
 
-    named = {"F32": F.ALL_F32, "F16": F.MOSTLY_F16, "BF16": F.MOSTLY_BF16, "Q4_0": F.MOSTLY_Q4_0,
-             "Q4_1": F.MOSTLY_Q4_1, "Q5_0": F.MOSTLY_Q5_0, "Q5_1": F.MOSTLY_Q5_1, "Q8_0": F.MOSTLY_Q8_0}  # fmt: skip
+    named = {"F32": F.ALL_F32, "F16": F.MOSTLY_F16, "BF16": F.MOSTLY_BF16}
+    named.update({t: F[f"MOSTLY_{t}"] for t in BLOCK_TYPES})
     for t in (*BLOCK_TYPES, "BF16", "F16"):  # the type of the quantized matrices, else the floats'
         if t in types:
             return named[t]
@@ -240,8 +243,8 @@ def export_gguf(src, out, *, gguf_type: str | None = None, lossy: bool = False, 
         gguf_type = gguf_type.upper()
         if gguf_type in K_QUANTS:
             raise ExportError(
-                f"--gguf-type {gguf_type}: k-quants are not written yet (their sub-block scales would be refitted "
-                f"to our integers); choose one of {', '.join(GGUF_TYPES)}"
+                f"--gguf-type {gguf_type}: k-quants are not written yet (their sub-block scales would be "
+                f"refitted to our integers); choose one of {', '.join(GGUF_TYPES)}"
             )
         if gguf_type not in GGUF_TYPES:
             raise ExportError(f"unknown --gguf-type {gguf_type!r}; choose one of {', '.join(GGUF_TYPES)}")
@@ -303,17 +306,25 @@ def export_gguf(src, out, *, gguf_type: str | None = None, lossy: bool = False, 
         tensors[name] = (data, typ)
     if bad:
         raise ExportError(
-            f"cannot export as gguf: {forced} cannot hold {len(bad)} tensor(s) exactly (e.g. {bad[0]}); choose "
-            f"--gguf-type F32 or pass --lossy to round them"
+            f"cannot export as gguf: {forced} cannot hold {len(bad)} tensor(s) exactly (e.g. {bad[0]}); "
+            f"choose --gguf-type F32 or pass --lossy to round them"
         )
     if rounded:
         model.notes.append(f"{len(rounded)} float tensor(s) rounded to {forced} (--lossy)")
     ordered = _file_order(ckpt, orders, tensors, files)
     types = [typ for _, typ in tensors.values()]
-    notes = model.notes + [f"metadata and tokenizer copied from {gpath}",
-                           "tensor types: " + ", ".join(f"{t} x{types.count(t)}" for t in sorted(set(types)))]  # fmt: skip
+    counts = ", ".join(f"{t} x{types.count(t)}" for t in sorted(set(types)))
+    notes = [*model.notes, f"metadata and tokenizer copied from {gpath}", f"tensor types: {counts}"]
     result = ExportResult(out, "gguf", records, notes)
-    _write(out, overwrite, gpath, ckpt.arch, ordered, _file_type(types), {"source": model.spec, **result.summary()})
+    _write(
+        out,
+        overwrite,
+        gpath,
+        ckpt.arch,
+        ordered,
+        _file_type(types),
+        {"source": model.spec, **result.summary()},
+    )
     return result
 
 
@@ -336,7 +347,9 @@ def _file_order(ckpt, orders: dict, tensors: dict, files: dict) -> list[tuple[st
             rows.append((g, *_file_rows(orders[n], *tensors[n])))
             seen.add(n)
         else:
-            raise ExportError(f"cannot export as gguf: the model has no tensor {n} that {ckpt.path.name} has ({g})")
+            raise ExportError(
+                f"cannot export as gguf: the model has no tensor {n} that {ckpt.path.name} has ({g})"
+            )
     for n in tensors:
         if n not in seen:  # e.g. a quantized head the (tied) source file does not store
             base, suffix = n.rsplit(".", 1)
