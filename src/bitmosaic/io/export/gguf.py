@@ -101,8 +101,8 @@ def _source_gguf(model: _Model, given) -> Path:
     if kind != "gguf":
         raise ExportError(
             f"{model.spec} was not loaded from a GGUF file (source: {spec or 'not recorded'}), and GGUF "
-            "export takes metadata and tokenizer from one (converting a Hugging Face tokenizer is not implemented); "
-            "pass --source-gguf FILE with the GGUF of the same model"
+            "export takes metadata and tokenizer from one (converting a Hugging Face tokenizer is not "
+            "implemented); pass --source-gguf FILE with the GGUF of the same model"
         )
     return Path(info["path"]).resolve()
 
