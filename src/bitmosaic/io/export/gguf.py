@@ -45,7 +45,7 @@ from .common import ExportResult, Source, collect, record
 from .gguf_blocks import BLOCK, BLOCK_TYPES, BlockType, fit, pack
 from .layers import ExportError, Refusal, regroup
 
-__all__ = ["GGUF_TYPES", "FLOAT_TYPES", "K_QUANTS", "export_gguf"]
+__all__ = ["GGUF_TYPES", "FLOAT_TYPES", "K_QUANTS", "default_types", "export_gguf"]
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 GGUF_TYPES = (*BLOCK_TYPES, *FLOAT_TYPES)
@@ -132,15 +132,14 @@ def _written_by_us(path: Path) -> bool:
         return False
 
 
-def _default_type(qmods: dict) -> str:
-    """The smallest exact block type for the layers' widths and symmetry (``F16``-family for none)."""
-    bits = max(getattr(m, "bits", 8) or 8 for m in qmods.values())
-    sym = all(getattr(m, "symmetric", True) for m in qmods.values())
-    if bits <= 4:
-        return "Q4_0" if sym else "Q4_1"
-    if bits == 5:
-        return "Q5_0" if sym else "Q5_1"
-    return "Q8_0"
+def default_types(bits: int, symmetric: bool) -> tuple[str, ...]:
+    """The block types tried, in order, for a layer of ``bits`` and symmetry when no ``--gguf-type`` is
+    given: the smallest that holds such integers, then one that always does.  Asymmetric 4-bit blocks
+    whose codes span all 16 values fit Q4_1 only when their offset ``m`` is an fp16 number; Q5_0 (10%
+    larger) holds every 4-bit asymmetric block (``code - zero`` is in [-15, 15]), Q8_0 every 5-7-bit one."""
+    if symmetric:
+        return ("Q4_0",) if bits <= 4 else ("Q5_0",) if bits == 5 else ("Q8_0",)
+    return ("Q4_1", "Q5_0") if bits <= 4 else ("Q5_1", "Q8_0") if bits == 5 else ("Q8_0",)
 
 
 def _why_wide(form, t: BlockType) -> str:
@@ -150,8 +149,28 @@ def _why_wide(form, t: BlockType) -> str:
     return f"{form.bits}-bit integers wider than {t.name} holds ({t.bits} bits)"
 
 
-def _block_layer(t: BlockType, lossy: bool):
-    """``fn(name, module, changes)`` -> the layer's GGUF blocks of type ``t`` (exact, or lossy)."""
+def _blocks(form, t: BlockType, lossy: bool) -> tuple[np.ndarray | None, str | None, list[str]]:
+    """``(bytes, why not exact, changes)`` of an INT form as type ``t``: bytes ``None`` when only a
+    re-rounding can give ``t`` (``lossy``) or ``t`` cannot hold it (``why``)."""
+    if not form.contiguous:
+        return None, "act-order groups (g_idx): a GGUF block is 32 consecutive columns", []
+    if form.group_size % BLOCK:
+        return None, f"groups of {form.group_size} columns (GGUF blocks need a multiple of {BLOCK})", []
+    split = regroup(form, BLOCK)
+    f = fit(split.values(), split.scales, t)
+    if f.wide:
+        return None, _why_wide(form, t), []
+    if f.inexact_m:
+        why = f"asymmetric offsets m = -k*scale that {t.name}'s fp16 m cannot hold"
+        data = pack(f, t) if lossy else None
+        return data, why, [f"{t.name} offsets m rounded to fp16 in {f.inexact_m} blocks"]
+    return pack(f, t), None, []
+
+
+def _block_layer(gguf_type: str | None, lossy: bool):
+    """``fn(name, module, changes)`` -> ``(bytes, type)``: the layer's GGUF blocks of ``gguf_type`` (else
+    the first of :func:`default_types` that holds it exactly); with ``lossy`` the nearest form of the
+    first type (offsets rounded, else llama.cpp's own rounding of bitmosaic's weights)."""
     from gguf import quants
 
     def fn(name, m, changes):
@@ -161,37 +180,40 @@ def _block_layer(t: BlockType, lossy: bool):
             why.append(f"activation quantization ({spec.label}): GGUF holds weights only")
         if m.in_features % BLOCK:
             raise Refusal(f"an input width that is not a multiple of {BLOCK} (GGUF blocks)", fixable=False)
-        blocks, form = None, None
         try:
             form = m.int_form(_ALL_BITS, False, [])
         except Refusal as r:
+            form = None
             why.extend(r.reasons)
+        if gguf_type:
+            types = (gguf_type,)
+        else:
+            bits, sym = (
+                (form.bits, form.symmetric) if form else (getattr(m, "bits", 8), getattr(m, "symmetric", 1))
+            )
+            types = default_types(bits, bool(sym))
+        nearest = None
         if form is not None:
-            if not form.contiguous:
-                why.append("act-order groups (g_idx): a GGUF block is 32 consecutive columns")
-            elif form.group_size % BLOCK:
-                why.append(f"groups of {form.group_size} columns (GGUF blocks need a multiple of {BLOCK})")
-            else:
-                split = regroup(form, BLOCK)
-                f = fit(split.values(), split.scales, t)
-                if f.wide:
-                    why.append(_why_wide(form, t))
-                elif f.inexact_m:
-                    why.append(f"asymmetric offsets m = -k*scale that {t.name}'s fp16 m cannot hold")
-                    if lossy and len(why) == 1:
-                        changes.append(f"{t.name} offsets m rounded to fp16 in {f.inexact_m} blocks")
-                        blocks = pack(f, t)
-                if not why:
-                    blocks = pack(f, t)
-        if why and not lossy:
+            tried = []
+            for typ in types:
+                data, not_exact, lossy_changes = _blocks(form, BLOCK_TYPES[typ], lossy)
+                if not_exact is None and not why:
+                    return data, typ
+                tried.append(not_exact or "")
+                if nearest is None and data is not None:
+                    nearest = (data, typ, lossy_changes)
+            why.append(tried[0])
+        why = [w for w in why if w]
+        if not lossy:
             raise Refusal(why[-1], also=tuple(why[:-1]))
         if spec is not None:
             changes.append(f"activation quantizer {spec.label} dropped")
-        if blocks is None:
-            changes.append(f"re-rounded with llama.cpp's {t.name} rounding of the bitmosaic weights")
-            w = m.dequantize_reference(torch.float32).numpy()
-            blocks = quants.quantize(w, t.qtype)
-        return blocks
+        if nearest is not None:
+            changes.extend(nearest[2])
+            return nearest[0], nearest[1]
+        changes.append(f"re-rounded with llama.cpp's {types[0]} rounding of the bitmosaic weights")
+        w = m.dequantize_reference(torch.float32).numpy()
+        return quants.quantize(w, BLOCK_TYPES[types[0]].qtype), types[0]
 
     return fn
 
@@ -222,15 +244,17 @@ def _float_tensor(
     return None, forced, False
 
 
-def _file_type(types: list[str]):
+def _file_type(qtypes: list[str], types: list[str]):
+    """``general.file_type``: the commonest type of the quantized matrices, else of the float ones."""
+    from collections import Counter
+
     from gguf import LlamaFileType as F
 
     named = {"F32": F.ALL_F32, "F16": F.MOSTLY_F16, "BF16": F.MOSTLY_BF16}
     named.update({t: F[f"MOSTLY_{t}"] for t in BLOCK_TYPES})
-    for t in (*BLOCK_TYPES, "BF16", "F16"):  # the type of the quantized matrices, else the floats'
-        if t in types:
-            return named[t]
-    return named["F32"]
+    if qtypes:
+        return named[Counter(qtypes).most_common(1)[0][0]]
+    return next((named[t] for t in ("BF16", "F16") if t in types), named["F32"])
 
 
 def export_gguf(src, out, *, gguf_type: str | None = None, lossy: bool = False, overwrite: bool = False,
@@ -265,30 +289,38 @@ def export_gguf(src, out, *, gguf_type: str | None = None, lossy: bool = False, 
             f"{model.spec} has no quantized layers: GGUF block types are written from bitmosaic's integers; "
             "quantize it first (bitmosaic quantize ... --out DIR) or choose --gguf-type F32, F16 or BF16"
         )
-    qtype = gguf_type or (_default_type(model.qmods) if model.qmods else None)
-    records, tensors = [], {}  # model name -> (data, type name)
+    records, tensors, qtypes = [], {}, []  # tensors: model name -> (data, type name)
     if model.qmods:
-        if qtype in BLOCK_TYPES:
-            blocks, changes = collect(model.qmods, _block_layer(BLOCK_TYPES[qtype], lossy), "gguf", lossy)
+        if gguf_type in FLOAT_TYPES:
+            blocks, changes = {n: (None, gguf_type) for n in model.qmods}, {n: [] for n in model.qmods}
         else:
-            blocks, changes = {n: None for n in model.qmods}, {n: [] for n in model.qmods}
+            blocks, changes = collect(model.qmods, _block_layer(gguf_type, lossy), "gguf", lossy)
         from gguf import GGMLQuantizationType as Q
         from gguf import quants
 
         for name, m in model.qmods.items():
-            data, typ = blocks[name], qtype
+            data, typ = blocks[name]
             if data is None:  # a float type for the quantized weights
-                data, typ, exact = _float_tensor(m.dequantize_reference(torch.float32), qtype, None, True)
+                data, typ, exact = _float_tensor(m.dequantize_reference(torch.float32), typ, None, True)
                 if not exact:
                     if not lossy:
                         raise ExportError(
-                            f"cannot export as gguf: {qtype} cannot hold the quantized weights exactly (e.g. "
+                            f"cannot export as gguf: {typ} cannot hold the quantized weights exactly (e.g. "
                             f"{name}); use --gguf-type F32, or pass --lossy"
                         )
-                    changes[name].append(f"weights rounded to {qtype}")
+                    changes[name].append(f"weights rounded to {typ}")
             deq = np.asarray(quants.dequantize(data, Q[typ])).reshape(m.out_features, m.in_features)
             records.append(record(name, m, torch.from_numpy(np.ascontiguousarray(deq)), changes[name]))
             tensors[f"{name}.weight"] = (data, typ)
+            qtypes.append(typ)
+        fallback = [
+            n for n, (_, t) in blocks.items() if t == "Q5_0" and not getattr(model.qmods[n], "symmetric", 1)
+        ]
+        if gguf_type is None and fallback:
+            model.notes.append(
+                f"{len(fallback)} asymmetric 4-bit layer(s) written as Q5_0 (exact, 10% larger): Q4_1's fp16 "
+                "offsets m cannot hold theirs; --gguf-type Q4_1 --lossy rounds the offsets instead"
+            )
     forced = gguf_type if gguf_type in FLOAT_TYPES and not model.qmods else None
     files = ckpt.file_tensors()
     bad, rounded = [], []
@@ -322,7 +354,7 @@ def export_gguf(src, out, *, gguf_type: str | None = None, lossy: bool = False, 
         gpath,
         ckpt.arch,
         ordered,
-        _file_type(types),
+        _file_type(qtypes, types),
         {"source": model.spec, **result.summary()},
     )
     return result
