@@ -91,7 +91,7 @@ def test_symmetric_4bit_is_q4_0_bit_for_bit(arch, tmp_path):
             assert meta[k] == v, k
     assert meta["general.file_type"] == 2 and meta["general.quantized_by"].startswith("bitmosaic")
     assert set(got) == set(want)
-    for g, (typ, w) in want.items():
+    for g, (_, w) in want.items():
         if w.ndim == 1 or "norm" in g:
             assert got[g][0] == "F32" and np.array_equal(got[g][1], w), g
     assert np.array_equal(got["token_embd.weight"][1], want["token_embd.weight"][1])
@@ -146,7 +146,9 @@ def test_what_a_type_cannot_hold_is_refused_in_one_line_and_lossy_re_rounds(opts
         export_model(folder, tmp_path / "m.gguf", "gguf", gguf_type=typ)
     msg = str(e.value)
     assert msg.startswith("cannot export as gguf:") and reason in msg and "--lossy" in msg and "\n" not in msg
-    assert not (tmp_path / "m.gguf").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert not (tmp_path / "m.gguf").exists() and not [
+        p for p in tmp_path.iterdir() if p.name.startswith(".")
+    ]
     res = export_model(folder, tmp_path / "m.gguf", "gguf", gguf_type=typ, lossy=True)
     assert len(res.changed) == len(res.records) and 0 < res.summary()["max_rel_err"] < 0.5
     assert all("re-rounded with llama.cpp's" in r.changes[-1] for r in res.records)
