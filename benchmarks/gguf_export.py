@@ -133,6 +133,7 @@ def main() -> None:
     from bitmosaic.eval.perplexity import perplexity
     from bitmosaic.io import load_model, save_quantized
     from bitmosaic.io.export import export_model
+    from bitmosaic.io.serialization import quantized_modules
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -182,6 +183,9 @@ def main() -> None:
 
                 shutil.rmtree(folder)  # an interrupted earlier save: the step runs again
             save_quantized(m, folder)
+            row["blocks_of_32"] = (
+                sum(q.in_features * q.out_features for q in quantized_modules(m).values()) // 32
+            )
             row["bitmosaic_ppl"] = ours(m)
             del m
             save_state()
@@ -190,8 +194,15 @@ def main() -> None:
             key = f"export {tag}"
             if key not in row:
                 res = export_model(folder, gg, "gguf", gguf_type=typ, lossy=lossy, overwrite=True)
+                rounded = [
+                    int(c.split(" in ")[1].split()[0])
+                    for r in res.records
+                    for c in r.changes
+                    if "m rounded" in c
+                ]
                 row[key] = {
                     "file": gg.name,
+                    "m_rounded_blocks": sum(rounded),
                     "types": file_types(gg),
                     "summary": res.summary(),
                     "notes": res.notes,

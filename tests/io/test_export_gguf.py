@@ -50,15 +50,27 @@ def _to_file_rows(w: np.ndarray, gname: str, arch: str) -> np.ndarray:
     return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _quantized(tmp_path, arch="llama", name="q", **opts) -> tuple[Path, Path]:
-    """``(saved folder, source GGUF)`` of a tiny model of ``arch`` quantized with GPTQ ``opts``."""
-    src = tmp_path / f"{arch}.gguf"
-    if not src.exists():
-        tiny_gguf(src, arch, tied=False)
-    m = _transformers(src)
+_CACHE: dict = {}
+
+
+@pytest.fixture(scope="module")
+def shared_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("gguf_sources")
+
+
+def _quantized(root, arch="llama", **opts) -> tuple[Path, Path]:
+    """``(saved folder, source GGUF)`` of a tiny model of ``arch`` quantized with GPTQ ``opts`` (made once
+    per module in ``root``, the module's shared folder; the tests never change it)."""
     opts = {"bits": 4, "group_size": 32, "order": "natural", **opts}
-    bitmosaic.quantize_(m, "gptq", CALIB, progress=False, source_model=str(src), **opts)
-    return save_quantized(m, tmp_path / name), src
+    key = (str(root), arch, tuple(sorted(opts.items())))
+    if key not in _CACHE:
+        src = root / f"{arch}.gguf"
+        if not src.exists():
+            tiny_gguf(src, arch, tied=False)
+        m = _transformers(src)
+        bitmosaic.quantize_(m, "gptq", CALIB, progress=False, source_model=str(src), **opts)
+        _CACHE[key] = (save_quantized(m, root / f"q{len(_CACHE)}"), src)
+    return _CACHE[key]
 
 
 def _check_weights(folder: Path, out: Path, arch: str) -> dict[str, str]:
@@ -79,8 +91,8 @@ def _check_weights(folder: Path, out: Path, arch: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_symmetric_4bit_is_q4_0_bit_for_bit(arch, tmp_path):
-    folder, src = _quantized(tmp_path, arch, sym=True)
+def test_symmetric_4bit_is_q4_0_bit_for_bit(shared_dir, arch, tmp_path):
+    folder, src = _quantized(shared_dir, arch, sym=True)
     res = export_model(folder, tmp_path / "m.gguf", "gguf")
     assert not res.changed and res.summary()["max_abs"] == 0.0
     assert set(_check_weights(folder, tmp_path / "m.gguf", arch).values()) == {"Q4_0"}
@@ -97,10 +109,10 @@ def test_symmetric_4bit_is_q4_0_bit_for_bit(arch, tmp_path):
     assert np.array_equal(got["token_embd.weight"][1], want["token_embd.weight"][1])
 
 
-def test_transformers_reads_the_file_with_the_same_logits(tmp_path):
+def test_transformers_reads_the_file_with_the_same_logits(shared_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    folder, _ = _quantized(tmp_path, sym=True)
+    folder, _ = _quantized(shared_dir, sym=True)
     export_model(folder, tmp_path / "m.gguf", "gguf")
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
     ours = bitmosaic.load(folder).eval()
@@ -111,16 +123,16 @@ def test_transformers_reads_the_file_with_the_same_logits(tmp_path):
 
 @pytest.mark.parametrize("bits,sym,want", [(8, True, "Q8_0"), (5, True, "Q5_0"), (3, True, "Q4_0"),
                                            (2, False, None), (4, False, None), (5, False, None)])  # fmt: skip
-def test_each_width_and_symmetry_exports_exactly_by_default(bits, sym, want, tmp_path):
-    folder, _ = _quantized(tmp_path, bits=bits, sym=sym)
+def test_each_width_and_symmetry_exports_exactly_by_default(shared_dir, bits, sym, want, tmp_path):
+    folder, _ = _quantized(shared_dir, bits=bits, sym=sym)
     res = export_model(folder, tmp_path / "m.gguf", "gguf")
     types = set(_check_weights(folder, tmp_path / "m.gguf", "llama").values())
     assert not res.changed
     assert types == {want} if want else types <= set(default_types(bits, sym)), types
 
 
-def test_asymmetric_q4_1_rounds_offsets_only_with_lossy(tmp_path):
-    folder, _ = _quantized(tmp_path, sym=False)
+def test_asymmetric_q4_1_rounds_offsets_only_with_lossy(shared_dir, tmp_path):
+    folder, _ = _quantized(shared_dir, sym=False)
     with pytest.raises(ExportError, match=r"^cannot export as gguf: asymmetric offsets .* --lossy") as e:
         export_model(folder, tmp_path / "m.gguf", "gguf", gguf_type="Q4_1")
     assert "\n" not in str(e.value)
@@ -140,8 +152,10 @@ def test_asymmetric_q4_1_rounds_offsets_only_with_lossy(tmp_path):
     ({"bits": 8, "sym": True}, "Q4_0", "8-bit integers wider than Q4_0"),
     ({"sym": False}, "Q4_0", "asymmetric integers outside [-8, 7]"),
 ])  # fmt: skip
-def test_what_a_type_cannot_hold_is_refused_in_one_line_and_lossy_re_rounds(opts, typ, reason, tmp_path):
-    folder, _ = _quantized(tmp_path, **opts)
+def test_what_a_type_cannot_hold_is_refused_in_one_line_and_lossy_re_rounds(
+    shared_dir, opts, typ, reason, tmp_path
+):
+    folder, _ = _quantized(shared_dir, **opts)
     with pytest.raises(ExportError) as e:
         export_model(folder, tmp_path / "m.gguf", "gguf", gguf_type=typ)
     msg = str(e.value)
@@ -154,8 +168,8 @@ def test_what_a_type_cannot_hold_is_refused_in_one_line_and_lossy_re_rounds(opts
     assert all("re-rounded with llama.cpp's" in r.changes[-1] for r in res.records)
 
 
-def test_quantized_weights_as_f32_are_exact(tmp_path):
-    folder, _ = _quantized(tmp_path, sym=True)
+def test_quantized_weights_as_f32_are_exact(shared_dir, tmp_path):
+    folder, _ = _quantized(shared_dir, sym=True)
     res = export_model(folder, tmp_path / "m.gguf", "gguf", gguf_type="F32")
     assert not res.changed and set(_check_weights(folder, tmp_path / "m.gguf", "llama").values()) == {"F32"}
 
@@ -181,8 +195,8 @@ def test_the_float_model_exports_in_the_smallest_exact_float_type(tmp_path):
         export_model(f"gguf:{src}", tmp_path / "q.gguf", "gguf", gguf_type="Q4_0")
 
 
-def test_cli_gguf_export_and_its_refusals(tmp_path, capsys):
-    folder, _ = _quantized(tmp_path, sym=True)
+def test_cli_gguf_export_and_its_refusals(shared_dir, tmp_path, capsys):
+    folder, _ = _quantized(shared_dir, sym=True)
     out = str(tmp_path / "m.gguf")
     assert main(["export", str(folder), "--format", "gguf", "--out", out]) == 0
     text = capsys.readouterr().out
