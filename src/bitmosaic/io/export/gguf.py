@@ -145,7 +145,8 @@ def default_types(bits: int, symmetric: bool) -> tuple[str, ...]:
 def _why_wide(form, t: BlockType) -> str:
     if not t.with_min and not form.symmetric and form.bits <= t.bits:
         lo, hi = t.value_range
-        return f"asymmetric integers outside [{lo}, {hi}] ({t.name} is symmetric: use {t.name[:-1]}1)"
+        use = "--gguf-type F32 for exact weights" if t.bits == 8 else f"use {t.name[:-1]}1"
+        return f"asymmetric integers outside [{lo}, {hi}] ({t.name} is symmetric: {use})"
     return f"{form.bits}-bit integers wider than {t.name} holds ({t.bits} bits)"
 
 
