@@ -142,6 +142,10 @@ def default_types(bits: int, symmetric: bool) -> tuple[str, ...]:
     return ("Q4_1", "Q5_0") if bits <= 4 else ("Q5_1", "Q8_0") if bits == 5 else ("Q8_0",)
 
 
+def _first_default(m) -> str:
+    return default_types(getattr(m, "bits", 8), bool(getattr(m, "symmetric", True)))[0]
+
+
 def _why_wide(form, t: BlockType) -> str:
     if not t.with_min and not form.symmetric and form.bits <= t.bits:
         lo, hi = t.value_range
@@ -315,12 +319,13 @@ def export_gguf(src, out, *, gguf_type: str | None = None, lossy: bool = False, 
             tensors[f"{name}.weight"] = (data, typ)
             qtypes.append(typ)
         fallback = [
-            n for n, (_, t) in blocks.items() if t == "Q5_0" and not getattr(model.qmods[n], "symmetric", 1)
+            n for n, (_, t) in blocks.items() if gguf_type is None and t != _first_default(model.qmods[n])
         ]
-        if gguf_type is None and fallback:
+        if fallback:
             model.notes.append(
-                f"{len(fallback)} asymmetric 4-bit layer(s) written as Q5_0 (exact, 10% larger): Q4_1's fp16 "
-                "offsets m cannot hold theirs; --gguf-type Q4_1 --lossy rounds the offsets instead"
+                f"{len(fallback)} asymmetric layer(s) written in the wider exact type (e.g. "
+                f"{blocks[fallback[0]][1]}): the fp16 offsets m of Q4_1/Q5_1 cannot hold theirs; "
+                "--gguf-type Q4_1 (or Q5_1) --lossy rounds the offsets instead"
             )
     forced = gguf_type if gguf_type in FLOAT_TYPES and not model.qmods else None
     files = ckpt.file_tensors()
