@@ -1,5 +1,6 @@
-"""``bitmosaic export DIR --format {gptq,compressed-tensors} --out OUT``: a saved result as a checkpoint
-that transformers, vLLM, SGLang and GPTQModel load (see :mod:`bitmosaic.io.export`)."""
+"""``bitmosaic export DIR --format {gptq,compressed-tensors,gguf} --out OUT``: a saved result as a checkpoint
+that transformers, vLLM, SGLang and GPTQModel load, or as a GGUF file for llama.cpp (see
+:mod:`bitmosaic.io.export`)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,37 @@ import re
 
 HELP = (
     "write a saved bitmosaic model as a GPTQ or compressed-tensors checkpoint (vLLM, transformers, "
-    "GPTQModel). Symmetric 4/8-bit results (quantize --sym) are what vLLM's fast Marlin kernels take."
+    "GPTQModel) or as a GGUF file (llama.cpp). Symmetric 4/8-bit results (quantize --sym) are what vLLM's "
+    "fast Marlin kernels take; GGUF Q4_0/Q8_0 hold symmetric and Q4_1 asymmetric results with groups of "
+    "a multiple of 32 in natural order."
 )
 
 
 def add_export_parser(sub) -> None:
     x = sub.add_parser("export", help=HELP, description=HELP)
-    x.add_argument("dir", help="a folder saved by `bitmosaic quantize --out`")
-    x.add_argument("--format", dest="fmt", required=True, choices=["gptq", "compressed-tensors"])
-    x.add_argument("--out", required=True, help="new output folder (written atomically)")
+    x.add_argument(
+        "dir",
+        help="a folder saved by `bitmosaic quantize --out` (--format gguf also takes a float model: "
+        "smollm2-135m, gguf:PATH, a folder)",
+    )
+    x.add_argument("--format", dest="fmt", required=True, choices=["gptq", "compressed-tensors", "gguf"])
+    x.add_argument(
+        "--out", required=True, help="new output folder, or FILE.gguf for gguf (written atomically)"
+    )
+    x.add_argument(
+        "--gguf-type",
+        type=str.upper,
+        metavar="TYPE",
+        help="gguf: the type of the quantized matrices, Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 or F32 F16 BF16 (default: "
+        "the smallest that holds the weights exactly for their bits and symmetry; a float model: per tensor, "
+        "the first of F16, BF16, F32 that holds it exactly)",
+    )
+    x.add_argument(
+        "--source-gguf",
+        metavar="FILE",
+        help="gguf: the GGUF file to take metadata, tokenizer and tensor names from (default: the one the "
+        "model was loaded from, as the saved folder records it)",
+    )
     x.add_argument(
         "--lossy",
         action="store_true",
@@ -35,8 +58,9 @@ def cmd_export(args) -> int:
     from ..io.export import export_model
 
     res = export_model(
-        args.dir, args.out, args.fmt, lossy=args.lossy, gptq_v2=args.gptq_v2, overwrite=args.overwrite
-    )
+        args.dir, args.out, args.fmt, lossy=args.lossy, gptq_v2=args.gptq_v2, overwrite=args.overwrite,
+        gguf_type=args.gguf_type, source_gguf=args.source_gguf,
+    )  # fmt: skip
     s = res.summary()
     print(f"exported {s['layers']} quantized layers as {res.format} to {res.out}")
     for note in res.notes:
@@ -60,7 +84,8 @@ def cmd_export(args) -> int:
             )
         print(
             f"all layers: mean rel err {s['mean_rel_err']:.3e}, max rel err {s['max_rel_err']:.3e}, "
-            f"max abs diff {s['max_abs']:.3e} (per layer in {res.out}/bitmosaic_export.json)"
+            f"max abs diff {s['max_abs']:.3e}"
+            + ("" if res.format == "gguf" else f" (per layer in {res.out}/bitmosaic_export.json)")
         )
     else:
         print("exact: every exported weight is bit-identical to the bitmosaic model's")

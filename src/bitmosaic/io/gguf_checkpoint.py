@@ -156,6 +156,33 @@ class GGUFCheckpoint(Checkpoint):
         """The file's name for the model's tensor ``name``."""
         return self.names[name]
 
+    def file_tensors(self) -> dict[str, tuple[object, tuple[int, ...]]]:
+        """Every tensor of the file, in file order: its GGUF name -> ``(GGMLQuantizationType, shape)``
+        (numpy order, the model's ``[out, in]`` for a linear weight)."""
+        from gguf import quant_shape_from_byte_shape
+
+        return {g: (t.qtype, tuple(quant_shape_from_byte_shape(t.shape, t.qtype)) if t.dtype == np.uint8
+                    else t.shape) for g, t in self._tensors.items()}  # fmt: skip
+
+    def row_order(self, name: str) -> np.ndarray | None:
+        """How reading tensor ``name`` reorders the file's rows: ``None`` when it is read as stored, else
+        ``p`` with the model's row ``i`` = the file's row ``p[i]`` (Llama's q/k permutation).  Found by
+        reading row numbers through transformers' own processing, so a writer that stores ``w[p]`` back
+        is its exact inverse.  Raises :class:`UnsupportedGGUFError` when reading changes values (Gemma's
+        norms stored as ``w + 1``: not invertible bit for bit in float32)."""
+        gname = self.names[name]
+        shape = self.file_tensors()[gname][1]
+        probe = np.arange(shape[0], dtype=np.float32).reshape((shape[0],) + (1,) * (len(shape) - 1))
+        got = np.asarray(self._processor.process(weights=probe.copy(), name=gname).weights)
+        if got.shape == probe.shape and np.array_equal(got, probe):
+            return None
+        if got.shape == probe.shape and np.array_equal(np.sort(got.ravel()), probe.ravel()):
+            return got.ravel().astype(np.int64)
+        raise UnsupportedGGUFError(
+            f"{self.spec}: reading tensor {gname} of GGUF architecture {self.arch!r} changes its values, "
+            "so it cannot be written back bit for bit"
+        )
+
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Tensor ``name`` as transformers loads it in float32 (then in ``dtype`` when given), checked
         for NaN/Inf.  Only this tensor's bytes are mapped, dequantized and processed."""

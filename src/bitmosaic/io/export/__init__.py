@@ -1,6 +1,6 @@
 """Export a bitmosaic result to the checkpoint formats serving stacks load: GPTQ
-(:mod:`~bitmosaic.io.export.gptq`) and compressed-tensors
-(:mod:`~bitmosaic.io.export.compressed_tensors`).
+(:mod:`~bitmosaic.io.export.gptq`), compressed-tensors
+(:mod:`~bitmosaic.io.export.compressed_tensors`) and GGUF for llama.cpp (:mod:`~bitmosaic.io.export.gguf`).
 
 :func:`export_model` writes the layers a format can hold bit-identically; a layer it cannot hold is
 refused with the reason the module kind gives (``QuantModule.int_form``: entropy-coded integers,
@@ -19,7 +19,7 @@ from .layers import ExportError
 
 __all__ = ["FORMATS", "MARKER", "ExportError", "ExportResult", "LayerRecord", "export_model"]
 
-FORMATS = ("gptq", "compressed-tensors")
+FORMATS = ("gptq", "compressed-tensors", "gguf")
 
 
 def export_model(
@@ -30,8 +30,11 @@ def export_model(
     lossy: bool = False,
     gptq_v2: bool = False,
     overwrite: bool = False,
+    gguf_type: str | None = None,
+    source_gguf: str | os.PathLike | None = None,
 ) -> ExportResult:
-    """Export the bitmosaic folder ``src`` to ``out`` in ``fmt`` (``"gptq"`` or ``"compressed-tensors"``).
+    """Export the bitmosaic folder ``src`` to ``out`` in ``fmt`` (``"gptq"``, ``"compressed-tensors"`` or
+    ``"gguf"``: one file, :func:`~.gguf.export_gguf`, which also takes a float model argument).
 
     Raises :class:`ExportError` (one line: the layers and why) when a layer has no exact form and
     ``lossy`` is false, or when ``out`` may not be written (see :func:`~.common.check_export_dir`).
@@ -42,6 +45,16 @@ def export_model(
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if gptq_v2 and fmt != "gptq":
         raise ExportError("--gptq-v2 applies to --format gptq only")
+    if (gguf_type is not None or source_gguf is not None) and fmt != "gguf":
+        raise ExportError("--gguf-type and --source-gguf apply to --format gguf only")
+    if fmt == "gguf":
+        from .gguf import export_gguf
+
+        if _is_saved(src):  # a float model (gguf exports those too) has no rotation to refuse
+            _refuse_rotation(src, fmt)
+        return export_gguf(
+            src, out, gguf_type=gguf_type, lossy=lossy, overwrite=overwrite, source_gguf=source_gguf
+        )
     _refuse_rotation(src, fmt)
     source = Source.read(src)
     check_export_dir(out, overwrite, source.path)  # fail before converting
@@ -56,6 +69,18 @@ def export_model(
     result = ExportResult(Path(out).expanduser().resolve(), fmt, records, notes)
     write(source, result.out, overwrite, tensors, qconfig, result)
     return result
+
+
+def _is_saved(src) -> bool:
+    """``src`` is a saved bitmosaic folder (not a float model spec)."""
+    import json
+    from pathlib import Path
+
+    cfg = Path(str(src)) / "config.json"
+    try:
+        return cfg.is_file() and "quantization_config" in json.loads(cfg.read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def _refuse_rotation(src, fmt: str) -> None:

@@ -1,0 +1,447 @@
+"""Export to GGUF, the file llama.cpp (and ollama, LM Studio, llama-cpp-python) runs.
+
+``bitmosaic export DIR --format gguf [--gguf-type TYPE] --out FILE.gguf`` writes one file with the
+``gguf`` package's ``GGUFWriter``:
+
+- the quantized linears as GGUF blocks of ``TYPE`` (:mod:`.gguf_blocks`): Q4_0 / Q5_0 / Q8_0 hold
+  symmetric 2-4 / 5 / 6-8-bit integers exactly, Q4_1 / Q5_1 asymmetric ones (groups contiguous and a
+  multiple of 32 columns).  The default ``TYPE`` is the smallest of them for the layers' widths and
+  symmetry.  Every written tensor is dequantized with ``gguf.quants`` and compared bit for bit with
+  bitmosaic's own weights (else an internal error).  What a type cannot hold -- act-order ``g_idx``
+  groups, groups that are not a multiple of 32, integers wider than the type, asymmetric offsets fp16
+  cannot hold, activation quantizers, kinds without integer weights -- is refused in one line, or with
+  ``lossy`` re-rounded (offsets rounded to fp16; else llama.cpp's own rounding of the type on
+  bitmosaic's weights), with the weight error each layer gains.  ``F32`` / ``F16`` / ``BF16`` write the
+  quantized weights as floats (exact in F32).
+- every other tensor (embeddings, norms, biases, an untied head) in the first of (the source file's
+  block type, F16, BF16, F32) that holds it exactly; 1-D tensors in F32.  A float model (a model
+  argument such as ``smollm2-135m``, not a saved folder) exports the same way, with ``TYPE`` one of
+  ``F32`` / ``F16`` / ``BF16`` for all its matrices (refused unless exact, or ``lossy``).
+- metadata, tokenizer and chat template copied from the GGUF file the model was loaded from (the saved
+  folder records it; ``source_gguf`` names another), with the tensor names of that file.  Tensors that
+  transformers reorders on reading (Llama's q/k rows) are written back in the file's order -- the
+  exact inverse of transformers' processing, found by reading row numbers through it; tensors whose
+  values it changes (Gemma's norms) are refused.  Converting a Hugging Face tokenizer (a model
+  without a source GGUF) is not implemented: refused in one line.
+
+The file is written beside ``out`` under a temporary name and renamed into place when complete; an
+existing ``out`` is replaced only with ``overwrite`` and only when bitmosaic wrote it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..._version import __version__
+from ...modules.actquant import input_quant_spec
+from .common import ExportResult, Source, collect, record
+from .gguf_blocks import BLOCK, BLOCK_TYPES, BlockType, fit, pack
+from .layers import ExportError, Refusal, regroup
+
+__all__ = ["GGUF_TYPES", "FLOAT_TYPES", "K_QUANTS", "default_types", "export_gguf"]
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+GGUF_TYPES = (*BLOCK_TYPES, *FLOAT_TYPES)
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+_ALL_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
+_SKIP_KV = ("GGUF.", "general.architecture", "general.file_type", "general.quantization_version",
+            "general.alignment", "general.quantized_by", "bitmosaic.")  # fmt: skip
+
+
+@dataclass
+class _Model:
+    """What is exported: the quantized modules (none for a float model) and every other tensor."""
+
+    spec: str  # what was given
+    config: dict
+    qmods: dict
+    plain: dict  # the model's name -> a function giving the float tensor
+    source_model: str | None  # the model argument the saved folder was quantized from
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def read(cls, spec: str) -> _Model:
+        from ..loading import resolve_model_spec
+
+        kind, info = resolve_model_spec(str(spec))
+        if kind == "bitmosaic":
+            src = Source.read(spec)
+            plain = {k: (lambda v=v: v) for k, v in src.plain_tensors().items()}
+            for n, m in src.qmods.items():
+                if m.bias is not None:
+                    plain[f"{n}.bias"] = lambda b=m.bias: b.detach()
+            return cls(str(src.path), src.config, src.qmods, plain, src.qc.get("source_model"))
+        from ..sources import open_checkpoint
+
+        ckpt, _ = open_checkpoint(str(spec))  # a float model (a GGUF file, a folder or an alias)
+        plain = {k: (lambda k=k: ckpt.get(k)) for k in ckpt.keys()}
+        return cls(str(spec), ckpt.config().to_dict(), {}, plain, str(spec))
+
+
+def _source_gguf(model: _Model, given) -> Path:
+    from ..loading import ModelSpecError, resolve_model_spec
+
+    if given is not None:
+        p = Path(given).expanduser()
+        if not p.is_file():
+            raise ExportError(f"--source-gguf {given}: no such file; give the GGUF the model was loaded from")
+        return p.resolve()
+    spec = model.source_model
+    try:
+        kind, info = resolve_model_spec(spec) if spec else (None, None)
+    except ModelSpecError:
+        kind = None
+    if kind != "gguf":
+        raise ExportError(
+            f"{model.spec} was not loaded from a GGUF file (source: {spec or 'not recorded'}), and GGUF "
+            "export takes metadata and tokenizer from one (converting a Hugging Face tokenizer is not "
+            "implemented); pass --source-gguf FILE with the GGUF of the same model"
+        )
+    return Path(info["path"]).resolve()
+
+
+def _check_out(out, overwrite: bool) -> Path:
+    out = Path(out).expanduser().resolve()
+    if out.is_dir():
+        raise ExportError(f"--out {out} is a folder; GGUF export writes one file (e.g. --out model.gguf)")
+    if out.exists():
+        if not _written_by_us(out):
+            raise ExportError(
+                f"{out} exists and was not written by bitmosaic export; it is never replaced: "
+                "choose another --out"
+            )
+        if not overwrite:
+            raise ExportError(f"{out} holds an earlier export; pass --overwrite to replace it")
+    return out
+
+
+def _written_by_us(path: Path) -> bool:
+    from gguf import GGUFReader
+
+    try:
+        f = GGUFReader(os.fspath(path)).fields.get("general.quantized_by")
+        return f is not None and f.contents().startswith("bitmosaic")
+    except Exception:  # not a GGUF file at all
+        return False
+
+
+def default_types(bits: int, symmetric: bool) -> tuple[str, ...]:
+    """The block types tried, in order, for a layer of ``bits`` and symmetry when no ``--gguf-type`` is
+    given: the smallest that holds such integers, then one that always does.  Asymmetric 4-bit blocks
+    whose codes span all 16 values fit Q4_1 only when their offset ``m`` is an fp16 number; Q5_0 (10%
+    larger) holds every 4-bit asymmetric block (``code - zero`` is in [-15, 15]), Q8_0 every 5-7-bit one."""
+    if symmetric:
+        return ("Q4_0",) if bits <= 4 else ("Q5_0",) if bits == 5 else ("Q8_0",)
+    return ("Q4_1", "Q5_0") if bits <= 4 else ("Q5_1", "Q8_0") if bits == 5 else ("Q8_0",)
+
+
+def _first_default(m) -> str:
+    return default_types(getattr(m, "bits", 8), bool(getattr(m, "symmetric", True)))[0]
+
+
+def _why_wide(form, t: BlockType) -> str:
+    if not t.with_min and not form.symmetric and form.bits <= t.bits:
+        lo, hi = t.value_range
+        use = "--gguf-type F32 for exact weights" if t.bits == 8 else f"use {t.name[:-1]}1"
+        return f"asymmetric integers outside [{lo}, {hi}] ({t.name} is symmetric: {use})"
+    return f"{form.bits}-bit integers wider than {t.name} holds ({t.bits} bits)"
+
+
+def _blocks(form, t: BlockType, lossy: bool) -> tuple[np.ndarray | None, str | None, list[str]]:
+    """``(bytes, why not exact, changes)`` of an INT form as type ``t``: bytes ``None`` when only a
+    re-rounding can give ``t`` (``lossy``) or ``t`` cannot hold it (``why``)."""
+    if not form.contiguous:
+        return None, "act-order groups (g_idx): a GGUF block is 32 consecutive columns", []
+    if form.group_size % BLOCK:
+        return None, f"groups of {form.group_size} columns (GGUF blocks need a multiple of {BLOCK})", []
+    split = regroup(form, BLOCK)
+    f = fit(split.values(), split.scales, t)
+    if f.wide:
+        return None, _why_wide(form, t), []
+    if f.inexact_m:
+        why = f"asymmetric offsets m = -k*scale that {t.name}'s fp16 m cannot hold"
+        data = pack(f, t) if lossy else None
+        return data, why, [f"{t.name} offsets m rounded to fp16 in {f.inexact_m} blocks"]
+    return pack(f, t), None, []
+
+
+def _block_layer(gguf_type: str | None, lossy: bool):
+    """``fn(name, module, changes)`` -> ``(bytes, type)``: the layer's GGUF blocks of ``gguf_type`` (else
+    the first of :func:`default_types` that holds it exactly); with ``lossy`` the nearest form of the
+    first type (offsets rounded, else llama.cpp's own rounding of bitmosaic's weights)."""
+    from gguf import quants
+
+    def fn(name, m, changes):
+        why: list[str] = []
+        spec = input_quant_spec(m)
+        if spec is not None:
+            why.append(f"activation quantization ({spec.label}): GGUF holds weights only")
+        if m.in_features % BLOCK:
+            raise Refusal(f"an input width that is not a multiple of {BLOCK} (GGUF blocks)", fixable=False)
+        try:
+            form = m.int_form(_ALL_BITS, False, [])
+        except Refusal as r:
+            form = None
+            why.extend(r.reasons)
+        if gguf_type:
+            types = (gguf_type,)
+        else:
+            bits, sym = (
+                (form.bits, form.symmetric) if form else (getattr(m, "bits", 8), getattr(m, "symmetric", 1))
+            )
+            types = default_types(bits, bool(sym))
+        nearest = None
+        if form is not None:
+            tried = []
+            for typ in types:
+                data, not_exact, lossy_changes = _blocks(form, BLOCK_TYPES[typ], lossy)
+                if not_exact is None and not why:
+                    return data, typ
+                tried.append(not_exact or "")
+                if nearest is None and data is not None:
+                    nearest = (data, typ, lossy_changes)
+            why.append(tried[0])
+        why = [w for w in why if w]
+        if not lossy:
+            raise Refusal(why[-1], also=tuple(why[:-1]))
+        if spec is not None:
+            changes.append(f"activation quantizer {spec.label} dropped")
+        if nearest is not None:
+            changes.extend(nearest[2])
+            return nearest[0], nearest[1]
+        changes.append(f"re-rounded with llama.cpp's {types[0]} rounding of the bitmosaic weights")
+        w = m.dequantize_reference(torch.float32).numpy()
+        return quants.quantize(w, BLOCK_TYPES[types[0]].qtype), types[0]
+
+    return fn
+
+
+def _float_tensor(
+    w: torch.Tensor, forced: str | None, file_type, lossy: bool
+) -> tuple[np.ndarray, str, bool]:
+    """``(data, type name, exact)``: ``w`` in the first type of the candidates that holds it exactly
+    (``forced``; else the source file's block type, F16, BF16, F32); 1-D tensors in F32."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    x = w.detach().float().contiguous().numpy()
+    if x.ndim < 2:
+        return x, "F32", True
+    if forced:
+        cands = [forced]
+    else:
+        src = getattr(file_type, "name", None)
+        cands = [src] if src in BLOCK_TYPES and x.shape[-1] % BLOCK == 0 else []
+        cands += ["F16", "BF16", "F32"]
+    for c in cands:
+        data = quants.quantize(x, Q[c])
+        if np.array_equal(np.asarray(quants.dequantize(data, Q[c])).reshape(x.shape), x):
+            return data, c, True
+    if forced and lossy:
+        return data, forced, False
+    return None, forced, False
+
+
+def _file_type(qtypes: list[str], types: list[str]):
+    """``general.file_type``: the commonest type of the quantized matrices, else of the float ones."""
+    from collections import Counter
+
+    from gguf import LlamaFileType as F
+
+    named = {"F32": F.ALL_F32, "F16": F.MOSTLY_F16, "BF16": F.MOSTLY_BF16}
+    named.update({t: F[f"MOSTLY_{t}"] for t in BLOCK_TYPES})
+    if qtypes:
+        return named[Counter(qtypes).most_common(1)[0][0]]
+    return next((named[t] for t in ("BF16", "F16") if t in types), named["F32"])
+
+
+def export_gguf(src, out, *, gguf_type: str | None = None, lossy: bool = False, overwrite: bool = False,
+                source_gguf=None) -> ExportResult:  # fmt: skip
+    """Write ``src`` (a saved bitmosaic folder or a float model argument) as the GGUF file ``out``
+    (module doc).  Raises :class:`ExportError` (one line) for what the file cannot hold exactly."""
+    from ..gguf_checkpoint import GGUFCheckpoint, UnsupportedGGUFError
+
+    if gguf_type is not None:
+        gguf_type = gguf_type.upper()
+        if gguf_type in K_QUANTS:
+            raise ExportError(
+                f"--gguf-type {gguf_type}: k-quants are not written yet (their sub-block scales would be "
+                f"refitted to our integers); choose one of {', '.join(GGUF_TYPES)}"
+            )
+        if gguf_type not in GGUF_TYPES:
+            raise ExportError(f"unknown --gguf-type {gguf_type!r}; choose one of {', '.join(GGUF_TYPES)}")
+    out = _check_out(out, overwrite)
+    model = _Model.read(src)
+    if Path(model.spec) == out:
+        raise ExportError(f"--out {out} is the source; choose another --out")
+    gpath = _source_gguf(model, source_gguf)
+    if gpath == out:
+        raise ExportError(f"--out {out} is the source GGUF file; choose another --out")
+    try:
+        ckpt = GGUFCheckpoint(gpath)
+        orders = {n: ckpt.row_order(n) for n in ckpt.names}  # refuses a file transformers changes on reading
+    except UnsupportedGGUFError as e:
+        raise ExportError(f"cannot export as gguf: {e}".split("; use --stream")[0]) from None
+    if not model.qmods and gguf_type in BLOCK_TYPES:
+        raise ExportError(
+            f"{model.spec} has no quantized layers: GGUF block types are written from bitmosaic's integers; "
+            "quantize it first (bitmosaic quantize ... --out DIR) or choose --gguf-type F32, F16 or BF16"
+        )
+    records, tensors, qtypes = [], {}, []  # tensors: model name -> (data, type name)
+    if model.qmods:
+        if gguf_type in FLOAT_TYPES:
+            blocks, changes = {n: (None, gguf_type) for n in model.qmods}, {n: [] for n in model.qmods}
+        else:
+            blocks, changes = collect(model.qmods, _block_layer(gguf_type, lossy), "gguf", lossy)
+        from gguf import GGMLQuantizationType as Q
+        from gguf import quants
+
+        for name, m in model.qmods.items():
+            data, typ = blocks[name]
+            if data is None:  # a float type for the quantized weights
+                data, typ, exact = _float_tensor(m.dequantize_reference(torch.float32), typ, None, True)
+                if not exact:
+                    if not lossy:
+                        raise ExportError(
+                            f"cannot export as gguf: {typ} cannot hold the quantized weights exactly (e.g. "
+                            f"{name}); use --gguf-type F32, or pass --lossy"
+                        )
+                    changes[name].append(f"weights rounded to {typ}")
+            deq = np.asarray(quants.dequantize(data, Q[typ])).reshape(m.out_features, m.in_features)
+            records.append(record(name, m, torch.from_numpy(np.ascontiguousarray(deq)), changes[name]))
+            tensors[f"{name}.weight"] = (data, typ)
+            qtypes.append(typ)
+        fallback = [
+            n for n, (_, t) in blocks.items() if gguf_type is None and t != _first_default(model.qmods[n])
+        ]
+        if fallback:
+            model.notes.append(
+                f"{len(fallback)} asymmetric layer(s) written in the wider exact type (e.g. "
+                f"{blocks[fallback[0]][1]}): the fp16 offsets m of Q4_1/Q5_1 cannot hold theirs; "
+                "--gguf-type Q4_1 (or Q5_1) --lossy rounds the offsets instead"
+            )
+    forced = gguf_type if gguf_type in FLOAT_TYPES and not model.qmods else None
+    files = ckpt.file_tensors()
+    bad, rounded = [], []
+    tied = bool(model.config.get("tie_word_embeddings")) and "lm_head.weight" not in ckpt.names
+    for name, get in model.plain.items():
+        if tied and name == "lm_head.weight":
+            continue
+        src_type = files[ckpt.names[name]][0] if name in ckpt.names else None
+        data, typ, exact = _float_tensor(get(), forced, src_type, lossy)
+        if data is None:
+            bad.append(name)
+            continue
+        if not exact:
+            rounded.append(name)
+        tensors[name] = (data, typ)
+    if bad:
+        raise ExportError(
+            f"cannot export as gguf: {forced} cannot hold {len(bad)} tensor(s) exactly (e.g. {bad[0]}); "
+            f"choose --gguf-type F32 or pass --lossy to round them"
+        )
+    if rounded:
+        model.notes.append(f"{len(rounded)} float tensor(s) rounded to {forced} (--lossy)")
+    ordered = _file_order(ckpt, orders, tensors, files)
+    types = [typ for _, typ in tensors.values()]
+    counts = ", ".join(f"{t} x{types.count(t)}" for t in sorted(set(types)))
+    notes = [*model.notes, f"metadata and tokenizer copied from {gpath}", f"tensor types: {counts}"]
+    result = ExportResult(out, "gguf", records, notes)
+    _write(
+        out,
+        overwrite,
+        gpath,
+        ckpt.arch,
+        ordered,
+        _file_type(qtypes, types),
+        {"source": model.spec, **result.summary()},
+    )
+    return result
+
+
+def _file_order(ckpt, orders: dict, tensors: dict, files: dict) -> list[tuple[str, np.ndarray, str]]:
+    """``(GGUF name, data, type)`` in the source file's order, rows back in the file's order; source
+    tensors the model has no parameter for (e.g. ``rope_freqs``) copied as they are."""
+    import gguf
+
+    to_model = {g: n for n, g in ckpt.names.items()}
+    name_map = gguf.get_tensor_name_map(
+        next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == ckpt.arch),
+        int(ckpt.config().num_hidden_layers),
+    )
+    rows, seen = [], set()
+    for g in files:
+        n = to_model.get(g)
+        if n is None:
+            rows.append((g, _raw(ckpt, g), files[g][0].name))
+        elif n in tensors:
+            rows.append((g, *_file_rows(orders[n], *tensors[n])))
+            seen.add(n)
+        else:
+            raise ExportError(
+                f"cannot export as gguf: the model has no tensor {n} that {ckpt.path.name} has ({g})"
+            )
+    for n in tensors:
+        if n not in seen:  # e.g. a quantized head the (tied) source file does not store
+            base, suffix = n.rsplit(".", 1)
+            g = name_map.get_name(base)
+            if g is None:
+                raise ExportError(f"cannot export as gguf: tensor {n} has no GGUF name for {ckpt.arch!r}")
+            rows.append((f"{g}.{suffix}", *tensors[n]))
+    return rows
+
+
+def _file_rows(p: np.ndarray | None, data: np.ndarray, typ: str) -> tuple[np.ndarray, str]:
+    if p is None:
+        return data, typ
+    stored = np.empty_like(data)
+    stored[p] = data  # the model's row i is the file's row p[i]
+    return stored, typ
+
+
+def _raw(ckpt, gname: str) -> np.ndarray:
+    from gguf import GGUFReader
+
+    t = next(t for t in GGUFReader(os.fspath(ckpt.path)).tensors if t.name == gname)
+    return np.array(t.data)
+
+
+def _write(out: Path, overwrite: bool, gpath: Path, arch: str, rows, file_type, report: dict) -> None:
+    import gguf
+
+    reader = gguf.GGUFReader(os.fspath(gpath))
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+    os.close(fd)
+    try:
+        w = gguf.GGUFWriter(tmp, arch)
+        for key, f in reader.fields.items():
+            if key.startswith(_SKIP_KV):
+                continue
+            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+        w.add_file_type(int(file_type))
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        w.add_quantized_by(f"bitmosaic {__version__}")
+        w.add_string("bitmosaic.export", json.dumps(report))
+        for g, data, typ in rows:
+            q = gguf.GGMLQuantizationType[typ]
+            if typ in ("F32", "F16"):
+                w.add_tensor(g, np.ascontiguousarray(data))
+            else:
+                w.add_tensor(g, np.ascontiguousarray(data), raw_dtype=q)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        _check_out(out, overwrite)  # again: the path may have changed meanwhile
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
