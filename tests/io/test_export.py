@@ -216,12 +216,18 @@ def test_compressed_tensors_export_is_bit_identical(tmp_path, method, opts, fmt)
         assert close(float_logits(out, got), logits)
 
 
-def test_transformers_loads_the_compressed_tensors_export(tmp_path):
-    """The full loader: transformers + compressed-tensors decompress the checkpoint on their own."""
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_transformers_loads_the_compressed_tensors_export(tmp_path, symmetric):
+    """The full loader: transformers + compressed-tensors decompress the checkpoint on their own
+    (asymmetric: after the work-around for compressed-tensors' meta zero-point shape)."""
     from transformers import AutoModelForCausalLM
 
-    src = quantized(tmp_path, "gptq", bits=4, group_size=32, order="gar", symmetric=True)
+    from bitmosaic.io.export import fix_compressed_tensors_loading
+
+    src = quantized(tmp_path, "gptq", bits=4, group_size=32, order="gar", symmetric=symmetric)
     export_model(src, tmp_path / "out", "compressed-tensors")
+    if not symmetric:
+        fix_compressed_tensors_loading()
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = model(IDS).logits  # the first forward decompresses
@@ -229,6 +235,47 @@ def test_transformers_loads_the_compressed_tensors_export(tmp_path):
     for name, m in qmods.items():
         assert torch.equal(model.get_submodule(name).weight, m.dequantize_reference(torch.float32)), name
     assert close(theirs, logits)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_asymmetric_pack_quantized_equals_compressed_tensors_own_compress(tmp_path, bits):
+    """Our ``weight_packed`` and packed ``weight_zero_point`` are what compressed-tensors' own
+    compressor writes for the same weights, scales and zero-points, bit for bit (so the zero-point
+    shape transformers trips on is the library's own; see docs/compressed_tensors_zero_point.md)."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    src = quantized(tmp_path, "rtn", bits=bits, group_size=32)
+    export_model(src, tmp_path / "out", "compressed-tensors")
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    scheme = QuantizationConfig.model_validate(qc).config_groups["group_0"]
+    assert not scheme.weights.symmetric and scheme.format == "pack-quantized"
+    sd = load_file(str(tmp_path / "out" / "model.safetensors"))
+    _, qmods = ours(src)
+    half = 1 << (bits - 1)
+    for name, m in qmods.items():
+        theirs = PackedQuantizationCompressor.compress(
+            {
+                "weight": m.dequantize_reference(torch.float32),
+                "weight_scale": m.scales.to(torch.float16),
+                "weight_zero_point": (m.zeros.round().to(torch.int32) - half).to(torch.int8),
+            },
+            scheme,
+        )
+        for k in ("weight_packed", "weight_zero_point"):
+            assert theirs[k].dtype == sd[f"{name}.{k}"].dtype and torch.equal(theirs[k], sd[f"{name}.{k}"]), (
+                name,
+                k,
+            )
+
+
+def test_the_compressed_tensors_work_around_is_idempotent_and_exact():
+    from bitmosaic.io.export.ct_compat import fix_compressed_tensors_loading, meta_zero_point_is_packed
+
+    fix_compressed_tensors_loading()
+    assert meta_zero_point_is_packed()
+    assert fix_compressed_tensors_loading()  # a second call changes nothing
+    assert meta_zero_point_is_packed()
 
 
 # -- refusals and --lossy ---------------------------------------------------------------------------
