@@ -140,8 +140,9 @@ def test_gptq_three_bit_spills_across_words():
     [
         ("rtn", {"bits": 4, "group_size": 32, "symmetric": True}, False),
         ("rtn", {"bits": 4, "group_size": 32}, True),
-        ("gptq", {"bits": 3, "group_size": 32, "order": "act", "symmetric": True}, False),  # desc_act
-        ("gptq", {"bits": 4, "group_size": 48, "order": "act", "symmetric": True}, False),  # partial groups
+        ("gptq", {"bits": 3, "group_size": 32, "static_groups": False, "symmetric": True}, False),  # g_idx
+        ("gptq", {"bits": 4, "group_size": 48, "static_groups": False, "symmetric": True}, False),  # partial
+        ("gptq", {"bits": 4, "group_size": 32, "symmetric": True}, False),  # the default: static groups
         ("gptq", {"bits": 2, "group_size": None, "order": "gar"}, True),
         ("rtn", {"bits": 8, "group_size": 32, "symmetric": True}, False),
     ],
@@ -155,7 +156,7 @@ def test_gptq_export_is_bit_identical(tmp_path, method, opts, v2):
     assert qc["quant_method"] == "gptq" and qc["bits"] == opts["bits"]
     assert qc["checkpoint_format"] == ("gptq_v2" if v2 else "gptq")
     assert qc["sym"] == opts.get("symmetric", False)
-    assert qc["desc_act"] == (opts.get("order") == "act")
+    assert qc["desc_act"] == (opts.get("static_groups") is False)  # act-order groups need a g_idx
     sd = load_file(str(out / "model.safetensors"))
     logits, qmods = ours(src)
     weights = {}
@@ -280,7 +281,7 @@ def test_the_compressed_tensors_work_around_is_idempotent_and_exact():
 
 # -- refusals and --lossy ---------------------------------------------------------------------------
 def test_act_order_is_refused_by_compressed_tensors_and_lossy_reports_the_error(tmp_path):
-    src = quantized(tmp_path, "gptq", bits=4, group_size=32, order="act")
+    src = quantized(tmp_path, "gptq", bits=4, group_size=32, order="act", static_groups=False)
     with pytest.raises(ExportError, match="act-order groups.*--lossy"):
         export_model(src, tmp_path / "out", "compressed-tensors")
     res = export_model(src, tmp_path / "out", "compressed-tensors", lossy=True)
