@@ -67,9 +67,9 @@ def load_base(a):
     return model, tok, calib, ids, a.group_size
 
 
-def configs(a) -> list[tuple[str, dict, int]]:
+def configs(a, only_bits: int | None = None) -> list[tuple[str, dict, int]]:
     out = []
-    for bits in a.bits:
+    for bits in a.bits if only_bits is None else [only_bits]:
         for seed in a.seeds:
             for kind in ("dynamic", "static"):
                 opts = {"bits": bits, "static_groups": kind == "static"}
@@ -97,10 +97,10 @@ class State:
         return len(self.st["nll"].get(name, []))
 
 
-def quantize_missing(a, base, tok, calib, group, state: State, deadline: float) -> bool:
+def quantize_missing(a, bits, base, tok, calib, group, state: State, deadline: float) -> bool:
     import copy
 
-    for name, opts, seed in configs(a):
+    for name, opts, seed in configs(a, bits):
         if name in state.st["quant"]:
             continue
         est = max((q["quant_seconds"] for q in state.st["quant"].values()), default=0.0)
@@ -288,8 +288,10 @@ def main() -> None:
     key = {"model": a.model, "protocol": a.protocol, "group_size": a.group_size, "seqlen": a.seqlen}
     state = State(work, key)
     base, tok, calib, ids, group = load_base(a)
-    if quantize_missing(a, base, tok, calib, group, state, deadline):
-        evaluate(a, base, ids, state, deadline)
+    for bits in a.bits:  # one bit width at a time, evaluated before the next: a stopped run has pairs
+        if not (quantize_missing(a, bits, base, tok, calib, group, state, deadline) and
+                evaluate(a, base, ids, state, deadline)):  # fmt: skip
+            break
     res = summarise(a, state, ids)
     md = markdown(a, res)
     print(md)
