@@ -26,10 +26,11 @@ from .registry import LayerStats, Method, WeightQuantConfig, register
 
 @dataclass
 class GPTQConfig(WeightQuantConfig):
-    """GPTQ settings.  Defaults: act-order (``diag(H)`` descending) with MSE group scales and static
-    groups, the best exportable setting measured on SmolLM2 (``--method gptq --bits 4`` alone gives
-    it; benchmarks/results/static_groups.md); ``order="natural"`` and ``scale="minmax"`` give the
-    original GPTQ.  ``static_groups=True`` fixes every group's scale from the original weights of its
+    """GPTQ settings.  Defaults: act-order (``diag(H)`` descending) with MSE group scales (the best
+    setting measured on SmolLM2) and static groups, so that every export format holds the default
+    result exactly (``--method gptq --bits 4`` alone gives it; static against dynamic groups:
+    ``benchmarks/static_groups.py``); ``order="natural"`` and ``scale="minmax"`` give the original
+    GPTQ.  ``static_groups=True`` fixes every group's scale from the original weights of its
     contiguous columns (the Babai-equivalent lattice; llm-compressor's ``actorder: weight``), ``False``
     fits each group on the error-updated weights when it is reached (under act-order: groups by
     processing position, with a permuted ``g_idx`` that only GPTQ checkpoints hold), ``None`` (the
