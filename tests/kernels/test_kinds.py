@@ -29,7 +29,12 @@ def root(tmp_path_factory):
 
 
 # every method's saved-bytes case, plus the default ``--method gptq`` result (act-order, static groups)
-EXPORT_CASES = {**CASES, "gptq-default": ("gptq", {"bits": 4, "group_size": 32})}
+EXPORT_CASES = {
+    **CASES,
+    "gptq-default": ("gptq", {"bits": 4, "group_size": 32}),
+    # MosaicQuant W4A8 without residual blocks: its dense INT4 base and INT8 token activations
+    "mosaic-w4a8-dense": ("mosaic", {"scheme": "W4A8", "budget_frac": 0.0, "block": "32x32"}),
+}
 
 
 def saved(root: Path, case: str) -> Path:
@@ -90,6 +95,7 @@ REFUSED = {
     ("sfmp-gptq", CT): "SFMP's block-wise bit widths",
     ("mosaic", GPTQ): "block-sparse 4-bit residual",
     ("mosaic", CT): "block-sparse 4-bit residual",
+    ("mosaic-w4a8-dense", GPTQ): "GPTQ checkpoints hold weights only",
 }
 V1_EXACT = {"gptq-default"}  # exported as GPTQ v1 (the default checkpoint_format), no --gptq-v2
 
@@ -115,7 +121,7 @@ def test_every_result_exports_or_is_refused_in_one_line(root, case, fmt, capsys)
     from bitmosaic.io import load_quantized
 
     src = saved(root, case)
-    out = root / f"{case}-{fmt}"
+    out = root / "exports" / f"{case}-{fmt}"  # apart from the saved cases ("sfmp" + "-gptq" is one)
     extra = ["--gptq-v2"] if fmt == GPTQ and case not in V1_EXACT else []
     rc = main(["export", str(src), "--format", fmt, "--out", str(out), *extra])
     err = capsys.readouterr().err.strip()
