@@ -108,10 +108,35 @@ def test_gptq_mse_scales_not_worse_than_minmax_at_low_bits(layer64):
 
 
 def test_gptq_method_defaults_are_act_order_with_mse_scales():
-    """``--method gptq --bits 4`` alone gets the best measured setting: act-order, MSE scales."""
+    """``--method gptq --bits 4`` alone gets the best measured setting: act-order, MSE scales and
+    dynamic groups (static groups, exported by every format, stay an option until measured)."""
     from bitmosaic.methods.gptq import GPTQConfig
     from bitmosaic.methods.registry import get_method
 
     cfg = get_method("gptq").make_config(bits=4)
     assert isinstance(cfg, GPTQConfig)
     assert (cfg.order, cfg.scale_method, cfg.static_groups, cfg.direction) == ("act", "mse", False, "front")
+
+
+@pytest.mark.parametrize(
+    "order,given,static",
+    [("act", None, True), ("min-pivot", None, True), ("natural", None, False), ("gar", None, False),
+     ("act", False, False), ("natural", True, True)],
+)  # fmt: skip
+def test_auto_static_groups_follow_the_order(layer64, order, given, static):
+    """Auto: static groups where the order scatters the groups (then no g_idx), dynamic where it keeps
+    them contiguous (the original GPTQ); an explicit value wins.  The result is the explicit run's."""
+    from bitmosaic.methods.base import LayerStats
+    from bitmosaic.methods.common import processing_order
+    from bitmosaic.methods.gptq import GPTQConfig, quantize_gptq, static_groups_for
+
+    W, _, H = layer64
+    cfg = GPTQConfig(bits=3, group_size=16, order=order, static_groups=given, solver_dtype="float64")
+    perm = processing_order(H, cfg)
+    assert static_groups_for(cfg, perm) is static
+    got = quantize_gptq(W, LayerStats(hessian=H.clone()), cfg)
+    kw = dict(perm=perm, static_groups=static, scale_method="mse", dtype=torch.float64)
+    want = gptq_quantize(W, H, IntGrid(3), 16, **kw)
+    assert torch.equal(got.codes, want.codes) and torch.equal(got.g_idx, want.g_idx)
+    if static:
+        assert torch.equal(got.g_idx, torch.arange(W.shape[1]) // 16)

@@ -71,3 +71,23 @@ def test_perplexity_kl_uniform_model_against_sharp_reference(bos):
 def test_perplexity_without_reference_has_no_fidelity_keys():
     r = perplexity(TinyLM(), counting(100), 16, progress=False)
     assert "kl_mean" not in r
+
+
+def test_meter_state_continues_in_a_new_meter():
+    """Half the batches, state saved and restored, then the rest: the same summary as one meter."""
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(2, 7, 13, generator=g), torch.randn(2, 7, 13, generator=g)) for _ in range(4)]
+    whole, first = FidelityMeter(), FidelityMeter()
+    for ref, q in batches:
+        whole.update(ref, q)
+    for ref, q in batches[:2]:
+        first.update(ref, q)
+    rest = FidelityMeter.from_state(first.state())
+    for ref, q in batches[2:]:
+        rest.update(ref, q)
+    assert rest.summary() == whole.summary()
+    assert FidelityMeter.from_state(FidelityMeter().state()).state()["count"] == 0
+    bad = first.state()
+    bad["count"] += 1
+    with pytest.raises(ValueError, match="KL values"):
+        FidelityMeter.from_state(bad)

@@ -140,8 +140,9 @@ def test_gptq_three_bit_spills_across_words():
     [
         ("rtn", {"bits": 4, "group_size": 32, "symmetric": True}, False),
         ("rtn", {"bits": 4, "group_size": 32}, True),
-        ("gptq", {"bits": 3, "group_size": 32, "order": "act", "symmetric": True}, False),  # desc_act
-        ("gptq", {"bits": 4, "group_size": 48, "order": "act", "symmetric": True}, False),  # partial groups
+        ("gptq", {"bits": 3, "group_size": 32, "static_groups": False, "symmetric": True}, False),  # g_idx
+        ("gptq", {"bits": 4, "group_size": 48, "static_groups": False, "symmetric": True}, False),  # partial
+        ("gptq", {"bits": 4, "group_size": 32, "static_groups": True, "symmetric": True}, False),  # no g_idx
         ("gptq", {"bits": 2, "group_size": None, "order": "gar"}, True),
         ("rtn", {"bits": 8, "group_size": 32, "symmetric": True}, False),
     ],
@@ -155,7 +156,9 @@ def test_gptq_export_is_bit_identical(tmp_path, method, opts, v2):
     assert qc["quant_method"] == "gptq" and qc["bits"] == opts["bits"]
     assert qc["checkpoint_format"] == ("gptq_v2" if v2 else "gptq")
     assert qc["sym"] == opts.get("symmetric", False)
-    assert qc["desc_act"] == (opts.get("order") == "act")
+    act_groups = opts.get("static_groups") is False or (method == "gptq" and "static_groups" not in opts
+                                                         and opts.get("order", "act") == "act")  # fmt: skip
+    assert qc["desc_act"] == act_groups  # act-order groups need a g_idx
     sd = load_file(str(out / "model.safetensors"))
     logits, qmods = ours(src)
     weights = {}
@@ -216,12 +219,18 @@ def test_compressed_tensors_export_is_bit_identical(tmp_path, method, opts, fmt)
         assert close(float_logits(out, got), logits)
 
 
-def test_transformers_loads_the_compressed_tensors_export(tmp_path):
-    """The full loader: transformers + compressed-tensors decompress the checkpoint on their own."""
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_transformers_loads_the_compressed_tensors_export(tmp_path, symmetric):
+    """The full loader: transformers + compressed-tensors decompress the checkpoint on their own
+    (asymmetric: after the work-around for compressed-tensors' meta zero-point shape)."""
     from transformers import AutoModelForCausalLM
 
-    src = quantized(tmp_path, "gptq", bits=4, group_size=32, order="gar", symmetric=True)
+    from bitmosaic.io.export import fix_compressed_tensors_loading
+
+    src = quantized(tmp_path, "gptq", bits=4, group_size=32, order="gar", symmetric=symmetric)
     export_model(src, tmp_path / "out", "compressed-tensors")
+    if not symmetric:
+        fix_compressed_tensors_loading()
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = model(IDS).logits  # the first forward decompresses
@@ -231,9 +240,50 @@ def test_transformers_loads_the_compressed_tensors_export(tmp_path):
     assert close(theirs, logits)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_asymmetric_pack_quantized_equals_compressed_tensors_own_compress(tmp_path, bits):
+    """Our ``weight_packed`` and packed ``weight_zero_point`` are what compressed-tensors' own
+    compressor writes for the same weights, scales and zero-points, bit for bit (so the zero-point
+    shape transformers trips on is the library's own; see docs/compressed_tensors_zero_point.md)."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    src = quantized(tmp_path, "rtn", bits=bits, group_size=32)
+    export_model(src, tmp_path / "out", "compressed-tensors")
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    scheme = QuantizationConfig.model_validate(qc).config_groups["group_0"]
+    assert not scheme.weights.symmetric and scheme.format == "pack-quantized"
+    sd = load_file(str(tmp_path / "out" / "model.safetensors"))
+    _, qmods = ours(src)
+    half = 1 << (bits - 1)
+    for name, m in qmods.items():
+        theirs = PackedQuantizationCompressor.compress(
+            {
+                "weight": m.dequantize_reference(torch.float32),
+                "weight_scale": m.scales.to(torch.float16),
+                "weight_zero_point": (m.zeros.round().to(torch.int32) - half).to(torch.int8),
+            },
+            scheme,
+        )
+        for k in ("weight_packed", "weight_zero_point"):
+            assert theirs[k].dtype == sd[f"{name}.{k}"].dtype and torch.equal(theirs[k], sd[f"{name}.{k}"]), (
+                name,
+                k,
+            )
+
+
+def test_the_compressed_tensors_work_around_is_idempotent_and_exact():
+    from bitmosaic.io.export.ct_compat import fix_compressed_tensors_loading, meta_zero_point_is_packed
+
+    fix_compressed_tensors_loading()
+    assert meta_zero_point_is_packed()
+    assert fix_compressed_tensors_loading()  # a second call changes nothing
+    assert meta_zero_point_is_packed()
+
+
 # -- refusals and --lossy ---------------------------------------------------------------------------
 def test_act_order_is_refused_by_compressed_tensors_and_lossy_reports_the_error(tmp_path):
-    src = quantized(tmp_path, "gptq", bits=4, group_size=32, order="act")
+    src = quantized(tmp_path, "gptq", bits=4, group_size=32, order="act", static_groups=False)
     with pytest.raises(ExportError, match="act-order groups.*--lossy"):
         export_model(src, tmp_path / "out", "compressed-tensors")
     res = export_model(src, tmp_path / "out", "compressed-tensors", lossy=True)

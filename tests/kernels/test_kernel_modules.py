@@ -14,7 +14,7 @@ from tests.pipeline.test_pipeline import tiny_llama
 
 KERNEL_RUNS = [
     ("gptq", {"bits": 4, "group_size": 32}),
-    ("gptq", {"bits": 3, "group_size": 24, "order": "act"}),  # act-order g_idx, partial groups
+    ("gptq", {"bits": 3, "group_size": 24, "order": "act", "static_groups": False}),  # g_idx, partial groups
     ("gptq", {"bits": 2, "group_size": -1, "symmetric": True}),
     ("gptq", {"bits": 8, "group_size": 32, "symmetric": True, "order": "act", "static_groups": True}),
     ("rtn", {"bits": 5, "group_size": 16}),
@@ -108,7 +108,7 @@ def test_loaded_model_holds_no_float_weight(tmp_path, method, opts):
 
 
 def test_act_order_is_a_load_time_permutation():
-    m, _ = _quantized("gptq", {"bits": 4, "group_size": 16, "order": "act"})
+    m, _ = _quantized("gptq", {"bits": 4, "group_size": 16, "order": "act", "static_groups": False})
     mods = [mod for mod in quantized_modules(m).values() if mod.g_idx is not None]
     assert mods
     for mod in mods:
@@ -130,7 +130,7 @@ def test_low_bit_kinds_decode_on_the_lut(monkeypatch):
     if lut.extension() is None:
         pytest.skip("no C++ compiler: the LUT kernel is not used without its compiled path")
     monkeypatch.delenv(KERNEL_ENV, raising=False)
-    m3, _ = _quantized("gptq", {"bits": 3, "group_size": 24, "order": "act"})
+    m3, _ = _quantized("gptq", {"bits": 3, "group_size": 24, "order": "act", "static_groups": False})
     m4, _ = _quantized("gptq", {"bits": 4, "group_size": 32})
     mods3, mods4 = list(quantized_modules(m3).values()), list(quantized_modules(m4).values())
     assert all(isinstance(mod.kernel().weight, BitPlaneWeight) for mod in mods3)

@@ -28,13 +28,22 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("kinds")
 
 
+# every method's saved-bytes case, plus the default ``--method gptq`` result (act-order, static groups)
+EXPORT_CASES = {
+    **CASES,
+    "gptq-static-groups": ("gptq", {"bits": 4, "group_size": 32, "static_groups": True}),
+    # MosaicQuant W4A8 without residual blocks: its dense INT4 base and INT8 token activations
+    "mosaic-w4a8-dense": ("mosaic", {"scheme": "W4A8", "budget_frac": 0.0, "block": "32x32"}),
+}
+
+
 def saved(root: Path, case: str) -> Path:
-    """The tiny Llama quantized with ``CASES[case]`` and saved (once per module)."""
+    """The tiny Llama quantized with ``EXPORT_CASES[case]`` and saved (once per module)."""
     if case not in _saved or not _saved[case].exists():
         import bitmosaic
         from bitmosaic.io import save_quantized
 
-        method, options = CASES[case]
+        method, options = EXPORT_CASES[case]
         model = tiny_llama()
         bitmosaic.quantize_(model, method, calib(), progress=False, **options)
         _saved[case] = save_quantized(model, root / case, {"method": method})
@@ -86,35 +95,64 @@ REFUSED = {
     ("sfmp-gptq", CT): "SFMP's block-wise bit widths",
     ("mosaic", GPTQ): "block-sparse 4-bit residual",
     ("mosaic", CT): "block-sparse 4-bit residual",
+    ("mosaic-w4a8-dense", GPTQ): "GPTQ checkpoints hold weights only",
 }
+V1_EXACT = {"gptq-static-groups"}  # exported as GPTQ v1 (the default checkpoint_format), no --gptq-v2
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_every_result_exports_or_is_refused_in_one_line(root, case, capsys):
+def _kind_of_case(root: Path, case: str) -> set[str]:
+    from bitmosaic.io import load_quantized
+
+    model, _ = load_quantized(saved(root, case), load_tokenizer=False)
+    return {type(m).kind for m in model.modules() if isinstance(m, QuantModule)}
+
+
+def test_the_export_cases_cover_every_registered_kind(root):
+    """A new module kind cannot be added without an export case (exported or refused, both formats)."""
+    covered = set().union(*(_kind_of_case(root, c) for c in sorted(EXPORT_CASES)))
+    assert set(KINDS) <= covered, f"kinds without an export case: {sorted(set(KINDS) - covered)}"
+
+
+@pytest.mark.parametrize("fmt", [GPTQ, CT])
+@pytest.mark.parametrize("case", sorted(EXPORT_CASES))
+def test_every_result_exports_or_is_refused_in_one_line(root, case, fmt, capsys):
+    """Each (kind's result, format): exit 0 with bit-identical weights read back by an independent
+    reader, or exit 2 with one ``error:`` line naming why and nothing written."""
     from bitmosaic.io import load_quantized
 
     src = saved(root, case)
-    for fmt in (GPTQ, CT):
-        out = root / f"{case}-{fmt}"
-        extra = ["--gptq-v2"] if fmt == GPTQ else []
-        rc = main(["export", str(src), "--format", fmt, "--out", str(out), *extra])
-        err = capsys.readouterr().err.strip()
-        why = REFUSED.get((case, fmt))
-        if why is None:
-            assert rc == 0, err
-            if fmt == CT:  # the independent compressed-tensors package decompresses the same weights
-                from tests.io.test_export import ct_decompress
+    out = root / "exports" / f"{case}-{fmt}"  # apart from the saved cases ("sfmp" + "-gptq" is one)
+    extra = ["--gptq-v2"] if fmt == GPTQ and case not in V1_EXACT else []
+    rc = main(["export", str(src), "--format", fmt, "--out", str(out), *extra])
+    err = capsys.readouterr().err.strip()
+    why = REFUSED.get((case, fmt))
+    if why is None:
+        assert rc == 0, err
+        model, _ = load_quantized(src, load_tokenizer=False)
+        if fmt == CT:  # the independent compressed-tensors package decompresses the same weights
+            from tests.io.test_export import ct_decompress
 
-                got = ct_decompress(out)
-                model, _ = load_quantized(src, load_tokenizer=False)
-                for name, w in got.items():
-                    ref = model.get_submodule(name).dequantize_reference(w.dtype)
-                    assert torch.equal(w, ref), name
-        else:
-            assert rc == 2, f"{case} {fmt}: expected a refusal ({why})"
-            assert "\n" not in err and err.startswith(f"error: cannot export as {fmt}"), err
-            assert why in err, err
-            assert not out.exists()
+            got = ct_decompress(out)
+        else:  # the GPTQ unpacker written from the format's public description
+            import json
+
+            from safetensors.torch import load_file
+
+            from tests.io.test_export import gptq_reference_unpack
+
+            sd = load_file(str(out / "model.safetensors"))
+            qc = json.loads((out / "config.json").read_text())["quantization_config"]
+            names = {k.rsplit(".", 1)[0] for k in sd if k.endswith(".qweight")}
+            got = {n: gptq_reference_unpack(sd, n, qc, model.get_submodule(n).in_features) for n in names}
+        assert got
+        for name, w in got.items():
+            ref = model.get_submodule(name).dequantize_reference(w.dtype)
+            assert torch.equal(w, ref), name
+    else:
+        assert rc == 2, f"{case} {fmt}: expected a refusal ({why})"
+        assert "\n" not in err and err.startswith(f"error: cannot export as {fmt}"), err
+        assert why in err, err
+        assert not out.exists()
 
 
 def _state(model) -> dict[str, torch.Tensor]:

@@ -54,7 +54,7 @@ def method_flags() -> dict[str, MethodFlag]:
             if spec.shared:
                 continue
             flag = flag_of(f)
-            is_bool = isinstance(default_of(f), bool)
+            is_bool = isinstance(default_of(f), bool) or spec.type is bool  # bool, or None = auto
             d = flags.get(flag)
             if d is None:
                 neg = (spec.negative or "--no-" + flag[2:]) if is_bool else None
@@ -78,7 +78,7 @@ def _show(f: dataclasses.Field, cls) -> str:
             return f"{len(v)} values {v[0]:g}..{v[-1]:g}"
         return ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in v)
     if v is None:
-        return "search" if f.name == "alpha" else "none"
+        return "search" if f.name == "alpha" else "auto" if spec.type is bool else "none"
     return str(v)
 
 

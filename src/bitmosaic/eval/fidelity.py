@@ -47,6 +47,22 @@ class FidelityMeter:
         self._agree += int((ref_logits.argmax(-1) == logits.argmax(-1)).sum())
         self._count += kl.numel()
 
+    def state(self) -> dict:
+        """What the meter holds (per-token KL, float64 on the CPU; agreement and token counts), for
+        :meth:`from_state` -- e.g. to continue an evaluation in a later process."""
+        kl = torch.cat(self._kl) if self._kl else torch.empty(0, dtype=torch.float64)
+        return {"kl": kl, "agree": self._agree, "count": self._count}
+
+    @classmethod
+    def from_state(cls, state: dict) -> FidelityMeter:
+        m = cls()
+        kl = state["kl"].reshape(-1).double()
+        if kl.numel() != state["count"]:
+            raise ValueError(f"fidelity state holds {kl.numel()} KL values for {state['count']} tokens")
+        m._kl = [kl] if kl.numel() else []
+        m._agree, m._count = int(state["agree"]), int(state["count"])
+        return m
+
     def summary(self) -> dict:
         if not self._count:
             raise ValueError("no tokens were compared")

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ..errors import DeviceError, NonFiniteError
 from .fidelity import FidelityMeter
 
-__all__ = ["perplexity"]
+__all__ = ["perplexity", "eval_windows", "window_nll"]
 
 
 def _exp(x: float) -> float:
@@ -75,30 +75,10 @@ def perplexity(
     :class:`~bitmosaic.errors.DeviceError` (the model is put back first); NaN or Inf logits on a window
     raise :class:`~bitmosaic.errors.NonFiniteError` naming the first such window (never a NaN perplexity).
     """
-    if not isinstance(tokens, torch.Tensor):
-        tokens = torch.as_tensor(tokens)
-    if tokens.dim() == 1:
-        tokens = tokens.unsqueeze(0)
-    if tokens.dim() != 2 or tokens.shape[0] != 1:
-        raise ValueError(f"tokens must have shape [1, N], got {tuple(tokens.shape)}")
-    if seqlen < 2:
-        raise ValueError(f"seqlen must be >= 2 (one token of context, one predicted), got {seqlen}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if max_windows is not None and max_windows < 1:
-        raise ValueError(f"max_windows must be >= 1 or None, got {max_windows}")
-    if bos_token_id is not None and tokens.shape[1] and int(tokens[0, 0]) == int(bos_token_id):
-        tokens = tokens[:, 1:]  # a stream tokenized with its own leading BOS: the windows get theirs
-    n = tokens.shape[1]
-    step = seqlen if bos_token_id is None else seqlen - 1  # text tokens per window
-    windows = n // step
-    if windows < 1:
-        raise ValueError(f"only {n} tokens: fewer than one window of seqlen={seqlen}")
-    if max_windows is not None:
-        windows = min(windows, max_windows)
-    ids = tokens[0, : windows * step].to(torch.long).view(windows, step)
-    if bos_token_id is not None:
-        ids = torch.cat([torch.full((windows, 1), int(bos_token_id), dtype=torch.long), ids], dim=1)
+    ids = eval_windows(tokens, seqlen, max_windows, bos_token_id)
+    windows = ids.shape[0]
 
     home = _model_device(model)
     device = home if device is None else torch.device(device)
@@ -132,6 +112,37 @@ def perplexity(
     return out
 
 
+def eval_windows(
+    tokens: torch.Tensor, seqlen: int, max_windows: int | None = None, bos_token_id: int | None = None
+) -> torch.Tensor:
+    """The windows :func:`perplexity` scores, ``[windows, seqlen]`` (see the module doc): the token
+    stream cut into non-overlapping windows (each ``[BOS] + seqlen - 1`` text tokens with
+    ``bos_token_id``), the first ``max_windows`` of them."""
+    if not isinstance(tokens, torch.Tensor):
+        tokens = torch.as_tensor(tokens)
+    if tokens.dim() == 1:
+        tokens = tokens.unsqueeze(0)
+    if tokens.dim() != 2 or tokens.shape[0] != 1:
+        raise ValueError(f"tokens must have shape [1, N], got {tuple(tokens.shape)}")
+    if seqlen < 2:
+        raise ValueError(f"seqlen must be >= 2 (one token of context, one predicted), got {seqlen}")
+    if max_windows is not None and max_windows < 1:
+        raise ValueError(f"max_windows must be >= 1 or None, got {max_windows}")
+    if bos_token_id is not None and tokens.shape[1] and int(tokens[0, 0]) == int(bos_token_id):
+        tokens = tokens[:, 1:]  # a stream tokenized with its own leading BOS: the windows get theirs
+    n = tokens.shape[1]
+    step = seqlen if bos_token_id is None else seqlen - 1  # text tokens per window
+    windows = n // step
+    if windows < 1:
+        raise ValueError(f"only {n} tokens: fewer than one window of seqlen={seqlen}")
+    if max_windows is not None:
+        windows = min(windows, max_windows)
+    ids = tokens[0, : windows * step].to(torch.long).view(windows, step)
+    if bos_token_id is not None:
+        ids = torch.cat([torch.full((windows, 1), int(bos_token_id), dtype=torch.long), ids], dim=1)
+    return ids
+
+
 def _logits(model, batch: torch.Tensor) -> torch.Tensor:
     out = model(batch, use_cache=False)
     logits = out.logits if hasattr(out, "logits") else out[0]
@@ -140,6 +151,19 @@ def _logits(model, batch: torch.Tensor) -> torch.Tensor:
             f"model returned logits of shape {tuple(logits.shape)} for input {tuple(batch.shape)}"
         )
     return logits
+
+
+def window_nll(model, batch: torch.Tensor, start: int = 0, windows: int | None = None):
+    """``(summed NLL per window, float64 [b]; the scoring logits, float32 [b, seqlen - 1, vocab])`` of
+    a batch of windows ``[b, seqlen]`` (positions ``1..``, each predicted from its prefix).  NaN or Inf
+    raise :class:`~bitmosaic.errors.NonFiniteError` naming the window (``start``: the batch's first
+    window, of ``windows``)."""
+    pred = _logits(model, batch)[:, :-1, :].float()  # position t predicts token t+1
+    target = batch[:, 1:]
+    nll = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), target.reshape(-1), reduction="none")
+    nll = nll.view(target.shape)
+    _check_finite_windows(nll, pred, start, windows or batch.shape[0], "the model")
+    return nll.sum(dim=1, dtype=torch.float64), pred
 
 
 def _check_finite_windows(values: torch.Tensor, logits: torch.Tensor, start: int, windows: int, who: str):
@@ -189,18 +213,14 @@ def _total_nll(
         ):
             for start in range(0, windows, batch_size):
                 batch = ids[start : start + batch_size].to(device)
-                logits = _logits(model, batch)
-                pred = logits[:, :-1, :].float()  # position t predicts token t+1
-                target = batch[:, 1:]
-                nll = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), target.reshape(-1), reduction="none")
-                _check_finite_windows(nll.view(target.shape), pred, start, windows, "the model")
-                total_nll += float(nll.sum(dtype=torch.float64))
+                nll, pred = window_nll(model, batch, start, windows)
+                total_nll += float(nll.sum())
                 if meter is not None:
                     ref = _logits(reference, batch.to(ref_device))[:, :-1, :].to(pred.device)
                     _check_finite_windows(ref, ref, start, windows, "the reference model")
                     meter.update(ref, pred)
                     del ref
-                del logits, pred, nll
+                del pred, nll
                 bar.update(batch.shape[0])
                 if progress:
                     done = min(start + batch_size, windows) * (seqlen - 1)

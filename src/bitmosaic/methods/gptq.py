@@ -14,6 +14,7 @@ import torch
 from ..algorithms.babai import babai_nearest_plane
 from ..algorithms.gptq import gptq_quantize
 from ..algorithms.hessian import damp_hessian
+from ..algorithms.orders import groups_contiguous
 from ..algorithms.scales import group_scale_zero
 from ..algorithms.types import QuantResult
 from ..formats.grid import IntGrid
@@ -25,34 +26,53 @@ from .registry import LayerStats, Method, WeightQuantConfig, register
 
 @dataclass
 class GPTQConfig(WeightQuantConfig):
-    """GPTQ settings.  Defaults: act-order (``diag(H)`` descending) with MSE group scales, the best
-    setting measured on SmolLM2 (``--method gptq --bits 4`` alone gives it); ``order="natural"``
-    and ``scale="minmax"`` give the original GPTQ.  ``static_groups`` fixes every group's
-    scale from the original weights (the Babai-equivalent lattice); ``solver_dtype`` is the solver's
-    working precision."""
+    """GPTQ settings.  Defaults: act-order (``diag(H)`` descending) with MSE group scales and dynamic
+    groups (the best setting measured on SmolLM2; ``--method gptq --bits 4`` alone gives it).  Static
+    groups (exported exactly by every format) stay an option until ``benchmarks/static_groups.py``
+    has measured them against dynamic ones; ``order="natural"`` and ``scale="minmax"`` give the original
+    GPTQ.  ``static_groups=True`` fixes every group's scale from the original weights of its
+    contiguous columns (the Babai-equivalent lattice; llm-compressor's ``actorder: weight``), ``False``
+    fits each group on the error-updated weights when it is reached (under act-order: groups by
+    processing position, with a permuted ``g_idx`` that only GPTQ checkpoints hold; the default),
+    ``None`` (auto, Python only) is static where the order scatters the groups (act, min-pivot) and
+    dynamic where it keeps them contiguous (natural, GAR); ``solver_dtype`` is the solver's working
+    precision."""
 
     scale: str = like(WeightQuantConfig, "scale", "mse")
     order: str = shared("order")
     direction: str = shared("direction")
-    static_groups: bool = option(
-        False, help="fix every group's scale from the original weights before the updates"
+    static_groups: bool | None = option(
+        False,
+        help="fix every group's scale from the original weights before the updates (contiguous groups, "
+        "no g_idx: every export format holds it); --no-static-groups: fit each group on the updated "
+        "weights when reached (the default; act-order then needs a g_idx: GPTQ export only)",
+        type=bool,
     )
     block_size: int = shared("block_size")
     damp: float = shared("damp")
     solver_dtype: str = shared("solver_dtype")
 
 
+def static_groups_for(cfg: GPTQConfig, perm: torch.Tensor) -> bool:
+    """``cfg.static_groups``, with ``None`` (auto) resolved for the processing order ``perm``: static
+    when the order scatters the contiguous groups (no ``g_idx`` then), dynamic when it keeps them."""
+    if cfg.static_groups is not None:
+        return bool(cfg.static_groups)
+    return not groups_contiguous(perm, cfg.group_size)
+
+
 def quantize_gptq(weight, stats: LayerStats, cfg: GPTQConfig) -> QuantResult:
     H = require_hessian(stats, "gptq")
+    perm = processing_order(H, cfg)
     return gptq_quantize(
         weight,
         H,
         IntGrid(cfg.bits, cfg.sym),
         cfg.group_size,
-        perm=processing_order(H, cfg),
+        perm=perm,
         clip=cfg.clip,
         scale_method=cfg.scale,
-        static_groups=cfg.static_groups,
+        static_groups=static_groups_for(cfg, perm),
         block_size=cfg.block_size,
         percdamp=cfg.damp,
         dtype=HESSIAN_DTYPES[cfg.solver_dtype],

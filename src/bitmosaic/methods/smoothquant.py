@@ -40,6 +40,7 @@ class SmoothQuantConfig(GPTQConfig):
     # defaults, which would change its results and slow the alpha search tenfold
     scale: str = like(WeightQuantConfig, "scale", "minmax")
     order: str = shared("order", "natural")
+    static_groups: bool | None = like(GPTQConfig, "static_groups", False)  # the paper's (dynamic) GPTQ
     alpha: float | None = option(
         0.5, help="migration strength in [0, 1], or 'search' (per group, on --alpha-grid)", parse=parse_alpha,
         type=float,

@@ -15,9 +15,13 @@ import os
 from pathlib import Path
 
 from .common import MARKER, ExportResult, LayerRecord, Source, write
+from .ct_compat import fix_compressed_tensors_loading
 from .layers import ExportError
 
-__all__ = ["FORMATS", "MARKER", "ExportError", "ExportResult", "LayerRecord", "export_model"]
+__all__ = [
+    "FORMATS", "MARKER", "ExportError", "ExportResult", "LayerRecord", "export_model",
+    "fix_compressed_tensors_loading",
+]  # fmt: skip
 
 FORMATS = ("gptq", "compressed-tensors", "gguf")
 

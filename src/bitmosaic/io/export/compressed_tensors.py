@@ -20,6 +20,8 @@ What the format cannot hold, and why: compressed-tensors 0.20 removed act-order 
 (``actorder: "group"``/``weight_g_idx``), so act-order results are refused (``--format gptq`` keeps their
 ``g_idx``; ``--lossy`` re-rounds the weights on contiguous groups); its group dequantization needs
 ``in % group_size == 0``, so a partial last group is split exactly into groups of ``gcd(g, in)``.
+Asymmetric zero-points are packed exactly as compressed-tensors' own compressor packs them; its
+transformers loader trips on their shape (a library bug: :mod:`.ct_compat` has the work-around).
 Activation quantizers map when compressed-tensors has the same scheme: INT/E4M3 per-token dynamic and
 per-tensor static (``input_scale``) or dynamic; per-group, power-of-two dynamic, E5M2, E4M3-240 and FP4
 activations are refused (dropped with ``--lossy``).  Note that a loader computes dynamic INT scales its
@@ -193,4 +195,11 @@ def build_compressed_tensors(src: Source, lossy: bool) -> tuple[dict, dict, list
     )
     if split:
         notes.append(f"{len(split)} layer(s) with a partial last group split into full groups (same weights)")
+    schemes = [json.loads(k) for k in groups]
+    if any(s["format"] == "pack-quantized" and not s["weights"]["symmetric"] for s in schemes):
+        notes.append(
+            "asymmetric pack-quantized layers: vLLM loads them as written; transformers' from_pretrained "
+            "needs bitmosaic.io.export.fix_compressed_tensors_loading() first (a compressed-tensors "
+            "<= 0.20 zero-point shape bug, docs/compressed_tensors_zero_point.md)"
+        )
     return tensors, qconfig, records, notes
