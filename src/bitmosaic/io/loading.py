@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..devices import DEVICE_CHOICES, resolve_device
-from ..errors import CorruptModelError, DeviceError, ModelSpecError, check_finite
+from ..errors import BitmosaicError, CorruptModelError, DeviceError, ModelSpecError, check_finite
 
 __all__ = [
     "ALIASES",
