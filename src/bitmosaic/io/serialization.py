@@ -455,7 +455,7 @@ def install_quantized_modules(model: nn.Module, modules: dict, path) -> None:
     for name, lc in modules.items():
         try:
             model.set_submodule(name, module_from_layer_config(lc))
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as e:  # e.g. width 0
             raise CorruptModelError(
                 f"{path}/config.json: quantized layer {name!r} has a bad entry ({type(e).__name__}: {e}); "
                 f"{_RESAVE}"
