@@ -173,7 +173,7 @@ def test_a_truncated_file_is_one_line(tmp_path):
         ckpt.get("model.layers.1.mlp.down_proj.weight")
     for cut in (data[:-5000], data[:3000]):  # cut before: opening fails
         path.write_bytes(cut)
-        with pytest.raises(CorruptModelError, match="cannot read the GGUF file") as e:
+        with pytest.raises(CorruptModelError, match="cannot read the GGUF file|truncated or damaged") as e:
             GGUFCheckpoint(path)
         assert "\n" not in str(e.value)
 

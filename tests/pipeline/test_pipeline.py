@@ -61,7 +61,7 @@ def test_stop_forward_does_not_swallow_real_errors(calib):
     [
         ("rtn", {}),
         ("gptq", {"order": "act", "static_groups": False}),  # act-order groups: a g_idx
-        ("gptq", {"order": "act"}),  # the default: static groups, no g_idx
+        ("gptq", {"order": "act", "static_groups": True}),  # static groups: no g_idx
         ("gptq", {"order": "gar", "scale_method": "mse"}),
         ("babai", {"order": "min-pivot"}),
     ],

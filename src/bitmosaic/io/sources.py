@@ -44,6 +44,10 @@ def open_checkpoint(spec: str) -> tuple[Checkpoint, object]:
 def _tokenizer(spec: str, load, *args, **kwargs):
     try:
         return load(*args, **kwargs)
+    except KeyError as e:  # a GGUF without tokenizer metadata (transformers: KeyError 'tokens')
+        if "gguf_file" in kwargs and e.args == ("tokens",):
+            return None
+        raise
     except OSError as e:
         why = " ".join(str(e).split())
         raise ModelSpecError(f"could not load the tokenizer of {spec!r}: {why}") from None
