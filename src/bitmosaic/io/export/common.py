@@ -20,14 +20,8 @@ from pathlib import Path
 import torch
 
 from ..integrity import SUMS
-from ..serialization import (
-    _read_state_dict,
-    _replace_dir,
-    load_quantized,
-    quantized_modules,
-    read_quant_config,
-    write_safetensors,
-)
+from ..saved import _read_state_dict, load_quantized, read_quant_config
+from ..serialization import _replace_dir, quantized_modules, write_safetensors
 from .layers import ExportError, Refusal, weight_error
 
 __all__ = [
