@@ -417,10 +417,12 @@ def test_non_utf8_calibration_file_is_named(src, tmp_path, capsys):
     assert str(bad) in line and "UTF-8" in line and "byte" in line
 
 
-def test_seqlen_beyond_the_model_positions_warns(src, capsys):
+@pytest.mark.parametrize("stream", [False, True])
+def test_seqlen_beyond_the_model_positions_warns(src, capsys, tmp_path, stream):
     model, text = src  # tiny Llama: 128 positions
     capsys.readouterr()
-    assert main(_quantize(model, text, "--seqlen", "160", "--nsamples", "1")) == 0
+    extra = ["--stream", "on", "--out", str(tmp_path / "q")] if stream else []
+    assert main(_quantize(model, text, "--seqlen", "160", "--nsamples", "1", *extra)) == 0
     warn = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
     assert len(warn) == 1 and "--seqlen 160" in warn[0] and "128" in warn[0], warn
 
