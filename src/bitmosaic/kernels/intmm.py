@@ -26,8 +26,8 @@ route, ``torch._int_mm`` (oneDNN int8 GEMM) once per weight group on an unpacked
 is kept for measurement (``route="int_mm"``, ``benchmarks/int_gemm.py``).
 
 Capabilities (:mod:`bitmosaic.kernels.select`): one width 1-8 per matrix, CPU, group sizes that are
-multiples of 8 (or one group per row), input width below ``MAX_K``; needs the compiled extension (the
-simulated path runs without it).
+multiples of 8 (or one group per row), input width below ``MAX_K``; without the compiled extension
+it runs the ``torch._int_mm`` route (same integers; slower at decode).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class IntActWeight:
     SUPPORTS_GROUP_SIZE_MULTIPLE = 8
     SUPPORTS_ROWS = (1, None)
     FAST_BITS = SUPPORTS_BITS
-    NEEDS_COMPILED = True
+    NEEDS_COMPILED = False  # the torch._int_mm route runs without it
 
     @staticmethod
     def compiled() -> bool:

@@ -12,8 +12,8 @@ forward in one of two ways:
   kernel multiplies it in float32.  Always the case for FP8/FP4 activations (DPQ's FP8 compute: this CPU
   has no FP8 instruction), for kinds without an integer path (``INT_ACT_KERNELS`` empty: SSQR's CSR
   outliers, DPQ, MosaicQuant, the SQ-format activations, SFMP, Huffman, FP8 weights), for group sizes
-  that are not multiples of 8, activation groups that do not hold whole weight groups, without the
-  compiled kernel, off the CPU, and under ``$BITMOSAIC_ACT_COMPUTE=sim`` (for comparison).
+  that are not multiples of 8, activation groups that do not hold whole weight groups, off the CPU,
+  and under ``$BITMOSAIC_ACT_COMPUTE=sim`` (for comparison).
 
 :func:`int_act_blocker` says which, and why; ``bitmosaic inspect --layers`` prints it per layer.
 """
@@ -72,8 +72,6 @@ def int_act_blocker(
             return f"activation groups of {spec.group_size} do not hold whole weight groups of {gs}"
         if permuted:
             return "act-order columns with per-group activation scales"
-    if not kernel.compiled():
-        return "no compiled kernel"
     return None
 
 
@@ -85,6 +83,8 @@ def act_path_label(blocker: str | None, spec: ActQuantSpec | None) -> str:
         return f"simulated ({blocker})"
     if act_compute_mode() == "sim":
         return f"simulated (${ACT_COMPUTE_ENV}=sim)"
+    if not IntActWeight.compiled():
+        return f"int{spec.bits} (torch._int_mm)"
     isa = kernel_isa()
     isa = "avx512-vnni" if isa == "avx512" and vnni() else isa
     return f"int{spec.bits} ({isa})"
