@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 import bitmosaic
 from bitmosaic.algorithms.rtn import rtn_quantize
-from bitmosaic.formats.grid import IntGrid
 from bitmosaic.formats.act import ActQuantSpec, fake_quant
+from bitmosaic.formats.grid import IntGrid
 from bitmosaic.modules import QuantLinear, QuantModule, attach_input_quant
 from bitmosaic.modules.intact import ACT_COMPUTE_ENV, IntActKernel, act_path_label
 from tests.methods.saved_bytes import calib, tiny_llama
@@ -45,7 +45,9 @@ def _layer(out, inp, bits, gs, sym, spec, seed, act_order=False):
         perm = torch.randperm(inp, generator=g)
         res.g_idx = res.g_idx[perm]
         res.codes = res.codes[:, perm]
-    m = QuantLinear.from_result(res, bits=bits, group_size=gs, symmetric=sym, bias=torch.randn(out, generator=g))
+    m = QuantLinear.from_result(
+        res, bits=bits, group_size=gs, symmetric=sym, bias=torch.randn(out, generator=g)
+    )
     scale = None
     if spec.static:
         x0 = torch.randn(64, inp, generator=g) * 2
@@ -170,7 +172,9 @@ def test_methods_pick_the_int_path_and_match(method, options, tmp_path):
     # (one step of its grid), so the logits agree closely, not to the last bit
     assert (y - y_sim).abs().max() <= 1e-2 * y_sim.abs().max()
     assert (y.argmax(-1) == y_sim.argmax(-1)).float().mean() >= 0.95
-    loaded, _ = load_quantized(save_quantized(model, tmp_path / "m", {"method": method}), load_tokenizer=False)
+    loaded, _ = load_quantized(
+        save_quantized(model, tmp_path / "m", {"method": method}), load_tokenizer=False
+    )
     y2 = _logits(loaded, tokens)
     assert torch.equal(y2, y)
     assert all(

@@ -144,7 +144,8 @@ class IntActWeight:
             return self.G
         if self.G == 1 or act_group % self.group_size:
             raise ValueError(
-                f"activation groups of {act_group} columns do not hold whole weight groups of {self.group_size}"
+                f"activation groups of {act_group} columns do not hold whole weight groups "
+                f"of {self.group_size}"
             )
         return act_group // self.group_size
 
@@ -162,7 +163,9 @@ class IntActWeight:
         qs = torch.nn.functional.pad(q.to(torch.int32), (0, max(pad, 0)))[:, : self.G * self.group_size]
         return q, qs.reshape(q.shape[0], self.G, -1).sum(-1, dtype=torch.int32)
 
-    def matmul(self, x: torch.Tensor, act_scale: torch.Tensor, act_group: int, qmax: float, route: str = "kernel"):
+    def matmul(
+        self, x: torch.Tensor, act_scale: torch.Tensor, act_group: int, qmax: float, route: str = "kernel"
+    ):
         """``x [..., K]`` -> ``[..., N]`` in ``x``'s dtype; ``act_scale [1 or M, Ga]`` float32 (per token:
         ``[M, 1]``, per tensor ``[1, 1]``, per activation group ``[., Ga]`` with ``act_group`` columns per
         scale, a multiple of the weight group size).  ``route``: ``"kernel"`` (the compiled kernel) or
@@ -175,8 +178,10 @@ class IntActWeight:
         q, qsum = self.quantize(x2, sa, act_group, qmax)
         ext = extension()
         if route == "kernel" and ext is not None:
-            y = ext.int_matmul(q, qsum, sa, ratio, self.data, self.sc, self.zc, self.N, self.G, self.group_size,
-                               self.bits > 4, self.bits == 8, isa_number(ext=ext))  # fmt: skip
+            y = ext.int_matmul(
+                q, qsum, sa, ratio, self.data, self.sc, self.zc, self.N, self.G, self.group_size,
+                self.bits > 4, self.bits == 8, isa_number(ext=ext),
+            )  # fmt: skip
         elif route in ("kernel", "int_mm"):
             y = self._int_mm(q, qsum, sa, ratio)
         else:

@@ -4,8 +4,9 @@
 packed modules afterwards) an ``input_quant`` child -- an :class:`ActQuantizer` whose static
 scale is a buffer, so it is saved in the state dict -- and a forward pre-hook that replaces the
 input by ``Q(x)`` (simulated), unless the module runs integer activation compute for this input
-(``runs_int_act``, :mod:`bitmosaic.modules.intact`): then the module quantizes inside its kernel.  The module's own forward is untouched, so every module kind gets activation
-quantization the same way.  See :mod:`bitmosaic.formats.act` for the numerics.
+(``runs_int_act``, :mod:`bitmosaic.modules.intact`): then the module quantizes inside its kernel.
+The module's own forward is untouched, so every module kind gets activation quantization the same way.
+See :mod:`bitmosaic.formats.act` for the numerics.
 """
 
 from __future__ import annotations

@@ -148,7 +148,11 @@ class QuantModule(nn.Module):
         """Whether this forward quantizes ``x`` inside the integer kernel (the input pre-hook then leaves
         ``x`` alone): an integer path is built for this layer, ``x`` is on the CPU, needs no gradient, and
         ``$BITMOSAIC_ACT_COMPUTE`` is not ``sim`` (modules/intact.py)."""
-        if not self.INT_ACT_KERNELS or x.device.type != "cpu" or (x.requires_grad and torch.is_grad_enabled()):
+        if (
+            not self.INT_ACT_KERNELS
+            or x.device.type != "cpu"
+            or (x.requires_grad and torch.is_grad_enabled())
+        ):
             return False
         from .intact import act_compute_mode
 

@@ -39,7 +39,9 @@ def act_compute_mode() -> str:
     """``$BITMOSAIC_ACT_COMPUTE``: ``auto`` (unset: integer wherever it runs) or ``sim`` (simulated)."""
     mode = os.environ.get(ACT_COMPUTE_ENV, "auto").strip().lower() or "auto"
     if mode not in _MODES:
-        raise ValueError(f"${ACT_COMPUTE_ENV}={mode!r} is not one of {', '.join(_MODES)}; unset it or pick one")
+        raise ValueError(
+            f"${ACT_COMPUTE_ENV}={mode!r} is not one of {', '.join(_MODES)}; unset it or pick one"
+        )
     return mode
 
 
