@@ -145,7 +145,7 @@ def _logits(model, tokens):
         ("rtn", {"scheme": "W4A4", "group_size": 32}),
     ],
 )
-def test_methods_pick_the_int_path_and_match(method, options, tmp_path):
+def test_methods_pick_the_int_path_and_match(method, options, tmp_path, capsys):
     from bitmosaic.io import load_quantized, save_quantized
 
     model = tiny_llama()
@@ -182,3 +182,26 @@ def test_methods_pick_the_int_path_and_match(method, options, tmp_path):
         for m in loaded.modules()
         if isinstance(m, QuantModule) and m._modules.get("input_quant")
     )
+    from bitmosaic.cli import main
+
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "m"), "--layers"]) == 0
+    out = capsys.readouterr().out
+    abits = 4 if options["scheme"].endswith("A4") else 8
+    rows = [ln for ln in out.splitlines() if ln.startswith("model.layers.")]
+    assert rows and all(ln.endswith(f"int{abits} ({act_path_label(None, ActQuantSpec('int', abits))[6:-1]})") for ln in rows)
+    assert f"activations      int{abits} (" in out
+
+
+def test_inspect_says_dpq_fp8_compute_is_simulated(tmp_path, capsys):
+    from bitmosaic.cli import main
+    from bitmosaic.io import save_quantized
+
+    model = tiny_llama()
+    bitmosaic.quantize_(model, "dpq", calib(), progress=False, bits=4, group_size=32)
+    save_quantized(model, tmp_path / "d", {"method": "dpq"})
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "d"), "--layers"]) == 0
+    out = capsys.readouterr().out
+    rows = [ln for ln in out.splitlines() if ln.startswith("model.layers.")]
+    assert rows and all(ln.endswith("simulated (e4m3 activations: no CPU instruction)") for ln in rows), out

@@ -144,6 +144,21 @@ class QuantModule(nn.Module):
                 self._release_saved(k)
         return self._kernel or None
 
+    @classmethod
+    def act_compute(cls, cfg: dict) -> str:
+        """How a layer of this kind with the saved per-layer ``cfg`` computes with its activation quantizer
+        on this machine (``bitmosaic inspect``): ``int8 (avx512-vnni)``, ``simulated (<why>)`` or
+        ``weight-only`` (modules/intact.py)."""
+        from ..formats.act import ActQuantSpec
+        from .intact import act_path_label, int_act_blocker
+
+        spec = ActQuantSpec.from_dict(cfg.get("act"))
+        bits = cfg.get("storage_bits") or cfg.get("bits") or 8
+        n_in = int(cfg["in_features"])
+        gs = cfg.get("group_size") or -1
+        blocker = int_act_blocker(cls.INT_ACT_KERNELS, spec, bits, gs, n_in, bool(cfg.get("has_g_idx")))
+        return act_path_label(blocker, spec)
+
     def runs_int_act(self, x: torch.Tensor) -> bool:
         """Whether this forward quantizes ``x`` inside the integer kernel (the input pre-hook then leaves
         ``x`` alone): an integer path is built for this layer, ``x`` is on the CPU, needs no gradient, and

@@ -202,10 +202,10 @@ class QuantLinear(QuantModule):
         from .actquant import input_quant_spec
         from .intact import int_act_blocker
 
+        spec, permuted = input_quant_spec(self), self.g_idx is not None
         return int_act_blocker(
-            self.INT_ACT_KERNELS, input_quant_spec(self), self.storage_bits, self.group_size,
-            self.in_features, self.g_idx is not None,
-        )  # fmt: skip
+            self.INT_ACT_KERNELS, spec, self.storage_bits, self.group_size, self.in_features, permuted
+        )
 
     def _build_int_act(self):
         """The integer-activation kernel: the codes at their storage width, ``code_offset`` folded into
