@@ -117,7 +117,8 @@ def verdicts(rows: list[dict]) -> list[str]:
         a, b, c = r["fp32"] / r["w4a8_int"], r["w4a16"] / r["w4a8_int"], r["fp32"] / r["w8a8_int"]
         out.append(
             f"- {r['shape']} M=512, {r['threads']} thread(s): W4A8 {a:.2f}x fp32 "
-            f"({'met' if a >= 2 else 'NOT met'}, target 2x), {b:.2f}x W4A16 ({'met' if b >= 1.5 else 'NOT met'}, target 1.5x); "
+            f"({'met' if a >= 2 else 'NOT met'}, target 2x), {b:.2f}x W4A16 "
+            f"({'met' if b >= 1.5 else 'NOT met'}, target 1.5x); "
             f"W8A8 {c:.2f}x fp32 ({'met' if c >= 2 else 'NOT met'}, target 2x)"
         )
     return out
