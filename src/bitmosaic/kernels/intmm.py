@@ -155,7 +155,8 @@ class IntActWeight:
         ext = extension()
         sa = act_scale.float().contiguous()
         if ext is not None:
-            return ext.quantize(x2.contiguous(), sa, act_group, float(qmax), self.KP, self.group_size, self.G)
+            args = (act_group, float(qmax), self.KP, self.group_size, self.G, isa_number(ext=ext))
+            return ext.quantize(x2.contiguous(), sa, *args)
         s = sa.repeat_interleave(act_group, dim=1)[:, : self.K]
         q = torch.round(x2 / s).clamp_(-qmax - 1, qmax).to(torch.int8)
         q = torch.nn.functional.pad(q, (0, self.KP - self.K))

@@ -51,6 +51,17 @@ struct IntAvx2 {
   static F mulf(F a, F b) { return _mm256_mul_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static void quant(const float* x, float s, float lo, float hi, int8_t* q, int64_t n) {
+    const F sv = _mm256_set1_ps(s), lv = _mm256_set1_ps(lo), hv = _mm256_set1_ps(hi);
+    alignas(32) int32_t t[8];
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      const F r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + j), sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm256_store_si256((__m256i*)t, _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lv), hv)));
+      for (int k = 0; k < 8; ++k) q[j + k] = (int8_t)t[k];
+    }
+    quant_portable(x + j, s, lo, hi, q + j, n - j);
+  }
   static void store_tail(float* p, int64_t k, F v) {
     if (k >= 8) return _mm256_storeu_ps(p, v);
     const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -92,6 +103,15 @@ struct IntVnni {
   static void store_tail(float* p, int64_t k, F v) {
     _mm512_mask_storeu_ps(p, k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << k) - 1), v);
   }
+  static void quant(const float* x, float s, float lo, float hi, int8_t* q, int64_t n) {
+    const F sv = _mm512_set1_ps(s), lv = _mm512_set1_ps(lo), hv = _mm512_set1_ps(hi);
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+      const F v = _mm512_div_ps(_mm512_maskz_loadu_ps(k, x + j), sv);
+      const F r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm512_mask_cvtepi32_storeu_epi8(q + j, k, _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lv), hv)));
+    }
+  }
 };
 namespace vnni {
 #include "intmm_simd.h"
@@ -106,6 +126,14 @@ bool vnni_supported() {
 #else
   return false;
 #endif
+}
+
+QuantFn quant_fn(int64_t isa) {
+#ifdef BM_X86
+  if (isa == bm::kAvx512) return &IntVnni::quant;  // AVX-512F only (no VNNI needed)
+  if (isa == bm::kAvx2) return &IntAvx2::quant;
+#endif
+  return &quant_portable;
 }
 
 void run_rows(const IntLayout& L, const Acts& A, float* y, int64_t rb0, int64_t rb1, bool b8, int64_t isa) {
@@ -124,7 +152,7 @@ void check_f32(const torch::Tensor& t, const char* what) {
 
 // (q [M, KP] int8, qsum [M, G] int32) of x [M, K] under scales sa [Ms, Ga] (act group `ags` columns)
 std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor sa, int64_t ags, double qmax, int64_t KP,
-                                    int64_t gs, int64_t G) {
+                                    int64_t gs, int64_t G, int64_t isa) {
   check_f32(x, "x");
   check_f32(sa, "activation scales");
   TORCH_CHECK(x.dim() == 2 && sa.dim() == 2 && KP >= x.size(1) && ags >= 1 && gs >= 1, "bad quantize arguments");
@@ -137,8 +165,10 @@ std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor sa, int64_t a
   int8_t* qp = q.data_ptr<int8_t>();
   int32_t* qs = qsum.data_ptr<int32_t>();
   const int64_t Ms = sa.size(0), Ga = sa.size(1);
+  bm::check_isa(isa);
+  const QuantFn fn = quant_fn(isa);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    quantize_rows(xp, K, sp, Ms, Ga, ags, (float)qmax, KP, gs, G, qp, qs, m0, m1);
+    quantize_rows(xp, K, sp, Ms, Ga, ags, (float)qmax, KP, gs, G, qp, qs, m0, m1, fn);
   });
   return {q, qsum};
 }
@@ -172,11 +202,14 @@ torch::Tensor int_matmul(torch::Tensor q, torch::Tensor qsum, torch::Tensor sa, 
   auto y = torch::empty({A.M, N}, sc.options());
   if (A.M == 0 || N == 0) return y;
   float* yp = y.data_ptr<float>();
-  constexpr int64_t kChunk = 8;  // row blocks per task (128 rows: about 256 KB of 4-bit weights at K=4096)
-  const int64_t nchunks = (L.nrb + kChunk - 1) / kChunk;
+  // prefill: tasks of up to 8 row blocks (128 rows: 256 KB of 4-bit weights at K=4096, in L2 while the
+  // rows of x stream past them), at least 4 tasks per thread so that small matrices balance
+  const int64_t per_thread = (L.nrb + 4 * at::get_num_threads() - 1) / (4 * at::get_num_threads());
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(8, per_thread));
+  const int64_t nchunks = (L.nrb + chunk - 1) / chunk;
   at::parallel_for(0, A.M <= 8 ? L.nrb : nchunks, 1, [&](int64_t t0, int64_t t1) {
     if (A.M <= 8) return run_rows(L, A, yp, t0, t1, b8, isa);
-    for (int64_t t = t0; t < t1; ++t) run_rows(L, A, yp, t * kChunk, std::min(L.nrb, (t + 1) * kChunk), b8, isa);
+    for (int64_t t = t0; t < t1; ++t) run_rows(L, A, yp, t * chunk, std::min(L.nrb, (t + 1) * chunk), b8, isa);
   });
   return y;
 }

@@ -46,17 +46,26 @@ struct Acts {
 // q = clamp(round_half_even(x / s), -qmax - 1, qmax) per element (the division, not a reciprocal: the
 // same float32 operations as formats/act.py fake_quant), then the group sums.  x [M][K], act group
 // `ags` columns per scale column.
+// n values of one scale (portable; the SIMD versions are IntAvx2/IntVnni::quant, the same operations)
+inline void quant_portable(const float* x, float s, float lo, float hi, int8_t* q, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) q[j] = (int8_t)std::min(std::max(std::nearbyint(x[j] / s), lo), hi);
+}
+
+using QuantFn = void (*)(const float*, float, float, float, int8_t*, int64_t);
+
 inline void quantize_rows(const float* x, int64_t K, const float* sa, int64_t Ms, int64_t Ga, int64_t ags,
                           float qmax, int64_t KP, int64_t gs, int64_t G, int8_t* q, int32_t* qsum,
-                          int64_t m0, int64_t m1) {
+                          int64_t m0, int64_t m1, QuantFn quant) {
   const float lo = -qmax - 1.f;
   for (int64_t m = m0; m < m1; ++m) {
     const float* xm = x + m * K;
     int8_t* qm = q + m * KP;
     const float* sm = sa + (Ms == 1 ? 0 : m) * Ga;
-    for (int64_t j = 0; j < K; ++j) {
-      const float v = std::nearbyint(xm[j] / sm[std::min(j / ags, Ga - 1)]);
-      qm[j] = (int8_t)std::min(std::max(v, lo), qmax);
+    for (int64_t c0 = 0; c0 < K;) {  // one scale per segment (the last scale column covers the rest)
+      const int64_t a = std::min(c0 / ags, Ga - 1);
+      const int64_t c1 = (a == Ga - 1) ? K : std::min(K, c0 + ags);
+      quant(xm + c0, sm[a], lo, qmax, qm + c0, c1 - c0);
+      c0 = c1;
     }
     for (int64_t j = K; j < KP; ++j) qm[j] = 0;
     for (int64_t g = 0; g < G; ++g) {
