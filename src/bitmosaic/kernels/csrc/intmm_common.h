@@ -38,9 +38,8 @@ struct Acts {
   const float* sa;
   int64_t M, Ms, Ga, ratio;
 
-  float scale(int64_t m, int64_t g) const {
-    return sa[(Ms == 1 ? 0 : m) * Ga + std::min(g / ratio, Ga - 1)];
-  }
+  int64_t col(int64_t g) const { return std::min(g / ratio, Ga - 1); }  // once per group: a division
+  float scale(int64_t m, int64_t col) const { return sa[(Ms == 1 ? 0 : m) * Ga + col]; }
 };
 
 // q = clamp(round_half_even(x / s), -qmax - 1, qmax) per element (the division, not a reciprocal: the
@@ -94,6 +93,7 @@ void rows_portable(const IntLayout& L, const Acts& A, float* y, int64_t rb0, int
         const int8_t* qm = A.q + m * L.KP;
         float out = 0.f;
         for (int64_t g = 0; g < L.G; ++g) {
+          const int64_t ga = A.col(g);
           int32_t acc = 0;
           for (int64_t p = L.pair0(g); p < L.pair1(g); ++p) {
             const uint8_t* pair = base + p * L.pair_bytes();
@@ -101,7 +101,7 @@ void rows_portable(const IntLayout& L, const Acts& A, float* y, int64_t rb0, int
           }
           const float s = L.sc[(rb * L.G + g) * 16 + r], z = L.zc[(rb * L.G + g) * 16 + r];
           const float t = std::fma(-z, (float)A.qsum[m * L.G + g], (float)acc);
-          out = std::fma(t, s * A.scale(m, g), out);
+          out = std::fma(t, s * A.scale(m, ga), out);
         }
         y[m * L.N + n] = out;
       }

@@ -50,13 +50,14 @@ void tile(const IntLayout& L, const Acts& A, int64_t rb, int64_t m0, float* y) {
         }
       }
     }
+    const int64_t ga = A.col(g);
     const float* sp = L.sc + (rb * L.G + g) * 16;
     const float* zp = L.zc + (rb * L.G + g) * 16;
     for (int h = 0; h < H; ++h) {
       const F sv = V::loadf(sp + h * V::R), zv = V::loadf(zp + h * V::R);
       for (int m = 0; m < MB; ++m) {
         const F t = V::fnmadd(zv, V::set1f((float)A.qsum[(m0 + m) * L.G + g]), V::cvt(V::add(acc[m][h][0], acc[m][h][1])));
-        facc[m][h] = V::fma(t, V::mulf(sv, V::set1f(A.scale(m0 + m, g))), facc[m][h]);
+        facc[m][h] = V::fma(t, V::mulf(sv, V::set1f(A.scale(m0 + m, ga))), facc[m][h]);
       }
     }
   }
