@@ -198,6 +198,8 @@ torch::Tensor int_matmul(torch::Tensor q, torch::Tensor qsum, torch::Tensor sa, 
   L.bytes = bytes;
   TORCH_CHECK(data.numel() >= L.nrb * L.npairs * L.pair_bytes(), "data is too short for the layout");
   TORCH_CHECK(sc.numel() == L.nrb * G * 16 && zc.numel() == sc.numel(), "scales/zeros must be [nrb, G, 16]");
+  TORCH_CHECK(qsum.size(0) == q.size(0) && (sa.size(0) == 1 || sa.size(0) == q.size(0)) && sa.dim() == 2,
+              "qsum must have M rows and the activation scales 1 or M");
   Acts A{q.data_ptr<int8_t>(), qsum.data_ptr<int32_t>(), sa.data_ptr<float>(), q.size(0), sa.size(0), sa.size(1), ratio};
   auto y = torch::empty({A.M, N}, sc.options());
   if (A.M == 0 || N == 0) return y;
