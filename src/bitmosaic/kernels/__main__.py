@@ -19,7 +19,8 @@ def main() -> int:
     if ok.get("intmm"):
         from .intmm import vnni
 
-        print(f"integer activations (intmm): {'AVX-512 VNNI (vpdpbusd)' if vnni() else 'no VNNI: AVX2 on avx512'}")
+        how = "AVX-512 VNNI (vpdpbusd)" if vnni() else "no VNNI: the AVX2 body on avx512"
+        print(f"integer activations (intmm): {how}")
     return 0 if all(ok.values()) else 1
 
 
