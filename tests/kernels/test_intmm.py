@@ -120,7 +120,7 @@ def test_int_path_equals_the_integer_product(route, bits, M, N, K, gs, gran, abi
     y = _run(w, x, spec, scale, route)
     # the integers: the kernel's quantized activations are fake_quant's
     sa = _scale_table(x, spec, scale)
-    q, qsum = w.quantize(x, sa, spec.group_size if gran == "group" else K, spec.qmax)
+    q, qsum, _ = w.quantize(x, sa, spec.group_size if gran == "group" else K, spec.qmax)
     xq = fake_quant(x, spec, scale).double()
     s_full = sa.repeat_interleave(spec.group_size if gran == "group" else K, dim=1)[:, :K].double()
     assert torch.equal(q[:, :K].double(), torch.round(xq / s_full))
@@ -155,3 +155,25 @@ def test_refuses_bad_layouts():
     w = IntActWeight.from_codes(c, 4, torch.ones(4, 5), 0.0, 8)
     with pytest.raises(ValueError, match="whole weight groups"):
         w.matmul(torch.zeros(2, 40), torch.ones(2, 3), 12, 127.0)
+
+
+@pytest.mark.parametrize("route", _routes())
+def test_kernel_per_token_scales_are_act_scales(route):
+    """Without scales the kernel computes the per-token ones itself: bitwise act_scales' (the
+    simulated path's), so the integers and the outputs are those of the given scales."""
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (20, 72), generator=g)
+    w = IntActWeight.from_codes(codes, 4, torch.rand(20, 3) + 0.1, 8.0, 32)
+    x = torch.randn(9, 72, generator=g) * torch.rand(9, 1, generator=g) * 10
+    x[4] = 0.0  # an all-zero token: the 1e-12 floor
+    for abits in (8, 4):
+        spec = ActQuantSpec("int", abits)
+        given = act_scales(x, spec)
+        with _isa(route.split(":")[-1] if route != "int_mm" else "auto"):
+            q1, s1, own = w.quantize(x, None, 72, spec.qmax)
+            q2, s2, _ = w.quantize(x, given, 72, spec.qmax)
+            assert torch.equal(own, given) and torch.equal(q1, q2) and torch.equal(s1, s2)
+            r = "int_mm" if route == "int_mm" else "kernel"
+            y1, y2 = (w.matmul(x, s, 72, spec.qmax, route=r) for s in (None, given))
+            assert torch.equal(y1, y2)
+

@@ -149,34 +149,38 @@ class IntActWeight:
             )
         return act_group // self.group_size
 
-    def quantize(self, x2: torch.Tensor, act_scale: torch.Tensor, act_group: int, qmax: float):
-        """``(q [M, KP] int8, qsum [M, G] int32)``: ``x2 [M, K]`` float32 quantized with ``act_scale``
-        ``[1 or M, Ga]`` (``act_group`` columns per scale column) to ``[-qmax - 1, qmax]``."""
+    def quantize(self, x2: torch.Tensor, act_scale: torch.Tensor | None, act_group: int, qmax: float):
+        """``(q [M, KP] int8, qsum [M, G] int32, scales)``: ``x2 [M, K]`` float32 quantized with
+        ``act_scale`` ``[1 or M, Ga]`` (``act_group`` columns per scale column) to ``[-qmax - 1, qmax]``;
+        ``act_scale=None``: dynamic per-token scales, ``max(amax / qmax, 1e-12)`` (``scale_from_amax``)."""
         ext = extension()
-        sa = act_scale.float().contiguous()
+        if act_scale is None and ext is None:
+            act_scale = (x2.abs().amax(-1, keepdim=True) / qmax).clamp(min=1e-12)
         if ext is not None:
+            sa = torch.empty(0) if act_scale is None else act_scale.float().contiguous()
             args = (act_group, float(qmax), self.KP, self.group_size, self.G, isa_number(ext=ext))
-            return ext.quantize(x2.contiguous(), sa, *args)
+            return tuple(ext.quantize(x2.contiguous(), sa, *args))
+        sa = act_scale.float().contiguous()
         s = sa.repeat_interleave(act_group, dim=1)[:, : self.K]
         q = torch.round(x2 / s).clamp_(-qmax - 1, qmax).to(torch.int8)
         q = torch.nn.functional.pad(q, (0, self.KP - self.K))
         pad = self.G * self.group_size - self.KP
         qs = torch.nn.functional.pad(q.to(torch.int32), (0, max(pad, 0)))[:, : self.G * self.group_size]
-        return q, qs.reshape(q.shape[0], self.G, -1).sum(-1, dtype=torch.int32)
+        return q, qs.reshape(q.shape[0], self.G, -1).sum(-1, dtype=torch.int32), sa
 
-    def matmul(
-        self, x: torch.Tensor, act_scale: torch.Tensor, act_group: int, qmax: float, route: str = "kernel"
-    ):
+    def matmul(self, x: torch.Tensor, act_scale, act_group: int, qmax: float, route: str = "kernel"):
         """``x [..., K]`` -> ``[..., N]`` in ``x``'s dtype; ``act_scale [1 or M, Ga]`` float32 (per token:
         ``[M, 1]``, per tensor ``[1, 1]``, per activation group ``[., Ga]`` with ``act_group`` columns per
-        scale, a multiple of the weight group size).  ``route``: ``"kernel"`` (the compiled kernel) or
-        ``"int_mm"`` (``torch._int_mm`` per weight group)."""
+        scale, a multiple of the weight group size; ``None``: dynamic per-token, computed in the kernel).
+        ``route``: ``"kernel"`` (the compiled kernel) or ``"int_mm"`` (``torch._int_mm`` per weight group)."""
         if x.shape[-1] != self.K:
             raise ValueError(f"x has {x.shape[-1]} features but the weight has {self.K} input columns")
         x2 = x.reshape(-1, self.K).float()
-        sa = act_scale.float().reshape(act_scale.shape[0] if act_scale.dim() == 2 else 1, -1).contiguous()
-        ratio = self._ratio(sa, act_group)
-        q, qsum = self.quantize(x2, sa, act_group, qmax)
+        ratio = self.G  # per token / per tensor: one scale column
+        if act_scale is not None:
+            act_scale = act_scale.float().reshape(act_scale.shape[0] if act_scale.dim() == 2 else 1, -1)
+            ratio = self._ratio(act_scale, act_group)
+        q, qsum, sa = self.quantize(x2, act_scale, act_group, qmax)
         ext = extension()
         if route == "kernel" and ext is not None:
             y = ext.int_matmul(

@@ -110,7 +110,9 @@ class IntActKernel:
     def __call__(self, x: torch.Tensor, quantizer) -> torch.Tensor:
         spec, K = quantizer.spec, self.weight.K
         x2 = x.reshape(-1, K).float()
-        s = _scale_table(act_scales(x2, spec, quantizer.scale), spec)  # the simulated path's scales
+        s = None  # per-token dynamic: the kernel computes scale_from_amax itself (same float32 operations)
+        if spec.granularity != "token" or spec.pow2:
+            s = _scale_table(act_scales(x2, spec, quantizer.scale), spec)  # the simulated path's scales
         if self.perm is not None:  # per-token / per-tensor scales do not depend on the column order
             x2 = x2.index_select(-1, self.perm)
         group = spec.group_size if spec.granularity == "group" else K
