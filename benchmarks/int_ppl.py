@@ -1,10 +1,10 @@
 """Integer vs simulated activation compute on SmolLM2-135M: the same quantized model evaluated twice,
 once on the integer kernels (the default) and once simulated (``$BITMOSAIC_ACT_COMPUTE=sim``).
 
-Protocol *fast*: 16 x 512 calibration tokens (WikiText-2 train), perplexity on 20 windows of 512
-(WikiText-2 test), plus the KL of the integer model's next-token distribution to the simulated one's and
-their top-1 agreement on the first ``--kl-windows`` of those windows.  Models: SmoothQuant W8A8 (8-bit symmetric per-channel weights,
-alpha 0.5, RTN), GPTQ W4A8 (4-bit g128, act-order, MSE scales: act-order runs the column-permuted path) and
+Protocol *fast*: 16 x 512 calibration tokens (WikiText-2 valid), perplexity on 20 windows of 512
+(WikiText-2 raw test), plus the KL of the integer model's next-token distribution to the simulated one's
+and their top-1 agreement on the first ``--kl-windows`` of those windows.  Models: SmoothQuant W8A8
+(8-bit symmetric per-channel weights, alpha 0.5, RTN), GPTQ W4A8 (4-bit g128, act-order, MSE scales: act-order runs the column-permuted path) and
 RTN W4A4 (4-bit g128); INT activations per-token dynamic.  Target (issue 24): W8A8 and W4A8 perplexity
 within 0.1% between the two paths.  Also the whole-model wall time of the evaluation on each path.
 
@@ -92,7 +92,8 @@ def main() -> None:
         "# Integer vs simulated activation compute, SmolLM2-135M (protocol: fast)",
         "",
         f"16x512 calibration, {a.max_windows} windows of {a.seqlen} (WikiText-2 test); KL and top-1 on the "
-        f"first {a.kl_windows}. `python benchmarks/int_ppl.py --runs \"{a.runs}\" --kl-windows {a.kl_windows}`",
+        f"first {a.kl_windows}. "
+        f"`python benchmarks/int_ppl.py --runs \"{a.runs}\" --kl-windows {a.kl_windows}`",
         "",
         "| model | integer path | ppl int | ppl sim | rel diff | target < 0.1% | KL(sim‖int) | top-1 agree "
         "| eval s int | eval s sim |",
