@@ -6,7 +6,8 @@ Protocol *fast*: 16 x 512 calibration tokens (WikiText-2 valid), perplexity on 2
 and their top-1 agreement on the first ``--kl-windows`` of those windows.  Models: SmoothQuant W8A8
 (8-bit symmetric per-channel weights, alpha 0.5, RTN), GPTQ W4A8 (4-bit g128, act-order, MSE scales:
 act-order runs the column-permuted path) and RTN W4A4 (4-bit g128); INT activations per-token dynamic.
-Target (issue 24): W8A8 and W4A8 perplexity within 0.1% between the two paths.  Also the whole-model wall time of the evaluation on each path.
+Target (issue 24): W8A8 and W4A8 perplexity within 0.1% between the two paths.  Also the whole-model
+wall time of the evaluation on each path.
 
     python benchmarks/int_ppl.py    (writes benchmarks/results/int_ppl.{json,md}; ~10 min on 2 cores)
 """
