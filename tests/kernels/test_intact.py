@@ -207,3 +207,17 @@ def test_inspect_says_dpq_fp8_compute_is_simulated(tmp_path, capsys):
     out = capsys.readouterr().out
     rows = [ln for ln in out.splitlines() if ln.startswith("model.layers.")]
     assert rows and all(ln.endswith("simulated (e4m3 activations: no CPU instruction)") for ln in rows), out
+
+
+def test_gradients_and_the_env_switch_take_the_simulated_path():
+    m, g = _layer(8, 64, 4, 32, True, ActQuantSpec("int", 8), 0)
+    x = torch.randn(3, 64, generator=g, requires_grad=True)
+    assert not m.runs_int_act(x)  # autograd needs the float path
+    m(x).sum().backward()
+    assert x.grad is not None
+    os.environ[ACT_COMPUTE_ENV] = "nonsense"
+    try:
+        with pytest.raises(ValueError, match=r"\$BITMOSAIC_ACT_COMPUTE='nonsense' is not one of auto, sim"):
+            m.runs_int_act(x.detach())
+    finally:
+        os.environ.pop(ACT_COMPUTE_ENV)
