@@ -443,15 +443,35 @@ def cmd_inspect(args) -> int:
     print(f"weights on disk  {size / 2**20:.1f} MiB; folder {_dir_size(path) / 2**20:.1f} MiB")
     if args.verify and checked is not None:
         print(f"verified         all {len(checked)} files match the SHA-256 recorded at save (SHA256SUMS)")
+    compute = {name: _act_compute(lc) for name, lc, _ in rows}
+    with_act = [c for c in compute.values() if c != "weight-only"]
+    if with_act:
+        counts = {c: with_act.count(c) for c in dict.fromkeys(with_act)}
+        print("activations      " + "; ".join(f"{c}: {n} layers" for c, n in counts.items()))
     if args.layers:
-        print(f"\n{'layer':<44} {'shape':>12} {'kind':>10} {'bits':>5} {'group':>6} {'bpw':>7}")
+        print(f"\n{'layer':<44} {'shape':>12} {'kind':>10} {'bits':>5} {'group':>6} {'bpw':>7}  compute")
         for name, lc, bpw in rows:
             shape = f"{lc['out_features']}x{lc['in_features']}"
             kind, bits, group = lc.get("kind", "packed"), lc.get("bits", "-"), lc.get("group_size", "-")
             bits = bits_cells.get(name, bits)  # a kind's own cell (e.g. a layer's average code bits)
-            cells = f"{kind:>10} {bits:>5} {group:>6} {bpw:>7.3f}"
+            cells = f"{kind:>10} {bits:>5} {group:>6} {bpw:>7.3f}  {compute[name]}"
             print(f"{name:<44} {shape:>12} {cells}")
     return 0
+
+
+def _act_compute(lc: dict) -> str:
+    """How a saved layer computes with its activations here (integer kernel, simulated and why, or none)."""
+    from ..modules import KINDS
+
+    cls = KINDS.get(lc.get("kind", "packed"))
+    if not lc.get("act"):
+        return "weight-only"
+    if cls is None:
+        return "simulated (unknown kind)"
+    try:
+        return cls.act_compute(lc)
+    except (KeyError, TypeError, ValueError) as e:
+        return f"simulated (unreadable activation settings: {e})"
 
 
 def cmd_methods(args) -> int:

@@ -2,8 +2,9 @@
 bitmosaic.kernels``), cached by torch (``$TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``) under a name that changes with the sources.
 
-Three extensions: ``qmatmul`` (:mod:`bitmosaic.kernels.qmatmul`), ``lutgemv``
-(:mod:`bitmosaic.kernels.lut`) and ``mosaic`` (:mod:`bitmosaic.kernels.mosaic`), each compiled for the
+Four extensions: ``qmatmul`` (:mod:`bitmosaic.kernels.qmatmul`), ``lutgemv``
+(:mod:`bitmosaic.kernels.lut`), ``mosaic`` (:mod:`bitmosaic.kernels.mosaic`) and ``intmm``
+(:mod:`bitmosaic.kernels.intmm`, integer activations), each compiled for the
 baseline x86-64 with its SIMD code per ISA inside (:mod:`bitmosaic.kernels.isa`).  A build prints one
 line to stderr first (it takes a while: ``COLD_BUILD_S``).  When an extension cannot be built (no C++
 compiler, a failed build) or ``$BITMOSAIC_NO_EXT=1``, :func:`load` returns ``None`` and the kernels run
@@ -26,7 +27,12 @@ __all__ = ["EXTENSIONS", "NO_EXT_ENV", "load", "build_all", "module_name"]
 
 NO_EXT_ENV = "BITMOSAIC_NO_EXT"
 CSRC = Path(__file__).with_name("csrc")
-EXTENSIONS = {"qmatmul": "qmatmul.cpp", "lutgemv": "lutgemv.cpp", "mosaic": "mosaic.cpp"}  # name -> source
+EXTENSIONS = {  # name -> source
+    "qmatmul": "qmatmul.cpp",
+    "lutgemv": "lutgemv.cpp",
+    "mosaic": "mosaic.cpp",
+    "intmm": "intmm.cpp",
+}
 COLD_BUILD_S = "about 2 minutes for all three"  # 113 s measured on 2 shared cores (README "Kernels")
 # the pure-torch fallback against the compiled kernels at batch 1, 4096x4096 g128, 1 thread: LowBitWeight
 # W2/W4 1.4 ms -> 590-600 ms (about 430x), BitPlaneWeight W2/W4 1.6/5.7 ms -> 670-730 ms (130-430x)
