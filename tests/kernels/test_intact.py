@@ -21,6 +21,7 @@ from bitmosaic.formats.act import ActQuantSpec, fake_quant
 from bitmosaic.formats.grid import IntGrid
 from bitmosaic.modules import QuantLinear, QuantModule, attach_input_quant
 from bitmosaic.modules.intact import ACT_COMPUTE_ENV, IntActKernel, act_path_label
+from tests.helpers import word_tokenizer
 from tests.methods.saved_bytes import calib, tiny_llama
 
 
@@ -222,3 +223,90 @@ def test_gradients_and_the_env_switch_take_the_simulated_path():
             m.runs_int_act(x.detach())
     finally:
         os.environ.pop(ACT_COMPUTE_ENV)
+
+
+def _weight_only(bits=4, gs=32, act_order=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    res = rtn_quantize(torch.randn(24, 128, generator=g), IntGrid(bits, False), gs)
+    if act_order:
+        perm = torch.randperm(128, generator=g)
+        res.g_idx, res.codes = res.g_idx[perm], res.codes[:, perm]
+    return QuantLinear.from_result(res, bits=bits, group_size=gs, symmetric=False), g
+
+
+@pytest.mark.parametrize("bits, act_order", [(4, False), (2, False), (4, True), (8, False)])
+def test_runtime_int8_activations_on_a_weight_only_layer(bits, act_order):
+    """``--runtime-act int8``: a weight-only layer computes Q8(x) Wᵀ in integers, per-token INT8 scales,
+    equal to fake-quantizing its input and multiplying by the float weight (up to float32 rounding), and
+    nothing of it is saved; ``none`` takes it away (bit-identical to before)."""
+    from bitmosaic.modules.intact import RUNTIME_ACT_SPECS, set_runtime_activations
+
+    m, g = _weight_only(bits, act_order=act_order)
+    model = torch.nn.Sequential(m)
+    x = torch.randn(3, 5, 128, generator=g) * 3
+    keys = set(model.state_dict())
+    with torch.inference_mode():
+        y_wo = m(x)
+        assert set_runtime_activations(model, "int8") == 1
+        assert set(model.state_dict()) == keys and m._modules.get("input_quant") is None
+        y = m(x)
+        assert isinstance(m._int_act, IntActKernel)
+        spec = RUNTIME_ACT_SPECS["int8"]
+        _close(y, fake_quant(x, spec, None) @ m.dequantize_reference().T, fake_quant(x, spec, None),
+               m.dequantize_reference())  # fmt: skip
+        assert not torch.equal(y, y_wo)  # it does quantize the input
+        with simulated():  # nothing to gain from simulating it: the layer stays weight-only
+            assert torch.equal(m(x), y_wo)
+        assert set_runtime_activations(model, "none") == 0
+        assert torch.equal(m(x), y_wo)
+
+
+def test_runtime_activations_keep_a_layers_own_quantizer_and_refuse_bad_values(monkeypatch):
+    from bitmosaic.errors import OptionError
+    from bitmosaic.modules.intact import RUNTIME_ACT_ENV, set_runtime_activations
+
+    own, _ = _layer(8, 64, 4, 32, True, ActQuantSpec("int", 4), 0)  # W4A4: keeps its INT4 quantizer
+    wo, _ = _weight_only()
+    model = torch.nn.Sequential(own, wo)
+    assert set_runtime_activations(model, "int8") == 1
+    assert own.act_quantizer().spec.bits == 4 and wo.act_quantizer().spec.bits == 8
+    monkeypatch.setenv(RUNTIME_ACT_ENV, "int4")
+    with pytest.raises(OptionError, match=r"\$BITMOSAIC_RUNTIME_ACT='int4' is not one of none, int8"):
+        set_runtime_activations(model)
+
+
+def _text(tmp_path):
+    f = tmp_path / "text.txt"
+    f.write_text("the cat sat on the mat and the dog ran in the park " * 20)
+    return f
+
+
+def test_runtime_activations_from_the_environment_on_load_and_in_eval(tmp_path, monkeypatch, capsys):
+    """``$BITMOSAIC_RUNTIME_ACT=int8`` applies on every load path (``finish_load``); ``eval --runtime-act``
+    says how many layers run it, refuses a float model in one line, and the saved folder never changes."""
+    from bitmosaic.cli import main
+    from bitmosaic.io import load_quantized, save_quantized
+    from bitmosaic.modules.intact import RUNTIME_ACT_ENV
+
+    model = tiny_llama()
+    bitmosaic.quantize_(model, "rtn", calib(), progress=False, bits=4, group_size=32)
+    path = save_quantized(model, tmp_path / "m", {"method": "rtn"}, tokenizer=word_tokenizer())
+    before = sorted((f.name, f.read_bytes()) for f in path.iterdir())
+    tokens = calib()[:2]
+    y_wo = _logits(load_quantized(path, load_tokenizer=False)[0], tokens)
+    monkeypatch.setenv(RUNTIME_ACT_ENV, "int8")
+    loaded = load_quantized(path, load_tokenizer=False)[0]
+    layers = [m for m in loaded.modules() if isinstance(m, QuantModule)]
+    assert layers and all(m.act_quantizer() is not None for m in layers)
+    y = _logits(loaded, tokens)
+    assert all(isinstance(m._int_act, IntActKernel) for m in layers)
+    assert not torch.equal(y, y_wo) and (y.argmax(-1) == y_wo.argmax(-1)).float().mean() >= 0.9
+    monkeypatch.delenv(RUNTIME_ACT_ENV)
+    assert sorted((f.name, f.read_bytes()) for f in path.iterdir()) == before
+    capsys.readouterr()
+    assert main(["eval", "smollm2-135m", "--runtime-act", "int8", "--max-windows", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --runtime-act int8 applies to the layers of a saved")
+    args = ["--runtime-act", "int8", "--ppl", str(_text(tmp_path)), "--seqlen", "16"]
+    assert main(["eval", str(path), *args]) == 0
+    assert "runtime activations int8: 14 weight-only layers" in capsys.readouterr().out

@@ -324,12 +324,20 @@ def cmd_eval(args) -> int:
     dtype = resolve_dtype(args.dtype, device, args.model)
     _check_json_path(args.json)
     ref_spec = _fidelity_reference(args.model, args.fidelity) if args.fidelity else None
+    if args.runtime_act not in (None, "none") and not _is_saved_quantized(args.model):
+        raise OptionError(
+            f"--runtime-act {args.runtime_act} applies to the layers of a saved quantized model; "
+            f"{args.model} is not one (quantize it first)"
+        )
     model, tok = load_model(args.model, dtype=dtype)
     if tok is None:
         raise BitmosaicError(f"{args.model} has no tokenizer saved; cannot evaluate text")
     warn_positions(model, args.seqlen, "--seqlen")
     progress = not args.no_progress
     res = {"model": args.model, "source": None if skip_ppl else args.ppl, "device": str(device)}
+    if args.runtime_act is not None:
+        res["runtime_act"] = args.runtime_act
+        _runtime_act(model, args.runtime_act)
     res["dtype"] = str(dtype).removeprefix("torch.")
     if not skip_ppl:
         reference = load_model(ref_spec, dtype=dtype)[0] if ref_spec else None
@@ -348,6 +356,26 @@ def cmd_eval(args) -> int:
         res["tasks"] = _tasks(args, model, tok, device)
     _write_json(args.json, res)
     return 0
+
+
+def _is_saved_quantized(model: str) -> bool:
+    import json
+
+    cfg = Path(model) / "config.json"
+    try:
+        qc = json.loads(cfg.read_text(encoding="utf-8")).get("quantization_config") if cfg.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return True  # a damaged folder: let the loader name what is wrong with it
+    return isinstance(qc, dict) and qc.get("quant_method") == "bitmosaic"
+
+
+def _runtime_act(model, mode: str) -> None:
+    """``eval --runtime-act MODE`` on a loaded model (modules/intact.py), with one line saying what runs."""
+    from ..modules.intact import set_runtime_activations
+
+    n = set_runtime_activations(model, mode)
+    if mode != "none":
+        print(f"runtime activations {mode}: {n} weight-only layers quantize inputs per token (not saved)")
 
 
 def _fidelity_reference(model: str, ref: str) -> str:

@@ -159,6 +159,17 @@ class QuantModule(nn.Module):
         blocker = int_act_blocker(cls.INT_ACT_KERNELS, spec, bits, gs, n_in, bool(cfg.get("has_g_idx")))
         return act_path_label(blocker, spec)
 
+    def act_quantizer(self):
+        """The layer's activation quantizer: its own (``input_quant``, saved with it), else the run-time
+        one of :func:`~bitmosaic.modules.intact.set_runtime_activations` (not saved), else ``None``."""
+        q = self._modules.get("input_quant")
+        return q if q is not None else self.__dict__.get("_runtime_act")
+
+    def int_act_blocker(self) -> str | None:
+        """Why this layer runs its activation quantizer simulated (``None``: integer).  Default: the kind
+        has no integer path."""
+        return "no integer path for this kind"
+
     def runs_int_act(self, x: torch.Tensor) -> bool:
         """Whether this forward quantizes ``x`` inside the integer kernel (the input pre-hook then leaves
         ``x`` alone): an integer path is built for this layer, ``x`` is on the CPU, needs no gradient, and
@@ -225,7 +236,7 @@ class QuantModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = None if self.bias is None else self.bias.to(x.dtype)
-        q = self._modules.get("input_quant")
+        q = self.act_quantizer()
         if q is not None and self.runs_int_act(x):  # x was left unquantized by the pre-hook
             y = self._int_act(x, q)
             return y if b is None else y + b

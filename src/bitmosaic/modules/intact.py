@@ -16,6 +16,16 @@ forward in one of two ways:
   and under ``$BITMOSAIC_ACT_COMPUTE=sim`` (for comparison).
 
 :func:`int_act_blocker` says which, and why; ``bitmosaic inspect --layers`` prints it per layer.
+
+**Runtime 8-bit activations for weight-only models** (:func:`set_runtime_activations`, ``bitmosaic eval
+--runtime-act int8``, ``$BITMOSAIC_RUNTIME_ACT``): what llama.cpp does with every quantized matmul -- the
+input quantized to 8 bits per token (dynamic, symmetric; llama.cpp's ``Q8_0``/``Q8_K`` use blocks of 32 or
+256 instead) and multiplied in integers.  A weight-only layer then runs the integer kernel with a per-token
+INT8 quantizer that is *not* part of the model (not saved, not in the state dict, not in the config): it is
+an approximation chosen at run time for speed, off by default (``benchmarks/runtime_act.py`` measures
+its KL and top-1 agreement against the weight-only path and the decode speed).  It applies only where the
+integer path runs (the layer's kernel, group size, the CPU); elsewhere, and under
+``$BITMOSAIC_ACT_COMPUTE=sim``, the layer stays weight-only (there is nothing to gain from simulating it).
 """
 
 from __future__ import annotations
@@ -29,10 +39,23 @@ from ..kernels.intmm import MAX_K, IntActWeight, vnni
 from ..kernels.isa import kernel_isa
 from ..kernels.select import KERNELS, runs
 
-__all__ = ["ACT_COMPUTE_ENV", "act_compute_mode", "int_act_blocker", "IntActKernel", "act_path_label"]
+__all__ = [
+    "ACT_COMPUTE_ENV",
+    "RUNTIME_ACT_ENV",
+    "RUNTIME_ACT_SPECS",
+    "act_compute_mode",
+    "int_act_blocker",
+    "IntActKernel",
+    "act_path_label",
+    "runtime_act_mode",
+    "set_runtime_activations",
+]
 
 ACT_COMPUTE_ENV = "BITMOSAIC_ACT_COMPUTE"
 _MODES = ("auto", "sim")
+RUNTIME_ACT_ENV = "BITMOSAIC_RUNTIME_ACT"
+# --runtime-act choice -> the activation quantizer weight-only layers get at run time (None: stay weight-only)
+RUNTIME_ACT_SPECS: dict[str, ActQuantSpec | None] = {"none": None, "int8": ActQuantSpec("int", 8)}
 
 
 def act_compute_mode() -> str:
@@ -43,6 +66,39 @@ def act_compute_mode() -> str:
             f"${ACT_COMPUTE_ENV}={mode!r} is not one of {', '.join(_MODES)}; unset it or pick one"
         )
     return mode
+
+
+def runtime_act_mode(mode: str | None = None) -> str:
+    """``mode`` (``none``/``int8``), or ``$BITMOSAIC_RUNTIME_ACT`` when ``mode`` is ``None`` (unset:
+    ``none``); anything else raises :class:`~bitmosaic.errors.OptionError` naming the choices."""
+    from ..errors import OptionError
+
+    source = f"${RUNTIME_ACT_ENV}" if mode is None else "--runtime-act"
+    value = os.environ.get(RUNTIME_ACT_ENV, "none") if mode is None else mode
+    value = value.strip().lower() or "none"
+    if value not in RUNTIME_ACT_SPECS:
+        raise OptionError(f"{source}={value!r} is not one of {', '.join(RUNTIME_ACT_SPECS)}")
+    return value
+
+
+def set_runtime_activations(model: torch.nn.Module, mode: str | None = None) -> int:
+    """Give every weight-only quantized layer of ``model`` the run-time activation quantizer of ``mode``
+    (module doc; ``None``: ``$BITMOSAIC_RUNTIME_ACT``), or take it away (``"none"``).  Layers with an
+    activation quantizer of their own keep it.  Returns how many layers will run it (those the integer
+    path runs on this machine)."""
+    from .actquant import ActQuantizer
+    from .base import QuantModule
+
+    spec = RUNTIME_ACT_SPECS[runtime_act_mode(mode)]
+    n = 0
+    for m in model.modules():
+        if not isinstance(m, QuantModule) or m._modules.get("input_quant") is not None:
+            continue
+        m.__dict__["_runtime_act"] = None if spec is None else ActQuantizer(spec, m.in_features)
+        m.__dict__["_int_act"] = None  # rebuilt for (or without) the new quantizer on the next forward
+        if spec is not None and m.int_act_blocker() is None:
+            n += 1
+    return n
 
 
 def int_act_blocker(

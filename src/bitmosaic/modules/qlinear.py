@@ -199,10 +199,10 @@ class QuantLinear(QuantModule):
 
     def int_act_blocker(self) -> str | None:
         """Why this layer runs its activation quantizer simulated (``None``: integer; modules/intact.py)."""
-        from .actquant import input_quant_spec
         from .intact import int_act_blocker
 
-        spec, permuted = input_quant_spec(self), self.g_idx is not None
+        q = self.act_quantizer()
+        spec, permuted = (None if q is None else q.spec), self.g_idx is not None
         return int_act_blocker(
             self.INT_ACT_KERNELS, spec, self.storage_bits, self.group_size, self.in_features, permuted
         )
