@@ -31,6 +31,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import inspect
+import json
 import os
 import re
 import shlex
@@ -75,6 +76,10 @@ SUBSTITUTIONS: list[Sub] = [
         r"\1 --calib {data} --eval {data} --seqlen 32 --eval-seqlen 32",
         "compare calibrates and evaluates on wikitext2 with 512-token windows by default: name the source "
         "and shrink the windows"),
+    Sub("group-size", r"--group-size 128\b", "--group-size 32",
+        "the tiny model's widths (64, 96) are under 128, so g128 would be one group per row, contiguous "
+        "under any order, and hide what act-order's scattered groups do to an export (SmolLM2's 576 / 1536 "
+        "columns are 5 / 12 groups of 128); 32 gives 2-3 groups per row"),
     Sub("nsamples", r"--nsamples \d+", "--nsamples 4", "fewer calibration samples (speed)"),
     Sub("seqlen", r"--seqlen \d+", "--seqlen 32",
         "shorter calibration / evaluation windows (speed; the tiny model has 128 positions)"),
@@ -86,6 +91,9 @@ SUBSTITUTIONS: list[Sub] = [
         full_compare=False),
     Sub("py-nsamples", r"\bnsamples=\d+", "nsamples=4", "fewer calibration samples (speed)"),
     Sub("py-seqlen", r"\bseqlen=\d+", "seqlen=32", "shorter calibration windows (speed)"),
+    Sub("py-group-size", r"\bgroup_size=128\b", "group_size=32",
+        "as group-size: several groups per row of the tiny model, so the saved act-order model that the "
+        "serving section loads has a real g_idx"),
     Sub("py-ppl", r"(perplexity\(model, .*?), 512, max_windows=\d+\)", r"\1, 32, max_windows=2)",
         "shorter and fewer perplexity windows (speed)"),
 ]
@@ -421,8 +429,12 @@ def test_readme_block_runs(ws, block):
     if block.id == "The command:bash":
         assert (ws.root / "runs" / "w3" / "config.json").is_file() and (ws.root / "ppl.json").is_file()
     elif block.id == "Serve it:bash":
-        for d in ("w4sym", "w4sym-gptq", "w4sym-ct"):
+        for d in ("w4sym", "w4sym-gptq", "w4sym-static", "w4sym-ct"):
             assert (ws.root / "runs" / d / "config.json").is_file(), d
+        # what its comments say: the GPTQ export keeps the default's act-order g_idx, compressed-tensors
+        # got the static (contiguous) groups
+        qc = json.loads((ws.root / "runs" / "w4sym-gptq" / "config.json").read_text())["quantization_config"]
+        assert qc["desc_act"] is True and qc["sym"] is True
     elif block.id == "Evaluate and compare:bash":
         cmp = ws.root / "runs" / "cmp"
         assert all((cmp / f).is_file() for f in ("results.csv", "results.json", "results.md", "pareto.png"))
