@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import importlib.util
 import inspect
 import json
 import os
@@ -417,6 +418,32 @@ def test_commented_quantize_calls_take_real_options():
             else:
                 options[kw.arg] = ast.literal_eval(kw.value)
         as_recipe(method, options, scheme)  # raises OptionError on an unknown option or a bad value
+
+
+def _readme_methods():
+    """``scripts/readme_methods.py``, imported (``scripts/`` is not a package)."""
+    spec = importlib.util.spec_from_file_location("readme_methods", REPO / "scripts" / "readme_methods.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_methods_table_is_the_generated_one():
+    """The README's table of methods (between ``<!-- methods:begin -->`` and ``<!-- methods:end -->``) is
+    exactly what ``scripts/readme_methods.py`` generates from the registry, so a registered method cannot
+    be missing from it; its names, summaries and flags are ``bitmosaic methods``' own."""
+    from bitmosaic.cli.method_flags import methods_table
+    from bitmosaic.methods import list_methods
+
+    gen = _readme_methods()
+    got = gen.readme_block(README.read_text(encoding="utf-8"))
+    assert got == gen.table(), "run `python scripts/readme_methods.py --write` and commit README.md"
+    rows = gen.rows()
+    assert [r[0] for r in rows] == list_methods()
+    # the same rows as `bitmosaic methods --markdown` prints, less the module-kind column
+    cli = methods_table(markdown=True).splitlines()
+    ours = [f"| `{n}` | {s} | {' '.join(f'`{x}`' for x in fl)} |" for n, s, _, fl in rows]
+    assert cli[2 : 2 + len(ours)] == ours and cli[-1] == got.splitlines()[-1]
 
 
 # ---------------------------------------------------------------------------------------------------
