@@ -128,16 +128,16 @@ EXIT_CODES: dict[str, int] = {}
 
 # Python sections run in a fresh interpreter: loading a saved folder is about a fresh process
 # (`import bitmosaic` registering the quantization config with transformers, among others).
-FRESH_PROCESS = {"Serve it"}
+FRESH_PROCESS = {"Serving and export"}
 
 # Appended to a fresh-process block: what its comments promise about the names it leaves.
 FRESH_EPILOGUE = {
-    "Serve it": "\nassert type(model).__name__ == 'LlamaForCausalLM' and tok is not None"
+    "Serving and export": "\nassert type(model).__name__ == 'LlamaForCausalLM' and tok is not None"
     "\nassert bitmosaic.load('runs/w4').__class__ is model.__class__\n",  # "returns the model", no tuple
 }
 
 # Sections whose blocks read what another section's blocks write: that one runs first.
-NEEDS: dict[str, str] = {"Serve it": "Python"}  # it loads runs/w4, which the Python section saves
+NEEDS: dict[str, str] = {"Serving and export": "Python API"}  # it loads runs/w4, which the Python API saves
 
 LANGUAGES = {"bash", "python", "yaml"}
 
@@ -453,9 +453,9 @@ def test_methods_table_is_the_generated_one():
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
 def test_readme_block_runs(ws, block):
     result = ws.run(block)
-    if block.id == "The command:bash":
+    if block.id == "The command line:bash":
         assert (ws.root / "runs" / "w3" / "config.json").is_file() and (ws.root / "ppl.json").is_file()
-    elif block.id == "Serve it:bash":
+    elif block.id == "Serving and export:bash":
         for d in ("w4sym", "w4sym-gptq", "w4sym-static", "w4sym-ct"):
             assert (ws.root / "runs" / d / "config.json").is_file(), d
         # what its comments say: the GPTQ export keeps the default's act-order g_idx, compressed-tensors
@@ -465,7 +465,7 @@ def test_readme_block_runs(ws, block):
     elif block.id == "Evaluate and compare:bash":
         cmp = ws.root / "runs" / "cmp"
         assert all((cmp / f).is_file() for f in ("results.csv", "results.json", "results.md", "pareto.png"))
-    elif block.id == "Python:python":
+    elif block.id == "Python API:python":
         assert result["report"].layers and (ws.root / "runs" / "w4" / "config.json").is_file()
         assert type(result["model2"]).__name__ == "LlamaForCausalLM"
     elif block.id == "Recipes and reproducibility:yaml":
