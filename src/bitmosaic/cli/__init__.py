@@ -145,7 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
 
     ms = sub.add_parser("methods", help="list registered methods and their flags")
-    ms.add_argument("--markdown", action="store_true", help="as the README's markdown table")
+    ms.add_argument(
+        "--markdown", action="store_true",
+        help="as a Markdown table (the README's, from scripts/readme_methods.py, adds the saved kind)",
+    )  # fmt: skip
     _compare.add_parser(sub)
     add_export_parser(sub)
     add_reproduce_parser(sub)
