@@ -241,6 +241,28 @@ def test_perplexity_refuses_non_finite_logits():
         perplexity(m, ids, 16, progress=False)
 
 
+def test_streamed_quantize_with_non_finite_evaluation_names_the_saved_folder(src, tmp_path, capsys, monkeypatch):  # noqa: E501
+    """A streamed run saves layer by layer before anything evaluates: when the saved model's evaluation
+    is not finite, one line names the folder (it is kept: the user may inspect it), exit 2."""
+    import importlib
+
+    from bitmosaic.errors import NonFiniteError
+
+    ppl_mod = importlib.import_module("bitmosaic.eval.perplexity")  # the module, not the function
+
+    model, text = src
+
+    def non_finite(*a, **k):
+        raise NonFiniteError("window 1 of 3 has logits that are not finite (Inf)")
+
+    monkeypatch.setattr(ppl_mod, "perplexity", non_finite)
+    out = tmp_path / "q"
+    argv = _quantize(model, text, "--stream", "on", "--out", str(out), "--eval", str(text))
+    line = _error_line(capsys, argv)
+    assert line.startswith(f"the model saved to {out} does not evaluate: window 1 of 3"), line
+    assert (out / "config.json").is_file()
+
+
 def test_quantize_with_non_finite_evaluation_saves_nothing(overflowing, src, tmp_path, capsys):
     _, text = src
     out, js = tmp_path / "q", tmp_path / "r.json"
@@ -417,10 +439,12 @@ def test_non_utf8_calibration_file_is_named(src, tmp_path, capsys):
     assert str(bad) in line and "UTF-8" in line and "byte" in line
 
 
-def test_seqlen_beyond_the_model_positions_warns(src, capsys):
+@pytest.mark.parametrize("stream", [False, True])
+def test_seqlen_beyond_the_model_positions_warns(src, capsys, tmp_path, stream):
     model, text = src  # tiny Llama: 128 positions
     capsys.readouterr()
-    assert main(_quantize(model, text, "--seqlen", "160", "--nsamples", "1")) == 0
+    extra = ["--stream", "on", "--out", str(tmp_path / "q")] if stream else []
+    assert main(_quantize(model, text, "--seqlen", "160", "--nsamples", "1", *extra)) == 0
     warn = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
     assert len(warn) == 1 and "--seqlen 160" in warn[0] and "128" in warn[0], warn
 

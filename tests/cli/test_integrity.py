@@ -290,3 +290,46 @@ def test_stopping_compare_stops_its_child(src, tmp_path):
     gone, alive = psutil.wait_procs(children, timeout=5)
     assert not alive, [p.cmdline() for p in alive]
     assert not list(out.rglob("*.partial")) and not list(out.rglob(".*.tmp-*"))
+
+
+_KILL_IN_EXPORT = """
+import bitmosaic.io.export.common as common
+real = common.write_safetensors
+def hit(*a, **k):
+    real(*a, **k)
+    os.kill(os.getpid(), signal.SIGKILL)
+common.write_safetensors = hit
+"""
+
+
+def test_export_kill_9_leftovers_are_cleaned_and_one_export_per_out(qdir, tmp_path, capsys):
+    """``export --out`` builds in a marked temporary (a ``kill -9`` leaves it; the next export into the
+    same parent removes it) and holds the output's lock (a second export refuses in one line)."""
+    parent = tmp_path / "exp"
+
+    def export(name):
+        return ["export", str(qdir), "--format", "gptq", "--out", str(parent / name)]
+
+    r = _child(tmp_path, _KILL_IN_EXPORT, export("a"))
+    assert r.returncode == -signal.SIGKILL
+    left = list(parent.glob(".a.tmp-*"))
+    assert len(left) == 1 and (left[0] / "model.safetensors").is_file() and not (parent / "a").exists()
+    capsys.readouterr()
+    assert main(export("b")) == 0
+    assert "removed" in capsys.readouterr().err
+    assert sorted(p.name for p in parent.iterdir()) == ["b"]
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom bitmosaic.io.outdir import output_lock\n"
+         "with output_lock(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(120)\n",
+         str(parent / "c")],
+        stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(bitmosaic.__file__).parents[1])},
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        line = _error_line(capsys, export("c"))
+        assert f"pid {holder.pid}" in line and "another bitmosaic run" in line
+        assert not (parent / "c").exists()
+    finally:
+        holder.kill()
+        holder.wait()

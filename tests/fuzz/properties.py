@@ -369,7 +369,7 @@ def safetensors_strategy():
 def check_safetensors(case) -> None:
     """The header readers of a saved folder and of a float checkpoint, and the full read."""
     from bitmosaic.io.checkpoint import Checkpoint
-    from bitmosaic.io.serialization import (
+    from bitmosaic.io.saved import (
         _load_safetensors,
         stored_module_bits,
         stored_tensors,

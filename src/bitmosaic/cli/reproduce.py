@@ -114,7 +114,8 @@ def cmd_reproduce(args) -> int:
     from ..io import load_model
     from ..io.loading import resolve_device
     from ..io.provenance import calibration_fingerprint, compare_fingerprints, library_versions
-    from ..io.serialization import _read_state_dict, _state_dict_for_save, quantized_modules, verify_saved
+    from ..io.saved import _read_state_dict, verify_saved
+    from ..io.serialization import _state_dict_for_save, quantized_modules
     from ..modules.qmodules import full_layer_config
     from .checks import check_counts
     from .commands import _check_json_path, _write_json, run_recipe, verify_file_hashes

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
+
+from .checks import warn_positions
 
 STREAM_CHOICES = ("auto", "on", "off")
 
@@ -77,6 +80,7 @@ def run_streaming(args, recipe, spec, config, device, dtype, progress: bool) -> 
 
     t0 = time.perf_counter()
     ckpt, tok = open_checkpoint(args.model)
+    warn_positions(SimpleNamespace(config=ckpt.config()), args.seqlen, "--seqlen")  # as the in-memory run
     resuming = (partial_dir(args.out) / "progress.json").is_file()
     print(f"streaming {args.model} layer by layer into {args.out}" + (" (resuming)" if resuming else ""))
     calib = calibration_samples(tok, args.calib, args.nsamples, args.seqlen, args.seed,

@@ -1,5 +1,5 @@
 """One end for every load path: :func:`finish_load` runs after a saved model's buffers are filled, by
-:func:`~bitmosaic.io.serialization.load_quantized` and by the transformers quantizer
+:func:`~bitmosaic.io.saved.load_quantized` and by the transformers quantizer
 (``AutoModelForCausalLM.from_pretrained(dir)`` and ``bitmosaic.load(dir)``), so all three give the
 same modules, bit for bit.  What a kind needs at load it declares itself (``QuantModule.after_load``,
 ``QuantModule.finish_model``); nothing here names a method or a kind."""

@@ -11,7 +11,7 @@ format version, from the first one on).  :func:`register` adds to transformers' 
   weights are read it swaps every listed ``nn.Linear`` (still on the meta device) for an empty
   module of the saved kind (each with its activation quantizer), so transformers' own loader fills
   their buffers from the safetensors shards; afterwards it runs the same
-  :func:`~bitmosaic.io.finish.finish_load` as :func:`~bitmosaic.io.serialization.load_quantized`, so
+  :func:`~bitmosaic.io.finish.finish_load` as :func:`~bitmosaic.io.saved.load_quantized`, so
   both loaders return the same modules, bit for bit.
 
 ``import bitmosaic`` arranges the registration (``bitmosaic/_hf_hook.py``): at once when
@@ -38,7 +38,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from ..errors import CorruptModelError, check_finite
 from ..modules.base import QuantModule
 from .finish import finish_load, model_arch
-from .serialization import (
+from .saved import (
     check_quant_config,
     check_saved_tensors,
     install_quantized_modules,

@@ -1,18 +1,20 @@
 """What every export shares: read a bitmosaic folder, convert its layers (collecting refusals), measure
 the error a lossy form adds, and write the new checkpoint atomically.
 
-The output is built in a temporary sibling folder and renamed into place only when complete, so an
-interrupted export never leaves a partial checkpoint.  An existing output folder is replaced only with
-``overwrite`` and only when a previous export wrote it (it holds :data:`MARKER`); a user folder is never
-touched.  Besides the quantized tensors, the export copies every tensor outside the quantized layers
-(embeddings, norms, an untied ``lm_head``) unchanged, and the tokenizer and generation files.
+The output is built in a marked temporary sibling folder and renamed into place only when complete, so
+an interrupted export never leaves a partial checkpoint, and the next run into the same parent folder
+removes what a ``kill -9`` left (:func:`~bitmosaic.io.outdir.clean_stale_temporaries`); one export at a
+time per output folder (:func:`~bitmosaic.io.outdir.output_lock`).  An existing output folder is
+replaced only with ``overwrite`` and only when a previous export wrote it (it holds :data:`MARKER`); a
+user folder is never touched.  Besides the quantized tensors, the export copies every tensor outside the
+quantized layers (embeddings, norms, an untied ``lm_head``) unchanged, and the tokenizer and generation
+files.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,14 +22,9 @@ from pathlib import Path
 import torch
 
 from ..integrity import SUMS
-from ..serialization import (
-    _read_state_dict,
-    _replace_dir,
-    load_quantized,
-    quantized_modules,
-    read_quant_config,
-    write_safetensors,
-)
+from ..outdir import make_temporary, output_lock
+from ..saved import _read_state_dict, load_quantized, read_quant_config
+from ..serialization import _replace_dir, quantized_modules, write_safetensors
 from .layers import ExportError, Refusal, weight_error
 
 __all__ = [
@@ -175,7 +172,14 @@ def write(
     """The checkpoint folder: config with ``qconfig``, tensors, tokenizer files and the export report."""
     out = check_export_dir(out, overwrite, src.path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    with output_lock(out):  # one export per --out; stale temporaries of a killed one are cleaned
+        _write_locked(src, out, overwrite, tensors, qconfig, result)
+
+
+def _write_locked(
+    src: Source, out: Path, overwrite: bool, tensors: dict, qconfig: dict, result: ExportResult
+) -> None:
+    tmp = make_temporary(out)  # marked: a kill -9 leaves nothing the next run does not clean
     try:
         cfg = {k: v for k, v in src.config.items() if k != "quantization_config"}
         cfg["quantization_config"] = qconfig

@@ -24,7 +24,8 @@
   values it changes (Gemma's norms) are refused.  Converting a Hugging Face tokenizer (a model
   without a source GGUF) is not implemented: refused in one line.
 
-The file is written beside ``out`` under a temporary name and renamed into place when complete; an
+The file is written in a marked temporary folder beside ``out`` and renamed into place when complete
+(what a ``kill -9`` leaves, the next run into the folder removes); one export per ``out`` at a time; an
 existing ``out`` is replaced only with ``overwrite`` and only when bitmosaic wrote it.
 """
 
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,7 @@ import torch
 
 from ..._version import __version__
 from ...modules.actquant import input_quant_spec
+from ..outdir import make_temporary, output_lock
 from .common import ExportResult, Source, collect, record
 from .gguf_blocks import BLOCK, BLOCK_TYPES, BlockType, fit, pack
 from .layers import ExportError, Refusal, regroup
@@ -417,8 +419,17 @@ def _write(out: Path, overwrite: bool, gpath: Path, arch: str, rows, file_type, 
     import gguf
 
     reader = gguf.GGUFReader(os.fspath(gpath))
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
-    os.close(fd)
+    with output_lock(out):  # one export per --out; stale temporaries of a killed one are cleaned
+        tmpdir = make_temporary(out)  # marked: what a kill -9 leaves, the next run removes
+        try:
+            _write_file(tmpdir / out.name, out, overwrite, reader, arch, rows, file_type, report)
+        finally:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _write_file(tmp: Path, out: Path, overwrite: bool, reader, arch: str, rows, file_type, report) -> None:
+    import gguf
+
     try:
         w = gguf.GGUFWriter(tmp, arch)
         for key, f in reader.fields.items():
