@@ -87,12 +87,12 @@ def set_runtime_activations(model: torch.nn.Module, mode: str | None = None) -> 
     activation quantizer of their own keep it.  Returns how many layers will run it (those the integer
     path runs on this machine)."""
     from .actquant import ActQuantizer
-    from .base import QuantModule
 
     spec = RUNTIME_ACT_SPECS[runtime_act_mode(mode)]
     n = 0
     for m in model.modules():
-        if not isinstance(m, QuantModule) or m._modules.get("input_quant") is not None:
+        # a quantized module (modules/base.py QuantModule, named by what it has: base imports this file)
+        if not callable(getattr(m, "act_quantizer", None)) or m._modules.get("input_quant") is not None:
             continue
         m.__dict__["_runtime_act"] = None if spec is None else ActQuantizer(spec, m.in_features)
         m.__dict__["_int_act"] = None  # rebuilt for (or without) the new quantizer on the next forward
