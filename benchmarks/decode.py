@@ -1,6 +1,8 @@
 """End-to-end greedy decoding on the CPU: tokens/s and resident memory of SmolLM2-135M in float32,
 W4, W3 and W2 g128 (loaded through ``load_quantized``, the low-bit kernels as the default path: the
-bit-plane LUT at 1-3 bits; the ``(FMA)`` rows run the same W3/W2 folders on ``LowBitWeight``),
+bit-plane LUT at 1-3 bits; the ``(FMA)`` rows run the same W3/W2 folders on ``LowBitWeight``; the
+``+A8`` rows the same W4/W2 folders with run-time INT8 activations on the integer kernel,
+``$BITMOSAIC_RUNTIME_ACT=int8``, as llama.cpp quantizes its activations),
 against llama.cpp running the very GGUF the model comes from (Q4_1) where ``llama_cpp`` is
 installed (``pip install llama-cpp-python``, or the ``peers`` extra; it builds llama.cpp from
 source), same threads, same prompt token ids, same number of new tokens; without it the llama.cpp
@@ -72,6 +74,10 @@ def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repea
         from bitmosaic.kernels.select import KERNEL_ENV
 
         os.environ[KERNEL_ENV] = "lowbit"
+    if variant.endswith("+A8"):  # run-time INT8 activations on the integer kernel (--runtime-act int8)
+        from bitmosaic.modules.intact import RUNTIME_ACT_ENV
+
+        os.environ[RUNTIME_ACT_ENV] = "int8"
     rss_base = _rss_mb()  # after the imports: the growth from here is the model's
     if variant == "float":
         model, tok = load_model("smollm2-135m", dtype=torch.float32)
@@ -236,6 +242,8 @@ def main() -> None:
         folders = {"float": "", **{f"W{b} g128": str(_make_quantized(Path(tmp), b)) for b in (4, 3, 2)}}
         for b in (3, 2):  # 1-3 bits decode on the LUT by default: the same folders on LowBitWeight
             folders[f"W{b} g128 (FMA)"] = folders[f"W{b} g128"]
+        for b in (4, 2):  # the same folders with run-time INT8 activations (what llama.cpp does)
+            folders[f"W{b} g128 +A8"] = folders[f"W{b} g128"]
         for threads in (int(t) for t in a.threads.split(",")):
             common = ["--child-threads", str(threads), "--new-tokens", str(a.new_tokens)]
             common += ["--repeats", str(a.repeats)]

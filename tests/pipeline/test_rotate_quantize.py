@@ -123,6 +123,39 @@ def test_saved_model_records_and_every_loader_reapplies_the_rotation(saved_rotat
         assert (model(x).logits - want).abs().max() > 1e-2
 
 
+def test_online_rotation_runs_ahead_of_the_integer_activation_kernel(saved_rotated, monkeypatch):
+    """A rotated W4A8 model on the integer path: the rotated ``down_proj`` quantizes the *rotated* input
+    inside its integer kernel, and the logits equal the simulated path's up to float32 rounding."""
+    import bitmosaic
+    from bitmosaic.modules.intact import ACT_COMPUTE_ENV, IntActKernel
+
+    path, _ = saved_rotated
+    model = bitmosaic.load(path)
+    down = model.model.layers[0].mlp.down_proj
+    seen = {}
+
+    def keep(name):
+        def hook(mod, args, *out):
+            seen.setdefault(name, args[0].clone())
+
+        return hook
+
+    down.register_forward_pre_hook(keep("raw"), prepend=True)  # before the rotation
+    down.register_forward_hook(keep("kernel_input"))  # what forward got: after every pre-hook
+    x = _eval_ids()
+    with torch.no_grad():
+        y_int = model(x).logits
+        assert isinstance(down._int_act, IntActKernel)  # the integer path ran
+        # forward got the rotated input, not yet quantized (the kernel quantizes it)
+        assert torch.equal(seen["kernel_input"], down.input_rotation(seen["raw"]))
+        assert not torch.equal(seen["kernel_input"], seen["raw"])
+        monkeypatch.setenv(ACT_COMPUTE_ENV, "sim")
+        y_sim = model(x).logits
+        monkeypatch.delenv(ACT_COMPUTE_ENV)
+    assert (y_int - y_sim).abs().max() <= 1e-2 * y_sim.abs().max()
+    assert (y_int.argmax(-1) == y_sim.argmax(-1)).float().mean() >= 0.95
+
+
 def test_resave_keeps_the_rotation(saved_rotated, tmp_path):
     import bitmosaic
     from bitmosaic.io import load_quantized

@@ -121,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="also KL divergence (mean, p99) and top-1 agreement against the float model REF on the "
         "same windows; without REF, the model a saved folder was quantized from (its provenance)",
     )  # fmt: skip
+    e.add_argument(
+        "--runtime-act", choices=("none", "int8"), default=None,
+        help="int8: weight-only layers quantize their inputs to 8 bits per token at run time and multiply "
+        "in integers (what llama.cpp does; faster, not saved); default none, or $BITMOSAIC_RUNTIME_ACT",
+    )  # fmt: skip
     e.add_argument("--seqlen", type=int, default=512)
     e.add_argument("--max-windows", type=int, default=None)
     e.add_argument("--data-dir", default=None)
@@ -140,7 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
 
     ms = sub.add_parser("methods", help="list registered methods and their flags")
-    ms.add_argument("--markdown", action="store_true", help="as the README's markdown table")
+    ms.add_argument(
+        "--markdown", action="store_true",
+        help="as a Markdown table (the README's, from scripts/readme_methods.py, adds the saved kind)",
+    )  # fmt: skip
     _compare.add_parser(sub)
     add_export_parser(sub)
     add_reproduce_parser(sub)

@@ -324,12 +324,20 @@ def cmd_eval(args) -> int:
     dtype = resolve_dtype(args.dtype, device, args.model)
     _check_json_path(args.json)
     ref_spec = _fidelity_reference(args.model, args.fidelity) if args.fidelity else None
+    if args.runtime_act not in (None, "none") and not _is_saved_quantized(args.model):
+        raise OptionError(
+            f"--runtime-act {args.runtime_act} applies to the layers of a saved quantized model; "
+            f"{args.model} is not one (quantize it first)"
+        )
     model, tok = load_model(args.model, dtype=dtype)
     if tok is None:
         raise BitmosaicError(f"{args.model} has no tokenizer saved; cannot evaluate text")
     warn_positions(model, args.seqlen, "--seqlen")
     progress = not args.no_progress
     res = {"model": args.model, "source": None if skip_ppl else args.ppl, "device": str(device)}
+    if args.runtime_act is not None:
+        res["runtime_act"] = args.runtime_act
+        _runtime_act(model, args.runtime_act)
     res["dtype"] = str(dtype).removeprefix("torch.")
     if not skip_ppl:
         reference = load_model(ref_spec, dtype=dtype)[0] if ref_spec else None
@@ -348,6 +356,26 @@ def cmd_eval(args) -> int:
         res["tasks"] = _tasks(args, model, tok, device)
     _write_json(args.json, res)
     return 0
+
+
+def _is_saved_quantized(model: str) -> bool:
+    import json
+
+    cfg = Path(model) / "config.json"
+    try:
+        qc = json.loads(cfg.read_text(encoding="utf-8")).get("quantization_config") if cfg.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return True  # a damaged folder: let the loader name what is wrong with it
+    return isinstance(qc, dict) and qc.get("quant_method") == "bitmosaic"
+
+
+def _runtime_act(model, mode: str) -> None:
+    """``eval --runtime-act MODE`` on a loaded model (modules/intact.py), with one line saying what runs."""
+    from ..modules.intact import set_runtime_activations
+
+    n = set_runtime_activations(model, mode)
+    if mode != "none":
+        print(f"runtime activations {mode}: {n} weight-only layers quantize inputs per token (not saved)")
 
 
 def _fidelity_reference(model: str, ref: str) -> str:
@@ -443,15 +471,35 @@ def cmd_inspect(args) -> int:
     print(f"weights on disk  {size / 2**20:.1f} MiB; folder {_dir_size(path) / 2**20:.1f} MiB")
     if args.verify and checked is not None:
         print(f"verified         all {len(checked)} files match the SHA-256 recorded at save (SHA256SUMS)")
+    compute = {name: _act_compute(lc) for name, lc, _ in rows}
+    with_act = [c for c in compute.values() if c != "weight-only"]
+    if with_act:
+        counts = {c: with_act.count(c) for c in dict.fromkeys(with_act)}
+        print("activations      " + "; ".join(f"{c}: {n} layers" for c, n in counts.items()))
     if args.layers:
-        print(f"\n{'layer':<44} {'shape':>12} {'kind':>10} {'bits':>5} {'group':>6} {'bpw':>7}")
+        print(f"\n{'layer':<44} {'shape':>12} {'kind':>10} {'bits':>5} {'group':>6} {'bpw':>7}  compute")
         for name, lc, bpw in rows:
             shape = f"{lc['out_features']}x{lc['in_features']}"
             kind, bits, group = lc.get("kind", "packed"), lc.get("bits", "-"), lc.get("group_size", "-")
             bits = bits_cells.get(name, bits)  # a kind's own cell (e.g. a layer's average code bits)
-            cells = f"{kind:>10} {bits:>5} {group:>6} {bpw:>7.3f}"
+            cells = f"{kind:>10} {bits:>5} {group:>6} {bpw:>7.3f}  {compute[name]}"
             print(f"{name:<44} {shape:>12} {cells}")
     return 0
+
+
+def _act_compute(lc: dict) -> str:
+    """How a saved layer computes with its activations here (integer kernel, simulated and why, or none)."""
+    from ..modules import KINDS
+
+    cls = KINDS.get(lc.get("kind", "packed"))
+    if not lc.get("act"):
+        return "weight-only"
+    if cls is None:
+        return "simulated (unknown kind)"
+    try:
+        return cls.act_compute(lc)
+    except (KeyError, TypeError, ValueError) as e:
+        return f"simulated (unreadable activation settings: {e})"
 
 
 def cmd_methods(args) -> int:

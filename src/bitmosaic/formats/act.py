@@ -34,6 +34,7 @@ __all__ = [
     "parse_scheme",
     "act_amax",
     "scale_from_amax",
+    "act_scales",
     "fake_quant",
     "normalize_fmt",
 ]
@@ -163,18 +164,25 @@ def _expand_group(scale: torch.Tensor, n: int, g: int) -> torch.Tensor:
     return scale.repeat_interleave(g, dim=-1)[..., :n]
 
 
+def act_scales(x: torch.Tensor, spec: ActQuantSpec, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The scales :func:`fake_quant` divides ``x`` by, one per scale column (float32): the calibrated
+    ``scale`` of a static spec (``[1]`` / ``[G]``), else ``[..., 1]`` per token, ``[1]`` per tensor,
+    ``[..., G]`` per group.  The integer kernels (:mod:`bitmosaic.kernels.intmm`) take these too, so
+    both paths quantize to the same integers."""
+    if spec.static:
+        if scale is None:
+            raise ValueError(f"static activation quantizer {spec.label} has no calibrated scale")
+        return scale.float()
+    return scale_from_amax(act_amax(x, spec), spec)
+
+
 def fake_quant(x: torch.Tensor, spec: ActQuantSpec, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``Q(x / scale) * scale`` in ``x``'s dtype (computed in float32).
 
     ``scale`` is required for static specs (``[1]`` per-tensor, ``[G]`` per-group) and ignored
     otherwise.
     """
-    if spec.static:
-        if scale is None:
-            raise ValueError(f"static activation quantizer {spec.label} has no calibrated scale")
-        s = scale.float()
-    else:
-        s = scale_from_amax(act_amax(x, spec), spec)
+    s = act_scales(x, spec, scale)
     if spec.granularity == "group":
         s = _expand_group(s, x.shape[-1], spec.group_size)
     xf = x.float() / s

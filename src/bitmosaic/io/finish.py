@@ -11,6 +11,7 @@ from torch import nn
 
 from ..errors import CorruptModelError
 from ..modules.base import QuantModule
+from ..modules.intact import runtime_act_mode, set_runtime_activations
 from ..modules.rotation import apply_saved_rotations
 
 __all__ = ["finish_load", "model_arch", "quant_modules_by_kind"]
@@ -55,7 +56,9 @@ def finish_load(
     between layers), record ``quant_config`` as ``model.quantization_info`` and switch to eval mode.
     A rotated model (``quant_config["rotation"]``, ``--rotate``) first gets its online rotations back
     at the inputs they were folded for (before any input quantizer), and keeps the record as
-    ``model.bitmosaic_rotation`` (so a re-save keeps it)."""
+    ``model.bitmosaic_rotation`` (so a re-save keeps it).  ``$BITMOSAIC_RUNTIME_ACT=int8`` gives the
+    weight-only layers run-time 8-bit activations (:func:`~bitmosaic.modules.intact.set_runtime_activations`;
+    a bad value raises ``OptionError`` naming the choices)."""
     rotation = quant_config.get("rotation")
     try:
         apply_saved_rotations(model, rotation)
@@ -74,5 +77,7 @@ def finish_load(
     for cls, mods in kinds.items():
         cls.finish_model(model, mods, arch)
     model.quantization_info = quant_config
+    if runtime_act_mode() != "none":
+        set_runtime_activations(model)
     model.eval()
     return model

@@ -1,5 +1,5 @@
-"""``python -m bitmosaic.kernels``: build (or load) the three C++ extensions now, say which are ready
-and which instruction sets this CPU runs them on."""
+"""``python -m bitmosaic.kernels``: build (or load) the C++ extensions now, say which are ready, which
+instruction sets this CPU runs them on, and whether the integer-activation kernel has AVX-512 VNNI."""
 
 from __future__ import annotations
 
@@ -16,6 +16,11 @@ def main() -> int:
     for name, built in ok.items():
         print(f"{name}: {'ready' if built else 'unavailable (pure-torch path)'}")
     print(f"ISAs on this CPU: {', '.join(available_isas()) or 'none'}; {time.perf_counter() - t0:.1f} s")
+    if ok.get("intmm"):
+        from .intmm import vnni
+
+        how = "AVX-512 VNNI (vpdpbusd)" if vnni() else "no VNNI: the AVX2 body on avx512"
+        print(f"integer activations (intmm): {how}")
     return 0 if all(ok.values()) else 1
 
 

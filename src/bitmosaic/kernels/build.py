@@ -1,9 +1,11 @@
 """Building the C++ kernels (``csrc/``): once, on first use (or ahead with ``python -m
 bitmosaic.kernels``), cached by torch (``$TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``) under a name that changes with the sources.
+``~/.cache/torch_extensions``) under a name that changes with the sources, the torch version and the
+machine architecture; ``scripts/install.sh`` builds them at install time.
 
-Three extensions: ``qmatmul`` (:mod:`bitmosaic.kernels.qmatmul`), ``lutgemv``
-(:mod:`bitmosaic.kernels.lut`) and ``mosaic`` (:mod:`bitmosaic.kernels.mosaic`), each compiled for the
+Four extensions: ``qmatmul`` (:mod:`bitmosaic.kernels.qmatmul`), ``lutgemv``
+(:mod:`bitmosaic.kernels.lut`), ``mosaic`` (:mod:`bitmosaic.kernels.mosaic`) and ``intmm``
+(:mod:`bitmosaic.kernels.intmm`, integer activations), each compiled for the
 baseline x86-64 with its SIMD code per ISA inside (:mod:`bitmosaic.kernels.isa`).  A build prints one
 line to stderr first (it takes a while: ``COLD_BUILD_S``).  When an extension cannot be built (no C++
 compiler, a failed build) or ``$BITMOSAIC_NO_EXT=1``, :func:`load` returns ``None`` and the kernels run
@@ -26,8 +28,13 @@ __all__ = ["EXTENSIONS", "NO_EXT_ENV", "load", "build_all", "module_name"]
 
 NO_EXT_ENV = "BITMOSAIC_NO_EXT"
 CSRC = Path(__file__).with_name("csrc")
-EXTENSIONS = {"qmatmul": "qmatmul.cpp", "lutgemv": "lutgemv.cpp", "mosaic": "mosaic.cpp"}  # name -> source
-COLD_BUILD_S = "about 2 minutes for all three"  # 113 s measured on 2 shared cores (README "Kernels")
+EXTENSIONS = {  # name -> source
+    "qmatmul": "qmatmul.cpp",
+    "lutgemv": "lutgemv.cpp",
+    "mosaic": "mosaic.cpp",
+    "intmm": "intmm.cpp",
+}
+COLD_BUILD_S = "about 2 minutes for all four"  # 121 s of CPU measured, cold cache (README "Kernels")
 # the pure-torch fallback against the compiled kernels at batch 1, 4096x4096 g128, 1 thread: LowBitWeight
 # W2/W4 1.4 ms -> 590-600 ms (about 430x), BitPlaneWeight W2/W4 1.6/5.7 ms -> 670-730 ms (130-430x)
 FALLBACK_SLOWDOWN = "100-400x"
@@ -51,9 +58,15 @@ def _sources(filename: str, seen: set[str] | None = None) -> list[str]:
 
 
 def module_name(name: str) -> str:
-    """The torch extension name: the kernel and a hash of its source and the ``csrc`` headers it
-    includes (torch's cache keys on the listed source only)."""
-    h = hashlib.sha1()
+    """The torch extension name: the kernel and a hash of its source, the ``csrc`` headers it includes
+    (torch's cache keys on the listed source only), the torch version and the machine architecture, so
+    environments with different torch versions sharing one cache each keep their own build instead of
+    rebuilding each other's.  (The instruction set is chosen at run time inside one build: ``isa.py``.)"""
+    import platform
+
+    import torch
+
+    h = hashlib.sha1(f"{torch.__version__}|{platform.machine()}|".encode())
     for f in _sources(EXTENSIONS[name]):
         h.update(f.encode() + (CSRC / f).read_bytes())
     return f"bitmosaic_{name}_{h.hexdigest()[:10]}"

@@ -2,7 +2,8 @@
 
 Every kernel class declares what it runs (the GPTQModel style)::
 
-    KERNEL_NAME                   "lowbit" (LowBitWeight) or "lut" (BitPlaneWeight)
+    KERNEL_NAME                   "lowbit" (LowBitWeight), "lut" (BitPlaneWeight) or "int8act"
+                                  (IntActWeight: integer activations, modules/intact.py)
     SUPPORTS_BITS                 code widths it runs (per block, any mix when SUPPORTS_MIXED_BITS)
     SUPPORTS_DEVICES              devices its weights live on
     SUPPORTS_GROUP_SIZE_MULTIPLE  group sizes it takes are multiples of this (1: any; -1 = one per row)
@@ -13,8 +14,10 @@ Every kernel class declares what it runs (the GPTQModel style)::
 and every module kind lists, in order of preference, the kernels that can run it (a ``KERNELS`` class
 attribute: packed kinds ``("lut", "lowbit")``, mosaic ``("lowbit",)``, SFMP ``("lut",)``).
 :func:`select_kernel` takes the first listed kernel that runs the request and is fast for it, else the
-first that runs it.  So by default the packed kinds run the bit-plane LUT at 1-3 bits and LowBitWeight
-from 4 bits (and everywhere without the compiled LUT), mosaic LowBitWeight, SFMP the LUT.
+first that runs it.  A kind's integer-activation kernels are listed apart (``INT_ACT_KERNELS``:
+``("int8act",)`` for the plain packed kind) and checked with :func:`runs` the same way.  So by
+default the packed kinds run the bit-plane LUT at 1-3 bits and LowBitWeight from 4 bits (and
+everywhere without the compiled LUT), mosaic LowBitWeight, SFMP the LUT.
 
 One override, for benchmarking: ``$BITMOSAIC_KERNEL=lut|lowbit`` picks that kernel for every kind that
 lists it and can run the request (``auto`` or unset: the selection above).
@@ -27,13 +30,14 @@ from collections.abc import Sequence
 
 import torch
 
+from .intmm import IntActWeight
 from .lut import BitPlaneWeight
 from .qmatmul import LowBitWeight
 
 __all__ = ["KERNEL_ENV", "KERNELS", "select_kernel", "runs", "is_fast"]
 
 KERNEL_ENV = "BITMOSAIC_KERNEL"
-KERNELS: dict[str, type] = {k.KERNEL_NAME: k for k in (LowBitWeight, BitPlaneWeight)}
+KERNELS: dict[str, type] = {k.KERNEL_NAME: k for k in (LowBitWeight, BitPlaneWeight, IntActWeight)}
 
 
 def _widths(bits) -> set[int]:

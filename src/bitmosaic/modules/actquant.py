@@ -3,8 +3,10 @@
 :func:`attach_input_quant` gives any linear-like module (``nn.Linear`` during calibration, the
 packed modules afterwards) an ``input_quant`` child -- an :class:`ActQuantizer` whose static
 scale is a buffer, so it is saved in the state dict -- and a forward pre-hook that replaces the
-input by ``Q(x)``.  The module's own forward is untouched, so every module kind gets activation
-quantization the same way.  See :mod:`bitmosaic.formats.act` for the numerics.
+input by ``Q(x)`` (simulated), unless the module runs integer activation compute for this input
+(``runs_int_act``, :mod:`bitmosaic.modules.intact`): then the module quantizes inside its kernel.
+The module's own forward is untouched, so every module kind gets activation quantization the same way.
+See :mod:`bitmosaic.formats.act` for the numerics.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ class ActQuantizer(nn.Module):
 
 
 def _input_quant_hook(module: nn.Module, args: tuple):
+    runs_int = getattr(module, "runs_int_act", None)
+    if runs_int is not None and runs_int(args[0]):
+        return None  # the module quantizes x inside its integer kernel (modules/intact.py)
     return (module.input_quant(args[0]), *args[1:])
 
 

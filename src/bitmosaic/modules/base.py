@@ -64,6 +64,8 @@ class QuantModule(nn.Module):
     """
 
     kind = "base"
+    # kernels that run this kind with integer activations (modules/intact.py); empty: simulated only
+    INT_ACT_KERNELS: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -82,6 +84,7 @@ class QuantModule(nn.Module):
         self._wcache: torch.Tensor | None = None
         self._kernel = None  # the kernel weight built from the buffers (see modules/kernel.py)
         self._released: set[str] = set()  # saved buffers held by the kernel only (module doc)
+        self._int_act = None  # the integer-activation kernel (None: not built; False: none here)
 
     # -- what each kind implements -------------------------------------------------------------
     def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
@@ -103,6 +106,11 @@ class QuantModule(nn.Module):
     def _build_kernel(self):
         """The kind's :class:`~bitmosaic.modules.kernel.KernelWeight` (CPU inference without a
         float weight), or ``None`` when the kind has none (forward then dequantizes per call)."""
+        return None
+
+    def _build_int_act(self):
+        """The kind's :class:`~bitmosaic.modules.intact.IntActKernel` for its activation quantizer, or
+        ``None`` when this layer runs simulated (``intact.int_act_blocker`` says why).  Default: none."""
         return None
 
     def _saved_from_kernel(self, kernel) -> dict[str, Callable[[], torch.Tensor]]:
@@ -136,6 +144,50 @@ class QuantModule(nn.Module):
                 self._release_saved(k)
         return self._kernel or None
 
+    @classmethod
+    def act_compute(cls, cfg: dict) -> str:
+        """How a layer of this kind with the saved per-layer ``cfg`` computes with its activation quantizer
+        on this machine (``bitmosaic inspect``): ``int8 (avx512-vnni)``, ``simulated (<why>)`` or
+        ``weight-only`` (modules/intact.py)."""
+        from ..formats.act import ActQuantSpec
+        from .intact import act_path_label, int_act_blocker
+
+        spec = ActQuantSpec.from_dict(cfg.get("act"))
+        bits = cfg.get("storage_bits") or cfg.get("bits") or 8
+        n_in = int(cfg["in_features"])
+        gs = cfg.get("group_size") or -1
+        blocker = int_act_blocker(cls.INT_ACT_KERNELS, spec, bits, gs, n_in, bool(cfg.get("has_g_idx")))
+        return act_path_label(blocker, spec)
+
+    def act_quantizer(self):
+        """The layer's activation quantizer: its own (``input_quant``, saved with it), else the run-time
+        one of :func:`~bitmosaic.modules.intact.set_runtime_activations` (not saved), else ``None``."""
+        q = self._modules.get("input_quant")
+        return q if q is not None else self.__dict__.get("_runtime_act")
+
+    def int_act_blocker(self) -> str | None:
+        """Why this layer runs its activation quantizer simulated (``None``: integer).  Default: the kind
+        has no integer path."""
+        return "no integer path for this kind"
+
+    def runs_int_act(self, x: torch.Tensor) -> bool:
+        """Whether this forward quantizes ``x`` inside the integer kernel (the input pre-hook then leaves
+        ``x`` alone): an integer path is built for this layer, ``x`` is on the CPU, needs no gradient, and
+        ``$BITMOSAIC_ACT_COMPUTE`` is not ``sim`` (modules/intact.py)."""
+        if (
+            not self.INT_ACT_KERNELS
+            or x.device.type != "cpu"
+            or (x.requires_grad and torch.is_grad_enabled())
+        ):
+            return False
+        from .intact import act_compute_mode
+
+        if act_compute_mode() == "sim":
+            return False
+        if self._int_act is None:
+            self._int_act = self._build_int_act() or False
+        return self._int_act is not False
+
     # -- resident weights: the kernel holds the weight, released buffers are rebuilt on demand --
     def _release_saved(self, k) -> None:
         for name, rebuild in self._saved_from_kernel(k).items():
@@ -159,6 +211,7 @@ class QuantModule(nn.Module):
                 self._buffers[name] = t
             self._released = set()
         self._kernel = None
+        self._int_act = None
 
     def __getattr__(self, name: str):
         released = self.__dict__.get("_released")
@@ -171,6 +224,8 @@ class QuantModule(nn.Module):
         if released and name in released:
             self._restore_saved()  # the kernel was built from the old value
             self._wcache = None
+        if name in self.__dict__.get("_buffers", ()):
+            self.__dict__["_int_act"] = None  # built from the old buffer
         super().__setattr__(name, value)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -181,6 +236,10 @@ class QuantModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = None if self.bias is None else self.bias.to(x.dtype)
+        q = self.act_quantizer()
+        if q is not None and self.runs_int_act(x):  # x was left unquantized by the pre-hook
+            y = self._int_act(x, q)
+            return y if b is None else y + b
         if self._wcache is None and not self.cache_weight and x.device.type == "cpu":
             k = self.kernel()
             if k is not None:
@@ -324,4 +383,6 @@ def resident_bytes(model: nn.Module) -> int:
     for m in model.modules():
         if isinstance(m, QuantModule) and m._kernel:
             total += m._kernel.nbytes()
+        if isinstance(m, QuantModule) and m._int_act:
+            total += m._int_act.nbytes()
     return total

@@ -23,6 +23,7 @@ from ..formats.intform import IntForm, bit_len, embed, widest_fit
 from ..formats.layout import dequantize, is_trivial_g_idx, normalize_group_size, num_groups
 from ..formats.packing import SUPPORTED_BITS, pack_codes, packed_cols, unpack_codes
 from ..kernels.cpu import dequantize_packed
+from ..kernels.intmm import IntActWeight
 from .base import NoIntForm, QuantModule, set_weight_cache
 
 __all__ = ["QuantLinear", "UnpackableCodesError", "set_weight_cache"]
@@ -37,6 +38,15 @@ class QuantLinear(QuantModule):
     # the kernels that run this kind, preferred first (kernels/select.py picks one from their declared
     # capabilities: the bit-plane LUT at 1-3 storage bits, LowBitWeight from 4)
     KERNELS: ClassVar[tuple[str, ...]] = ("lut", "lowbit")
+    # integer activations (modules/intact.py); a subclass that changes the kernel or the product
+    # (its own _build_kernel / _linear) runs simulated unless it declares its own
+    INT_ACT_KERNELS: ClassVar[tuple[str, ...]] = ("int8act",)
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__
+        if "INT_ACT_KERNELS" not in own and any(k in own for k in ("_build_kernel", "_linear", "forward")):
+            cls.INT_ACT_KERNELS = ()
 
     def __init__(
         self,
@@ -186,6 +196,34 @@ class QuantLinear(QuantModule):
         return lowbit_from_codes(
             codes, self.storage_bits, self.scales, z, self.group_size, self.g_idx, kernels=self.KERNELS
         )
+
+    def int_act_blocker(self) -> str | None:
+        """Why this layer runs its activation quantizer simulated (``None``: integer; modules/intact.py)."""
+        from .intact import int_act_blocker
+
+        q = self.act_quantizer()
+        spec, permuted = (None if q is None else q.spec), self.g_idx is not None
+        return int_act_blocker(
+            self.INT_ACT_KERNELS, spec, self.storage_bits, self.group_size, self.in_features, permuted
+        )
+
+    def _build_int_act(self):
+        """The integer-activation kernel: the codes at their storage width, ``code_offset`` folded into
+        the zero-point, act-order columns made contiguous (as :meth:`_build_kernel`)."""
+        from .intact import IntActKernel
+        from .kernel import contiguous_group_perm
+
+        if self.int_act_blocker() is not None:
+            return None
+        codes = unpack_codes(self.qweight, self.storage_bits, self.in_features)
+        z = self._zeros_arg()
+        z = z - self.code_offset if not torch.is_tensor(z) else z.float() - self.code_offset
+        perm = None
+        if self.g_idx is not None:
+            perm = contiguous_group_perm(self.g_idx, self.group_size)
+            codes = codes.index_select(1, perm)
+        w = IntActWeight.from_codes(codes, self.storage_bits, self.scales.float(), z, self.group_size)
+        return IntActKernel(w, perm)
 
     def _saved_from_kernel(self, k):
         """Rebuilds of the packed buffers from the :class:`~bitmosaic.modules.kernel.LowBitKernel`

@@ -1,0 +1,240 @@
+// bitmosaic integer-activation matmul for the CPU: y = Q(x) W^T with int8 activations and integer
+// weight codes, int32 sums per weight group, float32 scale products (bitmosaic/kernels/intmm.py).
+//
+// Activations: q = clamp(round(x / s_a), -qmax - 1, qmax) (int8, any width 2..8), s_a given per token,
+// per tensor or per activation group (computed by the caller with formats/act.py, so the integers are
+// the simulated path's).  Weights: W[n, j] = (c[n, j] - z[n, g]) s[n, g], codes c in 0..255 held as
+// nibbles (widths 1-4) or bytes (5-8) in 16-row tiles (intmm_common.h).  Per output (m, n) and group g:
+//   acc = sum_{j in g} c[n, j] q[m, j]   (exact int32: u8 x s8 products, |acc| < 2^31 for K < 65536)
+//   y  += (acc - z[n, g] qsum[m, g]) * (s[n, g] s_a[m, g])
+// ISA (isa.h numbering): avx512 runs vpdpbusd (AVX-512 VNNI; without VNNI the AVX2 body), avx2 runs
+// vpmaddubsw + vpmaddwd (exact below 8 bits: 2 * 127 * 128 < 2^15; 8-bit codes are split into 7 low
+// bits and the top bit), portable plain C++.
+
+#include "intmm_common.h"
+
+namespace {
+
+#ifdef BM_X86
+BM_BEGIN_TARGET(BM_AVX2_TARGET)
+struct IntAvx2 {
+  static constexpr int R = 8;   // rows per register
+  static constexpr int MB = 4;  // rows of x per tile (16 ymm registers)
+  using I = __m256i;
+  using F = __m256;
+  static I zero() { return _mm256_setzero_si256(); }
+  static I load(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+  static I set1_8(int v) { return _mm256_set1_epi8((char)v); }
+  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I srli16(I a, int n) { return _mm256_srli_epi16(a, n); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I bcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  }
+  template <bool B8>
+  static I dot(I acc, I w, I a) {
+    const I ones = _mm256_set1_epi16(1);
+    if constexpr (!B8) return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones));
+    else {
+      const I lo = _mm256_and_si256(w, _mm256_set1_epi8(0x7f));
+      const I top = _mm256_and_si256(_mm256_srli_epi16(w, 7), _mm256_set1_epi8(1));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, a), ones));
+      return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(top, a), _mm256_set1_epi16(128)));
+    }
+  }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static F set1f(float v) { return _mm256_set1_ps(v); }
+  static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static F mulf(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static void quant(const float* x, float s, float lo, float hi, int8_t* q, int64_t n) {
+    const F sv = _mm256_set1_ps(s), lv = _mm256_set1_ps(lo), hv = _mm256_set1_ps(hi);
+    alignas(32) int32_t t[8];
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      const F r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + j), sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm256_store_si256((__m256i*)t, _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lv), hv)));
+      for (int k = 0; k < 8; ++k) q[j + k] = (int8_t)t[k];
+    }
+    quant_portable(x + j, s, lo, hi, q + j, n - j);
+  }
+  static void store_tail(float* p, int64_t k, F v) {
+    if (k >= 8) return _mm256_storeu_ps(p, v);
+    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    _mm256_maskstore_ps(p, m, v);
+  }
+};
+namespace avx2 {
+#include "intmm_simd.h"
+}  // namespace avx2
+BM_END_TARGET
+
+#define BM_VNNI_TARGET BM_AVX512_TARGET ",avx512vnni"
+BM_BEGIN_TARGET(BM_VNNI_TARGET)
+struct IntVnni {
+  static constexpr int R = 16;
+  static constexpr int MB = 8;  // 16 int32 + 8 float accumulators of 32 zmm registers
+  using I = __m512i;
+  using F = __m512;
+  static I zero() { return _mm512_setzero_si512(); }
+  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I set1_8(int v) { return _mm512_set1_epi8((char)v); }
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I srli16(I a, int n) { return _mm512_srli_epi16(a, n); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I bcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+  }
+  template <bool B8>
+  static I dot(I acc, I w, I a) { return _mm512_dpbusd_epi32(acc, w, a); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static F set1f(float v) { return _mm512_set1_ps(v); }
+  static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static F mulf(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static void store_tail(float* p, int64_t k, F v) {
+    _mm512_mask_storeu_ps(p, k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << k) - 1), v);
+  }
+  static void quant(const float* x, float s, float lo, float hi, int8_t* q, int64_t n) {
+    const F sv = _mm512_set1_ps(s), lv = _mm512_set1_ps(lo), hv = _mm512_set1_ps(hi);
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+      const F v = _mm512_div_ps(_mm512_maskz_loadu_ps(k, x + j), sv);
+      const F r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm512_mask_cvtepi32_storeu_epi8(q + j, k, _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lv), hv)));
+    }
+  }
+};
+namespace vnni {
+#include "intmm_simd.h"
+}  // namespace vnni
+BM_END_TARGET
+#endif
+
+bool vnni_supported() {
+#ifdef BM_X86
+  static const bool ok = bm::isa_supported(bm::kAvx512) && __builtin_cpu_supports("avx512vnni");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+QuantFn quant_fn(int64_t isa) {
+#ifdef BM_X86
+  if (isa == bm::kAvx512) return &IntVnni::quant;  // AVX-512F only (no VNNI needed)
+  if (isa == bm::kAvx2) return &IntAvx2::quant;
+#endif
+  return &quant_portable;
+}
+
+void run_rows(const IntLayout& L, const Acts& A, float* y, int64_t rb0, int64_t rb1, bool b8, int64_t isa) {
+#ifdef BM_X86
+  if (isa == bm::kAvx512 && vnni_supported()) return vnni::rows_any<IntVnni>(L, A, y, rb0, rb1, b8);
+  if (isa == bm::kAvx512 || isa == bm::kAvx2) return avx2::rows_any<IntAvx2>(L, A, y, rb0, rb1, b8);
+#endif
+  rows_portable(L, A, y, rb0, rb1);
+}
+
+void check_f32(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dtype() == torch::kFloat32 && t.is_contiguous(), what, " must be contiguous float32");
+}
+
+}  // namespace
+
+// (q [M, KP] int8, qsum [M, G] int32, sa) of x [M, K] under scales sa [Ms, Ga] (act group `ags` columns);
+// an empty sa: dynamic per-token scales computed here, max(amax / qmax, 1e-12) in float32 (the same
+// operations as formats/act.py scale_from_amax without pow2)
+std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor sa, int64_t ags, double qmax, int64_t KP,
+                                    int64_t gs, int64_t G, int64_t isa) {
+  check_f32(x, "x");
+  const int64_t M = x.size(0), K = x.size(1);
+  if (sa.numel() == 0) {
+    sa = torch::empty({M, 1}, x.options());
+    const float* xp = x.data_ptr<float>();
+    float* sp = sa.data_ptr<float>();
+    const float qm = (float)qmax, tiny = (float)1e-12;
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) {
+        float a = 0.f;
+        for (int64_t j = 0; j < K; ++j) a = std::max(a, std::fabs(xp[m * K + j]));
+        sp[m] = std::max(a / qm, tiny);
+      }
+    });
+    ags = std::max<int64_t>(K, 1);
+  }
+  check_f32(sa, "activation scales");
+  TORCH_CHECK(x.dim() == 2 && sa.dim() == 2 && KP >= x.size(1) && ags >= 1 && gs >= 1, "bad quantize arguments");
+  TORCH_CHECK(sa.size(0) == 1 || sa.size(0) == M, "activation scales must have 1 or M rows");
+  auto q = torch::empty({M, KP}, x.options().dtype(torch::kInt8));
+  auto qsum = torch::empty({M, G}, x.options().dtype(torch::kInt32));
+  const float* xp = x.data_ptr<float>();
+  const float* sp = sa.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  int32_t* qs = qsum.data_ptr<int32_t>();
+  const int64_t Ms = sa.size(0), Ga = sa.size(1);
+  bm::check_isa(isa);
+  const QuantFn fn = quant_fn(isa);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    quantize_rows(xp, K, sp, Ms, Ga, ags, (float)qmax, KP, gs, G, qp, qs, m0, m1, fn);
+  });
+  return {q, qsum, sa};
+}
+
+// y [M, N] float32 from quantized activations and the integer layout
+torch::Tensor int_matmul(torch::Tensor q, torch::Tensor qsum, torch::Tensor sa, int64_t ratio, torch::Tensor data,
+                         torch::Tensor sc, torch::Tensor zc, int64_t N, int64_t G, int64_t gs, bool bytes, bool b8,
+                         int64_t isa) {
+  TORCH_CHECK(q.dtype() == torch::kInt8 && q.is_contiguous() && q.dim() == 2, "q must be contiguous int8 [M, KP]");
+  TORCH_CHECK(qsum.dtype() == torch::kInt32 && qsum.is_contiguous() && qsum.size(1) == G, "qsum must be int32 [M, G]");
+  TORCH_CHECK(data.dtype() == torch::kUInt8 && data.is_contiguous(), "data must be contiguous uint8");
+  check_f32(sa, "activation scales");
+  check_f32(sc, "weight scales");
+  check_f32(zc, "zero-points");
+  TORCH_CHECK(q.size(1) % 8 == 0 && ratio >= 1 && (G == 1 || gs % 8 == 0), "bad integer layout");
+  bm::check_isa(isa);
+  IntLayout L;
+  L.data = data.data_ptr<uint8_t>();
+  L.sc = sc.data_ptr<float>();
+  L.zc = zc.data_ptr<float>();
+  L.N = N;
+  L.KP = q.size(1);
+  L.G = G;
+  L.gs = gs;
+  L.nrb = (N + 15) / 16;
+  L.npairs = L.KP / 8;
+  L.bytes = bytes;
+  TORCH_CHECK(data.numel() >= L.nrb * L.npairs * L.pair_bytes(), "data is too short for the layout");
+  TORCH_CHECK(sc.numel() == L.nrb * G * 16 && zc.numel() == sc.numel(), "scales/zeros must be [nrb, G, 16]");
+  TORCH_CHECK(qsum.size(0) == q.size(0) && (sa.size(0) == 1 || sa.size(0) == q.size(0)) && sa.dim() == 2,
+              "qsum must have M rows and the activation scales 1 or M");
+  Acts A{q.data_ptr<int8_t>(), qsum.data_ptr<int32_t>(), sa.data_ptr<float>(), q.size(0), sa.size(0), sa.size(1), ratio};
+  auto y = torch::empty({A.M, N}, sc.options());
+  if (A.M == 0 || N == 0) return y;
+  float* yp = y.data_ptr<float>();
+  // prefill: tasks of up to 8 row blocks (128 rows: 256 KB of 4-bit weights at K=4096, in L2 while the
+  // rows of x stream past them), at least 4 tasks per thread so that small matrices balance
+  const int64_t per_thread = (L.nrb + 4 * at::get_num_threads() - 1) / (4 * at::get_num_threads());
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(8, per_thread));
+  const int64_t nchunks = (L.nrb + chunk - 1) / chunk;
+  at::parallel_for(0, A.M <= 8 ? L.nrb : nchunks, 1, [&](int64_t t0, int64_t t1) {
+    if (A.M <= 8) return run_rows(L, A, yp, t0, t1, b8, isa);
+    for (int64_t t = t0; t < t1; ++t) run_rows(L, A, yp, t * chunk, std::min(L.nrb, (t + 1) * chunk), b8, isa);
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quantize", &quantize, "int8 activations and their group sums");
+  m.def("int_matmul", &int_matmul, "y = Q(x) W^T from int8 activations and integer weight codes");
+  m.def("isa_supported", &bm::isa_supported, "whether this CPU runs kernel ISA 0 (portable), 1 (AVX2), 2 (AVX-512)");
+  m.def("vnni_supported", &vnni_supported, "whether the avx512 ISA runs AVX-512 VNNI (vpdpbusd)");
+}

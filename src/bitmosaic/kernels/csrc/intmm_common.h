@@ -1,0 +1,112 @@
+// bitmosaic integer-activation matmul: the layout view, activation quantization and the portable kernel.
+// Part of intmm.cpp (one translation unit); see the layout comment there.
+#pragma once
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "isa.h"
+
+namespace {
+
+// The weight in the integer layout: row blocks of 16 rows; per row block, the columns in pairs of
+// 4-column chunks ("pairs", 8 columns).  Nibble mode (codes < 16): one 64-byte tile per pair, byte
+// 4 r + j = code(r, 8 p + j) | code(r, 8 p + 4 + j) << 4.  Byte mode: two 64-byte tiles per pair, the
+// first with byte 4 r + j = code(r, 8 p + j), the second code(r, 8 p + 4 + j).
+struct IntLayout {
+  const uint8_t* data;  // [nrb][npairs][64 | 128]
+  const float* sc;      // [nrb][G][16] weight scales
+  const float* zc;      // [nrb][G][16] zero-points
+  int64_t N, KP, G, gs, nrb, npairs;
+  bool bytes;
+
+  int64_t pair_bytes() const { return bytes ? 128 : 64; }
+  const uint8_t* block(int64_t rb) const { return data + rb * npairs * pair_bytes(); }
+  int64_t pair0(int64_t g) const { return g * gs / 8; }
+  int64_t pair1(int64_t g) const { return g == G - 1 ? npairs : (g + 1) * gs / 8; }
+};
+
+// The quantized activations: q [M][KP] int8 (zero past K), qsum [M][G] the sum of q over each weight
+// group, sa [Ms][Ga] the activation scales (Ms 1: shared by every token), weight group g under
+// activation scale column min(g / ratio, Ga - 1).
+struct Acts {
+  const int8_t* q;
+  const int32_t* qsum;
+  const float* sa;
+  int64_t M, Ms, Ga, ratio;
+
+  int64_t col(int64_t g) const { return std::min(g / ratio, Ga - 1); }  // once per group: a division
+  float scale(int64_t m, int64_t col) const { return sa[(Ms == 1 ? 0 : m) * Ga + col]; }
+};
+
+// q = clamp(round_half_even(x / s), -qmax - 1, qmax) per element (the division, not a reciprocal: the
+// same float32 operations as formats/act.py fake_quant), then the group sums.  x [M][K], act group
+// `ags` columns per scale column.
+// n values of one scale (portable; the SIMD versions are IntAvx2/IntVnni::quant, the same operations)
+inline void quant_portable(const float* x, float s, float lo, float hi, int8_t* q, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) q[j] = (int8_t)std::min(std::max(std::nearbyint(x[j] / s), lo), hi);
+}
+
+using QuantFn = void (*)(const float*, float, float, float, int8_t*, int64_t);
+
+inline void quantize_rows(const float* x, int64_t K, const float* sa, int64_t Ms, int64_t Ga, int64_t ags,
+                          float qmax, int64_t KP, int64_t gs, int64_t G, int8_t* q, int32_t* qsum,
+                          int64_t m0, int64_t m1, QuantFn quant) {
+  const float lo = -qmax - 1.f;
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* xm = x + m * K;
+    int8_t* qm = q + m * KP;
+    const float* sm = sa + (Ms == 1 ? 0 : m) * Ga;
+    for (int64_t c0 = 0; c0 < K;) {  // one scale per segment (the last scale column covers the rest)
+      const int64_t a = std::min(c0 / ags, Ga - 1);
+      const int64_t c1 = (a == Ga - 1) ? K : std::min(K, c0 + ags);
+      quant(xm + c0, sm[a], lo, qmax, qm + c0, c1 - c0);
+      c0 = c1;
+    }
+    for (int64_t j = K; j < KP; ++j) qm[j] = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t c0 = g * gs, c1 = std::min(K, c0 + gs);
+      int32_t s = 0;
+      for (int64_t j = c0; j < c1; ++j) s += qm[j];
+      qsum[m * G + g] = s;
+    }
+  }
+}
+
+inline int32_t code_at(const IntLayout& L, const uint8_t* pair, int64_t r, int64_t c) {  // c in 0..7
+  const int h = (int)(c / 4), j = (int)(c % 4);
+  if (L.bytes) return pair[h * 64 + 4 * r + j];
+  return (pair[4 * r + j] >> (4 * h)) & 15;
+}
+
+// y rows of row blocks rb0..rb1 (portable): exact int32 sums per group, then the float epilogue
+// t = acc - z qsum (one rounding), y += t (s_w s_a).
+void rows_portable(const IntLayout& L, const Acts& A, float* y, int64_t rb0, int64_t rb1) {
+  for (int64_t rb = rb0; rb < rb1; ++rb) {
+    const uint8_t* base = L.block(rb);
+    for (int64_t r = 0; r < 16 && rb * 16 + r < L.N; ++r) {
+      const int64_t n = rb * 16 + r;
+      for (int64_t m = 0; m < A.M; ++m) {
+        const int8_t* qm = A.q + m * L.KP;
+        float out = 0.f;
+        for (int64_t g = 0; g < L.G; ++g) {
+          const int64_t ga = A.col(g);
+          int32_t acc = 0;
+          for (int64_t p = L.pair0(g); p < L.pair1(g); ++p) {
+            const uint8_t* pair = base + p * L.pair_bytes();
+            for (int64_t c = 0; c < 8; ++c) acc += code_at(L, pair, r, c) * (int32_t)qm[8 * p + c];
+          }
+          const float s = L.sc[(rb * L.G + g) * 16 + r], z = L.zc[(rb * L.G + g) * 16 + r];
+          const float t = std::fma(-z, (float)A.qsum[m * L.G + g], (float)acc);
+          out = std::fma(t, s * A.scale(m, ga), out);
+        }
+        y[m * L.N + n] = out;
+      }
+    }
+  }
+}
+
+}  // namespace

@@ -1,0 +1,91 @@
+// bitmosaic integer-activation matmul: the SIMD kernel, written once over integer vector traits V.
+// No include guard: intmm.cpp includes this file once per ISA, inside that ISA's target region and
+// namespace, and instantiates it with that ISA's traits (IntAvx2, IntVnni).
+//
+// Lanes are output rows: a register holds V::R rows x 4 consecutive columns as bytes; a dot step
+// (vpdpbusd, or vpmaddubsw + vpmaddwd) adds 4 code x activation products to each row's int32 lane, the
+// 4 activations broadcast to every lane.  A 16-row tile is H = 16 / R registers.  Per weight group the
+// int32 sums are exact; the epilogue adds (acc - z qsum) (s_w s_a) to float accumulators, so no
+// horizontal sum is ever needed.  MB rows of x share every unpacked weight register.
+
+template <class V, bool BYTES>
+BM_INLINE void weights(const uint8_t* pair, int h, typename V::I& lo, typename V::I& hi) {
+  if constexpr (BYTES) {
+    lo = V::load(pair + h * V::R * 4);
+    hi = V::load(pair + 64 + h * V::R * 4);
+  } else {
+    const typename V::I w = V::load(pair + h * V::R * 4);
+    const typename V::I m = V::set1_8(15);
+    lo = V::and_(w, m);
+    hi = V::and_(V::srli16(w, 4), m);
+  }
+}
+
+// y[m0 .. m0 + MB) x rows of row block rb
+template <class V, int MB, bool BYTES, bool B8>
+void tile(const IntLayout& L, const Acts& A, int64_t rb, int64_t m0, float* y) {
+  using I = typename V::I;
+  using F = typename V::F;
+  constexpr int H = 16 / V::R;
+  F facc[MB][H];
+  for (int m = 0; m < MB; ++m)
+    for (int h = 0; h < H; ++h) facc[m][h] = V::fzero();
+  const uint8_t* base = L.block(rb);
+  const int64_t pb = L.pair_bytes();
+  const int8_t* q0 = A.q + m0 * L.KP;
+  for (int64_t g = 0; g < L.G; ++g) {
+    I acc[MB][H][2];
+    for (int m = 0; m < MB; ++m)
+      for (int h = 0; h < H; ++h) acc[m][h][0] = acc[m][h][1] = V::zero();
+    const int64_t p1 = L.pair1(g);
+    for (int64_t p = L.pair0(g); p < p1; ++p) {
+      const uint8_t* pair = base + p * pb;
+      for (int h = 0; h < H; ++h) {
+        I lo, hi;
+        weights<V, BYTES>(pair, h, lo, hi);
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* qp = q0 + m * L.KP + 8 * p;
+          acc[m][h][0] = V::template dot<B8>(acc[m][h][0], lo, V::bcast4(qp));
+          acc[m][h][1] = V::template dot<B8>(acc[m][h][1], hi, V::bcast4(qp + 4));
+        }
+      }
+    }
+    const int64_t ga = A.col(g);
+    const float* sp = L.sc + (rb * L.G + g) * 16;
+    const float* zp = L.zc + (rb * L.G + g) * 16;
+    for (int h = 0; h < H; ++h) {
+      const F sv = V::loadf(sp + h * V::R), zv = V::loadf(zp + h * V::R);
+      for (int m = 0; m < MB; ++m) {
+        const F t = V::fnmadd(zv, V::set1f((float)A.qsum[(m0 + m) * L.G + g]), V::cvt(V::add(acc[m][h][0], acc[m][h][1])));
+        facc[m][h] = V::fma(t, V::mulf(sv, V::set1f(A.scale(m0 + m, ga))), facc[m][h]);
+      }
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    const int64_t n0 = rb * 16 + h * V::R;
+    if (n0 >= L.N) break;
+    for (int m = 0; m < MB; ++m) V::store_tail(y + (m0 + m) * L.N + n0, L.N - n0, facc[m][h]);
+  }
+}
+
+// every row of x times the row blocks rb0..rb1: MB rows of x at a time, each unpacked weight register
+// used MB times; the row blocks of one call stay in cache while the rows of x stream past them
+template <class V, bool BYTES, bool B8>
+void rows(const IntLayout& L, const Acts& A, float* y, int64_t rb0, int64_t rb1) {
+  constexpr int MB = V::MB;
+  int64_t m0 = 0;
+  for (; m0 + MB <= A.M; m0 += MB)
+    for (int64_t rb = rb0; rb < rb1; ++rb) tile<V, MB, BYTES, B8>(L, A, rb, m0, y);
+  const int64_t rest = A.M - m0;
+  if (rest > 0)
+    bm::dispatch_1to8(rest, [&](auto mb) {
+      for (int64_t rb = rb0; rb < rb1; ++rb) tile<V, decltype(mb)::value, BYTES, B8>(L, A, rb, m0, y);
+    });
+}
+
+template <class V>
+void rows_any(const IntLayout& L, const Acts& A, float* y, int64_t rb0, int64_t rb1, bool b8) {
+  if (!L.bytes) return rows<V, false, false>(L, A, y, rb0, rb1);
+  if (b8) return rows<V, true, true>(L, A, y, rb0, rb1);
+  rows<V, true, false>(L, A, y, rb0, rb1);
+}

@@ -1,0 +1,210 @@
+"""Integer-activation matmul on the CPU: ``y = Q(x) Wᵀ`` in int8 x integer codes, int32 sums per weight group.
+
+The simulated activation path (:func:`bitmosaic.formats.act.fake_quant`) multiplies ``Q(x) = q s_a`` by
+the float weight ``(c - z) s_w`` in float32.  This kernel computes the same thing in integers: the
+activations are quantized to ``q = clamp(round(x / s_a), -qmax - 1, qmax)`` (int8; the scales ``s_a``
+come from :func:`bitmosaic.formats.act.act_scales`, the simulated path's own function, so ``q`` is
+exactly the simulated path's integers), and per output ``(m, n)`` and weight group ``g``::
+
+    acc = Σ_{j ∈ g} c[n, j] q[m, j]                     exact, int32 (u8 codes x s8 activations)
+    y  += (acc - z[n, g] Σ_{j ∈ g} q[m, j]) · (s_w[n, g] s_a[m, g])      float32
+
+so ``y`` equals the simulated output up to float32 rounding of the scale products (the simulated path
+rounds every product and partial sum instead).  INT2-INT8 activations run the same way (INT4 values held
+in int8).
+
+Layout (built once from the codes by :meth:`IntActWeight.from_codes`; ``csrc/intmm_common.h``): row
+blocks of 16 output rows; columns in pairs of 4-column chunks; codes of widths 1-4 as nibbles (one
+64-byte tile per 8 columns: byte ``4 r + j`` = code ``(r, 8p + j)`` | code ``(r, 8p + 4 + j)`` << 4),
+widths 5-8 as bytes (two 64-byte tiles); a register holds 16 (AVX2: 8) rows x 4 columns, so one
+``vpdpbusd`` (AVX2: ``vpmaddubsw`` + ``vpmaddwd``) against 4 broadcast activations adds 4 products to each
+row's int32 lane, and the per-group epilogue needs no horizontal sum.  Widths 1-3 take 4 bits here.
+
+Kernels (``csrc/intmm.cpp``): AVX-512 VNNI, AVX2 and portable C++, chosen per call like the other
+kernels (:func:`bitmosaic.kernels.isa.kernel_isa`; ``avx512`` without VNNI runs the AVX2 body).  A second
+route, ``torch._int_mm`` (oneDNN int8 GEMM) once per weight group on an unpacked int8 copy of the weight,
+is kept for measurement (``route="int_mm"``, ``benchmarks/int_gemm.py``).
+
+Capabilities (:mod:`bitmosaic.kernels.select`): one width 1-8 per matrix, CPU, group sizes that are
+multiples of 8 (or one group per row), input width below ``MAX_K``; without the compiled extension
+it runs the ``torch._int_mm`` route (same integers; slower at decode).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import build
+from .isa import isa_number
+
+__all__ = ["IntActWeight", "extension", "MAX_K"]
+
+MAX_K = 65536  # |acc| <= 255 * 128 * K stays below 2**31
+_ROWS = 16  # rows per row block
+_COLS = 8  # columns per pair
+
+
+def extension():
+    """The compiled ``intmm`` extension, or ``None`` (no compiler, failed build, ``BITMOSAIC_NO_EXT=1``)."""
+    return build.load("intmm")
+
+
+def vnni() -> bool:
+    """Whether the ``avx512`` ISA runs AVX-512 VNNI here (``vpdpbusd``)."""
+    ext = extension()
+    return bool(ext is not None and ext.vnni_supported())
+
+
+class IntActWeight:
+    """A weight in the integer layout (module doc); :meth:`matmul` quantizes ``x`` and multiplies in int."""
+
+    KERNEL_NAME = "int8act"
+    SUPPORTS_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
+    SUPPORTS_MIXED_BITS = False
+    SUPPORTS_DEVICES = ("cpu",)
+    SUPPORTS_GROUP_SIZE_MULTIPLE = 8
+    SUPPORTS_ROWS = (1, None)
+    FAST_BITS = SUPPORTS_BITS
+    NEEDS_COMPILED = False  # the torch._int_mm route runs without it
+
+    @staticmethod
+    def compiled() -> bool:
+        return extension() is not None
+
+    def __init__(self, data, sc, zc, N, K, group_size, bits):
+        self.data, self.sc, self.zc = data, sc, zc
+        self.N, self.K, self.group_size, self.bits = N, K, group_size, bits
+        self.G = sc.shape[1]
+        self.KP = -(-K // _COLS) * _COLS
+        self._int8: torch.Tensor | None = None  # [KP, N] int8 (c - 128) for the torch._int_mm route
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, bits: int, scales: torch.Tensor, zeros, group_size: int):
+        """From integer ``codes [N, K]`` in ``[0, 2**bits)``, ``scales [N, G]``, ``zeros [N, G]`` or a
+        number, ``group_size`` (``-1`` or ``>= K``: one group per row; else a multiple of 8)."""
+        if not torch.is_tensor(codes) or codes.dim() != 2 or codes.is_floating_point():
+            raise ValueError("codes must be a 2-D integer tensor [out, in]")
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+            raise ValueError(f"bits must be an int in 1..8, got {bits!r}")
+        N, K = codes.shape
+        if K >= MAX_K:
+            raise ValueError(f"the integer path takes fewer than {MAX_K} input columns, got {K}")
+        gs = K if group_size is None or group_size < 0 or group_size >= K else int(group_size)
+        G = -(-K // gs) if K else 1
+        if G > 1 and gs % _COLS:
+            raise ValueError(f"the integer path needs a group size that is a multiple of {_COLS}, got {gs}")
+        if tuple(scales.shape) != (N, G):
+            raise ValueError(f"scales must be [out={N}, groups={G}], got {tuple(scales.shape)}")
+        z = zeros.float() if torch.is_tensor(zeros) else torch.full((N, G), float(zeros))
+        if tuple(z.shape) != (N, G):
+            raise ValueError(f"zeros must be a number or [out={N}, groups={G}], got {tuple(z.shape)}")
+        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= 1 << bits):
+            raise ValueError(f"codes lie in [{int(codes.min())}, {int(codes.max())}], outside {bits} bits")
+        nrb, KP = -(-N // _ROWS), -(-K // _COLS) * _COLS
+        NP = nrb * _ROWS
+        c = torch.nn.functional.pad(codes.to(torch.uint8), (0, KP - K, 0, NP - N))
+        c = c.reshape(nrb, _ROWS, KP // _COLS, 2, 4)
+        if bits <= 4:
+            c = c.permute(0, 2, 1, 3, 4)
+            data = c[..., 0, :] | (c[..., 1, :] << 4)
+        else:
+            data = c.permute(0, 2, 3, 1, 4)
+        data = data.contiguous().reshape(-1)
+
+        def tiles(t: torch.Tensor) -> torch.Tensor:
+            t = torch.nn.functional.pad(t.float(), (0, 0, 0, NP - N))
+            return t.reshape(nrb, _ROWS, G).permute(0, 2, 1).contiguous()
+
+        return cls(data, tiles(scales), tiles(z), N, K, gs, bits)
+
+    def nbytes(self) -> int:
+        extra = 0 if self._int8 is None else self._int8.numel()
+        return self.data.numel() + 4 * (self.sc.numel() + self.zc.numel()) + extra
+
+    def codes(self) -> torch.Tensor:
+        """The integer codes ``[N, K]`` (int32) read back out of the layout (a check of the packing)."""
+        nrb = self.sc.shape[0]
+        d = self.data.reshape(nrb, self.KP // _COLS, *((2, _ROWS, 4) if self.bits > 4 else (_ROWS, 4)))
+        if self.bits > 4:
+            c = d.permute(0, 3, 1, 2, 4)
+        else:
+            c = torch.stack((d & 15, d >> 4), dim=3).permute(0, 2, 1, 3, 4)
+        return c.reshape(nrb * _ROWS, self.KP)[: self.N, : self.K].to(torch.int32)
+
+    def scales(self) -> torch.Tensor:
+        return self.sc.permute(0, 2, 1).reshape(-1, self.G)[: self.N]
+
+    def zeros(self) -> torch.Tensor:
+        return self.zc.permute(0, 2, 1).reshape(-1, self.G)[: self.N]
+
+    # -- the call -------------------------------------------------------------------------------
+    def _ratio(self, act_scale: torch.Tensor, act_group: int) -> int:
+        Ga = act_scale.shape[1]
+        if Ga == 1:
+            return self.G
+        if self.G == 1 or act_group % self.group_size:
+            raise ValueError(
+                f"activation groups of {act_group} columns do not hold whole weight groups "
+                f"of {self.group_size}"
+            )
+        return act_group // self.group_size
+
+    def quantize(self, x2: torch.Tensor, act_scale: torch.Tensor | None, act_group: int, qmax: float):
+        """``(q [M, KP] int8, qsum [M, G] int32, scales)``: ``x2 [M, K]`` float32 quantized with
+        ``act_scale`` ``[1 or M, Ga]`` (``act_group`` columns per scale column) to ``[-qmax - 1, qmax]``;
+        ``act_scale=None``: dynamic per-token scales, ``max(amax / qmax, 1e-12)`` (``scale_from_amax``)."""
+        ext = extension()
+        if act_scale is None and ext is None:
+            act_scale = (x2.abs().amax(-1, keepdim=True) / qmax).clamp(min=1e-12)
+        if ext is not None:
+            sa = torch.empty(0) if act_scale is None else act_scale.float().contiguous()
+            args = (act_group, float(qmax), self.KP, self.group_size, self.G, isa_number(ext=ext))
+            return tuple(ext.quantize(x2.contiguous(), sa, *args))
+        sa = act_scale.float().contiguous()
+        s = sa.repeat_interleave(act_group, dim=1)[:, : self.K]
+        q = torch.round(x2 / s).clamp_(-qmax - 1, qmax).to(torch.int8)
+        q = torch.nn.functional.pad(q, (0, self.KP - self.K))
+        pad = self.G * self.group_size - self.KP
+        qs = torch.nn.functional.pad(q.to(torch.int32), (0, max(pad, 0)))[:, : self.G * self.group_size]
+        return q, qs.reshape(q.shape[0], self.G, -1).sum(-1, dtype=torch.int32), sa
+
+    def matmul(self, x: torch.Tensor, act_scale, act_group: int, qmax: float, route: str = "kernel"):
+        """``x [..., K]`` -> ``[..., N]`` in ``x``'s dtype; ``act_scale [1 or M, Ga]`` float32 (per token:
+        ``[M, 1]``, per tensor ``[1, 1]``, per activation group ``[., Ga]`` with ``act_group`` columns per
+        scale, a multiple of the weight group size; ``None``: dynamic per-token, computed in the kernel).
+        ``route``: ``"kernel"`` (the compiled kernel) or ``"int_mm"`` (``torch._int_mm`` per weight group)."""
+        if x.shape[-1] != self.K:
+            raise ValueError(f"x has {x.shape[-1]} features but the weight has {self.K} input columns")
+        x2 = x.reshape(-1, self.K).float()
+        ratio = self.G  # per token / per tensor: one scale column
+        if act_scale is not None:
+            act_scale = act_scale.float().reshape(act_scale.shape[0] if act_scale.dim() == 2 else 1, -1)
+            ratio = self._ratio(act_scale, act_group)
+        q, qsum, sa = self.quantize(x2, act_scale, act_group, qmax)
+        ext = extension()
+        if route == "kernel" and ext is not None:
+            y = ext.int_matmul(
+                q, qsum, sa, ratio, self.data, self.sc, self.zc, self.N, self.G, self.group_size,
+                self.bits > 4, self.bits == 8, isa_number(ext=ext),
+            )  # fmt: skip
+        elif route in ("kernel", "int_mm"):
+            y = self._int_mm(q, qsum, sa, ratio)
+        else:
+            raise ValueError(f"route must be 'kernel' or 'int_mm', got {route!r}")
+        return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
+
+    def _int_mm(self, q, qsum, sa, ratio) -> torch.Tensor:
+        """``torch._int_mm`` per weight group on ``c - 128`` (int8), corrected by ``128 Σ q``."""
+        if self._int8 is None:
+            c = torch.nn.functional.pad(self.codes(), (0, self.KP - self.K))
+            self._int8 = (c - 128).to(torch.int8).T.contiguous()
+        M = q.shape[0]
+        s, z = self.scales(), self.zeros()
+        y = torch.zeros(M, self.N)
+        for g in range(self.G):
+            c0, c1 = g * self.group_size, self.KP if g == self.G - 1 else (g + 1) * self.group_size
+            acc = torch._int_mm(q[:, c0:c1], self._int8[c0:c1]).float()
+            qs = qsum[:, g : g + 1].float()
+            sag = sa[:, min(g // ratio, sa.shape[1] - 1)].unsqueeze(1)
+            y.add_((acc + (128 - z[:, g]) * qs) * (s[:, g] * sag))
+        return y

@@ -1,0 +1,180 @@
+"""Integer activation compute: which layers run ``Q(x) Wᵀ`` in integers, and the kernel weight that does it.
+
+A quantized module with an INT activation quantizer (``input_quant``, :mod:`.actquant`) runs its
+forward in one of two ways:
+
+* **integer** (the default where it can): the input is *not* fake-quantized by the pre-hook; the
+  module's :class:`IntActKernel` quantizes it to int8 with the quantizer's own scales
+  (:func:`bitmosaic.formats.act.act_scales`) and multiplies the integers
+  (:class:`bitmosaic.kernels.intmm.IntActWeight`: AVX-512 VNNI / AVX2 / portable, int32 sums per weight
+  group).  Same integers as the simulated path; outputs equal up to float32 rounding.
+* **simulated**: the pre-hook replaces the input by ``Q(x) = q s`` in float and the weight-only
+  kernel multiplies it in float32.  Always the case for FP8/FP4 activations (DPQ's FP8 compute: this CPU
+  has no FP8 instruction), for kinds without an integer path (``INT_ACT_KERNELS`` empty: SSQR's CSR
+  outliers, DPQ, MosaicQuant, the SQ-format activations, SFMP, Huffman, FP8 weights), for group sizes
+  that are not multiples of 8, activation groups that do not hold whole weight groups, off the CPU,
+  and under ``$BITMOSAIC_ACT_COMPUTE=sim`` (for comparison).
+
+:func:`int_act_blocker` says which, and why; ``bitmosaic inspect --layers`` prints it per layer.
+
+**Runtime 8-bit activations for weight-only models** (:func:`set_runtime_activations`, ``bitmosaic eval
+--runtime-act int8``, ``$BITMOSAIC_RUNTIME_ACT``): what llama.cpp does with every quantized matmul -- the
+input quantized to 8 bits per token (dynamic, symmetric; llama.cpp's ``Q8_0``/``Q8_K`` use blocks of 32 or
+256 instead) and multiplied in integers.  A weight-only layer then runs the integer kernel with a per-token
+INT8 quantizer that is *not* part of the model (not saved, not in the state dict, not in the config): it is
+an approximation chosen at run time for speed, off by default (``benchmarks/runtime_act.py`` measures
+its KL and top-1 agreement against the weight-only path and the decode speed).  It applies only where the
+integer path runs (the layer's kernel, group size, the CPU); elsewhere, and under
+``$BITMOSAIC_ACT_COMPUTE=sim``, the layer stays weight-only (there is nothing to gain from simulating it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..formats.act import ActQuantSpec, act_scales
+from ..kernels.intmm import MAX_K, IntActWeight, vnni
+from ..kernels.isa import kernel_isa
+from ..kernels.select import KERNELS, runs
+
+__all__ = [
+    "ACT_COMPUTE_ENV",
+    "RUNTIME_ACT_ENV",
+    "RUNTIME_ACT_SPECS",
+    "act_compute_mode",
+    "int_act_blocker",
+    "IntActKernel",
+    "act_path_label",
+    "runtime_act_mode",
+    "set_runtime_activations",
+]
+
+ACT_COMPUTE_ENV = "BITMOSAIC_ACT_COMPUTE"
+_MODES = ("auto", "sim")
+RUNTIME_ACT_ENV = "BITMOSAIC_RUNTIME_ACT"
+# --runtime-act choice -> the activation quantizer weight-only layers get at run time (None: stay weight-only)
+RUNTIME_ACT_SPECS: dict[str, ActQuantSpec | None] = {"none": None, "int8": ActQuantSpec("int", 8)}
+
+
+def act_compute_mode() -> str:
+    """``$BITMOSAIC_ACT_COMPUTE``: ``auto`` (unset: integer wherever it runs) or ``sim`` (simulated)."""
+    mode = os.environ.get(ACT_COMPUTE_ENV, "auto").strip().lower() or "auto"
+    if mode not in _MODES:
+        raise ValueError(
+            f"${ACT_COMPUTE_ENV}={mode!r} is not one of {', '.join(_MODES)}; unset it or pick one"
+        )
+    return mode
+
+
+def runtime_act_mode(mode: str | None = None) -> str:
+    """``mode`` (``none``/``int8``), or ``$BITMOSAIC_RUNTIME_ACT`` when ``mode`` is ``None`` (unset:
+    ``none``); anything else raises :class:`~bitmosaic.errors.OptionError` naming the choices."""
+    from ..errors import OptionError
+
+    source = f"${RUNTIME_ACT_ENV}" if mode is None else "--runtime-act"
+    value = os.environ.get(RUNTIME_ACT_ENV, "none") if mode is None else mode
+    value = value.strip().lower() or "none"
+    if value not in RUNTIME_ACT_SPECS:
+        raise OptionError(f"{source}={value!r} is not one of {', '.join(RUNTIME_ACT_SPECS)}")
+    return value
+
+
+def set_runtime_activations(model: torch.nn.Module, mode: str | None = None) -> int:
+    """Give every weight-only quantized layer of ``model`` the run-time activation quantizer of ``mode``
+    (module doc; ``None``: ``$BITMOSAIC_RUNTIME_ACT``), or take it away (``"none"``).  Layers with an
+    activation quantizer of their own keep it.  Returns how many layers will run it (those the integer
+    path runs on this machine)."""
+    from .actquant import ActQuantizer
+
+    spec = RUNTIME_ACT_SPECS[runtime_act_mode(mode)]
+    n = 0
+    for m in model.modules():
+        # a quantized module (modules/base.py QuantModule, named by what it has: base imports this file)
+        if not callable(getattr(m, "act_quantizer", None)) or m._modules.get("input_quant") is not None:
+            continue
+        m.__dict__["_runtime_act"] = None if spec is None else ActQuantizer(spec, m.in_features)
+        m.__dict__["_int_act"] = None  # rebuilt for (or without) the new quantizer on the next forward
+        if spec is not None and m.int_act_blocker() is None:
+            n += 1
+    return n
+
+
+def int_act_blocker(
+    kernels: tuple[str, ...],
+    spec: ActQuantSpec | None,
+    bits: int,
+    group_size: int,
+    in_features: int,
+    permuted: bool,
+) -> str | None:
+    """``None`` when a layer (its kind's ``INT_ACT_KERNELS``, activation ``spec``, weight code width
+    ``bits``, ``group_size``, ``in_features``, act-order ``permuted`` columns) runs the integer path on
+    this machine, else why not (a short phrase)."""
+    if spec is None:
+        return "no activation quantizer"
+    if spec.fmt != "int":
+        return f"{spec.fmt} activations: no CPU instruction"
+    if not kernels:
+        return "no integer path for this kind"
+    kernel = KERNELS[kernels[0]]
+    gs = in_features if group_size is None or group_size < 0 or group_size >= in_features else group_size
+    per_row = gs >= in_features
+    if not runs(kernel, bits, "cpu", None if per_row else gs):
+        return f"group size {gs} is not a multiple of {kernel.SUPPORTS_GROUP_SIZE_MULTIPLE}"
+    if in_features >= MAX_K:
+        return f"{in_features} input columns (the int32 sums hold fewer than {MAX_K})"
+    if spec.granularity == "group" and spec.group_size < in_features:
+        if per_row or spec.group_size % gs:
+            return f"activation groups of {spec.group_size} do not hold whole weight groups of {gs}"
+        if permuted:
+            return "act-order columns with per-group activation scales"
+    return None
+
+
+def act_path_label(blocker: str | None, spec: ActQuantSpec | None) -> str:
+    """What ``inspect`` prints for a layer: ``int8 (avx512-vnni)``, ``simulated (<why>)``, ``weight-only``."""
+    if spec is None:
+        return "weight-only"
+    if blocker is not None:
+        return f"simulated ({blocker})"
+    if act_compute_mode() == "sim":
+        return f"simulated (${ACT_COMPUTE_ENV}=sim)"
+    if not IntActWeight.compiled():
+        return f"int{spec.bits} (torch._int_mm)"
+    isa = kernel_isa()
+    isa = "avx512-vnni" if isa == "avx512" and vnni() else isa
+    return f"int{spec.bits} ({isa})"
+
+
+def _scale_table(s: torch.Tensor, spec: ActQuantSpec) -> torch.Tensor:
+    """:func:`act_scales`' result as ``[1 or M, Ga]`` (what the kernel takes)."""
+    if spec.granularity == "tensor" or (spec.static and spec.granularity == "group"):
+        return s.reshape(1, -1)
+    return s.reshape(-1, s.shape[-1])
+
+
+class IntActKernel:
+    """``x -> Q(x) Wᵀ`` in integers for one layer: an :class:`IntActWeight` and the act-order
+    permutation of its columns (``None``: natural order)."""
+
+    def __init__(self, weight: IntActWeight, perm: torch.Tensor | None = None) -> None:
+        self.weight = weight
+        self.perm = perm
+
+    def __call__(self, x: torch.Tensor, quantizer) -> torch.Tensor:
+        spec, K = quantizer.spec, self.weight.K
+        x2 = x.reshape(-1, K).float()
+        s = None  # per-token dynamic: the kernel computes scale_from_amax itself (same float32 operations)
+        if spec.granularity != "token" or spec.pow2:
+            s = _scale_table(act_scales(x2, spec, quantizer.scale), spec)  # the simulated path's scales
+        if self.perm is not None:  # per-token / per-tensor scales do not depend on the column order
+            x2 = x2.index_select(-1, self.perm)
+        group = spec.group_size if spec.granularity == "group" else K
+        y = self.weight.matmul(x2, s, group, spec.qmax)
+        return y.reshape(*x.shape[:-1], self.weight.N).to(x.dtype)
+
+    def nbytes(self) -> int:
+        perm = 0 if self.perm is None else self.perm.numel() * self.perm.element_size()
+        return self.weight.nbytes() + perm

@@ -1,0 +1,179 @@
+"""The integer-activation matmul (kernels/intmm.py): the layout holds the codes exactly; the activations
+are quantized to the simulated path's integers (formats/act.py fake_quant); the output equals the float64
+product of those integers with the weight's, up to float32 rounding -- for widths 1-8, group sizes with
+partial groups, per-token / per-tensor / per-group scales, INT8 and INT4 activations, decode and prefill
+rows, on every instruction set this CPU runs and on the ``torch._int_mm`` route."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bitmosaic.formats.act import ActQuantSpec, act_scales, fake_quant
+from bitmosaic.kernels import intmm, isa
+from bitmosaic.kernels.intmm import IntActWeight
+
+
+@contextlib.contextmanager
+def _isa(name):
+    old = os.environ.get(isa.ISA_ENV)
+    os.environ[isa.ISA_ENV] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(isa.ISA_ENV, None)
+        else:
+            os.environ[isa.ISA_ENV] = old
+
+
+def _routes() -> list[str]:
+    """``int_mm`` always; ``kernel:<isa>`` for every ISA this CPU runs the compiled kernel on."""
+    ext = intmm.extension()
+    return ["int_mm"] + ([f"kernel:{i}" for i in isa.available_isas(ext)] if ext is not None else [])
+
+
+def _weight(N, K, gs, bits, seed, asym=True):
+    g = torch.Generator().manual_seed(seed)
+    gsz = K if gs < 0 or gs >= K else gs
+    G = -(-K // gsz)
+    codes = torch.randint(0, 1 << bits, (N, K), generator=g, dtype=torch.int32)
+    s = torch.rand(N, G, generator=g) * 0.1 + 1e-3
+    if asym:
+        z = torch.randint(0, 1 << bits, (N, G), generator=g).float() + 0.25 * (seed % 2)  # fractional too
+    else:
+        z = float(1 << (bits - 1))
+    return codes, s, z, gsz, G, g
+
+
+def _spec(gran, abits, static, agroup):
+    return ActQuantSpec("int", abits, granularity=gran, group_size=agroup, static=static)
+
+
+def _scale_table(x2, spec, scale):
+    s = act_scales(x2, spec, scale)
+    if spec.granularity == "tensor" or spec.static:
+        return s.reshape(1, -1)
+    return s.reshape(x2.shape[0], -1)
+
+
+def _run(w, x2, spec, scale, route):
+    sa = _scale_table(x2, spec, scale)
+    group = spec.group_size if spec.granularity == "group" else w.K
+    if route == "int_mm":
+        return w.matmul(x2, sa, group, spec.qmax, route="int_mm")
+    with _isa(route.split(":")[1]):
+        return w.matmul(x2, sa, group, spec.qmax)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    bits=st.integers(1, 8),
+    N=st.integers(1, 40),
+    K=st.integers(1, 150),
+    gs=st.sampled_from([-1, 8, 16, 24, 64]),
+    seed=st.integers(0, 2**16),
+)
+def test_layout_holds_the_codes(bits, N, K, gs, seed):
+    codes, s, z, gsz, G, _ = _weight(N, K, gs, bits, seed)
+    if G > 1 and gsz % 8:
+        return
+    w = IntActWeight.from_codes(codes, bits, s, z, gs)
+    assert torch.equal(w.codes(), codes)
+    assert torch.equal(w.scales(), s) and torch.equal(w.zeros(), z)
+
+
+@pytest.mark.parametrize("route", _routes())
+@settings(max_examples=30, deadline=None)
+@given(
+    bits=st.sampled_from([2, 3, 4, 8, 1, 5, 6, 7]),
+    M=st.sampled_from([1, 2, 3, 5, 8, 9, 17]),
+    N=st.integers(1, 40),
+    K=st.integers(1, 200),
+    gs=st.sampled_from([-1, 8, 32, 64]),
+    gran=st.sampled_from(["token", "tensor", "group", "tensor-static", "group-static"]),
+    abits=st.sampled_from([8, 4]),
+    asym=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_int_path_equals_the_integer_product(route, bits, M, N, K, gs, gran, abits, asym, seed):
+    codes, s, z, gsz, G, g = _weight(N, K, gs, bits, seed, asym)
+    if G > 1 and gsz % 8:
+        return
+    static = gran.endswith("-static")
+    gran = gran.split("-")[0]
+    agroup = gsz * 2 if G > 1 else K  # activation groups hold whole weight groups
+    if gran == "group" and G == 1:
+        gran = "token" if not static else "tensor"
+    spec = _spec(gran, abits, static, agroup)
+    x = torch.randn(M, K, generator=g) * torch.rand(K, generator=g) * 3
+    scale = None
+    if static:  # a calibrated scale a bit below the max: some values clamp, -qmax - 1 is reached
+        scale = act_scales(x, ActQuantSpec("int", abits, granularity=gran, group_size=agroup)) * 0.8
+        scale = scale.amax(0).reshape(-1) if gran == "group" else scale.reshape(1)
+    w = IntActWeight.from_codes(codes, bits, s, z, gs)
+    y = _run(w, x, spec, scale, route)
+    # the integers: the kernel's quantized activations are fake_quant's
+    sa = _scale_table(x, spec, scale)
+    q, qsum, _ = w.quantize(x, sa, spec.group_size if gran == "group" else K, spec.qmax)
+    xq = fake_quant(x, spec, scale).double()
+    s_full = sa.repeat_interleave(spec.group_size if gran == "group" else K, dim=1)[:, :K].double()
+    assert torch.equal(q[:, :K].double(), torch.round(xq / s_full))
+    assert torch.all(q[:, K:] == 0)
+    # the output: the float64 product of those integers with (c - z) s, within float32 rounding
+    zz = z if torch.is_tensor(z) else torch.full((N, G), z)
+    gi = torch.arange(K) // gsz
+    wd = (codes.double() - zz.double()[:, gi]) * s.double()[:, gi]
+    ref = xq @ wd.T
+    # float32 rounding: the epilogue's few roundings per group plus one per added group
+    bound = xq.abs() @ ((codes.double() + zz.double()[:, gi].abs()) * s.double()[:, gi]).T
+    err = bound * (G + 8) * 2.0**-24 + 1e-30
+    assert torch.all((y.double() - ref).abs() <= err), (y.double() - ref).abs().max()
+    assert y.dtype == torch.float32 and y.shape == (M, N)
+
+
+def test_static_scale_reaches_the_negative_end():
+    """q = -qmax - 1 (static scale, clamped) is held exactly: 8-bit codes on every route."""
+    w = IntActWeight.from_codes(torch.full((3, 16), 255, dtype=torch.int32), 8, torch.ones(3, 1), 0.0, -1)
+    x = torch.full((2, 16), -1000.0)
+    for route in _routes():
+        y = _run(w, x, _spec("tensor", 8, True, 16), torch.ones(1), route)
+        assert torch.equal(y, torch.full((2, 3), -128.0 * 255 * 16)), route
+
+
+def test_refuses_bad_layouts():
+    c = torch.zeros(4, 40, dtype=torch.int32)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        IntActWeight.from_codes(c, 4, torch.ones(4, 4), 0.0, 12)
+    with pytest.raises(ValueError, match="outside 2 bits"):
+        IntActWeight.from_codes(c + 4, 2, torch.ones(4, 1), 0.0, -1)
+    w = IntActWeight.from_codes(c, 4, torch.ones(4, 5), 0.0, 8)
+    with pytest.raises(ValueError, match="whole weight groups"):
+        w.matmul(torch.zeros(2, 40), torch.ones(2, 3), 12, 127.0)
+
+
+@pytest.mark.parametrize("route", _routes())
+def test_kernel_per_token_scales_are_act_scales(route):
+    """Without scales the kernel computes the per-token ones itself: bitwise act_scales' (the
+    simulated path's), so the integers and the outputs are those of the given scales."""
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (20, 72), generator=g)
+    w = IntActWeight.from_codes(codes, 4, torch.rand(20, 3) + 0.1, 8.0, 32)
+    x = torch.randn(9, 72, generator=g) * torch.rand(9, 1, generator=g) * 10
+    x[4] = 0.0  # an all-zero token: the 1e-12 floor
+    for abits in (8, 4):
+        spec = ActQuantSpec("int", abits)
+        given = act_scales(x, spec)
+        with _isa(route.split(":")[-1] if route != "int_mm" else "auto"):
+            q1, s1, own = w.quantize(x, None, 72, spec.qmax)
+            q2, s2, _ = w.quantize(x, given, 72, spec.qmax)
+            assert torch.equal(own, given) and torch.equal(q1, q2) and torch.equal(s1, s2)
+            r = "int_mm" if route == "int_mm" else "kernel"
+            y1, y2 = (w.matmul(x, s, 72, spec.qmax, route=r) for s in (None, given))
+            assert torch.equal(y1, y2)
+
