@@ -124,8 +124,16 @@ class Checkpoint:
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
 
-        with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(self.config(), dtype=dtype)
+        config = self.config()
+        try:
+            with init_empty_weights(include_buffers=False):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        except Exception as e:  # noqa: BLE001 - a config transformers reads but cannot build (zero heads, ...)
+            reason = " ".join(str(e).split())[:160] or type(e).__name__
+            raise CorruptModelError(
+                f"the config of {self.spec!r} describes no model transformers can build "
+                f"({type(e).__name__}: {reason}); re-download it"
+            ) from None
         return model.eval()
 
     def fill(self, module: nn.Module, prefix: str, dtype: torch.dtype) -> None:

@@ -198,7 +198,12 @@ class GGUFCheckpoint(Checkpoint):
             raise CorruptModelError(
                 f"cannot read tensor {gname} of {self.path} ({' '.join(str(e).split())}); re-download it"
             ) from None
-        w = quants.dequantize(raw, info.qtype)
+        try:
+            w = quants.dequantize(raw, info.qtype)
+        except (ValueError, TypeError, IndexError) as e:  # e.g. a shape that no block count matches
+            raise CorruptModelError(
+                f"tensor {gname} of {self.path} is damaged ({' '.join(str(e).split())[:160]}); re-download it"
+            ) from None
         res = self._processor.process(weights=w, name=gname)
         if res.name != gname:  # a processor that merges or renames tensors is not streamable
             raise _unsupported(self.spec, self.arch, f" (tensor {gname} is not read one to one)")
@@ -230,7 +235,7 @@ class GGUFCheckpoint(Checkpoint):
 
             try:
                 self._config = AutoConfig.from_pretrained(self.folder, gguf_file=self.path.name)
-            except (OSError, ValueError) as e:
+            except Exception as e:  # noqa: BLE001 - transformers' config validators raise many kinds
                 raise ModelSpecError(
                     f"could not read the config of {self.spec!r}: {' '.join(str(e).split())[:200]}"
                 ) from None

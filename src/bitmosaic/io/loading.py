@@ -35,7 +35,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 # what transformers' GGUF reading raises on a damaged file (struct.error included)
-_GGUF_READ_ERRORS = (ValueError, KeyError, IndexError, TypeError, OverflowError, AttributeError, struct.error)
+_GGUF_READ_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError, KeyError, IndexError, TypeError, OverflowError, AttributeError, struct.error
+)
+try:  # the config validators of transformers 5 raise this (not a ValueError) on impossible sizes
+    from huggingface_hub.errors import StrictDataclassError
+
+    _GGUF_READ_ERRORS += (StrictDataclassError,)
+except ImportError:  # an older huggingface_hub has no such validators
+    pass
 
 
 def _smollm2_gguf() -> Path:

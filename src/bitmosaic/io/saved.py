@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from ..errors import CorruptModelError, check_finite
+from ..errors import BitmosaicError, CorruptModelError, check_finite
 from ..formats.accounting import dtype_name_bits
 from ..modules.qmodules import module_from_layer_config
 from .checkpoint import is_file_name
@@ -60,8 +60,8 @@ def read_quant_config(path: str | os.PathLike) -> tuple[dict, dict]:
     """``(config.json as a dict, its quantization_config)`` of a bitmosaic folder, checked.
 
     Raises :class:`CorruptModelError` when the folder has no readable config.json, when it is not a
-    bitmosaic folder, or when its ``modules`` table is missing or malformed; ``ValueError`` when it needs
-    a newer bitmosaic.
+    bitmosaic folder, or when its ``modules`` table is missing or malformed; :class:`BitmosaicError` (a
+    ``ValueError``) when it needs a newer bitmosaic.
     """
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -87,7 +87,7 @@ def check_quant_config(qc: dict, path) -> None:
             f"{path}/config.json: bad format_version {qc.get('format_version')!r}"
         ) from None
     if version > FORMAT_VERSION:
-        raise ValueError(
+        raise BitmosaicError(
             f"{path} uses bitmosaic format v{version}, newer than this version (v{FORMAT_VERSION}); "
             "upgrade bitmosaic"
         )
@@ -262,10 +262,12 @@ def install_quantized_modules(model: nn.Module, modules: dict, path) -> None:
     for name, lc in modules.items():
         try:
             model.set_submodule(name, module_from_layer_config(lc))
-        except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as e:  # e.g. width 0
+        except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError, RuntimeError) as e:
+            # e.g. width 0, or sizes whose storage overflows
+            reason = " ".join(str(e).split())[:200]
             raise CorruptModelError(
-                f"{path}/config.json: quantized layer {name!r} has a bad entry ({type(e).__name__}: {e}); "
-                f"{_RESAVE}"
+                f"{path}/config.json: quantized layer {name!r} has a bad entry "
+                f"({type(e).__name__}: {reason}); {_RESAVE}"
             ) from None
 
 
@@ -282,8 +284,14 @@ def _skeleton(path: Path, qc: dict, meta: bool = False) -> tuple[nn.Module, bool
         raise CorruptModelError(f"{path}/config.json is not a usable model config ({reason})") from None
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
-    with init_empty_weights(include_buffers=meta):
-        model = AutoModelForCausalLM.from_config(config)
+    try:
+        with init_empty_weights(include_buffers=meta):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # noqa: BLE001 - a config transformers reads but cannot build (negative sizes, ...)
+        reason = " ".join(str(e).split())[:200] or type(e).__name__
+        raise CorruptModelError(
+            f"{path}/config.json describes no model transformers can build ({type(e).__name__}: {reason})"
+        ) from None
     if meta:
         with torch.device("meta"):
             install_quantized_modules(model, qc["modules"], path)
