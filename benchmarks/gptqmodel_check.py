@@ -22,7 +22,8 @@ calls) loads ``bitmosaic export --format gptq`` folders on the CPU with its pure
    ids of its 128-word vocabulary): max |diff|, max |diff| / max |logit|, ||diff|| / ||logits||, top-1
    agreement, KL(bitmosaic || other), and each model's perplexity on those windows.  Rows: GPTQModel in
    float16 and in bfloat16 (the dtype its loader picks by itself on a CPU), and bitmosaic's own model in
-   float16 (how far half precision alone moves the logits), all against bitmosaic in float32.
+   float16 (how far half precision alone moves the logits), all against bitmosaic in float32 (the
+   bfloat16 and bitmosaic-float16 rows for the tiny configs and the first SmolLM2 one only).
 
 Also recorded: GPTQModel on an asymmetric export in the default ``gptq`` (v1) format.
 
@@ -66,8 +67,9 @@ from common import RESULTS, machine_info, write_results  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 # name -> settings.  tiny: quantize_ options (group 32: its layers are 64 and 96 wide); smollm2: CLI flags.
-# bitmosaic_fp16: also bitmosaic's own model in float16 (a float16 SmolLM2 forward takes minutes on a CPU
-# without float16 arithmetic: once is enough to show what half precision alone does)
+# fp16_only: GPTQModel in float16 only (the bit-identical path), no bfloat16 GPTQModel and float16 bitmosaic
+# rows: a half-precision SmolLM2 forward takes minutes on a CPU without float16 arithmetic, and once is
+# enough to show what half precision alone does
 CONFIGS = {
     "tiny w4 act asym v2": {"model": "tiny", "opts": {"bits": 4, "group_size": 32}, "v2": True},
     "tiny w4 act asym v2 compile": {
@@ -89,10 +91,10 @@ CONFIGS = {
     },
     "smollm2 w4 g128 act asym v2": {"model": "smollm2", "flags": [], "v2": True},
     "smollm2 w4 g128 static asym v2": {
-        "model": "smollm2", "flags": ["--static-groups"], "v2": True, "bitmosaic_fp16": False,
+        "model": "smollm2", "flags": ["--static-groups"], "v2": True, "fp16_only": True,
     },
     "smollm2 w4 g128 act sym v1": {
-        "model": "smollm2", "flags": ["--sym"], "v2": False, "bitmosaic_fp16": False,
+        "model": "smollm2", "flags": ["--sym"], "v2": False, "fp16_only": True,
     },
 }  # fmt: skip
 # asymmetric exports in the default v1 format: does GPTQModel load them?
@@ -365,7 +367,8 @@ def main() -> None:
 
         torch._dynamo.config.disable = not cfg.get("compile", False)
         logits = {}
-        for dtype in (torch.float16, torch.bfloat16) if not cfg.get("compile") else (torch.float16,):
+        only16 = cfg.get("compile") or cfg.get("fp16_only")
+        for dtype in (torch.float16,) if only16 else (torch.float16, torch.bfloat16):
             key = f"gptqmodel_{str(dtype).replace('torch.', '')}"
             t = time.perf_counter()
             gq = load_gptqmodel(out, dtype)
@@ -379,7 +382,7 @@ def main() -> None:
             print(f"[{name}] {key}: {logits[key]}", flush=True)
             del gq
         torch._dynamo.config.disable = True
-        if not cfg.get("compile") and cfg.get("bitmosaic_fp16", True):
+        if not only16:
             bm16 = bitmosaic.load(folder, dtype=torch.float16).eval()
             t = time.perf_counter()
             logits["bitmosaic_float16"] = compare_logits(ref, logits_of(bm16, batches), batches)
