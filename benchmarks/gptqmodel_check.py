@@ -23,7 +23,7 @@ calls) loads ``bitmosaic export --format gptq`` folders on the CPU with its pure
    agreement, KL(bitmosaic || other), and each model's perplexity on those windows.  Rows: GPTQModel in
    float16 and in bfloat16 (the dtype its loader picks by itself on a CPU), and bitmosaic's own model in
    float16 (how far half precision alone moves the logits), all against bitmosaic in float32 (the
-   bfloat16 and bitmosaic-float16 rows for the tiny configs and the first SmolLM2 one only).
+   GPTQModel bfloat16 row for the tiny configs and the first SmolLM2 one only).
 
 Also recorded: GPTQModel on an asymmetric export in the default ``gptq`` (v1) format.
 
@@ -67,9 +67,8 @@ from common import RESULTS, machine_info, write_results  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 # name -> settings.  tiny: quantize_ options (group 32: its layers are 64 and 96 wide); smollm2: CLI flags.
-# fp16_only: GPTQModel in float16 only (the bit-identical path), no bfloat16 GPTQModel and float16 bitmosaic
-# rows: a half-precision SmolLM2 forward takes minutes on a CPU without float16 arithmetic, and once is
-# enough to show what half precision alone does
+# bf16: also GPTQModel in bfloat16 (a bfloat16 SmolLM2 forward through GPTQModel took 40 minutes on this
+# loaded 2-core CPU: once is enough)
 CONFIGS = {
     "tiny w4 act asym v2": {"model": "tiny", "opts": {"bits": 4, "group_size": 32}, "v2": True},
     "tiny w4 act asym v2 compile": {
@@ -91,10 +90,10 @@ CONFIGS = {
     },
     "smollm2 w4 g128 act asym v2": {"model": "smollm2", "flags": [], "v2": True},
     "smollm2 w4 g128 static asym v2": {
-        "model": "smollm2", "flags": ["--static-groups"], "v2": True, "fp16_only": True,
+        "model": "smollm2", "flags": ["--static-groups"], "v2": True, "bf16": False,
     },
     "smollm2 w4 g128 act sym v1": {
-        "model": "smollm2", "flags": ["--sym"], "v2": False, "fp16_only": True,
+        "model": "smollm2", "flags": ["--sym"], "v2": False, "bf16": False,
     },
 }  # fmt: skip
 # asymmetric exports in the default v1 format: does GPTQModel load them?
@@ -367,8 +366,8 @@ def main() -> None:
 
         torch._dynamo.config.disable = not cfg.get("compile", False)
         logits = {}
-        only16 = cfg.get("compile") or cfg.get("fp16_only")
-        for dtype in (torch.float16,) if only16 else (torch.float16, torch.bfloat16):
+        bf16 = cfg.get("bf16", True) and not cfg.get("compile")
+        for dtype in (torch.float16, torch.bfloat16) if bf16 else (torch.float16,):
             key = f"gptqmodel_{str(dtype).replace('torch.', '')}"
             t = time.perf_counter()
             gq = load_gptqmodel(out, dtype)
@@ -382,7 +381,7 @@ def main() -> None:
             print(f"[{name}] {key}: {logits[key]}", flush=True)
             del gq
         torch._dynamo.config.disable = True
-        if not only16:
+        if not cfg.get("compile"):
             bm16 = bitmosaic.load(folder, dtype=torch.float16).eval()
             t = time.perf_counter()
             logits["bitmosaic_float16"] = compare_logits(ref, logits_of(bm16, batches), batches)
@@ -458,6 +457,10 @@ def _report(a, state: dict) -> None:
         "",
         "## Weights: GPTQModel's `dequantize_weight()` against bitmosaic's, every quantized layer",
         "",
+        "Equal in float16: GPTQModel's dequantized weight as its kernel computes it (float16) is bitmosaic's "
+        "exact float32 weight rounded to float16, `torch.equal`.  Equal in float32: the same GPTQModel "
+        "unpacking with its scales widened to float32 gives bitmosaic's float32 weight exactly.",
+        "",
         "| config | export (bits, group, desc_act, sym, format) | layers | kernel | equal in float16 "
         "| equal in float32 | bit-identical |",
         "|---|---|---:|---|---:|---:|---|",
@@ -496,6 +499,13 @@ def _report(a, state: dict) -> None:
                 f"| {m['rel_l2']:.2e} | {m['top1_agreement']:.4f} | {m['kl_mean']:.2e} | {m['ppl']:.4f} "
                 f"| {r['bitmosaic_fp32']['ppl']:.4f} |"
             )
+    lines += [
+        "",
+        "Reading it: GPTQModel's float16 rows and bitmosaic's own float16 rows sit at the same distance from "
+        "bitmosaic in float32 (same weights, half-precision activations); GPTQModel in bfloat16 (what its "
+        "loader picks on a CPU when no dtype is given) also rounds the float16 scales to bfloat16, so its "
+        "weights are no longer ours and the logits move about ten times further.",
+    ]
     probes = [(n, state[n]) for n in V1_ASYM_PROBES if n in state]
     if probes:
         lines += ["", "## Asymmetric export in the default `gptq` (v1) format", ""]
