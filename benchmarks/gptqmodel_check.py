@@ -23,7 +23,8 @@ calls) loads ``bitmosaic export --format gptq`` folders on the CPU with its pure
    agreement, KL(bitmosaic || other), and each model's perplexity on those windows.  Rows: GPTQModel in
    float16 and in bfloat16 (the dtype its loader picks by itself on a CPU), and bitmosaic's own model in
    float16 (how far half precision alone moves the logits), all against bitmosaic in float32 (the
-   GPTQModel bfloat16 row for the tiny configs and the first SmolLM2 one only).
+   GPTQModel bfloat16 row for the tiny configs and the first SmolLM2 one only); for two tiny 4-bit
+   configs also GPTQModel with the kernel it picks by itself on a CPU (``BACKEND.AUTO``).
 
 Also recorded: GPTQModel on an asymmetric export in the default ``gptq`` (v1) format.
 
@@ -67,10 +68,12 @@ from common import RESULTS, machine_info, write_results  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 # name -> settings.  tiny: quantize_ options (group 32: its layers are 64 and 96 wide); smollm2: CLI flags.
+# auto: also GPTQModel's own choice of kernel on a CPU (BACKEND.AUTO: TorchAtenLinear for 4 bits, which
+# computes in bfloat16 whatever the dtype), with its own dtype and with float16.
 # bf16: also GPTQModel in bfloat16 (a bfloat16 SmolLM2 forward through GPTQModel took 40 minutes on this
 # loaded 2-core CPU: once is enough)
 CONFIGS = {
-    "tiny w4 act asym v2": {"model": "tiny", "opts": {"bits": 4, "group_size": 32}, "v2": True},
+    "tiny w4 act asym v2": {"model": "tiny", "opts": {"bits": 4, "group_size": 32}, "v2": True, "auto": True},
     "tiny w4 act asym v2 compile": {
         "model": "tiny", "opts": {"bits": 4, "group_size": 32}, "v2": True, "compile": True,
     },
@@ -80,7 +83,7 @@ CONFIGS = {
     },
     "tiny w4 static sym v1": {
         "model": "tiny", "opts": {"bits": 4, "group_size": 32, "static_groups": True, "sym": True},
-        "v2": False,
+        "v2": False, "auto": True,
     },
     "tiny w3 act sym v1": {"model": "tiny", "opts": {"bits": 3, "group_size": 32, "sym": True}, "v2": False},
     "tiny w2 act asym v2": {"model": "tiny", "opts": {"bits": 2, "group_size": 32}, "v2": True},
@@ -145,12 +148,14 @@ def quant_dir(name: str) -> str:
 
 
 # -- the two loaders ----------------------------------------------------------------------------------
-def load_gptqmodel(out: Path, dtype: torch.dtype):
-    """``GPTQModel.load`` on the CPU with its torch kernel; returns the transformers model inside."""
+def load_gptqmodel(out: Path, dtype: torch.dtype | None, auto: bool = False):
+    """``GPTQModel.load`` on the CPU with its torch kernel (``auto``: the kernel and, with ``dtype=None``,
+    the dtype its loader picks); returns the transformers model inside."""
     from gptqmodel import BACKEND, GPTQModel
 
+    kw = {} if dtype is None else {"dtype": dtype}
     with contextlib.redirect_stdout(sys.stderr):  # it prints the whole config
-        gm = GPTQModel.load(str(out), device="cpu", backend=BACKEND.TORCH, dtype=dtype)
+        gm = GPTQModel.load(str(out), device="cpu", backend=BACKEND.AUTO if auto else BACKEND.TORCH, **kw)
     return gm.model.eval()
 
 
@@ -381,6 +386,15 @@ def main() -> None:
             print(f"[{name}] {key}: {logits[key]}", flush=True)
             del gq
         torch._dynamo.config.disable = True
+        for dtype in (None, torch.float16) if cfg.get("auto") else ():
+            gq = load_gptqmodel(out, dtype, auto=True)
+            kern = ", ".join(sorted({type(m).__name__ for m in gptqmodel_layers(gq).values()}))
+            key = f"gptqmodel_auto {kern} {str(next(gq.parameters()).dtype).replace('torch.', '')}"
+            t = time.perf_counter()
+            logits[key] = compare_logits(ref, logits_of(gq, batches), batches)
+            logits[key]["forward_seconds"] = time.perf_counter() - t
+            print(f"[{name}] {key}: {logits[key]}", flush=True)
+            del gq
         if not cfg.get("compile"):
             bm16 = bitmosaic.load(folder, dtype=torch.float16).eval()
             t = time.perf_counter()
@@ -504,7 +518,10 @@ def _report(a, state: dict) -> None:
         "Reading it: GPTQModel's float16 rows and bitmosaic's own float16 rows sit at the same distance from "
         "bitmosaic in float32 (same weights, half-precision activations); GPTQModel in bfloat16 (what its "
         "loader picks on a CPU when no dtype is given) also rounds the float16 scales to bfloat16, so its "
-        "weights are no longer ours and the logits move about ten times further.",
+        "weights are no longer ours and the logits move about ten times further.  `gptqmodel auto` rows: "
+        "GPTQModel's default CPU kernel for 4 bits (`TorchAtenLinear`, aten's `_weight_int4pack_mm_for_cpu`) "
+        "converts scales and zero-points to bfloat16 offsets and runs in bfloat16 even when loaded in "
+        "float16: a kernel property, not a reading of the checkpoint.",
     ]
     probes = [(n, state[n]) for n in V1_ASYM_PROBES if n in state]
     if probes:
