@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -66,3 +67,17 @@ def compare_in_process(subprocess_if=lambda cmd: False):
         yield
     finally:
         compare._run = saved
+
+
+@contextlib.contextmanager
+def env_var(name: str, value: str):
+    """``$name`` set to ``value`` inside the block, restored (or unset) after it."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old

@@ -7,7 +7,6 @@ other kinds stay simulated, and say why."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
@@ -21,21 +20,12 @@ from bitmosaic.formats.act import ActQuantSpec, fake_quant
 from bitmosaic.formats.grid import IntGrid
 from bitmosaic.modules import QuantLinear, QuantModule, attach_input_quant
 from bitmosaic.modules.intact import ACT_COMPUTE_ENV, IntActKernel, act_path_label
-from tests.helpers import word_tokenizer
+from tests.helpers import env_var, word_tokenizer
 from tests.methods.saved_bytes import calib, tiny_llama
 
 
-@contextlib.contextmanager
 def simulated():
-    old = os.environ.get(ACT_COMPUTE_ENV)
-    os.environ[ACT_COMPUTE_ENV] = "sim"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(ACT_COMPUTE_ENV, None)
-        else:
-            os.environ[ACT_COMPUTE_ENV] = old
+    return env_var(ACT_COMPUTE_ENV, "sim")
 
 
 def _layer(out, inp, bits, gs, sym, spec, seed, act_order=False):

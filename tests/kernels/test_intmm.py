@@ -6,9 +6,6 @@ rows, on every instruction set this CPU runs and on the ``torch._int_mm`` route.
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -17,19 +14,11 @@ from hypothesis import strategies as st
 from bitmosaic.formats.act import ActQuantSpec, act_scales, fake_quant
 from bitmosaic.kernels import intmm, isa
 from bitmosaic.kernels.intmm import IntActWeight
+from tests.helpers import env_var
 
 
-@contextlib.contextmanager
 def _isa(name):
-    old = os.environ.get(isa.ISA_ENV)
-    os.environ[isa.ISA_ENV] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(isa.ISA_ENV, None)
-        else:
-            os.environ[isa.ISA_ENV] = old
+    return env_var(isa.ISA_ENV, name)
 
 
 def _routes() -> list[str]:

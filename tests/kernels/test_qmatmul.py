@@ -6,7 +6,6 @@ runs (portable, AVX2, AVX-512; ``BITMOSAIC_KERNEL_ISA``); and its pure-torch fal
 from __future__ import annotations
 
 import contextlib
-import os
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from hypothesis import strategies as st
 
 from bitmosaic.kernels import isa, qmatmul, tiles
 from bitmosaic.kernels.qmatmul import LowBitWeight
+from tests.helpers import env_var
 
 
 def _case(N, K, gs, bits, row_block, seed, scalar_zero=False):
@@ -42,17 +42,8 @@ def _case(N, K, gs, bits, row_block, seed, scalar_zero=False):
     return w, ref, g
 
 
-@contextlib.contextmanager
 def _isa(name):
-    old = os.environ.get(isa.ISA_ENV)
-    os.environ[isa.ISA_ENV] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(isa.ISA_ENV, None)
-        else:
-            os.environ[isa.ISA_ENV] = old
+    return env_var(isa.ISA_ENV, name)
 
 
 def _available():

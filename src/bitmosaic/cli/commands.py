@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .args import ACT_DESTS, calib_cache_from_args, task_list
 from .checks import check_counts, check_float_model, warn_positions
+from .eval_options import _fidelity_reference, _is_saved_quantized, _runtime_act
 from .method_flags import method_flags, method_options
 
 
@@ -356,45 +357,6 @@ def cmd_eval(args) -> int:
         res["tasks"] = _tasks(args, model, tok, device)
     _write_json(args.json, res)
     return 0
-
-
-def _is_saved_quantized(model: str) -> bool:
-    import json
-
-    cfg = Path(model) / "config.json"
-    try:
-        qc = json.loads(cfg.read_text(encoding="utf-8")).get("quantization_config") if cfg.is_file() else None
-    except (OSError, ValueError, AttributeError):
-        return True  # a damaged folder: let the loader name what is wrong with it
-    return isinstance(qc, dict) and qc.get("quant_method") == "bitmosaic"
-
-
-def _runtime_act(model, mode: str) -> None:
-    """``eval --runtime-act MODE`` on a loaded model (modules/intact.py), with one line saying what runs."""
-    from ..modules.intact import set_runtime_activations
-
-    n = set_runtime_activations(model, mode)
-    if mode != "none":
-        print(f"runtime activations {mode}: {n} weight-only layers quantize inputs per token (not saved)")
-
-
-def _fidelity_reference(model: str, ref: str) -> str:
-    """The float model ``eval --fidelity`` compares with: REF, or a saved folder's source model."""
-    if ref != "source":
-        return ref
-    from ..errors import BitmosaicError, OptionError
-    from ..io.serialization import verify_saved
-
-    if not (Path(model) / "config.json").is_file():
-        raise OptionError(f"--fidelity needs the float model to compare {model} with: give --fidelity MODEL")
-    try:
-        _, qc = verify_saved(Path(model))
-    except BitmosaicError as e:
-        raise OptionError(f"--fidelity without MODEL reads {model}'s provenance: {e}") from None
-    src = qc.get("source_model") or (qc.get("provenance") or {}).get("model")
-    if not src:
-        raise OptionError(f"{model} does not record the model it was quantized from: give --fidelity MODEL")
-    return str(src)
 
 
 def _dir_size(path: Path) -> int:
