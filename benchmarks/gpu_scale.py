@@ -26,7 +26,7 @@ from shapes import SHAPES
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def build_random_llama(shape: str, dtype: torch.dtype):
+def build_random_llama(shape: str, dtype: torch.dtype, init_device: str = "cpu"):
     from accelerate import init_empty_weights
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -34,13 +34,16 @@ def build_random_llama(shape: str, dtype: torch.dtype):
     with init_empty_weights():
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device="cpu").to(dtype)
-    g = torch.Generator().manual_seed(0)
+    # drawn on ``init_device`` (a GPU draws 8B values in a second; one CPU thread takes about a minute)
+    g = torch.Generator(device=init_device).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
-                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(0.02).to(dtype))
+                w = torch.randn(p.shape, generator=g, dtype=torch.float32, device=init_device)
+                p.copy_(w.mul_(0.02).to(dtype))
+                del w
         model.model.rotary_emb.__init__(cfg)  # buffers were left empty by to_empty
     model.eval()
     return model
@@ -50,7 +53,7 @@ def run(shape: str, args) -> dict:
     from bitmosaic import quantize_
 
     t = time.perf_counter()
-    model = build_random_llama(shape, torch.bfloat16)
+    model = build_random_llama(shape, torch.bfloat16, args.device)
     build_s = time.perf_counter() - t
     vocab = model.config.vocab_size
     calib = torch.randint(0, vocab, (args.nsamples, args.seqlen), generator=torch.Generator().manual_seed(1))

@@ -329,6 +329,36 @@ def test_dpq_module_forward_equals_an_fp8_gemm():
     assert torch.equal(w8.double(), fp_round(w8.double(), "e4m3"))
 
 
+@pytest.mark.skipif(
+    not __import__("bitmosaic.kernels.fp8", fromlist=["x"]).scaled_mm_available(),
+    reason="needs a CUDA GPU with FP8 tensor cores (capability >= 8.9)",
+)
+def test_dpq_weights_through_the_fp8_tensor_core_gemm_equal_the_simulated_forward():
+    """On an FP8 GPU, the DPQ layer's stored FP8 weights and its quantized activations through
+    ``torch._scaled_mm`` (cuBLASLt, float32 accumulation, bf16 out) give the simulated forward up to
+    bf16 output rounding: the simulation is the kernel's arithmetic, not an approximation of it."""
+    from bitmosaic.formats.act import ActQuantSpec
+    from bitmosaic.kernels.fp8 import fp8_gemm_scaled_mm
+    from bitmosaic.modules.actquant import attach_input_quant
+    from bitmosaic.modules.qmodules import FP8ComputeQuantLinear
+
+    g = torch.Generator().manual_seed(7)
+    X = torch.randn(64, 256, generator=g)
+    W = torch.randn(128, 256, generator=g) * 0.05
+    res = dpq_quantize(W, 2 * X.T @ X / 64, group_size=32, perm=make_order(X.T @ X, "gar", 32))
+    m = FP8ComputeQuantLinear.from_result(res, bits=4, group_size=32, symmetric=False)
+    s_x = X.abs().amax().reshape(1) / 448
+    attach_input_quant(m, ActQuantSpec("e4m3", 8, granularity="tensor", static=True), 256, s_x)
+    y_sim = m(X)
+    dev = torch.device("cuda")
+    x8 = fp_round(X / s_x, "e4m3").to(dev, torch.float8_e4m3fn)
+    w8 = m.fp8_weight().to(dev, torch.float8_e4m3fn)
+    # scaled_mm takes per-tensor scales: a per-channel s_w is applied to the output columns
+    y = fp8_gemm_scaled_mm(x8, w8, s_x.to(dev), torch.ones((), device=dev)).float().cpu()
+    y = y * m.fp8_scale.float().reshape(1, -1)
+    torch.testing.assert_close(y, y_sim, rtol=2**-7, atol=1e-3 * float(y_sim.abs().max()))
+
+
 # --- the vectorised per-group step -----------------------------------------------------
 
 

@@ -52,27 +52,29 @@ def fp16_exact(x: torch.Tensor) -> torch.Tensor:
 FP16_MAX = 65504.0
 
 
-def fp16_ceil(x: torch.Tensor) -> torch.Tensor:
+def fp16_ceil(x: torch.Tensor, *, check: bool = True) -> torch.Tensor:
     """Smallest float16 value ``>= x`` (in ``x``'s dtype): a stored scale never shrinks the range.
 
     A finite ``x`` above the largest float16 (65504) has no such value: that is a
     :class:`~bitmosaic.errors.ScaleOverflowError` (the weights are too large for float16 scales),
-    never an Inf scale that would silently turn the weights into NaN."""
-    big = x > FP16_MAX
-    if bool(big.any()):
-        big &= torch.isfinite(x)
+    never an Inf scale that would silently turn the weights into NaN.  ``check=False`` skips that
+    test (one device synchronisation) where the caller knows ``x`` is below a value already
+    checked, e.g. the shrunk candidates of an MSE scale search.  The rounding itself never
+    synchronises (no data-dependent branch), so on a GPU it is a few queued kernels."""
+    if check:
+        big = x > FP16_MAX
         if bool(big.any()):
-            from ..errors import ScaleOverflowError
+            big &= torch.isfinite(x)
+            if bool(big.any()):
+                from ..errors import ScaleOverflowError
 
-            raise ScaleOverflowError(
-                f"its weights are too large for float16 scales: a group needs a scale of "
-                f"{float(x[big].max()):.3g}, and float16 holds at most {FP16_MAX:.0f}; rescale the "
-                "checkpoint, or keep this layer in float (a recipe's skip)"
-            )
+                raise ScaleOverflowError(
+                    f"its weights are too large for float16 scales: a group needs a scale of "
+                    f"{float(x[big].max()):.3g}, and float16 holds at most {FP16_MAX:.0f}; rescale the "
+                    "checkpoint, or keep this layer in float (a recipe's skip)"
+                )
     h = x.to(torch.float16)
-    low = h.to(x.dtype) < x
-    if low.any():
-        h = torch.where(low, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
+    h = torch.where(h.to(x.dtype) < x, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
     return h.to(x.dtype)
 
 
