@@ -98,11 +98,9 @@ def main() -> None:
             src = save_quantized(m, d / "src", {"method": method}, tokenizer=tok, overwrite=True)
             del m
             row = {"name": name, "method": method, "options": {k: str(v) for k, v in opts.items()}}
-            row["gptq"] = try_export(src, d / "gptq", "gptq")
-            if row["gptq"]["status"] == "refused" and "--gptq-v2" in row["gptq"]["why"]:
-                row["gptq_v2"] = try_export(src, d / "gptq", "gptq", gptq_v2=True)
+            row["gptq"] = try_export(src, d / "gptq", "gptq")  # checkpoint_format auto: v2 when asymmetric
             if row["gptq"]["status"] == "refused" and "pass --lossy" in row["gptq"]["why"]:
-                row["gptq_lossy"] = try_export(src, d / "gptq", "gptq", lossy=True, gptq_v2=True)
+                row["gptq_lossy"] = try_export(src, d / "gptq", "gptq", lossy=True)
             row["ct"] = try_export(src, d / "ct", "compressed-tensors")
             if row["ct"]["status"] == "refused" and "pass --lossy" in row["ct"]["why"]:
                 row["ct_lossy"] = try_export(src, d / "ct", "compressed-tensors", lossy=True)
@@ -113,21 +111,22 @@ def main() -> None:
         "layer, "
         "mean (max) over layers",
         "",
-        "| method | GPTQ (v1) | GPTQ --gptq-v2 / --lossy | compressed-tensors | compressed-tensors --lossy |",
+        "| method | GPTQ (v1/v2 by symmetry) | GPTQ --lossy |"
+        " compressed-tensors | compressed-tensors --lossy |",
         "|---|---|---|---|---|",
     ]
     for r in rows:
-        g2 = r.get("gptq_v2") or r.get("gptq_lossy")
+        g2 = r.get("gptq_lossy")
         lines.append(
             f"| {r['name']} | {cell(r['gptq'])} | {cell(g2) if g2 else ''} | {cell(r['ct'])} | "
             f"{cell(r['ct_lossy']) if 'ct_lossy' in r else ''} |"
         )
     lines += ["", "Refusal reasons:", ""]
     for r in rows:
-        for k in ("gptq", "gptq_v2", "gptq_lossy", "ct", "ct_lossy"):
+        for k in ("gptq", "gptq_lossy", "ct", "ct_lossy"):
             if k in r and r[k]["status"] == "refused":
                 lines.append(f"- {r['name']} / {k}: {r[k]['why']}")
-        for k in ("gptq_lossy", "ct_lossy", "gptq_v2"):
+        for k in ("gptq_lossy", "ct_lossy"):
             if k in r and r[k].get("changes"):
                 lines.append(f"- {r['name']} / {k} changes: {'; '.join(r[k]['changes'])}")
     md = "\n".join(lines)

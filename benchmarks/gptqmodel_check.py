@@ -8,8 +8,8 @@ calls) loads ``bitmosaic export --format gptq`` folders on the CPU with its pure
 1. quantize with bitmosaic GPTQ (the tiny random Llama of :mod:`bitmosaic.testing`, in process, and
    SmolLM2-135M with the ``bitmosaic quantize`` command line: 4 bits, group 128, 16 x 512 calibration
    tokens), default act-order (permuted ``g_idx``, ``desc_act: true``) and ``--static-groups``
-   (contiguous groups, ``desc_act: false``); asymmetric (exported ``--gptq-v2``) and ``--sym`` (exported
-   as plain ``gptq`` v1);
+   (contiguous groups, ``desc_act: false``); asymmetric (exported ``gptq_v2``, now their default)
+   and ``--sym`` (exported as plain ``gptq`` v1);
 2. ``bitmosaic export DIR --format gptq --out OUT``;
 3. load OUT with ``GPTQModel.load(OUT, device="cpu", backend=BACKEND.TORCH, dtype=...)`` and DIR with
    ``bitmosaic.load(DIR)`` (float32);

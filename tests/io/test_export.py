@@ -173,20 +173,47 @@ def test_gptq_export_is_bit_identical(tmp_path, method, opts, v2):
     assert (out / "tokenizer.json").is_file()
 
 
-def test_gptq_v1_refuses_a_zero_of_zero(tmp_path):
+def test_gptq_v1_refuses_a_zero_of_zero_and_the_default_writes_v2(tmp_path):
     m = tiny_llama(seed=3)
     quantize_(m, "rtn", CALIB, progress=False, bits=4, group_size=32)
     q = m.model.layers[0].self_attn.q_proj
     q.zeros[0, 0] = 0  # an asymmetric group whose zero-point is 0
     src = save_quantized(m, tmp_path / "src", {"method": "rtn"})
-    with pytest.raises(ExportError, match="zero-point 0.*--gptq-v2"):
-        export_model(src, tmp_path / "out", "gptq")
+    with pytest.raises(ExportError, match="zero-point 0.*--gptq-format v2"):
+        export_model(src, tmp_path / "out", "gptq", gptq_v2=False)
     assert not (tmp_path / "out").exists()
-    export_model(src, tmp_path / "out", "gptq", gptq_v2=True)
+    export_model(src, tmp_path / "out", "gptq")  # auto: asymmetric -> gptq_v2
     sd = load_file(str(tmp_path / "out" / "model.safetensors"))
     qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert qc["checkpoint_format"] == "gptq_v2" and qc["sym"] is False
     name = "model.layers.0.self_attn.q_proj"
     assert torch.equal(gptq_reference_unpack(sd, name, qc, 64), q.dequantize_reference(torch.float32))
+
+
+@pytest.mark.parametrize("symmetric,fmt", [(True, "gptq"), (False, "gptq_v2")])
+def test_gptq_default_checkpoint_format_follows_symmetry(tmp_path, symmetric, fmt, capsys):
+    """Symmetric checkpoints stay v1 (every GPTQ loader, vLLM's Marlin); asymmetric ones are written v2,
+    since GPTQModel refuses asymmetric v1 (benchmarks/results/gptqmodel_check.md).  The CLI's
+    ``--gptq-format`` overrides it, ``--gptq-v2`` is ``--gptq-format v2``."""
+    src = quantized(tmp_path, "gptq", bits=4, group_size=32, symmetric=symmetric)
+
+    def written(out):
+        return json.loads((out / "config.json").read_text())["quantization_config"]["checkpoint_format"]
+
+    assert written(export_model(src, tmp_path / "auto", "gptq").out) == fmt
+    cases = [([], fmt), (["--gptq-format", "auto"], fmt), (["--gptq-format", "v2"], "gptq_v2"),
+             (["--gptq-v2"], "gptq_v2")]  # fmt: skip
+    if symmetric:  # an asymmetric v1 export holds only layers without a zero of 0 (test above)
+        cases.append((["--gptq-format", "v1"], "gptq"))
+    for i, (flags, want) in enumerate(cases):
+        out = tmp_path / f"cli{i}"
+        rc = main(["export", str(src), "--format", "gptq", "--out", str(out), *flags])
+        assert rc == 0, capsys.readouterr().err
+        assert written(out) == want, flags
+    rc = main(["export", str(src), "--format", "compressed-tensors", "--out", str(tmp_path / "ct"),
+               "--gptq-format", "v1"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == ["error: --gptq-format applies to --format gptq only"], err
 
 
 # -- compressed-tensors ------------------------------------------------------------------------------

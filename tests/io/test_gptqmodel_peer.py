@@ -35,10 +35,11 @@ from tests.helpers import SPECIALS, VOCAB, tiny_llama, word_tokenizer  # noqa: E
 
 CALIB = torch.randint(len(SPECIALS), VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
 IDS = torch.randint(len(SPECIALS), VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
-CASES = {  # name -> (bitmosaic GPTQ options, export as gptq_v2)
-    "w4 act-order asym (gptq_v2)": ({"bits": 4, "group_size": 32}, True),
-    "w4 static-groups sym (gptq)": ({"bits": 4, "group_size": 32, "static_groups": True, "sym": True}, False),
-    "w3 act-order sym (gptq)": ({"bits": 3, "group_size": 32, "sym": True}, False),
+CASES = {  # name -> (bitmosaic GPTQ options, the checkpoint_format the default export writes)
+    "w4 act-order asym (gptq_v2)": ({"bits": 4, "group_size": 32}, "gptq_v2"),
+    "w4 static-groups sym (gptq)": ({"bits": 4, "group_size": 32, "static_groups": True, "sym": True},
+                                    "gptq"),
+    "w3 act-order sym (gptq)": ({"bits": 3, "group_size": 32, "sym": True}, "gptq"),
 }
 
 # Runs in the child: GPTQModel loads each export on the CPU with its torch kernel in float16 and returns,
@@ -77,11 +78,13 @@ def peer(tmp_path_factory):
     loaded by GPTQModel in one child interpreter."""
     tmp = tmp_path_factory.mktemp("gptqmodel")
     folders, ours = {}, {}
-    for i, (name, (opts, v2)) in enumerate(CASES.items()):
+    for i, (name, (opts, fmt)) in enumerate(CASES.items()):
         m = tiny_llama(seed=3)
         quantize_(m, "gptq", CALIB, progress=False, **opts)
         src = save_quantized(m, tmp / f"src{i}", {"method": "gptq"}, tokenizer=word_tokenizer())
-        export_model(src, tmp / f"gptq{i}", "gptq", gptq_v2=v2)
+        export_model(src, tmp / f"gptq{i}", "gptq")  # the default checkpoint_format, as a user gets it
+        qc = json.loads((tmp / f"gptq{i}" / "config.json").read_text())["quantization_config"]
+        assert qc["checkpoint_format"] == fmt, name
         folders[name] = str(tmp / f"gptq{i}")
         ours[name] = load(src).eval()
     dest = tmp / "gptqmodel.pt"

@@ -97,7 +97,6 @@ REFUSED = {
     ("mosaic", CT): "block-sparse 4-bit residual",
     ("mosaic-w4a8-dense", GPTQ): "GPTQ checkpoints hold weights only",
 }
-V1_EXACT = {"gptq-static-groups"}  # exported as GPTQ v1 (the default checkpoint_format), no --gptq-v2
 
 
 def _kind_of_case(root: Path, case: str) -> set[str]:
@@ -122,8 +121,7 @@ def test_every_result_exports_or_is_refused_in_one_line(root, case, fmt, capsys)
 
     src = saved(root, case)
     out = root / "exports" / f"{case}-{fmt}"  # apart from the saved cases ("sfmp" + "-gptq" is one)
-    extra = ["--gptq-v2"] if fmt == GPTQ and case not in V1_EXACT else []
-    rc = main(["export", str(src), "--format", fmt, "--out", str(out), *extra])
+    rc = main(["export", str(src), "--format", fmt, "--out", str(out)])  # the default checkpoint_format
     err = capsys.readouterr().err.strip()
     why = REFUSED.get((case, fmt))
     if why is None:

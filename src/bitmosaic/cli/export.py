@@ -46,19 +46,28 @@ def add_export_parser(sub) -> None:
         "weight error that adds (default: refuse them, naming why)",
     )
     x.add_argument(
-        "--gptq-v2",
-        action="store_true",
-        help="GPTQ: write checkpoint_format gptq_v2 (zeros stored as they are; v1 stores zero-1 and cannot "
-        "hold a zero of 0)",
+        "--gptq-format",
+        choices=("auto", "v1", "v2"),
+        default="auto",
+        help="GPTQ: checkpoint_format gptq (v1: stores zero-1, cannot hold a zero of 0; GPTQModel refuses "
+        "it for asymmetric checkpoints) or gptq_v2 (zeros as they are); auto (default): v2 when any layer "
+        "is asymmetric, else v1",
+    )
+    x.add_argument(
+        "--gptq-v2", action="store_const", const="v2", dest="gptq_format", help="= --gptq-format v2"
     )
     x.add_argument("--overwrite", action="store_true", help="replace an earlier export at --out")
+
+
+_GPTQ_V2 = {"auto": None, "v1": False, "v2": True}
 
 
 def cmd_export(args) -> int:
     from ..io.export import export_model
 
     res = export_model(
-        args.dir, args.out, args.fmt, lossy=args.lossy, gptq_v2=args.gptq_v2, overwrite=args.overwrite,
+        args.dir, args.out, args.fmt, lossy=args.lossy, gptq_v2=_GPTQ_V2[args.gptq_format],
+        overwrite=args.overwrite,
         gguf_type=args.gguf_type, source_gguf=args.source_gguf,
     )  # fmt: skip
     s = res.summary()

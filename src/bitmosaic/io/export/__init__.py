@@ -32,13 +32,16 @@ def export_model(
     fmt: str,
     *,
     lossy: bool = False,
-    gptq_v2: bool = False,
+    gptq_v2: bool | None = None,
     overwrite: bool = False,
     gguf_type: str | None = None,
     source_gguf: str | os.PathLike | None = None,
 ) -> ExportResult:
     """Export the bitmosaic folder ``src`` to ``out`` in ``fmt`` (``"gptq"``, ``"compressed-tensors"`` or
     ``"gguf"``: one file, :func:`~.gguf.export_gguf`, which also takes a float model argument).
+
+    ``gptq_v2``: GPTQ's ``checkpoint_format`` -- ``True`` gptq_v2, ``False`` gptq (v1), ``None`` (default)
+    v2 when any layer is asymmetric, else v1 (:mod:`~.gptq`).
 
     Raises :class:`ExportError` (one line: the layers and why) when a layer has no exact form and
     ``lossy`` is false, or when ``out`` may not be written (see :func:`~.common.check_export_dir`).
@@ -47,8 +50,8 @@ def export_model(
 
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if gptq_v2 and fmt != "gptq":
-        raise ExportError("--gptq-v2 applies to --format gptq only")
+    if gptq_v2 is not None and fmt != "gptq":
+        raise ExportError("--gptq-format applies to --format gptq only")
     if (gguf_type is not None or source_gguf is not None) and fmt != "gguf":
         raise ExportError("--gguf-type and --source-gguf apply to --format gguf only")
     if fmt == "gguf":

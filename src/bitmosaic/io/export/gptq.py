@@ -7,8 +7,12 @@ Per quantized linear ``name`` (``in`` x ``out``, ``bits`` in 2/3/4/8, ``G`` grou
   across words) -- :mod:`bitmosaic.formats.wordpack`;
 - ``name.qzeros`` int32 ``[G, out*bits/32]``: the zero-points packed the same way along the output
   dimension.  The ``gptq`` (v1) convention stores ``zero - 1`` (AutoGPTQ's historical off-by-one, which
-  every v1 loader adds back), so a zero of 0 cannot be stored: such asymmetric layers are refused and
-  exported with ``--gptq-v2`` (``checkpoint_format: "gptq_v2"``, zeros stored as they are);
+  every v1 loader adds back), so a zero of 0 cannot be stored; ``gptq_v2`` stores zeros as they are.
+  Which one is written (``checkpoint_format``): by default v1 for symmetric checkpoints (every GPTQ
+  loader reads it; vLLM's Marlin kernels take it) and v2 as soon as one layer is asymmetric --
+  GPTQModel refuses asymmetric v1 checkpoints outright (measured: benchmarks/results/gptqmodel_check.md)
+  and v1 cannot hold a zero of 0; transformers (through GPTQModel) and vLLM read v2.  ``--gptq-format
+  v1`` forces v1 (an asymmetric zero of 0 is then refused, naming the fix);
 - ``name.scales`` fp16 ``[G, out]``; ``name.g_idx`` int32 ``[in]`` (the group of each input column);
   ``name.bias`` when the layer has one.
 
@@ -105,16 +109,20 @@ def _harmonize(layers: dict[str, IntLayer], changes: dict, lossy: bool) -> tuple
     return bits, g
 
 
-def build_gptq(src: Source, lossy: bool, v2: bool) -> tuple[dict, dict, list, list]:
-    """``(tensors, quantization_config, layer records, notes)`` of the GPTQ export of ``src``."""
+def build_gptq(src: Source, lossy: bool, v2: bool | None = None) -> tuple[dict, dict, list, list]:
+    """``(tensors, quantization_config, layer records, notes)`` of the GPTQ export of ``src``;
+    ``v2``: write ``checkpoint_format: gptq_v2`` (``None``: when any layer is asymmetric, see above)."""
     layers, changes = collect(src.qmods, _convert(lossy), "gptq", lossy)
     bits, group = _harmonize(layers, changes, lossy)
+    if v2 is None:
+        v2 = not all(lay.symmetric for lay in layers.values())
     if not v2:
         zero0 = [n for n, lay in layers.items() if bool((lay.zeros == 0).any())]
         if zero0:
             raise ExportError(
                 f"cannot export as gptq (v1): {len(zero0)} layer(s) (e.g. {zero0[0]}) have asymmetric groups "
-                "with zero-point 0, which the v1 convention (it stores zero - 1) cannot hold; pass --gptq-v2"
+                "with zero-point 0, which the v1 convention (it stores zero - 1) cannot hold; use "
+                "--gptq-format v2 (or auto, the default)"
             )
     tensors, records = {}, []
     for name, lay in layers.items():
