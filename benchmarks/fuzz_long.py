@@ -36,7 +36,20 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=None, help="the random seed (default: a new one)")
     p.add_argument("--derandomize", action="store_true", help="the test suite's fixed cases, only more")
     p.add_argument("--json", default=None, help="output JSON (default benchmarks/results/fuzz_long.json)")
+    p.add_argument(
+        "--max-memory-gb",
+        type=float,
+        default=8.0,
+        help="address-space limit of this process (default %(default)s; 0: none), so that an input that "
+        "makes a parser allocate without bound fails as a recorded defect (MemoryError) instead of "
+        "the kernel killing the run (what a GGUF layer count of 2^32-1 once did, at 23.7 GB)",
+    )
     args = p.parse_args()
+    if args.max_memory_gb > 0:
+        import resource
+
+        lim = int(args.max_memory_gb * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (lim, lim))
     if args.examples < 1:
         p.error(f"--examples {args.examples} must be at least 1")
     seed = None if args.derandomize else (args.seed if args.seed is not None else int(time.time()))

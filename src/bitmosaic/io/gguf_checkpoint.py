@@ -28,6 +28,7 @@ import copy
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -102,9 +103,47 @@ def open_gguf(path: str | os.PathLike, spec: str | None = None):
 
     path = Path(path)
     try:
-        return GGUFReader(os.fspath(path))
+        reader = GGUFReader(os.fspath(path))
     except (ValueError, OSError, KeyError, IndexError, EOFError) as e:
         raise _damaged(spec or str(path), path, e) from None
+    _check_block_count(reader, spec or str(path), path)
+    return reader
+
+
+_BLOCK = re.compile(r"(?:^|\.)blk\.(\d+)\.")
+
+
+def _check_block_count(reader, spec: str, path: Path) -> None:
+    """The layer count in the metadata (``{arch}.block_count``) must be the number of ``blk.N``
+    tensor groups in the file.  transformers sizes the model and gguf-py its tensor-name map from that
+    number before any tensor is read: a damaged or hostile count (2^31) costs minutes and tens of GB
+    there (found by the long fuzz run: killed by the kernel at 23.7 GB), and a missing one silently
+    becomes the architecture's default (32 layers for Llama) with 31 of them uninitialised."""
+    try:
+        arch = _string_field(reader, "general.architecture")
+    except (KeyError, IndexError, ValueError, UnicodeDecodeError):
+        return  # no architecture: transformers refuses the file itself, before sizing anything
+    blocks = [int(m.group(1)) for t in reader.tensors if (m := _BLOCK.search(t.name))]
+    present = max(blocks) + 1 if blocks else 0
+    key = f"{arch}.block_count"
+    field = reader.fields.get(key)
+    named = "" if str(spec) == str(path) else f"{spec}: "
+    try:
+        count = int(field.parts[field.data[0]][0]) if field is not None else None
+    except (IndexError, TypeError, ValueError):
+        count = None
+    if count is None and not blocks:
+        return  # no layers named and none counted (e.g. an empty file of another architecture)
+    if count is None:
+        raise CorruptModelError(
+            f"{named}GGUF file {path} has no readable {key} (its layer count) in its metadata; "
+            "re-download it"
+        )
+    if count != present:
+        raise CorruptModelError(
+            f"{named}GGUF file {path} says it has {count} layers ({key}) but holds the tensors of "
+            f"{present}; re-download it"
+        )
 
 
 class GGUFCheckpoint(Checkpoint):

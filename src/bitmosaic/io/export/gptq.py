@@ -24,9 +24,11 @@ false``, ``g_idx[j] = j // group_size``, which loaders also rebuild on their own
 layers with different group sizes are split into groups of the common divisor, repeating the scales, so
 the weights stay bit-identical and no loader meets a partial group.
 
-Serving: symmetric 4- and 8-bit GPTQ (``bitmosaic quantize --sym --bits 4``) is what vLLM's Marlin
-kernels take; asymmetric and 2/3-bit checkpoints load in transformers/GPTQModel and vLLM's slower
-GPTQ kernels.  GPTQ holds weights only: activation quantizers are refused (dropped with ``--lossy``).
+Serving: vLLM (0.33, measured by ``tests/io/test_vllm_config.py``) reads GPTQ checkpoints only when
+they are symmetric 4- or 8-bit without act-order groups (``desc_act: false``: ``bitmosaic quantize --sym
+--static-groups``); it refuses asymmetric, 2/3-bit and ``desc_act: true`` ones, which the export then
+says in a note (compressed-tensors is vLLM's route for those).  transformers/GPTQModel load all of them.
+GPTQ holds weights only: activation quantizers are refused (dropped with ``--lossy``).
 """
 
 from __future__ import annotations
@@ -151,4 +153,12 @@ def build_gptq(src: Source, lossy: bool, v2: bool | None = None) -> tuple[dict, 
     notes = []
     if group != -1 and any(getattr(m, "group_size", group) != group for m in src.qmods.values()):
         notes.append(f"groups split into groups of {group} columns (same weights): one full group size")
+    why = [w for w, bad in (("asymmetric", not qconfig["sym"]), (f"{bits}-bit", bits not in (4, 8)),
+                            ("act-order groups (desc_act)", desc_act)) if bad]  # fmt: skip
+    if why:
+        notes.append(
+            f"vLLM (0.33) does not serve this GPTQ checkpoint ({', '.join(why)}; it takes symmetric 4/8-bit "
+            "without act-order groups: quantize with --sym --static-groups); transformers and GPTQModel load "
+            "it, and vLLM reads the compressed-tensors export of a static-groups result"
+        )
     return tensors, qconfig, records, notes
