@@ -29,11 +29,12 @@ _SMOLLM = pytest.mark.skipif(smollm2_gguf() is None,
 
 
 def tiny_gguf(path, arch: str, tied: bool = True, layers: int = 2, seed: int = 0, name: str = "tiny",
-              hidden: int = 64, intermediate: int = 128):  # fmt: skip
+              hidden: int = 64, intermediate: int = 128, vocab: str | None = None):  # fmt: skip
     """A random tiny model of GGUF architecture ``arch`` written with the ``gguf`` package: the tensor
     names gguf-py gives the transformers model's parameters, 2-D weights cycling through Q8_0, Q4_1, F16,
     Q5_0, BF16 and F32, norms and biases F32; no output head when ``tied``.  4 heads (2 kv heads) of
-    ``hidden / 4`` (Gemma: 16)."""
+    ``hidden / 4`` (Gemma: 16).  ``vocab``: a ``tokenizer.ggml.model`` (llama.cpp loads a file with
+    ``"none"``: token ids only)."""
     import gguf
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -56,6 +57,8 @@ def tiny_gguf(path, arch: str, tied: bool = True, layers: int = 2, seed: int = 0
         w.add_uint32(f"{arch}.{k}", v)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    if vocab is not None:
+        w.add_tokenizer_model(vocab)
     for k, v in {"bos": 1, "eos": 2, "padding": 0}.items():
         w.add_uint32(f"tokenizer.ggml.{k}_token_id", v)
     if gemma:

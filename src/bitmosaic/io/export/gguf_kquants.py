@@ -37,6 +37,7 @@ a fit that the exporter checks the written bytes against (``gguf.quants``, bit f
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,7 +46,7 @@ import torch
 __all__ = ["QK_K", "KType", "K_TYPES", "KFit", "fit", "fit_weights", "dequantize", "pack"]
 
 QK_K = 256
-_RATIOS = torch.linspace(0.7, 1.1, 41, dtype=torch.float64)  # d candidates: (largest / top) * ratio
+_RATIOS = [0.7 + 0.02 * i for i in range(21)]  # d candidates: (largest / top) * ratio
 _ROUNDS = 8  # alternating least-squares rounds of the types with a min
 
 
@@ -134,7 +135,8 @@ def fit(values: torch.Tensor, scales: torch.Tensor, weights: torch.Tensor, t: KT
         q = torch.where(mirror[..., None], -v, v) + t.offset
     if fits is not None:
         ok = ok & fits.reshape(ok.shape)
-    q = torch.where(ok[..., None], q, _reround(w, t))
+    if not bool(ok.all()):
+        q = torch.where(ok[..., None], q, _reround(w, t))
     return _refit(q, w, ok, t)
 
 
@@ -186,13 +188,11 @@ def _search(x: torch.Tensor, wt: torch.Tensor, lo: int, hi: int) -> tuple[torch.
         best_err = torch.where(better, err, best_err)
         best_d = torch.where(better, d, best_d)
 
-    tops = [hi] if lo == 0 else [hi, -lo]
-    for r in _RATIOS:
-        for top in tops:
-            base = amax / top * r
-            consider(base if lo == 0 else torch.where(signed < 0, -base, base))
-            if lo < 0:
-                consider(torch.where(signed < 0, base, -base))
+    sign = torch.where(signed < 0, -1.0, 1.0)
+    for r in [*_RATIOS, *(hi / k for k in range(math.ceil(hi / 1.1), hi))]:  # k: d = largest / k exactly
+        consider(sign * amax / hi * r)  # the largest value at ``hi`` (ratio 1)
+        if lo < 0:
+            consider(-sign * amax / -lo * r)  # or at ``lo``
     for _ in range(2):
         k = _round_to(x, best_d, lo, hi)
         den = (wt * k * k).sum(-1)
