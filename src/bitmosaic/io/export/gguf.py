@@ -13,6 +13,18 @@
   ``lossy`` re-rounded (offsets rounded to fp16; else llama.cpp's own rounding of the type on
   bitmosaic's weights), with the weight error each layer gains.  ``F32`` / ``F16`` / ``BF16`` write the
   quantized weights as floats (exact in F32).
+- on request only, the k-quants ``Q2_K`` / ``Q3_K`` / ``Q4_K`` / ``Q5_K`` / ``Q6_K``
+  (:mod:`.gguf_kquants`): our integers kept (when the type's codes hold them, up to a shift per
+  sub-block), the small integer sub-block scales (and mins) and the fp16 ``d`` (``dmin``) of each
+  256-column super-block fitted by least squares to our weights.  Exact only when every scale of a
+  super-block is an integer multiple of one fp16 number in the type's range -- practically never for a
+  calibrated layer -- so a k-quant is refused in one line naming the relative weight error it would add
+  (mean and max over the layers) unless ``lossy``, which writes it and records each layer's error.
+  Sub-blocks whose integers the type cannot hold (wider, or an asymmetric range a symmetric type cannot
+  offset), act-order layers and kinds without integer weights are re-rounded from our weights
+  (``lossy``).  Layers whose input width is not a multiple of 256 are written in their exact legacy
+  default type, as llama.cpp falls back for such tensors (a note says how many).  The written blocks are
+  read back with ``gguf.quants`` and must equal the refit's own float model bit for bit.
 - every other tensor (embeddings, norms, biases, an untied head) in the first of (the source file's
   block type, F16, BF16, F32) that holds it exactly; 1-D tensors in F32.  A float model (a model
   argument such as ``smollm2-135m``, not a saved folder) exports the same way, with ``TYPE`` one of
@@ -296,9 +308,9 @@ def _kquant_refusal(t: kq.KType, records: list, qmods: dict, rerounded: int) -> 
     return (
         f"cannot export as gguf: {t.name} stores {t.what()} per 256 weights, which holds {len(bad)} of "
         f"{len(records)} layer(s) only approximately (e.g. {bad[0].name}): refitted to our integers they "
-        "would add a relative weight error of "
-        f"{sum(rel) / len(rel):.1e} mean, {max(rel):.1e} max{extra}; pass --lossy to write it, or leave "
-        f"out --gguf-type for an exact type ({exact} for these layers)"
+        f"would add a weight error of {sum(rel) / len(rel):.1e} mean, {max(rel):.1e} max (relative "
+        f"Frobenius, per layer){extra}; pass --lossy to write it, or leave out --gguf-type for an exact "
+        f"type ({exact} for these layers)"
     )
 
 
