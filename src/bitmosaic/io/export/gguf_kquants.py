@@ -51,6 +51,7 @@ __all__ = ["QK_K", "KType", "K_TYPES", "KFit", "fit", "fit_weights", "dequantize
 
 QK_K = 256
 _RATIOS = [0.7 + 0.02 * i for i in range(21)]  # d candidates: (largest / top) * ratio
+_CHUNK = 1 << 21  # weights fitted at once
 _ROUNDS = 8  # alternating least-squares rounds of the types with a min
 
 
@@ -115,12 +116,40 @@ def _blocks(x: torch.Tensor, t: KType) -> torch.Tensor:
     return x.reshape(x.shape[0], -1, t.nsub, t.sub)
 
 
-def fit(values: torch.Tensor, scales: torch.Tensor, weights: torch.Tensor, t: KType,
-        fits: torch.Tensor | None = None) -> KFit:  # fmt: skip
+def fit(values: torch.Tensor, scales: torch.Tensor, weights: torch.Tensor, t: KType) -> KFit:
     """The k-quant of a layer whose weights are ``scales * values`` (``values = code - zero``, int64
     ``[out, in]``; ``scales`` one per sub-block ``[out, in / t.sub]``; ``weights`` the layer's float32
-    weights, the target).  ``fits`` (bool per sub-block) limits which sub-blocks keep their integers;
-    the rest are re-rounded from ``weights``."""
+    weights, the target).  Sub-blocks whose integers the type cannot hold are re-rounded from
+    ``weights``."""
+    return _by_rows(lambda v, s, w: _fit(v, s, w, t), values, scales, weights)
+
+
+def fit_weights(weights: torch.Tensor, t: KType) -> KFit:
+    """The k-quant of float weights ``[out, in]``, every sub-block re-rounded (no integers to keep)."""
+
+    def one(weights):
+        w = _blocks(weights.double(), t)
+        return _refit(_reround(w, t), w, torch.zeros(w.shape[:-1], dtype=torch.bool), t)
+
+    return _by_rows(one, weights)
+
+
+def _by_rows(fn, *tensors: torch.Tensor) -> KFit:
+    """``fn`` on blocks of rows (super-blocks are independent; the search holds about 100 bytes a
+    weight), the fits joined."""
+    step = max(1, _CHUNK // tensors[0].shape[1])
+    parts = [fn(*(x[i : i + step] for x in tensors)) for i in range(0, tensors[0].shape[0], step)]
+    if len(parts) == 1:
+        return parts[0]
+
+    def cat(name):
+        return None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])
+
+    return KFit(cat("q"), cat("sc"), cat("m"), cat("d"), cat("dmin"), sum(p.rerounded for p in parts),
+                sum(p.subblocks for p in parts))  # fmt: skip
+
+
+def _fit(values: torch.Tensor, scales: torch.Tensor, weights: torch.Tensor, t: KType) -> KFit:
     w = _blocks(weights.double(), t)
     v = _blocks(values.long(), t)
     s = scales.double().reshape(w.shape[:-1])
@@ -137,17 +166,9 @@ def fit(values: torch.Tensor, scales: torch.Tensor, weights: torch.Tensor, t: KT
         mirror = ~plain & (-vmax >= -t.offset) & (-vmin <= top)
         ok = plain | mirror
         q = torch.where(mirror[..., None], -v, v) + t.offset
-    if fits is not None:
-        ok = ok & fits.reshape(ok.shape)
     if not bool(ok.all()):
         q = torch.where(ok[..., None], q, _reround(w, t))
     return _refit(q, w, ok, t)
-
-
-def fit_weights(weights: torch.Tensor, t: KType) -> KFit:
-    """The k-quant of float weights ``[out, in]``, every sub-block re-rounded (no integers to keep)."""
-    w = _blocks(weights.double(), t)
-    return _refit(_reround(w, t), w, torch.zeros(w.shape[:-1], dtype=torch.bool), t)
 
 
 def _reround(w: torch.Tensor, t: KType) -> torch.Tensor:
