@@ -243,7 +243,7 @@ def _kquant_layer(gguf_type: str, lossy: bool, fallback: list[str], rerounded: d
     integers kept and the sub-block scales refitted (:mod:`.gguf_kquants`).  A refit that is not exact
     appends its change even without ``lossy`` (the caller refuses then, naming the error it adds).  A
     layer whose input width is not a multiple of 256 (llama.cpp falls back to a legacy type there too)
-    is written in the exact legacy default (appended to ``fallback``); ``rerounded``: per layer, the
+    is written in its legacy default type (appended to ``fallback``); ``rerounded``: per layer, the
     sub-blocks whose integers the type cannot hold."""
     from gguf import quants
 
@@ -395,7 +395,7 @@ def export_gguf(src, out, *, gguf_type: str | None = None, lossy: bool = False, 
             if narrow:
                 model.notes.append(
                     f"{len(narrow)} layer(s) whose input width is not a multiple of {kq.QK_K} (a {gguf_type} "
-                    f"super-block) written in the exact legacy type (e.g. {blocks[narrow[0]][1]} for "
+                    f"super-block) written in their default legacy type (e.g. {blocks[narrow[0]][1]} for "
                     f"{narrow[0]}), as llama.cpp falls back for such tensors"
                 )
         else:
