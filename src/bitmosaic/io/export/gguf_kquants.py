@@ -89,8 +89,8 @@ class KType:
 
     def refitted(self) -> str:
         """The change a refit makes."""
-        mins, bits = (" and mins" if self.with_min else ""), self.scale_bits
-        return f"{self.name}: our integers kept, sub-block scales{mins} refitted to {bits}-bit integers"
+        mins = " and mins" if self.with_min else ""
+        return f"{self.name}: our integers kept, sub-block scales{mins} refitted to the type's integers"
 
 
 K_TYPES = {t.name: t for t in (KType("Q2_K", 16, 3, True, 0, 15, 15, 0, 4),
