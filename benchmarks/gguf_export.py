@@ -13,12 +13,20 @@ Rows:
 - ``bitmosaic GPTQ`` (act-order, static groups, MSE scales, group 32): bitmosaic's perplexity of the saved
   model; ``llama.cpp on our export``: llama.cpp's perplexity of ``bitmosaic export --format gguf`` of it
   (exact types: Q4_0 symmetric 4-bit, Q8_0 symmetric 8-bit, and for asymmetric 4-bit the default exact
-  file and ``--gguf-type Q4_1 --lossy``);
+  file and ``--gguf-type Q4_1 --lossy``); the k-quants ``--lossy`` (their sub-block scales refitted to
+  our integers): Q4_K and Q5_K of the asymmetric 4-bit result, Q6_K of the symmetric 8-bit one (its
+  integers wider than Q6_K's 6 bits are re-rounded); with ``--kquants all`` also GPTQ w6 sym (Q6_K),
+  w3 sym (Q3_K) and w2 asym (Q2_K), three more GPTQ runs;
 - ``llama.cpp quantize``: the float SmolLM2 exported as an F32 GGUF (exact), quantized with
   ``llama_cpp.llama_model_quantize`` to the same type; its token embedding (SmolLM2 ties it to the output)
   kept at Q8_0 as in our files (``token_embedding_type``/``output_tensor_type``), so that only the linear
-  layers differ.  The Python binding exposes ``imatrix`` only as a raw pointer to llama.cpp's C++ map and
-  no way to compute one, so importance-matrix quantization is not measured.
+  layers differ.  k-quants with ``pure`` (every tensor the type, not the ``_S``/``_M`` mixes).  A k-quant
+  super-block is 256 columns: SmolLM2's layers of 576 input columns (all but ``down_proj``, 180 of 210)
+  cannot be k-quants, and both sides fall back there -- llama.cpp to Q5_0 (Q4_K), Q5_1 (Q5_K), Q8_0
+  (Q6_K), Q4_0 (Q3_K, Q2_K) re-quantizing the float weights, we to the exact legacy type of our
+  integers -- so only the 30 ``down_proj`` layers are k-quants in either file.  The Python binding
+  exposes ``imatrix`` only as a raw pointer to llama.cpp's C++ map and no way to compute one, so
+  importance-matrix quantization is not measured.
 
 Every step keeps its output under ``--work`` (default ``runs/gguf_export``) and is skipped when it is
 there, so an interrupted run continues.  Reproduce::
@@ -47,10 +55,19 @@ from common import RESULTS, machine_info, write_results  # noqa: E402
 
 CONFIGS = {  # name -> (GPTQ options, [(file tag, --gguf-type, lossy)])
     "w4 sym g32": ({"bits": 4, "sym": True}, [("Q4_0", None, False)]),
-    "w4 asym g32": ({"bits": 4, "sym": False}, [("exact", None, False), ("Q4_1", "Q4_1", True)]),
-    "w8 sym g32": ({"bits": 8, "sym": True}, [("Q8_0", None, False)]),
+    "w4 asym g32": (
+        {"bits": 4, "sym": False},
+        [("exact", None, False), ("Q4_1", "Q4_1", True), ("Q4_K", "Q4_K", True), ("Q5_K", "Q5_K", True)],
+    ),
+    "w8 sym g32": ({"bits": 8, "sym": True}, [("Q8_0", None, False), ("Q6_K", "Q6_K", True)]),
 }
-LLAMA_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+LOW_BITS = {  # --kquants all: three more GPTQ runs
+    "w6 sym g32": ({"bits": 6, "sym": True}, [("Q6_K", "Q6_K", True)]),
+    "w3 sym g32": ({"bits": 3, "sym": True}, [("Q3_K", "Q3_K", True)]),
+    "w2 asym g32": ({"bits": 2, "sym": False}, [("Q2_K", "Q2_K", True)]),
+}
+LLAMA_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+K_FTYPES = {"Q2_K": "Q2_K", "Q3_K": "Q3_K_S", "Q4_K": "Q4_K_S", "Q5_K": "Q5_K_S", "Q6_K": "Q6_K"}
 
 
 def _windows(ids: torch.Tensor, seqlen: int, max_windows: int, bos: int | None) -> list[list[int]]:
@@ -93,7 +110,8 @@ def llama_quantize(src: Path, dst: Path, typ: str, threads: int) -> None:
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{typ}")
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{K_FTYPES.get(typ, typ)}")
+    params.pure = typ in K_FTYPES  # the k-quant on every tensor that can hold it (no _S/_M mix)
     params.nthread = threads
     params.token_embedding_type = llama_cpp.GGML_TYPE_Q8_0
     params.output_tensor_type = llama_cpp.GGML_TYPE_Q8_0
@@ -125,7 +143,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--work", default="runs/gguf_export")
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--kquants",
+        choices=("4", "all"),
+        default="4",
+        help="4: k-quants of the 4- and 8-bit results only; all: also GPTQ w6/w3/w2 for Q6_K/Q3_K/Q2_K",
+    )
     a = p.parse_args()
+    if a.kquants == "all":
+        CONFIGS.update(LOW_BITS)
+    llama_types = LLAMA_TYPES + (("Q3_K", "Q2_K") if a.kquants == "all" else ())
     torch.set_num_threads(a.threads)
 
     import bitmosaic
@@ -201,6 +228,11 @@ def main() -> None:
                     if "m rounded" in c
                 ]
                 row[key] = {
+                    "k_layers": [
+                        r.rel_err for r in res.records if any(c.startswith(f"{typ}:") for c in r.changes)
+                    ]
+                    if typ and typ.endswith("_K")
+                    else [],
                     "file": gg.name,
                     "m_rounded_blocks": sum(rounded),
                     "types": file_types(gg),
@@ -220,13 +252,13 @@ def main() -> None:
         have_llama = False
         print("llama_cpp is not installed (pip install llama-cpp-python, or the 'peers' extra): stopping")
     if have_llama:
-        for typ in LLAMA_TYPES:
+        for typ in llama_types:
             dst = work / f"float.llama-quantize.{typ}.gguf"
             if not dst.exists():
                 llama_quantize(f32, dst, typ, a.threads)
         runs = {
             "float F32": f32,
-            **{f"llama.cpp {t}": work / f"float.llama-quantize.{t}.gguf" for t in LLAMA_TYPES},
+            **{f"llama.cpp {t}": work / f"float.llama-quantize.{t}.gguf" for t in llama_types},
         }
         for name, (_, exports) in CONFIGS.items():
             for tag, _, _ in exports:
@@ -297,13 +329,39 @@ def _report(a, state: dict, have_llama: bool) -> None:
         o, t = lp.get(ours_key), lp.get(f"llama.cpp {typ}")
         if o and t:
             lines.append(f"| {typ} | {o['ppl']:.4f} | {t['ppl']:.4f} | {o['ppl'] / t['ppl']:.4f} |")
+    kpairs = [(typ, name) for name, (_, ex) in CONFIGS.items() for typ, _, _ in ex if typ.endswith("_K")]
+    if any(lp.get(f"{name} {typ}") for typ, name in kpairs):
+        lines += [
+            "",
+            "## k-quants: bitmosaic GPTQ refitted (--lossy) vs llama.cpp's own quantization (llama.cpp ppl)",
+            "",
+            "Only layers with a multiple of 256 input columns can be k-quants (SmolLM2: the 30 `down_proj`); "
+            "both files put the other 180 in a legacy type (module doc).",
+            "",
+            "| GGUF type | bitmosaic GPTQ | its file (2-D types) | MB | weight error the refit adds "
+            "(k-quant layers: mean / max rel) | ppl | llama.cpp quantize file | MB | ppl "
+            "| bitmosaic / llama.cpp |",
+            "|---|---|---|---:|---:|---:|---|---:|---:|---:|",
+        ]
+        for typ, name in kpairs:
+            o, t = lp.get(f"{name} {typ}"), lp.get(f"llama.cpp {typ}")
+            if not (o and t):
+                continue
+            errs = state[name][f"export {typ}"].get("k_layers", [])
+            err = f"{np.mean(errs):.1e} / {max(errs):.1e}" if errs else "-"
+            lines.append(
+                f"| {typ} | {name} | {_types(o['types'])} | {o['mb']:.0f} | {err} | {o['ppl']:.4f} "
+                f"| {_types(t['types'])} | {t['mb']:.0f} | {t['ppl']:.4f} | {o['ppl'] / t['ppl']:.4f} |"
+            )
     if not have_llama:
         lines += ["", "llama.cpp rows not run: llama_cpp is not installed."]
     lines += [
         "",
-        "Float model (bitmosaic, same windows): " + f"{fl:.4f}.  Not measured: 2- and 3-bit (k-quant "
-        "types Q2_K/Q3_K are not written by the exporter yet) and llama.cpp with an importance matrix "
-        "(not exposed by the Python binding).",
+        "Float model (bitmosaic, same windows): " + f"{fl:.4f}.  Not measured: llama.cpp with an importance "
+        "matrix (not exposed by the Python binding)"
+        + (
+            "." if a.kquants == "all" else "; 2-, 3- and 6-bit GPTQ for Q2_K / Q3_K / Q6_K (`--kquants all`)."
+        ),
     ]
     if a.model == "smollm2-135m":
         lines += [

@@ -211,7 +211,6 @@ def test_cli_gguf_export_and_its_refusals(shared_dir, tmp_path, capsys):
         return err
 
     assert "--overwrite" in refused()
-    assert "k-quants are not written yet" in refused("--gguf-type", "Q4_K", "--overwrite")
     assert "unknown --gguf-type 'Q3_0'" in refused("--gguf-type", "q3_0", "--overwrite")
     assert "apply to --format gguf only" in refused("--gguf-type", "Q4_0", "--format", "gptq")
     user = tmp_path / "user.gguf"

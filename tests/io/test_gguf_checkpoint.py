@@ -29,19 +29,22 @@ _SMOLLM = pytest.mark.skipif(smollm2_gguf() is None,
 
 
 def tiny_gguf(path, arch: str, tied: bool = True, layers: int = 2, seed: int = 0, name: str = "tiny",
-              block_count: int | None | str = "layers"):
+              hidden: int = 64, intermediate: int = 128, vocab: str | None = None,
+              block_count: int | None | str = "layers"):  # fmt: skip
     """A random tiny model of GGUF architecture ``arch`` written with the ``gguf`` package: the tensor
     names gguf-py gives the transformers model's parameters, 2-D weights cycling through Q8_0, Q4_1, F16,
-    Q5_0, BF16 and F32, norms and biases F32; no output head when ``tied``.  ``block_count``: the layer
-    count written in the metadata (default ``layers``; ``None``: none written)."""
+    Q5_0, BF16 and F32, norms and biases F32; no output head when ``tied``.  4 heads (2 kv heads) of
+    ``hidden / 4`` (Gemma: 16).  ``vocab``: a ``tokenizer.ggml.model`` (llama.cpp loads a file with
+    ``"none"``: token ids only).  ``block_count``: the layer count written in the metadata (default
+    ``layers``; ``None``: none written)."""
     import gguf
     from transformers import AutoConfig, AutoModelForCausalLM
 
     gemma = arch.startswith("gemma")
-    cfg = AutoConfig.for_model({"gemma3": "gemma3_text"}.get(arch, arch), vocab_size=128, hidden_size=64,
-                               intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied,
-                               bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    cfg = AutoConfig.for_model({"gemma3": "gemma3_text"}.get(arch, arch), vocab_size=128, hidden_size=hidden,
+                               intermediate_size=intermediate, num_hidden_layers=layers,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                               tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                                **({"head_dim": 16} if gemma else {}))  # fmt: skip
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
@@ -50,20 +53,22 @@ def tiny_gguf(path, arch: str, tied: bool = True, layers: int = 2, seed: int = 0
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
     sizes = {"context_length": 64, "block_count": layers if block_count == "layers" else block_count,
-             "feed_forward_length": 128, "embedding_length": 64, "attention.head_count": 4,
+             "feed_forward_length": intermediate, "embedding_length": hidden, "attention.head_count": 4,
              "attention.head_count_kv": 2, "vocab_size": 128}  # fmt: skip
     for k, v in sizes.items():
         if v is not None:
             w.add_uint32(f"{arch}.{k}", v)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    if vocab is not None:
+        w.add_tokenizer_model(vocab)
     for k, v in {"bos": 1, "eos": 2, "padding": 0}.items():
         w.add_uint32(f"tokenizer.ggml.{k}_token_id", v)
     if gemma:
         w.add_uint32(f"{arch}.attention.key_length", 16)
         w.add_uint32(f"{arch}.attention.sliding_window", 32)
     if arch == "llama":
-        w.add_uint32(f"{arch}.rope.dimension_count", 16)
+        w.add_uint32(f"{arch}.rope.dimension_count", hidden // 4)
     Q = gguf.GGMLQuantizationType
     types = [Q.Q8_0, Q.Q4_1, Q.F16, Q.Q5_0, Q.BF16, Q.F32]
     g = torch.Generator().manual_seed(seed)

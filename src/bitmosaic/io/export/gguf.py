@@ -13,6 +13,18 @@
   ``lossy`` re-rounded (offsets rounded to fp16; else llama.cpp's own rounding of the type on
   bitmosaic's weights), with the weight error each layer gains.  ``F32`` / ``F16`` / ``BF16`` write the
   quantized weights as floats (exact in F32).
+- on request only, the k-quants ``Q2_K`` / ``Q3_K`` / ``Q4_K`` / ``Q5_K`` / ``Q6_K``
+  (:mod:`.gguf_kquants`): our integers kept (when the type's codes hold them, up to a shift per
+  sub-block), the small integer sub-block scales (and mins) and the fp16 ``d`` (``dmin``) of each
+  256-column super-block fitted by least squares to our weights.  Exact only when every scale of a
+  super-block is an integer multiple of one fp16 number in the type's range -- practically never for a
+  calibrated layer -- so a k-quant is refused in one line naming the relative weight error it would add
+  (mean and max over the layers) unless ``lossy``, which writes it and records each layer's error.
+  Sub-blocks whose integers the type cannot hold (wider, or an asymmetric range a symmetric type cannot
+  offset), act-order layers and kinds without integer weights are re-rounded from our weights
+  (``lossy``).  Layers whose input width is not a multiple of 256 are written in their exact legacy
+  default type, as llama.cpp falls back for such tensors (a note says how many).  The written blocks are
+  read back with ``gguf.quants`` and must equal the refit's own float model bit for bit.
 - every other tensor (embeddings, norms, biases, an untied head) in the first of (the source file's
   block type, F16, BF16, F32) that holds it exactly; 1-D tensors in F32.  A float model (a model
   argument such as ``smollm2-135m``, not a saved folder) exports the same way, with ``TYPE`` one of
@@ -43,6 +55,7 @@ import torch
 from ..._version import __version__
 from ...modules.actquant import input_quant_spec
 from ..outdir import make_temporary, output_lock
+from . import gguf_kquants as kq
 from .common import ExportResult, Source, collect, record
 from .gguf_blocks import BLOCK, BLOCK_TYPES, BlockType, fit, pack
 from .layers import ExportError, Refusal, regroup
@@ -50,8 +63,8 @@ from .layers import ExportError, Refusal, regroup
 __all__ = ["GGUF_TYPES", "FLOAT_TYPES", "K_QUANTS", "default_types", "export_gguf"]
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
-GGUF_TYPES = (*BLOCK_TYPES, *FLOAT_TYPES)
-K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+K_QUANTS = tuple(kq.K_TYPES)  # Q2_K .. Q6_K
+GGUF_TYPES = (*BLOCK_TYPES, *K_QUANTS, *FLOAT_TYPES)
 _ALL_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 _SKIP_KV = ("GGUF.", "general.architecture", "general.file_type", "general.quantization_version",
             "general.alignment", "general.quantized_by", "bitmosaic.")  # fmt: skip
@@ -225,6 +238,82 @@ def _block_layer(gguf_type: str | None, lossy: bool):
     return fn
 
 
+def _kquant_layer(gguf_type: str, lossy: bool, fallback: list[str], rerounded: dict[str, int]):
+    """``fn(name, module, changes)`` -> ``(bytes, type)``: the layer as the k-quant ``gguf_type``, our
+    integers kept and the sub-block scales refitted (:mod:`.gguf_kquants`).  A refit that is not exact
+    appends its change even without ``lossy`` (the caller refuses then, naming the error it adds).  A
+    layer whose input width is not a multiple of 256 (llama.cpp falls back to a legacy type there too)
+    is written in its legacy default type (appended to ``fallback``); ``rerounded``: per layer, the
+    sub-blocks whose integers the type cannot hold."""
+    from gguf import quants
+
+    t = kq.K_TYPES[gguf_type]
+    legacy = _block_layer(None, lossy)
+
+    def fn(name, m, changes):
+        if m.in_features % kq.QK_K:
+            fallback.append(name)
+            return legacy(name, m, changes)
+        why: list[str] = []
+        spec = input_quant_spec(m)
+        if spec is not None:
+            why.append(f"activation quantization ({spec.label}): GGUF holds weights only")
+        try:
+            form = m.int_form(_ALL_BITS, False, [])
+        except Refusal as r:
+            form = None
+            why.extend(r.reasons)
+        if form is not None and not form.contiguous:
+            why.append(f"act-order groups (g_idx): a {t.name} sub-block is {t.sub} consecutive columns")
+        if why and not lossy:
+            raise Refusal(why[-1], also=tuple(why[:-1]))
+        w = m.dequantize_reference(torch.float32)
+        if why:
+            if spec is not None:
+                changes.append(f"activation quantizer {spec.label} dropped")
+            changes.append(f"re-rounded to {t.name} from the bitmosaic weights")
+            f = kq.fit_weights(w, t)
+        elif form.group_size % t.sub:
+            changes.append(f"groups of {form.group_size} columns re-rounded to {t.name} sub-blocks")
+            f = kq.fit_weights(w, t)
+        else:
+            split = regroup(form, t.sub)
+            f = kq.fit(split.values(), split.scales, w, t)
+        data = kq.pack(f, t)
+        mine = kq.dequantize(f, t)
+        got = np.asarray(quants.dequantize(data, t.qtype)).reshape(mine.shape)
+        if not np.array_equal(got, mine.numpy()):
+            raise RuntimeError(f"internal error: the {t.name} blocks of {name} do not read back as fitted")
+        if f.rerounded:
+            rerounded[name] = f.rerounded
+        if not changes and not torch.equal(mine, w):
+            changes.append(t.refitted())
+            if f.rerounded:
+                changes.append(
+                    f"{t.name}: {f.rerounded} of {f.subblocks} sub-blocks re-rounded (integers outside "
+                    f"{t.code_range})"
+                )
+        return data, t.name
+
+    return fn
+
+
+def _kquant_refusal(t: kq.KType, records: list, qmods: dict, rerounded: int) -> str:
+    """The one line refusing an inexact k-quant: the weight error it would add, and the fixes."""
+    bad = [r for r in records if r.changes]
+    rel = [r.rel_err for r in bad]
+    m = qmods[bad[0].name]
+    exact = " or ".join(default_types(getattr(m, "bits", 8), bool(getattr(m, "symmetric", True))))
+    extra = f", {rerounded} sub-blocks re-rounded (integers outside {t.code_range})" if rerounded else ""
+    return (
+        f"cannot export as gguf: {t.name} stores {t.what()} per 256 weights, which holds {len(bad)} of "
+        f"{len(records)} layer(s) only approximately (e.g. {bad[0].name}): refitted to our integers they "
+        f"would add a weight error of {sum(rel) / len(rel):.1e} mean, {max(rel):.1e} max (relative "
+        f"Frobenius, per layer){extra}; pass --lossy to write it, or leave out --gguf-type for an exact "
+        f"type ({exact} for these layers)"
+    )
+
+
 def _float_tensor(
     w: torch.Tensor, forced: str | None, file_type, lossy: bool
 ) -> tuple[np.ndarray, str, bool]:
@@ -259,6 +348,10 @@ def _file_type(qtypes: list[str], types: list[str]):
 
     named = {"F32": F.ALL_F32, "F16": F.MOSTLY_F16, "BF16": F.MOSTLY_BF16}
     named.update({t: F[f"MOSTLY_{t}"] for t in BLOCK_TYPES})
+    named.update({t: F[f"MOSTLY_{t}" + ("" if t in ("Q2_K", "Q6_K") else "_S")] for t in K_QUANTS})
+    kquants = [t for t in qtypes if t in K_QUANTS]  # a k-quant file is named for its k-quant type
+    if kquants:
+        return named[Counter(kquants).most_common(1)[0][0]]
     if qtypes:
         return named[Counter(qtypes).most_common(1)[0][0]]
     return next((named[t] for t in ("BF16", "F16") if t in types), named["F32"])
@@ -272,11 +365,6 @@ def export_gguf(src, out, *, gguf_type: str | None = None, lossy: bool = False, 
 
     if gguf_type is not None:
         gguf_type = gguf_type.upper()
-        if gguf_type in K_QUANTS:
-            raise ExportError(
-                f"--gguf-type {gguf_type}: k-quants are not written yet (their sub-block scales would be "
-                f"refitted to our integers); choose one of {', '.join(GGUF_TYPES)}"
-            )
         if gguf_type not in GGUF_TYPES:
             raise ExportError(f"unknown --gguf-type {gguf_type!r}; choose one of {', '.join(GGUF_TYPES)}")
     out = _check_out(out, overwrite)
@@ -291,7 +379,7 @@ def export_gguf(src, out, *, gguf_type: str | None = None, lossy: bool = False, 
         orders = {n: ckpt.row_order(n) for n in ckpt.names}  # refuses a file transformers changes on reading
     except UnsupportedGGUFError as e:
         raise ExportError(f"cannot export as gguf: {e}".split("; use --stream")[0]) from None
-    if not model.qmods and gguf_type in BLOCK_TYPES:
+    if not model.qmods and (gguf_type in BLOCK_TYPES or gguf_type in K_QUANTS):
         raise ExportError(
             f"{model.spec} has no quantized layers: GGUF block types are written from bitmosaic's integers; "
             "quantize it first (bitmosaic quantize ... --out DIR) or choose --gguf-type F32, F16 or BF16"
@@ -300,6 +388,16 @@ def export_gguf(src, out, *, gguf_type: str | None = None, lossy: bool = False, 
     if model.qmods:
         if gguf_type in FLOAT_TYPES:
             blocks, changes = {n: (None, gguf_type) for n in model.qmods}, {n: [] for n in model.qmods}
+        elif gguf_type in K_QUANTS:
+            narrow, rerounded = [], {}
+            fn = _kquant_layer(gguf_type, lossy, narrow, rerounded)
+            blocks, changes = collect(model.qmods, fn, "gguf", lossy)
+            if narrow:
+                model.notes.append(
+                    f"{len(narrow)} layer(s) whose input width is not a multiple of {kq.QK_K} (a {gguf_type} "
+                    f"super-block) written in their default legacy type (e.g. {blocks[narrow[0]][1]} for "
+                    f"{narrow[0]}), as llama.cpp falls back for such tensors"
+                )
         else:
             blocks, changes = collect(model.qmods, _block_layer(gguf_type, lossy), "gguf", lossy)
         from gguf import GGMLQuantizationType as Q
@@ -320,6 +418,9 @@ def export_gguf(src, out, *, gguf_type: str | None = None, lossy: bool = False, 
             records.append(record(name, m, torch.from_numpy(np.ascontiguousarray(deq)), changes[name]))
             tensors[f"{name}.weight"] = (data, typ)
             qtypes.append(typ)
+        if gguf_type in K_QUANTS and not lossy and any(r.changes for r in records):
+            t = kq.K_TYPES[gguf_type]
+            raise ExportError(_kquant_refusal(t, records, model.qmods, sum(rerounded.values())))
         fallback = [
             n for n, (_, t) in blocks.items() if gguf_type is None and t != _first_default(model.qmods[n])
         ]
