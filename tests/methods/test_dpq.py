@@ -307,20 +307,27 @@ def test_static_groups_are_fitted_by_the_quantizer(layer64):
     assert is_trivial_g_idx(res.g_idx, 16)
 
 
-def test_dpq_module_forward_equals_an_fp8_gemm():
-    """The simulated W4A8-FP8 forward = FP8 x FP8 GEMM with float32 accumulation, then both scales."""
+def _fp8_layer(tokens: int, n_in: int, n_out: int):
+    """``(X, DPQ W4A8-FP8 layer with a static per-tensor E4M3 input quantizer, s_x)``, seed 7."""
     from bitmosaic.formats.act import ActQuantSpec
-    from bitmosaic.kernels.fp8 import fp8_gemm_reference
     from bitmosaic.modules.actquant import attach_input_quant
     from bitmosaic.modules.qmodules import FP8ComputeQuantLinear
 
     g = torch.Generator().manual_seed(7)
-    X = torch.randn(256, 64, generator=g)
-    W = torch.randn(32, 64, generator=g) * 0.05
-    res = dpq_quantize(W, 2 * X.T @ X / 256, group_size=32, perm=make_order(X.T @ X, "gar", 32))
+    X = torch.randn(tokens, n_in, generator=g)
+    W = torch.randn(n_out, n_in, generator=g) * 0.05
+    res = dpq_quantize(W, 2 * X.T @ X / tokens, group_size=32, perm=make_order(X.T @ X, "gar", 32))
     m = FP8ComputeQuantLinear.from_result(res, bits=4, group_size=32, symmetric=False)
     s_x = X.abs().amax().reshape(1) / 448
-    attach_input_quant(m, ActQuantSpec("e4m3", 8, granularity="tensor", static=True), 64, s_x)
+    attach_input_quant(m, ActQuantSpec("e4m3", 8, granularity="tensor", static=True), n_in, s_x)
+    return X, m, s_x
+
+
+def test_dpq_module_forward_equals_an_fp8_gemm():
+    """The simulated W4A8-FP8 forward = FP8 x FP8 GEMM with float32 accumulation, then both scales."""
+    from bitmosaic.kernels.fp8 import fp8_gemm_reference
+
+    X, m, s_x = _fp8_layer(256, 64, 32)
     y = m(X)
     ref = fp8_gemm_reference(fp_round(X / s_x, "e4m3"), m.fp8_weight(), s_x, m.fp8_scale)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
@@ -337,18 +344,9 @@ def test_dpq_weights_through_the_fp8_tensor_core_gemm_equal_the_simulated_forwar
     """On an FP8 GPU, the DPQ layer's stored FP8 weights and its quantized activations through
     ``torch._scaled_mm`` (cuBLASLt, float32 accumulation, bf16 out) give the simulated forward up to
     bf16 output rounding: the simulation is the kernel's arithmetic, not an approximation of it."""
-    from bitmosaic.formats.act import ActQuantSpec
     from bitmosaic.kernels.fp8 import fp8_gemm_scaled_mm
-    from bitmosaic.modules.actquant import attach_input_quant
-    from bitmosaic.modules.qmodules import FP8ComputeQuantLinear
 
-    g = torch.Generator().manual_seed(7)
-    X = torch.randn(64, 256, generator=g)
-    W = torch.randn(128, 256, generator=g) * 0.05
-    res = dpq_quantize(W, 2 * X.T @ X / 64, group_size=32, perm=make_order(X.T @ X, "gar", 32))
-    m = FP8ComputeQuantLinear.from_result(res, bits=4, group_size=32, symmetric=False)
-    s_x = X.abs().amax().reshape(1) / 448
-    attach_input_quant(m, ActQuantSpec("e4m3", 8, granularity="tensor", static=True), 256, s_x)
+    X, m, s_x = _fp8_layer(64, 256, 128)
     y_sim = m(X)
     dev = torch.device("cuda")
     x8 = fp_round(X / s_x, "e4m3").to(dev, torch.float8_e4m3fn)
