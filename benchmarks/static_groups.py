@@ -108,10 +108,10 @@ def quantize_missing(a, bits, base, tok, calib, group, state: State, deadline: f
             return False
         m = copy.deepcopy(base)
         t = time.perf_counter()
-        rep = quantize_(m, "gptq", calib[seed], progress=False, group_size=group, **opts)
+        rep = quantize_(m, "gptq", calib[seed], progress=False, group_size=group, device=a.device, **opts)
         seconds = time.perf_counter() - t
         folder = state.work / name.replace(" ", "_")
-        save_quantized(m, folder, {"method": "gptq"}, tokenizer=tok, overwrite=True)
+        save_quantized(m.to("cpu"), folder, {"method": "gptq"}, tokenizer=tok, overwrite=True)
         hess = [r.get("hessian_error") for r in rep.layers]
         state.st["quant"][name] = {
             "options": {"group_size": group, **opts},
@@ -134,7 +134,9 @@ def evaluate(a, base, ids, state: State, deadline: float) -> bool:
     models = {"float": base}
     for n in todo:
         if n != "float":
-            models[n] = load_quantized(state.work / n.replace(" ", "_"), load_tokenizer=False)[0].eval()
+            m = load_quantized(state.work / n.replace(" ", "_"), load_tokenizer=False)[0]
+            models[n] = m.to(a.device).eval()
+    base = base.to(a.device)
     meters = {n: FidelityMeter.from_state(state.st["meters"][n]) for n in todo if n in state.st["meters"]}
     with torch.inference_mode():
         per_window = 0.0
@@ -142,7 +144,7 @@ def evaluate(a, base, ids, state: State, deadline: float) -> bool:
             if time.time() + per_window > deadline:
                 break
             t = time.perf_counter()
-            batch = ids[w : w + 1]
+            batch = ids[w : w + 1].to(a.device)
             nll_ref, ref = window_nll(base, batch, w, ids.shape[0])
             for n in todo:
                 if state.done(n) != w:
@@ -158,6 +160,7 @@ def evaluate(a, base, ids, state: State, deadline: float) -> bool:
                 print(f"  window {w + 1}/{ids.shape[0]}", flush=True)
     state.st["meters"].update({n: m.state() for n, m in meters.items()})
     state.save()
+    base.to("cpu")  # quantize_missing copies the float model from the CPU
     return all(state.done(n) == ids.shape[0] for n in names)
 
 
@@ -226,6 +229,8 @@ def markdown(a, res: dict) -> str:
     proto += "WikiText-2 test " + ("(all " if a.windows is None else "(first ")
     proto += f"{res['eval_windows']} windows "
     proto += f"of {a.seqlen} tokens), KL(float || quantized) and top-1 agreement from the same pass"
+    if a.device != "cpu" and torch.cuda.is_available():
+        proto += f"; GPTQ and evaluation on {torch.cuda.get_device_name()} ({a.device})"
     lines = [
         f"# GPTQ act-order: static vs dynamic groups ({a.model}, g{res['group_size']}, asym, MSE scales)",
         "",
@@ -258,7 +263,7 @@ def markdown(a, res: dict) -> str:
                      + ("**within noise**" if v["within_noise"] else "**outside noise**"))  # fmt: skip
     cmd = "flock /tmp/bitmosaic-heavy.lock env PYTHONPATH=src python benchmarks/static_groups.py "
     cmd += f"--protocol {a.protocol} --bits {','.join(map(str, a.bits))} "
-    cmd += f"--seeds {','.join(map(str, a.seeds))}"
+    cmd += f"--seeds {','.join(map(str, a.seeds))}" + ("" if a.device == "cpu" else f" --device {a.device}")
     lines += ["", f"Reproduce (repeat until complete): `{cmd}`"]
     return "\n".join(lines)
 
@@ -274,6 +279,7 @@ def main() -> None:
     p.add_argument("--threshold", type=float, default=0.005, help="relative ppl/KL margin (default 0.5%%)")
     p.add_argument("--budget-min", type=float, default=10.0, help="stop (state saved) after this long")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="where GPTQ and the evaluation run (cpu, cuda)")
     p.add_argument("--work", default=None, help="state folder (default /tmp/bitmosaic-static-groups...)")
     a = p.parse_args()
     deadline = time.time() + a.budget_min * 60
@@ -283,6 +289,7 @@ def main() -> None:
     a.nsamples, a.windows = PROTOCOLS[a.protocol]
     suffix = "" if a.protocol == "verdict" else f"_{a.protocol}"
     suffix += "" if a.model == "smollm2-135m" else f"_{a.model}"
+    suffix += "" if a.device == "cpu" else "_gpu"
     work = Path(a.work or f"/tmp/bitmosaic-static-groups{suffix or '-verdict'}")
     work.mkdir(parents=True, exist_ok=True)
     key = {"model": a.model, "protocol": a.protocol, "group_size": a.group_size, "seqlen": a.seqlen}

@@ -93,8 +93,8 @@ SUBSTITUTIONS: list[Sub] = [
     Sub("py-nsamples", r"\bnsamples=\d+", "nsamples=4", "fewer calibration samples (speed)"),
     Sub("py-seqlen", r"\bseqlen=\d+", "seqlen=32", "shorter calibration windows (speed)"),
     Sub("py-group-size", r"\bgroup_size=128\b", "group_size=32",
-        "as group-size: several groups per row of the tiny model, so the saved act-order model that the "
-        "serving section loads has a real g_idx"),
+        "as group-size: several groups per row of the tiny model, so the act-order model that the serving "
+        "section loads has scattered groups (static at 4 bits: exported without a g_idx)"),
     Sub("py-ppl", r"(perplexity\(model, .*?), 512, max_windows=\d+\)", r"\1, 32, max_windows=2)",
         "shorter and fewer perplexity windows (speed)"),
 ]
@@ -456,15 +456,17 @@ def test_readme_block_runs(ws, block):
     if block.id == "The command line:bash":
         assert (ws.root / "runs" / "w3" / "config.json").is_file() and (ws.root / "ppl.json").is_file()
     elif block.id == "Serving and export:bash":
-        for d in ("w4sym", "w4sym-gptq", "w4sym-ct", "w4act", "w4act-gptq"):
+        for d in ("w4act", "w4act-gptq", "w4act-ct", "w4sym", "w4sym-gptq"):
             assert (ws.root / "runs" / d / "config.json").is_file(), d
-        # what its comments say: the vLLM export is symmetric v1 without act-order groups; the default
-        # result's GPTQ export keeps its act-order g_idx, asymmetric, as gptq_v2
+        # what its comments say: the default result has no act-order g_idx (static groups at 4 bits),
+        # asymmetric, as gptq_v2 and as compressed-tensors, both exact; the vLLM GPTQ export is symmetric v1
         read = lambda d: json.loads((ws.root / "runs" / d / "config.json").read_text())["quantization_config"]  # noqa: E731
+        qc = read("w4act-gptq")
+        assert qc["desc_act"] is False and qc["sym"] is False and qc["checkpoint_format"] == "gptq_v2"
+        qc = read("w4act-ct")
+        assert qc["format"] == "pack-quantized"  # written without --lossy: exact, else refused
         qc = read("w4sym-gptq")
         assert qc["desc_act"] is False and qc["sym"] is True and qc["checkpoint_format"] == "gptq"
-        qc = read("w4act-gptq")
-        assert qc["desc_act"] is True and qc["sym"] is False and qc["checkpoint_format"] == "gptq_v2"
     elif block.id == "Evaluate and compare:bash":
         cmp = ws.root / "runs" / "cmp"
         assert all((cmp / f).is_file() for f in ("results.csv", "results.json", "results.md", "pareto.png"))

@@ -108,35 +108,43 @@ def test_gptq_mse_scales_not_worse_than_minmax_at_low_bits(layer64):
 
 
 def test_gptq_method_defaults_are_act_order_with_mse_scales():
-    """``--method gptq --bits 4`` alone gets the best measured setting: act-order, MSE scales and
-    dynamic groups (static groups, exported by every format, stay an option until measured)."""
-    from bitmosaic.methods.gptq import GPTQConfig
+    """``--method gptq --bits 4`` alone gets the best measured setting: act-order, MSE scales and auto
+    groups, which resolve to static groups at 4 bits (no g_idx: every export format holds the result)."""
+    from dataclasses import replace
+
+    from bitmosaic.methods.gptq import GPTQConfig, static_groups_for
     from bitmosaic.methods.registry import get_method
 
-    cfg = get_method("gptq").make_config(bits=4)
+    cfg = get_method("gptq").make_config(bits=4, group_size=2)
     assert isinstance(cfg, GPTQConfig)
-    assert (cfg.order, cfg.scale_method, cfg.static_groups, cfg.direction) == ("act", "mse", False, "front")
+    assert (cfg.order, cfg.scale_method, cfg.static_groups, cfg.direction) == ("act", "mse", None, "front")
+    scattered = torch.tensor([3, 0, 2, 1])  # an act order that splits groups of 2
+    assert static_groups_for(cfg, scattered) is True
+    assert static_groups_for(replace(cfg, bits=3), scattered) is False
+    assert static_groups_for(replace(cfg, bits=8), scattered) is True
 
 
 @pytest.mark.parametrize(
-    "order,given,static",
-    [("act", None, True), ("min-pivot", None, True), ("natural", None, False), ("gar", None, False),
-     ("act", False, False), ("natural", True, True)],
+    "order,given,bits,static",
+    [("act", None, 4, True), ("min-pivot", None, 4, True), ("act", None, 3, False),
+     ("min-pivot", None, 2, False), ("natural", None, 4, False), ("gar", None, 4, False),
+     ("act", False, 4, False), ("natural", True, 3, True)],
 )  # fmt: skip
-def test_auto_static_groups_follow_the_order(layer64, order, given, static):
-    """Auto: static groups where the order scatters the groups (then no g_idx), dynamic where it keeps
-    them contiguous (the original GPTQ); an explicit value wins.  The result is the explicit run's."""
+def test_auto_static_groups_follow_the_order_and_width(layer64, order, given, bits, static):
+    """Auto: static groups where the order scatters the groups (then no g_idx) at 4 bits and more,
+    dynamic below (measured best at 3 bits) and where the order keeps the groups contiguous (the
+    original GPTQ); an explicit value wins.  The result is the explicit run's."""
     from bitmosaic.methods.base import LayerStats
     from bitmosaic.methods.common import processing_order
     from bitmosaic.methods.gptq import GPTQConfig, quantize_gptq, static_groups_for
 
     W, _, H = layer64
-    cfg = GPTQConfig(bits=3, group_size=16, order=order, static_groups=given, solver_dtype="float64")
+    cfg = GPTQConfig(bits=bits, group_size=16, order=order, static_groups=given, solver_dtype="float64")
     perm = processing_order(H, cfg)
     assert static_groups_for(cfg, perm) is static
     got = quantize_gptq(W, LayerStats(hessian=H.clone()), cfg)
     kw = dict(perm=perm, static_groups=static, scale_method="mse", dtype=torch.float64)
-    want = gptq_quantize(W, H, IntGrid(3), 16, **kw)
+    want = gptq_quantize(W, H, IntGrid(bits), 16, **kw)
     assert torch.equal(got.codes, want.codes) and torch.equal(got.g_idx, want.g_idx)
     if static:
         assert torch.equal(got.g_idx, torch.arange(W.shape[1]) // 16)

@@ -144,6 +144,7 @@ def test_gptq_three_bit_spills_across_words():
         ("gptq", {"bits": 4, "group_size": 48, "static_groups": False, "symmetric": True}, False),  # partial
         ("gptq", {"bits": 4, "group_size": 32, "static_groups": True, "symmetric": True}, False),  # no g_idx
         ("gptq", {"bits": 2, "group_size": None, "order": "gar"}, True),
+        ("gptq", {"bits": 4, "group_size": 32}, True),  # the default: act-order, auto (static) groups
         ("rtn", {"bits": 8, "group_size": 32, "symmetric": True}, False),
     ],
 )
@@ -156,8 +157,8 @@ def test_gptq_export_is_bit_identical(tmp_path, method, opts, v2):
     assert qc["quant_method"] == "gptq" and qc["bits"] == opts["bits"]
     assert qc["checkpoint_format"] == ("gptq_v2" if v2 else "gptq")
     assert qc["sym"] == opts.get("symmetric", False)
-    act_groups = opts.get("static_groups") is False or (method == "gptq" and "static_groups" not in opts
-                                                         and opts.get("order", "act") == "act")  # fmt: skip
+    auto_dynamic = "static_groups" not in opts and opts.get("order", "act") == "act" and opts["bits"] < 4
+    act_groups = opts.get("static_groups") is False or (method == "gptq" and auto_dynamic)
     assert qc["desc_act"] == act_groups  # act-order groups need a g_idx
     sd = load_file(str(out / "model.safetensors"))
     logits, qmods = ours(src)
@@ -222,6 +223,7 @@ def test_gptq_default_checkpoint_format_follows_symmetry(tmp_path, symmetric, fm
     [
         ("rtn", {"bits": 4, "group_size": 32}, "pack-quantized"),
         ("gptq", {"bits": 3, "group_size": 48, "order": "gar", "symmetric": True}, "pack-quantized"),
+        ("gptq", {"bits": 4, "group_size": 32}, "pack-quantized"),  # the default result (static groups)
         ("awq", {"bits": 4, "group_size": None}, "pack-quantized"),
         ("smoothquant", {"scheme": "W8A8", "group_size": None, "symmetric": True}, "int-quantized"),
         ("fp8", {}, "float-quantized"),

@@ -131,6 +131,15 @@ def test_each_width_and_symmetry_exports_exactly_by_default(shared_dir, bits, sy
     assert types == {want} if want else types <= set(default_types(bits, sym)), types
 
 
+def test_the_default_gptq_result_exports_exactly(shared_dir, tmp_path):
+    """``--method gptq --bits 4`` with its defaults (act-order, auto groups: static at 4 bits, asymmetric)
+    has contiguous groups, so the default GGUF type holds it bit for bit (no --lossy)."""
+    folder, _ = _quantized(shared_dir, order="act")
+    res = export_model(folder, tmp_path / "m.gguf", "gguf")
+    types = set(_check_weights(folder, tmp_path / "m.gguf", "llama").values())
+    assert not res.changed and types <= set(default_types(4, False)), types
+
+
 def test_asymmetric_q4_1_rounds_offsets_only_with_lossy(shared_dir, tmp_path):
     folder, _ = _quantized(shared_dir, sym=False)
     with pytest.raises(ExportError, match=r"^cannot export as gguf: asymmetric offsets .* --lossy") as e:
@@ -147,7 +156,7 @@ def test_asymmetric_q4_1_rounds_offsets_only_with_lossy(shared_dir, tmp_path):
 
 
 @pytest.mark.parametrize("opts,typ,reason", [
-    ({"order": "act"}, None, "act-order groups (g_idx)"),
+    ({"order": "act", "static_groups": False}, None, "act-order groups (g_idx)"),
     ({"group_size": 16}, None, "groups of 16 columns"),
     ({"bits": 8, "sym": True}, "Q4_0", "8-bit integers wider than Q4_0"),
     ({"sym": False}, "Q4_0", "asymmetric integers outside [-8, 7]"),

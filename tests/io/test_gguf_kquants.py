@@ -142,7 +142,7 @@ def test_fitting_rows_in_chunks_changes_nothing(monkeypatch):
 _CACHE: dict = {}
 CONFIGS = {"a4": {"bits": 4, "sym": False}, "s4": {"bits": 4, "sym": True}, "s6": {"bits": 6, "sym": True},
            "s3": {"bits": 3, "sym": True}, "a2": {"bits": 2, "sym": False},
-           "act": {"bits": 4, "sym": False, "order": "act"}}  # fmt: skip
+           "act": {"bits": 4, "sym": False, "order": "act", "static_groups": False}}  # fmt: skip
 TYPE_OF = {"Q4_K": "a4", "Q5_K": "a4", "Q6_K": "s6", "Q3_K": "s3", "Q2_K": "a2"}
 
 
