@@ -211,6 +211,32 @@ def test_cli_recipe_then_reproduce(cli_env, tmp_path, capsys):
     assert [r["name"] for r in res["differing"]] == [key] and res["differing"][0]["max_abs_diff"] == moved
 
 
+def test_reproduce_pins_a_default_that_changed_since_the_save(cli_env, tmp_path, capsys):
+    """A model saved when GPTQ's groups defaulted to dynamic records no ``static_groups`` in its recipe
+    but ``false`` in its config: reproduce reruns with the recorded value, where today's default (auto:
+    static at 4 bits) would give other tensors."""
+    from bitmosaic.cli import main
+
+    model_dir, text = cli_env
+    out = tmp_path / "old"
+    flags = ("--method", "gptq", "--bits", "4", "--group-size", "16", "--no-static-groups")
+    assert main(_argv(model_dir, text, out, *flags)) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert qc["recipe"]["settings"].pop("static_groups") is False and qc["config"]["static_groups"] is False
+    (out / "config.json").write_text(json.dumps(cfg))  # as the older release recorded it
+    (out / "SHA256SUMS").unlink()  # else the edited config.json is refused first, as changed
+    capsys.readouterr()
+    assert main(["reproduce", str(out), "--no-progress"]) == 0
+    said = capsys.readouterr().out
+    assert "the recorded values are used: static_groups=False" in said and "tensors match bit for bit" in said
+    qc["config"]["static_groups"] = None  # nothing to pin: today's default runs, and the tensors differ
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert main(["reproduce", str(out), "--no-progress"]) == 1
+    said = capsys.readouterr().out
+    assert "recorded values are used" not in said and "DIFFERS" in said
+
+
 def test_cli_flags_are_a_one_entry_recipe_and_exclude_recipe(cli_env, tmp_path, capsys):
     from bitmosaic.cli import main
 

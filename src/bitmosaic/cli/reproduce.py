@@ -127,6 +127,11 @@ def cmd_reproduce(args) -> int:
         print(f"all {len(checked)} files match the SHA-256 recorded at save (SHA256SUMS)")
     _, qc = verify_saved(path)  # an edited or damaged folder is refused as the loaders refuse it
     recipe, prov = _recorded(path, qc)
+    if qc.get("method") == recipe.method:
+        recipe, pinned = recipe.pin_recorded_defaults(qc.get("config"))
+        if pinned:
+            said = ", ".join(f"{k}={v}" for k, v in pinned.items())
+            print(f"defaults changed since the save; the recorded values are used: {said}")
     cal, pipe = prov["calibration"], prov["pipeline"]
     _check_json_path(args.json)
     torch.set_num_threads(args.threads or int(pipe.get("threads") or torch.get_num_threads()))

@@ -35,7 +35,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import OptionError
@@ -176,6 +176,27 @@ class Recipe:
     def default(self):
         """``(MethodSpec, config)`` of the default entry (method, settings, scheme)."""
         return self._entry_config(None, "recipe")
+
+    def pin_recorded_defaults(self, recorded: dict) -> tuple[Recipe, dict]:
+        """``(recipe, pinned)``: this recipe with each plain setting that it leaves to a default, where
+        that default now differs from ``recorded`` (a saved model's ``config``: the default entry's whole
+        config at save time), set to the recorded value -- so a rerun (``bitmosaic reproduce``) does what
+        ran, after a release changed a default (GPTQ's groups became auto, static at 4 bits).  Overrides of
+        the same method inherit the pin as they inherit every setting; ``act`` and list values are not
+        pinned (the scheme and explicit settings record them)."""
+        if not isinstance(recorded, dict):
+            return self, {}
+        now = self.default()[1].to_dict()
+        plain = (bool, int, float, str, type(None))
+        pinned = {
+            k: v
+            for k, v in recorded.items()
+            if k in now and k != "act" and k not in self.settings
+            and isinstance(v, plain) and isinstance(now[k], plain) and now[k] != v
+        }  # fmt: skip
+        if not pinned:
+            return self, {}
+        return replace(self, settings={**self.settings, **pinned}), pinned
 
     def resolver(self, names) -> Callable[[str], tuple | None]:
         """``name -> (MethodSpec, config)`` (``None``: skipped) over the linears ``names``.  A pattern
