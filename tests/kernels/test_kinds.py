@@ -28,9 +28,11 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("kinds")
 
 
-# every method's saved-bytes case, plus the default ``--method gptq`` result (act-order, static groups)
+# every method's saved-bytes case, plus the default ``--method gptq`` result (act-order, auto groups:
+# static at 4 bits, so both formats hold it exactly) and explicit static groups
 EXPORT_CASES = {
     **CASES,
+    "gptq-default": ("gptq", {"bits": 4, "group_size": 32}),
     "gptq-static-groups": ("gptq", {"bits": 4, "group_size": 32, "static_groups": True}),
     # MosaicQuant W4A8 without residual blocks: its dense INT4 base and INT8 token activations
     "mosaic-w4a8-dense": ("mosaic", {"scheme": "W4A8", "budget_frac": 0.0, "block": "32x32"}),
