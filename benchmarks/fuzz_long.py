@@ -64,7 +64,11 @@ def main() -> int:
             run(name, n, seed=seed)
             defect = None
         except Exception as e:  # a defect: recorded, the other properties still run
-            defect = "".join(traceback.format_exception_only(type(e), e)).strip()[-600:]
+            # the exception's own first line (hypothesis appends the falsifying input as a note, which
+            # can be a 200 kB bytes repr): the type, the message, and where it was raised
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            first = (str(e).splitlines() or [""])[0][:400]
+            defect = f"{type(e).__name__}: {first} (at {Path(where.filename).name}:{where.lineno})"
             failed += 1
         secs = time.perf_counter() - t0
         row = {

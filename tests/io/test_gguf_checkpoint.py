@@ -30,13 +30,14 @@ _SMOLLM = pytest.mark.skipif(smollm2_gguf() is None,
 
 def tiny_gguf(path, arch: str, tied: bool = True, layers: int = 2, seed: int = 0, name: str = "tiny",
               hidden: int = 64, intermediate: int = 128, vocab: str | None = None,
-              block_count: int | None | str = "layers"):  # fmt: skip
+              block_count: int | None | str = "layers", heads: tuple = (4, 2)):  # fmt: skip
     """A random tiny model of GGUF architecture ``arch`` written with the ``gguf`` package: the tensor
     names gguf-py gives the transformers model's parameters, 2-D weights cycling through Q8_0, Q4_1, F16,
     Q5_0, BF16 and F32, norms and biases F32; no output head when ``tied``.  4 heads (2 kv heads) of
     ``hidden / 4`` (Gemma: 16).  ``vocab``: a ``tokenizer.ggml.model`` (llama.cpp loads a file with
     ``"none"``: token ids only).  ``block_count``: the layer count written in the metadata (default
-    ``layers``; ``None``: none written)."""
+    ``layers``; ``None``: none written).  ``heads``: the head counts written in the metadata (the tensors
+    always have 4 and 2)."""
     import gguf
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -53,8 +54,8 @@ def tiny_gguf(path, arch: str, tied: bool = True, layers: int = 2, seed: int = 0
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
     sizes = {"context_length": 64, "block_count": layers if block_count == "layers" else block_count,
-             "feed_forward_length": intermediate, "embedding_length": hidden, "attention.head_count": 4,
-             "attention.head_count_kv": 2, "vocab_size": 128}  # fmt: skip
+             "feed_forward_length": intermediate, "embedding_length": hidden, "vocab_size": 128,
+             "attention.head_count": heads[0], "attention.head_count_kv": heads[1]}  # fmt: skip
     for k, v in sizes.items():
         if v is not None:
             w.add_uint32(f"{arch}.{k}", v)
@@ -201,6 +202,26 @@ def test_a_layer_count_that_disagrees_with_the_tensors_is_refused_before_sizing_
     with pytest.raises(CorruptModelError, match=want) as e:
         GGUFCheckpoint(path)
     assert "\n" not in str(e.value)
+    with pytest.raises(CorruptModelError, match=want):
+        load_model(f"gguf:{path}")
+
+
+@pytest.mark.parametrize(
+    "heads,want",
+    [((4, 258), "head counts that no model has"), ((4, 0), "head counts that no model has"),
+     ((4, 3), "head counts that no model has"), ((6, 2), "attn_q.weight of 64 rows, which 6 attention heads"),
+     ((2, 2), "query heads of 32 and key heads of 16")],
+)  # fmt: skip
+def test_head_counts_that_do_not_split_the_attention_weights_are_refused(tmp_path, heads, want):
+    """The long fuzz run's second find: a damaged ``head_count_kv`` (258) made transformers' Llama
+    reader raise numpy's "cannot reshape array" in both loaders.  Both refuse it in one line now."""
+    from bitmosaic.errors import CorruptModelError
+    from bitmosaic.io import load_model
+
+    path = tiny_gguf(tmp_path / "h.gguf", "llama", heads=heads)
+    with pytest.raises(CorruptModelError, match=want) as e:
+        GGUFCheckpoint(path)
+    assert "\n" not in str(e.value) and "re-download" in str(e.value)
     with pytest.raises(CorruptModelError, match=want):
         load_model(f"gguf:{path}")
 

@@ -107,6 +107,7 @@ def open_gguf(path: str | os.PathLike, spec: str | None = None):
     except (ValueError, OSError, KeyError, IndexError, EOFError) as e:
         raise _damaged(spec or str(path), path, e) from None
     _check_block_count(reader, spec or str(path), path)
+    _check_heads(reader, spec or str(path), path)
     return reader
 
 
@@ -144,6 +145,55 @@ def _check_block_count(reader, spec: str, path: Path) -> None:
             f"{named}GGUF file {path} says it has {count} layers ({key}) but holds the tensors of "
             f"{present}; re-download it"
         )
+
+
+def _uint_field(reader, key: str) -> int | None:
+    """A scalar integer field, or ``None`` when absent or not one (e.g. a per-layer array)."""
+    field = reader.fields.get(key)
+    if field is None or len(field.data) != 1:
+        return None
+    try:
+        value = field.parts[field.data[0]]
+        return int(value[0]) if value.dtype.kind in "iu" and value.size == 1 else None
+    except (IndexError, TypeError, ValueError, AttributeError):
+        return None
+
+
+def _check_heads(reader, spec: str, path: Path) -> None:
+    """The attention head counts in the metadata must split the attention weights into whole heads
+    of one width: transformers' Llama reader reshapes the q/k rows per head (and per rotary half)
+    before any check, so a damaged ``head_count_kv`` (258, found by the long fuzz run) raised numpy's
+    "cannot reshape array" from inside transformers, in both loaders."""
+    try:
+        arch = _string_field(reader, "general.architecture")
+    except (KeyError, IndexError, ValueError, UnicodeDecodeError):
+        return
+    h = _uint_field(reader, f"{arch}.attention.head_count")
+    if h is None:
+        return  # absent or per layer: transformers' defaults and its own checks apply
+    kv = _uint_field(reader, f"{arch}.attention.head_count_kv")
+    kv = h if kv is None else kv
+    named = "" if str(spec) == str(path) else f"{spec}: "
+
+    def refuse(why: str):
+        raise CorruptModelError(f"{named}GGUF file {path} {why}; re-download it")
+
+    keys = f"{arch}.attention.head_count {h}, head_count_kv {kv}"
+    if h < 1 or kv < 1 or h % kv:
+        refuse(f"has attention head counts that no model has ({keys}: each must be at least 1, and kv "
+               "heads must divide the heads)")  # fmt: skip
+    halves = 2 if arch == "llama" else 1  # transformers un-permutes Llama's rotary halves per head
+    width = {}
+    for t in reader.tensors:
+        kind = t.name.rsplit(".", 2)[-2] if t.name.endswith(".weight") else None
+        if kind not in ("attn_q", "attn_k") or len(t.shape) != 2:
+            continue
+        n, rows = (h if kind == "attn_q" else kv), int(t.shape[1])  # GGUF shapes are [in, out]
+        if rows % (n * halves):
+            refuse(f"has {t.name} of {rows} rows, which {n} attention heads do not split ({keys})")
+        width.setdefault(kind, rows // n)
+    if len(set(width.values())) > 1:
+        refuse(f"has query heads of {width['attn_q']} and key heads of {width['attn_k']} columns ({keys})")
 
 
 class GGUFCheckpoint(Checkpoint):
