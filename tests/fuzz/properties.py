@@ -432,13 +432,14 @@ def check_saved_config(cfg) -> None:
 # -- GGUF files ---------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
 def _gguf_bytes() -> tuple[bytes, int]:
-    """A tiny Llama GGUF (one layer, mixed tensor types) and where its tensor data starts."""
+    """A tiny Llama GGUF (one layer, mixed tensor types, a whole tokenizer, so the unmutated file loads
+    in both loaders) and where its tensor data starts."""
     from gguf import GGUFReader
 
     from tests.io.test_gguf_checkpoint import tiny_gguf
 
     with _scratch() as d:
-        path = tiny_gguf(d / "tiny.gguf", "llama", layers=1)
+        path = tiny_gguf(d / "tiny.gguf", "llama", layers=1, vocab="llama")
         start = min(int(t.data_offset) for t in GGUFReader(os.fspath(path)).tensors)
         return path.read_bytes(), start
 

@@ -30,14 +30,16 @@ _SMOLLM = pytest.mark.skipif(smollm2_gguf() is None,
 
 def tiny_gguf(path, arch: str, tied: bool = True, layers: int = 2, seed: int = 0, name: str = "tiny",
               hidden: int = 64, intermediate: int = 128, vocab: str | None = None,
-              block_count: int | None | str = "layers", heads: tuple = (4, 2)):  # fmt: skip
+              block_count: int | None | str = "layers", heads: tuple = (4, 2),
+              sizes: dict | None = None):  # fmt: skip
     """A random tiny model of GGUF architecture ``arch`` written with the ``gguf`` package: the tensor
     names gguf-py gives the transformers model's parameters, 2-D weights cycling through Q8_0, Q4_1, F16,
     Q5_0, BF16 and F32, norms and biases F32; no output head when ``tied``.  4 heads (2 kv heads) of
     ``hidden / 4`` (Gemma: 16).  ``vocab``: a ``tokenizer.ggml.model`` (llama.cpp loads a file with
-    ``"none"``: token ids only).  ``block_count``: the layer count written in the metadata (default
+    ``"none"``: token ids only; ``"llama"`` also writes 128 tokens, so transformers loads the tokenizer).
+    ``block_count``: the layer count written in the metadata (default
     ``layers``; ``None``: none written).  ``heads``: the head counts written in the metadata (the tensors
-    always have 4 and 2)."""
+    always have 4 and 2); ``sizes``: other metadata sizes written in place of the tensors' own."""
     import gguf
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -53,16 +55,20 @@ def tiny_gguf(path, arch: str, tied: bool = True, layers: int = 2, seed: int = 0
     names = gguf.get_tensor_name_map(arch_id, layers)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
-    sizes = {"context_length": 64, "block_count": layers if block_count == "layers" else block_count,
+    meta = {"context_length": 64, "block_count": layers if block_count == "layers" else block_count,
              "feed_forward_length": intermediate, "embedding_length": hidden, "vocab_size": 128,
              "attention.head_count": heads[0], "attention.head_count_kv": heads[1]}  # fmt: skip
-    for k, v in sizes.items():
+    for k, v in {**meta, **(sizes or {})}.items():
         if v is not None:
             w.add_uint32(f"{arch}.{k}", v)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_float32(f"{arch}.rope.freq_base", 10000.0)
     if vocab is not None:
         w.add_tokenizer_model(vocab)
+    if vocab == "llama":  # a whole SentencePiece-style vocabulary: <unk>, <s>, </s> and 125 byte tokens
+        w.add_token_list(["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(125)])
+        w.add_token_scores([0.0] * 128)
+        w.add_token_types([2, 3, 3] + [6] * 125)  # unknown, control, control, bytes
     for k, v in {"bos": 1, "eos": 2, "padding": 0}.items():
         w.add_uint32(f"tokenizer.ggml.{k}_token_id", v)
     if gemma:
@@ -219,6 +225,24 @@ def test_head_counts_that_do_not_split_the_attention_weights_are_refused(tmp_pat
     from bitmosaic.io import load_model
 
     path = tiny_gguf(tmp_path / "h.gguf", "llama", heads=heads)
+    with pytest.raises(CorruptModelError, match=want) as e:
+        GGUFCheckpoint(path)
+    assert "\n" not in str(e.value) and "re-download" in str(e.value)
+    with pytest.raises(CorruptModelError, match=want):
+        load_model(f"gguf:{path}")
+
+
+@pytest.mark.parametrize("key,value", [("embedding_length", 67108928), ("feed_forward_length", 96),
+                                       ("vocab_size", 129)])  # fmt: skip
+def test_model_sizes_that_disagree_with_the_tensors_are_refused(tmp_path, key, value):
+    """The long fuzz run's third find: transformers builds the model from the metadata sizes and
+    re-initialises every tensor of another shape -- a damaged ``embedding_length`` gave random weights
+    (or tens of GB).  Both loaders refuse it in one line, before building anything."""
+    from bitmosaic.errors import CorruptModelError
+    from bitmosaic.io import load_model
+
+    path = tiny_gguf(tmp_path / "s.gguf", "llama", sizes={key: value})
+    want = f"says llama.{key} is {value} but its"
     with pytest.raises(CorruptModelError, match=want) as e:
         GGUFCheckpoint(path)
     assert "\n" not in str(e.value) and "re-download" in str(e.value)

@@ -108,6 +108,7 @@ def open_gguf(path: str | os.PathLike, spec: str | None = None):
         raise _damaged(spec or str(path), path, e) from None
     _check_block_count(reader, spec or str(path), path)
     _check_heads(reader, spec or str(path), path)
+    _check_sizes(reader, spec or str(path), path)
     return reader
 
 
@@ -194,6 +195,35 @@ def _check_heads(reader, spec: str, path: Path) -> None:
         width.setdefault(kind, rows // n)
     if len(set(width.values())) > 1:
         refuse(f"has query heads of {width['attn_q']} and key heads of {width['attn_k']} columns ({keys})")
+
+
+# metadata size -> (tensor, its dimension in GGUF order [in, out]) that must have that size
+_SIZES = {"embedding_length": ("token_embd.weight", 0), "vocab_size": ("token_embd.weight", 1),
+          "feed_forward_length": ("blk.0.ffn_up.weight", 1)}  # fmt: skip
+
+
+def _check_sizes(reader, spec: str, path: Path) -> None:
+    """The model sizes in the metadata must be the tensors' sizes: transformers builds the model from
+    the metadata, then re-initialises every tensor whose shape differs -- a damaged
+    ``embedding_length`` (found by the long fuzz run) gave a model of random weights, or allocated
+    tens of GB for it."""
+    try:
+        arch = _string_field(reader, "general.architecture")
+    except (KeyError, IndexError, ValueError, UnicodeDecodeError):
+        return
+    shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
+    named = "" if str(spec) == str(path) else f"{spec}: "
+    for key, (tensor, dim) in _SIZES.items():
+        size = _uint_field(reader, f"{arch}.{key}")
+        shape = shapes.get(tensor)
+        if size is None or shape is None or len(shape) <= dim or shape[dim] == size:
+            continue
+        if key == "feed_forward_length" and "blk.0.ffn_gate.weight" not in shapes:
+            continue  # gate and up fused into one tensor (Phi-3): twice the width
+        raise CorruptModelError(
+            f"{named}GGUF file {path} says {arch}.{key} is {size} but its {tensor} has {shape[dim]}; "
+            "re-download it"
+        )
 
 
 class GGUFCheckpoint(Checkpoint):

@@ -211,6 +211,15 @@ def _from_pretrained(src: str, kw: dict, spec: str, dtype: torch.dtype):
         ) from None
     except BitmosaicError:
         raise
+    except RuntimeError as e:
+        if "gguf_file" not in kw or "mismatched_sizes" not in str(e):
+            raise
+        # transformers built the model from the file's metadata and its tensors have other shapes
+        # (a damaged size that no check of ours names; found by the long fuzz run)
+        raise CorruptModelError(
+            f"could not load {spec!r}: the tensors of the GGUF file {kw['gguf_file']} have other shapes "
+            "than its metadata gives the model; it is damaged: re-download it"
+        ) from None
     except _GGUF_READ_ERRORS as e:
         if "gguf_file" not in kw:
             raise

@@ -25,9 +25,10 @@ layers with different group sizes are split into groups of the common divisor, r
 the weights stay bit-identical and no loader meets a partial group.
 
 Serving: vLLM (0.33, measured by ``tests/io/test_vllm_config.py``) reads GPTQ checkpoints only when
-they are symmetric 4- or 8-bit without act-order groups (``desc_act: false``: ``bitmosaic quantize --sym``,
-whose 4/8-bit act-order groups are static by default); it refuses asymmetric, 2/3-bit and ``desc_act: true`` ones, which the export then
-says in a note (compressed-tensors is vLLM's route for those).  transformers/GPTQModel load all of them.
+they are symmetric 4- or 8-bit without act-order groups (``desc_act: false``: ``bitmosaic quantize
+--sym``, whose 4/8-bit act-order groups are static by default); it refuses asymmetric, 2/3-bit and
+``desc_act: true`` ones, which the export then says in a note (compressed-tensors is vLLM's route for
+those).  transformers/GPTQModel load all of them.
 GPTQ holds weights only: activation quantizers are refused (dropped with ``--lossy``).
 """
 
@@ -158,8 +159,8 @@ def build_gptq(src: Source, lossy: bool, v2: bool | None = None) -> tuple[dict, 
     if why:
         notes.append(
             f"vLLM (0.33) does not serve this GPTQ checkpoint ({', '.join(why)}; it takes symmetric 4/8-bit "
-            "without act-order groups: quantize 4 or 8 bits with --sym and static groups, the default there); "
-            "transformers and GPTQModel load it, and vLLM reads the compressed-tensors export of a "
+            "without act-order groups: quantize 4 or 8 bits with --sym and static groups, the default "
+            "there); transformers and GPTQModel load it, and vLLM reads the compressed-tensors export of a "
             "static-groups result"
         )
     return tensors, qconfig, records, notes
