@@ -90,10 +90,14 @@ def _unsupported(spec: str, arch: str, why: str = "") -> UnsupportedGGUFError:
     )
 
 
+def _file_name(spec: str, path: Path) -> str:
+    """How errors name the file: ``GGUF file PATH``, after the model spec when that differs."""
+    return ("" if str(spec) == str(path) else f"{spec}: ") + f"GGUF file {path}"
+
+
 def _damaged(spec: str, path: Path, e: BaseException) -> CorruptModelError:
     reason = " ".join(str(e).split())[:160] or type(e).__name__
-    named = "" if str(spec) == str(path) else f"{spec}: "
-    return CorruptModelError(f"{named}GGUF file {path} is truncated or damaged ({reason}); re-download it")
+    return CorruptModelError(f"{_file_name(spec, path)} is truncated or damaged ({reason}); re-download it")
 
 
 def open_gguf(path: str | os.PathLike, spec: str | None = None):
@@ -106,30 +110,28 @@ def open_gguf(path: str | os.PathLike, spec: str | None = None):
         reader = GGUFReader(os.fspath(path))
     except (ValueError, OSError, KeyError, IndexError, EOFError) as e:
         raise _damaged(spec or str(path), path, e) from None
-    _check_block_count(reader, spec or str(path), path)
-    _check_heads(reader, spec or str(path), path)
-    _check_sizes(reader, spec or str(path), path)
+    try:
+        arch = _string_field(reader, "general.architecture")
+    except (KeyError, IndexError, ValueError, UnicodeDecodeError):
+        return reader  # no architecture: transformers refuses the file itself, before sizing anything
+    for check in (_check_block_count, _check_heads, _check_sizes):  # metadata against the tensors
+        check(reader, arch, _file_name(spec or str(path), path))
     return reader
 
 
 _BLOCK = re.compile(r"(?:^|\.)blk\.(\d+)\.")
 
 
-def _check_block_count(reader, spec: str, path: Path) -> None:
+def _check_block_count(reader, arch: str, file: str) -> None:
     """The layer count in the metadata (``{arch}.block_count``) must be the number of ``blk.N``
     tensor groups in the file.  transformers sizes the model and gguf-py its tensor-name map from that
     number before any tensor is read: a damaged or hostile count (2^31) costs minutes and tens of GB
     there (found by the long fuzz run: killed by the kernel at 23.7 GB), and a missing one silently
     becomes the architecture's default (32 layers for Llama) with 31 of them uninitialised."""
-    try:
-        arch = _string_field(reader, "general.architecture")
-    except (KeyError, IndexError, ValueError, UnicodeDecodeError):
-        return  # no architecture: transformers refuses the file itself, before sizing anything
     blocks = [int(m.group(1)) for t in reader.tensors if (m := _BLOCK.search(t.name))]
     present = max(blocks) + 1 if blocks else 0
     key = f"{arch}.block_count"
     field = reader.fields.get(key)
-    named = "" if str(spec) == str(path) else f"{spec}: "
     try:
         count = int(field.parts[field.data[0]][0]) if field is not None else None
     except (IndexError, TypeError, ValueError):
@@ -138,12 +140,12 @@ def _check_block_count(reader, spec: str, path: Path) -> None:
         return  # no layers named and none counted (e.g. an empty file of another architecture)
     if count is None:
         raise CorruptModelError(
-            f"{named}GGUF file {path} has no readable {key} (its layer count) in its metadata; "
+            f"{file} has no readable {key} (its layer count) in its metadata; "
             "re-download it"
         )
     if count != present:
         raise CorruptModelError(
-            f"{named}GGUF file {path} says it has {count} layers ({key}) but holds the tensors of "
+            f"{file} says it has {count} layers ({key}) but holds the tensors of "
             f"{present}; re-download it"
         )
 
@@ -160,24 +162,19 @@ def _uint_field(reader, key: str) -> int | None:
         return None
 
 
-def _check_heads(reader, spec: str, path: Path) -> None:
+def _check_heads(reader, arch: str, file: str) -> None:
     """The attention head counts in the metadata must split the attention weights into whole heads
     of one width: transformers' Llama reader reshapes the q/k rows per head (and per rotary half)
     before any check, so a damaged ``head_count_kv`` (258, found by the long fuzz run) raised numpy's
     "cannot reshape array" from inside transformers, in both loaders."""
-    try:
-        arch = _string_field(reader, "general.architecture")
-    except (KeyError, IndexError, ValueError, UnicodeDecodeError):
-        return
     h = _uint_field(reader, f"{arch}.attention.head_count")
     if h is None:
         return  # absent or per layer: transformers' defaults and its own checks apply
     kv = _uint_field(reader, f"{arch}.attention.head_count_kv")
     kv = h if kv is None else kv
-    named = "" if str(spec) == str(path) else f"{spec}: "
 
     def refuse(why: str):
-        raise CorruptModelError(f"{named}GGUF file {path} {why}; re-download it")
+        raise CorruptModelError(f"{file} {why}; re-download it")
 
     keys = f"{arch}.attention.head_count {h}, head_count_kv {kv}"
     if h < 1 or kv < 1 or h % kv:
@@ -202,17 +199,12 @@ _SIZES = {"embedding_length": ("token_embd.weight", 0), "vocab_size": ("token_em
           "feed_forward_length": ("blk.0.ffn_up.weight", 1)}  # fmt: skip
 
 
-def _check_sizes(reader, spec: str, path: Path) -> None:
+def _check_sizes(reader, arch: str, file: str) -> None:
     """The model sizes in the metadata must be the tensors' sizes: transformers builds the model from
     the metadata, then re-initialises every tensor whose shape differs -- a damaged
     ``embedding_length`` (found by the long fuzz run) gave a model of random weights, or allocated
     tens of GB for it."""
-    try:
-        arch = _string_field(reader, "general.architecture")
-    except (KeyError, IndexError, ValueError, UnicodeDecodeError):
-        return
     shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
-    named = "" if str(spec) == str(path) else f"{spec}: "
     for key, (tensor, dim) in _SIZES.items():
         size = _uint_field(reader, f"{arch}.{key}")
         shape = shapes.get(tensor)
@@ -221,7 +213,7 @@ def _check_sizes(reader, spec: str, path: Path) -> None:
         if key == "feed_forward_length" and "blk.0.ffn_gate.weight" not in shapes:
             continue  # gate and up fused into one tensor (Phi-3): twice the width
         raise CorruptModelError(
-            f"{named}GGUF file {path} says {arch}.{key} is {size} but its {tensor} has {shape[dim]}; "
+            f"{file} says {arch}.{key} is {size} but its {tensor} has {shape[dim]}; "
             "re-download it"
         )
 
