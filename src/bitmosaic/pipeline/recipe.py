@@ -22,7 +22,7 @@ resolver (qualified linear name -> ``(MethodSpec, config)`` or ``None`` to skip)
 linear of the model gets a warning line; an entry that matches only linears an earlier entry took (so
 it would never apply, e.g. the same pattern twice) is refused.
 
-Linears that read one input (q/k/v, gate/up) are stacked into one GPTQ/Babai/RTN call only when
+Linears that read one input (q/k/v, gate/up) are stacked into one solver call only when
 they resolve to the same method and config, and a smoothing ``transform`` is
 applied to such a group only when all its linears share that method and config (otherwise the
 group stays unsmoothed); their static activation quantizers, if any, must be the same.
@@ -181,7 +181,7 @@ class Recipe:
         """``(recipe, pinned)``: this recipe with each plain setting that it leaves to a default, where
         that default now differs from ``recorded`` (a saved model's ``config``: the default entry's whole
         config at save time), set to the recorded value -- so a rerun (``bitmosaic reproduce``) does what
-        ran, after a release changed a default (GPTQ's groups became auto, static at 4 bits).  Overrides of
+        ran after a release changed one of a method's defaults.  Overrides of
         the same method inherit the pin as they inherit every setting; ``act`` and list values are not
         pinned (the scheme and explicit settings record them)."""
         if not isinstance(recorded, dict):
