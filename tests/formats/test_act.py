@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from bitmosaic.algorithms.observers import ActObserver
-from bitmosaic.formats.act import ActQuantSpec, act_amax, fake_quant, parse_scheme, scale_from_amax
+from bitmosaic.formats.act import (
+    ActQuantSpec,
+    act_amax,
+    act_scales,
+    fake_quant,
+    parse_scheme,
+    scale_from_amax,
+)
 from bitmosaic.formats.fp import FP_FORMATS, fp_round
 from bitmosaic.modules.actquant import attach_input_quant
 
@@ -115,6 +122,23 @@ def test_group_and_static_granularities():
     assert y.abs().max() <= 128 * 0.01 + 1e-6  # clamped to [-128, 127] codes
     with pytest.raises(ValueError, match="no calibrated scale"):
         fake_quant(x, st)
+
+
+def test_clip_ratio_saturates_the_largest_values():
+    """QuaRot's activation clip: scale = ratio x amax / qmax, so values beyond ratio x amax saturate."""
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
+    full, clip = ActQuantSpec("int", 4), ActQuantSpec("int", 4, clip_ratio=0.8)
+    amax = x.abs().amax(-1, keepdim=True)
+    assert torch.allclose(act_scales(x, clip), 0.8 * act_scales(x, full))
+    y, top = fake_quant(x, clip), (0.8 * amax).expand_as(x)
+    hi = x >= top
+    assert hi.any() and torch.allclose(y[hi], top[hi])  # beyond the clip: saturated at code qmax = 7
+    assert (y <= top + 1e-6).all()
+    assert clip.label == "int4/token/dynamic/clip0.8" and full.label == "int4/token/dynamic"
+    assert ActQuantSpec.from_dict({k: v for k, v in clip.to_dict().items() if k != "clip_ratio"}) == full
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="clip ratio must be in"):
+            ActQuantSpec("int", 4, clip_ratio=bad)
 
 
 def test_pow2_scales_round_up():

@@ -248,6 +248,18 @@ def test_compressed_tensors_export_is_bit_identical(tmp_path, method, opts, fmt)
         assert close(float_logits(out, got), logits)
 
 
+def test_a_dynamic_activation_clip_ratio_is_refused_by_compressed_tensors(tmp_path):
+    """compressed-tensors scales dynamic activations by their full maximum: a clip ratio would change
+    the integers its runtime computes, so the export refuses in one line and writes nothing."""
+    from bitmosaic.formats.act import ActQuantSpec
+
+    act = ActQuantSpec("int", 8, clip_ratio=0.9)
+    src = quantized(tmp_path, "smoothquant", bits=8, group_size=None, symmetric=True, act=act)
+    with pytest.raises(ExportError, match="a dynamic clip ratio of 0.9") as e:
+        export_model(src, tmp_path / "out", "compressed-tensors")
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_transformers_loads_the_compressed_tensors_export(tmp_path, symmetric):
     """The full loader: transformers + compressed-tensors decompress the checkpoint on their own

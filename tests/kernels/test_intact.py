@@ -65,13 +65,14 @@ def _close(y_int, y_sim, x_q, w):
     act_order=st.booleans(),
     M=st.sampled_from([1, 3, 12]),
     seed=st.integers(0, 2**16),
+    clip=st.sampled_from([1.0, 0.9, 0.75]),
 )
-def test_layer_int_path_matches_simulated(bits, gs, sym, gran, abits, act_order, M, seed):
+def test_layer_int_path_matches_simulated(bits, gs, sym, gran, abits, act_order, M, seed, clip):
     static = gran.endswith("-static")
     gran = gran.split("-")[0]
     if gran == "group" and (gs < 0 or act_order):
         gran = "tensor"
-    spec = ActQuantSpec("int", abits, granularity=gran, group_size=64, static=static)
+    spec = ActQuantSpec("int", abits, granularity=gran, group_size=64, static=static, clip_ratio=clip)
     m, g = _layer(24, 128, bits, gs, sym, spec, seed, act_order)
     x = torch.randn(2, M, 128, generator=g) * 2
     with torch.inference_mode():

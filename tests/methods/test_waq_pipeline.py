@@ -157,6 +157,9 @@ def test_cli_activation_flags():
     assert "act" not in _opts(["--method", "rtn"])  # the method default (16-bit activations)
     o = _opts(["--abits", "8", "--a-calib", "percentile", "--a-granularity", "tensor", "--a-static"])
     assert (o["act"].calib, o["act"].static) == ("percentile", True)
+    assert _opts(["--scheme", "W4A4", "--a-clip", "0.9"])["act"].clip_ratio == 0.9
+    with pytest.raises(ValueError, match=r"clip ratio must be in \(0, 1\], got 1.5"):
+        _opts(["--scheme", "W4A4", "--a-clip", "1.5"])
     with pytest.raises(ValueError, match="--alpha does not apply"):
         _opts(["--method", "gptq", "--alpha", "0.5"])
     with pytest.raises(ValueError, match="8-bit format"):

@@ -13,7 +13,7 @@ DEFAULT_MODEL = "smollm2-135m"
 # the dests of the activation flags (one ``act`` field of every config)
 ACT_DESTS = (
     "scheme", "abits", "afmt", "a_granularity", "a_group_size", "a_static", "a_pow2", "a_calib",
-    "a_percentile",
+    "a_percentile", "a_clip",
 )  # fmt: skip
 
 
@@ -54,6 +54,12 @@ def _add_act_args(q: argparse.ArgumentParser) -> None:
     a.add_argument(
         "--a-percentile", type=float, default=None, help="with --a-calib percentile (default 99.99)"
     )
+    a.add_argument(
+        "--a-clip",
+        type=float,
+        default=None,
+        help="activation clip ratio in (0, 1]: scale = ratio x max (QuaRot uses 0.9 at A4; default 1)",
+    )
 
 
 def act_spec_from_args(args):
@@ -93,6 +99,7 @@ def act_spec_from_args(args):
         "pow2": args.a_pow2 or None,
         "calib": args.a_calib,
         "percentile": args.a_percentile,
+        "clip_ratio": args.a_clip,
     }
     extra = {k: v for k, v in extra.items() if v is not None}
     if extra and spec is None:

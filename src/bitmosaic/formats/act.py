@@ -7,9 +7,11 @@ An :class:`ActQuantSpec` says *what* grid and *which* scale granularity:
 - ``"group"``: one scale per ``group_size`` contiguous hidden channels, per token when dynamic,
   shared by all tokens when static.
 
-``scale = amax / qmax`` where ``qmax`` is ``2**(bits-1) - 1`` for INT (codes ``-qmax-1..qmax``)
-and the format's largest value for FP; ``pow2`` rounds each scale *up* to a power of two (so
-nothing extra saturates).  Fake quantization returns ``Q(x / scale) * scale``.
+``scale = clip_ratio · amax / qmax`` where ``qmax`` is ``2**(bits-1) - 1`` for INT (codes
+``-qmax-1..qmax``) and the format's largest value for FP; ``clip_ratio`` < 1 saturates the largest
+values to refine the grid for the rest (QuaRot's activation clip ratio, 0.9 at A4: Ashkboos et al.
+2024, Sec. 5); ``pow2`` rounds each scale *up* to a power of two (so nothing extra saturates).
+Fake quantization returns ``Q(x / scale) * scale``.
 
 Numerics (what is simulated): a linear layer then computes ``Q(x) @ Ŵ^T`` in float32.  For FP8
 operands this is exactly an FP8×FP8 GEMM with float32 accumulation (every product of two FP8
@@ -55,6 +57,7 @@ class ActQuantSpec:
     pow2: bool = False
     calib: str = "max"  # static scale statistic: "max" | "percentile"
     percentile: float = 99.99
+    clip_ratio: float = 1.0  # scale = clip_ratio * amax / qmax
 
     def __post_init__(self) -> None:
         if self.fmt != "int" and self.fmt not in FP_FORMATS:
@@ -75,6 +78,8 @@ class ActQuantSpec:
             raise ValueError(f"calib must be 'max' or 'percentile', got {self.calib!r}")
         if not 0 < self.percentile <= 100:
             raise ValueError(f"percentile must be in (0, 100], got {self.percentile}")
+        if not 0 < self.clip_ratio <= 1:
+            raise ValueError(f"activation clip ratio must be in (0, 1], got {self.clip_ratio}")
 
     @property
     def qmax(self) -> float:
@@ -86,10 +91,17 @@ class ActQuantSpec:
     def label(self) -> str:
         grid = f"int{self.bits}" if self.fmt == "int" else f"fp{self.bits}-{self.fmt}"
         gran = f"group{self.group_size}" if self.granularity == "group" else self.granularity
-        return f"{grid}/{gran}/{'static' if self.static else 'dynamic'}" + ("/pow2" if self.pow2 else "")
+        clip = "" if self.clip_ratio == 1 else f"/clip{self.clip_ratio:g}"
+        pow2 = "/pow2" if self.pow2 else ""
+        return f"{grid}/{gran}/{'static' if self.static else 'dynamic'}{pow2}{clip}"
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields; ``clip_ratio`` only where it clips (< 1), so a saved model without a clip reads
+        the same in versions that predate it."""
+        d = dataclasses.asdict(self)
+        if self.clip_ratio == 1:
+            del d["clip_ratio"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict | None) -> ActQuantSpec | None:
@@ -153,8 +165,9 @@ def act_amax(x: torch.Tensor, spec: ActQuantSpec) -> torch.Tensor:
 
 
 def scale_from_amax(amax: torch.Tensor, spec: ActQuantSpec) -> torch.Tensor:
-    """``amax / qmax`` (float32), optionally rounded up to a power of two."""
-    s = (amax.float() / spec.qmax).clamp(min=_MIN_SCALE)
+    """``clip_ratio · amax / qmax`` (float32), optionally rounded up to a power of two."""
+    a = amax.float() if spec.clip_ratio == 1 else amax.float() * spec.clip_ratio
+    s = (a / spec.qmax).clamp(min=_MIN_SCALE)
     if spec.pow2:
         s = torch.exp2(torch.ceil(torch.log2(s)))
     return s

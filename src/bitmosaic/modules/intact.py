@@ -167,7 +167,7 @@ class IntActKernel:
         spec, K = quantizer.spec, self.weight.K
         x2 = x.reshape(-1, K).float()
         s = None  # per-token dynamic: the kernel computes scale_from_amax itself (same float32 operations)
-        if spec.granularity != "token" or spec.pow2:
+        if spec.granularity != "token" or spec.pow2 or spec.clip_ratio != 1:
             s = _scale_table(act_scales(x2, spec, quantizer.scale), spec)  # the simulated path's scales
         if self.perm is not None:  # per-token / per-tensor scales do not depend on the column order
             x2 = x2.index_select(-1, self.perm)

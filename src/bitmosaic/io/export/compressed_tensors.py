@@ -57,6 +57,8 @@ def act_args(m) -> tuple[dict | None, torch.Tensor | None]:
         why = "per-group activation scales"
     elif spec.pow2 and not spec.static:
         why = "dynamic power-of-two activation scales"
+    elif spec.clip_ratio != 1 and not spec.static:
+        why = f"a dynamic clip ratio of {spec.clip_ratio:g} (compressed-tensors scales by the full maximum)"
     if why:
         raise Refusal(f"activation quantization {spec.label}: {why}")
     args = {
