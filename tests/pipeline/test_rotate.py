@@ -73,11 +73,13 @@ def test_float_model_unchanged(model_type, kind):
     assert err <= 2e-5 * ref.abs().max().item(), err
     assert info["untied"] and model.lm_head.weight is not model.model.embed_tokens.weight
     assert model.config.tie_word_embeddings is False
-    # the weights did change: scale-free norms, an online rotation per down_proj
+    # the weights did change: scale-free norms, an online rotation per o_proj and down_proj
     norm = model.model.layers[0].input_layernorm.weight
     assert torch.all(norm + get_arch(model).norm_offset == 1)
-    assert len(info["online"]) == 2
+    assert len(info["online"]) == 4
     assert input_rotation_spec(model.model.layers[1].mlp.down_proj) == {"type": "hadamard", "n": 80}
+    o_proj = model.model.layers[1].self_attn.o_proj
+    assert input_rotation_spec(o_proj) == {"type": "hadamard", "n": o_proj.in_features}
 
 
 @pytest.mark.parametrize("model_type", REFUSED)

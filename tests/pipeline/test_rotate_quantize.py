@@ -52,7 +52,7 @@ def test_every_method_composes_with_rotation(method, float_logits):
 
     m = tiny_llama()
     report = quantize_(m, method, _calib(), progress=False, rotate="hadamard", **METHODS[method])
-    assert report.calibration["rotation"] == {"kind": "hadamard", "seed": 0, "online": 2, "untied_head": True}
+    assert report.calibration["rotation"] == {"kind": "hadamard", "seed": 0, "online": 4, "untied_head": True}
     down = m.model.layers[1].mlp.down_proj
     assert input_rotation_spec(down) == {"type": "hadamard", "n": 96}
     assert next(iter(down._forward_pre_hooks.values())) is _input_rotation_hook  # before any act quantizer
@@ -75,7 +75,7 @@ def test_smoothing_skips_the_rotated_down_proj():
 
     assert folded(None)["down_proj"] is True
     plain, rotated = folded(None), folded("hadamard")
-    assert rotated["down_proj"] is False
+    assert rotated["down_proj"] is False and rotated["o_proj"] is False
     assert rotated["q_proj"] is True and rotated["gate_proj"] is True and plain["q_proj"] is True
 
 
@@ -103,7 +103,9 @@ def test_saved_model_records_and_every_loader_reapplies_the_rotation(saved_rotat
     cfg = json.loads((path / "config.json").read_text())
     rot = cfg["quantization_config"]["rotation"]
     assert rot["kind"] == "hadamard" and cfg["tie_word_embeddings"] is False
-    assert rot["online"] == {f"model.layers.{i}.mlp.down_proj": {"type": "hadamard", "n": 96} for i in (0, 1)}
+    want = {f"model.layers.{i}.mlp.down_proj": {"type": "hadamard", "n": 96} for i in (0, 1)}
+    want |= {f"model.layers.{i}.self_attn.o_proj": {"type": "hadamard", "n": 64} for i in (0, 1)}
+    assert rot["online"] == want
     assert cfg["quantization_config"]["recipe"]["rotate"] == "hadamard"
     x = _eval_ids()
     with torch.no_grad():
@@ -175,6 +177,7 @@ def test_export_refused_in_one_line(saved_rotated, tmp_path, capsys, fmt):
     assert main(["export", str(path), "--format", fmt, "--out", str(tmp_path / "x"), "--lossy"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: cannot export as {fmt}: the model was quantized with --rotate hadamard")
+    assert "at the input of 4 layer(s) (e.g. down_proj)" in err
     assert "\n" not in err and not (tmp_path / "x").exists()
 
 
@@ -218,7 +221,7 @@ def test_cli_quantize_inspect_eval_and_stream_refusal(tmp_path, capsys):
     capsys.readouterr()
     assert main(["inspect", str(out)]) == 0
     assert (
-        "rotation         hadamard (seed 0): online hadamard at the input of 2 layer(s)"
+        "rotation         hadamard (seed 0): online hadamard at the input of 4 layer(s)"
         in capsys.readouterr().out
     )
     ev = ["eval", str(out), "--ppl", str(tmp_path / "calib.txt"), "--seqlen", "32", "--max-windows", "2",

@@ -51,7 +51,8 @@ class RotationMap:
     writers: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")  # R1ᵀ on their outputs
     value: str | None = "self_attn.v_proj"  # R2 per head on its output rows ...
     attn_out: str | None = "self_attn.o_proj"  # ... and on these input columns
-    online: tuple[str, ...] = ("mlp.down_proj",)  # an online Hadamard at the input
+    # an online Hadamard at the input: QuaRot's down_proj and, across the heads, o_proj (Sec. 4, step 1c)
+    online: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")
     refuse: str | None = None  # why this architecture cannot be rotated (None: it can)
 
 

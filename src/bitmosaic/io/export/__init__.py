@@ -96,11 +96,12 @@ def _refuse_rotation(src, fmt: str) -> None:
 
     rotation = read_quant_config(src)[1].get("rotation")
     if rotation:
-        n = len(rotation.get("online") or {})
+        online = list(rotation.get("online") or {})
+        eg = f" (e.g. {online[0].rsplit('.', 1)[-1]})" if online else ""
         raise ExportError(
             f"cannot export as {fmt}: the model was quantized with --rotate {rotation.get('kind')}, whose "
             "online "
-            f"rotation at the input of {n} layer(s) (e.g. down_proj) a {fmt} checkpoint cannot express (its "
+            f"rotation at the input of {len(online)} layer(s){eg} a {fmt} checkpoint cannot express (its "
             "loaders would compute another function); load the bitmosaic folder itself (bitmosaic.load or "
             "from_pretrained), or quantize with --rotate none to export"
         )
