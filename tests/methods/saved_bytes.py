@@ -32,6 +32,7 @@ def golden_digests(case: str) -> list[dict[str, str]]:
         return [golden[capability()][case]]
     return [g[case] for g in golden.values()]
 
+
 # name -> (method, options): every method, including the run-state ones (sfmp, mosaic, sq-*)
 CASES: dict[str, tuple[str, dict]] = {
     "rtn": ("rtn", {"bits": 4, "group_size": 32}),
@@ -47,9 +48,14 @@ CASES: dict[str, tuple[str, dict]] = {
     "sq-weights": ("sq-weights", {"sq": "16-(8/4)-0.75"}),
     "sq-acts": ("sq-acts", {"bits": 4, "group_size": 32, "sq": "16-(8/4)-0.5"}),
     "sq-acts-static": ("sq-acts", {"bits": 4, "group_size": 32, "sq": "16-(8/4)-0.5", "strategy": "static"}),
-    "sfmp": ("sfmp", {"bpw": 3.25, "group_size": 32, "block_rows": 64, "fisher_cache": None}),
-    "sfmp-gptq": ("sfmp", {"avg_bits": 2.5, "group_size": 32, "block_rows": 64, "solver": "gptq",
-                           "fisher_cache": None}),
+    "sfmp": (
+        "sfmp",
+        {"bpw": 3.25, "group_size": 32, "block_rows": 64, "fisher_cache": None, "solver": "awq"},
+    ),
+    "sfmp-gptq": (
+        "sfmp",
+        {"avg_bits": 2.5, "group_size": 32, "block_rows": 64, "solver": "gptq", "fisher_cache": None},
+    ),
     "mosaic": ("mosaic", {"scheme": "W4A8", "budget": 0.25, "block": "32x32"}),
 }
 

@@ -7,14 +7,16 @@ allocation of ``floor(b)``/``ceil(b)`` over all blocks of all decoder linears (ﾂ
 ``b`` coming from ``avg_bits``, ``bpw`` or ``budget_mb`` with the measured overhead.  Each linear is
 then quantized block by block at its widths:
 
-* ``solver="awq"`` (the paper's choice, ﾂｧ5): asymmetric, fp16 scale+zero per group; AWQ's scale
+* ``solver="awq"`` (the paper's choice, ﾂｧ5; an option): asymmetric, fp16 scale+zero per group; AWQ's scale
   search scores every candidate with each linear's own mixed-width *permuted* quantizer (min-max
   RTN at the block widths on ``Wﾌチ`) and the output-aware clip search runs per (row, group) at its
   block's width on ``Wﾌチ` with the permuted Hessian.  AWQ's duo-scaling weight magnitude is taken
   over the original contiguous groups (it only shapes the candidate family, not the objective).
-* ``solver="gptq"`` (our extension): GPTQ on ``Wﾌチ` in its natural order (= Fisher column order),
-  each row's group at its block's width (:class:`~bitmosaic.algorithms.sfmp.MixedRowQuantizer`),
-  dynamic group scales (MSE by default), no AWQ scaling.
+* ``solver="gptq"`` (our extension, the default since it gave lower perplexity than awq at all six
+  budgets of ``benchmarks/results/sfmp.md``, by 5-69%): GPTQ on ``Wﾌチ` in its natural order
+  (= Fisher column order), each row's group at its block's width
+  (:class:`~bitmosaic.algorithms.sfmp.MixedRowQuantizer`), dynamic group scales (MSE by default), no
+  AWQ scaling.
 
 Packed into :class:`~bitmosaic.modules.sfmp.SFMPLinear`.  The plans are the run's state
 (:class:`SFMPState`), never written into the config; ``finalize`` folds the permutations between
@@ -93,8 +95,10 @@ class SFMPConfig(WeightQuantConfig):
     rank: str = option(
         "mean", help="block ranking: mean (weight-count budget) or the paper's sum", choices=("mean", "sum")
     )
+    # default gptq: lower perplexity than the paper's awq at all six budgets of benchmarks/results/sfmp.md
     solver: str = shared(
-        "solver", "awq", help="the solver inside each block: awq (the paper) | gptq (ours)",
+        "solver", "gptq", help="the solver inside each block: gptq (ours, the default: measured better at "
+        "every budget) | awq (the paper's, Sec. 5)",
         choices=("awq", "gptq"), deprecated=("--sfmp-solver",),
     )  # fmt: skip
     n_grid: int = shared("n_grid")
