@@ -97,45 +97,115 @@ def write_results(path: str | os.PathLike | None, name: str, out: dict, markdown
     return path
 
 
+# the two protocols of the project (README, "Data, models, machines"): calibration samples x 512
+# tokens, and test windows (None: the whole WikiText-2 test set); verdict rows also get KL and top-1
+PROTOCOLS = {"fast": {"nsamples": 16, "max_windows": 20}, "verdict": {"nsamples": 128, "max_windows": None}}
+
+
+class _Parser(argparse.ArgumentParser):
+    def parse_args(self, *a, **kw):  # type: ignore[override]
+        args = super().parse_args(*a, **kw)
+        settle_protocol(args)
+        return args
+
+
 def base_parser(description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description)
+    """The flags every SmolLM2 benchmark shares; ``parse_args`` settles ``--protocol``
+    (:func:`settle_protocol`)."""
+    p = _Parser(description=description)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--nsamples", type=int, default=32)
+    p.add_argument(
+        "--nsamples", type=int, default=None, help="calibration samples (default: the protocol's, else 32)"
+    )
     p.add_argument("--seqlen", type=int, default=512)
-    p.add_argument("--max-windows", type=int, default=40)
+    p.add_argument(
+        "--max-windows", type=int, default=None,
+        help="test windows scored, 0 = the whole test set (default: the protocol's, else 40)",
+    )  # fmt: skip
+    p.add_argument(
+        "--protocol", choices=sorted(PROTOCOLS), default=None,
+        help="fast: 16x512 calibration, 20 windows; verdict: 128x512, the whole test set, KL and top-1 "
+        "to the float model from the same pass (explicit --nsamples/--max-windows still win)",
+    )  # fmt: skip
+    p.add_argument("--fidelity", action="store_true", help="KL and top-1 to the float model in every row")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-dir", default=None)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="where quantization and evaluation run (cpu, cuda)")
     p.add_argument("--json", default=None, help="output JSON (default benchmarks/results/<name>.json)")
     return p
+
+
+def settle_protocol(args) -> None:
+    """Fill ``--nsamples``/``--max-windows`` from ``--protocol`` (explicit values win; without a
+    protocol: 32 and 40, the benchmarks' historical defaults); ``max_windows`` 0 means every window."""
+    want = PROTOCOLS.get(getattr(args, "protocol", None) or "", {"nsamples": 32, "max_windows": 40})
+    if getattr(args, "nsamples", None) is None:
+        args.nsamples = want["nsamples"]
+    if getattr(args, "max_windows", None) is None:
+        args.max_windows = want["max_windows"]
+    if args.max_windows == 0:
+        args.max_windows = None
+    if getattr(args, "protocol", None) == "verdict":
+        args.fidelity = True
+
+
+def protocol_label(args) -> str:
+    """``fast``/``verdict`` when the settings are that protocol's, else ``custom``."""
+    if args.nsamples == 16 and args.max_windows == 20:
+        return "fast"
+    if args.nsamples >= 128 and args.max_windows is None and getattr(args, "fidelity", False):
+        return "verdict"  # at least 128 samples, every window, KL and top-1
+    return "custom"
 
 
 class Bench:
     def __init__(self, args):
         if args.threads:
             torch.set_num_threads(args.threads)
+        if getattr(args, "nsamples", None) is None:  # arguments not from base_parser().parse_args
+            settle_protocol(args)
         self.args = args
+        self.device = getattr(args, "device", "cpu") or "cpu"
         self.model, self.tok = load_model(args.model)
         self.calib = calibration_samples(
             self.tok, "wikitext2", args.nsamples, args.seqlen, args.seed, data_dir=args.data_dir
         )
         self.eval_ids = eval_tokens(self.tok, "wikitext2", data_dir=args.data_dir)
         self.rows: list[dict] = []
+        # the float model where the evaluation runs, for KL and top-1 (self.model stays the CPU original)
+        self.reference = None
+        if getattr(args, "fidelity", False):
+            self.reference = self.model if self.device == "cpu" else copy.deepcopy(self.model).to(self.device)
 
-    def ppl(self, model) -> float:
+    def measure(self, model) -> dict:
+        """Perplexity (and, with ``--fidelity``/``--protocol verdict``, KL and top-1 to the float model
+        from the same pass) of ``model`` on the run's test windows, evaluated on ``--device`` (8 windows
+        per forward on a GPU, one on the CPU; the float model itself gets KL 0 and top-1 1 without a
+        second pass)."""
+        itself = model is self.model
         r = perplexity(
             model,
             self.eval_ids,
             self.args.seqlen,
             max_windows=self.args.max_windows,
+            batch_size=1 if self.device == "cpu" else 8,
             progress=False,
+            device=self.device,
             bos_token_id=bos_token_id(self.tok),
+            reference=None if itself else self.reference,
         )
-        return r["ppl"]
+        out = {k: r[k] for k in ("ppl", "kl_mean", "top1_agreement", "windows") if k in r}
+        if itself and self.reference is not None:
+            out.update(kl_mean=0.0, top1_agreement=1.0)
+        return out
+
+    def ppl(self, model) -> float:
+        return self.measure(model)["ppl"]
 
     def float_row(self) -> dict:
         t = time.perf_counter()
-        row = {"name": "float", "method": "float", "bits_per_weight": 32.0, "ppl": self.ppl(self.model)}
+        row = {"name": "float", "method": "float", "bits_per_weight": 32.0, **self.measure(self.model)}
         row["eval_seconds"] = time.perf_counter() - t
         return self._add(row)
 
@@ -143,7 +213,9 @@ class Bench:
         spec = get_method(method)
         cfg = spec.make_config(**options)
         model = copy.deepcopy(self.model)
-        rep = quantize_model(model, self.calib, spec, cfg, progress=False, measure_errors=True)
+        rep = quantize_model(
+            model, self.calib, spec, cfg, progress=False, measure_errors=True, device=self.device
+        )
         t = time.perf_counter()
         row = {
             "name": name,
@@ -156,7 +228,7 @@ class Bench:
             if rep.layers[0]["babai_bound"]
             else None,
             "mean_rel_out_error": sum(r["rel_out_error"] for r in rep.layers) / len(rep.layers),
-            "ppl": self.ppl(model),
+            **self.measure(model),
         }
         row["eval_seconds"] = time.perf_counter() - t
         row["layers"] = rep.layers
@@ -171,6 +243,7 @@ class Bench:
         ppl = row["ppl"]
         print(
             f"  {row['name']:<34} ppl {ppl:9.3f}  bpw {row['bits_per_weight']:6.3f}"
+            + (f"  KL {row['kl_mean']:.4f}  top-1 {row['top1_agreement']:.4f}" if "kl_mean" in row else "")
             + (f"  quant {row['quant_seconds']:6.1f}s" if "quant_seconds" in row else ""),
             flush=True,
         )
@@ -178,9 +251,10 @@ class Bench:
 
     def finish(self, name: str, columns: list[str], extra: dict | None = None) -> None:
         a = self.args
+        windows = "every window" if a.max_windows is None else f"first {a.max_windows}"
         print(
-            f"\n{name}: {a.model}, calib {a.nsamples}x{a.seqlen} (seed {a.seed}), "
-            f"eval wikitext2 first {a.max_windows}x{a.seqlen}"
+            f"\n{name}: {a.model}, {protocol_label(a)} protocol: calib {a.nsamples}x{a.seqlen} "
+            f"(seed {a.seed}), eval wikitext2 {windows} x{a.seqlen} on {self.device}"
         )
         widths = [max(12, len(c) + 2) for c in columns]
         header = f"{'config':<34}" + "".join(f"{c:>{w}}" for c, w in zip(columns, widths, strict=True))
@@ -192,5 +266,6 @@ class Bench:
                 v = r.get(c)
                 cells.append(f"{v:>{w}.4g}" if isinstance(v, float) else f"{str(v):>{w}}")
             print(f"{r['name']:<34}" + "".join(cells))
-        out = {"args": vars(a), "peak_rss_mb": peak_rss_mb(), "rows": self.rows, **(extra or {})}
+        out = {"args": vars(a), "protocol": protocol_label(a), "peak_rss_mb": peak_rss_mb()}
+        out.update(rows=self.rows, **(extra or {}))
         write_results(a.json, name, out)

@@ -1,0 +1,37 @@
+"""The benchmarks' shared flags (``benchmarks/common.py``): ``--protocol`` fills the calibration and
+test-window counts of the project's two protocols, explicit values win, and the label a result gets
+names the protocol only when the settings are that protocol's."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "common.py"
+
+
+@pytest.fixture(scope="module")
+def common():
+    spec = importlib.util.spec_from_file_location("bench_common", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize(
+    "argv,nsamples,windows,fidelity,label",
+    [
+        ([], 32, 40, False, "custom"),  # the historical defaults
+        (["--protocol", "fast"], 16, 20, False, "fast"),
+        (["--protocol", "verdict"], 128, None, True, "verdict"),  # the whole test set, KL and top-1
+        (["--protocol", "verdict", "--nsamples", "256"], 256, None, True, "verdict"),
+        (["--protocol", "fast", "--nsamples", "32"], 32, 20, False, "custom"),
+        (["--nsamples", "128", "--max-windows", "0", "--fidelity"], 128, None, True, "verdict"),
+        (["--nsamples", "128", "--max-windows", "0"], 128, None, False, "custom"),  # no KL, top-1
+    ],
+)
+def test_protocol_flags(common, argv, nsamples, windows, fidelity, label):
+    a = common.base_parser("x").parse_args(argv)
+    assert (a.nsamples, a.max_windows, a.fidelity) == (nsamples, windows, fidelity)
+    assert common.protocol_label(a) == label
+    assert a.device == "cpu"
