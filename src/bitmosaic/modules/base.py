@@ -35,6 +35,11 @@ __all__ = ["KINDS", "NoIntForm", "QuantModule", "set_weight_cache", "prepare_ker
 KINDS: dict[str, type[QuantModule]] = {}
 
 
+
+def _wants_grad(x: torch.Tensor) -> bool:
+    """Whether this forward records an autograd graph through ``x``."""
+    return x.requires_grad and torch.is_grad_enabled()
+
 class NoIntForm(Exception):
     """Why a module has no exact form in an export target (``fixable``: ``--lossy`` has a nearest form);
     raised by :meth:`QuantModule.int_form` / :meth:`QuantModule.fp8_form`."""
@@ -174,11 +179,7 @@ class QuantModule(nn.Module):
         """Whether this forward quantizes ``x`` inside the integer kernel (the input pre-hook then leaves
         ``x`` alone): an integer path is built for this layer, ``x`` is on the CPU, needs no gradient, and
         ``$BITMOSAIC_ACT_COMPUTE`` is not ``sim`` (modules/intact.py)."""
-        if (
-            not self.INT_ACT_KERNELS
-            or x.device.type != "cpu"
-            or (x.requires_grad and torch.is_grad_enabled())
-        ):
+        if not self.INT_ACT_KERNELS or x.device.type != "cpu" or _wants_grad(x):
             return False
         from .intact import act_compute_mode
 
@@ -240,7 +241,9 @@ class QuantModule(nn.Module):
         if q is not None and self.runs_int_act(x):  # x was left unquantized by the pre-hook
             y = self._int_act(x, q)
             return y if b is None else y + b
-        if self._wcache is None and not self.cache_weight and x.device.type == "cpu":
+        # the CPU kernels write into preallocated outputs (no autograd): a forward that records a graph
+        # (a plain ``model(ids)`` outside ``torch.no_grad()``) takes the differentiable path below
+        if self._wcache is None and not self.cache_weight and x.device.type == "cpu" and not _wants_grad(x):
             k = self.kernel()
             if k is not None:
                 y = k(x)
