@@ -406,3 +406,41 @@ def test_dpq_float32_run_equals_the_plain_quantize_path(layer64):
             strict=True,
         ):
             assert torch.equal(x, y), order
+
+
+# --- the nearest-code ablation (not the paper) ----------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e4m3-240"])
+def test_nearest_code_is_never_farther_than_the_paper_rounding(fmt):
+    """Per weight, the ablation's code lands on the representable value ``nearest_Z((q - z) s) s_w``
+    nearest to it (checked against every code), never farther than Eqs. 7-9's two roundings, and
+    strictly nearer on some weights; ``quantize`` and the table step agree."""
+    g = torch.Generator().manual_seed(7)
+    W = torch.randn(48, 32, generator=g, dtype=torch.float64) * 0.05
+    s_w = fp8_weight_scale(W, fmt, per_channel=True)
+    paper, near = DualPrecisionQuantizer(s_w, fmt), DualPrecisionQuantizer(s_w, fmt, nearest=True)
+    scale, zero = paper.fit(W[:, :16])
+    codes = torch.arange(16, dtype=W.dtype)
+    table = fp_round((codes[None, :] - zero[:, None]) * scale[:, None], fmt) * s_w.reshape(-1, 1)
+    strictly = 0
+    for j in range(16):
+        w = W[:, j]
+        qp, wp = paper.quantize(w, scale, zero)
+        qn, wn = near.quantize(w, scale, zero)
+        assert torch.equal(qn, near.column_step(scale, zero)(w)[0])
+        best = (w[:, None] - table).abs().amin(dim=1)
+        assert torch.allclose((w - wn).abs(), best, rtol=0, atol=1e-15)
+        assert ((w - wn).abs() <= (w - wp).abs() + 1e-15).all()
+        strictly += int(((w - wn).abs() < (w - wp).abs() - 1e-15).sum())
+    assert strictly > 0
+
+
+def test_nearest_code_refusals():
+    W, H = _llm_like_layer(0)
+    with pytest.raises(ValueError, match="naive GPTQ has one rounding"):
+        dpq_quantize(W, H, group_size=32, naive=True, nearest=True)
+    with pytest.raises(ValueError, match="needs clip=True"):
+        DualPrecisionQuantizer(torch.ones(4), nearest=True, clip=False)
+    res = dpq_quantize(W, H, group_size=32, nearest=True)
+    assert res.info["nearest_code"] is True and torch.isfinite(res.dequantize()).all()

@@ -171,8 +171,10 @@ def test_cli_activation_flags():
 
 
 @pytest.mark.parametrize(
-    "opts", [{}, {"order": "act"}, {"naive": True}, {"solver": "rtn"}, {"fp8_range": 240, "pow2": True}]
-)
+    "opts",
+    [{}, {"order": "act"}, {"naive": True}, {"solver": "rtn"}, {"fp8_range": 240, "pow2": True},
+     {"nearest_code": True}],
+)  # fmt: skip
 def test_dpq_end_to_end_fp8_operands_and_reload(tmp_path, calib, ids, opts):
     from bitmosaic.formats.fp import fp_round
     from bitmosaic.modules.qmodules import FP8ComputeQuantLinear

@@ -107,6 +107,10 @@ class DualPrecisionQuantizer:
 
     ``saturated`` counts the weights whose error-updated value exceeded ``Z_max s_w`` in Eq. 7
     (clamped to ``±Z_max``); ``margin`` in :func:`fp8_weight_scale` is the remedy.
+
+    ``nearest=True`` is a labelled ablation, not the paper: each weight takes the code whose *final*
+    value ``nearest_Z((q - z) s) s_w`` (Eqs. 10-11) is nearest to it, instead of Eq. 7's FP8 rounding
+    followed by Eq. 9's INT rounding (two roundings, which can land one code away).  Needs ``clip``.
     """
 
     def __init__(
@@ -116,7 +120,10 @@ class DualPrecisionQuantizer:
         grid: IntGrid = INT4,
         scale_method: ScaleMethod = "mse",
         clip: bool = True,
+        nearest: bool = False,
     ) -> None:
+        if nearest and not clip:
+            raise ValueError("the nearest-code ablation picks among the grid's codes; it needs clip=True")
         s = torch.as_tensor(fp8_scale_rows).reshape(-1)
         if s.numel() == 0 or not (torch.isfinite(s).all() and (s > 0).all()):
             raise ValueError("fp8_scale_rows must be finite and positive")
@@ -125,6 +132,7 @@ class DualPrecisionQuantizer:
         self.grid = grid
         self.scale_method: ScaleMethod = scale_method
         self.clip = clip
+        self.nearest = nearest
         self._saturated = torch.zeros((), dtype=torch.long, device=s.device)
         self._pending: list[torch.Tensor] = []  # w / s_w of quantized columns, counted in batches
 
@@ -151,6 +159,8 @@ class DualPrecisionQuantizer:
     def quantize(
         self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.nearest:
+            return self.column_step(scale, zero)(w)
         x = w / self.fp8_scale_rows
         self._note(x)
         w8 = fp_round(x, self.format)
@@ -175,7 +185,12 @@ class DualPrecisionQuantizer:
             q = torch.div(fp_round(x, fmt), scale).round_().add_(zero).clamp_(0, maxq)  # Eqs. 7, 9
             return q, w16_tab.index_select(0, torch.add(offset, q.to(torch.int32)))  # Eqs. 10-11
 
-        return step
+        def nearest(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # the ablation
+            self._note(w / s_w)
+            q = (w.reshape(-1, 1) - w16_tab.view(-1, maxq + 1)).abs().argmin(dim=1)  # first of ties
+            return q.to(scale.dtype), w16_tab.view(-1, maxq + 1).gather(1, q[:, None]).reshape(-1)
+
+        return nearest if self.nearest else step
 
 
 @dataclass
@@ -245,6 +260,7 @@ def dpq_quantize(
     scale_method: ScaleMethod = "mse",
     clip: bool = True,
     naive: bool = False,
+    nearest: bool = False,
     block_size: int = 128,
     percdamp: float = 0.01,
     dtype: torch.dtype | None = None,
@@ -263,6 +279,9 @@ def dpq_quantize(
     ``D_i / H_ii`` is below about 1/2 (strongly correlated inputs, as in LLMs) and loses slightly
     on nearly independent inputs (``D/H ~ 0.85``).
 
+    ``nearest=True``: the labelled nearest-code ablation of :class:`DualPrecisionQuantizer` (not the
+    paper's Eqs. 7-9; DPQ only).
+
     ``perm`` is the processing order (``make_order(H, "gar", group_size)`` for GAR, §3.2; act-order
     gives a non-trivial ``g_idx``).  ``grid`` defaults to INT4 asymmetric (codes 0..15, §2.1).
     In both modes ``.dequantize()`` is exactly the inference weight ``ŵ_8 s_w``, and
@@ -273,12 +292,14 @@ def dpq_quantize(
     if W.dim() != 2 or H.shape != (W.shape[1], W.shape[1]):
         raise ValueError(f"expected W [out, in] and H [in, in], got {tuple(W.shape)} and {tuple(H.shape)}")
     quantizer: IntColumnQuantizer | DualPrecisionQuantizer
+    if naive and nearest:
+        raise ValueError("the nearest-code ablation is DPQ's (dual precision); naive GPTQ has one rounding")
     if naive:
         quantizer = IntColumnQuantizer(grid, scale_method, clip)
     else:
         dead = torch.diagonal(H) == 0
         s_w = fp8_weight_scale(W.masked_fill(dead[None, :], 0), f.name, per_channel, margin, pow2)
-        quantizer = DualPrecisionQuantizer(s_w, f.name, grid, scale_method, clip)
+        quantizer = DualPrecisionQuantizer(s_w, f.name, grid, scale_method, clip, nearest)
     res = gptq_quantize(
         W,
         H,
@@ -313,6 +334,7 @@ def dpq_quantize(
             "fp8_scale_max": float(s_w.max()),
             "fp8_saturated": int(quantizer.saturated),
             "naive": False,
+            "nearest_code": bool(nearest),
         },
         fp8_scale=s_w,
         fmt=f.name,

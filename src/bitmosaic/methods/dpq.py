@@ -40,6 +40,10 @@ class DPQConfig(WeightQuantConfig):
     )  # fmt: skip
     pow2: bool = shared("pow2", deprecated=("--pow2-scales",))
     naive: bool = option(False, help="the paper's naive GPTQ W4A8 baseline (only the INT4 error compensated)")
+    nearest_code: bool = option(
+        False,
+        help="ablation, not the paper: the INT4 code whose final FP8 value is nearest (Eqs. 7-9 round twice)",
+    )
     solver: str = shared("solver", help="the INT solver: gptq | rtn (the RTN W4A8 baseline)")
     direction: str = shared("direction")
     block_size: int = shared("block_size")
@@ -56,6 +60,10 @@ class DPQConfig(WeightQuantConfig):
             raise ValueError(f"dpq solver must be gptq or rtn, got {self.solver!r}")
         if self.sym:
             raise ValueError("dpq stores asymmetric INT codes (paper §2.1); drop --sym")
+        if self.nearest_code and (self.naive or self.solver != "gptq" or not self.clip):
+            raise ValueError(
+                "--nearest-code is an ablation of DPQ's own solver; drop --naive, --solver rtn or --no-clip"
+            )
         if self.act == "fp8":
             self.act = ActQuantSpec(self.fmt, 8, granularity="tensor", static=True, pow2=self.pow2)
         super().__post_init__()
@@ -86,6 +94,7 @@ def quantize_dpq(weight, stats: LayerStats, cfg: DPQConfig):
         scale_method=cfg.scale,
         clip=cfg.clip,
         naive=cfg.naive,
+        nearest=cfg.nearest_code,
         block_size=cfg.block_size,
         percdamp=cfg.damp,
         dtype=HESSIAN_DTYPES[cfg.solver_dtype],
