@@ -19,6 +19,28 @@ class Finding:
     claim: str
     source: str  # benchmark JSON name (benchmarks/results/<source>.json), or "fresh"
     judge: Callable[[dict], tuple[str, str]]  # results -> (numbers, verdict)
+    differ: str = ""  # why this may differ from the paper, besides what every row shares (DIFFERS)
+
+
+# what every SmolLM2 row shares and the papers do not (the report says it once, above the table)
+DIFFERS = (
+    "SmolLM2-135M (576 wide, 30 layers) where the papers use 7B-70B models; its weights come from a "
+    "Q4_1 GGUF, so it has no heavy weight outliers; the papers' own baselines are not all rebuilt here"
+)
+
+
+def protocol_of(res: dict) -> str:
+    """Which protocol ``res`` (a benchmark's JSON) measured with: ``fast``, ``verdict``, or its settings;
+    ``-`` for a result that scores no perplexity (a kernel timing, a per-layer measurement)."""
+    if res.get("protocol") in ("fast", "verdict"):
+        return res["protocol"]
+    a = res.get("args") or {}
+    n, w = a.get("nsamples"), a.get("max_windows")
+    if n is None:
+        return "-"
+    if (n, w) == (16, 20):
+        return "fast"
+    return f"{n}x{a.get('seqlen', 512)} calib, " + ("every window" if w is None else f"{w} windows")
 
 
 def load(name: str) -> dict | None:
