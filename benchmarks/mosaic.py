@@ -15,6 +15,10 @@ Parts (``--parts``, comma-separated):
   but it also runs inside the alpha search, so this row is the slowest).
 * ``sweep``: budgets 2.5, 5, 15, 20% (0 and 10% come from ``ablation``/``main``).
 * ``blocks``: 32x32 and 128x128 blocks (64x64 is ``main``).
+* ``search`` (issue 25): the alpha search over 0-1 in steps of 0.05 plus no smoothing (the
+  SmoothQuant baseline's grid; ``main`` searches 0.3-1.0 in steps of 0.1), at W4A4 and W4A8.
+* ``thin`` (issue 25): thin residual blocks 8x128, 16x64 and 1x128 at the 10% budget, with their
+  index overhead in the bits per weight.
 
 Activation quantization is simulated (fake-quantized inputs, float32 matmul).  Layer-level
 distortion (heatmaps, distortion vs budget per criterion) is ``benchmarks/mosaic_layers.py``;
@@ -72,7 +76,15 @@ def _runs(part: str, max_tokens: int) -> list[tuple[str, str, str, dict]]:
         return [(f"budget {b:g}", "W4A4", "mosaic", {**w4a4, "budget_frac": b}) for b in fracs]
     if part == "blocks":
         return [(f"block {b}", "W4A4", "mosaic", {**w4a4, "block": b}) for b in ("32x32", "128x128")]
-    raise SystemExit(f"unknown part {part!r}; use main, ablation, oracle, sweep, blocks")
+    if part == "search":
+        wide = {"alpha_grid": tuple(round(0.05 * i, 2) for i in range(21)), "try_no_smooth": True}
+        return [
+            ("alpha 0-1/0.05 + none", "W4A4", "mosaic", {**w4a4, **wide}),
+            ("alpha 0-1/0.05 + none W4A8", "W4A8", "mosaic", {**mos, "act": A8, **wide}),
+        ]
+    if part == "thin":
+        return [(f"block {b}", "W4A4", "mosaic", {**w4a4, "block": b}) for b in ("8x128", "16x64", "1x128")]
+    raise SystemExit(f"unknown part {part!r}; use main, ablation, oracle, sweep, blocks, search, thin")
 
 
 def _summary(row: dict) -> dict:
@@ -88,6 +100,9 @@ def _summary(row: dict) -> dict:
     if alphas:
         out["mean_alpha"] = sum(alphas) / len(alphas)
         out["alphas"] = alphas
+    none = sum(1 for r in layers if "no smoothing" in str(r.get("transform", {}).get("reason", "")))
+    if none:
+        out["no_smoothing_linears"] = none  # linears whose group's search kept s = 1
     return out
 
 

@@ -245,6 +245,24 @@ def test_method_end_to_end_save_reload_bit_for_bit(tmp_path):
         assert torch.equal(m2(ids).logits, out)
 
 
+def test_alpha_search_can_keep_no_smoothing():
+    """``try_no_smooth`` adds s = 1 to the search: every foldable group scores it, the choice is the
+    argmin over the grid and "none", and where "none" wins the group is left unsmoothed."""
+    calib = torch.randint(0, 128, (6, 32), generator=torch.Generator().manual_seed(0))
+    grid = (0.0, 0.5, 1.0)
+    rep = quantize_(tiny(2), "mosaic", calib, scheme="W4A4", block="32x32", budget=0.25, progress=False,
+                    alpha_grid=grid, try_no_smooth=True)  # fmt: skip
+    searched = [r["transform"] for r in rep.layers if "losses" in r.get("transform", {})]
+    assert searched
+    for t in searched:
+        assert set(t["losses"]) == {*grid, "none"}
+        best = min(t["losses"], key=t["losses"].get)
+        assert t["loss"] == t["losses"][best]
+        assert t["alpha"] == (None if best == "none" else best)
+        if best == "none":
+            assert t["folded"] is False
+
+
 def test_dense_base_variants(layer64):
     W, X, H = layer64
     W = W.float()
