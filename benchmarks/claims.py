@@ -432,11 +432,11 @@ def rotation_w4a4_goal(res: dict) -> tuple[str, str]:
     return f"{nums} (float {fmt(fl)}; goal 1.5x)", verdict(best <= 1.5 * fl, why)
 
 
-def rotation_beats_alone(method_row: str, res: dict) -> tuple[str, str]:
-    """``method_row`` with a Hadamard rotation against the rotation alone (GPTQ W4A4 +hadamard), and
-    the same method without the rotation."""
+def rotation_beats_alone(method_row: str, res: dict, alone: str = ALONE) -> tuple[str, str]:
+    """``method_row`` with a Hadamard rotation against the rotation alone (GPTQ +hadamard with the same
+    activations: per token, or ``alone``), and the same method without the rotation."""
     r = rows_by_name(res)
-    m, alone = r[method_row + " +hadamard"], r[ALONE]
+    m, alone = r[method_row + " +hadamard"], r[alone]
     plain = r.get(method_row)
     nums = (f"{method_row} +hadamard {fmt(m['ppl'])} @ {fmt(m['bits_per_weight'], 3)} bpw vs rotation alone "
             f"{fmt(alone['ppl'])} @ {fmt(alone['bits_per_weight'], 3)}"
@@ -510,7 +510,9 @@ FINDINGS: list[Finding] = [
     Finding("SFMP", "reordering costs at most ~5% of decode speed", "sfmp_decode", sfmp_reorder_decode_cost),
     Finding(Q, "GPTQ W4A4 with a Hadamard rotation within 1.5x of float", "rotation", rotation_w4a4_goal),
     Finding(Q, "MosaicQuant + rotation beats rotation alone (W4A4)", "rotation",
-            partial(rotation_beats_alone, "mosaic W4A4")),  # fmt: skip
+            partial(rotation_beats_alone, "mosaic W4A4", alone="gptq W4A4g128 +hadamard")),  # fmt: skip
+    Finding(Q, "MosaicQuant (GPTQ base) + rotation beats rotation alone (W4A4)", "rotation",
+            partial(rotation_beats_alone, "mosaic-gptq W4A4", alone="gptq W4A4g128 +hadamard")),  # fmt: skip
     Finding(Q, "SQ-format W(SQ5)A4 + rotation beats rotation alone", "rotation",
             partial(rotation_beats_alone, "sq-weights W4A4")),  # fmt: skip
     Finding(Q, "SQ-format W4A(SQ) + rotation beats rotation alone", "rotation",
@@ -548,6 +550,9 @@ WHY = {
     "smaller blocks (m_b) allocate better": "matrices of 192-1536 rows: few row blocks at any m_b",
     "Fisher from 128 samples is no worse than from 32": "32x512 / 40 windows",
     "fused sparse branch costs ~5-6% latency (GPU)": "CPU kernels; the paper's figure is a GPU's",
+    "MosaicQuant + rotation beats rotation alone (W4A4)": "MosaicQuant's RTN dense base loses with a "
+    "rotation here (RTN W4A16 79 -> 182, see rotation.md); both rows A4 per group of 128",
+    "MosaicQuant (GPTQ base) + rotation beats rotation alone (W4A4)": "both rows A4 per group of 128",
     "GPTQ W4A4 with a Hadamard rotation within 1.5x of float": "QuaRot's figures are from 7B-70B models, "
     "4096-8192 wide; a rotation spreads each token over 576 channels here",
 }

@@ -47,6 +47,7 @@ ACTS = {
     "A4": ActQuantSpec("int", 4),
     "A4c0.9": ActQuantSpec("int", 4, clip_ratio=0.9),  # QuaRot's activation clip ratio
     "A4g64": ActQuantSpec("int", 4, granularity="group", group_size=64),
+    "A4g128": ActQuantSpec("int", 4, granularity="group", group_size=128),  # MosaicQuant's A4
     "A4g64c0.9": ActQuantSpec("int", 4, granularity="group", group_size=64, clip_ratio=0.9),
     "A8": ActQuantSpec("int", 8),
     "A(SQ)": None,  # SQ-format's own activations (sq-acts)
@@ -66,7 +67,8 @@ METHODS = {
         "smoothquant",
         {**W4, "alpha": None, "solver": "gptq", "order": "act", "scale": "mse"},
     ),
-    "mosaic": ("mosaic", {}),
+    "mosaic": ("mosaic", {}),  # the paper's: RTN dense base; its A4 is per group of 128 (App. C.1)
+    "mosaic-gptq": ("mosaic", {"solver": "gptq"}),  # ours: a GPTQ dense base
 }
 # (method label, activations, rotation), most telling first: a budget-cut run keeps these
 CONFIGS = [
@@ -99,6 +101,9 @@ CONFIGS = [
     ("smoothquant+gptq", "A4", "none"),
     ("mosaic", "A4", "hadamard"),
     ("mosaic", "A4", "none"),
+    ("gptq", "A4g128", "hadamard"),  # rotation alone with MosaicQuant's activations
+    ("mosaic-gptq", "A4", "hadamard"),
+    ("mosaic-gptq", "A4", "none"),
 ]
 
 
@@ -203,7 +208,9 @@ def markdown(rows: list[dict], args, diag: list[dict] | None = None) -> str:
         f"{args['seqlen']}, KL and top-1 against the float model on the same windows. W4 symmetric "
         "per-channel (gptq-g128, SQ-format: groups of 128); A4/A8 per-token dynamic, A4c0.9 with "
         "QuaRot's clip ratio, A4g64 dynamic per group of 64 channels, A16 none, A(SQ) SQ-format's "
-        "16-(8/4)-0.5. Rotation: R1, R2 per head, online Hadamard at o_proj and down_proj inputs."
+        "16-(8/4)-0.5; MosaicQuant's A4 is per group of 128 (the paper's setting, App. C.1), its dense "
+        "base RTN (the paper's) or GPTQ (mosaic-gptq, ours). Rotation: R1, R2 per head, online Hadamard "
+        "at o_proj and down_proj inputs."
         " Reproduce: "
         f"`python benchmarks/rotation.py {how}` (add `--device cuda` on a GPU)",
         "",

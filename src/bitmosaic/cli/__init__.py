@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument(
         "--rotate", choices=("none", "hadamard", "random"), default=None,
         help="QuaRot rotation folded into the float model before any method (norm scales folded, residual "
-        "stream rotated, per-head value/output rotation, online Hadamard before down_proj): 4-bit "
-        "activations without outlier collapse; random = random orthogonal matrices (default: none)",
+        "stream rotated, per-head value/output rotation, online Hadamards before o_proj and down_proj): "
+        "4-bit activations without outlier collapse; random = random orthogonal matrices (default: none)",
     )  # fmt: skip
     q.add_argument("--batch-size", type=int, default=4, help="calibration samples per layer forward")
     add_cache_args(q)
