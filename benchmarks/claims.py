@@ -425,7 +425,8 @@ ALONE = "gptq W4A4 +hadamard"  # rotation alone: QuaRot's GPTQ W4A4 (W4 per chan
 def rotation_w4a4_goal(res: dict) -> tuple[str, str]:
     r = rows_by_name(res)
     fl = r["float"]["ppl"]
-    names = ["gptq W4A4", ALONE, "gptq W4A4c0.9 +hadamard", "gptq W4A4g64 +hadamard"]
+    names = ["gptq W4A4", ALONE, "gptq W4A4c0.9 +hadamard", "gptq W4A4g64 +hadamard",
+             "gptq W4A4g64c0.9 +hadamard"]  # fmt: skip
     nums = ", ".join(f"{n} {fmt(r[n]['ppl'])} ({r[n]['ppl'] / fl:.2f}x)" for n in names if n in r)
     best = min(r[n]["ppl"] for n in names[1:] if n in r)
     why = f"best rotated row {best / fl:.2f}x float"
@@ -436,14 +437,17 @@ def rotation_beats_alone(method_row: str, res: dict, alone: str = ALONE) -> tupl
     """``method_row`` with a Hadamard rotation against the rotation alone (GPTQ +hadamard with the same
     activations: per token, or ``alone``), and the same method without the rotation."""
     r = rows_by_name(res)
-    m, alone = r[method_row + " +hadamard"], r[alone]
+    m = r[method_row + " +hadamard"]
+    dev = m.get("device", "cpu")
+    alone = r.get(f"{alone} @{dev}") or r[alone]  # the same device's row where there is one
     plain = r.get(method_row)
     nums = (f"{method_row} +hadamard {fmt(m['ppl'])} @ {fmt(m['bits_per_weight'], 3)} bpw vs rotation alone "
             f"{fmt(alone['ppl'])} @ {fmt(alone['bits_per_weight'], 3)}"
             + (f"; without rotation {fmt(plain['ppl'])}" if plain else ""))  # fmt: skip
     if m.get("device", "cpu") != alone.get("device", "cpu"):
         nums += f" (run on {m.get('device', 'cpu')} vs {alone.get('device', 'cpu')})"
-    return nums, verdict(m["ppl"] < alone["ppl"])
+    gain = 1 - m["ppl"] / alone["ppl"]
+    return nums + f" ({gain:+.1%})", verdict(gain >= 0.01, "within 1% of rotation alone" if gain > 0 else "")
 
 
 Q = "QuaRot rotations (ours)"
@@ -553,6 +557,10 @@ WHY = {
     "MosaicQuant + rotation beats rotation alone (W4A4)": "MosaicQuant's RTN dense base loses with a "
     "rotation here (RTN W4A16 79 -> 182, see rotation.md); both rows A4 per group of 128",
     "MosaicQuant (GPTQ base) + rotation beats rotation alone (W4A4)": "both rows A4 per group of 128",
+    "SQ-format W(SQ5)A4 + rotation beats rotation alone": "W(SQ5) stores 5.5 bits per weight against "
+    "4.0; rows from the H200",
+    "SQ-format W4A(SQ) + rotation beats rotation alone": "A(SQ) 16-(8/4)-0.5 keeps half the activations "
+    "at 8 bits: rotation alone at W4A8 gives 41.20 on the same device",
     "GPTQ W4A4 with a Hadamard rotation within 1.5x of float": "QuaRot's figures are from 7B-70B models, "
     "4096-8192 wide; a rotation spreads each token over 576 channels here",
 }
