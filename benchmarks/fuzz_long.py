@@ -11,6 +11,7 @@ finds a defect records its exception and the run exits 1.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import sys
 import time
 import traceback
@@ -21,6 +22,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from tests.fuzz.properties import OUTCOMES, PROPERTIES, run  # noqa: E402
 
 from common import write_results  # noqa: E402
+
+
+def describe(e: BaseException) -> str:
+    """A defect in one line: the exception's type, its own first line and where it was raised.
+    hypothesis appends the falsifying input as a note (which can be a 200 kB bytes repr), and wraps an
+    exception that its replay did not raise again in a ``FlakyFailure`` (an exception group, raised in
+    hypothesis's own code): that is named with what it wraps, so the defect's type, message and place
+    are recorded, not hidden behind the wrapper."""
+    inner = getattr(e, "exceptions", None)  # an exception group (the backport's too, on Python 3.10)
+    if isinstance(inner, (list, tuple)) and inner:
+        from hypothesis.errors import Flaky
+
+        how = "its replay did not fail the same way" if isinstance(e, Flaky) else f"{len(inner)} failures"
+        return f"{type(e).__name__} ({how}) of " + "; ".join(describe(x) for x in inner)
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" (at {Path(tb[-1].filename).name}:{tb[-1].lineno})" if tb else ""
+    first = (str(e).splitlines() or [""])[0][:400]
+    return f"{type(e).__name__}{': ' + first if first else ''}{where}"
 
 
 def main() -> int:
@@ -42,9 +61,11 @@ def main() -> int:
         default=8.0,
         help="address-space limit of this process (default %(default)s; 0: none), so that an input that "
         "makes a parser allocate without bound fails as a recorded defect (MemoryError) instead of "
-        "the kernel killing the run (what a GGUF layer count of 2^32-1 once did, at 23.7 GB)",
+        "the kernel killing the run (what a GGUF layer count of 2^32-1 once did, at 23.7 GB); where the "
+        "allocation fails varies, so such a defect is often a FlakyFailure, recorded with what it wraps",
     )
     args = p.parse_args()
+    faulthandler.enable()  # a crash in C code (a failed allocation under the limit): where, not silence
     if args.max_memory_gb > 0:
         import resource
 
@@ -64,11 +85,7 @@ def main() -> int:
             run(name, n, seed=seed)
             defect = None
         except Exception as e:  # a defect: recorded, the other properties still run
-            # the exception's own first line (hypothesis appends the falsifying input as a note, which
-            # can be a 200 kB bytes repr): the type, the message, and where it was raised
-            where = traceback.extract_tb(e.__traceback__)[-1]
-            first = (str(e).splitlines() or [""])[0][:400]
-            defect = f"{type(e).__name__}: {first} (at {Path(where.filename).name}:{where.lineno})"
+            defect = describe(e)
             failed += 1
         secs = time.perf_counter() - t0
         row = {
