@@ -250,6 +250,50 @@ def test_model_sizes_that_disagree_with_the_tensors_are_refused(tmp_path, key, v
         load_model(f"gguf:{path}")
 
 
+def _with_array_count(path, key: str, count: int) -> None:
+    """Overwrite the element count of metadata array ``key`` of GGUF ``path`` (in place)."""
+    data = bytearray(path.read_bytes())
+    k = key.encode()
+    at = data.index(len(k).to_bytes(8, "little") + k) + 8 + len(k) + 4 + 4  # past the key, ARRAY, item type
+    data[at : at + 8] = count.to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("key,count,each", [("tokenizer.ggml.token_type", 2**64 - 2**48 + 128, 4),
+                                            ("tokenizer.ggml.scores", 2**31 - 1, 4)])  # fmt: skip
+def test_an_array_count_the_file_cannot_hold_is_refused_before_gguf_py_walks_it(tmp_path, monkeypatch, key,
+                                                                                 count, each):  # fmt: skip
+    """The long fuzz run's fourth find (its FlakyFailure): a metadata array whose count says more values
+    than the file holds (the int32 token types: 2^64 - 2^48 + 128) made gguf-py's reader loop without
+    end -- past the end of the file its reads return empty arrays and its offset stops -- appending
+    until the memory ran out: an OOM kill, or, under fuzz_long's 8 GB address-space limit, a
+    MemoryError or SystemError wherever an allocation failed, after a minute (so hypothesis's replay
+    of it failed otherwise: flaky).  Both loaders refuse it in one line, at once.  gguf-py's walk is
+    bounded here (10^5 values; the file has about 400) so that, without the check, this test fails
+    instead of filling the machine's memory."""
+    import gguf
+
+    from bitmosaic.errors import CorruptModelError
+    from bitmosaic.io import load_model
+
+    walk, calls = gguf.GGUFReader._get_field_parts, []
+
+    def bounded(self, *args, **kwargs):
+        calls.append(1)
+        assert len(calls) < 10**5, "gguf-py's reader walks values without end"
+        return walk(self, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFReader, "_get_field_parts", bounded)
+    path = tiny_gguf(tmp_path / "a.gguf", "llama", vocab="llama")
+    _with_array_count(path, key, count)
+    want = f"truncated or damaged \\(the array metadata {key} says {count} of {each} bytes, but the file has"
+    with pytest.raises(CorruptModelError, match=want) as e:
+        GGUFCheckpoint(path)
+    assert "\n" not in str(e.value) and "re-download" in str(e.value)
+    with pytest.raises(CorruptModelError, match=want):
+        load_model(f"gguf:{path}")
+
+
 def test_unsupported_architectures_are_refused_in_one_line(tmp_path, monkeypatch):
     import gguf
 

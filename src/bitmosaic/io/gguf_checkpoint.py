@@ -107,6 +107,7 @@ def open_gguf(path: str | os.PathLike, spec: str | None = None):
 
     path = Path(path)
     try:
+        _check_layout(path)  # before gguf-py walks it: a count the file cannot hold is refused at once
         reader = GGUFReader(os.fspath(path))
     except (ValueError, OSError, KeyError, IndexError, EOFError) as e:
         raise _damaged(spec or str(path), path, e) from None
@@ -117,6 +118,98 @@ def open_gguf(path: str | os.PathLike, spec: str | None = None):
     for check in (_check_block_count, _check_heads, _check_sizes):  # metadata against the tensors
         check(reader, arch, _file_name(spec or str(path), path))
     return reader
+
+
+# GGUF value types (gguf.GGUFValueType) -> their size in bytes; 8 is a string, 9 an array
+_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+_MAX_NESTING = 16  # arrays of arrays (models hold none; gguf-py recurses once per level)
+
+
+def _check_layout(path: Path) -> None:
+    """Walk the header of GGUF ``path`` (metadata and tensor infos) with every count and length checked
+    against the bytes left in the file, in constant memory; raise ``ValueError`` naming the first that
+    does not fit.  gguf-py's reader trusts them: past the end of the file its reads return empty arrays
+    and its offset stops, so an array whose count says more values than the file holds (2^64 - 2^48 + 128
+    int32 token types, found by the long fuzz run) made it append empty views without end until the
+    memory ran out (an OOM kill, or a MemoryError/SystemError at a random place under a memory limit).
+    A file without the GGUF magic or of a version gguf-py does not read is left to gguf-py's own error."""
+    import mmap
+    import struct
+
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 24:
+            return
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            if buf[:4] != b"GGUF":
+                return
+            order = "<"
+            version = struct.unpack_from("<I", buf, 4)[0]
+            if version & 0xFFFF == 0:  # written on a machine of the other byte order (as gguf-py reads it)
+                order, version = ">", struct.unpack_from(">I", buf, 4)[0]
+            if version not in (2, 3):
+                return
+            u32, u64 = struct.Struct(order + "I"), struct.Struct(order + "Q")
+            offs = 8
+
+            def read(fmt: struct.Struct, what: str) -> int:
+                nonlocal offs
+                if fmt.size > size - offs:
+                    raise ValueError(f"the file ends inside {what}")
+                offs += fmt.size
+                return fmt.unpack_from(buf, offs - fmt.size)[0]
+
+            def fits(count: int, each: int, what: str, least: bool = False) -> None:
+                if count * each > size - offs:
+                    raise ValueError(f"{what} says {count} of {each}{' or more' if least else ''} bytes, "
+                                     f"but the file has {size - offs} bytes left")  # fmt: skip
+
+            def skip(count: int, each: int, what: str) -> None:
+                nonlocal offs
+                fits(count, each, what)
+                offs += count * each
+
+            def string(what: str) -> int:
+                n = read(u64, f"the length of {what}")
+                skip(n, 1, f"the length of {what}")
+                return n
+
+            def name(what: str) -> str:  # a key's or a tensor's name, as much as errors show
+                n = string(what)
+                text = bytes(buf[offs - n : offs - n + min(n, 60)]).decode("utf-8", "replace")
+                return "".join(c if c.isprintable() else "?" for c in text)
+
+            def value(vtype: int, what: str, depth: int = 0) -> None:
+                if vtype in _VALUE_SIZES:
+                    skip(1, _VALUE_SIZES[vtype], what)
+                elif vtype == _STRING:
+                    string(what)
+                elif vtype == _ARRAY:
+                    if depth >= _MAX_NESTING:
+                        raise ValueError(f"{what} nests arrays more than {_MAX_NESTING} deep")
+                    itype, count = read(u32, what), read(u64, what)
+                    if itype in _VALUE_SIZES:  # scalars: skipped at once
+                        skip(count, _VALUE_SIZES[itype], f"the array {what}")
+                    elif itype in (_STRING, _ARRAY):  # a string's length or an array's type and count
+                        fits(count, 8 if itype == _STRING else 12, f"the array {what}", least=True)
+                        for _ in range(count):
+                            value(itype, what, depth + 1)
+                    else:
+                        raise ValueError(f"{what} is an array of unknown value type {itype}")
+                else:
+                    raise ValueError(f"{what} has unknown value type {vtype}")
+
+            tensors, kvs = read(u64, "the tensor count"), read(u64, "the metadata count")
+            fits(kvs, 13, "the metadata count", least=True)  # a key's length, its type and a byte
+            for i in range(kvs):
+                what = "metadata " + name(f"metadata key {i}")
+                value(read(u32, what), what)
+            fits(tensors, 24, "the tensor count", least=True)  # a name's length, dims, type, offset
+            for i in range(tensors):
+                what = "tensor info " + name(f"tensor info {i}")
+                skip(read(u32, what), 8, f"the dimension count of {what}")
+                read(u32, what), read(u64, what)
 
 
 _BLOCK = re.compile(r"(?:^|\.)blk\.(\d+)\.")
