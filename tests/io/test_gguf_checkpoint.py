@@ -294,6 +294,35 @@ def test_an_array_count_the_file_cannot_hold_is_refused_before_gguf_py_walks_it(
         load_model(f"gguf:{path}")
 
 
+def test_a_damaged_file_at_the_export_out_is_never_replaced_and_never_walked(tmp_path, monkeypatch):
+    """``export --format gguf --out F`` reads an existing ``F`` to see whether bitmosaic wrote it: a
+    damaged one (the fuzz run's array count) is "not ours" at once, not read until memory runs out."""
+    import gguf
+
+    from bitmosaic.io.export.gguf_file import _check_out
+    from bitmosaic.io.export.layers import ExportError
+
+    class Endless(BaseException):  # past the export's `except Exception`: the test fails, not "not ours"
+        pass
+
+    calls = []
+    walk = gguf.GGUFReader._get_field_parts
+
+    def bounded(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) >= 10**5:
+            raise Endless("gguf-py's reader walks values without end")
+        return walk(self, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFReader, "_get_field_parts", bounded)
+    path = tiny_gguf(tmp_path / "a.gguf", "llama", vocab="llama")
+    _with_array_count(path, "tokenizer.ggml.token_type", 2**64 - 2**48 + 128)
+    before = path.read_bytes()
+    with pytest.raises(ExportError, match="was not written by bitmosaic export; it is never replaced"):
+        _check_out(path, overwrite=True)
+    assert path.read_bytes() == before
+
+
 def test_unsupported_architectures_are_refused_in_one_line(tmp_path, monkeypatch):
     import gguf
 

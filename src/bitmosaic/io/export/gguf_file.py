@@ -37,7 +37,10 @@ def _check_out(out, overwrite: bool) -> Path:
 def _written_by_us(path: Path) -> bool:
     from gguf import GGUFReader
 
+    from ..gguf_checkpoint import _check_layout
+
     try:
+        _check_layout(path)  # a damaged file at --out: gguf-py alone could read it without end
         f = GGUFReader(os.fspath(path)).fields.get("general.quantized_by")
         return f is not None and f.contents().startswith("bitmosaic")
     except Exception:  # not a GGUF file at all
