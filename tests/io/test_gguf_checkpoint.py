@@ -221,15 +221,8 @@ def test_a_layer_count_that_disagrees_with_the_tensors_is_refused_before_sizing_
 def test_head_counts_that_do_not_split_the_attention_weights_are_refused(tmp_path, heads, want):
     """The long fuzz run's second find: a damaged ``head_count_kv`` (258) made transformers' Llama
     reader raise numpy's "cannot reshape array" in both loaders.  Both refuse it in one line now."""
-    from bitmosaic.errors import CorruptModelError
-    from bitmosaic.io import load_model
-
     path = tiny_gguf(tmp_path / "h.gguf", "llama", heads=heads)
-    with pytest.raises(CorruptModelError, match=want) as e:
-        GGUFCheckpoint(path)
-    assert "\n" not in str(e.value) and "re-download" in str(e.value)
-    with pytest.raises(CorruptModelError, match=want):
-        load_model(f"gguf:{path}")
+    _both_loaders_refuse(path, want)
 
 
 @pytest.mark.parametrize("key,value", [("embedding_length", 67108928), ("feed_forward_length", 96),
@@ -238,16 +231,42 @@ def test_model_sizes_that_disagree_with_the_tensors_are_refused(tmp_path, key, v
     """The long fuzz run's third find: transformers builds the model from the metadata sizes and
     re-initialises every tensor of another shape -- a damaged ``embedding_length`` gave random weights
     (or tens of GB).  Both loaders refuse it in one line, before building anything."""
+    path = tiny_gguf(tmp_path / "s.gguf", "llama", sizes={key: value})
+    want = f"says llama.{key} is {value} but its"
+    _both_loaders_refuse(path, want)
+
+
+def _both_loaders_refuse(path, want: str) -> None:
+    """The streaming reader and the whole-model loader refuse ``path`` in one line matching ``want``."""
     from bitmosaic.errors import CorruptModelError
     from bitmosaic.io import load_model
 
-    path = tiny_gguf(tmp_path / "s.gguf", "llama", sizes={key: value})
-    want = f"says llama.{key} is {value} but its"
     with pytest.raises(CorruptModelError, match=want) as e:
         GGUFCheckpoint(path)
     assert "\n" not in str(e.value) and "re-download" in str(e.value)
     with pytest.raises(CorruptModelError, match=want):
         load_model(f"gguf:{path}")
+
+
+class _Endless(BaseException):  # past any `except Exception` of the code under test: the test fails
+    pass
+
+
+@pytest.fixture
+def bounded_walk(monkeypatch):
+    """gguf-py's metadata walk stopped after 10^5 values (a test file has about 400): without our check a
+    damaged count fails the test at once instead of filling the machine's memory."""
+    import gguf
+
+    walk, calls = gguf.GGUFReader._get_field_parts, []
+
+    def bounded(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) >= 10**5:
+            raise _Endless("gguf-py's reader walks values without end")
+        return walk(self, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFReader, "_get_field_parts", bounded)
 
 
 def _with_array_count(path, key: str, count: int) -> None:
@@ -261,60 +280,26 @@ def _with_array_count(path, key: str, count: int) -> None:
 
 @pytest.mark.parametrize("key,count,each", [("tokenizer.ggml.token_type", 2**64 - 2**48 + 128, 4),
                                             ("tokenizer.ggml.scores", 2**31 - 1, 4)])  # fmt: skip
-def test_an_array_count_the_file_cannot_hold_is_refused_before_gguf_py_walks_it(tmp_path, monkeypatch, key,
+def test_an_array_count_the_file_cannot_hold_is_refused_before_gguf_py_walks_it(tmp_path, bounded_walk, key,
                                                                                  count, each):  # fmt: skip
     """The long fuzz run's fourth find (its FlakyFailure): a metadata array whose count says more values
     than the file holds (the int32 token types: 2^64 - 2^48 + 128) made gguf-py's reader loop without
     end -- past the end of the file its reads return empty arrays and its offset stops -- appending
     until the memory ran out: an OOM kill, or, under fuzz_long's 8 GB address-space limit, a
     MemoryError or SystemError wherever an allocation failed, after a minute (so hypothesis's replay
-    of it failed otherwise: flaky).  Both loaders refuse it in one line, at once.  gguf-py's walk is
-    bounded here (10^5 values; the file has about 400) so that, without the check, this test fails
-    instead of filling the machine's memory."""
-    import gguf
-
-    from bitmosaic.errors import CorruptModelError
-    from bitmosaic.io import load_model
-
-    walk, calls = gguf.GGUFReader._get_field_parts, []
-
-    def bounded(self, *args, **kwargs):
-        calls.append(1)
-        assert len(calls) < 10**5, "gguf-py's reader walks values without end"
-        return walk(self, *args, **kwargs)
-
-    monkeypatch.setattr(gguf.GGUFReader, "_get_field_parts", bounded)
+    of it failed otherwise: flaky).  Both loaders refuse it in one line, at once (``bounded_walk``)."""
     path = tiny_gguf(tmp_path / "a.gguf", "llama", vocab="llama")
     _with_array_count(path, key, count)
     want = f"truncated or damaged \\(the array metadata {key} says {count} of {each} bytes, but the file has"
-    with pytest.raises(CorruptModelError, match=want) as e:
-        GGUFCheckpoint(path)
-    assert "\n" not in str(e.value) and "re-download" in str(e.value)
-    with pytest.raises(CorruptModelError, match=want):
-        load_model(f"gguf:{path}")
+    _both_loaders_refuse(path, want)
 
 
-def test_a_damaged_file_at_the_export_out_is_never_replaced_and_never_walked(tmp_path, monkeypatch):
+def test_a_damaged_file_at_the_export_out_is_never_replaced_and_never_walked(tmp_path, bounded_walk):
     """``export --format gguf --out F`` reads an existing ``F`` to see whether bitmosaic wrote it: a
     damaged one (the fuzz run's array count) is "not ours" at once, not read until memory runs out."""
-    import gguf
-
     from bitmosaic.io.export.gguf_file import _check_out
     from bitmosaic.io.export.layers import ExportError
 
-    class Endless(BaseException):  # past the export's `except Exception`: the test fails, not "not ours"
-        pass
-
-    calls = []
-    walk = gguf.GGUFReader._get_field_parts
-
-    def bounded(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) >= 10**5:
-            raise Endless("gguf-py's reader walks values without end")
-        return walk(self, *args, **kwargs)
-
-    monkeypatch.setattr(gguf.GGUFReader, "_get_field_parts", bounded)
     path = tiny_gguf(tmp_path / "a.gguf", "llama", vocab="llama")
     _with_array_count(path, "tokenizer.ggml.token_type", 2**64 - 2**48 + 128)
     before = path.read_bytes()
