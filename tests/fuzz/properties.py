@@ -15,6 +15,7 @@ on every machine and run).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import io
@@ -399,6 +400,7 @@ def _saved_model() -> Path:
     from tests.helpers import quantized_dir
 
     root = Path(tempfile.mkdtemp(prefix="bitmosaic-fuzz-saved-"))
+    atexit.register(shutil.rmtree, root, True)  # once per process: it is reused by every case
     return quantized_dir(root / "m", tokenizer=False)
 
 
