@@ -192,7 +192,7 @@ def mosaic_transform(caps, cfg: MosaicConfig):
             losses["none" if a is None else a] = loss
             if loss < best[1]:
                 best = (a, loss, s)
-        if best[0] is None:  # no smoothing won
+        if best[0] is None and best[2] is not None:  # no smoothing (s = 1) won
             return None, {"alpha": None, "reason": "no smoothing had the lowest loss", "loss": best[1],
                           "losses": losses}  # fmt: skip
         return best[2], {"alpha": best[0], "loss": best[1], "losses": losses}
