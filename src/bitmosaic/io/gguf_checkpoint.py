@@ -120,9 +120,6 @@ def open_gguf(path: str | os.PathLike, spec: str | None = None):
     return reader
 
 
-# GGUF value types (gguf.GGUFValueType) -> their size in bytes; 8 is a string, 9 an array
-_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY = 8, 9
 _MAX_NESTING = 16  # arrays of arrays (models hold none; gguf-py recurses once per level)
 
 
@@ -137,6 +134,11 @@ def _check_layout(path: Path) -> None:
     import mmap
     import struct
 
+    from gguf import GGUFValueType as T
+
+    string_t, array_t = int(T.STRING), int(T.ARRAY)
+    # the scalar value types and their sizes in bytes (the type names are numpy's: UINT8, FLOAT32, BOOL)
+    sizes = {int(t): np.dtype(t.name.lower()).itemsize for t in T if t not in (T.STRING, T.ARRAY)}
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size < 24:
@@ -181,18 +183,18 @@ def _check_layout(path: Path) -> None:
                 return "".join(c if c.isprintable() else "?" for c in text)
 
             def value(vtype: int, what: str, depth: int = 0) -> None:
-                if vtype in _VALUE_SIZES:
-                    skip(1, _VALUE_SIZES[vtype], what)
-                elif vtype == _STRING:
+                if vtype in sizes:
+                    skip(1, sizes[vtype], what)
+                elif vtype == string_t:
                     string(what)
-                elif vtype == _ARRAY:
+                elif vtype == array_t:
                     if depth >= _MAX_NESTING:
                         raise ValueError(f"{what} nests arrays more than {_MAX_NESTING} deep")
                     itype, count = read(u32, what), read(u64, what)
-                    if itype in _VALUE_SIZES:  # scalars: skipped at once
-                        skip(count, _VALUE_SIZES[itype], f"the array {what}")
-                    elif itype in (_STRING, _ARRAY):  # a string's length or an array's type and count
-                        fits(count, 8 if itype == _STRING else 12, f"the array {what}", least=True)
+                    if itype in sizes:  # scalars: skipped at once
+                        skip(count, sizes[itype], f"the array {what}")
+                    elif itype in (string_t, array_t):  # a string's length or an array's type and count
+                        fits(count, 8 if itype == string_t else 12, f"the array {what}", least=True)
                         for _ in range(count):
                             value(itype, what, depth + 1)
                     else:
