@@ -1,7 +1,8 @@
 """Method ``sfmp``: SFMP (Nie et al.), search-free block-wise mixed precision.
 
 Pipeline (§4.6): the Fisher diagonal ``S`` of every decoder linear is computed on the float model
-(the pipeline's Fisher service, Eqs. 1-2, Alg. 1) in the ``prepare`` hook; :func:`sfmp_allocate` then
+(the pipeline's Fisher service: §4.1 Eqs. 1-2, App. C, Alg. 1) in the ``prepare`` hook;
+:func:`sfmp_allocate` then
 reorders rows/columns by salience (§4.4), cuts ``W̃`` into ``m_b x n_b`` blocks and makes ONE global
 allocation of ``floor(b)``/``ceil(b)`` over all blocks of all decoder linears (§4.2-4.3, Alg. 2),
 ``b`` coming from ``avg_bits``, ``bpw`` or ``budget_mb`` with the measured overhead.  Each linear is

@@ -1,9 +1,9 @@
-"""Fisher-diagonal weight salience (Nie et al. §4.1 Eqs. 1-2, App. C, Alg. 1; SqueezeLLM's estimator).
+"""Fisher-diagonal weight salience, a statistic of the float model a method's ``prepare`` hook asks for.
 
 ``S = (1/|D|) Σ_samples (∂L/∂W)²`` with ``L`` the causal-LM cross-entropy of one calibration
 sample with labels = inputs (the model's own next-token loss).  Each sample is its own forward +
-backward, so the squares are *per-sample* squared gradients (Alg. 1).  Only the quantizable
-decoder linears' weights require gradients; each one's gradient is squared into a float32
+backward, so the squares are *per-sample* squared gradients (the empirical Fisher diagonal).  Only
+the quantizable decoder linears' weights require gradients; each one's gradient is squared into a float32
 accumulator by a post-accumulate-grad hook and then dropped, so no optimizer state and no
 gradient of any other parameter (embeddings, norms, ``lm_head``) is ever kept.
 

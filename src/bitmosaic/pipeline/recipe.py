@@ -2,14 +2,14 @@
 
 A recipe is a YAML or JSON mapping::
 
-    method: gptq                      # the default method (required)
+    method: NAME                      # the default method (required; `bitmosaic methods` lists them)
     scheme: W4A16                     # optional: sets bits + activation quantizer (see formats/act.py)
-    settings: {bits: 4, group_size: 128, order: act}   # the method's config fields
+    settings: {bits: 4, group_size: 128}   # the method's config fields
     overrides:                        # optional, first match wins; `match` is a regex searched in
       - match: 'mlp\\.down_proj$'     # the linear's qualified name (model.layers.3.mlp.down_proj)
         settings: {bits: 8}           # same method: merged over the default settings
       - match: 'layers\\.0\\.self_attn'
-        method: rtn                   # another method: its own settings (and scheme) only
+        method: OTHER                 # another method: its own settings (and scheme) only
         settings: {bits: 8, group_size: -1}
     skip: ['layers\\.1\\.mlp\\.gate_proj']   # regexes: these linears stay in float
     rotate: hadamard                  # optional: none (default), hadamard or random (pipeline/rotate.py)

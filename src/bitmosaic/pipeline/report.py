@@ -21,7 +21,10 @@ from ..algorithms.bounds import babai_bound
 from ..algorithms.hessian import damp_hessian
 from ..algorithms.types import QuantResult
 
-__all__ = ["RunReport", "peak_rss_mb", "error_metrics"]
+__all__ = ["RunReport", "peak_rss_mb", "error_metrics", "ERROR_METRICS"]
+
+# the per-linear error columns of a report row (module doc); ``None`` where a run did not measure them
+ERROR_METRICS = ("rel_out_error", "hessian_error", "babai_bound")
 
 
 def peak_rss_mb() -> float:

@@ -1,4 +1,4 @@
-"""Fold per-channel smoothing factors into a decoder layer (Xiao et al. §4; Lin et al. §3.2).
+"""Fold per-channel factors into a decoder layer: any method's ``transform`` hook that returns factors.
 
 For a group whose input is ``X`` and factors ``s``: the group's weights become ``W·diag(s)`` and
 the preceding op's output is divided by ``s`` (norm weight, or the rows of ``v_proj``/``up_proj``;

@@ -34,7 +34,7 @@ from ..errors import ScaleOverflowError, check_finite
 from ..methods.base import LayerStats
 from ..modules.qlinear import UnpackableCodesError
 from .distributed import current
-from .report import error_metrics, hessian_summary
+from .report import ERROR_METRICS, error_metrics, hessian_summary
 
 __all__ = ["Handed", "HessianSpentError", "quantize_shared"]
 
@@ -119,7 +119,7 @@ def quantize_shared(
             if measured:
                 row.update(error_metrics(Wn, Wq, None if disposable else H, r, percdamp, summaries.get(n)))
             else:
-                row.update({"rel_out_error": None, "hessian_error": None, "babai_bound": None})
+                row.update(dict.fromkeys(ERROR_METRICS))
             row["bits_per_weight"] = qlin.bits_per_weight()
             row["storage_bits"] = getattr(qlin, "storage_bits", None)
             if hasattr(qlin, "bits_breakdown"):
