@@ -35,10 +35,10 @@ __all__ = ["KINDS", "NoIntForm", "QuantModule", "set_weight_cache", "prepare_ker
 KINDS: dict[str, type[QuantModule]] = {}
 
 
-
 def _wants_grad(x: torch.Tensor) -> bool:
     """Whether this forward records an autograd graph through ``x``."""
     return x.requires_grad and torch.is_grad_enabled()
+
 
 class NoIntForm(Exception):
     """Why a module has no exact form in an export target (``fixable``: ``--lossy`` has a nearest form);
