@@ -133,6 +133,7 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu", help="where quantization and evaluation run (cpu, cuda)")
     p.add_argument("--json", default=None, help="output JSON (default benchmarks/results/<name>.json)")
+    p.add_argument("--only", default=None, help="comma list of row names to run (default: every row)")
     return p
 
 
@@ -209,7 +210,16 @@ class Bench:
         row["eval_seconds"] = time.perf_counter() - t
         return self._add(row)
 
-    def run(self, name: str, method: str, **options) -> dict:
+    def wants(self, name: str) -> bool:
+        """Whether ``--only`` (a comma list of row names) leaves row ``name`` to run."""
+        only = getattr(self.args, "only", None)
+        return not only or name in only.split(",")
+
+    def run(self, name: str, method: str, **options) -> dict | None:
+        """Quantize a fresh copy with ``method``/``options`` and measure it; None when ``--only``
+        leaves this row out."""
+        if not self.wants(name):
+            return None
         spec = get_method(method)
         cfg = spec.make_config(**options)
         model = copy.deepcopy(self.model)

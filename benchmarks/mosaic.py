@@ -110,7 +110,6 @@ def main() -> None:
     p = base_parser(__doc__)
     p.add_argument("--parts", default="main")
     p.add_argument("--max-tokens", type=int, default=1024, help="alpha-search token sample")
-    p.add_argument("--only", default=None, help="comma-separated row names to run (default: all)")
     a = p.parse_args()
     b = Bench(a)
     for part in a.parts.split(","):
@@ -119,7 +118,7 @@ def main() -> None:
         if part == "main":
             b.float_row()["scheme"] = "W16A16"
         for name, scheme, method, opts in _runs(part, a.max_tokens):
-            if a.only and name not in a.only.split(","):
+            if not b.wants(name):
                 continue
             row = b.run(name, method, **opts)
             row["scheme"] = scheme

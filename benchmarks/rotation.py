@@ -263,7 +263,6 @@ def markdown(rows: list[dict], args, diag: list[dict] | None = None) -> str:
 
 def main() -> None:
     p = base_parser(__doc__)
-    p.add_argument("--only", default=None, help="comma list of config names (default: every config)")
     p.add_argument("--redo", action="store_true", help="run configs already in the JSON again")
     p.add_argument("--budget-min", type=float, default=None, help="start no config after this many minutes")
     p.add_argument("--max-tokens", type=int, default=1024, help="smoothing search token sample")

@@ -35,3 +35,15 @@ def test_protocol_flags(common, argv, nsamples, windows, fidelity, label):
     assert (a.nsamples, a.max_windows, a.fidelity) == (nsamples, windows, fidelity)
     assert common.protocol_label(a) == label
     assert a.device == "cpu"
+
+
+def test_only_picks_rows(common):
+    """``--only`` names the rows a run measures; a row it leaves out is not quantized at all."""
+    a = common.base_parser("x").parse_args(["--only", "W4A8 dpq gar,float"])
+    bench = common.Bench.__new__(common.Bench)  # no model: run() must return before touching one
+    bench.args = a
+    assert bench.wants("W4A8 dpq gar") and not bench.wants("W4A8 dpq")
+    assert bench.run("W4A8 rtn", "no-such-method") is None
+    everything = common.Bench.__new__(common.Bench)
+    everything.args = common.base_parser("x").parse_args([])
+    assert everything.wants("anything")
