@@ -204,7 +204,10 @@ class Bench:
     def ppl(self, model) -> float:
         return self.measure(model)["ppl"]
 
-    def float_row(self) -> dict:
+    def float_row(self) -> dict | None:
+        """The float model's row, named ``float`` (None when ``--only`` leaves it out)."""
+        if not self.wants("float"):
+            return None
         t = time.perf_counter()
         row = {"name": "float", "method": "float", "bits_per_weight": 32.0, **self.measure(self.model)}
         row["eval_seconds"] = time.perf_counter() - t

@@ -116,7 +116,8 @@ def main() -> None:
         b.rows = []
         b.partial_path = RESULTS / f"mosaic_{part}.partial.json"
         if part == "main":
-            b.float_row()["scheme"] = "W16A16"
+            if (row := b.float_row()) is not None:
+                row["scheme"] = "W16A16"
         for name, scheme, method, opts in _runs(part, a.max_tokens):
             if not b.wants(name):
                 continue

@@ -44,7 +44,8 @@ def main() -> None:
     a = p.parse_args()
     b = Bench(a)
     b.partial_path = RESULTS / "waq.partial.json"
-    b.float_row()["scheme"] = "float"
+    if (row := b.float_row()) is not None:
+        row["scheme"] = "float"
     runs = [(m, s) for s in a.schemes.split(",") for m in a.methods.split(",")]
     runs += [tuple(x.split(":")) for x in a.extra.split(",") if x]
     for label, scheme in runs:

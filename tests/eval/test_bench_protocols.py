@@ -44,6 +44,8 @@ def test_only_picks_rows(common):
     bench.args = a
     assert bench.wants("W4A8 dpq gar") and not bench.wants("W4A8 dpq")
     assert bench.run("W4A8 rtn", "no-such-method") is None
+    bench.args = common.base_parser("x").parse_args(["--only", "W4A8 dpq gar"])
+    assert bench.float_row() is None  # left out: not evaluated
     everything = common.Bench.__new__(common.Bench)
     everything.args = common.base_parser("x").parse_args([])
     assert everything.wants("anything")
