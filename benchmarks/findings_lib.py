@@ -56,6 +56,14 @@ def fmt(x: float, nd: int = 2) -> str:
     return "inf" if not math.isfinite(x) else f"{x:.{nd}f}"
 
 
+def ppl_fid(row: dict) -> str:
+    """``row``'s perplexity, with KL and top-1 to the float model where the run measured them."""
+    out = fmt(row["ppl"])
+    if "kl_mean" in row:
+        out += f" (KL {row['kl_mean']:.4f}, top-1 {row['top1_agreement']:.3f})"
+    return out
+
+
 def verdict(ok: bool, why_not: str = "") -> str:
     return HOLDS if ok else (FAILS + (f" ({why_not})" if why_not else ""))
 

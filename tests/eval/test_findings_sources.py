@@ -1,0 +1,51 @@
+"""The findings report judges each claim on the verdict-protocol run (``<source>_verdict.json``) when
+that run holds every row the claim needs, and on the benchmark's own JSON otherwise."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def findings():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import findings as mod
+    finally:
+        sys.path.remove(str(BENCH))
+    return mod
+
+
+def _claim(findings):
+    def judge(res):
+        r = {row["name"]: row for row in res["rows"]}
+        return f"{r['a']['ppl']} vs {r['b']['ppl']}", "holds" if r["a"]["ppl"] < r["b"]["ppl"] else "no"
+
+    return findings.Finding("P", "a beats b", "bench", judge)
+
+
+def _rows(**ppl):
+    return {"rows": [{"name": k, "ppl": v} for k, v in ppl.items()]}
+
+
+def test_verdict_run_wins_when_complete(findings, monkeypatch):
+    store = {"bench": _rows(a=2.0, b=1.0), "bench_verdict": _rows(a=1.0, b=2.0)}
+    monkeypatch.setattr(findings, "load", store.get)
+    assert findings.judge(_claim(findings)) == ("1.0 vs 2.0", "holds", "bench_verdict")
+
+
+def test_falls_back_when_verdict_lacks_a_row(findings, monkeypatch):
+    store = {"bench": _rows(a=2.0, b=1.0), "bench_verdict": _rows(a=1.0)}
+    monkeypatch.setattr(findings, "load", store.get)
+    assert findings.judge(_claim(findings)) == ("2.0 vs 1.0", "no", "bench")
+
+
+def test_missing_everywhere_names_the_run(findings, monkeypatch):
+    monkeypatch.setattr(findings, "load", {"bench_verdict": _rows(a=1.0)}.get)
+    nums, v, used = findings.judge(_claim(findings))
+    assert nums == "" and "bench_verdict.json has no 'b'" in v and used == "bench"
+    monkeypatch.setattr(findings, "load", {}.get)
+    assert findings.judge(_claim(findings))[1].startswith("not measured: run python benchmarks/bench.py")
