@@ -11,6 +11,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 HOLDS, FAILS, UNTESTABLE, MISSING = "holds", "does not hold here", "cannot be tested here", "not measured"
+UNDECIDED = "undecided"  # verdict-protocol runs of two seeds disagree
 
 
 @dataclass

@@ -49,3 +49,17 @@ def test_missing_everywhere_names_the_run(findings, monkeypatch):
     assert nums == "" and "bench_verdict.json has no 'b'" in v and used == "bench"
     monkeypatch.setattr(findings, "load", {}.get)
     assert findings.judge(_claim(findings))[1].startswith("not measured: run python benchmarks/bench.py")
+
+
+def test_two_seeds_must_agree(findings, monkeypatch, tmp_path):
+    """A second seed's verdict run (``<source>_verdict_s1.json``) joins the judgement: agreeing seeds
+    keep the verdict (both seeds' numbers shown), disagreeing ones make it undecided."""
+    (tmp_path / "bench_verdict_s1.json").write_text("{}")
+    monkeypatch.setattr(findings, "RESULTS", tmp_path)
+    agree = {"bench_verdict": _rows(a=1.0, b=2.0), "bench_verdict_s1": _rows(a=1.5, b=2.5)}
+    monkeypatch.setattr(findings, "load", agree.get)
+    nums, v, used = findings.judge(_claim(findings))
+    assert (nums, v, used) == ("1.0 vs 2.0; bench_verdict_s1: 1.5 vs 2.5", "holds", "bench_verdict")
+    split = {"bench_verdict": _rows(a=1.0, b=2.0), "bench_verdict_s1": _rows(a=3.0, b=2.5)}
+    monkeypatch.setattr(findings, "load", split.get)
+    assert findings.judge(_claim(findings))[1] == "undecided (the seeds disagree: holds / no)"
