@@ -160,6 +160,32 @@ def protocol_label(args) -> str:
     return "custom"
 
 
+# the settings that make two runs' rows comparable (so rows of an --only run can join an earlier run's)
+SAME_RUN = ("model", "nsamples", "seqlen", "max_windows", "seed", "fidelity", "device")
+
+
+def merged_rows(path: str | os.PathLike, args, rows: list[dict]) -> list[dict]:
+    """``rows``, joined -- when ``--only`` picked them -- to the rows of the run already at ``path`` if
+    that run had the same settings (:data:`SAME_RUN`): its rows keep their places, a row measured again
+    replaces its old self, new rows follow.  So a long run (a verdict on the CPU) can be done a few rows
+    per command, even across sessions (on one device: GPTQ's decisions follow float rounding, so rows
+    of two devices do not mix)."""
+    path = Path(path)
+    if not getattr(args, "only", None) or not path.is_file():
+        return rows
+    try:
+        old = json.loads(path.read_text())
+    except ValueError:
+        return rows
+    theirs = old.get("args") or {}
+    if any(theirs.get(k) != getattr(args, k, None) for k in SAME_RUN):
+        print(f"note: {path} holds a run of other settings; it is replaced", flush=True)
+        return rows
+    new = {r["name"]: r for r in rows}
+    kept = [new.pop(r["name"], r) for r in old.get("rows", [])]
+    return kept + list(new.values())
+
+
 class Bench:
     def __init__(self, args):
         if args.threads:
@@ -280,5 +306,5 @@ class Bench:
                 cells.append(f"{v:>{w}.4g}" if isinstance(v, float) else f"{str(v):>{w}}")
             print(f"{r['name']:<34}" + "".join(cells))
         out = {"args": vars(a), "protocol": protocol_label(a), "peak_rss_mb": peak_rss_mb()}
-        out.update(rows=self.rows, **(extra or {}))
+        out.update(rows=merged_rows(a.json or RESULTS / f"{name}.json", a, self.rows), **(extra or {}))
         write_results(a.json, name, out)

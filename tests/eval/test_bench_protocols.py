@@ -49,3 +49,20 @@ def test_only_picks_rows(common):
     everything = common.Bench.__new__(common.Bench)
     everything.args = common.base_parser("x").parse_args([])
     assert everything.wants("anything")
+
+
+def test_only_rows_join_the_same_run(common, tmp_path):
+    """Rows of an ``--only`` run join an earlier run of the same settings (replacing a row measured
+    again); a run of other settings, or a run without ``--only``, is not merged."""
+    import json
+
+    path = tmp_path / "b.json"
+    a = common.base_parser("x").parse_args(["--protocol", "verdict", "--only", "y,z"])
+    old = {"args": vars(a) | {"only": "x,y"}, "rows": [{"name": "x", "ppl": 1}, {"name": "y", "ppl": 2}]}
+    path.write_text(json.dumps(old))
+    rows = [{"name": "y", "ppl": 3}, {"name": "z", "ppl": 4}]
+    assert common.merged_rows(path, a, rows) == [{"name": "x", "ppl": 1}, rows[0], rows[1]]
+    other = common.base_parser("x").parse_args(["--protocol", "verdict", "--seed", "1", "--only", "y"])
+    assert common.merged_rows(path, other, rows) == rows
+    full = common.base_parser("x").parse_args(["--protocol", "verdict"])
+    assert common.merged_rows(path, full, rows) == rows
