@@ -10,6 +10,8 @@
   small ``m × m`` matmul.
 - :func:`random_orthogonal`: a Haar-random orthogonal matrix from a seed (QR of a Gaussian, signs fixed).
 - :func:`orthogonal_matrix`: the ``[n, n]`` matrix a rotation ``kind`` uses (normalised, orthogonal).
+- :func:`cayley_step`: one descent step on the orthogonal group by the Cayley transform (SpinQuant's
+  Cayley SGD, Liu et al. 2024, Sec. 3.2, after Li et al. 2020): the rotation stays exactly orthogonal.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 __all__ = [
     "NoHadamardError",
+    "cayley_step",
     "hadamard_factor",
     "hadamard_matrix",
     "hadamard_transform",
@@ -178,3 +181,18 @@ def orthogonal_matrix(kind: str, n: int, seed: int, signs: bool = True) -> torch
     if kind == "random":
         return random_orthogonal(n, seed)
     raise ValueError(f"unknown rotation {kind!r}; use none, hadamard or random")
+
+
+def cayley_step(X: torch.Tensor, G: torch.Tensor, lr: float) -> torch.Tensor:
+    """One Cayley SGD step from the orthogonal ``X`` (``[n, n]``) against the Euclidean gradient ``G``
+    of the loss at ``X``: with the skew-symmetric ``A = G Xᵀ - X Gᵀ`` (``A X`` is a tangent direction
+    at ``X``), ``X' = (I + lr/2 A)⁻¹ (I - lr/2 A) X``.  ``X'`` is
+    orthogonal to rounding for any ``lr`` (the Cayley transform of a skew matrix is orthogonal), and
+    to first order ``X' = X - lr A X``, a descent direction: ``<G, A X> = ||A||² / 2 >= 0``.
+    SpinQuant (Sec. 3.2) solves the same step by a fixed-point iteration; here it is one solve in
+    float64."""
+    Xd, Gd = X.double(), G.double()
+    A = Gd @ Xd.T - Xd @ Gd.T
+    eye = torch.eye(X.shape[0], dtype=torch.float64, device=X.device)
+    half = 0.5 * float(lr) * A
+    return torch.linalg.solve(eye + half, (eye - half) @ Xd).to(X.dtype)

@@ -201,7 +201,8 @@ def quantize_model(
     work folder, else the system's temporary folder) and are read back one batch at a time
     (:mod:`bitmosaic.pipeline.spill`; the same bytes result).  ``report.calibration["spill"]`` says
     whether they spilled and where; the folder is removed when the run ends, also on an error.
-    ``rotate``: ``"hadamard"`` or ``"random"`` first folds QuaRot's rotations into the float model
+    ``rotate``: ``"hadamard"``, ``"random"`` or ``"spinquant[:steps=N,lr=X]"`` (learned on ``calib``
+    against ``config.act``) first folds QuaRot's rotations into the float model
     (:mod:`bitmosaic.pipeline.rotate`; ``model.bitmosaic_rotation`` and
     ``report.calibration["rotation"]`` record them, a saved model re-applies the online ones on load).
     """
@@ -213,7 +214,8 @@ def quantize_model(
             f"--rotate {rotate} rotates the whole float model before calibration, which a streamed run "
             "(one layer in memory at a time) cannot do; use --stream off"
         )
-    rotation = rotate_model(model, arch, rotate or "none", seed)
+    act = getattr(config, "act", None)  # what a learned rotation (--rotate spinquant) is learned against
+    rotation = rotate_model(model, arch, rotate or "none", seed, calib=calib, act=act, progress=progress)
     if rotation:
         model.bitmosaic_rotation = rotation
     layers = arch.layers(model)
@@ -236,6 +238,8 @@ def quantize_model(
             "kind": rotation["kind"], "seed": rotation["seed"], "online": len(rotation["online"]),
             "untied_head": rotation["untied"],
         }  # fmt: skip
+        if "learned" in rotation:  # --rotate spinquant: its steps, rate and first/last loss
+            report.calibration["rotation"]["learned"] = rotation["learned"]
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     calibrate = bool(analyze_orders) or measure_errors

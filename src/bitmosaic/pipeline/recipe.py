@@ -12,7 +12,7 @@ A recipe is a YAML or JSON mapping::
         method: OTHER                 # another method: its own settings (and scheme) only
         settings: {bits: 8, group_size: -1}
     skip: ['layers\\.1\\.mlp\\.gate_proj']   # regexes: these linears stay in float
-    rotate: hadamard                  # optional: none (default), hadamard or random (pipeline/rotate.py)
+    rotate: hadamard                  # optional: none (default), hadamard, random, spinquant (rotate.py)
 
 ``group_size: -1`` means per-channel (``null`` too).  The CLI flags are a one-entry recipe
 (:meth:`Recipe.from_options`), so both take one code path: :func:`quantize_with_recipe` builds a
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import OptionError
-from .rotate import ROTATIONS
+from .rotate import ROTATIONS, parse_rotation
 
 __all__ = ["Recipe", "Rule", "load_recipe", "method_config", "quantize_with_recipe"]
 
@@ -125,8 +125,13 @@ class Recipe:
         rotate = d.get("rotate", "none")
         if rotate is None or rotate is False:
             rotate = "none"
-        if rotate not in ROTATIONS:
-            raise OptionError(f"{where} key 'rotate' must be one of {', '.join(ROTATIONS)}; got {rotate!r}")
+        try:
+            rotate = parse_rotation(rotate).label
+        except OptionError:
+            raise OptionError(
+                f"{where} key 'rotate' must be one of {', '.join(ROTATIONS)} (spinquant[:steps=N,lr=X]); "
+                f"got {rotate!r}"
+            ) from None
         recipe = cls(d["method"], settings, scheme, tuple(rules), skips, rotate)
         recipe._entry_config(None, f"{where} (method/settings/scheme)")
         for i, rule in enumerate(recipe.overrides):

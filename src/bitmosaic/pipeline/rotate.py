@@ -22,6 +22,8 @@ in float64 and writes back in each weight's dtype.  Nothing here names a method.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -30,9 +32,50 @@ from ..errors import OptionError
 from ..models.arch import ArchSpec
 from ..modules.rotation import attach_input_rotation, input_rotation_spec, online_spec
 
-__all__ = ["ROTATIONS", "rotate_model", "check_rotatable"]
+__all__ = ["ROTATIONS", "RotationSpec", "check_rotatable", "parse_rotation", "prepare_rotation",
+           "rotate_model", "rotated_state"]  # fmt: skip
 
-ROTATIONS = ("none", "hadamard", "random")
+ROTATIONS = ("none", "hadamard", "random", "spinquant")
+
+
+@dataclass(frozen=True)
+class RotationSpec:
+    """A ``--rotate`` value: ``kind``, and for ``spinquant`` the Cayley SGD steps and learning rate."""
+
+    kind: str = "none"
+    steps: int = 100
+    lr: float = 1.5
+
+    @property
+    def label(self) -> str:
+        if self.kind != "spinquant" or (self.steps, self.lr) == (RotationSpec.steps, RotationSpec.lr):
+            return self.kind
+        return f"spinquant:steps={self.steps},lr={self.lr:g}"
+
+
+def parse_rotation(text: str | None) -> RotationSpec:
+    """``none`` | ``hadamard`` | ``random`` | ``spinquant[:steps=N,lr=X]`` -> :class:`RotationSpec`
+    (one-line :class:`OptionError` otherwise)."""
+    text = "none" if text in (None, False) else str(text)
+    kind, _, rest = text.partition(":")
+    if kind not in ROTATIONS or (rest and kind != "spinquant"):
+        raise OptionError(
+            f"--rotate {text!r} is not a rotation; use one of none, hadamard, random, "
+            "spinquant[:steps=N,lr=X]"
+        )
+    opts: dict = {}
+    for item in filter(None, rest.split(",")):
+        key, _, val = item.partition("=")
+        try:
+            opts[key] = {"steps": int, "lr": float}[key](val)
+        except (KeyError, ValueError):
+            raise OptionError(
+                f"--rotate {text}: {item!r} is not steps=N or lr=X (e.g. spinquant:steps=100,lr=1.5)"
+            ) from None
+    spec = RotationSpec(kind, **opts)
+    if spec.steps < 1 or not spec.lr > 0:
+        raise OptionError(f"--rotate {text}: steps must be >= 1 and lr > 0")
+    return spec
 
 
 def _head_dim(cfg) -> int:
@@ -42,8 +85,7 @@ def _head_dim(cfg) -> int:
 
 def check_rotatable(model: nn.Module, arch: ArchSpec, kind: str) -> None:
     """One-line :class:`OptionError` when ``model`` cannot be rotated with ``kind`` (before any change)."""
-    if kind not in ROTATIONS:
-        raise OptionError(f"--rotate {kind!r} is not a rotation; use one of {', '.join(ROTATIONS)}")
+    kind = parse_rotation(kind).kind
     if kind == "none":
         return
     mtype = getattr(getattr(model, "config", None), "model_type", "?")
@@ -60,7 +102,7 @@ def check_rotatable(model: nn.Module, arch: ArchSpec, kind: str) -> None:
         if not isinstance(layer.get_submodule(n), nn.Linear):
             what = type(layer.get_submodule(n)).__name__
             raise OptionError(f"--rotate needs float linears, but {n} is {what}; rotate the float model")
-    if kind == "hadamard":
+    if kind in ("hadamard", "spinquant"):  # SpinQuant starts from the Hadamard rotations
         d = model.get_submodule(rmap.embed).weight.shape[1]
         sizes = {"hidden size": d, "head_dim": _head_dim(model.config)}
         for n in rmap.online:
@@ -92,82 +134,112 @@ def _fold_norm(norm: nn.Module, linears: list[nn.Linear], offset: float) -> None
 
 
 @torch.no_grad()
-def _rotate_input(lin: nn.Linear, Q: torch.Tensor) -> None:
-    _set(lin.weight, lin.weight.double() @ Q.to(lin.weight.device))
-
-
-@torch.no_grad()
-def _rotate_output(lin: nn.Linear, Q: torch.Tensor) -> None:
-    Q = Q.to(lin.weight.device)
-    _set(lin.weight, Q.T @ lin.weight.double())
-    if lin.bias is not None:
-        _set(lin.bias, lin.bias.double() @ Q)
-
-
-@torch.no_grad()
-def _rotate_heads(v: nn.Linear, o: nn.Linear, R: torch.Tensor) -> None:
-    hd = R.shape[0]
-    R = R.to(v.weight.device)
-    Wv = v.weight.double().reshape(-1, hd, v.in_features)  # [kv heads, hd, d]
-    _set(v.weight, torch.einsum("ji,hjd->hid", R, Wv).reshape(v.weight.shape))
-    if v.bias is not None:
-        _set(v.bias, (v.bias.double().reshape(-1, hd) @ R).reshape(-1))
-    Wo = o.weight.double().reshape(o.out_features, -1, hd)  # [d, heads, hd]
-    _set(o.weight, (Wo @ R).reshape(o.weight.shape))
-
-
-@torch.no_grad()
-def _fold_online(lin: nn.Linear, spec: dict) -> None:
-    """``W R`` with ``R`` the online rotation (``x R`` at run time), then attach it."""
-    r = attach_input_rotation(lin, spec)
-    W = lin.weight.double()
-    _set(lin.weight, hadamard_transform(W) if r.type == "hadamard" else W @ r.matrix(W.device, W.dtype))
-
-
-@torch.no_grad()
-def rotate_model(model: nn.Module, arch: ArchSpec, kind: str, seed: int = 0) -> dict:
-    """Rotate ``model`` (float, in place) as the module docstring says; returns what a saved model
-    records: ``{"kind", "seed", "online": {module name: spec}, "untied": bool}`` (``{}`` for ``"none"``).
-    ``kind="hadamard"``: R1 = randomised Hadamard (random signs from ``seed``), R2 and the online
-    rotation plain Hadamards (refused in one line where no Hadamard of that order is known);
-    ``"random"``: R1, R2 random orthogonal from ``seed``, the online one a Hadamard when known, else
-    a random orthogonal matrix from ``seed``."""
-    check_rotatable(model, arch, kind)
-    if kind == "none":
-        return {}
+def prepare_rotation(model: nn.Module, arch: ArchSpec, kind: str, seed: int) -> tuple[bool, dict]:
+    """Steps 1 and 4's attachment: untie the head, fold every norm's scale into the linears reading it,
+    attach the online rotations (not yet folded into the weights).  Returns (untied, online specs)."""
     rmap = arch.rotation
-    embed = model.get_submodule(rmap.embed)
-    head = model.get_submodule(rmap.head)
-    d = embed.weight.shape[1]
-    try:
-        Q1 = orthogonal_matrix(kind, d, seed)
-        R2 = orthogonal_matrix(kind, _head_dim(model.config), seed + 1, signs=False)
-    except NoHadamardError as e:  # check_rotatable refuses these first
-        raise OptionError(str(e)) from None
-    offset = arch.norm_offset
+    embed, head = model.get_submodule(rmap.embed), model.get_submodule(rmap.head)
     tied = head.weight is embed.weight
     if tied:  # the final norm's scale goes into the head only
         head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
         model.config.tie_word_embeddings = False
         if hasattr(model.config, "get_text_config"):
             model.config.get_text_config().tie_word_embeddings = False
-    _set(embed.weight, embed.weight.double() @ Q1.to(embed.weight.device))
-    _fold_norm(model.get_submodule(rmap.final_norm), [head], offset)
-    _rotate_input(head, Q1)
+    _fold_norm(model.get_submodule(rmap.final_norm), [head], arch.norm_offset)
     online: dict[str, dict] = {}
     for li, layer in enumerate(arch.layers(model)):
         for norm, readers in rmap.norms:
-            lins = [layer.get_submodule(n) for n in readers]
-            _fold_norm(layer.get_submodule(norm), lins, offset)
-            for lin in lins:
-                _rotate_input(lin, Q1)
-        for n in rmap.writers:
-            _rotate_output(layer.get_submodule(n), Q1)
-        if rmap.value and rmap.attn_out:
-            _rotate_heads(layer.get_submodule(rmap.value), layer.get_submodule(rmap.attn_out), R2)
+            _fold_norm(layer.get_submodule(norm), [layer.get_submodule(n) for n in readers], arch.norm_offset)
         for n in rmap.online:
             lin = layer.get_submodule(n)
             spec = online_spec(kind, lin.in_features, seed + 2)
-            _fold_online(lin, spec)
+            attach_input_rotation(lin, spec)
             online[f"{arch.layers_path}.{li}.{n}"] = spec
-    return {"kind": kind, "seed": int(seed), "online": online, "untied": bool(tied)}
+    return tied, online
+
+
+def rotated_state(
+    model: nn.Module, arch: ArchSpec, Q1: torch.Tensor, R2: list[torch.Tensor], base: dict | None = None
+) -> dict[str, torch.Tensor]:
+    """The rotated values of every parameter the rotation changes, ``{name: tensor}``, of a model that
+    :func:`prepare_rotation` prepared: embeddings ``E Q1``; readers ``W Q1``; writers ``Q1ᵀ W`` (bias
+    ``b Q1``); the head ``W Q1``; per layer ``li`` the value rows ``R2[li]ᵀ W_v`` and output columns
+    ``W_o R2[li]`` of each head; then each online rotation ``R`` folded as ``W R``.  Pure tensor
+    arithmetic in the dtype of ``Q1``, differentiable in ``Q1`` and ``R2`` (the SpinQuant learner
+    calls it every step); ``base``: the parameters to rotate (default: the model's own)."""
+    rmap = arch.rotation
+    dt = Q1.dtype
+    params = base if base is not None else dict(model.named_parameters())
+    get = lambda name: params[name].to(device=Q1.device, dtype=dt)  # noqa: E731
+    out = {
+        f"{rmap.embed}.weight": get(f"{rmap.embed}.weight") @ Q1,
+        f"{rmap.head}.weight": get(f"{rmap.head}.weight") @ Q1,
+    }
+    for li, layer in enumerate(arch.layers(model)):
+        pre = f"{arch.layers_path}.{li}."
+        for _, readers in rmap.norms:
+            for n in readers:
+                out[pre + n + ".weight"] = get(pre + n + ".weight") @ Q1
+        for n in rmap.writers:
+            out[pre + n + ".weight"] = Q1.T @ get(pre + n + ".weight")
+            if layer.get_submodule(n).bias is not None:
+                out[pre + n + ".bias"] = get(pre + n + ".bias") @ Q1
+        if rmap.value and rmap.attn_out:
+            R, hd = R2[li], R2[li].shape[0]
+            v, o = layer.get_submodule(rmap.value), layer.get_submodule(rmap.attn_out)
+            kv, ok = pre + rmap.value, pre + rmap.attn_out
+            Wv = out.get(kv + ".weight", get(kv + ".weight")).reshape(-1, hd, v.in_features)
+            out[kv + ".weight"] = torch.einsum("ji,hjd->hid", R, Wv).reshape(v.weight.shape)
+            if v.bias is not None:
+                out[kv + ".bias"] = (get(kv + ".bias").reshape(-1, hd) @ R).reshape(-1)
+            Wo = out.get(ok + ".weight", get(ok + ".weight")).reshape(o.out_features, -1, hd)
+            out[ok + ".weight"] = (Wo @ R).reshape(o.weight.shape)
+        for n in rmap.online:
+            r = layer.get_submodule(n).input_rotation
+            W = out.get(pre + n + ".weight", get(pre + n + ".weight"))
+            out[pre + n + ".weight"] = (
+                hadamard_transform(W) if r.type == "hadamard" else W @ r.matrix(W.device, dt)
+            )
+    return out
+
+
+@torch.no_grad()
+def rotate_model(
+    model: nn.Module, arch: ArchSpec, kind: str, seed: int = 0, calib: torch.Tensor | None = None,
+    act=None, progress: bool = False,
+) -> dict:  # fmt: skip
+    """Rotate ``model`` (float, in place) as the module docstring says; returns what a saved model
+    records: ``{"kind", "seed", "online": {module name: spec}, "untied": bool}`` (``{}`` for ``"none"``).
+    ``kind="hadamard"``: R1 = randomised Hadamard (random signs from ``seed``), R2 and the online
+    rotation plain Hadamards (refused in one line where no Hadamard of that order is known);
+    ``"random"``: R1, R2 random orthogonal from ``seed``, the online one a Hadamard when known, else
+    a random orthogonal matrix from ``seed``; ``"spinquant[:steps=N,lr=X]"``: R1 and each layer's R2
+    learned from the Hadamard ones on ``calib`` against the activation quantizer ``act``
+    (:mod:`bitmosaic.pipeline.spin`)."""
+    spec = parse_rotation(kind)
+    check_rotatable(model, arch, spec.kind)
+    if spec.kind == "none":
+        return {}
+    if spec.kind == "spinquant" and (calib is None or act is None):
+        raise OptionError(
+            "--rotate spinquant learns its rotations against the run's activation quantizer on the "
+            "calibration data; this run quantizes no activations: use --rotate hadamard"
+        )
+    base = "random" if spec.kind == "random" else "hadamard"
+    d = model.get_submodule(arch.rotation.embed).weight.shape[1]
+    try:
+        Q1 = orthogonal_matrix(base, d, seed)
+        R2 = orthogonal_matrix(base, _head_dim(model.config), seed + 1, signs=False)
+    except NoHadamardError as e:  # check_rotatable refuses these first
+        raise OptionError(str(e)) from None
+    tied, online = prepare_rotation(model, arch, base, seed)
+    R2s = [R2] * len(arch.layers(model))
+    out = {"kind": spec.label, "seed": int(seed), "online": online, "untied": bool(tied)}
+    if spec.kind == "spinquant":
+        from .spin import learn_rotation
+
+        with torch.enable_grad():
+            Q1, R2s, out["learned"] = learn_rotation(model, arch, Q1, R2s, calib, act, spec, progress)
+    for name, value in rotated_state(model, arch, Q1, R2s).items():
+        _set(model.get_parameter(name), value)
+    return out
