@@ -19,6 +19,8 @@ Rows accumulate in ``benchmarks/results/rotation.json`` (a config already there 
 ``--redo``), so the whole table can be built over several short runs; ``--budget-min M`` starts no
 new config after M minutes.  The Markdown table is rewritten from every row each time.
 
+``+spinquant`` rows learn R1 and each layer's R2 from the Hadamard ones (SpinQuant, Cayley SGD, 100 steps
+of one calibration sample, lr 1.5) against the row's activation quantizer, weights in float.
 Run: python benchmarks/rotation.py --protocol fast [--only NAME,NAME] [--budget-min 9]
 """
 
@@ -104,6 +106,9 @@ CONFIGS = [
     ("gptq", "A4g128", "hadamard"),  # rotation alone with MosaicQuant's activations
     ("mosaic-gptq", "A4", "hadamard"),
     ("mosaic-gptq", "A4", "none"),
+    # SpinQuant: R1/R2 learned from the Hadamard start (100 Cayley SGD steps, lr 1.5) against the A4
+    ("gptq", "A4", "spinquant"),
+    ("gptq", "A4g64", "spinquant"),
 ]
 
 
