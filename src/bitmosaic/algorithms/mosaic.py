@@ -22,10 +22,21 @@ a few blocks (MosaicQuant §3 Eq. 4, Alg. 1):
 
 Blocks are ``bm x bk`` (rows x input columns), default 64x64; partial edge blocks are allowed.
 Selection criteria for the ablations (§3, Fig. 2b, §5.4): ``magnitude`` (block ``||W~||_F``),
-``residual-norm`` (block ``||R||_F``), ``random`` (seeded), ``channel`` (input columns ranked by
-the column-aggregated Δ-Hessian at the same element budget; the column residual reuses the
-block-row scales of ``Q(R)``), ``oracle`` (the exact greedy output-distortion oracle of §3,
-incremental, exact for any layer size) and ``none`` (no sparse branch).
+``residual-norm`` (block ``||R||_F``), ``random`` (seeded), ``oracle`` (the exact greedy
+output-distortion oracle of §3, incremental, exact for any layer size), ``none`` (no sparse
+branch) and two channel-level baselines (§3 Observation 1, Fig. 5 "w/ Channel Compensation") that
+compensate whole input columns at the same element budget (``round(K · bm · bk / out)`` columns):
+
+- ``channel-act``: the paper's naive strategy -- the outlier channels, ranked by the activation
+  maximum ``max|X_j|`` of the float (unsmoothed) input (Atom / AWQ's outlier channels, §2);
+- ``channel``: ours, stronger -- columns ranked by the column-summed Δ-Hessian score (computed with
+  the block quantizer's ``Q(R)``).
+
+A channel residual is stored as **dense columns**: the chosen columns are gathered into an
+``[out, k]`` matrix (``columns``, ascending) whose residual is quantized as one block layout over
+the gathered matrix (one scale per output row per column block of about ``bk`` gathered columns:
+:func:`column_block_width`; every block kept), so its bits per weight count the codes, scales,
+block and column indices and nothing else.
 """
 
 from __future__ import annotations
@@ -42,6 +53,9 @@ from .types import QuantResult
 
 __all__ = [
     "SELECTIONS",
+    "COLUMN_SELECTIONS",
+    "channel_count",
+    "column_block_width",
     "parse_block",
     "block_grid",
     "block_reduce",
@@ -59,7 +73,10 @@ __all__ = [
     "mosaic_decompose",
 ]
 
-SELECTIONS = ("delta-hessian", "magnitude", "residual-norm", "random", "channel", "oracle", "none")
+SELECTIONS = (
+    "delta-hessian", "magnitude", "residual-norm", "random", "channel", "channel-act", "oracle", "none"
+)
+COLUMN_SELECTIONS = ("channel", "channel-act")  # whole input columns, stored as dense columns
 _MIN_SCALE = 2.0**-24
 
 
@@ -254,6 +271,21 @@ def delta_distortion(R: torch.Tensor, QR: torch.Tensor, mask: torch.Tensor, H: t
     return distortion(R, H) - distortion(R.double() - mask.double() * QR.double(), H)
 
 
+def channel_count(budget: float, shape: tuple[int, int], block: tuple[int, int]) -> int:
+    """Input columns with as many elements as ``K = ceil(budget · #blocks)`` blocks of ``block``."""
+    nr, nc = block_grid(shape, block)
+    k_blocks = _budget_count(budget, nr * nc)
+    return min(shape[1], round(k_blocks * block[0] * block[1] / shape[0]))
+
+
+def column_block_width(k: int, bk: int) -> int:
+    """Block width for ``k`` gathered columns: as many column blocks as ``bk`` gives
+    (``ceil(k / bk)``), evenly wide and rounded up to 8 (the packing's unit), so at most
+    ``8 · ceil(k / bk) - 1`` padded columns are stored instead of up to ``bk - 1``."""
+    nb = max(1, -(-k // bk))
+    return max(8, -(-k // (8 * nb)) * 8)
+
+
 def select(
     selection: str,
     *,
@@ -265,8 +297,10 @@ def select(
     block: tuple[int, int],
     budget: float,
     seed: int = 0,
+    act_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The element mask ``M [out, in]`` (bool) a selection criterion picks at ``budget``."""
+    """The element mask ``M [out, in]`` (bool) a selection criterion picks at ``budget``
+    (``act_amax``: the float input's ``max|X_j|`` per input channel, for ``channel-act``)."""
     shape = tuple(W.shape)
     nr, nc = block_grid(shape, block)
     if selection == "none" or budget == 0:
@@ -286,11 +320,16 @@ def select(
         if H is None:
             raise ValueError("selection 'oracle' needs the full Hessian")
         bm = greedy_oracle(R, QR, H, block, budget)
-    elif selection == "channel":
-        k_blocks = _budget_count(budget, nr * nc)
-        n_cols = min(shape[1], round(k_blocks * block[0] * block[1] / shape[0]))
-        col = delta_hessian_scores(R, QR, hdiag, (shape[0], 1))[0]
-        cols = topk_blocks(col[None, :], n_cols / shape[1] if shape[1] else 0.0)[0]
+    elif selection in COLUMN_SELECTIONS:
+        if selection == "channel":
+            score = delta_hessian_scores(R, QR, hdiag, (shape[0], 1))[0]
+        elif act_amax is None or act_amax.numel() != shape[1]:
+            raise ValueError(f"selection 'channel-act' needs the input's max|X_j| for {shape[1]} channels")
+        else:
+            score = act_amax.double().cpu()
+        n_cols = channel_count(budget, shape, block)
+        frac = n_cols / shape[1] if shape[1] else 0.0
+        cols = topk_blocks(score[None, :], frac, positive_only=selection == "channel")[0]
         return cols[None, :].expand(shape).clone().to(W.device)
     else:
         raise ValueError(f"unknown selection {selection!r}; choose from {SELECTIONS}")
@@ -302,12 +341,15 @@ class MosaicResult(QuantResult):
     """A :class:`QuantResult` whose ``codes``/``scales`` are the dense base (unsigned codes, zero 8,
     per channel) and whose ``sparse`` is the dense view of ``M ⊙ Q(R)``; the compressed residual
     is ``res_codes`` (signed, zero outside the mask) with ``res_scales [out, col blocks]`` on
-    the blocks of ``block_mask``."""
+    the blocks of ``block_mask``.  With ``columns`` (a channel selection) the residual lives on the
+    gathered matrix ``W[:, columns]``: ``res_codes [out, k]``, ``res_scales`` and ``block_mask``
+    are over its block grid (every block kept: dense columns)."""
 
     block: tuple[int, int] = (64, 64)
     block_mask: torch.Tensor | None = None  # [row blocks, col blocks] bool: the stored blocks
-    res_codes: torch.Tensor | None = None  # [out, in] int32 in [-7, 7], 0 outside the element mask
+    res_codes: torch.Tensor | None = None  # [out, in | k] int32 in [-7, 7], 0 outside the element mask
     res_scales: torch.Tensor | None = None  # [out, col blocks] float32 (fp16-exact)
+    columns: torch.Tensor | None = None  # [k] int64 ascending: the gathered input columns, or None
     residual: torch.Tensor | None = field(default=None, repr=False)  # R (float32), for reports
 
 
@@ -324,6 +366,7 @@ def mosaic_decompose(
     seed: int = 0,
     hdiag: torch.Tensor | None = None,
     report: bool = True,
+    act_amax: torch.Tensor | None = None,
 ) -> MosaicResult:
     """Alg. 1: dense base, residual, scores, selection, ``Ŵ = Q(W~) + M ⊙ Q(R)``.
 
@@ -331,7 +374,9 @@ def mosaic_decompose(
     only its diagonal is used unless ``selection="oracle"`` or ``report``.  ``hdiag`` may replace
     ``H`` when only the diagonal is needed.  ``base_codes``/``base_scales`` (signed codes, per-row
     scales) replace the absmax base (the GPTQ-base extension).  With ``report`` the exact ``ΔD``,
-    ``tr(R H Rᵀ)`` and the recovered fraction go into ``info``.
+    ``tr(R H Rᵀ)`` and the recovered fraction go into ``info``.  ``act_amax``: ``max|X_j|`` of the
+    float input (``selection="channel-act"``).  A channel selection stores its columns densely
+    (module doc): ``Q(R)`` of the chosen columns is re-quantized on the gathered matrix.
     """
     block = parse_block(block)
     Wf = W.float()
@@ -344,19 +389,32 @@ def mosaic_decompose(
     R = Wf - Qbase
     rc, rs = residual_quant(R, block)
     QR = residual_values(rc, rs, block[1])
-    M = select(selection, W=Wf, R=R, QR=QR, hdiag=hdiag, H=H, block=block, budget=budget, seed=seed)
-    res_codes = torch.where(M, rc, torch.zeros_like(rc))
-    sparse = residual_values(res_codes, rs, block[1])
-    bmask = block_reduce(M.to(torch.float32), block, "amax") > 0
+    M = select(selection, W=Wf, R=R, QR=QR, hdiag=hdiag, H=H, block=block, budget=budget, seed=seed,
+               act_amax=act_amax)  # fmt: skip
     out, n = W.shape
+    columns, rblock = None, block
+    if selection in COLUMN_SELECTIONS and bool(M.any()):  # dense columns (module doc)
+        columns = torch.nonzero(M.any(0)).reshape(-1)
+        rblock = (block[0], column_block_width(columns.numel(), block[1]))
+        res_codes, rs = residual_quant(R[:, columns], rblock)
+        sparse = torch.zeros_like(Wf)
+        sparse[:, columns] = residual_values(res_codes, rs, rblock[1])
+        bmask = torch.ones(block_grid((out, columns.numel()), rblock), dtype=torch.bool, device=W.device)
+    else:
+        res_codes = torch.where(M, rc, torch.zeros_like(rc))
+        sparse = residual_values(res_codes, rs, block[1])
+        bmask = block_reduce(M.to(torch.float32), block, "amax") > 0
+    nr, nc = block_grid((out, n), block)
     info = {
         "selection": selection,
         "budget": budget,
         "block": f"{block[0]}x{block[1]}",
-        "blocks_selected": int(bmask.sum()),
-        "blocks_total": int(bmask.numel()),
+        "blocks_selected": int(bmask.sum()),  # channels: the gathered matrix's blocks
+        "blocks_total": nr * nc,
         "elements_compensated": int(M.sum()),
     }
+    if columns is not None:
+        info["columns_compensated"] = int(columns.numel())
     if report and H is not None:  # float32 products, float64 sums: a report, not a selection
         Hf = H.float().to(W.device)
         d0 = float(((R @ Hf) * R).sum(dtype=torch.float64))
@@ -369,9 +427,10 @@ def mosaic_decompose(
         g_idx=default_g_idx(n, None, device=W.device),
         sparse=sparse,
         info=info,
-        block=block,
+        block=rblock,
         block_mask=bmask,
         res_codes=res_codes,
         res_scales=rs,
+        columns=columns,
         residual=R,
     )

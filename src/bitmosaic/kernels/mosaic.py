@@ -29,6 +29,10 @@ Three paths, tested equal to the reference (within float32 summation order):
   GEMV/GEMM), then a separate sparse pass (:meth:`sparse_only`: index_select gather of the
   activations of every selected block, ``bmm``, ``index_add``), then an add.
 
+:class:`MosaicColumnsWeight` is the channel baseline's residual stored as dense columns: the
+residual blocks tile the gathered ``[N, k]`` matrix, so its one path is the dense product plus
+:meth:`MosaicWeight.sparse_only` on the gathered activation columns ``x[:, columns]``.
+
 ``__call__`` uses :meth:`decode` for at most ``DECODE_ROWS`` rows, :meth:`three_step` below
 ``FUSED_MIN_ROWS`` and :meth:`fused` from there: measured on 2 cores (``benchmarks/mosaic_kernel.py``,
 4096-wide shapes), at 16 rows the three-step path costs +18..35% over the dense product and the
@@ -44,7 +48,7 @@ from . import build, tiles
 from .isa import isa_number
 from .qmatmul import LowBitWeight
 
-__all__ = ["MosaicWeight", "DECODE_ROWS", "extension"]
+__all__ = ["MosaicWeight", "MosaicColumnsWeight", "DECODE_ROWS", "extension"]
 
 DECODE_ROWS = 8
 FUSED_MIN_ROWS = 128
@@ -165,3 +169,24 @@ class MosaicWeight:
     def dense_only(self, x: torch.Tensor) -> torch.Tensor:
         """The dense base alone (the baseline the overhead is measured against)."""
         return self.dense.matmul(x)
+
+
+class MosaicColumnsWeight(MosaicWeight):
+    """The residual on ``k`` gathered input columns (a channel selection, stored as dense columns):
+    ``y = Q(X) Q(W~)ᵀ + Q(X)[:, columns] (Q(R)[:, columns])ᵀ``.  ``shape`` is the gathered
+    ``(N, k)``; every path is the three-step one (a baseline, not a fused kernel)."""
+
+    def __init__(self, dense, index, codes, scales, shape, block, columns: torch.Tensor) -> None:
+        super().__init__(dense, index, codes, scales, shape, block)
+        self.columns = columns.to(torch.int64)
+        self.K_in = int(dense.K)
+
+    def nbytes(self) -> int:
+        return super().nbytes() + self.columns.numel() * self.columns.element_size()
+
+    def three_step(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.K_in).float()
+        y = self.dense.matmul(x2) + self.sparse_only(x2.index_select(1, self.columns))
+        return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
+
+    __call__ = fused = decode = three_step

@@ -49,6 +49,8 @@ class LayerStats:
     act: ActObserver | None = None  # per-channel input statistics (max, mean |x|, mean)
     # the caller reads ``hessian`` no more: a method with ``may_overwrite_hessian`` may use its memory
     hessian_disposable: bool = False
+    # the per-channel factors ``s`` a transform folded into this input (it now sees ``X / s``), or None
+    input_scales: torch.Tensor | None = None
 
 
 _SCHEME_SUFFIX = {"int": "", "e4m3": "-FP8", "e4m3-240": "-FP8-240", "e5m2": "-E5M2", "e2m1": "-FP4"}

@@ -23,6 +23,11 @@
   activation group so each block sees one activation scale per token.
 - ``solver="gptq"`` (our extension, not in the paper): the dense base is GPTQ on the same absmax
   grid; ``R`` is then no longer bounded by half a step.
+- Channel baselines (§3 Observation 1, Fig. 5): ``selection="channel-act"`` compensates the outlier
+  input channels by the float input's ``max|X_j|`` (the pipeline observes the smoothed input
+  ``X / s``, so the maximum is taken times the folded ``s``: the ranking of the unsmoothed
+  activations), ``channel`` the columns of largest summed Δ-Hessian (ours); both store the
+  residual as dense columns (:mod:`bitmosaic.algorithms.mosaic`).
 """
 
 from __future__ import annotations
@@ -93,6 +98,11 @@ class MosaicConfig(WeightQuantConfig):
     damp: float = shared("damp")  # GPTQ base only
     selection_seed: int = option(0, help="seed of --selection random", old_names=("seed",))
 
+    @property
+    def needs_act_stats(self) -> bool:
+        """The pipeline observes the inputs' per-channel maxima (``selection="channel-act"``)."""
+        return self.selection == "channel-act"
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.bits != 4 or self.group_size is not None or not self.sym:
@@ -148,9 +158,11 @@ def _base(W: torch.Tensor, H: torch.Tensor | None, cfg: MosaicConfig):
 
 
 def mosaic_weight(
-    W: torch.Tensor, H: torch.Tensor | None, cfg: MosaicConfig, budget: float | None = None, report=True
-):
-    """The full MosaicQuant result of one (smoothed) weight under ``cfg``."""
+    W: torch.Tensor, H: torch.Tensor | None, cfg: MosaicConfig, budget: float | None = None, report=True,
+    act_amax: torch.Tensor | None = None,
+):  # fmt: skip
+    """The full MosaicQuant result of one (smoothed) weight under ``cfg`` (``act_amax``: the float
+    input's ``max|X_j|``, for ``selection="channel-act"``)."""
     codes, scales = _base(W, H, cfg)
     return mosaic_decompose(
         W,
@@ -162,6 +174,7 @@ def mosaic_weight(
         base_scales=scales,
         seed=cfg.selection_seed,
         report=report,
+        act_amax=act_amax,
     )
 
 
@@ -186,7 +199,7 @@ def mosaic_transform(caps, cfg: MosaicConfig):
             Hs = cap.hessian.float() / (s[:, None] * s[None, :])
 
             def qw(Wt, Hs=Hs):
-                return mosaic_weight(Wt, Hs, cfg, budget, report=False).dequantize(torch.float32)
+                return mosaic_weight(Wt, Hs, cfg, budget, report=False, act_amax=amax).dequantize(torch.float32)
 
             loss = smoothing_loss(X, weights, s, qw, qx, dtype=torch.float32, reference=ref)
             losses["none" if a is None else a] = loss
@@ -203,7 +216,14 @@ def mosaic_transform(caps, cfg: MosaicConfig):
 def quantize_mosaic(weight, stats: LayerStats, cfg: MosaicConfig):
     if stats.hessian is None:
         raise OptionError("mosaic needs calibration statistics (a Hessian)")
-    return mosaic_weight(weight, stats.hessian, cfg)
+    amax = None
+    if cfg.selection == "channel-act":
+        if stats.act is None:
+            raise OptionError("mosaic selection 'channel-act' needs the inputs' channel maxima (calibration)")
+        amax = stats.act.channel_absmax.float()
+        if stats.input_scales is not None:  # the observer saw X / s: max|X_j| = max|X_j / s_j| * s_j
+            amax = amax * stats.input_scales.float().cpu()
+    return mosaic_weight(weight, stats.hessian, cfg, act_amax=amax)
 
 
 @register

@@ -9,7 +9,11 @@ Stored buffers (all saved, all counted in bits per weight):
   ascending;
 * ``res_qweight`` uint8 ``[n_sel * bm, bk / 2]``: the residual codes ``+ 8`` packed at 4 bits (edge
   blocks are padded to the full ``bm x bk`` and the padding is counted);
-* ``res_scales`` fp16 ``[n_sel, bm]``: one scale per output row within each block.
+* ``res_scales`` fp16 ``[n_sel, bm]``: one scale per output row within each block;
+* ``res_columns`` int32 ``[k]`` (only for a channel selection, MosaicQuant §3 Observation 1's
+  baseline): the residual is then stored as dense columns -- the blocks above tile the gathered
+  ``[out, k]`` matrix ``W[:, res_columns]`` (all of them stored), so the column indices are the
+  only extra bits.
 
 Bits per weight = all those bits / (``in_features * out_features``), the weights of the
 matrix; :meth:`MosaicQuantLinear.residual_overhead` is the residual's bits over the dense
@@ -36,9 +40,12 @@ __all__ = ["MosaicQuantLinear"]
 class MosaicQuantLinear(QuantLinear):
     kind = "mosaic"
     KERNELS = ("lowbit",)  # the residual pass adds into LowBitWeight's GEMV and fused tiles
-    CONFIG_KEYS = ("block_rows", "block_cols", "n_blocks")
+    CONFIG_KEYS = ("block_rows", "block_cols", "n_blocks", "n_columns")
 
-    def __init__(self, in_features, out_features, *, block_rows: int, block_cols: int, n_blocks: int, **kw):
+    def __init__(
+        self, in_features, out_features, *, block_rows: int, block_cols: int, n_blocks: int, n_columns: int = 0,
+        **kw,
+    ):  # fmt: skip
         super().__init__(in_features, out_features, **kw)
         if self.bits != 4 or not self.symmetric or self.group_size != in_features:
             raise ValueError("a mosaic layer's dense base is 4-bit symmetric per-channel")
@@ -47,6 +54,20 @@ class MosaicQuantLinear(QuantLinear):
         cols = -(-self.block_cols // 8) * 4
         self.register_buffer("res_qweight", torch.zeros(n_blocks * self.block_rows, cols, dtype=torch.uint8))
         self.register_buffer("res_scales", torch.zeros(n_blocks, self.block_rows, dtype=torch.float16))
+        # dense columns (a channel selection); absent otherwise, so older saved folds load unchanged
+        if n_columns:
+            self.register_buffer("res_columns", torch.zeros(int(n_columns), dtype=torch.int32))
+        else:
+            self.res_columns = None
+
+    @classmethod
+    def from_layer_config(cls, cfg: dict):
+        return super().from_layer_config({"n_columns": 0, **cfg})
+
+    @property
+    def residual_width(self) -> int:
+        """Input width of the residual's block grid: ``k`` gathered columns, or ``in_features``."""
+        return self.in_features if self.res_columns is None else int(self.res_columns.numel())
 
     @property
     def block(self) -> tuple[int, int]:
@@ -56,12 +77,16 @@ class MosaicQuantLinear(QuantLinear):
     def from_result(cls, res: MosaicResult, *, bias=None) -> MosaicQuantLinear:
         if not isinstance(res, MosaicResult):
             raise TypeError(f"expected a MosaicResult, got {type(res).__name__}")
-        out, n = res.codes.shape
+        out = res.codes.shape[0]
+        n = res.res_codes.shape[1]  # in_features, or the k gathered columns
         bm, bk = res.block
         dense = QuantLinear.from_result(res, bits=4, group_size=None, symmetric=True, bias=bias)
         nr, nc = block_grid((out, n), (bm, bk))
         idx = torch.nonzero(res.block_mask.reshape(-1).cpu()).reshape(-1)
-        m = cls._from_packed(dense, block_rows=bm, block_cols=bk, n_blocks=idx.numel())
+        k = 0 if res.columns is None else int(res.columns.numel())
+        m = cls._from_packed(dense, block_rows=bm, block_cols=bk, n_blocks=idx.numel(), n_columns=k)
+        if k:
+            m.res_columns.copy_(res.columns.cpu().to(torch.int32))
         codes = torch.nn.functional.pad(res.res_codes.cpu(), (0, nc * bk - n, 0, nr * bm - out))
         blocks = codes.reshape(nr, bm, nc, bk).permute(0, 2, 1, 3).reshape(nr * nc, bm, bk)[idx]
         scales = torch.nn.functional.pad(res.res_scales.cpu().float(), (0, 0, 0, nr * bm - out), value=1.0)
@@ -81,13 +106,17 @@ class MosaicQuantLinear(QuantLinear):
     def residual_dense(self) -> torch.Tensor:
         """``M ⊙ Q(R)`` as float32 ``[out, in]`` (reference scatter of the stored blocks)."""
         bm, bk = self.block
-        out, n = self.out_features, self.in_features
+        out, n = self.out_features, self.residual_width
         nr, nc = block_grid((out, n), self.block)
         c, s = self.residual_blocks()
         full = torch.zeros(nr * nc, bm, bk, device=c.device)
         full[self.res_index.long()] = c.float() * s[:, :, None]
-        full = full.reshape(nr, nc, bm, bk).permute(0, 2, 1, 3).reshape(nr * bm, nc * bk)
-        return full[:out, :n].contiguous()
+        full = full.reshape(nr, nc, bm, bk).permute(0, 2, 1, 3).reshape(nr * bm, nc * bk)[:out, :n]
+        if self.res_columns is None:
+            return full.contiguous()
+        dense = torch.zeros(out, self.in_features, device=c.device)
+        dense[:, self.res_columns.long()] = full
+        return dense
 
     def dequantize_reference(self, dtype=torch.float32):
         return super().dequantize_reference(dtype) + self.residual_dense().to(dtype)
@@ -96,13 +125,14 @@ class MosaicQuantLinear(QuantLinear):
         return super()._dequantize(dtype) + self.residual_dense().to(dtype)
 
     def _build_kernel(self):
-        from ..kernels.mosaic import MosaicWeight
+        from ..kernels.mosaic import MosaicColumnsWeight, MosaicWeight
 
         dense = super()._build_kernel()  # a LowBitKernel without permutation (no g_idx)
         c, s = self.residual_blocks()
-        return MosaicWeight(
-            dense.weight, self.res_index, c, s, (self.out_features, self.in_features), self.block
-        )
+        shape = (self.out_features, self.residual_width)
+        if self.res_columns is not None:
+            return MosaicColumnsWeight(dense.weight, self.res_index, c, s, shape, self.block, self.res_columns)
+        return MosaicWeight(dense.weight, self.res_index, c, s, shape, self.block)
 
     def _saved_from_kernel(self, k):
         """The dense base's buffers rebuild from the kernel's dense part (resident weights, see
@@ -125,7 +155,8 @@ class MosaicQuantLinear(QuantLinear):
 
     # -- accounting ---------------------------------------------------------------------------
     def residual_tensors(self) -> list[torch.Tensor]:
-        return [self.res_index, self.res_qweight, self.res_scales]
+        cols = [] if self.res_columns is None else [self.res_columns]
+        return [self.res_index, self.res_qweight, self.res_scales, *cols]
 
     def storage_tensors(self):
         return super().storage_tensors() + self.residual_tensors()
@@ -142,8 +173,11 @@ class MosaicQuantLinear(QuantLinear):
             "block_rows": self.block_rows,
             "block_cols": self.block_cols,
             "n_blocks": int(self.res_index.numel()),
+            **({} if self.res_columns is None else {"n_columns": int(self.res_columns.numel())}),
         }
 
     def extra_repr(self) -> str:
         nr, nc = block_grid((self.out_features, self.in_features), self.block)
+        if self.res_columns is not None:
+            return f"{super().extra_repr()}, residual on {self.res_columns.numel()} dense columns"
         return f"{super().extra_repr()}, residual {self.res_index.numel()}/{nr * nc} blocks of {self.block}"

@@ -75,14 +75,16 @@ __all__ = [
 
 
 def _apply_transform(
-    plan: dict, layer, arch, inputs, kwargs, gen, prefix: str = "", runc=None, states=None, dist=None
+    plan: dict, layer, arch, inputs, kwargs, gen, prefix: str = "", runc=None, states=None, dist=None,
+    folded: dict | None = None,
 ) -> dict[int, dict]:
     """Run the per-layer ``transform`` of the method each group's linears use and fold the factors
     it returns; info per group.  A group is transformed only when all its linears resolve to one
     (method, config) that has a transform (skipped linears and mixed groups stay unsmoothed).
     ``runc``: the run's calibration cache, for the float layer 0 (its statistics may be cached);
     ``states``: the run state each (method, config) key's ``prepare`` returned; ``dist``: a
-    data-parallel run's rank (statistics reduced, each capture's transform run by one rank)."""
+    data-parallel run's rank (statistics reduced, each capture's transform run by one rank);
+    ``folded``: filled with the factors folded into each group's input (``{group: s}``)."""
     todo: dict[tuple, list[int]] = {}
     for gi, group in enumerate(arch.sequential):
         keys = {_key(plan[n]) if plan[n] else None for n in group}
@@ -111,6 +113,8 @@ def _apply_transform(
         for cap, (s, row) in zip(mine, results, strict=True):
             if s is not None:
                 fold_group_scales(layer, arch, cap.index, s)
+                if folded is not None:
+                    folded[cap.index] = s
             info[cap.index] = {**row, "folded": s is not None}
     return info
 
@@ -293,11 +297,11 @@ def quantize_model(
             qmods: dict[str, nn.Module] = {}
             act_scales: dict[str, torch.Tensor | None] = {}
             kwargs = kwargs_by_kind[layer_kind(layer)] if calibrate else None
-            group_info = {}
+            group_info, folded = {}, {}
             if calibrate:
                 runc0 = runc if li == 0 and dist.world == 1 else None  # later layers: quantized inputs
                 group_info = _apply_transform(plan, layer, arch, inputs, kwargs, gen, prefix, runc0, states,
-                                              dist)  # fmt: skip
+                                              dist, folded)  # fmt: skip
             use_cache = calibrate and _use_cache(cache_outputs, cache_budget_mb, local, layer, arch)
             with OutputCache() as cache:
                 for gi, group in enumerate(arch.sequential):
@@ -338,10 +342,10 @@ def quantize_model(
                             args = (m, c, layer, sub, H, pd, prefix, check_packing, observers.get(own),
                                     states.get(_key(plan[sub[0]])), dist)  # fmt: skip
                             try:
-                                rows = quantize_shared(*args, disposable=lone)
+                                rows = quantize_shared(*args, disposable=lone, input_scales=folded.get(gi))
                             except HessianSpentError:  # needs a retry with more damping: a kept H
                                 H = group_statistics(layer, group, inputs, kwargs, **stat_kw)[0][own].H
-                                rows = quantize_shared(*args[:4], H, *args[5:])
+                                rows = quantize_shared(*args[:4], H, *args[5:], input_scales=folded.get(gi))
                             done += [(own, m, c, None if lone else H, *r) for r in rows]
                     for own, m, c, H, name, qlin, row in done:
                         act = getattr(c, "act", None)

@@ -61,12 +61,13 @@ def _narrow(W: torch.Tensor) -> torch.Tensor:
 
 def quantize_shared(
     method, config, layer, names, H, percdamp, prefix, check, act_stats=None, state=None, dist=None,
-    disposable: bool = False,
+    disposable: bool = False, input_scales=None,
 ) -> list[tuple[str, nn.Module, dict]]:  # fmt: skip
     """Quantize linears ``names`` that share Hessian ``H``; stacked into one call when the method
     allows it.  Returns (name, packed module, report row) and puts the dequantized weights in place.
     ``dist``: the solves of a data-parallel run are spread over its ranks (:meth:`Dist.solve`).
-    ``disposable``: the caller needs ``H`` no more (module doc); may raise HessianSpentError."""
+    ``disposable``: the caller needs ``H`` no more (module doc); may raise HessianSpentError.
+    ``input_scales``: the factors a transform folded into these linears' input (``LayerStats``)."""
     H = H.take() if isinstance(H, Handed) else H
     lins = [layer.get_submodule(n) for n in names]
     own = [_narrow(lin.weight.data) for lin in lins]  # no float32 copies (module doc)
@@ -79,7 +80,7 @@ def quantize_shared(
         calls = [((n,), W.float()) for n, W in zip(names, own, strict=True)]
     disposable = disposable and H is not None and len(calls) == 1 and method.may_overwrite_hessian
     summaries = {n: hessian_summary(W, H) for n, W in zip(names, own, strict=True)} if disposable else {}
-    stats = LayerStats(hessian=H, act=act_stats, hessian_disposable=disposable)
+    stats = LayerStats(hessian=H, act=act_stats, hessian_disposable=disposable, input_scales=input_scales)
     names_of = [call_names for call_names, _ in calls]
     weights = [W for _, W in calls]
     del own, calls
