@@ -19,6 +19,14 @@ Parts (``--parts``, comma-separated):
   SmoothQuant baseline's grid; ``main`` searches 0.3-1.0 in steps of 0.1), at W4A4 and W4A8.
 * ``thin`` (issue 25): thin residual blocks 8x128, 16x64 and 1x128 at the 10% budget, with their
   index overhead in the bits per weight.
+* ``channel`` (issue 25): channel-level compensation at the same element budget as 10% of 64x64
+  blocks, residual stored as dense columns (bits per weight = what is stored): the paper's baseline
+  (§3 Observation 1, Fig. 5: outlier channels by the float input's ``max|X_j|``) and ours (columns
+  by summed Δ-Hessian; it replaces the ``ablation`` part's ``channel`` row, which stored every
+  64x64 block a chosen column crossed).
+
+``--only`` runs some rows of a part; they replace the rows of the same name in the part's JSON and
+table and the other rows are kept (each row records its own options).
 
 Activation quantization is simulated (fake-quantized inputs, float32 matmul).  Layer-level
 distortion (heatmaps, distortion vs budget per criterion) is ``benchmarks/mosaic_layers.py``;
@@ -82,9 +90,15 @@ def _runs(part: str, max_tokens: int) -> list[tuple[str, str, str, dict]]:
             ("alpha 0-1/0.05 + none", "W4A4", "mosaic", {**w4a4, **wide}),
             ("alpha 0-1/0.05 + none W4A8", "W4A8", "mosaic", {**mos, "act": A8, **wide}),
         ]
+    if part == "channel":
+        return [
+            ("channel (paper: outlier max|X|)", "W4A4", "mosaic", {**w4a4, "selection": "channel-act"}),
+            ("channel (ours: Δ-Hessian columns)", "W4A4", "mosaic", {**w4a4, "selection": "channel"}),
+        ]
     if part == "thin":
         return [(f"block {b}", "W4A4", "mosaic", {**w4a4, "block": b}) for b in ("8x128", "16x64", "1x128")]
-    raise SystemExit(f"unknown part {part!r}; use main, ablation, oracle, sweep, blocks, search, thin")
+    parts = "main, ablation, oracle, sweep, blocks, search, thin, channel"
+    raise SystemExit(f"unknown part {part!r}; use {parts}")
 
 
 def _summary(row: dict) -> dict:
@@ -104,6 +118,18 @@ def _summary(row: dict) -> dict:
     if none:
         out["no_smoothing_linears"] = none  # linears whose group's search kept s = 1
     return out
+
+
+def _merge_kept(rows: list[dict], path, only: str | None, part: str, max_tokens: int) -> list[dict]:
+    """With ``--only``: the part's earlier rows (from ``path``) that this run did not redo, kept in
+    the part's row order, the new rows in their place."""
+    if not only or not path.exists():
+        return rows
+    new = {r["name"]: r for r in rows}
+    old = {r["name"]: r for r in json.loads(path.read_text()).get("rows", [])}
+    order = ["float"] + [name for name, *_ in _runs(part, max_tokens)]
+    merged = [new.get(n) or old.get(n) for n in order if n in new or n in old]
+    return merged + [r for n, r in old.items() if n not in order and n not in new]
 
 
 def main() -> None:
@@ -131,6 +157,7 @@ def main() -> None:
                 )
         cols = ["scheme", "ppl", "bits_per_weight", "mean_recovered", "mean_alpha", "quant_seconds"]
         b.args.json = str(RESULTS / f"mosaic_{part}.json")
+        b.rows = _merge_kept(b.rows, RESULTS / f"mosaic_{part}.json", a.only, part, a.max_tokens)
         b.finish(f"mosaic_{part}", cols)
         lines = [f"| config | {' | '.join(cols)} |", "|---" * (len(cols) + 1) + "|"]
         for r in b.rows:
@@ -139,7 +166,7 @@ def main() -> None:
         head = (
             f"SmolLM2-135M, calib {a.nsamples}x{a.seqlen} seed {a.seed}, WikiText-2 ppl on the first "
             f"{a.max_windows} windows of {a.seqlen}; `python benchmarks/mosaic.py --parts {part} "
-            f"--nsamples {a.nsamples} --max-windows {a.max_windows}`\n\n"
+            f"--nsamples {a.nsamples} --max-windows {a.max_windows}` (a row alone: `--only NAME`)\n\n"
         )
         write_text(RESULTS / f"mosaic_{part}.md", head + "\n".join(lines) + "\n")
         (RESULTS / f"mosaic_{part}.partial.json").unlink(missing_ok=True)

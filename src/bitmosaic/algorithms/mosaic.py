@@ -75,7 +75,7 @@ __all__ = [
 
 SELECTIONS = (
     "delta-hessian", "magnitude", "residual-norm", "random", "channel", "channel-act", "oracle", "none"
-)
+)  # fmt: skip
 COLUMN_SELECTIONS = ("channel", "channel-act")  # whole input columns, stored as dense columns
 _MIN_SCALE = 2.0**-24
 

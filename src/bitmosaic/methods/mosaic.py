@@ -199,7 +199,8 @@ def mosaic_transform(caps, cfg: MosaicConfig):
             Hs = cap.hessian.float() / (s[:, None] * s[None, :])
 
             def qw(Wt, Hs=Hs):
-                return mosaic_weight(Wt, Hs, cfg, budget, report=False, act_amax=amax).dequantize(torch.float32)
+                res = mosaic_weight(Wt, Hs, cfg, budget, report=False, act_amax=amax)
+                return res.dequantize(torch.float32)
 
             loss = smoothing_loss(X, weights, s, qw, qx, dtype=torch.float32, reference=ref)
             losses["none" if a is None else a] = loss

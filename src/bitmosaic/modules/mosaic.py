@@ -43,8 +43,8 @@ class MosaicQuantLinear(QuantLinear):
     CONFIG_KEYS = ("block_rows", "block_cols", "n_blocks", "n_columns")
 
     def __init__(
-        self, in_features, out_features, *, block_rows: int, block_cols: int, n_blocks: int, n_columns: int = 0,
-        **kw,
+        self, in_features, out_features, *, block_rows: int, block_cols: int, n_blocks: int,
+        n_columns: int = 0, **kw,
     ):  # fmt: skip
         super().__init__(in_features, out_features, **kw)
         if self.bits != 4 or not self.symmetric or self.group_size != in_features:
@@ -131,7 +131,8 @@ class MosaicQuantLinear(QuantLinear):
         c, s = self.residual_blocks()
         shape = (self.out_features, self.residual_width)
         if self.res_columns is not None:
-            return MosaicColumnsWeight(dense.weight, self.res_index, c, s, shape, self.block, self.res_columns)
+            cols = self.res_columns
+            return MosaicColumnsWeight(dense.weight, self.res_index, c, s, shape, self.block, cols)
         return MosaicWeight(dense.weight, self.res_index, c, s, shape, self.block)
 
     def _saved_from_kernel(self, k):

@@ -77,7 +77,7 @@ __all__ = [
 def _apply_transform(
     plan: dict, layer, arch, inputs, kwargs, gen, prefix: str = "", runc=None, states=None, dist=None,
     folded: dict | None = None,
-) -> dict[int, dict]:
+) -> dict[int, dict]:  # fmt: skip
     """Run the per-layer ``transform`` of the method each group's linears use and fold the factors
     it returns; info per group.  A group is transformed only when all its linears resolve to one
     (method, config) that has a transform (skipped linears and mixed groups stay unsmoothed).
