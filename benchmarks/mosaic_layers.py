@@ -10,14 +10,22 @@ the float inputs), ``R = W~ - Q(W~)`` and the candidate ``Q(R)``:
   concentration: share of ``Σ d_b`` in the top 10% blocks, against the share of the diagonal
   distortion ``Σ_j H_jj ||R_:j||²`` in the top input columns of the same element count (if the
   distortion were channel stripes the two would match);
-* exact ``ΔD(S) / ||R Xᵀ||²`` per criterion (Δ-Hessian, magnitude, residual norm, random, channel,
-  greedy oracle) and budget (Fig. 2b curves, PNG);
+* exact ``ΔD(S) / ||R Xᵀ||²`` per criterion (Δ-Hessian, magnitude, residual norm, random, greedy
+  oracle, and the two channel baselines at the same element budget: the paper's outlier channels
+  by the float input's ``max|X_j|`` and ours by summed Δ-Hessian, each with its residual
+  re-quantized on the gathered columns as it is stored) and budget (Fig. 2b curves, PNG);
 * W4A4 output error on the token sample, MosaicQuant (smoothed, 10%) against an Atom-like layer
-  (Zhao et al. 2024, simplified: the input channels of largest ``max|X_j|`` keep 8-bit weights
-  and per-token 8-bit activations, the rest 4-bit per-channel weights and per-group-128 4-bit
-  activations, no smoothing), with as many 8-bit channels as the residual's stored bytes buy;
+  (Zhao et al. 2024, MosaicQuant's comparator in Table 1, simplified): 3.1% of the input channels
+  (Atom's 128 of 4096), those of largest ``max|X_j|``, keep 8-bit weights (per-row symmetric) and
+  per-token 8-bit activations; the others get GPTQ g128 4-bit symmetric weights (on their
+  Hessian block; the 8-bit channels then take the OBS update for the 4-bit channels' error, as
+  GPTQ's later columns would, and are rounded) and per-group-128 4-bit activations over the
+  reordered channels; no smoothing.  Both sides report weight bits per weight (codes and fp16
+  scales; MosaicQuant's module: base, residual, indices) and activation bits per element (codes
+  and one fp16 scale per token per group: 4 + 16/128 for A4; Atom's 8-bit channels cost 8);
 * global allocation (one 10% budget over the layer's seven matrices, ranked by Δ_b) against
-  per-matrix top-K, on the summed ΔD (extension).
+  per-matrix top-K, on the summed ΔD (extension); the table gives the mean and the largest
+  per-linear share at 10% beside it (the paper's Observation 3 quotes single layers).
 
 Run: flock /tmp/bitmosaic-heavy.lock python benchmarks/mosaic_layers.py --layers 10,20
 """
@@ -29,7 +37,9 @@ import json
 
 import torch
 
+from bitmosaic.algorithms.gptq import gptq_quantize
 from bitmosaic.algorithms.mosaic import (
+    COLUMN_SELECTIONS,
     block_reduce,
     delta_distortion,
     delta_hessian_scores,
@@ -37,6 +47,7 @@ from bitmosaic.algorithms.mosaic import (
     distortion,
     expand_blocks,
     global_topk,
+    mosaic_decompose,
     residual_quant,
     residual_values,
     select,
@@ -44,6 +55,7 @@ from bitmosaic.algorithms.mosaic import (
 )
 from bitmosaic.data import calibration_samples
 from bitmosaic.formats.act import ActQuantSpec, fake_quant
+from bitmosaic.formats.grid import IntGrid
 from bitmosaic.io import load_model
 from bitmosaic.methods import get_method
 from bitmosaic.methods.mosaic import mosaic_transform, mosaic_weight
@@ -54,12 +66,13 @@ from bitmosaic.pipeline.pipeline import capture_layer_inputs
 
 from common import RESULTS, write_text
 
-CRITERIA = ("delta-hessian", "oracle", "channel", "magnitude", "residual-norm", "random")
+CRITERIA = ("delta-hessian", "oracle", "channel-act", "channel", "magnitude", "residual-norm", "random")
+ATOM_SHARE = 128 / 4096  # Atom keeps 128 outlier channels of Llama's 4096 in INT8 (3.1%)
 A4 = ActQuantSpec("int", 4, granularity="group", group_size=128)
 BUDGETS = (0.0, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
 
 
-def analyse_linear(W, H, block, budgets, criteria):
+def analyse_linear(W, H, block, budgets, criteria, act_amax=None):
     hdiag = torch.diagonal(H)
     codes, scales = dense_base(W)
     R = W - codes.float() * scales[:, None]
@@ -71,8 +84,12 @@ def analyse_linear(W, H, block, budgets, criteria):
     for c in criteria:
         curves[c] = []
         for b in budgets:
-            M = select(c, W=W, R=R, QR=QR, hdiag=hdiag, H=H, block=block, budget=b, seed=0)
-            S = M.float() * QR
+            if c in COLUMN_SELECTIONS:  # stored as dense columns: Q(R) re-quantized on the gathered ones
+                S = mosaic_decompose(W, None, hdiag=hdiag, budget=b, block=block, selection=c,
+                                     act_amax=act_amax, report=False).sparse  # fmt: skip
+            else:
+                M = select(c, W=W, R=R, QR=QR, hdiag=hdiag, H=H, block=block, budget=b, seed=0)
+                S = M.float() * QR
             curves[c].append(float(((S @ Hf) * (2 * R - S)).sum(dtype=torch.float64)) / d0)  # exact ΔD
     # per-block residual distortion (block-diagonal part of tr(R H Rᵀ))
     out, n = W.shape
@@ -106,30 +123,45 @@ def _rel(Y, ref) -> float:
     return float((Y - ref).pow(2).sum() / ref.pow(2).sum())
 
 
-def w4a4_errors(X, W, s, amax, cfg) -> dict:
-    """Relative output errors at W4A4: MosaicQuant vs an Atom-like split at matched bytes."""
+def atom_like(X, W, H, amax, act4, share=ATOM_SHARE, damp=0.01) -> tuple[torch.Tensor, dict]:
+    """Atom-like W4A4 output ``Y [tokens, out]`` of ``X`` and its bits (module doc): the ``share``
+    of input channels with the largest ``max|X_j|`` in INT8 (weights and activations), GPTQ g128
+    INT4 weights and ``act4`` activations on the rest."""
+    n = W.shape[1]
+    n8 = max(1, round(share * n))
+    order = torch.sort(amax.float(), descending=True, stable=True).indices
+    hi, lo = order[:n8], order[n8:]
+    Hd = H.double()
+    g = gptq_quantize(W[:, lo].float(), Hd[lo][:, lo].float(), IntGrid(4, True), 128, percdamp=damp)
+    Wlo = g.dequantize(torch.float32)
+    E = (W[:, lo] - Wlo).double()  # the 4-bit channels' error; the 8-bit ones absorb what they can
+    Hhh = Hd[hi][:, hi] + damp * torch.diagonal(Hd[hi][:, hi]).mean() * torch.eye(n8, dtype=torch.float64)
+    Whi = (W[:, hi].double() + E @ Hd[lo][:, hi] @ torch.linalg.inv(Hhh)).float()
+    sc = (Whi.abs().amax(1, keepdim=True) / 127).clamp(min=1e-12).half().float()
+    Whi = torch.round(Whi / sc).clamp(-128, 127) * sc
+    Y = fake_quant(X[:, lo], act4) @ Wlo.T + fake_quant(X[:, hi], ActQuantSpec("int", 8)) @ Whi.T
+    out = W.shape[0]
+    wbits = out * (len(lo) * 4 + -(-len(lo) // 128) * 16) + out * (n8 * 8 + 16) + n * 32  # + channel order
+    abits = len(lo) * 4 + -(-len(lo) // act4.group_size) * 16 + n8 * 8 + 16
+    return Y, {"atom_8bit_channels": n8, "atom_weight_bpw": wbits / (out * n), "atom_act_bits": abits / n}
+
+
+def w4a4_errors(X, W, s, amax, H, cfg) -> dict:
+    """Relative output errors at W4A4: MosaicQuant (smoothed, ``cfg``) vs the Atom-like layer (3.1%
+    INT8 channels, unsmoothed), with each side's weight and activation bits."""
     ref = X @ W.T
     Ws = W * s[None, :]
-    res = mosaic_weight(Ws, (X / s).T @ (X / s), cfg, report=False)
+    res = mosaic_weight(Ws, (X / s).T @ (X / s), cfg, report=False, act_amax=amax)
     m = MosaicQuantLinear.from_result(res)
     mosaic = fake_quant(X / s, cfg.act) @ res.dequantize(torch.float32).T
-    extra_bits = m.residual_overhead() * sum(t.numel() * t.element_size() * 8 for t in (m.qweight, m.scales))
-    n8 = min(W.shape[1], round(extra_bits / (4 * W.shape[0])))
-    order = torch.sort(amax.float(), descending=True).indices
-    hi, lo = order[:n8], order[n8:]
-
-    def wq(M, bits):
-        qmax = (1 << (bits - 1)) - 1
-        sc = (M.abs().amax(1, keepdim=True) / qmax).clamp(min=1e-12)
-        return torch.round(M / sc).clamp(-qmax - 1, qmax) * sc
-
-    atom = fake_quant(X[:, lo], cfg.act) @ wq(W[:, lo], 4).T
-    if n8:
-        atom = atom + fake_quant(X[:, hi], ActQuantSpec("int", 8)) @ wq(W[:, hi], 8).T
+    atom, bits = atom_like(X, W, H, amax, cfg.act)
+    n = W.shape[1]
     return {
         "mosaic_w4a4_rel_err": _rel(mosaic, ref),
+        "mosaic_weight_bpw": m.bits_per_weight(),
+        "mosaic_act_bits": (n * 4 + -(-n // cfg.act.group_size) * 16) / n,
         "atom_like_w4a4_rel_err": _rel(atom, ref),
-        "atom_8bit_channels": n8,
+        **bits,
     }
 
 
@@ -167,13 +199,11 @@ def main() -> None:
                 Hs = cap.hessian.float() / (sv[:, None] * sv[None, :])
                 for name in cap.names:
                     W = cap.weights[name] * sv[None, :]
-                    r = analyse_linear(W, Hs, block, BUDGETS, CRITERIA)
+                    amax = cap.observer.channel_absmax  # the float (unsmoothed) input's max|X_j|
+                    r = analyse_linear(W, Hs, block, BUDGETS, CRITERIA, act_amax=amax)
                     r["alpha"] = info.get("alpha")
-                    r.update(
-                        w4a4_errors(
-                            cap.sample.float(), cap.weights[name], sv, cap.observer.channel_absmax, cfg
-                        )
-                    )
+                    X = cap.sample.float()
+                    r.update(w4a4_errors(X, cap.weights[name], sv, amax, cap.hessian.float(), cfg))
                     scores.append(r.pop("_scores"))
                     rq.append((r.pop("_RQ"), Hs))
                     hm[name] = analyse_linear(W, Hs, hblock, (0.0,), ("delta-hessian",))["block_distortion"]
@@ -242,21 +272,39 @@ def _plots(result, hblock) -> None:
 
 def _markdown(result) -> None:
     budgets = result["budgets"]
-    lines = ["Fraction of residual output distortion recovered, ΔD(S)/||R Xᵀ||² (exact), 64x64 blocks.", ""]
+    a = result["args"]
+    lines = [
+        "Fraction of residual output distortion recovered, ΔD(S)/||R Xᵀ||² (exact), 64x64 blocks; channel "
+        "criteria at the same element count, residual re-quantized on the gathered columns as stored "
+        "(channel-act: the paper's outlier channels by max|X_j|; channel: ours, by summed Δ-Hessian). "
+        "W4A4 relative output error on the token sample: MosaicQuant (10%) vs Atom-like (3.1% INT8 "
+        "channels, GPTQ g128 INT4 weights), each with weight bits per weight / activation bits per element. "
+        f"SmolLM2-135M, calib {a['nsamples']}x{a['seqlen']} seed {a['seed']}; "
+        f"`python benchmarks/mosaic_layers.py --layers {a['layers']} --nsamples {a['nsamples']}`",
+        "",
+    ]
+    i10 = budgets.index(0.1)
     for li, L in result["layers"].items():
         head = ["linear", "alpha", *(f"{c} @10%" for c in CRITERIA), "top-10% blocks share",
-                "same-elements columns share (diag)", "W4A4 err mosaic", "W4A4 err Atom-like"]  # fmt: skip
+                "same-elements columns share (diag)", "W4A4 err mosaic (w bpw / a bits)",
+                "W4A4 err Atom-like (w bpw / a bits)"]  # fmt: skip
         lines += [f"### layer {li}", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-        i10 = budgets.index(0.1)
         for name, r in L["linears"].items():
             cells = " | ".join(f"{r['curves'][c][i10]:.3f}" for c in CRITERIA)
             lines.append(
                 f"| {name} | {r['alpha']} | {cells} | {r['top10_blocks_share_diag']:.3f} | "
-                f"{r['same_elements_columns_share_diag']:.3f} | {r['mosaic_w4a4_rel_err']:.4f} | "
-                f"{r['atom_like_w4a4_rel_err']:.4f} ({r['atom_8bit_channels']}) |"
+                f"{r['same_elements_columns_share_diag']:.3f} | {r['mosaic_w4a4_rel_err']:.4f} "
+                f"({r['mosaic_weight_bpw']:.3f} / {r['mosaic_act_bits']:.3f}) | "
+                f"{r['atom_like_w4a4_rel_err']:.4f} ({r['atom_weight_bpw']:.3f} / {r['atom_act_bits']:.3f}) |"
             )
-        lines += ["", f"per-matrix top-10%: {L['per_matrix_top10_recovered']:.3f} of the layer's summed "
-                  f"distortion; global top-10%: {L['global_top10_recovered']:.3f}", ""]  # fmt: skip
+        share = {c: [r["curves"][c][i10] for r in L["linears"].values()] for c in ("delta-hessian", "oracle")}
+        best = max(L["linears"], key=lambda k: L["linears"][k]["curves"]["oracle"][i10])
+        lines += ["", f"at 10%: per-linear oracle mean {sum(share['oracle']) / len(share['oracle']):.3f}, "
+                  f"max {max(share['oracle']):.3f} ({best}); Δ-Hessian mean "
+                  f"{sum(share['delta-hessian']) / len(share['delta-hessian']):.3f}, max "
+                  f"{max(share['delta-hessian']):.3f}; of the layer's summed distortion: per-matrix top-10% "
+                  f"{L['per_matrix_top10_recovered']:.3f}, global top-10% {L['global_top10_recovered']:.3f}",
+                  ""]  # fmt: skip
         lines += ["Δ-Hessian vs budget (mean of the 7 linears): " + ", ".join(
             f"{100 * b:g}%: {sum(r['curves']['delta-hessian'][j] for r in L['linears'].values()) / 7:.3f}"
             for j, b in enumerate(budgets)), ""]  # fmt: skip
