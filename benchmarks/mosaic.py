@@ -162,7 +162,7 @@ def main() -> None:
         lines = [f"| config | {' | '.join(cols)} |", "|---" * (len(cols) + 1) + "|"]
         for r in b.rows:
             cells = [f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols]
-            lines.append(f"| {r['name']} | {' | '.join(cells)} |")
+            lines.append(f"| {r['name'].replace('|', chr(92) + '|')} | {' | '.join(cells)} |")
         head = (
             f"SmolLM2-135M, calib {a.nsamples}x{a.seqlen} seed {a.seed}, WikiText-2 ppl on the first "
             f"{a.max_windows} windows of {a.seqlen}; `python benchmarks/mosaic.py --parts {part} "
