@@ -341,12 +341,12 @@ def mosaic_block_beats_channel(res: dict) -> tuple[str, str]:
     mo = rows_by_name(load("mosaic_main") or {"rows": []}).get("mosaic W4A4")
     paper, mine = ch.get("channel (paper: outlier max|X|)"), ch.get("channel (ours: Δ-Hessian columns)")
     if not (paper and mo):
-        return nums, verdict(b > c, "outlier channels recover more than blocks")
+        return nums, verdict(b > c, "whole outlier channels recover as much or more")
     nums += (f"; W4A4 ppl (fast): blocks {fmt(mo['ppl'])} @ {fmt(mo['bits_per_weight'], 3)} bpw, paper's "
              f"channels {fmt(paper['ppl'])} @ {fmt(paper['bits_per_weight'], 3)} bpw")  # fmt: skip
     if mine:
         nums += f", ours {fmt(mine['ppl'])} @ {fmt(mine['bits_per_weight'], 3)} bpw"
-    return nums, verdict(b > c and mo["ppl"] < paper["ppl"], "the outlier channels do as well")
+    return nums, verdict(b > c and mo["ppl"] < paper["ppl"], "whole outlier channels recover as much or more")
 
 
 def mosaic_selection_ablation(res: dict) -> tuple[str, str]:
