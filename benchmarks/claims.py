@@ -588,8 +588,9 @@ WHY = {
     "MosaicQuant beats RTN and SmoothQuant at W4A8": "as the W4A4 row: α grid; fast protocol",
     "ours: MosaicQuant beats GPTQ at W4A8": "not a claim of the paper (it compares with RTN and SmoothQuant)",
     "beats an Atom-like mixed-precision split (3.1% INT8 channels)": "per-linear output error on a token "
-    "sample, not Table 1's perplexity; Atom rebuilt in simplified form (no KV-cache quantization, GPTQ on "
-    "the INT4 channels' Hessian block, outlier channels by max|X_j|); SmolLM2 has few activation outliers",
+    "sample, not Table 1's perplexity (no model-level Atom row); Atom rebuilt in simplified form (no "
+    "KV-cache quantization, GPTQ on the INT4 channels' Hessian block, outlier channels by max|X_j|); its "
+    "g128 weight scales are finer than MosaicQuant's per-channel base; SmolLM2 has few activation outliers",
     "block selection beats channel selection": "outlier channels by the float input's max|X_j| (the paper "
     "does not say how it picks them); fast protocol; no heavy outliers here to make channels strong",
     "10% of blocks recovers over half the output distortion": "the paper quotes two single layers of a "
