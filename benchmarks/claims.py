@@ -346,6 +346,9 @@ def mosaic_block_beats_channel(res: dict) -> tuple[str, str]:
              f"channels {fmt(paper['ppl'])} @ {fmt(paper['bits_per_weight'], 3)} bpw")  # fmt: skip
     if mine:
         nums += f", ours {fmt(mine['ppl'])} @ {fmt(mine['bits_per_weight'], 3)} bpw"
+    thin = rows_by_name(load("mosaic_thin") or {"rows": []}).get("block 1x128")
+    if thin:
+        nums += f"; 1x128 blocks (ours) {fmt(thin['ppl'])} @ {fmt(thin['bits_per_weight'], 3)} bpw"
     return nums, verdict(b > c and mo["ppl"] < paper["ppl"], "whole outlier channels recover as much or more")
 
 
