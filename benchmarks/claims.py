@@ -147,7 +147,7 @@ def mosaic_w4a8_vs_gptq(res: dict) -> tuple[str, str]:
     """Ours, not the paper's claim: MosaicQuant against GPTQ at W4A8."""
     r = rows_by_name(res)
     m, g = r["mosaic W4A8"], r["gptq W4A8"]
-    nums = f"W4A8: MosaicQuant {fmt(m['ppl'])}, GPTQ {fmt(g['ppl'])}"
+    nums = f"W4A8: MosaicQuant {fmt(m['ppl'])}, GPTQ {fmt(g['ppl'])}" + _wide_alpha("W4A8")
     return nums, verdict(m["ppl"] < g["ppl"], "GPTQ's dense base beats it")
 
 

@@ -9,8 +9,8 @@ Parts (``--parts``, comma-separated):
   dynamic INT8 (A8) or per-group-128 INT4 with a partial last group (A4) activations.
 * ``ablation`` (W4A4, 10% budget, 64x64 blocks unless the row says otherwise): no sparse branch
   with alpha re-searched / alpha kept from the full method (searched with the 10% residual), and
-  selection by channel (same element budget), magnitude, residual norm, random, Δ-Hessian with a
-  GPTQ dense base (our extension).
+  selection by magnitude, residual norm, random, Δ-Hessian with a GPTQ dense base (our extension);
+  the channel selections are the ``channel`` part.
 * ``oracle``: selection by the exact greedy oracle (every layer: the incremental oracle is cheap,
   but it also runs inside the alpha search, so this row is the slowest).
 * ``sweep``: budgets 2.5, 5, 15, 20% (0 and 10% come from ``ablation``/``main``).
@@ -69,7 +69,6 @@ def _runs(part: str, max_tokens: int) -> list[tuple[str, str, str, dict]]:
     w4a4 = {**mos, "act": A4}
     if part == "ablation":  # most telling first: a run cut short keeps these
         return [
-            ("channel", "W4A4", "mosaic", {**w4a4, "selection": "channel"}),
             ("no sparse, alpha re-searched", "W4A4", "mosaic", {**w4a4, "budget_frac": 0.0}),
             ("Δ-Hessian, GPTQ base (ours)", "W4A4", "mosaic", {**w4a4, "solver": "gptq"}),
             ("random", "W4A4", "mosaic", {**w4a4, "selection": "random"}),
