@@ -25,8 +25,8 @@ Parts (``--parts``, comma-separated):
   by summed Δ-Hessian; it replaces the ``ablation`` part's ``channel`` row, which stored every
   64x64 block a chosen column crossed).
 
-``--only`` runs some rows of a part; they replace the rows of the same name in the part's JSON and
-table and the other rows are kept (each row records its own options).
+``--only`` runs some rows of a part; they join the part's earlier rows of the same settings in its
+JSON and table (``common.merged_rows``; each row records its own options).
 
 Activation quantization is simulated (fake-quantized inputs, float32 matmul).  Layer-level
 distortion (heatmaps, distortion vs budget per criterion) is ``benchmarks/mosaic_layers.py``;
@@ -38,6 +38,7 @@ Run: flock /tmp/bitmosaic-heavy.lock python benchmarks/mosaic.py --parts main --
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from bitmosaic.formats.act import ActQuantSpec
 
@@ -119,18 +120,6 @@ def _summary(row: dict) -> dict:
     return out
 
 
-def _merge_kept(rows: list[dict], path, only: str | None, part: str, max_tokens: int) -> list[dict]:
-    """With ``--only``: the part's earlier rows (from ``path``) that this run did not redo, kept in
-    the part's row order, the new rows in their place."""
-    if not only or not path.exists():
-        return rows
-    new = {r["name"]: r for r in rows}
-    old = {r["name"]: r for r in json.loads(path.read_text()).get("rows", [])}
-    order = ["float"] + [name for name, *_ in _runs(part, max_tokens)]
-    merged = [new.get(n) or old.get(n) for n in order if n in new or n in old]
-    return merged + [r for n, r in old.items() if n not in order and n not in new]
-
-
 def main() -> None:
     p = base_parser(__doc__)
     p.add_argument("--parts", default="main")
@@ -156,10 +145,10 @@ def main() -> None:
                 )
         cols = ["scheme", "ppl", "bits_per_weight", "mean_recovered", "mean_alpha", "quant_seconds"]
         b.args.json = str(RESULTS / f"mosaic_{part}.json")
-        b.rows = _merge_kept(b.rows, RESULTS / f"mosaic_{part}.json", a.only, part, a.max_tokens)
-        b.finish(f"mosaic_{part}", cols)
+        b.finish(f"mosaic_{part}", cols)  # with --only: joined to the part's earlier rows (common.py)
+        rows = json.loads(Path(b.args.json).read_text())["rows"]  # the table shows the JSON's rows
         lines = [f"| config | {' | '.join(cols)} |", "|---" * (len(cols) + 1) + "|"]
-        for r in b.rows:
+        for r in rows:
             cells = [f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols]
             lines.append(f"| {r['name'].replace('|', chr(92) + '|')} | {' | '.join(cells)} |")
         head = (
