@@ -330,13 +330,13 @@ def mosaic_ten_percent_half(res: dict) -> tuple[str, str]:
 def mosaic_block_beats_channel(res: dict) -> tuple[str, str]:
     """§3 Observation 1 / Fig. 5: Δ-Hessian blocks beat channel-level compensation at the same budget.
     The paper's comparator is its naive channel strategy (outlier channels, here by the float input's
-    max|X_j|); our stronger Δ-Hessian columns are an extra number.  Channel residuals are stored as
+    max abs(X_j)); our stronger Δ-Hessian columns are an extra number.  Channel residuals are stored as
     dense columns, so each row's bits per weight are what it stores."""
     if "channel-act" not in _mosaic_linears(res)[0]["curves"]:
         return "the per-linear results predate the paper's channel baseline", MISSING
     b, c, ours = _at(res, "delta-hessian", 0.1), _at(res, "channel-act", 0.1), _at(res, "channel", 0.1)
     nums = (f"recovered at 10% (same elements): blocks by Δ-Hessian {b:.1%}, the paper's outlier channels "
-            f"(max|X_j|) {c:.1%}, ours: columns by Δ-Hessian {ours:.1%}")  # fmt: skip
+            f"(max abs(X_j)) {c:.1%}, ours: columns by Δ-Hessian {ours:.1%}")  # fmt: skip
     ch = rows_by_name(load("mosaic_channel") or {"rows": []})
     mo = rows_by_name(load("mosaic_main") or {"rows": []}).get("mosaic W4A4")
     paper, mine = ch.get("channel (paper: outlier max|X|)"), ch.get("channel (ours: Δ-Hessian columns)")
@@ -592,10 +592,10 @@ WHY = {
     "ours: MosaicQuant beats GPTQ at W4A8": "not a claim of the paper (it compares with RTN and SmoothQuant)",
     "beats an Atom-like mixed-precision split (3.1% INT8 channels)": "per-linear output error on a token "
     "sample, not Table 1's perplexity (no model-level Atom row); Atom rebuilt in simplified form (no "
-    "KV-cache quantization, GPTQ on the INT4 channels' Hessian block, outlier channels by max|X_j|); its "
+    "KV-cache quantization, GPTQ on the INT4 channels' Hessian block, outlier channels by max abs(X_j)); its "
     "g128 weight scales are finer than MosaicQuant's per-channel base; SmolLM2 has few activation outliers",
-    "block selection beats channel selection": "outlier channels by the float input's max|X_j| (the paper "
-    "does not say how it picks them); fast protocol; no heavy outliers here to make channels strong",
+    "block selection beats channel selection": "outlier channels by the float input's max abs(X_j) (the "
+    "paper does not say how it picks them); fast protocol; no heavy outliers here to make channels strong",
     "10% of blocks recovers over half the output distortion": "the paper quotes two single layers of a "
     "7B+ model; 64x64 blocks of 576-1536-wide matrices are 1/81-1/216 of a matrix",
     "ours: thin residual blocks beat 64x64 at 10%": "not a claim of the paper (it uses square blocks); "
