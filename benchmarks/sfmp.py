@@ -330,7 +330,8 @@ def _ablation_table(title: str, rows: list[dict]) -> list[str]:
 def report(rows: list[dict], args) -> str:
     by = {r["name"]: r for r in rows}
     lines = ["## SFMP vs uniform at matched memory (SmolLM2-135M, WikiText-2 ppl)", ""]
-    lines += [f"Protocol: {_protocols(rows)} (fast: 16x512 calibration, 20 windows of 512 tokens).", ""]
+    lines += [f"Protocol: {_protocols(rows)} (fast: 16x512 calibration and Fisher, 20 windows of 512 tokens; "
+              "verdict: >= 128x512, every window, KL and top-1).", ""]  # fmt: skip
     lines.append(
         "| point | GPTQ, the paper's: natural, min-max (bpw, ppl) | AWQ (bpw, ppl) | GPTQ, ours: act-order, "
         "MSE (bpw, ppl) | SFMP-AWQ (bpw, b, ppl) | SFMP-GPTQ (bpw, b, ppl) |"
@@ -361,7 +362,7 @@ def report(rows: list[dict], args) -> str:
         )  # fmt: skip
     if total:
         lines += _ablation_table(
-            "## Earlier ablations at equal total bits (m_b = 512; indices take bits from the codes)", total
+            "## Earlier ablations at equal total bits (indices and bit map take bits from the codes)", total
         )
     if sf:
         costs = [f"{r['fisher_seconds']:.1f}s ({r['fisher_samples']})" for r in sf if r.get("fisher_seconds")]
