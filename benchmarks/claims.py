@@ -225,11 +225,22 @@ def _sfmp_row(v: dict) -> str:
     return f"{fmt(v['ppl'])} @ {fmt(v['bits_per_weight'], 3)} bpw"
 
 
+def _sfmp_undecided(rows: list[dict]) -> str:
+    """A note when ``rows`` differ by under 10% in perplexity without the verdict protocol (issue 25:
+    such claims need the whole test set and two seeds)."""
+    ppl = [r["ppl"] for r in rows]
+    gap = max(ppl) / min(ppl) - 1
+    if gap >= 0.10 or all(r.get("protocol") == "verdict" for r in rows):
+        return ""
+    where = rows[0].get("protocol", "unrecorded")
+    return f" ({gap:.1%} apart on the {where} protocol: too close to decide there)"
+
+
 def sfmp_fisher_samples(res: dict) -> tuple[str, str]:
     """Fisher from the most samples (>= 128) gives an allocation at least as good as from the fewest
     (ppl lower, or within 1%); the estimation's cost beside each."""
     cells, how = _sfmp_ablation(res, "fisher")
-    parts, fails = [], []
+    parts, fails, notes = [], [], []
     for head, c in cells.items():
         r = {int(k): v for k, v in c.items() if k}
         if len(r) < 2:
@@ -242,9 +253,10 @@ def sfmp_fisher_samples(res: dict) -> tuple[str, str]:
         parts.append(f"{head} ({how}): {nums}")
         if hi < 128 or r[hi]["ppl"] > r[lo]["ppl"] * 1.01:
             fails.append(f"{hi} samples worse than {lo}" if hi >= 128 else f"only {hi} samples")
+        notes.append(_sfmp_undecided(list(r.values())))
     if not parts:
         raise KeyError("fisher rows")
-    return "; ".join(parts), verdict(not fails, "; ".join(fails))
+    return "; ".join(parts), verdict(not fails, "; ".join(fails)) + "".join(notes)
 
 
 def sfmp_small_blocks(res: dict) -> tuple[str, str]:
@@ -266,14 +278,15 @@ def sfmp_small_blocks(res: dict) -> tuple[str, str]:
             break
     if not groups:
         raise KeyError("block rows")
-    parts, fails = [], []
+    parts, fails, notes = [], [], []
     for head, r in groups.items():
         parts.append(f"{head} ({'equal code bits' if code else 'equal total bits'}): "
                      + ", ".join(f"m_b {m}: {_sfmp_row(v)}" for m, v in sorted(r.items())))  # fmt: skip
         ppl = [r[m]["ppl"] for m in sorted(r)]
         if ppl != sorted(ppl):
             fails.append(head)
-    return "; ".join(parts), verdict(not fails, "perplexity does not fall with m_b")
+        notes.append(_sfmp_undecided(list(r.values())))
+    return "; ".join(parts), verdict(not fails, "perplexity does not fall with m_b") + "".join(notes)
 
 
 # -- more SQ-format claims (parts gap, agrid, ablate of sq_format.py) ---------------------------
