@@ -353,8 +353,8 @@ def report(rows: list[dict], args) -> str:
         lines += ["", f"Float: ppl {float_row['ppl']:.3f}."]
     sf = [r for r in rows if r["method"] == "sfmp"]
     abl = [r for r in sf if any(k in r["name"] for k in ("reorder=", "mb=", "nb=", "fisher="))]
-    code = [r for r in abl if r["options"].get("avg_bits") is not None]
-    total = [r for r in abl if r["options"].get("avg_bits") is None]
+    code = [r for r in abl if " b=" in r["name"]]  # avg_bits, or the main row it equals (copied)
+    total = [r for r in abl if " b=" not in r["name"]]
     if code:
         lines += _ablation_table(
             "## Ablations at equal code bits b (total bits per weight beside; a name without reorder= "
