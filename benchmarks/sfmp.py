@@ -33,7 +33,8 @@ samples drawn apart from the calibration, uncached, its cost in seconds kept in 
 when ``--nsamples`` is smaller; the verdict protocol refuses fewer than 128).  The Fisher salience is
 cached per token set.  Solvers: ``--solvers`` (default gptq, the method's default; awq is the paper's).
 
-Results accumulate in ``benchmarks/results/sfmp.partial.json`` (seeded from ``sfmp.json``; every row
+Results accumulate in ``benchmarks/results/sfmp.partial.json`` (seeded from ``sfmp.json``; with
+``--json X.json``: ``X.partial.json`` and ``X.json``, e.g. ``sfmp_verdict.json`` for verdict rows; every row
 records its protocol, and a saved row is reused only under the same protocol and settings), so the
 parts can run a few rows at a time under the shared lock (``--only``); ``--report`` prints the
 tables and writes ``sfmp.json``/``sfmp.md`` and the allocation PNG.  Part ``decode``:
@@ -67,11 +68,17 @@ PAIRS = {  # point -> (uniform bits, uniform group or None, sfmp group)
     "4.0": (4, None, 128),
     "4.25": (4, 128, 256),
 }
-PARTIAL = RESULTS / "sfmp.partial.json"
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # the settings that make two SFMP rows the same run (a saved row is reused only when they match)
 SAME = ("avg_bits", "bpw", "budget_mb", "group_size", "block_rows", "block_cols", "row_reorder",
         "col_reorder", "solver", "fisher_samples")  # fmt: skip
+
+
+def paths(args) -> tuple[Path, Path]:
+    """The results JSON (``--json``, default ``sfmp.json``; a verdict run: ``sfmp_verdict.json``, which
+    the findings report prefers) and its partial file beside it, which the rows accumulate in."""
+    path = Path(args.json) if args.json else RESULTS / "sfmp.json"
+    return path, path.with_name(path.stem + ".partial.json")
 
 
 def protocol_of(args) -> str:
@@ -92,8 +99,8 @@ class SFMPBench(Bench):
                 f"error: verdict rows need a Fisher from >= 128 samples; got {want} (--salience-samples)"
             )
         super().__init__(args)
-        self.partial_path = PARTIAL
-        src = PARTIAL if PARTIAL.is_file() else RESULTS / "sfmp.json"
+        out, self.partial_path = paths(args)
+        src = self.partial_path if self.partial_path.is_file() else out
         self.rows = json.loads(src.read_text())["rows"] if src.is_file() else []
         # rows of another protocol stay in the file (and the report) but are never reused here
         self.done = {r["name"]: r for r in self.rows if r.get("protocol") == self.protocol}
@@ -178,7 +185,7 @@ class SFMPBench(Bench):
 
     def _add_partial(self):
         rows = [{k: v for k, v in r.items() if k != "layers"} for r in self.rows]
-        write_text(PARTIAL, json.dumps({"partial": True, "rows": rows}, indent=2))
+        write_text(self.partial_path, json.dumps({"partial": True, "rows": rows}, indent=2))
 
 
 def _breakdown(layers) -> dict:
@@ -435,6 +442,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7, help="part decode: timings per variant (median)")
     a = p.parse_args()
     parts = a.parts.split(",")
+    path, partial = paths(a)
     if "decode" in parts:
         from sfmp_decode import part_decode
 
@@ -443,7 +451,7 @@ def main() -> None:
         if parts == ["decode"]:
             return
     if a.report:
-        src = PARTIAL if PARTIAL.is_file() else RESULTS / "sfmp.json"
+        src = partial if partial.is_file() else path
         rows = json.loads(src.read_text())["rows"]
     else:
         b = SFMPBench(a)
@@ -465,10 +473,10 @@ def main() -> None:
         rows = b.rows
     md = report(rows, a)
     print(md)
-    write_text(RESULTS / "sfmp.md", md)
+    write_text(path.with_suffix(".md"), md)
     out = {"benchmark": "sfmp", "protocol": _protocols(rows), "args": vars(a), "rows": rows}
-    write_text(RESULTS / "sfmp.json", json.dumps(out, indent=2))
-    plot(rows, RESULTS / "sfmp_bits.png")
+    write_text(path, json.dumps(out, indent=2))
+    plot(rows, path.with_name(path.stem + "_bits.png"))
 
 
 if __name__ == "__main__":
