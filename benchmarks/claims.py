@@ -162,7 +162,7 @@ def sfmp_beats_uniform(
     """At each measured budget: the SFMP rows of ``solver`` (awq: the paper's; gptq: our extension)
     against the ``uniform`` rows (default the paper's comparators; ``("gptq",)``: our act-order + MSE
     GPTQ) of the same protocol using no fewer bits."""
-    lines, wins, total, pts, lacking = [], 0, 0, [], {}
+    lines, wins, total, close, pts, lacking = [], 0, 0, 0, [], {}
     for point, rows in _sfmp_main(res).items():
         uni = {k: v for k, v in rows.items() if v["method"] != "sfmp" and k.split()[0] in uniform}
         for u in uniform:
@@ -177,6 +177,7 @@ def sfmp_beats_uniform(
             for u, w in fair.items():
                 total += 1
                 wins += v["ppl"] < w["ppl"]
+                close += bool(_sfmp_undecided([v, w]))
                 lines.append(f"BPW {point}: {k} {fmt(v['ppl'])} @ {fmt(v['bits_per_weight'], 3)} vs {u} "
                              f"{fmt(w['ppl'])} @ {fmt(w['bits_per_weight'], 3)}")  # fmt: skip
     if not total:
@@ -186,6 +187,8 @@ def sfmp_beats_uniform(
         v += f" at BPW {', '.join(sorted(pts))} only; the other budgets are not measured"
     for u, at in lacking.items():
         v += f"; {u} not measured at BPW {', '.join(sorted(at))}"
+    if close:
+        v += f"; {close} of the {total} pairs are under 10% apart without the verdict protocol"
     return "; ".join(lines), v
 
 

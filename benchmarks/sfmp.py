@@ -337,8 +337,8 @@ def _ablation_table(title: str, rows: list[dict]) -> list[str]:
 def report(rows: list[dict], args) -> str:
     by = {r["name"]: r for r in rows}
     lines = ["## SFMP vs uniform at matched memory (SmolLM2-135M, WikiText-2 ppl)", ""]
-    lines += [f"Protocol: {_protocols(rows)} (fast: 16x512 calibration and Fisher, 20 windows of 512 tokens; "
-              "verdict: >= 128x512, every window, KL and top-1).", ""]  # fmt: skip
+    lines += [f"Protocol of these rows: {_protocols(rows)}. (fast = 16x512 calibration and Fisher, 20 "
+              "windows of 512 tokens; verdict = >= 128x512, every window, KL and top-1.)", ""]  # fmt: skip
     lines.append(
         "| point | GPTQ, the paper's: natural, min-max (bpw, ppl) | AWQ (bpw, ppl) | GPTQ, ours: act-order, "
         "MSE (bpw, ppl) | SFMP-AWQ (bpw, b, ppl) | SFMP-GPTQ (bpw, b, ppl) |"
