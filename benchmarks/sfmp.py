@@ -1,4 +1,4 @@
-"""SFMP (issue #12) on SmolLM2-135M: perplexity at matched memory against uniform GPTQ and AWQ.
+"""SFMP (issue #12, #25) on SmolLM2-135M: perplexity at matched memory against uniform GPTQ and AWQ.
 
 Pairings (the paper's Table 3, plus 2.5/3.5/4.25): at each point the uniform baselines are run
 first and SFMP gets the *smaller* of their two *measured* totals of bits per weight (``bpw``: codes +
@@ -16,19 +16,33 @@ point  uniform GPTQ / AWQ          SFMP group
 4.25   w4 g128                     g256
 =====  ==========================  ==========
 
-Parts: ``main`` (the table above, SFMP with AWQ and with GPTQ blocks), ``reorder`` (none / row /
-column / both), ``blocks`` (m_b in {32, 64, 512} at n_b = 128, n_b in {64, 128, 256}), ``fisher``
-(Fisher from fewer/more samples).  The Fisher salience is computed once per token set and cached.
-Results accumulate in ``benchmarks/results/sfmp.partial.json`` (a re-run skips rows already there;
-an SFMP row whose budget no longer matches its baselines runs again), so the parts can run one at a
-time under the shared lock; ``--report`` prints the tables, writes ``sfmp.json``/``sfmp.md`` and the
-allocation PNG.
+The uniform rows: GPTQ as the paper ran it (``gptq-orig``: natural order, min-max scales, no
+``g_idx``: the paper's Table 3 comparator, with AWQ), and ours (``gptq``: act-order + MSE scales, an
+extra row, not the paper's comparator; its ``g_idx`` is why it stores more).
 
-Part ``decode`` (on its own: it writes ``sfmp_decode.json``/``.md``, nothing else) measures the
-end-to-end decode cost of reordering (the paper reports at most 5%): see :func:`decode_reorder_cost`.
+Parts: ``main`` (the table above, SFMP with AWQ and with GPTQ blocks, both uniform GPTQs), ``orig``
+(only the paper's GPTQ rows), and the ablations, all at **equal code bits** ``b`` (``avg_bits``: the
+``b`` that the point's budget leaves on the main layout -- rows and columns reordered, m_b = 512,
+n_b = group -- :func:`bitmosaic.methods.sfmp.sfmp_budget`), each row's total bits per weight (indices,
+bit map) reported beside: ``reorder`` (none / row / column / both at ``--ablation-mb``, default 64, so
+that every SmolLM2 matrix has several row blocks), ``blocks`` (m_b in {32, 64, 128, 512} at n_b =
+group; the m_b = 512 row is the main row, the same allocation, so it is copied; plus n_b in {group,
+2 group} at ``--ablation-mb`` with the same group), ``fisher`` (Fisher from ``--fisher-samples``
+samples drawn apart from the calibration, uncached, its cost in seconds kept in the row).
+``--salience-samples N`` estimates every SFMP row's Fisher from N calibration samples (more are drawn
+when ``--nsamples`` is smaller; the verdict protocol refuses fewer than 128).  The Fisher salience is
+cached per token set.  Solvers: ``--solvers`` (default gptq, the method's default; awq is the paper's).
 
-Run: flock /tmp/bitmosaic-heavy.lock python benchmarks/sfmp.py --parts main --points 2.5 --nsamples 16
-     flock /tmp/bitmosaic-heavy.lock python benchmarks/sfmp.py --parts decode --decode-point 3.0 --threads 1
+Results accumulate in ``benchmarks/results/sfmp.partial.json`` (seeded from ``sfmp.json``; with
+``--json X.json``: ``X.partial.json`` and ``X.json``, e.g. ``sfmp_verdict.json`` for verdict rows; every row
+records its protocol, and a saved row is reused only under the same protocol and settings), so the
+parts can run a few rows at a time under the shared lock (``--only``); ``--report`` prints the
+tables and writes ``sfmp.json``/``sfmp.md`` and the allocation PNG.  Part ``decode``:
+:mod:`sfmp_decode`.
+
+Run: flock /tmp/bitmosaic-heavy.lock python benchmarks/sfmp.py --protocol fast --parts main --points 2.5
+     flock /tmp/bitmosaic-heavy.lock python benchmarks/sfmp.py --protocol fast --parts reorder \
+         --points 3.25 --solvers gptq --only "3.25 sfmp-gptq g256 mb=64 b=3.068 reorder=none"
 """
 
 from __future__ import annotations
@@ -40,9 +54,11 @@ from pathlib import Path
 
 from bitmosaic.data import calibration_samples
 from bitmosaic.methods import get_method
+from bitmosaic.methods.sfmp import sfmp_budget
 from bitmosaic.pipeline import quantize_model
+from bitmosaic.pipeline.fisher import salience_linear_names
 
-from common import RESULTS, Bench, base_parser, write_text
+from common import RESULTS, Bench, base_parser, protocol_label, write_text
 
 PAIRS = {  # point -> (uniform bits, uniform group or None, sfmp group)
     "2.5": (2, 64, 128),
@@ -52,40 +68,81 @@ PAIRS = {  # point -> (uniform bits, uniform group or None, sfmp group)
     "4.0": (4, None, 128),
     "4.25": (4, 128, 256),
 }
-PARTIAL = RESULTS / "sfmp.partial.json"
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the settings that make two SFMP rows the same run (a saved row is reused only when they match)
+SAME = ("avg_bits", "bpw", "budget_mb", "group_size", "block_rows", "block_cols", "row_reorder",
+        "col_reorder", "solver", "fisher_samples")  # fmt: skip
+
+
+def paths(args) -> tuple[Path, Path]:
+    """The results JSON (``--json``, default ``sfmp.json``; a verdict run: ``sfmp_verdict.json``, which
+    the findings report prefers) and its partial file beside it, which the rows accumulate in."""
+    path = Path(args.json) if args.json else RESULTS / "sfmp.json"
+    return path, path.with_name(path.stem + ".partial.json")
+
+
+def protocol_of(args) -> str:
+    """``fast``/``verdict``, else the settings (every row records the protocol it was measured with)."""
+    label = protocol_label(args)
+    if label != "custom":
+        return label
+    w = "every window" if args.max_windows is None else f"{args.max_windows} windows"
+    return f"{args.nsamples}x{args.seqlen} calib, {w}"
 
 
 class SFMPBench(Bench):
     def __init__(self, args):
+        self.protocol = protocol_of(args)
+        want = args.salience_samples or args.nsamples
+        if self.protocol == "verdict" and want < 128:  # checked before the model loads
+            raise SystemExit(
+                f"error: verdict rows need a Fisher from >= 128 samples; got {want} (--salience-samples)"
+            )
         super().__init__(args)
-        self.partial_path = PARTIAL
-        self.done = {}
-        if PARTIAL.is_file():
-            self.done = {r["name"]: r for r in json.loads(PARTIAL.read_text())["rows"]}
-        self.rows = list(self.done.values())
+        out, self.partial_path = paths(args)
+        src = self.partial_path if self.partial_path.is_file() else out
+        self.rows = json.loads(src.read_text())["rows"] if src.is_file() else []
+        # rows of another protocol stay in the file (and the report) but are never reused here
+        self.done = {r["name"]: r for r in self.rows if r.get("protocol") == self.protocol}
 
     def get(self, name):
         return self.done.get(name)
 
-    def sfmp(self, name: str, fisher_tokens=None, **options) -> dict:
-        old = self.done.get(name)
-        if old is not None and old["options"].get("bpw") == options.get("bpw"):
-            return old
-        if old is not None:  # run for another budget (before baselines were matched by the minimum)
-            print(f"  {name}: saved row had bpw {old['options'].get('bpw')}, now {options.get('bpw')}: rerun")
-            self.rows.remove(old)
+    def _more(self, n: int):
+        a = self.args
+        return calibration_samples(self.tok, "wikitext2", n, a.seqlen, a.seed, data_dir=a.data_dir)
+
+    def _replace(self, name: str) -> None:
+        """Drop the saved rows called ``name`` (of any protocol): a row name means one result."""
+        self.rows = [r for r in self.rows if r["name"] != name]
+        self.done.pop(name, None)
+
+    def sfmp(self, name: str, fisher_tokens=None, **options) -> dict | None:
+        if self.args.salience_samples and fisher_tokens is None:
+            options.setdefault("fisher_samples", self.args.salience_samples)
         spec = get_method("sfmp")
         cfg = spec.make_config(**options)
+        want = cfg.to_dict()
+        old = self.done.get(name)
+        if old is not None and all(old["options"].get(k) == want[k] for k in SAME):
+            return old
+        if not self.wants(name):
+            return None
+        if old is not None:
+            print(f"  {name}: the saved row was made with other settings: rerun")
+        self._replace(name)
         model = copy.deepcopy(self.model)
         inputs = {"salience_tokens": fisher_tokens}
-        rep = quantize_model(model, self.calib, spec, cfg, progress=False, method_inputs=inputs)
+        rep = quantize_model(
+            model, self.calib, spec, cfg, progress=False, method_inputs=inputs, more_calib=self._more
+        )
         t = time.perf_counter()
         alloc = rep.calibration["allocation"]
         row = {
             "name": name,
             "method": "sfmp",
-            "options": cfg.to_dict(),
+            "protocol": self.protocol,
+            "options": want,
             "bits_per_weight": rep.bits_per_weight,
             "b_target": alloc["b"],
             "b_reached": alloc["b_reached"],
@@ -96,7 +153,7 @@ class SFMPBench(Bench):
             "quant_seconds": rep.seconds,
             "per_linear_bits": alloc["per_linear"],
             "breakdown": _breakdown(rep.layers),
-            "ppl": self.ppl(model),
+            **self.measure(model),
         }
         row["eval_seconds"] = time.perf_counter() - t
         del model
@@ -108,18 +165,27 @@ class SFMPBench(Bench):
         self.done[name] = self._add(row)
         return row
 
-    def uniform(self, name: str, method: str, **options) -> dict:
+    def uniform(self, name: str, method: str, **options) -> dict | None:
         if name in self.done:
             return self.done[name]
+        if not self.wants(name):
+            return None
+        self._replace(name)
         row = self.run(name, method, **options)
         row.pop("layers", None)
+        row["protocol"] = self.protocol
         self.done[name] = row
         self._add_partial()
         return row
 
+    def copy_row(self, name: str, src: dict, why: str) -> None:
+        if self.get(name) is None:
+            self._replace(name)
+            self.done[name] = self._add({**src, "name": name, "copied_from": src["name"], "why_copied": why})
+
     def _add_partial(self):
         rows = [{k: v for k, v in r.items() if k != "layers"} for r in self.rows]
-        write_text(PARTIAL, json.dumps({"partial": True, "rows": rows}, indent=2))
+        write_text(self.partial_path, json.dumps({"partial": True, "rows": rows}, indent=2))
 
 
 def _breakdown(layers) -> dict:
@@ -132,245 +198,182 @@ def _gname(g):
     return "ch" if g is None else f"g{g}"
 
 
-def _baselines(p: str) -> tuple[str, str]:
+def _baselines(p: str) -> tuple[str, str, str]:
+    """Point ``p``'s uniform rows: our GPTQ (act-order + MSE), AWQ and the paper's GPTQ (natural, min-max)."""
     bits, ug, _ = PAIRS[p]
-    return f"{p} gptq w{bits}{_gname(ug)}", f"{p} awq w{bits}{_gname(ug)}"
+    return (
+        f"{p} gptq w{bits}{_gname(ug)}",
+        f"{p} awq w{bits}{_gname(ug)}",
+        f"{p} gptq-orig w{bits}{_gname(ug)}",
+    )
 
 
 def matched_bpw(b: SFMPBench, p: str) -> float:
-    """SFMP's budget at point ``p``: the SMALLER measured total bpw of the two uniform baselines, so
-    SFMP never stores more bits than either (GPTQ's act-order ``g_idx`` makes it the larger one)."""
-    rows = [b.get(n) for n in _baselines(p)]
+    """SFMP's budget at point ``p``: the SMALLER measured total bpw of our GPTQ and AWQ, so SFMP never
+    stores more bits than either (GPTQ's act-order ``g_idx`` makes it the larger one; the paper's
+    GPTQ stores what AWQ does)."""
+    rows = [b.get(n) for n in _baselines(p)[:2]]
     if None in rows:
         raise SystemExit(f"point {p}: run --parts main first (the uniform baselines set SFMP's budget)")
     return min(r["bits_per_weight"] for r in rows)
+
+
+def ablation_b(b: SFMPBench, p: str) -> float:
+    """The code bits ``b`` every ablation row at ``p`` gets: what the matched budget leaves on the main
+    layout (rows and columns reordered, m_b = 512, n_b = the group), measured as the method does."""
+    cfg = get_method("sfmp").make_config(bpw=matched_bpw(b, p), group_size=PAIRS[p][2])
+    shapes = {n: tuple(b.model.get_submodule(n).weight.shape) for n in salience_linear_names(b.model)}
+    return sfmp_budget(shapes, cfg)["b"]
 
 
 def part_main(b: SFMPBench, points, solvers):
     for p in points:
         bits, ug, sg = PAIRS[p]
         base = {"bits": bits, "group_size": ug}
-        b.uniform(_baselines(p)[0], "gptq", **base)
-        b.uniform(_baselines(p)[1], "awq", **base)
+        ours, awq, orig = _baselines(p)
+        b.uniform(ours, "gptq", **base)
+        b.uniform(awq, "awq", **base)
+        b.uniform(orig, "gptq", order="natural", scale="minmax", **base)
         bpw = matched_bpw(b, p)
         for s in solvers:
             b.sfmp(f"{p} sfmp-{s} g{sg}", bpw=bpw, group_size=sg, solver=s)
 
 
-def part_reorder(b: SFMPBench, points, solvers):
-    """none / row / column (both = the main row) for each solver."""
+def part_orig(b: SFMPBench, points):
+    """Only the paper's uniform GPTQ (natural order, min-max scales) at each point."""
     for p in points:
-        bpw = matched_bpw(b, p)
-        sg = PAIRS[p][2]
+        bits, ug, _ = PAIRS[p]
+        b.uniform(_baselines(p)[2], "gptq", bits=bits, group_size=ug, order="natural", scale="minmax")
+
+
+def _abl(p: str, s: str, bb: float, mb: int, nb: int | None = None) -> str:
+    sg = PAIRS[p][2]
+    return f"{p} sfmp-{s} g{sg} mb={mb}" + ("" if nb in (None, sg) else f" nb={nb}") + f" b={bb:.3f}"
+
+
+def part_reorder(b: SFMPBench, points, solvers, mb: int):
+    """none / row / column / both at equal code bits ``b`` and ``m_b`` (both = the unsuffixed row)."""
+    for p in points:
+        bb, sg = ablation_b(b, p), PAIRS[p][2]
         for s in solvers:
-            for label, r, c in (("none", False, False), ("row", True, False), ("col", False, True)):
+            for label, r, c in (
+                ("", True, True),
+                ("none", False, False),
+                ("row", True, False),
+                ("col", False, True),
+            ):
+                name = _abl(p, s, bb, mb) + (f" reorder={label}" if label else "")
                 b.sfmp(
-                    f"{p} sfmp-{s} g{sg} reorder={label}", bpw=bpw, group_size=sg, solver=s,
-                    row_reorder=r, col_reorder=c,
-                )  # fmt: skip
+                    name, avg_bits=bb, group_size=sg, block_rows=mb, solver=s, row_reorder=r, col_reorder=c
+                )
 
 
-def part_blocks(b: SFMPBench, points):
-    """m_b in {32, 64, 512} at n_b = 128, and n_b in {64, 128, 256} at m_b = 512 (n_b is the group
-    size: a block is m_b rows by one group).  The (512, 128) cell is shared by both sweeps, and the
-    main row at the same point and group size is that cell again, so it is copied, not rerun."""
+def part_blocks(b: SFMPBench, points, solvers, mb: int):
+    """m_b in {32, 64, 128, 512} at n_b = the group, and n_b = 2 groups at ``mb``, all at equal code
+    bits (the paper's Tables 5-6 sweep at equal memory; its n_b is the group size, whose scales then
+    take the codes' bits: our n_b sweep keeps the group, so it isolates the allocation's grain)."""
     for p in points:
-        bpw = matched_bpw(b, p)
-        main = b.get(f"{p} sfmp-awq g{PAIRS[p][2]}")
-        for mb, nb in ((32, 128), (64, 128), (512, 128), (512, 64), (512, 256)):
-            name = f"{p} sfmp-awq g{nb} mb={mb} nb={nb}"
-            reuse = main is not None and main["options"].get("bpw") == bpw
-            if reuse and mb == 512 and nb == PAIRS[p][2] and b.get(name) is None:
-                b.done[name] = b._add({**main, "name": name, "copied_from": main["name"]})
-                continue
-            b.sfmp(name, bpw=bpw, group_size=nb, block_rows=mb)
-
-
-def part_fisher(b: SFMPBench, points, samples):
-    for p in points:
-        bpw = matched_bpw(b, p)
-        sg = PAIRS[p][2]
-        for n in samples:
-            name = f"{p} sfmp-awq g{sg} fisher={n}"
-            if b.get(name) is not None and b.get(name)["options"].get("bpw") == bpw:
-                continue  # done at this budget (sfmp() reruns a row made for another one)
-            toks = calibration_samples(
-                b.tok, "wikitext2", n, b.args.seqlen, b.args.seed + 1, data_dir=b.args.data_dir
+        bb, sg = ablation_b(b, p), PAIRS[p][2]
+        for s in solvers:
+            main = b.get(f"{p} sfmp-{s} g{sg}")
+            for m in (32, 64, 128, 512):
+                name = _abl(p, s, bb, m)
+                if m == 512 and main is not None and main["b_target"] == bb:
+                    b.copy_row(name, main, "the main row: the same b, layout and allocation (sfmp_budget)")
+                    continue
+                b.sfmp(name, avg_bits=bb, group_size=sg, block_rows=m, solver=s)
+            b.sfmp(
+                _abl(p, s, bb, mb, 2 * sg),
+                avg_bits=bb,
+                group_size=sg,
+                block_rows=mb,
+                block_cols=2 * sg,
+                solver=s,
             )
-            # no cache: the row's fisher_seconds is the estimation's cost, not a load
-            b.sfmp(name, fisher_tokens=toks, bpw=bpw, group_size=sg, fisher_samples=n, fisher_cache=None)
 
 
-def _decode_rate(model, prompt, new_tokens: int) -> float:
-    """Greedy decode tokens/s at batch 1: the new tokens after the first (whose time includes the
-    prompt's prefill) over their wall time, stamped by a logits processor (called once per token)."""
-    import torch
-
-    stamps: list[float] = []
-
-    def clock(input_ids, scores):
-        stamps.append(time.perf_counter())
-        return scores
-
-    with torch.inference_mode():
-        out = model.generate(
-            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens, do_sample=False, logits_processor=[clock], pad_token_id=0,
-        )  # fmt: skip
-    if out.shape[1] - prompt.shape[1] != new_tokens or len(stamps) != new_tokens:
-        raise RuntimeError(f"generated {out.shape[1] - prompt.shape[1]} tokens, asked for {new_tokens}")
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+def part_fisher(b: SFMPBench, points, solvers, samples, mb: int):
+    """Fisher from ``samples`` samples drawn apart from the calibration (seed + 1), uncached so that
+    each row's ``fisher_seconds`` is the estimation's cost, at equal code bits and ``mb``."""
+    for p in points:
+        bb, sg = ablation_b(b, p), PAIRS[p][2]
+        for s in solvers:
+            for n in samples:
+                name = _abl(p, s, bb, mb) + f" fisher={n}"
+                if not b.wants(name) and b.get(name) is None:
+                    continue
+                a = b.args
+                toks = calibration_samples(b.tok, "wikitext2", n, a.seqlen, a.seed + 1, data_dir=a.data_dir)
+                b.sfmp(name, fisher_tokens=toks, avg_bits=bb, group_size=sg, block_rows=mb, solver=s,
+                       fisher_samples=n, fisher_cache=None)  # fmt: skip
 
 
-def decode_reorder_cost(
-    model, calib, prompt, salience, *, bpw, group_size, new_tokens=64, repeats=7, progress=False
-) -> dict:
-    """Greedy decode speed of SFMP with reordering (rows and columns, gate/up folded into down_proj)
-    against no reordering (``--no-row-reorder --no-col-reorder``), both built here from ``model`` with
-    the same Fisher ``salience`` and timed in this process, interleaved (A B B A ...), median of
-    ``repeats``.  The reordered model gets ``bpw``; the other the same average code bits ``b`` (so
-    the two differ only by the permutations, not by how many blocks are wide).  The blocks are cheap
-    min-max ones (``n_grid=1``, no clip search): decode speed does not depend on the codes' values,
-    only on the widths, so the blocks' quality does not matter here (perplexity is measured by the
-    other parts)."""
-    import statistics
-
-    from bitmosaic.modules.base import prepare_kernels, resident_bytes
-
-    spec = get_method("sfmp")
-    cheap = {"group_size": group_size, "n_grid": 1, "clip_search": False, "fisher_cache": None}
-    runs, b = {}, None
-    for name, extra in (
-        ("reorder", {"bpw": bpw}),
-        ("no-reorder", {"row_reorder": False, "col_reorder": False}),
-    ):
-        if b is not None:
-            extra["avg_bits"] = b
-        m = copy.deepcopy(model)
-        cfg = spec.make_config(**cheap, **extra)
-        rep = quantize_model(m, calib, spec, cfg, progress=progress, method_inputs={"salience": salience})
-        alloc = rep.calibration["allocation"]
-        b = alloc["b"] if b is None else b
-        prepare_kernels(m)
-        _decode_rate(m, prompt, 4)  # warm-up: kernels, caches
-        runs[name] = {
-            "model": m, "bits_per_weight": rep.bits_per_weight, "b_target": alloc["b"],
-            "b_reached": alloc["b_reached"], "permutations_folded": rep.calibration["permutations_folded"],
-            "resident_mb": resident_bytes(m) / 2**20, "rates": [],
-        }  # fmt: skip
-    names = list(runs)
-    for r in range(repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            runs[name]["rates"].append(_decode_rate(runs[name]["model"], prompt, new_tokens))
-            if progress:
-                print(f"  repeat {r + 1}/{repeats} {name}: {runs[name]['rates'][-1]:.2f} tok/s", flush=True)
-    for v in runs.values():
-        del v["model"]
-        v["tok_s"] = statistics.median(v["rates"])
-    ratio = runs["reorder"]["tok_s"] / runs["no-reorder"]["tok_s"]
-    return {"variants": runs, "ratio_reorder_vs_none": ratio, "decode_cost_pct": 100 * (1 - ratio)}
+def _protocols(rows) -> str:
+    got = sorted({r.get("protocol", "unrecorded") for r in rows})
+    return got[0] if len(got) == 1 else "mixed: " + ", ".join(got)
 
 
-def part_decode(a) -> None:
-    """SmolLM2-135M at one point: the reorder / no-reorder decode speed, to ``sfmp_decode.{json,md}``."""
-    import torch
+def _cell(r, what="bpw") -> str:
+    if r is None:
+        return "-"
+    lead = f"{r['bits_per_weight']:.3f}" + (f", {r['b_reached']:.3f}" if what == "b" else "")
+    return f"{lead}, **{r['ppl']:.2f}**"
 
-    from bitmosaic.io import load_model
-    from bitmosaic.pipeline.fisher import fisher_salience, salience_linear_names
 
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    model, tok = load_model(a.model, dtype=torch.float32)
-    calib = calibration_samples(tok, "wikitext2", a.nsamples, a.seqlen, a.seed, data_dir=a.data_dir)
-    sal, finfo = fisher_salience(model, calib, salience_linear_names(model), cache_dir="auto")
-    prompt = calib[:1, : a.prompt_tokens]
-    bpw, group = float(a.decode_point), PAIRS[a.decode_point][2]
-    res = decode_reorder_cost(
-        model, calib, prompt, sal, bpw=bpw, group_size=group, new_tokens=a.new_tokens, repeats=a.repeats,
-        progress=True,
-    )  # fmt: skip
-    res.update(
-        model=a.model, point=a.decode_point, group_size=group, prompt_tokens=prompt.shape[1],
-        new_tokens=a.new_tokens, repeats=a.repeats, threads=torch.get_num_threads(), fisher=finfo,
-    )  # fmt: skip
-    lines = [
-        f"## Decode cost of reordering (SFMP, {a.model}, BPW {bpw:g}, g{group}, batch 1, "
-        f"{prompt.shape[1]}-token prompt + {a.new_tokens} new tokens, {res['threads']} thread(s), "
-        f"median of {a.repeats})",
-        "",
-        "| variant | bpw | b reached | MLP folds | resident MB | decode tok/s |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name, v in res["variants"].items():
+def _ablation_table(title: str, rows: list[dict]) -> list[str]:
+    head = "| run | code bits b (target / reached) | total bpw | permutations bpw | bit map bpw | ppl "
+    lines = ["", title, "", head + "| Fisher s (samples) |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        fs = r.get("fisher_seconds")
+        fs = f"{fs:.1f} ({r['fisher_samples']})" if fs else f"cached ({r['fisher_samples']})"
+        bd = r["breakdown"]
         lines.append(
-            f"| {name} | {v['bits_per_weight']:.3f} | {v['b_reached']:.3f} | {v['permutations_folded']} "
-            f"| {v['resident_mb']:.1f} | {v['tok_s']:.2f} |"
+            f"| {r['name']} | {r['b_target']:.4f} / {r['b_reached']:.4f} | {r['bits_per_weight']:.4f} "
+            f"| {bd.get('permutations', 0):.4f} | {bd.get('bit_map', 0):.4f} | {r['ppl']:.2f} | {fs} |"
         )
-    lines += [
-        "",
-        f"Reorder / no-reorder decode speed: {res['ratio_reorder_vs_none']:.3f} "
-        f"(cost {res['decode_cost_pct']:.1f}%; the paper reports at most 5%).  Blocks are min-max "
-        "(n_grid=1, no clip search): speed depends on the widths, not on the codes.",
-    ]
-    md = "\n".join(lines) + "\n"
-    print(md)
-    write_text(RESULTS / "sfmp_decode.md", md)
-    write_text(RESULTS / "sfmp_decode.json", json.dumps({"benchmark": "sfmp_decode", **res}, indent=2))
+    return lines
 
 
 def report(rows: list[dict], args) -> str:
     by = {r["name"]: r for r in rows}
     lines = ["## SFMP vs uniform at matched memory (SmolLM2-135M, WikiText-2 ppl)", ""]
+    lines += [f"Protocol of these rows: {_protocols(rows)}. (fast = 16x512 calibration and Fisher, 20 "
+              "windows of 512 tokens; verdict = >= 128x512, every window, KL and top-1.)", ""]  # fmt: skip
     lines.append(
-        "| point | GPTQ uniform (bpw, ppl) | AWQ uniform (bpw, ppl) | SFMP-AWQ (bpw, b, ppl) "
-        "| SFMP-GPTQ (bpw, b, ppl) |"
+        "| point | GPTQ, the paper's: natural, min-max (bpw, ppl) | AWQ (bpw, ppl) | GPTQ, ours: act-order, "
+        "MSE (bpw, ppl) | SFMP-AWQ (bpw, b, ppl) | SFMP-GPTQ (bpw, b, ppl) |"
     )
-    lines.append("|---|---|---|---|---|")
-    for p, (bits, ug, sg) in PAIRS.items():
-        cells = []
-        for n in (f"{p} gptq w{bits}{_gname(ug)}", f"{p} awq w{bits}{_gname(ug)}"):
-            r = by.get(n)
-            cells.append(f"w{bits}{_gname(ug)}: {r['bits_per_weight']:.3f}, **{r['ppl']:.2f}**" if r else "-")
-        for s in ("awq", "gptq"):
-            r = by.get(f"{p} sfmp-{s} g{sg}")
-            cells.append(
-                f"g{sg}: {r['bits_per_weight']:.3f}, {r['b_reached']:.3f}, **{r['ppl']:.2f}**" if r else "-"
-            )
+    lines.append("|---|---|---|---|---|---|")
+    for p, (_, _, sg) in PAIRS.items():
+        ours, awq, orig = (by.get(n) for n in _baselines(p))
+        cells = [_cell(orig), _cell(awq), _cell(ours)]
+        cells += [_cell(by.get(f"{p} sfmp-{s} g{sg}"), "b") for s in ("awq", "gptq")]
         if any(c != "-" for c in cells):
-            lines.append(f"| {p} | " + " | ".join(cells) + " |")
+            lines.append(f"| {p} ({_baselines(p)[0].split()[-1]} / g{sg}) | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "SFMP's budget at each point is the smaller of the two baselines' measured bits per weight.",
+        "SFMP's budget at each point is the smaller of the measured bits per weight of AWQ and our GPTQ "
+        "(the paper's GPTQ stores what AWQ does: no g_idx).",
     ]
     float_row = by.get("float")
     if float_row:
         lines += ["", f"Float: ppl {float_row['ppl']:.3f}."]
-    abl = [
-        r
-        for r in rows
-        if r["method"] == "sfmp" and any(k in r["name"] for k in ("reorder=", "mb=", "nb=", "fisher="))
-    ]
-    if abl:
-        lines += [
-            "",
-            "## Ablations (SFMP-AWQ unless the name says gptq)",
-            "",
-            "| run | bpw | b reached | ppl | Fisher s (samples) |",
-            "|---|---|---|---|---|",
-        ]
-        for r in abl:
-            fs = (
-                f"{r['fisher_seconds']:.1f} ({r['fisher_samples']})"
-                if r.get("fisher_seconds")
-                else f"cached ({r['fisher_samples']})"
-            )
-            lines.append(
-                f"| {r['name']} | {r['bits_per_weight']:.3f} | {r['b_reached']:.3f} | {r['ppl']:.2f} | {fs} |"
-            )
     sf = [r for r in rows if r["method"] == "sfmp"]
+    abl = [r for r in sf if any(k in r["name"] for k in ("reorder=", "mb=", "nb=", "fisher="))]
+    code = [r for r in abl if " b=" in r["name"]]  # avg_bits, or the main row it equals (copied)
+    total = [r for r in abl if " b=" not in r["name"]]
+    if code:
+        lines += _ablation_table(
+            "## Ablations at equal code bits b (total bits per weight beside; a name without reorder= "
+            "reorders rows and columns)", code
+        )  # fmt: skip
+    if total:
+        lines += _ablation_table(
+            "## Earlier ablations at equal total bits (indices and bit map take bits from the codes)", total
+        )
     if sf:
-        costs = [r["fisher_seconds"] for r in sf if r.get("fisher_seconds")]
-        lines += ["", f"Fisher salience cost (uncached runs): {', '.join(f'{c:.1f}s' for c in costs)}."]
+        costs = [f"{r['fisher_seconds']:.1f}s ({r['fisher_samples']})" for r in sf if r.get("fisher_seconds")]
+        lines += ["", f"Fisher salience cost, uncached runs (samples): {', '.join(costs)}."]
         r0 = next(
             (r for r in sf if r["name"].endswith("sfmp-awq g128") and r["name"].startswith("2.5")), sf[0]
         )
@@ -423,10 +426,15 @@ def plot(rows, path: Path):
 
 def main() -> None:
     p = base_parser(__doc__)
-    p.add_argument("--parts", default="main", help="comma list: main,reorder,blocks,fisher,decode")
+    p.add_argument("--parts", default="main", help="comma list: main,orig,reorder,blocks,fisher,decode")
     p.add_argument("--points", default=",".join(PAIRS), help="comma list of points (2.5,3.0,...)")
     p.add_argument("--solvers", default="awq,gptq")
-    p.add_argument("--fisher-samples", default="32,128")
+    p.add_argument(
+        "--ablation-mb", type=int, default=64, help="the ablations' m_b (several row blocks per matrix)"
+    )
+    p.add_argument("--fisher-samples", default="32,128", help="part fisher: the sample counts compared")
+    p.add_argument("--salience-samples", type=int, default=None,
+                   help="Fisher samples for every SFMP row (default: every calibration sample)")  # fmt: skip
     p.add_argument("--report", action="store_true", help="only assemble tables/PNG from the partial JSON")
     p.add_argument("--decode-point", default="3.0", choices=list(PAIRS), help="part decode: the BPW point")
     p.add_argument("--prompt-tokens", type=int, default=32, help="part decode: prompt length")
@@ -434,34 +442,41 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7, help="part decode: timings per variant (median)")
     a = p.parse_args()
     parts = a.parts.split(",")
+    path, partial = paths(a)
     if "decode" in parts:
+        from sfmp_decode import part_decode
+
+        a.decode_group = PAIRS[a.decode_point][2]
         part_decode(a)
         if parts == ["decode"]:
             return
     if a.report:
-        rows = json.loads(PARTIAL.read_text())["rows"]
+        src = partial if partial.is_file() else path
+        rows = json.loads(src.read_text())["rows"]
     else:
         b = SFMPBench(a)
-        if "float" not in b.done:
-            b.done["float"] = b.float_row()
+        if "float" not in b.done and b.wants("float"):
+            b.float_row()["protocol"] = b.protocol
+            b.done["float"] = b.rows[-1]
             b._add_partial()
-        points = [x for x in a.points.split(",") if x]
+        points, solvers, mb = [x for x in a.points.split(",") if x], a.solvers.split(","), a.ablation_mb
         if "main" in parts:
-            part_main(b, points, a.solvers.split(","))
+            part_main(b, points, solvers)
+        if "orig" in parts:
+            part_orig(b, points)
         if "reorder" in parts:
-            part_reorder(b, points, a.solvers.split(","))
+            part_reorder(b, points, solvers, mb)
         if "blocks" in parts:
-            part_blocks(b, points)
+            part_blocks(b, points, solvers, mb)
         if "fisher" in parts:
-            part_fisher(b, points, [int(x) for x in a.fisher_samples.split(",")])
+            part_fisher(b, points, solvers, [int(x) for x in a.fisher_samples.split(",")], mb)
         rows = b.rows
     md = report(rows, a)
     print(md)
-    write_text(RESULTS / "sfmp.md", md)
-    write_text(
-        RESULTS / "sfmp.json", json.dumps({"benchmark": "sfmp", "args": vars(a), "rows": rows}, indent=2)
-    )
-    plot(rows, RESULTS / "sfmp_bits.png")
+    write_text(path.with_suffix(".md"), md)
+    out = {"benchmark": "sfmp", "protocol": _protocols(rows), "args": vars(a), "rows": rows}
+    write_text(path, json.dumps(out, indent=2))
+    plot(rows, path.with_name(path.stem + "_bits.png"))
 
 
 if __name__ == "__main__":

@@ -159,6 +159,61 @@ def test_mixed_gptq_with_one_width_equals_plain_gptq(layer64):
     assert int(mixed.codes[::2].max()) <= 3 and int(mixed.codes[1::2].max()) <= 7
 
 
+def _variants():
+    """Every layout the reorder and block ablations compare: (row_reorder, col_reorder, m_b)."""
+    return [(r, c, mb) for r in (False, True) for c in (False, True) for mb in (4, 8, 64)]
+
+
+@pytest.mark.parametrize("b", [2.37, 3.0677])
+def test_equal_code_bits_budget_is_met_by_every_layout(b):
+    """``avg_bits`` counts the codes only (the ablations' equal-code-bits budget): every layout plans
+    ``b_reached <= b``, short of ``b`` by less than its largest block, and reports beside it exactly
+    the bits it stores besides the codes (fp16 scale+zero per row and group, int16 indices of each
+    reordered direction, the uint8 bit map)."""
+    from bitmosaic.methods import get_method
+    from bitmosaic.methods.sfmp import sfmp_allocate, sfmp_budget
+
+    g = torch.Generator().manual_seed(0)
+    sal = {f"l{i}": torch.rand(n, k, generator=g) ** 4 for i, (n, k) in enumerate(SHAPES)}
+    shapes = {name: tuple(S.shape) for name, S in sal.items()}
+    n = sum(a * c for a, c in SHAPES)
+    spec = get_method("sfmp")
+    reached = set()
+    for r, c, mb in _variants():
+        cfg = spec.make_config(avg_bits=b, group_size=16, block_rows=mb, row_reorder=r, col_reorder=c)
+        state, summary = sfmp_allocate(sal, cfg)
+        assert summary["b"] == b and sfmp_budget(shapes, cfg)["b"] == b
+        code = sum(p.average_bits() * p.out_features * p.in_features for p in state.plans.values()) / n
+        assert code == pytest.approx(summary["b_reached"], abs=1e-12)
+        biggest = max(int(p.block_counts().max()) for p in state.plans.values())
+        assert 0 <= b - summary["b_reached"] < biggest / n
+        over = 0
+        for N, K in SHAPES:
+            n_rb, n_cb = -(-N // min(mb, N)), -(-K // 16)
+            over += 32 * N * n_cb + 16 * N * r + 16 * K * c + 8 * n_rb * n_cb
+        assert summary["overhead_bpw"] == pytest.approx(over / n, abs=1e-12)
+        assert summary["bpw_target"] == pytest.approx(b + over / n, abs=1e-12)
+        reached.add(round(summary["b_reached"], 9))
+    assert len(reached) > 1  # the layouts differ only by less than a block each, not by the indices
+
+
+def test_the_code_bits_of_a_total_budget_give_the_same_allocation():
+    """``sfmp_budget`` gives the ``b`` that ``bpw`` leaves on a layout, without Fisher; that ``b`` as
+    ``avg_bits`` gives the identical allocation (so the main row is the ablations' equal-code-bits row)."""
+    from bitmosaic.methods import get_method
+    from bitmosaic.methods.sfmp import sfmp_allocate, sfmp_budget
+
+    g = torch.Generator().manual_seed(1)
+    sal = {f"l{i}": torch.rand(n, k, generator=g) ** 4 for i, (n, k) in enumerate(SHAPES)}
+    spec = get_method("sfmp")
+    by_bpw = spec.make_config(bpw=4.9, group_size=16, block_rows=8)
+    b = sfmp_budget({k: tuple(v.shape) for k, v in sal.items()}, by_bpw)["b"]
+    s1, a1 = sfmp_allocate(sal, by_bpw)
+    s2, a2 = sfmp_allocate(sal, spec.make_config(avg_bits=b, group_size=16, block_rows=8))
+    assert a1["b"] == b == a2["b"] and a1["b_reached"] == a2["b_reached"]
+    assert all(torch.equal(s1.plans[k].bits, s2.plans[k].bits) for k in sal)
+
+
 # -- the sfmp method on a tiny Llama ---------------------------------------------------------
 
 
@@ -203,6 +258,34 @@ def test_sfmp_reaches_the_budget_and_reports_each_part(tiny_sfmp):
     total = sum(m.bits_per_weight() * m.in_features * m.out_features for m in mods) / n
     assert rep.bits_per_weight == pytest.approx(total)
     assert rep.bits_per_weight == pytest.approx(alloc["b_reached"] + alloc["overhead_bpw"])
+
+
+def test_sfmp_equal_code_bits_with_and_without_reordering(tiny_sfmp):
+    """The same ``avg_bits`` with no reordering: the stored codes hold the planned ``b_reached``
+    (within a block of the reordered run's), and the two totals differ by exactly the int16
+    permutation indices, which the equal-code-bits budget reports beside the codes."""
+    from bitmosaic import quantize_
+    from bitmosaic.modules.sfmp import SFMPLinear
+
+    model, ref, rep, cache = tiny_sfmp
+    plain = copy.deepcopy(ref)
+    rep2 = quantize_(
+        plain, "sfmp", _calib(plain), avg_bits=2.5, group_size=16, block_rows=8, fisher_cache=str(cache),
+        progress=False, n_grid=4, row_reorder=False, col_reorder=False,
+    )  # fmt: skip
+    a1, a2 = rep.calibration["allocation"], rep2.calibration["allocation"]
+    assert a2["fisher"]["cached"] and a1["b"] == a2["b"] == 2.5
+    mods = {name: m for name, m in plain.named_modules() if isinstance(m, SFMPLinear)}
+    n = sum(m.in_features * m.out_features for m in mods.values())
+    assert sum(m.code_bits() * m.in_features * m.out_features for m in mods.values()) / n == pytest.approx(
+        a2["b_reached"]
+    )
+    biggest = 8 * 16
+    assert 2.5 - biggest / n < a2["b_reached"] <= 2.5 and 2.5 - biggest / n < a1["b_reached"] <= 2.5
+    perms = sum(16 * (m.in_features + m.out_features) for m in mods.values()) / n
+    assert rep.bits_per_weight - a1["b_reached"] - (rep2.bits_per_weight - a2["b_reached"]) == pytest.approx(
+        perms
+    )
 
 
 def test_sfmp_kernel_forward_matches_reference_and_folds_exactly(tiny_sfmp):

@@ -58,7 +58,16 @@ from .common import shared
 from .options import option, parse_block, parse_none
 from .registry import LayerStats, Method, MethodContext, WeightQuantConfig, register
 
-__all__ = ["SFMP", "SFMPConfig", "SFMPState", "sfmp_allocate", "quantize_sfmp", "plan_for", "sfmp_run_info"]
+__all__ = [
+    "SFMP",
+    "SFMPConfig",
+    "SFMPState",
+    "sfmp_allocate",
+    "sfmp_budget",
+    "quantize_sfmp",
+    "plan_for",
+    "sfmp_run_info",
+]
 
 
 @dataclass
@@ -177,18 +186,48 @@ class SFMPState:
     plans: dict[str, BlockPlan] = field(default_factory=dict)
 
 
+def _plan(cfg: SFMPConfig, N: int, K: int, rp, cp) -> BlockPlan:
+    g, nb = _plan_shape(cfg, K)
+    return BlockPlan(N, K, min(cfg.block_rows, N), nb, g, rp, cp)
+
+
+def _budget(plans: dict[str, BlockPlan], cfg: SFMPConfig) -> dict:
+    return bits_from_budget(plans, avg_bits=cfg.avg_bits, bpw=cfg.bpw, budget_mb=cfg.budget_mb)
+
+
+def sfmp_budget(shapes: dict[str, tuple[int, int]], cfg: SFMPConfig) -> dict:
+    """The average code bits ``b`` that ``cfg``'s budget gives on linears of ``shapes``
+    (``{name: (out, in)}``), with the overhead of ``cfg``'s layout measured (§4.2: fp16 scale+zero
+    per row and group, the permutation indices of the reordered directions, the bit map), as
+    :func:`sfmp_allocate` computes it -- without a Fisher salience: the overhead depends on the
+    shapes, the group, the blocks and which directions are reordered, not on the orders themselves.
+    ``{"b", "overhead_bpw", "weights"}``.  E.g. the ``b`` of ``bpw=3.27`` with rows and columns
+    reordered, to give other layouts the same code bits (``avg_bits=b``)."""
+    plans = {}
+    for n, (N, K) in shapes.items():
+        rp = torch.arange(N) if cfg.row_reorder else None
+        plans[n] = _plan(cfg, N, K, rp, torch.arange(K) if cfg.col_reorder else None)
+    return _budget(plans, cfg)
+
+
 def sfmp_allocate(saliences: dict[str, torch.Tensor], cfg: SFMPConfig) -> tuple[SFMPState, dict]:
     """Plans for every linear named in ``saliences`` (their Fisher diagonals ``[out, in]``, original
     order): permutations (Eq. 12), blocks, the budget's ``b`` and ONE global allocation (Eq. 10).
-    Returns the state (the plans) and the allocation summary."""
+    Returns the state (the plans) and the allocation summary.
+
+    With ``avg_bits`` (the equal-code-bits budget) ``b`` counts the codes only: the overhead
+    (scales, permutations, bit map) is reported beside it (``overhead_bpw``, ``bpw_target``), so
+    layouts with and without reordering or with other blocks get the same code bits; the allocation
+    reaches ``b_reached <= b``, short of it by less than one block."""
     plans, sums = {}, {}
     for name, S in saliences.items():
         N, K = S.shape
-        g, nb = _plan_shape(cfg, K)
         rp, cp = reorder_perms(S, cfg.row_reorder, cfg.col_reorder)
-        plans[name] = BlockPlan(N, K, min(cfg.block_rows, N), nb, g, rp, cp)
-        sums[name] = block_salience(permute(S.float(), rp, cp), plans[name].block_rows, nb)
-    budget = bits_from_budget(plans, avg_bits=cfg.avg_bits, bpw=cfg.bpw, budget_mb=cfg.budget_mb)
+        plans[name] = _plan(cfg, N, K, rp, cp)
+        sums[name] = block_salience(
+            permute(S.float(), rp, cp), plans[name].block_rows, plans[name].block_cols
+        )
+    budget = _budget(plans, cfg)
     alloc = allocate_bits(sums, plans, budget["b"], cfg.rank)
     per_linear = {n: p.average_bits() for n, p in plans.items()}
     summary = {**budget, **alloc, "bpw_target": budget["b"] + budget["overhead_bpw"]}

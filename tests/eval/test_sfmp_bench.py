@@ -1,0 +1,46 @@
+"""``benchmarks/sfmp.py``'s bookkeeping (no model): the verdict protocol refuses a Fisher from fewer
+than 128 samples before anything loads, every row records its protocol, and the ablation rows are
+named by their code bits and block rows."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def sfmp_bench():
+    sys.path.insert(0, str(_BENCH))  # the benchmark imports its sibling ``common``
+    try:
+        spec = importlib.util.spec_from_file_location("bench_sfmp", _BENCH / "sfmp.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(_BENCH))
+    return mod
+
+
+def _args(mod, argv, salience=None):
+    a = mod.base_parser("x").parse_args(argv)
+    a.salience_samples = salience
+    return a
+
+
+def test_verdict_needs_a_fisher_from_128_samples(sfmp_bench):
+    a = _args(sfmp_bench, ["--protocol", "verdict"], salience=32)
+    with pytest.raises(SystemExit, match="error: verdict rows need a Fisher from >= 128 samples; got 32"):
+        sfmp_bench.SFMPBench(a)  # refused before the model loads (the test has none)
+    # fewer calibration samples are not the verdict protocol: such rows are labelled by their settings
+    few = _args(sfmp_bench, ["--protocol", "verdict", "--nsamples", "64"])
+    assert sfmp_bench.protocol_of(few) == "64x512 calib, every window"
+
+
+def test_rows_record_their_protocol_and_ablation_names(sfmp_bench):
+    assert sfmp_bench.protocol_of(_args(sfmp_bench, ["--protocol", "fast"])) == "fast"
+    assert sfmp_bench.protocol_of(_args(sfmp_bench, ["--protocol", "verdict"])) == "verdict"
+    assert sfmp_bench.protocol_of(_args(sfmp_bench, [])) == "32x512 calib, 40 windows"
+    assert sfmp_bench._abl("3.25", "gptq", 3.0684678, 64) == "3.25 sfmp-gptq g256 mb=64 b=3.068"
+    assert sfmp_bench._abl("3.0", "awq", 2.73, 64, 256) == "3.0 sfmp-awq g128 mb=64 nb=256 b=2.730"
