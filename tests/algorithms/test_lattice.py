@@ -71,6 +71,31 @@ def test_ssqr_dynamic_groups_obey_the_babai_bound(heavy_layer):
     assert err <= bound * (1 + 1e-3)
 
 
+@pytest.mark.parametrize("groups", ["static", "dynamic"])
+def test_ssqr_records_the_overflow_at_alpha_one(heavy_layer, groups):
+    """``overflow_rate_alpha1``: the off-grid share of a no-clip GPTQ on the unwidened MSE scales,
+    recomputed here without SSQR's search; ``outliers`` is the stored CSR count."""
+    from bitmosaic.algorithms.scales import group_scale_zero
+
+    W, H = heavy_layer
+    perm = make_order(H, "act")
+    grid = IntGrid(3)
+    res = ssqr_quantize(W, H, 3, 32, 0.03, perm=perm, groups=groups)
+    if groups == "static":
+        s, z = group_scale_zero(W, grid, 32, "mse")
+        ref = gptq_quantize(W, H, grid, 32, perm=perm, clip=False, scales=s, zeros=z)
+    else:
+        ref = gptq_quantize(W, H, grid, 32, perm=perm, clip=False, scale_method="mse")
+    want = float(((ref.codes < 0) | (ref.codes > 7)).float().mean())
+    assert want > 0.005
+    assert res.info["overflow_rate_alpha1"] == pytest.approx(want, abs=1e-9)
+    # more overflow than the target at alpha = 1: the search widened the grid, else it narrowed it
+    assert (want > 0.03) == (res.info["scale_multiplier"] > 1)
+    m = SparseOutlierQuantLinear.from_result(res, bits=3, group_size=32, symmetric=False)
+    assert res.info["outliers"] == m.outlier_vals.numel() == int((res.sparse != 0).sum())
+    assert res.info["outliers"] == round(res.info["outlier_rate"] * W.numel())
+
+
 def test_ssqr_module_dense_plus_sparse_matches_reference(heavy_layer):
     W, H = heavy_layer
     res = ssqr_quantize(W, H, 3, 32, 0.02, perm=make_order(H, "act"), groups="static")

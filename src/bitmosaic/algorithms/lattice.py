@@ -20,6 +20,10 @@ bound of Theorem 5; clipping breaks that bound.  Two ways to keep small scales *
   by a binary search until the *real* encoded size (stream + code table + row offsets + scales)
   meets a target average bit-width.
 
+The SSQR result's ``info`` (a per-layer row of the run report) has the density reached
+(``outlier_rate``), the outlier count, ``alpha`` (``scale_multiplier``) and ``overflow_rate_alpha1``:
+the density at ``alpha = 1`` (the MSE scales unchanged, no clipping), the search's first point.
+
 The searches bisect ``log(alpha)``; both quantities are monotone in the scale up to rounding noise,
 so the search keeps the best *feasible* point seen (density <= target, bits <= target).
 """
@@ -144,7 +148,7 @@ def ssqr_quantize(
             res = gptq_quantize(W, H, grid, group_size, perm=perm, quantizer=q, percdamp=percdamp)
         return outlier_density(res.codes, grid.maxq), res
 
-    evals = _bisect_log(run, outlier_rate, 1.0, 1.0, max_iter, tol)
+    evals = _bisect_log(run, outlier_rate, 1.0, 1.0, max_iter, tol)  # evaluates alpha = 1 first
     alpha, (density, res) = _pick_feasible(evals, outlier_rate)
     noclip = res.dequantize(torch.float32)
     over = (res.codes < 0) | (res.codes > grid.maxq)
@@ -156,6 +160,12 @@ def ssqr_quantize(
     res.info = {
         "scale_multiplier": alpha,
         "outlier_rate": density,
+        "outliers": int(over.sum()),
+        # the overflow of no-clip GPTQ on the MSE scales themselves (alpha = 1, Algorithm 9's
+        # starting point, before any search): the share of weights that land off the b-bit grid
+        # after the error updates -- what a clipping GPTQ on those scales would clip instead
+        # (up to the updates, which clipping changes)
+        "overflow_rate_alpha1": evals[1.0][0],
         "search_evals": len(evals),
         "ssqr_groups": groups,
     }
