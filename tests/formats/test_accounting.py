@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bitmosaic.formats import layout
-from bitmosaic.formats.accounting import bits_per_weight, storage_bits
+from bitmosaic.formats.accounting import bits_per_weight, paper_storage_bits, storage_bits
 from bitmosaic.formats.packing import SUPPORTED_BITS, pack_codes
 
 
@@ -89,3 +89,26 @@ def test_nominal_equals_real_everywhere(bits, symmetric, out_f, in_f, group_size
     nominal = nominal_bits_per_weight(bits, in_f, out_f, group_size, symmetric, g_idx_bits=32)
     assert nominal == pytest.approx(bits_per_weight(bufs, out_f * in_f), rel=1e-15)
     assert storage_bits(bufs) == round(nominal * out_f * in_f)
+
+
+def test_paper_storage_bits_hand_counts():
+    # 3 x 40, 3-bit, groups of 16 -> 3 groups per row (the last one partial): 360 code bits,
+    # 3 rows * 3 groups * 16 scale bits = 144, 2 outliers * 32 = 64; no zeros, no g_idx, no padding
+    assert paper_storage_bits(3, 40, 3, 16, 2) == 360 + 144 + 64
+    assert paper_storage_bits(3, 40, 3, None) == 360 + 3 * 16  # one scale per row
+    assert paper_storage_bits(3, 40, 3, -1) == 360 + 3 * 16
+    # the Babai paper's Table 3 widths at Qwen3-8B's shapes (4096 wide: whole groups)
+    n = 4096 * 4096
+    assert paper_storage_bits(4096, 4096, 4, 128) / n == 4.125
+    assert paper_storage_bits(4096, 4096, 2, 128) / n == 2.125
+    ssqr_1pct = paper_storage_bits(4096, 4096, 3, 128, round(0.01 * n)) / n
+    assert ssqr_1pct == pytest.approx(3.445, abs=1e-6)
+    ssqr_3pct = paper_storage_bits(4096, 4096, 4, 128, round(0.03 * n)) / n
+    assert ssqr_3pct == pytest.approx(5.085, abs=1e-6)
+    # below the stored count of the same layout: asymmetric zeros, padding and g_idx are left out
+    assert paper_storage_bits(64, 576, 4, 128) / (64 * 576) < nominal_bits_per_weight(
+        4, 576, 64, 128, symmetric=False, g_idx_bits=32
+    )
+    for bad in ((0, 40, 3, 16), (3, 40, 3, 16, -1), (3, 40, 3, 16, 121)):
+        with pytest.raises(ValueError):
+            paper_storage_bits(*bad)

@@ -10,6 +10,9 @@ a formula written from this definition):
 * one scale per row and group (``num_groups`` counts a partial last group as a group), plus one
   zero per row and group on an asymmetric grid (a symmetric grid's zero is implied, not stored);
 * optionally a ``g_idx`` of ``in`` entries (act-order layouts), ``g_idx_bits`` each.
+
+:func:`paper_storage_bits` is the Babai paper's nominal count instead (a second column beside the
+stored one, for comparing with its tables): symmetric, so no zeros, and no ``g_idx``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-__all__ = ["storage_bits", "bits_per_weight", "dtype_name_bits"]
+from .layout import num_groups
+
+__all__ = ["storage_bits", "bits_per_weight", "dtype_name_bits", "paper_storage_bits"]
 
 
 def storage_bits(tensors: Iterable[torch.Tensor | None] | Mapping[str, torch.Tensor | None]) -> int:
@@ -51,3 +56,27 @@ def dtype_name_bits(name: str) -> int:
     """Bits of one element of a safetensors dtype name: ``BF16`` -> 16, ``F8_E4M3`` -> 8, ``BOOL`` -> 8."""
     m = re.match(r"[A-Z]+(\d+)", name)
     return int(m.group(1)) if m else 8
+
+
+def paper_storage_bits(
+    out_features: int,
+    in_features: int,
+    bits: int,
+    group_size: int | None,
+    outliers: int = 0,
+    *,
+    scale_bits: int = 16,
+    outlier_bits: int = 32,
+) -> int:
+    """The Babai paper's bit count of one ``[out, in]`` matrix (App. D.3, Table 3): ``bits`` per code
+    (no padding), one ``scale_bits`` scale per row and group (symmetric: no zero point; no ``g_idx``;
+    a partial last group counts as a group), and ``outlier_bits`` per sparse outlier (SSQR: a 16-bit
+    value and a 16-bit column index; CSR row pointers are not counted).  Table 3's widths follow:
+    GPTQ 4-bit g128 = 4 + 16/128 = 4.125 bits per weight, SSQR-1% = 4.125 + 0.01 * 32 = 4.445.
+    """
+    if out_features <= 0 or in_features <= 0:
+        raise ValueError(f"shape must be positive, got ({out_features}, {in_features})")
+    if outliers < 0 or outliers > out_features * in_features:
+        raise ValueError(f"outliers must be in [0, {out_features * in_features}], got {outliers}")
+    scales = out_features * num_groups(in_features, group_size)
+    return out_features * in_features * bits + scales * scale_bits + outliers * outlier_bits
