@@ -114,8 +114,9 @@ def markdown(rows: list[dict], wins: dict, args, label: str) -> str:
     lines += ["", "Layers where SSQR's Hessian-weighted error is below the GPTQ row's:", ""]
     for s, per in wins.items():
         lines.append(f"- {s}: " + "; ".join(f"{g} {w}" for g, w in per.items()))
-    cmd = f"python benchmarks/ssqr_groups.py --protocol {label} --fidelity --only NAME,..."
-    return "\n".join(lines + ["", f"Reproduce (one locked run per few rows): `{cmd}`"])
+    names = ",".join(r["name"] for r in rows)
+    cmd = f"python benchmarks/ssqr_groups.py --protocol {label} --fidelity --only '{names}'"
+    return "\n".join(lines + ["", f"Reproduce (rows accumulate, so a few rows per run also do): `{cmd}`"])
 
 
 def main() -> None:
