@@ -293,6 +293,17 @@ class SQActLinear(QuantLinear):
         return g + ("/calibrated" if self.calibrated_scales else "")
 
     @classmethod
+    def describe_saved(cls, path, layer_cfgs: dict[str, dict], qc: dict) -> tuple[list[str], dict]:
+        """One ``inspect`` line per SQ activation setting: format, strategy and scale granularity."""
+        seen: dict[str, int] = {}
+        for c in layer_cfgs.values():
+            scale = f"group{c['act_group']}" if c.get("act_group") else c.get("act_scale", "token")
+            calib = " (calibrated)" if c.get("calibrated_scales") else ""
+            key = f"A(SQ) {c['sq']} {c['strategy']}, activation scales per {scale}{calib}"
+            seen[key] = seen.get(key, 0) + 1
+        return [f"sq activations   {k}: {n} layers" for k, n in seen.items()], {}
+
+    @classmethod
     def act_compute(cls, cfg: dict) -> str:
         """SQ-format activations never run the integer kernels: the split is simulated in float32."""
         return "simulated (SQ-format activation split: float32 reference path, no integer kernel)"
