@@ -97,7 +97,8 @@ def test_calibrated_scales_are_the_part_maxima_per_group_and_shared_by_tokens(sc
     # one token's values do not move another token's scales (they are fixed)
     x2 = x.clone()
     x2[0] *= 100
-    assert torch.equal(static_split(x2, cmask, fmt, scale, group, (lo, hi)).dequantize()[1:], t.dequantize()[1:])
+    t2 = static_split(x2, cmask, fmt, scale, group, (lo, hi))
+    assert torch.equal(t2.dequantize()[1:], t.dequantize()[1:])
 
 
 @pytest.mark.parametrize("scale,group", [("bank", None), ("group", 24), ("group", 128)])
@@ -119,7 +120,8 @@ def test_static_module_is_the_split_product(scale, group, calibrated):
     assert (m.act_low_scale is not None) == calibrated
     if calibrated:
         assert m.act_low_scale.shape == (-(-64 // w),)
-        assert m.act_low_scale.dtype == torch.float16 and any(t is m.act_low_scale for t in m.storage_tensors())
+        assert m.act_low_scale.dtype == torch.float16
+        assert any(t is m.act_low_scale for t in m.storage_tensors())
 
 
 @pytest.mark.parametrize("scale,group", [("bank", None), ("group", 24)])
@@ -189,7 +191,8 @@ def test_sq_acts_scales_save_reload_and_inspect(tmp_path, calib, opts, capsys):
     assert main(["inspect", str(path), "--layers"]) == 0
     text = capsys.readouterr().out
     assert "weight-only" not in text
-    assert "simulated (SQ-format activation split: float32 reference path, no integer kernel): 14 layers" in text
+    label = "simulated (SQ-format activation split: float32 reference path, no integer kernel)"
+    assert f"{label}: 14 layers" in text
     assert text.count("simulated (SQ-format activation split") == 15  # the summary and 14 layer rows
     scale = f"group{opts['act_scale_group']}" if opts["act_scale"] == "group" else "bank"
     calib = " (calibrated)" if opts.get("act_scale_calib") else ""

@@ -312,7 +312,8 @@ class SQActLinear(QuantLinear):
         return "SQ-format activation split: no integer kernel"
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, A(SQ) {self.fmt.notation} {self.strategy} scales {self.act_scale_label}"
+        sq = f"A(SQ) {self.fmt.notation} {self.strategy} scales {self.act_scale_label}"
+        return f"{super().extra_repr()}, {sq}"
 
 
 def _sparse_rows(high: torch.Tensor, mask: torch.Tensor, fmt) -> torch.Tensor:
