@@ -499,7 +499,13 @@ def main() -> None:
         print(f"== part {part}", flush=True)
         PARTS[part](b)
         print(f"== part {part}: {time.perf_counter() - t:.0f}s", flush=True)
-    md = table(b.done)
+    head = (
+        f"SQ-format on {a.model}, calibration {a.nsamples}x{a.seqlen} (seed {a.seed}), WikiText-2 "
+        f"perplexity on the first {a.max_windows} windows of {a.seqlen} (16x512 and 20: the fast protocol). "
+        "Each part reruns alone: `PYTHONPATH=src python benchmarks/sq_format.py --protocol fast --parts "
+        "PART` (`--only ROW,...` for some of its rows).\n\n"
+    )
+    md = head + table(b.done)
     print("\n" + md)
     write_text(b.out.with_suffix(".md"), md + "\n")
 
