@@ -14,9 +14,14 @@ Columns: ppl (WikiText-2), paper-equivalent bits (x or y, §4.1), measured store
 windows) where a choice is made by it.
 
 Parts (``--parts``, each cached in JSON so they can run one at a time under the lock):
-acts, weights, defaults, gap, ablate, calib, agrid, wgrid, fig.
+acts, weights, defaults, gap, ablate, calib, agrid, wgrid, fig, and (issue 25) scales -- static vs
+dynamic W4A(SQ6) with activation scales per token / per bank / per group of 128 (and calibrated
+static bank/group scales) -- and a4group -- W4A4 and W(SQ)A4 with A4 per group of 64 / 128 channels,
+the SQ bank swept apart from the A4 group.  ``--only`` (comma list of row names) runs some rows.
+Column ``paper_act_bits_scales``: the paper's activation bits (y, or the INT width) plus the
+activation scales' bits (MAC-weighted over the linears).
 
-Run: python benchmarks/sq_format.py --nsamples 16 --max-windows 20 --parts acts,weights,...
+Run: python benchmarks/sq_format.py --protocol fast --parts acts,weights,...
 """
 
 from __future__ import annotations
@@ -29,11 +34,18 @@ from pathlib import Path
 
 import torch
 
-from bitmosaic.algorithms.sq import static_channel_mask, static_importance
+from bitmosaic.algorithms.sq import static_act_scales, static_channel_mask, static_importance
 from bitmosaic.data import bos_token_id, calibration_samples
 from bitmosaic.eval.perplexity import perplexity
 from bitmosaic.formats.act import ActQuantSpec
-from bitmosaic.formats.sq import act_name, act_storage_bits, parse_sq, weight_name
+from bitmosaic.formats.sq import (
+    act_name,
+    act_scale_bits,
+    act_scale_group,
+    act_storage_bits,
+    parse_sq,
+    weight_name,
+)
 from bitmosaic.io import load_quantized, save_quantized
 from bitmosaic.methods import get_method
 from bitmosaic.modules.actquant import attach_input_quant, input_quant_spec
@@ -48,6 +60,13 @@ CACHE = Path("/tmp/bitmosaic_sq_bench")
 BASE = {"bits": 4, "group_size": 128, "alpha": 0.5, "solver": "gptq"}
 DEFAULT_LAYERS = (2, 14, 26)
 W_SQ = {"W(SQ6)": "32-(8/4)-0.75", "W(SQ5)": "64-(8/4)-0.875", "W(SQ4.5)": "64-(8/4)-0.9375"}
+A4_GROUPS = (64, 128)  # group-wise A4 (issue 25): per token, one INT4 scale per G channels
+SCALE_SETTINGS = (("token", None, False), ("bank", None, False), ("group", 128, False))
+STATIC_CALIBRATED = (("bank", None, True), ("group", 128, True))
+
+
+def scale_label(scale: str, group: int | None, calibrated: bool) -> str:
+    return (f"group{group}" if scale == "group" else scale) + ("/calibrated" if calibrated else "")
 
 
 def linears(model, kinds=(QuantLinear, SQWeightLinear)):
@@ -85,8 +104,8 @@ class SQBench(Bench):
         return self._base
 
     def stats(self, nsamples: int) -> dict:
-        """Per-linear mean x_j and mean |x_j| of the base model's (smoothed) inputs on the first
-        ``nsamples`` calibration sequences."""
+        """Per-linear mean x_j, mean |x_j| and max |x_j| of the base model's (smoothed) inputs on the
+        first ``nsamples`` calibration sequences."""
         if nsamples not in self._stats:
             model = self.base()
             acc: dict[str, list] = {}
@@ -94,10 +113,11 @@ class SQBench(Bench):
             def hook(name):
                 def f(mod, args):
                     x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
-                    a = acc.setdefault(name, [0, 0.0, 0.0])
+                    a = acc.setdefault(name, [0, 0.0, 0.0, 0.0])
                     a[0] += x.shape[0]
                     a[1] = a[1] + x.sum(0)
                     a[2] = a[2] + x.abs().sum(0)
+                    a[3] = torch.maximum(torch.as_tensor(a[3]), x.abs().amax(0).float())
 
                 return f
 
@@ -113,27 +133,43 @@ class SQBench(Bench):
                     model(calib[i : min(i + 4, nsamples)], use_cache=False)
             for h in hs:
                 h.remove()
-            self._stats[nsamples] = {n: (s / c, a / c) for n, (c, s, a) in acc.items()}
+            self._stats[nsamples] = {n: (s / c, a / c, mx) for n, (c, s, a, mx) in acc.items()}
         return self._stats[nsamples]
 
-    def with_acts(self, model, abits: int | None):
+    def with_acts(self, model, abits: int | None, group: int | None = None):
+        """``model`` with INT ``abits`` input quantizers: per token, or per token and ``group`` channels."""
         m = copy.deepcopy(model)
         if abits is not None:
+            kw = {"granularity": "group", "group_size": group} if group else {}
+            spec = ActQuantSpec("int", abits, **kw)
             for _, lin in linears(m):
-                attach_input_quant(lin, ActQuantSpec("int", abits), lin.in_features)
+                attach_input_quant(lin, spec, lin.in_features)
         return m
 
-    def with_sq_acts(self, sq: str, strategy: str, importance: str = "aw", nsamples: int | None = None):
+    def with_sq_acts(
+        self,
+        sq: str,
+        strategy: str,
+        importance: str = "aw",
+        nsamples: int | None = None,
+        scale: str = "token",
+        group: int | None = None,
+        calibrated: bool = False,
+    ):
+        """The base W4 model with SQ-format activations (``scale``/``group``: the activation scale
+        groups; ``calibrated``: static bank/group scales from the calibration inputs' max |x_j|)."""
         m = copy.deepcopy(self.base())
         fmt = parse_sq(sq)
         st = self.stats(nsamples or self.args.nsamples) if strategy == "static" else None
         for name, lin in linears(m, (QuantLinear,)):
-            mask = None
+            mask = scales = None
             if st is not None:
-                mean, absmean = st[name]
+                mean, absmean, absmax = st[name]
                 W = lin.dequantize_weight(torch.float32)
                 mask = static_channel_mask(static_importance(W, mean, absmean, importance), fmt)
-            m.set_submodule(name, SQActLinear.from_packed(lin, sq, strategy, "token", mask))
+                if calibrated:
+                    scales = static_act_scales(absmax, mask, fmt, scale, group)
+            m.set_submodule(name, SQActLinear.from_packed(lin, sq, strategy, scale, mask, group, scales))
         return m
 
     # -- measurements ---------------------------------------------------------------------------
@@ -144,11 +180,12 @@ class SQBench(Bench):
         return math.log(r["ppl"])
 
     @staticmethod
-    def measured(model) -> tuple[float, float, float]:
+    def measured(model) -> tuple[float, float, float, float]:
         """(stored bits per weight over all quantized linears, low-precision MAC share, stored bits
-        per activation value, MAC-weighted: SQ layouts from :func:`act_storage_bits`, INT
-        per-token ``a + 16 / K``, 16 when unquantized)."""
-        bits = n = low = abits = 0.0
+        per activation value, the paper's activation bits plus the scales' bits), the last two
+        MAC-weighted: SQ layouts from :func:`act_storage_bits` (scales per token / bank / group, or
+        calibrated per linear), INT ``a + 16 * ceil(K / G) / K`` (G = K per token), 16 when unquantized."""
+        bits = n = low = abits = pbits = 0.0
         for _, m in model.named_modules():
             if not (hasattr(m, "bits_per_weight") and hasattr(m, "storage_tensors")):
                 continue
@@ -157,27 +194,36 @@ class SQBench(Bench):
             n += k
             spec = input_quant_spec(m)
             a4 = spec is not None and spec.bits <= 4
+            K = m.in_features
             if isinstance(m, SQActLinear):  # W4 x A(SQ): the low part runs W4A4
-                a = act_storage_bits(m.fmt, m.in_features, m.strategy)
+                sc = (m.act_scale, m.act_group)
+                a = act_storage_bits(m.fmt, K, m.strategy, 2048, *sc, calibrated=m.calibrated_scales)
+                g = act_scale_group(m.fmt, K, *sc)
+                pa = m.fmt.paper_act_bits() + act_scale_bits(K, g, m.calibrated_scales)
                 low += m.mac_split()[0]
             else:
-                a = spec.bits + 16 / m.in_features if spec is not None else 16.0
+                g = spec.group_size if spec is not None and spec.granularity == "group" else K
+                a = pa = spec.bits + 16 * -(-K // min(g, K)) / K if spec is not None else 16.0
                 if isinstance(m, SQWeightLinear):  # W(SQ) x A4: the low part runs W4A4
                     low += m.mac_split()[0] if a4 else 0
                 else:
                     low += k if a4 and getattr(m, "bits", 16) <= 4 else 0
             abits += a * k
-        return bits / n, low / n, abits / n
+            pbits += pa * k
+        return bits / n, low / n, abits / n, pbits / n
 
-    def row(self, part: str, name: str, model, paper_bits, **extra) -> dict:
+    def row(self, part: str, name: str, model, paper_bits, **extra) -> dict | None:
+        if not self.wants(name):
+            return None
         t = time.perf_counter()
-        bpw, share, abits = self.measured(model)
+        bpw, share, abits, pbits = self.measured(model)
         r = {
             "part": part,
             "name": name,
             "paper_bits": paper_bits,
             "measured_bits": bpw,
             "act_bits": abits,
+            "paper_act_bits_scales": pbits,
             "low_mac_share": share,
             **extra,
         }
@@ -200,15 +246,26 @@ def part_acts(b: SQBench) -> None:
         b.row("acts", f"W4A{ab}", b.with_acts(base, None if ab == 16 else ab), f"4/{ab}")
     for sq in ("16-(8/4)-0.5", "16-(8/4)-0.75"):
         for strat in ("dynamic", "static"):
-            m = b.with_sq_acts(sq, strat)
-            b.row("acts", f"{act_name(4, parse_sq(sq))} {sq} {strat}", m, parse_sq(sq).paper_act_bits())
+            name = f"{act_name(4, parse_sq(sq))} {sq} {strat}"
+            if b.wants(name):
+                b.row("acts", name, b.with_sq_acts(sq, strat), parse_sq(sq).paper_act_bits())
 
 
-def _sq_weights(b: SQBench, sq: str, **opts):
+def _sq_weights(b: SQBench, sq: str, cache: bool = False, **opts):
+    """A W(SQ) model calibrated on 16-bit activations; ``cache``: kept on disk between commands."""
+    a = b.args
+    path = CACHE / f"sqw_{sq}_{a.nsamples}x{a.seqlen}_s{a.seed}"
+    info_path = path / "bench_info.json"
+    if cache and info_path.exists():
+        return load_quantized(path, load_tokenizer=False)[0].float().eval(), json.loads(info_path.read_text())
     t = time.perf_counter()
     model, rep = b.quantize("sq-weights", sq=sq, **opts)
     loss = sum(r["hessian_error"] for r in rep.layers if r.get("hessian_error") is not None)
-    return model, {"calib_hessian_error": loss, "quant_seconds": round(time.perf_counter() - t, 1)}
+    info = {"calib_hessian_error": loss, "quant_seconds": round(time.perf_counter() - t, 1)}
+    if cache:
+        save_quantized(model, path, {"method": "sq-weights", "sq": sq, **opts})
+        write_text(info_path, json.dumps(info))
+    return model, info
 
 
 def part_weights(b: SQBench) -> None:
@@ -345,7 +402,7 @@ def part_fig(b: SQBench) -> None:
         base(b.calib[:1], use_cache=False)
     h.remove()
     x = xs[0].float()
-    mean, absmean = b.stats(b.args.nsamples)[name]
+    mean, absmean, _ = b.stats(b.args.nsamples)[name]
     W = lin.dequantize_weight(torch.float32)
     fig, axes = plt.subplots(3, 1, figsize=(10, 7), sharex=True, sharey=True)
     mag = x.abs().mean(0)
@@ -365,6 +422,41 @@ def part_fig(b: SQBench) -> None:
     print(f"  figure written to {path}")
 
 
+def part_scales(b: SQBench) -> None:
+    """Issue 25: static vs dynamic W4A(SQ6) 16-(8/4)-0.5 with activation scales per token, per
+    (token, bank) and per (token, 128 channels), and static with calibrated bank / 128-channel scales."""
+    sq = "16-(8/4)-0.5"
+    fmt = parse_sq(sq)
+    runs = [(st, *c) for st in ("dynamic", "static") for c in SCALE_SETTINGS]
+    runs += [("static", *c) for c in STATIC_CALIBRATED]
+    for strat, scale, group, calibrated in runs:
+        name = f"{act_name(4, fmt)} {sq} {strat} scales={scale_label(scale, group, calibrated)}"
+        if b.wants(name):
+            m = b.with_sq_acts(sq, strat, scale=scale, group=group, calibrated=calibrated)
+            b.row("scales", name, m, fmt.paper_act_bits())
+
+
+W_SQ_BANKS = ("16-(8/4)-0.875",)  # the bank swept at s = 0.875 against W(SQ5)'s 64 (A4 groups apart)
+
+
+def part_a4group(b: SQBench) -> None:
+    """Issue 25: W4A4 and W(SQ)A4 with A4 per token and group of 64 / 128 channels (the W(SQ)
+    bank swept separately: 16 and 64 at s = 0.875).  W(SQ) models are cached on disk."""
+    for g in A4_GROUPS:
+        name = f"W4A4 a4-g{g}"
+        if b.wants(name):
+            b.row("a4group", name, b.with_acts(b.base(), 4, g), "4/4")
+    for sq in (*W_SQ.values(), *W_SQ_BANKS):
+        fmt = parse_sq(sq)
+        names = {g: f"{weight_name(fmt, 4)} {sq} a4-g{g}" for g in A4_GROUPS}
+        if not any(b.wants(n) for n in names.values()):
+            continue
+        model, info = _sq_weights(b, sq, cache=True)
+        for g, name in names.items():
+            b.row("a4group", name, b.with_acts(model, 4, g), fmt.paper_weight_bits, **info)
+        del model
+
+
 PARTS = {
     "table": lambda b: None,  # only print/write the table of what is already in the JSON
     "acts": part_acts,
@@ -376,11 +468,14 @@ PARTS = {
     "agrid": part_agrid,
     "wgrid": part_wgrid,
     "fig": part_fig,
+    "scales": part_scales,
+    "a4group": part_a4group,
 }
 
 
 def table(rows: list[dict]) -> str:
-    cols = ["part", "name", "ppl", "paper_bits", "measured_bits", "act_bits", "low_mac_share", "calib_loss"]
+    cols = ["part", "name", "ppl", "paper_bits", "measured_bits", "act_bits", "paper_act_bits_scales"]
+    cols += ["low_mac_share", "calib_loss"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = []
@@ -404,7 +499,13 @@ def main() -> None:
         print(f"== part {part}", flush=True)
         PARTS[part](b)
         print(f"== part {part}: {time.perf_counter() - t:.0f}s", flush=True)
-    md = table(b.done)
+    head = (
+        f"SQ-format on {a.model}, calibration {a.nsamples}x{a.seqlen} (seed {a.seed}), WikiText-2 "
+        f"perplexity on the first {a.max_windows} windows of {a.seqlen} (16x512 and 20: the fast protocol). "
+        "Each part reruns alone: `PYTHONPATH=src python benchmarks/sq_format.py --protocol fast --parts "
+        "PART` (`--only ROW,...` for some of its rows).\n\n"
+    )
+    md = head + table(b.done)
     print("\n" + md)
     write_text(b.out.with_suffix(".md"), md + "\n")
 

@@ -217,7 +217,7 @@ def test_cli_flags_build_the_configs():
     "method,opts,msg",
     [
         ("sq-acts", {"act": ActQuantSpec("int", 8)}, "quantizes the activations itself"),
-        ("sq-acts", {"strategy": "static", "act_scale": "bank"}, "per-token"),
+        ("sq-acts", {"act_scale": "group"}, "needs a width"),
         ("sq-weights", {"sq": "16-(8/4)-0.6"}, "sparsity"),
         ("sq-weights", {"order": "act"}, "natural order"),
     ],

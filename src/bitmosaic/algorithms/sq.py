@@ -16,8 +16,15 @@ into :func:`bitmosaic.algorithms.gptq.gptq_quantize` in natural order so banks s
 
 Algorithm 2 (activations): :func:`static_importance` (``I_j = |Ā_j Σ_i W'_ij|`` and the two
 ablations), :func:`static_channel_mask` (top ``(1 - s)`` channels per bank) and
-:func:`high_first_permutation` (the column reordering of Algorithm 2, line 11); the dynamic split
-is :func:`dynamic_split`.
+:func:`high_first_permutation` (the column reordering of Algorithm 2, line 11); the splits are
+:func:`dynamic_split` and :func:`static_split`.
+
+Activation scales (both strategies; the paper leaves their granularity unprinted, §3.2.2): each part
+(low, high) gets its own scale per token and scale group -- the whole token, one bank, or ``G``
+channels (:func:`bitmosaic.formats.sq.act_scale_group`).  With a static mask the bank/group scales
+may instead be calibrated once (:func:`static_act_scales`: the largest calibration ``|x_j|`` over the
+part's channels of each group), which makes the activation quantizer fully static: no reduction
+over the token at inference.
 """
 
 from __future__ import annotations
@@ -28,12 +35,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..formats.sq import (
+    ACT_SCALES,
     SQFormat,
     SQTensor,
     _fp4_decode,
     _fp4_encode,
     _fp8_decode,
     _fp8_encode,
+    act_scale_group,
     bank_topk_mask,
     part_scales,
     round_high,
@@ -53,7 +62,9 @@ __all__ = [
     "dynamic_split",
     "high_first_permutation",
     "sq_gptq",
+    "static_act_scales",
     "static_channel_mask",
+    "static_split",
     "static_importance",
     "weight_importance_denominator",
 ]
@@ -257,10 +268,44 @@ def high_first_permutation(mask: torch.Tensor) -> torch.Tensor:
     return torch.argsort((~mask).to(torch.int8), stable=True)
 
 
-def dynamic_split(x: torch.Tensor, fmt: SQFormat, scale: str = "token") -> SQTensor:
+def dynamic_split(x: torch.Tensor, fmt: SQFormat, scale: str = "token", group: int | None = None) -> SQTensor:
     """Dynamic SQ-format of activations ``x`` ``[tokens, K]``: per token and bank the top
-    ``(1 - s)`` by ``|x|`` are high; each part gets its own scale per token (or per bank)."""
-    if scale not in ("token", "bank"):
-        raise ValueError(f"SQ activation scale must be 'token' or 'bank', got {scale!r}")
+    ``(1 - s)`` by ``|x|`` are high; each part gets its own scale per token and scale group
+    (``scale``: token | bank | group of ``group`` channels, :data:`~bitmosaic.formats.sq.ACT_SCALES`)."""
+    if scale not in ACT_SCALES:
+        raise ValueError(f"SQ activation scale must be one of {ACT_SCALES}, got {scale!r}")
     mask = bank_topk_mask(x.abs(), fmt)
-    return sq_quantize(x, mask, fmt, group=x.shape[-1] if scale == "token" else fmt.bank)
+    return sq_quantize(x, mask, fmt, group=act_scale_group(fmt, x.shape[-1], scale, group))
+
+
+def static_act_scales(
+    channel_absmax: torch.Tensor, mask: torch.Tensor, fmt: SQFormat, scale: str, group: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Calibrated ``(low_scale, high_scale)`` ``[ceil(K / g)]`` of a static mask ``[K]``: per scale
+    group (one bank, or ``group`` channels) and part, the largest calibration ``max|x_j|`` over the
+    part's channels of the group, over the part's grid maximum (fp16-exact)."""
+    if scale == "token":
+        raise ValueError("calibrated SQ activation scales are per bank or per group, not per token")
+    K = mask.shape[-1]
+    g = act_scale_group(fmt, K, scale, group)
+    lo, hi = part_scales(channel_absmax.float().reshape(1, K), mask.reshape(1, K), fmt, g)
+    return lo[0], hi[0]
+
+
+def static_split(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    fmt: SQFormat,
+    scale: str = "token",
+    group: int | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> SQTensor:
+    """Static SQ-format of ``x`` ``[tokens, K]`` with one channel ``mask`` ``[K]`` (Algorithm 2):
+    each part gets its own scale per token and scale group, or the calibrated ``scales``
+    (:func:`static_act_scales`) shared by every token."""
+    if scale not in ACT_SCALES:
+        raise ValueError(f"SQ activation scale must be one of {ACT_SCALES}, got {scale!r}")
+    g = act_scale_group(fmt, x.shape[-1], scale, group)
+    if scales is not None:
+        scales = tuple(s.float().reshape(1, -1).expand(x.shape[0], -1) for s in scales)
+    return sq_quantize(x, mask.reshape(1, -1).expand_as(x), fmt, group=g, scales=scales)

@@ -454,10 +454,8 @@ def _act_compute(lc: dict) -> str:
     from ..modules import KINDS
 
     cls = KINDS.get(lc.get("kind", "packed"))
-    if not lc.get("act"):
-        return "weight-only"
     if cls is None:
-        return "simulated (unknown kind)"
+        return "simulated (unknown kind)" if lc.get("act") else "weight-only"
     try:
         return cls.act_compute(lc)
     except (KeyError, TypeError, ValueError) as e:

@@ -12,7 +12,11 @@ Hessian is accumulated, so the Hessian comes from the smoothed inputs, Algorithm
   (:class:`~bitmosaic.modules.sq.SQActLinear`), ``strategy="dynamic"`` or ``"static"``.  The
   weights are calibrated on 16-bit activations, so W4A8, W4A4 and W4A(SQ) built from the same
   calibration differ only in their activations.  The static mask comes from ``Ā_j`` of the
-  smoothed calibration inputs and the smoothed float ``W'`` (Algorithm 2, line 6).
+  smoothed calibration inputs and the smoothed float ``W'`` (Algorithm 2, line 6).  Activation
+  scales (``act_scale``, both strategies): per token, per token and bank, or per token and
+  ``act_scale_group`` channels (independent of the bank); with a static mask, ``act_scale_calib``
+  fixes the bank/group scales from the calibration inputs' ``max|x_j|`` (fully static activations).
+  The paper does not print the granularity; its Table 2 fits per-bank scales (issue 25).
 """
 
 from __future__ import annotations
@@ -27,12 +31,13 @@ from ..algorithms.sq import (
     MASK_TIMINGS,
     STATIC_IMPORTANCE,
     sq_gptq,
+    static_act_scales,
     static_channel_mask,
     static_importance,
 )
 from ..algorithms.types import QuantResult
 from ..errors import OptionError
-from ..formats.sq import act_name, parse_sq, weight_name
+from ..formats.sq import ACT_SCALES, act_name, parse_sq, weight_name
 from ..modules.qlinear import QuantLinear
 from ..modules.sq import STRATEGIES, SQActLinear, SQWeightLinear
 from .common import require_hessian, shared
@@ -107,14 +112,17 @@ def quantize_sq_weights(weight, stats: LayerStats, cfg: SQWeightsConfig):
 
 @dataclass
 class SQActResult(QuantResult):
-    """A W4 result plus the static channel mask of its activations (``None`` when dynamic)."""
+    """A W4 result plus the static channel mask of its activations (``None`` when dynamic) and its
+    calibrated ``(low, high)`` activation scales (``None`` unless ``act_scale_calib``)."""
 
     channel_mask: torch.Tensor | None = field(default=None, kw_only=True)
+    act_scales: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, kw_only=True)
 
 
 @dataclass
 class SQActsConfig(SmoothQuantConfig):
-    """Algorithm 2.  ``strategy``: dynamic | static; ``act_scale``: token | bank (dynamic only);
+    """Algorithm 2.  ``strategy``: dynamic | static; ``act_scale``: token | bank | group (with
+    ``act_scale_group`` channels), ``act_scale_calib``: static bank/group scales from calibration;
     ``static_importance``: aw (the paper) | a | abs-aw (ablations)."""
 
     needs_act_stats: ClassVar[bool] = True
@@ -127,8 +135,16 @@ class SQActsConfig(SmoothQuantConfig):
         "dynamic", help="activation mask: per input (dynamic) or calibrated (static)", choices=STRATEGIES
     )
     act_scale: str = option(
-        "token", help="dynamic activation scales per token or per bank", choices=("token", "bank"),
-        deprecated=("--sq-act-scale",),
+        "token", help="activation scales (one per part) per token, per token and bank, or per token and "
+        "--act-scale-group channels", choices=ACT_SCALES, deprecated=("--sq-act-scale",),
+    )  # fmt: skip
+    act_scale_group: int | None = option(
+        None, help="channels per activation scale with --act-scale group (e.g. 128; any width, "
+        "independent of the bank)", type=int, range=(1, None),
+    )  # fmt: skip
+    act_scale_calib: bool = option(
+        False, help="static masks: bank/group activation scales calibrated once (max |x| of each part's "
+        "channels on the calibration data) and shared by all tokens, instead of computed per token",
     )  # fmt: skip
     static_importance: str = option(
         "aw", help="static mask score: aw (the paper), a, abs-aw (ablations)", choices=STATIC_IMPORTANCE
@@ -144,10 +160,25 @@ class SQActsConfig(SmoothQuantConfig):
             raise OptionError("sq-acts uses GPTQ weights (the W4 baseline's); drop --solver rtn")
         if self.strategy not in STRATEGIES:
             raise OptionError(f"--strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        if self.act_scale not in ("token", "bank"):
-            raise OptionError(f"SQ activation scale must be token or bank, got {self.act_scale!r}")
-        if self.strategy == "static" and self.act_scale != "token":
-            raise OptionError("static SQ activations use per-token scales; drop --act-scale bank")
+        if self.act_scale not in ACT_SCALES:
+            raise OptionError(f"--act-scale must be one of {', '.join(ACT_SCALES)}, got {self.act_scale!r}")
+        if self.act_scale == "group" and self.act_scale_group is None:
+            raise OptionError("--act-scale group needs a width: add --act-scale-group G (e.g. 128)")
+        if self.act_scale != "group" and self.act_scale_group is not None:
+            raise OptionError(
+                f"--act-scale-group applies to --act-scale group (got --act-scale {self.act_scale}); "
+                "drop it or add --act-scale group"
+            )
+        if self.act_scale_group is not None and (
+            isinstance(self.act_scale_group, bool) or not isinstance(self.act_scale_group, int)
+            or self.act_scale_group < 1
+        ):
+            raise OptionError(f"--act-scale-group must be a positive integer, got {self.act_scale_group!r}")
+        if self.act_scale_calib and (self.strategy != "static" or self.act_scale == "token"):
+            raise OptionError(
+                "--act-scale-calib needs a static mask and per-bank or per-group scales: add "
+                "--strategy static --act-scale bank (or group)"
+            )
         if self.static_importance not in STATIC_IMPORTANCE:
             raise OptionError(
                 f"static importance must be one of {STATIC_IMPORTANCE}, got {self.static_importance!r}"
@@ -162,7 +193,9 @@ def _pack_sq_acts(res: SQActResult, cfg: SQActsConfig, bias):
     dense = QuantLinear.from_result(
         res, bits=cfg.bits, group_size=cfg.group_size, symmetric=cfg.sym, bias=bias
     )
-    return SQActLinear.from_packed(dense, cfg.sq, cfg.strategy, cfg.act_scale, res.channel_mask)
+    return SQActLinear.from_packed(
+        dense, cfg.sq, cfg.strategy, cfg.act_scale, res.channel_mask, cfg.act_scale_group, res.act_scales
+    )
 
 
 def quantize_sq_acts(weight, stats: LayerStats, cfg: SQActsConfig) -> SQActResult:
@@ -177,8 +210,12 @@ def quantize_sq_acts(weight, stats: LayerStats, cfg: SQActsConfig) -> SQActResul
             weight, stats.act.channel_mean, stats.act.channel_absmean, cfg.static_importance
         )
         mask = static_channel_mask(imp.to(weight.device), parse_sq(cfg.sq))
+    scales = None
+    if cfg.act_scale_calib:
+        absmax = stats.act.channel_absmax.to(weight.device)
+        scales = static_act_scales(absmax, mask, parse_sq(cfg.sq), cfg.act_scale, cfg.act_scale_group)
     fields = {k: getattr(res, k) for k in res.__dataclass_fields__}
-    return SQActResult(**fields, channel_mask=mask)
+    return SQActResult(**fields, channel_mask=mask, act_scales=scales)
 
 
 @register

@@ -30,10 +30,10 @@ import warnings
 import torch
 from torch import nn
 
-from ..algorithms.sq import SQWeightResult, dynamic_split, high_first_permutation
+from ..algorithms.sq import SQWeightResult, dynamic_split, high_first_permutation, static_split
 from ..algorithms.types import QuantResult
 from ..formats.packing import packed_cols
-from ..formats.sq import _compact_index, _pos_bits, pack_sq, parse_sq, quantize_part, unpack_sq
+from ..formats.sq import ACT_SCALES, _compact_index, _pos_bits, act_scale_group, pack_sq, parse_sq, unpack_sq
 from .base import NoIntForm, QuantModule
 from .qlinear import QuantLinear
 
@@ -112,23 +112,51 @@ class SQWeightLinear(QuantModule):
 
 class SQActLinear(QuantLinear):
     kind = "packed+sq-act"
-    CONFIG_KEYS = ("sq", "strategy", "act_scale")
+    CONFIG_KEYS = ("sq", "strategy", "act_scale")  # + act_group, calibrated_scales when set
 
-    def __init__(self, in_features, out_features, *, sq: str, strategy: str, act_scale: str = "token", **kw):
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        *,
+        sq: str,
+        strategy: str,
+        act_scale: str = "token",
+        act_group: int | None = None,
+        calibrated_scales: bool = False,
+        **kw,
+    ):
         super().__init__(in_features, out_features, **kw)
         if strategy not in STRATEGIES:
             raise ValueError(f"SQ activation strategy must be one of {STRATEGIES}, got {strategy!r}")
-        if strategy == "static" and act_scale != "token":
-            raise ValueError("static SQ activations use per-token scales (the parts are reordered slices)")
+        if act_scale not in ACT_SCALES:
+            raise ValueError(f"SQ activation scale must be one of {ACT_SCALES}, got {act_scale!r}")
+        if calibrated_scales and (strategy != "static" or act_scale == "token"):
+            raise ValueError("calibrated SQ activation scales need a static mask and bank or group scales")
         self.fmt = parse_sq(sq)
         self.fmt.banks(in_features)
         self.strategy = strategy
         self.act_scale = act_scale
+        g = act_scale_group(self.fmt, in_features, act_scale, act_group)  # validates act_group
+        self.act_group = int(act_group) if act_scale == "group" else None
+        self.calibrated_scales = bool(calibrated_scales)
         if strategy == "static":
             dt = torch.int16 if in_features <= 32767 else torch.int32
             self.register_buffer("sq_perm", torch.arange(in_features, dtype=dt))
         else:
             self.sq_perm = None
+        if self.calibrated_scales:
+            G = -(-in_features // g)
+            self.register_buffer("act_low_scale", torch.ones(G, dtype=torch.float16))
+            self.register_buffer("act_high_scale", torch.ones(G, dtype=torch.float16))
+        else:
+            self.act_low_scale = self.act_high_scale = None
+
+    @classmethod
+    def _shared_kwargs(cls, cfg: dict) -> dict:
+        # absent from models saved before per-bank/per-group activation scales existed
+        opt = {"act_group": cfg.get("act_group"), "calibrated_scales": cfg.get("calibrated_scales", False)}
+        return {**super()._shared_kwargs(cfg), **opt}
 
     @classmethod
     def from_packed(
@@ -138,10 +166,19 @@ class SQActLinear(QuantLinear):
         strategy: str,
         act_scale: str = "token",
         channel_mask: torch.Tensor | None = None,
+        act_group: int | None = None,
+        act_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SQActLinear:
         """The SQ-activation module of a packed W4 linear; ``channel_mask`` (static) reorders the
-        stored columns high-first (Algorithm 2, line 11)."""
-        kind = {"sq": parse_sq(sq).notation, "strategy": strategy, "act_scale": act_scale}
+        stored columns high-first (Algorithm 2, line 11); ``act_scales`` (static, bank/group): the
+        calibrated ``(low, high)`` scales of :func:`~bitmosaic.algorithms.sq.static_act_scales`."""
+        kind = {
+            "sq": parse_sq(sq).notation,
+            "strategy": strategy,
+            "act_scale": act_scale,
+            "act_group": act_group,
+            "calibrated_scales": act_scales is not None,
+        }
         if strategy == "dynamic":
             return cls._from_packed(dense, **kind)
         if channel_mask is None:
@@ -159,7 +196,18 @@ class SQActLinear(QuantLinear):
         )
         m = cls._from_packed(re, **kind)
         m.sq_perm.copy_(perm.to(m.sq_perm.dtype))
+        if act_scales is not None:
+            m.act_low_scale.copy_(act_scales[0].to(torch.float16))
+            m.act_high_scale.copy_(act_scales[1].to(torch.float16))
         return m
+
+    def channel_mask(self) -> torch.Tensor | None:
+        """The static high-channel mask ``[in]`` in the original channel order (``None``: dynamic)."""
+        if self.sq_perm is None:
+            return None
+        mask = torch.zeros(self.in_features, dtype=torch.bool, device=self.sq_perm.device)
+        mask[self.sq_perm[: self.fmt.high_count(self.in_features)].long()] = True
+        return mask
 
     # -- weights: stored high-first (static), served in the original column order ----------------
     def _unpermute(self, W: torch.Tensor) -> torch.Tensor:
@@ -188,11 +236,13 @@ class SQActLinear(QuantLinear):
         if self.strategy == "static":
             kh = self.fmt.high_count(self.in_features)
             perm = self.sq_perm.long()
-            xp, Wp = x2[:, perm], W[:, perm]  # high channels first, as stored
-            y = quantize_part(xp[:, kh:], self.fmt, high=False) @ Wp[:, kh:].T
-            y = y + quantize_part(xp[:, :kh], self.fmt, high=True) @ Wp[:, :kh].T
+            scales = None if self.act_low_scale is None else (self.act_low_scale, self.act_high_scale)
+            t = static_split(x2, self.channel_mask(), self.fmt, self.act_scale, self.act_group, scales)
+            low, high = t.parts(torch.float32)
+            Wp = W[:, perm]  # high channels first, as stored: two dense matmuls on contiguous slices
+            y = low[:, perm[kh:]] @ Wp[:, kh:].T + high[:, perm[:kh]] @ Wp[:, :kh].T
         else:
-            t = dynamic_split(x2, self.fmt, self.act_scale)
+            t = dynamic_split(x2, self.fmt, self.act_scale, self.act_group)
             low, high = t.parts(torch.float32)
             y = low @ W.T + _sparse_rows(high, t.mask, self.fmt) @ W.T
         if b is not None:
@@ -220,19 +270,50 @@ class SQActLinear(QuantLinear):
         return self.in_features * self.out_features - nh, nh
 
     def storage_tensors(self) -> list[torch.Tensor]:
-        extra = [self.sq_perm] if self.sq_perm is not None else []
+        extra = [t for t in (self.sq_perm, self.act_low_scale, self.act_high_scale) if t is not None]
         return super().storage_tensors() + extra
 
     def layer_config(self) -> dict:
-        return {
+        cfg = {
             **super().layer_config(),
             "sq": self.fmt.notation,
             "strategy": self.strategy,
             "act_scale": self.act_scale,
         }
+        if self.act_group is not None:
+            cfg["act_group"] = self.act_group
+        if self.calibrated_scales:
+            cfg["calibrated_scales"] = True
+        return cfg
+
+    @property
+    def act_scale_label(self) -> str:
+        """``token``, ``bank``, ``group128``, with ``/calibrated`` for calibrated scales."""
+        g = f"group{self.act_group}" if self.act_scale == "group" else self.act_scale
+        return g + ("/calibrated" if self.calibrated_scales else "")
+
+    @classmethod
+    def describe_saved(cls, path, layer_cfgs: dict[str, dict], qc: dict) -> tuple[list[str], dict]:
+        """One ``inspect`` line per SQ activation setting: format, strategy and scale granularity."""
+        seen: dict[str, int] = {}
+        for c in layer_cfgs.values():
+            scale = f"group{c['act_group']}" if c.get("act_group") else c.get("act_scale", "token")
+            calib = " (calibrated)" if c.get("calibrated_scales") else ""
+            key = f"A(SQ) {c['sq']} {c['strategy']}, activation scales per {scale}{calib}"
+            seen[key] = seen.get(key, 0) + 1
+        return [f"sq activations   {k}: {n} layers" for k, n in seen.items()], {}
+
+    @classmethod
+    def act_compute(cls, cfg: dict) -> str:
+        """SQ-format activations never run the integer kernels: the split is simulated in float32."""
+        return "simulated (SQ-format activation split: float32 reference path, no integer kernel)"
+
+    def int_act_blocker(self) -> str | None:
+        return "SQ-format activation split: no integer kernel"
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, A(SQ) {self.fmt.notation} {self.strategy}"
+        sq = f"A(SQ) {self.fmt.notation} {self.strategy} scales {self.act_scale_label}"
+        return f"{super().extra_repr()}, {sq}"
 
 
 def _sparse_rows(high: torch.Tensor, mask: torch.Tensor, fmt) -> torch.Tensor:
