@@ -1,0 +1,36 @@
+"""Findings-report judges of issue 25's rotation goals (QuaRot/SpinQuant; ours, not the papers')."""
+
+from __future__ import annotations
+
+from findings_lib import fmt, rows_by_name, verdict
+
+# -- rotations (QuaRot; issue 25's goals: ours, not a claim of the five papers) ------------------------
+ALONE = "gptq W4A4 +hadamard"  # rotation alone: QuaRot's GPTQ W4A4 (W4 per channel, A4 per token)
+
+
+def rotation_w4a4_goal(res: dict) -> tuple[str, str]:
+    r = rows_by_name(res)
+    fl = r["float"]["ppl"]
+    names = ["gptq W4A4", ALONE, "gptq W4A4c0.9 +hadamard", "gptq W4A4g64 +hadamard",
+             "gptq W4A4g64c0.9 +hadamard"]  # fmt: skip
+    nums = ", ".join(f"{n} {fmt(r[n]['ppl'])} ({r[n]['ppl'] / fl:.2f}x)" for n in names if n in r)
+    best = min(r[n]["ppl"] for n in names[1:] if n in r)
+    why = f"best rotated row {best / fl:.2f}x float"
+    return f"{nums} (float {fmt(fl)}; goal 1.5x)", verdict(best <= 1.5 * fl, why)
+
+
+def rotation_beats_alone(method_row: str, res: dict, alone: str = ALONE) -> tuple[str, str]:
+    """``method_row`` with a Hadamard rotation against the rotation alone (GPTQ +hadamard with the same
+    activations: per token, or ``alone``), and the same method without the rotation."""
+    r = rows_by_name(res)
+    m = r[method_row + " +hadamard"]
+    dev = m.get("device", "cpu")
+    alone = r.get(f"{alone} @{dev}") or r[alone]  # the same device's row where there is one
+    plain = r.get(method_row)
+    nums = (f"{method_row} +hadamard {fmt(m['ppl'])} @ {fmt(m['bits_per_weight'], 3)} bpw vs rotation alone "
+            f"{fmt(alone['ppl'])} @ {fmt(alone['bits_per_weight'], 3)}"
+            + (f"; without rotation {fmt(plain['ppl'])}" if plain else ""))  # fmt: skip
+    if m.get("device", "cpu") != alone.get("device", "cpu"):
+        nums += f" (run on {m.get('device', 'cpu')} vs {alone.get('device', 'cpu')})"
+    gain = 1 - m["ppl"] / alone["ppl"]
+    return nums + f" ({gain:+.1%})", verdict(gain >= 0.01, "within 1% of rotation alone" if gain > 0 else "")

@@ -1,0 +1,199 @@
+"""Findings-report judges of the SFMP paper (allocation, reordering, blocks, Fisher, LUT latency)."""
+
+from __future__ import annotations
+
+from findings_lib import MISSING, fmt, rows_by_name, verdict
+
+
+# -- SFMP (paper 001) ---------------------------------------------------------------------------
+def _sfmp_main(res: dict) -> dict[str, dict[str, dict]]:
+    """point -> {name: row} for the main rows (not the ablations, whose names hold a '=')."""
+    by_point: dict[str, dict[str, dict]] = {}
+    for r in res["rows"]:
+        point, _, name = r["name"].partition(" ")
+        if r["method"] != "float" and "=" not in name:
+            by_point.setdefault(point, {})[name] = r
+    return by_point
+
+
+PAPER_UNIFORM = ("gptq-orig", "awq")  # the paper's Table 3 comparators: GPTQ (natural, min-max), AWQ
+
+
+def sfmp_beats_uniform(
+    res: dict, solver: str = "awq", uniform: tuple[str, ...] = PAPER_UNIFORM
+) -> tuple[str, str]:
+    """At each measured budget: the SFMP rows of ``solver`` (awq: the paper's; gptq: our extension)
+    against the ``uniform`` rows (default the paper's comparators; ``("gptq",)``: our act-order + MSE
+    GPTQ) of the same protocol using no fewer bits."""
+    lines, wins, total, close, pts, lacking = [], 0, 0, 0, [], {}
+    for point, rows in _sfmp_main(res).items():
+        uni = {k: v for k, v in rows.items() if v["method"] != "sfmp" and k.split()[0] in uniform}
+        for u in uniform:
+            if not any(k.split()[0] == u for k in uni):
+                lacking.setdefault(u, []).append(point)
+        for k, v in rows.items():
+            if v["method"] != "sfmp" or not k.startswith(f"sfmp-{solver} "):
+                continue
+            pts.append(point)
+            fair = {u: w for u, w in uni.items() if w["bits_per_weight"] >= v["bits_per_weight"] - 1e-9
+                    and w.get("protocol") == v.get("protocol")}  # fmt: skip
+            for u, w in fair.items():
+                total += 1
+                wins += v["ppl"] < w["ppl"]
+                close += bool(_sfmp_undecided([v, w]))
+                lines.append(f"BPW {point}: {k} {fmt(v['ppl'])} @ {fmt(v['bits_per_weight'], 3)} vs {u} "
+                             f"{fmt(w['ppl'])} @ {fmt(w['bits_per_weight'], 3)}")  # fmt: skip
+    if not total:
+        return "", f"{MISSING}: no SFMP-{solver} row with a {'/'.join(uniform)} row of at least its size"
+    v = verdict(wins == total, f"{wins}/{total} wins")
+    if len(pts) < 6:  # the issue asks for 2.5, 3.0, 3.25, 3.5, 4.0 and 4.25
+        v += f" at BPW {', '.join(sorted(pts))} only; the other budgets are not measured"
+    for u, at in lacking.items():
+        v += f"; {u} not measured at BPW {', '.join(sorted(at))}"
+    if close:
+        v += f"; {close} of the {total} pairs are under 10% apart without the verdict protocol"
+    return "; ".join(lines), v
+
+
+def sfmp_gptq_beats_awq(res: dict) -> tuple[str, str]:
+    """Our extension: the same allocation, blocks solved by GPTQ instead of AWQ, at the same BPW."""
+    cells, wins = [], 0
+    for point, rows in _sfmp_main(res).items():
+        a = next((v for k, v in rows.items() if k.startswith("sfmp-awq ")), None)
+        g = next((v for k, v in rows.items() if k.startswith("sfmp-gptq ")), None)
+        if a and g:
+            cells.append(f"BPW {point}: GPTQ {fmt(g['ppl'])} vs AWQ {fmt(a['ppl'])}")
+            wins += g["ppl"] < a["ppl"]
+    if not cells:
+        return "", f"{MISSING}: no point with both SFMP solvers"
+    return "; ".join(cells), verdict(wins == len(cells), f"{wins}/{len(cells)} wins")
+
+
+def _sfmp_ablation(res: dict, key: str) -> tuple[dict[str, dict[str, dict]], str]:
+    """``{head: {label: row}}`` of the ablation rows named ``head key=label`` (a row named ``head``
+    itself is label ``""``), preferring the rows at equal code bits (names with ``b=``) and falling
+    back to the earlier ones at equal total bits; and which of the two it is."""
+    for code in (True, False):
+        cells: dict[str, dict[str, dict]] = {}
+        for v in res["rows"]:
+            if v["method"] != "sfmp" or (" b=" in v["name"]) != code:
+                continue
+            head, _, label = v["name"].partition(f" {key}=")
+            if label or code:
+                cells.setdefault(head, {})[label] = v
+        cells = {h: c for h, c in cells.items() if len(c) > 1}
+        if cells:
+            return cells, "equal code bits" if code else "equal total bits"
+    raise KeyError(f"{key} rows")
+
+
+def _sfmp_row(v: dict) -> str:
+    return f"{fmt(v['ppl'])} @ {fmt(v['bits_per_weight'], 3)} bpw"
+
+
+def _sfmp_undecided(rows: list[dict]) -> str:
+    """A note when ``rows`` differ by under 10% in perplexity without the verdict protocol (issue 25:
+    such claims need the whole test set and two seeds)."""
+    ppl = [r["ppl"] for r in rows]
+    gap = max(ppl) / min(ppl) - 1
+    if gap >= 0.10 or all(r.get("protocol") == "verdict" for r in rows):
+        return ""
+    where = rows[0].get("protocol", "unrecorded")
+    return f" ({gap:.1%} apart on the {where} protocol: too close to decide there)"
+
+
+def sfmp_fisher_samples(res: dict) -> tuple[str, str]:
+    """Fisher from the most samples (>= 128) gives an allocation at least as good as from the fewest
+    (ppl lower, or within 1%); the estimation's cost beside each."""
+    cells, how = _sfmp_ablation(res, "fisher")
+    parts, fails, notes = [], [], []
+    for head, c in cells.items():
+        r = {int(k): v for k, v in c.items() if k}
+        if len(r) < 2:
+            continue
+        lo, hi = min(r), max(r)
+        nums = ", ".join(f"{n} samples {_sfmp_row(v)}, Fisher {fmt(v['fisher_seconds'] or 0, 0)} s"
+                         for n, v in sorted(r.items()))  # fmt: skip
+        if "" in c:
+            nums += f"; the calibration's {c['']['fisher_samples']}: {_sfmp_row(c[''])}"
+        parts.append(f"{head} ({how}): {nums}")
+        if hi < 128 or r[hi]["ppl"] > r[lo]["ppl"] * 1.01:
+            fails.append(f"{hi} samples worse than {lo}" if hi >= 128 else f"only {hi} samples")
+        notes.append(_sfmp_undecided(list(r.values())))
+    if not parts:
+        raise KeyError("fisher rows")
+    return "; ".join(parts), verdict(not fails, "; ".join(fails)) + "".join(notes)
+
+
+def sfmp_small_blocks(res: dict) -> tuple[str, str]:
+    """Finer allocation blocks (smaller m_b, n_b = the group) lower perplexity at equal code bits
+    (earlier rows: at equal total bits, n_b = 128): perplexity does not rise as m_b falls."""
+    for code in (True, False):  # the rows at equal code bits where two m_b are measured, else the earlier
+        groups: dict[str, dict[int, dict]] = {}
+        for v in res["rows"]:
+            n = v["name"]
+            if v["method"] != "sfmp" or "mb=" not in n or any(k in n for k in ("reorder=", "fisher=")):
+                continue
+            if code and (" b=" not in n or " nb=" in n) or not code and (" b=" in n or "nb=128" not in n):
+                continue
+            head, _, rest = n.partition(" mb=")
+            mb, _, tail = rest.partition(" ")
+            groups.setdefault(f"{head} {tail}".strip(), {})[int(mb)] = v
+        groups = {h: g for h, g in groups.items() if len(g) > 1}
+        if groups:
+            break
+    if not groups:
+        raise KeyError("block rows")
+    parts, fails, notes = [], [], []
+    for head, r in groups.items():
+        parts.append(f"{head} ({'equal code bits' if code else 'equal total bits'}): "
+                     + ", ".join(f"m_b {m}: {_sfmp_row(v)}" for m, v in sorted(r.items())))  # fmt: skip
+        ppl = [r[m]["ppl"] for m in sorted(r)]
+        if ppl != sorted(ppl):
+            fails.append(head)
+        notes.append(_sfmp_undecided(list(r.values())))
+    return "; ".join(parts), verdict(not fails, "perplexity does not fall with m_b") + "".join(notes)
+
+
+# -- more SFMP claims ----------------------------------------------------------------------------
+def sfmp_latency_linear(res: dict) -> tuple[str, str]:
+    rows = [r for r in res["linearity"] if r["kernel"] == "lut" and r["shape"][0] >= 4096]
+    nums = "LUT GEMV ms vs bits (1-8), batch 1: " + ", ".join(
+        f"{r['shape'][0]}x{r['shape'][1]} t{r['threads']} R² {r['r2']:.3f}, W2/W4 {r['w2_over_w4']:.2f}"
+        for r in rows
+    )
+    return nums, verdict(bool(rows) and min(r["r2"] for r in rows) >= 0.95, "R² < 0.95 on an 8B shape")
+
+
+def sfmp_reorder_decode_cost(res: dict) -> tuple[str, str]:
+    v = res["variants"]
+    nums = ", ".join(f"{k} {x['tok_s']:.2f} tok/s" for k, x in v.items())
+    cost = res["decode_cost_pct"]
+    nums += f"; reorder costs {cost:.1f}% of decode speed (batch 1, {res['threads']} thread(s))"
+    return nums, verdict(res["decode_cost_pct"] <= 5.0, "over 5%")
+
+
+def sfmp_reorder_helps(res: dict) -> tuple[str, str]:
+    """Per ablation head (solver, group, m_b, b): none / row / column against both (rows and columns),
+    at equal code bits where measured (else the earlier rows at equal total bits, ``both`` = the main
+    row).  The paper (Fig. 7, AWQ blocks): reordering helps, columns more than rows."""
+    cells, how = _sfmp_ablation(res, "reorder")
+    by = rows_by_name(res)
+    parts, fails, solvers = [], [], set()
+    for head, c in cells.items():
+        if how == "equal total bits" and head in by:
+            c[""] = by[head]
+        if "none" not in c or "" not in c:
+            continue
+        c["both"] = c.pop("")
+        solvers.add(head.split()[1])
+        order = [k for k in ("none", "row", "col", "both") if k in c]
+        parts.append(f"{head} ({how}): " + ", ".join(f"{k} {_sfmp_row(c[k])}" for k in order))
+        if not c["both"]["ppl"] < c["none"]["ppl"]:
+            fails.append(head)
+    if not parts:
+        raise KeyError("reorder rows")
+    v = verdict(not fails, f"not for {', '.join(fails)}")
+    if "sfmp-awq" not in solvers:
+        v += " (GPTQ blocks, our default; the paper's AWQ blocks not measured at equal code bits)"
+    return "; ".join(parts), v
