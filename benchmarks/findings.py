@@ -166,8 +166,8 @@ def main() -> None:
           f"Why any row may differ from its paper: {DIFFERS}.", "",
           "| paper | claim | numbers | verdict | protocol | why this may differ from the paper | source |",
           "|---|---|---|---|---|---|---|"]  # fmt: skip
-    md += [f"| {r['paper']} | {r['claim']} | {r['numbers']} | {r['verdict']} | {r['protocol']} | "
-           f"{r['may_differ']} | {r['source']} |" for r in rows]  # fmt: skip
+    cols = ("paper", "claim", "numbers", "verdict", "protocol", "may_differ", "source")
+    md += ["| " + " | ".join(str(r[c]).replace("|", "\\|") for c in cols) + " |" for r in rows]
     write_text(RESULTS / "findings.md", "\n".join(md) + "\n")
     write_text(RESULTS / "findings.json", json.dumps({"rows": rows, "fresh": fresh}, indent=2))
     print("\n".join(md))
