@@ -81,3 +81,20 @@ def env_var(name: str, value: str):
             os.environ.pop(name, None)
         else:
             os.environ[name] = old
+
+
+def load_benchmark(name: str):
+    """Import ``benchmarks/<name>.py`` as a module (its folder on ``sys.path`` while it loads, for its
+    sibling imports such as ``common``)."""
+    import importlib.util
+    import sys
+
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(folder))
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", folder / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(folder))
+    return mod

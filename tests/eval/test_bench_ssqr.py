@@ -2,30 +2,19 @@
 per weight (hand count), SSQR's overflow at alpha = 1 (mean, max over layers) and the per-layer wins."""
 
 import copy
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from bitmosaic.methods import get_method
 from bitmosaic.pipeline import quantize_model
+from tests.helpers import load_benchmark
 from tests.pipeline.test_pipeline import tiny_llama
-
-_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(_DIR))  # the script imports its neighbour ``common``
-    try:
-        spec = importlib.util.spec_from_file_location("bench_ssqr_groups", _DIR / "ssqr_groups.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(_DIR))
-    return mod
+    return load_benchmark("ssqr_groups")
 
 
 def _row(model, calib, name, method, **opts):

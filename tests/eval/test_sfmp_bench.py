@@ -2,25 +2,14 @@
 than 128 samples before anything loads, every row records its protocol, and the ablation rows are
 named by their code bits and block rows."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-_BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def sfmp_bench():
-    sys.path.insert(0, str(_BENCH))  # the benchmark imports its sibling ``common``
-    try:
-        spec = importlib.util.spec_from_file_location("bench_sfmp", _BENCH / "sfmp.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(_BENCH))
-    return mod
+    return load_benchmark("sfmp")
 
 
 def _args(mod, argv, salience=None):
