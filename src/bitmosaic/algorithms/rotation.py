@@ -185,14 +185,16 @@ def orthogonal_matrix(kind: str, n: int, seed: int, signs: bool = True) -> torch
 
 def cayley_step(X: torch.Tensor, G: torch.Tensor, lr: float) -> torch.Tensor:
     """One Cayley SGD step from the orthogonal ``X`` (``[n, n]``) against the Euclidean gradient ``G``
-    of the loss at ``X``: with the skew-symmetric ``A = G Xᵀ - X Gᵀ`` (``A X`` is a tangent direction
-    at ``X``), ``X' = (I + lr/2 A)⁻¹ (I - lr/2 A) X``.  ``X'`` is
-    orthogonal to rounding for any ``lr`` (the Cayley transform of a skew matrix is orthogonal), and
-    to first order ``X' = X - lr A X``, a descent direction: ``<G, A X> = ||A||² / 2 >= 0``.
-    SpinQuant (Sec. 3.2) solves the same step by a fixed-point iteration; here it is one solve in
-    float64."""
+    of the loss at ``X`` (Li et al. 2020, Alg. 1, the optimizer SpinQuant uses, Sec. 3.2): with the
+    skew-symmetric ``W = (G Xᵀ - X Gᵀ) / 2`` (``W X`` is the Riemannian gradient at ``X``) and the step
+    ``a = min(lr, 1 / ||W||₁)`` (Li et al. cap it so: the step stays where the Cayley transform is a
+    good descent curve, whatever the gradient's scale), ``X' = (I + a/2 W)⁻¹ (I - a/2 W) X``.  ``X'`` is
+    orthogonal to rounding (the Cayley transform of a skew matrix is orthogonal), and to first order
+    ``X' = X - a W X``, a descent direction: ``<G, W X> = ||W||² >= 0``.  Li et al. solve the same step
+    by a fixed-point iteration; here it is one solve in float64."""
     Xd, Gd = X.double(), G.double()
-    A = Gd @ Xd.T - Xd @ Gd.T
+    W = 0.5 * (Gd @ Xd.T - Xd @ Gd.T)
+    norm1 = float(W.abs().sum(dim=0).max())  # the induced 1-norm: the largest column sum
+    a = min(float(lr), 1.0 / (norm1 + 1e-8))
     eye = torch.eye(X.shape[0], dtype=torch.float64, device=X.device)
-    half = 0.5 * float(lr) * A
-    return torch.linalg.solve(eye + half, (eye - half) @ Xd).to(X.dtype)
+    return torch.linalg.solve(eye + 0.5 * a * W, (eye - 0.5 * a * W) @ Xd).to(X.dtype)
