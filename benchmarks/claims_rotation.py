@@ -12,7 +12,7 @@ def rotation_w4a4_goal(res: dict) -> tuple[str, str]:
     r = rows_by_name(res)
     fl = r["float"]["ppl"]
     names = ["gptq W4A4", ALONE, "gptq W4A4c0.9 +hadamard", "gptq W4A4g64 +hadamard",
-             "gptq W4A4g64c0.9 +hadamard"]  # fmt: skip
+             "gptq W4A4g64c0.9 +hadamard", "gptq W4A4 +spinquant", "gptq W4A4g64 +spinquant"]  # fmt: skip
     nums = ", ".join(f"{n} {fmt(r[n]['ppl'])} ({r[n]['ppl'] / fl:.2f}x)" for n in names if n in r)
     best = min(r[n]["ppl"] for n in names[1:] if n in r)
     why = f"best rotated row {best / fl:.2f}x float"
@@ -34,3 +34,19 @@ def rotation_beats_alone(method_row: str, res: dict, alone: str = ALONE) -> tupl
         nums += f" (run on {m.get('device', 'cpu')} vs {alone.get('device', 'cpu')})"
     gain = 1 - m["ppl"] / alone["ppl"]
     return nums + f" ({gain:+.1%})", verdict(gain >= 0.01, "within 1% of rotation alone" if gain > 0 else "")
+
+
+def spinquant_beats_hadamard(res: dict) -> tuple[str, str]:
+    """SpinQuant's claim over QuaRot: the learned rotation against the Hadamard one it starts from, GPTQ
+    W4A4 per token, on the same device."""
+    r = rows_by_name(res)
+    s = r["gptq W4A4 +spinquant"]
+    dev = s.get("device", "cpu")
+    h = r.get(f"{ALONE} @{dev}") or r[ALONE]
+    nums = (
+        f"learned {fmt(s['ppl'])} (KL {s['kl_mean']:.3f}) vs Hadamard {fmt(h['ppl'])} (KL {h['kl_mean']:.3f})"
+    )
+    if h.get("device", "cpu") != dev:
+        nums += f" (run on {dev} vs {h.get('device', 'cpu')})"
+    gain = 1 - s["ppl"] / h["ppl"]
+    return nums + f" ({gain:+.1%})", verdict(gain >= 0.01)
