@@ -177,7 +177,7 @@ def merged_rows(path: str | os.PathLike, args, rows: list[dict]) -> list[dict]:
         old = json.loads(path.read_text())
     except ValueError:
         return rows
-    theirs = old.get("args") or {}
+    theirs = {"fidelity": False, "device": "cpu", **(old.get("args") or {})}  # older runs lack these two
     if any(theirs.get(k) != getattr(args, k, None) for k in SAME_RUN):
         print(f"note: {path} holds a run of other settings; it is replaced", flush=True)
         return rows

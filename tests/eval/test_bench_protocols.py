@@ -66,3 +66,8 @@ def test_only_rows_join_the_same_run(common, tmp_path):
     assert common.merged_rows(path, other, rows) == rows
     full = common.base_parser("x").parse_args(["--protocol", "verdict"])
     assert common.merged_rows(path, full, rows) == rows
+    # a run written before --fidelity/--device were recorded: their defaults
+    fast = common.base_parser("x").parse_args(["--protocol", "fast", "--only", "y"])
+    older = {k: v for k, v in vars(fast).items() if k not in ("fidelity", "device")}
+    path.write_text(json.dumps({"args": older, "rows": [{"name": "x", "ppl": 1}]}))
+    assert common.merged_rows(path, fast, rows[:1]) == [{"name": "x", "ppl": 1}, rows[0]]
