@@ -18,6 +18,7 @@ and knows no method.  Cost: ``steps`` forward and backward passes of the whole f
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -55,16 +56,17 @@ def learn_rotation(
     calib: torch.Tensor,
     act: ActQuantSpec,
     spec,
+    rotated_state: Callable[..., dict[str, torch.Tensor]],
     progress: bool = False,
 ) -> tuple[torch.Tensor, list[torch.Tensor], dict]:
     """Learn R1 (``Q1``, ``[d, d]``) and the per-layer R2 (``R2``) of a model that
     :func:`~bitmosaic.pipeline.rotate.prepare_rotation` prepared (``spec``: a
-    :class:`~bitmosaic.pipeline.rotate.RotationSpec` with ``steps`` and ``lr``).  Returns the learned
+    :class:`~bitmosaic.pipeline.rotate.RotationSpec` with ``steps`` and ``lr``; ``rotated_state``: the
+    rotation's differentiable parametrisation, :func:`~bitmosaic.pipeline.rotate.rotated_state`).
+    Returns the learned
     matrices (float64, orthogonal to rounding) and ``{"steps", "lr", "loss_first", "loss_last"}``
     (the cross-entropy of the first and the last step's sample, each before its step); the model's
     parameters are unchanged (the caller folds the result in)."""
-    from .rotate import rotated_state
-
     dev = model.get_submodule(arch.rotation.embed).weight.device
     base = {n: p.detach() for n, p in model.named_parameters()}
     grads = {n: p.requires_grad for n, p in model.named_parameters()}
