@@ -224,7 +224,7 @@ def rotate_model(
     if spec.kind == "spinquant" and (calib is None or act is None):
         raise OptionError(
             "--rotate spinquant learns its rotations against the run's activation quantizer on the "
-            "calibration data; this run quantizes no activations: use --rotate hadamard"
+            "calibration data; this run has none (no --abits/--scheme activations): use --rotate hadamard"
         )
     base = "random" if spec.kind == "random" else "hadamard"
     d = model.get_submodule(arch.rotation.embed).weight.shape[1]
