@@ -200,6 +200,7 @@ class Bench:
         )
         self.eval_ids = eval_tokens(self.tok, "wikitext2", data_dir=args.data_dir)
         self.rows: list[dict] = []
+        self._seen: set[str] = set()  # row names offered to --only (finish names the ones it never met)
         # the float model where the evaluation runs, for KL and top-1 (self.model stays the CPU original)
         self.reference = None
         if getattr(args, "fidelity", False):
@@ -242,6 +243,7 @@ class Bench:
     def wants(self, name: str) -> bool:
         """Whether ``--only`` (a comma list of row names) leaves row ``name`` to run."""
         only = getattr(self.args, "only", None)
+        self.__dict__.setdefault("_seen", set()).add(name)
         return not only or name in only.split(",")
 
     def run(self, name: str, method: str, **options) -> dict | None:
@@ -290,6 +292,9 @@ class Bench:
 
     def finish(self, name: str, columns: list[str], extra: dict | None = None) -> None:
         a = self.args
+        unknown = [n for n in (getattr(a, "only", None) or "").split(",") if n and n not in self._seen]
+        if unknown:  # a typo, or a row name cut at one of its own commas
+            print(f"note: --only names no row of this benchmark: {', '.join(unknown)}", flush=True)
         windows = "every window" if a.max_windows is None else f"first {a.max_windows}"
         print(
             f"\n{name}: {a.model}, {protocol_label(a)} protocol: calib {a.nsamples}x{a.seqlen} "

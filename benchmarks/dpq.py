@@ -41,7 +41,7 @@ def main() -> None:
     b.run("W4A8 rtn", "dpq", solver="rtn", **common)
     b.run("W4A16-FP8w dpq gar", "dpq", order="gar", act=None, **common)  # FP8 weights, 16-bit activations
     b.run("W4A16-FP8w naive gptq gar", "dpq", order="gar", naive=True, act=None, **common)
-    ablation = "W4A8 dpq gar nearest-code (ablation, not the paper)"
+    ablation = "W4A8 dpq gar nearest-code (ablation; not the paper)"  # no comma: --only splits on commas
     b.run(ablation, "dpq", order="gar", nearest_code=True, **common)
     for r in b.rows:
         r.pop("layers", None)
