@@ -38,14 +38,8 @@ from bitmosaic.algorithms.sq import static_act_scales, static_channel_mask, stat
 from bitmosaic.data import bos_token_id, calibration_samples
 from bitmosaic.eval.perplexity import perplexity
 from bitmosaic.formats.act import ActQuantSpec
-from bitmosaic.formats.sq import (
-    act_name,
-    act_scale_bits,
-    act_scale_group,
-    act_storage_bits,
-    parse_sq,
-    weight_name,
-)
+from bitmosaic.formats.sq import act_name, parse_sq, weight_name
+from bitmosaic.formats.sq_act import act_scale_bits, act_scale_group, act_storage_bits
 from bitmosaic.io import load_quantized, save_quantized
 from bitmosaic.methods import get_method
 from bitmosaic.modules.actquant import attach_input_quant, input_quant_spec

@@ -15,7 +15,8 @@ from bitmosaic import quantize_
 from bitmosaic.algorithms.sq import dynamic_split, static_act_scales, static_channel_mask, static_split
 from bitmosaic.cli import main
 from bitmosaic.formats.act import ActQuantSpec, fake_quant
-from bitmosaic.formats.sq import act_scale_bits, act_storage_bits, parse_sq
+from bitmosaic.formats.sq import parse_sq
+from bitmosaic.formats.sq_act import act_scale_bits, act_storage_bits
 from bitmosaic.io import load_quantized, save_quantized
 from bitmosaic.methods import get_method
 from bitmosaic.modules.sq import SQActLinear, SQWeightLinear

@@ -21,7 +21,7 @@ ablations), :func:`static_channel_mask` (top ``(1 - s)`` channels per bank) and
 
 Activation scales (both strategies; the paper leaves their granularity unprinted, §3.2.2): each part
 (low, high) gets its own scale per token and scale group -- the whole token, one bank, or ``G``
-channels (:func:`bitmosaic.formats.sq.act_scale_group`).  With a static mask the bank/group scales
+channels (:func:`bitmosaic.formats.sq_act.act_scale_group`).  With a static mask the bank/group scales
 may instead be calibrated once (:func:`static_act_scales`: the largest calibration ``|x_j|`` over the
 part's channels of each group), which makes the activation quantizer fully static: no reduction
 over the token at inference.
@@ -35,20 +35,19 @@ from dataclasses import dataclass, field
 import torch
 
 from ..formats.sq import (
-    ACT_SCALES,
     SQFormat,
     SQTensor,
     _fp4_decode,
     _fp4_encode,
     _fp8_decode,
     _fp8_encode,
-    act_scale_group,
     bank_topk_mask,
     part_scales,
     round_high,
     round_low,
     sq_quantize,
 )
+from ..formats.sq_act import ACT_SCALES, act_scale_group
 from .gptq import gptq_quantize
 from .hessian import gptq_factor
 from .types import QuantResult
@@ -271,7 +270,7 @@ def high_first_permutation(mask: torch.Tensor) -> torch.Tensor:
 def dynamic_split(x: torch.Tensor, fmt: SQFormat, scale: str = "token", group: int | None = None) -> SQTensor:
     """Dynamic SQ-format of activations ``x`` ``[tokens, K]``: per token and bank the top
     ``(1 - s)`` by ``|x|`` are high; each part gets its own scale per token and scale group
-    (``scale``: token | bank | group of ``group`` channels, :data:`~bitmosaic.formats.sq.ACT_SCALES`)."""
+    (``scale``: token | bank | group of ``group`` channels, :data:`~bitmosaic.formats.sq_act.ACT_SCALES`)."""
     if scale not in ACT_SCALES:
         raise ValueError(f"SQ activation scale must be one of {ACT_SCALES}, got {scale!r}")
     mask = bank_topk_mask(x.abs(), fmt)

@@ -19,7 +19,7 @@ Weight storage (§3.2.1, Fig. 1) -- :func:`pack_sq` / :func:`unpack_sq`:
   NVIDIA's metadata).
 - scales: fp16, one low and one high scale per (row, scale group); for weights the group is one
   bank ("each column of each bank ... as a group", Fig. 1).  For activations the group is chosen
-  (:data:`ACT_SCALES`, :func:`act_scale_group`): the whole token, one bank, or ``G`` channels with
+  (:mod:`bitmosaic.formats.sq_act`): the whole token, one bank, or ``G`` channels with
   ``G`` independent of the bank.  The paper does not print the activation scale granularity, but
   its Table 2 (dynamic perplexity worsens as the bank grows at fixed ``s``) fits per-bank scales.
 
@@ -36,7 +36,8 @@ alone, ``0b1000``); a low value that rounds to zero is always stored as ``+0``.
 Bits.  The paper's equivalent bits leave scales out: weights ``x = (1 - s) h_high + h_low``
 (every place has a low code, Fig. 1), activations ``y = (1 - s) h_high + s h_low`` plus, for static
 masks, one bit per channel.  :func:`measured_bits` counts the real stored buffers, scales included
-(two fp16 scales per bank column add ``32 / b`` bits per weight); :func:`act_scale_bits` is the
+(two fp16 scales per bank column add ``32 / b`` bits per weight);
+:func:`~bitmosaic.formats.sq_act.act_scale_bits` is the
 activation scales' share (``32 / G`` per value for two fp16 scales per token and group of ``G``
 channels; amortised over the tokens when the scales are calibrated once per linear).
 """
@@ -66,10 +67,6 @@ __all__ = [
     "pack_sq",
     "unpack_sq",
     "measured_bits",
-    "act_storage_bits",
-    "ACT_SCALES",
-    "act_scale_group",
-    "act_scale_bits",
     "quantize_part",
     "weight_name",
     "act_name",
@@ -79,7 +76,6 @@ BANKS = (4, 8, 16, 32, 64, 128)
 SPARSITIES = (0.5, 0.75, 0.875, 0.9375)
 INT_PAIRS = ((8, 4), (8, 3), (8, 2), (4, 2))
 FP_HIGH, FP_LOW = "e4m3", "e2m1"  # the FP8/FP4 pair (App. 8)
-ACT_SCALES = ("token", "bank", "group")  # activation scale groups: a token, a bank, G channels
 _MIN_SCALE = 2.0**-24  # smallest positive fp16 (subnormal): scales stay fp16-exact and nonzero
 # E2M1 magnitudes by 3-bit code (exponent, mantissa): 0, 0.5, 1, 1.5, 2, 3, 4, 6
 _E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -451,60 +447,6 @@ def unpack_sq(
         low = torch.zeros(rows, K, device=pos.device)
     high = torch.zeros(rows, K, device=hv.device).scatter_(1, idx, hv)
     return SQTensor(fmt, mask, low, high, buf["low_scale"].float(), buf["high_scale"].float(), group)
-
-
-def act_scale_group(fmt: SQFormat, K: int, scale: str, group: int | None = None) -> int:
-    """Channels that share one activation scale (per part): ``K`` for ``"token"``, ``b`` for
-    ``"bank"``, ``group`` for ``"group"`` (any positive width, independent of the bank; a partial
-    last group is used when it does not divide ``K``)."""
-    if scale == "token":
-        return K
-    if scale == "bank":
-        return fmt.bank
-    if scale == "group":
-        if group is None or int(group) < 1:
-            raise ValueError(f"SQ activation scale 'group' needs a positive group width, got {group!r}")
-        return min(int(group), K)
-    raise ValueError(f"SQ activation scale must be one of {ACT_SCALES}, got {scale!r}")
-
-
-def act_scale_bits(K: int, group: int, calibrated: bool = False, tokens: int = 2048) -> float:
-    """Bits per activation value spent on scales: two fp16 scales (low, high) per scale group of
-    ``group`` channels, per token -- or, ``calibrated``, once per linear (amortised over ``tokens``)."""
-    per_row = 2 * 16 * -(-K // group)
-    return per_row / (K * tokens) if calibrated else per_row / K
-
-
-def act_storage_bits(
-    fmt: SQFormat,
-    K: int,
-    strategy: str,
-    tokens: int = 2048,
-    scale: str = "token",
-    group: int | None = None,
-    calibrated: bool = False,
-) -> float:
-    """Stored bits per activation value of ``tokens`` rows of width ``K`` (scales included).
-
-    ``dynamic``: the Fig. 1 layout built from an actual split (full-shape low tensor carrying
-    ``v_mask``, compact high values, one fp16 scale per part, token and scale group).  ``static``:
-    the two reordered dense parts (``s K`` low and ``(1 - s) K`` high values per token), two fp16
-    scales per token and scale group (:func:`act_scale_bits`; per linear when ``calibrated``), plus
-    the 1-bit channel mask per linear, amortised over ``tokens``.  The scale group is
-    :func:`act_scale_group` of ``scale``/``group``.
-    """
-    g = act_scale_group(fmt, K, scale, group)
-    if strategy == "dynamic":
-        if calibrated:
-            raise ValueError("calibrated activation scales need a static mask")
-        x = torch.randn(tokens, K, generator=torch.Generator().manual_seed(0))
-        m = bank_topk_mask(x.abs(), fmt)
-        return measured_bits(pack_sq(sq_quantize(x, m, fmt, group=g)), tokens * K)
-    if strategy != "static":
-        raise ValueError(f"strategy must be dynamic or static, got {strategy!r}")
-    kh = fmt.high_count(K)
-    values = (K - kh) * fmt.h_low + kh * fmt.h_high
-    return (values + K / tokens) / K + act_scale_bits(K, g, calibrated, tokens)
 
 
 def measured_bits(buf: dict[str, torch.Tensor], numel: int, extra: list[torch.Tensor] | None = None) -> float:

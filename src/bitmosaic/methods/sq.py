@@ -37,7 +37,8 @@ from ..algorithms.sq import (
 )
 from ..algorithms.types import QuantResult
 from ..errors import OptionError
-from ..formats.sq import ACT_SCALES, act_name, parse_sq, weight_name
+from ..formats.sq import act_name, parse_sq, weight_name
+from ..formats.sq_act import ACT_SCALES
 from ..modules.qlinear import QuantLinear
 from ..modules.sq import STRATEGIES, SQActLinear, SQWeightLinear
 from .common import require_hessian, shared

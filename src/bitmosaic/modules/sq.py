@@ -33,7 +33,8 @@ from torch import nn
 from ..algorithms.sq import SQWeightResult, dynamic_split, high_first_permutation, static_split
 from ..algorithms.types import QuantResult
 from ..formats.packing import packed_cols
-from ..formats.sq import ACT_SCALES, _compact_index, _pos_bits, act_scale_group, pack_sq, parse_sq, unpack_sq
+from ..formats.sq import _compact_index, _pos_bits, pack_sq, parse_sq, unpack_sq
+from ..formats.sq_act import ACT_SCALES, act_scale_group
 from .base import NoIntForm, QuantModule
 from .qlinear import QuantLinear
 

@@ -5,11 +5,12 @@ the orthogonal group (Sec. 3.2; :func:`~bitmosaic.algorithms.rotation.cayley_ste
 next-token cross-entropy of the model whose linears see quantized activations.  The online
 Hadamards (R3/R4 in the paper's terms: ``o_proj``'s and ``down_proj``'s inputs here) stay fixed.
 
-As the paper does when GPTQ quantizes the weights afterwards (Sec. 4.1: "W16A4"), the weights stay
-in 16/32 bits while the rotations are learned; the activations are fake-quantized by the run's own
-activation quantizer with a straight-through gradient (a static quantizer is learned against its
-dynamic form of the same granularity -- per token for a per-tensor one -- since its scales are
-calibrated only after the rotation).  One calibration sample per step, cycling through them.
+As the paper does when a Hessian-based solver quantizes the weights afterwards (Sec. 4.1:
+"W16A4"), the weights stay in 16/32 bits while the rotations are learned; the activations are
+fake-quantized by the run's own activation quantizer with a straight-through gradient (a static
+quantizer is learned against its dynamic form of the same granularity -- per token for a per-tensor
+one -- since its scales are calibrated only after the rotation).  One calibration sample per step,
+cycling through them.
 
 The learning is generic: it rotates whatever :func:`~bitmosaic.pipeline.rotate.rotated_state` rotates
 and knows no method.  Cost: ``steps`` forward and backward passes of the whole float model.
