@@ -2,7 +2,9 @@
 W4, W3 and W2 g128 (loaded through ``load_quantized``, the low-bit kernels as the default path: the
 bit-plane LUT at 1-3 bits; the ``(FMA)`` rows run the same W3/W2 folders on ``LowBitWeight``; the
 ``+A8`` rows the same W4/W2 folders with run-time INT8 activations on the integer kernel,
-``$BITMOSAIC_RUNTIME_ACT=int8``, as llama.cpp quantizes its activations),
+``$BITMOSAIC_RUNTIME_ACT=int8``, as llama.cpp quantizes its activations; the ``+H8`` rows the output
+head as an 8-bit copy, ``--runtime-head int8``, as llama.cpp's file holds it in ``Q8_0``; ``+Q8H``
+its inputs too in int8 blocks, ``--runtime-head q8_0``, as llama.cpp computes it),
 against llama.cpp running the very GGUF the model comes from (Q4_1) where ``llama_cpp`` is
 installed (``pip install llama-cpp-python``, or the ``peers`` extra; it builds llama.cpp from
 source), same threads, same prompt token ids, same number of new tokens; without it the llama.cpp
@@ -70,20 +72,26 @@ def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repea
     from bitmosaic.modules.base import prepare_kernels
 
     torch.set_num_threads(threads)
-    if variant.endswith("(FMA)"):  # the same folder on LowBitWeight instead of the bit-plane LUT
+    flags = variant.split()
+    if "(FMA)" in flags:  # the same folder on LowBitWeight instead of the bit-plane LUT
         from bitmosaic.kernels.select import KERNEL_ENV
 
         os.environ[KERNEL_ENV] = "lowbit"
-    if variant.endswith("+A8"):  # run-time INT8 activations on the integer kernel (--runtime-act int8)
+    if "+A8" in flags:  # run-time INT8 activations on the integer kernel (--runtime-act int8)
         from bitmosaic.modules.intact import RUNTIME_ACT_ENV
 
         os.environ[RUNTIME_ACT_ENV] = "int8"
     rss_base = _rss_mb()  # after the imports: the growth from here is the model's
-    if variant == "float":
+    if flags[0] == "float":
         model, tok = load_model("smollm2-135m", dtype=torch.float32)
     else:
         model, tok = load_quantized(folder)
         prepare_kernels(model)
+    heads = {"+H8": "int8", "+Q8H": "q8_0"}  # the 8-bit output heads (--runtime-head; llama.cpp's Q8_0)
+    for flag in set(flags) & set(heads):
+        from bitmosaic.modules.head import set_runtime_head
+
+        set_runtime_head(model, heads[flag])
     model.eval()
     ids = tok(PROMPT, return_tensors="pt").input_ids
     times: list[float] = []
@@ -244,6 +252,12 @@ def main() -> None:
             folders[f"W{b} g128 (FMA)"] = folders[f"W{b} g128"]
         for b in (4, 2):  # the same folders with run-time INT8 activations (what llama.cpp does)
             folders[f"W{b} g128 +A8"] = folders[f"W{b} g128"]
+        # ... and with an 8-bit output head (llama.cpp's file holds its head as Q8_0): +H8 weight-only,
+        # +Q8H with int8 inputs per block of 32 too (--runtime-head int8 / q8_0)
+        for v in ("float", "W4 g128", "W2 g128"):
+            folders[f"{v} +H8"] = folders[v]
+        for v in ("W4 g128", "W2 g128", "W4 g128 +A8"):
+            folders[f"{v} +Q8H"] = folders[v.removesuffix(" +A8")]
         for threads in (int(t) for t in a.threads.split(",")):
             common = ["--child-threads", str(threads), "--new-tokens", str(a.new_tokens)]
             common += ["--repeats", str(a.repeats)]

@@ -128,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="int8: weight-only layers quantize their inputs to 8 bits per token at run time and multiply "
         "in integers (what llama.cpp does; faster, not saved); default none, or $BITMOSAIC_RUNTIME_ACT",
     )  # fmt: skip
+    e.add_argument(
+        "--runtime-head", choices=("none", "int8", "q8_0"), default=None,
+        help="int8: the output head runs an 8-bit copy of its weight (blocks of 32, llama.cpp's Q8_0); q8_0: "
+        "its inputs too are quantized per block of 32 and multiplied in integers, as llama.cpp does (faster "
+        "decode, not saved); default none, or $BITMOSAIC_RUNTIME_HEAD",
+    )  # fmt: skip
     e.add_argument("--seqlen", type=int, default=512)
     e.add_argument("--max-windows", type=int, default=None)
     e.add_argument("--data-dir", default=None)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .args import ACT_DESTS, calib_cache_from_args, task_list
 from .checks import check_counts, check_float_model, warn_positions
-from .eval_options import _fidelity_reference, _is_saved_quantized, _runtime_act
+from .eval_options import _fidelity_reference, _is_saved_quantized, _runtime_act, _runtime_head
 from .method_flags import method_flags, method_options
 
 
@@ -339,6 +339,9 @@ def cmd_eval(args) -> int:
     if args.runtime_act is not None:
         res["runtime_act"] = args.runtime_act
         _runtime_act(model, args.runtime_act)
+    if args.runtime_head is not None:
+        res["runtime_head"] = args.runtime_head
+        _runtime_head(model, args.runtime_head)
     res["dtype"] = str(dtype).removeprefix("torch.")
     if not skip_ppl:
         reference = load_model(ref_spec, dtype=dtype)[0] if ref_spec else None

@@ -1,5 +1,6 @@
 """What ``bitmosaic eval`` resolves before and after loading: the float reference of ``--fidelity``
-and ``--runtime-act`` (run-time INT8 activations, :mod:`bitmosaic.modules.intact`)."""
+``--runtime-act`` (run-time INT8 activations, :mod:`bitmosaic.modules.intact`) and ``--runtime-head``
+(the 8-bit output head, :mod:`bitmosaic.modules.head`)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,17 @@ def _runtime_act(model, mode: str) -> None:
     n = set_runtime_activations(model, mode)
     if mode != "none":
         print(f"runtime activations {mode}: {n} weight-only layers quantize inputs per token (not saved)")
+
+
+def _runtime_head(model, mode: str) -> None:
+    """``eval --runtime-head MODE`` on a loaded model (modules/head.py), with one line saying what runs."""
+    from ..modules.head import set_runtime_head
+
+    if set_runtime_head(model, mode):
+        acts = ", its inputs quantized to int8 per block too" if mode == "q8_0" else ""
+        print(f"runtime head {mode}: the output head runs an 8-bit copy (blocks of 32{acts}; not saved)")
+    elif mode != "none":
+        print(f"runtime head {mode}: this model has no linear output head; it stays as it is")
 
 
 def _fidelity_reference(model: str, ref: str) -> str:

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..errors import CorruptModelError
 from ..modules.base import QuantModule
+from ..modules.head import runtime_head_mode, set_runtime_head
 from ..modules.intact import runtime_act_mode, set_runtime_activations
 from ..modules.rotation import apply_saved_rotations
 
@@ -58,7 +59,8 @@ def finish_load(
     at the inputs they were folded for (before any input quantizer), and keeps the record as
     ``model.bitmosaic_rotation`` (so a re-save keeps it).  ``$BITMOSAIC_RUNTIME_ACT=int8`` gives the
     weight-only layers run-time 8-bit activations (:func:`~bitmosaic.modules.intact.set_runtime_activations`;
-    a bad value raises ``OptionError`` naming the choices)."""
+    a bad value raises ``OptionError`` naming the choices), ``$BITMOSAIC_RUNTIME_HEAD=int8`` the output
+    head its 8-bit copy (:func:`~bitmosaic.modules.head.set_runtime_head`)."""
     rotation = quant_config.get("rotation")
     try:
         apply_saved_rotations(model, rotation)
@@ -79,5 +81,7 @@ def finish_load(
     model.quantization_info = quant_config
     if runtime_act_mode() != "none":
         set_runtime_activations(model)
+    if runtime_head_mode() != "none":
+        set_runtime_head(model)
     model.eval()
     return model

@@ -1,0 +1,145 @@
+"""Run-time 8-bit output head: the logits of a decoded token from an INT8 copy of the head, as llama.cpp does.
+
+At decode, a model's output head (``lm_head``, often tied to the embeddings) is the largest matrix it
+reads per token: SmolLM2-135M's is ``49152 x 576`` float32, 113 MB, about a third of bitmosaic's
+per-token time before this (``benchmarks/decode.py``).  llama.cpp reads it at 8 bits (SmolLM2's GGUF
+stores ``token_embd`` as ``Q8_0``: symmetric int8 in blocks of 32 with one scale each).
+
+Two run-time heads (:func:`set_runtime_head`), both with the weight in that format -- per row, blocks of
+``HEAD_GROUP = 32`` input columns, ``s = max|w| / 127``, ``q = round(w / s)`` in ``[-127, 127]``
+(llama.cpp's ``quantize_row_q8_0``, with a float32 scale):
+
+* ``int8``: weight-only; the low-bit kernel (:class:`~bitmosaic.kernels.qmatmul.LowBitWeight` at 8
+  bits, codes ``q + 128`` with zero-point 128) multiplies the float activations.  Its error per weight
+  is at most ``s / 2 = max|w| / 254`` of its block; on a model whose head came from a ``Q8_0`` block
+  (SmolLM2's GGUF) the codes are the file's own and the logits equal the float head's up to float32
+  rounding.
+* ``q8_0``: what llama.cpp computes (``ggml_vec_dot_q8_0_q8_0``): the activations too are quantized to
+  int8 per block of 32 (dynamic, symmetric, ``max|x| / 127``) and the integer kernel
+  (:class:`~bitmosaic.kernels.intmm.IntActWeight`, AVX-512 VNNI / AVX2) multiplies integers: about 3x
+  faster than ``int8`` on one thread here, with the activations' rounding added.
+
+Like run-time activations (:mod:`.intact`) they are approximations chosen at run time for speed: off by
+default, not saved (the head's float weight, its tie to the embeddings and the state dict are
+unchanged; off the CPU, or when the head's weight needs a gradient, the float head runs),
+``bitmosaic eval --runtime-head int8|q8_0`` or ``$BITMOSAIC_RUNTIME_HEAD`` at load.  Their KL and top-1
+agreement against the float head are measured on SmolLM2 (README, "Faster decode").
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..formats.act import ActQuantSpec, act_scales
+from ..formats.grid import quantize_codes
+from ..kernels.intmm import IntActWeight
+from .kernel import lowbit_from_codes
+
+__all__ = [
+    "HEAD_GROUP",
+    "RUNTIME_HEAD_ENV",
+    "RUNTIME_HEADS",
+    "int8_head_codes",
+    "runtime_head",
+    "runtime_head_mode",
+    "set_runtime_head",
+]
+
+RUNTIME_HEAD_ENV = "BITMOSAIC_RUNTIME_HEAD"
+RUNTIME_HEADS = ("none", "int8", "q8_0")
+HEAD_GROUP = 32  # llama.cpp's Q8_0 block
+_QMAX = 127
+
+
+def runtime_head_mode(mode: str | None = None) -> str:
+    """``mode`` (``none``/``int8``/``q8_0``), or ``$BITMOSAIC_RUNTIME_HEAD`` when ``mode`` is ``None`` (unset:
+    ``none``); anything else raises :class:`~bitmosaic.errors.OptionError` naming the choices."""
+    from ..errors import OptionError
+
+    source = f"${RUNTIME_HEAD_ENV}" if mode is None else "--runtime-head"
+    value = os.environ.get(RUNTIME_HEAD_ENV, "none") if mode is None else mode
+    value = value.strip().lower() or "none"
+    if value not in RUNTIME_HEADS:
+        raise OptionError(f"{source}={value!r} is not one of {', '.join(RUNTIME_HEADS)}")
+    return value
+
+
+def int8_head_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes uint8 [N, K] = q + 128, scales float32 [N, ceil(K / 32)])`` of ``weight [N, K]``
+    (module doc: symmetric int8 per block of 32 columns; an all-zero block gets scale 1)."""
+    w = weight.detach().float()
+    N, K = w.shape
+    G = -(-K // HEAD_GROUP)
+    padded = F.pad(w.abs(), (0, G * HEAD_GROUP - K)).view(N, G, HEAD_GROUP)
+    s = padded.amax(-1) / _QMAX
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    full = s.repeat_interleave(HEAD_GROUP, dim=1)[:, :K]
+    q = quantize_codes(w, full, torch.tensor(128.0), 2 * _QMAX + 1)
+    return q.to(torch.uint8), s
+
+
+_ACT = ActQuantSpec("int", 8, granularity="group", group_size=HEAD_GROUP)  # q8_0's activation blocks
+
+
+class _Int8HeadForward:
+    """The head's ``forward`` while an 8-bit head (``mode``, module doc) is on: an instance attribute of
+    the head module."""
+
+    def __init__(self, head: nn.Linear, mode: str) -> None:
+        codes, scales = int8_head_codes(head.weight)
+        self.head, self.mode = head, mode
+        if mode == "q8_0":
+            self.kernel = IntActWeight.from_codes(codes, 8, scales, 128.0, HEAD_GROUP)
+        else:
+            self.kernel = lowbit_from_codes(codes, 8, scales, 128.0, HEAD_GROUP, None, ("lowbit",))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        head = self.head
+        if x.device.type != "cpu" or (torch.is_grad_enabled() and head.weight.requires_grad):
+            # the kernels are CPU-only and have no backward: elsewhere, and when training, the float head
+            return F.linear(x, head.weight, head.bias)
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        if self.mode == "q8_0":
+            y = self.kernel.matmul(x2, act_scales(x2, _ACT), HEAD_GROUP, _ACT.qmax)
+        else:
+            y = self.kernel(x2)
+        if head.bias is not None:
+            y = y + head.bias.float()
+        return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+
+    def nbytes(self) -> int:
+        return self.kernel.nbytes()
+
+
+def set_runtime_head(model: nn.Module, mode: str | None = None) -> bool:
+    """Run ``model``'s output head (``get_output_embeddings()``) at 8 bits on the CPU (``"int8"`` or
+    ``"q8_0"``, module doc), or in float again (``"none"``; ``None``: ``$BITMOSAIC_RUNTIME_HEAD``).
+    Returns whether an 8-bit head is now on (False too for a model without a linear head)."""
+    mode = runtime_head_mode(mode)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear):
+        return False
+    head.__dict__.pop("forward", None)  # back to nn.Linear.forward
+    if mode == "none":
+        return False
+    if mode == "q8_0" and head.in_features % HEAD_GROUP:
+        from ..errors import OptionError
+
+        raise OptionError(
+            f"--runtime-head q8_0 needs a head width that is a multiple of {HEAD_GROUP}, not "
+            f"{head.in_features}; use --runtime-head int8"
+        )
+    head.forward = _Int8HeadForward(head, mode)
+    return True
+
+
+def runtime_head(model: nn.Module) -> str:
+    """The run-time head ``model``'s output head runs (:func:`set_runtime_head`): ``"none"``, ``"int8"``
+    or ``"q8_0"``."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    fwd = getattr(head, "__dict__", {}).get("forward")
+    return fwd.mode if isinstance(fwd, _Int8HeadForward) else "none"
