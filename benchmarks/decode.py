@@ -183,6 +183,27 @@ def _make_quantized(tmp: Path, bits: int) -> Path:
     return out
 
 
+def _variants(only: str | None) -> list[str]:
+    """The rows, in order: float and W4/W3/W2 g128; the 1-3-bit folders on LowBitWeight ``(FMA)``
+    instead of the LUT; ``+A8`` run-time INT8 activations (what llama.cpp does); an 8-bit output head
+    (llama.cpp's file holds its head as Q8_0): ``+H8`` weight-only, ``+Q8H`` with int8 inputs per block
+    of 32 too (``--runtime-head int8 / q8_0``).  ``only``: those (float always)."""
+    rows = ["float", "W4 g128", "W3 g128", "W2 g128", "W3 g128 (FMA)", "W2 g128 (FMA)"]
+    rows += ["W4 g128 +A8", "W2 g128 +A8", "float +H8", "W4 g128 +H8", "W2 g128 +H8"]
+    rows += ["W4 g128 +Q8H", "W2 g128 +Q8H", "W4 g128 +A8 +Q8H"]
+    if not only:
+        return rows
+    unknown = [v for v in only.split(",") if v not in rows]
+    if unknown:
+        raise SystemExit(f"error: --only names no variant: {', '.join(unknown)}; variants: {', '.join(rows)}")
+    return [v for v in rows if v == "float" or v in only.split(",")]
+
+
+def _width(variant: str) -> int:
+    """The weight width of a variant's folder (0: the float model)."""
+    return 0 if variant.startswith("float") else int(variant[1])
+
+
 def _run_child(args: list[str]) -> dict | None:
     res = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("ROW ")]
@@ -217,6 +238,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed generations per row; the best is kept")
     p.add_argument("--json", default=str(RESULTS / "decode.json"))
+    p.add_argument("--only", default=None, help="comma list of variants (default all; float, llama.cpp too)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--folder", default="", help=argparse.SUPPRESS)
     p.add_argument("--prompt-ids", default="[]", help=argparse.SUPPRESS)
@@ -247,17 +269,9 @@ def main() -> None:
     load_before = os.getloadavg()
     rows = []
     with tempfile.TemporaryDirectory(prefix="bitmosaic-decode-") as tmp:
-        folders = {"float": "", **{f"W{b} g128": str(_make_quantized(Path(tmp), b)) for b in (4, 3, 2)}}
-        for b in (3, 2):  # 1-3 bits decode on the LUT by default: the same folders on LowBitWeight
-            folders[f"W{b} g128 (FMA)"] = folders[f"W{b} g128"]
-        for b in (4, 2):  # the same folders with run-time INT8 activations (what llama.cpp does)
-            folders[f"W{b} g128 +A8"] = folders[f"W{b} g128"]
-        # ... and with an 8-bit output head (llama.cpp's file holds its head as Q8_0): +H8 weight-only,
-        # +Q8H with int8 inputs per block of 32 too (--runtime-head int8 / q8_0)
-        for v in ("float", "W4 g128", "W2 g128"):
-            folders[f"{v} +H8"] = folders[v]
-        for v in ("W4 g128", "W2 g128", "W4 g128 +A8"):
-            folders[f"{v} +Q8H"] = folders[v.removesuffix(" +A8")]
+        folders = {v: _width(v) for v in _variants(a.only)}  # variant -> its weight width (0: float)
+        made = {b: str(_make_quantized(Path(tmp), b)) for b in sorted(set(folders.values()) - {0})}
+        folders = {v: made.get(b, "") for v, b in folders.items()}
         for threads in (int(t) for t in a.threads.split(",")):
             common = ["--child-threads", str(threads), "--new-tokens", str(a.new_tokens)]
             common += ["--repeats", str(a.repeats)]
