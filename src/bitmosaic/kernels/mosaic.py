@@ -44,8 +44,7 @@ from __future__ import annotations
 
 import torch
 
-from . import build, tiles
-from .isa import isa_number
+from . import build, ops, tiles
 from .qmatmul import LowBitWeight
 
 __all__ = ["MosaicWeight", "MosaicColumnsWeight", "DECODE_ROWS", "extension"]
@@ -118,8 +117,7 @@ class MosaicWeight:
         if ext is None:
             y = y + self.sparse_only(x2)
         else:
-            args = (x2, self.codes_t, self.scales, self.cb, self.starts_t, y, self.bm)
-            ext.residual_accumulate(*args, isa_number(ext=ext))
+            y = ops.mosaic_residual(x2, self.codes_t, self.scales, self.cb, self.starts_t, y, self.bm)
         return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
 
     def fused(self, x: torch.Tensor) -> torch.Tensor:

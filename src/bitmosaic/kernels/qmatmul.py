@@ -50,7 +50,7 @@ import torch
 
 from ..formats.grid import dequantize_codes
 from ..formats.packing import pack_codes
-from . import build, tiles
+from . import build, ops, tiles
 from .isa import isa_number
 
 __all__ = ["LowBitWeight", "extension", "LAYOUT_VERSION"]
@@ -221,13 +221,9 @@ class LowBitWeight:
         if x.shape[-1] != self.K:
             raise ValueError(f"x has {x.shape[-1]} features but the weight has {self.K} input columns")
         x2 = x.reshape(-1, self.K).float()
-        ext = extension()
         tile = max(8, tiles.PREFILL_TILE_ELEMS // max(self.K, 1))
-        if ext is not None:
-            tile = -tile if _TILE_SHARED else tile
-            y = ext.qmatmul(x2, *self._args(), tile, isa_number(ext=ext))
-        else:
-            y = tiled_matmul_torch(x2, self.N, tile, self._dequantize_torch)
+        tile = -tile if _TILE_SHARED else tile
+        y = ops.qmatmul(x2, *self._args(), tile, "auto")  # the extension, else the pure-torch path
         return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
 
     def dequantize(self, rows: slice | None = None) -> torch.Tensor:

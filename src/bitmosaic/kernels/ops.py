@@ -1,0 +1,219 @@
+"""The compiled kernels as ``torch.library`` custom operators, so that ``torch.compile`` can trace a
+quantized model's forward end to end.
+
+A pybind11 call is opaque to dynamo: every one of them was a graph break, so a compiled decode step fell
+back to Python between the linears.  Each inference entry point of the C++ extensions is registered here
+as ``bitmosaic::NAME`` (``torch.library.custom_op``, no mutated arguments) with a *fake* implementation
+that gives the output's shape and dtype from the inputs' alone; dynamo then records one node per call
+and inductor calls the operator from its generated code.
+
+The kernel classes (:mod:`.qmatmul`, :mod:`.lut`, :mod:`.intmm`, :mod:`.mosaic`) call these operators in
+eager mode too (one dispatcher hop, a few microseconds, instead of the pybind call), so eager and compiled
+run the same code.  The operator's body calls the extension, or -- when it is absent (no compiler,
+``$BITMOSAIC_NO_EXT=1``) -- the kernel's pure-torch path, so a model compiles and gives the same numbers
+either way (the fallback runs inside the opaque operator: its data-dependent loops never reach dynamo).
+The instruction set is resolved inside the body on every call (:func:`~bitmosaic.kernels.isa.isa_number`,
+``$BITMOSAIC_KERNEL_ISA`` read per call, as before); ``isa`` arguments take an ISA name or ``"auto"``.
+
+Operators (names and arguments follow the extension entry points):
+
+* ``qmatmul`` -- :meth:`LowBitWeight.matmul <bitmosaic.kernels.qmatmul.LowBitWeight.matmul>`;
+* ``lut_matmul`` -- :meth:`BitPlaneWeight.matmul <bitmosaic.kernels.lut.BitPlaneWeight.matmul>`
+  (SFMP §4.5, App. B Eq. 17);
+* ``int8_quantize`` and ``int_matmul`` -- :class:`~bitmosaic.kernels.intmm.IntActWeight`'s two steps
+  (the activation scales are returned as a new tensor, never the input's storage: an operator's outputs
+  may not alias its inputs);
+* ``mosaic_residual`` -- :meth:`MosaicWeight.decode <bitmosaic.kernels.mosaic.MosaicWeight.decode>`'s
+  residual pass, returning ``y + x (M ⊙ Q(R))ᵀ`` as a new tensor (the extension accumulates in place into
+  a copy of ``y``; MosaicQuant §4.2).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import build
+from .isa import isa_number
+
+__all__ = ["qmatmul", "lut_matmul", "int8_quantize", "int_matmul", "mosaic_residual", "OPS"]
+
+
+@torch.library.custom_op("bitmosaic::qmatmul", mutates_args=())
+def qmatmul(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    base: torch.Tensor,
+    rowlen: torch.Tensor,
+    goff: torch.Tensor,
+    bits: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    K: int,
+    group_size: int,
+    row_block: int,
+    tile: int,
+    isa: str,
+) -> torch.Tensor:
+    """``x [M, K]`` float32 times the low-bit weight (layout 2, :mod:`.qmatmul`) -> ``[M, N]`` float32;
+    ``tile``: prefill tile rows (negative: one shared tile)."""
+    args = (data, base, rowlen, goff, bits, scales, zeros, K, group_size, row_block)
+    ext = build.load("qmatmul")
+    if ext is not None:
+        return ext.qmatmul(x, *args, tile, isa_number(isa, ext))
+    from .qmatmul import LowBitWeight, tiled_matmul_torch
+
+    w = LowBitWeight(*args)
+    return tiled_matmul_torch(x, w.N, abs(tile), w._dequantize_torch)
+
+
+@qmatmul.register_fake
+def _(x, data, base, rowlen, goff, bits, scales, zeros, K, group_size, row_block, tile, isa):
+    return x.new_empty(x.shape[0], scales.shape[0])
+
+
+@torch.library.custom_op("bitmosaic::lut_matmul", mutates_args=())
+def lut_matmul(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    offsets: torch.Tensor,
+    bits: torch.Tensor,
+    scales_t: torch.Tensor,
+    zeros_t: torch.Tensor,
+    N: int,
+    K: int,
+    group_size: int,
+    row_block: int,
+    tile: int,
+    isa: str,
+    in_index: torch.Tensor | None,
+    out_index: torch.Tensor | None,
+) -> torch.Tensor:
+    """``x[:, in_index] [M, K]`` float32 times the bit-plane weight (:mod:`.lut`), columns ``out_index``
+    of the result -> ``[M, n_out]`` float32."""
+    ext = build.load("lutgemv")
+    geometry = (N, K, group_size, row_block)
+    if ext is not None:
+        return ext.lut_matmul(
+            x,
+            data,
+            offsets,
+            bits,
+            scales_t,
+            zeros_t,
+            *geometry,
+            tile,
+            isa_number(isa, ext),
+            in_index,
+            out_index,
+        )
+    from ..formats.bitplane import BitPlanes
+    from .lut import BitPlaneWeight
+    from .qmatmul import tiled_matmul_torch
+
+    w = BitPlaneWeight(BitPlanes(data, offsets, bits, *geometry), scales_t, zeros_t)
+    if in_index is not None:
+        x = x.index_select(1, in_index)
+    y = tiled_matmul_torch(x, N, tile, w._dequantize_torch)
+    return y if out_index is None else y.index_select(1, out_index)
+
+
+@lut_matmul.register_fake
+def _(x, data, offsets, bits, scales_t, zeros_t, N, K, group_size, row_block, tile, isa, in_index, out_index):
+    return x.new_empty(x.shape[0], N if out_index is None else out_index.shape[0])
+
+
+@torch.library.custom_op("bitmosaic::int8_quantize", mutates_args=())
+def int8_quantize(
+    x: torch.Tensor,
+    act_scale: torch.Tensor | None,
+    act_group: int,
+    qmax: float,
+    KP: int,
+    group_size: int,
+    G: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q [M, KP] int8, qsum [M, G] int32, scales)`` of ``x [M, K]`` float32 (:meth:`IntActWeight.quantize
+    <bitmosaic.kernels.intmm.IntActWeight.quantize>`); ``act_scale=None``: dynamic per-token ``[M, 1]``."""
+    K = x.shape[1]
+    ext = build.load("intmm")
+    if act_scale is None and ext is None:
+        act_scale = (x.abs().amax(-1, keepdim=True) / qmax).clamp(min=1e-12)
+    if ext is not None:
+        sa = torch.empty(0) if act_scale is None else act_scale.float().contiguous()
+        isa_n = isa_number(ext=ext)
+        q, qsum, sa_out = ext.quantize(x.contiguous(), sa, act_group, float(qmax), KP, group_size, G, isa_n)
+        return q, qsum, sa_out.clone() if act_scale is not None else sa_out
+    sa = act_scale.float().clone().contiguous()
+    s = sa.repeat_interleave(act_group, dim=1)[:, :K]
+    q = torch.round(x / s).clamp_(-qmax - 1, qmax).to(torch.int8)
+    q = torch.nn.functional.pad(q, (0, KP - K))
+    pad = G * group_size - KP
+    qs = torch.nn.functional.pad(q.to(torch.int32), (0, max(pad, 0)))[:, : G * group_size]
+    return q, qs.reshape(q.shape[0], G, -1).sum(-1, dtype=torch.int32), sa
+
+
+@int8_quantize.register_fake
+def _(x, act_scale, act_group, qmax, KP, group_size, G):
+    M = x.shape[0]
+    q = x.new_empty(M, KP, dtype=torch.int8)
+    qsum = x.new_empty(M, G, dtype=torch.int32)
+    sa = x.new_empty(M, 1) if act_scale is None else torch.empty_like(act_scale, dtype=torch.float32)
+    return q, qsum, sa
+
+
+@torch.library.custom_op("bitmosaic::int_matmul", mutates_args=())
+def int_matmul(
+    q: torch.Tensor,
+    qsum: torch.Tensor,
+    sa: torch.Tensor,
+    ratio: int,
+    data: torch.Tensor,
+    sc: torch.Tensor,
+    zc: torch.Tensor,
+    N: int,
+    G: int,
+    group_size: int,
+    bytes_layout: bool,
+    b8: bool,
+) -> torch.Tensor:
+    """``y [M, N]`` float32 from int8 activations and the integer weight layout (:mod:`.intmm`); needs the
+    ``intmm`` extension (:class:`~bitmosaic.kernels.intmm.IntActWeight` runs ``torch._int_mm`` without it)."""
+    ext = build.load("intmm")
+    if ext is None:
+        raise RuntimeError("bitmosaic::int_matmul needs the compiled intmm extension")
+    layout = (data, sc, zc, N, G, group_size, bytes_layout, b8)
+    return ext.int_matmul(q, qsum, sa, ratio, *layout, isa_number(ext=ext))
+
+
+@int_matmul.register_fake
+def _(q, qsum, sa, ratio, data, sc, zc, N, G, group_size, bytes_layout, b8):
+    return q.new_empty(q.shape[0], N, dtype=torch.float32)
+
+
+@torch.library.custom_op("bitmosaic::mosaic_residual", mutates_args=())
+def mosaic_residual(
+    x: torch.Tensor,
+    codes_t: torch.Tensor,
+    scales: torch.Tensor,
+    cb: torch.Tensor,
+    starts: torch.Tensor,
+    y: torch.Tensor,
+    bm: int,
+) -> torch.Tensor:
+    """``y + x (M ⊙ Q(R))ᵀ`` (new tensor) for ``x [T <= 8, K]`` float32 and the residual blocks of
+    :class:`~bitmosaic.kernels.mosaic.MosaicWeight` (transposed int8 codes ``[n_sel, bk, bmp]``)."""
+    ext = build.load("mosaic")
+    out = y.contiguous().clone()
+    if ext is None:
+        raise RuntimeError("bitmosaic::mosaic_residual needs the compiled mosaic extension")
+    ext.residual_accumulate(x.contiguous(), codes_t, scales, cb, starts, out, bm, isa_number(ext=ext))
+    return out
+
+
+@mosaic_residual.register_fake
+def _(x, codes_t, scales, cb, starts, y, bm):
+    return torch.empty_like(y, memory_format=torch.contiguous_format)
+
+
+OPS = {"qmatmul": qmatmul, "lut_matmul": lut_matmul, "int8_quantize": int8_quantize,
+       "int_matmul": int_matmul, "mosaic_residual": mosaic_residual}  # fmt: skip
