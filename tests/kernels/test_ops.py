@@ -21,7 +21,8 @@ def _codes(N, K, bits):
 
 
 def _affine(N, groups):
-    return torch.rand(N, groups, generator=G) * 0.1 + 0.01, torch.randint(0, 4, (N, groups), generator=G).float()
+    scales = torch.rand(N, groups, generator=G) * 0.1 + 0.01
+    return scales, torch.randint(0, 4, (N, groups), generator=G).float()
 
 
 def _lowbit(N=24, K=96, bits=4, gs=32):

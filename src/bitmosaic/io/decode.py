@@ -21,8 +21,9 @@ on this CPU, ``benchmarks/decode.py`` reports it apart from the decode rate); la
 ``max_new_tokens``, prompt length bucket and batch size reuse the graph, and another cache length
 compiles again.  It helps where Python overhead dominates a token (small models, batch 1); it changes no
 number beyond float32 reassociation by inductor's fused element-wise kernels (tested against eager:
-``tests/io/test_compiled_decode.py``).  Call it after :func:`~bitmosaic.modules.intact.set_runtime_activations`
-(a later change of the activation path needs :func:`disable_compiled_decode` and a new call).
+``tests/io/test_compiled_decode.py``).  Call it after
+:func:`~bitmosaic.modules.intact.set_runtime_activations` (a later change of the activation path needs
+:func:`disable_compiled_decode` and a new call).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def compile_config(options: dict | None = None):
     from transformers import CompileConfig
 
     cfg = CompileConfig(fullgraph=True, dynamic=False, mode="default", options=options)
-    cfg._compile_all_devices = True  # a class attribute in transformers: this instance compiles on the CPU too
+    cfg._compile_all_devices = True  # not a dataclass field: set on the instance (compile on the CPU too)
     return cfg
 
 
