@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bitmosaic.kernels import build, intmm, isa, ops
+from bitmosaic.kernels import build, intmm, isa, mosaic, ops
 from bitmosaic.kernels.intmm import IntActWeight
 from bitmosaic.kernels.lut import BitPlaneWeight
 from bitmosaic.kernels.qmatmul import LowBitWeight
@@ -93,8 +93,8 @@ def test_mosaic_residual_op():
     x = torch.randn(2, 96, generator=G)
     y0 = torch.randn(2, 40, generator=G)
     args = (x, k.codes_t, k.scales, k.cb, k.starts_t, y0, k.bm)
-    torch.library.opcheck(ops.mosaic_residual, args)
-    y = ops.mosaic_residual(*args)
+    torch.library.opcheck(mosaic.mosaic_residual, args)
+    y = mosaic.mosaic_residual(*args)
     torch.testing.assert_close(y, y0 + k.sparse_only(x), rtol=1e-5, atol=1e-5)
 
 

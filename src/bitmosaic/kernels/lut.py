@@ -48,9 +48,9 @@ import math
 import torch
 
 from ..formats import bitplane as bp
-from ..formats.grid import dequantize_codes
 from . import build, ops, tiles
 from .isa import ISAS
+from .torch_paths import bitplane_dequantize
 
 __all__ = ["BitPlaneWeight", "extension", "lut_gemv_reference"]
 
@@ -174,9 +174,7 @@ class BitPlaneWeight:
         return self._dequantize_torch(r0, r1)
 
     def _dequantize_torch(self, r0: int, r1: int) -> torch.Tensor:
-        codes = bp.unpack(self.planes, slice(r0, r1))
-        gi = torch.arange(self.K) // self.group_size
-        return dequantize_codes(codes.float(), self.scales_t.T[r0:r1, gi], self.zeros_t.T[r0:r1, gi])
+        return bitplane_dequantize(self.planes, self.scales_t, self.zeros_t, r0, r1)
 
 
 # signs of the 128 stored entries of an 8-activation table: entry p (bit 7 clear) = Σ_t ±x_t

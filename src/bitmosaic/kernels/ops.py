@@ -23,19 +23,20 @@ Operators (names and arguments follow the extension entry points):
 * ``int8_quantize`` and ``int_matmul`` -- :class:`~bitmosaic.kernels.intmm.IntActWeight`'s two steps
   (the activation scales are returned as a new tensor, never the input's storage: an operator's outputs
   may not alias its inputs);
-* ``mosaic_residual`` -- :meth:`MosaicWeight.decode <bitmosaic.kernels.mosaic.MosaicWeight.decode>`'s
-  residual pass, returning ``y + x (M ⊙ Q(R))ᵀ`` as a new tensor (the extension accumulates in place into
-  a copy of ``y``; MosaicQuant §4.2).
+* ``bitmosaic::mosaic_residual`` is registered beside its kernel, in :mod:`.mosaic` (MosaicQuant's
+  residual pass; the same conventions).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..formats.bitplane import BitPlanes
 from . import build
 from .isa import isa_number
+from .torch_paths import bitplane_dequantize, lowbit_dequantize, tiled_matmul_torch
 
-__all__ = ["qmatmul", "lut_matmul", "int8_quantize", "int_matmul", "mosaic_residual", "OPS"]
+__all__ = ["qmatmul", "lut_matmul", "int8_quantize", "int_matmul", "OPS"]
 
 
 @torch.library.custom_op("bitmosaic::qmatmul", mutates_args=())
@@ -60,10 +61,7 @@ def qmatmul(
     ext = build.load("qmatmul")
     if ext is not None:
         return ext.qmatmul(x, *args, tile, isa_number(isa, ext))
-    from .qmatmul import LowBitWeight, tiled_matmul_torch
-
-    w = LowBitWeight(*args)
-    return tiled_matmul_torch(x, w.N, abs(tile), w._dequantize_torch)
+    return tiled_matmul_torch(x, scales.shape[0], abs(tile), lambda r0, r1: lowbit_dequantize(*args, r0, r1))
 
 
 @qmatmul.register_fake
@@ -106,14 +104,10 @@ def lut_matmul(
             in_index,
             out_index,
         )
-    from ..formats.bitplane import BitPlanes
-    from .lut import BitPlaneWeight
-    from .qmatmul import tiled_matmul_torch
-
-    w = BitPlaneWeight(BitPlanes(data, offsets, bits, *geometry), scales_t, zeros_t)
+    planes = BitPlanes(data, offsets, bits, *geometry)
     if in_index is not None:
         x = x.index_select(1, in_index)
-    y = tiled_matmul_torch(x, N, tile, w._dequantize_torch)
+    y = tiled_matmul_torch(x, N, tile, lambda r0, r1: bitplane_dequantize(planes, scales_t, zeros_t, r0, r1))
     return y if out_index is None else y.index_select(1, out_index)
 
 
@@ -190,30 +184,5 @@ def _(q, qsum, sa, ratio, data, sc, zc, N, G, group_size, bytes_layout, b8):
     return q.new_empty(q.shape[0], N, dtype=torch.float32)
 
 
-@torch.library.custom_op("bitmosaic::mosaic_residual", mutates_args=())
-def mosaic_residual(
-    x: torch.Tensor,
-    codes_t: torch.Tensor,
-    scales: torch.Tensor,
-    cb: torch.Tensor,
-    starts: torch.Tensor,
-    y: torch.Tensor,
-    bm: int,
-) -> torch.Tensor:
-    """``y + x (M ⊙ Q(R))ᵀ`` (new tensor) for ``x [T <= 8, K]`` float32 and the residual blocks of
-    :class:`~bitmosaic.kernels.mosaic.MosaicWeight` (transposed int8 codes ``[n_sel, bk, bmp]``)."""
-    ext = build.load("mosaic")
-    out = y.contiguous().clone()
-    if ext is None:
-        raise RuntimeError("bitmosaic::mosaic_residual needs the compiled mosaic extension")
-    ext.residual_accumulate(x.contiguous(), codes_t, scales, cb, starts, out, bm, isa_number(ext=ext))
-    return out
-
-
-@mosaic_residual.register_fake
-def _(x, codes_t, scales, cb, starts, y, bm):
-    return torch.empty_like(y, memory_format=torch.contiguous_format)
-
-
 OPS = {"qmatmul": qmatmul, "lut_matmul": lut_matmul, "int8_quantize": int8_quantize,
-       "int_matmul": int_matmul, "mosaic_residual": mosaic_residual}  # fmt: skip
+       "int_matmul": int_matmul}  # fmt: skip
