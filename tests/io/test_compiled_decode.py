@@ -68,6 +68,26 @@ def test_generate_compiled_equals_eager():
     assert m.generation_config.cache_implementation is None and not hasattr(m, "_compiled_call")
 
 
+def test_from_pretrained_model_compiles_its_decode(tmp_path):
+    """A folder loaded by transformers (bitmosaic's HfQuantizer) takes the compiled step too (the
+    quantizer says it is compileable) and gives eager's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import quantized_dir
+
+    torch._dynamo.reset()
+    m = AutoModelForCausalLM.from_pretrained(quantized_dir(tmp_path / "q", tokenizer=False))
+    assert m.hf_quantizer.is_compileable
+    ids = prompt()
+    with torch.inference_mode():
+        ref, _ = _generate(m, ids)
+        enable_compiled_decode(m)
+        counters.clear()
+        out, _ = _generate(m, ids)
+    assert hasattr(m, "_compiled_call") and counters["stats"]["unique_graphs"] == 1
+    assert torch.equal(out, ref)
+
+
 def test_enable_compiled_decode_builds_kernels_first():
     m = quantized_tiny(4)
     enable_compiled_decode(m)
