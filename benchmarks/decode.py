@@ -24,7 +24,8 @@ compiles the decode graph (it is not in ``decode tok/s``); ``graphs`` counts the
 the row's process over every generate (1: no recompilation per token or per run).
 
     python benchmarks/decode.py [--threads 1,2] [--new-tokens 64] [--only "W4 g128,W4 g128 (compiled)"]
-    (writes results/decode.{md,json}; --only runs the named variants, llama.cpp Q4_1 included)
+    (writes results/decode.{md,json}; --only runs the named variants, llama.cpp Q4_1 included, and
+    the opt-in "W4 g128 (compiled+cpp_wrapper)" / "W4 g128 (compiled+freezing)": inductor options)
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ def _linear_bytes(model, folder: str) -> tuple[int, int]:
     return resident, stored
 
 
+# opt-in variants (run only when --only names them): the compiled W4 row with an inductor option
+_INDUCTOR_OPTIONS = {"+cpp_wrapper": {"cpp_wrapper": True}, "+freezing": {"freezing": True}}
+_OPT_IN = [f"W4 g128 (compiled{k})" for k in _INDUCTOR_OPTIONS]
+
+
 def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repeats: int) -> dict:
     import time
 
@@ -91,11 +97,11 @@ def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repea
         model, tok = load_quantized(folder)
         prepare_kernels(model)
     model.eval()
-    compiled = variant.endswith("(compiled)")
+    compiled = "(compiled" in variant
     if compiled:  # a static cache and the compiled decode step in plain generate
         from bitmosaic.io.decode import enable_compiled_decode
 
-        enable_compiled_decode(model)
+        enable_compiled_decode(model, options=_INDUCTOR_OPTIONS.get(variant.split("(compiled")[1].rstrip(")")))
     ids = tok(PROMPT, return_tensors="pt").input_ids
     times: list[float] = []
 
@@ -275,6 +281,7 @@ def main() -> None:
         for v in ("float", "W4 g128", "W2 g128"):  # static cache + torch.compile (io/decode.py)
             folders[f"{v} (compiled)"] = folders[v]
         if only is not None:
+            folders.update({v: folders["W4 g128"] for v in _OPT_IN})
             unknown = sorted(only - set(folders) - {"llama.cpp Q4_1"})
             if unknown:
                 p.error(f"--only names no variant: {', '.join(unknown)} (variants: {', '.join(folders)})")

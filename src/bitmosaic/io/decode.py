@@ -41,7 +41,9 @@ def compile_config(options: dict | None = None):
     options, e.g. ``{"cpp_wrapper": True}``)."""
     from transformers import CompileConfig
 
-    cfg = CompileConfig(fullgraph=True, dynamic=False, mode="default", options=options)
+    # torch.compile takes a mode or options, not both ("default" is inductor's default anyway)
+    mode = None if options else "default"
+    cfg = CompileConfig(fullgraph=True, dynamic=False, mode=mode, options=options or None)
     cfg._compile_all_devices = True  # not a dataclass field: set on the instance (compile on the CPU too)
     return cfg
 
