@@ -101,7 +101,8 @@ def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repea
     if compiled:  # a static cache and the compiled decode step in plain generate
         from bitmosaic.io.decode import enable_compiled_decode
 
-        enable_compiled_decode(model, options=_INDUCTOR_OPTIONS.get(variant.split("(compiled")[1].rstrip(")")))
+        option = variant.split("(compiled")[1].rstrip(")")  # "" or an _INDUCTOR_OPTIONS key
+        enable_compiled_decode(model, options=_INDUCTOR_OPTIONS.get(option))
     ids = tok(PROMPT, return_tensors="pt").input_ids
     times: list[float] = []
 
