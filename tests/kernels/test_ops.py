@@ -44,7 +44,7 @@ def _int(N=24, K=96, bits=4, gs=32):
 def test_qmatmul_op(rows):
     w = _lowbit()
     x = torch.randn(rows, w.K, generator=G)
-    torch.library.opcheck(ops.qmatmul, (x, *w._args(), 8, "auto"))
+    torch.library.opcheck(ops.qmatmul.op, (x, *w._args(), 8, "auto"))
     ref = x @ w.dequantize().T
     torch.testing.assert_close(ops.qmatmul(x, *w._args(), 8, "auto"), ref, rtol=1e-5, atol=1e-5)
 
@@ -57,7 +57,7 @@ def test_lut_matmul_op(rows, index):
     i_in = torch.randperm(w.K, generator=G).to(torch.int32) if index else None
     i_out = torch.randperm(w.N, generator=G)[:10] if index else None
     args = (x, *w._args(), 8, "auto", i_in, i_out)
-    torch.library.opcheck(ops.lut_matmul, args)
+    torch.library.opcheck(ops.lut_matmul.op, args)
     xs = x if i_in is None else x[:, i_in.long()]
     ref = xs @ w.dequantize().T
     ref = ref if i_out is None else ref[:, i_out]
@@ -70,7 +70,7 @@ def test_int8_ops(static):
     x = torch.randn(3, w.K, generator=G)
     sa = torch.full((1, 1), 0.03) if static else None
     qargs = (x, sa, w.K, 127.0, w.KP, w.group_size, w.G)
-    torch.library.opcheck(ops.int8_quantize, qargs)
+    torch.library.opcheck(ops.int8_quantize.op, qargs)
     q, qsum, s = ops.int8_quantize(*qargs)
     assert q.dtype == torch.int8 and qsum.dtype == torch.int32 and tuple(q.shape) == (3, w.KP)
     if sa is not None:
@@ -79,7 +79,7 @@ def test_int8_ops(static):
     if intmm.extension() is None:
         pytest.skip("no C++ compiler for the intmm extension (int_matmul needs it)")
     margs = (q, qsum, s, w.G, w.data, w.sc, w.zc, w.N, w.G, w.group_size, w.bits > 4, w.bits == 8)
-    torch.library.opcheck(ops.int_matmul, margs)
+    torch.library.opcheck(ops.int_matmul.op, margs)
     y = ops.int_matmul(*margs)
     ref = (q[:, : w.K].float() * s) @ ((w.codes().float() - w.zeros().repeat_interleave(32, 1)) *
                                        w.scales().repeat_interleave(32, 1)).T  # fmt: skip
@@ -93,7 +93,7 @@ def test_mosaic_residual_op():
     x = torch.randn(2, 96, generator=G)
     y0 = torch.randn(2, 40, generator=G)
     args = (x, k.codes_t, k.scales, k.cb, k.starts_t, y0, k.bm)
-    torch.library.opcheck(mosaic.mosaic_residual, args)
+    torch.library.opcheck(mosaic.mosaic_residual.op, args)
     y = mosaic.mosaic_residual(*args)
     torch.testing.assert_close(y, y0 + k.sparse_only(x), rtol=1e-5, atol=1e-5)
 

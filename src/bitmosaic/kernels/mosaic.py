@@ -46,6 +46,7 @@ import torch
 
 from . import build, tiles
 from .isa import isa_number
+from .ops import operator
 from .qmatmul import LowBitWeight
 
 __all__ = ["MosaicWeight", "MosaicColumnsWeight", "DECODE_ROWS", "extension", "mosaic_residual"]
@@ -59,7 +60,7 @@ def extension():
     return build.load("mosaic")
 
 
-@torch.library.custom_op("bitmosaic::mosaic_residual", mutates_args=())
+@operator("mosaic_residual")
 def mosaic_residual(
     x: torch.Tensor,
     codes_t: torch.Tensor,

@@ -3,15 +3,16 @@ quantized model's forward end to end.
 
 A pybind11 call is opaque to dynamo: every one of them was a graph break, so a compiled decode step fell
 back to Python between the linears.  Each inference entry point of the C++ extensions is registered here
-as ``bitmosaic::NAME`` (``torch.library.custom_op``, no mutated arguments) with a *fake* implementation
-that gives the output's shape and dtype from the inputs' alone; dynamo then records one node per call
-and inductor calls the operator from its generated code.
+as ``bitmosaic::NAME`` (``torch.library.custom_op``, no mutated arguments; :func:`operator`) with a
+*fake* implementation that gives the output's shape and dtype from the inputs' alone; dynamo then
+records one node per call and inductor calls the operator from its generated code.
 
-The kernel classes (:mod:`.qmatmul`, :mod:`.lut`, :mod:`.intmm`, :mod:`.mosaic`) call these operators in
-eager mode too (one dispatcher hop, a few microseconds, instead of the pybind call), so eager and compiled
-run the same code.  The operator's body calls the extension, or -- when it is absent (no compiler,
-``$BITMOSAIC_NO_EXT=1``) -- the kernel's pure-torch path, so a model compiles and gives the same numbers
-either way (the fallback runs inside the opaque operator: its data-dependent loops never reach dynamo).
+The kernel classes (:mod:`.qmatmul`, :mod:`.lut`, :mod:`.intmm`, :mod:`.mosaic`) call the functions
+below; under ``torch.compile`` each is the operator, in eager mode its body directly (no dispatcher
+hop: :func:`operator`), so eager and compiled run the same code.  The body calls the extension, or --
+when it is absent (no compiler, ``$BITMOSAIC_NO_EXT=1``) -- the kernel's pure-torch path
+(:mod:`.torch_paths`), so a model compiles and gives the same numbers either way (the fallback runs
+inside the opaque operator: its data-dependent loops never reach dynamo).
 The instruction set is resolved inside the body on every call (:func:`~bitmosaic.kernels.isa.isa_number`,
 ``$BITMOSAIC_KERNEL_ISA`` read per call, as before); ``isa`` arguments take an ISA name or ``"auto"``.
 
@@ -29,6 +30,8 @@ Operators (names and arguments follow the extension entry points):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..formats.bitplane import BitPlanes
@@ -36,10 +39,34 @@ from . import build
 from .isa import isa_number
 from .torch_paths import bitplane_dequantize, lowbit_dequantize, tiled_matmul_torch
 
-__all__ = ["qmatmul", "lut_matmul", "int8_quantize", "int_matmul", "OPS"]
+__all__ = ["operator", "qmatmul", "lut_matmul", "int8_quantize", "int_matmul", "OPS"]
 
 
-@torch.library.custom_op("bitmosaic::qmatmul", mutates_args=())
+def operator(name: str):
+    """Decorator: register ``fn`` as the operator ``bitmosaic::<name>`` (no mutated arguments; its
+    schema from ``fn``'s annotations) and return a function that calls the operator while dynamo traces
+    (``torch.compiler.is_compiling()``) and ``fn`` itself in eager mode -- the same code, without the
+    dispatcher hop (measured: a 576x576 W4 GEMV, 1 thread, 25.0 us through pybind, 33.4 us through the
+    operator; about 210 such calls per SmolLM2 token).  The returned function has ``.op`` (the
+    ``CustomOpDef``, for ``opcheck``) and ``.register_fake``."""
+
+    def wrap(fn):
+        op = torch.library.custom_op(f"bitmosaic::{name}", fn, mutates_args=())
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if torch.compiler.is_compiling():
+                return op(*args, **kwargs)
+            return fn(*args, **kwargs)
+
+        call.op = op
+        call.register_fake = op.register_fake
+        return call
+
+    return wrap
+
+
+@operator("qmatmul")
 def qmatmul(
     x: torch.Tensor,
     data: torch.Tensor,
@@ -69,7 +96,7 @@ def _(x, data, base, rowlen, goff, bits, scales, zeros, K, group_size, row_block
     return x.new_empty(x.shape[0], scales.shape[0])
 
 
-@torch.library.custom_op("bitmosaic::lut_matmul", mutates_args=())
+@operator("lut_matmul")
 def lut_matmul(
     x: torch.Tensor,
     data: torch.Tensor,
@@ -116,7 +143,7 @@ def _(x, data, offsets, bits, scales_t, zeros_t, N, K, group_size, row_block, ti
     return x.new_empty(x.shape[0], N if out_index is None else out_index.shape[0])
 
 
-@torch.library.custom_op("bitmosaic::int8_quantize", mutates_args=())
+@operator("int8_quantize")
 def int8_quantize(
     x: torch.Tensor,
     act_scale: torch.Tensor | None,
@@ -155,7 +182,7 @@ def _(x, act_scale, act_group, qmax, KP, group_size, G):
     return q, qsum, sa
 
 
-@torch.library.custom_op("bitmosaic::int_matmul", mutates_args=())
+@operator("int_matmul")
 def int_matmul(
     q: torch.Tensor,
     qsum: torch.Tensor,
@@ -184,5 +211,5 @@ def _(q, qsum, sa, ratio, data, sc, zc, N, G, group_size, bytes_layout, b8):
     return q.new_empty(q.shape[0], N, dtype=torch.float32)
 
 
-OPS = {"qmatmul": qmatmul, "lut_matmul": lut_matmul, "int8_quantize": int8_quantize,
-       "int_matmul": int_matmul}  # fmt: skip
+# qualified name -> CustomOpDef (mosaic_residual is registered in mosaic.py)
+OPS = {f.op._qualname: f.op for f in (qmatmul, lut_matmul, int8_quantize, int_matmul)}
