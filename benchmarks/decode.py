@@ -69,7 +69,12 @@ def _linear_bytes(model, folder: str) -> tuple[int, int]:
 
 
 # opt-in variants (run only when --only names them): the compiled W4 row with an inductor option
-_INDUCTOR_OPTIONS = {"+cpp_wrapper": {"cpp_wrapper": True}, "+freezing": {"freezing": True}}
+# (+skip_guards: no dynamo guards on module attributes, torch.compiler.skip_guard_on_all_nn_modules_unsafe)
+_INDUCTOR_OPTIONS = {
+    "+cpp_wrapper": {"cpp_wrapper": True},
+    "+freezing": {"freezing": True},
+    "+skip_guards": {"guard_filter_fn": "skip_guard_on_all_nn_modules_unsafe"},
+}
 _OPT_IN = [f"W4 g128 (compiled{k})" for k in _INDUCTOR_OPTIONS]
 
 
@@ -102,7 +107,10 @@ def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repea
         from bitmosaic.io.decode import enable_compiled_decode
 
         option = variant.split("(compiled")[1].rstrip(")")  # "" or an _INDUCTOR_OPTIONS key
-        enable_compiled_decode(model, options=_INDUCTOR_OPTIONS.get(option))
+        opts = dict(_INDUCTOR_OPTIONS.get(option, {}))
+        if "guard_filter_fn" in opts:
+            opts["guard_filter_fn"] = getattr(torch.compiler, opts["guard_filter_fn"])
+        enable_compiled_decode(model, options=opts or None)
     ids = tok(PROMPT, return_tensors="pt").input_ids
     times: list[float] = []
 
