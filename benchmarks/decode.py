@@ -3,8 +3,10 @@ W4, W3 and W2 g128 (loaded through ``load_quantized``, the low-bit kernels as th
 bit-plane LUT at 1-3 bits; the ``(FMA)`` rows run the same W3/W2 folders on ``LowBitWeight``; the
 ``+A8`` rows the same W4/W2 folders with run-time INT8 activations on the integer kernel,
 ``$BITMOSAIC_RUNTIME_ACT=int8``, as llama.cpp quantizes its activations; the ``+H8`` rows the output
-head as an 8-bit copy, ``--runtime-head int8``, as llama.cpp's file holds it in ``Q8_0``; ``+Q8H``
-its inputs too in int8 blocks, ``--runtime-head q8_0``, as llama.cpp computes it),
+head as an 8-bit copy, ``--runtime-head int8``, as llama.cpp's file holds it in ``Q8_0``; ``+Q8H`` its
+inputs too in int8 blocks, ``--runtime-head q8_0``, as llama.cpp computes it; the ``(compiled)`` rows
+those models with :func:`bitmosaic.io.decode.enable_compiled_decode`: a static KV cache and a
+``torch.compile``-d decode step inside plain ``generate``),
 against llama.cpp running the very GGUF the model comes from (Q4_1) where ``llama_cpp`` is
 installed (``pip install llama-cpp-python``, or the ``peers`` extra; it builds llama.cpp from
 source), same threads, same prompt token ids, same number of new tokens; without it the llama.cpp
@@ -19,8 +21,13 @@ torch for bitmosaic, the llama_cpp bindings for llama.cpp).  ``linears resident 
 linear layers hold in memory (parameters and buffers with storage plus kernel weights; released
 saved buffers hold none, see ``modules/base.py``), ``linears stored MB`` what their saved tensors
 take (the float32 linears for the float row; the GGUF file for llama.cpp, embeddings included).
+``first generate s`` (compiled rows) is the wall time of the first ``generate`` of the full length, which
+compiles the decode graph (it is not in ``decode tok/s``); ``graphs`` counts the graphs dynamo compiled in
+the row's process over every generate (1: no recompilation per token or per run).
 
-    python benchmarks/decode.py [--threads 1,2] [--new-tokens 64]   (writes results/decode.{md,json})
+    python benchmarks/decode.py [--threads 1,2] [--new-tokens 64] [--only "W4 g128,W4 g128 (compiled)"]
+    (writes results/decode.{md,json}; --only runs the named variants, llama.cpp Q4_1 included, and
+    the opt-in "W4 g128 (compiled+cpp_wrapper)" / "W4 g128 (compiled+freezing)": inductor options)
 """
 
 from __future__ import annotations
@@ -63,6 +70,16 @@ def _linear_bytes(model, folder: str) -> tuple[int, int]:
     return resident, stored
 
 
+# opt-in variants (run only when --only names them): the compiled W4 row with an inductor option
+# (+skip_guards: no dynamo guards on module attributes, torch.compiler.skip_guard_on_all_nn_modules_unsafe)
+_INDUCTOR_OPTIONS = {
+    "+cpp_wrapper": {"cpp_wrapper": True},
+    "+freezing": {"freezing": True},
+    "+skip_guards": {"guard_filter_fn": "skip_guard_on_all_nn_modules_unsafe"},
+}
+_OPT_IN = [f"W4 g128 (compiled{k})" for k in _INDUCTOR_OPTIONS]
+
+
 def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repeats: int) -> dict:
     import time
 
@@ -82,7 +99,7 @@ def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repea
 
         os.environ[RUNTIME_ACT_ENV] = "int8"
     rss_base = _rss_mb()  # after the imports: the growth from here is the model's
-    if flags[0] == "float":
+    if variant.startswith("float"):
         model, tok = load_model("smollm2-135m", dtype=torch.float32)
     else:
         model, tok = load_quantized(folder)
@@ -93,6 +110,15 @@ def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repea
 
         set_runtime_head(model, heads[flag])
     model.eval()
+    compiled = "(compiled" in variant
+    if compiled:  # a static cache and the compiled decode step in plain generate
+        from bitmosaic.io.decode import enable_compiled_decode
+
+        option = variant.split("(compiled")[1].rstrip(")")  # "" or an _INDUCTOR_OPTIONS key
+        opts = dict(_INDUCTOR_OPTIONS.get(option, {}))
+        if "guard_filter_fn" in opts:
+            opts["guard_filter_fn"] = getattr(torch.compiler, opts["guard_filter_fn"])
+        enable_compiled_decode(model, options=opts or None)
     ids = tok(PROMPT, return_tensors="pt").input_ids
     times: list[float] = []
 
@@ -101,8 +127,15 @@ def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repea
             times.append(time.perf_counter())
             return scores
 
+    from torch._dynamo.utils import counters
+
     with torch.inference_mode():
-        model.generate(ids, max_new_tokens=4, do_sample=False)  # warm-up (kernels, caches)
+        t0 = time.perf_counter()
+        # warm-up (kernels, caches); compiled: the full length, so that its static cache (and graph) is the
+        # one the timed runs use
+        n = new_tokens if compiled else 4
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        first_s = time.perf_counter() - t0
         rates = []
         for _ in range(repeats):
             times.clear()
@@ -123,6 +156,9 @@ def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repea
         "prompt_ids": ids[0].tolist(),
         "new_tokens": int(out.shape[1] - ids.shape[1]),
         "decode_tok_s": decode,
+        "first_generate_s": first_s if compiled else None,
+        "graphs": counters["stats"]["unique_graphs"] if compiled else None,
+        "graph_breaks": sum(counters["graph_break"].values()) if compiled else None,
         "rss_mb": rss,
         "model_rss_mb": rss - rss_base,
         "linears_resident_mb": resident / 2**20,
@@ -163,6 +199,9 @@ def _child_llama_cpp(gguf: str, prompt_ids: list[int], threads: int, new_tokens:
         "decode_tok_s": decode,
         "rss_mb": _rss_mb(),
         "model_rss_mb": _rss_mb() - rss_base,
+        "first_generate_s": None,
+        "graphs": None,
+        "graph_breaks": None,
         "linears_resident_mb": None,
         "linears_stored_mb": Path(gguf).stat().st_size / 2**20,
         "text": llm.detokenize(out[:24]).decode(errors="replace"),
@@ -183,27 +222,6 @@ def _make_quantized(tmp: Path, bits: int) -> Path:
     return out
 
 
-def _variants(only: str | None) -> list[str]:
-    """The rows, in order: float and W4/W3/W2 g128; the 1-3-bit folders on LowBitWeight ``(FMA)``
-    instead of the LUT; ``+A8`` run-time INT8 activations (what llama.cpp does); an 8-bit output head
-    (llama.cpp's file holds its head as Q8_0): ``+H8`` weight-only, ``+Q8H`` with int8 inputs per block
-    of 32 too (``--runtime-head int8 / q8_0``).  ``only``: those (float always)."""
-    rows = ["float", "W4 g128", "W3 g128", "W2 g128", "W3 g128 (FMA)", "W2 g128 (FMA)"]
-    rows += ["W4 g128 +A8", "W2 g128 +A8", "float +H8", "W4 g128 +H8", "W2 g128 +H8"]
-    rows += ["W4 g128 +Q8H", "W2 g128 +Q8H", "W4 g128 +A8 +Q8H"]
-    if not only:
-        return rows
-    unknown = [v for v in only.split(",") if v not in rows]
-    if unknown:
-        raise SystemExit(f"error: --only names no variant: {', '.join(unknown)}; variants: {', '.join(rows)}")
-    return [v for v in rows if v == "float" or v in only.split(",")]
-
-
-def _width(variant: str) -> int:
-    """The weight width of a variant's folder (0: the float model)."""
-    return 0 if variant.startswith("float") else int(variant[1])
-
-
 def _run_child(args: list[str]) -> dict | None:
     res = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("ROW ")]
@@ -215,9 +233,9 @@ def _run_child(args: list[str]) -> dict | None:
 
 def _table(rows: list[dict]) -> str:
     lines = [
-        "| variant | threads | decode tok/s | vs float | vs llama.cpp | RSS MB | +model MB "
-        "| linears resident MB | linears stored MB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| variant | threads | decode tok/s | ms/token | vs float | vs llama.cpp | first generate s | graphs "
+        "| RSS MB | +model MB | linears resident MB | linears stored MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(v, spec):
@@ -225,8 +243,10 @@ def _table(rows: list[dict]) -> str:
 
     for r in rows:
         lines.append(
-            f"| {r['variant']} | {r['threads']} | {r['decode_tok_s']:.1f} | {f(r['speed_vs_float'], '.2f')}x "
-            f"| {f(r['speed_vs_llama_cpp'], '.2f')}x | {r['rss_mb']:.0f} | {r['model_rss_mb']:.0f} "
+            f"| {r['variant']} | {r['threads']} | {r['decode_tok_s']:.1f} | {1000 / r['decode_tok_s']:.1f} "
+            f"| {f(r['speed_vs_float'], '.2f')}x | {f(r['speed_vs_llama_cpp'], '.2f')}x "
+            f"| {f(r.get('first_generate_s'), '.1f')} | {f(r.get('graphs'), 'd')} "
+            f"| {r['rss_mb']:.0f} | {r['model_rss_mb']:.0f} "
             f"| {f(r['linears_resident_mb'], '.1f')} | {f(r['linears_stored_mb'], '.1f')} |"
         )
     return "\n".join(lines)
@@ -238,7 +258,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed generations per row; the best is kept")
     p.add_argument("--json", default=str(RESULTS / "decode.json"))
-    p.add_argument("--only", default=None, help="comma list of variants (default all; float, llama.cpp too)")
+    p.add_argument("--only", default=None, help="comma list of variants to run (default: every one)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--folder", default="", help=argparse.SUPPRESS)
     p.add_argument("--prompt-ids", default="[]", help=argparse.SUPPRESS)
@@ -268,10 +288,30 @@ def main() -> None:
     gguf = str(_smollm2_gguf())
     load_before = os.getloadavg()
     rows = []
+    only = set(a.only.split(",")) if a.only else None
     with tempfile.TemporaryDirectory(prefix="bitmosaic-decode-") as tmp:
-        folders = {v: _width(v) for v in _variants(a.only)}  # variant -> its weight width (0: float)
-        made = {b: str(_make_quantized(Path(tmp), b)) for b in sorted(set(folders.values()) - {0})}
-        folders = {v: made.get(b, "") for v, b in folders.items()}
+        folders = {"float": "", **{f"W{b} g128": str(b) for b in (4, 3, 2)}}
+        for b in (3, 2):  # 1-3 bits decode on the LUT by default: the same folders on LowBitWeight
+            folders[f"W{b} g128 (FMA)"] = folders[f"W{b} g128"]
+        for b in (4, 2):  # the same folders with run-time INT8 activations (what llama.cpp does)
+            folders[f"W{b} g128 +A8"] = folders[f"W{b} g128"]
+        # an 8-bit output head (llama.cpp's file holds its head as Q8_0): +H8 weight-only, +Q8H with int8
+        # inputs per block of 32 too (--runtime-head int8 / q8_0)
+        for v in ("float", "W4 g128", "W2 g128"):
+            folders[f"{v} +H8"] = folders[v]
+        for v in ("W4 g128", "W2 g128", "W4 g128 +A8"):
+            folders[f"{v} +Q8H"] = folders[v]
+        for v in ("float", "W4 g128", "W2 g128", "W4 g128 +Q8H", "W2 g128 +Q8H", "W4 g128 +A8 +Q8H"):
+            folders[f"{v} (compiled)"] = folders[v]  # static cache + torch.compile (io/decode.py)
+        if only is not None:
+            folders.update({v: folders["W4 g128"] for v in _OPT_IN})
+            unknown = sorted(only - set(folders) - {"llama.cpp Q4_1"})
+            if unknown:
+                p.error(f"--only names no variant: {', '.join(unknown)} (variants: {', '.join(folders)})")
+            folders = {v: f for v, f in folders.items() if v in only}
+            have_llama = have_llama and "llama.cpp Q4_1" in only
+        made = {b: str(_make_quantized(Path(tmp), int(b))) for b in sorted(set(folders.values()) - {""})}
+        folders = {v: made.get(f, f) for v, f in folders.items()}
         for threads in (int(t) for t in a.threads.split(",")):
             common = ["--child-threads", str(threads), "--new-tokens", str(a.new_tokens)]
             common += ["--repeats", str(a.repeats)]
@@ -282,7 +322,7 @@ def main() -> None:
                     rows.append(row)
                     prompt_ids = prompt_ids or row["prompt_ids"]
                     print(f"  {v:<16} threads {threads}  {row['decode_tok_s']:7.1f} tok/s", flush=True)
-            if have_llama and prompt_ids:
+            if have_llama and prompt_ids:  # (with --only: when it names "llama.cpp Q4_1")
                 ids = json.dumps(prompt_ids)
                 row = _run_child(["--child", "llama.cpp", "--folder", gguf, "--prompt-ids", ids, *common])
                 if row is not None:
@@ -290,7 +330,7 @@ def main() -> None:
                     print(f"  llama.cpp Q4_1   threads {threads}  {row['decode_tok_s']:7.1f} tok/s")
     for r in rows:
         same = [b for b in rows if b["threads"] == r["threads"]]
-        base = next((b for b in same if b["variant"] == "float"), None)
+        base = next((b for b in same if b["variant"] == "float"), None)  # the eager float row
         peer = next((b for b in same if b["variant"].startswith("llama.cpp")), None)
         r["speed_vs_float"] = r["decode_tok_s"] / base["decode_tok_s"] if base else None
         r["speed_vs_llama_cpp"] = r["decode_tok_s"] / peer["decode_tok_s"] if peer else None

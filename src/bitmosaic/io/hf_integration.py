@@ -104,6 +104,12 @@ class BitmosaicHfQuantizer(HfQuantizer):
     def is_trainable(self) -> bool:
         return False
 
+    @property
+    def is_compileable(self) -> bool:
+        """The kernels are ``torch.library`` operators (kernels/ops.py): ``generate`` may compile the
+        decode step (:func:`bitmosaic.io.decode.enable_compiled_decode`)."""
+        return True
+
 
 def _folder(model, checkpoint_files=None) -> str:
     """The saved folder, named as the caller gave it (the same text as ``load_quantized``'s errors)."""

@@ -34,8 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from . import build
-from .isa import isa_number
+from . import build, ops
 
 __all__ = ["IntActWeight", "extension", "MAX_K"]
 
@@ -153,20 +152,7 @@ class IntActWeight:
         """``(q [M, KP] int8, qsum [M, G] int32, scales)``: ``x2 [M, K]`` float32 quantized with
         ``act_scale`` ``[1 or M, Ga]`` (``act_group`` columns per scale column) to ``[-qmax - 1, qmax]``;
         ``act_scale=None``: dynamic per-token scales, ``max(amax / qmax, 1e-12)`` (``scale_from_amax``)."""
-        ext = extension()
-        if act_scale is None and ext is None:
-            act_scale = (x2.abs().amax(-1, keepdim=True) / qmax).clamp(min=1e-12)
-        if ext is not None:
-            sa = torch.empty(0) if act_scale is None else act_scale.float().contiguous()
-            args = (act_group, float(qmax), self.KP, self.group_size, self.G, isa_number(ext=ext))
-            return tuple(ext.quantize(x2.contiguous(), sa, *args))
-        sa = act_scale.float().contiguous()
-        s = sa.repeat_interleave(act_group, dim=1)[:, : self.K]
-        q = torch.round(x2 / s).clamp_(-qmax - 1, qmax).to(torch.int8)
-        q = torch.nn.functional.pad(q, (0, self.KP - self.K))
-        pad = self.G * self.group_size - self.KP
-        qs = torch.nn.functional.pad(q.to(torch.int32), (0, max(pad, 0)))[:, : self.G * self.group_size]
-        return q, qs.reshape(q.shape[0], self.G, -1).sum(-1, dtype=torch.int32), sa
+        return ops.int8_quantize(x2, act_scale, act_group, float(qmax), self.KP, self.group_size, self.G)
 
     def matmul(self, x: torch.Tensor, act_scale, act_group: int, qmax: float, route: str = "kernel"):
         """``x [..., K]`` -> ``[..., N]`` in ``x``'s dtype; ``act_scale [1 or M, Ga]`` float32 (per token:
@@ -183,9 +169,9 @@ class IntActWeight:
         q, qsum, sa = self.quantize(x2, act_scale, act_group, qmax)
         ext = extension()
         if route == "kernel" and ext is not None:
-            y = ext.int_matmul(
+            y = ops.int_matmul(
                 q, qsum, sa, ratio, self.data, self.sc, self.zc, self.N, self.G, self.group_size,
-                self.bits > 4, self.bits == 8, isa_number(ext=ext),
+                self.bits > 4, self.bits == 8,
             )  # fmt: skip
         elif route in ("kernel", "int_mm"):
             y = self._int_mm(q, qsum, sa, ratio)

@@ -48,10 +48,9 @@ import math
 import torch
 
 from ..formats import bitplane as bp
-from ..formats.grid import dequantize_codes
-from . import build, tiles
-from .isa import ISAS, isa_number
-from .qmatmul import tiled_matmul_torch
+from . import build, ops, tiles
+from .isa import ISAS
+from .torch_paths import bitplane_dequantize
 
 __all__ = ["BitPlaneWeight", "extension", "lut_gemv_reference"]
 
@@ -162,15 +161,7 @@ class BitPlaneWeight:
         x2 = x.reshape(math.prod(x.shape[:-1]), self.K).float()
         tile = max(8, tiles.PREFILL_TILE_ELEMS // max(self.K, 1))
         n_out = self.N if out_index is None else out_index.numel()
-        ext = extension()
-        if ext is not None:
-            y = ext.lut_matmul(x2, *self._args(), tile, isa_number(isa, ext), in_index, out_index)
-        else:
-            if in_index is not None:
-                x2 = x2.index_select(1, in_index)
-            y = tiled_matmul_torch(x2, self.N, tile, self._dequantize_torch)
-            if out_index is not None:
-                y = y.index_select(1, out_index)
+        y = ops.lut_matmul(x2, *self._args(), tile, isa, in_index, out_index)  # the extension, else torch
         return y.reshape(*x.shape[:-1], n_out).to(x.dtype)
 
     def dequantize(self, rows: slice | None = None) -> torch.Tensor:
@@ -183,9 +174,7 @@ class BitPlaneWeight:
         return self._dequantize_torch(r0, r1)
 
     def _dequantize_torch(self, r0: int, r1: int) -> torch.Tensor:
-        codes = bp.unpack(self.planes, slice(r0, r1))
-        gi = torch.arange(self.K) // self.group_size
-        return dequantize_codes(codes.float(), self.scales_t.T[r0:r1, gi], self.zeros_t.T[r0:r1, gi])
+        return bitplane_dequantize(self.planes, self.scales_t, self.zeros_t, r0, r1)
 
 
 # signs of the 128 stored entries of an 8-activation table: entry p (bit 7 clear) = Σ_t ±x_t

@@ -46,9 +46,10 @@ import torch
 
 from . import build, tiles
 from .isa import isa_number
+from .ops import operator
 from .qmatmul import LowBitWeight
 
-__all__ = ["MosaicWeight", "MosaicColumnsWeight", "DECODE_ROWS", "extension"]
+__all__ = ["MosaicWeight", "MosaicColumnsWeight", "DECODE_ROWS", "extension", "mosaic_residual"]
 
 DECODE_ROWS = 8
 FUSED_MIN_ROWS = 128
@@ -57,6 +58,33 @@ FUSED_MIN_ROWS = 128
 def extension():
     """The compiled residual pass, or ``None`` (no compiler, build failure, or ``BITMOSAIC_NO_EXT=1``)."""
     return build.load("mosaic")
+
+
+@operator("mosaic_residual")
+def mosaic_residual(
+    x: torch.Tensor,
+    codes_t: torch.Tensor,
+    scales: torch.Tensor,
+    cb: torch.Tensor,
+    starts: torch.Tensor,
+    y: torch.Tensor,
+    bm: int,
+) -> torch.Tensor:
+    """The residual pass of :meth:`MosaicWeight.decode` as a ``torch.library`` operator (kernels/ops.py;
+    MosaicQuant §4.2): ``y + x (M ⊙ Q(R))ᵀ`` as a new tensor (the extension accumulates in place into a
+    copy of ``y``) for ``x [T <= 8, K]`` float32 and the transposed int8 codes ``[n_sel, bk, bmp]``.
+    Needs the extension (without it ``decode`` adds :meth:`MosaicWeight.sparse_only`)."""
+    ext = extension()
+    if ext is None:
+        raise RuntimeError("bitmosaic::mosaic_residual needs the compiled mosaic extension")
+    out = y.contiguous().clone()
+    ext.residual_accumulate(x.contiguous(), codes_t, scales, cb, starts, out, bm, isa_number(ext=ext))
+    return out
+
+
+@mosaic_residual.register_fake
+def _(x, codes_t, scales, cb, starts, y, bm):
+    return torch.empty_like(y, memory_format=torch.contiguous_format)
 
 
 class MosaicWeight:
@@ -118,8 +146,7 @@ class MosaicWeight:
         if ext is None:
             y = y + self.sparse_only(x2)
         else:
-            args = (x2, self.codes_t, self.scales, self.cb, self.starts_t, y, self.bm)
-            ext.residual_accumulate(*args, isa_number(ext=ext))
+            y = mosaic_residual(x2, self.codes_t, self.scales, self.cb, self.starts_t, y, self.bm)
         return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
 
     def fused(self, x: torch.Tensor) -> torch.Tensor:

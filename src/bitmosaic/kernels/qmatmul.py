@@ -48,12 +48,12 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.grid import dequantize_codes
 from ..formats.packing import pack_codes
-from . import build, tiles
+from . import build, ops, tiles
 from .isa import isa_number
+from .torch_paths import SPAN, lowbit_dequantize, span_order, tiled_matmul_torch, unpack_any
 
-__all__ = ["LowBitWeight", "extension", "LAYOUT_VERSION"]
+__all__ = ["LowBitWeight", "extension", "LAYOUT_VERSION", "tiled_matmul_torch"]
 
 LAYOUT_VERSION = 2
 _DECODE_MAX_ROWS = 8
@@ -82,15 +82,7 @@ def _check_bits_map(bits, n_rb: int, G: int) -> torch.Tensor:
     return bits.to(torch.uint8).contiguous()
 
 
-_SPAN = 64  # codes per span (module doc)
-
-
-def _span_order(length: int) -> torch.Tensor:
-    """Stored position ``p`` of a group padded to whole spans holds code ``order[p]``: within a span,
-    lane ``i = p // 4`` holds codes ``i, 16 + i, 32 + i, 48 + i`` (``t = p % 4``)."""
-    n = -(-length // _SPAN) * _SPAN
-    p = torch.arange(n)
-    return (p // _SPAN) * _SPAN + 16 * (p % 4) + (p % _SPAN) // 4
+_SPAN, _span_order, _unpack_any = SPAN, span_order, unpack_any  # the layout's span order (torch_paths.py)
 
 
 def _pack_any(codes: torch.Tensor, b: int) -> torch.Tensor:
@@ -104,16 +96,6 @@ def _pack_any(codes: torch.Tensor, b: int) -> torch.Tensor:
     c = padded.to(torch.uint8).reshape(rows, -1, 8)
     weights = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8)
     return (c * weights).sum(-1, dtype=torch.int32).to(torch.uint8)
-
-
-def tiled_matmul_torch(x2: torch.Tensor, n_rows: int, tile: int, dequantize_rows) -> torch.Tensor:
-    """The pure-torch prefill/fallback: ``x2 [M, K]`` times the weight, ``tile`` rows of it dequantized
-    at a time by ``dequantize_rows(r0, r1)`` (float32 ``[r1 - r0, K]``); never the whole float weight."""
-    y = torch.empty(x2.shape[0], n_rows, dtype=torch.float32)
-    for r0 in range(0, n_rows, tile):
-        r1 = min(n_rows, r0 + tile)
-        torch.mm(x2, dequantize_rows(r0, r1).T, out=y[:, r0:r1])
-    return y
 
 
 class LowBitWeight:
@@ -221,13 +203,9 @@ class LowBitWeight:
         if x.shape[-1] != self.K:
             raise ValueError(f"x has {x.shape[-1]} features but the weight has {self.K} input columns")
         x2 = x.reshape(-1, self.K).float()
-        ext = extension()
         tile = max(8, tiles.PREFILL_TILE_ELEMS // max(self.K, 1))
-        if ext is not None:
-            tile = -tile if _TILE_SHARED else tile
-            y = ext.qmatmul(x2, *self._args(), tile, isa_number(ext=ext))
-        else:
-            y = tiled_matmul_torch(x2, self.N, tile, self._dequantize_torch)
+        tile = -tile if _TILE_SHARED else tile
+        y = ops.qmatmul(x2, *self._args(), tile, "auto")  # the extension, else the pure-torch path
         return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
 
     def dequantize(self, rows: slice | None = None) -> torch.Tensor:
@@ -241,37 +219,4 @@ class LowBitWeight:
 
     def _dequantize_torch(self, r0: int, r1: int) -> torch.Tensor:
         """The pure-torch path: unpack the rows' groups at their widths, then ``(c - z) * s``."""
-        out = torch.empty(r1 - r0, self.K, dtype=torch.float32)
-        gs, G = self.group_size, self.scales.shape[1]
-        rb = self.row_block
-        for b0 in range(r0 - r0 % rb if rb else 0, r1, rb):
-            lo, hi = max(b0, r0), min(b0 + rb, r1)
-            if lo >= hi:
-                continue
-            r = b0 // rb
-            L = int(self.rowlen[r])
-            start = int(self.base[r]) + (lo - b0) * L
-            rows = self.data[start : start + (hi - lo) * L].reshape(hi - lo, L)
-            for g in range(G):
-                b = int(self.bits[r, g])
-                c0, c1 = g * gs, min(self.K, (g + 1) * gs)
-                nbytes = -(-(c1 - c0) // _SPAN) * _SPAN // 8 * b
-                seg = rows[:, int(self.goff[r, g]) : int(self.goff[r, g]) + nbytes]
-                codes = _unpack_any(seg, b, c1 - c0)
-                z = self.zeros[lo:hi, g : g + 1]
-                s = self.scales[lo:hi, g : g + 1]
-                out[lo - r0 : hi - r0, c0:c1] = dequantize_codes(codes.float(), s, z)
-        return out
-
-
-def _unpack_any(seg: torch.Tensor, b: int, cols: int) -> torch.Tensor:
-    """Inverse of :func:`_pack_any`: ``seg [rows, spans * 8 * b]`` -> codes ``[rows, cols]``."""
-    rows = seg.shape[0]
-    words = torch.zeros(rows, seg.shape[1] // b, 8, dtype=torch.uint8)
-    words[..., :b] = seg.reshape(rows, -1, b)
-    w = words.view(torch.int64)  # little-endian hosts (x86, arm64)
-    shifts = torch.arange(8, dtype=torch.int64) * b
-    stored = ((w >> shifts) & ((1 << b) - 1)).reshape(rows, -1)
-    out = torch.empty_like(stored)
-    out[:, _span_order(cols)] = stored
-    return out[:, :cols]
+        return lowbit_dequantize(*self._args(), r0, r1)

@@ -1,0 +1,100 @@
+"""Compiled decode (io/decode.py): ``enable_compiled_decode`` makes plain ``model.generate`` use a static KV
+cache and one compiled decode graph (no graph break: the kernels are ``torch.library`` operators), with
+the same greedy tokens and logits as eager generate, and no recompilation per token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from bitmosaic import quantize_
+from bitmosaic.io.decode import disable_compiled_decode, enable_compiled_decode
+from bitmosaic.modules.base import QuantModule
+from bitmosaic.testing import SPECIALS, VOCAB, tiny_llama
+
+NEW = 24
+
+
+def quantized_tiny(bits: int, runtime_act: str | None = None):
+    """The tiny Llama with weights scaled up (its greedy tokens then vary, so equal tokens mean something),
+    RTN ``bits`` g32, optionally with run-time activations; kernels built."""
+    m = tiny_llama()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.mul_(8)
+    calib = torch.randint(len(SPECIALS), VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    quantize_(m, "rtn", calib, bits=bits, group_size=32, progress=False)
+    if runtime_act is not None:
+        from bitmosaic.modules.intact import set_runtime_activations
+
+        assert set_runtime_activations(m, runtime_act) > 0
+    return m
+
+
+def prompt(length: int = 8, seed: int = 1) -> torch.Tensor:
+    return torch.randint(len(SPECIALS), VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _generate(m, ids):
+    out = m.generate(
+        ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, return_dict_in_generate=True,
+        output_logits=True,
+    )  # fmt: skip
+    return out.sequences, torch.stack(out.logits)
+
+
+def test_generate_compiled_equals_eager():
+    torch._dynamo.reset()
+    m = quantized_tiny(4)
+    ids = prompt()
+    with torch.inference_mode():
+        ref_tokens, ref_logits = _generate(m, ids)
+        assert len(set(ref_tokens[0, ids.shape[1] :].tolist())) > NEW // 3  # a test that can fail
+        enable_compiled_decode(m)
+        assert m.generation_config.cache_implementation == "static"
+        counters.clear()
+        tokens, logits = _generate(m, ids)
+        graphs = counters["stats"]["unique_graphs"]
+        assert hasattr(m, "_compiled_call")  # generate took the compiled decode step
+        assert graphs == 1, f"{graphs} graphs for {NEW} tokens (recompiles per token?)"
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        tokens2, _ = _generate(m, ids)  # the same graph again: nothing new compiled
+        assert counters["stats"]["unique_graphs"] == 1
+    assert torch.equal(tokens, ref_tokens) and torch.equal(tokens2, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    disable_compiled_decode(m)
+    assert m.generation_config.cache_implementation is None and not hasattr(m, "_compiled_call")
+
+
+def test_from_pretrained_model_compiles_its_decode(tmp_path):
+    """A folder loaded by transformers (bitmosaic's HfQuantizer) takes the compiled step too (the
+    quantizer says it is compileable) and gives eager's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import quantized_dir
+
+    torch._dynamo.reset()
+    m = AutoModelForCausalLM.from_pretrained(quantized_dir(tmp_path / "q", tokenizer=False))
+    assert m.hf_quantizer.is_compileable
+    ids = prompt()
+    with torch.inference_mode():
+        ref, _ = _generate(m, ids)
+        enable_compiled_decode(m)
+        counters.clear()
+        out, _ = _generate(m, ids)
+    assert hasattr(m, "_compiled_call") and counters["stats"]["unique_graphs"] == 1
+    assert torch.equal(out, ref)
+
+
+def test_enable_compiled_decode_builds_kernels_first():
+    m = quantized_tiny(4)
+    enable_compiled_decode(m)
+    mods = [x for x in m.modules() if isinstance(x, QuantModule)]
+    assert mods and all(x._kernel for x in mods)
+
+
+def test_enable_compiled_decode_rejects_a_non_generative_module():
+    with pytest.raises(ValueError, match="needs a transformers causal LM"):
+        enable_compiled_decode(torch.nn.Linear(4, 4))

@@ -1,0 +1,128 @@
+"""The kernels as ``torch.library`` operators (kernels/ops.py): ``opcheck`` (schema, fake tensors, autograd
+registration, AOT dispatch with static and dynamic shapes) on each operator with small inputs, the
+operator equal to the extension's own call, and the kernel classes going through the operators."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bitmosaic.kernels import build, intmm, isa, mosaic, ops
+from bitmosaic.kernels.intmm import IntActWeight
+from bitmosaic.kernels.lut import BitPlaneWeight
+from bitmosaic.kernels.qmatmul import LowBitWeight
+from tests.kernels.test_mosaic_decode import _weight as mosaic_weight
+
+G = torch.Generator().manual_seed(0)
+
+
+def _codes(N, K, bits):
+    return torch.randint(0, 1 << bits, (N, K), generator=G)
+
+
+def _affine(N, groups):
+    scales = torch.rand(N, groups, generator=G) * 0.1 + 0.01
+    return scales, torch.randint(0, 4, (N, groups), generator=G).float()
+
+
+def _lowbit(N=24, K=96, bits=4, gs=32):
+    s, z = _affine(N, -(-K // gs))
+    return LowBitWeight.from_codes(_codes(N, K, bits), bits, s, z, gs)
+
+
+def _lut(N=24, K=96, bits=2, gs=32):
+    s, z = _affine(N, -(-K // gs))
+    return BitPlaneWeight.from_codes(_codes(N, K, bits), bits, s, z, gs)
+
+
+def _int(N=24, K=96, bits=4, gs=32):
+    s, z = _affine(N, -(-K // gs))
+    return IntActWeight.from_codes(_codes(N, K, bits), bits, s, z, gs)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 20])  # decode GEMV and the prefill tiles
+def test_qmatmul_op(rows):
+    w = _lowbit()
+    x = torch.randn(rows, w.K, generator=G)
+    torch.library.opcheck(ops.qmatmul.op, (x, *w._args(), 8, "auto"))
+    ref = x @ w.dequantize().T
+    torch.testing.assert_close(ops.qmatmul(x, *w._args(), 8, "auto"), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 80])
+@pytest.mark.parametrize("index", [False, True])
+def test_lut_matmul_op(rows, index):
+    w = _lut()
+    x = torch.randn(rows, w.K, generator=G)
+    i_in = torch.randperm(w.K, generator=G).to(torch.int32) if index else None
+    i_out = torch.randperm(w.N, generator=G)[:10] if index else None
+    args = (x, *w._args(), 8, "auto", i_in, i_out)
+    torch.library.opcheck(ops.lut_matmul.op, args)
+    xs = x if i_in is None else x[:, i_in.long()]
+    ref = xs @ w.dequantize().T
+    ref = ref if i_out is None else ref[:, i_out]
+    torch.testing.assert_close(ops.lut_matmul(*args), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_int8_ops(static):
+    w = _int()
+    x = torch.randn(3, w.K, generator=G)
+    sa = torch.full((1, 1), 0.03) if static else None
+    qargs = (x, sa, w.K, 127.0, w.KP, w.group_size, w.G)
+    torch.library.opcheck(ops.int8_quantize.op, qargs)
+    q, qsum, s = ops.int8_quantize(*qargs)
+    assert q.dtype == torch.int8 and qsum.dtype == torch.int32 and tuple(q.shape) == (3, w.KP)
+    if sa is not None:
+        assert s.data_ptr() != sa.data_ptr() and torch.equal(s, sa)  # a copy, never the input's storage
+    torch.testing.assert_close(qsum, q.int().reshape(3, w.G, -1).sum(-1, dtype=torch.int32))
+    if intmm.extension() is None:
+        pytest.skip("no C++ compiler for the intmm extension (int_matmul needs it)")
+    margs = (q, qsum, s, w.G, w.data, w.sc, w.zc, w.N, w.G, w.group_size, w.bits > 4, w.bits == 8)
+    torch.library.opcheck(ops.int_matmul.op, margs)
+    y = ops.int_matmul(*margs)
+    ref = (q[:, : w.K].float() * s) @ ((w.codes().float() - w.zeros().repeat_interleave(32, 1)) *
+                                       w.scales().repeat_interleave(32, 1)).T  # fmt: skip
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_mosaic_residual_op():
+    if build.load("mosaic") is None:
+        pytest.skip("no C++ compiler for the mosaic extension")
+    k = mosaic_weight(40, 96, (16, 32), 0.3, seed=1)
+    x = torch.randn(2, 96, generator=G)
+    y0 = torch.randn(2, 40, generator=G)
+    args = (x, k.codes_t, k.scales, k.cb, k.starts_t, y0, k.bm)
+    torch.library.opcheck(mosaic.mosaic_residual.op, args)
+    y = mosaic.mosaic_residual(*args)
+    torch.testing.assert_close(y, y0 + k.sparse_only(x), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_classes_call_the_operators(monkeypatch):
+    """Each kernel class's matmul goes through its operator (the graph dynamo records), not the pybind
+    call, and gives the operator's result."""
+    seen = []
+    for name in ("qmatmul", "lut_matmul", "int8_quantize"):
+        op = getattr(ops, name)
+
+        def spy(*a, _op=op, _name=name, **kw):
+            seen.append(_name)
+            return _op(*a, **kw)
+
+        monkeypatch.setattr(ops, name, spy)
+    x = torch.randn(2, 96, generator=G)
+    _lowbit().matmul(x)
+    _lut().matmul(x)
+    _int().matmul(x, None, 96, 127.0)
+    assert seen == ["qmatmul", "lut_matmul", "int8_quantize"]
+
+
+def test_isa_is_resolved_per_call(monkeypatch):
+    """The ISA override is still read at every call, inside the operator."""
+    if not isa.available_isas():
+        pytest.skip("no compiled extension")
+    w = _lowbit()
+    x = torch.randn(1, w.K, generator=G)
+    monkeypatch.setenv(isa.ISA_ENV, "not-an-isa")
+    with pytest.raises(ValueError, match="not one of"):
+        w.matmul(x)
