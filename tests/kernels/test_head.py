@@ -104,3 +104,17 @@ def test_from_the_environment_on_load_and_in_eval(tmp_path, monkeypatch, capsys)
     capsys.readouterr()
     assert main(["eval", str(path), "--runtime-head", "q8_0", "--ppl", str(text), "--seqlen", "16"]) == 0
     assert "runtime head q8_0: the output head runs an 8-bit copy" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode", ["int8", "q8_0"])
+def test_compiled_forward_with_an_8bit_head_equals_eager(mode):
+    """The run-time head's kernels are operators too: ``torch.compile(fullgraph=True)`` traces the model
+    with the head's forward attribute and gives the eager logits."""
+    model = tiny_llama()
+    set_runtime_head(model, mode)
+    ids = calib()[:1, :12]
+    torch._dynamo.reset()
+    with torch.no_grad():
+        ref = model(ids).logits
+        out = torch.compile(model, fullgraph=True, dynamic=False)(ids).logits
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
