@@ -28,8 +28,6 @@ agreement against the float head are measured on SmolLM2 (README, "Faster decode
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,6 +35,7 @@ from torch import nn
 from ..formats.act import ActQuantSpec, act_scales
 from ..formats.grid import quantize_codes
 from ..kernels.intmm import IntActWeight
+from .intact import runtime_choice
 from .kernel import lowbit_from_codes
 
 __all__ = [
@@ -56,16 +55,9 @@ _QMAX = 127
 
 
 def runtime_head_mode(mode: str | None = None) -> str:
-    """``mode`` (``none``/``int8``/``q8_0``), or ``$BITMOSAIC_RUNTIME_HEAD`` when ``mode`` is ``None`` (unset:
-    ``none``); anything else raises :class:`~bitmosaic.errors.OptionError` naming the choices."""
-    from ..errors import OptionError
-
-    source = f"${RUNTIME_HEAD_ENV}" if mode is None else "--runtime-head"
-    value = os.environ.get(RUNTIME_HEAD_ENV, "none") if mode is None else mode
-    value = value.strip().lower() or "none"
-    if value not in RUNTIME_HEADS:
-        raise OptionError(f"{source}={value!r} is not one of {', '.join(RUNTIME_HEADS)}")
-    return value
+    """``mode`` (``none``/``int8``/``q8_0``), or ``$BITMOSAIC_RUNTIME_HEAD`` when ``mode`` is ``None``
+    (unset: ``none``); anything else raises :class:`~bitmosaic.errors.OptionError` naming the choices."""
+    return runtime_choice(mode, RUNTIME_HEAD_ENV, "--runtime-head", RUNTIME_HEADS)
 
 
 def int8_head_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -68,17 +68,24 @@ def act_compute_mode() -> str:
     return mode
 
 
+def runtime_choice(mode: str | None, env: str, flag: str, choices) -> str:
+    """A run-time switch's value: ``mode``, or ``$env`` when ``mode`` is ``None`` (unset: ``none``),
+    lower-cased; one not in ``choices`` raises :class:`~bitmosaic.errors.OptionError` naming ``flag`` (or
+    the variable) and the choices."""
+    from ..errors import OptionError
+
+    source = f"${env}" if mode is None else flag
+    value = os.environ.get(env, "none") if mode is None else mode
+    value = value.strip().lower() or "none"
+    if value not in choices:
+        raise OptionError(f"{source}={value!r} is not one of {', '.join(choices)}")
+    return value
+
+
 def runtime_act_mode(mode: str | None = None) -> str:
     """``mode`` (``none``/``int8``), or ``$BITMOSAIC_RUNTIME_ACT`` when ``mode`` is ``None`` (unset:
     ``none``); anything else raises :class:`~bitmosaic.errors.OptionError` naming the choices."""
-    from ..errors import OptionError
-
-    source = f"${RUNTIME_ACT_ENV}" if mode is None else "--runtime-act"
-    value = os.environ.get(RUNTIME_ACT_ENV, "none") if mode is None else mode
-    value = value.strip().lower() or "none"
-    if value not in RUNTIME_ACT_SPECS:
-        raise OptionError(f"{source}={value!r} is not one of {', '.join(RUNTIME_ACT_SPECS)}")
-    return value
+    return runtime_choice(mode, RUNTIME_ACT_ENV, "--runtime-act", RUNTIME_ACT_SPECS)
 
 
 def set_runtime_activations(model: torch.nn.Module, mode: str | None = None) -> int:
