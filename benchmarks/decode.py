@@ -20,7 +20,10 @@ generation and ``+model MB`` its growth from just before the model was loaded (a
 torch for bitmosaic, the llama_cpp bindings for llama.cpp).  ``linears resident MB`` is what the
 linear layers hold in memory (parameters and buffers with storage plus kernel weights; released
 saved buffers hold none, see ``modules/base.py``), ``linears stored MB`` what their saved tensors
-take (the float32 linears for the float row; the GGUF file for llama.cpp, embeddings included).
+take (the float32 linears for the float row; the GGUF file for llama.cpp, embeddings included);
+``linears ms/token`` the time one token spends in the decoder's linears alone (each called eagerly on one
+random row, the head excluded, best of 20 passes): the W2-vs-W4 comparison of issue 24 without the rest
+of the step.
 ``first generate s`` (compiled rows) is the wall time of the first ``generate`` of the full length, which
 compiles the decode graph (it is not in ``decode tok/s``); ``graphs`` counts the graphs dynamo compiled in
 the row's process over every generate (1: no recompilation per token or per run).
@@ -78,6 +81,32 @@ _INDUCTOR_OPTIONS = {
     "+skip_guards": {"guard_filter_fn": "skip_guard_on_all_nn_modules_unsafe"},
 }
 _OPT_IN = [f"W4 g128 (compiled{k})" for k in _INDUCTOR_OPTIONS]
+
+
+def _linears_ms(model, reps: int = 20) -> float:
+    """Milliseconds one decode token spends in the decoder's linears alone: each linear (the head
+    excluded) called on one random row, in model order, best of ``reps`` passes (eager module calls)."""
+    import time
+
+    import torch
+
+    from bitmosaic.modules.base import QuantModule
+
+    vocab = model.config.vocab_size
+    mods = [
+        m
+        for m in model.modules()
+        if isinstance(m, QuantModule) or (isinstance(m, torch.nn.Linear) and m.out_features != vocab)
+    ]
+    xs = [torch.randn(1, 1, m.in_features) for m in mods]
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(reps):
+            t = time.perf_counter()
+            for m, x in zip(mods, xs, strict=True):
+                m(x)
+            best = min(best, time.perf_counter() - t)
+    return best * 1e3
 
 
 def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repeats: int) -> dict:
@@ -150,6 +179,7 @@ def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repea
     decode = max(rates)
     rss = _rss_mb()  # before anything below could rebuild a released buffer
     resident, stored = _linear_bytes(model, folder)
+    linears_ms = _linears_ms(model)
     return {
         "variant": variant,
         "threads": threads,
@@ -163,6 +193,7 @@ def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repea
         "model_rss_mb": rss - rss_base,
         "linears_resident_mb": resident / 2**20,
         "linears_stored_mb": stored / 2**20,
+        "linears_ms_per_token": linears_ms,
         "text": tok.decode(out[0, ids.shape[1] :][:24]),
     }
 
@@ -204,6 +235,7 @@ def _child_llama_cpp(gguf: str, prompt_ids: list[int], threads: int, new_tokens:
         "graph_breaks": None,
         "linears_resident_mb": None,
         "linears_stored_mb": Path(gguf).stat().st_size / 2**20,
+        "linears_ms_per_token": None,
         "text": llm.detokenize(out[:24]).decode(errors="replace"),
     }
 
@@ -234,8 +266,8 @@ def _run_child(args: list[str]) -> dict | None:
 def _table(rows: list[dict]) -> str:
     lines = [
         "| variant | threads | decode tok/s | ms/token | vs float | vs llama.cpp | first generate s | graphs "
-        "| RSS MB | +model MB | linears resident MB | linears stored MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| RSS MB | +model MB | linears resident MB | linears stored MB | linears ms/token |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(v, spec):
@@ -247,7 +279,8 @@ def _table(rows: list[dict]) -> str:
             f"| {f(r['speed_vs_float'], '.2f')}x | {f(r['speed_vs_llama_cpp'], '.2f')}x "
             f"| {f(r.get('first_generate_s'), '.1f')} | {f(r.get('graphs'), 'd')} "
             f"| {r['rss_mb']:.0f} | {r['model_rss_mb']:.0f} "
-            f"| {f(r['linears_resident_mb'], '.1f')} | {f(r['linears_stored_mb'], '.1f')} |"
+            f"| {f(r['linears_resident_mb'], '.1f')} | {f(r['linears_stored_mb'], '.1f')} "
+            f"| {f(r.get('linears_ms_per_token'), '.2f')} |"
         )
     return "\n".join(lines)
 
