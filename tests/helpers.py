@@ -98,3 +98,24 @@ def load_benchmark(name: str):
     finally:
         sys.path.remove(str(folder))
     return mod
+
+
+def assert_reload_same_logits(model, ids: torch.Tensor, path: Path, quant_config: dict) -> None:
+    """Save ``model`` (quantized) to ``path`` and load it back: its logits on ``ids`` are bit-identical."""
+    from bitmosaic.io import load_quantized, save_quantized
+
+    with torch.inference_mode():
+        out = model(ids).logits
+    loaded, _ = load_quantized(save_quantized(model, path, quant_config), load_tokenizer=False)
+    with torch.inference_mode():
+        assert torch.equal(loaded(ids).logits, out)
+
+
+def cli_quantize_args(tmp_path: Path, scheme: str = "W4A4") -> list[str]:
+    """``bitmosaic quantize`` arguments for the tiny Llama saved under ``tmp_path/tiny``: RTN at
+    ``scheme``, groups of 32, 4 x 32 tokens of a word file (no ``--out``)."""
+    src = save_hf_dir(tmp_path / "tiny", tiny_llama())
+    (tmp_path / "calib.txt").write_text(" ".join(f"w{i % 100}" for i in range(3000)))
+    return ["quantize", "--model", str(src), "--method", "rtn", "--scheme", scheme, "--group-size", "32",
+            "--calib", str(tmp_path / "calib.txt"), "--nsamples", "4", "--seqlen", "32",
+            "--no-progress"]  # fmt: skip

@@ -20,6 +20,7 @@ from bitmosaic.formats.sq_act import act_scale_bits, act_storage_bits
 from bitmosaic.io import load_quantized, save_quantized
 from bitmosaic.methods import get_method
 from bitmosaic.modules.sq import SQActLinear, SQWeightLinear
+from tests.helpers import assert_reload_same_logits
 from tests.methods.test_sq_methods import _packed_w4
 from tests.methods.test_waq_pipeline import tiny
 
@@ -175,7 +176,9 @@ def test_sq_acts_scales_save_reload_and_inspect(tmp_path, calib, opts, capsys):
     assert len(mods) == 14
     for x in mods:
         assert (x.act_scale, x.act_group, x.calibrated_scales) == (
-            opts["act_scale"], opts.get("act_scale_group"), opts.get("act_scale_calib", False)
+            opts["act_scale"],
+            opts.get("act_scale_group"),
+            opts.get("act_scale_calib", False),
         )
     if opts.get("act_scale_calib"):  # calibrated from the calibration inputs: finite, positive, not the init
         s = torch.cat([x.act_high_scale.float() for x in mods])
@@ -249,9 +252,4 @@ def test_w_sq_a4_group_wise(tmp_path, calib):
     assert torch.allclose(lin(x), want, rtol=1e-5, atol=1e-5)
     per_token = fake_quant(x, ActQuantSpec("int", 4))
     assert not torch.allclose(fake_quant(x, a4), per_token)  # the group option is not per-token in disguise
-    with torch.inference_mode():
-        out = m(ids).logits
-    path = save_quantized(m, tmp_path / "q", {"method": "sq-weights"})
-    m2, _ = load_quantized(path, load_tokenizer=False)
-    with torch.inference_mode():
-        assert torch.equal(m2(ids).logits, out)
+    assert_reload_same_logits(m, ids, tmp_path / "q", {"method": "sq-weights"})

@@ -12,6 +12,7 @@ from bitmosaic.io import load_quantized, save_quantized
 from bitmosaic.methods import get_method
 from bitmosaic.models.arch import get_arch
 from bitmosaic.pipeline.pipeline import _apply_transform, capture_layer_inputs
+from tests.helpers import assert_reload_same_logits
 from tests.pipeline.test_pipeline import tiny_llama
 
 
@@ -54,9 +55,7 @@ def test_folded_factors_leave_the_float_model_unchanged(calib, ids, method, opts
     plan = {n: (spec, cfg) for g in arch.sequential for n in g}  # every linear: this method
     infos = []
     for layer in layers:
-        infos.append(
-            _apply_transform(plan, layer, arch, inputs, kwargs, torch.Generator().manual_seed(0))
-        )
+        infos.append(_apply_transform(plan, layer, arch, inputs, kwargs, torch.Generator().manual_seed(0)))
         with torch.inference_mode():
             inputs = [layer(h, **k) for h, k in zip(inputs, kwargs, strict=True)]
             inputs = [x[0] if isinstance(x, tuple) else x for x in inputs]
@@ -194,12 +193,7 @@ def test_dpq_end_to_end_fp8_operands_and_reload(tmp_path, calib, ids, opts):
         if opts.get("pow2"):
             s = q.input_quant.scale
             assert torch.equal(s, torch.exp2(torch.round(torch.log2(s))))
-    with torch.inference_mode():
-        out = m(ids).logits
-    path = save_quantized(m, tmp_path / "dpq", {"method": "dpq"})
-    m2, _ = load_quantized(path, load_tokenizer=False)
-    with torch.inference_mode():
-        assert torch.equal(m2(ids).logits, out)
+    assert_reload_same_logits(m, ids, tmp_path / "dpq", {"method": "dpq"})
 
 
 def test_dpq_beats_naive_and_rtn_on_tiny_model(calib):

@@ -11,7 +11,7 @@ import torch
 
 from bitmosaic.errors import OptionError
 from bitmosaic.modules.rotation import _input_rotation_hook, input_rotation_spec
-from tests.helpers import SPECIALS, VOCAB, save_hf_dir, tiny_llama, word_tokenizer
+from tests.helpers import SPECIALS, VOCAB, tiny_llama, word_tokenizer
 
 
 def _calib():
@@ -210,13 +210,10 @@ def test_recipe_rotation_equals_the_flag():
 
 def test_cli_quantize_inspect_eval_and_stream_refusal(tmp_path, capsys):
     from bitmosaic.cli import main
+    from tests.helpers import cli_quantize_args
 
-    src = save_hf_dir(tmp_path / "tiny", tiny_llama())
-    (tmp_path / "calib.txt").write_text(" ".join(f"w{i % 100}" for i in range(3000)))
     out = tmp_path / "q"
-    base = ["quantize", "--model", str(src), "--method", "rtn", "--scheme", "W4A4", "--group-size", "32",
-            "--calib", str(tmp_path / "calib.txt"), "--nsamples", "4", "--seqlen", "32",
-            "--no-progress"]  # fmt: skip
+    base = cli_quantize_args(tmp_path)
     assert main([*base, "--rotate", "hadamard", "--out", str(out)]) == 0
     capsys.readouterr()
     assert main(["inspect", str(out)]) == 0
@@ -239,7 +236,7 @@ def test_cli_quantize_inspect_eval_and_stream_refusal(tmp_path, capsys):
     )
     recipe = tmp_path / "r.json"
     recipe.write_text(json.dumps({"method": "rtn"}))
-    assert main(["quantize", "--model", str(src), "--recipe", str(recipe), "--rotate", "random"]) == 2
+    assert main(["quantize", "--model", base[2], "--recipe", str(recipe), "--rotate", "random"]) == 2
     assert "--rotate (the recipe's 'rotate' key)" in capsys.readouterr().err
 
 

@@ -113,14 +113,10 @@ def test_cli_spinquant_saves_inspects_and_reproduces(tmp_path, capsys):
     import json
 
     from bitmosaic.cli import main
-    from tests.helpers import save_hf_dir, tiny_llama
+    from tests.helpers import cli_quantize_args
 
-    src = save_hf_dir(tmp_path / "tiny", tiny_llama())
-    (tmp_path / "calib.txt").write_text(" ".join(f"w{i % 100}" for i in range(3000)))
     out = tmp_path / "q"
-    base = ["quantize", "--model", str(src), "--method", "rtn", "--scheme", "W4A4", "--group-size", "32",
-            "--calib", str(tmp_path / "calib.txt"), "--nsamples", "4", "--seqlen", "32",
-            "--no-progress"]  # fmt: skip
+    base = cli_quantize_args(tmp_path)
     rot = "spinquant:steps=3,lr=1.5"
     assert main([*base, "--rotate", rot, "--out", str(out), "--json", str(tmp_path / "r.json")]) == 0
     learned = json.loads((tmp_path / "r.json").read_text())["calibration"]["rotation"]["learned"]
