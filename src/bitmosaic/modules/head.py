@@ -23,7 +23,7 @@ Like run-time activations (:mod:`.intact`) they are approximations chosen at run
 default, not saved (the head's float weight, its tie to the embeddings and the state dict are
 unchanged; off the CPU, or when the head's weight needs a gradient, the float head runs),
 ``bitmosaic eval --runtime-head int8|q8_0`` or ``$BITMOSAIC_RUNTIME_HEAD`` at load.  Their KL and top-1
-agreement against the float head are measured on SmolLM2 (README, "Faster decode").
+agreement against the float head are measured on SmolLM2 (README, "An 8-bit output head").
 """
 
 from __future__ import annotations
@@ -102,9 +102,6 @@ class _Int8HeadForward:
         if head.bias is not None:
             y = y + head.bias.float()
         return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
-
-    def nbytes(self) -> int:
-        return self.kernel.nbytes()
 
 
 def set_runtime_head(model: nn.Module, mode: str | None = None) -> bool:
