@@ -2,7 +2,8 @@
 W4, W3 and W2 g128 (loaded through ``load_quantized``, the low-bit kernels as the default path: the
 bit-plane LUT at 1-3 bits; the ``(FMA)`` rows run the same W3/W2 folders on ``LowBitWeight``; the
 ``+A8`` rows the same W4/W2 folders with run-time INT8 activations on the integer kernel,
-``$BITMOSAIC_RUNTIME_ACT=int8``, as llama.cpp quantizes its activations; the ``+H8`` rows the output
+``$BITMOSAIC_RUNTIME_ACT=int8``, as llama.cpp quantizes its activations (``+Q8A``: one scale per block of
+32 channels, ``q8_0``, as llama.cpp's blocks); the ``+H8`` rows the output
 head as an 8-bit copy, ``--runtime-head int8``, as llama.cpp's file holds it in ``Q8_0``; ``+Q8H`` its
 inputs too in int8 blocks, ``--runtime-head q8_0``, as llama.cpp computes it; the ``(compiled)`` rows
 those models with :func:`bitmosaic.io.decode.enable_compiled_decode`: a static KV cache and a
@@ -123,10 +124,11 @@ def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repea
         from bitmosaic.kernels.select import KERNEL_ENV
 
         os.environ[KERNEL_ENV] = "lowbit"
-    if "+A8" in flags:  # run-time INT8 activations on the integer kernel (--runtime-act int8)
+    acts = {"+A8": "int8", "+Q8A": "q8_0"}  # run-time 8-bit activations on the integer kernel (--runtime-act)
+    for flag in set(flags) & set(acts):
         from bitmosaic.modules.intact import RUNTIME_ACT_ENV
 
-        os.environ[RUNTIME_ACT_ENV] = "int8"
+        os.environ[RUNTIME_ACT_ENV] = acts[flag]
     rss_base = _rss_mb()  # after the imports: the growth from here is the model's
     if variant.startswith("float"):
         model, tok = load_model("smollm2-135m", dtype=torch.float32)
@@ -328,13 +330,16 @@ def main() -> None:
             folders[f"W{b} g128 (FMA)"] = folders[f"W{b} g128"]
         for b in (4, 2):  # the same folders with run-time INT8 activations (what llama.cpp does)
             folders[f"W{b} g128 +A8"] = folders[f"W{b} g128"]
+            folders[f"W{b} g128 +Q8A"] = folders[f"W{b} g128"]
         # an 8-bit output head (llama.cpp's file holds its head as Q8_0): +H8 weight-only, +Q8H with int8
         # inputs per block of 32 too (--runtime-head int8 / q8_0)
         for v in ("float", "W4 g128", "W2 g128"):
             folders[f"{v} +H8"] = folders[v]
-        for v in ("W4 g128", "W2 g128", "W4 g128 +A8"):
+        for v in ("W4 g128", "W2 g128", "W4 g128 +A8", "W4 g128 +Q8A"):
             folders[f"{v} +Q8H"] = folders[v]
-        for v in ("float", "W4 g128", "W2 g128", "W4 g128 +Q8H", "W2 g128 +Q8H", "W4 g128 +A8 +Q8H"):
+        compiled = ("float", "W4 g128", "W2 g128", "W4 g128 +Q8H", "W2 g128 +Q8H", "W4 g128 +A8 +Q8H",
+                    "W4 g128 +Q8A +Q8H")  # fmt: skip
+        for v in compiled:
             folders[f"{v} (compiled)"] = folders[v]  # static cache + torch.compile (io/decode.py)
         if only is not None:
             folders.update({v: folders["W4 g128"] for v in _OPT_IN})

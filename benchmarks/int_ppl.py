@@ -43,7 +43,17 @@ RUNS = {
     # the same model weight-only: "int" is the run-time path, "ref" the weight-only one
     "gptq W4 + runtime A8": ("gptq", "W4A16", {"group_size": 128, "order": "act", "scale": "mse"}),
     "gptq W3 + runtime A8": ("gptq", "W3A16", {"group_size": 128, "order": "act", "scale": "mse"}),
+    # the same with one scale per block of 32 channels (--runtime-act q8_0, llama.cpp's Q8_0 activations)
+    "gptq W4 + runtime Q8_0": ("gptq", "W4A16", {"group_size": 128, "order": "act", "scale": "mse"}),
+    "gptq W3 + runtime Q8_0": ("gptq", "W3A16", {"group_size": 128, "order": "act", "scale": "mse"}),
 }
+
+
+def runtime_mode(name: str) -> str | None:
+    """The ``--runtime-act`` choice a row runs on its integer path (``None``: the model's own quantizer)."""
+    return "q8_0" if "runtime Q8_0" in name else "int8" if "runtime A8" in name else None
+
+
 JITTER = 1e-6  # relative noise on every quantized layer's input: the float32-rounding noise floor
 
 
@@ -53,13 +63,13 @@ def windows(ids: torch.Tensor, seqlen: int, n: int) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def path(model, mode: str, runtime: bool):
+def path(model, mode: str, runtime: str | None):
     """``int``: the integer path (for a ``runtime`` row: run-time INT8 activations); ``ref``: the simulated
     path (for a ``runtime`` row: weight-only); ``jitter``: ``ref`` with every quantized layer's input
     multiplied by ``1 + 1e-6 N(0, 1)`` (fixed seed): how far float32 rounding alone moves ``ref``."""
     hooks = []
     if runtime:
-        set_runtime_activations(model, "int8" if mode == "int" else "none")
+        set_runtime_activations(model, runtime if mode == "int" else "none")
     else:
         os.environ[ACT_COMPUTE_ENV] = "auto" if mode == "int" else "sim"
     if mode == "jitter":
@@ -81,7 +91,7 @@ def path(model, mode: str, runtime: bool):
             set_runtime_activations(model, "none")
 
 
-def compare(b: Bench, model, runtime: bool) -> dict:
+def compare(b: Bench, model, runtime: str | None) -> dict:
     """Perplexity on the three paths (:func:`path`); KL to the float model, and between the paths, with
     top-1 agreement, on the first ``--kl-windows`` windows."""
     out = {}
@@ -122,14 +132,14 @@ def main() -> None:
     rows = []
     for name in a.runs.split(","):
         method, scheme, opts = RUNS[name]
-        runtime = "runtime" in name
+        runtime = runtime_mode(name)
         wbits, act = parse_scheme(scheme)
         spec = get_method(method)
         cfg = spec.make_config(**opts, bits=wbits, act=act)
         model = copy.deepcopy(b.model)
         quantize_model(model, b.calib, spec, cfg, progress=False)
         if runtime:
-            set_runtime_activations(model, "int8")
+            set_runtime_activations(model, runtime)
         paths = sorted({
             act_path_label(m.int_act_blocker(), m.act_quantizer().spec)
             for m in model.modules()
@@ -148,7 +158,7 @@ def main() -> None:
         f"and top-1 agreement on the first {a.kl_windows}. `int`: the integer path; `ref`: the simulated "
         "path (runtime rows: the same model weight-only); `jitter`: `ref` with every quantized layer's "
         f"input multiplied by 1 + {JITTER:g} N(0,1), the noise float32 rounding alone makes. "
-        f"`python benchmarks/int_ppl.py --runs \"{a.runs}\" --kl-windows {a.kl_windows}`",
+        f'`python benchmarks/int_ppl.py --runs "{a.runs}" --kl-windows {a.kl_windows}`',
         "",
         "| model | integer path | ppl int | ppl ref | rel diff | ppl jitter | jitter rel diff "
         "| KL(float‖int) | KL(float‖ref) | top-1 float/int | top-1 float/ref | KL(ref‖int) | KL(ref‖jitter) "

@@ -58,21 +58,24 @@ def _close(y_int, y_sim, x_q, w):
 @settings(max_examples=25, deadline=None)
 @given(
     bits=st.sampled_from([2, 3, 4, 8]),
-    gs=st.sampled_from([-1, 16, 32]),
+    gs=st.sampled_from([-1, 16, 32, 64]),
     sym=st.booleans(),
-    gran=st.sampled_from(["token", "tensor-static", "tensor", "group-static"]),
+    gran=st.sampled_from(["token", "tensor-static", "tensor", "group-static", "group"]),
+    agroup=st.sampled_from([16, 32, 64]),
     abits=st.sampled_from([8, 4]),
     act_order=st.booleans(),
     M=st.sampled_from([1, 3, 12]),
     seed=st.integers(0, 2**16),
     clip=st.sampled_from([1.0, 0.9, 0.75]),
 )
-def test_layer_int_path_matches_simulated(bits, gs, sym, gran, abits, act_order, M, seed, clip):
+def test_layer_int_path_matches_simulated(bits, gs, sym, gran, agroup, abits, act_order, M, seed, clip):
+    """Activation groups that hold whole weight groups, and groups finer than the weight's (per-row or
+    g64 weights with activations per 16/32: the weight groups split, ``act_weight_groups``)."""
     static = gran.endswith("-static")
     gran = gran.split("-")[0]
-    if gran == "group" and (gs < 0 or act_order):
+    if gran == "group" and act_order:
         gran = "tensor"
-    spec = ActQuantSpec("int", abits, granularity=gran, group_size=64, static=static, clip_ratio=clip)
+    spec = ActQuantSpec("int", abits, granularity=gran, group_size=agroup, static=static, clip_ratio=clip)
     m, g = _layer(24, 128, bits, gs, sym, spec, seed, act_order)
     x = torch.randn(2, M, 128, generator=g) * 2
     with torch.inference_mode():
@@ -85,6 +88,32 @@ def test_layer_int_path_matches_simulated(bits, gs, sym, gran, abits, act_order,
     w = m.dequantize_reference()
     _close(y - m.bias, y_sim - m.bias, fake_quant(x, spec, m.input_quant.scale), w)
     assert y.shape == y_sim.shape == (2, M, 24)
+
+
+@pytest.mark.parametrize("gs, agroup", [(-1, 64), (32, 16), (-1, 32)])
+def test_finer_activation_groups_with_a_partial_last_group(gs, agroup):
+    """96 input columns: activation groups of 64 leave a last group of 32 (and per-row weights split into
+    them); the integer path still matches the simulated one."""
+    spec = ActQuantSpec("int", 8, granularity="group", group_size=agroup)
+    m, g = _layer(20, 96, 4, gs, False, spec, 3)
+    assert m.int_act_blocker() is None
+    x = torch.randn(4, 96, generator=g) * 2
+    with torch.inference_mode():
+        y = m(x)
+        assert isinstance(m._int_act, IntActKernel) and m._int_act.weight.group_size == agroup
+        with simulated():
+            y_sim = m(x)
+    _close(y - m.bias, y_sim - m.bias, fake_quant(x, spec), m.dequantize_reference())
+
+
+def test_activation_groups_that_neither_hold_nor_split_weight_groups_stay_simulated():
+    m, _ = _layer(8, 96, 4, 32, True, ActQuantSpec("int", 8, granularity="group", group_size=48), 0)
+    assert m.int_act_blocker() == (
+        "activation groups of 48 neither hold whole weight groups of 32 nor split them into groups of a "
+        "multiple of 8"
+    )
+    m, _ = _layer(8, 96, 4, 32, True, ActQuantSpec("int", 8, granularity="group", group_size=4), 0)
+    assert m.int_act_blocker().startswith("activation groups of 4 neither")
 
 
 def test_int_path_reads_unquantized_inputs():
@@ -225,26 +254,37 @@ def _weight_only(bits=4, gs=32, act_order=False, seed=0):
     return QuantLinear.from_result(res, bits=bits, group_size=gs, symmetric=False), g
 
 
-@pytest.mark.parametrize("bits, act_order", [(4, False), (2, False), (4, True), (8, False)])
-def test_runtime_int8_activations_on_a_weight_only_layer(bits, act_order):
-    """``--runtime-act int8``: a weight-only layer computes Q8(x) Wᵀ in integers, per-token INT8 scales,
-    equal to fake-quantizing its input and multiplying by the float weight (up to float32 rounding), and
-    nothing of it is saved; ``none`` takes it away (bit-identical to before)."""
+@pytest.mark.parametrize(
+    "bits, act_order, mode",
+    [(4, False, "int8"), (2, False, "int8"), (4, True, "int8"), (8, False, "int8"), (4, False, "q8_0"),
+     (4, True, "q8_0"), (3, False, "q8_0")],
+)  # fmt: skip
+def test_runtime_int8_activations_on_a_weight_only_layer(bits, act_order, mode):
+    """``--runtime-act int8|q8_0``: a weight-only layer computes Q8(x) Wᵀ in integers, with per-token INT8
+    scales or one per block of 32 (over the kernel's column order: an act-order layer's blocks are of
+    its permuted columns), equal to fake-quantizing its input and multiplying by the float weight (up to
+    float32 rounding), and nothing of it is saved; ``none`` takes it away (bit-identical to before)."""
     from bitmosaic.modules.intact import RUNTIME_ACT_SPECS, set_runtime_activations
 
     m, g = _weight_only(bits, act_order=act_order)
     model = torch.nn.Sequential(m)
     x = torch.randn(3, 5, 128, generator=g) * 3
+    x[..., 7] *= 40  # one large channel: per-token and per-block scales differ
     keys = set(model.state_dict())
     with torch.inference_mode():
         y_wo = m(x)
-        assert set_runtime_activations(model, "int8") == 1
+        assert set_runtime_activations(model, mode) == 1
         assert set(model.state_dict()) == keys and m._modules.get("input_quant") is None
         y = m(x)
         assert isinstance(m._int_act, IntActKernel)
-        spec = RUNTIME_ACT_SPECS["int8"]
-        _close(y, fake_quant(x, spec, None) @ m.dequantize_reference().T, fake_quant(x, spec, None),
-               m.dequantize_reference())  # fmt: skip
+        spec = RUNTIME_ACT_SPECS[mode]
+        qx = fake_quant(x, spec, None)
+        perm = m._int_act.perm
+        assert (perm is not None) == act_order
+        if perm is not None and spec.granularity == "group":  # blocks over the stored column order
+            qx = torch.empty_like(x)
+            qx[..., perm] = fake_quant(x[..., perm], spec, None)
+        _close(y, qx @ m.dequantize_reference().T, qx, m.dequantize_reference())
         assert not torch.equal(y, y_wo)  # it does quantize the input
         with simulated():  # nothing to gain from simulating it: the layer stays weight-only
             assert torch.equal(m(x), y_wo)
@@ -262,7 +302,7 @@ def test_runtime_activations_keep_a_layers_own_quantizer_and_refuse_bad_values(m
     assert set_runtime_activations(model, "int8") == 1
     assert own.act_quantizer().spec.bits == 4 and wo.act_quantizer().spec.bits == 8
     monkeypatch.setenv(RUNTIME_ACT_ENV, "int4")
-    with pytest.raises(OptionError, match=r"\$BITMOSAIC_RUNTIME_ACT='int4' is not one of none, int8"):
+    with pytest.raises(OptionError, match=r"\$BITMOSAIC_RUNTIME_ACT='int4' is not one of none, int8, q8_0"):
         set_runtime_activations(model)
 
 

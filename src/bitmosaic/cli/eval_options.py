@@ -24,7 +24,8 @@ def _runtime_act(model, mode: str) -> None:
 
     n = set_runtime_activations(model, mode)
     if mode != "none":
-        print(f"runtime activations {mode}: {n} weight-only layers quantize inputs per token (not saved)")
+        per = "per block of 32 channels" if mode == "q8_0" else "per token"
+        print(f"runtime activations {mode}: {n} weight-only layers quantize inputs {per} (not saved)")
 
 
 def _runtime_head(model, mode: str) -> None:

@@ -12,19 +12,22 @@ forward in one of two ways:
   kernel multiplies it in float32.  Always the case for FP8/FP4 activations (DPQ's FP8 compute: this CPU
   has no FP8 instruction), for kinds without an integer path (``INT_ACT_KERNELS`` empty: SSQR's CSR
   outliers, DPQ, MosaicQuant, the SQ-format activations, SFMP, Huffman, FP8 weights), for group sizes
-  that are not multiples of 8, activation groups that do not hold whole weight groups, off the CPU,
+  that are not multiples of 8, activation groups that neither hold whole weight groups nor split them
+  into multiples of 8 (:func:`act_weight_groups`), off the CPU,
   and under ``$BITMOSAIC_ACT_COMPUTE=sim`` (for comparison).
 
 :func:`int_act_blocker` says which, and why; ``bitmosaic inspect --layers`` prints it per layer.
 
 **Runtime 8-bit activations for weight-only models** (:func:`set_runtime_activations`, ``bitmosaic eval
 --runtime-act int8``, ``$BITMOSAIC_RUNTIME_ACT``): what llama.cpp does with every quantized matmul -- the
-input quantized to 8 bits per token (dynamic, symmetric; llama.cpp's ``Q8_0``/``Q8_K`` use blocks of 32 or
-256 instead) and multiplied in integers.  A weight-only layer then runs the integer kernel with a per-token
-INT8 quantizer that is *not* part of the model (not saved, not in the state dict, not in the config): it is
-an approximation chosen at run time for speed, off by default (``benchmarks/runtime_act.py`` measures
-its KL and top-1 agreement against the weight-only path and the decode speed).  It applies only where the
-integer path runs (the layer's kernel, group size, the CPU); elsewhere, and under
+input quantized to 8 bits (dynamic, symmetric) and multiplied in integers: ``int8`` with one scale per
+token, ``q8_0`` with one scale per block of 32 channels of each token, as llama.cpp's ``Q8_0`` activations
+(the weight's groups split into blocks of 32 for the kernel, :func:`act_weight_groups`; an act-order
+layer's blocks are of its stored, permuted columns).  A weight-only layer then runs the integer kernel
+with an INT8 quantizer that is *not* part of the model (not saved, not in the state dict, not in the
+config): it is an approximation chosen at run time for speed, off by default (``benchmarks/int_ppl.py``
+measures its KL and top-1 agreement against the weight-only path, ``benchmarks/decode.py`` the speed).
+It applies only where the integer path runs (the layer's kernel, group size, the CPU); elsewhere, and under
 ``$BITMOSAIC_ACT_COMPUTE=sim``, the layer stays weight-only (there is nothing to gain from simulating it).
 """
 
@@ -44,6 +47,7 @@ __all__ = [
     "RUNTIME_ACT_ENV",
     "RUNTIME_ACT_SPECS",
     "act_compute_mode",
+    "act_weight_groups",
     "int_act_blocker",
     "IntActKernel",
     "act_path_label",
@@ -55,7 +59,12 @@ ACT_COMPUTE_ENV = "BITMOSAIC_ACT_COMPUTE"
 _MODES = ("auto", "sim")
 RUNTIME_ACT_ENV = "BITMOSAIC_RUNTIME_ACT"
 # --runtime-act choice -> the activation quantizer weight-only layers get at run time (None: stay weight-only)
-RUNTIME_ACT_SPECS: dict[str, ActQuantSpec | None] = {"none": None, "int8": ActQuantSpec("int", 8)}
+# int8: one scale per token; q8_0: one per block of 32 channels per token (llama.cpp's Q8_0 activations)
+RUNTIME_ACT_SPECS: dict[str, ActQuantSpec | None] = {
+    "none": None,
+    "int8": ActQuantSpec("int", 8),
+    "q8_0": ActQuantSpec("int", 8, granularity="group", group_size=32),
+}
 
 
 def act_compute_mode() -> str:
@@ -83,7 +92,7 @@ def runtime_choice(mode: str | None, env: str, flag: str, choices) -> str:
 
 
 def runtime_act_mode(mode: str | None = None) -> str:
-    """``mode`` (``none``/``int8``), or ``$BITMOSAIC_RUNTIME_ACT`` when ``mode`` is ``None`` (unset:
+    """``mode`` (``none``/``int8``/``q8_0``), or ``$BITMOSAIC_RUNTIME_ACT`` when ``mode`` is ``None`` (unset:
     ``none``); anything else raises :class:`~bitmosaic.errors.OptionError` naming the choices."""
     return runtime_choice(mode, RUNTIME_ACT_ENV, "--runtime-act", RUNTIME_ACT_SPECS)
 
@@ -133,11 +142,40 @@ def int_act_blocker(
     if in_features >= MAX_K:
         return f"{in_features} input columns (the int32 sums hold fewer than {MAX_K})"
     if spec.granularity == "group" and spec.group_size < in_features:
-        if per_row or spec.group_size % gs:
-            return f"activation groups of {spec.group_size} do not hold whole weight groups of {gs}"
+        ag = spec.group_size
         if permuted:
             return "act-order columns with per-group activation scales"
+        holds = not per_row and ag % gs == 0
+        splits = (per_row or gs % ag == 0) and ag % kernel.SUPPORTS_GROUP_SIZE_MULTIPLE == 0
+        if not (holds or splits):
+            return (
+                f"activation groups of {ag} neither hold whole weight groups of {gs} nor split them "
+                f"into groups of a multiple of {kernel.SUPPORTS_GROUP_SIZE_MULTIPLE}"
+            )
     return None
+
+
+def act_weight_groups(
+    scales: torch.Tensor, zeros, group_size: int | None, in_features: int, spec: ActQuantSpec
+) -> tuple[torch.Tensor, torch.Tensor | float, int]:
+    """The weight's ``scales [N, G]`` / ``zeros`` (a number or ``[N, G]``) and group size as the integer
+    kernel takes them for activation ``spec``: unchanged, unless the activation groups are finer than the
+    weight groups (a per-row or g128 weight with activations in groups of 32 or 64, llama.cpp's ``Q8_0``
+    blocks, W4A4 per group) -- then each weight group is split into the activation's groups, its
+    scale and zero repeated, so every int32 sum covers one activation group and one weight group
+    (same integers, same products; only more epilogues).  Call after :func:`int_act_blocker` said
+    ``None``."""
+    K = in_features
+    gs = K if group_size is None or group_size < 0 or group_size >= K else int(group_size)
+    if spec.granularity != "group" or spec.group_size >= gs:
+        return scales, zeros, gs
+    ag, Ga = spec.group_size, -(-K // spec.group_size)
+    reps = Ga if gs >= K else gs // ag
+
+    def split(t):
+        return t.repeat_interleave(reps, dim=1)[:, :Ga] if torch.is_tensor(t) else t
+
+    return split(scales), split(zeros), ag
 
 
 def act_path_label(blocker: str | None, spec: ActQuantSpec | None) -> str:
@@ -164,19 +202,25 @@ def _scale_table(s: torch.Tensor, spec: ActQuantSpec) -> torch.Tensor:
 
 class IntActKernel:
     """``x -> Q(x) Wᵀ`` in integers for one layer: an :class:`IntActWeight` and the act-order
-    permutation of its columns (``None``: natural order)."""
+    permutation of its columns (``None``: natural order).  ``stored_order``: activation groups are
+    taken over the permuted (stored) columns -- the run-time ``q8_0`` blocks of an act-order layer,
+    which have no simulated counterpart to match; a layer's own per-group quantizer is defined over
+    the model's channel order, so with act-order it runs simulated (:func:`int_act_blocker`)."""
 
-    def __init__(self, weight: IntActWeight, perm: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: IntActWeight, perm: torch.Tensor | None = None, stored_order=False) -> None:
         self.weight = weight
         self.perm = perm
+        self.stored_order = stored_order
 
     def __call__(self, x: torch.Tensor, quantizer) -> torch.Tensor:
         spec, K = quantizer.spec, self.weight.K
         x2 = x.reshape(-1, K).float()
+        if self.perm is not None and self.stored_order:
+            x2 = x2.index_select(-1, self.perm)
         s = None  # per-token dynamic: the kernel computes scale_from_amax itself (same float32 operations)
         if spec.granularity != "token" or spec.pow2 or spec.clip_ratio != 1:
             s = _scale_table(act_scales(x2, spec, quantizer.scale), spec)  # the simulated path's scales
-        if self.perm is not None:  # per-token / per-tensor scales do not depend on the column order
+        if self.perm is not None and not self.stored_order:  # per-token/-tensor scales: any column order
             x2 = x2.index_select(-1, self.perm)
         group = spec.group_size if spec.granularity == "group" else K
         y = self.weight.matmul(x2, s, group, spec.qmax)

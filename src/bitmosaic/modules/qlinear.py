@@ -202,7 +202,7 @@ class QuantLinear(QuantModule):
         from .intact import int_act_blocker
 
         q = self.act_quantizer()
-        spec, permuted = (None if q is None else q.spec), self.g_idx is not None
+        spec, permuted = (None if q is None else q.spec), self.g_idx is not None and not self._runtime_blocks
         return int_act_blocker(
             self.INT_ACT_KERNELS, spec, self.storage_bits, self.group_size, self.in_features, permuted
         )
@@ -210,7 +210,7 @@ class QuantLinear(QuantModule):
     def _build_int_act(self):
         """The integer-activation kernel: the codes at their storage width, ``code_offset`` folded into
         the zero-point, act-order columns made contiguous (as :meth:`_build_kernel`)."""
-        from .intact import IntActKernel
+        from .intact import IntActKernel, act_weight_groups
         from .kernel import contiguous_group_perm
 
         if self.int_act_blocker() is not None:
@@ -222,8 +222,17 @@ class QuantLinear(QuantModule):
         if self.g_idx is not None:
             perm = contiguous_group_perm(self.g_idx, self.group_size)
             codes = codes.index_select(1, perm)
-        w = IntActWeight.from_codes(codes, self.storage_bits, self.scales.float(), z, self.group_size)
-        return IntActKernel(w, perm)
+        s, z, gs = act_weight_groups(
+            self.scales.float(), z, self.group_size, self.in_features, self.act_quantizer().spec
+        )
+        w = IntActWeight.from_codes(codes, self.storage_bits, s, z, gs)
+        return IntActKernel(w, perm, stored_order=self._runtime_blocks)
+
+    @property
+    def _runtime_blocks(self) -> bool:
+        """Whether the activation quantizer is a run-time one (not saved): its groups (``q8_0``'s blocks
+        of 32) are then taken over the kernel's column order, as llama.cpp's blocks are over the file's."""
+        return self._modules.get("input_quant") is None and self.act_quantizer() is not None
 
     def _saved_from_kernel(self, k):
         """Rebuilds of the packed buffers from the :class:`~bitmosaic.modules.kernel.LowBitKernel`
