@@ -167,6 +167,13 @@ class IntActWeight:
             act_scale = act_scale.float().reshape(act_scale.shape[0] if act_scale.dim() == 2 else 1, -1)
             ratio = self._ratio(act_scale, act_group)
         q, qsum, sa = self.quantize(x2, act_scale, act_group, qmax)
+        y = self.product(q, qsum, sa, ratio, route)
+        return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
+
+    def product(self, q, qsum, sa, ratio: int, route: str = "kernel") -> torch.Tensor:
+        """``y [M, N]`` float32 from :meth:`quantize`'s ``(q, qsum, sa)`` (``q`` may come from another
+        weight's call when its columns are these: MosaicQuant's residual,
+        :class:`.mosaic.MosaicIntActWeight`); ``ratio``: weight groups per activation scale column."""
         ext = extension()
         if route == "kernel" and ext is not None:
             y = ops.int_matmul(
@@ -177,7 +184,7 @@ class IntActWeight:
             y = self._int_mm(q, qsum, sa, ratio)
         else:
             raise ValueError(f"route must be 'kernel' or 'int_mm', got {route!r}")
-        return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
+        return y
 
     def _int_mm(self, q, qsum, sa, ratio) -> torch.Tensor:
         """``torch._int_mm`` per weight group on ``c - 128`` (int8), corrected by ``128 Σ q``."""

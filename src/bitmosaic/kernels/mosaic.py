@@ -38,6 +38,19 @@ residual blocks tile the gathered ``[N, k]`` matrix, so its one path is the dens
 4096-wide shapes), at 16 rows the three-step path costs +18..35% over the dense product and the
 fused tiles +65..100%, at 512 rows three-step +25..59% and fused +3..11%; 128 sits between the two
 measured points on a log scale.
+
+:class:`MosaicIntActWeight` runs the same layer with **INT activations in integers** (MosaicQuant §3
+Eq. 4 / §4.2 on :mod:`.intmm`'s kernel): the input is quantized once (the dense base's
+:meth:`~bitmosaic.kernels.intmm.IntActWeight.quantize`, the simulated path's scales); the dense base is
+one :class:`~bitmosaic.kernels.intmm.IntActWeight` product of those integers (zero-point 8, one scale
+per row, or per activation group when those are finer, ``modules.intact.act_weight_groups``); the
+residual blocks are grouped by row block, and the selected blocks of one row block become one small
+integer weight ``[bm, n_blocks * bk]`` over the *gathered* int8 activation columns of those blocks
+(codes ``+ 8`` at 4 bits, one weight group per block with its per-row scales; the channel residual
+gathers its ``k`` columns the same way).  Every sum ``Σ c q`` is exact in int32 and scaled once, so the
+output equals the simulated path up to float32 rounding.  It is not ZipperEngine's single fused pass:
+the residual is one more kernel call per row block that holds selected blocks (which costs at decode,
+not at prefill: ``benchmarks/mosaic_kernel.py``).
 """
 
 from __future__ import annotations
@@ -45,11 +58,19 @@ from __future__ import annotations
 import torch
 
 from . import build, tiles
+from .intmm import IntActWeight
 from .isa import isa_number
 from .ops import operator
 from .qmatmul import LowBitWeight
 
-__all__ = ["MosaicWeight", "MosaicColumnsWeight", "DECODE_ROWS", "extension", "mosaic_residual"]
+__all__ = [
+    "MosaicWeight",
+    "MosaicColumnsWeight",
+    "MosaicIntActWeight",
+    "DECODE_ROWS",
+    "extension",
+    "mosaic_residual",
+]
 
 DECODE_ROWS = 8
 FUSED_MIN_ROWS = 128
@@ -217,3 +238,81 @@ class MosaicColumnsWeight(MosaicWeight):
         return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
 
     __call__ = fused = decode = three_step
+
+
+class MosaicIntActWeight:
+    """MosaicQuant with INT activations in integers (module doc): the dense base and the residual row
+    blocks as integer weights; :meth:`matmul` is
+    :meth:`IntActWeight.matmul`'s interface (so :class:`~bitmosaic.modules.intact.IntActKernel` runs it)."""
+
+    def __init__(self, dense: IntActWeight, parts: list[tuple[int, int, IntActWeight, torch.Tensor]]) -> None:
+        """``parts``: ``(r0, r1, weight, columns)`` per row block: output rows ``r0:r1``, its integer
+        weight and the input column of each of its columns (``K`` or beyond: a zero column, padding)."""
+        self.dense, self.parts = dense, parts
+        self.N, self.K = dense.N, dense.K
+
+    @classmethod
+    def build(
+        cls,
+        dense: IntActWeight,
+        index: torch.Tensor,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        shape: tuple[int, int],
+        block: tuple[int, int],
+        columns: torch.Tensor | None = None,
+        act_group: int | None = None,
+    ) -> MosaicIntActWeight:
+        """From the residual as :class:`~bitmosaic.kernels.mosaic.MosaicWeight` takes it: flat ascending
+        block ``index`` (``rb * n_col_blocks + cb``), signed ``codes [n_sel, bm, bk]``, ``scales [n_sel,
+        bm]``, the residual grid's ``shape (N, K or k)``, ``block (bm, bk)``, the gathered ``columns``
+        (channel residual) and the activation group width when it is finer than ``bk`` (the block's
+        group then splits into groups of that width, scales repeated)."""
+        N, Kr = shape
+        bm, bk = block
+        ncb = -(-Kr // bk)
+        idx = index.to(torch.int64)
+        rb, cb = idx // ncb, idx % ncb
+        gs = bk if act_group is None or act_group >= bk else int(act_group)
+        col_map = torch.arange(ncb * bk) if columns is None else columns.to(torch.int64)
+        col_map = torch.nn.functional.pad(col_map, (0, ncb * bk - col_map.numel()), value=dense.K)
+        col_map = torch.where(torch.arange(ncb * bk) < Kr, col_map, torch.full_like(col_map, dense.K))
+        parts = []
+        for r in torch.unique(rb).tolist():
+            sel = (rb == r).nonzero().reshape(-1)
+            r0, r1 = r * bm, min(N, (r + 1) * bm)
+            c = codes[sel, : r1 - r0].permute(1, 0, 2).reshape(r1 - r0, -1) + 8  # [rows, nb * bk]
+            s = scales[sel, : r1 - r0].T.float().repeat_interleave(bk // gs, dim=1)
+            w = IntActWeight.from_codes(c.to(torch.int32), 4, s, 8.0, gs)
+            cols = (cb[sel, None] * bk + torch.arange(bk)).reshape(-1)
+            parts.append((r0, r1, w, col_map[cols].contiguous()))
+        return cls(dense, parts)
+
+    def nbytes(self) -> int:
+        return self.dense.nbytes() + sum(w.nbytes() + 8 * c.numel() for _, _, w, c in self.parts)
+
+    def matmul(self, x: torch.Tensor, act_scale, act_group: int, qmax: float) -> torch.Tensor:
+        """``x [..., K]`` -> ``[..., N]``: the input quantized once, the dense product, then each row
+        block's residual product on the gathered integers (module doc); arguments as
+        :meth:`IntActWeight.matmul`."""
+        d = self.dense
+        x2 = x.reshape(-1, self.K).float()
+        ratio = d.G
+        if act_scale is not None:
+            act_scale = act_scale.float().reshape(act_scale.shape[0] if act_scale.dim() == 2 else 1, -1)
+            ratio = d._ratio(act_scale, act_group)
+        q, qsum, sa = d.quantize(x2, act_scale, act_group, qmax)
+        y = d.product(q, qsum, sa, ratio)
+        if self.parts:
+            M = q.shape[0]
+            qz = torch.nn.functional.pad(q[:, : self.K], (0, 1))  # column K: the zero column of padding
+            for r0, r1, w, cols in self.parts:
+                qg = qz.index_select(1, cols)
+                qs = qg.reshape(M, w.G, -1).sum(-1, dtype=torch.int32)
+                if sa.shape[1] == 1:
+                    sg, rg = sa, w.G
+                else:  # per activation group: the group of each residual group's first column
+                    first = cols[:: w.group_size].clamp(max=self.K - 1)
+                    sg, rg = sa.index_select(1, torch.div(first, act_group, rounding_mode="floor")), 1
+                y[:, r0:r1] += w.product(qg, qs, sg.contiguous(), rg)
+        return y.reshape(*x.shape[:-1], self.N).to(x.dtype)

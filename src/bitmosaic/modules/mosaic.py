@@ -19,8 +19,11 @@ Bits per weight = all those bits / (``in_features * out_features``), the weights
 matrix; :meth:`MosaicQuantLinear.residual_overhead` is the residual's bits over the dense
 base's bits (the paper's memory overhead, Fig. 6).
 
-Forward: the input quantizer (``input_quant``, attached by the pipeline) produces ``Q(X)`` once;
-the kernel multiplies it by the dense base and the residual blocks -- in one tiling pass for
+Forward with INT activations (the default on the CPU): the integers of ``Q(X)`` are multiplied by the
+dense base and by the residual blocks in int32 (:class:`bitmosaic.kernels.mosaic.MosaicIntActWeight`).
+Otherwise (FP
+activations, ``$BITMOSAIC_ACT_COMPUTE=sim``, off the CPU) the input quantizer produces ``Q(X)`` in float
+once, and the kernel multiplies it by the dense base and the residual blocks -- in one tiling pass for
 prefill, and for decode (at most 8 rows) in two compiled passes (dense GEMV, then the residual
 blocks accumulated into the same output) -- so the sparse branch uses the same quantized activations
 (:mod:`bitmosaic.kernels.mosaic`).
@@ -40,6 +43,7 @@ __all__ = ["MosaicQuantLinear"]
 class MosaicQuantLinear(QuantLinear):
     kind = "mosaic"
     KERNELS = ("lowbit",)  # the residual pass adds into LowBitWeight's GEMV and fused tiles
+    INT_ACT_KERNELS = ("int8act",)  # INT activations: dense base and residual blocks in integers
     CONFIG_KEYS = ("block_rows", "block_cols", "n_blocks", "n_columns")
 
     def __init__(
@@ -134,6 +138,55 @@ class MosaicQuantLinear(QuantLinear):
             cols = self.res_columns
             return MosaicColumnsWeight(dense.weight, self.res_index, c, s, shape, self.block, cols)
         return MosaicWeight(dense.weight, self.res_index, c, s, shape, self.block)
+
+    # -- integer activations (kernels/mosaic.py) ------------------------------------------------
+    @staticmethod
+    def _residual_blocker(spec, block_cols: int, channels: bool) -> str | None:
+        """Why the residual blocks cannot run in integers with activation ``spec`` (``None``: they can)."""
+        if block_cols % 8:
+            return f"residual blocks of {block_cols} columns (the integer path needs a multiple of 8)"
+        if spec is None or spec.granularity != "group":
+            return None
+        if channels:
+            return "per-group activation scales on a residual of gathered columns"
+        ag = spec.group_size
+        if ag % block_cols and (block_cols % ag or ag % 8):
+            return f"activation groups of {ag} neither hold nor split residual blocks of {block_cols} columns"
+        return None
+
+    def int_act_blocker(self) -> str | None:
+        q = self.act_quantizer()
+        spec = None if q is None else q.spec
+        return super().int_act_blocker() or self._residual_blocker(
+            spec, self.block_cols, self.res_columns is not None
+        )
+
+    @classmethod
+    def act_compute(cls, cfg: dict) -> str:
+        from ..formats.act import ActQuantSpec
+        from .intact import act_path_label
+
+        spec = ActQuantSpec.from_dict(cfg.get("act"))
+        blocker = spec is not None and cls._residual_blocker(
+            spec, int(cfg["block_cols"]), bool(cfg.get("n_columns"))
+        )
+        return act_path_label(blocker, spec) if blocker else super().act_compute(cfg)
+
+    def _build_int_act(self):
+        """The dense base's integer kernel with the residual row blocks beside it (kernels/mosaic.py)."""
+        from ..kernels.mosaic import MosaicIntActWeight
+
+        k = super()._build_int_act()
+        if k is None:
+            return None
+        spec = self.act_quantizer().spec
+        ag = spec.group_size if spec.granularity == "group" else None
+        c, s = self.residual_blocks()
+        shape = (self.out_features, self.residual_width)
+        k.weight = MosaicIntActWeight.build(
+            k.weight, self.res_index, c, s, shape, self.block, self.res_columns, ag
+        )
+        return k
 
     def _saved_from_kernel(self, k):
         """The dense base's buffers rebuild from the kernel's dense part (resident weights, see
