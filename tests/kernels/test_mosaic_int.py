@@ -130,3 +130,20 @@ def test_quantized_model_picks_it_after_save_and_load(tmp_path, capsys):
         assert [
             m for m in loaded.modules() if isinstance(m, QuantModule) and m.runs_int_act(tokens.float())
         ] == []
+
+
+def test_compiles_whole_and_equals_eager():
+    """``torch.compile(fullgraph=True)`` traces the integer MosaicQuant layer (``int8_quantize`` and
+    ``int_matmul_mosaic`` are operators with fake implementations) and gives the eager output."""
+    from bitmosaic.kernels import intmm
+
+    if intmm.extension() is None:
+        pytest.skip("no C++ compiler for the integer kernel")
+    torch._dynamo.reset()
+    m, g = _mosaic(48, 128, (16, 32), 0.2, ActQuantSpec("int", 4, granularity="group", group_size=64), 2)
+    x = torch.randn(5, 128, generator=g)
+    with torch.no_grad():
+        ref = m(x)
+        assert isinstance(m._int_act.weight, MosaicIntActWeight)
+        out = torch.compile(m, fullgraph=True, dynamic=False)(x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

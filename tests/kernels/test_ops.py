@@ -98,6 +98,40 @@ def test_mosaic_residual_op():
     torch.testing.assert_close(y, y0 + k.sparse_only(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("per_group", [False, True])
+def test_int_matmul_mosaic_op(per_group):
+    """MosaicQuant's dense base + residual row blocks in one operator (opcheck: schema, fake, autograd
+    registration), equal to the dense product plus each part's own product on its gathered integers."""
+    from bitmosaic.formats.act import ActQuantSpec
+    from tests.kernels.test_mosaic_int import _mosaic
+
+    if intmm.extension() is None:
+        pytest.skip("no C++ compiler for the intmm extension")
+    spec = ActQuantSpec("int", 8, granularity="group", group_size=16) if per_group else ActQuantSpec("int", 8)
+    m, g = _mosaic(40, 96, (16, 32), 0.3, spec, 1)
+    w = m._build_int_act().weight
+    calls = []
+    real = ops.int_matmul_mosaic
+    try:
+        ops.int_matmul_mosaic = lambda *a: calls.append(a) or real(*a)
+        y = w.matmul(torch.randn(3, 96, generator=g), None, 96, 127.0)
+    finally:
+        ops.int_matmul_mosaic = real
+    assert len(calls) == 1 and len(w.parts) > 1
+    torch.library.opcheck(ops.int_matmul_mosaic.op, calls[0])
+    q, qsum, sa, ratio, *_, rq, rqs, rsa, _, _, _, _, _ = calls[0]
+    d = w.dense
+    ref = d.product(q, qsum, sa, ratio, route="int_mm")
+    for r0, r1, pw, s0, s1 in w.parts:
+        per = w.bk // w.gs
+        sg, rg = (rsa, pw.G) if rsa.shape[1] == 1 else (rsa[:, s0 * per : s1 * per], 1)
+        cols, groups = slice(s0 * w.bk, s1 * w.bk), slice(s0 * per, s1 * per)
+        ref[:, r0:r1] += pw.product(
+            rq[:, cols].contiguous(), rqs[:, groups].contiguous(), sg, rg, route="int_mm"
+        )
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_kernel_classes_call_the_operators(monkeypatch):
     """Each kernel class's matmul goes through its operator (the graph dynamo records), not the pybind
     call, and gives the operator's result."""

@@ -57,8 +57,9 @@ from __future__ import annotations
 
 import torch
 
-from . import build, tiles
+from . import build, ops, tiles
 from .intmm import IntActWeight
+from .intmm import extension as extension_int
 from .isa import isa_number
 from .ops import operator
 from .qmatmul import LowBitWeight
@@ -242,14 +243,38 @@ class MosaicColumnsWeight(MosaicWeight):
 
 class MosaicIntActWeight:
     """MosaicQuant with INT activations in integers (module doc): the dense base and the residual row
-    blocks as integer weights; :meth:`matmul` is
-    :meth:`IntActWeight.matmul`'s interface (so :class:`~bitmosaic.modules.intact.IntActKernel` runs it)."""
+    blocks as integer weights; :meth:`matmul` has :meth:`IntActWeight.matmul`'s interface (so
+    :class:`~bitmosaic.modules.intact.IntActKernel` runs it)."""
 
-    def __init__(self, dense: IntActWeight, parts: list[tuple[int, int, IntActWeight, torch.Tensor]]) -> None:
-        """``parts``: ``(r0, r1, weight, columns)`` per row block: output rows ``r0:r1``, its integer
-        weight and the input column of each of its columns (``K`` or beyond: a zero column, padding)."""
-        self.dense, self.parts = dense, parts
+    def __init__(self, dense, parts, cb, columns, bk, act_groups) -> None:
+        """``parts``: ``(r0, r1, weight, s0, s1)`` per row block: its output rows, its integer weight and
+        its blocks ``s0:s1`` of ``cb`` (the column block of every selected block, in row-block order);
+        ``columns``: the input column of each residual column (``None``: the natural ones; ``K``: a zero
+        column, padding); ``act_groups``: per residual weight group, the activation scale column that
+        covers it (``None``: per token or tensor).  The parts' layouts are views of one table each
+        (``rdata``/``rsc``/``rzc``), which the compiled call reads with ``parts_table``."""
+        self.dense, self.parts, self.cb, self.columns = dense, parts, cb, columns
+        self.bk, self.act_groups = bk, act_groups
         self.N, self.K = dense.N, dense.K
+        self.ncb = -(-(self.K if columns is None else columns.numel()) // bk)
+        self.gs = parts[0][2].group_size if parts else bk
+        tables = []
+        for name in ("data", "sc", "zc"):
+            flat = (
+                torch.cat([getattr(w, name).reshape(-1) for _, _, w, _, _ in parts])
+                if parts
+                else torch.zeros(0)
+            )
+            off = 0
+            for _, _, w, _, _ in parts:  # each part's table becomes a view of the joint one
+                t = getattr(w, name)
+                setattr(w, name, flat[off : off + t.numel()].view(t.shape))
+                off += t.numel()
+            tables.append(flat)
+        self.rdata, self.rsc, self.rzc = tables
+        per = bk // self.gs
+        rows = [(r0, r1 - r0, s0 * bk, (s1 - s0) * bk, s0 * per, w.G) for r0, r1, w, s0, s1 in parts]
+        self.parts_table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 6)
 
     @classmethod
     def build(
@@ -263,20 +288,17 @@ class MosaicIntActWeight:
         columns: torch.Tensor | None = None,
         act_group: int | None = None,
     ) -> MosaicIntActWeight:
-        """From the residual as :class:`~bitmosaic.kernels.mosaic.MosaicWeight` takes it: flat ascending
-        block ``index`` (``rb * n_col_blocks + cb``), signed ``codes [n_sel, bm, bk]``, ``scales [n_sel,
-        bm]``, the residual grid's ``shape (N, K or k)``, ``block (bm, bk)``, the gathered ``columns``
-        (channel residual) and the activation group width when it is finer than ``bk`` (the block's
-        group then splits into groups of that width, scales repeated)."""
+        """From the residual as :class:`MosaicWeight` takes it: flat ascending block ``index``
+        (``rb * n_col_blocks + cb``), signed ``codes [n_sel, bm, bk]``, ``scales [n_sel, bm]``, the
+        residual grid's ``shape (N, K or k)``, ``block (bm, bk)``, the gathered ``columns`` (channel
+        residual), and the activation group width of a per-group quantizer (``None``: per token or
+        tensor; finer than ``bk``: each block's weight group splits into groups of that width)."""
         N, Kr = shape
         bm, bk = block
         ncb = -(-Kr // bk)
         idx = index.to(torch.int64)
         rb, cb = idx // ncb, idx % ncb
         gs = bk if act_group is None or act_group >= bk else int(act_group)
-        col_map = torch.arange(ncb * bk) if columns is None else columns.to(torch.int64)
-        col_map = torch.nn.functional.pad(col_map, (0, ncb * bk - col_map.numel()), value=dense.K)
-        col_map = torch.where(torch.arange(ncb * bk) < Kr, col_map, torch.full_like(col_map, dense.K))
         parts = []
         for r in torch.unique(rb).tolist():
             sel = (rb == r).nonzero().reshape(-1)
@@ -284,16 +306,23 @@ class MosaicIntActWeight:
             c = codes[sel, : r1 - r0].permute(1, 0, 2).reshape(r1 - r0, -1) + 8  # [rows, nb * bk]
             s = scales[sel, : r1 - r0].T.float().repeat_interleave(bk // gs, dim=1)
             w = IntActWeight.from_codes(c.to(torch.int32), 4, s, 8.0, gs)
-            cols = (cb[sel, None] * bk + torch.arange(bk)).reshape(-1)
-            parts.append((r0, r1, w, col_map[cols].contiguous()))
-        return cls(dense, parts)
+            parts.append((r0, r1, w, int(sel[0]), int(sel[-1]) + 1))
+        cols = None
+        if columns is not None:  # the channel residual: its columns, padded to whole blocks with column K
+            cols = torch.nn.functional.pad(columns.to(torch.int64), (0, ncb * bk - Kr), value=dense.K)
+        groups = None
+        if act_group is not None:  # the scale column of each group's first column (padding: the last)
+            first = (cb[:, None] * bk + torch.arange(0, bk, gs)).reshape(-1).clamp(max=dense.K - 1)
+            groups = torch.div(first, act_group, rounding_mode="floor")
+        return cls(dense, parts, cb, cols, bk, groups)
 
     def nbytes(self) -> int:
-        return self.dense.nbytes() + sum(w.nbytes() + 8 * c.numel() for _, _, w, c in self.parts)
+        extra = sum(w.nbytes() for _, _, w, _, _ in self.parts) + 8 * self.cb.numel()
+        return self.dense.nbytes() + extra + (0 if self.columns is None else 8 * self.columns.numel())
 
     def matmul(self, x: torch.Tensor, act_scale, act_group: int, qmax: float) -> torch.Tensor:
         """``x [..., K]`` -> ``[..., N]``: the input quantized once, the dense product, then each row
-        block's residual product on the gathered integers (module doc); arguments as
+        block's residual product on its blocks' integers (gathered a block at a time); arguments as
         :meth:`IntActWeight.matmul`."""
         d = self.dense
         x2 = x.reshape(-1, self.K).float()
@@ -302,17 +331,28 @@ class MosaicIntActWeight:
             act_scale = act_scale.float().reshape(act_scale.shape[0] if act_scale.dim() == 2 else 1, -1)
             ratio = d._ratio(act_scale, act_group)
         q, qsum, sa = d.quantize(x2, act_scale, act_group, qmax)
-        y = d.product(q, qsum, sa, ratio)
-        if self.parts:
-            M = q.shape[0]
-            qz = torch.nn.functional.pad(q[:, : self.K], (0, 1))  # column K: the zero column of padding
-            for r0, r1, w, cols in self.parts:
-                qg = qz.index_select(1, cols)
-                qs = qg.reshape(M, w.G, -1).sum(-1, dtype=torch.int32)
-                if sa.shape[1] == 1:
-                    sg, rg = sa, w.G
-                else:  # per activation group: the group of each residual group's first column
-                    first = cols[:: w.group_size].clamp(max=self.K - 1)
-                    sg, rg = sa.index_select(1, torch.div(first, act_group, rounding_mode="floor")), 1
-                y[:, r0:r1] += w.product(qg, qs, sg.contiguous(), rg)
+        if not self.parts:
+            return d.product(q, qsum, sa, ratio).reshape(*x.shape[:-1], self.N).to(x.dtype)
+        M, width = q.shape[0], self.ncb * self.bk
+        if self.columns is not None:  # gather the channel residual's columns once (column K: zero)
+            qr = torch.nn.functional.pad(q[:, : self.K], (0, 1)).index_select(1, self.columns)
+        else:
+            qr = torch.nn.functional.pad(q[:, : self.K], (0, width - self.K))
+        rq = qr.view(M, self.ncb, self.bk).index_select(1, self.cb).reshape(M, -1)  # [M, n_sel * bk]
+        rqs = rq.view(M, -1, self.gs).sum(-1, dtype=torch.int32)
+        rsa = sa
+        if self.act_groups is not None and sa.shape[1] > 1:  # per activation group
+            rsa = sa.index_select(1, self.act_groups)
+        if extension_int() is not None:
+            y = ops.int_matmul_mosaic(
+                q, qsum, sa, ratio, d.data, d.sc, d.zc, d.N, d.G, d.group_size,
+                rq, rqs, rsa.contiguous(), self.rdata, self.rsc, self.rzc, self.parts_table, self.gs,
+            )  # fmt: skip
+        else:  # torch._int_mm per part (the same integers)
+            y = d.product(q, qsum, sa, ratio)
+            for r0, r1, w, s0, s1 in self.parts:
+                cols = slice(s0 * self.bk, s1 * self.bk)
+                groups = slice(s0 * (self.bk // self.gs), s1 * (self.bk // self.gs))
+                sg, rg = (rsa, w.G) if rsa.shape[1] == 1 else (rsa[:, groups], 1)
+                y[:, r0:r1] += w.product(rq[:, cols].contiguous(), rqs[:, groups].contiguous(), sg, rg)
         return y.reshape(*x.shape[:-1], self.N).to(x.dtype)

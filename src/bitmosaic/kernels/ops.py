@@ -21,6 +21,8 @@ Operators (names and arguments follow the extension entry points):
 * ``qmatmul`` -- :meth:`LowBitWeight.matmul <bitmosaic.kernels.qmatmul.LowBitWeight.matmul>`;
 * ``lut_matmul`` -- :meth:`BitPlaneWeight.matmul <bitmosaic.kernels.lut.BitPlaneWeight.matmul>`
   (SFMP §4.5, App. B Eq. 17);
+* ``int_matmul_mosaic`` -- MosaicQuant's dense base and residual row blocks in one call
+  (:class:`~bitmosaic.kernels.mosaic.MosaicIntActWeight`);
 * ``int8_quantize`` and ``int_matmul`` -- :class:`~bitmosaic.kernels.intmm.IntActWeight`'s two steps
   (the activation scales are returned as a new tensor, never the input's storage: an operator's outputs
   may not alias its inputs);
@@ -39,7 +41,7 @@ from . import build
 from .isa import isa_number
 from .torch_paths import bitplane_dequantize, lowbit_dequantize, tiled_matmul_torch
 
-__all__ = ["operator", "qmatmul", "lut_matmul", "int8_quantize", "int_matmul", "OPS"]
+__all__ = ["operator", "qmatmul", "lut_matmul", "int8_quantize", "int_matmul", "int_matmul_mosaic", "OPS"]
 
 
 _LIB = torch.library.Library("bitmosaic", "DEF")  # the operators' namespace (kept alive here)
@@ -220,5 +222,43 @@ def _(q, qsum, sa, ratio, data, sc, zc, N, G, group_size, bytes_layout, b8):
     return q.new_empty(q.shape[0], N, dtype=torch.float32)
 
 
+@operator("int_matmul_mosaic")
+def int_matmul_mosaic(
+    q: torch.Tensor,
+    qsum: torch.Tensor,
+    sa: torch.Tensor,
+    ratio: int,
+    data: torch.Tensor,
+    sc: torch.Tensor,
+    zc: torch.Tensor,
+    N: int,
+    G: int,
+    group_size: int,
+    rq: torch.Tensor,
+    rqs: torch.Tensor,
+    rsa: torch.Tensor,
+    rdata: torch.Tensor,
+    rsc: torch.Tensor,
+    rzc: torch.Tensor,
+    parts: torch.Tensor,
+    rgs: int,
+) -> torch.Tensor:
+    """MosaicQuant in integers (:class:`~bitmosaic.kernels.mosaic.MosaicIntActWeight`): the dense 4-bit
+    base's :func:`int_matmul`, then the residual row blocks (``parts``, over the gathered activations
+    ``rq``) added into the same fresh output by the extension's ``int_residual``; needs the extension."""
+    ext = build.load("intmm")
+    if ext is None:
+        raise RuntimeError("bitmosaic::int_matmul_mosaic needs the compiled intmm extension")
+    isa = isa_number(ext=ext)
+    y = ext.int_matmul(q, qsum, sa, ratio, data, sc, zc, N, G, group_size, False, False, isa)
+    ext.int_residual(y, rq, rqs, rsa, rdata, rsc, rzc, parts, rgs, isa)
+    return y
+
+
+@int_matmul_mosaic.register_fake
+def _(q, qsum, sa, ratio, data, sc, zc, N, G, group_size, rq, rqs, rsa, rdata, rsc, rzc, parts, rgs):
+    return q.new_empty(q.shape[0], N, dtype=torch.float32)
+
+
 # name -> OpOverload (mosaic_residual is registered in mosaic.py)
-OPS = {f.op.name(): f.op for f in (qmatmul, lut_matmul, int8_quantize, int_matmul)}
+OPS = {f.op.name(): f.op for f in (qmatmul, lut_matmul, int8_quantize, int_matmul, int_matmul_mosaic)}

@@ -212,11 +212,15 @@ torch::Tensor int_matmul(torch::Tensor q, torch::Tensor qsum, torch::Tensor sa, 
   L.nrb = (N + 15) / 16;
   L.npairs = L.KP / 8;
   L.bytes = bytes;
+  L.ldy = N;
   TORCH_CHECK(data.numel() >= L.nrb * L.npairs * L.pair_bytes(), "data is too short for the layout");
   TORCH_CHECK(sc.numel() == L.nrb * G * 16 && zc.numel() == sc.numel(), "scales/zeros must be [nrb, G, 16]");
   TORCH_CHECK(qsum.size(0) == q.size(0) && (sa.size(0) == 1 || sa.size(0) == q.size(0)) && sa.dim() == 2,
               "qsum must have M rows and the activation scales 1 or M");
   Acts A{q.data_ptr<int8_t>(), qsum.data_ptr<int32_t>(), sa.data_ptr<float>(), q.size(0), sa.size(0), sa.size(1), ratio};
+  A.ldq = L.KP;
+  A.ldqs = G;
+  A.lds = sa.size(1);
   auto y = torch::empty({A.M, N}, sc.options());
   if (A.M == 0 || N == 0) return y;
   float* yp = y.data_ptr<float>();
@@ -232,9 +236,85 @@ torch::Tensor int_matmul(torch::Tensor q, torch::Tensor qsum, torch::Tensor sa, 
   return y;
 }
 
+// MosaicQuant's residual row blocks added into y [M, N] in place (kernels/mosaic.py MosaicIntActWeight):
+// part p (a row of parts: r0, rows, col0, ncols, g0, G) is a 4-bit integer weight [rows, ncols] (nibble
+// layout, zero-point and scales in its own [nrb, G, 16] tables, group size gs) over the columns
+// col0 .. col0 + ncols of the gathered activations rq [M, W] (qsum rqs [M, Gtot] from column g0), output
+// rows r0 .. r0 + rows.  The parts' tables lie one after another in data / sc / zc.  Activation scales
+// rsa [Ms, 1] (per token or tensor) or [Ms, Gtot] (one column per residual group, gathered).  Parts
+// write disjoint rows; the (part, row block) tasks are split across threads.
+void int_residual(torch::Tensor y, torch::Tensor rq, torch::Tensor rqs, torch::Tensor rsa, torch::Tensor data,
+                  torch::Tensor sc, torch::Tensor zc, torch::Tensor parts, int64_t gs, int64_t isa) {
+  TORCH_CHECK(y.dtype() == torch::kFloat32 && y.is_contiguous() && y.dim() == 2, "y must be contiguous float32 [M, N]");
+  TORCH_CHECK(rq.dtype() == torch::kInt8 && rq.is_contiguous() && rq.dim() == 2, "rq must be contiguous int8 [M, W]");
+  TORCH_CHECK(rqs.dtype() == torch::kInt32 && rqs.is_contiguous() && rqs.dim() == 2, "rqs must be int32 [M, Gtot]");
+  TORCH_CHECK(data.dtype() == torch::kUInt8 && data.is_contiguous(), "data must be contiguous uint8");
+  TORCH_CHECK(parts.dtype() == torch::kLong && parts.is_contiguous() && parts.dim() == 2 && parts.size(1) == 6,
+              "parts must be int64 [P, 6]");
+  check_f32(rsa, "activation scales");
+  check_f32(sc, "weight scales");
+  check_f32(zc, "zero-points");
+  bm::check_isa(isa);
+  const int64_t M = y.size(0), N = y.size(1), W = rq.size(1), Gt = rqs.size(1), P = parts.size(0);
+  TORCH_CHECK(rq.size(0) == M && rqs.size(0) == M && rsa.dim() == 2 && (rsa.size(0) == 1 || rsa.size(0) == M),
+              "rq, rqs need M rows and the activation scales 1 or M");
+  TORCH_CHECK(rsa.size(1) == 1 || rsa.size(1) == Gt, "activation scales must have 1 or Gtot columns");
+  TORCH_CHECK(gs >= 8 && gs % 8 == 0, "the residual group size must be a multiple of 8");
+  const int64_t* pt = parts.data_ptr<int64_t>();
+  std::vector<IntLayout> Ls(P);
+  std::vector<Acts> As(P);
+  std::vector<int64_t> task0(P + 1, 0);
+  int64_t doff = 0, soff = 0;
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t r0 = pt[6 * p], rows = pt[6 * p + 1], c0 = pt[6 * p + 2], nc = pt[6 * p + 3];
+    const int64_t g0 = pt[6 * p + 4], G = pt[6 * p + 5];
+    TORCH_CHECK(r0 >= 0 && rows >= 1 && r0 + rows <= N && c0 >= 0 && nc >= 8 && nc % 8 == 0 && c0 + nc <= W &&
+                    g0 >= 0 && G >= 1 && g0 + G <= Gt && G * gs == nc,
+                "part ", p, " lies outside the output, the activations or its groups");
+    IntLayout& L = Ls[p];
+    L.N = rows;
+    L.KP = nc;
+    L.G = G;
+    L.gs = gs;
+    L.nrb = (rows + 15) / 16;
+    L.npairs = nc / 8;
+    L.bytes = false;
+    L.ldy = N;
+    L.accumulate = true;
+    L.data = data.data_ptr<uint8_t>() + doff;
+    L.sc = sc.data_ptr<float>() + soff;
+    L.zc = zc.data_ptr<float>() + soff;
+    doff += L.nrb * L.npairs * 64;
+    soff += L.nrb * G * 16;
+    const bool per_group = rsa.size(1) > 1;
+    As[p] = Acts{rq.data_ptr<int8_t>() + c0, rqs.data_ptr<int32_t>() + g0,
+                 rsa.data_ptr<float>() + (per_group ? g0 : 0), M, rsa.size(0), per_group ? G : 1,
+                 per_group ? 1 : G};
+    As[p].ldq = W;
+    As[p].ldqs = Gt;
+    As[p].lds = rsa.size(1);
+    task0[p + 1] = task0[p] + L.nrb;
+  }
+  TORCH_CHECK(data.numel() >= doff && sc.numel() >= soff && zc.numel() >= soff, "data or scale tables too short");
+  if (M == 0 || P == 0) return;
+  float* yp = y.data_ptr<float>();
+  const int64_t tasks = task0[P];
+  // small work runs on the calling thread (a parallel region costs more than it saves)
+  const int64_t grain = M * W * 16 < (1 << 18) ? tasks : 1;
+  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
+    int64_t p = std::upper_bound(task0.begin(), task0.end(), t0) - task0.begin() - 1;
+    for (int64_t t = t0; t < t1; ++t) {
+      while (t >= task0[p + 1]) ++p;
+      const int64_t rb = t - task0[p];
+      run_rows(Ls[p], As[p], yp + pt[6 * p], rb, rb + 1, false, isa);
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize", &quantize, "int8 activations and their group sums");
   m.def("int_matmul", &int_matmul, "y = Q(x) W^T from int8 activations and integer weight codes");
+  m.def("int_residual", &int_residual, "y += the residual row blocks' integer products (MosaicQuant), in place");
   m.def("isa_supported", &bm::isa_supported, "whether this CPU runs kernel ISA 0 (portable), 1 (AVX2), 2 (AVX-512)");
   m.def("vnni_supported", &vnni_supported, "whether the avx512 ISA runs AVX-512 VNNI (vpdpbusd)");
 }

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "isa.h"
 
@@ -22,6 +23,8 @@ struct IntLayout {
   const float* zc;      // [nrb][G][16] zero-points
   int64_t N, KP, G, gs, nrb, npairs;
   bool bytes;
+  int64_t ldy = 0;          // the output's row stride (N, or the whole output's for a part of it)
+  bool accumulate = false;  // add into y instead of storing (MosaicQuant's residual row blocks)
 
   int64_t pair_bytes() const { return bytes ? 128 : 64; }
   const uint8_t* block(int64_t rb) const { return data + rb * npairs * pair_bytes(); }
@@ -37,9 +40,10 @@ struct Acts {
   const int32_t* qsum;
   const float* sa;
   int64_t M, Ms, Ga, ratio;
+  int64_t ldq = 0, ldqs = 0, lds = 0;  // row strides of q, qsum, sa (KP, G, Ga; wider for a part)
 
   int64_t col(int64_t g) const { return std::min(g / ratio, Ga - 1); }  // once per group: a division
-  float scale(int64_t m, int64_t col) const { return sa[(Ms == 1 ? 0 : m) * Ga + col]; }
+  float scale(int64_t m, int64_t col) const { return sa[(Ms == 1 ? 0 : m) * lds + col]; }
 };
 
 // q = clamp(round_half_even(x / s), -qmax - 1, qmax) per element (the division, not a reciprocal: the
@@ -90,7 +94,7 @@ void rows_portable(const IntLayout& L, const Acts& A, float* y, int64_t rb0, int
     for (int64_t r = 0; r < 16 && rb * 16 + r < L.N; ++r) {
       const int64_t n = rb * 16 + r;
       for (int64_t m = 0; m < A.M; ++m) {
-        const int8_t* qm = A.q + m * L.KP;
+        const int8_t* qm = A.q + m * A.ldq;
         float out = 0.f;
         for (int64_t g = 0; g < L.G; ++g) {
           const int64_t ga = A.col(g);
@@ -100,10 +104,11 @@ void rows_portable(const IntLayout& L, const Acts& A, float* y, int64_t rb0, int
             for (int64_t c = 0; c < 8; ++c) acc += code_at(L, pair, r, c) * (int32_t)qm[8 * p + c];
           }
           const float s = L.sc[(rb * L.G + g) * 16 + r], z = L.zc[(rb * L.G + g) * 16 + r];
-          const float t = std::fma(-z, (float)A.qsum[m * L.G + g], (float)acc);
+          const float t = std::fma(-z, (float)A.qsum[m * A.ldqs + g], (float)acc);
           out = std::fma(t, s * A.scale(m, ga), out);
         }
-        y[m * L.N + n] = out;
+        if (L.accumulate) y[m * L.ldy + n] += out;
+        else y[m * L.ldy + n] = out;
       }
     }
   }

@@ -32,7 +32,7 @@ void tile(const IntLayout& L, const Acts& A, int64_t rb, int64_t m0, float* y) {
     for (int h = 0; h < H; ++h) facc[m][h] = V::fzero();
   const uint8_t* base = L.block(rb);
   const int64_t pb = L.pair_bytes();
-  const int8_t* q0 = A.q + m0 * L.KP;
+  const int8_t* q0 = A.q + m0 * A.ldq;
   for (int64_t g = 0; g < L.G; ++g) {
     I acc[MB][H][2];
     for (int m = 0; m < MB; ++m)
@@ -44,7 +44,7 @@ void tile(const IntLayout& L, const Acts& A, int64_t rb, int64_t m0, float* y) {
         I lo, hi;
         weights<V, BYTES>(pair, h, lo, hi);
         for (int m = 0; m < MB; ++m) {
-          const int8_t* qp = q0 + m * L.KP + 8 * p;
+          const int8_t* qp = q0 + m * A.ldq + 8 * p;
           acc[m][h][0] = V::template dot<B8>(acc[m][h][0], lo, V::bcast4(qp));
           acc[m][h][1] = V::template dot<B8>(acc[m][h][1], hi, V::bcast4(qp + 4));
         }
@@ -56,7 +56,7 @@ void tile(const IntLayout& L, const Acts& A, int64_t rb, int64_t m0, float* y) {
     for (int h = 0; h < H; ++h) {
       const F sv = V::loadf(sp + h * V::R), zv = V::loadf(zp + h * V::R);
       for (int m = 0; m < MB; ++m) {
-        const F t = V::fnmadd(zv, V::set1f((float)A.qsum[(m0 + m) * L.G + g]), V::cvt(V::add(acc[m][h][0], acc[m][h][1])));
+        const F t = V::fnmadd(zv, V::set1f((float)A.qsum[(m0 + m) * A.ldqs + g]), V::cvt(V::add(acc[m][h][0], acc[m][h][1])));
         facc[m][h] = V::fma(t, V::mulf(sv, V::set1f(A.scale(m0 + m, ga))), facc[m][h]);
       }
     }
@@ -64,7 +64,17 @@ void tile(const IntLayout& L, const Acts& A, int64_t rb, int64_t m0, float* y) {
   for (int h = 0; h < H; ++h) {
     const int64_t n0 = rb * 16 + h * V::R;
     if (n0 >= L.N) break;
-    for (int m = 0; m < MB; ++m) V::store_tail(y + (m0 + m) * L.N + n0, L.N - n0, facc[m][h]);
+    const int64_t k = std::min<int64_t>(V::R, L.N - n0);
+    for (int m = 0; m < MB; ++m) {
+      float* yp = y + (m0 + m) * L.ldy + n0;
+      if (!L.accumulate) {
+        V::store_tail(yp, k, facc[m][h]);
+        continue;
+      }
+      alignas(64) float t[16];  // a part of a larger output: add its rows in (at most 16 lanes)
+      V::store_tail(t, V::R, facc[m][h]);
+      for (int64_t i = 0; i < k; ++i) yp[i] += t[i];
+    }
   }
 }
 
