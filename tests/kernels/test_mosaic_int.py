@@ -134,7 +134,7 @@ def test_quantized_model_picks_it_after_save_and_load(tmp_path, capsys):
 
 def test_compiles_whole_and_equals_eager():
     """``torch.compile(fullgraph=True)`` traces the integer MosaicQuant layer (``int8_quantize`` and
-    ``int_matmul_mosaic`` are operators with fake implementations) and gives the eager output."""
+    ``int_matmul_parts`` are operators with fake implementations) and gives the eager output."""
     from bitmosaic.kernels import intmm
 
     if intmm.extension() is None:

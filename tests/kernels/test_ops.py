@@ -99,7 +99,7 @@ def test_mosaic_residual_op():
 
 
 @pytest.mark.parametrize("per_group", [False, True])
-def test_int_matmul_mosaic_op(per_group):
+def test_int_matmul_parts_op(per_group):
     """MosaicQuant's dense base + residual row blocks in one operator (opcheck: schema, fake, autograd
     registration), equal to the dense product plus each part's own product on its gathered integers."""
     from bitmosaic.formats.act import ActQuantSpec
@@ -111,14 +111,14 @@ def test_int_matmul_mosaic_op(per_group):
     m, g = _mosaic(40, 96, (16, 32), 0.3, spec, 1)
     w = m._build_int_act().weight
     calls = []
-    real = ops.int_matmul_mosaic
+    real = ops.int_matmul_parts
     try:
-        ops.int_matmul_mosaic = lambda *a: calls.append(a) or real(*a)
+        ops.int_matmul_parts = lambda *a: calls.append(a) or real(*a)
         y = w.matmul(torch.randn(3, 96, generator=g), None, 96, 127.0)
     finally:
-        ops.int_matmul_mosaic = real
+        ops.int_matmul_parts = real
     assert len(calls) == 1 and len(w.parts) > 1
-    torch.library.opcheck(ops.int_matmul_mosaic.op, calls[0])
+    torch.library.opcheck(ops.int_matmul_parts.op, calls[0])
     q, qsum, sa, ratio, *_, rq, rqs, rsa, _, _, _, _, _ = calls[0]
     d = w.dense
     ref = d.product(q, qsum, sa, ratio, route="int_mm")

@@ -344,7 +344,7 @@ class MosaicIntActWeight:
         if self.act_groups is not None and sa.shape[1] > 1:  # per activation group
             rsa = sa.index_select(1, self.act_groups)
         if extension_int() is not None:
-            y = ops.int_matmul_mosaic(
+            y = ops.int_matmul_parts(
                 q, qsum, sa, ratio, d.data, d.sc, d.zc, d.N, d.G, d.group_size,
                 rq, rqs, rsa.contiguous(), self.rdata, self.rsc, self.rzc, self.parts_table, self.gs,
             )  # fmt: skip

@@ -21,8 +21,8 @@ Operators (names and arguments follow the extension entry points):
 * ``qmatmul`` -- :meth:`LowBitWeight.matmul <bitmosaic.kernels.qmatmul.LowBitWeight.matmul>`;
 * ``lut_matmul`` -- :meth:`BitPlaneWeight.matmul <bitmosaic.kernels.lut.BitPlaneWeight.matmul>`
   (SFMP §4.5, App. B Eq. 17);
-* ``int_matmul_mosaic`` -- MosaicQuant's dense base and residual row blocks in one call
-  (:class:`~bitmosaic.kernels.mosaic.MosaicIntActWeight`);
+* ``int_matmul_parts`` -- a dense integer product plus row-block parts over gathered activations in one
+  call (MosaicQuant's base and residual, :class:`~bitmosaic.kernels.mosaic.MosaicIntActWeight`);
 * ``int8_quantize`` and ``int_matmul`` -- :class:`~bitmosaic.kernels.intmm.IntActWeight`'s two steps
   (the activation scales are returned as a new tensor, never the input's storage: an operator's outputs
   may not alias its inputs);
@@ -41,7 +41,7 @@ from . import build
 from .isa import isa_number
 from .torch_paths import bitplane_dequantize, lowbit_dequantize, tiled_matmul_torch
 
-__all__ = ["operator", "qmatmul", "lut_matmul", "int8_quantize", "int_matmul", "int_matmul_mosaic", "OPS"]
+__all__ = ["operator", "qmatmul", "lut_matmul", "int8_quantize", "int_matmul", "int_matmul_parts", "OPS"]
 
 
 _LIB = torch.library.Library("bitmosaic", "DEF")  # the operators' namespace (kept alive here)
@@ -222,8 +222,8 @@ def _(q, qsum, sa, ratio, data, sc, zc, N, G, group_size, bytes_layout, b8):
     return q.new_empty(q.shape[0], N, dtype=torch.float32)
 
 
-@operator("int_matmul_mosaic")
-def int_matmul_mosaic(
+@operator("int_matmul_parts")
+def int_matmul_parts(
     q: torch.Tensor,
     qsum: torch.Tensor,
     sa: torch.Tensor,
@@ -243,22 +243,24 @@ def int_matmul_mosaic(
     parts: torch.Tensor,
     rgs: int,
 ) -> torch.Tensor:
-    """MosaicQuant in integers (:class:`~bitmosaic.kernels.mosaic.MosaicIntActWeight`): the dense 4-bit
-    base's :func:`int_matmul`, then the residual row blocks (``parts``, over the gathered activations
-    ``rq``) added into the same fresh output by the extension's ``int_residual``; needs the extension."""
+    """A dense integer weight plus row-block parts over gathered activations, in one call (MosaicQuant's
+    base and residual: :class:`~bitmosaic.kernels.mosaic.MosaicIntActWeight`): :func:`int_matmul` of the
+    dense weight, then the parts (``parts`` rows ``(r0, rows, col0, ncols, g0, G)``, 4-bit layouts one
+    after another in ``rdata``/``rsc``/``rzc``, over the columns of ``rq``) added into the same fresh
+    output by the extension's ``int_parts``; needs the extension."""
     ext = build.load("intmm")
     if ext is None:
-        raise RuntimeError("bitmosaic::int_matmul_mosaic needs the compiled intmm extension")
+        raise RuntimeError("bitmosaic::int_matmul_parts needs the compiled intmm extension")
     isa = isa_number(ext=ext)
     y = ext.int_matmul(q, qsum, sa, ratio, data, sc, zc, N, G, group_size, False, False, isa)
-    ext.int_residual(y, rq, rqs, rsa, rdata, rsc, rzc, parts, rgs, isa)
+    ext.int_parts(y, rq, rqs, rsa, rdata, rsc, rzc, parts, rgs, isa)
     return y
 
 
-@int_matmul_mosaic.register_fake
+@int_matmul_parts.register_fake
 def _(q, qsum, sa, ratio, data, sc, zc, N, G, group_size, rq, rqs, rsa, rdata, rsc, rzc, parts, rgs):
     return q.new_empty(q.shape[0], N, dtype=torch.float32)
 
 
 # name -> OpOverload (mosaic_residual is registered in mosaic.py)
-OPS = {f.op.name(): f.op for f in (qmatmul, lut_matmul, int8_quantize, int_matmul, int_matmul_mosaic)}
+OPS = {f.op.name(): f.op for f in (qmatmul, lut_matmul, int8_quantize, int_matmul, int_matmul_parts)}

@@ -236,14 +236,15 @@ torch::Tensor int_matmul(torch::Tensor q, torch::Tensor qsum, torch::Tensor sa, 
   return y;
 }
 
-// MosaicQuant's residual row blocks added into y [M, N] in place (kernels/mosaic.py MosaicIntActWeight):
+// Parts of the output added into y [M, N] in place (a block-sparse residual grouped by row block, e.g.
+// MosaicQuant's in kernels/mosaic.py MosaicIntActWeight):
 // part p (a row of parts: r0, rows, col0, ncols, g0, G) is a 4-bit integer weight [rows, ncols] (nibble
 // layout, zero-point and scales in its own [nrb, G, 16] tables, group size gs) over the columns
 // col0 .. col0 + ncols of the gathered activations rq [M, W] (qsum rqs [M, Gtot] from column g0), output
 // rows r0 .. r0 + rows.  The parts' tables lie one after another in data / sc / zc.  Activation scales
 // rsa [Ms, 1] (per token or tensor) or [Ms, Gtot] (one column per residual group, gathered).  Parts
 // write disjoint rows; the (part, row block) tasks are split across threads.
-void int_residual(torch::Tensor y, torch::Tensor rq, torch::Tensor rqs, torch::Tensor rsa, torch::Tensor data,
+void int_parts(torch::Tensor y, torch::Tensor rq, torch::Tensor rqs, torch::Tensor rsa, torch::Tensor data,
                   torch::Tensor sc, torch::Tensor zc, torch::Tensor parts, int64_t gs, int64_t isa) {
   TORCH_CHECK(y.dtype() == torch::kFloat32 && y.is_contiguous() && y.dim() == 2, "y must be contiguous float32 [M, N]");
   TORCH_CHECK(rq.dtype() == torch::kInt8 && rq.is_contiguous() && rq.dim() == 2, "rq must be contiguous int8 [M, W]");
@@ -314,7 +315,7 @@ void int_residual(torch::Tensor y, torch::Tensor rq, torch::Tensor rqs, torch::T
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize", &quantize, "int8 activations and their group sums");
   m.def("int_matmul", &int_matmul, "y = Q(x) W^T from int8 activations and integer weight codes");
-  m.def("int_residual", &int_residual, "y += the residual row blocks' integer products (MosaicQuant), in place");
+  m.def("int_parts", &int_parts, "y += row-block parts' integer products over gathered activations, in place");
   m.def("isa_supported", &bm::isa_supported, "whether this CPU runs kernel ISA 0 (portable), 1 (AVX2), 2 (AVX-512)");
   m.def("vnni_supported", &vnni_supported, "whether the avx512 ISA runs AVX-512 VNNI (vpdpbusd)");
 }

@@ -24,7 +24,7 @@ struct IntLayout {
   int64_t N, KP, G, gs, nrb, npairs;
   bool bytes;
   int64_t ldy = 0;          // the output's row stride (N, or the whole output's for a part of it)
-  bool accumulate = false;  // add into y instead of storing (MosaicQuant's residual row blocks)
+  bool accumulate = false;  // add into y instead of storing (the row-block parts of int_parts)
 
   int64_t pair_bytes() const { return bytes ? 128 : 64; }
   const uint8_t* block(int64_t rb) const { return data + rb * npairs * pair_bytes(); }
