@@ -119,16 +119,15 @@ def test_int_matmul_parts_op(per_group):
         ops.int_matmul_parts = real
     assert len(calls) == 1 and len(w.parts) > 1
     torch.library.opcheck(ops.int_matmul_parts.op, calls[0])
-    q, qsum, sa, ratio, *_, rq, rqs, rsa, _, _, _, _, _ = calls[0]
+    q, qsum, sa, ratio, *_, rq, rqs, rsa, _, _, _, _, pair_cols, _ = calls[0]
     d = w.dense
     ref = d.product(q, qsum, sa, ratio, route="int_mm")
-    for r0, r1, pw, s0, s1 in w.parts:
-        per = w.bk // w.gs
+    per = w.bk // w.gs
+    for r0, r1, pw, s0, s1 in w.parts:  # each part on its blocks' own columns of q
         sg, rg = (rsa, pw.G) if rsa.shape[1] == 1 else (rsa[:, s0 * per : s1 * per], 1)
-        cols, groups = slice(s0 * w.bk, s1 * w.bk), slice(s0 * per, s1 * per)
-        ref[:, r0:r1] += pw.product(
-            rq[:, cols].contiguous(), rqs[:, groups].contiguous(), sg, rg, route="int_mm"
-        )
+        cols = (pair_cols[s0 * w.bk // 8 : s1 * w.bk // 8, None].long() + torch.arange(8)).reshape(-1)
+        qs = rqs[:, s0 * per : s1 * per].contiguous()
+        ref[:, r0:r1] += pw.product(rq.index_select(1, cols), qs, sg, rg, route="int_mm")
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
 
 

@@ -273,8 +273,12 @@ class MosaicIntActWeight:
             tables.append(flat)
         self.rdata, self.rsc, self.rzc = tables
         per = bk // self.gs
-        rows = [(r0, r1 - r0, s0 * bk, (s1 - s0) * bk, s0 * per, w.G) for r0, r1, w, s0, s1 in parts]
+        rows = [(r0, r1 - r0, s0 * bk // 8, (s1 - s0) * bk, s0 * per, w.G) for r0, r1, w, s0, s1 in parts]
         self.parts_table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 6)
+        # the residual columns each pair of 8 reads (in the [M, ncb * bk] activations), and each residual
+        # group's column group there (for its sum of q)
+        self.pair_cols = (cb[:, None] * bk + torch.arange(0, bk, 8)).reshape(-1).to(torch.int32)
+        self.group_cols = (cb[:, None] * per + torch.arange(per)).reshape(-1)
 
     @classmethod
     def build(
@@ -335,24 +339,27 @@ class MosaicIntActWeight:
             return d.product(q, qsum, sa, ratio).reshape(*x.shape[:-1], self.N).to(x.dtype)
         M, width = q.shape[0], self.ncb * self.bk
         if self.columns is not None:  # gather the channel residual's columns once (column K: zero)
-            qr = torch.nn.functional.pad(q[:, : self.K], (0, 1)).index_select(1, self.columns)
-        else:
-            qr = torch.nn.functional.pad(q[:, : self.K], (0, width - self.K))
-        rq = qr.view(M, self.ncb, self.bk).index_select(1, self.cb).reshape(M, -1)  # [M, n_sel * bk]
-        rqs = rq.view(M, -1, self.gs).sum(-1, dtype=torch.int32)
+            rq = torch.nn.functional.pad(q[:, : self.K], (0, 1)).index_select(1, self.columns)
+        else:  # the blocks read q in place (zero columns past K where the last block is wider)
+            rq = q if q.shape[1] == width else torch.nn.functional.pad(q[:, : self.K], (0, width - self.K))
+        rqs = rq.view(M, -1, self.gs).sum(-1, dtype=torch.int32).index_select(1, self.group_cols)
         rsa = sa
         if self.act_groups is not None and sa.shape[1] > 1:  # per activation group
             rsa = sa.index_select(1, self.act_groups)
         if extension_int() is not None:
             y = ops.int_matmul_parts(
                 q, qsum, sa, ratio, d.data, d.sc, d.zc, d.N, d.G, d.group_size,
-                rq, rqs, rsa.contiguous(), self.rdata, self.rsc, self.rzc, self.parts_table, self.gs,
+                rq, rqs, rsa.contiguous(), self.rdata, self.rsc, self.rzc, self.parts_table, self.pair_cols,
+                self.gs,
             )  # fmt: skip
-        else:  # torch._int_mm per part (the same integers)
+        else:  # torch._int_mm per part on its gathered columns (the same integers)
             y = d.product(q, qsum, sa, ratio)
+            per = self.bk // self.gs
             for r0, r1, w, s0, s1 in self.parts:
-                cols = slice(s0 * self.bk, s1 * self.bk)
-                groups = slice(s0 * (self.bk // self.gs), s1 * (self.bk // self.gs))
+                cols = (
+                    self.pair_cols[s0 * self.bk // 8 : s1 * self.bk // 8, None] + torch.arange(8)
+                ).reshape(-1)
+                groups = slice(s0 * per, s1 * per)
                 sg, rg = (rsa, w.G) if rsa.shape[1] == 1 else (rsa[:, groups], 1)
-                y[:, r0:r1] += w.product(rq[:, cols].contiguous(), rqs[:, groups].contiguous(), sg, rg)
+                y[:, r0:r1] += w.product(rq.index_select(1, cols.long()), rqs[:, groups].contiguous(), sg, rg)
         return y.reshape(*x.shape[:-1], self.N).to(x.dtype)

@@ -241,24 +241,28 @@ def int_matmul_parts(
     rsc: torch.Tensor,
     rzc: torch.Tensor,
     parts: torch.Tensor,
+    pair_cols: torch.Tensor,
     rgs: int,
 ) -> torch.Tensor:
     """A dense integer weight plus row-block parts over gathered activations, in one call (MosaicQuant's
     base and residual: :class:`~bitmosaic.kernels.mosaic.MosaicIntActWeight`): :func:`int_matmul` of the
-    dense weight, then the parts (``parts`` rows ``(r0, rows, col0, ncols, g0, G)``, 4-bit layouts one
-    after another in ``rdata``/``rsc``/``rzc``, over the columns of ``rq``) added into the same fresh
+    dense weight, then the parts (``parts`` rows ``(r0, rows, pc0, ncols, g0, G)``, 4-bit layouts one
+    after another in ``rdata``/``rsc``/``rzc``, pair ``i`` of a part reading ``rq`` at column
+    ``pair_cols[pc0 + i]``) added into the same fresh
     output by the extension's ``int_parts``; needs the extension."""
     ext = build.load("intmm")
     if ext is None:
         raise RuntimeError("bitmosaic::int_matmul_parts needs the compiled intmm extension")
     isa = isa_number(ext=ext)
     y = ext.int_matmul(q, qsum, sa, ratio, data, sc, zc, N, G, group_size, False, False, isa)
-    ext.int_parts(y, rq, rqs, rsa, rdata, rsc, rzc, parts, rgs, isa)
+    ext.int_parts(y, rq, rqs, rsa, rdata, rsc, rzc, parts, pair_cols, rgs, isa)
     return y
 
 
 @int_matmul_parts.register_fake
-def _(q, qsum, sa, ratio, data, sc, zc, N, G, group_size, rq, rqs, rsa, rdata, rsc, rzc, parts, rgs):
+def _(
+    q, qsum, sa, ratio, data, sc, zc, N, G, group_size, rq, rqs, rsa, rdata, rsc, rzc, parts, pair_cols, rgs
+):
     return q.new_empty(q.shape[0], N, dtype=torch.float32)
 
 

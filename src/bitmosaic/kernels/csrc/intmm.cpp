@@ -237,21 +237,22 @@ torch::Tensor int_matmul(torch::Tensor q, torch::Tensor qsum, torch::Tensor sa, 
 }
 
 // Parts of the output added into y [M, N] in place (a block-sparse residual grouped by row block, e.g.
-// MosaicQuant's in kernels/mosaic.py MosaicIntActWeight):
-// part p (a row of parts: r0, rows, col0, ncols, g0, G) is a 4-bit integer weight [rows, ncols] (nibble
-// layout, zero-point and scales in its own [nrb, G, 16] tables, group size gs) over the columns
-// col0 .. col0 + ncols of the gathered activations rq [M, W] (qsum rqs [M, Gtot] from column g0), output
-// rows r0 .. r0 + rows.  The parts' tables lie one after another in data / sc / zc.  Activation scales
-// rsa [Ms, 1] (per token or tensor) or [Ms, Gtot] (one column per residual group, gathered).  Parts
-// write disjoint rows; the (part, row block) tasks are split across threads.
+// MosaicQuant's in kernels/mosaic.py MosaicIntActWeight): part p (a row of parts: r0, rows, pc0, ncols,
+// g0, G) is a 4-bit integer weight [rows, ncols] (nibble layout, zero-points and scales in its own
+// [nrb, G, 16] tables, group size gs) whose pair i of 8 columns reads the activations rq [M, W] at column
+// pcols[pc0 + i] (the blocks' own columns: nothing is gathered), with group sums rqs [M, Gtot] and, per
+// group, activation scales rsa [Ms, Gtot] from column g0 (or [Ms, 1]: per token or tensor).  The parts'
+// tables lie one after another in data / sc / zc.  Parts write disjoint rows; the (part, row block)
+// tasks are split across threads.
 void int_parts(torch::Tensor y, torch::Tensor rq, torch::Tensor rqs, torch::Tensor rsa, torch::Tensor data,
-                  torch::Tensor sc, torch::Tensor zc, torch::Tensor parts, int64_t gs, int64_t isa) {
+               torch::Tensor sc, torch::Tensor zc, torch::Tensor parts, torch::Tensor pcols, int64_t gs, int64_t isa) {
   TORCH_CHECK(y.dtype() == torch::kFloat32 && y.is_contiguous() && y.dim() == 2, "y must be contiguous float32 [M, N]");
   TORCH_CHECK(rq.dtype() == torch::kInt8 && rq.is_contiguous() && rq.dim() == 2, "rq must be contiguous int8 [M, W]");
   TORCH_CHECK(rqs.dtype() == torch::kInt32 && rqs.is_contiguous() && rqs.dim() == 2, "rqs must be int32 [M, Gtot]");
   TORCH_CHECK(data.dtype() == torch::kUInt8 && data.is_contiguous(), "data must be contiguous uint8");
   TORCH_CHECK(parts.dtype() == torch::kLong && parts.is_contiguous() && parts.dim() == 2 && parts.size(1) == 6,
               "parts must be int64 [P, 6]");
+  TORCH_CHECK(pcols.dtype() == torch::kInt && pcols.is_contiguous() && pcols.dim() == 1, "pcols must be int32 [pairs]");
   check_f32(rsa, "activation scales");
   check_f32(sc, "weight scales");
   check_f32(zc, "zero-points");
@@ -260,18 +261,20 @@ void int_parts(torch::Tensor y, torch::Tensor rq, torch::Tensor rqs, torch::Tens
   TORCH_CHECK(rq.size(0) == M && rqs.size(0) == M && rsa.dim() == 2 && (rsa.size(0) == 1 || rsa.size(0) == M),
               "rq, rqs need M rows and the activation scales 1 or M");
   TORCH_CHECK(rsa.size(1) == 1 || rsa.size(1) == Gt, "activation scales must have 1 or Gtot columns");
-  TORCH_CHECK(gs >= 8 && gs % 8 == 0, "the residual group size must be a multiple of 8");
+  TORCH_CHECK(gs >= 8 && gs % 8 == 0, "the parts' group size must be a multiple of 8");
+  const int32_t* pc = pcols.data_ptr<int32_t>();
+  for (int64_t i = 0; i < pcols.numel(); ++i) TORCH_CHECK(pc[i] >= 0 && pc[i] + 8 <= W, "pair column out of range");
   const int64_t* pt = parts.data_ptr<int64_t>();
   std::vector<IntLayout> Ls(P);
   std::vector<Acts> As(P);
   std::vector<int64_t> task0(P + 1, 0);
   int64_t doff = 0, soff = 0;
   for (int64_t p = 0; p < P; ++p) {
-    const int64_t r0 = pt[6 * p], rows = pt[6 * p + 1], c0 = pt[6 * p + 2], nc = pt[6 * p + 3];
+    const int64_t r0 = pt[6 * p], rows = pt[6 * p + 1], pc0 = pt[6 * p + 2], nc = pt[6 * p + 3];
     const int64_t g0 = pt[6 * p + 4], G = pt[6 * p + 5];
-    TORCH_CHECK(r0 >= 0 && rows >= 1 && r0 + rows <= N && c0 >= 0 && nc >= 8 && nc % 8 == 0 && c0 + nc <= W &&
-                    g0 >= 0 && G >= 1 && g0 + G <= Gt && G * gs == nc,
-                "part ", p, " lies outside the output, the activations or its groups");
+    TORCH_CHECK(r0 >= 0 && rows >= 1 && r0 + rows <= N && nc >= 8 && nc % 8 == 0 && pc0 >= 0 &&
+                    pc0 + nc / 8 <= pcols.numel() && g0 >= 0 && G >= 1 && g0 + G <= Gt && G * gs == nc,
+                "part ", p, " lies outside the output, its pair columns or its groups");
     IntLayout& L = Ls[p];
     L.N = rows;
     L.KP = nc;
@@ -288,12 +291,13 @@ void int_parts(torch::Tensor y, torch::Tensor rq, torch::Tensor rqs, torch::Tens
     doff += L.nrb * L.npairs * 64;
     soff += L.nrb * G * 16;
     const bool per_group = rsa.size(1) > 1;
-    As[p] = Acts{rq.data_ptr<int8_t>() + c0, rqs.data_ptr<int32_t>() + g0,
+    As[p] = Acts{rq.data_ptr<int8_t>(), rqs.data_ptr<int32_t>() + g0,
                  rsa.data_ptr<float>() + (per_group ? g0 : 0), M, rsa.size(0), per_group ? G : 1,
                  per_group ? 1 : G};
     As[p].ldq = W;
     As[p].ldqs = Gt;
     As[p].lds = rsa.size(1);
+    As[p].pcol = pc + pc0;
     task0[p + 1] = task0[p] + L.nrb;
   }
   TORCH_CHECK(data.numel() >= doff && sc.numel() >= soff && zc.numel() >= soff, "data or scale tables too short");
@@ -301,7 +305,7 @@ void int_parts(torch::Tensor y, torch::Tensor rq, torch::Tensor rqs, torch::Tens
   float* yp = y.data_ptr<float>();
   const int64_t tasks = task0[P];
   // small work runs on the calling thread (a parallel region costs more than it saves)
-  const int64_t grain = M * W * 16 < (1 << 18) ? tasks : 1;
+  const int64_t grain = M * pcols.numel() * 8 * 16 < (1 << 18) ? tasks : 1;
   at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
     int64_t p = std::upper_bound(task0.begin(), task0.end(), t0) - task0.begin() - 1;
     for (int64_t t = t0; t < t1; ++t) {

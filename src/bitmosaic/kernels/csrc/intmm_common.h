@@ -41,6 +41,9 @@ struct Acts {
   const float* sa;
   int64_t M, Ms, Ga, ratio;
   int64_t ldq = 0, ldqs = 0, lds = 0;  // row strides of q, qsum, sa (KP, G, Ga; wider for a part)
+  const int32_t* pcol = nullptr;       // column of q where each pair of the weight reads (null: 8 p)
+
+  int64_t pair_col(int64_t p) const { return pcol ? pcol[p] : 8 * p; }
 
   int64_t col(int64_t g) const { return std::min(g / ratio, Ga - 1); }  // once per group: a division
   float scale(int64_t m, int64_t col) const { return sa[(Ms == 1 ? 0 : m) * lds + col]; }
@@ -101,7 +104,8 @@ void rows_portable(const IntLayout& L, const Acts& A, float* y, int64_t rb0, int
           int32_t acc = 0;
           for (int64_t p = L.pair0(g); p < L.pair1(g); ++p) {
             const uint8_t* pair = base + p * L.pair_bytes();
-            for (int64_t c = 0; c < 8; ++c) acc += code_at(L, pair, r, c) * (int32_t)qm[8 * p + c];
+            const int64_t c0 = A.pair_col(p);
+            for (int64_t c = 0; c < 8; ++c) acc += code_at(L, pair, r, c) * (int32_t)qm[c0 + c];
           }
           const float s = L.sc[(rb * L.G + g) * 16 + r], z = L.zc[(rb * L.G + g) * 16 + r];
           const float t = std::fma(-z, (float)A.qsum[m * A.ldqs + g], (float)acc);

@@ -40,11 +40,12 @@ void tile(const IntLayout& L, const Acts& A, int64_t rb, int64_t m0, float* y) {
     const int64_t p1 = L.pair1(g);
     for (int64_t p = L.pair0(g); p < p1; ++p) {
       const uint8_t* pair = base + p * pb;
+      const int64_t pc = A.pair_col(p);
       for (int h = 0; h < H; ++h) {
         I lo, hi;
         weights<V, BYTES>(pair, h, lo, hi);
         for (int m = 0; m < MB; ++m) {
-          const int8_t* qp = q0 + m * A.ldq + 8 * p;
+          const int8_t* qp = q0 + m * A.ldq + pc;
           acc[m][h][0] = V::template dot<B8>(acc[m][h][0], lo, V::bcast4(qp));
           acc[m][h][1] = V::template dot<B8>(acc[m][h][1], hi, V::bcast4(qp + 4));
         }
