@@ -140,7 +140,7 @@ def test_fp8_activations_and_other_kinds_stay_simulated():
     )
     from bitmosaic.modules import KINDS
 
-    assert sorted(k for k, c in KINDS.items() if c.INT_ACT_KERNELS) == ["mosaic", "packed"]
+    assert sorted(k for k, c in KINDS.items() if c.INT_ACT_KERNELS) == ["mosaic", "packed", "packed+sq-act"]
     assert issubclass(KINDS["dpq"], QuantLinear) and not KINDS["dpq"].INT_ACT_KERNELS
 
 

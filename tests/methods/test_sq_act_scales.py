@@ -195,9 +195,15 @@ def test_sq_acts_scales_save_reload_and_inspect(tmp_path, calib, opts, capsys):
     assert main(["inspect", str(path), "--layers"]) == 0
     text = capsys.readouterr().out
     assert "weight-only" not in text
-    label = "simulated (SQ-format activation split: float32 reference path, no integer kernel)"
+    # the integer path where the parts' runs allow it (tests/kernels/test_sq_int.py), else why not
+    label = SQActLinear.act_compute(loaded[0].layer_config())
+    assert label == loaded[0].act_compute(loaded[0].layer_config())
+    if loaded[0].int_act_blocker() is None:
+        assert label.startswith("int8 (")
+    else:
+        assert label == f"simulated ({loaded[0].int_act_blocker()})"
     assert f"{label}: 14 layers" in text
-    assert text.count("simulated (SQ-format activation split") == 15  # the summary and 14 layer rows
+    assert text.count(label) == 15  # the summary and 14 layer rows
     scale = f"group{opts['act_scale_group']}" if opts["act_scale"] == "group" else "bank"
     calib = " (calibrated)" if opts.get("act_scale_calib") else ""
     assert f"16-(8/4)-0.5 {opts['strategy']}, activation scales per {scale}{calib}: 14 layers" in text

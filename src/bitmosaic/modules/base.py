@@ -71,6 +71,9 @@ class QuantModule(nn.Module):
     kind = "base"
     # kernels that run this kind with integer activations (modules/intact.py); empty: simulated only
     INT_ACT_KERNELS: ClassVar[tuple[str, ...]] = ()
+    # the kind quantizes its inputs itself, without an input quantizer (the SQ-format's split): its
+    # integer kernel (``_build_int_act``) is called with ``(x, None)``
+    QUANTIZES_OWN_INPUTS: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -238,7 +241,7 @@ class QuantModule(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = None if self.bias is None else self.bias.to(x.dtype)
         q = self.act_quantizer()
-        if q is not None and self.runs_int_act(x):  # x was left unquantized by the pre-hook
+        if (q is not None or self.QUANTIZES_OWN_INPUTS) and self.runs_int_act(x):  # x left unquantized
             y = self._int_act(x, q)
             return y if b is None else y + b
         # the CPU kernels write into preallocated outputs (no autograd): a forward that records a graph

@@ -33,6 +33,7 @@ It applies only where the integer path runs (the layer's kernel, group size, the
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -52,6 +53,7 @@ __all__ = [
     "IntActKernel",
     "act_path_label",
     "runtime_act_mode",
+    "segmented_int_weight",
     "set_runtime_activations",
 ]
 
@@ -229,3 +231,46 @@ class IntActKernel:
     def nbytes(self) -> int:
         perm = 0 if self.perm is None else self.perm.numel() * self.perm.element_size()
         return self.weight.nbytes() + perm
+
+
+def segmented_int_weight(
+    codes: torch.Tensor,
+    bits: int,
+    scales: torch.Tensor,
+    zeros,
+    g_idx: torch.Tensor,
+    cols: torch.Tensor,
+    act_ids: torch.Tensor,
+) -> tuple[IntActWeight, torch.Tensor] | str:
+    """An :class:`IntActWeight` over the columns ``cols`` of ``codes [N, K]`` (in that order) whose groups
+    split the runs of columns sharing one weight group (``g_idx``: the weight group of each column, scales
+    ``[N, Gw]``, zeros a number or ``[N, Gw]``) and one activation scale (``act_ids``: its activation
+    scale column, one per selected column) into pieces of the runs' greatest common length, and the
+    activation scale column of each group -- or why not (a phrase): that length must be a multiple of 8
+    unless there is one run.  Used where activations come in parts with their own scales (the SQ-format's
+    high and low channels), so each int32 sum still has one weight scale and one activation scale."""
+    if not cols.numel():
+        return "no columns"
+    wg, ag = g_idx.long()[cols], act_ids.long()
+    change = torch.ones(cols.numel(), dtype=torch.bool)
+    change[1:] = (wg[1:] != wg[:-1]) | (ag[1:] != ag[:-1])
+    starts = change.nonzero().reshape(-1)
+    lengths = torch.diff(starts, append=torch.tensor([cols.numel()]))
+    if starts.numel() == 1:
+        w = IntActWeight.from_codes(codes[:, cols], bits, scales.float()[:, wg[:1]], _pick(zeros, wg[:1]), -1)
+        return w, ag[:1]
+    L = math.gcd(*lengths[:-1].tolist()) if starts.numel() > 2 else int(lengths[0])
+    if L % 8:
+        return (
+            f"columns of one weight group and one activation scale come in runs of "
+            f"{sorted(set(lengths.tolist()))[:4]} (the integer path needs runs of a multiple of 8)"
+        )
+    first = torch.arange(0, cols.numel(), L)  # the pieces' first columns (the last may be shorter)
+    w = IntActWeight.from_codes(
+        codes[:, cols], bits, scales.float()[:, wg[first]], _pick(zeros, wg[first]), L
+    )
+    return w, ag[first]
+
+
+def _pick(zeros, groups: torch.Tensor):
+    return zeros.float()[:, groups] if torch.is_tensor(zeros) else zeros

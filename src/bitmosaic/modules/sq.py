@@ -32,10 +32,12 @@ from torch import nn
 
 from ..algorithms.sq import SQWeightResult, dynamic_split, high_first_permutation, static_split
 from ..algorithms.types import QuantResult
-from ..formats.packing import packed_cols
+from ..formats.act import ActQuantSpec
+from ..formats.packing import packed_cols, unpack_codes
 from ..formats.sq import _compact_index, _pos_bits, pack_sq, parse_sq, unpack_sq
 from ..formats.sq_act import ACT_SCALES, act_scale_group
 from .base import NoIntForm, QuantModule
+from .intact import segmented_int_weight
 from .qlinear import QuantLinear
 
 __all__ = ["SQWeightLinear", "SQActLinear", "STRATEGIES"]
@@ -114,6 +116,8 @@ class SQWeightLinear(QuantModule):
 class SQActLinear(QuantLinear):
     kind = "packed+sq-act"
     CONFIG_KEYS = ("sq", "strategy", "act_scale")  # + act_group, calibrated_scales when set
+    INT_ACT_KERNELS = ("int8act",)  # INT SQ activations: both parts in integers (_SQIntKernel)
+    QUANTIZES_OWN_INPUTS = True
 
     def __init__(
         self,
@@ -304,17 +308,121 @@ class SQActLinear(QuantLinear):
             seen[key] = seen.get(key, 0) + 1
         return [f"sq activations   {k}: {n} layers" for k, n in seen.items()], {}
 
+    # -- integer compute: each part's INT levels times the codes in int32 (modules/intact.py) --------
+    def _int_parts(self, codes=None, scales=None, zeros=None, g_idx=None) -> dict | str:
+        """``{part: (weight, stored columns, activation scale column per group)}`` for the integer path
+        (``"both"``: the dynamic strategy's low and high parts over every column; ``"high"``/``"low"``:
+        the static strategy's two contiguous slices of the high-first stored columns), or why not."""
+        f, K = self.fmt, self.in_features
+        if f.fp:
+            return "FP SQ-format activations (fp8/fp4): no CPU instruction"
+        if codes is None:
+            codes = unpack_codes(self.qweight, self.storage_bits, K)
+            z = self._zeros_arg()
+            zeros = z - self.code_offset if not torch.is_tensor(z) else z.float() - self.code_offset
+            scales, g_idx = self.scales, self._g_idx_arg()
+        g = act_scale_group(f, K, self.act_scale, self.act_group)
+        gs = K if self.group_size is None or self.group_size < 1 else self.group_size
+        if self.strategy == "static":  # runs that would depend on which channels of a bank are high
+            for what, width in (("weight groups", gs), ("activation scale groups", g)):
+                if width < K and width % f.bank:
+                    return f"static mask with {what} of {width} that cut its banks of {f.bank}"
+            natural = torch.arange(K) // gs
+            if not torch.equal(g_idx.cpu().long()[torch.argsort(self.sq_perm.long().cpu())], natural):
+                return "static mask on act-order weights"
+        elif self.g_idx is not None:
+            return "act-order weights"
+        cols = torch.arange(K)
+        orig = cols if self.sq_perm is None else self.sq_perm.long().cpu()  # stored column -> channel
+        if self.strategy == "dynamic":
+            sel = {"both": cols}
+        else:
+            kh = f.high_count(K)
+            sel = {"high": cols[:kh], **({"low": cols[kh:]} if f.h_low else {})}
+        parts = {}
+        for name, c in sel.items():
+            r = segmented_int_weight(codes, self.storage_bits, scales, zeros, g_idx.cpu(), c, orig[c] // g)
+            if isinstance(r, str):
+                return f"SQ-format {name} part: {r}"
+            parts[name] = (r[0], c, r[1])
+        return parts
+
     @classmethod
     def act_compute(cls, cfg: dict) -> str:
-        """SQ-format activations never run the integer kernels: the split is simulated in float32."""
-        return "simulated (SQ-format activation split: float32 reference path, no integer kernel)"
+        """The integer path where the parts' runs allow it (decided on natural-order weights with the
+        saved bank, scale and group settings: a static mask's runs depend only on its banks), else
+        simulated with the reason."""
+        from .intact import act_path_label
+
+        K, gs = int(cfg["in_features"]), cfg.get("group_size") or -1
+        m = cls(K, 1, **{k: cfg[k] for k in ("sq", "strategy", "act_scale")}, act_group=cfg.get("act_group"),
+                bits=cfg.get("bits", 4), group_size=gs, symmetric=True,
+                has_g_idx=bool(cfg.get("has_g_idx")) and cfg["strategy"] == "dynamic")  # fmt: skip
+        fmt = m.fmt
+        if m.sq_perm is not None:  # a mask with the bank's first (1 - s) b channels high
+            mask = torch.zeros(K, dtype=torch.bool)
+            for start, _size, nh in fmt.banks(K):
+                mask[start : start + nh] = True
+            m.sq_perm.copy_(high_first_permutation(mask).to(m.sq_perm.dtype))
+        g_idx = torch.arange(K) // (K if gs < 1 else gs)
+        if m.sq_perm is not None:
+            g_idx = g_idx[m.sq_perm.long()]
+        parts = m._int_parts(torch.zeros(1, K, dtype=torch.int32), torch.ones(1, K), 0.0, g_idx)
+        blocker = parts if isinstance(parts, str) else None
+        return act_path_label(blocker, ActQuantSpec("int", fmt.h_high))
 
     def int_act_blocker(self) -> str | None:
-        return "SQ-format activation split: no integer kernel"
+        parts = self._int_parts()
+        return parts if isinstance(parts, str) else None
+
+    def _build_int_act(self):
+        parts = self._int_parts()
+        return None if isinstance(parts, str) else _SQIntKernel(self, parts)
+
 
     def extra_repr(self) -> str:
         sq = f"A(SQ) {self.fmt.notation} {self.strategy} scales {self.act_scale_label}"
         return f"{super().extra_repr()}, {sq}"
+
+
+class _SQIntKernel:
+    """``x -> y`` with the SQ-format activation split computed by the simulated path's own function (so
+    the same INT levels and scales), then each part's levels (int8) times the weight codes in int32 per
+    run of one weight group and one activation scale (:func:`~bitmosaic.modules.intact.segmented_int_weight`),
+    scaled by ``s_w s_a`` -- up to float32 rounding the simulated output.  Dynamic: the low and the high
+    part each multiply every column (zeros at the other part's places: two integer products); static:
+    the high and low slices of the high-first columns (one product's worth in all)."""
+
+    def __init__(self, layer: SQActLinear, parts: dict) -> None:
+        self.layer, self.parts = layer, parts
+
+    def nbytes(self) -> int:
+        return sum(w.nbytes() for w, _, _ in self.parts.values())
+
+    def __call__(self, x: torch.Tensor, quantizer=None) -> torch.Tensor:
+        m = self.layer
+        x2 = x.reshape(-1, m.in_features).float()
+        if m.strategy == "static":
+            scales = None if m.act_low_scale is None else (m.act_low_scale, m.act_high_scale)
+            t = static_split(x2, m.channel_mask(), m.fmt, m.act_scale, m.act_group, scales)
+            perm = m.sq_perm.long()
+        else:
+            t = dynamic_split(x2, m.fmt, m.act_scale, m.act_group)
+            perm = None
+        y = None
+        for name, (w, cols, act_cols) in self.parts.items():
+            for part in ("high", "low") if name == "both" else (name,):
+                if part == "low" and not m.fmt.h_low:
+                    continue
+                levels, s = (t.high, t.high_scale) if part == "high" else (t.low, t.low_scale)
+                q = levels if perm is None else levels.index_select(1, perm[cols])
+                q = torch.nn.functional.pad(q.to(torch.int8), (0, w.KP - q.shape[1]))
+                qs = torch.nn.functional.pad(q.to(torch.int32), (0, w.G * w.group_size - w.KP))
+                qsum = qs.reshape(q.shape[0], w.G, -1).sum(-1, dtype=torch.int32)
+                sa = s.float().reshape(q.shape[0], -1).index_select(1, act_cols).contiguous()
+                yp = w.product(q, qsum, sa, 1)
+                y = yp if y is None else y.add_(yp)
+        return y.reshape(*x.shape[:-1], m.out_features).to(x.dtype)
 
 
 def _sparse_rows(high: torch.Tensor, mask: torch.Tensor, fmt) -> torch.Tensor:

@@ -1,0 +1,111 @@
+"""SQ-format activations run in integers on the CPU (modules/sq.py ``_SQIntKernel``): the split is the
+simulated path's own (same INT levels, same scales), each part's levels (int8) multiply the weight codes
+in int32 per run of one weight group and one activation scale, and the output equals the simulated path
+(``$BITMOSAIC_ACT_COMPUTE=sim``: the float32 split) up to float32 rounding -- dynamic and static masks,
+per-token, per-bank, per-group and calibrated scales, pruned low parts; where the runs do not allow it
+(a static mask whose bank keeps 4 high channels: runs of 4) or the format is FP, the layer runs simulated
+and says why, and ``inspect``'s label agrees with the layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bitmosaic.algorithms.rtn import rtn_quantize
+from bitmosaic.algorithms.sq import static_act_scales, static_channel_mask
+from bitmosaic.formats.act import ActQuantSpec
+from bitmosaic.formats.grid import IntGrid
+from bitmosaic.formats.sq import parse_sq
+from bitmosaic.modules import QuantLinear
+from bitmosaic.modules.intact import act_path_label
+from bitmosaic.modules.sq import SQActLinear, _SQIntKernel
+from tests.kernels.test_intact import simulated
+
+
+def _dense(seed, out=40, n=256, gs=64, sym=False):
+    W = torch.randn(out, n, generator=torch.Generator().manual_seed(seed))
+    res = rtn_quantize(W, IntGrid(4, sym), gs, "minmax")
+    return QuantLinear.from_result(res, bits=4, group_size=gs, symmetric=sym, bias=torch.randn(out))
+
+
+def _layer(sq, strategy, scale, group=None, calibrated=False, seed=0, gs=64, sym=False):
+    dense = _dense(seed, gs=gs, sym=sym)
+    fmt = parse_sq(sq)
+    x0 = torch.randn(64, 256, generator=torch.Generator().manual_seed(seed + 1)) * torch.linspace(0.2, 3, 256)
+    if strategy == "dynamic":
+        return SQActLinear.from_packed(dense, sq, "dynamic", scale, act_group=group), x0
+    mask = static_channel_mask(x0.abs().mean(0), fmt)
+    scales = static_act_scales(x0.abs().amax(0), mask, fmt, scale, group) if calibrated else None
+    return SQActLinear.from_packed(dense, sq, "static", scale, mask, group, scales), x0
+
+
+def _run(m, x):
+    with torch.inference_mode():
+        assert m.int_act_blocker() is None and m.runs_int_act(x)
+        y = m(x)
+        assert isinstance(m._int_act, _SQIntKernel)
+        with simulated():
+            assert not m.runs_int_act(x)
+            y_sim = m(x)
+    return y, y_sim
+
+
+@pytest.mark.parametrize(
+    "sq, strategy, scale, group, calibrated",
+    [
+        ("16-(8/4)-0.5", "dynamic", "token", None, False),
+        ("16-(8/4)-0.5", "dynamic", "bank", None, False),
+        ("16-(8/4)-0.75", "dynamic", "bank", None, False),
+        ("16-(8/4)-0.5", "dynamic", "group", 32, False),
+        ("16-(8/4)-0.5", "static", "token", None, False),
+        ("16-(8/4)-0.5", "static", "bank", None, False),
+        ("16-(8/4)-0.5", "static", "bank", None, True),
+        ("16-(8/4)-0.5", "static", "group", 128, True),
+        ("32-(8/4)-0.75", "static", "bank", None, False),
+        ("16-(8/0)-0.5", "static", "bank", None, False),
+        ("16-(8/2)-0.5", "dynamic", "bank", None, False),
+    ],
+)
+@pytest.mark.parametrize("rows", [1, 7, 96])
+def test_int_split_matches_the_simulated_split(sq, strategy, scale, group, calibrated, rows):
+    m, x0 = _layer(sq, strategy, scale, group, calibrated)
+    x = x0[:rows] * 1.3
+    y, y_sim = _run(m, x)
+    b = m.bias
+    bound = x.abs().double() @ m.dequantize_reference().abs().double().T  # Σ|x||W| of each output
+    assert torch.all(((y - b).double() - (y_sim - b).double()).abs() <= bound * 1e-5 + 1e-5)
+    assert not torch.equal(y, torch.nn.functional.linear(x, m.dequantize_reference(), b))  # it quantizes
+    assert m.act_compute(m.layer_config()) == act_path_label(None, ActQuantSpec("int", m.fmt.h_high))
+
+
+def test_what_stays_simulated_says_why():
+    m, x0 = _layer("16-(8/4)-0.75", "static", "bank")  # 4 high channels per bank: runs of 4
+    assert m.int_act_blocker().startswith("SQ-format high part: columns of one weight group and one")
+    assert not m.runs_int_act(x0[:2])
+    assert m.act_compute(m.layer_config()).startswith("simulated (SQ-format high part")
+    fp, _ = _layer("16-(fp8/fp4)-0.5", "dynamic", "token")
+    assert fp.int_act_blocker() == "FP SQ-format activations (fp8/fp4): no CPU instruction"
+    label = "simulated (FP SQ-format activations (fp8/fp4): no CPU instruction)"
+    assert fp.act_compute(fp.layer_config()) == label
+
+
+def test_saved_and_loaded_model_runs_it(tmp_path):
+    import bitmosaic
+    from bitmosaic.io import load_quantized, save_quantized
+    from tests.methods.saved_bytes import calib, tiny_llama
+
+    model = tiny_llama()
+    bitmosaic.quantize_(model, "sq-acts", calib(), progress=False, strategy="static", act_scale="bank")
+    layers = [m for m in model.modules() if isinstance(m, SQActLinear)]
+    tokens = calib()[:2]
+    with torch.inference_mode():
+        y = model(tokens).logits
+        with simulated():
+            y_sim = model(tokens).logits
+    assert layers and all(isinstance(m._int_act, _SQIntKernel) for m in layers)
+    assert (y.argmax(-1) == y_sim.argmax(-1)).float().mean() >= 0.9
+    loaded, _ = load_quantized(
+        save_quantized(model, tmp_path / "m", {"method": "sq-acts"}), load_tokenizer=False
+    )
+    with torch.inference_mode():
+        assert torch.equal(loaded(tokens).logits, y)
