@@ -171,6 +171,20 @@ def mosaic_thin_blocks(res: dict) -> tuple[str, str]:
     return nums, verdict(best["ppl"] < mo["ppl"], "no thin shape beats 64x64")
 
 
+def mosaic_int_prefill(res: dict) -> tuple[str, str]:
+    """Ours, on the CPU's integer path (``mosaic_kernel.py`` int columns): W4A4 MosaicQuant (dense base +
+    residual in int8 x int4) against the W4A16 kernel at prefill, and the residual's time overhead."""
+    rows = [r for r in res["rows"] if r["batch"] >= 512 and "int_vs_w4a16" in r]
+    if not rows:
+        return "no integer-path rows (rerun mosaic_kernel.py)", f"{UNTESTABLE} (not measured)"
+    nums = "; ".join(
+        f"{r['shape']} b{r['batch']}: {r['int_vs_w4a16']:.2f}x W4A16, residual {r['int_overhead']:+.0%} "
+        f"over the int dense base"
+        for r in rows
+    )
+    return nums, verdict(min(r["int_vs_w4a16"] for r in rows) > 1, "slower than W4A16 on some shape")
+
+
 def mosaic_fused_overhead(res: dict) -> tuple[str, str]:
     rows = [r for r in res["rows"] if r["shape"] in ("4096x4096", "1024x4096", "14336x4096")]
     nums = "CPU, 10% budget: " + ", ".join(
@@ -179,4 +193,9 @@ def mosaic_fused_overhead(res: dict) -> tuple[str, str]:
         for r in rows
     )
     mem = rows[0]["memory_overhead"] if rows else float("nan")
+    ints = [r for r in rows if "int_overhead" in r]
+    if ints:  # the integer path's second pass (kernels/mosaic.py MosaicIntActWeight)
+        nums += "; integer path (W4A4): " + ", ".join(
+            f"{r['shape']} b{r['batch']} {r['int_overhead']:+.0%}" for r in ints
+        )
     return nums + f"; memory +{mem:.1%}", f"{UNTESTABLE} (the ~5-6% is a GPU figure; no GPU was lent)"
