@@ -19,8 +19,13 @@
     still returns the weight in the original column order, so the
     float function is unchanged (tested).
 
-  Quantized values are simulated in float32 (the products of INT8/INT4 codes and scales are
-  exact; the accumulation is float32, not int32).
+  On the CPU (no gradient, ``$BITMOSAIC_ACT_COMPUTE`` not ``sim``) INT SQ activations run in
+  integers (:class:`_SQIntKernel`): the split above gives each part's INT levels and scales, and each
+  part's levels (int8) multiply the stored codes in int32 per run of columns that share one weight
+  group and one activation scale (:func:`~bitmosaic.modules.intact.segmented_int_weight`), equal to
+  the float32 split up to float32 rounding.  Where the runs are not a multiple of 8 (a static mask
+  whose banks keep 4 high channels, scale groups that cut banks) and for the FP pair, the split above
+  runs in float32 (the products of codes and scales are exact; the accumulation is float32).
 """
 
 from __future__ import annotations
