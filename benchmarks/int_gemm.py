@@ -51,6 +51,17 @@ def int8_rate_gops() -> float:
     return 2 * n**3 / (ms / 1e3) / 1e9
 
 
+def machine_bounds(threads: int) -> tuple[float, float]:
+    """This machine's int8 GEMM rate (GOPS) and read bandwidth (GB/s) at ``threads`` threads (set here),
+    measured now and printed: the bounds every integer-path table reports beside its times."""
+    torch.set_num_threads(threads)
+    rate, bw = int8_rate_gops(), read_bandwidth_gbs()
+    print(
+        f"{threads} thread(s): torch._int_mm int8 {rate:.0f} GOPS, read bandwidth {bw:.1f} GB/s", flush=True
+    )
+    return rate, bw
+
+
 def weights(N: int, K: int, g: torch.Generator):
     G = -(-K // GS)
     c4 = torch.randint(0, 16, (N, K), generator=g, dtype=torch.int32)
@@ -136,10 +147,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     rows, bounds = [], {}
     for t in [int(t) for t in args.threads.split(",")]:
-        torch.set_num_threads(t)
-        rate, bw = int8_rate_gops(), read_bandwidth_gbs()
+        rate, bw = machine_bounds(t)
         bounds[t] = {"int8_int_mm_gops": rate, "read_bandwidth_gbs": bw}
-        print(f"{t} thread(s): torch._int_mm int8 {rate:.0f} GOPS, read bandwidth {bw:.1f} GB/s", flush=True)
         for N, K in shapes:
             for M in rows_m:
                 r = measure(N, K, M, g, rate, bw)

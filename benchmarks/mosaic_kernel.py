@@ -40,8 +40,8 @@ from bitmosaic.kernels.mosaic import DECODE_ROWS
 from bitmosaic.modules import attach_input_quant
 from bitmosaic.modules.mosaic import MosaicQuantLinear
 
-from common import RESULTS, machine_info, read_bandwidth_gbs, write_results
-from int_gemm import int8_rate_gops
+from common import RESULTS, machine_info, write_results
+from int_gemm import machine_bounds
 
 SHAPES = ("576x576", "192x576", "1536x576", "576x1536", "4096x4096", "1024x4096", "14336x4096")
 
@@ -67,11 +67,7 @@ def main() -> None:
     p.add_argument("--abits", type=int, default=4, help="INT activation bits of the integer columns")
     p.add_argument("--json", default=str(RESULTS / "mosaic_kernel.json"))
     a = p.parse_args()
-    torch.set_num_threads(a.threads)
-    rate, bw = int8_rate_gops(), read_bandwidth_gbs()
-    print(
-        f"{a.threads} thread(s): torch._int_mm int8 {rate:.0f} GOPS, read bandwidth {bw:.1f} GB/s", flush=True
-    )
+    rate, bw = machine_bounds(a.threads)
     spec = ActQuantSpec("int", a.abits)
     g = torch.Generator().manual_seed(0)
     rows = []

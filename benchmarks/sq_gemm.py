@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 import torch
 
@@ -37,21 +35,11 @@ from bitmosaic.modules import QuantLinear, attach_input_quant
 from bitmosaic.modules.intact import ACT_COMPUTE_ENV
 from bitmosaic.modules.sq import SQActLinear
 
-from common import RESULTS, machine_info, read_bandwidth_gbs, write_results
-from int_gemm import int8_rate_gops
+from common import RESULTS, machine_info, median_ms, write_results
+from int_gemm import machine_bounds
 
 SHAPES = ("576x576", "1536x576", "576x1536", "4096x4096", "14336x4096")
 SQ = "16-(8/4)-0.5"
-
-
-def _time(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
 
 
 def main() -> None:
@@ -62,11 +50,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--json", default=str(RESULTS / "sq_gemm.json"))
     a = p.parse_args()
-    torch.set_num_threads(a.threads)
-    rate, bw = int8_rate_gops(), read_bandwidth_gbs()
-    print(
-        f"{a.threads} thread(s): torch._int_mm int8 {rate:.0f} GOPS, read bandwidth {bw:.1f} GB/s", flush=True
-    )
+    rate, bw = machine_bounds(a.threads)
     g = torch.Generator().manual_seed(0)
     fmt = parse_sq(SQ)
     rows = []
@@ -91,14 +75,14 @@ def main() -> None:
             reps = a.repeats if N * K * M < 2**31 else 3
             t = {}
             with torch.inference_mode():
-                t["fp32"] = _time(lambda: torch.nn.functional.linear(x, wf), reps)
+                t["fp32"] = median_ms(lambda: torch.nn.functional.linear(x, wf), 1.0, reps)
                 k = dense.kernel()
-                t["W4A16"] = _time(lambda: k(x), reps)
+                t["W4A16"] = median_ms(lambda: k(x), 1.0, reps)
                 for name, m in {**acts, **sq}.items():
                     assert m.runs_int_act(x), (name, m.int_act_blocker())
-                    t[name] = _time(lambda m=m: m(x), reps)
+                    t[name] = median_ms(lambda m=m: m(x), 1.0, reps)
                 os.environ[ACT_COMPUTE_ENV] = "sim"
-                t["SQ sim"] = _time(lambda: sq["SQ dyn"](x), reps)
+                t["SQ sim"] = median_ms(lambda: sq["SQ dyn"](x), 1.0, reps)
                 os.environ.pop(ACT_COMPUTE_ENV)
             row = {
                 "shape": shape, "rows": M, "ms": t,

@@ -42,6 +42,10 @@ constexpr int WCOLS = 32;
 // is not cache-resident (every layer of a decode step), which cost the LUT its lead over LowBitWeight.
 constexpr int64_t PREFETCH_TILES = 4;
 constexpr int64_t GEMV_MAX_ROWS = 64;  // up to this many rows of x: the LUT GEMV per row (lut_gemv.py --batch)
+// A GEMV over fewer plane bytes runs on the calling thread: waking a second thread costs more than it
+// saves there (SmolLM2's W2 matrices, 27-221 KB of planes, one GEMV 14-32 us on one thread of the
+// 2-core EPYC: on 2 threads 576x576 took 1.30x, 192x576 1.07x, 576x1536 1.40x the 1-thread time).
+constexpr int64_t GEMV_SERIAL_BYTES = 256 * 1024;
 
 struct Planes {
   const uint8_t* data;
@@ -51,6 +55,7 @@ struct Planes {
   const float* zT;      // [G, N]
   int64_t N, K, G, gs, rb;
   int64_t tiles_per_rb;
+  int64_t nbytes;  // the planes' size
   int64_t cols(int64_t g) const { return std::min(K, (g + 1) * gs) - g * gs; }
   int64_t nch(int64_t g) const { return (cols(g) + WCOLS - 1) / WCOLS; }
 };
@@ -160,6 +165,7 @@ Planes make_planes(const torch::Tensor& data, const torch::Tensor& off, const to
   P.zT = zT.data_ptr<float>();
   P.N = N; P.K = K; P.G = sT.size(0); P.gs = gs; P.rb = rb;
   P.tiles_per_rb = (rb + TILE - 1) / TILE;
+  P.nbytes = data.numel();
   return P;
 }
 
@@ -221,8 +227,10 @@ void gemv(const Planes& P, const float* x, int64_t isa, float* yp) {
   }
   if (isa == bm::kPortable) build_tables8(P, x, tbase, tab.data());
   else build_tables4(P, x, tbase, tab.data());
-  const int64_t n_rb = (P.N + P.rb - 1) / P.rb, ntiles = n_rb * P.tiles_per_rb;
-  at::parallel_for(0, ntiles, 4, [&](int64_t a, int64_t b) {
+  // tiles that hold rows: every row block is full but the last (so a thread split covers real work)
+  const int64_t n_rb = (P.N + P.rb - 1) / P.rb;
+  const int64_t ntiles = (n_rb - 1) * P.tiles_per_rb + (P.N - (n_rb - 1) * P.rb + TILE - 1) / TILE;
+  at::parallel_for(0, ntiles, P.nbytes < GEMV_SERIAL_BYTES ? ntiles : 4, [&](int64_t a, int64_t b) {
     for (int64_t g = 0; g < P.G; ++g) {
       const float* T = tab.data() + tbase[g] * entries;
       const int64_t chunk_bytes = P.nch(g) * 4;  // per row and plane
