@@ -109,3 +109,36 @@ def test_saved_and_loaded_model_runs_it(tmp_path):
     )
     with torch.inference_mode():
         assert torch.equal(loaded(tokens).logits, y)
+
+
+@pytest.mark.parametrize(
+    "sq, scale, group, calibrated",
+    [
+        ("16-(8/4)-0.5", "token", None, False),
+        ("16-(8/4)-0.5", "bank", None, False),
+        ("16-(8/4)-0.5", "bank", None, True),
+        ("16-(8/4)-0.5", "group", 128, False),
+        ("16-(8/4)-0.5", "group", 64, True),
+        ("32-(8/4)-0.75", "bank", None, False),
+        ("16-(8/2)-0.5", "bank", None, False),
+    ],
+)
+def test_static_levels_are_the_splits_own(sq, scale, group, calibrated):
+    """The static integer path quantizes each part's gathered channels itself; its levels and scales
+    are exactly the simulated split's (``static_split``), zeros, ties and huge values included."""
+    from bitmosaic.algorithms.sq import static_split
+
+    m, x0 = _layer(sq, "static", scale, group, calibrated)
+    x = x0[:9].clone()
+    x[0] = 0.0  # an all-zero token (scales clamp to the smallest fp16)
+    x[1, 5] = 3e5  # one huge value
+    x[2] = torch.round(x[2] * 4) / 4  # exact quarter values: ties in the rounding
+    k = m._build_int_act()
+    scales = None if m.act_low_scale is None else (m.act_low_scale, m.act_high_scale)
+    t = static_split(x, m.channel_mask(), m.fmt, m.act_scale, m.act_group, scales)
+    perm = m.sq_perm.long()
+    for part, (w, cols, act_cols, col_act) in k.parts.items():
+        levels, s = k.static_part(x, part, w, cols, act_cols, col_act)
+        want, want_s = (t.high, t.high_scale) if part == "high" else (t.low, t.low_scale)
+        assert torch.equal(levels, want[:, perm[cols]]), part
+        assert torch.equal(s.expand(9, -1)[:, act_cols], want_s[:, act_cols]), part

@@ -39,7 +39,7 @@ from ..algorithms.sq import SQWeightResult, dynamic_split, high_first_permutatio
 from ..algorithms.types import QuantResult
 from ..formats.act import ActQuantSpec
 from ..formats.packing import packed_cols, unpack_codes
-from ..formats.sq import _compact_index, _pos_bits, pack_sq, parse_sq, unpack_sq
+from ..formats.sq import _compact_index, _fp16_scale, _pos_bits, pack_sq, parse_sq, unpack_sq
 from ..formats.sq_act import ACT_SCALES, act_scale_group
 from .base import NoIntForm, QuantModule
 from .intact import segmented_int_weight
@@ -315,9 +315,10 @@ class SQActLinear(QuantLinear):
 
     # -- integer compute: each part's INT levels times the codes in int32 (modules/intact.py) --------
     def _int_parts(self, codes=None, scales=None, zeros=None, g_idx=None) -> dict | str:
-        """``{part: (weight, stored columns, activation scale column per group)}`` for the integer path
-        (``"both"``: the dynamic strategy's low and high parts over every column; ``"high"``/``"low"``:
-        the static strategy's two contiguous slices of the high-first stored columns), or why not."""
+        """``{part: (weight, stored columns, scale column per group, scale column per column)}`` for the
+        integer path (``"both"``: the dynamic strategy's low and high parts over every column;
+        ``"high"``/``"low"``: the static strategy's two contiguous slices of the high-first stored
+        columns), or why not."""
         f, K = self.fmt, self.in_features
         if f.fp:
             return "FP SQ-format activations (fp8/fp4): no CPU instruction"
@@ -349,7 +350,7 @@ class SQActLinear(QuantLinear):
             r = segmented_int_weight(codes, self.storage_bits, scales, zeros, g_idx.cpu(), c, orig[c] // g)
             if isinstance(r, str):
                 return f"SQ-format {name} part: {r}"
-            parts[name] = (r[0], c, r[1])
+            parts[name] = (r[0], c, r[1], orig[c] // g)
         return parts
 
     @classmethod
@@ -384,47 +385,65 @@ class SQActLinear(QuantLinear):
         parts = self._int_parts()
         return None if isinstance(parts, str) else _SQIntKernel(self, parts)
 
-
     def extra_repr(self) -> str:
         sq = f"A(SQ) {self.fmt.notation} {self.strategy} scales {self.act_scale_label}"
         return f"{super().extra_repr()}, {sq}"
 
 
 class _SQIntKernel:
-    """``x -> y`` with the SQ-format activation split computed by the simulated path's own function (so
-    the same INT levels and scales), then each part's levels (int8) times the weight codes in int32 per
-    run of one weight group and one activation scale (:func:`~bitmosaic.modules.intact.segmented_int_weight`),
-    scaled by ``s_w s_a`` -- up to float32 rounding the simulated output.  Dynamic: the low and the high
-    part each multiply every column (zeros at the other part's places: two integer products); static:
-    the high and low slices of the high-first columns (one product's worth in all)."""
+    """``x -> y``: the SQ-format split's INT levels and scales, then each part's levels (int8) times the
+    weight codes in int32 per run of one weight group and one activation scale
+    (:func:`~bitmosaic.modules.intact.segmented_int_weight`), scaled by ``s_w s_a`` -- up to float32
+    rounding the simulated output.  Dynamic: the split is the simulated path's own function
+    (:func:`~bitmosaic.algorithms.sq.dynamic_split`), and the low and the high part each multiply every
+    column (zeros at the other part's places: two integer products).  Static: each part's channels are
+    gathered in stored (high-first) order and quantized there with the same float32 operations as
+    :func:`~bitmosaic.formats.sq.sq_quantize` (absmax over the part's channels of each scale group, the
+    fp16 scale, round and clamp), so the same integers without building the full-width split; the two
+    slices make one product's worth in all (tested equal to the split's levels)."""
 
     def __init__(self, layer: SQActLinear, parts: dict) -> None:
         self.layer, self.parts = layer, parts
+        K = layer.in_features
+        self.n_scales = -(-K // act_scale_group(layer.fmt, K, layer.act_scale, layer.act_group))
+        self.perm = None if layer.sq_perm is None else layer.sq_perm.long()
 
     def nbytes(self) -> int:
-        return sum(w.nbytes() for w, _, _ in self.parts.values())
+        return sum(p[0].nbytes() for p in self.parts.values())
+
+    def static_part(self, x2: torch.Tensor, part: str, w, cols, act_cols, col_act):
+        """``(levels [M, n], scales [M or 1, n_scales])`` of the static ``part`` (``"high"``/``"low"``) of
+        ``x2``: its channels in stored order, quantized as :func:`~bitmosaic.formats.sq.sq_quantize` does."""
+        m, M = self.layer, x2.shape[0]
+        qmax = m.fmt.qmax_high if part == "high" else m.fmt.qmax_low
+        xp = x2.index_select(1, self.perm[cols])
+        calibrated = m.act_high_scale if part == "high" else m.act_low_scale
+        if calibrated is not None:
+            s = calibrated.float().reshape(1, -1)
+        else:  # absmax of each scale group over this part's channels (runs of whole groups: w's groups)
+            a = torch.nn.functional.pad(xp.abs(), (0, w.G * w.group_size - xp.shape[1]))
+            runs = a.reshape(M, w.G, -1).amax(-1)
+            amax = torch.zeros(M, self.n_scales).scatter_reduce_(1, act_cols.expand(M, -1), runs, "amax")
+            s = _fp16_scale(amax, qmax)
+        return torch.round(xp / s.index_select(1, col_act)).clamp_(-qmax, qmax), s
 
     def __call__(self, x: torch.Tensor, quantizer=None) -> torch.Tensor:
         m = self.layer
         x2 = x.reshape(-1, m.in_features).float()
-        if m.strategy == "static":
-            scales = None if m.act_low_scale is None else (m.act_low_scale, m.act_high_scale)
-            t = static_split(x2, m.channel_mask(), m.fmt, m.act_scale, m.act_group, scales)
-            perm = m.sq_perm.long()
-        else:
-            t = dynamic_split(x2, m.fmt, m.act_scale, m.act_group)
-            perm = None
+        t = dynamic_split(x2, m.fmt, m.act_scale, m.act_group) if m.strategy == "dynamic" else None
         y = None
-        for name, (w, cols, act_cols) in self.parts.items():
+        for name, (w, cols, act_cols, col_act) in self.parts.items():
             for part in ("high", "low") if name == "both" else (name,):
                 if part == "low" and not m.fmt.h_low:
                     continue
-                levels, s = (t.high, t.high_scale) if part == "high" else (t.low, t.low_scale)
-                q = levels if perm is None else levels.index_select(1, perm[cols])
-                q = torch.nn.functional.pad(q.to(torch.int8), (0, w.KP - q.shape[1]))
+                if t is None:
+                    levels, s = self.static_part(x2, part, w, cols, act_cols, col_act)
+                else:
+                    levels, s = (t.high, t.high_scale) if part == "high" else (t.low, t.low_scale)
+                q = torch.nn.functional.pad(levels.to(torch.int8), (0, w.KP - levels.shape[1]))
                 qs = torch.nn.functional.pad(q.to(torch.int32), (0, w.G * w.group_size - w.KP))
                 qsum = qs.reshape(q.shape[0], w.G, -1).sum(-1, dtype=torch.int32)
-                sa = s.float().reshape(q.shape[0], -1).index_select(1, act_cols).contiguous()
+                sa = s.float().reshape(s.shape[0], -1).index_select(1, act_cols).contiguous()
                 yp = w.product(q, qsum, sa, 1)
                 y = yp if y is None else y.add_(yp)
         return y.reshape(*x.shape[:-1], m.out_features).to(x.dtype)
