@@ -166,3 +166,25 @@ def test_kernel_per_token_scales_are_act_scales(route):
             y1, y2 = (w.matmul(x, s, 72, spec.qmax, route=r) for s in (None, given))
             assert torch.equal(y1, y2)
 
+
+@pytest.mark.parametrize("route", _routes())
+@pytest.mark.parametrize("agroup", [8, 24, 32])
+def test_kernel_per_group_scales_are_act_scales(route, agroup):
+    """Dynamic per-group scales (llama.cpp's Q8_0 blocks, W4A4 per group) computed by the kernel itself:
+    bitwise act_scales', a partial last group included (72 columns), so the same integers and outputs."""
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 16, (20, 72), generator=g)
+    w = IntActWeight.from_codes(codes, 4, torch.rand(20, 9) + 0.1, 8.0, 8)
+    x = torch.randn(7, 72, generator=g) * torch.rand(7, 72, generator=g) * 10
+    x[2] = 0.0
+    spec = ActQuantSpec("int", 8, granularity="group", group_size=agroup)
+    given = act_scales(x, spec)
+    assert given.shape == (7, -(-72 // agroup))
+    with _isa(route.split(":")[-1] if route != "int_mm" else "auto"):
+        q1, s1, own = w.quantize(x, None, agroup, spec.qmax)
+        q2, s2, _ = w.quantize(x, given, agroup, spec.qmax)
+        assert torch.equal(own, given) and torch.equal(q1, q2) and torch.equal(s1, s2)
+        r = "int_mm" if route == "int_mm" else "kernel"
+        y1, y2 = (w.matmul(x, s, agroup, spec.qmax, route=r) for s in (None, given))
+        assert torch.equal(y1, y2)
+

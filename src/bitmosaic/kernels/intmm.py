@@ -137,8 +137,12 @@ class IntActWeight:
         return self.zc.permute(0, 2, 1).reshape(-1, self.G)[: self.N]
 
     # -- the call -------------------------------------------------------------------------------
-    def _ratio(self, act_scale: torch.Tensor, act_group: int) -> int:
-        Ga = act_scale.shape[1]
+    def _ratio(self, act_scale: torch.Tensor | None, act_group: int) -> int:
+        Ga = (
+            (-(-self.K // act_group) if act_group < self.K else 1)
+            if act_scale is None
+            else act_scale.shape[1]
+        )
         if Ga == 1:
             return self.G
         if self.G == 1 or act_group % self.group_size:
@@ -151,7 +155,8 @@ class IntActWeight:
     def quantize(self, x2: torch.Tensor, act_scale: torch.Tensor | None, act_group: int, qmax: float):
         """``(q [M, KP] int8, qsum [M, G] int32, scales)``: ``x2 [M, K]`` float32 quantized with
         ``act_scale`` ``[1 or M, Ga]`` (``act_group`` columns per scale column) to ``[-qmax - 1, qmax]``;
-        ``act_scale=None``: dynamic per-token scales, ``max(amax / qmax, 1e-12)`` (``scale_from_amax``)."""
+        ``act_scale=None``: dynamic scales per token (``act_group >= K``) or per token and group of
+        ``act_group`` columns, ``max(amax / qmax, 1e-12)`` (``scale_from_amax``)."""
         return ops.int8_quantize(x2, act_scale, act_group, float(qmax), self.KP, self.group_size, self.G)
 
     def matmul(self, x: torch.Tensor, act_scale, act_group: int, qmax: float, route: str = "kernel"):
@@ -162,10 +167,9 @@ class IntActWeight:
         if x.shape[-1] != self.K:
             raise ValueError(f"x has {x.shape[-1]} features but the weight has {self.K} input columns")
         x2 = x.reshape(-1, self.K).float()
-        ratio = self.G  # per token / per tensor: one scale column
         if act_scale is not None:
             act_scale = act_scale.float().reshape(act_scale.shape[0] if act_scale.dim() == 2 else 1, -1)
-            ratio = self._ratio(act_scale, act_group)
+        ratio = self._ratio(act_scale, act_group)  # per token / per tensor: one scale column
         q, qsum, sa = self.quantize(x2, act_scale, act_group, qmax)
         y = self.product(q, qsum, sa, ratio, route)
         return y.reshape(*x.shape[:-1], self.N).to(x.dtype)

@@ -165,11 +165,15 @@ def int8_quantize(
     G: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q [M, KP] int8, qsum [M, G] int32, scales)`` of ``x [M, K]`` float32 (:meth:`IntActWeight.quantize
-    <bitmosaic.kernels.intmm.IntActWeight.quantize>`); ``act_scale=None``: dynamic per-token ``[M, 1]``."""
+    <bitmosaic.kernels.intmm.IntActWeight.quantize>`); ``act_scale=None``: dynamic, per token ``[M, 1]``
+    (``act_group >= K``) or per group of ``act_group`` columns ``[M, ceil(K / act_group)]``."""
     K = x.shape[1]
     ext = build.load("intmm")
-    if act_scale is None and ext is None:
-        act_scale = (x.abs().amax(-1, keepdim=True) / qmax).clamp(min=1e-12)
+    if act_scale is None and ext is None:  # dynamic per token, or per group of act_group columns
+        a = x.abs()
+        if act_group < K:
+            a = torch.nn.functional.pad(a, (0, -K % act_group)).reshape(x.shape[0], -1, act_group)
+        act_scale = (a.amax(-1).reshape(x.shape[0], -1) / qmax).clamp(min=1e-12)
     if ext is not None:
         sa = torch.empty(0) if act_scale is None else act_scale.float().contiguous()
         isa_n = isa_number(ext=ext)
@@ -189,7 +193,8 @@ def _(x, act_scale, act_group, qmax, KP, group_size, G):
     M = x.shape[0]
     q = x.new_empty(M, KP, dtype=torch.int8)
     qsum = x.new_empty(M, G, dtype=torch.int32)
-    sa = x.new_empty(M, 1) if act_scale is None else torch.empty_like(act_scale, dtype=torch.float32)
+    Gd = -(-x.shape[1] // act_group) if act_group < x.shape[1] else 1
+    sa = x.new_empty(M, Gd) if act_scale is None else torch.empty_like(act_scale, dtype=torch.float32)
     return q, qsum, sa
 
 

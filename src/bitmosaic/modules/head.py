@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..formats.act import ActQuantSpec, act_scales
+from ..formats.act import ActQuantSpec
 from ..formats.grid import quantize_codes
 from ..kernels.intmm import IntActWeight
 from .intact import runtime_choice
@@ -96,7 +96,7 @@ class _Int8HeadForward:
             return F.linear(x, head.weight, head.bias)
         x2 = x.reshape(-1, x.shape[-1]).float()
         if self.mode == "q8_0":
-            y = self.kernel.matmul(x2, act_scales(x2, _ACT), HEAD_GROUP, _ACT.qmax)
+            y = self.kernel.matmul(x2, None, HEAD_GROUP, _ACT.qmax)  # per-32 scales: the kernel's own
         else:
             y = self.kernel(x2)
         if head.bias is not None:

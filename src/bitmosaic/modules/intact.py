@@ -219,8 +219,8 @@ class IntActKernel:
         x2 = x.reshape(-1, K).float()
         if self.perm is not None and self.stored_order:
             x2 = x2.index_select(-1, self.perm)
-        s = None  # per-token dynamic: the kernel computes scale_from_amax itself (same float32 operations)
-        if spec.granularity != "token" or spec.pow2 or spec.clip_ratio != 1:
+        s = None  # dynamic per token or group: the kernel computes scale_from_amax itself (same float32 ops)
+        if spec.granularity == "tensor" or spec.static or spec.pow2 or spec.clip_ratio != 1:
             s = _scale_table(act_scales(x2, spec, quantizer.scale), spec)  # the simulated path's scales
         if self.perm is not None and not self.stored_order:  # per-token/-tensor scales: any column order
             x2 = x2.index_select(-1, self.perm)

@@ -151,25 +151,28 @@ void check_f32(const torch::Tensor& t, const char* what) {
 }  // namespace
 
 // (q [M, KP] int8, qsum [M, G] int32, sa) of x [M, K] under scales sa [Ms, Ga] (act group `ags` columns);
-// an empty sa: dynamic per-token scales computed here, max(amax / qmax, 1e-12) in float32 (the same
-// operations as formats/act.py scale_from_amax without pow2)
+// an empty sa: dynamic scales computed here per token and group of `ags` columns (per token: ags >= K),
+// max(amax / qmax, 1e-12) in float32 (the same operations as formats/act.py scale_from_amax without pow2)
 std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor sa, int64_t ags, double qmax, int64_t KP,
                                     int64_t gs, int64_t G, int64_t isa) {
   check_f32(x, "x");
   const int64_t M = x.size(0), K = x.size(1);
   if (sa.numel() == 0) {
-    sa = torch::empty({M, 1}, x.options());
+    ags = std::max<int64_t>(std::min(ags, K), 1);
+    const int64_t Gd = (K + ags - 1) / ags;
+    sa = torch::empty({M, std::max<int64_t>(Gd, 1)}, x.options());
     const float* xp = x.data_ptr<float>();
     float* sp = sa.data_ptr<float>();
     const float qm = (float)qmax, tiny = (float)1e-12;
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m) {
-        float a = 0.f;
-        for (int64_t j = 0; j < K; ++j) a = std::max(a, std::fabs(xp[m * K + j]));
-        sp[m] = std::max(a / qm, tiny);
+        for (int64_t a0 = 0, c = 0; c < Gd; ++c, a0 += ags) {
+          float a = 0.f;
+          for (int64_t j = a0; j < std::min(K, a0 + ags); ++j) a = std::max(a, std::fabs(xp[m * K + j]));
+          sp[m * Gd + c] = std::max(a / qm, tiny);
+        }
       }
     });
-    ags = std::max<int64_t>(K, 1);
   }
   check_f32(sa, "activation scales");
   TORCH_CHECK(x.dim() == 2 && sa.dim() == 2 && KP >= x.size(1) && ags >= 1 && gs >= 1, "bad quantize arguments");
