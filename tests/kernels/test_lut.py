@@ -184,3 +184,29 @@ def test_fused_permutations_equal_index_select(monkeypatch, fallback):
             w.matmul(torch.randn(1, 100), in_index=cin[:50])
         with pytest.raises(RuntimeError, match="out_index out of range"):
             w.matmul(torch.randn(1, 100), out_index=torch.tensor([45]))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("N, K, rb", [(1100, 1024, 96), (200, 256, 64)])
+def test_gemv_threads_and_a_short_last_row_block(threads, N, K, rb):
+    """The GEMV on 1 and 2 threads, above the serial cutoff (281 KB of planes) and below it (13 KB), with
+    a last row block shorter than the others (the thread split counts only tiles that hold rows)."""
+    if lut.extension() is None:
+        pytest.skip("no C++ compiler for the LUT extension")
+    g = torch.Generator().manual_seed(N)
+    G = -(-K // 64)
+    bits = torch.randint(1, 4, (-(-N // rb), G), generator=g).to(torch.uint8)
+    bits[:, 0] = 2
+    codes = torch.randint(0, 2, (N, K), generator=g, dtype=torch.int32)
+    w = BitPlaneWeight.from_codes(
+        codes, bits, torch.rand(N, G, generator=g) + 0.1, torch.zeros(N, G), 64, row_block=rb
+    )
+    x = torch.randn(1, K, generator=g)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = w.matmul(x)
+    finally:
+        torch.set_num_threads(old)
+    ref = x.double() @ w.dequantize().double().T
+    assert float((y.double() - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
