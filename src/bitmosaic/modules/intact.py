@@ -11,7 +11,8 @@ forward in one of two ways:
 * **simulated**: the pre-hook replaces the input by ``Q(x) = q s`` in float and the weight-only
   kernel multiplies it in float32.  Always the case for FP8/FP4 activations (DPQ's FP8 compute: this CPU
   has no FP8 instruction), for kinds without an integer path (``INT_ACT_KERNELS`` empty: SSQR's CSR
-  outliers, DPQ, MosaicQuant, the SQ-format activations, SFMP, Huffman, FP8 weights), for group sizes
+  outliers, DPQ, SFMP, Huffman, FP8 weights; MosaicQuant and the SQ-format activations have their own,
+  ``kernels/mosaic.py`` and ``modules/sq.py``, with their own blockers), for group sizes
   that are not multiples of 8, activation groups that neither hold whole weight groups nor split them
   into multiples of 8 (:func:`act_weight_groups`), off the CPU,
   and under ``$BITMOSAIC_ACT_COMPUTE=sim`` (for comparison).
