@@ -164,15 +164,19 @@ class IntActWeight:
         ``[M, 1]``, per tensor ``[1, 1]``, per activation group ``[., Ga]`` with ``act_group`` columns per
         scale, a multiple of the weight group size; ``None``: dynamic per-token, computed in the kernel).
         ``route``: ``"kernel"`` (the compiled kernel) or ``"int_mm"`` (``torch._int_mm`` per weight group)."""
+        q, qsum, sa, ratio = self.quantized(x, act_scale, act_group, qmax)
+        y = self.product(q, qsum, sa, ratio, route)
+        return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
+
+    def quantized(self, x: torch.Tensor, act_scale, act_group: int, qmax: float):
+        """:meth:`quantize` of ``x [..., K]`` with :meth:`matmul`'s arguments, and the ``ratio`` (weight
+        groups per activation scale column) :meth:`product` takes: ``(q, qsum, scales, ratio)``."""
         if x.shape[-1] != self.K:
             raise ValueError(f"x has {x.shape[-1]} features but the weight has {self.K} input columns")
-        x2 = x.reshape(-1, self.K).float()
         if act_scale is not None:
             act_scale = act_scale.float().reshape(act_scale.shape[0] if act_scale.dim() == 2 else 1, -1)
         ratio = self._ratio(act_scale, act_group)  # per token / per tensor: one scale column
-        q, qsum, sa = self.quantize(x2, act_scale, act_group, qmax)
-        y = self.product(q, qsum, sa, ratio, route)
-        return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
+        return (*self.quantize(x.reshape(-1, self.K).float(), act_scale, act_group, qmax), ratio)
 
     def product(self, q, qsum, sa, ratio: int, route: str = "kernel") -> torch.Tensor:
         """``y [M, N]`` float32 from :meth:`quantize`'s ``(q, qsum, sa)`` (``q`` may come from another

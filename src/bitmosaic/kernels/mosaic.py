@@ -329,11 +329,7 @@ class MosaicIntActWeight:
         block's residual product on its blocks' integers (gathered a block at a time); arguments as
         :meth:`IntActWeight.matmul`."""
         d = self.dense
-        x2 = x.reshape(-1, self.K).float()
-        if act_scale is not None:
-            act_scale = act_scale.float().reshape(act_scale.shape[0] if act_scale.dim() == 2 else 1, -1)
-        ratio = d._ratio(act_scale, act_group)
-        q, qsum, sa = d.quantize(x2, act_scale, act_group, qmax)
+        q, qsum, sa, ratio = d.quantized(x, act_scale, act_group, qmax)
         if not self.parts:
             return d.product(q, qsum, sa, ratio).reshape(*x.shape[:-1], self.N).to(x.dtype)
         M, width = q.shape[0], self.ncb * self.bk
