@@ -98,3 +98,46 @@ def test_enable_compiled_decode_builds_kernels_first():
 def test_enable_compiled_decode_rejects_a_non_generative_module():
     with pytest.raises(ValueError, match="needs a transformers causal LM"):
         enable_compiled_decode(torch.nn.Linear(4, 4))
+
+
+def test_module_guards_skipped_but_each_model_runs_its_own_graph():
+    """The default (``guards="model"``) skips dynamo's guards on the modules; two models of the same class
+    then still run their own graphs (each has its own step: with the guards skipped and a shared code
+    object the second would run the first one's graph and weights), and a run-time change made through
+    bitmosaic (here the 8-bit head) compiles the step again instead of going unseen."""
+    from bitmosaic.modules.head import set_runtime_head
+
+    torch._dynamo.reset()
+    models = {"w4": quantized_tiny(4), "w2": quantized_tiny(2)}
+    ids = prompt()
+    with torch.inference_mode():
+        ref = {k: _generate(m, ids) for k, m in models.items()}
+        assert not torch.equal(ref["w4"][0], ref["w2"][0])  # the two models differ: the check can fail
+        for m in models.values():
+            enable_compiled_decode(m)
+        for k, m in models.items():
+            tokens, logits = _generate(m, ids)
+            assert torch.equal(tokens, ref[k][0]), k
+            torch.testing.assert_close(logits, ref[k][1], rtol=1e-4, atol=1e-4)
+        a = models["w4"]
+        assert set_runtime_head(a, "int8")
+        _, head_logits = _generate(a, ids)  # the compiled step, after the change
+        disable_compiled_decode(a)
+        _, eager_head_logits = _generate(a, ids)
+    # the 8-bit head moves the logits by far more than inductor's float32 reassociation does
+    assert (head_logits - ref["w4"][1]).abs().max() > 2e-2
+    torch.testing.assert_close(head_logits, eager_head_logits, rtol=1e-4, atol=1e-3)
+
+
+def test_full_guards_and_unknown_guards():
+    m = quantized_tiny(4)
+    with pytest.raises(ValueError, match="guards must be one of"):
+        enable_compiled_decode(m, guards="none")
+    torch._dynamo.reset()
+    ids = prompt()
+    with torch.inference_mode():
+        ref, _ = _generate(m, ids)
+        enable_compiled_decode(m, guards="full")
+        assert not hasattr(m, "_compiled_call")  # transformers compiles self.__call__ on the first generate
+        out, _ = _generate(m, ids)
+    assert torch.equal(out, ref) and hasattr(m, "_compiled_call")

@@ -368,6 +368,9 @@ def prepare_kernels(model: nn.Module) -> None:
 def set_weight_cache(model: nn.Module, enabled: bool = True) -> None:
     """Keep (or drop) every quantized module's dequantized weight between forwards (faster eval,
     more RAM), whatever its kind.  Huffman-coded modules start with theirs on (decoding is slow)."""
+    from .changes import mark_changed
+
+    mark_changed(model)
     for m in model.modules():
         if isinstance(m, QuantModule):
             m.set_weight_cache(enabled)

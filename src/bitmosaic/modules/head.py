@@ -112,7 +112,10 @@ def set_runtime_head(model: nn.Module, mode: str | None = None) -> bool:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear):
         return False
+    from .changes import mark_changed
+
     head.__dict__.pop("forward", None)  # back to nn.Linear.forward
+    mark_changed(model)
     if mode == "none":
         return False
     if mode == "q8_0" and head.in_features % HEAD_GROUP:

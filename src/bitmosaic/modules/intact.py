@@ -106,8 +106,10 @@ def set_runtime_activations(model: torch.nn.Module, mode: str | None = None) -> 
     activation quantizer of their own keep it.  Returns how many layers will run it (those the integer
     path runs on this machine)."""
     from .actquant import ActQuantizer
+    from .changes import mark_changed
 
     spec = RUNTIME_ACT_SPECS[runtime_act_mode(mode)]
+    mark_changed(model)
     n = 0
     for m in model.modules():
         # a quantized module (modules/base.py QuantModule, named by what it has: base imports this file)
