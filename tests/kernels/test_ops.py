@@ -84,6 +84,13 @@ def test_int8_ops(static):
     ref = (q[:, : w.K].float() * s) @ ((w.codes().float() - w.zeros().repeat_interleave(32, 1)) *
                                        w.scales().repeat_interleave(32, 1)).T  # fmt: skip
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+    # both steps in one operator: the same numbers, bit for bit
+    layout = (w.data, w.sc, w.zc, w.N, w.G, w.group_size, w.bits > 4, w.bits == 8)
+    largs = (x, sa, w.K, 127.0, w.KP, w.G, *layout)
+    assert torch.equal(ops.int_linear(*largs), y)  # (loads the operator the extension defines)
+    op = torch.ops.bitmosaic.int_linear.default
+    torch.library.opcheck(op, (*largs, isa.isa_number(ext=intmm.extension())))
+    assert torch.equal(w.matmul(x, sa, w.K, 127.0), y)  # IntActWeight.matmul takes the one-operator route
 
 
 def test_mosaic_residual_op():
@@ -135,7 +142,7 @@ def test_kernel_classes_call_the_operators(monkeypatch):
     """Each kernel class's matmul goes through its operator (the graph dynamo records), not the pybind
     call, and gives the operator's result."""
     seen = []
-    for name in ("qmatmul", "lut_matmul", "int8_quantize"):
+    for name in ("qmatmul", "lut_matmul", "int8_quantize", "int_linear"):
         op = getattr(ops, name)
 
         def spy(*a, _op=op, _name=name, **kw):
@@ -147,7 +154,8 @@ def test_kernel_classes_call_the_operators(monkeypatch):
     _lowbit().matmul(x)
     _lut().matmul(x)
     _int().matmul(x, None, 96, 127.0)
-    assert seen == ["qmatmul", "lut_matmul", "int8_quantize"]
+    # the integer path: quantize and multiply in one operator where the extension defines it
+    assert seen == ["qmatmul", "lut_matmul", "int_linear" if intmm.extension() else "int8_quantize"]
 
 
 def test_isa_is_resolved_per_call(monkeypatch):
@@ -159,3 +167,31 @@ def test_isa_is_resolved_per_call(monkeypatch):
     monkeypatch.setenv(isa.ISA_ENV, "not-an-isa")
     with pytest.raises(ValueError, match="not one of"):
         w.matmul(x)
+
+
+@pytest.mark.parametrize("kind", ["qmatmul", "lut_matmul", "int_linear"])
+def test_compiled_graphs_call_the_extension_defined_operators(kind):
+    """Under torch.compile the kernel classes call the operators the extensions define themselves (C++
+    kernels, no Python in between: ``*_ext`` and ``int_linear``), with eager's numbers bit for bit and a
+    fake implementation that opcheck accepts."""
+    if build.load({"qmatmul": "qmatmul", "lut_matmul": "lutgemv", "int_linear": "intmm"}[kind]) is None:
+        pytest.skip("no C++ compiler for the extension")
+    w = {"qmatmul": _lowbit, "lut_matmul": _lut, "int_linear": _int}[kind]()
+    x = torch.randn(3, w.K, generator=G)
+    f = (lambda x: w.matmul(x, None, w.K, 127.0)) if kind == "int_linear" else w.matmul
+    targets: list[str] = []
+
+    def backend(gm, example_inputs):  # records the graph's calls, runs it as traced
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    y = torch.compile(f, backend=backend, fullgraph=True)(x)
+    name = kind if kind == "int_linear" else kind + "_ext"
+    assert f"bitmosaic.{name}.default" in targets, targets
+    assert torch.equal(y, f(x))
+    n = isa.isa_number(ext=build.load({"qmatmul": "qmatmul", "lut_matmul": "lutgemv"}.get(kind, "intmm")))
+    if kind == "qmatmul":
+        torch.library.opcheck(torch.ops.bitmosaic.qmatmul_ext.default, (x, *w._args(), 8, n))
+    elif kind == "lut_matmul":
+        torch.library.opcheck(torch.ops.bitmosaic.lut_matmul_ext.default, (x, *w._args(), 8, n, None, None))

@@ -164,19 +164,31 @@ class IntActWeight:
         ``[M, 1]``, per tensor ``[1, 1]``, per activation group ``[., Ga]`` with ``act_group`` columns per
         scale, a multiple of the weight group size; ``None``: dynamic per-token, computed in the kernel).
         ``route``: ``"kernel"`` (the compiled kernel) or ``"int_mm"`` (``torch._int_mm`` per weight group)."""
-        q, qsum, sa, ratio = self.quantized(x, act_scale, act_group, qmax)
-        y = self.product(q, qsum, sa, ratio, route)
+        if route == "kernel" and extension() is not None:  # quantize and multiply in one operator
+            x2, act_scale, ratio = self._checked(x, act_scale, act_group)
+            y = ops.int_linear(
+                x2, act_scale, act_group, float(qmax), self.KP, ratio, self.data, self.sc, self.zc, self.N,
+                self.G, self.group_size, self.bits > 4, self.bits == 8,
+            )  # fmt: skip
+        else:
+            q, qsum, sa, ratio = self.quantized(x, act_scale, act_group, qmax)
+            y = self.product(q, qsum, sa, ratio, route)
         return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
 
     def quantized(self, x: torch.Tensor, act_scale, act_group: int, qmax: float):
         """:meth:`quantize` of ``x [..., K]`` with :meth:`matmul`'s arguments, and the ``ratio`` (weight
         groups per activation scale column) :meth:`product` takes: ``(q, qsum, scales, ratio)``."""
+        x2, act_scale, ratio = self._checked(x, act_scale, act_group)
+        return (*self.quantize(x2, act_scale, act_group, qmax), ratio)
+
+    def _checked(self, x: torch.Tensor, act_scale, act_group: int):
+        """``(x [M, K] float32, act_scale [1 or M, Ga] float32 or None, ratio)`` for the calls above."""
         if x.shape[-1] != self.K:
             raise ValueError(f"x has {x.shape[-1]} features but the weight has {self.K} input columns")
         if act_scale is not None:
             act_scale = act_scale.float().reshape(act_scale.shape[0] if act_scale.dim() == 2 else 1, -1)
         ratio = self._ratio(act_scale, act_group)  # per token / per tensor: one scale column
-        return (*self.quantize(x.reshape(-1, self.K).float(), act_scale, act_group, qmax), ratio)
+        return x.reshape(-1, self.K).float(), act_scale, ratio
 
     def product(self, q, qsum, sa, ratio: int, route: str = "kernel") -> torch.Tensor:
         """``y [M, N]`` float32 from :meth:`quantize`'s ``(q, qsum, sa)`` (``q`` may come from another

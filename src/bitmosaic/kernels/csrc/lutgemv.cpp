@@ -31,6 +31,8 @@
 #include <cstring>
 #include <vector>
 
+#include <torch/library.h>
+
 #include "isa.h"
 #include "vec.h"
 
@@ -337,6 +339,16 @@ torch::Tensor dequantize(torch::Tensor data, torch::Tensor off, torch::Tensor bi
   at::parallel_for(r0, r1, 8, [&](int64_t a, int64_t b) { dequant_rows(P, a, b, op + (a - r0) * K); });
   return out;
 }
+
+// The same function as the CPU kernel of bitmosaic::lut_matmul_ext (ops.py: what a compiled graph calls,
+// through the dispatcher with no Python kernel in between; the ISA as its number).
+TORCH_LIBRARY_FRAGMENT(bitmosaic, m) {
+  m.def(
+      "lut_matmul_ext(Tensor x, Tensor data, Tensor offsets, Tensor bits, Tensor scales_t, Tensor zeros_t, int N, "
+      "int K, int group_size, int row_block, int tile, int isa, Tensor? in_index, Tensor? out_index) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(bitmosaic, CPU, m) { m.impl("lut_matmul_ext", &lut_matmul); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lut_matmul", &lut_matmul, "bit-plane LUT matmul y = x[:, in] W^T [:, out] (batch 1: LUT GEMV; more: tiled)",

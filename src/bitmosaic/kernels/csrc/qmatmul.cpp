@@ -21,6 +21,8 @@
 // traits of vec.h, compiled once per ISA in its target region, so the extension is compiled for the
 // baseline x86-64 and loads on any CPU.
 
+#include <torch/library.h>
+
 #include "qmatmul_common.h"
 #include "vec.h"
 
@@ -147,6 +149,16 @@ torch::Tensor dequantize(torch::Tensor data, torch::Tensor base, torch::Tensor r
   at::parallel_for(r0, r1, 8, [&](int64_t a, int64_t b) { dequant_rows(L, a, b, op + (a - r0) * K, isa); });
   return out;
 }
+
+// The same function as the CPU kernel of bitmosaic::qmatmul_ext (ops.py: what a compiled graph calls,
+// through the dispatcher with no Python kernel in between; the ISA as its number).
+TORCH_LIBRARY_FRAGMENT(bitmosaic, m) {
+  m.def(
+      "qmatmul_ext(Tensor x, Tensor data, Tensor base, Tensor rowlen, Tensor goff, Tensor bits, Tensor scales, "
+      "Tensor zeros, int K, int group_size, int row_block, int tile, int isa) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(bitmosaic, CPU, m) { m.impl("qmatmul_ext", &qmatmul); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul", &qmatmul, "low-bit matmul y = x W^T");
