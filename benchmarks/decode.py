@@ -31,7 +31,7 @@ the row's process over every generate (1: no recompilation per token or per run)
 
     python benchmarks/decode.py [--threads 1,2] [--new-tokens 64] [--only "W4 g128,W4 g128 (compiled)"]
     (writes results/decode.{md,json}; --only runs the named variants, llama.cpp Q4_1 included, and
-    the opt-in "W4 g128 (compiled+cpp_wrapper)" / "W4 g128 (compiled+freezing)": inductor options)
+    the opt-in "(compiled+cpp_wrapper)" / "(compiled+freezing)" of any compiled row: inductor options)
 """
 
 from __future__ import annotations
@@ -74,14 +74,12 @@ def _linear_bytes(model, folder: str) -> tuple[int, int]:
     return resident, stored
 
 
-# opt-in variants (run only when --only names them): the compiled W4 row with an inductor option
-# (+skip_guards: no dynamo guards on module attributes, torch.compiler.skip_guard_on_all_nn_modules_unsafe)
+# opt-in variants (run only when --only names them): a compiled row with an inductor option (the module
+# guards are skipped by default now: io/decode.py guards="model")
 _INDUCTOR_OPTIONS = {
     "+cpp_wrapper": {"cpp_wrapper": True},
     "+freezing": {"freezing": True},
-    "+skip_guards": {"guard_filter_fn": "skip_guard_on_all_nn_modules_unsafe"},
 }
-_OPT_IN = [f"W4 g128 (compiled{k})" for k in _INDUCTOR_OPTIONS]
 
 
 def _linears_ms(model, reps: int = 20) -> float:
@@ -147,8 +145,6 @@ def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repea
 
         option = variant.split("(compiled")[1].rstrip(")")  # "" or an _INDUCTOR_OPTIONS key
         opts = dict(_INDUCTOR_OPTIONS.get(option, {}))
-        if "guard_filter_fn" in opts:
-            opts["guard_filter_fn"] = getattr(torch.compiler, opts["guard_filter_fn"])
         enable_compiled_decode(model, options=opts or None)
     ids = tok(PROMPT, return_tensors="pt").input_ids
     # every row generates exactly new_tokens with no end-of-text check, as llama.cpp's loop below (its
@@ -344,8 +340,8 @@ def main() -> None:
                     "W4 g128 +Q8A +Q8H")  # fmt: skip
         for v in compiled:
             folders[f"{v} (compiled)"] = folders[v]  # static cache + torch.compile (io/decode.py)
-        if only is not None:
-            folders.update({v: folders["W4 g128"] for v in _OPT_IN})
+        if only is not None:  # opt-in: any compiled row with an inductor option, "(compiled+cpp_wrapper)"
+            folders.update({f"{v} (compiled{k})": folders[v] for v in compiled for k in _INDUCTOR_OPTIONS})
             unknown = sorted(only - set(folders) - {"llama.cpp Q4_1"})
             if unknown:
                 p.error(f"--only names no variant: {', '.join(unknown)} (variants: {', '.join(folders)})")
