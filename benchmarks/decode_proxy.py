@@ -2,8 +2,8 @@
 random Llama with SmolLM2-135M's decoder shapes (30 layers, hidden 576, MLP 1536, 9 heads, 3 KV heads)
 and a 128-token vocabulary (so no head cost; SmolLM2's float32 tied head is ~11 ms of a token, handled
 elsewhere), RTN W4 and W2 g128 on the default kernels, eager ``generate`` against
-:func:`bitmosaic.io.decode.enable_compiled_decode` (and with ``+skip_guards``:
-``torch.compiler.skip_guard_on_all_nn_modules_unsafe``).  Random weights: the tokens mean nothing, the
+:func:`bitmosaic.io.decode.enable_compiled_decode` (its default skips dynamo's guards on the modules;
+``+full_guards``: ``guards="full"``, dynamo's own guards).  Random weights: the tokens mean nothing, the
 time per token is what is measured (64 new tokens, best of 3, one thread by default).  Each row runs in
 its own process.  ``first generate s``: the compiling call (inductor's FX cache may shorten it on a rerun).
 
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-MODES = ("eager", "compiled", "compiled+skip_guards")
+MODES = ("eager", "compiled", "compiled+full_guards")
 
 
 def _child(bits: int, mode: str, threads: int, new_tokens: int) -> dict:
@@ -57,8 +57,7 @@ def _child(bits: int, mode: str, threads: int, new_tokens: int) -> dict:
     first = None
     with torch.inference_mode():
         if mode != "eager":
-            opts = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-            enable_compiled_decode(m, options=opts if mode.endswith("skip_guards") else None)
+            enable_compiled_decode(m, guards="full" if mode.endswith("full_guards") else "model")
         t0 = time.perf_counter()
         gen()  # warm-up; compiled: compiles the decode step for this cache length
         first = time.perf_counter() - t0
