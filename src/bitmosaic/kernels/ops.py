@@ -272,7 +272,7 @@ def _(q, qsum, sa, ratio, data, sc, zc, N, G, group_size, bytes_layout, b8):
     return q.new_empty(q.shape[0], N, dtype=torch.float32)
 
 
-def _int_linear_fake(x, act_scale, act_group, qmax, KP, ratio, data, sc, zc, N, G, group_size, *flags):
+def _int_linear_fake(x, act_scale, act_group, qmax, KP, ratio, data, sc, zc, N, *rest):
     return x.new_empty(x.shape[0], N, dtype=torch.float32)
 
 
@@ -280,34 +280,21 @@ _EXT_OPS["int_linear"] = ("intmm", _int_linear_fake)
 
 
 def int_linear(
-    x: torch.Tensor,
-    act_scale: torch.Tensor | None,
-    act_group: int,
-    qmax: float,
-    KP: int,
-    ratio: int,
-    data: torch.Tensor,
-    sc: torch.Tensor,
-    zc: torch.Tensor,
-    N: int,
-    G: int,
-    group_size: int,
-    bytes_layout: bool,
-    b8: bool,
+    x: torch.Tensor, act_scale: torch.Tensor | None, act_group: int, qmax: float, KP: int, ratio: int, *layout
 ) -> torch.Tensor:
-    """:func:`int8_quantize` of ``x [M, K]`` float32 then :func:`int_matmul`, in one call: ``y [M, N]``
-    float32, the same numbers as the two calls; needs the extension.  The operator
-    ``bitmosaic::int_linear`` (with the ISA number as a last argument) is defined by the extension itself
-    (``csrc/intmm.cpp``) with its C++ function as the CPU kernel, so a compiled graph calls C++ through
-    the dispatcher without a Python kernel in between (about 8 us a call saved, ~210 calls a SmolLM2
-    token); in eager mode the same function is called through pybind."""
+    """:func:`int8_quantize` of ``x [M, K]`` float32 then :func:`int_matmul` on ``layout`` (its ``data, sc,
+    zc, N, G, group_size, bytes_layout, b8``), in one call: ``y [M, N]`` float32, the same numbers as the
+    two calls; needs the extension.  The operator ``bitmosaic::int_linear`` (with the ISA number as a last
+    argument) is defined by the extension itself (``csrc/intmm.cpp``) with its C++ function as the CPU
+    kernel, so a compiled graph calls C++ through the dispatcher without a Python kernel in between (about
+    5 us a call saved, ~210 calls a SmolLM2 token); in eager mode the same function runs through pybind."""
     isa = _ext_isa("int_linear")
     if isa < 0:
         raise RuntimeError("bitmosaic::int_linear needs the compiled intmm extension")
-    args = (x, act_scale, act_group, float(qmax), KP, ratio, data, sc, zc, N, G, group_size, bytes_layout, b8)
+    args = (x, act_scale, act_group, float(qmax), KP, ratio, *layout, isa)
     if torch.compiler.is_compiling():
-        return torch.ops.bitmosaic.int_linear.default(*args, isa)
-    return build.load("intmm").int_linear(*args, isa)
+        return torch.ops.bitmosaic.int_linear.default(*args)
+    return build.load("intmm").int_linear(*args)
 
 
 @operator("int_matmul_parts")

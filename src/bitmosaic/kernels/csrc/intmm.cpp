@@ -323,7 +323,7 @@ void int_parts(torch::Tensor y, torch::Tensor rq, torch::Tensor rqs, torch::Tens
 
 // quantize + int_matmul in one call: a linear layer with INT activations (ops.py int_linear).  Registered
 // as the CPU kernel of the operator bitmosaic::int_linear below, so a compiled graph reaches it through
-// the dispatcher with no Python in between (a Python kernel cost about 8 us more per call, measured).
+// the dispatcher with no Python in between (a Python kernel cost about 5.5 us more per call: 12.8 vs 7.3 us, measured).
 torch::Tensor int_linear(torch::Tensor x, std::optional<torch::Tensor> act_scale, int64_t ags, double qmax, int64_t KP,
                          int64_t ratio, torch::Tensor data, torch::Tensor sc, torch::Tensor zc, int64_t N, int64_t G,
                          int64_t gs, bool bytes, bool b8, int64_t isa) {
