@@ -71,3 +71,27 @@ def test_only_rows_join_the_same_run(common, tmp_path):
     older = {k: v for k, v in vars(fast).items() if k not in ("fidelity", "device")}
     path.write_text(json.dumps({"args": older, "rows": [{"name": "x", "ppl": 1}]}))
     assert common.merged_rows(path, fast, rows[:1]) == [{"name": "x", "ppl": 1}, rows[0]]
+
+
+def test_int_ppl_paired_ratio_interval(monkeypatch):
+    """``benchmarks/int_ppl.py``'s integer-vs-simulated ratio: exp of the mean per-window NLL difference
+    (what the two perplexities' ratio is, windows being equally long), with an interval that is empty
+    for a constant shift and widens with window-to-window spread."""
+    import math
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(_PATH.parent))
+    spec = importlib.util.spec_from_file_location("bench_int_ppl", _PATH.parent / "int_ppl.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ref = torch.tensor([3.0, 3.2, 2.9, 3.4], dtype=torch.float64)  # window_nll sums in float64
+    shifted = mod.paired_ratio(ref + 0.001, ref)
+    assert shifted["ppl_ratio_minus_1"] == pytest.approx(math.expm1(0.001), rel=1e-9)
+    lo, hi = shifted["ppl_ratio_ci95"]
+    assert lo == pytest.approx(hi, abs=1e-12)  # no spread: the shift is known exactly
+    ratio = math.exp(float((ref + 0.001).mean())) / math.exp(float(ref.mean())) - 1
+    assert shifted["ppl_ratio_minus_1"] == pytest.approx(ratio, rel=1e-9)
+    noisy = mod.paired_ratio(ref + torch.tensor([0.01, -0.01, 0.02, -0.02]), ref)
+    lo, hi = noisy["ppl_ratio_ci95"]
+    assert lo < noisy["ppl_ratio_minus_1"] < hi and lo < 0 < hi
