@@ -244,7 +244,16 @@ WHY = {
     "in the int8 kernel and the split runs as float32 torch operations",
     "MosaicQuant + rotation beats rotation alone (W4A4)": "MosaicQuant's RTN dense base loses with a "
     "rotation here (RTN W4A16 79 -> 182, see rotation.md); both rows A4 per group of 128",
-    "MosaicQuant (GPTQ base) + rotation beats rotation alone (W4A4)": "both rows A4 per group of 128",
+    "MosaicQuant (GPTQ base) + rotation beats rotation alone (W4A4)": "both rows A4 per group of 128; "
+    "MosaicQuant's α grid (0.3-1.0) smooths activations a rotation has already spread, and its residual "
+    "blocks are a 10% budget chosen on the rotated weights (not diagnosed further); fast protocol, one seed",
+    "SmoothQuant + rotation beats rotation alone (W4A4)": "0.4% apart on the fast protocol, one seed: too "
+    "close to decide there; a Hadamard rotation already spreads the outlier channels that smoothing "
+    "migrates (QuaRot itself applies no smoothing)",
+    "distortion concentrates in blocks, not channel stripes": "the paper's heatmaps are two layers (24, 34) "
+    "of a 7B+ model with heavy activation outliers; here the stripes are the columns holding the most "
+    "distortion (the best stripes possible, not outlier channels fixed in advance), on 14 linears of a "
+    "135M model from Q4_1 weights, which has no heavy outliers",
     "SQ-format W(SQ5)A4 + rotation beats rotation alone": "W(SQ5) stores 5.5 bits per weight against "
     "4.0; rows from the H200",
     "SQ-format W4A(SQ) + rotation beats rotation alone": "A(SQ) 16-(8/4)-0.5 keeps half the activations "
