@@ -89,6 +89,11 @@ def judge(f: Finding) -> tuple[str, str, str]:
     """(numbers, verdict, the JSON used): the verdict-protocol runs of ``f.source`` when they hold every
     row the claim needs (with two or more seeds, the verdict stands only where every seed gives it),
     else the benchmark's own ``<source>.json``."""
+    return judge_seeds(f)[:3]
+
+
+def judge_seeds(f: Finding) -> tuple[str, str, str, int]:
+    """:func:`judge`, and how many verdict-protocol seeds the verdict rests on (0: not the verdict runs)."""
     missing, seeds = None, []
     for name in verdict_runs(f.source):
         res = load(name)
@@ -104,17 +109,17 @@ def judge(f: Finding) -> tuple[str, str, str]:
             nums += "; " + "; ".join(f"{n}: {other}" for n, other, _ in seeds[1:])
             if any(other != v for *_, other in seeds[1:]):
                 v = f"{UNDECIDED} (the seeds disagree: " + " / ".join(x for *_, x in seeds) + ")"
-        return nums, v, name
+        return nums, v, name, len(seeds)
     res = load(f.source)
     if res is not None:
         try:
-            return (*f.judge(res), f.source)
+            return (*f.judge(res), f.source, 0)
         except KeyError as e:
             missing = missing or (f.source, e)
     if missing is None:
-        return "", f"{MISSING}: run python benchmarks/{f.source}.py", f.source
+        return "", f"{MISSING}: run python benchmarks/{f.source}.py", f.source, 0
     name, e = missing
-    return "", f"{MISSING}: {name}.json has no {e}; rerun python benchmarks/{f.source}.py", f.source
+    return "", f"{MISSING}: {name}.json has no {e}; rerun python benchmarks/{f.source}.py", f.source, 0
 
 
 def rerun(name: str) -> None:
@@ -143,7 +148,7 @@ def main() -> None:
         fresh = fresh_babai()
     rows = []
     for f in FINDINGS:
-        used = f.source
+        used, nseeds = f.source, 0
         if f.source == "fresh":
             if fresh is None:
                 nums, v = "", f"{MISSING} (--skip-fresh)"
@@ -152,8 +157,10 @@ def main() -> None:
         elif not callable(f.judge):
             nums, v = f.judge
         else:
-            nums, v, used = judge(f)
+            nums, v, used, nseeds = judge_seeds(f)
         proto = "fresh (8x256 calib)" if f.source == "fresh" else protocol_of(load(used) or {})
+        if nseeds:  # how many seeds the verdict rests on
+            proto += ", one seed" if nseeds == 1 else f", {nseeds} seeds"
         rows.append({"paper": f.paper, "claim": f.claim, "source": used, "numbers": nums, "verdict": v,
                      "protocol": proto, "may_differ": f.differ})  # fmt: skip
     md = ["# Findings on SmolLM2-135M (WikiText-2)", "",
@@ -161,8 +168,9 @@ def main() -> None:
           "*fast* = 16x512 calibration, the first 20 test windows; *verdict* = at least 128x512, every "
           "window, KL and top-1; other settings are spelled out. A claim is judged on its verdict-protocol "
           "runs where they hold every row it needs (`<source>_verdict.json`, other seeds in "
-          "`<source>_verdict_s<N>.json`: with two seeds a verdict stands only if both give it), else on "
-          "the benchmark's own run. A claim marked *ours* is a comparison of our own, not the paper's.", "",
+          "`<source>_verdict_s<N>.json`: with two seeds a verdict stands only if both give it; the "
+          "protocol column says how many seeds), else on the benchmark's own run. A claim marked *ours* "
+          "is a comparison of our own, not the paper's.", "",
           f"Why any row may differ from its paper: {DIFFERS}.", "",
           "| paper | claim | numbers | verdict | protocol | why this may differ from the paper | source |",
           "|---|---|---|---|---|---|---|"]  # fmt: skip

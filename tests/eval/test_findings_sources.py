@@ -60,6 +60,9 @@ def test_two_seeds_must_agree(findings, monkeypatch, tmp_path):
     monkeypatch.setattr(findings, "load", agree.get)
     nums, v, used = findings.judge(_claim(findings))
     assert (nums, v, used) == ("1.0 vs 2.0; bench_verdict_s1: 1.5 vs 2.5", "holds", "bench_verdict")
+    assert findings.judge_seeds(_claim(findings))[3] == 2  # the report's protocol column says "2 seeds"
+    monkeypatch.setattr(findings, "load", {"bench_verdict": _rows(a=1.0, b=2.0)}.get)
+    assert findings.judge_seeds(_claim(findings))[3] == 1  # a seed-1 file lacking the rows does not count
     split = {"bench_verdict": _rows(a=1.0, b=2.0), "bench_verdict_s1": _rows(a=3.0, b=2.5)}
     monkeypatch.setattr(findings, "load", split.get)
     assert findings.judge(_claim(findings))[1] == "undecided (the seeds disagree: holds / no)"
