@@ -17,7 +17,7 @@ window's mean-NLL difference is one paired sample): on 20 windows that interval 
 target is judged on the whole test set.  Also the whole-model wall time of the evaluation on each path.
 
     python benchmarks/int_ppl.py    (writes benchmarks/results/int_ppl.{json,md}; ~10 min on 2 cores)
-    python benchmarks/int_ppl.py --runs "smoothquant W8A8,gptq W4A8" --nsamples 128 --max-windows 0 \
+    python benchmarks/int_ppl.py --runs "smoothquant W8A8,gptq W4A8" --max-windows 0 \
         --no-jitter --json benchmarks/results/int_ppl_full.json    (every test window: ~1 h a row here)
 """
 
