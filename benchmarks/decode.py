@@ -11,7 +11,10 @@ those models with :func:`bitmosaic.io.decode.enable_compiled_decode`: a static K
 against llama.cpp running the very GGUF the model comes from (Q4_1) where ``llama_cpp`` is
 installed (``pip install llama-cpp-python``, or the ``peers`` extra; it builds llama.cpp from
 source), same threads, same prompt token ids, same number of new tokens; without it the llama.cpp
-rows are skipped with a message.
+rows are skipped with a message.  Where llama.cpp's AMX matmul crashes (seen on an Intel Xeon VM with
+llama-cpp-python 0.3.36: SIGSEGV in ``ggml_backend_amx_mul_mat``), build it without AMX:
+``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX2=ON -DGGML_FMA=ON
+-DGGML_F16C=ON" pip install --force-reinstall --no-deps llama-cpp-python``.
 
 Each row runs in its own process, so its resident memory is its own.  The quantized folders are
 made first with RTN (the method does not change the decode speed, only the quality; perplexity is
