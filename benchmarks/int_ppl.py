@@ -18,7 +18,7 @@ target is judged on the whole test set.  Also the whole-model wall time of the e
 
     python benchmarks/int_ppl.py    (writes benchmarks/results/int_ppl.{json,md}; ~10 min on 2 cores)
     python benchmarks/int_ppl.py --runs "smoothquant W8A8,gptq W4A8" --max-windows 0 \
-        --no-jitter --json benchmarks/results/int_ppl_full.json    (every test window: ~1 h a row here)
+        --no-jitter --json benchmarks/results/int_ppl_full.json    (every test window: 13-16 min a row)
 """
 
 from __future__ import annotations
