@@ -183,13 +183,14 @@ WHY = {
     "perplexity (the noisy comparison the issue saw); at equal bits (w4) perplexity and KL agree that GPTQ "
     "wins. Judged the same way the paper's own Table 3 has SSQR-3% above its GPTQ curve (10.42 vs 10.20); "
     "only 1-2% sit below it. Our grids are asymmetric: paper_bpw leaves their zeros out, as the paper does",
-    "DPQ W4A8 beats naive GPTQ and RTN W4A8": "the paper calibrates on an unstated subset of 2048-token "
-    "sequences (here 128x512; at 16x512 DPQ "
-    "removed 37% of the FP8-added error on calibration data but 13% on held-out data); our naive baseline"
-    " uses GAR, which the paper does not say its naive GPTQ used (without reordering it is the row beside"
-    " it); the paper's naive GPTQ loses 6.1% of Llama-2-7B's accuracy to DPQ's 0.7%, and a 135M model "
-    "from Q4_1 weights leaves less FP8-added error to remove; the RTN rows ran on a lent H200, the others"
-    " on the CPU",
+    "DPQ W4A8 beats naive GPTQ and RTN W4A8": (
+        "the paper calibrates on an unstated subset of 2048-token sequences (here 128x512; at 16x512 DPQ "
+        "removed 37% of the FP8-added error on calibration data but 13% on held-out data); our naive "
+        "baseline uses GAR, which the paper does not say its naive GPTQ used (without reordering it is the "
+        "row beside it); the paper's naive GPTQ loses 6.1% of Llama-2-7B's accuracy to DPQ's 0.7%, and a "
+        "135M model from Q4_1 weights leaves less FP8-added error to remove; the RTN rows ran on a lent "
+        "H200, the others on the CPU"
+    ),
     "GAR ≈ act-order accuracy without g_idx": "fast protocol",
     "W4A4 MosaicQuant beats the collapsing RTN and SmoothQuant": "the main row searches α over 0.3-1.0 in "
     "steps of 0.1 (65 of 180 linears on the 0.3 boundary); the row with SmoothQuant's grid is given beside "
