@@ -9,12 +9,12 @@ inputs too in int8 blocks, ``--runtime-head q8_0``, as llama.cpp computes it; th
 those models with :func:`bitmosaic.io.decode.enable_compiled_decode`: a static KV cache and a
 ``torch.compile``-d decode step inside plain ``generate``),
 against llama.cpp running the very GGUF the model comes from (Q4_1) where ``llama_cpp`` is
-installed (``pip install llama-cpp-python``, or the ``peers`` extra; it builds llama.cpp from
-source), same threads, same prompt token ids, same number of new tokens; without it the llama.cpp
-rows are skipped with a message.  Where llama.cpp's AMX matmul crashes (seen on an Intel Xeon VM with
-llama-cpp-python 0.3.36: SIGSEGV in ``ggml_backend_amx_mul_mat``), build it without AMX:
-``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX2=ON -DGGML_FMA=ON
--DGGML_F16C=ON" pip install --force-reinstall --no-deps llama-cpp-python``.
+installed (``pip install llama-cpp-python``, or the ``peers`` extra), same threads, same prompt token
+ids, same number of new tokens.  Where ``llama_cpp`` is absent the run builds it once (llama.cpp from
+source, about 7 minutes on 2 cores) into a cache folder of its own and runs the llama.cpp rows from
+there (``benchmarks/peer_llama.py``: on a CPU with AMX without it, since llama.cpp's AMX matmul crashed
+on an Intel Xeon VM with llama-cpp-python 0.3.36, SIGSEGV in ``ggml_backend_amx_mul_mat``);
+``--no-build-peer`` skips those rows instead.
 
 Each row runs in its own process, so its resident memory is its own.  The quantized folders are
 made first with RTN (the method does not change the decode speed, only the quality; perplexity is
@@ -258,8 +258,8 @@ def _make_quantized(tmp: Path, bits: int) -> Path:
     return out
 
 
-def _run_child(args: list[str]) -> dict | None:
-    res = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+def _run_child(args: list[str], env: dict[str, str] | None = None) -> dict | None:
+    res = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=env)
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("ROW ")]
     if res.returncode or not line:
         print(f"{args[1]} failed:\n{res.stderr[-2000:]}")
@@ -296,6 +296,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed generations per row; the best is kept")
     p.add_argument("--json", default=str(RESULTS / "decode.json"))
     p.add_argument("--only", default=None, help="comma list of variants to run (default: every one)")
+    p.add_argument("--no-build-peer", action="store_true",
+                   help="where llama_cpp is not installed, skip the llama.cpp rows instead of building it "
+                   "once into a cache folder (benchmarks/peer_llama.py)")  # fmt: skip
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--folder", default="", help=argparse.SUPPRESS)
     p.add_argument("--prompt-ids", default="[]", help=argparse.SUPPRESS)
@@ -310,16 +313,11 @@ def main() -> None:
         print("ROW " + json.dumps(row))
         return
 
-    try:
-        import llama_cpp  # noqa: F401
+    from peer_llama import child_env, find_or_build  # the parent only
 
-        have_llama = True
-    except ImportError:
-        have_llama = False
-        print(
-            "llama.cpp rows skipped: the llama_cpp package is not installed "
-            "(pip install llama-cpp-python, or the 'peers' extra)"
-        )
+    wants_llama = a.only is None or "llama.cpp Q4_1" in a.only.split(",")
+    peer_path = find_or_build(build=not a.no_build_peer) if wants_llama else None
+    have_llama = peer_path is not None
     from bitmosaic.io.loading import _smollm2_gguf
 
     gguf = str(_smollm2_gguf())
@@ -364,7 +362,10 @@ def main() -> None:
                     print(f"  {v:<16} threads {threads}  {row['decode_tok_s']:7.1f} tok/s", flush=True)
             if have_llama and prompt_ids:  # (with --only: when it names "llama.cpp Q4_1")
                 ids = json.dumps(prompt_ids)
-                row = _run_child(["--child", "llama.cpp", "--folder", gguf, "--prompt-ids", ids, *common])
+                row = _run_child(
+                    ["--child", "llama.cpp", "--folder", gguf, "--prompt-ids", ids, *common],
+                    env=child_env(peer_path),
+                )
                 if row is not None:
                     rows.append(row)
                     print(f"  llama.cpp Q4_1   threads {threads}  {row['decode_tok_s']:7.1f} tok/s")
