@@ -263,7 +263,8 @@ WHY = {
     "sample each, cycling over the 16 calibration samples (the paper: 100 steps of 8x2048 tokens from 800 "
     "samples); a 576-wide model; fast protocol, one seed",
     "GPTQ W4A4 with a Hadamard rotation within 1.5x of float": "QuaRot's figures are from 7B-70B models, "
-    "4096-8192 wide; a rotation spreads each token over 576 channels here",
+    "4096-8192 wide; a rotation spreads each token over 576 channels here; most of the gap is the A4 "
+    "activations themselves, chiefly at the MLP's gate/up inputs, even with exact weights (w4a4_budget.md)",
 }
 for _f in FINDINGS:
     _f.differ = WHY.get(_f.claim, "")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from findings_lib import fmt, rows_by_name, verdict
+from findings_lib import fmt, load, rows_by_name, verdict
 
 # -- rotations (QuaRot; issue 25's goals: ours, not a claim of the five papers) ------------------------
 ALONE = "gptq W4A4 +hadamard"  # rotation alone: QuaRot's GPTQ W4A4 (W4 per channel, A4 per token)
@@ -16,7 +16,24 @@ def rotation_w4a4_goal(res: dict) -> tuple[str, str]:
     nums = ", ".join(f"{n} {fmt(r[n]['ppl'])} ({r[n]['ppl'] / fl:.2f}x)" for n in names if n in r)
     best = min(r[n]["ppl"] for n in names[1:] if n in r)
     why = f"best rotated row {best / fl:.2f}x float"
-    return f"{nums} (float {fmt(fl)}; goal 1.5x)", verdict(best <= 1.5 * fl, why)
+    return f"{nums} (float {fmt(fl)}; goal 1.5x){a4_budget()}", verdict(best <= 1.5 * fl, why)
+
+
+def a4_budget() -> str:
+    """What the activations alone cost the rotated model (``benchmarks/w4a4_budget.py``), where measured."""
+    res = load("w4a4_budget")
+    if res is None:
+        return ""
+    fl = res["float_ppl"]
+    rows = {(x["weights"], x["acts"]): x["ppl"] for x in res["rows"]}
+    want = [
+        ("float", "A4 per token, clip 0.9 (QuaRot's)", "A4 per token"),
+        ("float", "A4 g64, clip 0.9", "A4g64"),
+        ("float", "A4 g64, clip 0.9; A8 at gate/up", "A4g64 but A8 at gate/up"),
+        ("GPTQ W4", "A4 g64, clip 0.9; A8 at gate/up", "GPTQ W4, A4g64 but A8 at gate/up"),
+    ]
+    parts = ", ".join(f"{say} {rows[(w, k)] / fl:.2f}x" for w, k, say in want if (w, k) in rows)
+    return f"; the activations' cost (w4a4_budget, {res['protocol']}, float weights unless named): {parts}"
 
 
 def rotation_beats_alone(method_row: str, res: dict, alone: str = ALONE) -> tuple[str, str]:
