@@ -136,8 +136,13 @@ def find_or_build(build: bool = True, version: str = VERSION, log=_say) -> str |
         shutil.rmtree(tmp, ignore_errors=True)
         log(f"llama.cpp rows skipped: building {PACKAGE}=={version} failed (pip exit {rc}); log: {log_path}")
         return None
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    shutil.rmtree(final, ignore_errors=True)  # a broken one (no package inside)
+    try:
+        os.replace(tmp, final)
+    except OSError:  # another process finished the same build first: use its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (final / "llama_cpp" / "__init__.py").is_file():
+            raise
     log_path.unlink(missing_ok=True)
     log(f"built llama.cpp's binding in {time.monotonic() - t0:.0f} s: {final}")
     return str(final)

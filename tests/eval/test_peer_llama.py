@@ -97,3 +97,22 @@ def test_finished_build_is_renamed_into_place_and_reused(peer, monkeypatch, tmp_
     assert peer.find_or_build(build=True, log=pytest.fail) == folder
     env = peer.child_env(folder)
     assert env["PYTHONPATH"].split(":")[0] == folder
+
+
+def test_a_build_finished_meanwhile_elsewhere_is_used(peer, monkeypatch, tmp_path):
+    """Two runs building at once: the second to finish keeps the first one's folder."""
+    folder = peer.cache_dir(peer.VERSION, peer.cmake_args(peer.cpu_flags()))
+    script = (
+        "import sys, pathlib; t = pathlib.Path(sys.argv[1]) / 'llama_cpp'; t.mkdir(parents=True); "
+        "(t / '__init__.py').write_text(''); "
+        f"f = pathlib.Path({str(folder)!r}) / 'llama_cpp'; f.mkdir(parents=True); "
+        "(f / '__init__.py').write_text('FIRST = 1')"
+    )
+    _fake_pip(peer, monkeypatch, script)
+    real_rmtree = peer.shutil.rmtree
+    monkeypatch.setattr(  # the other run's folder appears after this one checked (no removal race here)
+        peer.shutil, "rmtree", lambda p, **kw: None if Path(p) == folder else real_rmtree(p, **kw)
+    )
+    assert peer.find_or_build(build=True, log=lambda m: None) == str(folder)
+    assert (folder / "llama_cpp" / "__init__.py").read_text() == "FIRST = 1"
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [folder.name]
