@@ -5,8 +5,9 @@ quantization of the same float model at the same GGUF type?
 Protocol *fast* (default): calibration 16 x 512 tokens of WikiText-2 ``valid`` (seed 0), perplexity on
 the first 20 non-overlapping 512-token windows of WikiText-2 raw ``test`` (``bitmosaic.eval.perplexity``'s
 windows: BOS + 511 text tokens when the tokenizer adds a BOS).  llama.cpp (``llama_cpp`` built from
-source, CPU) gets the very same token ids, one window per fresh context (``logits_all=True``), and its
-logits are scored in float64 like bitmosaic's.
+source, CPU: the installed package, or the one ``benchmarks/peer_llama.py`` builds once into a cache
+folder where none is) gets the very same token ids, one window per fresh context
+(``logits_all=True``), and its logits are scored in float64 like bitmosaic's.
 
 Rows:
 
@@ -172,7 +173,17 @@ def main() -> None:
         default="4",
         help="4: Q4_K, Q5_K and Q6_K rows; all: also Q3_K and Q2_K (one GPTQ run per k-quant type)",
     )
+    p.add_argument("--no-build-peer", action="store_true",
+                   help="where llama_cpp is not installed, stop instead of building it once into a cache "
+                   "folder (benchmarks/peer_llama.py)")  # fmt: skip
     a = p.parse_args()
+    from peer_llama import find_or_build
+
+    peer = find_or_build(build=not a.no_build_peer)  # llama.cpp runs in this process: its folder first
+    if peer is None:
+        raise SystemExit(2)  # find_or_build said why, in one line
+    if peer:
+        sys.path.insert(0, peer)
     CONFIGS.update(kquant_configs(a.kquants))
     llama_types = LLAMA_TYPES + tuple(t for t in KQUANT_SETS[a.kquants] if t not in LLAMA_TYPES)
     torch.set_num_threads(a.threads)
