@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -44,10 +45,20 @@ constexpr int WCOLS = 32;
 // is not cache-resident (every layer of a decode step), which cost the LUT its lead over LowBitWeight.
 constexpr int64_t PREFETCH_TILES = 4;
 constexpr int64_t GEMV_MAX_ROWS = 64;  // up to this many rows of x: the LUT GEMV per row (lut_gemv.py --batch)
-// A GEMV over fewer plane bytes runs on the calling thread: waking a second thread costs more than it
-// saves there (SmolLM2's W2 matrices, 27-221 KB of planes, one GEMV 14-32 us on one thread of the
-// 2-core EPYC: on 2 threads 576x576 took 1.30x, 192x576 1.07x, 576x1536 1.40x the 1-thread time).
-constexpr int64_t GEMV_SERIAL_BYTES = 256 * 1024;
+// A GEMV over fewer plane bytes than this runs on the calling thread ($BITMOSAIC_LUT_SERIAL_KB, read once;
+// default 0: every GEMV splits its tiles over the threads).  Measured at the decode level (decode.py's
+// linears ms/token, SmolLM2 W2, 2 threads): on the 2-vCPU Xeon splitting is faster, 5.00 vs 5.41 ms in
+// two paired runs each; on the 2-core EPYC an in-cache microbenchmark had found one SmolLM2 GEMV (27-221
+// KB of planes, 14-32 us) 1.07-1.40x slower on 2 threads, but its decode runs did not show it (5.85 ms
+// split against 6.90 serial, different days).
+constexpr int64_t GEMV_SERIAL_BYTES = 0;
+int64_t gemv_serial_bytes() {
+  static const int64_t bytes = [] {
+    const char* e = std::getenv("BITMOSAIC_LUT_SERIAL_KB");
+    return e != nullptr && *e != '\0' ? std::max<int64_t>(0, std::atoll(e)) * 1024 : GEMV_SERIAL_BYTES;
+  }();
+  return bytes;
+}
 
 struct Planes {
   const uint8_t* data;
@@ -232,7 +243,7 @@ void gemv(const Planes& P, const float* x, int64_t isa, float* yp) {
   // tiles that hold rows: every row block is full but the last (so a thread split covers real work)
   const int64_t n_rb = (P.N + P.rb - 1) / P.rb;
   const int64_t ntiles = (n_rb - 1) * P.tiles_per_rb + (P.N - (n_rb - 1) * P.rb + TILE - 1) / TILE;
-  at::parallel_for(0, ntiles, P.nbytes < GEMV_SERIAL_BYTES ? ntiles : 4, [&](int64_t a, int64_t b) {
+  at::parallel_for(0, ntiles, P.nbytes < gemv_serial_bytes() ? ntiles : 4, [&](int64_t a, int64_t b) {
     for (int64_t g = 0; g < P.G; ++g) {
       const float* T = tab.data() + tbase[g] * entries;
       const int64_t chunk_bytes = P.nch(g) * 4;  // per row and plane
