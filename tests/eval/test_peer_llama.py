@@ -67,13 +67,16 @@ def _fake_pip(peer, monkeypatch, script: str):
     )
 
 
+# a stand-in for pip's build: writes llama_cpp/<file> with <text> into the target folder, then runs <then>
+WRITES = (
+    "import sys, pathlib; t = pathlib.Path(sys.argv[1]) / 'llama_cpp'; t.mkdir(parents=True); "
+    "(t / {file!r}).write_text({text!r}); "
+)
+
+
 def test_failed_build_leaves_nothing_but_its_log(peer, monkeypatch, tmp_path):
     # the stand-in writes half a package, then fails
-    script = (
-        "import sys, pathlib; t = pathlib.Path(sys.argv[1]) / 'llama_cpp'; t.mkdir(parents=True); "
-        "(t / 'half.py').write_text(''); print('cmake error'); sys.exit(3)"
-    )
-    _fake_pip(peer, monkeypatch, script)
+    _fake_pip(peer, monkeypatch, WRITES.format(file="half.py", text="") + "print('cmake error'); sys.exit(3)")
     said = []
     assert peer.find_or_build(build=True, log=said.append) is None
     assert "failed (pip exit 3)" in said[-1]
@@ -83,11 +86,7 @@ def test_failed_build_leaves_nothing_but_its_log(peer, monkeypatch, tmp_path):
 
 
 def test_finished_build_is_renamed_into_place_and_reused(peer, monkeypatch, tmp_path):
-    script = (
-        "import sys, pathlib; t = pathlib.Path(sys.argv[1]) / 'llama_cpp'; t.mkdir(parents=True); "
-        "(t / '__init__.py').write_text('VERSION = 1')"
-    )
-    _fake_pip(peer, monkeypatch, script)
+    _fake_pip(peer, monkeypatch, WRITES.format(file="__init__.py", text="VERSION = 1"))
     said = []
     folder = peer.find_or_build(build=True, log=said.append)
     assert folder and (Path(folder) / "llama_cpp" / "__init__.py").is_file()
@@ -102,13 +101,12 @@ def test_finished_build_is_renamed_into_place_and_reused(peer, monkeypatch, tmp_
 def test_a_build_finished_meanwhile_elsewhere_is_used(peer, monkeypatch, tmp_path):
     """Two runs building at once: the second to finish keeps the first one's folder."""
     folder = peer.cache_dir(peer.VERSION, peer.cmake_args(peer.cpu_flags()))
-    script = (
-        "import sys, pathlib; t = pathlib.Path(sys.argv[1]) / 'llama_cpp'; t.mkdir(parents=True); "
-        "(t / '__init__.py').write_text(''); "
-        f"f = pathlib.Path({str(folder)!r}) / 'llama_cpp'; f.mkdir(parents=True); "
-        "(f / '__init__.py').write_text('FIRST = 1')"
+    first = f"f = pathlib.Path({str(folder)!r}) / 'llama_cpp'; f.mkdir(parents=True); "
+    _fake_pip(
+        peer,
+        monkeypatch,
+        WRITES.format(file="__init__.py", text="") + first + "(f / '__init__.py').write_text('FIRST = 1')",
     )
-    _fake_pip(peer, monkeypatch, script)
     real_rmtree = peer.shutil.rmtree
     monkeypatch.setattr(  # the other run's folder appears after this one checked (no removal race here)
         peer.shutil, "rmtree", lambda p, **kw: None if Path(p) == folder else real_rmtree(p, **kw)
