@@ -210,3 +210,32 @@ def test_gemv_threads_and_a_short_last_row_block(threads, N, K, rb):
         torch.set_num_threads(old)
     ref = x.double() @ w.dequantize().double().T
     assert float((y.double() - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+_SPLIT_SCRIPT = """
+import sys, torch
+from tests.kernels.test_lut import _weight
+torch.set_num_threads(2)
+w, ref, g = _weight(200, 300, 64, 64, 2, 7)
+x = torch.randn(3, 300, generator=g)
+torch.save(w.matmul(x), sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(not ISAS, reason="needs the compiled LUT extension")
+def test_gemv_thread_split_gives_the_same_bits(tmp_path):
+    """Every GEMV splits its tiles over the threads by default; ``$BITMOSAIC_LUT_SERIAL_KB`` (read once per
+    process) keeps small ones on the calling thread. A tile's rows are its own, so both give the same bits."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    outs = []
+    for kb in ("", "100000"):  # the default split, and everything serial
+        out = tmp_path / f"y{kb or 'split'}.pt"
+        env = {**os.environ, "BITMOSAIC_LUT_SERIAL_KB": kb, "PYTHONPATH": f"{root}:{root / 'src'}"}
+        subprocess.run([sys.executable, "-c", _SPLIT_SCRIPT, str(out)], env=env, check=True, cwd=root)
+        outs.append(torch.load(out))
+    assert torch.equal(outs[0], outs[1])
