@@ -11,7 +11,7 @@ those models with :func:`bitmosaic.io.decode.enable_compiled_decode`: a static K
 against llama.cpp running the very GGUF the model comes from (Q4_1) where ``llama_cpp`` is
 installed (``pip install llama-cpp-python``, or the ``peers`` extra), same threads, same prompt token
 ids, same number of new tokens.  Where ``llama_cpp`` is absent the run builds it once (llama.cpp from
-source, about 7 minutes on 2 cores) into a cache folder of its own and runs the llama.cpp rows from
+source, 3-7 minutes on 2 cores) into a cache folder of its own and runs the llama.cpp rows from
 there (``benchmarks/peer_llama.py``: on a CPU with AMX without it, since llama.cpp's AMX matmul crashed
 on an Intel Xeon VM with llama-cpp-python 0.3.36, SIGSEGV in ``ggml_backend_amx_mul_mat``);
 ``--no-build-peer`` skips those rows instead.
