@@ -23,6 +23,7 @@ def peer(monkeypatch, tmp_path):
     monkeypatch.setattr(  # as if llama_cpp were not installed here
         mod.importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a)
     )
+    monkeypatch.setattr(mod.shutil, "which", lambda name: f"/usr/bin/{name}")  # a compiler, wherever run
     return mod
 
 
@@ -59,6 +60,14 @@ def test_no_build_skips_with_one_line(peer, tmp_path):
     assert peer.find_or_build(build=False, log=said.append) is None
     assert len(said) == 1 and "--no-build-peer" in said[0] and "\n" not in said[0]
     assert not (tmp_path / "cache").exists()  # nothing made
+
+
+def test_no_compiler_skips_with_one_line(peer, monkeypatch, tmp_path):
+    monkeypatch.setattr(peer.shutil, "which", lambda name: None)
+    said = []
+    assert peer.find_or_build(build=True, log=said.append) is None
+    assert len(said) == 1 and "C++ compiler" in said[0]
+    assert not (tmp_path / "cache").exists()
 
 
 def _fake_pip(peer, monkeypatch, script: str):
