@@ -188,3 +188,45 @@ def test_kernel_per_group_scales_are_act_scales(route, agroup):
         y1, y2 = (w.matmul(x, s, agroup, spec.qmax, route=r) for s in (None, given))
         assert torch.equal(y1, y2)
 
+
+@pytest.mark.parametrize("route", _routes())
+@settings(max_examples=30, deadline=None)
+@given(
+    bits=st.sampled_from([4, 8, 2, 3, 5]),
+    M=st.sampled_from([1, 2, 5, 8, 9, 17]),
+    N=st.integers(1, 40),
+    K=st.integers(1, 200),
+    gs_run=st.sampled_from([(-1, 8), (-1, 24), (16, 8), (32, 8), (32, 16), (64, 16), (64, 64)]),
+    per_token=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_runs_mode_equals_the_integer_product(route, bits, M, N, K, gs_run, per_token, seed):
+    """Runs mode (activation scales that change every ``run`` columns inside a weight group, the
+    SQ-format's parts): the output equals the float64 product of the integers with ``(c - z) s_w`` and
+    each run's own scale, up to float32 rounding -- partial last groups and runs, one group or many."""
+    gs, run = gs_run
+    codes, s, z, gsz, G, g = _weight(N, K, gs, bits, seed)
+    if G > 1 and gsz % 8:
+        return
+    w = IntActWeight.from_codes(codes, bits, s, z, gs)
+    sub = w.runs_per_group(run)
+    q = torch.randint(-128, 128, (M, w.KP), generator=g, dtype=torch.int8)
+    q[:, K:] = 0
+    sa = torch.rand(M if per_token else 1, G * sub, generator=g) * 0.05 + 1e-3
+    r = "int_mm" if route == "int_mm" else "kernel"
+    with _isa(route.split(":")[-1] if route != "int_mm" else "auto"):
+        y = w.product_runs(q, w.run_sums(q, sa, run), sa, run, route=r)
+    gw = w.KP if G == 1 else gsz
+    col = torch.arange(K)
+    s_col = sa.double()[:, (col // gw) * sub + (col % gw) // run]  # each column's activation scale
+    zz = z if torch.is_tensor(z) else torch.full((N, G), z)
+    gi = col // gsz
+    wd = (codes.double() - zz.double()[:, gi]) * s.double()[:, gi]
+    xq = q[:, :K].double() * s_col
+    ref = xq @ wd.T
+    bound = xq.abs() @ ((codes.double() + zz.double()[:, gi].abs()) * s.double()[:, gi]).T
+    err = bound * (G * sub + 8) * 2.0**-24 + 1e-30
+    assert torch.all((y.double() - ref).abs() <= err), (y.double() - ref).abs().max()
+    assert y.shape == (M, N)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        w.runs_per_group(12)

@@ -93,6 +93,32 @@ def test_int8_ops(static):
     assert torch.equal(w.matmul(x, sa, w.K, 127.0), y)  # IntActWeight.matmul takes the one-operator route
 
 
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_runs_ops(calibrated):
+    """``quantize_gathered`` then ``int_matmul_runs`` (the SQ-format's static parts): operators that pass
+    ``opcheck``, and the product equals the float product of the levels and their run scales."""
+    if intmm.extension() is None:
+        pytest.skip("no C++ compiler for the intmm extension (the runs operators need it)")
+    w = _int()
+    run, sub = 8, w.runs_per_group(8)
+    R = w.G * sub
+    x = torch.randn(5, w.K, generator=G)
+    chan = torch.randperm(w.K, generator=G)
+    act = torch.arange(R) // 2  # two runs per scale column
+    scales = torch.rand(1, R // 2, generator=G) * 0.05 + 0.01 if calibrated else None
+    gargs = (x, chan, act, run, R // 2, 127.0, scales, w.KP, sub, 2.0**-24, True)
+    torch.library.opcheck(ops.quantize_gathered.op, gargs)
+    q, sums, sa, qz = ops.quantize_gathered(*gargs)
+    assert q.dtype == torch.int8 and sums.shape == (5, R) and qz.shape == (5, w.G)
+    s_col = sa.expand(5, -1).repeat_interleave(run, 1)[:, : w.K]
+    want = torch.round(x[:, chan] / s_col).clamp(-127, 127)
+    assert torch.equal(q[:, : w.K].float(), want)
+    margs = (q, qz, sa, run, w.data, w.sc, w.zc, w.N, w.G, w.group_size, w.bits > 4, w.bits == 8)
+    torch.library.opcheck(ops.int_matmul_runs.op, margs)
+    wd = (w.codes().float() - w.zeros().repeat_interleave(32, 1)) * w.scales().repeat_interleave(32, 1)
+    torch.testing.assert_close(ops.int_matmul_runs(*margs), (want * s_col) @ wd.T, rtol=1e-4, atol=1e-4)
+
+
 def test_mosaic_residual_op():
     if build.load("mosaic") is None:
         pytest.skip("no C++ compiler for the mosaic extension")

@@ -16,9 +16,11 @@ from bitmosaic.algorithms.sq import static_act_scales, static_channel_mask
 from bitmosaic.formats.act import ActQuantSpec
 from bitmosaic.formats.grid import IntGrid
 from bitmosaic.formats.sq import parse_sq
+from bitmosaic.kernels import intmm, isa
 from bitmosaic.modules import QuantLinear
 from bitmosaic.modules.intact import act_path_label
 from bitmosaic.modules.sq import SQActLinear, _SQIntKernel
+from tests.helpers import env_var
 from tests.kernels.test_intact import simulated
 
 
@@ -71,6 +73,8 @@ def test_int_split_matches_the_simulated_split(sq, strategy, scale, group, calib
     m, x0 = _layer(sq, strategy, scale, group, calibrated)
     x = x0[:rows] * 1.3
     y, y_sim = _run(m, x)
+    if scale == "bank":  # the scale changes inside weight groups: the kernel's runs mode
+        assert all(part[4] for part in m._int_act.parts.values())
     b = m.bias
     bound = x.abs().double() @ m.dequantize_reference().abs().double().T  # Σ|x||W| of each output
     assert torch.all(((y - b).double() - (y_sim - b).double()).abs() <= bound * 1e-5 + 1e-5)
@@ -137,8 +141,23 @@ def test_static_levels_are_the_splits_own(sq, scale, group, calibrated):
     scales = None if m.act_low_scale is None else (m.act_low_scale, m.act_high_scale)
     t = static_split(x, m.channel_mask(), m.fmt, m.act_scale, m.act_group, scales)
     perm = m.sq_perm.long()
-    for part, (w, cols, act_cols, col_act) in k.parts.items():
-        levels, s = k.static_part(x, part, w, cols, act_cols, col_act)
+    for part, (w, cols, act_cols, col_act, run) in k.parts.items():
+        levels, s = k.static_part(x, part, w, cols, act_cols, col_act, run)
         want, want_s = (t.high, t.high_scale) if part == "high" else (t.low, t.low_scale)
         assert torch.equal(levels, want[:, perm[cols]]), part
         assert torch.equal(s.expand(9, -1)[:, act_cols], want_s[:, act_cols]), part
+        if not w.compiled():
+            continue
+        # the extension's gathered quantization (what the layer runs): the same levels and scales on
+        # every instruction set, the run sums and the runs mode's zero-point term
+        nruns, length = k._runs(w, run)
+        for name in isa.available_isas(intmm.extension()):
+            with env_var(isa.ISA_ENV, name):
+                q, sums, sa, qz = k.static_levels(x, part, w, act_cols, run)
+            n = levels.shape[1]
+            assert torch.equal(q[:, :n].float(), levels) and torch.all(q[:, n:] == 0), (part, name)
+            assert torch.equal(sa.expand(9, -1), s.expand(9, -1)[:, act_cols]), (part, name)
+            lv = torch.nn.functional.pad(levels, (0, nruns * length - n)).reshape(9, nruns, length)
+            assert torch.equal(sums, lv.sum(-1).int()), (part, name)
+            if run:
+                assert torch.allclose(qz, w.run_sums(q, sa, run), rtol=1e-6, atol=1e-6), (part, name)

@@ -206,17 +206,80 @@ class IntActWeight:
             raise ValueError(f"route must be 'kernel' or 'int_mm', got {route!r}")
         return y
 
-    def _int_mm(self, q, qsum, sa, ratio) -> torch.Tensor:
-        """``torch._int_mm`` per weight group on ``c - 128`` (int8), corrected by ``128 Σ q``."""
+    def runs_per_group(self, run: int) -> int:
+        """How many activation runs of ``run`` columns a weight group holds in :meth:`product_runs`."""
+        if run < 8 or run % 8 or (self.G > 1 and self.group_size % run):
+            raise ValueError(
+                f"activation runs of {run} columns must be a multiple of 8 that divides the "
+                f"weight group size {self.group_size}"
+            )
+        return -(-(self.KP if self.G == 1 else self.group_size) // run)
+
+    def run_sums(self, q: torch.Tensor, sa: torch.Tensor, run: int) -> torch.Tensor:
+        """``qz [M, G]`` float32: per weight group, ``Σ_r s_a(r) Σ_{j ∈ r} q_j`` over its runs of ``run``
+        columns (``sa [1 or M, G * runs per group]``), the zero-point term :meth:`product_runs` needs."""
+        sub = self.runs_per_group(run)
+        M = q.shape[0]
+        qs = torch.nn.functional.pad(q, (0, self.G * sub * run - q.shape[1])).reshape(M, self.G, sub, run)
+        qs = qs.sum(-1, dtype=torch.int32).float()
+        return (qs * sa.float().reshape(sa.shape[0], self.G, sub)).sum(-1)
+
+    def product_runs(self, q, qz, sa, run: int, route: str = "kernel") -> torch.Tensor:
+        """``y [M, N]`` float32 from ``q [M, KP]`` int8 whose activation scale changes every ``run``
+        columns inside the weight groups (a multiple of 8 dividing the group size): ``sa [1 or M, G *
+        runs per group]`` holds run ``r`` of group ``g`` at column ``g * runs + r`` (a shorter last group
+        leaves its unused columns unread), ``qz`` = :meth:`run_sums`.  Per group the kernel adds each
+        run's exact int32 sum times its scale into a float sum, then applies the weight scale and the
+        zero-point term once: ``y += s_w (Σ_r s_a(r) acc(r) - z qz)`` -- equal to giving every run its own
+        group (:meth:`product`) up to float32 rounding, with about half the per-run work (SQ-format's
+        8-column runs, :class:`~bitmosaic.modules.sq.SQActLinear`)."""
+        sub = self.runs_per_group(run)
+        if tuple(qz.shape) != (q.shape[0], self.G) or sa.shape[-1] != self.G * sub:
+            raise ValueError(f"qz must be [M, {self.G}] and the run scales [., {self.G * sub}]")
+        if route == "kernel" and extension() is not None:
+            return ops.int_matmul_runs(
+                q, qz.float().contiguous(), sa.float().contiguous(), run, self.data, self.sc, self.zc, self.N,
+                self.G, self.group_size, self.bits > 4, self.bits == 8,
+            )  # fmt: skip
+        if route not in ("kernel", "int_mm"):
+            raise ValueError(f"route must be 'kernel' or 'int_mm', got {route!r}")
+        return self._int_mm_runs(q, qz, sa.float(), run, sub)
+
+    def _int_mm_runs(self, q, qz, sa, run: int, sub: int) -> torch.Tensor:
+        """:meth:`product_runs` with ``torch._int_mm`` per run on ``c - 128`` (int8)."""
+        i8 = self._int8_copy()
+        s, z = self.scales(), self.zeros()
+        gw = self.KP if self.G == 1 else self.group_size
+        y = torch.zeros(q.shape[0], self.N)
+        for g in range(self.G):
+            fg = torch.zeros(q.shape[0], self.N)
+            for r in range(sub):
+                c0 = g * gw + r * run
+                c1 = min(c0 + run, self.KP, (g + 1) * gw if g < self.G - 1 else self.KP)
+                if c0 >= c1:
+                    break
+                acc = torch._int_mm(q[:, c0:c1].contiguous(), i8[c0:c1].contiguous()).float()
+                acc += 128 * q[:, c0:c1].sum(1, dtype=torch.int32).float().unsqueeze(1)
+                fg += acc * sa[:, g * sub + r].unsqueeze(1)
+            y += (fg - z[:, g] * qz[:, g : g + 1]) * s[:, g]
+        return y
+
+    def _int8_copy(self) -> torch.Tensor:
+        """``[KP, N]`` int8 ``c - 128`` (the ``torch._int_mm`` routes), built once."""
         if self._int8 is None:
             c = torch.nn.functional.pad(self.codes(), (0, self.KP - self.K))
             self._int8 = (c - 128).to(torch.int8).T.contiguous()
+        return self._int8
+
+    def _int_mm(self, q, qsum, sa, ratio) -> torch.Tensor:
+        """``torch._int_mm`` per weight group on ``c - 128`` (int8), corrected by ``128 Σ q``."""
+        i8 = self._int8_copy()
         M = q.shape[0]
         s, z = self.scales(), self.zeros()
         y = torch.zeros(M, self.N)
         for g in range(self.G):
             c0, c1 = g * self.group_size, self.KP if g == self.G - 1 else (g + 1) * self.group_size
-            acc = torch._int_mm(q[:, c0:c1], self._int8[c0:c1]).float()
+            acc = torch._int_mm(q[:, c0:c1], i8[c0:c1]).float()
             qs = qsum[:, g : g + 1].float()
             sag = sa[:, min(g // ratio, sa.shape[1] - 1)].unsqueeze(1)
             y.add_((acc + (128 - z[:, g]) * qs) * (s[:, g] * sag))

@@ -23,7 +23,9 @@ Operators (names and arguments follow the extension entry points):
   (SFMP §4.5, App. B Eq. 17);
 * ``int_matmul_parts`` -- a dense integer product plus row-block parts over gathered activations in one
   call (MosaicQuant's base and residual, :class:`~bitmosaic.kernels.mosaic.MosaicIntActWeight`);
-* ``int8_quantize`` and ``int_matmul`` -- :class:`~bitmosaic.kernels.intmm.IntActWeight`'s two steps
+* ``int8_quantize`` and ``int_matmul`` (``int_matmul_runs``: activation scales that change inside a
+  weight group; ``quantize_gathered``: the SQ-format's static parts, gathered and quantized in one
+  call) -- :class:`~bitmosaic.kernels.intmm.IntActWeight`'s two steps
   (the activation scales are returned as a new tensor, never the input's storage: an operator's outputs
   may not alias its inputs); ``int_linear`` -- both in one call (what a linear layer with run-time or
   static INT activations runs: one operator per linear instead of two, about 10 us saved per call from a
@@ -44,7 +46,8 @@ from .isa import isa_number
 from .torch_paths import bitplane_dequantize, lowbit_dequantize, tiled_matmul_torch
 
 __all__ = [
-    "operator", "qmatmul", "lut_matmul", "int8_quantize", "int_matmul", "int_linear", "int_matmul_parts",
+    "operator", "qmatmul", "lut_matmul", "int8_quantize", "int_matmul", "int_matmul_runs", "int_linear",
+    "int_matmul_parts", "quantize_gathered",
     "OPS",
 ]  # fmt: skip
 
@@ -272,6 +275,76 @@ def _(q, qsum, sa, ratio, data, sc, zc, N, G, group_size, bytes_layout, b8):
     return q.new_empty(q.shape[0], N, dtype=torch.float32)
 
 
+@operator("int_matmul_runs")
+def int_matmul_runs(
+    q: torch.Tensor,
+    qz: torch.Tensor,
+    sa: torch.Tensor,
+    run: int,
+    data: torch.Tensor,
+    sc: torch.Tensor,
+    zc: torch.Tensor,
+    N: int,
+    G: int,
+    group_size: int,
+    bytes_layout: bool,
+    b8: bool,
+) -> torch.Tensor:
+    """:func:`int_matmul` where the activation scale changes every ``run`` columns inside a weight group
+    (:meth:`IntActWeight.product_runs <bitmosaic.kernels.intmm.IntActWeight.product_runs>`: ``sa [1 or M,
+    G * runs per group]``, ``qz [M, G]``); needs the ``intmm`` extension."""
+    ext = build.load("intmm")
+    if ext is None:
+        raise RuntimeError("bitmosaic::int_matmul_runs needs the compiled intmm extension")
+    layout = (data, sc, zc, N, G, group_size, bytes_layout, b8)
+    return ext.int_matmul_runs(q, qz, sa, run, *layout, isa_number(ext=ext))
+
+
+@int_matmul_runs.register_fake
+def _(q, qz, sa, run, data, sc, zc, N, G, group_size, bytes_layout, b8):
+    return q.new_empty(q.shape[0], N, dtype=torch.float32)
+
+
+@operator("quantize_gathered")
+def quantize_gathered(
+    x: torch.Tensor,
+    chan: torch.Tensor,
+    act: torch.Tensor,
+    run: int,
+    n_scales: int,
+    qmax: float,
+    scales: torch.Tensor | None,
+    KP: int,
+    sub: int,
+    min_scale: float,
+    fp16: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q [M, KP] int8, run sums [M, R] int32, run scales [1 or M, R], qz [M, R / sub])``: the columns
+    ``x[:, chan]`` quantized symmetrically in runs of ``run`` columns, run ``r`` under scale column
+    ``act[r]`` of ``n_scales`` -- ``scales [1 or M, n_scales]`` given (calibrated) or, when None, per token
+    from the absmax over the gathered columns of each scale column (``min(max(amax / qmax, min_scale),
+    65504)``, fp16-rounded where ``fp16``: the SQ-format's ``_fp16_scale``); ``qz``: per group of ``sub``
+    runs ``Σ scale · run sum`` (:meth:`IntActWeight.product_runs
+    <bitmosaic.kernels.intmm.IntActWeight.product_runs>`).  The SQ-format's static parts
+    (:class:`~bitmosaic.modules.sq.SQActLinear`); needs the ``intmm`` extension."""
+    ext = build.load("intmm")
+    if ext is None:
+        raise RuntimeError("bitmosaic::quantize_gathered needs the compiled intmm extension")
+    sa = torch.empty(0) if scales is None else scales.float().contiguous()
+    return tuple(ext.quantize_gathered(
+        x.contiguous(), chan, act, run, n_scales, float(qmax), sa, KP, sub, float(min_scale), fp16,
+        isa_number(ext=ext),
+    ))  # fmt: skip
+
+
+@quantize_gathered.register_fake
+def _(x, chan, act, run, n_scales, qmax, scales, KP, sub, min_scale, fp16):
+    M, R = x.shape[0], act.shape[0]
+    Ms = M if scales is None else scales.shape[0]
+    return (x.new_empty(M, KP, dtype=torch.int8), x.new_empty(M, R, dtype=torch.int32), x.new_empty(Ms, R),
+            x.new_empty(M, R // sub))  # fmt: skip
+
+
 def _int_linear_fake(x, act_scale, act_group, qmax, KP, ratio, data, sc, zc, N, *rest):
     return x.new_empty(x.shape[0], N, dtype=torch.float32)
 
@@ -341,6 +414,8 @@ def _(
     return q.new_empty(q.shape[0], N, dtype=torch.float32)
 
 
-# name -> OpOverload (mosaic_residual is registered in mosaic.py)
-_FNS = (qmatmul, lut_matmul, int8_quantize, int_matmul, int_matmul_parts)  # int_linear: the extension's
+# name -> OpOverload (mosaic_residual is registered in mosaic.py; int_linear: the extension's)
+_FNS = (
+    qmatmul, lut_matmul, int8_quantize, int_matmul, int_matmul_runs, quantize_gathered, int_matmul_parts,
+)  # fmt: skip
 OPS = {f.op.name(): f.op for f in _FNS}

@@ -244,35 +244,61 @@ def segmented_int_weight(
     g_idx: torch.Tensor,
     cols: torch.Tensor,
     act_ids: torch.Tensor,
-) -> tuple[IntActWeight, torch.Tensor] | str:
-    """An :class:`IntActWeight` over the columns ``cols`` of ``codes [N, K]`` (in that order) whose groups
-    split the runs of columns sharing one weight group (``g_idx``: the weight group of each column, scales
-    ``[N, Gw]``, zeros a number or ``[N, Gw]``) and one activation scale (``act_ids``: its activation
-    scale column, one per selected column) into pieces of the runs' greatest common length, and the
-    activation scale column of each group -- or why not (a phrase): that length must be a multiple of 8
-    unless there is one run.  Used where activations come in parts with their own scales (the SQ-format's
-    high and low channels), so each int32 sum still has one weight scale and one activation scale."""
+) -> tuple[IntActWeight, torch.Tensor, int] | str:
+    """An :class:`IntActWeight` over the columns ``cols`` of ``codes [N, K]`` (in that order) for
+    activations that come in parts with their own scales (the SQ-format's high and low channels), so
+    each int32 sum has one weight scale and one activation scale -- or why not (a phrase).  ``g_idx``:
+    the weight group of each column (scales ``[N, Gw]``, zeros a number or ``[N, Gw]``); ``act_ids``:
+    the activation scale column of each selected column.
+
+    Returns ``(weight, scale column of each run, run)``.  Where the activation scale changes inside
+    the runs of one weight group (per-bank scales: runs of 8 in groups of 64), the weight keeps those
+    runs as its groups (the runs' greatest common length) and ``run`` is the activation runs' common
+    length (a multiple of 8 dividing it), for :meth:`IntActWeight.product_runs`: ``runs per group``
+    scale columns per group, the last group's unused ones repeating its last.  Otherwise ``run`` is 0
+    and the groups are the pieces of the runs of one weight group and one activation scale, one scale
+    column each (:meth:`IntActWeight.product`); that length must be a multiple of 8 unless there is
+    one piece."""
     if not cols.numel():
         return "no columns"
     wg, ag = g_idx.long()[cols], act_ids.long()
-    change = torch.ones(cols.numel(), dtype=torch.bool)
-    change[1:] = (wg[1:] != wg[:-1]) | (ag[1:] != ag[:-1])
-    starts = change.nonzero().reshape(-1)
-    lengths = torch.diff(starts, append=torch.tensor([cols.numel()]))
-    if starts.numel() == 1:
+    n = cols.numel()
+
+    def lengths_of(differs: torch.Tensor) -> torch.Tensor:  # the runs' lengths (a new run where differs)
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), differs.nonzero().reshape(-1) + 1])
+        return torch.diff(starts, append=torch.tensor([n]))
+
+    def run_length(differs: torch.Tensor) -> tuple[int, int]:  # (number of runs, their common length)
+        lengths = lengths_of(differs)
+        if lengths.numel() == 1:
+            return 1, n
+        return lengths.numel(), math.gcd(*lengths[:-1].tolist()) if lengths.numel() > 2 else int(lengths[0])
+
+    new_wg = wg[1:] != wg[:-1]
+    nw, Lw = run_length(new_wg)
+    new_run = new_wg | (ag[1:] != ag[:-1])
+    na, La = run_length(new_run)
+    if na > nw and La % 8 == 0 and (nw == 1 or Lw % La == 0):  # scales change inside weight groups
+        first = torch.arange(0, n, Lw)
+        w_scales, w_zeros = scales.float()[:, wg[first]], _pick(zeros, wg[first])
+        w = IntActWeight.from_codes(codes[:, cols], bits, w_scales, w_zeros, Lw if nw > 1 else -1)
+        sub = w.runs_per_group(La)
+        gw = w.KP if w.G == 1 else Lw
+        run_first = (torch.arange(w.G).unsqueeze(1) * gw + torch.arange(sub) * La).reshape(-1)
+        return w, ag[run_first.clamp(max=n - 1)], La
+    if na == 1:
         w = IntActWeight.from_codes(codes[:, cols], bits, scales.float()[:, wg[:1]], _pick(zeros, wg[:1]), -1)
-        return w, ag[:1]
-    L = math.gcd(*lengths[:-1].tolist()) if starts.numel() > 2 else int(lengths[0])
-    if L % 8:
+        return w, ag[:1], 0
+    if La % 8:
+        lengths = lengths_of(new_run)
         return (
             f"columns of one weight group and one activation scale come in runs of "
             f"{sorted(set(lengths.tolist()))[:4]} (the integer path needs runs of a multiple of 8)"
         )
-    first = torch.arange(0, cols.numel(), L)  # the pieces' first columns (the last may be shorter)
-    w = IntActWeight.from_codes(
-        codes[:, cols], bits, scales.float()[:, wg[first]], _pick(zeros, wg[first]), L
-    )
-    return w, ag[first]
+    first = torch.arange(0, n, La)  # the pieces' first columns (the last may be shorter)
+    w_scales, w_zeros = scales.float()[:, wg[first]], _pick(zeros, wg[first])
+    w = IntActWeight.from_codes(codes[:, cols], bits, w_scales, w_zeros, La)
+    return w, ag[first], 0
 
 
 def _pick(zeros, groups: torch.Tensor):

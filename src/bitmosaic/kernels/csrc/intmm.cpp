@@ -11,6 +11,7 @@
 // vpmaddubsw + vpmaddwd (exact below 8 bits: 2 * 127 * 128 < 2^15; 8-bit codes are split into 7 low
 // bits and the top bit), portable plain C++.
 
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include "intmm_common.h"
@@ -53,16 +54,33 @@ struct IntAvx2 {
   static F mulf(F a, F b) { return _mm256_mul_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
-  static void quant(const float* x, float s, float lo, float hi, int8_t* q, int64_t n) {
-    const F sv = _mm256_set1_ps(s), lv = _mm256_set1_ps(lo), hv = _mm256_set1_ps(hi);
+  // VS: one scale per element (s[j]), else s[0] for all
+  template <bool VS>
+  static void quant_t(const float* x, const float* s, float lo, float hi, int8_t* q, int64_t n) {
+    const F lv = _mm256_set1_ps(lo), hv = _mm256_set1_ps(hi);
     alignas(32) int32_t t[8];
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
+      const F sv = VS ? _mm256_loadu_ps(s + j) : _mm256_set1_ps(s[0]);
       const F r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + j), sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       _mm256_store_si256((__m256i*)t, _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lv), hv)));
       for (int k = 0; k < 8; ++k) q[j + k] = (int8_t)t[k];
     }
-    quant_portable(x + j, s, lo, hi, q + j, n - j);
+    quant_portable_t<VS>(x + j, VS ? s + j : s, lo, hi, q + j, n - j);
+  }
+  static void quant(const float* x, float s, float lo, float hi, int8_t* q, int64_t n) { quant_t<false>(x, &s, lo, hi, q, n); }
+  static void quantv(const float* x, const float* s, float lo, float hi, int8_t* q, int64_t n) { quant_t<true>(x, s, lo, hi, q, n); }
+  // rm[r] = max |g| over run r of `run` columns (a multiple of 8), R runs; 8 lanes, then 3 shuffles
+  static void run_absmax(const float* g, int64_t run, int64_t R, float* rm) {
+    const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t r = 0; r < R; ++r) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t c = 0; c < run; c += 8) a = _mm256_max_ps(a, _mm256_and_ps(_mm256_loadu_ps(g + r * run + c), mask));
+      a = _mm256_max_ps(a, _mm256_permute2f128_ps(a, a, 1));
+      a = _mm256_max_ps(a, _mm256_shuffle_ps(a, a, 0x4E));
+      a = _mm256_max_ps(a, _mm256_shuffle_ps(a, a, 0xB1));
+      rm[r] = _mm256_cvtss_f32(a);
+    }
   }
   static void store_tail(float* p, int64_t k, F v) {
     if (k >= 8) return _mm256_storeu_ps(p, v);
@@ -105,13 +123,26 @@ struct IntVnni {
   static void store_tail(float* p, int64_t k, F v) {
     _mm512_mask_storeu_ps(p, k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << k) - 1), v);
   }
-  static void quant(const float* x, float s, float lo, float hi, int8_t* q, int64_t n) {
-    const F sv = _mm512_set1_ps(s), lv = _mm512_set1_ps(lo), hv = _mm512_set1_ps(hi);
+  template <bool VS>
+  static void quant_t(const float* x, const float* s, float lo, float hi, int8_t* q, int64_t n) {
+    const F lv = _mm512_set1_ps(lo), hv = _mm512_set1_ps(hi);
     for (int64_t j = 0; j < n; j += 16) {
       const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+      // masked-off lanes divide 0 by 1 (VS) and are not stored
+      const F sv = VS ? _mm512_mask_loadu_ps(_mm512_set1_ps(1.f), k, s + j) : _mm512_set1_ps(s[0]);
       const F v = _mm512_div_ps(_mm512_maskz_loadu_ps(k, x + j), sv);
       const F r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       _mm512_mask_cvtepi32_storeu_epi8(q + j, k, _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lv), hv)));
+    }
+  }
+  static void quant(const float* x, float s, float lo, float hi, int8_t* q, int64_t n) { quant_t<false>(x, &s, lo, hi, q, n); }
+  static void quantv(const float* x, const float* s, float lo, float hi, int8_t* q, int64_t n) { quant_t<true>(x, s, lo, hi, q, n); }
+  // v rounded to fp16 and back, in place (IEEE round to nearest even, subnormals kept: c10::Half's result)
+  static void fp16_round(float* v, int64_t n) {
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+      const __m256i h = _mm512_cvtps_ph(_mm512_maskz_loadu_ps(k, v + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm512_mask_storeu_ps(v + j, k, _mm512_cvtph_ps(h));
     }
   }
 };
@@ -136,6 +167,39 @@ QuantFn quant_fn(int64_t isa) {
   if (isa == bm::kAvx2) return &IntAvx2::quant;
 #endif
   return &quant_portable;
+}
+
+using RunAbsmaxFn = void (*)(const float*, int64_t, int64_t, float*);
+using Fp16Fn = void (*)(float*, int64_t);
+
+void run_absmax_portable(const float* g, int64_t run, int64_t R, float* rm) {
+  for (int64_t r = 0; r < R; ++r) rm[r] = absmax(g + r * run, run);
+}
+
+void fp16_round_portable(float* v, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) v[j] = (float)c10::Half(v[j]);
+}
+
+RunAbsmaxFn run_absmax_fn(int64_t isa, int64_t run) {
+#ifdef BM_X86
+  if ((isa == bm::kAvx512 || isa == bm::kAvx2) && run % 8 == 0) return &IntAvx2::run_absmax;
+#endif
+  return &run_absmax_portable;
+}
+
+Fp16Fn fp16_fn(int64_t isa) {
+#ifdef BM_X86
+  if (isa == bm::kAvx512) return &IntVnni::fp16_round;  // AVX-512F's vcvtps2ph
+#endif
+  return &fp16_round_portable;
+}
+
+QuantVFn quantv_fn(int64_t isa) {
+#ifdef BM_X86
+  if (isa == bm::kAvx512) return &IntVnni::quantv;
+  if (isa == bm::kAvx2) return &IntAvx2::quantv;
+#endif
+  return &quantv_portable;
 }
 
 void run_rows(const IntLayout& L, const Acts& A, float* y, int64_t rb0, int64_t rb1, bool b8, int64_t isa) {
@@ -169,8 +233,7 @@ std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor sa, int64_t a
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m) {
         for (int64_t a0 = 0, c = 0; c < Gd; ++c, a0 += ags) {
-          float a = 0.f;
-          for (int64_t j = a0; j < std::min(K, a0 + ags); ++j) a = std::max(a, std::fabs(xp[m * K + j]));
+          const float a = absmax(xp + m * K + a0, std::min(K, a0 + ags) - a0);
           sp[m * Gd + c] = std::max(a / qm, tiny);
         }
       }
@@ -194,24 +257,20 @@ std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor sa, int64_t a
   return {q, qsum, sa};
 }
 
-// y [M, N] float32 from quantized activations and the integer layout
-torch::Tensor int_matmul(torch::Tensor q, torch::Tensor qsum, torch::Tensor sa, int64_t ratio, torch::Tensor data,
-                         torch::Tensor sc, torch::Tensor zc, int64_t N, int64_t G, int64_t gs, bool bytes, bool b8,
-                         int64_t isa) {
-  TORCH_CHECK(q.dtype() == torch::kInt8 && q.is_contiguous() && q.dim() == 2, "q must be contiguous int8 [M, KP]");
-  TORCH_CHECK(qsum.dtype() == torch::kInt32 && qsum.is_contiguous() && qsum.size(1) == G, "qsum must be int32 [M, G]");
+namespace {
+
+IntLayout layout_of(const torch::Tensor& data, const torch::Tensor& sc, const torch::Tensor& zc, int64_t KP, int64_t N,
+                    int64_t G, int64_t gs, bool bytes) {
   TORCH_CHECK(data.dtype() == torch::kUInt8 && data.is_contiguous(), "data must be contiguous uint8");
-  check_f32(sa, "activation scales");
   check_f32(sc, "weight scales");
   check_f32(zc, "zero-points");
-  TORCH_CHECK(q.size(1) % 8 == 0 && ratio >= 1 && (G == 1 || gs % 8 == 0), "bad integer layout");
-  bm::check_isa(isa);
+  TORCH_CHECK(KP % 8 == 0 && (G == 1 || gs % 8 == 0), "bad integer layout");
   IntLayout L;
   L.data = data.data_ptr<uint8_t>();
   L.sc = sc.data_ptr<float>();
   L.zc = zc.data_ptr<float>();
   L.N = N;
-  L.KP = q.size(1);
+  L.KP = KP;
   L.G = G;
   L.gs = gs;
   L.nrb = (N + 15) / 16;
@@ -220,14 +279,12 @@ torch::Tensor int_matmul(torch::Tensor q, torch::Tensor qsum, torch::Tensor sa, 
   L.ldy = N;
   TORCH_CHECK(data.numel() >= L.nrb * L.npairs * L.pair_bytes(), "data is too short for the layout");
   TORCH_CHECK(sc.numel() == L.nrb * G * 16 && zc.numel() == sc.numel(), "scales/zeros must be [nrb, G, 16]");
-  TORCH_CHECK(qsum.size(0) == q.size(0) && (sa.size(0) == 1 || sa.size(0) == q.size(0)) && sa.dim() == 2,
-              "qsum must have M rows and the activation scales 1 or M");
-  Acts A{q.data_ptr<int8_t>(), qsum.data_ptr<int32_t>(), sa.data_ptr<float>(), q.size(0), sa.size(0), sa.size(1), ratio};
-  A.ldq = L.KP;
-  A.ldqs = G;
-  A.lds = sa.size(1);
-  auto y = torch::empty({A.M, N}, sc.options());
-  if (A.M == 0 || N == 0) return y;
+  return L;
+}
+
+torch::Tensor run_all(const IntLayout& L, const Acts& A, const torch::Tensor& like, bool b8, int64_t isa) {
+  auto y = torch::empty({A.M, L.N}, like.options());
+  if (A.M == 0 || L.N == 0) return y;
   float* yp = y.data_ptr<float>();
   // prefill: tasks of up to 8 row blocks (128 rows: 256 KB of 4-bit weights at K=4096, in L2 while the
   // rows of x stream past them), at least 4 tasks per thread so that small matrices balance
@@ -239,6 +296,161 @@ torch::Tensor int_matmul(torch::Tensor q, torch::Tensor qsum, torch::Tensor sa, 
     for (int64_t t = t0; t < t1; ++t) run_rows(L, A, yp, t * chunk, std::min(L.nrb, (t + 1) * chunk), b8, isa);
   });
   return y;
+}
+
+}  // namespace
+
+// y [M, N] float32 from quantized activations and the integer layout
+torch::Tensor int_matmul(torch::Tensor q, torch::Tensor qsum, torch::Tensor sa, int64_t ratio, torch::Tensor data,
+                         torch::Tensor sc, torch::Tensor zc, int64_t N, int64_t G, int64_t gs, bool bytes, bool b8,
+                         int64_t isa) {
+  TORCH_CHECK(q.dtype() == torch::kInt8 && q.is_contiguous() && q.dim() == 2, "q must be contiguous int8 [M, KP]");
+  TORCH_CHECK(qsum.dtype() == torch::kInt32 && qsum.is_contiguous() && qsum.size(1) == G, "qsum must be int32 [M, G]");
+  check_f32(sa, "activation scales");
+  TORCH_CHECK(ratio >= 1, "bad integer layout");
+  bm::check_isa(isa);
+  const IntLayout L = layout_of(data, sc, zc, q.size(1), N, G, gs, bytes);
+  TORCH_CHECK(qsum.size(0) == q.size(0) && (sa.size(0) == 1 || sa.size(0) == q.size(0)) && sa.dim() == 2,
+              "qsum must have M rows and the activation scales 1 or M");
+  Acts A{q.data_ptr<int8_t>(), qsum.data_ptr<int32_t>(), sa.data_ptr<float>(), q.size(0), sa.size(0), sa.size(1), ratio};
+  A.ldq = L.KP;
+  A.ldqs = G;
+  A.lds = sa.size(1);
+  return run_all(L, A, sc, b8, isa);
+}
+
+// Runs mode (Acts::qz): the activation scale changes every `run` columns inside a weight group (run a
+// multiple of 8 dividing the group size, or any multiple of 8 with one group).  sa [Ms, G * sub] holds
+// run r of group g at column g * sub + r (sub = runs per group; a shorter last group leaves its unused
+// columns unread), qz [M, G] = sum_r s_a qsum over each group's runs.  y equals int_matmul with every run
+// its own group up to float32 rounding.
+torch::Tensor int_matmul_runs(torch::Tensor q, torch::Tensor qz, torch::Tensor sa, int64_t run, torch::Tensor data,
+                              torch::Tensor sc, torch::Tensor zc, int64_t N, int64_t G, int64_t gs, bool bytes, bool b8,
+                              int64_t isa) {
+  TORCH_CHECK(q.dtype() == torch::kInt8 && q.is_contiguous() && q.dim() == 2, "q must be contiguous int8 [M, KP]");
+  check_f32(qz, "qz");
+  check_f32(sa, "activation scales");
+  bm::check_isa(isa);
+  const IntLayout L = layout_of(data, sc, zc, q.size(1), N, G, gs, bytes);
+  const int64_t group_pairs = G == 1 ? L.npairs : gs / 8;
+  TORCH_CHECK(run >= 8 && run % 8 == 0 && (G == 1 || gs % run == 0), "runs must be a multiple of 8 that divides the group size");
+  const int64_t sub = (group_pairs + run / 8 - 1) / (run / 8);
+  TORCH_CHECK(qz.dim() == 2 && qz.size(0) == q.size(0) && qz.size(1) == G, "qz must be float32 [M, G]");
+  TORCH_CHECK(sa.dim() == 2 && (sa.size(0) == 1 || sa.size(0) == q.size(0)) && sa.size(1) == G * sub,
+              "the activation scales must be [1 or M, G * runs per group]");
+  Acts A{q.data_ptr<int8_t>(), nullptr, sa.data_ptr<float>(), q.size(0), sa.size(0), sa.size(1), 1};
+  A.ldq = L.KP;
+  A.ldqs = G;
+  A.lds = sa.size(1);
+  A.qz = qz.data_ptr<float>();
+  A.sub = sub;
+  A.run_pairs = run / 8;
+  return run_all(L, A, sc, b8, isa);
+}
+
+namespace {
+
+// quantize_gathered's rows (a struct of plain values, so the loops keep them in registers)
+struct GatherRows {
+  const float* x;
+  int64_t K;
+  const int64_t* chan;
+  int64_t n;
+  const int64_t* act;
+  int64_t R, run, S, sub;
+  float qmax, min_scale;
+  bool fp16, given;
+  int64_t Ms;
+  QuantVFn quant;
+  RunAbsmaxFn run_absmax;
+  Fp16Fn fp16_round;
+
+  void rows(int64_t m0, int64_t m1, float* sr, int8_t* q, int64_t KP, int32_t* rs, float* qz) const {
+    std::vector<float> g(R * run, 0.f), sj(R * run, 1.f), amax(S), rm(R);
+    float* gp = g.data();
+    float* sjp = sj.data();
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xm = x + m * K;
+      for (int64_t j = 0; j < n; ++j) gp[j] = xm[chan[j]];
+      float* srm = sr + (given ? (Ms == 1 ? 0 : m) : m) * R;
+      if (!given) {  // g is zero past n: whole runs
+        run_absmax(gp, run, R, rm.data());
+        std::fill(amax.begin(), amax.end(), 0.f);
+        for (int64_t r = 0; r < R; ++r) amax[act[r]] = std::max(amax[act[r]], rm[r]);
+        for (int64_t c = 0; c < S; ++c) amax[c] = std::min(std::max(amax[c] / qmax, min_scale), 65504.f);
+        if (fp16) fp16_round(amax.data(), S);
+        for (int64_t r = 0; r < R; ++r) srm[r] = amax[act[r]];
+      }
+      for (int64_t r = 0; r < R; ++r) {  // each column's scale, then one pass over the row
+        const float s = srm[r];
+        const int64_t j1 = std::min(n, (r + 1) * run);
+        for (int64_t j = r * run; j < j1; ++j) sjp[j] = s;
+      }
+      int8_t* qrow = q + m * KP;
+      quant(gp, sjp, -qmax, qmax, qrow, n);
+      int32_t* rsm = rs + m * R;
+      for (int64_t r = 0; r < R; ++r) {
+        int32_t t = 0;
+        const int64_t j1 = std::min(n, (r + 1) * run);
+        for (int64_t j = r * run; j < j1; ++j) t += qrow[j];
+        rsm[r] = t;
+      }
+      for (int64_t c = 0; c < R / sub; ++c) {
+        float z = 0.f;
+        for (int64_t k = c * sub; k < (c + 1) * sub; ++k) z += srm[k] * (float)rsm[k];
+        qz[m * (R / sub) + c] = z;
+      }
+    }
+  }
+};
+
+}  // namespace
+
+// Gathered, symmetric quantization (the SQ-format's static parts, modules/sq.py _SQIntKernel): the columns
+// x[:, chan[j]] (j < n, e.g. the high channels in stored order) in runs of `run` columns, run r under scale
+// column act[r] of S.  Scales: the given ones (sa [1 or M, S], calibrated) or, with an empty sa, per token
+// from the absmax over the part's columns of each scale column, min(max(amax / qmax, min_scale), 65504),
+// rounded to fp16 where `fp16` (formats/sq.py _fp16_scale; the same float32 operations).  Levels: q =
+// clamp(round_half_even(x / s), -qmax, qmax).  Returns q [M, KP] int8 (zero past n), the run sums rs [M, R]
+// int32, the run scales sr [1 or M, R] float32 and qz [M, R / sub] = sum over each group of sub runs of
+// sr rs (the runs mode's zero-point term; with sub 1 unused: rs is the group sums).
+std::vector<torch::Tensor> quantize_gathered(torch::Tensor x, torch::Tensor chan, torch::Tensor act, int64_t run,
+                                             int64_t S, double qmax, torch::Tensor sa, int64_t KP, int64_t sub,
+                                             double min_scale, bool fp16, int64_t isa) {
+  check_f32(x, "x");
+  TORCH_CHECK(chan.dtype() == torch::kLong && chan.is_contiguous() && act.dtype() == torch::kLong && act.is_contiguous(),
+              "chan and act must be contiguous int64");
+  const int64_t M = x.size(0), K = x.size(1), n = chan.numel(), R = act.numel();
+  TORCH_CHECK(run >= 1 && R * run >= n && KP >= n && sub >= 1 && R % sub == 0 && S >= 1, "bad gathered layout");
+  const int64_t* cp = chan.data_ptr<int64_t>();
+  const int64_t* ap = act.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j) TORCH_CHECK(cp[j] >= 0 && cp[j] < K, "a gathered column is out of range");
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(ap[r] >= 0 && ap[r] < S, "a run's scale column is out of range");
+  const bool given = sa.numel() > 0;
+  if (given) {
+    check_f32(sa, "scales");
+    TORCH_CHECK(sa.dim() == 2 && sa.size(1) == S && (sa.size(0) == 1 || sa.size(0) == M), "scales must be [1 or M, S]");
+  }
+  bm::check_isa(isa);
+  const int64_t Ms = given ? sa.size(0) : M;
+  auto q = torch::zeros({M, KP}, x.options().dtype(torch::kInt8));
+  auto rs = torch::empty({M, R}, x.options().dtype(torch::kInt32));
+  auto sr = torch::empty({Ms, R}, x.options());
+  auto qz = torch::empty({M, R / sub}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* sp = given ? sa.data_ptr<float>() : nullptr;
+  int8_t* qp = q.data_ptr<int8_t>();
+  int32_t* rp = rs.data_ptr<int32_t>();
+  float* srp = sr.data_ptr<float>();
+  float* qzp = qz.data_ptr<float>();
+  const float qm = (float)qmax, lo_s = (float)min_scale;
+  const QuantVFn fn = quantv_fn(isa);
+  if (given)  // the given scales of each run, once
+    for (int64_t m = 0; m < Ms; ++m)
+      for (int64_t r = 0; r < R; ++r) srp[m * R + r] = sp[m * S + ap[r]];
+  GatherRows G{xp, K, cp, n, ap, R, run, S, sub, qm, lo_s, fp16, given, Ms, fn, run_absmax_fn(isa, run), fp16_fn(isa)};
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) { G.rows(m0, m1, srp, qp, KP, rp, qzp); });
+  return {q, rs, sr, qz};
 }
 
 // Parts of the output added into y [M, N] in place (a block-sparse residual grouped by row block, e.g.
@@ -344,6 +556,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int_linear", &int_linear, "quantize + int_matmul in one call");
   m.def("quantize", &quantize, "int8 activations and their group sums");
   m.def("int_matmul", &int_matmul, "y = Q(x) W^T from int8 activations and integer weight codes");
+  m.def("int_matmul_runs", &int_matmul_runs, "int_matmul with activation scales that change inside weight groups");
+  m.def("quantize_gathered", &quantize_gathered, "symmetric quantization of gathered columns in scale runs");
   m.def("int_parts", &int_parts, "y += row-block parts' integer products over gathered activations, in place");
   m.def("isa_supported", &bm::isa_supported, "whether this CPU runs kernel ISA 0 (portable), 1 (AVX2), 2 (AVX-512)");
   m.def("vnni_supported", &vnni_supported, "whether the avx512 ISA runs AVX-512 VNNI (vpdpbusd)");

@@ -35,13 +35,19 @@ struct IntLayout {
 // The quantized activations: q [M][KP] int8 (zero past K), qsum [M][G] the sum of q over each weight
 // group, sa [Ms][Ga] the activation scales (Ms 1: shared by every token), weight group g under
 // activation scale column min(g / ratio, Ga - 1).
+// Runs mode (qz set): activation scales change inside a weight group, every `run_pairs` pairs (a run);
+// run r of group g has scale column g * sub + r of sa, and qz [M][G] holds sum_r s_a(r) qsum(r) per
+// weight group (float32), so the zero-point term is applied once per group:
+//   y += s_w (sum_r s_a(r) acc(r) - z qz)       (qsum unused)
 struct Acts {
   const int8_t* q;
   const int32_t* qsum;
   const float* sa;
   int64_t M, Ms, Ga, ratio;
-  int64_t ldq = 0, ldqs = 0, lds = 0;  // row strides of q, qsum, sa (KP, G, Ga; wider for a part)
+  int64_t ldq = 0, ldqs = 0, lds = 0;  // row strides of q, qsum (or qz), sa (KP, G, Ga; wider for a part)
   const int32_t* pcol = nullptr;       // column of q where each pair of the weight reads (null: 8 p)
+  const float* qz = nullptr;           // runs mode: [M][ldqs] sum_r s_a qsum per weight group
+  int64_t sub = 1, run_pairs = 0;      // runs mode: scale columns per weight group, pairs per run
 
   int64_t pair_col(int64_t p) const { return pcol ? pcol[p] : 8 * p; }
 
@@ -53,11 +59,32 @@ struct Acts {
 // same float32 operations as formats/act.py fake_quant), then the group sums.  x [M][K], act group
 // `ags` columns per scale column.
 // n values of one scale (portable; the SIMD versions are IntAvx2/IntVnni::quant, the same operations)
+// max |x_j| over n values: eight independent chains, so the latency of max does not serialize the loop
+// (one chain was about 4 cycles an element); exact in any order
+inline float absmax(const float* x, int64_t n) {
+  float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int k = 0; k < 8; ++k) a[k] = std::max(a[k], std::fabs(x[j + k]));
+  for (; j < n; ++j) a[0] = std::max(a[0], std::fabs(x[j]));
+  for (int k = 1; k < 8; ++k) a[0] = std::max(a[0], a[k]);
+  return a[0];
+}
+
+// VS: one scale per element (s[j]), else s[0] for all
+template <bool VS>
+inline void quant_portable_t(const float* x, const float* s, float lo, float hi, int8_t* q, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) q[j] = (int8_t)std::min(std::max(std::nearbyint(x[j] / s[VS ? j : 0]), lo), hi);
+}
 inline void quant_portable(const float* x, float s, float lo, float hi, int8_t* q, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) q[j] = (int8_t)std::min(std::max(std::nearbyint(x[j] / s), lo), hi);
+  quant_portable_t<false>(x, &s, lo, hi, q, n);
+}
+inline void quantv_portable(const float* x, const float* s, float lo, float hi, int8_t* q, int64_t n) {
+  quant_portable_t<true>(x, s, lo, hi, q, n);
 }
 
 using QuantFn = void (*)(const float*, float, float, float, int8_t*, int64_t);
+using QuantVFn = void (*)(const float*, const float*, float, float, int8_t*, int64_t);
 
 inline void quantize_rows(const float* x, int64_t K, const float* sa, int64_t Ms, int64_t Ga, int64_t ags,
                           float qmax, int64_t KP, int64_t gs, int64_t G, int8_t* q, int32_t* qsum,
@@ -99,7 +126,21 @@ void rows_portable(const IntLayout& L, const Acts& A, float* y, int64_t rb0, int
       for (int64_t m = 0; m < A.M; ++m) {
         const int8_t* qm = A.q + m * A.ldq;
         float out = 0.f;
-        for (int64_t g = 0; g < L.G; ++g) {
+        for (int64_t g = 0; g < L.G && A.qz; ++g) {  // runs mode
+          float fg = 0.f;
+          for (int64_t k = 0, pr = L.pair0(g); pr < L.pair1(g); ++k, pr += A.run_pairs) {
+            int32_t acc = 0;
+            for (int64_t p = pr; p < std::min(L.pair1(g), pr + A.run_pairs); ++p) {
+              const uint8_t* pair = base + p * L.pair_bytes();
+              const int64_t c0 = A.pair_col(p);
+              for (int64_t c = 0; c < 8; ++c) acc += code_at(L, pair, r, c) * (int32_t)qm[c0 + c];
+            }
+            fg = std::fma((float)acc, A.scale(m, g * A.sub + k), fg);
+          }
+          const float s = L.sc[(rb * L.G + g) * 16 + r], z = L.zc[(rb * L.G + g) * 16 + r];
+          out = std::fma(std::fma(-z, A.qz[m * A.ldqs + g], fg), s, out);
+        }
+        for (int64_t g = 0; g < L.G && !A.qz; ++g) {
           const int64_t ga = A.col(g);
           int32_t acc = 0;
           for (int64_t p = L.pair0(g); p < L.pair1(g); ++p) {

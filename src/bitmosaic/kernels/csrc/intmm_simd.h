@@ -21,8 +21,59 @@ BM_INLINE void weights(const uint8_t* pair, int h, typename V::I& lo, typename V
   }
 }
 
-// y[m0 .. m0 + MB) x rows of row block rb
+// runs mode (Acts::qz): per run of one activation scale inside weight group g, the exact int32 sums,
+// then only cvt + one FMA with the run's scale into a float sum per group; the weight scale and the
+// zero-point term (z qz, qz = sum_r s_a qsum) once per group.  About half the epilogue work of giving
+// every run its own group (the SQ-format's 8-column runs).
 template <class V, int MB, bool BYTES, bool B8>
+BM_INLINE void group_runs(const IntLayout& L, const Acts& A, int64_t rb, int64_t m0, int64_t g, const uint8_t* base,
+                          typename V::F (&facc)[MB][16 / V::R]) {
+  using I = typename V::I;
+  using F = typename V::F;
+  constexpr int H = 16 / V::R;
+  const int64_t pb = L.pair_bytes();
+  const int8_t* q0 = A.q + m0 * A.ldq;
+  F fg[MB][H];
+  for (int m = 0; m < MB; ++m)
+    for (int h = 0; h < H; ++h) fg[m][h] = V::fzero();
+  const int64_t p1 = L.pair1(g);
+  for (int64_t k = 0, pr = L.pair0(g); pr < p1; ++k, pr += A.run_pairs) {
+    I acc[MB][H];
+    for (int m = 0; m < MB; ++m)
+      for (int h = 0; h < H; ++h) acc[m][h] = V::zero();
+    const int64_t pe = std::min(p1, pr + A.run_pairs);
+    for (int64_t p = pr; p < pe; ++p) {
+      const uint8_t* pair = base + p * pb;
+      const int64_t pc = A.pair_col(p);
+      for (int h = 0; h < H; ++h) {
+        I lo, hi;
+        weights<V, BYTES>(pair, h, lo, hi);
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* qp = q0 + m * A.ldq + pc;
+          acc[m][h] = V::template dot<B8>(acc[m][h], lo, V::bcast4(qp));
+          acc[m][h] = V::template dot<B8>(acc[m][h], hi, V::bcast4(qp + 4));
+        }
+      }
+    }
+    const int64_t col = g * A.sub + k;
+    for (int m = 0; m < MB; ++m) {
+      const F sa = V::set1f(A.scale(m0 + m, col));
+      for (int h = 0; h < H; ++h) fg[m][h] = V::fma(V::cvt(acc[m][h]), sa, fg[m][h]);
+    }
+  }
+  const float* sp = L.sc + (rb * L.G + g) * 16;
+  const float* zp = L.zc + (rb * L.G + g) * 16;
+  for (int h = 0; h < H; ++h) {
+    const F sv = V::loadf(sp + h * V::R), zv = V::loadf(zp + h * V::R);
+    for (int m = 0; m < MB; ++m) {
+      const F t = V::fnmadd(zv, V::set1f(A.qz[(m0 + m) * A.ldqs + g]), fg[m][h]);
+      facc[m][h] = V::fma(t, sv, facc[m][h]);
+    }
+  }
+}
+
+// y[m0 .. m0 + MB) x rows of row block rb
+template <class V, int MB, bool BYTES, bool B8, bool RUNS>
 void tile(const IntLayout& L, const Acts& A, int64_t rb, int64_t m0, float* y) {
   using I = typename V::I;
   using F = typename V::F;
@@ -33,7 +84,8 @@ void tile(const IntLayout& L, const Acts& A, int64_t rb, int64_t m0, float* y) {
   const uint8_t* base = L.block(rb);
   const int64_t pb = L.pair_bytes();
   const int8_t* q0 = A.q + m0 * A.ldq;
-  for (int64_t g = 0; g < L.G; ++g) {
+  for (int64_t g = 0; g < L.G && RUNS; ++g) group_runs<V, MB, BYTES, B8>(L, A, rb, m0, g, base, facc);
+  for (int64_t g = 0; g < L.G && !RUNS; ++g) {
     I acc[MB][H][2];
     for (int m = 0; m < MB; ++m)
       for (int h = 0; h < H; ++h) acc[m][h][0] = acc[m][h][1] = V::zero();
@@ -81,22 +133,28 @@ void tile(const IntLayout& L, const Acts& A, int64_t rb, int64_t m0, float* y) {
 
 // every row of x times the row blocks rb0..rb1: MB rows of x at a time, each unpacked weight register
 // used MB times; the row blocks of one call stay in cache while the rows of x stream past them
-template <class V, bool BYTES, bool B8>
+template <class V, bool BYTES, bool B8, bool RUNS>
 void rows(const IntLayout& L, const Acts& A, float* y, int64_t rb0, int64_t rb1) {
   constexpr int MB = V::MB;
   int64_t m0 = 0;
   for (; m0 + MB <= A.M; m0 += MB)
-    for (int64_t rb = rb0; rb < rb1; ++rb) tile<V, MB, BYTES, B8>(L, A, rb, m0, y);
+    for (int64_t rb = rb0; rb < rb1; ++rb) tile<V, MB, BYTES, B8, RUNS>(L, A, rb, m0, y);
   const int64_t rest = A.M - m0;
   if (rest > 0)
     bm::dispatch_1to8(rest, [&](auto mb) {
-      for (int64_t rb = rb0; rb < rb1; ++rb) tile<V, decltype(mb)::value, BYTES, B8>(L, A, rb, m0, y);
+      for (int64_t rb = rb0; rb < rb1; ++rb) tile<V, decltype(mb)::value, BYTES, B8, RUNS>(L, A, rb, m0, y);
     });
+}
+
+template <class V, bool RUNS>
+void rows_mode(const IntLayout& L, const Acts& A, float* y, int64_t rb0, int64_t rb1, bool b8) {
+  if (!L.bytes) return rows<V, false, false, RUNS>(L, A, y, rb0, rb1);
+  if (b8) return rows<V, true, true, RUNS>(L, A, y, rb0, rb1);
+  rows<V, true, false, RUNS>(L, A, y, rb0, rb1);
 }
 
 template <class V>
 void rows_any(const IntLayout& L, const Acts& A, float* y, int64_t rb0, int64_t rb1, bool b8) {
-  if (!L.bytes) return rows<V, false, false>(L, A, y, rb0, rb1);
-  if (b8) return rows<V, true, true>(L, A, y, rb0, rb1);
-  rows<V, true, false>(L, A, y, rb0, rb1);
+  if (A.qz) return rows_mode<V, true>(L, A, y, rb0, rb1, b8);
+  rows_mode<V, false>(L, A, y, rb0, rb1, b8);
 }
