@@ -7,16 +7,20 @@ Per shape (``out x in``) a random W4 g128 packed weight (RTN), at ``--rows`` row
 * ``fp32``: ``F.linear`` with the dequantized weight; ``W4A16``: the weight-only low-bit kernel;
 * ``W4A8`` / ``W4A4``: per-token INT8 / INT4 activations on the integer kernel (``kernels/intmm.py``);
 * ``SQ dyn`` / ``SQ static``: W4A(SQ6) ``16-(8/4)-0.5`` with per-bank activation scales (the scales the
-  findings use), the layer's integer path (``modules/sq.py``: the split by the simulated path's own
-  function, then each part's levels times the codes in int32, groups of 16 / 8 columns); ``SQ sim``: the
+  findings use), the layer's integer path (``modules/sq.py``): dynamic, the split by the simulated
+  path's own function (float32 torch operations), then each part's levels times the codes; static, each
+  part's channels gathered and quantized in one C++ pass (``ops.quantize_gathered``), then the product in
+  the kernel's runs mode (``IntActWeight.product_runs``: an int32 sum per 8-column run, one float FMA
+  with the run's scale, the weight scale and zero-point once per weight group); ``SQ sim``: the
   same layer's float32 split (``$BITMOSAIC_ACT_COMPUTE=sim``);
 * bounds measured in the same run: ``int8 bound`` = ``2 M N K`` at ``torch._int_mm``'s int8 rate,
   ``mem bound`` = the packed 4-bit weight's bytes / the read bandwidth.
 
-The SQ-format's own overhead on this CPU is its split (top-k per bank, two scales per bank and part:
-float32 torch operations) and, dynamic, a second integer product (each part multiplies every column,
-zeros at the other part's places: there is no split datapath); static splits the stored columns
-once (one product's worth).  ``python benchmarks/sq_gemm.py --threads 2``
+The SQ-format's own overhead on this CPU: dynamic, its split (top-k per bank, two scales per bank and
+part: float32 torch operations) and a second integer product (each part multiplies every column, zeros
+at the other part's places: there is no split datapath); static, the gather and each 8-column run's own
+activation scale (one float FMA per run and 16 output rows, where W4A4 has one per 128 columns), with
+the two parts' products one product's worth of columns.  ``python benchmarks/sq_gemm.py --threads 2``
 """
 
 from __future__ import annotations
