@@ -91,6 +91,8 @@ class WeightQuantConfig(metaclass=ConfigMeta):
 
     @property
     def percdamp(self) -> float:
+        """The Hessian damping the generic pipeline passes to its solves and reports: the method's
+        ``--damp`` where its config has one (every Hessian method's), else GPTQ's 0.01."""
         return getattr(self, "damp", 0.01)
 
     def __post_init__(self) -> None:

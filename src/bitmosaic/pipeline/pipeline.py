@@ -338,7 +338,7 @@ def quantize_model(
                             H = Handed(accs.pop(own).take())
                         for sub in by_key.values():
                             m, c = plan[sub[0]]
-                            pd = getattr(c, "percdamp", 0.01)
+                            pd = c.percdamp  # WeightQuantConfig: every method config
                             args = (m, c, layer, sub, H, pd, prefix, check_packing, observers.get(own),
                                     states.get(_key(plan[sub[0]])), dist)  # fmt: skip
                             try:
@@ -358,7 +358,7 @@ def quantize_model(
                         if analyze_orders and H is not None:
                             grid = IntGrid(c.bits, c.symmetric)
                             W = layer.get_submodule(name).weight.data.float()
-                            pd = getattr(c, "percdamp", 0.01)
+                            pd = c.percdamp  # WeightQuantConfig: every method config
                             row["order_bounds"] = order_bound_table(
                                 W, H, grid, c.group_size, tuple(analyze_orders), percdamp=pd
                             )
