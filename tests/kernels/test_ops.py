@@ -106,7 +106,7 @@ def test_runs_ops(calibrated):
     chan = torch.randperm(w.K, generator=G)
     act = torch.arange(R) // 2  # two runs per scale column
     scales = torch.rand(1, R // 2, generator=G) * 0.05 + 0.01 if calibrated else None
-    gargs = (x, chan, act, run, R // 2, 127.0, scales, w.KP, sub, 2.0**-24, True)
+    gargs = (x, chan, act, run, R // 2, 127.0, 127.0, w.K, scales, w.KP, sub, 2.0**-24, True)
     torch.library.opcheck(ops.quantize_gathered.op, gargs)
     q, sums, sa, qz = ops.quantize_gathered(*gargs)
     assert q.dtype == torch.int8 and sums.shape == (5, R) and qz.shape == (5, w.G)

@@ -161,3 +161,17 @@ def test_static_levels_are_the_splits_own(sq, scale, group, calibrated):
             assert torch.equal(sums, lv.sum(-1).int()), (part, name)
             if run:
                 assert torch.allclose(qz, w.run_sums(q, sa, run), rtol=1e-6, atol=1e-6), (part, name)
+    if k.merged is None or not k.merged[0].compiled():
+        assert not m.fmt.h_low or not intmm.extension()  # the two static parts merge where both exist
+        return
+    # both parts in one call (what the layer runs): the high part's levels then the low part's, each
+    # run under its own part's scale
+    w, cols, act_cols, _, run = k.merged
+    kh = m.fmt.high_count(m.in_features)
+    want = torch.cat([t.high[:, perm[:kh]], t.low[:, perm[kh:]]], 1)
+    want_s = torch.cat([t.high_scale.expand(9, -1), t.low_scale.expand(9, -1)], 1)
+    for name in isa.available_isas(intmm.extension()):
+        with env_var(isa.ISA_ENV, name):
+            q, sums, sa, qz = k.static_levels(x, "merged", w, act_cols, run)
+        assert torch.equal(q[:, : m.in_features].float(), want), name
+        assert torch.equal(sa.expand(9, -1), want_s[:, act_cols]), name

@@ -313,6 +313,8 @@ def quantize_gathered(
     run: int,
     n_scales: int,
     qmax: float,
+    qmax2: float,
+    n1: int,
     scales: torch.Tensor | None,
     KP: int,
     sub: int,
@@ -321,7 +323,9 @@ def quantize_gathered(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q [M, KP] int8, run sums [M, R] int32, run scales [1 or M, R], qz [M, R / sub])``: the columns
     ``x[:, chan]`` quantized symmetrically in runs of ``run`` columns, run ``r`` under scale column
-    ``act[r]`` of ``n_scales`` -- ``scales [1 or M, n_scales]`` given (calibrated) or, when None, per token
+    ``act[r]`` of ``n_scales``, the first ``n1`` columns on the grid ``±qmax`` and the rest on ``±qmax2`` (a
+    multiple of ``run``: both SQ parts in one call) -- ``scales [1 or M, n_scales]`` given (calibrated) or,
+    when None, per token
     from the absmax over the gathered columns of each scale column (``min(max(amax / qmax, min_scale),
     65504)``, fp16-rounded where ``fp16``: the SQ-format's ``_fp16_scale``); ``qz``: per group of ``sub``
     runs ``Σ scale · run sum`` (:meth:`IntActWeight.product_runs
@@ -332,13 +336,13 @@ def quantize_gathered(
         raise RuntimeError("bitmosaic::quantize_gathered needs the compiled intmm extension")
     sa = torch.empty(0) if scales is None else scales.float().contiguous()
     return tuple(ext.quantize_gathered(
-        x.contiguous(), chan, act, run, n_scales, float(qmax), sa, KP, sub, float(min_scale), fp16,
-        isa_number(ext=ext),
+        x.contiguous(), chan, act, run, n_scales, float(qmax), float(qmax2), n1, sa, KP, sub,
+        float(min_scale), fp16, isa_number(ext=ext),
     ))  # fmt: skip
 
 
 @quantize_gathered.register_fake
-def _(x, chan, act, run, n_scales, qmax, scales, KP, sub, min_scale, fp16):
+def _(x, chan, act, run, n_scales, qmax, qmax2, n1, scales, KP, sub, min_scale, fp16):
     M, R = x.shape[0], act.shape[0]
     Ms = M if scales is None else scales.shape[0]
     return (x.new_empty(M, KP, dtype=torch.int8), x.new_empty(M, R, dtype=torch.int32), x.new_empty(Ms, R),

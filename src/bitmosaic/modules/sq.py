@@ -353,6 +353,12 @@ class SQActLinear(QuantLinear):
             if isinstance(r, str):
                 return f"SQ-format {name} part: {r}"
             parts[name] = (r[0], c, r[1], orig[c] // g, r[2])
+        if len(parts) == 2 and kh % 8 == 0:  # both static parts as one weight: one product
+            S = -(-K // g)
+            ids = torch.cat([orig[:kh] // g, orig[kh:] // g + S])  # the low part's scales after the high's
+            r = segmented_int_weight(codes, self.storage_bits, scales, zeros, g_idx.cpu(), cols, ids)
+            if not isinstance(r, str):
+                parts["merged"] = (r[0], cols, r[1], ids, r[2])
         return parts
 
     @classmethod
@@ -409,15 +415,20 @@ class _SQIntKernel:
     slices make one product's worth in all (tested equal to the split's levels)."""
 
     def __init__(self, layer: SQActLinear, parts: dict) -> None:
+        parts = dict(parts)
+        self.merged = parts.pop("merged", None)  # both static parts as one weight (extension only)
         self.layer, self.parts = layer, parts
         K = layer.in_features
         self.n_scales = -(-K // act_scale_group(layer.fmt, K, layer.act_scale, layer.act_group))
         self.perm = None if layer.sq_perm is None else layer.sq_perm.long()
         # static parts: each part's channels (stored order), for the extension's gathered quantization
         self.chan = {} if self.perm is None else {n: self.perm[p[1]].contiguous() for n, p in parts.items()}
+        if self.merged is not None:
+            self.chan["merged"] = self.perm.contiguous()
 
     def nbytes(self) -> int:
-        return sum(p[0].nbytes() for p in self.parts.values())
+        merged = 0 if self.merged is None else self.merged[0].nbytes()
+        return sum(p[0].nbytes() for p in self.parts.values()) + merged
 
     @staticmethod
     def _runs(w, run: int) -> tuple[int, int]:
@@ -446,15 +457,22 @@ class _SQIntKernel:
     def static_levels(self, x2: torch.Tensor, part: str, w, act_cols, run: int = 0):
         """:meth:`static_part`'s integers in the extension (``ops.quantize_gathered``): ``(q [M, KP] int8,
         sums [M, runs] int32, scales per run [1 or M, runs], qz [M, G])`` -- the same levels and scales
-        (tested), gathered and quantized in one pass over ``x2``."""
-        m = self.layer
-        qmax = m.fmt.qmax_high if part == "high" else m.fmt.qmax_low
-        calibrated = m.act_high_scale if part == "high" else m.act_low_scale
-        scales = None if calibrated is None else calibrated.float().reshape(1, -1)
+        (tested), gathered and quantized in one pass over ``x2``.  ``part="merged"``: both parts at once
+        (the high part's columns first, its scale columns first), for the merged weight."""
+        m, fmt = self.layer, self.layer.fmt
         nruns, length = self._runs(w, run)
+        if part == "merged":
+            qmax, qmax2, n1, S = fmt.qmax_high, fmt.qmax_low, fmt.high_count(m.in_features), 2 * self.n_scales
+            cal = m.act_high_scale, m.act_low_scale
+            scales = None if cal[0] is None else torch.cat([c.float().reshape(1, -1) for c in cal], 1)
+        else:
+            qmax = fmt.qmax_high if part == "high" else fmt.qmax_low
+            qmax2, n1, S = qmax, x2.shape[1], self.n_scales
+            calibrated = m.act_high_scale if part == "high" else m.act_low_scale
+            scales = None if calibrated is None else calibrated.float().reshape(1, -1)
         return ops.quantize_gathered(
-            x2, self.chan[part], act_cols, length, self.n_scales, qmax, scales, w.KP, nruns // w.G,
-            _MIN_SCALE, True,
+            x2, self.chan[part], act_cols, length, S, qmax, qmax2, n1, scales, w.KP, nruns // w.G, _MIN_SCALE,
+            True,
         )  # fmt: skip
 
     def _static_int(self, x2: torch.Tensor, part: str, w, act_cols, run: int) -> torch.Tensor:
@@ -465,6 +483,10 @@ class _SQIntKernel:
         m = self.layer
         x2 = x.reshape(-1, m.in_features).float()
         t = dynamic_split(x2, m.fmt, m.act_scale, m.act_group) if m.strategy == "dynamic" else None
+        if t is None and self.merged is not None and self.merged[0].compiled():  # one product for both
+            w, _, act_cols, _, run = self.merged
+            y = self._static_int(x2, "merged", w, act_cols, run)
+            return y.reshape(*x.shape[:-1], m.out_features).to(x.dtype)
         y = None
         for name, (w, cols, act_cols, col_act, run) in self.parts.items():
             for part in ("high", "low") if name == "both" else (name,):
