@@ -242,8 +242,10 @@ WHY = {
     "ours: W4A4 prefill beats W4A16 on the CPU integer path": "not a claim of the paper (its kernel is a "
     "GPU's); the issue's target for the CPU",
     "ours: W4A(SQ6) near W4A4's speed on the CPU integer path": "the paper's throughput claim is for its "
-    "split-datapath hardware (simulated there); a CPU has none: per-bank scales force 8-16-column groups "
-    "in the int8 kernel and the split runs as float32 torch operations",
+    "split-datapath hardware (simulated there); a CPU has none: per-bank scales give every 8-column run "
+    "its own activation scale (one float FMA per run and 16 outputs, where W4A4 has one per 128 columns: "
+    "about twice the vector work per column on a port-0-bound AVX-512 core), static adds a gather; the "
+    "dynamic split runs as float32 torch operations",
     "MosaicQuant + rotation beats rotation alone (W4A4)": "MosaicQuant's RTN dense base loses with a "
     "rotation here (RTN W4A16 79 -> 182, see rotation.md); both rows A4 per group of 128",
     "MosaicQuant (GPTQ base) + rotation beats rotation alone (W4A4)": "both rows A4 per group of 128; "

@@ -126,16 +126,36 @@ def _first(values, what: str):
     raise KeyError(what)
 
 
-def _sq_ppl(rows: dict[str, dict], sq: str, strategy: str) -> float:
-    return _first((v["ppl"] for k, v in rows.items() if f" {sq} " in f" {k} " and k.endswith(strategy)), sq)
+def _sq_ppl(rows: dict[str, dict], sq: str, strategy: str, scale: str = "token") -> float:
+    end = strategy if scale == "token" else f"{strategy} scales={scale}"
+    return _first((v["ppl"] for k, v in rows.items() if f" {sq} " in f" {k} " and k.endswith(end)), sq)
 
 
-def sq_static_falls_at_int2(res: dict) -> tuple[str, str]:
+def _by_scale(judge, res: dict) -> tuple[str, str]:
+    """``judge(res, scale) -> (numbers, verdict)`` with per-bank activation scales (the granularity the
+    paper's tables fit: the verdict) where those rows exist, and with per-token scales beside them."""
+    out = {}
+    for scale in ("bank", "token"):
+        try:
+            out[scale] = judge(res, scale)
+        except KeyError:
+            continue
+    if not out:
+        raise KeyError("sq_format rows of this claim")
+    if "bank" not in out:
+        return out["token"]
+    nums = "scales per bank: " + out["bank"][0]
+    if "token" in out:
+        nums += f" | scales per token: {out['token'][0]} ({out['token'][1]})"
+    return nums, out["bank"][1]
+
+
+def _static_falls_at_int2(res: dict, scale: str) -> tuple[str, str]:
     r = _sq_rows(res, "gap")
     gaps = {}
     for low in (4, 3, 2):
         sq = f"16-(8/{low})-0.5"
-        d, st = _sq_ppl(r, sq, "dynamic"), _sq_ppl(r, sq, "static")
+        d, st = _sq_ppl(r, sq, "dynamic", scale), _sq_ppl(r, sq, "static", scale)
         gaps[low] = (d, st, st / d - 1)
     nums = "; ".join(
         f"(8/{k}): dynamic {fmt(d)}, static {fmt(st)} ({g:+.0%})" for k, (d, st, g) in gaps.items()
@@ -144,9 +164,14 @@ def sq_static_falls_at_int2(res: dict) -> tuple[str, str]:
     return nums, verdict(ok, "the static-dynamic gap does not widen steadily towards INT2")
 
 
-def sq_static_small_banks(res: dict) -> tuple[str, str]:
+def sq_static_falls_at_int2(res: dict) -> tuple[str, str]:
+    return _by_scale(_static_falls_at_int2, res)
+
+
+def _static_small_banks(res: dict, scale: str) -> tuple[str, str]:
     """At each sparsity, the bank chosen by calibration loss (test perplexity only reported)."""
-    rows = [v for v in res["rows"] if v.get("part") == "agrid" and v["name"].endswith("static")]
+    end = "static" if scale == "token" else f"static scales={scale}"
+    rows = [v for v in res["rows"] if v.get("part") == "agrid" and v["name"].endswith(end)]
     by_s: dict[str, list[tuple[int, dict]]] = {}
     for v in rows:
         f = parse_sq(v["name"].split()[1])  # "W4A(SQ) 16-(8/4)-0.5 static"
@@ -166,15 +191,24 @@ def sq_static_small_banks(res: dict) -> tuple[str, str]:
     return "; ".join(lines), verdict(ok, "a larger bank has the lowest calibration loss")
 
 
-def sq_importance_ablation(res: dict) -> tuple[str, str]:
+def sq_static_small_banks(res: dict) -> tuple[str, str]:
+    return _by_scale(_static_small_banks, res)
+
+
+def _importance_ablation(res: dict, scale: str) -> tuple[str, str]:
     r = _sq_rows(res, "ablate")
     imps = ("aw", "abs-aw", "a")
-    p = {i: _first((v["ppl"] for k, v in r.items() if k.endswith(f"I={i}")), i) for i in imps}
+    end = "" if scale == "token" else f" scales={scale}"
+    p = {i: _first((v["ppl"] for k, v in r.items() if k.endswith(f"I={i}{end}")), i) for i in imps}
     nums = (
         f"static W4A(SQ6) b16: I=|A·ΣW| {fmt(p['aw'])}, mean|A|·Σ|W| {fmt(p['abs-aw'])}, "
         f"|A| alone {fmt(p['a'])}"
     )
     return nums, verdict(p["a"] > 1.1 * p["aw"], "|A| alone is within 10% of the paper's importance")
+
+
+def sq_importance_ablation(res: dict) -> tuple[str, str]:
+    return _by_scale(_importance_ablation, res)
 
 
 def sq_int_throughput(res: dict) -> tuple[str, str]:
