@@ -222,7 +222,7 @@ class SQBench(Bench):
             **extra,
         }
         set_weight_cache(model, True)  # SQ weights dequantize through the reference path
-        r["ppl"] = self.ppl(model)
+        r.update(self.measure(model))  # ppl (and, verdict protocol, KL and top-1 from the same pass)
         r["eval_seconds"] = time.perf_counter() - t
         self.done = [d for d in self.done if not (d["part"] == part and d["name"] == name)] + [r]
         write_text(self.out, json.dumps({"args": vars(self.args), "rows": self.done}, indent=2))
@@ -487,6 +487,7 @@ PARTS = {
 def table(rows: list[dict]) -> str:
     cols = ["part", "name", "ppl", "paper_bits", "measured_bits", "act_bits", "paper_act_bits_scales"]
     cols += ["low_mac_share", "calib_loss"]
+    cols += [c for c in ("kl_mean", "top1_agreement") if any(c in r for r in rows)]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = []
