@@ -1,4 +1,4 @@
-"""SQ-format activations run in integers on the CPU (modules/sq.py ``_SQIntKernel``): the split is the
+"""SQ-format activations run in integers on the CPU (modules/sq.py ``SQIntKernel``): the split is the
 simulated path's own (same INT levels, same scales), each part's levels (int8) multiply the weight codes
 in int32 per run of one weight group and one activation scale, and the output equals the simulated path
 (``$BITMOSAIC_ACT_COMPUTE=sim``: the float32 split) up to float32 rounding -- dynamic and static masks,
@@ -19,7 +19,8 @@ from bitmosaic.formats.sq import parse_sq
 from bitmosaic.kernels import intmm, isa
 from bitmosaic.modules import QuantLinear
 from bitmosaic.modules.intact import act_path_label
-from bitmosaic.modules.sq import SQActLinear, _SQIntKernel
+from bitmosaic.modules.sq import SQActLinear
+from bitmosaic.modules.sq_int import SQIntKernel
 from tests.helpers import env_var
 from tests.kernels.test_intact import simulated
 
@@ -45,7 +46,7 @@ def _run(m, x):
     with torch.inference_mode():
         assert m.int_act_blocker() is None and m.runs_int_act(x)
         y = m(x)
-        assert isinstance(m._int_act, _SQIntKernel)
+        assert isinstance(m._int_act, SQIntKernel)
         with simulated():
             assert not m.runs_int_act(x)
             y_sim = m(x)
@@ -106,7 +107,7 @@ def test_saved_and_loaded_model_runs_it(tmp_path):
         y = model(tokens).logits
         with simulated():
             y_sim = model(tokens).logits
-    assert layers and all(isinstance(m._int_act, _SQIntKernel) for m in layers)
+    assert layers and all(isinstance(m._int_act, SQIntKernel) for m in layers)
     assert (y.argmax(-1) == y_sim.argmax(-1)).float().mean() >= 0.9
     loaded, _ = load_quantized(
         save_quantized(model, tmp_path / "m", {"method": "sq-acts"}), load_tokenizer=False
