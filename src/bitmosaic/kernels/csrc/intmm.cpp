@@ -20,8 +20,9 @@ namespace {
 #ifdef BM_X86
 BM_BEGIN_TARGET(BM_AVX2_TARGET)
 struct IntAvx2 {
-  static constexpr int R = 8;   // rows per register
-  static constexpr int MB = 4;  // rows of x per tile (16 ymm registers)
+  static constexpr int R = 8;        // rows per register
+  static constexpr int MB = 4;       // rows of x per tile: 8 accumulators + 4 weight registers of 16 ymm
+  static constexpr int MB_RUNS = 2;  // runs mode: a float sum per accumulator as well
   using I = __m256i;
   using F = __m256;
   static I zero() { return _mm256_setzero_si256(); }
@@ -48,6 +49,7 @@ struct IntAvx2 {
   }
   static F fzero() { return _mm256_setzero_ps(); }
   static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
   static F set1f(float v) { return _mm256_set1_ps(v); }
   static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
   static F mulf(F a, F b) { return _mm256_mul_ps(a, b); }
@@ -81,11 +83,6 @@ struct IntAvx2 {
       rm[r] = _mm256_cvtss_f32(a);
     }
   }
-  static void store_tail(float* p, int64_t k, F v) {
-    if (k >= 8) return _mm256_storeu_ps(p, v);
-    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    _mm256_maskstore_ps(p, m, v);
-  }
 };
 namespace avx2 {
 #include "intmm_simd.h"
@@ -96,7 +93,8 @@ BM_END_TARGET
 BM_BEGIN_TARGET(BM_VNNI_TARGET)
 struct IntVnni {
   static constexpr int R = 16;
-  static constexpr int MB = 8;  // 16 int32 + 8 float accumulators of 32 zmm registers
+  static constexpr int MB = 16;      // 16 int32 accumulators (the float sums in memory) of 32 zmm registers
+  static constexpr int MB_RUNS = 8;  // runs mode: 8 int32 accumulators + 8 float sums per run
   using I = __m512i;
   using F = __m512;
   static I zero() { return _mm512_setzero_si512(); }
@@ -114,14 +112,12 @@ struct IntVnni {
   static I dot(I acc, I w, I a) { return _mm512_dpbusd_epi32(acc, w, a); }
   static F fzero() { return _mm512_setzero_ps(); }
   static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
   static F set1f(float v) { return _mm512_set1_ps(v); }
   static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
   static F mulf(F a, F b) { return _mm512_mul_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
-  static void store_tail(float* p, int64_t k, F v) {
-    _mm512_mask_storeu_ps(p, k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << k) - 1), v);
-  }
   template <bool VS>
   static void quant_t(const float* x, const float* s, float lo, float hi, int8_t* q, int64_t n) {
     const F lv = _mm512_set1_ps(lo), hv = _mm512_set1_ps(hi);

@@ -21,13 +21,17 @@ BM_INLINE void weights(const uint8_t* pair, int h, typename V::I& lo, typename V
   }
 }
 
+// The output tile's float sums live in memory (fo [MB][16], L1), touched once per weight group, so the
+// registers hold only the MB x H int32 accumulators (one per row of x and register: the MB rows are the
+// independent chains), the two weight registers and a broadcast -- no spills in the pair loop.
+
 // runs mode (Acts::qz): per run of one activation scale inside weight group g, the exact int32 sums,
 // then only cvt + one FMA with the run's scale into a float sum per group; the weight scale and the
 // zero-point term (z qz, qz = sum_r s_a qsum) once per group.  About half the epilogue work of giving
 // every run its own group (the SQ-format's 8-column runs).
 template <class V, int MB, bool BYTES, bool B8>
 BM_INLINE void group_runs(const IntLayout& L, const Acts& A, int64_t rb, int64_t m0, int64_t g, const uint8_t* base,
-                          typename V::F (&facc)[MB][16 / V::R]) {
+                          float* fo) {
   using I = typename V::I;
   using F = typename V::F;
   constexpr int H = 16 / V::R;
@@ -67,7 +71,47 @@ BM_INLINE void group_runs(const IntLayout& L, const Acts& A, int64_t rb, int64_t
     const F sv = V::loadf(sp + h * V::R), zv = V::loadf(zp + h * V::R);
     for (int m = 0; m < MB; ++m) {
       const F t = V::fnmadd(zv, V::set1f(A.qz[(m0 + m) * A.ldqs + g]), fg[m][h]);
-      facc[m][h] = V::fma(t, sv, facc[m][h]);
+      float* f = fo + m * 16 + h * V::R;
+      V::storef(f, V::fma(t, sv, V::loadf(f)));
+    }
+  }
+}
+
+// one weight group, classic mode: exact int32 sums, then (acc - z qsum) (s_w s_a) into fo
+template <class V, int MB, bool BYTES, bool B8>
+BM_INLINE void group_plain(const IntLayout& L, const Acts& A, int64_t rb, int64_t m0, int64_t g, const uint8_t* base,
+                           float* fo) {
+  using I = typename V::I;
+  using F = typename V::F;
+  constexpr int H = 16 / V::R;
+  const int64_t pb = L.pair_bytes();
+  const int8_t* q0 = A.q + m0 * A.ldq;
+  I acc[MB][H];
+  for (int m = 0; m < MB; ++m)
+    for (int h = 0; h < H; ++h) acc[m][h] = V::zero();
+  const int64_t p1 = L.pair1(g);
+  for (int64_t p = L.pair0(g); p < p1; ++p) {
+    const uint8_t* pair = base + p * pb;
+    const int64_t pc = A.pair_col(p);
+    for (int h = 0; h < H; ++h) {
+      I lo, hi;
+      weights<V, BYTES>(pair, h, lo, hi);
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* qp = q0 + m * A.ldq + pc;
+        acc[m][h] = V::template dot<B8>(acc[m][h], lo, V::bcast4(qp));
+        acc[m][h] = V::template dot<B8>(acc[m][h], hi, V::bcast4(qp + 4));
+      }
+    }
+  }
+  const int64_t ga = A.col(g);
+  const float* sp = L.sc + (rb * L.G + g) * 16;
+  const float* zp = L.zc + (rb * L.G + g) * 16;
+  for (int h = 0; h < H; ++h) {
+    const F sv = V::loadf(sp + h * V::R), zv = V::loadf(zp + h * V::R);
+    for (int m = 0; m < MB; ++m) {
+      const F t = V::fnmadd(zv, V::set1f((float)A.qsum[(m0 + m) * A.ldqs + g]), V::cvt(acc[m][h]));
+      float* f = fo + m * 16 + h * V::R;
+      V::storef(f, V::fma(t, V::mulf(sv, V::set1f(A.scale(m0 + m, ga))), V::loadf(f)));
     }
   }
 }
@@ -75,58 +119,21 @@ BM_INLINE void group_runs(const IntLayout& L, const Acts& A, int64_t rb, int64_t
 // y[m0 .. m0 + MB) x rows of row block rb
 template <class V, int MB, bool BYTES, bool B8, bool RUNS>
 void tile(const IntLayout& L, const Acts& A, int64_t rb, int64_t m0, float* y) {
-  using I = typename V::I;
-  using F = typename V::F;
-  constexpr int H = 16 / V::R;
-  F facc[MB][H];
-  for (int m = 0; m < MB; ++m)
-    for (int h = 0; h < H; ++h) facc[m][h] = V::fzero();
+  alignas(64) float fo[MB * 16];
+  for (int i = 0; i < MB * 16; ++i) fo[i] = 0.f;
   const uint8_t* base = L.block(rb);
-  const int64_t pb = L.pair_bytes();
-  const int8_t* q0 = A.q + m0 * A.ldq;
-  for (int64_t g = 0; g < L.G && RUNS; ++g) group_runs<V, MB, BYTES, B8>(L, A, rb, m0, g, base, facc);
-  for (int64_t g = 0; g < L.G && !RUNS; ++g) {
-    I acc[MB][H][2];
-    for (int m = 0; m < MB; ++m)
-      for (int h = 0; h < H; ++h) acc[m][h][0] = acc[m][h][1] = V::zero();
-    const int64_t p1 = L.pair1(g);
-    for (int64_t p = L.pair0(g); p < p1; ++p) {
-      const uint8_t* pair = base + p * pb;
-      const int64_t pc = A.pair_col(p);
-      for (int h = 0; h < H; ++h) {
-        I lo, hi;
-        weights<V, BYTES>(pair, h, lo, hi);
-        for (int m = 0; m < MB; ++m) {
-          const int8_t* qp = q0 + m * A.ldq + pc;
-          acc[m][h][0] = V::template dot<B8>(acc[m][h][0], lo, V::bcast4(qp));
-          acc[m][h][1] = V::template dot<B8>(acc[m][h][1], hi, V::bcast4(qp + 4));
-        }
-      }
-    }
-    const int64_t ga = A.col(g);
-    const float* sp = L.sc + (rb * L.G + g) * 16;
-    const float* zp = L.zc + (rb * L.G + g) * 16;
-    for (int h = 0; h < H; ++h) {
-      const F sv = V::loadf(sp + h * V::R), zv = V::loadf(zp + h * V::R);
-      for (int m = 0; m < MB; ++m) {
-        const F t = V::fnmadd(zv, V::set1f((float)A.qsum[(m0 + m) * A.ldqs + g]), V::cvt(V::add(acc[m][h][0], acc[m][h][1])));
-        facc[m][h] = V::fma(t, V::mulf(sv, V::set1f(A.scale(m0 + m, ga))), facc[m][h]);
-      }
-    }
+  for (int64_t g = 0; g < L.G; ++g) {
+    if constexpr (RUNS) group_runs<V, MB, BYTES, B8>(L, A, rb, m0, g, base, fo);
+    else group_plain<V, MB, BYTES, B8>(L, A, rb, m0, g, base, fo);
   }
-  for (int h = 0; h < H; ++h) {
-    const int64_t n0 = rb * 16 + h * V::R;
-    if (n0 >= L.N) break;
-    const int64_t k = std::min<int64_t>(V::R, L.N - n0);
-    for (int m = 0; m < MB; ++m) {
-      float* yp = y + (m0 + m) * L.ldy + n0;
-      if (!L.accumulate) {
-        V::store_tail(yp, k, facc[m][h]);
-        continue;
-      }
-      alignas(64) float t[16];  // a part of a larger output: add its rows in (at most 16 lanes)
-      V::store_tail(t, V::R, facc[m][h]);
-      for (int64_t i = 0; i < k; ++i) yp[i] += t[i];
+  const int64_t n0 = rb * 16;
+  const int64_t k = std::min<int64_t>(16, L.N - n0);
+  for (int m = 0; m < MB; ++m) {
+    float* yp = y + (m0 + m) * L.ldy + n0;
+    if (L.accumulate) {  // a part of a larger output: add its rows in
+      for (int64_t i = 0; i < k; ++i) yp[i] += fo[m * 16 + i];
+    } else {
+      std::memcpy(yp, fo + m * 16, k * sizeof(float));
     }
   }
 }
@@ -135,15 +142,17 @@ void tile(const IntLayout& L, const Acts& A, int64_t rb, int64_t m0, float* y) {
 // used MB times; the row blocks of one call stay in cache while the rows of x stream past them
 template <class V, bool BYTES, bool B8, bool RUNS>
 void rows(const IntLayout& L, const Acts& A, float* y, int64_t rb0, int64_t rb1) {
-  constexpr int MB = V::MB;
+  constexpr int MB = RUNS ? V::MB_RUNS : V::MB;  // runs mode keeps a float sum per row in registers too
   int64_t m0 = 0;
   for (; m0 + MB <= A.M; m0 += MB)
     for (int64_t rb = rb0; rb < rb1; ++rb) tile<V, MB, BYTES, B8, RUNS>(L, A, rb, m0, y);
-  const int64_t rest = A.M - m0;
-  if (rest > 0)
+  while (m0 < A.M) {  // the rest, up to 8 rows at a time
+    const int64_t rest = std::min<int64_t>(8, A.M - m0);
     bm::dispatch_1to8(rest, [&](auto mb) {
       for (int64_t rb = rb0; rb < rb1; ++rb) tile<V, decltype(mb)::value, BYTES, B8, RUNS>(L, A, rb, m0, y);
     });
+    m0 += rest;
+  }
 }
 
 template <class V, bool RUNS>
