@@ -252,10 +252,16 @@ IntLayout layout_of(const torch::Tensor& data, const torch::Tensor& sc, const to
   return L;
 }
 
-torch::Tensor run_all(const IntLayout& L, const Acts& A, const torch::Tensor& like, bool b8, int64_t isa) {
+torch::Tensor run_all(const IntLayout& L, Acts A, const torch::Tensor& like, bool b8, int64_t isa) {
   auto y = torch::empty({A.M, L.N}, like.options());
   if (A.M == 0 || L.N == 0) return y;
   float* yp = y.data_ptr<float>();
+  std::vector<int8_t> panel;  // prefill on the SIMD kernels: q in 16-row panels (Acts::panel)
+  if (A.M > 8 && !A.pcol && isa != bm::kPortable && A.ldq % 4 == 0) {
+    panel.resize(((A.M + 15) / 16) * 16 * A.ldq);
+    pack_panels(A.q, A.M, A.ldq, panel.data());
+    A.panel = panel.data();
+  }
   // prefill: tasks of up to 8 row blocks (128 rows: 256 KB of 4-bit weights at K=4096, in L2 while the
   // rows of x stream past them), at least 4 tasks per thread so that small matrices balance
   const int64_t per_thread = (L.nrb + 4 * at::get_num_threads() - 1) / (4 * at::get_num_threads());

@@ -48,6 +48,9 @@ struct Acts {
   const int32_t* pcol = nullptr;       // column of q where each pair of the weight reads (null: 8 p)
   const float* qz = nullptr;           // runs mode: [M][ldqs] sum_r s_a qsum per weight group
   int64_t sub = 1, run_pairs = 0;      // runs mode: scale columns per weight group, pairs per run
+  // prefill: q in panels of 16 rows, [M / 16][ldq / 4][16] 4-byte groups (pack_panels), so that the
+  // broadcasts of a tile's rows address one base with constant offsets (null: q rows as they are)
+  const int8_t* panel = nullptr;
 
   int64_t pair_col(int64_t p) const { return pcol ? pcol[p] : 8 * p; }
 
@@ -108,6 +111,23 @@ inline void quantize_rows(const float* x, int64_t K, const float* sa, int64_t Ms
       qsum[m * G + g] = s;
     }
   }
+}
+
+// q [M][ldq] (ldq a multiple of 4) as 16-row panels: panel t, 4-column chunk c, row r at
+// out[((t * (ldq / 4) + c) * 16 + r) * 4], zeros past M
+inline void pack_panels(const int8_t* q, int64_t M, int64_t ldq, int8_t* out) {
+  const int64_t C = ldq / 4, T = (M + 15) / 16;
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t rows = std::min<int64_t>(16, M - t * 16);
+      int32_t* o = reinterpret_cast<int32_t*>(out) + t * C * 16;
+      if (rows < 16) std::memset(o, 0, C * 64);
+      for (int64_t r = 0; r < rows; ++r) {  // one row's 4-byte groups into every 16th word
+        const int8_t* qm = q + (t * 16 + r) * ldq;
+        for (int64_t c = 0; c < C; ++c) std::memcpy(o + c * 16 + r, qm + 4 * c, 4);
+      }
+    }
+  });
 }
 
 inline int32_t code_at(const IntLayout& L, const uint8_t* pair, int64_t r, int64_t c) {  // c in 0..7

@@ -29,14 +29,15 @@ BM_INLINE void weights(const uint8_t* pair, int h, typename V::I& lo, typename V
 // then only cvt + one FMA with the run's scale into a float sum per group; the weight scale and the
 // zero-point term (z qz, qz = sum_r s_a qsum) once per group.  About half the epilogue work of giving
 // every run its own group (the SQ-format's 8-column runs).
-template <class V, int MB, bool BYTES, bool B8>
+template <class V, int MB, bool BYTES, bool B8, bool PK>
 BM_INLINE void group_runs(const IntLayout& L, const Acts& A, int64_t rb, int64_t m0, int64_t g, const uint8_t* base,
                           float* fo) {
   using I = typename V::I;
   using F = typename V::F;
   constexpr int H = 16 / V::R;
   const int64_t pb = L.pair_bytes();
-  const int8_t* q0 = A.q + m0 * A.ldq;
+  // this tile's activations: a 16-row panel (row m at 4 m, column chunk c at 64 c) or the rows of q
+  const int8_t* q0 = PK ? A.panel + (m0 / 16) * A.ldq * 16 + (m0 % 16) * 4 : A.q + m0 * A.ldq;
   F fg[MB][H];
   for (int m = 0; m < MB; ++m)
     for (int h = 0; h < H; ++h) fg[m][h] = V::fzero();
@@ -53,9 +54,9 @@ BM_INLINE void group_runs(const IntLayout& L, const Acts& A, int64_t rb, int64_t
         I lo, hi;
         weights<V, BYTES>(pair, h, lo, hi);
         for (int m = 0; m < MB; ++m) {
-          const int8_t* qp = q0 + m * A.ldq + pc;
+          const int8_t* qp = PK ? q0 + pc * 16 + m * 4 : q0 + m * A.ldq + pc;
           acc[m][h] = V::template dot<B8>(acc[m][h], lo, V::bcast4(qp));
-          acc[m][h] = V::template dot<B8>(acc[m][h], hi, V::bcast4(qp + 4));
+          acc[m][h] = V::template dot<B8>(acc[m][h], hi, V::bcast4(qp + (PK ? 64 : 4)));
         }
       }
     }
@@ -78,14 +79,15 @@ BM_INLINE void group_runs(const IntLayout& L, const Acts& A, int64_t rb, int64_t
 }
 
 // one weight group, classic mode: exact int32 sums, then (acc - z qsum) (s_w s_a) into fo
-template <class V, int MB, bool BYTES, bool B8>
+template <class V, int MB, bool BYTES, bool B8, bool PK>
 BM_INLINE void group_plain(const IntLayout& L, const Acts& A, int64_t rb, int64_t m0, int64_t g, const uint8_t* base,
                            float* fo) {
   using I = typename V::I;
   using F = typename V::F;
   constexpr int H = 16 / V::R;
   const int64_t pb = L.pair_bytes();
-  const int8_t* q0 = A.q + m0 * A.ldq;
+  // this tile's activations: a 16-row panel (row m at 4 m, column chunk c at 64 c) or the rows of q
+  const int8_t* q0 = PK ? A.panel + (m0 / 16) * A.ldq * 16 + (m0 % 16) * 4 : A.q + m0 * A.ldq;
   I acc[MB][H];
   for (int m = 0; m < MB; ++m)
     for (int h = 0; h < H; ++h) acc[m][h] = V::zero();
@@ -97,9 +99,9 @@ BM_INLINE void group_plain(const IntLayout& L, const Acts& A, int64_t rb, int64_
       I lo, hi;
       weights<V, BYTES>(pair, h, lo, hi);
       for (int m = 0; m < MB; ++m) {
-        const int8_t* qp = q0 + m * A.ldq + pc;
+        const int8_t* qp = PK ? q0 + pc * 16 + m * 4 : q0 + m * A.ldq + pc;
         acc[m][h] = V::template dot<B8>(acc[m][h], lo, V::bcast4(qp));
-        acc[m][h] = V::template dot<B8>(acc[m][h], hi, V::bcast4(qp + 4));
+        acc[m][h] = V::template dot<B8>(acc[m][h], hi, V::bcast4(qp + (PK ? 64 : 4)));
       }
     }
   }
@@ -117,14 +119,14 @@ BM_INLINE void group_plain(const IntLayout& L, const Acts& A, int64_t rb, int64_
 }
 
 // y[m0 .. m0 + MB) x rows of row block rb
-template <class V, int MB, bool BYTES, bool B8, bool RUNS>
+template <class V, int MB, bool BYTES, bool B8, bool RUNS, bool PK>
 void tile(const IntLayout& L, const Acts& A, int64_t rb, int64_t m0, float* y) {
   alignas(64) float fo[MB * 16];
   for (int i = 0; i < MB * 16; ++i) fo[i] = 0.f;
   const uint8_t* base = L.block(rb);
   for (int64_t g = 0; g < L.G; ++g) {
-    if constexpr (RUNS) group_runs<V, MB, BYTES, B8>(L, A, rb, m0, g, base, fo);
-    else group_plain<V, MB, BYTES, B8>(L, A, rb, m0, g, base, fo);
+    if constexpr (RUNS) group_runs<V, MB, BYTES, B8, PK>(L, A, rb, m0, g, base, fo);
+    else group_plain<V, MB, BYTES, B8, PK>(L, A, rb, m0, g, base, fo);
   }
   const int64_t n0 = rb * 16;
   const int64_t k = std::min<int64_t>(16, L.N - n0);
@@ -140,30 +142,35 @@ void tile(const IntLayout& L, const Acts& A, int64_t rb, int64_t m0, float* y) {
 
 // every row of x times the row blocks rb0..rb1: MB rows of x at a time, each unpacked weight register
 // used MB times; the row blocks of one call stay in cache while the rows of x stream past them
-template <class V, bool BYTES, bool B8, bool RUNS>
+template <class V, bool BYTES, bool B8, bool RUNS, bool PK>
 void rows(const IntLayout& L, const Acts& A, float* y, int64_t rb0, int64_t rb1) {
   constexpr int MB = RUNS ? V::MB_RUNS : V::MB;  // runs mode keeps a float sum per row in registers too
+  static_assert(16 % MB == 0, "a tile's rows lie in one 16-row panel");
   int64_t m0 = 0;
   for (; m0 + MB <= A.M; m0 += MB)
-    for (int64_t rb = rb0; rb < rb1; ++rb) tile<V, MB, BYTES, B8, RUNS>(L, A, rb, m0, y);
-  while (m0 < A.M) {  // the rest, up to 8 rows at a time
-    const int64_t rest = std::min<int64_t>(8, A.M - m0);
+    for (int64_t rb = rb0; rb < rb1; ++rb) tile<V, MB, BYTES, B8, RUNS, PK>(L, A, rb, m0, y);
+  while (m0 < A.M) {  // the rest: 8, 4, 2, 1 rows at a time (a tile never crosses a panel)
+    const int64_t rest = A.M - m0 >= 8 ? 8 : A.M - m0 >= 4 ? 4 : A.M - m0 >= 2 ? 2 : 1;
     bm::dispatch_1to8(rest, [&](auto mb) {
-      for (int64_t rb = rb0; rb < rb1; ++rb) tile<V, decltype(mb)::value, BYTES, B8, RUNS>(L, A, rb, m0, y);
+      for (int64_t rb = rb0; rb < rb1; ++rb) tile<V, decltype(mb)::value, BYTES, B8, RUNS, PK>(L, A, rb, m0, y);
     });
     m0 += rest;
   }
 }
 
-template <class V, bool RUNS>
+template <class V, bool RUNS, bool PK>
 void rows_mode(const IntLayout& L, const Acts& A, float* y, int64_t rb0, int64_t rb1, bool b8) {
-  if (!L.bytes) return rows<V, false, false, RUNS>(L, A, y, rb0, rb1);
-  if (b8) return rows<V, true, true, RUNS>(L, A, y, rb0, rb1);
-  rows<V, true, false, RUNS>(L, A, y, rb0, rb1);
+  if (!L.bytes) return rows<V, false, false, RUNS, PK>(L, A, y, rb0, rb1);
+  if (b8) return rows<V, true, true, RUNS, PK>(L, A, y, rb0, rb1);
+  rows<V, true, false, RUNS, PK>(L, A, y, rb0, rb1);
 }
 
 template <class V>
 void rows_any(const IntLayout& L, const Acts& A, float* y, int64_t rb0, int64_t rb1, bool b8) {
-  if (A.qz) return rows_mode<V, true>(L, A, y, rb0, rb1, b8);
-  rows_mode<V, false>(L, A, y, rb0, rb1, b8);
+  if (A.panel) {
+    if (A.qz) return rows_mode<V, true, true>(L, A, y, rb0, rb1, b8);
+    return rows_mode<V, false, true>(L, A, y, rb0, rb1, b8);
+  }
+  if (A.qz) return rows_mode<V, true, false>(L, A, y, rb0, rb1, b8);
+  rows_mode<V, false, false>(L, A, y, rb0, rb1, b8);
 }
