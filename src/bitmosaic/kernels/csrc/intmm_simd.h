@@ -21,9 +21,16 @@ BM_INLINE void weights(const uint8_t* pair, int h, typename V::I& lo, typename V
   }
 }
 
+template <class V, int NA>
+BM_INLINE typename V::I sum(const typename V::I (&a)[NA]) {
+  if constexpr (NA == 1) return a[0];
+  else return V::add(a[0], a[1]);
+}
+
 // The output tile's float sums live in memory (fo [MB][16], L1), touched once per weight group, so the
 // registers hold only the MB x H int32 accumulators (one per row of x and register: the MB rows are the
-// independent chains), the two weight registers and a broadcast -- no spills in the pair loop.
+// independent chains; two for fewer than 4 rows), the two weight registers and a broadcast -- no spills
+// in the pair loop.
 
 // runs mode (Acts::qz): per run of one activation scale inside weight group g, the exact int32 sums,
 // then only cvt + one FMA with the run's scale into a float sum per group; the weight scale and the
@@ -35,6 +42,7 @@ BM_INLINE void group_runs(const IntLayout& L, const Acts& A, int64_t rb, int64_t
   using I = typename V::I;
   using F = typename V::F;
   constexpr int H = 16 / V::R;
+  constexpr int NA = MB < 4 ? 2 : 1;  // chains per row and register: decode (1-3 rows) needs two for latency
   const int64_t pb = L.pair_bytes();
   // this tile's activations: a 16-row panel (row m at 4 m, column chunk c at 64 c) or the rows of q
   const int8_t* q0 = PK ? A.panel + (m0 / 16) * A.ldq * 16 + (m0 % 16) * 4 : A.q + m0 * A.ldq;
@@ -43,9 +51,10 @@ BM_INLINE void group_runs(const IntLayout& L, const Acts& A, int64_t rb, int64_t
     for (int h = 0; h < H; ++h) fg[m][h] = V::fzero();
   const int64_t p1 = L.pair1(g);
   for (int64_t k = 0, pr = L.pair0(g); pr < p1; ++k, pr += A.run_pairs) {
-    I acc[MB][H];
+    I acc[MB][H][NA];
     for (int m = 0; m < MB; ++m)
-      for (int h = 0; h < H; ++h) acc[m][h] = V::zero();
+      for (int h = 0; h < H; ++h)
+        for (int a = 0; a < NA; ++a) acc[m][h][a] = V::zero();
     const int64_t pe = std::min(p1, pr + A.run_pairs);
     for (int64_t p = pr; p < pe; ++p) {
       const uint8_t* pair = base + p * pb;
@@ -55,15 +64,15 @@ BM_INLINE void group_runs(const IntLayout& L, const Acts& A, int64_t rb, int64_t
         weights<V, BYTES>(pair, h, lo, hi);
         for (int m = 0; m < MB; ++m) {
           const int8_t* qp = PK ? q0 + pc * 16 + m * 4 : q0 + m * A.ldq + pc;
-          acc[m][h] = V::template dot<B8>(acc[m][h], lo, V::bcast4(qp));
-          acc[m][h] = V::template dot<B8>(acc[m][h], hi, V::bcast4(qp + (PK ? 64 : 4)));
+          acc[m][h][0] = V::template dot<B8>(acc[m][h][0], lo, V::bcast4(qp));
+          acc[m][h][NA - 1] = V::template dot<B8>(acc[m][h][NA - 1], hi, V::bcast4(qp + (PK ? 64 : 4)));
         }
       }
     }
     const int64_t col = g * A.sub + k;
     for (int m = 0; m < MB; ++m) {
       const F sa = V::set1f(A.scale(m0 + m, col));
-      for (int h = 0; h < H; ++h) fg[m][h] = V::fma(V::cvt(acc[m][h]), sa, fg[m][h]);
+      for (int h = 0; h < H; ++h) fg[m][h] = V::fma(V::cvt(sum<V, NA>(acc[m][h])), sa, fg[m][h]);
     }
   }
   const float* sp = L.sc + (rb * L.G + g) * 16;
@@ -85,12 +94,14 @@ BM_INLINE void group_plain(const IntLayout& L, const Acts& A, int64_t rb, int64_
   using I = typename V::I;
   using F = typename V::F;
   constexpr int H = 16 / V::R;
+  constexpr int NA = MB < 4 ? 2 : 1;  // chains per row and register: decode (1-3 rows) needs two for latency
   const int64_t pb = L.pair_bytes();
   // this tile's activations: a 16-row panel (row m at 4 m, column chunk c at 64 c) or the rows of q
   const int8_t* q0 = PK ? A.panel + (m0 / 16) * A.ldq * 16 + (m0 % 16) * 4 : A.q + m0 * A.ldq;
-  I acc[MB][H];
+  I acc[MB][H][NA];
   for (int m = 0; m < MB; ++m)
-    for (int h = 0; h < H; ++h) acc[m][h] = V::zero();
+    for (int h = 0; h < H; ++h)
+      for (int a = 0; a < NA; ++a) acc[m][h][a] = V::zero();
   const int64_t p1 = L.pair1(g);
   for (int64_t p = L.pair0(g); p < p1; ++p) {
     const uint8_t* pair = base + p * pb;
@@ -100,8 +111,8 @@ BM_INLINE void group_plain(const IntLayout& L, const Acts& A, int64_t rb, int64_
       weights<V, BYTES>(pair, h, lo, hi);
       for (int m = 0; m < MB; ++m) {
         const int8_t* qp = PK ? q0 + pc * 16 + m * 4 : q0 + m * A.ldq + pc;
-        acc[m][h] = V::template dot<B8>(acc[m][h], lo, V::bcast4(qp));
-        acc[m][h] = V::template dot<B8>(acc[m][h], hi, V::bcast4(qp + (PK ? 64 : 4)));
+        acc[m][h][0] = V::template dot<B8>(acc[m][h][0], lo, V::bcast4(qp));
+        acc[m][h][NA - 1] = V::template dot<B8>(acc[m][h][NA - 1], hi, V::bcast4(qp + (PK ? 64 : 4)));
       }
     }
   }
@@ -111,7 +122,7 @@ BM_INLINE void group_plain(const IntLayout& L, const Acts& A, int64_t rb, int64_
   for (int h = 0; h < H; ++h) {
     const F sv = V::loadf(sp + h * V::R), zv = V::loadf(zp + h * V::R);
     for (int m = 0; m < MB; ++m) {
-      const F t = V::fnmadd(zv, V::set1f((float)A.qsum[(m0 + m) * A.ldqs + g]), V::cvt(acc[m][h]));
+      const F t = V::fnmadd(zv, V::set1f((float)A.qsum[(m0 + m) * A.ldqs + g]), V::cvt(sum<V, NA>(acc[m][h])));
       float* f = fo + m * 16 + h * V::R;
       V::storef(f, V::fma(t, V::mulf(sv, V::set1f(A.scale(m0 + m, ga))), V::loadf(f)));
     }
