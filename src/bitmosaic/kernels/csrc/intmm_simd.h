@@ -32,6 +32,41 @@ BM_INLINE typename V::I sum(const typename V::I (&a)[NA]) {
 // independent chains; two for fewer than 4 rows), the two weight registers and a broadcast -- no spills
 // in the pair loop.
 
+// chains per row and register: decode (1-3 rows of x) needs two for the latency of vpdpbusd
+template <int MB>
+inline constexpr int kChains = MB < 4 ? 2 : 1;
+
+// this tile's activations: a 16-row panel (row m at 4 m, column chunk c at 64 c) or the rows of q
+template <bool PK>
+BM_INLINE const int8_t* tile_acts(const Acts& A, int64_t m0) {
+  return PK ? A.panel + (m0 / 16) * A.ldq * 16 + (m0 % 16) * 4 : A.q + m0 * A.ldq;
+}
+
+// acc = the exact int32 sums of the pairs p0..p1 of row block `base` with rows m0.. of x (q0 = tile_acts)
+template <class V, int MB, bool BYTES, bool B8, bool PK>
+BM_INLINE void pair_sums(const IntLayout& L, const Acts& A, const uint8_t* base, const int8_t* q0, int64_t p0,
+                         int64_t p1, typename V::I (&acc)[MB][16 / V::R][kChains<MB>]) {
+  using I = typename V::I;
+  constexpr int H = 16 / V::R, NA = kChains<MB>;
+  for (int m = 0; m < MB; ++m)
+    for (int h = 0; h < H; ++h)
+      for (int a = 0; a < NA; ++a) acc[m][h][a] = V::zero();
+  const int64_t pb = L.pair_bytes();
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* pair = base + p * pb;
+    const int64_t pc = A.pair_col(p);
+    for (int h = 0; h < H; ++h) {
+      I lo, hi;
+      weights<V, BYTES>(pair, h, lo, hi);
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* qp = PK ? q0 + pc * 16 + m * 4 : q0 + m * A.ldq + pc;
+        acc[m][h][0] = V::template dot<B8>(acc[m][h][0], lo, V::bcast4(qp));
+        acc[m][h][NA - 1] = V::template dot<B8>(acc[m][h][NA - 1], hi, V::bcast4(qp + (PK ? 64 : 4)));
+      }
+    }
+  }
+}
+
 // runs mode (Acts::qz): per run of one activation scale inside weight group g, the exact int32 sums,
 // then only cvt + one FMA with the run's scale into a float sum per group; the weight scale and the
 // zero-point term (z qz, qz = sum_r s_a qsum) once per group.  About half the epilogue work of giving
@@ -42,37 +77,18 @@ BM_INLINE void group_runs(const IntLayout& L, const Acts& A, int64_t rb, int64_t
   using I = typename V::I;
   using F = typename V::F;
   constexpr int H = 16 / V::R;
-  constexpr int NA = MB < 4 ? 2 : 1;  // chains per row and register: decode (1-3 rows) needs two for latency
-  const int64_t pb = L.pair_bytes();
-  // this tile's activations: a 16-row panel (row m at 4 m, column chunk c at 64 c) or the rows of q
-  const int8_t* q0 = PK ? A.panel + (m0 / 16) * A.ldq * 16 + (m0 % 16) * 4 : A.q + m0 * A.ldq;
+  const int8_t* q0 = tile_acts<PK>(A, m0);
   F fg[MB][H];
   for (int m = 0; m < MB; ++m)
     for (int h = 0; h < H; ++h) fg[m][h] = V::fzero();
   const int64_t p1 = L.pair1(g);
   for (int64_t k = 0, pr = L.pair0(g); pr < p1; ++k, pr += A.run_pairs) {
-    I acc[MB][H][NA];
-    for (int m = 0; m < MB; ++m)
-      for (int h = 0; h < H; ++h)
-        for (int a = 0; a < NA; ++a) acc[m][h][a] = V::zero();
-    const int64_t pe = std::min(p1, pr + A.run_pairs);
-    for (int64_t p = pr; p < pe; ++p) {
-      const uint8_t* pair = base + p * pb;
-      const int64_t pc = A.pair_col(p);
-      for (int h = 0; h < H; ++h) {
-        I lo, hi;
-        weights<V, BYTES>(pair, h, lo, hi);
-        for (int m = 0; m < MB; ++m) {
-          const int8_t* qp = PK ? q0 + pc * 16 + m * 4 : q0 + m * A.ldq + pc;
-          acc[m][h][0] = V::template dot<B8>(acc[m][h][0], lo, V::bcast4(qp));
-          acc[m][h][NA - 1] = V::template dot<B8>(acc[m][h][NA - 1], hi, V::bcast4(qp + (PK ? 64 : 4)));
-        }
-      }
-    }
+    I acc[MB][H][kChains<MB>];
+    pair_sums<V, MB, BYTES, B8, PK>(L, A, base, q0, pr, std::min(p1, pr + A.run_pairs), acc);
     const int64_t col = g * A.sub + k;
     for (int m = 0; m < MB; ++m) {
       const F sa = V::set1f(A.scale(m0 + m, col));
-      for (int h = 0; h < H; ++h) fg[m][h] = V::fma(V::cvt(sum<V, NA>(acc[m][h])), sa, fg[m][h]);
+      for (int h = 0; h < H; ++h) fg[m][h] = V::fma(V::cvt(sum<V, kChains<MB>>(acc[m][h])), sa, fg[m][h]);
     }
   }
   const float* sp = L.sc + (rb * L.G + g) * 16;
@@ -94,35 +110,15 @@ BM_INLINE void group_plain(const IntLayout& L, const Acts& A, int64_t rb, int64_
   using I = typename V::I;
   using F = typename V::F;
   constexpr int H = 16 / V::R;
-  constexpr int NA = MB < 4 ? 2 : 1;  // chains per row and register: decode (1-3 rows) needs two for latency
-  const int64_t pb = L.pair_bytes();
-  // this tile's activations: a 16-row panel (row m at 4 m, column chunk c at 64 c) or the rows of q
-  const int8_t* q0 = PK ? A.panel + (m0 / 16) * A.ldq * 16 + (m0 % 16) * 4 : A.q + m0 * A.ldq;
-  I acc[MB][H][NA];
-  for (int m = 0; m < MB; ++m)
-    for (int h = 0; h < H; ++h)
-      for (int a = 0; a < NA; ++a) acc[m][h][a] = V::zero();
-  const int64_t p1 = L.pair1(g);
-  for (int64_t p = L.pair0(g); p < p1; ++p) {
-    const uint8_t* pair = base + p * pb;
-    const int64_t pc = A.pair_col(p);
-    for (int h = 0; h < H; ++h) {
-      I lo, hi;
-      weights<V, BYTES>(pair, h, lo, hi);
-      for (int m = 0; m < MB; ++m) {
-        const int8_t* qp = PK ? q0 + pc * 16 + m * 4 : q0 + m * A.ldq + pc;
-        acc[m][h][0] = V::template dot<B8>(acc[m][h][0], lo, V::bcast4(qp));
-        acc[m][h][NA - 1] = V::template dot<B8>(acc[m][h][NA - 1], hi, V::bcast4(qp + (PK ? 64 : 4)));
-      }
-    }
-  }
+  I acc[MB][H][kChains<MB>];
+  pair_sums<V, MB, BYTES, B8, PK>(L, A, base, tile_acts<PK>(A, m0), L.pair0(g), L.pair1(g), acc);
   const int64_t ga = A.col(g);
   const float* sp = L.sc + (rb * L.G + g) * 16;
   const float* zp = L.zc + (rb * L.G + g) * 16;
   for (int h = 0; h < H; ++h) {
     const F sv = V::loadf(sp + h * V::R), zv = V::loadf(zp + h * V::R);
     for (int m = 0; m < MB; ++m) {
-      const F t = V::fnmadd(zv, V::set1f((float)A.qsum[(m0 + m) * A.ldqs + g]), V::cvt(sum<V, NA>(acc[m][h])));
+      const F t = V::fnmadd(zv, V::set1f((float)A.qsum[(m0 + m) * A.ldqs + g]), V::cvt(sum<V, kChains<MB>>(acc[m][h])));
       float* f = fo + m * 16 + h * V::R;
       V::storef(f, V::fma(t, V::mulf(sv, V::set1f(A.scale(m0 + m, ga))), V::loadf(f)));
     }
