@@ -202,6 +202,14 @@ def _(x, data, offsets, bits, scales_t, zeros_t, N, K, group_size, row_block, ti
     return x.new_empty(x.shape[0], N if out_index is None else out_index.shape[0])
 
 
+def _intmm(op: str):
+    """The compiled ``intmm`` extension, which operator ``op`` needs (RuntimeError without it)."""
+    ext = build.load("intmm")
+    if ext is None:
+        raise RuntimeError(f"bitmosaic::{op} needs the compiled intmm extension")
+    return ext
+
+
 @operator("int8_quantize")
 def int8_quantize(
     x: torch.Tensor,
@@ -263,9 +271,7 @@ def int_matmul(
 ) -> torch.Tensor:
     """``y [M, N]`` float32 from int8 activations and the integer weight layout (:mod:`.intmm`); needs the
     ``intmm`` extension (:class:`~bitmosaic.kernels.intmm.IntActWeight` runs ``torch._int_mm`` without it)."""
-    ext = build.load("intmm")
-    if ext is None:
-        raise RuntimeError("bitmosaic::int_matmul needs the compiled intmm extension")
+    ext = _intmm("int_matmul")
     layout = (data, sc, zc, N, G, group_size, bytes_layout, b8)
     return ext.int_matmul(q, qsum, sa, ratio, *layout, isa_number(ext=ext))
 
@@ -293,9 +299,7 @@ def int_matmul_runs(
     """:func:`int_matmul` where the activation scale changes every ``run`` columns inside a weight group
     (:meth:`IntActWeight.product_runs <bitmosaic.kernels.intmm.IntActWeight.product_runs>`: ``sa [1 or M,
     G * runs per group]``, ``qz [M, G]``); needs the ``intmm`` extension."""
-    ext = build.load("intmm")
-    if ext is None:
-        raise RuntimeError("bitmosaic::int_matmul_runs needs the compiled intmm extension")
+    ext = _intmm("int_matmul_runs")
     layout = (data, sc, zc, N, G, group_size, bytes_layout, b8)
     return ext.int_matmul_runs(q, qz, sa, run, *layout, isa_number(ext=ext))
 
@@ -331,9 +335,7 @@ def quantize_gathered(
     runs ``Σ scale · run sum`` (:meth:`IntActWeight.product_runs
     <bitmosaic.kernels.intmm.IntActWeight.product_runs>`).  The SQ-format's static parts
     (:class:`~bitmosaic.modules.sq.SQActLinear`); needs the ``intmm`` extension."""
-    ext = build.load("intmm")
-    if ext is None:
-        raise RuntimeError("bitmosaic::quantize_gathered needs the compiled intmm extension")
+    ext = _intmm("quantize_gathered")
     sa = torch.empty(0) if scales is None else scales.float().contiguous()
     return tuple(ext.quantize_gathered(
         x.contiguous(), chan, act, run, n_scales, float(qmax), float(qmax2), n1, sa, KP, sub,
@@ -402,9 +404,7 @@ def int_matmul_parts(
     after another in ``rdata``/``rsc``/``rzc``, pair ``i`` of a part reading ``rq`` at column
     ``pair_cols[pc0 + i]``) added into the same fresh
     output by the extension's ``int_parts``; needs the extension."""
-    ext = build.load("intmm")
-    if ext is None:
-        raise RuntimeError("bitmosaic::int_matmul_parts needs the compiled intmm extension")
+    ext = _intmm("int_matmul_parts")
     isa = isa_number(ext=ext)
     y = ext.int_matmul(q, qsum, sa, ratio, data, sc, zc, N, G, group_size, False, False, isa)
     ext.int_parts(y, rq, rqs, rsa, rdata, rsc, rzc, parts, pair_cols, rgs, isa)
