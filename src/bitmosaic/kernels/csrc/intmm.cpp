@@ -262,6 +262,14 @@ torch::Tensor run_all(const IntLayout& L, Acts A, const torch::Tensor& like, boo
     pack_panels(A.q, A.M, A.ldq, panel.data());
     A.panel = panel.data();
   }
+  std::vector<float> scales_t;  // runs mode with a panel: the scales transposed (Acts::saT)
+  if (A.panel && A.qz) {
+    A.ldt = ((A.M + 15) / 16) * 16;
+    scales_t.assign(A.Ga * A.ldt, 0.f);
+    for (int64_t c = 0; c < A.Ga; ++c)
+      for (int64_t m = 0; m < A.M; ++m) scales_t[c * A.ldt + m] = A.scale(m, c);
+    A.saT = scales_t.data();
+  }
   // prefill: tasks of up to 8 row blocks (128 rows: 256 KB of 4-bit weights at K=4096, in L2 while the
   // rows of x stream past them), at least 4 tasks per thread so that small matrices balance
   const int64_t per_thread = (L.nrb + 4 * at::get_num_threads() - 1) / (4 * at::get_num_threads());

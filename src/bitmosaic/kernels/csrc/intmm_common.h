@@ -51,6 +51,10 @@ struct Acts {
   // prefill: q in panels of 16 rows, [M / 16][ldq / 4][16] 4-byte groups (pack_panels), so that the
   // broadcasts of a tile's rows address one base with constant offsets (null: q rows as they are)
   const int8_t* panel = nullptr;
+  // with a panel in runs mode: the scales transposed, saT[col * ldt + m] (ldt >= M), so that a run's
+  // scales of a tile's rows sit at one base with constant offsets
+  const float* saT = nullptr;
+  int64_t ldt = 0;
 
   int64_t pair_col(int64_t p) const { return pcol ? pcol[p] : 8 * p; }
 

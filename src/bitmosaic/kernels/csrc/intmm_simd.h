@@ -86,8 +86,9 @@ BM_INLINE void group_runs(const IntLayout& L, const Acts& A, int64_t rb, int64_t
     I acc[MB][H][kChains<MB>];
     pair_sums<V, MB, BYTES, B8, PK>(L, A, base, q0, pr, std::min(p1, pr + A.run_pairs), acc);
     const int64_t col = g * A.sub + k;
+    const float* st = PK ? A.saT + col * A.ldt + m0 : nullptr;  // this run's scales of the tile's rows
     for (int m = 0; m < MB; ++m) {
-      const F sa = V::set1f(A.scale(m0 + m, col));
+      const F sa = V::set1f(PK ? st[m] : A.scale(m0 + m, col));
       for (int h = 0; h < H; ++h) fg[m][h] = V::fma(V::cvt(sum<V, kChains<MB>>(acc[m][h])), sa, fg[m][h]);
     }
   }
