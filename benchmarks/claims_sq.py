@@ -176,8 +176,8 @@ def _static_small_banks(res: dict, scale: str) -> tuple[str, str]:
     for v in rows:
         f = parse_sq(v["name"].split()[1])  # "W4A(SQ) 16-(8/4)-0.5 static"
         by_s.setdefault(f"{f.sparsity:g}", []).append((f.bank, v))
-    if not by_s:
-        raise KeyError("agrid rows")
+    if len(by_s) < 2 or any(len(cells) < 5 for cells in by_s.values()):  # the whole grid, or no verdict
+        raise KeyError(f"agrid rows ({scale} scales): banks 4-64 at s = 0.5 and 0.75")
     lines, ok = [], True
     for s, cells in sorted(by_s.items()):
         cells.sort(key=lambda c: c[0])
