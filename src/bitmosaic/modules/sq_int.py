@@ -4,17 +4,13 @@ al., the SQ-format paper §3-4: the dense low-precision and sparse high-precisio
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from ..algorithms.sq import dynamic_split
 from ..formats.sq import _MIN_SCALE, _fp16_scale
 from ..formats.sq_act import act_scale_group
 from ..kernels import ops
-
-if TYPE_CHECKING:
-    from .sq import SQActLinear
+from .qlinear import QuantLinear
 
 __all__ = ["SQIntKernel"]
 
@@ -35,7 +31,7 @@ class SQIntKernel:
     fp16 scale, round and clamp), so the same integers without building the full-width split; the two
     slices make one product's worth in all (tested equal to the split's levels)."""
 
-    def __init__(self, layer: SQActLinear, parts: dict) -> None:
+    def __init__(self, layer: QuantLinear, parts: dict) -> None:  # an SQActLinear (sq.py)
         parts = dict(parts)
         self.merged = parts.pop("merged", None)  # both static parts as one weight (extension only)
         self.layer, self.parts = layer, parts
