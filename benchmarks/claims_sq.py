@@ -67,6 +67,13 @@ def sq_static_close_at_84(res: dict) -> tuple[str, str]:
             lines.append(f"static, calibrated {sc} scales {fmt(scales[k]['ppl'])}")
     if "bank" not in gaps:
         raise KeyError("sq_format part scales: W4A(SQ6) dynamic/static with per-bank scales")
+    fid = [scales.get(f"{_SQ6} {st} scales=bank", {}) for st in ("dynamic", "static")]
+    if all("kl_mean" in r for r in fid):  # the verdict protocol's fidelity to the float model
+        lines.append(
+            "KL dynamic / static {:.4f} / {:.4f}, top-1 {:.4f} / {:.4f}".format(
+                fid[0]["kl_mean"], fid[1]["kl_mean"], fid[0]["top1_agreement"], fid[1]["top1_agreement"]
+            )
+        )
     return "(8/4) b16 s0.5: " + "; ".join(lines), verdict(gaps["bank"] <= 0.05, "static over 5% worse")
 
 
