@@ -34,6 +34,10 @@ class SQIntKernel:
     def __init__(self, layer: QuantLinear, parts: dict) -> None:  # an SQActLinear (sq.py)
         parts = dict(parts)
         self.merged = parts.pop("merged", None)  # both static parts as one weight (extension only)
+        if self.merged is not None and self.merged[0].compiled():
+            parts = {}  # the merged weight is what runs: the parts' copies of the codes are not kept
+        else:
+            self.merged = None
         self.layer, self.parts = layer, parts
         K = layer.in_features
         self.n_scales = -(-K // act_scale_group(layer.fmt, K, layer.act_scale, layer.act_group))
@@ -100,7 +104,7 @@ class SQIntKernel:
         m = self.layer
         x2 = x.reshape(-1, m.in_features).float()
         t = dynamic_split(x2, m.fmt, m.act_scale, m.act_group) if m.strategy == "dynamic" else None
-        if t is None and self.merged is not None and self.merged[0].compiled():  # one product for both
+        if t is None and self.merged is not None:  # both static parts in one product
             w, _, act_cols, _, run = self.merged
             y = self._static_int(x2, "merged", w, act_cols, run)
             return y.reshape(*x.shape[:-1], m.out_features).to(x.dtype)
