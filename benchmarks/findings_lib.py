@@ -41,6 +41,8 @@ def protocol_of(res: dict) -> str:
         return "-"
     if (n, w) == (16, 20):
         return "fast"
+    if n >= 128 and w is None and a.get("fidelity"):  # the verdict protocol (common.protocol_label)
+        return "verdict"
     return f"{n}x{a.get('seqlen', 512)} calib, " + ("every window" if w is None else f"{w} windows")
 
 
