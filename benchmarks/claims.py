@@ -234,11 +234,13 @@ WHY = {
     "collapses this model); the paper's A4 granularity is not printed",
     "W(SQ)A4 beats W4A4 (group-wise A4)": "our W4A4 uses the smoothed GPTQ W4 g128 weights of every "
     "activation row (the paper's: GPTQ W4A4); W(SQ) stores more bits per weight (measured_bits)",
-    "static falls away from dynamic towards INT2": "per-token activation scales (not rerun with per-bank "
-    "scales, which narrow the (8/4) gap from +42% to +3.9%)",
-    "static SQ prefers small banks": "per-token activation scales (not rerun with per-bank scales)",
-    "|Ā_j| alone as static importance degrades": "per-token activation scales (not rerun with per-bank "
-    "scales)",
+    "static falls away from dynamic towards INT2": "judged with per-bank activation scales (the per-bank "
+    "rows measured on the Xeon in one run; the per-token rows beside them on the EPYC); fast protocol",
+    "static SQ prefers small banks": "per-token activation scales (the per-bank grid is wired in "
+    "sq_format.py's agrid part but not yet run)",
+    "|Ā_j| alone as static importance degrades": "judged with per-bank activation scales (one run on the "
+    "Xeon; per-token rows on the EPYC beside them); fast protocol, 1% apart: too close to decide there; "
+    "SmolLM2's Q4_1-origin weights leave no heavy outlier channels for |A| to miss",
     "fused sparse branch costs ~5-6% latency (GPU)": "CPU kernels; the paper's figure is a GPU's",
     "ours: W4A4 prefill beats W4A16 on the CPU integer path": "not a claim of the paper (its kernel is a "
     "GPU's); the issue's target for the CPU",
