@@ -140,8 +140,7 @@ def test_static_levels_are_the_splits_own(sq, scale, group, calibrated):
     x[0] = 0.0  # an all-zero token (scales clamp to the smallest fp16)
     x[1, 5] = 3e5  # one huge value
     x[2] = torch.round(x[2] * 4) / 4  # exact quarter values: ties in the rounding
-    parts = m._int_parts()
-    merged = parts.pop("merged", None)
+    parts = m._int_parts(merge=False)
     k = SQIntKernel(m, parts)  # the per-part path (what runs without the extension)
     scales = None if m.act_low_scale is None else (m.act_low_scale, m.act_high_scale)
     t = static_split(x, m.channel_mask(), m.fmt, m.act_scale, m.act_group, scales)
@@ -166,7 +165,7 @@ def test_static_levels_are_the_splits_own(sq, scale, group, calibrated):
             assert torch.equal(sums, lv.sum(-1).int()), (part, name)
             if run:
                 assert torch.allclose(qz, w.run_sums(q, sa, run), rtol=1e-6, atol=1e-6), (part, name)
-    k = SQIntKernel(m, {**parts, "merged": merged} if merged is not None else parts)
+    k = m._build_int_act()
     if k.merged is None:
         assert not m.fmt.h_low or not intmm.extension()  # the two static parts merge where both exist
         return

@@ -42,6 +42,7 @@ from ..formats.act import ActQuantSpec
 from ..formats.packing import packed_cols, unpack_codes
 from ..formats.sq import _compact_index, _pos_bits, pack_sq, parse_sq, unpack_sq
 from ..formats.sq_act import ACT_SCALES, act_scale_group
+from ..kernels.intmm import IntActWeight
 from .base import NoIntForm, QuantModule
 from .intact import segmented_int_weight
 from .qlinear import QuantLinear
@@ -316,12 +317,13 @@ class SQActLinear(QuantLinear):
         return [f"sq activations   {k}: {n} layers" for k, n in seen.items()], {}
 
     # -- integer compute: each part's INT levels times the codes in int32 (modules/intact.py) --------
-    def _int_parts(self, codes=None, scales=None, zeros=None, g_idx=None) -> dict | str:
+    def _int_parts(self, codes=None, scales=None, zeros=None, g_idx=None, merge: bool = True) -> dict | str:
         """``{part: (weight, stored columns, scale column per group or run, scale column per column, run)}``
         (``run``: :func:`~bitmosaic.modules.intact.segmented_int_weight`'s) for the
         integer path (``"both"``: the dynamic strategy's low and high parts over every column;
         ``"high"``/``"low"``: the static strategy's two contiguous slices of the high-first stored
-        columns), or why not."""
+        columns; ``"merged"`` alone: both static parts as one weight, where the extension runs it and
+        ``merge``), or why not."""
         f, K = self.fmt, self.in_features
         if f.fp:
             return "FP SQ-format activations (fp8/fp4): no CPU instruction"
@@ -348,18 +350,19 @@ class SQActLinear(QuantLinear):
         else:
             kh = f.high_count(K)
             sel = {"high": cols[:kh], **({"low": cols[kh:]} if f.h_low else {})}
+        if merge and len(sel) == 2 and kh % 8 == 0 and IntActWeight.compiled():
+            # both static parts as one weight, one product (the low part's scales after the high's); it
+            # segments only where each part does, so the parts are built only where it cannot be
+            ids = torch.cat([orig[:kh] // g, orig[kh:] // g + -(-K // g)])
+            r = segmented_int_weight(codes, self.storage_bits, scales, zeros, g_idx.cpu(), cols, ids)
+            if not isinstance(r, str):
+                return {"merged": (r[0], cols, r[1], ids, r[2])}
         parts = {}
         for name, c in sel.items():
             r = segmented_int_weight(codes, self.storage_bits, scales, zeros, g_idx.cpu(), c, orig[c] // g)
             if isinstance(r, str):
                 return f"SQ-format {name} part: {r}"
             parts[name] = (r[0], c, r[1], orig[c] // g, r[2])
-        if len(parts) == 2 and kh % 8 == 0:  # both static parts as one weight: one product
-            S = -(-K // g)
-            ids = torch.cat([orig[:kh] // g, orig[kh:] // g + S])  # the low part's scales after the high's
-            r = segmented_int_weight(codes, self.storage_bits, scales, zeros, g_idx.cpu(), cols, ids)
-            if not isinstance(r, str):
-                parts["merged"] = (r[0], cols, r[1], ids, r[2])
         return parts
 
     @classmethod

@@ -33,11 +33,7 @@ class SQIntKernel:
 
     def __init__(self, layer: QuantLinear, parts: dict) -> None:  # an SQActLinear (sq.py)
         parts = dict(parts)
-        self.merged = parts.pop("merged", None)  # both static parts as one weight (extension only)
-        if self.merged is not None and self.merged[0].compiled():
-            parts = {}  # the merged weight is what runs: the parts' copies of the codes are not kept
-        else:
-            self.merged = None
+        self.merged = parts.pop("merged", None)  # both static parts as one weight (SQActLinear._int_parts)
         self.layer, self.parts = layer, parts
         K = layer.in_features
         self.n_scales = -(-K // act_scale_group(layer.fmt, K, layer.act_scale, layer.act_group))
