@@ -20,7 +20,9 @@ Rows accumulate in ``benchmarks/results/rotation.json`` (a config already there 
 new config after M minutes.  The Markdown table is rewritten from every row each time.
 
 ``+spinquant`` rows learn R1 and each layer's R2 from the Hadamard ones (SpinQuant, Cayley SGD, 100 steps
-of one calibration sample, lr 1.5) against the row's activation quantizer, weights in float.
+of one calibration sample, lr 1.5; ``+spinquant:batch=8``: 8 samples a step, the paper's batch) against
+the row's activation quantizer, weights in float, on ``--device``; the row keeps the first and last
+step's loss.
 Run: python benchmarks/rotation.py --protocol fast [--only NAME,NAME] [--budget-min 9]
 """
 
@@ -109,6 +111,11 @@ CONFIGS = [
     # SpinQuant: R1/R2 learned from the Hadamard start (100 Cayley SGD steps, lr 1.5) against the A4
     ("gptq", "A4", "spinquant"),
     ("gptq", "A4g64", "spinquant"),
+    # the paper's batch (8 samples a step; its samples are 2048 tokens, ours the run's 512) on the best
+    # Hadamard row's activations and on QuaRot/SpinQuant's own per-token A4
+    ("gptq", "A4g64c0.9", "spinquant:batch=8"),
+    ("gptq", "A4", "spinquant:batch=8"),
+    ("gptq", "A4g64c0.9", "spinquant:lr=0.1,batch=8"),  # a smaller step (the loss rose at lr 1.5)
 ]
 
 
@@ -192,6 +199,9 @@ def run(b: Bench, label: str, act: str, rotate: str, max_tokens: int) -> dict:
     row = {"name": name_of(label, act, rotate), "method": label, "acts": act, "rotate": rotate,
            "bits_per_weight": rep.bits_per_weight, "quant_seconds": rep.seconds, **evaluate(b, model),
            "eval_seconds": time.perf_counter() - t, "device": where(b.args.device)}  # fmt: skip
+    learned = rep.calibration.get("rotation", {}).get("learned")
+    if learned:  # a learned rotation: its steps, rate, batch and the first/last step's loss
+        row["learned"] = learned
     print(f"  {row['name']:<32} ppl {row['ppl']:9.3f}  KL {row['kl_mean']:.4f}  "
           f"top-1 {row['top1_agreement']:.4f}  quant {rep.seconds:6.1f}s", flush=True)  # fmt: skip
     return row
@@ -235,21 +245,28 @@ def markdown(rows: list[dict], args, diag: list[dict] | None = None) -> str:
             f"{r['kl_mean']:.4f} | {r['top1_agreement']:.4f} | {r['bits_per_weight']:.3f} | "
             f"{r['quant_seconds']:.0f} | {r.get('device', 'cpu')} |"
         )
-    goals = [r for r in rows if r["name"].startswith("gptq W4A4") and "+hadamard" in r["name"]]
+    goals = [r for r in rows if r["name"].startswith("gptq W4A4") and r.get("rotate", "none") != "none"]
     if goals and flt:
         best = min(goals, key=lambda r: r["ppl"])
         met = "met" if best["ppl"] <= 1.5 * f else "not met"
-        lines += ["", f"Goal (GPTQ W4A4 with rotation within 1.5x of float = {1.5 * f:.2f}): best "
-                  f"rotated GPTQ W4A4 row {best['name']} {best['ppl']:.2f} ({best['ppl'] / f:.2f}x): "
-                  f"**{met}**."]  # fmt: skip
-    same = [r for r in rows if r["name"].endswith(" @cpu")]
-    for r in same:
-        other = next((x for x in rows if x["name"] == r["name"].removesuffix(" @cpu")), None)
+        lines += ["", f"Goal (GPTQ W4A4 with a rotation, Hadamard or learned, within 1.5x of float = "
+                  f"{1.5 * f:.2f}): best rotated GPTQ W4A4 row {best['name']} {best['ppl']:.2f} "
+                  f"({best['ppl'] / f:.2f}x): **{met}**."]  # fmt: skip
+    learned = [r for r in rows if r.get("learned")]
+    if learned:
+        lines += ["", "Learned rotations (SpinQuant, Cayley SGD from the Hadamard start), the training "
+                  "cross-entropy of the first and the last step's samples: " + "; ".join(
+                      f"{r['name']}: {r['learned']['steps']} steps of {r['learned'].get('batch', 1)} "
+                      f"sample(s), lr {r['learned']['lr']:g}, {r['learned']['loss_first']:.3f} -> "
+                      f"{r['learned']['loss_last']:.3f}" for r in learned) + "."]  # fmt: skip
+    for r in rows:  # "NAME @DEVICE": the same config run again on another device, for same-device pairs
+        base, at, dev = r["name"].partition(" @")
+        other = next((x for x in rows if x["name"] == base), None) if at else None
         if other:
-            lines += ["", f"The same config on two devices: {other['name']} {other['ppl']:.2f} on "
-                      f"{other.get('device', 'cpu')}, {r['ppl']:.2f} on the CPU (GPTQ's act-order and MSE "
+            lines += ["", f"The same config on two devices: {base} {other['ppl']:.2f} on "
+                      f"{other.get('device', 'cpu')}, {r['ppl']:.2f} on {dev} (GPTQ's act-order and MSE "
                       "decisions follow float rounding; here they differ by "
-                      f"{abs(other['ppl'] / r['ppl'] - 1):.0%}): compare rows of one device."]  # fmt: skip
+                      f"{abs(other['ppl'] / r['ppl'] - 1):.1%}): compare rows of one device."]  # fmt: skip
     if diag:
         lines += ["", "Why RTN weights lose with a rotation here (`--diagnose`): relative output error "
                   "||X (Q(W) - W)ᵀ|| / ||X Wᵀ|| of 4-bit symmetric per-channel min-max RTN on two "
@@ -284,7 +301,8 @@ def main() -> None:
         raise SystemExit(f"error: {path} holds rows of other settings ({theirs}); use --json FILE or --redo")
     rows = {r["name"]: r for r in old.get("rows", [])}
     diag = old.get("rtn_output_error")
-    wanted = [c for c in CONFIGS if a.only is None or name_of(*c) in a.only.split(",")]
+    sep = ";" if a.only and ";" in a.only else ","  # ';' where a name holds commas (spinquant:lr=X,batch=B)
+    wanted = [c for c in CONFIGS if a.only is None or name_of(*c) in a.only.split(sep)]
     todo = [c for c in wanted if a.redo or name_of(*c) not in rows]
     b = Bench(a)
 

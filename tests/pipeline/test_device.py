@@ -250,3 +250,29 @@ def test_resolve_device():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             resolve_device("cuda")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_learned_rotation_runs_on_the_device_and_leaves_the_model_on_host(calib, device):
+    """``--rotate spinquant`` learns on the run's device (the whole float model moved there and back):
+    the model ends on the host, unchanged as a float function, and the first step's loss is the
+    CPU's (the GPU's float32 rounding aside)."""
+    from bitmosaic.formats.act import ActQuantSpec
+    from bitmosaic.models.arch import get_arch
+    from bitmosaic.pipeline.rotate import rotate_model
+
+    act = ActQuantSpec("int", 4)
+    infos, outs = {}, {}
+    for where in dict.fromkeys(["cpu", device]):
+        m = tiny_llama()
+        with torch.no_grad():
+            ref = m(calib[:2]).logits
+        infos[where] = rotate_model(m, get_arch(m), "spinquant:steps=2,lr=1.5,batch=3", calib=calib, act=act,
+                                    device=torch.device(where))  # fmt: skip
+        assert {p.device.type for p in m.parameters()} == {"cpu"}
+        with torch.no_grad():
+            outs[where] = m(calib[:2]).logits
+        assert (outs[where] - ref).abs().max() <= 1e-4 * ref.abs().max()
+    first = {k: v["learned"]["loss_first"] for k, v in infos.items()}
+    assert first[device] == pytest.approx(first["cpu"], rel=1e-4)
+    assert infos[device]["learned"]["batch"] == 3

@@ -83,7 +83,8 @@ def test_spinquant_needs_activation_quantization():
 @pytest.mark.parametrize(
     "text,label",
     [("none", "none"), (None, "none"), ("hadamard", "hadamard"), ("spinquant", "spinquant"),
-     ("spinquant:steps=100,lr=1.5", "spinquant"), ("spinquant:steps=20", "spinquant:steps=20,lr=1.5")],
+     ("spinquant:steps=100,lr=1.5", "spinquant"), ("spinquant:steps=20", "spinquant:steps=20,lr=1.5"),
+     ("spinquant:batch=1", "spinquant"), ("spinquant:batch=8", "spinquant:steps=100,lr=1.5,batch=8")],
 )  # fmt: skip
 def test_parse_rotation(text, label):
     assert parse_rotation(text).label == label
@@ -91,12 +92,45 @@ def test_parse_rotation(text, label):
 
 @pytest.mark.parametrize(
     "text", ["quarot", "hadamard:steps=3", "spinquant:steps=0", "spinquant:lr=-1", "spinquant:epochs=3",
-             "spinquant:steps=x"],
+             "spinquant:steps=x", "spinquant:batch=0", "spinquant:batch=2.5"],
 )  # fmt: skip
 def test_bad_rotation_one_line(text):
     with pytest.raises(OptionError, match=r"--rotate") as e:
         parse_rotation(text)
     assert "\n" not in str(e.value)
+
+
+def test_a_batch_step_descends_the_mean_loss_of_its_samples():
+    """``batch=B``: a step's loss is the mean cross-entropy of B calibration samples (here samples 0
+    and 1 of 3), and its Cayley step is the one that loss's gradient gives, computed here by hand."""
+    from torch.func import functional_call
+
+    from bitmosaic.pipeline.rotate import RotationSpec, prepare_rotation, rotated_state
+    from bitmosaic.pipeline.spin import learn_rotation
+
+    model = tiny("llama")
+    arch = get_arch(model)
+    calib = torch.randint(4, VOCAB, (3, 16), generator=torch.Generator().manual_seed(0))
+    act = ActQuantSpec("int", 4)
+    d, heads = model.config.hidden_size, model.config.num_attention_heads
+    prepare_rotation(model, arch, "hadamard", 0)
+    Q1 = random_orthogonal(d, 0)
+    R2 = [random_orthogonal(d // heads, 1)] * len(arch.layers(model))
+    spec = RotationSpec("spinquant", steps=1, lr=1.5, batch=2)
+    Qb, Rb, info = learn_rotation(model, arch, Q1, R2, calib, act, spec, rotated_state)
+    assert info["batch"] == 2 and all(r.device == Q1.device for r in [Qb, *Rb])
+    Q = Q1.float().requires_grad_(True)
+    R = [r.float().requires_grad_(True) for r in R2]
+    hooks = [layer.get_submodule(n).register_forward_pre_hook(_ste_hook(act))
+             for layer in arch.layers(model) for g in arch.sequential for n in g]  # fmt: skip
+    base = {n: p.detach() for n, p in model.named_parameters()}
+    logits = functional_call(model, rotated_state(model, arch, Q, R, base), (calib[:2],)).logits
+    for h in hooks:
+        h.remove()
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), calib[:2, 1:].reshape(-1))
+    assert info["loss_first"] == pytest.approx(float(loss.detach()), rel=1e-5)
+    gQ = torch.autograd.grad(loss, Q)[0]
+    assert torch.allclose(Qb, cayley_step(Q.detach(), gQ, 1.5).double(), atol=1e-5)
 
 
 def test_static_quantizer_learned_as_its_dynamic_form():

@@ -78,12 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seqlen", type=int, default=512, help="tokens per calibration sample")
     q.add_argument("--seed", type=int, default=0, help="seed of the calibration sampling and the run")
     q.add_argument(
-        "--rotate", default=None, metavar="{none,hadamard,random,spinquant[:steps=N,lr=X]}",
+        "--rotate", default=None, metavar="{none,hadamard,random,spinquant[:steps=N,lr=X,batch=B]}",
         help="QuaRot rotation folded into the float model before any method (norm scales folded, residual "
         "stream rotated, per-head value/output rotation, online Hadamards before o_proj and down_proj): "
         "4-bit activations without outlier collapse; random = random orthogonal matrices; spinquant = R1 "
         "and R2 learned from the Hadamard ones by Cayley SGD against the activation quantizer on the "
-        "calibration data (default 100 steps, lr 1.5; needs --abits) (default: none)",
+        "calibration data (default 100 steps, lr 1.5, 1 sample a step; needs --abits) (default: none)",
     )  # fmt: skip
     q.add_argument("--batch-size", type=int, default=4, help="calibration samples per layer forward")
     add_cache_args(q)

@@ -205,8 +205,8 @@ def quantize_model(
     work folder, else the system's temporary folder) and are read back one batch at a time
     (:mod:`bitmosaic.pipeline.spill`; the same bytes result).  ``report.calibration["spill"]`` says
     whether they spilled and where; the folder is removed when the run ends, also on an error.
-    ``rotate``: ``"hadamard"``, ``"random"`` or ``"spinquant[:steps=N,lr=X]"`` (learned on ``calib``
-    against ``config.act``) first folds QuaRot's rotations into the float model
+    ``rotate``: ``"hadamard"``, ``"random"`` or ``"spinquant[:steps=N,lr=X,batch=B]"`` (learned on ``calib``
+    against ``config.act``, on ``device``) first folds QuaRot's rotations into the float model
     (:mod:`bitmosaic.pipeline.rotate`; ``model.bitmosaic_rotation`` and
     ``report.calibration["rotation"]`` record them, a saved model re-applies the online ones on load).
     """
@@ -218,12 +218,14 @@ def quantize_model(
             f"--rotate {rotate} rotates the whole float model before calibration, which a streamed run "
             "(one layer in memory at a time) cannot do; use --stream off"
         )
+    dev = resolve_device(device, model)
     act = getattr(config, "act", None)  # what a learned rotation (--rotate spinquant) is learned against
-    rotation = rotate_model(model, arch, rotate or "none", seed, calib=calib, act=act, progress=progress)
+    rotation = rotate_model(
+        model, arch, rotate or "none", seed, calib=calib, act=act, progress=progress, device=dev
+    )
     if rotation:
         model.bitmosaic_rotation = rotation
     layers = arch.layers(model)
-    dev = resolve_device(device, model)
     cdtype = _compute_dtype(compute_dtype, model, dev)
     dist = dist or current()
     local = dist.split(calib, batch_size)  # this rank's calibration batches (all of them alone)

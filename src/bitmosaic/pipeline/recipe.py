@@ -129,8 +129,8 @@ class Recipe:
             rotate = parse_rotation(rotate).label
         except OptionError:
             raise OptionError(
-                f"{where} key 'rotate' must be one of {', '.join(ROTATIONS)} (spinquant[:steps=N,lr=X]); "
-                f"got {rotate!r}"
+                f"{where} key 'rotate' must be one of {', '.join(ROTATIONS)} "
+                f"(spinquant[:steps=N,lr=X,batch=B]); got {rotate!r}"
             ) from None
         recipe = cls(d["method"], settings, scheme, tuple(rules), skips, rotate)
         recipe._entry_config(None, f"{where} (method/settings/scheme)")

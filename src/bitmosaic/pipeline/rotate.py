@@ -41,41 +41,46 @@ ROTATIONS = ("none", "hadamard", "random", "spinquant")
 
 @dataclass(frozen=True)
 class RotationSpec:
-    """A ``--rotate`` value: ``kind``, and for ``spinquant`` the Cayley SGD steps and learning rate."""
+    """A ``--rotate`` value: ``kind``, and for ``spinquant`` the Cayley SGD steps, learning rate and
+    calibration samples per step (``batch``; the paper's is 8 sequences of 2048 tokens)."""
 
     kind: str = "none"
     steps: int = 100
     lr: float = 1.5
+    batch: int = 1
 
     @property
     def label(self) -> str:
-        if self.kind != "spinquant" or (self.steps, self.lr) == (RotationSpec.steps, RotationSpec.lr):
+        default = (RotationSpec.steps, RotationSpec.lr, RotationSpec.batch)
+        if self.kind != "spinquant" or (self.steps, self.lr, self.batch) == default:
             return self.kind
-        return f"spinquant:steps={self.steps},lr={self.lr:g}"
+        batch = "" if self.batch == RotationSpec.batch else f",batch={self.batch}"
+        return f"spinquant:steps={self.steps},lr={self.lr:g}{batch}"
 
 
 def parse_rotation(text: str | None) -> RotationSpec:
-    """``none`` | ``hadamard`` | ``random`` | ``spinquant[:steps=N,lr=X]`` -> :class:`RotationSpec`
+    """``none`` | ``hadamard`` | ``random`` | ``spinquant[:steps=N,lr=X,batch=B]`` -> :class:`RotationSpec`
     (one-line :class:`OptionError` otherwise)."""
     text = "none" if text in (None, False) else str(text)
     kind, _, rest = text.partition(":")
     if kind not in ROTATIONS or (rest and kind != "spinquant"):
         raise OptionError(
             f"--rotate {text!r} is not a rotation; use one of none, hadamard, random, "
-            "spinquant[:steps=N,lr=X]"
+            "spinquant[:steps=N,lr=X,batch=B]"
         )
     opts: dict = {}
     for item in filter(None, rest.split(",")):
         key, _, val = item.partition("=")
         try:
-            opts[key] = {"steps": int, "lr": float}[key](val)
+            opts[key] = {"steps": int, "lr": float, "batch": int}[key](val)
         except (KeyError, ValueError):
             raise OptionError(
-                f"--rotate {text}: {item!r} is not steps=N or lr=X (e.g. spinquant:steps=100,lr=1.5)"
+                f"--rotate {text}: {item!r} is not steps=N, lr=X or batch=B "
+                "(e.g. spinquant:steps=100,lr=1.5,batch=8)"
             ) from None
     spec = RotationSpec(kind, **opts)
-    if spec.steps < 1 or not spec.lr > 0:
-        raise OptionError(f"--rotate {text}: steps must be >= 1 and lr > 0")
+    if spec.steps < 1 or spec.batch < 1 or not spec.lr > 0:
+        raise OptionError(f"--rotate {text}: steps and batch must be >= 1 and lr > 0")
     return spec
 
 
@@ -207,16 +212,16 @@ def rotated_state(
 @torch.no_grad()
 def rotate_model(
     model: nn.Module, arch: ArchSpec, kind: str, seed: int = 0, calib: torch.Tensor | None = None,
-    act=None, progress: bool = False,
+    act=None, progress: bool = False, device: torch.device | None = None,
 ) -> dict:  # fmt: skip
     """Rotate ``model`` (float, in place) as the module docstring says; returns what a saved model
     records: ``{"kind", "seed", "online": {module name: spec}, "untied": bool}`` (``{}`` for ``"none"``).
     ``kind="hadamard"``: R1 = randomised Hadamard (random signs from ``seed``), R2 and the online
     rotation plain Hadamards (refused in one line where no Hadamard of that order is known);
     ``"random"``: R1, R2 random orthogonal from ``seed``, the online one a Hadamard when known, else
-    a random orthogonal matrix from ``seed``; ``"spinquant[:steps=N,lr=X]"``: R1 and each layer's R2
-    learned from the Hadamard ones on ``calib`` against the activation quantizer ``act``
-    (:mod:`bitmosaic.pipeline.spin`)."""
+    a random orthogonal matrix from ``seed``; ``"spinquant[:steps=N,lr=X,batch=B]"``: R1 and each
+    layer's R2 learned from the Hadamard ones on ``calib`` against the activation quantizer ``act``
+    (:mod:`bitmosaic.pipeline.spin`), on ``device`` (default: where the model is)."""
     spec = parse_rotation(kind)
     check_rotatable(model, arch, spec.kind)
     if spec.kind == "none":
@@ -239,7 +244,7 @@ def rotate_model(
     if spec.kind == "spinquant":
         with torch.enable_grad():
             Q1, R2s, out["learned"] = learn_rotation(
-                model, arch, Q1, R2s, calib, act, spec, rotated_state, progress
+                model, arch, Q1, R2s, calib, act, spec, rotated_state, progress, device
             )
     for name, value in rotated_state(model, arch, Q1, R2s).items():
         _set(model.get_parameter(name), value)
