@@ -127,6 +127,16 @@ def atom_like(X, W, H, amax, act4, share=ATOM_SHARE, damp=0.01) -> tuple[torch.T
     """Atom-like W4A4 output ``Y [tokens, out]`` of ``X`` and its bits (module doc): the ``share``
     of input channels with the largest ``max|X_j|`` in INT8 (weights and activations), GPTQ g128
     INT4 weights and ``act4`` activations on the rest."""
+    lo, hi, Wlo, Whi, bits = atom_like_weights(W, H, amax, act4, share, damp)
+    Y = fake_quant(X[:, lo], act4) @ Wlo.T + fake_quant(X[:, hi], ActQuantSpec("int", 8)) @ Whi.T
+    return Y, bits
+
+
+def atom_like_weights(W, H, amax, act4, share=ATOM_SHARE, damp=0.01):
+    """The Atom-like split of ``W [out, n]`` (module doc): ``(lo, hi, W_lo, W_hi, bits)`` -- the 4-bit
+    and the 8-bit input channels (``hi``: the ``share`` of largest ``max|X_j|``), their dequantized
+    weights (GPTQ g128 INT4 on ``H``'s ``lo`` block; INT8 per row after the OBS update for the 4-bit
+    channels' error) and the bits of weights and activations (``act4`` on the 4-bit channels)."""
     n = W.shape[1]
     n8 = max(1, round(share * n))
     order = torch.sort(amax.float(), descending=True, stable=True).indices
@@ -139,11 +149,11 @@ def atom_like(X, W, H, amax, act4, share=ATOM_SHARE, damp=0.01) -> tuple[torch.T
     Whi = (W[:, hi].double() + E @ Hd[lo][:, hi] @ torch.linalg.inv(Hhh)).float()
     sc = (Whi.abs().amax(1, keepdim=True) / 127).clamp(min=1e-12).half().float()
     Whi = torch.round(Whi / sc).clamp(-128, 127) * sc
-    Y = fake_quant(X[:, lo], act4) @ Wlo.T + fake_quant(X[:, hi], ActQuantSpec("int", 8)) @ Whi.T
     out = W.shape[0]
     wbits = out * (len(lo) * 4 + -(-len(lo) // 128) * 16) + out * (n8 * 8 + 16) + n * 32  # + channel order
     abits = len(lo) * 4 + -(-len(lo) // act4.group_size) * 16 + n8 * 8 + 16
-    return Y, {"atom_8bit_channels": n8, "atom_weight_bpw": wbits / (out * n), "atom_act_bits": abits / n}
+    bits = {"atom_8bit_channels": n8, "atom_weight_bpw": wbits / (out * n), "atom_act_bits": abits / n}
+    return lo, hi, Wlo, Whi, bits
 
 
 def w4a4_errors(X, W, s, amax, H, cfg) -> dict:
