@@ -10,7 +10,7 @@ from claims_babai import babai_bound_table, babai_min_pivot, hptq_vs_rtn_gptq, s
 from claims_dpq import dpq_gar_vs_act, dpq_vs_baselines
 from claims_mosaic import (
     mosaic_a4_no_collapse,
-    mosaic_atom_like,
+    mosaic_atom_model,
     mosaic_block_beats_channel,
     mosaic_blocks_not_stripes,
     mosaic_diminishing,
@@ -100,8 +100,8 @@ FINDINGS: list[Finding] = [
     Finding(
         "MosaicQuant",
         "beats an Atom-like mixed-precision split (3.1% INT8 channels)",
-        "mosaic_layers",
-        mosaic_atom_like,
+        "atom_model",
+        mosaic_atom_model,
     ),  # fmt: skip
     Finding("MosaicQuant", "ours: thin residual blocks beat 64x64 at 10%", "mosaic_thin", mosaic_thin_blocks),
     Finding(
@@ -202,10 +202,10 @@ WHY = {
     "it; fast protocol",
     "MosaicQuant beats RTN and SmoothQuant at W4A8": "as the W4A4 row: α grid; fast protocol",
     "ours: MosaicQuant beats GPTQ at W4A8": "not a claim of the paper (it compares with RTN and SmoothQuant)",
-    "beats an Atom-like mixed-precision split (3.1% INT8 channels)": "per-linear output error on a token "
-    "sample, not Table 1's perplexity (no model-level Atom row); Atom rebuilt in simplified form (no "
-    "KV-cache quantization, GPTQ on the INT4 channels' Hessian block, outlier channels by max abs(X_j)); its "
-    "g128 weight scales are finer than MosaicQuant's per-channel base; SmolLM2 has few activation outliers",
+    "beats an Atom-like mixed-precision split (3.1% INT8 channels)": "Atom rebuilt in simplified form and "
+    "simulated (no KV-cache quantization, GPTQ on the INT4 channels' Hessian block, outlier channels by "
+    "max abs(X_j), fake quantization); its g128 weight scales are finer than MosaicQuant's per-channel "
+    "base; SmolLM2 has few activation outliers; fast protocol, one seed",
     "block selection beats channel selection": "outlier channels by the float input's max abs(X_j) (the "
     "paper does not say how it picks them); fast protocol; no heavy outliers here to make channels strong",
     "10% of blocks recovers over half the output distortion": "the paper quotes two single layers of a "
@@ -241,8 +241,9 @@ WHY = {
     "activation row (the paper's: GPTQ W4A4); W(SQ) stores more bits per weight (measured_bits)",
     "static falls away from dynamic towards INT2": "judged with per-bank activation scales (the per-bank "
     "rows measured on the Xeon in one run; the per-token rows beside them on the EPYC); fast protocol",
-    "static SQ prefers small banks": "per-token activation scales (the per-bank grid is wired in "
-    "sq_format.py's agrid part but not yet run)",
+    "static SQ prefers small banks": "with per-bank activation scales a smaller bank also carries more "
+    "scales (one fp16 scale per bank and token: 14 activation bits per element at bank 4, 6.5 at 64), so "
+    "part of a small bank's gain is bits the paper's accounting may not count; fast protocol, one seed",
     "|Ā_j| alone as static importance degrades": "judged with per-bank activation scales (one run on the "
     "Xeon; per-token rows on the EPYC beside them); fast protocol, 1% apart: too close to decide there; "
     "SmolLM2's Q4_1-origin weights leave no heavy outlier channels for |A| to miss",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from findings_lib import MISSING, UNTESTABLE, fmt, load, rows_by_name, verdict
+from findings_lib import MISSING, UNTESTABLE, fmt, load, ppl_fid, rows_by_name, verdict
 
 
 # -- MosaicQuant (paper 002) --------------------------------------------------------------------
@@ -155,6 +155,26 @@ def mosaic_atom_like(res: dict) -> tuple[str, str]:
         f"{mean('atom_act_bits'):.3f}; MosaicQuant lower on {wins}/{len(lin)}"
     )
     return nums, verdict(wins > len(lin) / 2, "the Atom-like layer has the lower error on most linears")
+
+
+def mosaic_atom_model(res: dict) -> tuple[str, str]:
+    """Table 1's Atom comparison at the paper's level, perplexity (``atom_model.json``): MosaicQuant W4A4
+    (A4 per group of 128, the paper's) against the model-level Atom-like row of the same protocol and
+    device (``rotation.json``'s ``mosaic W4A4``), with the per-linear output errors beside it."""
+    atom = next(r for r in res["rows"] if r["name"].startswith("atom-like"))
+    rot = load("rotation") or {}
+    if (rot.get("args") or {}).get("nsamples") != res["args"]["nsamples"]:
+        raise KeyError("mosaic W4A4 of the same protocol")
+    m = rows_by_name(rot)["mosaic W4A4"]
+    nums = (
+        f"W4A4 perplexity: MosaicQuant {ppl_fid(m)} @ {fmt(m['bits_per_weight'], 3)} bpw, Atom-like "
+        f"({atom['share']:.1%} INT8 channels, GPTQ g128; simulated) {ppl_fid(atom)} @ "
+        f"{fmt(atom['weight_bpw'], 3)} bpw / {fmt(atom['act_bits'], 3)} activation bits"
+    )
+    layers = load("mosaic_layers")
+    if layers is not None:
+        nums += "; per linear: " + mosaic_atom_like(layers)[0]
+    return nums, verdict(m["ppl"] < atom["ppl"], "the Atom-like model has the lower perplexity")
 
 
 def mosaic_thin_blocks(res: dict) -> tuple[str, str]:

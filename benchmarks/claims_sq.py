@@ -191,11 +191,16 @@ def _static_small_banks(res: dict, scale: str) -> tuple[str, str]:
         best = min(cells, key=lambda c: c[1]["calib_loss"])
         lines.append(
             f"s={s}: "
-            + ", ".join(f"b{b} {fmt(v['ppl'])}" for b, v in cells)
+            + ", ".join(f"b{b} {fmt(v['ppl'])}" + _scale_bits(v, scale) for b, v in cells)
             + f" (chosen by calib loss: b{best[0]})"
         )
         ok &= best[0] <= min(b for b, _ in cells) * 2  # one of the two smallest banks
     return "; ".join(lines), verdict(ok, "a larger bank has the lowest calibration loss")
+
+
+def _scale_bits(row: dict, scale: str) -> str:
+    """The paper's activation bits plus the activation scales' (per-bank scales cost more at small banks)."""
+    return "" if scale == "token" else f" ({row['paper_act_bits_scales']:.2f} act bits)"
 
 
 def sq_static_small_banks(res: dict) -> tuple[str, str]:
