@@ -273,9 +273,10 @@ WHY = {
     "at 8 bits: rotation alone at W4A8 gives 41.20 on the same device",
     "learned (SpinQuant) beats Hadamard rotation, GPTQ W4A4": "the paper's 100 Cayley SGD steps of 8 "
     "samples at lr 1.5, but of 512 tokens cycling over the run's 128 calibration samples (the paper: 2048 "
-    "tokens from 800 samples), learned on a lent H200; at that rate the training loss rose (3.77 -> 4.01 "
-    "per token A4), so the paper's step size overshoots on a 576-wide model; a smaller rate (0.1) with "
-    "A4g64 gains 2.6% perplexity at equal KL; one seed",
+    "tokens from 800 samples), learned on a lent H200; the training loss barely moves (lr 0.1, A4g64: "
+    "3.504 -> 3.498 and 3.672 -> 3.656 on the same batches 80 steps apart), a 576-wide model leaves a "
+    "Hadamard rotation little to gain; a smaller rate (0.1) with A4g64 gains 2.6% perplexity at equal KL; "
+    "one seed",
     "GPTQ W4A4 with a rotation (Hadamard or learned) within 1.5x of float": "QuaRot's figures are from "
     "7B-70B models, 4096-8192 wide; a rotation spreads each token over 576 channels here; most of the gap "
     "is the A4 activations themselves, chiefly at the MLP's gate/up inputs, even with exact weights "

@@ -207,6 +207,19 @@ def run(b: Bench, label: str, act: str, rotate: str, max_tokens: int) -> dict:
     return row
 
 
+def _descent(learned: dict) -> str:
+    """The training cross-entropy over the first and the last pass through the same samples, where the
+    run recorded every step's (``losses``, ``cycle``); else only the first and last step's, which are
+    of different samples and so say little."""
+    losses, c = learned.get("losses"), learned.get("cycle")
+    if losses and c and len(losses) >= 2 * c:
+        k = len(losses) // c * c  # the last whole pass
+        first, last = sum(losses[:c]) / c, sum(losses[k - c : k]) / c
+        return f"training loss over the same {c} batches {first:.3f} (first pass) -> {last:.3f} (last)"
+    return (f"first step's loss {learned['loss_first']:.3f}, last step's {learned['loss_last']:.3f} "
+            "(different samples; no per-step record)")  # fmt: skip
+
+
 def protocol(args: dict) -> str:
     return protocol_label(SimpleNamespace(**args, fidelity=True))  # every row has KL and top-1
 
@@ -254,11 +267,9 @@ def markdown(rows: list[dict], args, diag: list[dict] | None = None) -> str:
                   f"({best['ppl'] / f:.2f}x): **{met}**."]  # fmt: skip
     learned = [r for r in rows if r.get("learned")]
     if learned:
-        lines += ["", "Learned rotations (SpinQuant, Cayley SGD from the Hadamard start), the training "
-                  "cross-entropy of the first and the last step's samples: " + "; ".join(
-                      f"{r['name']}: {r['learned']['steps']} steps of {r['learned'].get('batch', 1)} "
-                      f"sample(s), lr {r['learned']['lr']:g}, {r['learned']['loss_first']:.3f} -> "
-                      f"{r['learned']['loss_last']:.3f}" for r in learned) + "."]  # fmt: skip
+        lines += ["", "Learned rotations (SpinQuant, Cayley SGD from the Hadamard start): " + "; ".join(
+            f"{r['name']}: {r['learned']['steps']} steps of {r['learned'].get('batch', 1)} sample(s), lr "
+            f"{r['learned']['lr']:g}, {_descent(r['learned'])}" for r in learned) + "."]  # fmt: skip
     for r in rows:  # "NAME @DEVICE": the same config run again on another device, for same-device pairs
         base, at, dev = r["name"].partition(" @")
         other = next((x for x in rows if x["name"] == base), None) if at else None

@@ -20,6 +20,7 @@ and knows no method.  Cost: ``steps`` forward and backward passes of the whole f
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import torch
@@ -68,9 +69,11 @@ def learn_rotation(
     ``rotated_state``: the rotation's differentiable parametrisation,
     :func:`~bitmosaic.pipeline.rotate.rotated_state`; ``device``: where to learn, default where the
     model is).  Returns the learned matrices (float64, orthogonal to rounding, on ``Q1``'s device) and
-    ``{"steps", "lr", "batch", "loss_first", "loss_last"}`` (the cross-entropy of the first and the
-    last step's samples, each before its step); the model's parameters are unchanged and back where
-    they were (the caller folds the result in)."""
+    ``{"steps", "lr", "batch", "cycle", "losses", "loss_first", "loss_last"}``: ``losses`` the
+    cross-entropy of each step's samples before its step (``loss_first``/``loss_last`` the first and
+    the last), ``cycle`` the steps after which the samples repeat (steps ``t`` and ``t + cycle`` see the
+    same samples, so a descent shows as ``losses[t + cycle] < losses[t]``); the model's parameters are
+    unchanged and back where they were (the caller folds the result in)."""
     home = model.get_submodule(arch.rotation.embed).weight.device
     dev = torch.device(device) if device is not None else home
     if dev != home:
@@ -107,7 +110,8 @@ def learn_rotation(
             p.requires_grad_(grads[name])
         if dev != home:
             model.to(home)
-    info = {"steps": spec.steps, "lr": spec.lr, "batch": spec.batch, "loss_first": losses[0],
-            "loss_last": losses[-1], "loss_every_10": losses[::10]}  # fmt: skip
+    cycle = calib.shape[0] // math.gcd(calib.shape[0], spec.batch)
+    info = {"steps": spec.steps, "lr": spec.lr, "batch": spec.batch, "cycle": cycle, "losses": losses,
+            "loss_first": losses[0], "loss_last": losses[-1]}  # fmt: skip
     out = Q1.device
     return Q.detach().double().to(out), [r.detach().double().to(out) for r in R], info
