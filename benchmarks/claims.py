@@ -160,6 +160,12 @@ FINDINGS: list[Finding] = [
     ),  # fmt: skip
     Finding(
         Q,
+        "MosaicQuant (GPTQ base, α 0-1 or none) + rotation beats rotation alone (W4A4)",
+        "rotation",
+        partial(rotation_beats_alone, "mosaic-gptq-wide W4A4", alone="gptq W4A4g128 +hadamard"),
+    ),  # fmt: skip
+    Finding(
+        Q,
         "SQ-format W(SQ5)A4 + rotation beats rotation alone",
         "rotation",
         partial(rotation_beats_alone, "sq-weights W4A4"),
@@ -260,6 +266,9 @@ WHY = {
     "MosaicQuant (GPTQ base) + rotation beats rotation alone (W4A4)": "both rows A4 per group of 128; "
     "MosaicQuant's α grid (0.3-1.0) smooths activations a rotation has already spread, and its residual "
     "blocks are a 10% budget chosen on the rotated weights (not diagnosed further); fast protocol, one seed",
+    "MosaicQuant (GPTQ base, α 0-1 or none) + rotation beats rotation alone (W4A4)": "the α search of "
+    "issue 25 (0-1 in steps of 0.05, and no smoothing where its loss is lowest), so a rotated layer need "
+    "not be smoothed again; both rows A4 per group of 128; fast protocol, one seed",
     "SmoothQuant + rotation beats rotation alone (W4A4)": "0.4% apart on the fast protocol, one seed: too "
     "close to decide there; a Hadamard rotation already spreads the outlier channels that smoothing "
     "migrates (QuaRot itself applies no smoothing)",

@@ -57,6 +57,7 @@ ACTS = {
     "A(SQ)": None,  # SQ-format's own activations (sq-acts)
 }
 W4 = {"bits": 4, "group_size": None, "sym": True}
+WIDE_ALPHAS = tuple(round(0.05 * i, 2) for i in range(21))  # issue 25's α grid for MosaicQuant
 GPTQ = {**W4, "order": "act", "scale": "mse"}
 METHODS = {
     "rtn": ("rtn", W4),
@@ -73,6 +74,9 @@ METHODS = {
     ),
     "mosaic": ("mosaic", {}),  # the paper's: RTN dense base; its A4 is per group of 128 (App. C.1)
     "mosaic-gptq": ("mosaic", {"solver": "gptq"}),  # ours: a GPTQ dense base
+    # the same with issue 25's α search: 0-1 in steps of 0.05 plus no smoothing (a rotation has already
+    # spread the outliers that the paper's 0.3-1.0 grid must still smooth)
+    "mosaic-gptq-wide": ("mosaic", {"solver": "gptq", "alpha_grid": WIDE_ALPHAS, "try_no_smooth": True}),
 }
 # (method label, activations, rotation), most telling first: a budget-cut run keeps these
 CONFIGS = [
@@ -108,6 +112,7 @@ CONFIGS = [
     ("gptq", "A4g128", "hadamard"),  # rotation alone with MosaicQuant's activations
     ("mosaic-gptq", "A4", "hadamard"),
     ("mosaic-gptq", "A4", "none"),
+    ("mosaic-gptq-wide", "A4", "hadamard"),
     # SpinQuant: R1/R2 learned from the Hadamard start (100 Cayley SGD steps, lr 1.5) against the A4
     ("gptq", "A4", "spinquant"),
     ("gptq", "A4g64", "spinquant"),
