@@ -264,11 +264,14 @@ WHY = {
     "MosaicQuant + rotation beats rotation alone (W4A4)": "MosaicQuant's RTN dense base loses with a "
     "rotation here (RTN W4A16 79 -> 182, see rotation.md); both rows A4 per group of 128",
     "MosaicQuant (GPTQ base) + rotation beats rotation alone (W4A4)": "both rows A4 per group of 128; "
-    "MosaicQuant's α grid (0.3-1.0) smooths activations a rotation has already spread, and its residual "
-    "blocks are a 10% budget chosen on the rotated weights (not diagnosed further); fast protocol, one seed",
+    "MosaicQuant's α grid (0.3-1.0) smooths activations a rotation has already spread -- but the wide grid "
+    "with no smoothing (next row) gives 93.13, so that is not the cause; its residual blocks are a 10% "
+    "budget chosen on the rotated weights (not diagnosed further); fast protocol, one seed",
     "MosaicQuant (GPTQ base, α 0-1 or none) + rotation beats rotation alone (W4A4)": "the α search of "
     "issue 25 (0-1 in steps of 0.05, and no smoothing where its loss is lowest), so a rotated layer need "
-    "not be smoothed again; both rows A4 per group of 128; fast protocol, one seed",
+    "not be smoothed again; it moves the row only from 95.41 to 93.13, so the α grid is not what loses "
+    "against rotation alone (MosaicQuant's dense base and residual on the rotated weights are; not "
+    "diagnosed further); both rows A4 per group of 128; fast protocol, one seed",
     "SmoothQuant + rotation beats rotation alone (W4A4)": "0.4% apart on the fast protocol, one seed: too "
     "close to decide there; a Hadamard rotation already spreads the outlier channels that smoothing "
     "migrates (QuaRot itself applies no smoothing)",
