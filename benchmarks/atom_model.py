@@ -26,9 +26,9 @@ import torch
 from mosaic_layers import A4, ATOM_SHARE, atom_like_weights
 from torch import nn
 
-from bitmosaic.algorithms import HessianAccumulator
 from bitmosaic.formats.act import ActQuantSpec, fake_quant
 from bitmosaic.models.arch import get_arch
+from bitmosaic.pipeline.calibration import LayerInputs, group_statistics
 from bitmosaic.pipeline.capture import run_layer
 from bitmosaic.pipeline.pipeline import capture_layer_inputs
 
@@ -68,26 +68,18 @@ def quantize_atom_like(model: nn.Module, calib: torch.Tensor, share: float = ATO
     wbits = abits = weights = elems = 0.0
     t0 = time.perf_counter()
     for li, layer in enumerate(layers):
-        for group in arch.sequential:
+        for group in arch.sequential:  # each group calibrated on the inputs the quantized ones give
             lins = {n: layer.get_submodule(n) for n in group}
-            accs = {n: HessianAccumulator(m.in_features, dtype=torch.float64) for n, m in lins.items()}
-            amax = {n: torch.zeros(m.in_features) for n, m in lins.items()}
-
-            def hook(mod, args, n):
-                x = args[0].reshape(-1, args[0].shape[-1]).float()
-                accs[n].add(x.double())
-                amax[n] = torch.maximum(amax[n], x.abs().amax(0))
-
-            hooks = [
-                m.register_forward_pre_hook(lambda mod, a, n=n: hook(mod, a, n)) for n, m in lins.items()
-            ]
-            for h, k in zip(inputs, kwargs, strict=True):
-                run_layer(layer, h, k)
-            for h in hooks:
-                h.remove()
+            accs, owner, obs = group_statistics(
+                layer, group, LayerInputs(inputs, torch.device("cpu"), False), kwargs,
+                hessian_dtype=torch.float64, observe=True,
+            )  # fmt: skip
             for n, lin in lins.items():
                 W = lin.weight.detach().float()
-                lo, hi, w_lo, w_hi, bits = atom_like_weights(W, accs[n].H, amax[n], A4, share)
+                own = owner[n]  # q/k/v and gate/up share one input: its Hessian and channel maxima
+                lo, hi, w_lo, w_hi, bits = atom_like_weights(
+                    W, accs[own].H, obs[own].channel_absmax, A4, share
+                )
                 parent, _, leaf = n.rpartition(".")
                 setattr(layer.get_submodule(parent), leaf, AtomLikeLinear(lin, lo, hi, w_lo, w_hi, A4))
                 wbits += bits["atom_weight_bpw"] * W.numel()
