@@ -43,14 +43,11 @@ def rotation_beats_alone(method_row: str, res: dict, alone: str = ALONE) -> tupl
     activations: per token, or ``alone``), and the same method without the rotation."""
     r = rows_by_name(res)
     m = r[method_row + " +hadamard"]
-    dev = m.get("device", "cpu")
-    alone = r.get(f"{alone} @{dev}") or r[alone]  # the same device's row where there is one
+    alone, where = _beside(r, alone, m)
     plain = r.get(method_row)
     nums = (f"{method_row} +hadamard {fmt(m['ppl'])} @ {fmt(m['bits_per_weight'], 3)} bpw vs rotation alone "
             f"{fmt(alone['ppl'])} @ {fmt(alone['bits_per_weight'], 3)}"
-            + (f"; without rotation {fmt(plain['ppl'])}" if plain else ""))  # fmt: skip
-    if m.get("device", "cpu") != alone.get("device", "cpu"):
-        nums += f" (run on {m.get('device', 'cpu')} vs {alone.get('device', 'cpu')})"
+            + (f"; without rotation {fmt(plain['ppl'])}" if plain else "") + where)  # fmt: skip
     gain = 1 - m["ppl"] / alone["ppl"]
     return nums + f" ({gain:+.1%})", verdict(gain >= 0.01, "within 1% of rotation alone" if gain > 0 else "")
 
@@ -72,11 +69,17 @@ def spinquant_beats_hadamard(res: dict) -> tuple[str, str]:
 
 def _learned_vs_hadamard(r: dict, s: dict, hadamard: str) -> tuple[float, str]:
     """(perplexity gain, text) of the learned row ``s`` over ``hadamard`` run on the same device."""
-    dev = s.get("device", "cpu")
-    h = r.get(f"{hadamard} @{dev}") or r[hadamard]
+    h, where = _beside(r, hadamard, s)
     txt = (f"learned {fmt(s['ppl'])} (KL {s['kl_mean']:.3f}, top-1 {s['top1_agreement']:.3f}) vs Hadamard "
-           f"{fmt(h['ppl'])} (KL {h['kl_mean']:.3f}, top-1 {h['top1_agreement']:.3f})")  # fmt: skip
-    if h.get("device", "cpu") != dev:
-        txt += f" (run on {dev} vs {h.get('device', 'cpu')})"
+           f"{fmt(h['ppl'])} (KL {h['kl_mean']:.3f}, top-1 {h['top1_agreement']:.3f}){where}")  # fmt: skip
     gain = 1 - s["ppl"] / h["ppl"]
     return gain, txt + f" ({gain:+.1%})"
+
+
+def _beside(r: dict, name: str, row: dict) -> tuple[dict, str]:
+    """The baseline ``name`` run on ``row``'s device (``"NAME @DEVICE"`` where the table has one, else
+    ``name``), and a note when the devices still differ (GPTQ's decisions follow float rounding)."""
+    dev = row.get("device", "cpu")
+    base = r.get(f"{name} @{dev}") or r[name]
+    other = base.get("device", "cpu")
+    return base, "" if other == dev else f" (run on {dev} vs {other})"
