@@ -125,8 +125,12 @@ def main() -> None:
     p.add_argument("--parts", default="main")
     p.add_argument("--max-tokens", type=int, default=1024, help="alpha-search token sample")
     a = p.parse_args()
+    parts = a.parts.split(",")
+    if a.json and len(parts) > 1:
+        raise SystemExit("error: --json names one file; give one part with it (a verdict run: --parts main)")
+    out_json = a.json
     b = Bench(a)
-    for part in a.parts.split(","):
+    for part in parts:
         b.rows = []
         b.partial_path = RESULTS / f"mosaic_{part}.partial.json"
         if part == "main":
@@ -144,19 +148,23 @@ def main() -> None:
                     flush=True,
                 )
         cols = ["scheme", "ppl", "bits_per_weight", "mean_recovered", "mean_alpha", "quant_seconds"]
-        b.args.json = str(RESULTS / f"mosaic_{part}.json")
+        b.args.json = out_json or str(RESULTS / f"mosaic_{part}.json")
         b.finish(f"mosaic_{part}", cols)  # with --only: joined to the part's earlier rows (common.py)
         rows = json.loads(Path(b.args.json).read_text())["rows"]  # the table shows the JSON's rows
         lines = [f"| config | {' | '.join(cols)} |", "|---" * (len(cols) + 1) + "|"]
         for r in rows:
             cells = [f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols]
             lines.append(f"| {r['name'].replace('|', chr(92) + '|')} | {' | '.join(cells)} |")
+        windows = "every window" if a.max_windows is None else f"the first {a.max_windows} windows"
+        flags = f"--nsamples {a.nsamples} --max-windows {a.max_windows}"
+        flags = f"--protocol {a.protocol}" if a.protocol else flags
+        flags += f" --seed {a.seed}" if a.seed else ""
         head = (
-            f"SmolLM2-135M, calib {a.nsamples}x{a.seqlen} seed {a.seed}, WikiText-2 ppl on the first "
-            f"{a.max_windows} windows of {a.seqlen}; `python benchmarks/mosaic.py --parts {part} "
-            f"--nsamples {a.nsamples} --max-windows {a.max_windows}` (a row alone: `--only NAME`)\n\n"
+            f"SmolLM2-135M, calib {a.nsamples}x{a.seqlen} seed {a.seed}, WikiText-2 ppl on {windows} of "
+            f"{a.seqlen}; `python benchmarks/mosaic.py --parts {part} {flags}` (a row alone: "
+            "`--only NAME`)\n\n"
         )
-        write_text(RESULTS / f"mosaic_{part}.md", head + "\n".join(lines) + "\n")
+        write_text(Path(b.args.json).with_suffix(".md"), head + "\n".join(lines) + "\n")
         (RESULTS / f"mosaic_{part}.partial.json").unlink(missing_ok=True)
         print(json.dumps({"part": part, "rows": len(b.rows)}))
 

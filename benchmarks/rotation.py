@@ -77,6 +77,9 @@ METHODS = {
     # the same with issue 25's α search: 0-1 in steps of 0.05 plus no smoothing (a rotation has already
     # spread the outliers that the paper's 0.3-1.0 grid must still smooth)
     "mosaic-gptq-wide": ("mosaic", {"solver": "gptq", "alpha_grid": WIDE_ALPHAS, "try_no_smooth": True}),
+    # the same GPTQ base with its per-row clip searched (rotation alone's GPTQ uses MSE scales; the
+    # paper's absmax grid spends a rotated, near-Gaussian row's 4 bits on its extremes)
+    "mosaic-gptq-clip": ("mosaic", {"solver": "gptq", "clip_search": True}),
 }
 # (method label, activations, rotation), most telling first: a budget-cut run keeps these
 CONFIGS = [
@@ -113,6 +116,8 @@ CONFIGS = [
     ("mosaic-gptq", "A4", "hadamard"),
     ("mosaic-gptq", "A4", "none"),
     ("mosaic-gptq-wide", "A4", "hadamard"),
+    ("mosaic-gptq-clip", "A4", "hadamard"),
+    ("mosaic-gptq-clip", "A4", "none"),
     # SpinQuant: R1/R2 learned from the Hadamard start (100 Cayley SGD steps, lr 1.5) against the A4
     ("gptq", "A4", "spinquant"),
     ("gptq", "A4g64", "spinquant"),
