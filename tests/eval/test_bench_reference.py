@@ -1,0 +1,67 @@
+"""``benchmarks/common.py``'s cached float reference: a verdict run's later rows re-apply only the output
+head to the reference's kept hidden states; KL, top-1 and perplexity come out exactly as with the whole
+model, and the cache follows the reference's weights."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from bitmosaic.eval.perplexity import perplexity
+from tests.helpers import load_benchmark, tiny_llama
+
+
+def _ids(n: int = 200, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_cached_reference_gives_the_whole_models_numbers():
+    common = load_benchmark("common")
+    ref = tiny_llama()
+    quant = copy.deepcopy(ref)
+    with torch.no_grad():
+        for p in quant.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    ids = _ids()
+    want = perplexity(quant, ids, 32, reference=ref, progress=False)
+    cached = common.CachedReference(ref)
+    first = perplexity(quant, ids, 32, reference=cached, progress=False)
+    assert cached.exact is True and len(cached.hidden) == want["windows"]
+    again = perplexity(quant, ids, 32, reference=cached, progress=False)  # from the kept hidden states
+    for r in (first, again):
+        assert r["ppl"] == want["ppl"] and r["kl_mean"] == want["kl_mean"]
+        assert r["top1_agreement"] == want["top1_agreement"]
+    assert want["kl_mean"] > 0
+
+
+def test_cached_reference_follows_an_in_place_change():
+    common = load_benchmark("common")
+    ref = tiny_llama()
+    cached = common.CachedReference(ref)
+    batch = _ids(32)
+    with torch.inference_mode():
+        before = cached(batch).logits
+        with torch.no_grad():
+            ref.lm_head.weight.mul_(2)
+            ref.model.layers[0].mlp.down_proj.weight.mul_(0.5)
+        after = cached(batch).logits
+        assert torch.equal(after, ref(batch, use_cache=False).logits)
+    assert not torch.equal(before, after)
+
+
+def test_cached_reference_runs_the_whole_model_where_the_head_alone_differs():
+    common = load_benchmark("common")
+    ref = tiny_llama()
+
+    def cap(module, args, out):  # a full forward that does more than head(base) (Gemma-2's softcap)
+        out.logits = 5.0 * torch.tanh(out.logits / 5.0)
+        return out
+
+    ref.register_forward_hook(cap)
+    cached = common.CachedReference(ref)
+    batch = _ids(32)
+    with torch.inference_mode():
+        out = cached(batch).logits
+        assert cached.exact is False and not cached.hidden
+        assert torch.equal(out, ref(batch, use_cache=False).logits)
