@@ -87,7 +87,7 @@ def verdict_runs(source: str) -> list[str]:
 
 def judge(f: Finding) -> tuple[str, str, str]:
     """(numbers, verdict, the JSON used): the verdict-protocol runs of ``f.source`` when they hold every
-    row the claim needs (with two or more seeds, the verdict stands only where every seed gives it),
+    row the claim needs (seeds that disagree: :func:`majority`),
     else the benchmark's own ``<source>.json``."""
     return judge_seeds(f)[:3]
 
@@ -108,7 +108,7 @@ def judge_seeds(f: Finding) -> tuple[str, str, str, int]:
         if len(seeds) > 1:
             nums += "; " + "; ".join(f"{n}: {other}" for n, other, _ in seeds[1:])
             if any(other != v for *_, other in seeds[1:]):
-                v = f"{UNDECIDED} (the seeds disagree: " + " / ".join(x for *_, x in seeds) + ")"
+                v = majority([x for *_, x in seeds])
         return nums, v, name, len(seeds)
     res = load(f.source)
     if res is not None:
@@ -120,6 +120,19 @@ def judge_seeds(f: Finding) -> tuple[str, str, str, int]:
         return "", f"{MISSING}: run python benchmarks/{f.source}.py", f.source, 0
     name, e = missing
     return "", f"{MISSING}: {name}.json has no {e}; rerun python benchmarks/{f.source}.py", f.source, 0
+
+
+def majority(verdicts: list[str]) -> str:
+    """The verdict of seeds that disagree: with three or more, the one most of them give, with its
+    count (``holds (2 of 3 seeds)``); else (two, or no majority) undecided, every seed's named."""
+    best = max(set(verdicts), key=verdicts.count)
+    if len(verdicts) >= 3 and verdicts.count(best) > len(verdicts) / 2:
+        return (
+            f"{best} ({verdicts.count(best)} of {len(verdicts)} seeds; the others: "
+            + " / ".join(x for x in verdicts if x != best)
+            + ")"
+        )
+    return f"{UNDECIDED} (the seeds disagree: " + " / ".join(verdicts) + ")"
 
 
 def rerun(name: str) -> None:
@@ -168,7 +181,8 @@ def main() -> None:
           "*fast* = 16x512 calibration, the first 20 test windows; *verdict* = at least 128x512, every "
           "window, KL and top-1; other settings are spelled out. A claim is judged on its verdict-protocol "
           "runs where they hold every row it needs (`<source>_verdict.json`, other seeds in "
-          "`<source>_verdict_s<N>.json`: with two seeds a verdict stands only if both give it; the "
+          "`<source>_verdict_s<N>.json`: with two seeds a verdict stands only if both give it, with three "
+          "or more the one most seeds give, counted; the "
           "protocol column says how many seeds), else on the benchmark's own run. A claim marked *ours* "
           "is a comparison of our own, not the paper's.", "",
           f"Why any row may differ from its paper: {DIFFERS}.", "",

@@ -66,3 +66,22 @@ def test_two_seeds_must_agree(findings, monkeypatch, tmp_path):
     split = {"bench_verdict": _rows(a=1.0, b=2.0), "bench_verdict_s1": _rows(a=3.0, b=2.5)}
     monkeypatch.setattr(findings, "load", split.get)
     assert findings.judge(_claim(findings))[1] == "undecided (the seeds disagree: holds / no)"
+
+
+def test_three_seeds_take_the_majority(findings, monkeypatch, tmp_path):
+    """With three seeds that disagree the verdict most of them give stands, counted; a tie stays
+    undecided."""
+    for n in (1, 2):
+        (tmp_path / f"bench_verdict_s{n}.json").write_text("{}")
+    monkeypatch.setattr(findings, "RESULTS", tmp_path)
+    runs = {
+        "bench_verdict": _rows(a=3.0, b=2.5),
+        "bench_verdict_s1": _rows(a=1.0, b=2.0),
+        "bench_verdict_s2": _rows(a=1.5, b=2.0),
+    }
+    monkeypatch.setattr(findings, "load", runs.get)
+    assert findings.judge(_claim(findings))[1] == "holds (2 of 3 seeds; the others: no)"
+    runs["bench_verdict_s2"] = _rows(a=2.5, b=2.0)
+    assert findings.judge(_claim(findings))[1] == "no (2 of 3 seeds; the others: holds)"
+    assert findings.majority(["holds", "no"]) == "undecided (the seeds disagree: holds / no)"
+    assert findings.majority(["holds", "no", "holds", "no"]).startswith("undecided")
