@@ -12,7 +12,7 @@ def dpq_vs_baselines(res: dict) -> tuple[str, str]:
     nums = f"DPQ {ppl_fid(d)}, naive GPTQ {ppl_fid(n)}, RTN {ppl_fid(rt)} (W4A8-FP8, g128)"
     if "W4A8 naive gptq no reorder" in r:  # the paper does not say its naive baseline reordered
         nums += f"; naive GPTQ without reordering {ppl_fid(r['W4A8 naive gptq no reorder'])}"
-    gain = (n["ppl"] - d["ppl"]) / n["ppl"]  # under 1% is no meaningful gain on 20 windows
+    gain = (n["ppl"] - d["ppl"]) / n["ppl"]  # under 1%: within the calibration seeds' spread (~1%)
     ok = gain >= 0.01 and d["ppl"] < rt["ppl"]
     return nums + f"; vs naive {gain:+.1%}", verdict(ok, "vs RTN yes, vs naive GPTQ no meaningful gain")
 
