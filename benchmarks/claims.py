@@ -166,6 +166,12 @@ FINDINGS: list[Finding] = [
     ),  # fmt: skip
     Finding(
         Q,
+        "MosaicQuant (GPTQ base, clip searched) + rotation beats rotation alone (W4A4)",
+        "rotation",
+        partial(rotation_beats_alone, "mosaic-gptq-clip W4A4", alone="gptq W4A4g128 +hadamard"),
+    ),  # fmt: skip
+    Finding(
+        Q,
         "SQ-format W(SQ5)A4 + rotation beats rotation alone",
         "rotation",
         partial(rotation_beats_alone, "sq-weights W4A4"),
@@ -267,13 +273,21 @@ WHY = {
     "rotation here (RTN W4A16 79 -> 182, see rotation.md); both rows A4 per group of 128",
     "MosaicQuant (GPTQ base) + rotation beats rotation alone (W4A4)": "both rows A4 per group of 128; "
     "MosaicQuant's α grid (0.3-1.0) smooths activations a rotation has already spread -- but the wide grid "
-    "with no smoothing (next row) gives 93.13, so that is not the cause; its residual blocks are a 10% "
-    "budget chosen on the rotated weights (not diagnosed further); fast protocol, one seed",
+    "with no smoothing (next row) gives 93.13, so that is not the cause; its dense base is: the paper's "
+    "absmax per-channel grid (no weight clipped) spends a rotated, near-Gaussian row's 4 bits on its "
+    "extremes, and with its per-row clip searched the row falls to 72.00 (the row after next; rotation "
+    "alone's GPTQ has MSE scales); fast protocol, one seed",
     "MosaicQuant (GPTQ base, α 0-1 or none) + rotation beats rotation alone (W4A4)": "the α search of "
     "issue 25 (0-1 in steps of 0.05, and no smoothing where its loss is lowest), so a rotated layer need "
     "not be smoothed again; it moves the row only from 95.41 to 93.13, so the α grid is not what loses "
-    "against rotation alone (MosaicQuant's dense base and residual on the rotated weights are; not "
-    "diagnosed further); both rows A4 per group of 128; fast protocol, one seed",
+    "against rotation alone (its absmax dense base is: next row); both rows A4 per group of 128; fast "
+    "protocol, one seed",
+    "MosaicQuant (GPTQ base, clip searched) + rotation beats rotation alone (W4A4)": "ours, a diagnosis: "
+    "the dense base's per-row clip searched (Σ h_j (w_j - q_j)² over shrinks of the absmax; the paper's "
+    "base clips nothing) takes the rotated row from 95.41 to 72.00 (without rotation 155.52 -> 108.39), "
+    "so the absmax base was most of the loss; the rest of the gap to rotation alone (65.87, act-order GPTQ "
+    "with MSE scales, no smoothing) is MosaicQuant's own smoothing and natural-order GPTQ base, not "
+    "separated further; both rows A4 per group of 128; fast protocol, one seed",
     "SmoothQuant + rotation beats rotation alone (W4A4)": "0.4% apart on the fast protocol, one seed: too "
     "close to decide there; a Hadamard rotation already spreads the outlier channels that smoothing "
     "migrates (QuaRot itself applies no smoothing)",
