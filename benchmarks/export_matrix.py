@@ -30,7 +30,7 @@ def methods(group: int) -> list[tuple[str, str, dict]]:
     g = {"group_size": group}
     return [
         ("rtn w4 asym", "rtn", {"bits": 4, **g}),
-        ("rtn w4 sym", "rtn", {"bits": 4, "symmetric": True, **g}),
+        ("rtn w4 sym", "rtn", {"bits": 4, "sym": True, **g}),
         ("gptq act-order", "gptq", {"bits": 4, "order": "act", **g}),
         ("gptq gar", "gptq", {"bits": 4, "order": "gar", **g}),
         ("gptq static groups", "gptq", {"bits": 4, "order": "act", "static_groups": True, **g}),
@@ -39,7 +39,7 @@ def methods(group: int) -> list[tuple[str, str, dict]]:
         ("ssqr", "ssqr", {"bits": 4, **g}),
         ("hptq", "hptq", {}),
         ("hrtn", "hrtn", {}),
-        ("smoothquant W8A8", "smoothquant", {"scheme": "W8A8", "group_size": None, "symmetric": True}),
+        ("smoothquant W8A8", "smoothquant", {"scheme": "W8A8", "group_size": None, "sym": True}),
         ("awq", "awq", {"bits": 4, **g}),
         ("dpq W4A8-FP8", "dpq", {"bits": 4, **g}),
         ("fp8 e4m3", "fp8", {}),

@@ -46,7 +46,7 @@ from common import RESULTS, Bench, base_parser, write_text
 
 A8 = ActQuantSpec("int", 8)
 A4 = ActQuantSpec("int", 4, granularity="group", group_size=128)
-PAPER_W = {"bits": 4, "group_size": None, "symmetric": True}
+PAPER_W = {"bits": 4, "group_size": None, "sym": True}
 
 
 def _runs(part: str, max_tokens: int) -> list[tuple[str, str, str, dict]]:

@@ -30,7 +30,7 @@ METHODS = {
 
 
 def weight_options(bits: int) -> dict:
-    return {"group_size": None, "symmetric": True} if bits == 8 else {"group_size": 128}
+    return {"group_size": None, "sym": True} if bits == 8 else {"group_size": 128}
 
 
 def main() -> None:
