@@ -14,14 +14,18 @@ def mosaic_a4_no_collapse(res: dict) -> tuple[str, str]:
             f"{fmt(sq_['ppl'])}, GPTQ {fmt(g['ppl'])}, RTN {fmt(rt['ppl'])} (float {fmt(fl)})")  # fmt: skip
     # the paper's comparators are RTN and SmoothQuant (GPTQ is our extra number); its success: lower ppl
     ok = m["ppl"] < min(sq_["ppl"], rt["ppl"])
-    return nums + f"; {m['ppl'] / fl:.2f}x float" + _wide_alpha("W4A4"), verdict(ok)
+    return nums + f"; {m['ppl'] / fl:.2f}x float" + _wide_alpha("W4A4", res), verdict(ok)
 
 
-def _wide_alpha(scheme: str) -> str:
-    """MosaicQuant with SmoothQuant's α grid (0-1 in steps of 0.05, plus no smoothing), when run."""
+def _wide_alpha(scheme: str, res: dict | None = None) -> str:
+    """MosaicQuant with SmoothQuant's α grid (0-1 in steps of 0.05, plus no smoothing), when run (a fast
+    protocol run: named so beside the rows of a verdict run ``res``)."""
     name = "alpha 0-1/0.05 + none" + ("" if scheme == "W4A4" else f" {scheme}")
     row = rows_by_name(load("mosaic_search") or {"rows": []}).get(name)
-    return f"; with α over 0-1/0.05 + none: {fmt(row['ppl'])}" if row else ""
+    if not row:
+        return ""
+    where = " (fast protocol)" if (res or {}).get("protocol") == "verdict" else ""
+    return f"; with α over 0-1/0.05 + none{where}: {fmt(row['ppl'])}"
 
 
 def mosaic_w4a8(res: dict) -> tuple[str, str]:
@@ -29,14 +33,14 @@ def mosaic_w4a8(res: dict) -> tuple[str, str]:
     r = rows_by_name(res)
     m, sq_, rt = r["mosaic W4A8"], r["smoothquant W4A8"], r["rtn W4A8"]
     nums = f"W4A8: MosaicQuant {fmt(m['ppl'])}, SmoothQuant {fmt(sq_['ppl'])}, RTN {fmt(rt['ppl'])}"
-    return nums + _wide_alpha("W4A8"), verdict(m["ppl"] < min(sq_["ppl"], rt["ppl"]))
+    return nums + _wide_alpha("W4A8", res), verdict(m["ppl"] < min(sq_["ppl"], rt["ppl"]))
 
 
 def mosaic_w4a8_vs_gptq(res: dict) -> tuple[str, str]:
     """Ours, not the paper's claim: MosaicQuant against GPTQ at W4A8."""
     r = rows_by_name(res)
     m, g = r["mosaic W4A8"], r["gptq W4A8"]
-    nums = f"W4A8: MosaicQuant {fmt(m['ppl'])}, GPTQ {fmt(g['ppl'])}" + _wide_alpha("W4A8")
+    nums = f"W4A8: MosaicQuant {fmt(m['ppl'])}, GPTQ {fmt(g['ppl'])}" + _wide_alpha("W4A8", res)
     return nums, verdict(m["ppl"] < g["ppl"], "GPTQ's dense base beats it")
 
 
