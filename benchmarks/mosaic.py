@@ -127,7 +127,7 @@ def main() -> None:
     a = p.parse_args()
     parts = a.parts.split(",")
     if a.json and len(parts) > 1:
-        raise SystemExit("error: --json names one file; give one part with it (a verdict run: --parts main)")
+        p.error("--json names one file: give one part with it (e.g. --parts main)")
     out_json = a.json
     b = Bench(a)
     for part in parts:
