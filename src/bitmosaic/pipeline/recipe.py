@@ -49,7 +49,7 @@ _RULE_KEYS = ("match", "method", "scheme", "settings")
 
 def method_config(method: str, options: dict, scheme: str | None = None):
     """``(MethodSpec, config)`` for ``method`` with config fields ``options``; ``scheme`` (``W4A8``,
-    ``W8A8-FP8``, ...) sets ``bits`` and ``act`` at once.  Raises ``ValueError`` (mostly
+    ``W4A4``, ...) sets ``bits`` and ``act`` at once.  Raises ``ValueError`` (mostly
     :class:`~bitmosaic.errors.OptionError`, from the method's config class) on bad options."""
     from ..formats.act import parse_scheme
     from ..formats.packing import SUPPORTED_BITS
