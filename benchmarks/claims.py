@@ -206,8 +206,8 @@ WHY = {
         "baseline uses GAR, which the paper does not say its naive GPTQ used (without reordering it is the "
         "row beside it); the paper's naive GPTQ loses 6.1% of Llama-2-7B's accuracy to DPQ's 0.7%, and a "
         "135M model from Q4_1 weights leaves less FP8-added error to remove; the gain over naive GPTQ is "
-        "small against the seed-to-seed spread (+0.2%, +1.9%, +1.0% on three seeds, mean +1.0%, at the 1% "
-        "line), while its KL to float is 4-6% lower on every seed; the RTN rows of seeds 0 and 1 ran on a "
+        "small against the seed-to-seed spread (about 1%, the judge's line), while its KL to float is lower "
+        "on every seed; the RTN rows of seeds 0 and 1 ran on a "
         "lent H200, every other row on the CPU"
     ),
     "GAR ≈ act-order accuracy without g_idx": "fast protocol",
@@ -216,8 +216,8 @@ WHY = {
     "it; fast protocol",
     "MosaicQuant beats RTN and SmoothQuant at W4A8": "the paper's α grid (0.3-1.0 in steps of 0.1; the wide "
     "grid's row beside it is from a fast-protocol run); MosaicQuant stores 4.467 bits per weight against "
-    "4.023 (its 10% residual); 13.7% ahead of SmoothQuant on the verdict protocol (one seed: over the 10% "
-    "line that asks for two; on the fast protocol it was 5.6%)",
+    "4.023 (its 10% residual); one verdict seed, its margin over SmoothQuant above the 10% line that asks "
+    "for two (on the fast protocol it was 5.6%)",
     "ours: MosaicQuant beats GPTQ at W4A8": "not a claim of the paper (it compares with RTN and SmoothQuant)",
     "beats an Atom-like mixed-precision split (3.1% INT8 channels)": "Atom rebuilt in simplified form and "
     "simulated (no KV-cache quantization, GPTQ on the INT4 channels' Hessian block, outlier channels by "

@@ -33,6 +33,7 @@ def mosaic_w4a8(res: dict) -> tuple[str, str]:
     r = rows_by_name(res)
     m, sq_, rt = r["mosaic W4A8"], r["smoothquant W4A8"], r["rtn W4A8"]
     nums = f"W4A8: MosaicQuant {fmt(m['ppl'])}, SmoothQuant {fmt(sq_['ppl'])}, RTN {fmt(rt['ppl'])}"
+    nums += f" ({1 - m['ppl'] / sq_['ppl']:+.1%} vs SmoothQuant)"
     return nums + _wide_alpha("W4A8", res), verdict(m["ppl"] < min(sq_["ppl"], rt["ppl"]))
 
 

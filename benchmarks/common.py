@@ -14,6 +14,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -220,9 +221,9 @@ class CachedReference(torch.nn.Module):
                 full = m(batch, use_cache=False).logits
                 self.exact = torch.equal(m.get_output_embeddings()(h), full)
                 if not self.exact:
-                    return type("Out", (), {"logits": full})()
+                    return SimpleNamespace(logits=full)
             self.hidden[key] = h
-        return type("Out", (), {"logits": m.get_output_embeddings()(h)})()
+        return SimpleNamespace(logits=m.get_output_embeddings()(h))
 
 
 class Bench:
