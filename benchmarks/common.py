@@ -258,8 +258,11 @@ class Bench:
             # layer re-rounded its FP8 tiles in each: its W4A8 eval took 3.7x as long); activation
             # quantizers and integer activation paths run as before
             set_weight_cache(model, True)
+        # the float row runs through the cached reference: the same logits bit for bit (or the whole
+        # forward where they would differ), and the rows after it re-apply only the output head
+        target = self.reference if itself and self.reference is not None else model
         r = perplexity(
-            model,
+            target,
             self.eval_ids,
             self.args.seqlen,
             max_windows=self.args.max_windows,

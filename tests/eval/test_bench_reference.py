@@ -65,3 +65,19 @@ def test_cached_reference_runs_the_whole_model_where_the_head_alone_differs():
         out = cached(batch).logits
         assert cached.exact is False and not cached.hidden
         assert torch.equal(out, ref(batch, use_cache=False).logits)
+
+
+def test_the_float_row_fills_the_reference_cache_with_the_same_numbers():
+    """A verdict run's float row goes through the cached reference: its perplexity is the whole model's
+    and the first quantized row after it already finds every window's hidden states."""
+    common = load_benchmark("common")
+    ref = tiny_llama()
+    ids = _ids()
+    bench = common.Bench.__new__(common.Bench)
+    bench.model, bench.tok, bench.eval_ids, bench.device = ref, None, ids, "cpu"
+    bench.args = type("A", (), {"seqlen": 32, "max_windows": None})()
+    bench.reference = common.CachedReference(ref)
+    row = bench.measure(ref)
+    want = perplexity(ref, ids, 32, progress=False)
+    assert row["ppl"] == want["ppl"] and row["kl_mean"] == 0.0 and row["top1_agreement"] == 1.0
+    assert len(bench.reference.hidden) == want["windows"]
