@@ -14,9 +14,9 @@ import platform
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
+from float_reference import CachedReference, default_store
 
 from bitmosaic.data import bos_token_id, calibration_samples, eval_tokens
 from bitmosaic.eval.perplexity import perplexity
@@ -136,6 +136,11 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="where quantization and evaluation run (cpu, cuda)")
     p.add_argument("--json", default=None, help="output JSON (default benchmarks/results/<name>.json)")
     p.add_argument("--only", default=None, help="comma list of row names to run (default: every row)")
+    p.add_argument(
+        "--reference-cache", default=None, metavar="DIR",
+        help="where KL/top-1 runs keep the float reference's hidden states across runs (default "
+        f"{default_store()}; 'none': in memory only)",
+    )  # fmt: skip
     return p
 
 
@@ -188,44 +193,6 @@ def merged_rows(path: str | os.PathLike, args, rows: list[dict]) -> list[dict]:
     return kept + list(new.values())
 
 
-class CachedReference(torch.nn.Module):
-    """The float reference of KL and top-1, its final hidden states kept per window: after the first
-    row of a run it re-applies only the output head, not the whole model (a verdict row's second
-    forward).  Used only where the head on the base model's output gives the full forward's logits
-    bit for bit (checked on the first window; else every window runs the whole model), and dropped
-    whenever the reference's tensors change in place (their version counters)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.inner = model
-        self.hidden: dict[bytes, torch.Tensor] = {}
-        self.exact: bool | None = None  # head(base(x)) == model(x), decided on the first window
-        self._state = self._fingerprint()
-
-    def _fingerprint(self) -> tuple:
-        return tuple((id(t), t._version) for t in (*self.inner.parameters(), *self.inner.buffers()))
-
-    def forward(self, batch: torch.Tensor, use_cache: bool = False):
-        m = self.inner
-        if self.exact is False or not (hasattr(m, "get_decoder") and hasattr(m, "get_output_embeddings")):
-            return m(batch, use_cache=False)
-        state = self._fingerprint()
-        if state != self._state:
-            self.hidden.clear()
-            self._state = state
-        key = batch.cpu().numpy().tobytes() + str(tuple(batch.shape)).encode()
-        h = self.hidden.get(key)
-        if h is None:
-            h = m.get_decoder()(batch, use_cache=False).last_hidden_state
-            if self.exact is None:
-                full = m(batch, use_cache=False).logits
-                self.exact = torch.equal(m.get_output_embeddings()(h), full)
-                if not self.exact:
-                    return SimpleNamespace(logits=full)
-            self.hidden[key] = h
-        return SimpleNamespace(logits=m.get_output_embeddings()(h))
-
-
 class Bench:
     def __init__(self, args):
         if args.threads:
@@ -245,7 +212,8 @@ class Bench:
         self.reference = None
         if getattr(args, "fidelity", False):
             ref = self.model if self.device == "cpu" else copy.deepcopy(self.model).to(self.device)
-            self.reference = CachedReference(ref)
+            store = getattr(args, "reference_cache", None) or default_store()
+            self.reference = CachedReference(ref, None if str(store).lower() == "none" else store)
 
     def measure(self, model) -> dict:
         """Perplexity (and, with ``--fidelity``/``--protocol verdict``, KL and top-1 to the float model

@@ -81,3 +81,48 @@ def test_the_float_row_fills_the_reference_cache_with_the_same_numbers():
     want = perplexity(ref, ids, 32, progress=False)
     assert row["ppl"] == want["ppl"] and row["kl_mean"] == 0.0 and row["top1_agreement"] == 1.0
     assert len(bench.reference.hidden) == want["windows"]
+
+
+def test_a_stored_reference_gives_the_same_numbers_in_the_next_run(tmp_path):
+    """With a store, the next run's reference (a fresh object, as in a new process) reads every window
+    back from disk instead of running the decoder, and KL, top-1 and perplexity stay bit for bit."""
+    common = load_benchmark("common")
+    ref, quant = tiny_llama(), tiny_llama()
+    with torch.no_grad():
+        for p in quant.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    ids = _ids()
+    want = perplexity(quant, ids, 32, reference=ref, progress=False)
+    first = common.CachedReference(ref, tmp_path)
+    perplexity(quant, ids, 32, reference=first, progress=False)
+    assert first.loaded == 0
+    second = common.CachedReference(copy.deepcopy(ref), tmp_path)
+    calls = []
+    second.inner.get_decoder().register_forward_hook(lambda *a: calls.append(1))
+    got = perplexity(quant, ids, 32, reference=second, progress=False)
+    assert second.loaded == want["windows"] and not calls  # every window from disk, no decoder run
+    assert got["ppl"] == want["ppl"] and got["kl_mean"] == want["kl_mean"]
+    assert got["top1_agreement"] == want["top1_agreement"]
+    # other weights are another folder: nothing of the first model's is read for them
+    other = copy.deepcopy(ref)
+    with torch.no_grad():
+        other.lm_head.weight.mul_(1.5)
+    third = common.CachedReference(other, tmp_path)
+    out = perplexity(quant, ids, 32, reference=third, progress=False)
+    assert third.loaded == 0 and out["kl_mean"] != want["kl_mean"]
+    assert len([d for d in tmp_path.iterdir() if d.is_dir()]) == 2
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_a_stored_reference_remembers_that_the_head_alone_differs(tmp_path):
+    common = load_benchmark("common")
+    ref = tiny_llama()
+    ref.register_forward_hook(lambda m, a, out: setattr(out, "logits", 5.0 * torch.tanh(out.logits / 5.0)))
+    batch = _ids(32)
+    with torch.inference_mode():
+        common.CachedReference(ref, tmp_path)(batch)
+        again = common.CachedReference(ref, tmp_path)
+        out = again(batch).logits
+    assert again.exact is False and again.loaded == 0
+    assert torch.equal(out, ref(batch, use_cache=False).logits)
+    assert not list(tmp_path.rglob("*.pt"))
