@@ -30,6 +30,8 @@ from types import SimpleNamespace
 
 import torch
 
+from bitmosaic.io.serialization import atomic_write_text
+
 __all__ = ["CachedReference", "default_store"]
 
 
@@ -102,7 +104,7 @@ class CachedReference(torch.nn.Module):
         folder.mkdir(parents=True, exist_ok=True)
         meta = folder / "exact.json"
         if not meta.is_file():
-            _atomic(meta, lambda f: f.write(json.dumps({"exact": bool(self.exact)}).encode()))
+            atomic_write_text(meta, json.dumps({"exact": bool(self.exact)}))
         if self.exact:
             path = folder / f"{hashlib.sha256(key).hexdigest()[:32]}.pt"
             _atomic(path, lambda f: torch.save(h.detach().to("cpu").clone(), f))
@@ -136,6 +138,7 @@ class CachedReference(torch.nn.Module):
 
 
 def _atomic(path: Path, write) -> None:
+    """``write(binary file)`` into a temporary file beside ``path``, then renamed onto it."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
