@@ -19,6 +19,7 @@ import argparse
 import json
 import subprocess
 import sys
+from collections import Counter
 
 from claims import FINDINGS, Finding
 from findings_lib import DIFFERS, HERE, MISSING, RESULTS, UNDECIDED, load, protocol_of, verdict
@@ -147,6 +148,19 @@ def rerun(name: str) -> None:
     subprocess.run(cmd, check=True)
 
 
+def protocol_summary(rows: list[dict]) -> str:
+    """One line: how many claims each protocol decided (the move to the verdict protocol, counted)."""
+
+    def kind(protocol: str) -> str:
+        if protocol == "-":
+            return "no perplexity (timings, per-layer errors)"
+        head = protocol.split(",")[0]
+        return f"the {head} protocol" if head in ("verdict", "fast") else "other settings"
+
+    counts = Counter(kind(r["protocol"]) for r in rows)
+    return f"Of {len(rows)} claims: " + ", ".join(f"{n} on {k}" for k, n in counts.most_common()) + "."
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", default="", help="comma list of benchmarks to rerun first (e.g. dpq,lattice)")
@@ -185,7 +199,7 @@ def main() -> None:
           "or more the one most seeds give, counted; the "
           "protocol column says how many seeds), else on the benchmark's own run. A claim marked *ours* "
           "is a comparison of our own, not the paper's.", "",
-          f"Why any row may differ from its paper: {DIFFERS}.", "",
+          f"Why any row may differ from its paper: {DIFFERS}.", "", protocol_summary(rows), "",
           "| paper | claim | numbers | verdict | protocol | why this may differ from the paper | source |",
           "|---|---|---|---|---|---|---|"]  # fmt: skip
     cols = ("paper", "claim", "numbers", "verdict", "protocol", "may_differ", "source")

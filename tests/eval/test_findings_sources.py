@@ -85,3 +85,14 @@ def test_three_seeds_take_the_majority(findings, monkeypatch, tmp_path):
     assert findings.judge(_claim(findings))[1] == "no (2 of 3 seeds; the others: holds)"
     assert findings.majority(["holds", "no"]) == "undecided (the seeds disagree: holds / no)"
     assert findings.majority(["holds", "no", "holds", "no"]).startswith("undecided")
+
+
+def test_the_protocol_summary_counts_each_kind(findings):
+    kinds = ("verdict, 2 seeds", "verdict, one seed", "fast", "-", "16x512 calib, every window")
+    kinds += ("fresh (8x256 calib)",)
+    rows = [{"protocol": p} for p in kinds]
+    line = findings.protocol_summary(rows)
+    assert line == (
+        "Of 6 claims: 2 on the verdict protocol, 2 on other settings, 1 on the fast protocol, "
+        "1 on no perplexity (timings, per-layer errors)."
+    )
