@@ -14,7 +14,8 @@ def mosaic_a4_no_collapse(res: dict) -> tuple[str, str]:
             f"{fmt(sq_['ppl'])}, GPTQ {fmt(g['ppl'])}, RTN {fmt(rt['ppl'])} (float {fmt(fl)})")  # fmt: skip
     # the paper's comparators are RTN and SmoothQuant (GPTQ is our extra number); its success: lower ppl
     ok = m["ppl"] < min(sq_["ppl"], rt["ppl"])
-    return nums + f"; {m['ppl'] / fl:.2f}x float" + _wide_alpha("W4A4", res), verdict(ok)
+    nums += f" ({1 - m['ppl'] / sq_['ppl']:+.1%} vs SmoothQuant); {m['ppl'] / fl:.2f}x float"
+    return nums + _wide_alpha("W4A4", res), verdict(ok)
 
 
 def _wide_alpha(scheme: str, res: dict | None = None) -> str:

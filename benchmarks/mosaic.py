@@ -120,6 +120,26 @@ def _summary(row: dict) -> dict:
     return out
 
 
+def write_table(path: Path, cols: list[str], a, part: str) -> None:
+    """The Markdown table beside the JSON at ``path``: every row the JSON holds (an ``--only`` run's
+    joined to the earlier ones), with the command that reproduces it."""
+    rows = json.loads(path.read_text())["rows"]
+    lines = [f"| config | {' | '.join(cols)} |", "|---" * (len(cols) + 1) + "|"]
+    for r in rows:
+        cells = [f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols]
+        lines.append(f"| {r['name'].replace('|', chr(92) + '|')} | {' | '.join(cells)} |")
+    windows = "every window" if a.max_windows is None else f"the first {a.max_windows} windows"
+    flags = f"--nsamples {a.nsamples} --max-windows {a.max_windows}"
+    flags = f"--protocol {a.protocol}" if a.protocol else flags
+    flags += f" --seed {a.seed}" if a.seed else ""
+    head = (
+        f"SmolLM2-135M, calib {a.nsamples}x{a.seqlen} seed {a.seed}, WikiText-2 ppl on {windows} of "
+        f"{a.seqlen}; `python benchmarks/mosaic.py --parts {part} {flags}` (a row alone: "
+        "`--only NAME`)\n\n"
+    )
+    write_text(path.with_suffix(".md"), head + "\n".join(lines) + "\n")
+
+
 def main() -> None:
     p = base_parser(__doc__)
     p.add_argument("--parts", default="main")
@@ -148,23 +168,11 @@ def main() -> None:
                     flush=True,
                 )
         cols = ["scheme", "ppl", "bits_per_weight", "mean_recovered", "mean_alpha", "quant_seconds"]
+        if a.fidelity:  # KL and top-1 to the float model, from the same pass
+            cols[2:2] = ["kl_mean", "top1_agreement"]
         b.args.json = out_json or str(RESULTS / f"mosaic_{part}.json")
         b.finish(f"mosaic_{part}", cols)  # with --only: joined to the part's earlier rows (common.py)
-        rows = json.loads(Path(b.args.json).read_text())["rows"]  # the table shows the JSON's rows
-        lines = [f"| config | {' | '.join(cols)} |", "|---" * (len(cols) + 1) + "|"]
-        for r in rows:
-            cells = [f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols]
-            lines.append(f"| {r['name'].replace('|', chr(92) + '|')} | {' | '.join(cells)} |")
-        windows = "every window" if a.max_windows is None else f"the first {a.max_windows} windows"
-        flags = f"--nsamples {a.nsamples} --max-windows {a.max_windows}"
-        flags = f"--protocol {a.protocol}" if a.protocol else flags
-        flags += f" --seed {a.seed}" if a.seed else ""
-        head = (
-            f"SmolLM2-135M, calib {a.nsamples}x{a.seqlen} seed {a.seed}, WikiText-2 ppl on {windows} of "
-            f"{a.seqlen}; `python benchmarks/mosaic.py --parts {part} {flags}` (a row alone: "
-            "`--only NAME`)\n\n"
-        )
-        write_text(Path(b.args.json).with_suffix(".md"), head + "\n".join(lines) + "\n")
+        write_table(Path(b.args.json), cols, a, part)
         (RESULTS / f"mosaic_{part}.partial.json").unlink(missing_ok=True)
         print(json.dumps({"part": part, "rows": len(b.rows)}))
 
