@@ -13,8 +13,9 @@ Exact, never approximate:
   first window (a Gemma-2 style logit softcap is not: there every window runs the whole model);
 * the in-memory cache is dropped whenever the reference's tensors change in place (their version
   counters); the on-disk one is keyed by a SHA-256 of every parameter and buffer (names, dtypes,
-  shapes, bytes), the torch version, the thread count and the device, since a CPU's reduction order
-  -- and so the last bits -- can follow the thread count;
+  shapes, bytes), the torch and transformers versions, the model's class, config and attention
+  implementation, the thread count and the device, since a CPU's reduction order -- and so the last
+  bits -- can follow the thread count;
 * each window's file is written to a temporary path and renamed, so an interrupted run leaves no
   partial file behind.
 """
@@ -54,6 +55,18 @@ def _weights_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def _code_of(model: torch.nn.Module) -> str:
+    """What besides the weights decides the logits: the torch and transformers versions, the model's
+    class, its config and attention implementation."""
+    import transformers
+
+    cfg = getattr(model, "config", None)
+    parts = [torch.__version__, transformers.__version__, type(model).__qualname__]
+    if cfg is not None:
+        parts += [cfg.to_json_string(use_diff=False), str(getattr(cfg, "_attn_implementation", None))]
+    return "|".join(parts)
+
+
 class CachedReference(torch.nn.Module):
     """``model`` (a Hugging Face causal LM, the float reference) whose calls answer with the same
     logits, from kept decoder hidden states where it has seen the window before (see the module doc);
@@ -78,8 +91,8 @@ class CachedReference(torch.nn.Module):
             return None
         if self._folder is None:
             dev = next(self.inner.parameters()).device.type
-            threads = torch.get_num_threads()
-            key = f"{_weights_digest(self.inner)}|torch {torch.__version__}|{threads} threads|{dev}"
+            threads = str(torch.get_num_threads())
+            key = "|".join([_weights_digest(self.inner), _code_of(self.inner), threads, dev])
             self._folder = self.store / hashlib.sha256(key.encode()).hexdigest()[:32]
             meta = self._folder / "exact.json"
             if self.exact is None and meta.is_file():

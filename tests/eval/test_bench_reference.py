@@ -126,3 +126,20 @@ def test_a_stored_reference_remembers_that_the_head_alone_differs(tmp_path):
     assert again.exact is False and again.loaded == 0
     assert torch.equal(out, ref(batch, use_cache=False).logits)
     assert not list(tmp_path.rglob("*.pt"))
+
+
+def test_the_store_keys_on_what_decides_the_logits_besides_the_weights(tmp_path):
+    """Same weights, another attention implementation or thread count: another folder of the store."""
+    common = load_benchmark("common")
+    ref = tiny_llama()
+    first = common.CachedReference(ref, tmp_path)._disk()
+    assert common.CachedReference(copy.deepcopy(ref), tmp_path)._disk() == first
+    other = copy.deepcopy(ref)
+    other.config._attn_implementation = "eager" if ref.config._attn_implementation != "eager" else "sdpa"
+    assert common.CachedReference(other, tmp_path)._disk() != first
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert common.CachedReference(ref, tmp_path)._disk() != first
+    finally:
+        torch.set_num_threads(threads)
