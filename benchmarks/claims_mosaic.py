@@ -14,8 +14,13 @@ def mosaic_a4_no_collapse(res: dict) -> tuple[str, str]:
             f"{fmt(sq_['ppl'])}, GPTQ {fmt(g['ppl'])}, RTN {fmt(rt['ppl'])} (float {fmt(fl)})")  # fmt: skip
     # the paper's comparators are RTN and SmoothQuant (GPTQ is our extra number); its success: lower ppl
     ok = m["ppl"] < min(sq_["ppl"], rt["ppl"])
-    nums += f" ({1 - m['ppl'] / sq_['ppl']:+.1%} vs SmoothQuant); {m['ppl'] / fl:.2f}x float"
+    nums += _vs_smoothquant(m, sq_) + f"; {m['ppl'] / fl:.2f}x float"
     return nums + _wide_alpha("W4A4", res), verdict(ok)
+
+
+def _vs_smoothquant(m: dict, sq_: dict) -> str:
+    """MosaicQuant's perplexity margin over SmoothQuant (positive: MosaicQuant lower)."""
+    return f" ({1 - m['ppl'] / sq_['ppl']:+.1%} vs SmoothQuant)"
 
 
 def _wide_alpha(scheme: str, res: dict | None = None) -> str:
@@ -34,7 +39,7 @@ def mosaic_w4a8(res: dict) -> tuple[str, str]:
     r = rows_by_name(res)
     m, sq_, rt = r["mosaic W4A8"], r["smoothquant W4A8"], r["rtn W4A8"]
     nums = f"W4A8: MosaicQuant {fmt(m['ppl'])}, SmoothQuant {fmt(sq_['ppl'])}, RTN {fmt(rt['ppl'])}"
-    nums += f" ({1 - m['ppl'] / sq_['ppl']:+.1%} vs SmoothQuant)"
+    nums += _vs_smoothquant(m, sq_)
     return nums + _wide_alpha("W4A8", res), verdict(m["ppl"] < min(sq_["ppl"], rt["ppl"]))
 
 
