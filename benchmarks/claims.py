@@ -298,9 +298,10 @@ WHY = {
     "so the absmax base was most of the loss; the rest of the gap to rotation alone (65.87, act-order GPTQ "
     "with MSE scales, no smoothing) is MosaicQuant's own smoothing and natural-order GPTQ base, not "
     "separated further; both rows A4 per group of 128; fast protocol, one seed",
-    "SmoothQuant + rotation beats rotation alone (W4A4)": "0.4% apart on the fast protocol, one seed: too "
-    "close to decide there; a Hadamard rotation already spreads the outlier channels that smoothing "
-    "migrates (QuaRot itself applies no smoothing)",
+    "SmoothQuant + rotation beats rotation alone (W4A4)": "0.4% apart on the fast protocol (too close to "
+    "decide there), 3.9% with lower KL (0.796 vs 0.832) on the first verdict seed; under 10%, so the "
+    "verdict needs a second seed (rotation_verdict_s1.json, where measured); a Hadamard rotation already "
+    "spreads the outlier channels that smoothing migrates (QuaRot itself applies no smoothing)",
     "distortion concentrates in blocks, not channel stripes": "the paper's heatmaps are two layers (24, 34) "
     "of a 7B+ model with heavy activation outliers; here the stripes are the columns holding the most "
     "distortion (the best stripes possible, not outlier channels fixed in advance), on 14 linears of a "
@@ -308,7 +309,9 @@ WHY = {
     "SQ-format W(SQ5)A4 + rotation beats rotation alone": "W(SQ5) stores 5.5 bits per weight against "
     "4.0; rows from the H200",
     "SQ-format W4A(SQ) + rotation beats rotation alone": "A(SQ) 16-(8/4)-0.5 keeps half the activations "
-    "at 8 bits: rotation alone at W4A8 gives 41.20 on the same device",
+    "at 8 bits (and one scale per bank), so it spends more activation bits than the W4A4 it is judged "
+    "against: on the fast protocol rotation alone at W4A8 (41.20) beat it (41.72, both on the H200); no "
+    "W4A8 row ran on the verdict protocol; one verdict seed (CPU)",
     "learned (SpinQuant) beats Hadamard rotation, GPTQ W4A4": "the paper's 100 Cayley SGD steps of 8 "
     "samples at lr 1.5, but of 512 tokens cycling over the run's 128 calibration samples (the paper: 2048 "
     "tokens from 800 samples), learned on a lent H200; the training loss barely moves (lr 0.1, A4g64: "
