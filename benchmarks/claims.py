@@ -322,7 +322,7 @@ WHY = {
     "7B-70B models, 4096-8192 wide; a rotation spreads each token over 576 channels here; most of the gap "
     "is the A4 activations themselves, chiefly at the MLP's gate/up inputs, even with exact weights "
     "(w4a4_budget.md); a learned rotation (SpinQuant, lr 0.1) closes 0.05x of it; rows from the CPU and "
-    "a lent H200, one seed",
+    "a lent H200; the second seed (CPU) has only the per-token Hadamard row so far (70.02, 2.33x)",
 }
 for _f in FINDINGS:
     _f.differ = WHY.get(_f.claim, "")

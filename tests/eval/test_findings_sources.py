@@ -68,6 +68,22 @@ def test_two_seeds_must_agree(findings, monkeypatch, tmp_path):
     assert findings.judge(_claim(findings))[1] == "undecided (the seeds disagree: holds / no)"
 
 
+def test_seeds_agree_on_the_verdict_not_on_its_reason(findings, monkeypatch, tmp_path):
+    """Two seeds that both say "does not hold" agree though their reasons quote different numbers (the
+    first seed's reason is kept); before, the reasons made them "disagree"."""
+
+    def judge(res):
+        x = res["rows"][0]["ppl"]
+        return f"{x}", f"does not hold here (best {x}x)"
+
+    (tmp_path / "bench_verdict_s1.json").write_text("{}")
+    monkeypatch.setattr(findings, "RESULTS", tmp_path)
+    runs = {"bench_verdict": _rows(a=1.6), "bench_verdict_s1": _rows(a=2.3)}
+    monkeypatch.setattr(findings, "load", runs.get)
+    claim = findings.Finding("P", "a within 1.5x", "bench", judge)
+    assert findings.judge(claim)[1] == "does not hold here (best 1.6x)"
+
+
 def test_three_seeds_take_the_majority(findings, monkeypatch, tmp_path):
     """With three seeds that disagree the verdict most of them give stands, counted; a tie stays
     undecided."""
