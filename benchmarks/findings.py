@@ -132,11 +132,12 @@ def _head(verdict: str) -> str:
 def majority(verdicts: list[str]) -> str:
     """The verdict of seeds that disagree: with three or more, the one most of them give, with its
     count (``holds (2 of 3 seeds)``); else (two, or no majority) undecided, every seed's named."""
-    best = max(set(verdicts), key=verdicts.count)
-    if len(verdicts) >= 3 and verdicts.count(best) > len(verdicts) / 2:
+    heads = [_head(v) for v in verdicts]  # seeds are counted by verdict, whatever their reasons say
+    best = max(set(heads), key=heads.count)
+    if len(verdicts) >= 3 and heads.count(best) > len(verdicts) / 2:
         return (
-            f"{best} ({verdicts.count(best)} of {len(verdicts)} seeds; the others: "
-            + " / ".join(x for x in verdicts if x != best)
+            f"{best} ({heads.count(best)} of {len(verdicts)} seeds; the others: "
+            + " / ".join(v for v, h in zip(verdicts, heads, strict=True) if h != best)
             + ")"
         )
     return f"{UNDECIDED} (the seeds disagree: " + " / ".join(verdicts) + ")"

@@ -100,6 +100,8 @@ def test_three_seeds_take_the_majority(findings, monkeypatch, tmp_path):
     runs["bench_verdict_s2"] = _rows(a=2.5, b=2.0)
     assert findings.judge(_claim(findings))[1] == "no (2 of 3 seeds; the others: holds)"
     assert findings.majority(["holds", "no"]) == "undecided (the seeds disagree: holds / no)"
+    # two seeds say "no" for different reasons: still two of three
+    assert findings.majority(["no (x 1)", "holds", "no (x 2)"]) == "no (2 of 3 seeds; the others: holds)"
     assert findings.majority(["holds", "no", "holds", "no"]).startswith("undecided")
 
 
