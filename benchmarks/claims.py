@@ -299,9 +299,11 @@ WHY = {
     "with MSE scales, no smoothing) is MosaicQuant's own smoothing and natural-order GPTQ base, not "
     "separated further; both rows A4 per group of 128; fast protocol, one seed",
     "SmoothQuant + rotation beats rotation alone (W4A4)": "0.4% apart on the fast protocol (too close to "
-    "decide there), 3.9% with lower KL (0.796 vs 0.832) on the first verdict seed; under 10%, so the "
-    "verdict needs a second seed (rotation_verdict_s1.json, where measured); a Hadamard rotation already "
-    "spreads the outlier channels that smoothing migrates (QuaRot itself applies no smoothing)",
+    "decide there); on the verdict protocol 3.9% (KL 0.796 vs 0.832) on seed 0 but 0.3% (KL 0.844 vs "
+    "0.846) on seed 1, whose rotation alone differs from seed 0's by 2.5% (68.33 vs 70.02): the gain is "
+    "within the seed-to-seed spread, a third seed (about an hour on this CPU) would decide it; a Hadamard "
+    "rotation already spreads the outlier channels that smoothing migrates (QuaRot itself applies no "
+    "smoothing)",
     "distortion concentrates in blocks, not channel stripes": "the paper's heatmaps are two layers (24, 34) "
     "of a 7B+ model with heavy activation outliers; here the stripes are the columns holding the most "
     "distortion (the best stripes possible, not outlier channels fixed in advance), on 14 linears of a "
