@@ -286,8 +286,9 @@ WHY = {
     "MosaicQuant's α grid (0.3-1.0) smooths activations a rotation has already spread -- but the wide grid "
     "with no smoothing (next row) gives 93.13, so that is not the cause; its dense base is: the paper's "
     "absmax per-channel grid (no weight clipped) spends a rotated, near-Gaussian row's 4 bits on its "
-    "extremes, and with its per-row clip searched the row falls to 72.00 (the row after next; rotation "
-    "alone's GPTQ has MSE scales); fast protocol, one seed",
+    "extremes, and with its per-row clip searched the row falls to 72.00 on the fast protocol (the row "
+    "after next, now decided on the verdict protocol; rotation alone's GPTQ has MSE scales); fast "
+    "protocol, one seed",
     "MosaicQuant (GPTQ base, α 0-1 or none) + rotation beats rotation alone (W4A4)": "the α search of "
     "issue 25 (0-1 in steps of 0.05, and no smoothing where its loss is lowest), so a rotated layer need "
     "not be smoothed again; it moves the row only from 95.41 to 93.13, so the α grid is not what loses "
