@@ -6,7 +6,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutput
 
+from bitmosaic.errors import NonFiniteError
 from bitmosaic.eval import perplexity
 from bitmosaic.eval.fidelity import FidelityMeter, token_kl
 from tests.eval.test_perplexity import NextTokenLM, TinyLM, UniformLM, V, counting
@@ -91,3 +94,25 @@ def test_meter_state_continues_in_a_new_meter():
     bad["count"] += 1
     with pytest.raises(ValueError, match="KL values"):
         FidelityMeter.from_state(bad)
+
+
+class _BadReference(nn.Module):
+    """NextTokenLM whose logits hold one ``value`` at one position of the batch's second window."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.value = value
+
+    def forward(self, input_ids, **kwargs):
+        logits = NextTokenLM()(input_ids).logits
+        if input_ids.shape[0] > 1:
+            logits[1, 3, 5] = self.value
+        return CausalLMOutput(logits=logits)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_reference_logit_is_one_error_naming_the_window(value):
+    """Any NaN or Inf among the reference's logits -- even one -Inf, which leaves its top-1 and its
+    softmax elsewhere intact -- stops the pass with the window named, not a NaN in the summary."""
+    with pytest.raises(NonFiniteError, match=r"the reference model's outputs on evaluation window 2 of 12"):
+        perplexity(TinyLM(), counting(200), 16, progress=False, reference=_BadReference(value), batch_size=4)

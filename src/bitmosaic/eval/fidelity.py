@@ -41,8 +41,13 @@ class FidelityMeter:
         self._agree = 0
         self._count = 0
 
-    def update(self, ref_logits: torch.Tensor, logits: torch.Tensor) -> None:
+    def update(self, ref_logits: torch.Tensor, logits: torch.Tensor, on_nonfinite=None) -> None:
+        """Adds one batch.  ``on_nonfinite()``, where given, is called (and expected to raise) before
+        anything is added when a KL value is not finite -- which every NaN or Inf in ``ref_logits``
+        causes (NaN, or ``0 * inf`` for a -Inf logit), so the caller need not scan the logits first."""
         kl = token_kl(ref_logits, logits)
+        if on_nonfinite is not None and not bool(torch.isfinite(kl).all()):
+            on_nonfinite()
         self._kl.append(kl.reshape(-1).double().cpu())
         self._agree += int((ref_logits.argmax(-1) == logits.argmax(-1)).sum())
         self._count += kl.numel()
