@@ -305,11 +305,10 @@ WHY = {
     "0.619, top-1 0.568 vs 0.596 (fast: 9.3%), and MosaicQuant stores 0.44 bits per weight more; both rows "
     "A4 per group of 128",
     "SmoothQuant + rotation beats rotation alone (W4A4)": "0.4% apart on the fast protocol (too close to "
-    "decide there); on the verdict protocol 3.9% (KL 0.796 vs 0.832) on seed 0 but 0.3% (KL 0.844 vs "
-    "0.846) on seed 1, whose rotation alone differs from seed 0's by 2.5% (68.33 vs 70.02): the gain is "
-    "within the seed-to-seed spread, a third seed (about an hour on this CPU) would decide it; a Hadamard "
-    "rotation already spreads the outlier channels that smoothing migrates (QuaRot itself applies no "
-    "smoothing)",
+    "decide there); on the verdict protocol (CPU) +3.9% on seed 0, +0.3% on seed 1 and +4.3% on seed 2 "
+    "(KL 0.808 vs 0.845): two of three seeds clear the 1% line, so it holds by count, but thinly -- the "
+    "rotation alone itself moves 2.8% across the seeds (68.33 / 70.02 / 70.27); a Hadamard rotation "
+    "already spreads the outlier channels that smoothing migrates (QuaRot itself applies no smoothing)",
     "distortion concentrates in blocks, not channel stripes": "the paper's heatmaps are two layers (24, 34) "
     "of a 7B+ model with heavy activation outliers; here the stripes are the columns holding the most "
     "distortion (the best stripes possible, not outlier channels fixed in advance), on 14 linears of a "
