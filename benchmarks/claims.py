@@ -284,13 +284,14 @@ WHY = {
     "rotation here (RTN W4A16 79 -> 182 on the fast protocol, see rotation.md); both rows A4 per group "
     "of 128; verdict protocol, one seed (CPU): 286.41 vs 55.11 (fast: 408.59 vs 65.87), the margin far "
     "over the 10% line",
-    "MosaicQuant (GPTQ base) + rotation beats rotation alone (W4A4)": "both rows A4 per group of 128; "
-    "MosaicQuant's α grid (0.3-1.0) smooths activations a rotation has already spread -- but the wide grid "
-    "with no smoothing (next row) gives 93.13, so that is not the cause; its dense base is: the paper's "
-    "absmax per-channel grid (no weight clipped) spends a rotated, near-Gaussian row's 4 bits on its "
-    "extremes, and with its per-row clip searched the row falls to 72.00 on the fast protocol (the row "
-    "after next, now decided on the verdict protocol; rotation alone's GPTQ has MSE scales); fast "
-    "protocol, one seed",
+    "MosaicQuant (GPTQ base) + rotation beats rotation alone (W4A4)": "both rows A4 per group of 128; on "
+    "the verdict protocol (CPU, one seed) 76.58 vs 55.11, KL 0.939 vs 0.619, top-1 0.512 vs 0.596 (fast: "
+    "95.41 vs 65.87), far over the 10% line; MosaicQuant's α grid (0.3-1.0) smooths activations a rotation "
+    "has already spread -- but the wide grid with no smoothing (next row, fast protocol) gives 93.13 "
+    "against 95.41, so that is not the cause; its dense base is: the paper's absmax per-channel grid (no "
+    "weight clipped) spends a rotated, near-Gaussian row's 4 bits on its extremes, and with its per-row "
+    "clip searched the row falls to 61.38 on the verdict protocol (the row after next; rotation alone's "
+    "GPTQ has MSE scales)",
     "MosaicQuant (GPTQ base, α 0-1 or none) + rotation beats rotation alone (W4A4)": "the α search of "
     "issue 25 (0-1 in steps of 0.05, and no smoothing where its loss is lowest), so a rotated layer need "
     "not be smoothed again; it moves the row only from 95.41 to 93.13, so the α grid is not what loses "
@@ -298,8 +299,9 @@ WHY = {
     "protocol, one seed",
     "MosaicQuant (GPTQ base, clip searched) + rotation beats rotation alone (W4A4)": "ours, a diagnosis: "
     "the dense base's per-row clip searched (Σ h_j (w_j - q_j)² over shrinks of the absmax; the paper's "
-    "base clips nothing) takes the rotated row from 95.41 to 72.00 on the fast protocol (without rotation "
-    "155.52 -> 108.39), so the absmax base was most of the loss; the rest of the gap to rotation alone "
+    "base clips nothing) takes the rotated row from 95.41 to 72.00 on the fast protocol (verdict: 76.58 -> "
+    "61.38; without rotation, fast: 155.52 -> 108.39), so the absmax base was most of the loss; the rest "
+    "of the gap to rotation alone "
     "(act-order GPTQ with MSE scales, no smoothing) is MosaicQuant's own smoothing and natural-order GPTQ "
     "base, not separated further; on the verdict protocol (CPU, one seed) the gap is 11.4%, KL 0.719 vs "
     "0.619, top-1 0.568 vs 0.596 (fast: 9.3%), and MosaicQuant stores 0.44 bits per weight more; both rows "
