@@ -301,11 +301,10 @@ WHY = {
     "the dense base's per-row clip searched (Σ h_j (w_j - q_j)² over shrinks of the absmax; the paper's "
     "base clips nothing) takes the rotated row from 95.41 to 72.00 on the fast protocol (verdict: 76.58 -> "
     "61.38; without rotation, fast: 155.52 -> 108.39), so the absmax base was most of the loss; the rest "
-    "of the gap to rotation alone "
-    "(act-order GPTQ with MSE scales, no smoothing) is MosaicQuant's own smoothing and natural-order GPTQ "
-    "base, not separated further; on the verdict protocol (CPU, one seed) the gap is 11.4%, KL 0.719 vs "
-    "0.619, top-1 0.568 vs 0.596 (fast: 9.3%), and MosaicQuant stores 0.44 bits per weight more; both rows "
-    "A4 per group of 128",
+    "of the gap to rotation alone (act-order GPTQ with MSE scales, no smoothing) is MosaicQuant's own "
+    "smoothing and natural-order GPTQ base, not separated further; on the verdict protocol (CPU, one seed) "
+    "the gap is 11.4%, KL 0.719 vs 0.619, top-1 0.568 vs 0.596 (fast: 9.3%), and MosaicQuant stores 0.44 "
+    "bits per weight more; both rows A4 per group of 128",
     "SmoothQuant + rotation beats rotation alone (W4A4)": "0.4% apart on the fast protocol (too close to "
     "decide there); on the verdict protocol (CPU) +3.9% on seed 0, +0.3% on seed 1 and +4.3% on seed 2 "
     "(KL 0.808 vs 0.845): two of three seeds clear the 1% line, so it holds by count, but thinly -- the "

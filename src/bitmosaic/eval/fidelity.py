@@ -15,6 +15,8 @@ agreement rate.  Nothing here holds more than one batch of logits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -41,7 +43,9 @@ class FidelityMeter:
         self._agree = 0
         self._count = 0
 
-    def update(self, ref_logits: torch.Tensor, logits: torch.Tensor, on_nonfinite=None) -> None:
+    def update(
+        self, ref_logits: torch.Tensor, logits: torch.Tensor, on_nonfinite: Callable[[], None] | None = None
+    ) -> None:
         """Adds one batch.  ``on_nonfinite()``, where given, is called (and expected to raise) before
         anything is added when a KL value is not finite -- which every NaN or Inf in ``ref_logits``
         causes (NaN, or ``0 * inf`` for a -Inf logit), so the caller need not scan the logits first."""
