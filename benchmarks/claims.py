@@ -193,6 +193,14 @@ FINDINGS: list[Finding] = [
 
 # why a row may differ from its paper, beyond what every row shares (findings_lib.DIFFERS); issue 25
 WHY = {
+    "HPTQ beats RTN/HRTN and GPTQ at ~3.1 bits": "verdict protocol (CPU, one seed): HPTQ 45.46 (KL "
+    "0.407, top-1 0.673) against GPTQ w3 g128 51.02 (KL 0.550, top-1 0.631; -10.9% with 0.2 fewer bits "
+    "per weight) and HRTN 63.98 (KL 0.836, top-1 0.520; -29%), both margins over the 10% line (fast: 55.91 "
+    "/ 66.06 / 71.10); the paper's Table 3 (Qwen3-8B) at 3.125 bits has HPTQ 10.34, HRTN 10.75 (4% apart), "
+    "GPTQ 12.77, RTN 16.30; it calibrates on 256x2048 FineWeb-Edu tokens (here 128x512 WikiText-2) and "
+    "counts GPTQ g128 as 3.125 bits where ours counts every stored byte (asymmetric zero points and "
+    "act-order group indices included: 3.316); the RTN row ran only on the fast protocol (196.33), the "
+    "judge compares HPTQ with HRTN and GPTQ",
     "SSQR (1-3% outliers) beats GPTQ at equal bits": "no heavy outliers here: no-clip GPTQ on the MSE "
     "scales (α = 1) puts 1.9% of weights off the grid (2.1-2.2% at most per layer), so at 3% SSQR narrows "
     "its grid (α ≈ 0.94) and its outliers are ordinary weights. Against GPTQ w3 (0.9 bits fewer) SSQR-3% "
