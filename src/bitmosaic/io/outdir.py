@@ -48,20 +48,29 @@ __all__ = [
     "lock_path", "mark_temporary", "clean_stale_temporaries",
 ]  # fmt: skip
 
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file and an atomic rename."""
+    """Write ``text`` to ``path`` via a temporary file and an atomic rename.  The file gets the mode
+    a plain ``open(path, "w")`` would give it (an existing file's, else 0666 less the umask), not
+    ``mkstemp``'s owner-only 0600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    mode = path.stat().st_mode & 0o777 if path.is_file() else 0o666 & ~_umask()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.chmod(tmp, mode)
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
 
 
 def _bitmosaic_qc(folder: Path) -> dict | None:
@@ -160,6 +169,7 @@ _replace_dir = replace_dir  # the name other modules import
 def make_temporary(out_dir: Path) -> Path:
     """A fresh marked ``.<name>.tmp-`` folder beside ``out_dir`` to build it in."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # the output's mode, as mkdir gives it (mkdtemp's is owner-only)
     mark_temporary(tmp, out_dir, "tmp")
     return tmp
 
