@@ -211,7 +211,15 @@ def _importance_ablation(res: dict, scale: str) -> tuple[str, str]:
     r = _sq_rows(res, "ablate")
     imps = ("aw", "abs-aw", "a")
     end = "" if scale == "token" else f" scales={scale}"
-    p = {i: _first((v["ppl"] for k, v in r.items() if k.endswith(f"I={i}{end}")), i) for i in imps}
+    p = {}
+    for i in imps:
+        try:
+            p[i] = _first((v["ppl"] for k, v in r.items() if k.endswith(f"I={i}{end}")), i)
+        except KeyError:
+            if i != "aw":
+                raise
+            # the paper's importance is the static default: part scales' static row is the same model
+            p[i] = _sq_scale_ppl(res, "static", scale)
     nums = (
         f"static W4A(SQ6) b16: I=|A·ΣW| {fmt(p['aw'])}, mean|A|·Σ|W| {fmt(p['abs-aw'])}, "
         f"|A| alone {fmt(p['a'])}"
