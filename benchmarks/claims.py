@@ -200,7 +200,8 @@ WHY = {
     "GPTQ 12.77, RTN 16.30; it calibrates on 256x2048 FineWeb-Edu tokens (here 128x512 WikiText-2) and "
     "counts GPTQ g128 as 3.125 bits where ours counts every stored byte (asymmetric zero points and "
     "act-order group indices included: 3.316); RTN w3 g128 (MSE scales) 169.68 on the verdict protocol (KL "
-    "1.784, top-1 0.335; fast 196.33) at 3.271 bits, so all four keep the paper's order",
+    "1.784, top-1 0.335; fast 196.33) at 3.271 bits: HPTQ first and RTN last as in the "
+    "paper, but HRTN and GPTQ swap places (here GPTQ 51.02 before HRTN 63.98)",
     "no-clip GPTQ error ≤ ¼ Σ D_jj s_j² (Thm. 5)": "verdict protocol (CPU, one seed): Hessians from "
     "128x512 WikiText-2 tokens (the paper: 256x2048 FineWeb-Edu on Qwen3-8B), w3 g128 with static MSE "
     "scales, the no-clip error summed per projection kind (Q·K·V, O, Gate·Up, Down) and order (natural, "
