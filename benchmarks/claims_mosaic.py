@@ -171,10 +171,13 @@ def mosaic_atom_like(res: dict) -> tuple[str, str]:
 def mosaic_atom_model(res: dict) -> tuple[str, str]:
     """Table 1's Atom comparison at the paper's level, perplexity (``atom_model.json``): MosaicQuant W4A4
     (A4 per group of 128, the paper's) against the model-level Atom-like row of the same protocol and
-    device (``rotation.json``'s ``mosaic W4A4``), with the per-linear output errors beside it."""
+    device (``rotation.json``'s ``mosaic W4A4``, ``rotation_verdict.json``'s for a verdict run), with the
+    per-linear output errors beside it."""
     atom = next(r for r in res["rows"] if r["name"].startswith("atom-like"))
-    rot = load("rotation") or {}
-    if (rot.get("args") or {}).get("nsamples") != res["args"]["nsamples"]:
+    verdict_run = res.get("protocol") == "verdict" or res["args"].get("protocol") == "verdict"
+    rot = load("rotation_verdict" if verdict_run else "rotation") or {}
+    same = ("nsamples", "max_windows")
+    if any((rot.get("args") or {}).get(k) != res["args"].get(k) for k in same):
         raise KeyError("mosaic W4A4 of the same protocol")
     m = rows_by_name(rot)["mosaic W4A4"]
     nums = (
