@@ -1,24 +1,15 @@
 """The Atom-like judge compares with MosaicQuant W4A4 of the same protocol: ``rotation.json`` for a
 fast run, ``rotation_verdict.json`` for a verdict one, and refuses a mismatch."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 FAST = {"nsamples": 16, "max_windows": 20}
 VERDICT = {"nsamples": 128, "max_windows": None}
 
 
 @pytest.fixture(scope="module")
-def claims_mosaic():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import claims_mosaic as mod
-    finally:
-        sys.path.remove(str(BENCH))
-    return mod
+def claims_mosaic(bench_module):
+    return bench_module("claims_mosaic")
 
 
 def _atom(ppl: float, protocol: str, args: dict) -> dict:

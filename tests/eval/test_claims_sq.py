@@ -1,23 +1,14 @@
 """SQ-format's |A| importance judge: the paper's importance I = |A·ΣW| is the static default, so the
 scales part's static per-bank row (the same model) stands in for the ablation's I=aw row."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 SQ6 = "W4A(SQ6) 16-(8/4)-0.5"
 
 
 @pytest.fixture(scope="module")
-def claims_sq():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import claims_sq as mod
-    finally:
-        sys.path.remove(str(BENCH))
-    return mod
+def claims_sq(bench_module):
+    return bench_module("claims_sq")
 
 
 def _res(ablate: dict, scales: dict) -> dict:

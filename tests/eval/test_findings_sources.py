@@ -1,22 +1,12 @@
 """The findings report judges each claim on the verdict-protocol run (``<source>_verdict.json``) when
 that run holds every row the claim needs, and on the benchmark's own JSON otherwise."""
 
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
-def findings():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import findings as mod
-    finally:
-        sys.path.remove(str(BENCH))
-    return mod
+def findings(bench_module):
+    return bench_module("findings")
 
 
 def _claim(findings):
