@@ -174,8 +174,7 @@ def mosaic_atom_model(res: dict) -> tuple[str, str]:
     device (``rotation.json``'s ``mosaic W4A4``, ``rotation_verdict.json``'s for a verdict run), with the
     per-linear output errors beside it."""
     atom = next(r for r in res["rows"] if r["name"].startswith("atom-like"))
-    verdict_run = res.get("protocol") == "verdict" or res["args"].get("protocol") == "verdict"
-    rot = load("rotation_verdict" if verdict_run else "rotation") or {}
+    rot = load("rotation_verdict" if res.get("protocol") == "verdict" else "rotation") or {}
     same = ("nsamples", "max_windows")
     if any((rot.get("args") or {}).get(k) != res["args"].get(k) for k in same):
         raise KeyError("mosaic W4A4 of the same protocol")
