@@ -188,18 +188,23 @@ def mosaic_transform(caps, cfg: MosaicConfig):
             return None, {"alpha": None, "reason": "smoothing off"}
         if cfg.alpha is not None:
             return smooth_scales(amax, weights, cfg.alpha), {"alpha": cfg.alpha}
-        X = cap.sample.float()
+        # the search runs where the weights are (the run's device); the token sample and the channel
+        # statistics may have been kept on the CPU: move them there, and give the scales back beside amax
+        dev = weights[0].device
+        X = cap.sample.to(dev, torch.float32)
+        H = cap.hessian.to(dev, torch.float32)
+        amax_d = amax.to(dev)
         ref = [X @ W.float().T for W in weights]
         best = (None, float("inf"), None)
         losses = {}
-        candidates = [(float(a), smooth_scales(amax, weights, float(a)).float()) for a in cfg.alpha_grid]
+        candidates = [(float(a), smooth_scales(amax_d, weights, float(a)).float()) for a in cfg.alpha_grid]
         if cfg.try_no_smooth:  # s = 1: the layer as it is
-            candidates.append((None, torch.ones_like(amax, dtype=torch.float32)))
+            candidates.append((None, torch.ones_like(amax_d, dtype=torch.float32)))
         for a, s in candidates:
-            Hs = cap.hessian.float() / (s[:, None] * s[None, :])
+            Hs = H / (s[:, None] * s[None, :])
 
             def qw(Wt, Hs=Hs):
-                res = mosaic_weight(Wt, Hs, cfg, budget, report=False, act_amax=amax)
+                res = mosaic_weight(Wt, Hs, cfg, budget, report=False, act_amax=amax_d)
                 return res.dequantize(torch.float32)
 
             loss = smoothing_loss(X, weights, s, qw, qx, dtype=torch.float32, reference=ref)
@@ -209,7 +214,7 @@ def mosaic_transform(caps, cfg: MosaicConfig):
         if best[0] is None and best[2] is not None:  # no smoothing (s = 1) won
             return None, {"alpha": None, "reason": "no smoothing had the lowest loss", "loss": best[1],
                           "losses": losses}  # fmt: skip
-        return best[2], {"alpha": best[0], "loss": best[1], "losses": losses}
+        return best[2].to(amax.device), {"alpha": best[0], "loss": best[1], "losses": losses}
 
     return foldable_groups(caps, factors)
 
