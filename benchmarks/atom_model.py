@@ -14,6 +14,10 @@ pipeline's GPTQ does).
 its kernels or speed).  Bits: weight codes, fp16 scales and the int32 channel order per weight;
 activation codes and one fp16 scale per token and group per element.
 
+The run also measures MosaicQuant W4A4 (``mosaic.py``'s main row, the same options) as its comparator, so
+the claim compares rows of one run: one protocol, one ``--device`` (``--no-mosaic`` skips it).  The
+Atom-like split itself is quantized on the CPU whatever ``--device`` says; its evaluation runs there.
+
 Run: flock /tmp/bitmosaic-heavy.lock python benchmarks/atom_model.py --protocol fast --threads 2
 """
 
@@ -23,6 +27,8 @@ import copy
 import time
 
 import torch
+from mosaic import REFERENCE
+from mosaic import _runs as mosaic_runs
 from mosaic_layers import A4, ATOM_SHARE, atom_like_weights
 from torch import nn
 
@@ -96,6 +102,11 @@ def quantize_atom_like(model: nn.Module, calib: torch.Tensor, share: float = ATO
 def main() -> None:
     p = base_parser(__doc__)
     p.add_argument("--share", type=float, default=ATOM_SHARE, help="share of INT8 input channels")
+    p.add_argument("--max-tokens", type=int, default=1024, help="MosaicQuant's alpha-search token sample")
+    p.add_argument(
+        "--no-mosaic", action="store_true",
+        help="skip the MosaicQuant W4A4 row (mosaic.py's main row, rerun here as the comparator)",
+    )  # fmt: skip
     a = p.parse_args()
     a.fidelity = True
     b = Bench(a)
@@ -109,7 +120,12 @@ def main() -> None:
     rows.append(row)
     print(f"  {row['name']}: ppl {row['ppl']:.2f} KL {row['kl_mean']:.4f} top-1 {row['top1_agreement']:.4f} "
           f"@ {bits['weight_bpw']:.3f} bpw / {bits['act_bits']:.3f} act bits", flush=True)  # fmt: skip
-    args = {k: getattr(a, k) for k in ("model", "nsamples", "seqlen", "max_windows", "seed", "fidelity")}
+    if not a.no_mosaic:  # the comparator, measured in this run: one protocol, one device
+        name, _, method, opts = next(r for r in mosaic_runs("main", a.max_tokens) if r[0] == REFERENCE)
+        mos = b.run(name, method, **opts)
+        rows.append({k: v for k, v in mos.items() if k != "layers"})
+    keep = ("model", "nsamples", "seqlen", "max_windows", "seed", "fidelity", "device")
+    args = {k: getattr(a, k) for k in keep}
     proto = protocol_label(a)
     windows = "every window" if a.max_windows is None else f"{a.max_windows} windows"
     md = [
@@ -121,9 +137,10 @@ def main() -> None:
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        wb, ab, qs = r.get("weight_bpw", 32), r.get("act_bits", 32), r.get("quant_seconds", 0)
+        wb, qs = r.get("weight_bpw", r.get("bits_per_weight", 32)), r.get("quant_seconds", 0)
+        ab = f"{r['act_bits']:.3f}" if "act_bits" in r else ("32" if r["name"] == "float" else "A4 g128")
         cells = (r["name"], f"{r['ppl']:.2f}", f"{r['kl_mean']:.4f}", f"{r['top1_agreement']:.4f}",
-                 f"{wb:.3f}", f"{ab:.3f}", f"{qs:.0f}")  # fmt: skip
+                 f"{wb:.3f}", ab, f"{qs:.0f}")  # fmt: skip
         md.append("| " + " | ".join(cells) + " |")
     write_results(a.json, "atom_model", {"protocol": proto, "args": args, "rows": rows}, "\n".join(md))
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from findings_lib import MISSING, UNTESTABLE, fmt, load, ppl_fid, rows_by_name, verdict
+from findings_lib import MISSING, UNTESTABLE, fmt, load, ppl_fid, protocol_of, rows_by_name, verdict
 
 
 # -- MosaicQuant (paper 002) --------------------------------------------------------------------
@@ -115,11 +115,32 @@ def mosaic_block_beats_channel(res: dict) -> tuple[str, str]:
     return nums, verdict(b > c and mo["ppl"] < paper["ppl"], "whole outlier channels recover as much or more")
 
 
+def _device(res: dict) -> str:
+    return (res.get("args") or {}).get("device") or "cpu"  # runs older than --device ran on the CPU
+
+
+def mosaic_reference(res: dict) -> dict:
+    """MosaicQuant W4A4, main's full method (Δ-Hessian, 10% of 64x64 blocks), as ``res``'s claim compares
+    against it: the run's own ``mosaic W4A4`` row where it measured one (``mosaic.py``'s ablation and thin
+    parts, ``atom_model.py``), else the main table's row of the same protocol and device
+    (``mosaic_main.json``, ``mosaic_main_verdict.json``); KeyError where there is none, so a verdict run
+    is never judged against a fast row, nor a GPU run against a CPU one."""
+    own = rows_by_name(res).get("mosaic W4A4")
+    if own is not None:
+        return own
+    main = load("mosaic_main_verdict" if protocol_of(res) == "verdict" else "mosaic_main") or {}
+    same = ("nsamples", "max_windows")
+    mine, theirs = res.get("args") or {}, main.get("args") or {}
+    if any(mine.get(k) != theirs.get(k) for k in same) or _device(main) != _device(res):
+        raise KeyError("mosaic W4A4 of the same protocol and device")
+    return rows_by_name(main)["mosaic W4A4"]
+
+
 def mosaic_selection_ablation(res: dict) -> tuple[str, str]:
     """W4A4 perplexity: the Δ-Hessian selection (the main table's row) against the other block
     criteria and no sparse branch, at the same 10% budget."""
     r = rows_by_name(res)
-    main = rows_by_name(load("mosaic_main") or {"rows": []})["mosaic W4A4"]
+    main = mosaic_reference(res)
     others = ["magnitude", "residual norm", "random", "no sparse, alpha re-searched", "no sparse, alpha kept"]
     nums = f"W4A4 ppl: Δ-Hessian {fmt(main['ppl'])}; " + ", ".join(f"{k} {fmt(r[k]['ppl'])}" for k in others)
     gq = r.get("Δ-Hessian, GPTQ base (ours)")
@@ -170,15 +191,11 @@ def mosaic_atom_like(res: dict) -> tuple[str, str]:
 
 def mosaic_atom_model(res: dict) -> tuple[str, str]:
     """Table 1's Atom comparison at the paper's level, perplexity (``atom_model.json``): MosaicQuant W4A4
-    (A4 per group of 128, the paper's) against the model-level Atom-like row of the same protocol and
-    device (``rotation.json``'s ``mosaic W4A4``, ``rotation_verdict.json``'s for a verdict run), with the
+    (A4 per group of 128, the paper's) against the model-level Atom-like row, both of one protocol and
+    device (:func:`mosaic_reference`: the run's own MosaicQuant row, else the main table's), with the
     per-linear output errors beside it."""
     atom = next(r for r in res["rows"] if r["name"].startswith("atom-like"))
-    rot = load("rotation_verdict" if res.get("protocol") == "verdict" else "rotation") or {}
-    same = ("nsamples", "max_windows")
-    if any((rot.get("args") or {}).get(k) != res["args"].get(k) for k in same):
-        raise KeyError("mosaic W4A4 of the same protocol")
-    m = rows_by_name(rot)["mosaic W4A4"]
+    m = mosaic_reference(res)
     nums = (
         f"W4A4 perplexity: MosaicQuant {ppl_fid(m)} @ {fmt(m['bits_per_weight'], 3)} bpw, Atom-like "
         f"({atom['share']:.1%} INT8 channels, GPTQ g128; simulated) {ppl_fid(atom)} @ "
@@ -193,12 +210,12 @@ def mosaic_atom_model(res: dict) -> tuple[str, str]:
 def mosaic_thin_blocks(res: dict) -> tuple[str, str]:
     """Ours: thin residual blocks at the same 10% budget against the paper's square 64x64 blocks."""
     r = rows_by_name(res)
-    mo = rows_by_name(load("mosaic_main") or {"rows": []}).get("mosaic W4A4")
+    mo = mosaic_reference(res)
     thin = [r[k] for k in ("block 8x128", "block 16x64", "block 1x128") if k in r]
-    if not (mo and thin):
+    if not thin:
         return "no thin-block rows", MISSING
-    nums = f"W4A4 ppl (fast): 64x64 {fmt(mo['ppl'])} @ {fmt(mo['bits_per_weight'], 3)} bpw; " + ", ".join(
-        f"{t['name'].split()[-1]} {fmt(t['ppl'])} @ {fmt(t['bits_per_weight'], 3)} bpw" for t in thin
+    nums = f"W4A4 ppl: 64x64 {ppl_fid(mo)} @ {fmt(mo['bits_per_weight'], 3)} bpw; " + ", ".join(
+        f"{t['name'].split()[-1]} {ppl_fid(t)} @ {fmt(t['bits_per_weight'], 3)} bpw" for t in thin
     )
     best = min(thin, key=lambda t: t["ppl"])
     return nums, verdict(best["ppl"] < mo["ppl"], "no thin shape beats 64x64")

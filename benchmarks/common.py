@@ -258,10 +258,11 @@ class Bench:
         return self._add(row)
 
     def wants(self, name: str) -> bool:
-        """Whether ``--only`` (a comma list of row names) leaves row ``name`` to run."""
+        """Whether ``--only`` (a comma list of row names) leaves row ``name`` to run (a name with commas of
+        its own, ``no sparse, alpha kept``, counts where it stands whole between the list's commas)."""
         only = getattr(self.args, "only", None)
         self.__dict__.setdefault("_seen", set()).add(name)
-        return not only or name in only.split(",")
+        return not only or f",{name}," in f",{only},"
 
     def run(self, name: str, method: str, **options) -> dict | None:
         """Quantize a fresh copy with ``method``/``options`` and measure it; None when ``--only``
@@ -296,8 +297,16 @@ class Bench:
     def _add(self, row: dict) -> dict:
         self.rows.append(row)
         if getattr(self, "partial_path", None):  # keep what is done if a long run is interrupted
+            # with the run's settings, so a run cut short resumes: copy the partial file to the JSON's
+            # path and rerun with --only the missing rows (they join it: merged_rows)
             rows = [{k: v for k, v in r.items() if k != "layers"} for r in self.rows]
-            atomic_write_text(self.partial_path, json.dumps({"partial": True, "rows": rows}, indent=2))
+            out = {
+                "partial": True,
+                "args": vars(self.args),
+                "protocol": protocol_label(self.args),
+                "rows": rows,
+            }
+            atomic_write_text(self.partial_path, json.dumps(out, indent=2, default=str))
         ppl = row["ppl"]
         print(
             f"  {row['name']:<34} ppl {ppl:9.3f}  bpw {row['bits_per_weight']:6.3f}"
@@ -309,7 +318,11 @@ class Bench:
 
     def finish(self, name: str, columns: list[str], extra: dict | None = None) -> None:
         a = self.args
-        unknown = [n for n in (getattr(a, "only", None) or "").split(",") if n and n not in self._seen]
+        rest = f",{getattr(a, 'only', None) or ''},"
+        for seen in sorted(self._seen, key=len, reverse=True):  # names with commas first
+            while f",{seen}," in rest:  # replace() skips the second of two adjacent repeats
+                rest = rest.replace(f",{seen},", ",,")
+        unknown = [n for n in rest.split(",") if n]
         if unknown:  # a typo, or a row name cut at one of its own commas
             print(f"note: --only names no row of this benchmark: {', '.join(unknown)}", flush=True)
         windows = "every window" if a.max_windows is None else f"first {a.max_windows}"

@@ -2,20 +2,12 @@
 test-window counts of the project's two protocols, explicit values win, and the label a result gets
 names the protocol only when the settings are that protocol's."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "common.py"
 
 
 @pytest.fixture(scope="module")
-def common():
-    spec = importlib.util.spec_from_file_location("bench_common", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def common(bench_module):
+    return bench_module("common")  # with benchmarks/ on the path, so it runs alone too
 
 
 @pytest.mark.parametrize(
@@ -73,7 +65,7 @@ def test_only_rows_join_the_same_run(common, tmp_path):
     assert common.merged_rows(path, fast, rows[:1]) == [{"name": "x", "ppl": 1}, rows[0]]
 
 
-def test_int_ppl_paired_ratio_interval(monkeypatch):
+def test_int_ppl_paired_ratio_interval(bench_module):
     """``benchmarks/int_ppl.py``'s integer-vs-simulated ratio: exp of the mean per-window NLL difference
     (what the two perplexities' ratio is, windows being equally long), with an interval that is empty
     for a constant shift and widens with window-to-window spread."""
@@ -81,10 +73,7 @@ def test_int_ppl_paired_ratio_interval(monkeypatch):
 
     import torch
 
-    monkeypatch.syspath_prepend(str(_PATH.parent))
-    spec = importlib.util.spec_from_file_location("bench_int_ppl", _PATH.parent / "int_ppl.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = bench_module("int_ppl")
     ref = torch.tensor([3.0, 3.2, 2.9, 3.4], dtype=torch.float64)  # window_nll sums in float64
     shifted = mod.paired_ratio(ref + 0.001, ref)
     assert shifted["ppl_ratio_minus_1"] == pytest.approx(math.expm1(0.001), rel=1e-9)
@@ -95,3 +84,37 @@ def test_int_ppl_paired_ratio_interval(monkeypatch):
     noisy = mod.paired_ratio(ref + torch.tensor([0.01, -0.01, 0.02, -0.02]), ref)
     lo, hi = noisy["ppl_ratio_ci95"]
     assert lo < noisy["ppl_ratio_minus_1"] < hi and lo < 0 < hi
+
+
+def test_only_takes_row_names_with_commas(common, capsys, tmp_path):
+    """A row name with commas of its own (``no sparse, alpha kept``) is picked where it stands whole in
+    the list, and is not reported as unknown pieces."""
+    only = ["--only", "random,no sparse, alpha kept,typo", "--json", str(tmp_path / "x.json")]
+    a = common.base_parser("x").parse_args(only)
+    bench = common.Bench.__new__(common.Bench)
+    bench.args, bench.rows, bench._seen, bench.device = a, [], set(), "cpu"
+    assert bench.wants("no sparse, alpha kept") and bench.wants("random")
+    assert not bench.wants("magnitude") and not bench.wants("alpha kept")
+    bench.finish("x", [])
+    note = capsys.readouterr().out.splitlines()[0]
+    assert note == "note: --only names no row of this benchmark: typo"
+
+
+def test_a_partial_run_resumes_with_only(common, tmp_path, monkeypatch):
+    """The partial file of a run cut short carries the run's settings: copied to the JSON's path, the
+    rows of a later ``--only`` run of the same settings join it."""
+    import json
+
+    monkeypatch.setattr(common, "peak_rss_mb", lambda: 0.0)
+    a = common.base_parser("x").parse_args(["--protocol", "verdict"])
+    cut = common.Bench.__new__(common.Bench)
+    cut.args, cut.rows, cut.partial_path = a, [], tmp_path / "b.partial.json"
+    cut._add({"name": "x", "ppl": 1.0, "bits_per_weight": 4.0})
+    resumed = common.base_parser("x").parse_args(["--protocol", "verdict", "--only", "y"])
+    (tmp_path / "b.json").write_text(cut.partial_path.read_text())
+    rows = [{"name": "y", "ppl": 2.0}]
+    assert common.merged_rows(tmp_path / "b.json", resumed, rows) == [
+        {"name": "x", "ppl": 1.0, "bits_per_weight": 4.0},
+        rows[0],
+    ]
+    assert json.loads(cut.partial_path.read_text())["protocol"] == "verdict"

@@ -1,5 +1,6 @@
-"""The Atom-like judge compares with MosaicQuant W4A4 of the same protocol: ``rotation.json`` for a
-fast run, ``rotation_verdict.json`` for a verdict one, and refuses a mismatch."""
+"""The MosaicQuant judges compare rows of one protocol and device: the Atom-like, ablation and thin-block
+judges take the run's own MosaicQuant W4A4 row, else the main table's of the same protocol and device
+(``mosaic_main.json``, ``mosaic_main_verdict.json``), and refuse a mismatch."""
 
 import pytest
 
@@ -17,28 +18,94 @@ def _atom(ppl: float, protocol: str, args: dict) -> dict:
     return {"protocol": protocol, "args": args, "rows": [{**row, "weight_bpw": 4.3, "act_bits": 4.3}]}
 
 
-def _rot(ppl: float, args: dict) -> dict:
-    return {"args": args, "rows": [{"name": "mosaic W4A4", "ppl": ppl, "bits_per_weight": 4.467}]}
-
-
 @pytest.fixture
 def store(claims_mosaic, monkeypatch):
-    runs = {"rotation": _rot(150.0, FAST), "rotation_verdict": _rot(40.0, VERDICT)}
+    runs = {
+        "mosaic_main": _main(150.0, FAST, None),  # a run older than --device: the CPU
+        "mosaic_main_verdict": _main(40.0, VERDICT, "cpu"),
+    }
     monkeypatch.setattr(claims_mosaic, "load", runs.get)
     return runs
 
 
-def test_fast_run_takes_the_fast_rotation_row(claims_mosaic, store):
+def _main(ppl: float, args: dict, device: str | None) -> dict:
+    return _part("", args, {"mosaic W4A4": ppl}, device)
+
+
+def test_fast_run_takes_the_fast_main_row(claims_mosaic, store):
     nums, v = claims_mosaic.mosaic_atom_model(_atom(56.0, "fast", FAST))
     assert "MosaicQuant 150.00" in nums and v.startswith("does not hold here")
 
 
-def test_verdict_run_takes_the_verdict_rotation_row(claims_mosaic, store):
-    nums, v = claims_mosaic.mosaic_atom_model(_atom(56.0, "verdict", VERDICT))
+def test_verdict_run_takes_the_verdict_main_row(claims_mosaic, store):
+    nums, v = claims_mosaic.mosaic_atom_model(_atom(56.0, "verdict", {**VERDICT, "device": "cpu"}))
     assert "MosaicQuant 40.00" in nums and v == "holds"
 
 
-def test_a_protocol_mismatch_is_not_measured(claims_mosaic, store):
-    store["rotation_verdict"] = _rot(40.0, {"nsamples": 128, "max_windows": 20})
+def test_a_protocol_or_device_mismatch_is_not_measured(claims_mosaic, store):
+    with pytest.raises(KeyError):  # a GPU run is not judged against the CPU's main table
+        claims_mosaic.mosaic_atom_model(_atom(56.0, "verdict", {**VERDICT, "device": "cuda"}))
+    store["mosaic_main_verdict"] = _main(40.0, {"nsamples": 128, "max_windows": 20}, "cpu")
     with pytest.raises(KeyError):
         claims_mosaic.mosaic_atom_model(_atom(56.0, "verdict", VERDICT))
+
+
+def test_the_runs_own_mosaic_row_wins_over_the_main_table(claims_mosaic, store):
+    res = _atom(56.0, "verdict", {**VERDICT, "device": "cuda"})
+    res["rows"].append({"name": "mosaic W4A4", "ppl": 140.0, "bits_per_weight": 4.467})
+    nums, v = claims_mosaic.mosaic_atom_model(res)
+    assert "MosaicQuant 140.00" in nums and v.startswith("does not hold here")
+
+
+# -- the ablation and thin-block judges: their comparator is the run's own MosaicQuant W4A4 row, else
+# the main table's of the same protocol and device, never a row of another protocol or device
+
+
+def _part(protocol: str, args: dict, rows: dict, device: str | None = None) -> dict:
+    return {
+        "protocol": protocol,
+        "args": {**args, "device": device},
+        "rows": [{"name": k, "ppl": v, "bits_per_weight": 4.47} for k, v in rows.items()],
+    }
+
+
+ABLATION = {
+    k: 200.0
+    for k in ("magnitude", "residual norm", "random", "no sparse, alpha re-searched", "no sparse, alpha kept")
+}
+
+
+@pytest.fixture
+def mains(claims_mosaic, monkeypatch):
+    runs = {
+        "mosaic_main": _part("fast", FAST, {"mosaic W4A4": 150.0}),
+        "mosaic_main_verdict": _part("verdict", VERDICT, {"mosaic W4A4": 146.0}, "cpu"),
+    }
+    monkeypatch.setattr(claims_mosaic, "load", runs.get)
+    return runs
+
+
+def test_ablation_prefers_its_own_reference_row(claims_mosaic, mains):
+    res = _part("verdict", VERDICT, {**ABLATION, "mosaic W4A4": 250.0}, "cuda")
+    nums, v = claims_mosaic.mosaic_selection_ablation(res)
+    assert "Δ-Hessian 250.00" in nums and v.startswith("does not hold here")
+
+
+def test_ablation_without_one_takes_main_of_its_protocol(claims_mosaic, mains):
+    nums, v = claims_mosaic.mosaic_selection_ablation(_part("verdict", VERDICT, ABLATION, "cpu"))
+    assert "Δ-Hessian 146.00" in nums and v == "holds"
+    nums, _ = claims_mosaic.mosaic_selection_ablation(_part("fast", FAST, ABLATION))
+    assert "Δ-Hessian 150.00" in nums
+
+
+def test_ablation_never_mixes_devices(claims_mosaic, mains):
+    with pytest.raises(KeyError):
+        claims_mosaic.mosaic_selection_ablation(_part("verdict", VERDICT, ABLATION, "cuda"))
+
+
+def test_thin_blocks_against_the_runs_own_64x64(claims_mosaic, mains):
+    res = _part("verdict", VERDICT, {"mosaic W4A4": 120.0, "block 1x128": 110.0}, "cuda")
+    nums, v = claims_mosaic.mosaic_thin_blocks(res)
+    assert "64x64 120.00" in nums and v == "holds"
+    res = _part("verdict", VERDICT, {"mosaic W4A4": 100.0, "block 1x128": 110.0}, "cuda")
+    assert claims_mosaic.mosaic_thin_blocks(res)[1].startswith("does not hold here")
