@@ -251,7 +251,10 @@ WHY = {
     "beats an Atom-like mixed-precision split (3.1% INT8 channels)": "Atom rebuilt in simplified form and "
     "simulated (no KV-cache quantization, GPTQ on the INT4 channels' Hessian block, outlier channels by "
     "max abs(X_j), fake quantization); its g128 weight scales are finer than MosaicQuant's per-channel "
-    "base; SmolLM2 has few activation outliers; fast protocol, one seed",
+    "base; SmolLM2 has few activation outliers; verdict protocol (CPU, one seed): Atom-like 48.06 against "
+    "MosaicQuant 146.82 from the main table's verdict run (same calibration, windows and device); a lent "
+    "H200 gave the Atom-like row 48.03 (KL 0.4984) before its run stopped; fast protocol: 56.76 vs 151.21; "
+    "a 3x gap, so the one-seed rule for gaps under 10% does not apply",
     "block selection beats channel selection": "outlier channels by the float input's max abs(X_j) (the "
     "paper does not say how it picks them); fast protocol; no heavy outliers here to make channels strong",
     "10% of blocks recovers over half the output distortion": "the paper quotes two single layers of a "
