@@ -33,3 +33,27 @@ def test_rows_record_their_protocol_and_ablation_names(sfmp_bench):
     assert sfmp_bench.protocol_of(_args(sfmp_bench, [])) == "32x512 calib, 40 windows"
     assert sfmp_bench._abl("3.25", "gptq", 3.0684678, 64) == "3.25 sfmp-gptq g256 mb=64 b=3.068"
     assert sfmp_bench._abl("3.0", "awq", 2.73, 64, 256) == "3.0 sfmp-awq g128 mb=64 nb=256 b=2.730"
+
+
+class _Bench:
+    """What :func:`matched_bpw` reads of a bench: its args and its rows by name."""
+
+    def __init__(self, budget_bpw, rows=None):
+        self.args = type("A", (), {"budget_bpw": budget_bpw})()
+        self.rows = rows or {}
+
+    def get(self, name):
+        return self.rows.get(name)
+
+
+def test_budget_comes_from_the_runs_rows_or_from_budget_bpw(sfmp_bench):
+    ours, awq, _ = sfmp_bench._baselines("3.25")
+    rows = {ours: {"bits_per_weight": 3.316}, awq: {"bits_per_weight": 3.271}}
+    assert sfmp_bench.matched_bpw(_Bench(None, rows), "3.25") == 3.271  # the smaller measured one
+    # an ablation-only run (say, a second seed) takes the budget measured by an earlier run
+    assert sfmp_bench.matched_bpw(_Bench("3.25=3.2708333333333335"), "3.25") == 3.2708333333333335
+    with pytest.raises(SystemExit, match=r"point 3.0: run --parts main first .* --budget-bpw 3.0=BPW"):
+        sfmp_bench.matched_bpw(_Bench("3.25=3.27"), "3.0")
+    for bad in ("3.25", "3.25=x", "3.25=-1"):
+        with pytest.raises(SystemExit, match="give POINT=BPW pairs"):
+            sfmp_bench.matched_bpw(_Bench(bad), "3.25")
