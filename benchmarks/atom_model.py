@@ -28,7 +28,7 @@ import time
 
 import torch
 from mosaic import REFERENCE
-from mosaic import _runs as mosaic_runs
+from mosaic import part_runs as mosaic_runs
 from mosaic_layers import A4, ATOM_SHARE, atom_like_weights
 from torch import nn
 

@@ -264,6 +264,11 @@ class Bench:
         self.__dict__.setdefault("_seen", set()).add(name)
         return not only or f",{name}," in f",{only},"
 
+    def offer(self, names) -> None:
+        """Make ``names`` known to ``--only`` before their turn: a run of several parts (one ``finish``
+        each) then does not call a later part's rows unknown."""
+        self.__dict__.setdefault("_seen", set()).update(names)
+
     def run(self, name: str, method: str, **options) -> dict | None:
         """Quantize a fresh copy with ``method``/``options`` and measure it; None when ``--only``
         leaves this row out."""

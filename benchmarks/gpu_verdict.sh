@@ -51,7 +51,7 @@ for step in "$@"; do
       only=$(python3 -c "
 import json, mosaic
 have = {r['name'] for r in json.load(open('results/mosaic_ablation.json'))['rows']}
-print(','.join(n for n, *_ in mosaic._runs('ablation', 1024) if n not in have))")
+print(','.join(n for n, *_ in mosaic.part_runs('ablation', 1024) if n not in have))")
       echo "resume: $only"
       timeout -k 10 -s INT $t python3 mosaic.py $V --parts ablation --only "$only" >> $OUT/mosaic.log 2>&1 ;;
     atom) timeout -k 10 -s INT $t python3 atom_model.py $V --json $RES/atom_model.json >> $OUT/atom.log 2>&1 ;;

@@ -53,7 +53,7 @@ PAPER_W = {"bits": 4, "group_size": None, "sym": True}
 REFERENCE = "mosaic W4A4"  # main's W4A4 MosaicQuant row (10%, 64x64 blocks, Δ-Hessian): the comparator
 
 
-def _runs(part: str, max_tokens: int) -> list[tuple[str, str, str, dict]]:
+def part_runs(part: str, max_tokens: int) -> list[tuple[str, str, str, dict]]:
     sq = {"alpha": None, "max_tokens": max_tokens, **PAPER_W}
     gptq = {"order": "act", "scale": "mse", **PAPER_W}
     mos = {"max_tokens": max_tokens}
@@ -160,13 +160,14 @@ def main() -> None:
     out_json = a.json
     b = Bench(a)
     measured: dict[str, dict] = {}  # the reference row, shared by the parts of one process that carry it
+    b.offer(n for part in parts for n, *_ in part_runs(part, a.max_tokens))
     for part in parts:
         b.rows = []
         b.partial_path = RESULTS / f"mosaic_{part}.partial.json"
         if part == "main":
             if (row := b.float_row()) is not None:
                 row["scheme"] = "W16A16"
-        for name, scheme, method, opts in _runs(part, a.max_tokens):
+        for name, scheme, method, opts in part_runs(part, a.max_tokens):
             if not b.wants(name):
                 continue
             if name in measured:  # same name, same options, same process: the same model

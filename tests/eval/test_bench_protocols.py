@@ -98,6 +98,14 @@ def test_only_takes_row_names_with_commas(common, capsys, tmp_path):
     bench.finish("x", [])
     note = capsys.readouterr().out.splitlines()[0]
     assert note == "note: --only names no row of this benchmark: typo"
+    # a run of several parts offers every part's names first: the first part's finish does not call
+    # the next part's rows unknown
+    a.only = "random,block 1x128"
+    bench._seen = set()
+    bench.offer(["random", "block 1x128"])
+    assert bench.wants("random")
+    bench.finish("x", [])
+    assert "note: --only" not in capsys.readouterr().out
 
 
 def test_a_partial_run_resumes_with_only(common, tmp_path, monkeypatch):

@@ -75,35 +75,25 @@ ABLATION = {
 }
 
 
-@pytest.fixture
-def mains(claims_mosaic, monkeypatch):
-    runs = {
-        "mosaic_main": _part("fast", FAST, {"mosaic W4A4": 150.0}),
-        "mosaic_main_verdict": _part("verdict", VERDICT, {"mosaic W4A4": 146.0}, "cpu"),
-    }
-    monkeypatch.setattr(claims_mosaic, "load", runs.get)
-    return runs
-
-
-def test_ablation_prefers_its_own_reference_row(claims_mosaic, mains):
+def test_ablation_prefers_its_own_reference_row(claims_mosaic, store):
     res = _part("verdict", VERDICT, {**ABLATION, "mosaic W4A4": 250.0}, "cuda")
     nums, v = claims_mosaic.mosaic_selection_ablation(res)
     assert "Δ-Hessian 250.00" in nums and v.startswith("does not hold here")
 
 
-def test_ablation_without_one_takes_main_of_its_protocol(claims_mosaic, mains):
+def test_ablation_without_one_takes_main_of_its_protocol(claims_mosaic, store):
     nums, v = claims_mosaic.mosaic_selection_ablation(_part("verdict", VERDICT, ABLATION, "cpu"))
-    assert "Δ-Hessian 146.00" in nums and v == "holds"
+    assert "Δ-Hessian 40.00" in nums and v == "holds"
     nums, _ = claims_mosaic.mosaic_selection_ablation(_part("fast", FAST, ABLATION))
     assert "Δ-Hessian 150.00" in nums
 
 
-def test_ablation_never_mixes_devices(claims_mosaic, mains):
+def test_ablation_never_mixes_devices(claims_mosaic, store):
     with pytest.raises(KeyError):
         claims_mosaic.mosaic_selection_ablation(_part("verdict", VERDICT, ABLATION, "cuda"))
 
 
-def test_thin_blocks_against_the_runs_own_64x64(claims_mosaic, mains):
+def test_thin_blocks_against_the_runs_own_64x64(claims_mosaic, store):
     res = _part("verdict", VERDICT, {"mosaic W4A4": 120.0, "block 1x128": 110.0}, "cuda")
     nums, v = claims_mosaic.mosaic_thin_blocks(res)
     assert "64x64 120.00" in nums and v == "holds"
