@@ -212,11 +212,14 @@ def matched_bpw(b: SFMPBench, p: str) -> float:
     """SFMP's budget at point ``p``: the SMALLER measured total bpw of our GPTQ and AWQ, so SFMP never
     stores more bits than either (GPTQ's act-order ``g_idx`` makes it the larger one; the paper's
     GPTQ stores what AWQ does)."""
-    given = dict(x.partition("=")[::2] for x in (b.args.budget_bpw or "").split(",") if x)
-    if not all(_is_float(v) for v in given.values()):
+    try:  # the same accounting, measured by an earlier run (it depends on no data or seed)
+        given = {k: float(v) for k, v in (x.split("=") for x in (b.args.budget_bpw or "").split(",") if x)}
+    except ValueError:
+        given = {"": 0.0}
+    if any(v <= 0 for v in given.values()):
         raise SystemExit(f"--budget-bpw {b.args.budget_bpw}: give POINT=BPW pairs, e.g. 3.25=3.2708")
-    if p in given:  # the same accounting, measured by an earlier run (it depends on no data or seed)
-        return float(given[p])
+    if p in given:
+        return given[p]
     rows = [b.get(n) for n in _baselines(p)[:2]]
     if None in rows:
         raise SystemExit(
@@ -224,13 +227,6 @@ def matched_bpw(b: SFMPBench, p: str) -> float:
             f"or pass --budget-bpw {p}=BPW from a run that has them"
         )
     return min(r["bits_per_weight"] for r in rows)
-
-
-def _is_float(x: str) -> bool:
-    try:
-        return float(x) > 0
-    except ValueError:
-        return False
 
 
 def ablation_b(b: SFMPBench, p: str) -> float:
