@@ -137,6 +137,11 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="output JSON (default benchmarks/results/<name>.json)")
     p.add_argument("--only", default=None, help="comma list of row names to run (default: every row)")
     p.add_argument(
+        "--progress", action="store_true",
+        help="quantization and evaluation progress bars (with an ETA) on stderr even where it is not a "
+        "terminal, such as a log file (default: only on a terminal)",
+    )  # fmt: skip
+    p.add_argument(
         "--reference-cache", default=None, metavar="DIR",
         help="where KL/top-1 runs keep the float reference's hidden states across runs (default "
         f"{default_store()}; 'none': in memory only)",
@@ -194,6 +199,8 @@ def merged_rows(path: str | os.PathLike, args, rows: list[dict]) -> list[dict]:
 
 
 class Bench:
+    progress = False  # progress bars: set from --progress (or a terminal) by __init__
+
     def __init__(self, args):
         if args.threads:
             torch.set_num_threads(args.threads)
@@ -201,6 +208,7 @@ class Bench:
             settle_protocol(args)
         self.args = args
         self.device = getattr(args, "device", "cpu") or "cpu"
+        self.progress = bool(getattr(args, "progress", False)) or sys.stderr.isatty()
         self.model, self.tok = load_model(args.model)
         self.calib = calibration_samples(
             self.tok, "wikitext2", args.nsamples, args.seqlen, args.seed, data_dir=args.data_dir
@@ -235,7 +243,7 @@ class Bench:
             self.args.seqlen,
             max_windows=self.args.max_windows,
             batch_size=1 if self.device == "cpu" else 8,
-            progress=False,
+            progress=self.progress,
             device=self.device,
             bos_token_id=bos_token_id(self.tok),
             reference=None if itself else self.reference,
@@ -278,7 +286,7 @@ class Bench:
         cfg = spec.make_config(**options)
         model = copy.deepcopy(self.model)
         rep = quantize_model(
-            model, self.calib, spec, cfg, progress=False, measure_errors=True, device=self.device
+            model, self.calib, spec, cfg, progress=self.progress, measure_errors=True, device=self.device
         )
         t = time.perf_counter()
         row = {

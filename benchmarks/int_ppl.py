@@ -167,7 +167,7 @@ def main() -> None:
         spec = get_method(method)
         cfg = spec.make_config(**opts, bits=wbits, act=act)
         model = copy.deepcopy(b.model)
-        quantize_model(model, b.calib, spec, cfg, progress=False)
+        quantize_model(model, b.calib, spec, cfg, progress=b.progress)
         if runtime:
             set_runtime_activations(model, runtime)
         paths = sorted({

@@ -69,7 +69,7 @@ def main() -> None:
         b.calib,
         spec,
         spec.make_config(bits=3, group_size=128, order="act"),
-        progress=False,
+        progress=b.progress,
         analyze_orders=("natural", "act", "min-pivot"),
     )
     table = bound_table(rep.to_dict())

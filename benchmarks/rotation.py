@@ -203,7 +203,7 @@ def run(b: Bench, label: str, act: str, rotate: str, max_tokens: int) -> dict:
     spec = get_method(method)
     cfg = spec.make_config(**opts)
     model = copy.deepcopy(b.model)
-    rep = quantize_model(model, b.calib, spec, cfg, progress=False, rotate=rotate, seed=b.args.seed,
+    rep = quantize_model(model, b.calib, spec, cfg, progress=b.progress, rotate=rotate, seed=b.args.seed,
                          device=b.args.device)  # fmt: skip
     t = time.perf_counter()
     row = {"name": name_of(label, act, rotate), "method": label, "acts": act, "rotate": rotate,

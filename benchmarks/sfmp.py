@@ -134,7 +134,7 @@ class SFMPBench(Bench):
         model = copy.deepcopy(self.model)
         inputs = {"salience_tokens": fisher_tokens}
         rep = quantize_model(
-            model, self.calib, spec, cfg, progress=False, method_inputs=inputs, more_calib=self._more
+            model, self.calib, spec, cfg, progress=self.progress, method_inputs=inputs, more_calib=self._more
         )
         t = time.perf_counter()
         alloc = rep.calibration["allocation"]

@@ -121,7 +121,7 @@ def main() -> None:
     spec = get_method("gptq")
     cfg = spec.make_config(bits=4, group_size=None, sym=True, order="act", scale="mse", act=G64)
     model = copy.deepcopy(b.model)
-    rep = quantize_model(model, b.calib, spec, cfg, progress=False, rotate="hadamard", seed=a.seed)
+    rep = quantize_model(model, b.calib, spec, cfg, progress=b.progress, rotate="hadamard", seed=a.seed)
     rows += rows_of(b, model, "GPTQ W4", GPTQ_ROWS)
     args = {k: getattr(a, k) for k in ("model", "nsamples", "seqlen", "max_windows", "seed")}
     out = {"protocol": protocol_label(a), "args": args, "float_ppl": flt["ppl"],
