@@ -228,7 +228,7 @@ def quantize_mosaic(weight, stats: LayerStats, cfg: MosaicConfig):
             raise OptionError("mosaic selection 'channel-act' needs the inputs' channel maxima (calibration)")
         amax = stats.act.channel_absmax.float()
         if stats.input_scales is not None:  # the observer saw X / s: max|X_j| = max|X_j / s_j| * s_j
-            amax = amax * stats.input_scales.float().cpu()
+            amax = amax * stats.input_scales.float().to(amax.device)
     return mosaic_weight(weight, stats.hessian, cfg, act_amax=amax)
 
 
