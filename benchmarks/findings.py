@@ -83,7 +83,8 @@ def verdict_runs(source: str) -> list[str]:
     """The verdict-protocol runs of ``source``: ``<source>_verdict.json`` (seed 0) and any other seed's
     ``<source>_verdict_s<N>.json``, in that order."""
     seeds = sorted(RESULTS.glob(f"{source}_verdict_s*.json"), key=lambda p: p.stem)
-    return [f"{source}_verdict"] + [p.stem for p in seeds]
+    # not the partial file a run still going (or cut short) keeps beside its JSON
+    return [f"{source}_verdict"] + [p.stem for p in seeds if not p.stem.endswith(".partial")]
 
 
 def judge(f: Finding) -> tuple[str, str, str]:

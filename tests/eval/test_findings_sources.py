@@ -53,6 +53,9 @@ def test_two_seeds_must_agree(findings, monkeypatch, tmp_path):
     assert findings.judge_seeds(_claim(findings))[3] == 2  # the report's protocol column says "2 seeds"
     monkeypatch.setattr(findings, "load", {"bench_verdict": _rows(a=1.0, b=2.0)}.get)
     assert findings.judge_seeds(_claim(findings))[3] == 1  # a seed-1 file lacking the rows does not count
+    # a seed-2 run still going (or cut short) has only its partial file: not a seed
+    (tmp_path / "bench_verdict_s2.partial.json").write_text("{}")
+    assert findings.verdict_runs("bench") == ["bench_verdict", "bench_verdict_s1"]
     split = {"bench_verdict": _rows(a=1.0, b=2.0), "bench_verdict_s1": _rows(a=3.0, b=2.5)}
     monkeypatch.setattr(findings, "load", split.get)
     assert findings.judge(_claim(findings))[1] == "undecided (the seeds disagree: holds / no)"
