@@ -47,6 +47,7 @@ Run: flock /tmp/bitmosaic-heavy.lock python benchmarks/sfmp.py --protocol fast -
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import time
@@ -361,11 +362,10 @@ def report(rows: list[dict], args) -> str:
         cells += [_cell(by.get(f"{p} sfmp-{s} g{sg}"), "b") for s in ("awq", "gptq")]
         if any(c != "-" for c in cells):
             lines.append(f"| {p} ({_baselines(p)[0].split()[-1]} / g{sg}) | " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        "SFMP's budget at each point is the smaller of the measured bits per weight of AWQ and our GPTQ "
-        "(the paper's GPTQ stores what AWQ does: no g_idx).",
-    ]
+    given = getattr(args, "budget_bpw", None)  # else this run's own uniform rows
+    given = f"; this run took it from an earlier run's rows (--budget-bpw {given})" if given else ""
+    lines += ["", "SFMP's budget at each point is the smaller of the measured bits per weight of AWQ and our "
+              f"GPTQ (the paper's GPTQ stores what AWQ does: no g_idx){given}."]  # fmt: skip
     float_row = by.get("float")
     if float_row:
         lines += ["", f"Float: ppl {float_row['ppl']:.3f}."]
@@ -469,8 +469,9 @@ def main() -> None:
         if parts == ["decode"]:
             return
     if a.report:
-        src = partial if partial.is_file() else path
-        rows = json.loads(src.read_text())["rows"]
+        saved = json.loads((partial if partial.is_file() else path).read_text())
+        rows = saved["rows"]  # and the run's own settings, not the report's
+        a = argparse.Namespace(**{**vars(a), **saved.get("args", {})})
     else:
         b = SFMPBench(a)
         if "float" not in b.done and b.wants("float"):
