@@ -272,12 +272,12 @@ WHY = {
     "matrix; at m_b = 512 only 1-3); GPTQ blocks, our default (the paper's Fig. 7: AWQ), where the column "
     "order is also GPTQ's solve order (Fisher-sorted, akin to act-order), so part of the gain is GPTQ's "
     "order, not the allocation; fast protocol",
-    "smaller blocks (m_b) allocate better": "verdict protocol (CPU; GPTQ blocks, g256, equal code bits b = "
-    "3.068, Fisher from the 128 calibration samples): seed 0 m_b 64 45.14 (KL 0.449, top-1 0.660) against "
-    "m_b 512 46.72 (KL 0.483, top-1 0.651), 3.4% apart (fast protocol: 1.4%); a second seed is still to "
-    "run (the rule for gaps under 10%); matrices of 192-1536 rows: even m_b = 64 gives only 3-24 row "
-    "blocks; at equal code bits (the paper: equal memory; the bit map costs 0.0006 bpw at m_b 64, 0.0001 "
-    "at 512)",
+    "smaller blocks (m_b) allocate better": "verdict protocol (CPU, two seeds; GPTQ blocks, g256, equal "
+    "code bits b = 3.068, Fisher from the 128 calibration samples): seed 0 m_b 64 45.14 (KL 0.449, top-1 "
+    "0.660) against m_b 512 46.72 (KL 0.483, top-1 0.651), 3.4% apart; seed 1 45.63 (KL 0.456, top-1 "
+    "0.659) against 47.18 (KL 0.487, top-1 0.653), 3.3% apart; the fast protocol had 1.4%; matrices of "
+    "192-1536 rows: even m_b = 64 gives only 3-24 row blocks (the paper's 8B matrices have many more); at "
+    "equal code bits (the paper: equal memory; the bit map costs 0.0006 bpw at m_b 64, 0.0001 at 512)",
     "Fisher from 128 samples is no worse than from 32": "fast protocol; samples drawn apart from the "
     "calibration (the paper: 128-2k C4 samples on 8B models, 1k by default)",
     "static masks ≈ dynamic at (8/4)": "the paper does not print its activation scale granularity; judged "
