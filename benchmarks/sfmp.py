@@ -215,9 +215,10 @@ def matched_bpw(b: SFMPBench, p: str) -> float:
     GPTQ stores what AWQ does)."""
     try:  # the same accounting, measured by an earlier run (it depends on no data or seed)
         given = {k: float(v) for k, v in (x.split("=") for x in (b.args.budget_bpw or "").split(",") if x)}
-    except ValueError:
-        given = {"": 0.0}
-    if any(v <= 0 for v in given.values()):
+        bad = any(v <= 0 for v in given.values())
+    except ValueError:  # no "=", or not a number
+        bad = True
+    if bad:
         raise SystemExit(f"--budget-bpw {b.args.budget_bpw}: give POINT=BPW pairs, e.g. 3.25=3.2708")
     if p in given:
         return given[p]
