@@ -285,8 +285,15 @@ WHY = {
     "0.659) against 47.18 (KL 0.487, top-1 0.653), 3.3% apart; the fast protocol had 1.4%; matrices of "
     "192-1536 rows: even m_b = 64 gives only 3-24 row blocks (the paper's 8B matrices have many more); at "
     "equal code bits (the paper: equal memory; the bit map costs 0.0006 bpw at m_b 64, 0.0001 at 512)",
-    "Fisher from 128 samples is no worse than from 32": "fast protocol; samples drawn apart from the "
-    "calibration (the paper: 128-2k C4 samples on 8B models, 1k by default)",
+    "Fisher from 128 samples is no worse than from 32": "verdict protocol (CPU, one seed so far; GPTQ "
+    "blocks, g256, m_b 64, equal code bits b = 3.068): Fisher from 32 samples 45.35 (KL 0.449, top-1 "
+    "0.663) against 128 samples 45.38 (KL 0.453, top-1 0.661), both drawn apart from the calibration; "
+    "0.06% apart, well inside the 1% the claim allows, and the row whose Fisher reuses the 128 calibration "
+    "samples gives 45.14 (KL 0.449); under the 10% line, so a second seed is asked and not yet run (seed "
+    "1: the same two rows); the Fisher seconds (112 s against 591 s) are from a CPU whose speed varied "
+    "during the run (the 128-sample Fisher took 393 s at the last stop); the fast protocol had 73.88 "
+    "against 74.21 with AWQ blocks at equal total bits; the paper: 128-2k C4 samples on 8B models, 1k by "
+    "default",
     "static masks ≈ dynamic at (8/4)": "the paper does not print its activation scale granularity; judged "
     "with per-bank scales (what its Table 2 fits); the gap is +3.7% on both verdict seeds against the "
     "paper's +1.2%; on the fast protocol per-token scales give +42%, per-128-channel +13%, per-bank "
