@@ -158,7 +158,9 @@ def _by_scale(judge, res: dict) -> tuple[str, str]:
 
 
 def _static_falls_at_int2(res: dict, scale: str) -> tuple[str, str]:
-    r = _sq_rows(res, "gap")
+    """The static-dynamic gap at (8/4), (8/3), (8/2): part gap's rows; its (8/4) rows fall back to part
+    scales' rows of the same name (the same model: W4A(SQ6) 16-(8/4)-0.5 with those scales)."""
+    r = {**_sq_rows(res, "scales"), **_sq_rows(res, "gap")}
     gaps = {}
     for low in (4, 3, 2):
         sq = f"16-(8/{low})-0.5"

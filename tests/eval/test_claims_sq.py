@@ -1,5 +1,6 @@
-"""SQ-format's |A| importance judge: the paper's importance I = |A·ΣW| is the static default, so the
-scales part's static per-bank row (the same model) stands in for the ablation's I=aw row."""
+"""SQ-format's judges that borrow rows of part scales: the paper's importance I = |A·ΣW| is the static
+default, so the scales part's static per-bank row (the same model) stands in for the ablation's I=aw row;
+likewise its (8/4) rows stand in for the gap part's (8/4) rows."""
 
 import pytest
 
@@ -34,3 +35,41 @@ def test_the_ablation_row_wins_over_the_scales_row(claims_sq):
 def test_a_missing_ablation_row_is_not_measured(claims_sq):
     with pytest.raises(KeyError):
         claims_sq.sq_importance_ablation(_res({"abs-aw": 41.0}, {"static": 40.0}))
+
+
+GAP = {4: "W4A(SQ6) 16-(8/4)-0.5", 3: "W4A(SQ5.5) 16-(8/3)-0.5", 2: "W4A(SQ5) 16-(8/2)-0.5"}
+
+
+def _gap(gap: dict, scales: dict) -> dict:
+    """``gap``/``scales``: {(low, strategy): ppl} as rows of those parts, per-bank scales."""
+    rows = [{"part": "gap", "name": f"{GAP[lo]} {st} scales=bank", "ppl": v} for (lo, st), v in gap.items()]
+    rows += [
+        {"part": "scales", "name": f"{GAP[lo]} {st} scales=bank", "ppl": v} for (lo, st), v in scales.items()
+    ]
+    return {"rows": rows}
+
+
+LOW = {(3, "dynamic"): 40.0, (3, "static"): 48.0, (2, "dynamic"): 50.0, (2, "static"): 300.0}
+
+
+def test_scales_rows_stand_in_for_the_gap_at_8_4(claims_sq):
+    nums, v = claims_sq.sq_static_falls_at_int2(_gap(LOW, {(4, "dynamic"): 36.0, (4, "static"): 37.8}))
+    assert "(8/4): dynamic 36.00, static 37.80 (+5%)" in nums and v == "holds"
+    # a gap at (8/4) wider than at (8/3) breaks the steady widening
+    nums, v = claims_sq.sq_static_falls_at_int2(_gap(LOW, {(4, "dynamic"): 36.0, (4, "static"): 50.0}))
+    assert v.startswith("does not hold here")
+
+
+def test_the_gap_row_wins_over_the_scales_row(claims_sq):
+    res = _gap(
+        {**LOW, (4, "dynamic"): 30.0, (4, "static"): 31.0}, {(4, "dynamic"): 36.0, (4, "static"): 50.0}
+    )
+    nums, v = claims_sq.sq_static_falls_at_int2(res)
+    assert "(8/4): dynamic 30.00, static 31.00" in nums and v == "holds"
+
+
+def test_a_missing_gap_row_is_not_measured(claims_sq):
+    with pytest.raises(KeyError):
+        claims_sq.sq_static_falls_at_int2(
+            _gap({(3, "dynamic"): 40.0}, {(4, "dynamic"): 36.0, (4, "static"): 37.8})
+        )
