@@ -42,11 +42,14 @@ GAP = {4: "W4A(SQ6) 16-(8/4)-0.5", 3: "W4A(SQ5.5) 16-(8/3)-0.5", 2: "W4A(SQ5) 16
 
 def _gap(gap: dict, scales: dict) -> dict:
     """``gap``/``scales``: {(low, strategy): ppl} as rows of those parts, per-bank scales."""
-    rows = [{"part": "gap", "name": f"{GAP[lo]} {st} scales=bank", "ppl": v} for (lo, st), v in gap.items()]
-    rows += [
-        {"part": "scales", "name": f"{GAP[lo]} {st} scales=bank", "ppl": v} for (lo, st), v in scales.items()
-    ]
-    return {"rows": rows}
+    cells = {"gap": gap, "scales": scales}
+    return {
+        "rows": [
+            {"part": part, "name": f"{GAP[lo]} {st} scales=bank", "ppl": v}
+            for part, by in cells.items()
+            for (lo, st), v in by.items()
+        ]
+    }
 
 
 LOW = {(3, "dynamic"): 40.0, (3, "static"): 48.0, (2, "dynamic"): 50.0, (2, "static"): 300.0}
