@@ -259,14 +259,17 @@ WHY = {
     "paper does not say how it picks them); fast protocol; no heavy outliers here to make channels strong",
     "Δ-Hessian selection beats magnitude/residual/random/none": "the paper compares the criteria by one "
     "layer's output distortion (Fig. 2(b)) and the sparse branch by perplexity on Qwen3-4B / LLaMA3-8B "
-    "(Fig. 5: 108.6 / 143.7 without it, 11.0 / 10.8 with it, about 10x); here A4 per token collapses this "
+    "(Fig. 5: 108.6 / 143.7 without it, 11.0 / 10.8 with it, 10-13x); here A4 per token collapses this "
     "model for every method, so the branch takes 27-30% off, not 90%; verdict protocol (CPU, seed 0, "
     "128x512 calibration, every window; the Δ-Hessian row is the main table's verdict row, same "
     "calibration and windows): Δ-Hessian 146.82 (KL 1.587, top-1 0.387), magnitude 161.28 (KL 1.662, "
     "top-1 0.373), residual norm 164.60 (KL 1.698), random 169.61 (KL 1.718), no sparse branch 209.93 / "
     "199.86 (α re-searched / kept); the closest, magnitude, is 9.8% above Δ-Hessian, under the 10% line "
-    "that asks for a second seed, which is under way (fast protocol: 151.21 against 177.64 / 176.85 / "
-    "216.74 / 230.35 / 226.73); SmolLM2's Q4_1-origin weights leave few outliers for any criterion to find",
+    "that asks for a second seed; seed 1 so far (its own Δ-Hessian row): Δ-Hessian 149.71 (KL 1.570, "
+    "top-1 0.389), residual norm 167.90 (KL 1.730), magnitude 173.74 (KL 1.757), random 179.57 (KL 1.846), "
+    "the closest 12% above; its two no-sparse rows are still to run, so the verdict rests on seed 0 "
+    "(fast protocol: 151.21 against 177.64 / 176.85 / 216.74 / 230.35 / 226.73); SmolLM2's "
+    "Q4_1-origin weights leave few outliers for any criterion to find",
     "10% of blocks recovers over half the output distortion": "the paper quotes two single layers of a "
     "7B+ model; 64x64 blocks of 576-1536-wide matrices are 1/81-1/216 of a matrix",
     "ours: thin residual blocks beat 64x64 at 10%": "not a claim of the paper (it uses square blocks); "
