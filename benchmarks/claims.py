@@ -267,7 +267,8 @@ WHY = {
     "199.86 (α re-searched / kept); the closest, magnitude, is 9.8% above Δ-Hessian, under the 10% line "
     "that asks for a second seed; seed 1 so far (its own Δ-Hessian row): Δ-Hessian 149.71 (KL 1.570, "
     "top-1 0.389), residual norm 167.90 (KL 1.730), magnitude 173.74 (KL 1.757), random 179.57 (KL 1.846), "
-    "the closest 12% above; its two no-sparse rows are still to run, so the verdict rests on seed 0 "
+    "no sparse branch, α re-searched 180.73, the closest 12% above; its α-kept row is still to run, so the "
+    "verdict rests on seed 0 "
     "(fast protocol: 151.21 against 177.64 / 176.85 / 216.74 / 230.35 / 226.73); SmolLM2's "
     "Q4_1-origin weights leave few outliers for any criterion to find",
     "10% of blocks recovers over half the output distortion": "the paper quotes two single layers of a "
