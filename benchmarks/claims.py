@@ -268,9 +268,8 @@ WHY = {
     "that asks for a second seed; seed 1 so far (its own Δ-Hessian row): Δ-Hessian 149.71 (KL 1.570, "
     "top-1 0.389), residual norm 167.90 (KL 1.730), magnitude 173.74 (KL 1.757), random 179.57 (KL 1.846), "
     "no sparse branch, α re-searched 180.73, the closest 12% above; its α-kept row is still to run, so the "
-    "verdict rests on seed 0 "
-    "(fast protocol: 151.21 against 177.64 / 176.85 / 216.74 / 230.35 / 226.73); SmolLM2's "
-    "Q4_1-origin weights leave few outliers for any criterion to find",
+    "verdict rests on seed 0 (fast protocol: 151.21 against 177.64 / 176.85 / 216.74 / 230.35 / 226.73); "
+    "SmolLM2's Q4_1-origin weights leave few outliers for any criterion to find",
     "10% of blocks recovers over half the output distortion": "the paper quotes two single layers of a "
     "7B+ model; 64x64 blocks of 576-1536-wide matrices are 1/81-1/216 of a matrix",
     "ours: thin residual blocks beat 64x64 at 10%": "not a claim of the paper (it uses square blocks); "
