@@ -23,7 +23,8 @@ from bitmosaic.eval.perplexity import perplexity
 from bitmosaic.io import load_model
 from bitmosaic.io.serialization import atomic_write_text
 from bitmosaic.methods import get_method
-from bitmosaic.modules import set_weight_cache
+from bitmosaic.modules import QuantModule, set_weight_cache
+from bitmosaic.modules.intact import act_compute_mode
 from bitmosaic.pipeline import quantize_model
 from bitmosaic.pipeline.pipeline import peak_rss_mb
 
@@ -198,6 +199,21 @@ def merged_rows(path: str | os.PathLike, args, rows: list[dict]) -> list[dict]:
     return kept + list(new.values())
 
 
+def act_paths(model, device: str = "cpu") -> dict[str, int]:
+    """How the quantized layers with an activation quantizer (their own, a run-time one, or SQ-format's
+    split) computed in the last forward: ``{"integer": n, "simulated": m}`` (integer: the layer's
+    integer kernel ran, :mod:`bitmosaic.modules.intact`; simulated: float32 fake quantization), empty
+    for a weight-only or float model.  Both paths compute the same integers; outputs differ by float32
+    rounding (``int_ppl.py`` measures what that does to perplexity)."""
+    n = {"integer": 0, "simulated": 0}
+    can = str(device) == "cpu" and act_compute_mode() != "sim"  # modules/base.py runs_int_act
+    for m in model.modules():
+        if not isinstance(m, QuantModule) or (m.act_quantizer() is None and not m.QUANTIZES_OWN_INPUTS):
+            continue
+        n["integer" if can and m.__dict__.get("_int_act") not in (None, False) else "simulated"] += 1
+    return {k: v for k, v in n.items() if v}
+
+
 class Bench:
     progress = False  # progress bars: set from --progress (or a terminal) by __init__
 
@@ -249,6 +265,9 @@ class Bench:
             reference=None if itself else self.reference,
         )
         out = {k: r[k] for k in ("ppl", "kl_mean", "top1_agreement", "windows") if k in r}
+        paths = act_paths(model, self.device)
+        if paths:
+            out["act_compute"] = paths
         if itself and self.reference is not None:
             out.update(kl_mean=0.0, top1_agreement=1.0)
         return out

@@ -126,3 +126,38 @@ def test_a_partial_run_resumes_with_only(common, tmp_path, monkeypatch):
         rows[0],
     ]
     assert json.loads(cut.partial_path.read_text())["protocol"] == "verdict"
+
+
+def test_act_paths_name_the_compute_each_row_ran(common):
+    """A row records how its activation-quantized layers computed: the integer kernel, or simulated
+    (``$BITMOSAIC_ACT_COMPUTE=sim``, FP8 activations, a layer the integer path refuses); weight-only
+    layers are not counted and a model without activation quantizers records nothing."""
+    import torch
+
+    from bitmosaic.algorithms.rtn import rtn_quantize
+    from bitmosaic.formats.act import ActQuantSpec
+    from bitmosaic.formats.grid import IntGrid
+    from bitmosaic.modules import QuantLinear, attach_input_quant
+    from bitmosaic.modules.intact import ACT_COMPUTE_ENV
+    from tests.helpers import env_var
+
+    def layer(spec):
+        res = rtn_quantize(
+            torch.randn(8, 96, generator=torch.Generator().manual_seed(0)), IntGrid(4, True), 32
+        )
+        m = QuantLinear.from_result(res, bits=4, group_size=32, symmetric=True)
+        if spec is not None:
+            attach_input_quant(m, spec, 96)
+        return m
+
+    refused = ActQuantSpec("int", 8, granularity="group", group_size=48)  # groups that cut weight groups
+    model = torch.nn.Sequential(layer(ActQuantSpec("int", 8)), layer(refused), layer(None))
+    x = torch.randn(3, 96)
+    with torch.inference_mode():
+        for m in model:
+            m(x)
+    assert common.act_paths(model) == {"integer": 1, "simulated": 1}
+    assert common.act_paths(model, "cuda") == {"simulated": 2}  # the integer kernels are the CPU's
+    with env_var(ACT_COMPUTE_ENV, "sim"):
+        assert common.act_paths(model) == {"simulated": 2}
+    assert common.act_paths(torch.nn.Sequential(layer(None))) == {}
