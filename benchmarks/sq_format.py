@@ -49,7 +49,7 @@ from bitmosaic.modules.qlinear import QuantLinear
 from bitmosaic.modules.sq import SQActLinear, SQWeightLinear
 from bitmosaic.pipeline import quantize_model
 
-from common import RESULTS, Bench, base_parser, write_text
+from common import RESULTS, Bench, base_parser, protocol_label, write_text
 
 CACHE = Path("/tmp/bitmosaic_sq_bench")
 BASE = {"bits": 4, "group_size": 128, "alpha": 0.5, "solver": "gptq"}
@@ -451,12 +451,14 @@ PARTS = {
 def table(rows: list[dict]) -> str:
     cols = ["part", "name", "ppl", "paper_bits", "measured_bits", "act_bits", "paper_act_bits_scales"]
     cols += ["low_mac_share", "calib_loss"]
-    cols += [c for c in ("kl_mean", "top1_agreement") if any(c in r for r in rows)]
+    cols += [c for c in ("kl_mean", "top1_agreement", "act_compute") if any(c in r for r in rows)]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = []
         for c in cols:
             v = r.get(c)
+            if isinstance(v, dict):  # act_compute: layers by path (common.act_paths)
+                v = ", ".join(f"{k} {n}" for k, n in v.items())
             cells.append(f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v)))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -475,15 +477,25 @@ def main() -> None:
         print(f"== part {part}", flush=True)
         PARTS[part](b)
         print(f"== part {part}: {time.perf_counter() - t:.0f}s", flush=True)
-    head = (
-        f"SQ-format on {a.model}, calibration {a.nsamples}x{a.seqlen} (seed {a.seed}), WikiText-2 "
-        f"perplexity on the first {a.max_windows} windows of {a.seqlen} (16x512 and 20: the fast protocol). "
-        "Each part reruns alone: `PYTHONPATH=src python benchmarks/sq_format.py --protocol fast --parts "
-        "PART` (`--only ROW,...` for some of its rows).\n\n"
-    )
-    md = head + table(b.done)
+    md = report(b.done, a)
     print("\n" + md)
     write_text(b.out.with_suffix(".md"), md + "\n")
+
+
+def report(rows: list[dict], a) -> str:
+    """The markdown of ``rows`` (a run's JSON) under its settings ``a``."""
+    windows = "every window" if a.max_windows is None else f"the first {a.max_windows} windows"
+    proto = protocol_label(a)
+    flag = "" if proto == "custom" else f"--protocol {proto} "
+    head = (
+        f"SQ-format on {a.model}, calibration {a.nsamples}x{a.seqlen} (seed {a.seed}), WikiText-2 "
+        f"perplexity on {windows} of {a.seqlen} (protocol: {proto}; fast: 16x512 and 20 windows, "
+        "verdict: 128x512, every window, KL and top-1 to the float model from the same pass). Each part "
+        f"reruns alone: `PYTHONPATH=src python benchmarks/sq_format.py {flag}--parts PART` "
+        "(`--only ROW,...` for some of its rows; `act_compute`: the quantized layers by how "
+        "their activations computed, integer kernel or simulated in float32, where the row recorded it).\n\n"
+    )
+    return head + table(rows)
 
 
 if __name__ == "__main__":
