@@ -24,7 +24,6 @@ from bitmosaic.io import load_model
 from bitmosaic.io.serialization import atomic_write_text
 from bitmosaic.methods import get_method
 from bitmosaic.modules import QuantModule, set_weight_cache
-from bitmosaic.modules.intact import act_compute_mode
 from bitmosaic.pipeline import quantize_model
 from bitmosaic.pipeline.pipeline import peak_rss_mb
 
@@ -201,16 +200,17 @@ def merged_rows(path: str | os.PathLike, args, rows: list[dict]) -> list[dict]:
 
 def act_paths(model, device: str = "cpu") -> dict[str, int]:
     """How the quantized layers with an activation quantizer (their own, a run-time one, or SQ-format's
-    split) computed in the last forward: ``{"integer": n, "simulated": m}`` (integer: the layer's
+    split) compute on ``device``: ``{"integer": n, "simulated": m}`` (integer: the layer's
     integer kernel ran, :mod:`bitmosaic.modules.intact`; simulated: float32 fake quantization), empty
     for a weight-only or float model.  Both paths compute the same integers; outputs differ by float32
     rounding (``int_ppl.py`` measures what that does to perplexity)."""
     n = {"integer": 0, "simulated": 0}
-    can = str(device) == "cpu" and act_compute_mode() != "sim"  # modules/base.py runs_int_act
     for m in model.modules():
         if not isinstance(m, QuantModule) or (m.act_quantizer() is None and not m.QUANTIZES_OWN_INPUTS):
             continue
-        n["integer" if can and m.__dict__.get("_int_act") not in (None, False) else "simulated"] += 1
+        # the layer's own decision for an input of this run's device (an empty one: nothing is computed)
+        x = torch.empty(0, m.in_features, device=device)
+        n["integer" if m.runs_int_act(x) else "simulated"] += 1
     return {k: v for k, v in n.items() if v}
 
 

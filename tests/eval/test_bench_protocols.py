@@ -157,7 +157,7 @@ def test_act_paths_name_the_compute_each_row_ran(common):
         for m in model:
             m(x)
     assert common.act_paths(model) == {"integer": 1, "simulated": 1}
-    assert common.act_paths(model, "cuda") == {"simulated": 2}  # the integer kernels are the CPU's
+    assert common.act_paths(model, "meta") == {"simulated": 2}  # the integer kernels are the CPU's
     with env_var(ACT_COMPUTE_ENV, "sim"):
         assert common.act_paths(model) == {"simulated": 2}
     assert common.act_paths(torch.nn.Sequential(layer(None))) == {}
