@@ -12,7 +12,6 @@ is missing gives the row "not measured" and the command that measures it.
 Run: python benchmarks/findings.py   (writes benchmarks/results/findings.md and findings.json)
 """
 
-
 from __future__ import annotations
 
 import argparse
@@ -74,8 +73,10 @@ def fresh_babai(nsamples: int = 8, seqlen: int = 256, layers=(0, 15)) -> dict:
 
 def judge_fresh(res: dict) -> tuple[str, str]:
     frac = res["identical_codes"] / res["codes"]
-    nums = (f"{res['identical_codes']}/{res['codes']} integers identical ({frac:.6%}), w3 g128 act order, "
-            f"every linear of layers {res['layers']}")
+    nums = (
+        f"{res['identical_codes']}/{res['codes']} integers identical ({frac:.6%}), w3 g128 act order, "
+        f"every linear of layers {res['layers']}"
+    )
     return nums, verdict(frac == 1.0)
 
 
@@ -125,9 +126,9 @@ def judge_seeds(f: Finding) -> tuple[str, str, str, int]:
 
 
 def _head(verdict: str) -> str:
-    """A verdict without its parenthesised reason: two seeds that both say ``does not hold here`` agree
-    even where their reasons quote different numbers."""
-    return verdict.split(" (", 1)[0]
+    """A verdict without its parenthesised reason or ``;``-separated notes: two seeds that both say
+    ``does not hold here`` agree even where their reasons quote different numbers."""
+    return verdict.split(" (", 1)[0].split("; ", 1)[0]
 
 
 def majority(verdicts: list[str]) -> str:

@@ -107,3 +107,23 @@ def test_the_protocol_summary_counts_each_kind(findings):
         "Of 6 claims: 2 on the verdict protocol, 2 on other settings, 1 on the fast protocol, "
         "1 on no perplexity (timings, per-layer errors)."
     )
+
+
+def test_seeds_that_agree_but_add_different_notes_agree(findings, monkeypatch, tmp_path):
+    """A verdict's notes after "; " (a pair under 10% on one seed only) do not make two seeds disagree."""
+    (tmp_path / "bench_verdict_s1.json").write_text("{}")
+    monkeypatch.setattr(findings, "RESULTS", tmp_path)
+
+    def judge(res):
+        r = {row["name"]: row for row in res["rows"]}
+        close = r["b"]["ppl"] / r["a"]["ppl"] < 1.1
+        return "n", "holds" + ("; under 10% apart" if close else "") if r["a"]["ppl"] < r["b"][
+            "ppl"
+        ] else "no"
+
+    runs = {"bench_verdict": _rows(a=1.0, b=1.05), "bench_verdict_s1": _rows(a=1.0, b=2.0)}
+    monkeypatch.setattr(findings, "load", runs.get)
+    claim = findings.Finding("P", "a beats b", "bench", judge)
+    assert findings.judge(claim)[1] == "holds; under 10% apart"
+    runs["bench_verdict_s1"] = _rows(a=2.0, b=1.0)
+    assert findings.judge(claim)[1].startswith("undecided (the seeds disagree")
