@@ -49,7 +49,7 @@ def sfmp_beats_uniform(
         raise KeyError(f"SFMP-{solver} row with a {'/'.join(uniform)} row of at least its size")
     v = verdict(wins == total, f"{wins}/{total} wins")
     if len(pts) < 6:  # the issue asks for 2.5, 3.0, 3.25, 3.5, 4.0 and 4.25
-        v += f" at BPW {', '.join(sorted(pts))} only; the other budgets are not measured"
+        v += f" at BPW {', '.join(sorted(pts))} only; the other budgets are not measured on this protocol"
     for u, at in lacking.items():
         v += f"; {u} not measured at BPW {', '.join(sorted(at))}"
     if close:

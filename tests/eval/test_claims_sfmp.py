@@ -53,7 +53,8 @@ def test_main_table_on_the_verdict_protocol_asks_a_second_seed_for_close_pairs(j
     nums, v = judges.sfmp_beats_uniform(_main(57.0, 90.0, 97.9))
     assert "BPW 3.25: sfmp-awq g256 90.00 @ 3.271 vs gptq-orig w3g128 97.90 @ 3.271" in nums
     assert v == (
-        "holds at BPW 3.25 only; the other budgets are not measured; awq not measured at BPW 3.25; 1 of "
+        "holds at BPW 3.25 only; the other budgets are not measured on this protocol; awq not measured at "
+        "BPW 3.25; 1 of "
         f"the 1 pairs are under 10% apart on the verdict protocol: {judges.SECOND_SEED}"
     )
     _, v = judges.sfmp_beats_uniform(_main(57.0, 60.0, 97.9), solver="gptq", uniform=("gptq-orig",))
