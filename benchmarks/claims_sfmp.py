@@ -99,19 +99,24 @@ def _sfmp_row(v: dict) -> str:
     return f"{fmt(v['ppl'])} @ {fmt(v['bits_per_weight'], 3)} bpw"
 
 
-def _sfmp_one_seed_close(rows: list[dict]) -> bool:
-    """Whether verdict-protocol ``rows`` differ by under 10% in perplexity: issue 25 asks a second seed
-    for such claims (the findings report says how many seeds a verdict rests on)."""
+def _gap(rows: list[dict]) -> tuple[float, bool]:
+    """How far apart ``rows`` are in perplexity (max / min - 1), and whether all are verdict-protocol
+    rows: issue 25 asks the verdict protocol and two seeds for claims under 10%."""
     ppl = [r["ppl"] for r in rows]
-    return all(r.get("protocol") == "verdict" for r in rows) and max(ppl) / min(ppl) - 1 < 0.10
+    return max(ppl) / min(ppl) - 1, all(r.get("protocol") == "verdict" for r in rows)
+
+
+def _sfmp_one_seed_close(rows: list[dict]) -> bool:
+    """Whether verdict-protocol ``rows`` differ by under 10%: a second seed is asked (the findings
+    report says how many seeds a verdict rests on)."""
+    gap, verdict_rows = _gap(rows)
+    return verdict_rows and gap < 0.10
 
 
 def _sfmp_undecided(rows: list[dict]) -> str:
-    """A note when ``rows`` differ by under 10% in perplexity without the verdict protocol (issue 25:
-    such claims need the whole test set and two seeds)."""
-    ppl = [r["ppl"] for r in rows]
-    gap = max(ppl) / min(ppl) - 1
-    if gap >= 0.10 or all(r.get("protocol") == "verdict" for r in rows):
+    """A note when ``rows`` differ by under 10% without the verdict protocol (too close to decide there)."""
+    gap, verdict_rows = _gap(rows)
+    if gap >= 0.10 or verdict_rows:
         return ""
     where = rows[0].get("protocol", "unrecorded")
     return f" ({gap:.1%} apart on the {where} protocol: too close to decide there)"
