@@ -327,6 +327,8 @@ class Bench:
         return self._add(row)
 
     def _add(self, row: dict) -> dict:
+        # rows accumulate over sessions and machines: each names the CPU its times were measured on
+        row.setdefault("cpu", cpu_name())
         self.rows.append(row)
         if getattr(self, "partial_path", None):  # keep what is done if a long run is interrupted
             # with the run's settings, so a run cut short resumes: copy the partial file to the JSON's

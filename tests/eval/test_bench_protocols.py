@@ -110,7 +110,8 @@ def test_only_takes_row_names_with_commas(common, capsys, tmp_path):
 
 def test_a_partial_run_resumes_with_only(common, tmp_path, monkeypatch):
     """The partial file of a run cut short carries the run's settings: copied to the JSON's path, the
-    rows of a later ``--only`` run of the same settings join it."""
+    rows of a later ``--only`` run of the same settings join it; each row names the CPU it ran on (rows
+    accumulate over sessions and machines)."""
     import json
 
     monkeypatch.setattr(common, "peak_rss_mb", lambda: 0.0)
@@ -122,9 +123,12 @@ def test_a_partial_run_resumes_with_only(common, tmp_path, monkeypatch):
     (tmp_path / "b.json").write_text(cut.partial_path.read_text())
     rows = [{"name": "y", "ppl": 2.0}]
     assert common.merged_rows(tmp_path / "b.json", resumed, rows) == [
-        {"name": "x", "ppl": 1.0, "bits_per_weight": 4.0},
+        {"name": "x", "ppl": 1.0, "bits_per_weight": 4.0, "cpu": common.cpu_name()},
         rows[0],
     ]
+    assert (
+        common.cpu_name() and json.loads(cut.partial_path.read_text())["rows"][0]["cpu"] == common.cpu_name()
+    )
     assert json.loads(cut.partial_path.read_text())["protocol"] == "verdict"
 
 

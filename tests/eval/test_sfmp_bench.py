@@ -57,3 +57,22 @@ def test_budget_comes_from_the_runs_rows_or_from_budget_bpw(sfmp_bench):
     for bad in ("3.25", "3.25=x", "3.25=-1"):
         with pytest.raises(SystemExit, match="give POINT=BPW pairs"):
             sfmp_bench.matched_bpw(_Bench(bad), "3.25")
+
+
+def test_a_copied_row_keeps_the_cpu_that_measured_it(sfmp_bench, tmp_path):
+    """``copy_row`` reuses a measured row under another name: it keeps the source's CPU (None for rows
+    from before rows named it), not the CPU of the run that copies it."""
+    b = sfmp_bench.SFMPBench.__new__(sfmp_bench.SFMPBench)
+    b.args, b.rows, b.done, b.partial_path = _args(sfmp_bench, []), [], {}, tmp_path / "s.partial.json"
+    src = {"name": "3.25 sfmp-gptq g256", "ppl": 45.0, "bits_per_weight": 3.27, "cpu": "Xeon"}
+    b.copy_row("3.25 sfmp-gptq g256 mb=512", src, "the main row")
+    old = {k: v for k, v in src.items() if k != "cpu"}
+    b.copy_row("3.25 sfmp-gptq g256 old", old, "a row from before rows named their CPU")
+    got = {r["name"]: r for r in b.rows}
+    assert got["3.25 sfmp-gptq g256 mb=512"]["cpu"] == "Xeon"
+    assert got["3.25 sfmp-gptq g256 old"]["cpu"] is None
+    assert got["3.25 sfmp-gptq g256 mb=512"]["copied_from"] == "3.25 sfmp-gptq g256"
+    # a row measured by this run names this run's CPU
+    from common import cpu_name  # importable once the benchmark is loaded
+
+    assert b._add({"name": "new", "ppl": 1.0, "bits_per_weight": 4.0})["cpu"] == cpu_name()
