@@ -182,9 +182,8 @@ class SFMPBench(Bench):
     def copy_row(self, name: str, src: dict, why: str) -> None:
         if self.get(name) is None:
             self._replace(name)
-            # a copy keeps the CPU of the run that measured it (None for rows from before rows named it)
-            row = {**src, "name": name, "copied_from": src["name"], "why_copied": why, "cpu": src.get("cpu")}
-            self.done[name] = self._add(row)
+            keep = {"copied_from": src["name"], "why_copied": why, "cpu": src.get("cpu")}  # who measured it
+            self.done[name] = self._add({**src, "name": name, **keep})
 
     def _add_partial(self):
         rows = [{k: v for k, v in r.items() if k != "layers"} for r in self.rows]
