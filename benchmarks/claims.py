@@ -117,21 +117,29 @@ FINDINGS: list[Finding] = [
         "SQ-format", "ours: W4A(SQ6) near W4A4's speed on the CPU integer path", "sq_gemm", sq_int_throughput
     ),
     Finding(
-        "SFMP", "SFMP (AWQ blocks) beats uniform GPTQ and AWQ at equal memory", "sfmp", sfmp_beats_uniform
+        "SFMP",
+        "SFMP (AWQ blocks) beats uniform GPTQ and AWQ at equal memory",
+        "sfmp",
+        sfmp_beats_uniform,
+        pooled=True,
     ),  # fmt: skip
     Finding(
         "SFMP",
         "ours: SFMP with GPTQ blocks beats uniform at equal memory",
         "sfmp",
         partial(sfmp_beats_uniform, solver="gptq", uniform=(*PAPER_UNIFORM, "gptq")),
+        pooled=True,
     ),  # fmt: skip
     Finding(
         "SFMP",
         "ours: SFMP (AWQ blocks) beats our GPTQ (act-order, MSE) at equal memory",
         "sfmp",
         partial(sfmp_beats_uniform, uniform=("gptq",)),
+        pooled=True,
     ),  # fmt: skip
-    Finding("SFMP", "ours: GPTQ blocks beat the paper's AWQ blocks", "sfmp", sfmp_gptq_beats_awq),
+    Finding(
+        "SFMP", "ours: GPTQ blocks beat the paper's AWQ blocks", "sfmp", sfmp_gptq_beats_awq, pooled=True
+    ),
     Finding("SFMP", "Fisher from 128 samples is no worse than from 32", "sfmp", sfmp_fisher_samples),
     Finding("SFMP", "smaller blocks (m_b) allocate better", "sfmp", sfmp_small_blocks),
     Finding("SFMP", "bit-plane LUT GEMV latency falls ~linearly with bits", "lut_gemv", sfmp_latency_linear),

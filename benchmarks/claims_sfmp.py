@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from findings_lib import fmt, rows_by_name, verdict
+from findings_lib import UNDECIDED, fmt, rows_by_name, verdict
 
 
 # -- SFMP (paper 001) ---------------------------------------------------------------------------
@@ -22,11 +22,12 @@ PAPER_UNIFORM = ("gptq-orig", "awq")  # the paper's Table 3 comparators: GPTQ (n
 
 def sfmp_beats_uniform(
     res: dict, solver: str = "awq", uniform: tuple[str, ...] = PAPER_UNIFORM
-) -> tuple[str, str]:
+) -> tuple[str, str, int]:
     """At each measured budget: the SFMP rows of ``solver`` (awq: the paper's; gptq: our extension)
     against the ``uniform`` rows (default the paper's comparators; ``("gptq",)``: our act-order + MSE
-    GPTQ) of the same protocol using no fewer bits."""
-    lines, wins, total, close, near, pts, lacking = [], 0, 0, 0, 0, [], {}
+    GPTQ) of the same protocol using no fewer bits. Judged pooled (:func:`_pair`): a pair a later seed
+    repeats counts only where every seed gives it the same winner."""
+    lines, wins, split, total, close, near, pts, lacking, seeds = [], 0, 0, 0, 0, 0, [], {}, 1
     for point, rows in _sfmp_main(res).items():
         uni = {k: v for k, v in rows.items() if v["method"] != "sfmp" and k.split()[0] in uniform}
         for u in uniform:
@@ -40,14 +41,15 @@ def sfmp_beats_uniform(
                     and w.get("protocol") == v.get("protocol")}  # fmt: skip
             for u, w in fair.items():
                 total += 1
-                wins += v["ppl"] < w["ppl"]
+                won, note, n = _pair(res, point, (k, v), (u, w))
+                wins, split, seeds = wins + (won is True), split + (won is None), max(seeds, n)
                 close += bool(_sfmp_undecided([v, w]))
-                near += bool(_sfmp_one_seed_close([v, w]))
+                near += n == 1 and _sfmp_one_seed_close([v, w])
                 lines.append(f"BPW {point}: {k} {fmt(v['ppl'])} @ {fmt(v['bits_per_weight'], 3)} vs {u} "
-                             f"{fmt(w['ppl'])} @ {fmt(w['bits_per_weight'], 3)}")  # fmt: skip
+                             f"{fmt(w['ppl'])} @ {fmt(w['bits_per_weight'], 3)}{note}")  # fmt: skip
     if not total:
         raise KeyError(f"SFMP-{solver} row with a {'/'.join(uniform)} row of at least its size")
-    v = verdict(wins == total, f"{wins}/{total} wins")
+    v = _pooled_verdict(wins, split, total)
     if len(pts) < 6:  # the issue asks for 2.5, 3.0, 3.25, 3.5, 4.0 and 4.25
         v += f" at BPW {', '.join(sorted(pts))} only; the other budgets are not measured on this protocol"
     for u, at in lacking.items():
@@ -56,25 +58,52 @@ def sfmp_beats_uniform(
         v += f"; {close} of the {total} pairs are under 10% apart without the verdict protocol"
     if near:
         v += f"; {near} of the {total} pairs are under 10% apart on the verdict protocol: {SECOND_SEED}"
-    return "; ".join(lines), v
+    return "; ".join(lines), v, seeds
 
 
-def sfmp_gptq_beats_awq(res: dict) -> tuple[str, str]:
-    """Our extension: the same allocation, blocks solved by GPTQ instead of AWQ, at the same BPW."""
-    cells, wins, near = [], 0, 0
+def sfmp_gptq_beats_awq(res: dict) -> tuple[str, str, int]:
+    """Our extension: the same allocation, blocks solved by GPTQ instead of AWQ, at the same BPW
+    (pooled over seeds like :func:`sfmp_beats_uniform`)."""
+    cells, wins, split, near, seeds = [], 0, 0, 0, 1
     for point, rows in _sfmp_main(res).items():
-        a = next((v for k, v in rows.items() if k.startswith("sfmp-awq ")), None)
-        g = next((v for k, v in rows.items() if k.startswith("sfmp-gptq ")), None)
+        a = next(((k, v) for k, v in rows.items() if k.startswith("sfmp-awq ")), None)
+        g = next(((k, v) for k, v in rows.items() if k.startswith("sfmp-gptq ")), None)
         if a and g:
-            cells.append(f"BPW {point}: GPTQ {fmt(g['ppl'])} vs AWQ {fmt(a['ppl'])}")
-            wins += g["ppl"] < a["ppl"]
-            near += bool(_sfmp_one_seed_close([g, a]))
+            won, note, n = _pair(res, point, g, a)
+            cells.append(f"BPW {point}: GPTQ {fmt(g[1]['ppl'])} vs AWQ {fmt(a[1]['ppl'])}{note}")
+            wins, split, seeds = wins + (won is True), split + (won is None), max(seeds, n)
+            near += n == 1 and _sfmp_one_seed_close([g[1], a[1]])
     if not cells:
         raise KeyError("point with both SFMP solvers")
-    v = verdict(wins == len(cells), f"{wins}/{len(cells)} wins")
+    v = _pooled_verdict(wins, split, len(cells))
     if near:
         v += f"; {near} of the {len(cells)} points are under 10% apart on the verdict protocol: {SECOND_SEED}"
-    return "; ".join(cells), v
+    return "; ".join(cells), v, seeds
+
+
+def _pair(res: dict, point: str, a: tuple[str, dict], b: tuple[str, dict]) -> tuple[bool | None, str, int]:
+    """Whether row ``a`` = (name, row) beats ``b`` at ``point`` on every seed that measured both: the
+    findings report passes the other verdict seeds as ``res["seeds"]`` (a later seed reruns only the
+    pairs under 10%, issue 25). Returns the winner agreed by every seed (None where they disagree),
+    the other seeds' numbers as a note, and how many seeds measured the pair."""
+    won = [a[1]["ppl"] < b[1]["ppl"]]
+    note = ""
+    for run, other in (res.get("seeds") or {}).items():
+        rows = _sfmp_main(other).get(point, {})
+        if a[0] in rows and b[0] in rows:
+            x, y = rows[a[0]]["ppl"], rows[b[0]]["ppl"]
+            won.append(x < y)
+            note += f" (seed {other.get('args', {}).get('seed', run)}: {fmt(x)} vs {fmt(y)})"
+    return (won[0] if len(set(won)) == 1 else None), note, len(won)
+
+
+def _pooled_verdict(wins: int, split: int, total: int) -> str:
+    """Holds when every pair wins on every seed that measured it; undecided when no pair loses on
+    every seed but some pair's seeds disagree; else does not hold."""
+    if split and wins + split == total:
+        return f"{UNDECIDED} ({split} of the {total} pairs change winner between seeds)"
+    v = verdict(wins == total, f"{wins}/{total} wins")
+    return v + (f"; {split} of the {total} pairs change winner between seeds" if split else "")
 
 
 def _sfmp_ablation(res: dict, key: str) -> tuple[dict[str, dict[str, dict]], str]:

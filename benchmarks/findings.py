@@ -97,6 +97,8 @@ def judge(f: Finding) -> tuple[str, str, str]:
 
 def judge_seeds(f: Finding) -> tuple[str, str, str, int]:
     """:func:`judge`, and how many verdict-protocol seeds the verdict rests on (0: not the verdict runs)."""
+    if f.pooled:
+        return judge_pooled(f)
     missing, seeds = None, []
     for name in verdict_runs(f.source):
         res = load(name)
@@ -119,10 +121,35 @@ def judge_seeds(f: Finding) -> tuple[str, str, str, int]:
             return (*f.judge(res), f.source, 0)
         except KeyError as e:
             missing = missing or (f.source, e)
+    return _not_measured(f, missing)
+
+
+def _not_measured(f: Finding, missing: tuple[str, KeyError] | None) -> tuple[str, str, str, int]:
+    """The verdict of a claim no run can judge: which run lacks which row, or that none ran."""
     if missing is None:
         return "", f"{MISSING}: run python benchmarks/{f.source}.py", f.source, 0
     name, e = missing
     return "", f"{MISSING}: {name}.json has no {e}; rerun python benchmarks/{f.source}.py", f.source, 0
+
+
+def judge_pooled(f: Finding) -> tuple[str, str, str, int]:
+    """:func:`judge_seeds` of a pooled claim: judged once on seed 0's verdict run with every other
+    seed's run beside it (``res["seeds"]``), the judge deciding pair by pair and counting the seeds;
+    else on the benchmark's own run (never on a later seed alone: it repeats only some pairs)."""
+    verdict_run, *others = verdict_runs(f.source)
+    missing = None
+    for name in (verdict_run, f.source):
+        res = load(name)
+        if res is None:
+            continue
+        seeds = {o: r for o in others if (r := load(o)) is not None} if name == verdict_run else {}
+        try:
+            nums, v, n = f.judge({**res, "seeds": seeds})
+        except KeyError as e:
+            missing = missing or (name, e)
+            continue
+        return nums, v, name, n if name == verdict_run else 0
+    return _not_measured(f, missing)
 
 
 def _head(verdict: str) -> str:
@@ -195,8 +222,9 @@ def main() -> None:
         else:
             nums, v, used, nseeds = judge_seeds(f)
         proto = "fresh (8x256 calib)" if f.source == "fresh" else protocol_of(load(used) or {})
-        if nseeds:  # how many seeds the verdict rests on
+        if nseeds:  # how many seeds the verdict rests on (pooled: seed 0, more on the pairs repeated)
             proto += ", one seed" if nseeds == 1 else f", {nseeds} seeds"
+            proto += " on the pairs a later seed repeats, one on the rest" if f.pooled and nseeds > 1 else ""
         rows.append({"paper": f.paper, "claim": f.claim, "source": used, "numbers": nums, "verdict": v,
                      "protocol": proto, "may_differ": f.differ})  # fmt: skip
     md = ["# Findings on SmolLM2-135M (WikiText-2)", "",
@@ -205,7 +233,9 @@ def main() -> None:
           "window, KL and top-1; other settings are spelled out. A claim is judged on its verdict-protocol "
           "runs where they hold every row it needs (`<source>_verdict.json`, other seeds in "
           "`<source>_verdict_s<N>.json`: with two seeds a verdict stands only if both give it, with three "
-          "or more the one most seeds give, counted; the "
+          "or more the one most seeds give, counted; a claim judged pair by pair, whose later seeds "
+          "repeat only its pairs under 10% (SFMP's main table), takes a pair's winner only where every "
+          "seed gives it; the "
           "protocol column says how many seeds), else on the benchmark's own run. A claim marked *ours* "
           "is a comparison of our own, not the paper's.", "",
           f"Why any row may differ from its paper: {DIFFERS}.", "", protocol_summary(rows), "",

@@ -19,8 +19,11 @@ class Finding:
     paper: str
     claim: str
     source: str  # benchmark JSON name (benchmarks/results/<source>.json), or "fresh"
-    judge: Callable[[dict], tuple[str, str]]  # results -> (numbers, verdict)
+    judge: Callable[[dict], tuple]  # results -> (numbers, verdict); pooled: (numbers, verdict, seeds)
     differ: str = ""  # why this may differ from the paper, besides what every row shares (DIFFERS)
+    # the judge sees every verdict seed at once (seed 0's rows, the others as res["seeds"]) and says
+    # how many seeds its pairs rest on: for tables whose later seeds repeat only the pairs under 10%
+    pooled: bool = False
 
 
 # what every SmolLM2 row shares and the papers do not (the report says it once, above the table)
@@ -69,4 +72,3 @@ def ppl_fid(row: dict) -> str:
 
 def verdict(ok: bool, why_not: str = "") -> str:
     return HOLDS if ok else (FAILS + (f" ({why_not})" if why_not else ""))
-

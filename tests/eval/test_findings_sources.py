@@ -127,3 +127,31 @@ def test_seeds_that_agree_but_add_different_notes_agree(findings, monkeypatch, t
     assert findings.judge(claim)[1] == "holds; under 10% apart"
     runs["bench_verdict_s1"] = _rows(a=2.0, b=1.0)
     assert findings.judge(claim)[1].startswith("undecided (the seeds disagree")
+
+
+def test_a_pooled_claim_sees_every_seed_at_once_and_never_a_later_seed_alone(findings, monkeypatch, tmp_path):
+    """A pooled claim (SFMP's main table, whose second seed repeats only the pairs under 10%) is judged
+    once on seed 0 with the other seeds beside it (``res["seeds"]``), says itself how many seeds its
+    pairs rest on, and falls back to the benchmark's own run, never to a later seed judged alone."""
+    (tmp_path / "bench_verdict_s1.json").write_text("{}")
+    monkeypatch.setattr(findings, "RESULTS", tmp_path)
+    seen = []
+
+    def judge(res):
+        seen.append(sorted(res["seeds"]))
+        r = {row["name"]: row for row in res["rows"]}
+        return f"{r['a']['ppl']} vs {r['b']['ppl']}", "holds", 1 + len(res["seeds"])
+
+    claim = findings.Finding("P", "a beats b", "bench", judge, pooled=True)
+    runs = {"bench_verdict": _rows(a=1.0, b=2.0), "bench_verdict_s1": _rows(a=1.5)}
+    monkeypatch.setattr(findings, "load", runs.get)
+    assert findings.judge_seeds(claim) == ("1.0 vs 2.0", "holds", "bench_verdict", 2)
+    assert seen == [["bench_verdict_s1"]]
+    # seed 0 lacks a row: the benchmark's own run (no seeds beside it), not seed 1 alone
+    runs.update(bench_verdict=_rows(a=1.0), bench_verdict_s1=_rows(a=1.5, b=2.5), bench=_rows(a=3.0, b=4.0))
+    assert findings.judge_seeds(claim) == ("3.0 vs 4.0", "holds", "bench", 0)
+    del runs["bench"]
+    assert (
+        findings.judge_seeds(claim)[1]
+        == "not measured: bench_verdict.json has no 'b'; rerun python benchmarks/bench.py"
+    )
