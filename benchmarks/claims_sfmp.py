@@ -30,13 +30,13 @@ def sfmp_beats_uniform(
     lines, wins, split, total, close, near, pts, lacking, seeds = [], 0, 0, 0, 0, 0, [], {}, 1
     for point, rows in _sfmp_main(res).items():
         uni = {k: v for k, v in rows.items() if v["method"] != "sfmp" and k.split()[0] in uniform}
-        for u in uniform:
-            if not any(k.split()[0] == u for k in uni):
-                lacking.setdefault(u, []).append(point)
         for k, v in rows.items():
             if v["method"] != "sfmp" or not k.startswith(f"sfmp-{solver} "):
                 continue
-            pts.append(point)
+            pts.append(point)  # a comparator is missing only where this SFMP row is measured
+            for u in uniform:
+                if not any(w.split()[0] == u for w in uni):
+                    lacking.setdefault(u, []).append(point)
             fair = {u: w for u, w in uni.items() if w["bits_per_weight"] >= v["bits_per_weight"] - 1e-9
                     and w.get("protocol") == v.get("protocol")}  # fmt: skip
             for u, w in fair.items():

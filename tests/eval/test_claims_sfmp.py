@@ -58,6 +58,12 @@ def test_main_table_on_the_verdict_protocol_asks_a_second_seed_for_close_pairs(j
         "BPW 3.25; 1 of "
         f"the 1 pairs are under 10% apart on the verdict protocol: {judges.SECOND_SEED}"
     )
+    # a budget with only a uniform row (its SFMP rows still to run) names no missing comparator there
+    more = {
+        "rows": _main(57.0, 90.0, 97.9)["rows"]
+        + [{**_row("3.5 gptq w3g64", 49.7, bpw=3.545), "method": "gptq"}]
+    }
+    assert judges.sfmp_beats_uniform(more)[1] == v
     _, v, _ = judges.sfmp_beats_uniform(_main(57.0, 60.0, 97.9), solver="gptq", uniform=("gptq-orig",))
     assert v.startswith("holds") and judges.SECOND_SEED not in v
     nums, v, _ = judges.sfmp_gptq_beats_awq(_main(57.0, 60.0, 97.9))
