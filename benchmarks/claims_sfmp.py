@@ -49,9 +49,7 @@ def sfmp_beats_uniform(
                              f"{fmt(w['ppl'])} @ {fmt(w['bits_per_weight'], 3)}{note}")  # fmt: skip
     if not total:
         raise KeyError(f"SFMP-{solver} row with a {'/'.join(uniform)} row of at least its size")
-    v = _pooled_verdict(wins, split, total)
-    if len(pts) < 6:  # the issue asks for 2.5, 3.0, 3.25, 3.5, 4.0 and 4.25
-        v += f" at BPW {', '.join(sorted(pts))} only; the other budgets are not measured on this protocol"
+    v = _pooled_verdict(wins, split, total) + _budgets_note(pts)
     for u, at in lacking.items():
         v += f"; {u} not measured at BPW {', '.join(sorted(at))}"
     if close:
@@ -64,18 +62,19 @@ def sfmp_beats_uniform(
 def sfmp_gptq_beats_awq(res: dict) -> tuple[str, str, int]:
     """Our extension: the same allocation, blocks solved by GPTQ instead of AWQ, at the same BPW
     (pooled over seeds like :func:`sfmp_beats_uniform`)."""
-    cells, wins, split, near, seeds = [], 0, 0, 0, 1
+    cells, wins, split, near, seeds, pts = [], 0, 0, 0, 1, []
     for point, rows in _sfmp_main(res).items():
         a = next(((k, v) for k, v in rows.items() if k.startswith("sfmp-awq ")), None)
         g = next(((k, v) for k, v in rows.items() if k.startswith("sfmp-gptq ")), None)
         if a and g:
             won, note, n = _pair(res, point, g, a)
+            pts.append(point)
             cells.append(f"BPW {point}: GPTQ {fmt(g[1]['ppl'])} vs AWQ {fmt(a[1]['ppl'])}{note}")
             wins, split, seeds = wins + (won is True), split + (won is None), max(seeds, n)
             near += n == 1 and _sfmp_one_seed_close([g[1], a[1]])
     if not cells:
         raise KeyError("point with both SFMP solvers")
-    v = _pooled_verdict(wins, split, len(cells))
+    v = _pooled_verdict(wins, split, len(cells)) + _budgets_note(pts)
     if near:
         v += f"; {near} of the {len(cells)} points are under 10% apart on the verdict protocol: {SECOND_SEED}"
     return "; ".join(cells), v, seeds
@@ -95,6 +94,13 @@ def _pair(res: dict, point: str, a: tuple[str, dict], b: tuple[str, dict]) -> tu
             won.append(x < y)
             note += f" (seed {other.get('args', {}).get('seed', run)}: {fmt(x)} vs {fmt(y)})"
     return (won[0] if len(set(won)) == 1 else None), note, len(won)
+
+
+def _budgets_note(pts: list[str]) -> str:
+    """Which budgets a main-table verdict rests on, when not all six the issue asks for."""
+    if len(set(pts)) >= 6:  # 2.5, 3.0, 3.25, 3.5, 4.0 and 4.25
+        return ""
+    return f" at BPW {', '.join(sorted(set(pts)))} only; the other budgets are not measured on this protocol"
 
 
 def _pooled_verdict(wins: int, split: int, total: int) -> str:
