@@ -49,7 +49,7 @@ def sfmp_beats_uniform(
                              f"{fmt(w['ppl'])} @ {fmt(w['bits_per_weight'], 3)}{note}")  # fmt: skip
     if not total:
         raise KeyError(f"SFMP-{solver} row with a {'/'.join(uniform)} row of at least its size")
-    v = _pooled_verdict(wins, split, total) + _budgets_note(pts)
+    v = _pooled_verdict(wins, split, total, pts)
     for u, at in lacking.items():
         v += f"; {u} not measured at BPW {', '.join(sorted(at))}"
     if close:
@@ -74,7 +74,7 @@ def sfmp_gptq_beats_awq(res: dict) -> tuple[str, str, int]:
             near += n == 1 and _sfmp_one_seed_close([g[1], a[1]])
     if not cells:
         raise KeyError("point with both SFMP solvers")
-    v = _pooled_verdict(wins, split, len(cells)) + _budgets_note(pts)
+    v = _pooled_verdict(wins, split, len(cells), pts)
     if near:
         v += f"; {near} of the {len(cells)} points are under 10% apart on the verdict protocol: {SECOND_SEED}"
     return "; ".join(cells), v, seeds
@@ -96,20 +96,18 @@ def _pair(res: dict, point: str, a: tuple[str, dict], b: tuple[str, dict]) -> tu
     return (won[0] if len(set(won)) == 1 else None), note, len(won)
 
 
-def _budgets_note(pts: list[str]) -> str:
-    """Which budgets a main-table verdict rests on, when not all six the issue asks for."""
-    if len(set(pts)) >= 6:  # 2.5, 3.0, 3.25, 3.5, 4.0 and 4.25
-        return ""
-    return f" at BPW {', '.join(sorted(set(pts)))} only; the other budgets are not measured on this protocol"
-
-
-def _pooled_verdict(wins: int, split: int, total: int) -> str:
+def _pooled_verdict(wins: int, split: int, total: int, pts: list[str]) -> str:
     """Holds when every pair wins on every seed that measured it; undecided when no pair loses on
-    every seed but some pair's seeds disagree; else does not hold."""
-    if split and wins + split == total:
-        return f"{UNDECIDED} ({split} of the {total} pairs change winner between seeds)"
-    v = verdict(wins == total, f"{wins}/{total} wins")
-    return v + (f"; {split} of the {total} pairs change winner between seeds" if split else "")
+    every seed but some pair's seeds disagree; else does not hold. Then the budgets ``pts`` it rests
+    on, when not all six the issue asks for, and any split pairs as a note of their own."""
+    changed = f"{split} of the {total} pairs change winner between seeds"
+    undecided = split and wins + split == total
+    v = f"{UNDECIDED} ({changed})" if undecided else verdict(wins == total, f"{wins}/{total} wins")
+    if len(set(pts)) < 6:  # 2.5, 3.0, 3.25, 3.5, 4.0 and 4.25
+        v += (
+            f" at BPW {', '.join(sorted(set(pts)))} only; the other budgets are not measured on this protocol"
+        )
+    return v + (f"; {changed}" if split and not undecided else "")
 
 
 def _sfmp_ablation(res: dict, key: str) -> tuple[dict[str, dict[str, dict]], str]:
