@@ -59,7 +59,7 @@ def test_main_table_on_the_verdict_protocol_asks_a_second_seed_for_close_pairs(j
     assert v == (
         "holds at BPW 3.25 only; the other budgets are not measured on this protocol; awq not measured at "
         "BPW 3.25; 1 of "
-        f"the 1 pairs are under 10% apart on the verdict protocol: {judges.SECOND_SEED}"
+        f"the 1 pairs is under 10% apart on the verdict protocol: {judges.SECOND_SEED}"
     )
     # a budget with only a uniform row (its SFMP rows still to run) names no missing comparator there
     more = {
@@ -130,4 +130,33 @@ def test_a_later_seed_decides_only_the_pairs_it_repeats(judges):
     assert v.startswith(
         f"does not hold here (0/2 wins){ONLY_325}; 1 of the 2 pairs change winner between seeds"
     )
-    assert v.endswith(f"1 of the 2 pairs are under 10% apart on the verdict protocol: {judges.SECOND_SEED}")
+    assert v.endswith(f"1 of the 2 pairs is under 10% apart on the verdict protocol: {judges.SECOND_SEED}")
+
+
+def test_a_close_pair_asks_no_second_seed_where_outright_losses_decide(judges):
+    """A pair under 10% on one seed cannot make a claim hold that another pair loses outright (by 10%
+    or more, or on two seeds): no second seed is asked, and the note says why; a close pair beside
+    only wins still asks one."""
+    close_loss = {"rows": _main(57.0, 60.0, 59.0)["rows"]}  # SFMP-AWQ 60 vs GPTQ-orig 59: 1.7%, lost
+    _, v, _ = judges.sfmp_beats_uniform(close_loss, uniform=("gptq-orig",))
+    assert v.endswith(f"under 10% apart on the verdict protocol: {judges.SECOND_SEED}")
+    wide = {"rows": close_loss["rows"] + [{**_row("3.25 gptq w3g128", 50.0, bpw=3.2708), "method": "gptq"}]}
+    _, v, _ = judges.sfmp_beats_uniform(wide, uniform=("gptq-orig", "gptq"))  # 60 vs 50: lost by 20%
+    assert v == (
+        f"does not hold here (0/2 wins){ONLY_325}; 1 of the 2 pairs is under 10% apart on the verdict "
+        "protocol, on one seed: no second seed asked, as 1 other pair loses outright (by 10% or more, or on "
+        "two seeds), so the claim does not hold whatever it gives"
+    )
+    # the same close loss beside a pair lost under 10% on two seeds: that loss settles it too
+    near = {"rows": close_loss["rows"] + [{**_row("3.25 gptq w3g128", 57.5, bpw=3.2708), "method": "gptq"}]}
+    _, v, seeds = judges.sfmp_beats_uniform(
+        _seed(near, 1, sfmp_awq=58.0, gptq=57.0), uniform=("gptq-orig", "gptq")
+    )
+    assert seeds == 2 and judges.SECOND_SEED not in v and "no second seed asked" in v
+    # a close winning point beside a point lost outright, for the block solvers
+    two_points = {
+        "rows": _main(57.0, 60.0, 97.9)["rows"]
+        + [{**_row("3.5 sfmp-gptq g128", 50.0, bpw=3.499)}, {**_row("3.5 sfmp-awq g128", 40.0, bpw=3.499)}]
+    }
+    _, v, _ = judges.sfmp_gptq_beats_awq(two_points)
+    assert v.startswith("does not hold here (1/2 wins)") and "1 other point loses outright" in v
