@@ -155,3 +155,19 @@ def test_a_pooled_claim_sees_every_seed_at_once_and_never_a_later_seed_alone(fin
         findings.judge_seeds(claim)[1]
         == "not measured: bench_verdict.json has no 'b'; rerun python benchmarks/bench.py"
     )
+
+
+def test_every_why_text_names_a_claim(bench_module, monkeypatch):
+    """Each claim's "why this may differ" text is keyed by the claim's words: a key that names no claim
+    (a claim reworded, its text left behind) stops the report instead of leaving the column blank."""
+    import importlib
+    from pathlib import Path
+
+    claims = bench_module("claims")
+    assert all(f.differ for f in claims.FINDINGS if f.claim in claims.WHY)
+    monkeypatch.syspath_prepend(str(Path(claims.__file__).parent))
+    monkeypatch.setitem(claims.WHY, "a claim reworded since", "its old text")
+    with pytest.raises(KeyError, match="a claim reworded since"):
+        importlib.reload(claims)
+    del claims.WHY["a claim reworded since"]
+    importlib.reload(claims)  # leave the module as the other tests expect it
