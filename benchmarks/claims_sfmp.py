@@ -44,8 +44,8 @@ def sfmp_beats_uniform(
                 won, note, n = _pair(res, point, (k, v), (u, w))
                 wins, split, seeds = wins + (won is True), split + (won is None), max(seeds, n)
                 close += bool(_sfmp_undecided([v, w]))
-                one = n == 1 and _sfmp_one_seed_close([v, w])
-                near, settled = near + one, settled + (won is False and not one)
+                near += n == 1 and _sfmp_one_seed_close([v, w])
+                settled += _outright(won, n, [v, w])
                 lines.append(f"BPW {point}: {k} {fmt(v['ppl'])} @ {fmt(v['bits_per_weight'], 3)} vs {u} "
                              f"{fmt(w['ppl'])} @ {fmt(w['bits_per_weight'], 3)}{note}")  # fmt: skip
     if not total:
@@ -70,12 +70,17 @@ def sfmp_gptq_beats_awq(res: dict) -> tuple[str, str, int]:
             pts.append(point)
             cells.append(f"BPW {point}: GPTQ {fmt(g[1]['ppl'])} vs AWQ {fmt(a[1]['ppl'])}{note}")
             wins, split, seeds = wins + (won is True), split + (won is None), max(seeds, n)
-            one = n == 1 and _sfmp_one_seed_close([g[1], a[1]])
-            near, settled = near + one, settled + (won is False and not one)
+            near += n == 1 and _sfmp_one_seed_close([g[1], a[1]])
+            settled += _outright(won, n, [g[1], a[1]])
     if not cells:
         raise KeyError("point with both SFMP solvers")
     v = _pooled_verdict(wins, split, len(cells), pts)
     return "; ".join(cells), v + _near_note(near, len(cells), settled, "points"), seeds
+
+
+def _outright(won: bool | None, seeds: int, rows: list[dict]) -> bool:
+    """Whether a pair lost on every seed that measured it, by 10% or more or on two seeds or more."""
+    return won is False and (seeds > 1 or _gap(rows)[0] >= 0.10)
 
 
 def _near_note(near: int, total: int, settled: int, what: str) -> str:
