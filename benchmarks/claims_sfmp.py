@@ -33,14 +33,14 @@ def sfmp_beats_uniform(
         for k, v in rows.items():
             if v["method"] != "sfmp" or not k.startswith(f"sfmp-{solver} "):
                 continue
-            pts.append(point)  # a comparator is missing only where this SFMP row is measured
-            for u in uniform:
+            for u in uniform:  # a comparator is missing only where this SFMP row is measured
                 if not any(w.split()[0] == u for w in uni):
                     lacking.setdefault(u, []).append(point)
             fair = {u: w for u, w in uni.items() if w["bits_per_weight"] >= v["bits_per_weight"] - 1e-9
                     and w.get("protocol") == v.get("protocol")}  # fmt: skip
             for u, w in fair.items():
                 total += 1
+                pts.append(point)  # the budgets it rests on: those with a pair judged
                 won, note, n = _pair(res, point, (k, v), (u, w))
                 wins, split, seeds = wins + (won is True), split + (won is None), max(seeds, n)
                 close += bool(_sfmp_undecided([v, w]))

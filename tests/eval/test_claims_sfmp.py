@@ -160,3 +160,11 @@ def test_a_close_pair_asks_no_second_seed_where_outright_losses_decide(judges):
     }
     _, v, _ = judges.sfmp_gptq_beats_awq(two_points)
     assert v.startswith("does not hold here (1/2 wins)") and "1 other point loses outright" in v
+
+
+def test_a_budget_with_only_sfmp_rows_is_not_a_budget_the_claim_rests_on(judges):
+    """SFMP rows measured at a budget whose uniform rows have not run: the comparators are named as not
+    measured there, and the verdict still says it rests on the other budgets only."""
+    res = {"rows": _main(57.0, 80.0, 97.9)["rows"] + [_row("3.5 sfmp-awq g128", 47.0, bpw=3.499)]}
+    _, v, _ = judges.sfmp_beats_uniform(res, uniform=("gptq-orig",))
+    assert v == f"holds{ONLY_325}; gptq-orig not measured at BPW 3.5"
