@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from findings_lib import UNDECIDED, fmt, rows_by_name, verdict
 
 
@@ -27,7 +29,7 @@ def sfmp_beats_uniform(
     against the ``uniform`` rows (default the paper's comparators; ``("gptq",)``: our act-order + MSE
     GPTQ) of the same protocol using no fewer bits. Judged pooled (:func:`_pair`): a pair a later seed
     repeats counts only where every seed gives it the same winner."""
-    lines, wins, split, total, close, near, settled, pts, lacking, seeds = [], 0, 0, 0, 0, 0, 0, [], {}, 1
+    lines, close, lacking, t = [], 0, {}, _Tally()
     for point, rows in _sfmp_main(res).items():
         uni = {k: v for k, v in rows.items() if v["method"] != "sfmp" and k.split()[0] in uniform}
         for k, v in rows.items():
@@ -39,43 +41,62 @@ def sfmp_beats_uniform(
             fair = {u: w for u, w in uni.items() if w["bits_per_weight"] >= v["bits_per_weight"] - 1e-9
                     and w.get("protocol") == v.get("protocol")}  # fmt: skip
             for u, w in fair.items():
-                total += 1
-                pts.append(point)  # the budgets it rests on: those with a pair judged
-                won, note, n = _pair(res, point, (k, v), (u, w))
-                wins, split, seeds = wins + (won is True), split + (won is None), max(seeds, n)
+                note = t.add(res, point, (k, v), (u, w))
                 close += bool(_sfmp_undecided([v, w]))
-                near += n == 1 and _sfmp_one_seed_close([v, w])
-                settled += _outright(won, n, [v, w])
                 lines.append(f"BPW {point}: {k} {fmt(v['ppl'])} @ {fmt(v['bits_per_weight'], 3)} vs {u} "
                              f"{fmt(w['ppl'])} @ {fmt(w['bits_per_weight'], 3)}{note}")  # fmt: skip
-    if not total:
+    if not t.total:
         raise KeyError(f"SFMP-{solver} row with a {'/'.join(uniform)} row of at least its size")
-    v = _pooled_verdict(wins, split, total, pts)
+    v = _pooled_verdict(t.wins, t.split, t.total, t.pts)
     for u, at in lacking.items():
         v += f"; {u} not measured at BPW {', '.join(sorted(at))}"
     if close:
-        v += f"; {close} of the {total} pairs are under 10% apart without the verdict protocol"
-    return "; ".join(lines), v + _near_note(near, total, settled, "pairs"), seeds
+        v += f"; {close} of the {t.total} pairs are under 10% apart without the verdict protocol"
+    return "; ".join(lines), v + _near_note(t.near, t.total, t.settled, "pairs"), t.seeds
 
 
 def sfmp_gptq_beats_awq(res: dict) -> tuple[str, str, int]:
     """Our extension: the same allocation, blocks solved by GPTQ instead of AWQ, at the same BPW
     (pooled over seeds like :func:`sfmp_beats_uniform`)."""
-    cells, wins, split, near, settled, seeds, pts = [], 0, 0, 0, 0, 1, []
+    cells, t = [], _Tally()
     for point, rows in _sfmp_main(res).items():
         a = next(((k, v) for k, v in rows.items() if k.startswith("sfmp-awq ")), None)
         g = next(((k, v) for k, v in rows.items() if k.startswith("sfmp-gptq ")), None)
         if a and g:
-            won, note, n = _pair(res, point, g, a)
-            pts.append(point)
+            note = t.add(res, point, g, a)
             cells.append(f"BPW {point}: GPTQ {fmt(g[1]['ppl'])} vs AWQ {fmt(a[1]['ppl'])}{note}")
-            wins, split, seeds = wins + (won is True), split + (won is None), max(seeds, n)
-            near += n == 1 and _sfmp_one_seed_close([g[1], a[1]])
-            settled += _outright(won, n, [g[1], a[1]])
     if not cells:
         raise KeyError("point with both SFMP solvers")
-    v = _pooled_verdict(wins, split, len(cells), pts)
-    return "; ".join(cells), v + _near_note(near, len(cells), settled, "points"), seeds
+    v = _pooled_verdict(t.wins, t.split, t.total, t.pts)
+    return "; ".join(cells), v + _near_note(t.near, t.total, t.settled, "points"), t.seeds
+
+
+@dataclass
+class _Tally:
+    """The pooled pairs of one main-table claim (:func:`_pair`): how many, won on every seed, split
+    between seeds, under 10% on one verdict seed (``near``), lost outright (``settled``), the most
+    seeds any pair has, and the budgets with a pair judged (``pts``)."""
+
+    total: int = 0
+    wins: int = 0
+    split: int = 0
+    near: int = 0
+    settled: int = 0
+    seeds: int = 1
+    pts: list[str] = field(default_factory=list)
+
+    def add(self, res: dict, point: str, a: tuple[str, dict], b: tuple[str, dict]) -> str:
+        """Judge ``a`` against ``b`` at ``point`` and count it; returns the later seeds' note."""
+        won, note, n = _pair(res, point, a, b)
+        rows = [a[1], b[1]]
+        self.total += 1
+        self.wins += won is True
+        self.split += won is None
+        self.near += n == 1 and _sfmp_one_seed_close(rows)
+        self.settled += _outright(won, n, rows)
+        self.seeds = max(self.seeds, n)
+        self.pts.append(point)
+        return note
 
 
 def _outright(won: bool | None, seeds: int, rows: list[dict]) -> bool:
