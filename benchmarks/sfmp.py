@@ -2,8 +2,9 @@
 
 Pairings (the paper's Table 3, plus 2.5/3.5/4.25): at each point the uniform baselines are run
 first and SFMP gets the *smaller* of their two *measured* totals of bits per weight (``bpw``: codes +
-scales/zeros + permutations + bit map all counted; GPTQ's act-order ``g_idx`` makes it store more than
-AWQ), so SFMP never stores more bits than either baseline (checked on every SFMP row):
+scales/zeros + permutations + bit map all counted; at 2 and 3 bits GPTQ's act-order ``g_idx`` makes it
+store more than AWQ; at 4 bits its default groups are static, no ``g_idx``, the same bits as AWQ), so
+SFMP never stores more bits than either baseline (checked on every SFMP row):
 
 =====  ==========================  ==========
 point  uniform GPTQ / AWQ          SFMP group
@@ -18,7 +19,7 @@ point  uniform GPTQ / AWQ          SFMP group
 
 The uniform rows: GPTQ as the paper ran it (``gptq-orig``: natural order, min-max scales, no
 ``g_idx``: the paper's Table 3 comparator, with AWQ), and ours (``gptq``: act-order + MSE scales, an
-extra row, not the paper's comparator; its ``g_idx`` is why it stores more).
+extra row, not the paper's comparator; its ``g_idx`` at 2-3 bits is why it stores more there).
 
 Parts: ``main`` (the table above, SFMP with AWQ and with GPTQ blocks, both uniform GPTQs), ``orig``
 (only the paper's GPTQ rows), and the ablations, all at **equal code bits** ``b`` (``avg_bits``: the
@@ -212,8 +213,8 @@ def _baselines(p: str) -> tuple[str, str, str]:
 
 def matched_bpw(b: SFMPBench, p: str) -> float:
     """SFMP's budget at point ``p``: the SMALLER measured total bpw of our GPTQ and AWQ, so SFMP never
-    stores more bits than either (GPTQ's act-order ``g_idx`` makes it the larger one; the paper's
-    GPTQ stores what AWQ does)."""
+    stores more bits than either (at 2-3 bits GPTQ's act-order ``g_idx`` makes it the larger one; at
+    4 bits its static groups store what AWQ does, as the paper's GPTQ always does)."""
     try:  # the same accounting, measured by an earlier run (it depends on no data or seed)
         given = {k: float(v) for k, v in (x.split("=") for x in (b.args.budget_bpw or "").split(",") if x)}
         bad = any(v <= 0 for v in given.values())
