@@ -2,9 +2,8 @@
 
 Pairings (the paper's Table 3, plus 2.5/3.5/4.25): at each point the uniform baselines are run
 first and SFMP gets the *smaller* of their two *measured* totals of bits per weight (``bpw``: codes +
-scales/zeros + permutations + bit map all counted; at 2 and 3 bits GPTQ's act-order ``g_idx`` makes it
-store more than AWQ; at 4 bits its default groups are static, no ``g_idx``, the same bits as AWQ), so
-SFMP never stores more bits than either baseline (checked on every SFMP row):
+scales/zeros + permutations + bit map; at 2-3 bits our GPTQ's act-order ``g_idx`` makes it store more
+than AWQ, at 4 its static groups do not), so SFMP never stores more than either (checked on every row):
 
 =====  ==========================  ==========
 point  uniform GPTQ / AWQ          SFMP group
