@@ -19,6 +19,7 @@ def _sfmp_main(res: dict) -> dict[str, dict[str, dict]]:
 
 
 SECOND_SEED = "a second seed is asked"  # issue 25: claims under 10% need at least two seeds
+CLOSE = 0.10  # the 10% line: pairs nearer than this in perplexity are too close for one seed
 PAPER_UNIFORM = ("gptq-orig", "awq")  # the paper's Table 3 comparators: GPTQ (natural, min-max), AWQ
 
 
@@ -101,7 +102,7 @@ class _Tally:
 
 def _outright(won: bool | None, seeds: int, rows: list[dict]) -> bool:
     """Whether a pair lost on every seed that measured it, by 10% or more or on two seeds or more."""
-    return won is False and (seeds > 1 or _gap(rows)[0] >= 0.10)
+    return won is False and (seeds > 1 or _gap(rows)[0] >= CLOSE)
 
 
 def _near_note(near: int, total: int, settled: int, what: str) -> str:
@@ -184,13 +185,13 @@ def _sfmp_one_seed_close(rows: list[dict]) -> bool:
     """Whether verdict-protocol ``rows`` differ by under 10%: a second seed is asked (the findings
     report says how many seeds a verdict rests on)."""
     gap, verdict_rows = _gap(rows)
-    return verdict_rows and gap < 0.10
+    return verdict_rows and gap < CLOSE
 
 
 def _sfmp_undecided(rows: list[dict]) -> str:
     """A note when ``rows`` differ by under 10% without the verdict protocol (too close to decide there)."""
     gap, verdict_rows = _gap(rows)
-    if gap >= 0.10 or verdict_rows:
+    if gap >= CLOSE or verdict_rows:
         return ""
     where = rows[0].get("protocol", "unrecorded")
     return f" ({gap:.1%} apart on the {where} protocol: too close to decide there)"
