@@ -188,7 +188,7 @@ def protocol_summary(rows: list[dict]) -> str:
     """One line: how many claims each protocol decided (the move to the verdict protocol, counted)."""
 
     def kind(protocol: str) -> str:
-        if protocol == "-":
+        if protocol == "-" or protocol.endswith("(no perplexity)"):
             return "no perplexity (timings, per-layer errors)"
         head = protocol.split(",")[0]
         return f"the {head} protocol" if head in ("verdict", "fast") else "other settings"

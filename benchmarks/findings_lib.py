@@ -35,7 +35,8 @@ DIFFERS = (
 
 def protocol_of(res: dict) -> str:
     """Which protocol ``res`` (a benchmark's JSON) measured with: ``fast``, ``verdict``, or its settings;
-    ``-`` for a result that scores no perplexity (a kernel timing, a per-layer measurement)."""
+    ``-`` for a result with no calibration (a kernel timing); a per-layer measurement names its
+    calibration and says it scores no perplexity."""
     if res.get("protocol") in ("fast", "verdict"):
         return res["protocol"]
     a = res.get("args") or {}
@@ -46,6 +47,8 @@ def protocol_of(res: dict) -> str:
         return "fast"
     if n >= 128 and w is None and a.get("fidelity"):  # the verdict protocol (common.protocol_label)
         return "verdict"
+    if "max_windows" not in a and not res.get("rows"):  # per-layer measurements: no perplexity pass
+        return f"{n}x{a.get('seqlen', 512)} calib, per layer (no perplexity)"
     return f"{n}x{a.get('seqlen', 512)} calib, " + ("every window" if w is None else f"{w} windows")
 
 

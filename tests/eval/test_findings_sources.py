@@ -100,13 +100,22 @@ def test_three_seeds_take_the_majority(findings, monkeypatch, tmp_path):
 
 def test_the_protocol_summary_counts_each_kind(findings):
     kinds = ("verdict, 2 seeds", "verdict, one seed", "fast", "-", "16x512 calib, every window")
-    kinds += ("fresh (8x256 calib)",)
+    kinds += ("fresh (8x256 calib)", "128x512 calib, per layer (no perplexity)")
     rows = [{"protocol": p} for p in kinds]
     line = findings.protocol_summary(rows)
     assert line == (
-        "Of 6 claims: 2 on the verdict protocol, 2 on other settings, 1 on the fast protocol, "
-        "1 on no perplexity (timings, per-layer errors)."
+        "Of 7 claims: 2 on the verdict protocol, 2 on no perplexity (timings, per-layer errors), "
+        "2 on other settings, 1 on the fast protocol."
     )
+
+
+def test_a_per_layer_result_names_its_calibration_not_windows(findings):
+    """A per-layer measurement (calibration, no perplexity pass) is not labelled as scoring every window."""
+    layers = {"args": {"nsamples": 128, "seqlen": 512}, "layers": {}}
+    assert findings.protocol_of(layers) == "128x512 calib, per layer (no perplexity)"
+    ppl = {"args": {"nsamples": 64, "seqlen": 512, "max_windows": None}, "rows": [{"ppl": 1.0}]}
+    assert findings.protocol_of(ppl) == "64x512 calib, every window"
+    assert findings.protocol_of({"args": {"nsamples": 16, "max_windows": 20}, "rows": []}) == "fast"
 
 
 def test_seeds_that_agree_but_add_different_notes_agree(findings, monkeypatch, tmp_path):
