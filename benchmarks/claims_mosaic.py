@@ -100,16 +100,21 @@ def mosaic_block_beats_channel(res: dict) -> tuple[str, str]:
     b, c, ours = _at(res, "delta-hessian", 0.1), _at(res, "channel-act", 0.1), _at(res, "channel", 0.1)
     nums = (f"recovered at 10% (same elements): blocks by Δ-Hessian {b:.1%}, the paper's outlier channels "
             f"(max abs(X_j)) {c:.1%}, ours: columns by Δ-Hessian {ours:.1%}")  # fmt: skip
-    ch = rows_by_name(load("mosaic_channel") or {"rows": []})
-    mo = rows_by_name(load("mosaic_main") or {"rows": []}).get("mosaic W4A4")
+    run = load("mosaic_channel_verdict") or load("mosaic_channel") or {"rows": []}  # the verdict run first
+    ch, proto = rows_by_name(run), protocol_of(run)
     paper, mine = ch.get("channel (paper: outlier max|X|)"), ch.get("channel (ours: Δ-Hessian columns)")
+    try:
+        mo = mosaic_reference(run) if paper else None  # main's row of the same protocol and device
+    except KeyError:
+        mo = None
     if not (paper and mo):
         return nums, verdict(b > c, "whole outlier channels recover as much or more")
-    nums += (f"; W4A4 ppl (fast): blocks {fmt(mo['ppl'])} @ {fmt(mo['bits_per_weight'], 3)} bpw, paper's "
-             f"channels {fmt(paper['ppl'])} @ {fmt(paper['bits_per_weight'], 3)} bpw")  # fmt: skip
+    nums += (f"; W4A4 ppl ({proto}): blocks {ppl_fid(mo)} @ {fmt(mo['bits_per_weight'], 3)} bpw, paper's "
+             f"channels {ppl_fid(paper)} @ {fmt(paper['bits_per_weight'], 3)} bpw")  # fmt: skip
     if mine:
-        nums += f", ours {fmt(mine['ppl'])} @ {fmt(mine['bits_per_weight'], 3)} bpw"
-    thin = rows_by_name(load("mosaic_thin") or {"rows": []}).get("block 1x128")
+        nums += f", ours {ppl_fid(mine)} @ {fmt(mine['bits_per_weight'], 3)} bpw"
+    thin = rows_by_name(load("mosaic_thin_verdict" if proto == "verdict" else "mosaic_thin") or {"rows": []})
+    thin = thin.get("block 1x128")
     if thin:
         nums += f"; 1x128 blocks (ours) {fmt(thin['ppl'])} @ {fmt(thin['bits_per_weight'], 3)} bpw"
     return nums, verdict(b > c and mo["ppl"] < paper["ppl"], "whole outlier channels recover as much or more")

@@ -99,3 +99,35 @@ def test_thin_blocks_against_the_runs_own_64x64(claims_mosaic, store):
     assert "64x64 120.00" in nums and v == "holds"
     res = _part("verdict", VERDICT, {"mosaic W4A4": 100.0, "block 1x128": 110.0}, "cuda")
     assert claims_mosaic.mosaic_thin_blocks(res)[1].startswith("does not hold here")
+
+
+# -- block against channel selection: the per-layer shares, then the perplexity rows of the verdict run
+# of the channel part where there is one (against main's row of that protocol), else the fast run's
+
+
+def _layers(blocks: float, channels: float) -> dict:
+    curves = {"delta-hessian": [blocks], "channel-act": [channels], "channel": [channels + 0.1]}
+    return {"budgets": [0.1], "layers": {"10": {"linears": {"q_proj": {"curves": curves}}}}}
+
+
+PAPER_CH = "channel (paper: outlier max|X|)"
+
+
+def test_block_vs_channel_takes_the_verdict_channel_run_first(claims_mosaic, store):
+    store["mosaic_channel"] = _part("fast", FAST, {PAPER_CH: 140.0})
+    nums, v = claims_mosaic.mosaic_block_beats_channel(_layers(0.3, 0.2))
+    assert "W4A4 ppl (fast): blocks 150.00" in nums and "channels 140.00" in nums
+    assert v.startswith("does not hold here")  # the fast perplexities favour the channels
+    store["mosaic_channel_verdict"] = _part("verdict", VERDICT, {PAPER_CH: 45.0}, "cpu")
+    store["mosaic_thin_verdict"] = _part("verdict", VERDICT, {"block 1x128": 35.0}, "cpu")
+    nums, v = claims_mosaic.mosaic_block_beats_channel(_layers(0.3, 0.2))
+    assert "W4A4 ppl (verdict): blocks 40.00" in nums and "channels 45.00" in nums
+    assert "1x128 blocks (ours) 35.00" in nums and v == "holds"
+    # the per-layer shares decide against blocks whatever the perplexities say
+    assert claims_mosaic.mosaic_block_beats_channel(_layers(0.2, 0.3))[1].startswith("does not hold here")
+
+
+def test_block_vs_channel_never_takes_main_of_another_device(claims_mosaic, store):
+    store["mosaic_channel_verdict"] = _part("verdict", VERDICT, {PAPER_CH: 45.0}, "cuda")
+    nums, v = claims_mosaic.mosaic_block_beats_channel(_layers(0.3, 0.2))
+    assert "W4A4 ppl" not in nums and v == "holds"  # the shares alone, no cross-device perplexity pair
