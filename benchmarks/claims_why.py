@@ -83,7 +83,7 @@ WHY = {
     "10% of blocks recovers over half the output distortion": (
         "the paper quotes two single layers of a 7B+ model; 64x64 blocks of 576-1536-wide matrices are "
         "1/81-1/216 of a matrix; Hessians from 128x512 calibration tokens, the verdict protocol's "
-        "(16x512 gave the oracle 19.4% and \u0394-Hessian 18.4%)"
+        "(16x512 gave the oracle 19.4% and Δ-Hessian 18.4%)"
     ),
     "ours: thin residual blocks beat 64x64 at 10%": "not a claim of the paper (it uses square blocks); "
     "1x128 blocks store one scale per 128 weights and an index per block, so they cost more bits (4.498 "
@@ -329,7 +329,7 @@ WHY = {
     "the budget has diminishing returns": (
         "the curve is per layer (layers 10 and 20, 14 linears), from 128x512 calibration tokens, the "
         "verdict protocol's (16x512: the same slopes within 0.04), as the paper reads it off its layers'"
-        " output-distortion curves (Fig. 2(b), \u00a73 Observation 3); the W4A4 perplexities beside it are "
+        " output-distortion curves (Fig. 2(b), §3 Observation 3); the W4A4 perplexities beside it are "
         "the fast protocol's budget sweep, which the verdict does not rest on"
     ),
 }
