@@ -48,12 +48,14 @@ WHY = {
     "the same settings): on seed 0 act-order keeps a 0.6% lower perplexity, on seed 1 GAR is 0.5% lower; "
     "GAR has the lower KL (0.230 vs 0.233; 0.230 vs 0.238) and higher top-1 (0.747 vs 0.741; 0.747 vs "
     "0.739) on both: by KL it loses nothing; the paper's models are 7B-70B, 135M here",
-    "W4A4 MosaicQuant beats the collapsing RTN and SmoothQuant": "the main row searches α over 0.3-1.0 in "
-    "steps of 0.1, the paper's grid (65 of 180 linears on the 0.3 boundary on the fast protocol); the row "
-    "with SmoothQuant's grid beside it is from a fast-protocol run; A4 per token, which collapses this "
-    "model for every method (MosaicQuant included: several times float); MosaicQuant stores 0.44 bits "
-    "per weight more (its 10% residual); one verdict seed, its margin over SmoothQuant above the 10% line "
-    "that asks for two",
+    "W4A4 MosaicQuant beats the collapsing RTN and SmoothQuant": (
+        "the main row searches α over 0.3-1.0 in steps of 0.1, the paper's grid (65 of 180 linears on "
+        "the 0.3 boundary on the fast protocol); the row with SmoothQuant's grid beside it is from a "
+        "fast-protocol run; A4 per group of 128 channels in every row (the paper's App. C.1 setting, "
+        "which the method applies by default), and still W4A4 collapses this model for every method "
+        "(MosaicQuant included: 4.9x float); MosaicQuant stores 0.44 bits per weight more (its 10% "
+        "residual); one verdict seed, its margin over SmoothQuant above the 10% line that asks for two"
+    ),
     "MosaicQuant beats RTN and SmoothQuant at W4A8": "the paper's α grid (0.3-1.0 in steps of 0.1; the wide "
     "grid's row beside it is from a fast-protocol run); MosaicQuant stores 4.467 bits per weight against "
     "4.023 (its 10% residual); one verdict seed, its margin over SmoothQuant above the 10% line that asks "
@@ -68,18 +70,20 @@ WHY = {
     "a 3x gap, so the one-seed rule for gaps under 10% does not apply",
     "block selection beats channel selection": "outlier channels by the float input's max abs(X_j) (the "
     "paper does not say how it picks them); fast protocol; no heavy outliers here to make channels strong",
-    "Δ-Hessian selection beats magnitude/residual/random/none": "the paper compares the criteria by one "
-    "layer's output distortion (Fig. 2(b)) and the sparse branch by perplexity on Qwen3-4B / LLaMA3-8B "
-    "(Fig. 5: 108.6 / 143.7 without it, 11.0 / 10.8 with it, 10-13x); here A4 per token collapses this "
-    "model for every method, so the branch takes 17-30% off, not 90%; verdict protocol (CPU, seed 0, "
-    "128x512 calibration, every window; the Δ-Hessian row is the main table's verdict row, same "
-    "calibration and windows): Δ-Hessian 146.82 (KL 1.587, top-1 0.387), magnitude 161.28 (KL 1.662, "
-    "top-1 0.373), residual norm 164.60 (KL 1.698), random 169.61 (KL 1.718), no sparse branch 209.93 / "
-    "199.86 (α re-searched / kept); the closest, magnitude, is 9.8% above Δ-Hessian, under the 10% line "
-    "that asks for a second seed; seed 1 (its own Δ-Hessian row: KL 1.570, top-1 0.389) agrees: every other "
-    "row has a higher perplexity and KL and a lower top-1 agreement, the closest (residual norm) 12% above "
-    "(fast protocol: 151.21 against 177.64 / 176.85 / 216.74 / 230.35 / 226.73); "
-    "SmolLM2's Q4_1-origin weights leave few outliers for any criterion to find",
+    "Δ-Hessian selection beats magnitude/residual/random/none": (
+        "the paper compares the criteria by one layer's output distortion (Fig. 2(b)) and the sparse "
+        "branch by perplexity on Qwen3-4B / LLaMA3-8B (Fig. 5: 108.6 / 143.7 without it, 11.0 / 10.8 "
+        "with it, 10-13x); here W4A4 (A4 per group of 128 channels, the paper's App. C.1) collapses this"
+        " model for every method, so the branch takes 17-30% off, not 90%; verdict protocol (CPU, seed "
+        "0, 128x512 calibration, every window; the Δ-Hessian row is the main table's verdict row, same "
+        "calibration and windows): Δ-Hessian 146.82 (KL 1.587, top-1 0.387), magnitude 161.28 (KL 1.662,"
+        " top-1 0.373), residual norm 164.60 (KL 1.698), random 169.61 (KL 1.718), no sparse branch "
+        "209.93 / 199.86 (α re-searched / kept); the closest, magnitude, is 9.8% above Δ-Hessian, under "
+        "the 10% line that asks for a second seed; seed 1 (its own Δ-Hessian row: KL 1.570, top-1 0.389)"
+        " agrees: every other row has a higher perplexity and KL and a lower top-1 agreement, the "
+        "closest (residual norm) 12% above (fast protocol: 151.21 against 177.64 / 176.85 / 216.74 / "
+        "230.35 / 226.73); SmolLM2's Q4_1-origin weights leave few outliers for any criterion to find"
+    ),
     "10% of blocks recovers over half the output distortion": (
         "the paper quotes two single layers of a 7B+ model; 64x64 blocks of 576-1536-wide matrices are "
         "1/81-1/216 of a matrix; Hessians from 128x512 calibration tokens, the verdict protocol's "
