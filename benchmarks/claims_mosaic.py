@@ -116,7 +116,7 @@ def mosaic_block_beats_channel(res: dict) -> tuple[str, str]:
     thin = rows_by_name(load("mosaic_thin_verdict" if proto == "verdict" else "mosaic_thin") or {"rows": []})
     thin = thin.get("block 1x128")
     if thin:
-        nums += f"; 1x128 blocks (ours) {fmt(thin['ppl'])} @ {fmt(thin['bits_per_weight'], 3)} bpw"
+        nums += f"; 1x128 blocks (ours) {ppl_fid(thin)} @ {fmt(thin['bits_per_weight'], 3)} bpw"
     return nums, verdict(b > c and mo["ppl"] < paper["ppl"], "whole outlier channels recover as much or more")
 
 
