@@ -28,6 +28,7 @@ _EXTRA = {
     "gemma": dict(),
     "llama": dict(attention_bias=True),  # o_proj bias too
     "smollm3": dict(),
+    "phi3": dict(),  # fused qkv_proj / gate_up_proj: R2 on qkv_proj's value rows only
 }
 
 
@@ -47,8 +48,8 @@ def tiny(model_type: str, seed: int = 0):
     return model
 
 
-ROTATABLE = ["llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "smollm3"]
-REFUSED = ["gemma2", "olmo2", "phi3"]
+ROTATABLE = ["llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "smollm3", "phi3"]
+REFUSED = ["gemma2", "olmo2"]
 
 
 def test_every_supported_architecture_is_listed():
@@ -136,3 +137,25 @@ def test_rotation_removes_a_channel_outlier():
     h.remove()
     ratio = [(x.abs().amax(-1) / x.abs().mean(-1)).mean().item() for x in captured]
     assert ratio[1] < ratio[0] / 3, ratio
+
+
+@pytest.mark.parametrize(
+    "method,opts", [("gptq", {"bits": 8, "order": "act"}), ("smoothquant", {"scheme": "W8A8"})]
+)
+def test_fused_projections_rotate_and_quantize(method, opts):
+    """Phi-3's fused qkv_proj / gate_up_proj: R1 on their inputs, R2 on qkv_proj's value rows only, the
+    online Hadamards at o_proj and down_proj; a near-lossless quantizer keeps the float logits."""
+    from bitmosaic import quantize_
+
+    ids = torch.randint(4, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    calib = torch.randint(4, VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = tiny("phi3")(ids).logits
+    m = tiny("phi3")
+    report = quantize_(m, method, calib, progress=False, rotate="hadamard", **opts)
+    assert report.calibration["rotation"]["online"] == 4
+    assert input_rotation_spec(m.model.layers[0].self_attn.o_proj) == {"type": "hadamard", "n": 48}
+    with torch.no_grad():
+        out = m(ids).logits
+    rel = ((out - ref).norm() / ref.norm()).item()
+    assert rel < 0.15, rel  # a wrong fold gives ~1

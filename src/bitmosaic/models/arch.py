@@ -50,6 +50,7 @@ class RotationMap:
     )
     writers: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")  # R1ᵀ on their outputs
     value: str | None = "self_attn.v_proj"  # R2 per head on its output rows ...
+    value_tail: bool = False  # ... only its last kv_heads·head_dim rows (a fused q|k|v projection)
     attn_out: str | None = "self_attn.o_proj"  # ... and on these input columns
     # an online Hadamard at the input: QuaRot's down_proj and, across the heads, o_proj (Sec. 4, step 1c)
     online: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")
@@ -103,7 +104,14 @@ PHI3 = ArchSpec(
     sequential=(("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",)),
     # o_proj and down_proj read slices of fused projections: not foldable per channel here
     smooth_prev=("input_layernorm", None, "post_attention_layernorm", None),
-    rotation=RotationMap(refuse="its fused qkv_proj/gate_up_proj have no rotation map here yet"),
+    rotation=RotationMap(
+        norms=(
+            ("input_layernorm", ("self_attn.qkv_proj",)),
+            ("post_attention_layernorm", ("mlp.gate_up_proj",)),
+        ),
+        value="self_attn.qkv_proj",
+        value_tail=True,
+    ),
 )
 
 ARCHS: dict[str, ArchSpec] = {
@@ -120,8 +128,10 @@ ARCHS: dict[str, ArchSpec] = {
     "olmo2": dataclasses.replace(
         LLAMA_LIKE,
         smooth_prev=(None, "self_attn.v_proj", None, "mlp.up_proj"),
-        rotation=RotationMap(refuse="it normalises after attention and MLP (post-norm blocks), which a "
-                             "residual-stream rotation cannot pass through"),
+        rotation=RotationMap(
+            refuse="it normalises after attention and MLP (post-norm blocks), which a "
+            "residual-stream rotation cannot pass through"
+        ),
     ),
     "granite": LLAMA_LIKE,
     "phi3": PHI3,

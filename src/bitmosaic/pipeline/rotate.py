@@ -10,7 +10,8 @@ once the norm has no scale of its own, so
    ``Qᵀ W`` (bias ``b Q``); the head ``W Q``.  A head tied to the embeddings is untied (the final
    norm's scale is in the head only), and the model's config says so;
 3. each attention head's value/output pair gets R2 (``[head_dim, head_dim]``): ``v_proj``'s rows of
-   each key/value head ``R2ᵀ W_v``, ``o_proj``'s columns of each head ``W_o R2``;
+   each key/value head ``R2ᵀ W_v``, ``o_proj``'s columns of each head ``W_o R2`` (a fused q|k|v
+   projection, Phi-3's ``qkv_proj``: its value rows only, ``RotationMap.value_tail``);
 4. ``down_proj`` gets an online rotation of its input (:mod:`bitmosaic.modules.rotation`: a fast
    Walsh-Hadamard transform) and its transpose folded into its weight ``W R``.
 
@@ -87,6 +88,10 @@ def parse_rotation(text: str | None) -> RotationSpec:
 def _head_dim(cfg) -> int:
     hd = getattr(cfg, "head_dim", None)
     return int(hd) if hd else int(cfg.hidden_size // cfg.num_attention_heads)
+
+
+def _kv_heads(cfg) -> int:
+    return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
 
 
 def check_rotatable(model: nn.Module, arch: ArchSpec, kind: str) -> None:
@@ -194,10 +199,15 @@ def rotated_state(
             R, hd = R2[li], R2[li].shape[0]
             v, o = layer.get_submodule(rmap.value), layer.get_submodule(rmap.attn_out)
             kv, ok = pre + rmap.value, pre + rmap.attn_out
-            Wv = out.get(kv + ".weight", get(kv + ".weight")).reshape(-1, hd, v.in_features)
-            out[kv + ".weight"] = torch.einsum("ji,hjd->hid", R, Wv).reshape(v.weight.shape)
+            W = out.get(kv + ".weight", get(kv + ".weight"))
+            keep = W.shape[0] - _kv_heads(model.config) * hd if rmap.value_tail else 0  # fused q|k rows
+            Wv = W[keep:].reshape(-1, hd, v.in_features)
+            out[kv + ".weight"] = torch.cat(
+                [W[:keep], torch.einsum("ji,hjd->hid", R, Wv).reshape(-1, v.in_features)]
+            )
             if v.bias is not None:
-                out[kv + ".bias"] = (get(kv + ".bias").reshape(-1, hd) @ R).reshape(-1)
+                b = get(kv + ".bias")
+                out[kv + ".bias"] = torch.cat([b[:keep], (b[keep:].reshape(-1, hd) @ R).reshape(-1)])
             Wo = out.get(ok + ".weight", get(ok + ".weight")).reshape(o.out_features, -1, hd)
             out[ok + ".weight"] = (Wo @ R).reshape(o.weight.shape)
         for n in rmap.online:
