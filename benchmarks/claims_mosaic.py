@@ -113,11 +113,16 @@ def mosaic_block_beats_channel(res: dict) -> tuple[str, str]:
              f"channels {ppl_fid(paper)} @ {fmt(paper['bits_per_weight'], 3)} bpw")  # fmt: skip
     if mine:
         nums += f", ours {ppl_fid(mine)} @ {fmt(mine['bits_per_weight'], 3)} bpw"
-    thin = rows_by_name(load("mosaic_thin_verdict" if proto == "verdict" else "mosaic_thin") or {"rows": []})
-    thin = thin.get("block 1x128")
+    thin = rows_by_name(_part_run("mosaic_thin", proto) or {"rows": []}).get("block 1x128")
     if thin:
         nums += f"; 1x128 blocks (ours) {ppl_fid(thin)} @ {fmt(thin['bits_per_weight'], 3)} bpw"
     return nums, verdict(b > c and mo["ppl"] < paper["ppl"], "whole outlier channels recover as much or more")
+
+
+def _part_run(name: str, protocol: str) -> dict | None:
+    """The run of a ``mosaic.py`` part measured with ``protocol``: ``<name>_verdict.json`` for the
+    verdict protocol, else the part's own ``<name>.json``."""
+    return load(f"{name}_verdict" if protocol == "verdict" else name)
 
 
 def _device(res: dict) -> str:
@@ -133,7 +138,7 @@ def mosaic_reference(res: dict) -> dict:
     own = rows_by_name(res).get("mosaic W4A4")
     if own is not None:
         return own
-    main = load("mosaic_main_verdict" if protocol_of(res) == "verdict" else "mosaic_main") or {}
+    main = _part_run("mosaic_main", protocol_of(res)) or {}
     same = ("nsamples", "max_windows")
     mine, theirs = res.get("args") or {}, main.get("args") or {}
     if any(mine.get(k) != theirs.get(k) for k in same) or _device(main) != _device(res):
