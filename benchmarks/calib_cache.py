@@ -25,7 +25,7 @@ import torch
 from bitmosaic.data import calibration_samples
 from bitmosaic.io import load_model
 from bitmosaic.models.arch import get_arch
-from bitmosaic.pipeline import quantize_model
+from bitmosaic.pipeline import RunSettings, quantize_model
 from bitmosaic.pipeline.calib_cache import CalibCache
 from bitmosaic.pipeline.calibration import LayerInputs, capture_layer_inputs, cast_floating
 from bitmosaic.pipeline.capture import capture_groups
@@ -112,8 +112,9 @@ def e2e(model, calib, args, root) -> list[dict]:
         states, row = [], {"config": spec_text}
         for label, cache in (("none", None), ("cold", CalibCache(root)), ("warm", CalibCache(root))):
             m = copy.deepcopy(model)
-            rep = quantize_model(m, calib, spec, cfg, progress=False, batch_size=args.batch_size,
-                                 seed=args.seed, calib_cache=cache)  # fmt: skip
+            settings = RunSettings(progress=False, batch_size=args.batch_size, seed=args.seed,
+                                   calib_cache=cache)  # fmt: skip
+            rep = quantize_model(m, calib, spec, cfg, settings)
             row[f"{label}_s"] = rep.seconds
             if cache is not None:
                 row[f"{label}_hits"] = " ".join(rep.calibration["cache"]["hits"]) or "-"

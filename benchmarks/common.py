@@ -24,7 +24,7 @@ from bitmosaic.io import load_model
 from bitmosaic.io.serialization import atomic_write_text
 from bitmosaic.methods import get_method
 from bitmosaic.modules import QuantModule, set_weight_cache
-from bitmosaic.pipeline import quantize_model
+from bitmosaic.pipeline import RunSettings, quantize_model
 from bitmosaic.pipeline.pipeline import peak_rss_mb
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -304,9 +304,8 @@ class Bench:
         spec = get_method(method)
         cfg = spec.make_config(**options)
         model = copy.deepcopy(self.model)
-        rep = quantize_model(
-            model, self.calib, spec, cfg, progress=self.progress, measure_errors=True, device=self.device
-        )
+        settings = RunSettings(progress=self.progress, measure_errors=True, device=self.device)
+        rep = quantize_model(model, self.calib, spec, cfg, settings)
         t = time.perf_counter()
         row = {
             "name": name,

@@ -38,7 +38,7 @@ from bitmosaic.formats.act import parse_scheme
 from bitmosaic.methods import get_method
 from bitmosaic.modules import QuantModule
 from bitmosaic.modules.intact import ACT_COMPUTE_ENV, act_path_label, set_runtime_activations
-from bitmosaic.pipeline import quantize_model
+from bitmosaic.pipeline import RunSettings, quantize_model
 
 from common import Bench, base_parser, protocol_label, write_results
 
@@ -167,7 +167,7 @@ def main() -> None:
         spec = get_method(method)
         cfg = spec.make_config(**opts, bits=wbits, act=act)
         model = copy.deepcopy(b.model)
-        quantize_model(model, b.calib, spec, cfg, progress=b.progress)
+        quantize_model(model, b.calib, spec, cfg, RunSettings(progress=b.progress))
         if runtime:
             set_runtime_activations(model, runtime)
         paths = sorted({

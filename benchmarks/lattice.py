@@ -60,7 +60,7 @@ def main() -> None:
     import copy
 
     from bitmosaic.methods import get_method
-    from bitmosaic.pipeline import quantize_model
+    from bitmosaic.pipeline import RunSettings, quantize_model
 
     model = copy.deepcopy(b.model)
     spec = get_method("gptq")
@@ -69,8 +69,7 @@ def main() -> None:
         b.calib,
         spec,
         spec.make_config(bits=3, group_size=128, order="act"),
-        progress=b.progress,
-        analyze_orders=("natural", "act", "min-pivot"),
+        RunSettings(progress=b.progress, analyze_orders=("natural", "act", "min-pivot")),
     )
     table = bound_table(rep.to_dict())
     print("\nBabai bound / measured no-clip error / trace(D), summed per layer kind (w3 g128, MSE scales):")

@@ -39,9 +39,9 @@ import torch
 from bitmosaic.algorithms.rtn import rtn_quantize
 from bitmosaic.formats.act import ActQuantSpec
 from bitmosaic.formats.grid import IntGrid
-from bitmosaic.methods import get_method
 from bitmosaic.models.arch import get_arch
-from bitmosaic.pipeline import quantize_model
+from bitmosaic.pipeline import RunSettings, quantize_model
+from bitmosaic.pipeline.recipe import Recipe
 from bitmosaic.pipeline.rotate import rotate_model
 
 from common import RESULTS, Bench, base_parser, protocol_label, write_results
@@ -200,11 +200,10 @@ def run(b: Bench, label: str, act: str, rotate: str, max_tokens: int) -> dict:
     opts = opts if method == "sq-acts" else {**opts, "act": ACTS[act]}
     if method in ("smoothquant", "mosaic", "sq-weights", "sq-acts"):
         opts["max_tokens"] = max_tokens
-    spec = get_method(method)
-    cfg = spec.make_config(**opts)
+    recipe = Recipe.from_options(method, opts, rotate=rotate)
     model = copy.deepcopy(b.model)
-    rep = quantize_model(model, b.calib, spec, cfg, progress=b.progress, rotate=rotate, seed=b.args.seed,
-                         device=b.args.device)  # fmt: skip
+    settings = RunSettings(progress=b.progress, seed=b.args.seed, device=b.args.device)
+    rep = quantize_model(model, b.calib, recipe, None, settings)
     t = time.perf_counter()
     row = {"name": name_of(label, act, rotate), "method": label, "acts": act, "rotate": rotate,
            "bits_per_weight": rep.bits_per_weight, "quant_seconds": rep.seconds, **evaluate(b, model),

@@ -56,7 +56,7 @@ from pathlib import Path
 from bitmosaic.data import calibration_samples
 from bitmosaic.methods import get_method
 from bitmosaic.methods.sfmp import sfmp_budget
-from bitmosaic.pipeline import quantize_model
+from bitmosaic.pipeline import Calibration, RunSettings, quantize_model
 from bitmosaic.pipeline.fisher import salience_linear_names
 
 from common import RESULTS, Bench, base_parser, protocol_label, write_text
@@ -134,9 +134,8 @@ class SFMPBench(Bench):
         self._replace(name)
         model = copy.deepcopy(self.model)
         inputs = {"salience_tokens": fisher_tokens}
-        rep = quantize_model(
-            model, self.calib, spec, cfg, progress=self.progress, method_inputs=inputs, more_calib=self._more
-        )
+        calib = Calibration(self.calib, more=self._more)
+        rep = quantize_model(model, calib, spec, cfg, RunSettings(progress=self.progress), inputs=inputs)
         t = time.perf_counter()
         alloc = rep.calibration["allocation"]
         row = {

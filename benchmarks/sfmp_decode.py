@@ -12,7 +12,7 @@ import time
 
 from bitmosaic.data import calibration_samples
 from bitmosaic.methods import get_method
-from bitmosaic.pipeline import quantize_model
+from bitmosaic.pipeline import RunSettings, quantize_model
 
 from common import RESULTS, write_text
 
@@ -64,7 +64,8 @@ def decode_reorder_cost(
             extra["avg_bits"] = b
         m = copy.deepcopy(model)
         cfg = spec.make_config(**cheap, **extra)
-        rep = quantize_model(m, calib, spec, cfg, progress=progress, method_inputs={"salience": salience})
+        settings = RunSettings(progress=progress)
+        rep = quantize_model(m, calib, spec, cfg, settings, inputs={"salience": salience})
         alloc = rep.calibration["allocation"]
         b = alloc["b"] if b is None else b
         prepare_kernels(m)

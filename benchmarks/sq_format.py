@@ -47,7 +47,7 @@ from bitmosaic.modules.actquant import attach_input_quant, input_quant_spec
 from bitmosaic.modules.base import set_weight_cache
 from bitmosaic.modules.qlinear import QuantLinear
 from bitmosaic.modules.sq import SQActLinear, SQWeightLinear
-from bitmosaic.pipeline import quantize_model
+from bitmosaic.pipeline import RunSettings, quantize_model
 
 from common import RESULTS, Bench, base_parser, protocol_label, write_text
 
@@ -81,7 +81,7 @@ class SQBench(Bench):
         spec = get_method(method)
         cfg = spec.make_config(**opts)
         model = copy.deepcopy(self.model)
-        rep = quantize_model(model, self.calib, spec, cfg, progress=True, seed=self.args.seed)
+        rep = quantize_model(model, self.calib, spec, cfg, RunSettings(seed=self.args.seed))
         return model, rep
 
     def base(self):
@@ -284,8 +284,9 @@ def part_defaults(b: SQBench) -> None:
     from bitmosaic.algorithms.hessian import HessianAccumulator
     from bitmosaic.algorithms.sq import sq_gptq
     from bitmosaic.models.arch import get_arch
+    from bitmosaic.pipeline.calibration import capture_layer_inputs
     from bitmosaic.pipeline.capture import run_layer
-    from bitmosaic.pipeline.pipeline import _apply_transform, capture_layer_inputs
+    from bitmosaic.pipeline.loop import transform_layer
 
     spec = get_method("sq-weights")
     m = copy.deepcopy(b.model)
@@ -297,7 +298,8 @@ def part_defaults(b: SQBench) -> None:
     cfg = spec.make_config(sq=W_SQ["W(SQ5)"])
     linears_h: list[tuple[torch.Tensor, torch.Tensor]] = []
     for li, layer in enumerate(layers):
-        _apply_transform(spec, cfg, layer, arch, inputs, kwargs, gen)
+        plan = {n: (spec, cfg) for g in arch.sequential for n in g}
+        transform_layer(layer, arch, plan, inputs, kwargs, gen)
         accs, hooks = {}, []
         if li in DEFAULT_LAYERS:
             for name in [n for g in arch.sequential for n in g]:

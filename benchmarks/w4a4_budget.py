@@ -28,10 +28,10 @@ from dataclasses import replace
 import torch
 
 from bitmosaic.formats.act import ActQuantSpec
-from bitmosaic.methods import get_method
 from bitmosaic.models.arch import get_arch
 from bitmosaic.modules.actquant import ActQuantizer, attach_input_quant
-from bitmosaic.pipeline import quantize_model
+from bitmosaic.pipeline import RunSettings, quantize_model
+from bitmosaic.pipeline.recipe import Recipe
 from bitmosaic.pipeline.rotate import rotate_model
 
 from common import Bench, base_parser, protocol_label, write_results
@@ -118,10 +118,10 @@ def main() -> None:
                 attach_input_quant(m, G64, m.in_features)
     rows = rows_of(b, model, "float", FLOAT_ROWS)
     del model
-    spec = get_method("gptq")
-    cfg = spec.make_config(bits=4, group_size=None, sym=True, order="act", scale="mse", act=G64)
+    opts = {"bits": 4, "group_size": None, "sym": True, "order": "act", "scale": "mse", "act": G64}
+    recipe = Recipe.from_options("gptq", opts, rotate="hadamard")
     model = copy.deepcopy(b.model)
-    rep = quantize_model(model, b.calib, spec, cfg, progress=b.progress, rotate="hadamard", seed=a.seed)
+    rep = quantize_model(model, b.calib, recipe, None, RunSettings(progress=b.progress, seed=a.seed))
     rows += rows_of(b, model, "GPTQ W4", GPTQ_ROWS)
     args = {k: getattr(a, k) for k in ("model", "nsamples", "seqlen", "max_windows", "seed")}
     out = {"protocol": protocol_label(a), "args": args, "float_ppl": flt["ppl"],

@@ -9,7 +9,7 @@ registering with transformers only once transformers' quantizer registry is impo
 from . import _hf_hook
 from ._version import __version__
 
-__all__ = ["__version__", "get_method", "list_methods", "load", "quantize_"]
+__all__ = ["__version__", "RunSettings", "get_method", "list_methods", "load", "quantize_"]
 
 _hf_hook.install()
 
@@ -19,6 +19,10 @@ def __getattr__(name: str):
         from .api import quantize_
 
         return quantize_
+    if name == "RunSettings":
+        from .pipeline.settings import RunSettings
+
+        return RunSettings
     if name == "load":
         from .io.hf_integration import load
 

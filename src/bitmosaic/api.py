@@ -15,9 +15,11 @@ import torch
 from torch import nn
 
 from .errors import OptionError
-from .pipeline.pipeline import RunReport
+from .pipeline.report import RunReport
+from .pipeline.run import run
+from .pipeline.settings import Calibration, RunSettings, settings_fields
 
-__all__ = ["quantize_", "as_recipe", "calibration_tokens"]
+__all__ = ["quantize_", "as_recipe", "calibration_tokens", "draw_calibration", "RunSettings"]
 
 _DATASETS = ("wikitext2", "wikitext-2")
 
@@ -111,119 +113,90 @@ def _exists(p: str) -> bool:
         return False
 
 
-def quantize_(
-    model: nn.Module,
-    method,
-    calib,
-    *,
-    tokenizer=None,
-    nsamples: int = 128,
-    seqlen: int = 512,
-    data_dir=None,
-    batch_size: int = 4,
-    hessian_dtype: torch.dtype = torch.float32,
-    progress: bool = True,
-    cache_outputs: bool | None = None,
-    analyze_orders: tuple[str, ...] | None = None,
-    scheme: str | None = None,
-    seed: int = 0,
-    device: str | torch.device | None = None,
-    offload_inputs: bool | None = None,
-    max_memory: int | str | None = None,
-    spill_dir=None,
-    measure_errors: bool = False,
-    calib_cache=None,
-    calib_source: str | None = None,
-    source_model: str | None = None,
-    more_calib=None,
-    store=None,
-    rotate: str | None = None,
-    **options,
-) -> RunReport:
+_CALIB_KEYS = ("nsamples", "seqlen", "data_dir", "calib_source", "more_calib")
+
+
+def quantize_(model: nn.Module, method, calib, *, tokenizer=None, settings: RunSettings | None = None,
+              **options) -> RunReport:  # fmt: skip
     """Quantize ``model`` in place and return the run report.
 
-    ``method``: a registered method name (``options`` are its config fields, the same names as the
-    CLI flags: ``bits=4, group_size=128, order="act", damp=0.01``; ``scheme="W4A8"`` sets ``bits`` and
-    ``act`` at once), or a recipe: a :class:`~bitmosaic.pipeline.recipe.Recipe`, a recipe dict or a
-    YAML/JSON file (then no ``options``).  ``calib``: token ids ``[n, seqlen]``, or with ``tokenizer=``
-    a dataset name (``"wikitext2"``), a text file or raw text, cut into ``nsamples`` windows of
-    ``seqlen`` tokens drawn with ``seed``.  ``device`` is where calibration and the solvers run
-    (``"auto"``: CUDA when available; the model stays in host memory and each decoder layer visits the
-    device in turn); ``offload_inputs`` keeps the calibration activations in host memory;
-    ``max_memory`` (bytes or ``"8GB"``; default: the memory available) is the host-memory budget: past
-    40% of it one layer's activations, in and out, spill to a temporary folder made in ``spill_dir``
-    (default: the system's temporary folder) and are read back batch by batch, with the same results;
-    ``measure_errors`` calibrates even Hessian-free methods (RTN, FP8) for the report's error metrics.
-    ``rotate`` (``"none"``, ``"hadamard"``, ``"random"``; a recipe's ``rotate`` key) folds QuaRot's
-    rotations into the float model first (:mod:`bitmosaic.pipeline.rotate`; seeded by ``seed``).
-    Options a method's ``prepare`` step takes (its ``prepare_inputs``; e.g. sfmp's ``salience``, a
-    precomputed Fisher diagonal per decoder linear, or ``salience_tokens``) go to that step.
-    ``calib_cache`` (a :class:`~bitmosaic.pipeline.calib_cache.CalibCache`) shares the float-model
-    statistics between runs.  ``calib_source``/``source_model`` name the data a token tensor was drawn
-    from and the model (default: its ``config._name_or_path``) for ``bitmosaic reproduce``.
+    ``method``: a registered method name (``options`` are then its config fields, the same names as
+    the CLI flags: ``bits=4, group_size=128, order="act", damp=0.01``; ``scheme="W4A8"`` sets ``bits``
+    and ``act`` at once; ``rotate="hadamard"`` folds QuaRot's rotations in first), or a recipe: a
+    :class:`~bitmosaic.pipeline.recipe.Recipe`, a recipe dict or a YAML/JSON file (then no config
+    options).  ``calib``: token ids ``[n, seqlen]``, or with ``tokenizer=`` a dataset name
+    (``"wikitext2"``), a text file or raw text, cut into ``nsamples`` (default 128) windows of ``seqlen``
+    (default 512) tokens drawn with ``seed`` (``data_dir``: the shared data folder).
+
+    How the run runs -- ``batch_size``, ``hessian_dtype``, ``seed``, ``device``, ``compute_dtype``,
+    ``offload_inputs``, ``max_memory``, ``spill_dir``, ``cache_outputs``, ``calib_cache``,
+    ``analyze_orders``, ``measure_errors``, ``check_packing``, ``progress`` -- is a
+    :class:`~bitmosaic.pipeline.settings.RunSettings` (``settings=``), or its fields given as keywords
+    here (each documented there; they override ``settings``).  Options a method's ``prepare`` step
+    takes (its ``prepare_inputs``; e.g. sfmp's ``salience``, a precomputed Fisher diagonal per decoder
+    linear, or ``salience_tokens``) go to that step.  ``calib_source``/``source_model`` name the data a
+    token tensor was drawn from and the model (default: its ``config._name_or_path``) for
+    ``bitmosaic reproduce``; ``more_calib(n)`` draws ``n`` more samples for a prepare step that wants
+    more than ``calib`` has (default: drawn again from ``calib``'s source).
 
     The report, the recipe and the provenance are attached as ``model.bitmosaic_run``;
     :func:`bitmosaic.io.save_quantized` writes them.  Bad arguments are one-line
-    :class:`~bitmosaic.errors.OptionError` s.  See :func:`bitmosaic.pipeline.pipeline.quantize_model`.
+    :class:`~bitmosaic.errors.OptionError` s.  See :func:`bitmosaic.pipeline.run.run`.
     """
-    from .data import bos_token_id
+    from .io.serialization import quantized_modules
     from .methods import get_method, list_methods
-    from .pipeline.recipe import quantize_with_recipe
 
     if not isinstance(model, nn.Module):
         raise OptionError(f"model must be a torch nn.Module (transformers model); got {type(model).__name__}")
-    from .io.serialization import quantized_modules
-
     done = quantized_modules(model)
     if done:
         raise OptionError(
             f"the model is already quantized ({len(done)} bitmosaic layers, e.g. {next(iter(done))}); "
             "quantize the float model it was made from"
         )
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise OptionError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    mine = {k: options.pop(k) for k in list(options) if k in settings_fields()}
+    settings = (settings or RunSettings()).replace(**mine)
+    cal = {k: options.pop(k) for k in _CALIB_KEYS if k in options}
+    source_model = options.pop("source_model", None)
     takes = {i for m in list_methods() for i in get_method(m).prepare_inputs}
     inputs = {k: options.pop(k) for k in list(options) if k in takes}  # checked by the pipeline
+    scheme, rotate = options.pop("scheme", None), options.pop("rotate", None)
     recipe = as_recipe(method, options, scheme, rotate)
-    ids, source = calibration_tokens(
-        calib, tokenizer, nsamples=nsamples, seqlen=seqlen, seed=seed, data_dir=data_dir
-    )
+    calibration = _calibration(calib, tokenizer, settings.seed, **cal)
+    return run(model, recipe, calibration, settings, inputs=inputs, source_model=source_model)
+
+
+def _calibration(calib, tokenizer, seed: int, nsamples: int = 128, seqlen: int = 512, data_dir=None,
+                 calib_source: str | None = None, more_calib=None) -> Calibration:  # fmt: skip
+    """The run's :class:`~bitmosaic.pipeline.settings.Calibration` from ``quantize_``'s arguments: the
+    tokens, where they came from, whether they start with BOS, and how to draw more like them."""
+    from .data import bos_token_id
+
+    ids, source = calibration_tokens(calib, tokenizer, nsamples=nsamples, seqlen=seqlen, seed=seed,
+                                     data_dir=data_dir)  # fmt: skip
     source = calib_source or source
     if more_calib is None and source is not None and tokenizer is not None:
-        from .data import calibration_samples
-
-        def more_calib(n: int) -> torch.Tensor:  # a prepare step that wants more samples
-            return calibration_samples(tokenizer, source, n, ids.shape[1], seed, data_dir=data_dir)
-
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    report = quantize_with_recipe(
-        model,
-        ids,
-        recipe,
-        batch_size=batch_size,
-        hessian_dtype=hessian_dtype,
-        progress=progress,
-        cache_outputs=cache_outputs,
-        analyze_orders=analyze_orders,
-        seed=seed,
-        device=device,
-        offload_inputs=offload_inputs,
-        max_memory=max_memory,
-        spill_dir=spill_dir,
-        measure_errors=measure_errors,
-        method_inputs=inputs,
-        calib_cache=calib_cache,
-        more_calib=more_calib,
-        store=store,
-    )
+        more_calib = _drawer(tokenizer, source, ids.shape[1], seed, data_dir)
     bos = bos_token_id(tokenizer) is not None if tokenizer is not None else False
-    report.calibration.update({"source": source or "tensor", "seed": seed, "bos": bos})
-    from .io.provenance import run_provenance
+    return Calibration(ids, source, bos, more_calib)
 
-    spec = source_model or getattr(getattr(model, "config", None), "_name_or_path", None) or None
-    prov = run_provenance(
-        ids, source=source, seed=seed, bos=bos, model=spec, device=report.device, dtype=dtype,
-        batch_size=batch_size, hessian_dtype=hessian_dtype, analyze_orders=analyze_orders,
-    )  # fmt: skip
-    model.bitmosaic_run = {"report": report, "recipe": recipe, "provenance": prov}
-    return report
+
+def draw_calibration(tokenizer, source: str, nsamples: int, seqlen: int, seed: int,
+                     data_dir=None) -> Calibration:  # fmt: skip
+    """``nsamples`` windows of ``seqlen`` tokens drawn with ``seed`` from ``source`` (a dataset name or a
+    text file; ``data_dir``: the shared data folder), as a
+    :class:`~bitmosaic.pipeline.settings.Calibration` that can draw more alike."""
+    from .data import bos_token_id
+
+    draw = _drawer(tokenizer, source, seqlen, seed, data_dir)
+    return Calibration(draw(nsamples), source, bos_token_id(tokenizer) is not None, draw)
+
+
+def _drawer(tokenizer, source: str, seqlen: int, seed: int, data_dir):
+    """``draw(n)``: ``n`` calibration samples from ``source``, drawn as the run's own were."""
+    from .data import calibration_samples
+
+    def draw(n: int) -> torch.Tensor:
+        return calibration_samples(tokenizer, source, n, seqlen, seed, data_dir=data_dir)
+
+    return draw

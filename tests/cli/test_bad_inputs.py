@@ -263,15 +263,27 @@ def test_streamed_quantize_with_non_finite_evaluation_names_the_saved_folder(src
     assert (out / "config.json").is_file()
 
 
-def test_quantize_with_non_finite_evaluation_saves_nothing(overflowing, src, tmp_path, capsys):
+def test_quantize_with_non_finite_evaluation_names_the_saved_folder(overflowing, src, tmp_path, capsys):
+    """In memory as streamed (one flow: run, save, evaluate): the saved folder is named and kept for the
+    user to inspect, no report is written, and no work folder is left behind."""
     _, text = src
     out, js = tmp_path / "q", tmp_path / "r.json"
     argv = _quantize(overflowing, text, "--eval", str(text), "--eval-seqlen", "32", "--max-windows", "2",
                      "--out", str(out), "--json", str(js))  # fmt: skip
     line = _error_line(capsys, argv)
+    assert line.startswith(f"the model saved to {out} does not evaluate: "), line
     assert "window 1 of 2" in line and "not finite" in line
-    assert not out.exists() and not js.exists()
+    assert (out / "config.json").is_file() and not js.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_in_memory_non_finite_evaluation_without_out_saves_nothing(overflowing, src, tmp_path, capsys):
+    _, text = src
+    js = tmp_path / "r.json"
+    argv = _quantize(overflowing, text, "--eval", str(text), "--eval-seqlen", "32", "--max-windows", "2",
+                     "--json", str(js))  # fmt: skip
+    line = _error_line(capsys, argv)
+    assert "window 1 of 2" in line and line.endswith("nothing was saved") and not js.exists()
 
 
 # --- 4: tracebacks where one line was promised ------------------------------------------------------

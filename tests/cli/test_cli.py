@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import bitmosaic.io as bm_io
-import bitmosaic.pipeline as bm_pipeline
+import bitmosaic.pipeline.pipeline as bm_pipeline  # the driver module: run() calls it by name
 from bitmosaic.cli import build_parser, main
 from tests.helpers import is_bitmosaic, quantized_dir, save_hf_dir, snapshot, tiny_llama, words
 
@@ -238,8 +238,8 @@ def test_eval_of_nan_model_names_the_tensor(tmp_path, capsys):
 def test_quantize_passes_device_and_dtype(tmp_path, text, monkeypatch):
     seen = {}
 
-    def spy(model, calib, spec, config, **kw):
-        seen.update(kw, dtype=model.model.embed_tokens.weight.dtype)
+    def spy(model, calib, recipe, config=None, settings=None, **kw):
+        seen.update(device=settings.device, dtype=model.model.embed_tokens.weight.dtype)
         raise Stop
 
     monkeypatch.setattr(bm_pipeline, "quantize_model", spy)

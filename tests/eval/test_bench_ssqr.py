@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bitmosaic.methods import get_method
-from bitmosaic.pipeline import quantize_model
+from bitmosaic.pipeline import RunSettings, quantize_model
 from tests.helpers import load_benchmark
 from tests.pipeline.test_pipeline import tiny_llama
 
@@ -20,7 +20,8 @@ def bench():
 def _row(model, calib, name, method, **opts):
     spec = get_method(method)
     cfg = spec.make_config(**opts)
-    rep = quantize_model(copy.deepcopy(model), calib, spec, cfg, progress=False, measure_errors=True)
+    settings = RunSettings(progress=False, measure_errors=True)
+    rep = quantize_model(copy.deepcopy(model), calib, spec, cfg, settings)
     return {"name": name, "method": method, "options": cfg.to_dict(), "layers": rep.layers}
 
 

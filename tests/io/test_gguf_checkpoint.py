@@ -19,6 +19,7 @@ from bitmosaic.io import gguf_cache, loading, save_quantized
 from bitmosaic.io.checkpoint import Checkpoint
 from bitmosaic.io.gguf_checkpoint import STREAMABLE, GGUFCheckpoint, UnsupportedGGUFError, gguf_fingerprint
 from bitmosaic.io.sources import open_checkpoint
+from bitmosaic.pipeline import RunSettings
 from bitmosaic.pipeline.stream import quantize_streaming
 from bitmosaic.testing import tiny_llama, word_tokenizer
 from tests.conftest import smollm2_gguf
@@ -369,11 +370,12 @@ def test_streaming_from_the_gguf_gives_the_in_memory_bytes(method, opts, tmp_pat
     path = tiny_gguf(tmp_path / "m.gguf", "llama", tied=False, layers=3)
     calib = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
     m = _transformers(path)
-    bitmosaic.quantize_(m, method, calib, progress=False, **opts)
+    # a streamed run names its source by the checkpoint it read (the GGUF file): name it so here too
+    bitmosaic.quantize_(m, method, calib, progress=False, source_model=str(path), **opts)
     mem = save_quantized(m, tmp_path / "mem")
     recipe = as_recipe(method, dict(opts))
     ckpt = GGUFCheckpoint(path)
-    quantize_streaming(ckpt, word_tokenizer(), tmp_path / "str", recipe, calib, progress=False)
+    quantize_streaming(ckpt, word_tokenizer(), tmp_path / "str", recipe, calib, RunSettings(progress=False))
     _same_folder(mem, tmp_path / "str")
     cfg = [json.loads((d / "config.json").read_text()) for d in (mem, tmp_path / "str")]
     assert cfg[0] == cfg[1]  # the whole config.json, not only the quantization settings
@@ -445,8 +447,9 @@ def test_smollm2_streams_from_the_gguf_with_the_in_memory_bytes(smollm, tmp_path
     m = copy.deepcopy(model)
     bitmosaic.quantize_(m, "rtn", calib, progress=False, source_model="smollm2-135m", **opts)
     mem = save_quantized(m, tmp_path / "mem")
-    quantize_streaming(ckpt, gtok, tmp_path / "str", as_recipe("rtn", dict(opts)), calib, progress=False,
-                       source_model="smollm2-135m")  # fmt: skip  (as the CLI names it, for both paths)
+    # the streamed run names its source as it was opened ("smollm2-135m", as the CLI names it for both paths)
+    recipe = as_recipe("rtn", dict(opts))
+    quantize_streaming(ckpt, gtok, tmp_path / "str", recipe, calib, RunSettings(progress=False))
     _same_folder(mem, tmp_path / "str")
     cfg = [json.loads((d / "config.json").read_text()) for d in (mem, tmp_path / "str")]
     for c in cfg:  # the folder the config was read from: the copy's, or the GGUF file's

@@ -86,8 +86,6 @@ def saved_digests(case: str, tmp: Path, model_fn=None, tokens=None) -> dict[str,
     """Quantize the tiny model (or ``model_fn()`` on ``tokens``) with ``CASES[case]``, save it to
     ``tmp`` and digest every saved tensor (the safetensors files, read back) and the saved per-layer
     configs."""
-    from safetensors.torch import load_file
-
     import bitmosaic
     from bitmosaic.io import save_quantized
 
@@ -101,6 +99,13 @@ def saved_digests(case: str, tmp: Path, model_fn=None, tokens=None) -> dict[str,
         out = save_quantized(model, tmp / case, {"method": method})
     finally:
         torch.set_num_threads(threads)
+    return folder_digests(out)
+
+
+def folder_digests(out: Path) -> dict[str, str]:
+    """Every tensor of the saved folder ``out`` and its per-layer configs, digested."""
+    from safetensors.torch import load_file
+
     sd = {}
     for f in sorted(out.glob("*.safetensors")):
         sd.update(load_file(str(f)))
@@ -110,10 +115,34 @@ def saved_digests(case: str, tmp: Path, model_fn=None, tokens=None) -> dict[str,
     return digests
 
 
+def streamed_digests(case: str, tmp: Path, spec: str, tokens: torch.Tensor) -> dict[str, str] | str:
+    """``CASES[case]`` streamed layer by layer from the checkpoint ``spec`` (``bitmosaic.pipeline.stream``)
+    into ``tmp``, digested; ``"not streamable"`` for a method with a whole-model step."""
+    from bitmosaic.api import as_recipe
+    from bitmosaic.io.sources import open_checkpoint
+    from bitmosaic.pipeline import RunSettings
+    from bitmosaic.pipeline.stream import quantize_streaming, streamable
+
+    method, options = CASES[case]
+    options = dict(options)
+    recipe = as_recipe(method, options, options.pop("scheme", None))
+    if streamable(recipe):
+        return "not streamable"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ckpt, tok = open_checkpoint(spec)
+        quantize_streaming(ckpt, tok, tmp / f"{case}-streamed", recipe, tokens, RunSettings(progress=False))
+    finally:
+        torch.set_num_threads(threads)
+    return folder_digests(tmp / f"{case}-streamed")
+
+
 def main(argv: list[str]) -> int:
     """``--write``: regenerate the golden file; ``--smollm2 OUT.json``: the same digests on
-    SmolLM2-135M (8 x 256 WikiText-2 tokens, seed 0; block and group sizes of the real shapes),
-    written to ``OUT.json`` for comparing two versions of the code by hand (minutes per method)."""
+    SmolLM2-135M (8 x 256 WikiText-2 tokens, seed 0; block and group sizes of the real shapes), in memory
+    and streamed (``CASE@stream``), written to ``OUT.json`` for comparing two versions of the code by
+    hand (minutes per method; a case already in ``OUT.json`` is kept, so an interrupted run resumes)."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
@@ -124,14 +153,17 @@ def main(argv: list[str]) -> int:
 
             tok = load_model("smollm2-135m")[1]
             tokens = calibration_samples(tok, "wikitext2", 8, 256, seed=0)
-            golden = {}
+            golden = json.loads(out.read_text()) if out.exists() else {}
             for case in CASES:
                 opts = CASES[case][1]
                 if "group_size" in opts and opts["group_size"]:
                     opts["group_size"] = 64
                 if "block_rows" in opts:
                     opts["block_rows"] = 512
-                golden[case] = saved_digests(case, Path(d), lambda: load_model("smollm2-135m")[0], tokens)
+                if case not in golden:
+                    golden[case] = saved_digests(case, Path(d), lambda: load_model("smollm2-135m")[0], tokens)
+                if f"{case}@stream" not in golden:
+                    golden[f"{case}@stream"] = streamed_digests(case, Path(d), "smollm2-135m", tokens)
                 out.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
                 print(case, "done", flush=True)
             return 0

@@ -11,7 +11,8 @@ from bitmosaic.cli import build_parser
 from bitmosaic.io import load_quantized, save_quantized
 from bitmosaic.methods import get_method
 from bitmosaic.models.arch import get_arch
-from bitmosaic.pipeline.pipeline import _apply_transform, capture_layer_inputs
+from bitmosaic.pipeline.calibration import capture_layer_inputs
+from bitmosaic.pipeline.loop import transform_layer
 from tests.helpers import assert_reload_same_logits
 from tests.pipeline.test_pipeline import tiny_llama
 
@@ -55,7 +56,7 @@ def test_folded_factors_leave_the_float_model_unchanged(calib, ids, method, opts
     plan = {n: (spec, cfg) for g in arch.sequential for n in g}  # every linear: this method
     infos = []
     for layer in layers:
-        infos.append(_apply_transform(plan, layer, arch, inputs, kwargs, torch.Generator().manual_seed(0)))
+        infos.append(transform_layer(layer, arch, plan, inputs, kwargs, torch.Generator().manual_seed(0)))
         with torch.inference_mode():
             inputs = [layer(h, **k) for h, k in zip(inputs, kwargs, strict=True)]
             inputs = [x[0] if isinstance(x, tuple) else x for x in inputs]

@@ -104,18 +104,11 @@ def test_codes_unchanged_by_the_pass_savings():
     a, b = tiny_llama(layers=2), tiny_llama(layers=2)
     quantize_(a, "gptq", calib, bits=4, group_size=16, progress=False, batch_size=4)
     from bitmosaic.methods import get_method
-    from bitmosaic.pipeline import quantize_model
+    from bitmosaic.pipeline import RunSettings, quantize_model
 
     spec = get_method("gptq")
-    quantize_model(
-        b,
-        calib,
-        spec,
-        spec.make_config(bits=4, group_size=16),
-        progress=False,
-        batch_size=4,
-        cache_outputs=False,
-    )
+    settings = RunSettings(progress=False, batch_size=4, cache_outputs=False)
+    quantize_model(b, calib, spec, spec.make_config(bits=4, group_size=16), settings)
     qa, qb = quantized_modules(a), quantized_modules(b)
     for n in qa:
         assert torch.equal(qa[n].codes(), qb[n].codes()), n

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from bitmosaic.errors import OptionError
-from bitmosaic.pipeline.recipe import Recipe, load_recipe, quantize_with_recipe
+from bitmosaic.pipeline import RunSettings, quantize_model
+from bitmosaic.pipeline.recipe import Recipe, load_recipe
 from tests.helpers import SPECIALS, VOCAB, save_hf_dir, tiny_llama, words
 
 QPROJ0 = "model.layers.0.self_attn.q_proj"
@@ -73,7 +74,7 @@ def test_yaml_and_json_files_agree(tmp_path):
 
 def test_a_pattern_that_matches_nothing_warns(capsys):
     r = Recipe.from_dict({"method": "rtn", "skip": ["mlp.dwn_proj"]})
-    report = quantize_with_recipe(tiny_llama(), _calib(), r, progress=False)
+    report = quantize_model(tiny_llama(), _calib(), r, settings=RunSettings(progress=False))
     warn = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
     assert len(warn) == 1 and "skip[0] 'mlp.dwn_proj' matches no linear" in warn[0], warn
     assert len(report.layers) == 14  # nothing skipped
@@ -92,7 +93,7 @@ def test_a_pattern_that_matches_nothing_warns(capsys):
 def test_an_entry_that_could_never_apply_is_refused(recipe, needle):
     r = Recipe.from_dict({"method": "rtn", **recipe})
     with pytest.raises(OptionError) as e:
-        quantize_with_recipe(tiny_llama(), _calib(), r, progress=False)
+        quantize_model(tiny_llama(), _calib(), r, settings=RunSettings(progress=False))
     assert needle in str(e.value) and "already took" in str(e.value) and "\n" not in str(e.value)
 
 
@@ -101,9 +102,7 @@ def test_one_entry_recipe_is_the_plain_method():
 
     a, b = tiny_llama(), tiny_llama()
     quantize_(a, "gptq", _calib(), bits=4, group_size=32, order="act", progress=False)
-    quantize_with_recipe(
-        b, _calib(), Recipe.from_options("gptq", {"bits": 4, "group_size": 32, "order": "act"})
-    )
+    quantize_model(b, _calib(), Recipe.from_options("gptq", {"bits": 4, "group_size": 32, "order": "act"}))
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
@@ -116,7 +115,7 @@ def test_overrides_and_skips_reach_every_linear(tmp_path):
 
     model = tiny_llama()
     float_down = model.model.layers[1].mlp.down_proj.weight.detach().clone()
-    report = quantize_with_recipe(model, _calib(), Recipe.from_dict(MIXED), progress=False)
+    report = quantize_model(model, _calib(), Recipe.from_dict(MIXED), settings=RunSettings(progress=False))
     q = quantized_modules(model)
     assert isinstance(model.model.layers[1].mlp.gate_proj, nn.Linear)  # skipped: float
     assert "model.layers.1.mlp.gate_proj" not in q and len(q) == 13
@@ -152,7 +151,7 @@ def test_smoothing_only_where_a_group_shares_one_smoothing_method():
             "overrides": [{"match": r"mlp\.up_proj$", "method": "rtn", "settings": {"bits": 8}}],
         }
     )
-    report = quantize_with_recipe(tiny_llama(), _calib(), r, progress=False)
+    report = quantize_model(tiny_llama(), _calib(), r, settings=RunSettings(progress=False))
     rows = {r["name"]: r for r in report.layers}
     assert rows[QPROJ0]["transform"]["folded"] is True
     assert "transform" not in rows["model.layers.0.mlp.gate_proj"]  # gate/up: mixed methods

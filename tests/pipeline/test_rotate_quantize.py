@@ -241,12 +241,12 @@ def test_cli_quantize_inspect_eval_and_stream_refusal(tmp_path, capsys):
 
 
 def test_pipeline_refuses_a_store_with_rotation():
-    from bitmosaic.methods import get_method
     from bitmosaic.pipeline import quantize_model
+    from bitmosaic.pipeline.recipe import Recipe
 
-    spec = get_method("rtn")
+    recipe = Recipe.from_options("rtn", {}, rotate="hadamard")
     with pytest.raises(OptionError, match="--stream off"):
-        quantize_model(tiny_llama(), _calib(), spec, spec.make_config(), rotate="hadamard", store=object())
+        quantize_model(tiny_llama(), _calib(), recipe, store=object())
 
 
 def test_random_rotation_seeds_differ():

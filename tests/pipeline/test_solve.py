@@ -6,7 +6,7 @@ import torch
 
 import bitmosaic.algorithms.gptq as G
 import bitmosaic.pipeline.calibration as C
-import bitmosaic.pipeline.pipeline as P
+import bitmosaic.pipeline.loop as P
 from bitmosaic import quantize_
 from bitmosaic.algorithms.hessian import HessianSpentError
 from bitmosaic.methods import get_method

@@ -19,7 +19,7 @@ from bitmosaic import quantize_
 from bitmosaic.cli import build_parser, main
 from bitmosaic.errors import OptionError
 from bitmosaic.io import save_quantized
-from bitmosaic.pipeline import pipeline as P
+from bitmosaic.pipeline import loop as P
 from bitmosaic.pipeline import spill as S
 from bitmosaic.pipeline.calibration import LayerInputs
 from bitmosaic.pipeline.spill import SpillStore, TensorFile, parse_size, write_tensor_file

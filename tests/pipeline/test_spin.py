@@ -117,7 +117,7 @@ def test_a_batch_step_descends_the_mean_loss_of_its_samples():
     Q1 = random_orthogonal(d, 0)
     R2 = [random_orthogonal(d // heads, 1)] * len(arch.layers(model))
     spec = RotationSpec("spinquant", steps=1, lr=1.5, batch=2)
-    Qb, Rb, info = learn_rotation(model, arch, Q1, R2, calib, act, spec, rotated_state)
+    Qb, Rb, info = learn_rotation(model, arch, (Q1, R2), calib, act, spec, rotated_state)
     assert info["batch"] == 2 and all(r.device == Q1.device for r in [Qb, *Rb])
     assert info["cycle"] == 3 and info["losses"] == [info["loss_first"]]  # 3 samples, 2 a step: 3 steps
     Q = Q1.float().requires_grad_(True)

@@ -19,7 +19,7 @@ from bitmosaic.api import as_recipe
 from bitmosaic.errors import OptionError
 from bitmosaic.io import save_quantized
 from bitmosaic.io.checkpoint import Checkpoint
-from bitmosaic.pipeline import stream
+from bitmosaic.pipeline import RunSettings, stream
 from bitmosaic.pipeline.stream import LayerStore, partial_dir, quantize_streaming
 from bitmosaic.testing import word_tokenizer, words
 
@@ -75,10 +75,13 @@ def _same_folder(a: Path, b: Path) -> None:
     assert qa == qb
 
 
+_QUIET = RunSettings(progress=False)
+
+
 def _stream(src: Path, out: Path, case: str, **kw):
     method, opts, scheme = CASES[case]
     return quantize_streaming(Checkpoint(src), word_tokenizer(), out, as_recipe(method, dict(opts), scheme),
-                              _calib(), progress=False, **kw)  # fmt: skip
+                              _calib(), RunSettings(progress=False, **kw))  # fmt: skip
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -103,7 +106,7 @@ def test_a_method_with_a_whole_model_step_is_refused_in_one_line(tmp_path):
     src = _src(tmp_path)
     with pytest.raises(OptionError, match="whole-model step") as e:
         quantize_streaming(Checkpoint(src), word_tokenizer(), tmp_path / "o",
-                           as_recipe("sfmp", {"bpw": 3.25}), _calib(), progress=False)  # fmt: skip
+                           as_recipe("sfmp", {"bpw": 3.25}), _calib(), _QUIET)  # fmt: skip
     assert "\n" not in str(e.value)
 
 
@@ -155,11 +158,11 @@ def test_a_rerun_with_another_recipe_or_calibration_refuses(tmp_path, monkeypatc
         _stream(src, tmp_path / "out", "rtn")
     with pytest.raises(OptionError, match="different recipe") as e:
         quantize_streaming(Checkpoint(src), word_tokenizer(), tmp_path / "out", as_recipe("rtn", {"bits": 3}),
-                           _calib(), progress=False)  # fmt: skip
+                           _calib(), RunSettings(progress=False))  # fmt: skip
     assert "delete" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(OptionError, match="different calibration tokens"):
         quantize_streaming(Checkpoint(src), word_tokenizer(), tmp_path / "out",
-                           as_recipe(*CASES["rtn"][:2]), _calib() + 1, progress=False)  # fmt: skip
+                           as_recipe(*CASES["rtn"][:2]), _calib() + 1, _QUIET)  # fmt: skip
 
 
 _SLOW_MAIN = """

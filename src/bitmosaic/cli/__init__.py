@@ -21,10 +21,12 @@ from .args import (
     act_spec_from_args,
     add_cache_args,
 )
-from .commands import cmd_eval, cmd_inspect, cmd_methods, cmd_quantize
+from .commands import cmd_eval, cmd_inspect, cmd_methods
 from .export import add_export_parser, cmd_export
 from .method_flags import add_method_args, method_options
+from .quantize import cmd_quantize
 from .reproduce import add_reproduce_parser, cmd_reproduce
+from .settings_flags import add_settings_flags
 
 __all__ = ["main", "build_parser", "act_spec_from_args", "method_options"]
 
@@ -65,18 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--recipe", default=None, help="YAML/JSON recipe: method, settings, overrides, skip")
     add_method_args(q)
     _add_act_args(q)
-    q.add_argument(
-        "--bound-orders",
-        default=None,
-        help="comma list of orders (e.g. natural,act,min-pivot): per-layer Babai bound and no-clip error",
-    )
-    q.add_argument(
-        "--hessian-dtype", choices=["float32", "float64"], default="float32", help="calibration Hessian dtype"
-    )
     q.add_argument("--calib", default="wikitext2", help="calibration data: wikitext2 or a text file")
     q.add_argument("--nsamples", type=int, default=32, help="calibration samples")
     q.add_argument("--seqlen", type=int, default=512, help="tokens per calibration sample")
-    q.add_argument("--seed", type=int, default=0, help="seed of the calibration sampling and the run")
     q.add_argument(
         "--rotate", default=None, metavar="{none,hadamard,random,spinquant[:steps=N,lr=X,batch=B]}",
         help="QuaRot rotation folded into the float model before any method (norm scales folded, residual "
@@ -85,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and R2 learned from the Hadamard ones by Cayley SGD against the activation quantizer on the "
         "calibration data (default 100 steps, lr 1.5, 1 sample a step; needs --abits) (default: none)",
     )  # fmt: skip
-    q.add_argument("--batch-size", type=int, default=4, help="calibration samples per layer forward")
+    add_settings_flags(q)  # --batch-size, --hessian-dtype, --seed, --bound-orders, --no-progress
     add_cache_args(q)
     q.add_argument("--data-dir", default=None, help="shared data folder (else $BITMOSAIC_DATA, else the hub)")
     q.add_argument("--out", default=None, help="save the quantized model to this folder")
@@ -95,7 +88,6 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--eval-seqlen", type=int, default=512, help="tokens per evaluation window")
     q.add_argument("--max-windows", type=int, default=None, help="with --eval: first K windows only")
     q.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    q.add_argument("--no-progress", action="store_true", help="no progress bars")
     _add_eval_extras(q, quantize=True)
     _add_device_args(q)
     q.add_argument(

@@ -12,7 +12,6 @@ change float rounding, so the versions are printed side by side.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 
@@ -109,22 +108,20 @@ def cmd_reproduce(args) -> int:
 
     import torch
 
-    from ..data import calibration_samples
     from ..errors import BitmosaicError
-    from ..io import load_model
     from ..io.loading import resolve_device
-    from ..io.provenance import calibration_fingerprint, compare_fingerprints, library_versions
-    from ..io.saved import _read_state_dict, verify_saved
-    from ..io.serialization import _state_dict_for_save, quantized_modules
-    from ..modules.qmodules import full_layer_config
+    from ..io.provenance import library_versions
     from .checks import check_counts
-    from .commands import _check_json_path, _write_json, run_recipe, verify_file_hashes
+    from .commands import verify_file_hashes
+    from .evaluate import check_json_path, write_json
 
     check_counts(args)
     path = Path(args.dir)
     checked = verify_file_hashes(path)  # first: a file changed since the save is named as such
     if checked is not None:
         print(f"all {len(checked)} files match the SHA-256 recorded at save (SHA256SUMS)")
+    from ..io.serialization import verify_saved
+
     _, qc = verify_saved(path)  # an edited or damaged folder is refused as the loaders refuse it
     recipe, prov = _recorded(path, qc)
     if qc.get("method") == recipe.method:
@@ -132,44 +129,65 @@ def cmd_reproduce(args) -> int:
         if pinned:
             said = ", ".join(f"{k}={v}" for k, v in pinned.items())
             print(f"defaults changed since the save; the recorded values are used: {said}")
-    cal, pipe = prov["calibration"], prov["pipeline"]
-    _check_json_path(args.json)
+    check_json_path(args.json)
+    pipe = prov["pipeline"]
     torch.set_num_threads(args.threads or int(pipe.get("threads") or torch.get_num_threads()))
     device = resolve_device(args.device or pipe["device"])
-    dtype = getattr(torch, pipe.get("dtype") or "float32")
-    now = library_versions()
-    rec = prov.get("versions") or {}
+    now, rec = library_versions(), prov.get("versions") or {}
     print(f"{'library':<14} {'recorded':<22} {'now':<22}")
     for k in sorted(set(rec) | set(now)):
         mark = "" if rec.get(k) == now.get(k) else "  <- differs"
         print(f"{k:<14} {rec.get(k)!s:<22} {now.get(k)!s:<22}{mark}")
     if not (args.model or prov["model"]):
         raise BitmosaicError(f"{path} does not record its source model; pass --model")
-    run = argparse.Namespace(
-        model=args.model or prov["model"],
-        calib=cal["source"],
-        nsamples=int(cal["nsamples"]),
-        seqlen=int(cal["seqlen"]),
-        seed=int(cal["seed"]),
-        data_dir=args.data_dir,
-        batch_size=int(pipe.get("batch_size", 4)),
-        hessian_dtype=pipe.get("hessian_dtype", "float32"),
-        bound_orders=pipe.get("bound_orders"),
-    )
-    model, tok = load_model(run.model, dtype=dtype)
-    calib = calibration_samples(tok, run.calib, run.nsamples, run.seqlen, run.seed, data_dir=run.data_dir)
-    fp = calibration_fingerprint(calib, source=run.calib, seed=run.seed, bos=bool(cal.get("bos")))
     result: dict = {"dir": str(path), "versions": {"recorded": rec, "now": now}}
-    diffs = compare_fingerprints(cal, fp)
+    model, diffs = _rerun(args, recipe, prov, device)
     if diffs:
         print("calibration data differs from the recorded data: " + "; ".join(diffs))
         result.update(match=False, calibration_differs=diffs)
-        _write_json(args.json, result)
+        write_json(args.json, result)
         return 1
-    print(
-        f"calibration data matches ({run.nsamples} x {run.seqlen} tokens from {run.calib}, seed {run.seed})"
-    )
-    run_recipe(model, tok, recipe, run, device, progress=not args.no_progress, calib=calib)
+    bad, n_tensors = _compare(path, qc, model)
+    result.update(match=not bad, tensors=n_tensors, differing=bad)
+    write_json(args.json, json.loads(json.dumps(result, default=str)))
+    return 0 if not bad else 1
+
+
+def _rerun(args, recipe, prov: dict, device):
+    """The recorded run again, on the recorded data: ``(model, [])``, or ``(None, differences)`` when
+    the calibration data drawn now is not the recorded data."""
+    import torch
+
+    from ..api import draw_calibration
+    from ..io import load_model
+    from ..io.provenance import calibration_fingerprint, compare_fingerprints
+    from ..pipeline.calib_cache import CalibCache
+    from ..pipeline.run import run, source_name
+    from ..pipeline.settings import RunSettings
+
+    cal, pipe = prov["calibration"], prov["pipeline"]
+    spec, source, seed = args.model or prov["model"], cal["source"], int(cal["seed"])
+    n, seqlen = int(cal["nsamples"]), int(cal["seqlen"])
+    model, tok = load_model(spec, dtype=getattr(torch, pipe.get("dtype") or "float32"))
+    calibration = draw_calibration(tok, source, n, seqlen, seed, args.data_dir)
+    fp = calibration_fingerprint(calibration.tokens, source=source, seed=seed, bos=bool(cal.get("bos")))
+    diffs = compare_fingerprints(cal, fp)
+    if diffs:
+        return None, diffs
+    print(f"calibration data matches ({n} x {seqlen} tokens from {source}, seed {seed})")
+    settings = RunSettings.from_record(pipe, seed=seed, device=device, progress=not args.no_progress,
+                                       calib_cache=CalibCache("auto"))  # fmt: skip
+    torch.manual_seed(seed)
+    run(model, recipe, calibration, settings, source_model=source_name(spec))
+    return model, []
+
+
+def _compare(path: Path, qc: dict, model) -> tuple[list[dict], int]:
+    """Every saved tensor and layer setting against the rerun's, printed: ``(differing rows, tensors)``."""
+    from ..io.saved import _read_state_dict
+    from ..io.serialization import _state_dict_for_save, quantized_modules
+    from ..modules.qmodules import full_layer_config
+
     rows = compare_state_dicts(_read_state_dict(path), _state_dict_for_save(model))
     n_tensors = len(rows)
     rerun = {n: full_layer_config(m) for n, m in quantized_modules(model).items()}
@@ -188,6 +206,4 @@ def cmd_reproduce(args) -> int:
         if not bad
         else f"{len(bad) - n_settings} of {n_tensors} tensors and {n_settings} layer settings differ"
     )
-    result.update(match=not bad, tensors=n_tensors, differing=bad)
-    _write_json(args.json, json.loads(json.dumps(result, default=str)))
-    return 0 if not bad else 1
+    return bad, n_tensors

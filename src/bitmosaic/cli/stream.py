@@ -70,31 +70,25 @@ def should_stream(args, recipe, dtype) -> bool:
     return need is not None and need > 0.5 * (budget if budget is not None else available_bytes())
 
 
-def run_streaming(args, recipe, spec, config, device, dtype, progress: bool) -> tuple[object, dict]:
-    """The streamed ``quantize`` run: ``(report, json dict)``; evaluation reads the saved folder."""
+def run_streaming(args, recipe, settings, dtype):
+    """The streamed ``quantize`` run (its output saved to ``--out``): the report; evaluation reads the
+    saved folder.  No calibration cache (its entries are keyed by a model held whole) and no spill
+    folder beside ``--out`` (the run's work folder holds it)."""
     import torch
 
-    from ..data import calibration_samples
     from ..io.sources import open_checkpoint
     from ..pipeline.stream import partial_dir, quantize_streaming
+    from .settings_flags import calibration_from_args
 
     t0 = time.perf_counter()
     ckpt, tok = open_checkpoint(args.model)
     warn_positions(SimpleNamespace(config=ckpt.config()), args.seqlen, "--seqlen")  # as the in-memory run
     resuming = (partial_dir(args.out) / "progress.json").is_file()
     print(f"streaming {args.model} layer by layer into {args.out}" + (" (resuming)" if resuming else ""))
-    calib = calibration_samples(tok, args.calib, args.nsamples, args.seqlen, args.seed,
-                                data_dir=args.data_dir)  # fmt: skip
-    hdt = {"float32": torch.float32, "float64": torch.float64}[args.hessian_dtype]
-    orders = tuple(o for o in args.bound_orders.split(",") if o) if args.bound_orders else None
+    calibration = calibration_from_args(args, tok)
     torch.manual_seed(args.seed)
-    settings = {"batch_size": args.batch_size, "seed": args.seed, "hessian_dtype": args.hessian_dtype,
-                "device": str(device), "bound_orders": orders}  # fmt: skip
-    report = quantize_streaming(
-        ckpt, tok, args.out, recipe, calib, dtype=dtype, overwrite=args.overwrite, settings=settings,
-        calib_source=args.calib, batch_size=args.batch_size, hessian_dtype=hdt, progress=progress,
-        analyze_orders=orders, seed=args.seed, device=device, max_memory=getattr(args, "max_memory", None),
-        source_model=str(Path(args.model).resolve()) if Path(args.model).exists() else args.model,
-    )  # fmt: skip
+    settings = settings.replace(calib_cache=None, spill_dir=None)
+    report = quantize_streaming(ckpt, tok, args.out, recipe, calibration, settings, dtype=dtype,
+                                overwrite=args.overwrite)  # fmt: skip
     report.seconds = time.perf_counter() - t0
-    return report, {"saved_to": str(Path(args.out))}
+    return report

@@ -75,23 +75,21 @@ def compare_fingerprints(recorded: dict, now: dict) -> list[str]:
     return diffs
 
 
-def run_provenance(
-    calib: torch.Tensor, *, source: str | None, seed: int, bos: bool, model: str | None, device, dtype,
-    batch_size: int, hessian_dtype, analyze_orders=None,
-) -> dict:  # fmt: skip
+def run_provenance(calib: torch.Tensor, *, source: str | None, bos: bool, model: str | None, device, dtype,
+                   settings) -> dict:  # fmt: skip
     """The provenance of one quantization run (module doc); ``source`` ``None``: token ids given
-    directly (recorded as ``"tensor"``: the fingerprint, but nothing to draw them from again)."""
+    directly (recorded as ``"tensor"``: the fingerprint, but nothing to draw them from again).
+    ``settings``: the run's :class:`~bitmosaic.pipeline.settings.RunSettings`, whose fields marked for
+    the record (:meth:`~bitmosaic.pipeline.settings.RunSettings.record`) join the ``pipeline`` block."""
     return {
         "versions": library_versions(),
         "model": model,
-        "calibration": calibration_fingerprint(calib, source=source or "tensor", seed=seed, bos=bos),
+        "calibration": calibration_fingerprint(calib, source=source or "tensor", seed=settings.seed, bos=bos),
         "pipeline": {
             "device": str(device),
             "dtype": str(dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(),
-            "batch_size": int(batch_size),
-            "hessian_dtype": str(hessian_dtype).removeprefix("torch."),
-            "bound_orders": ",".join(analyze_orders) if analyze_orders else None,
+            **settings.record(),
         },
     }
 

@@ -270,11 +270,15 @@ def capture_layer_inputs(
     return inputs, kwargs_by_kind
 
 
-def first_layer_inputs(model, layers, calib, batch_size, dev, cdtype, runc, offload, budget, spill_dir):
+def first_layer_inputs(model, layers, calib, settings, dev, cdtype, runc, budget):
     """The layer-0 inputs (a :class:`LayerInputs` in the model's dtype), their kwargs by layer kind, and
-    the report's spill record (:func:`~bitmosaic.pipeline.spill.spill_decision`).  Spilled inputs are
+    the report's spill record (:func:`~bitmosaic.pipeline.spill.spill_decision`).  ``settings``: the
+    run's :class:`~bitmosaic.pipeline.settings.RunSettings` (batch size, ``offload_inputs``,
+    ``spill_dir``); ``runc``: the bound calibration cache; ``budget``: the host-memory budget (bytes).
+    Spilled inputs are
     captured straight into their file, batch by batch, not through the calibration cache (whose entry
     is read and written whole); the results are the same bytes either way."""
+    batch_size, offload, spill_dir = settings.batch_size, settings.offload_inputs, settings.spill_dir
     store_dtype = model_dtype(layers)
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     first = None
@@ -392,13 +396,13 @@ def group_statistics(
     *,
     hessian_dtype: torch.dtype = torch.float32,
     cache: OutputCache | None = None,
-    act_spec=None,
-    observe: bool = False,
+    observe=False,
     dist: Dist | None = None,
 ) -> tuple[dict[str, HessianAccumulator], dict[str, str], dict[str, ActObserver]]:
     """Hessians of the inputs of linears ``names`` (modules fed the very same tensor share one:
-    ``owner[name]`` is the name whose accumulator holds it), and input observers when
-    ``act_spec`` is static (or ``observe``: per-channel statistics only).  The layer's forward
+    ``owner[name]`` is the name whose accumulator holds it), and input observers when ``observe``:
+    ``True`` for per-channel statistics only, a static activation quantizer (``ActQuantSpec``) for
+    its calibrated scales too.  The layer's forward
     stops as soon as every input was seen.
 
     Members of a group read one tensor (q/k/v, gate/up), so computing q and k only to reach v's
@@ -415,61 +419,10 @@ def group_statistics(
     mods = {n: layer.get_submodule(n) for n in names}
     accs: dict[str, HessianAccumulator] = {}
     observers: dict[str, ActObserver] = {}
-    owner: dict[str, str] = {}
-    observe = observe or (act_spec is not None and act_spec.static)
-    state: dict = {"stand_ins": len(mods) > 1}
-
-    def make_hook(name):
-        def hook(module, args):
-            x = args[0]
-            seen: list = state["seen"]
-            if any(n == name for n, _ in seen):
-                return  # a member called twice in one pass: its first input is the one recorded
-            own = next((n for n, t in seen if t is x and owner.get(n, n) == n), None)
-            if own is None and state["stood_in"]:
-                raise _StandInsSpoiled
-            owner.setdefault(name, own or name)
-            seen.append((name, x))
-            if len(seen) == len(mods):
-                raise StopForward
-
-        return hook
-
-    def make_forward(module):
-        orig = module.forward
-
-        def forward(x, *args, **kw):
-            if state["stand_ins"]:
-                state["stood_in"] = True
-                return x.new_zeros(*x.shape[:-1], module.out_features)
-            return orig(x, *args, **kw)
-
-        return forward
-
-    handles = [m.register_forward_pre_hook(make_hook(n)) for n, m in mods.items()]
-    patched = [m for m in mods.values() if isinstance(m, nn.Linear) and "forward" not in vars(m)]
-    for m in patched:
-        m.forward = make_forward(m)
+    act_spec = None if isinstance(observe, bool) else observe
+    observe = bool(observe) and (act_spec is None or act_spec.static)
     many = dist is not None and dist.world > 1
     blocks: dict[str, set[int] | None] = {}
-
-    def forward(b: int, hs: torch.Tensor, kw: dict) -> list[tuple[str, torch.Tensor]]:
-        """Batch ``b``'s pass(es) until every member's input was seen: the owners' inputs."""
-        if cache is not None:
-            cache.batch = b
-        while True:
-            state["seen"], state["stood_in"] = [], False
-            try:
-                run_layer(layer, hs, kw)
-            except StopForward:
-                break
-            except _StandInsSpoiled:
-                state["stand_ins"] = False  # this group's members do not share one input
-                continue
-            missing = sorted(set(mods) - {n for n, _ in state["seen"]})
-            raise RuntimeError(f"layer forward never called {missing}; check the architecture's layer map")
-        seen, state["seen"] = [(n, x) for n, x in state["seen"] if owner[n] == n], []
-        return seen
 
     def take(seen: list[tuple[str, torch.Tensor]]) -> None:  # one batch's inputs, in batch order
         for name, x in seen:
@@ -481,19 +434,86 @@ def group_statistics(
             if observe:
                 observers.setdefault(name, ActObserver(x.shape[-1], act_spec)).add(x)
 
+    rec = _GroupPass(layer, mods, cache)
     try:
         if many:  # each rank runs its batches; every rank adds every batch (bit-identical statistics)
             batches = iter(zip(inputs, kwargs, strict=True))
-            dist.stream(len(inputs), lambda j: forward(j, *next(batches)), lambda b, seen: take(seen))
+            dist.stream(len(inputs), lambda j: rec.inputs(j, *next(batches)), lambda b, seen: take(seen))
             for name, acc in accs.items():
                 dist.gather_hessian(acc, blocks[name])
         else:
             for b, (hs, kw) in enumerate(zip(inputs, kwargs, strict=True)):
-                take(forward(b, hs, kw))
+                take(rec.inputs(b, hs, kw))
                 release_host_memory(grown_mb=64)  # the forward's freed temporaries (devices.py)
     finally:
-        for h in handles:
+        rec.close()
+    return accs, rec.owner, observers
+
+
+class _GroupPass:
+    """The hooks of :func:`group_statistics` on one layer: each member's input recorded (``owner``: who
+    holds the tensor each member reads), stand-in outputs while the group is incomplete, the forward
+    stopped once every member was seen.  :meth:`close` removes them."""
+
+    def __init__(self, layer: nn.Module, mods: dict[str, nn.Module], cache: OutputCache | None) -> None:
+        self.layer, self.mods, self.cache = layer, mods, cache
+        self.owner: dict[str, str] = {}
+        self.state: dict = {"stand_ins": len(mods) > 1}
+        self.handles = [m.register_forward_pre_hook(self._hook(n)) for n, m in mods.items()]
+        self.patched = [m for m in mods.values() if isinstance(m, nn.Linear) and "forward" not in vars(m)]
+        for m in self.patched:
+            m.forward = self._forward(m)
+
+    def _hook(self, name: str):
+        state, owner, n_mods = self.state, self.owner, len(self.mods)
+
+        def hook(module, args):
+            x = args[0]
+            seen: list = state["seen"]
+            if any(n == name for n, _ in seen):
+                return  # a member called twice in one pass: its first input is the one recorded
+            own = next((n for n, t in seen if t is x and owner.get(n, n) == n), None)
+            if own is None and state["stood_in"]:
+                raise _StandInsSpoiled
+            owner.setdefault(name, own or name)
+            seen.append((name, x))
+            if len(seen) == n_mods:
+                raise StopForward
+
+        return hook
+
+    def _forward(self, module: nn.Linear):
+        orig, state = module.forward, self.state
+
+        def forward(x, *args, **kw):
+            if state["stand_ins"]:
+                state["stood_in"] = True
+                return x.new_zeros(*x.shape[:-1], module.out_features)
+            return orig(x, *args, **kw)
+
+        return forward
+
+    def inputs(self, b: int, hs: torch.Tensor, kw: dict) -> list[tuple[str, torch.Tensor]]:
+        """Batch ``b``'s pass(es) until every member's input was seen: the owners' inputs."""
+        state = self.state
+        if self.cache is not None:
+            self.cache.batch = b
+        while True:
+            state["seen"], state["stood_in"] = [], False
+            try:
+                run_layer(self.layer, hs, kw)
+            except StopForward:
+                break
+            except _StandInsSpoiled:
+                state["stand_ins"] = False  # this group's members do not share one input
+                continue
+            missing = sorted(set(self.mods) - {n for n, _ in state["seen"]})
+            raise RuntimeError(f"layer forward never called {missing}; check the architecture's layer map")
+        seen, state["seen"] = [(n, x) for n, x in state["seen"] if self.owner[n] == n], []
+        return seen
+
+    def close(self) -> None:
+        for h in self.handles:
             h.remove()
-        for m in patched:
+        for m in self.patched:
             del m.forward
-    return accs, owner, observers

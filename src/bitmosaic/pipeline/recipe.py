@@ -15,9 +15,9 @@ A recipe is a YAML or JSON mapping::
     rotate: hadamard                  # optional: none (default), hadamard, random, spinquant (rotate.py)
 
 ``group_size: -1`` means per-channel (``null`` too).  The CLI flags are a one-entry recipe
-(:meth:`Recipe.from_options`), so both take one code path: :func:`quantize_with_recipe` builds a
-resolver (qualified linear name -> ``(MethodSpec, config)`` or ``None`` to skip) for
-:func:`bitmosaic.pipeline.pipeline.quantize_model`.  Every mistake is a one-line
+(:meth:`Recipe.from_options`), so both take one code path: given a recipe,
+:func:`bitmosaic.pipeline.pipeline.quantize_model` builds its resolver (:meth:`Recipe.resolver`:
+qualified linear name -> ``(MethodSpec, config)`` or ``None`` to skip).  Every mistake is a one-line
 :class:`~bitmosaic.errors.OptionError` naming the bad key and the fix.  A pattern that matches no
 linear of the model gets a warning line; an entry that matches only linears an earlier entry took (so
 it would never apply, e.g. the same pattern twice) is refused.
@@ -41,7 +41,7 @@ from pathlib import Path
 from ..errors import OptionError
 from .rotate import ROTATIONS, parse_rotation
 
-__all__ = ["Recipe", "Rule", "load_recipe", "method_config", "quantize_with_recipe"]
+__all__ = ["Recipe", "Rule", "load_recipe", "method_config"]
 
 _TOP_KEYS = ("method", "scheme", "settings", "overrides", "skip", "rotate")
 _RULE_KEYS = ("match", "method", "scheme", "settings")
@@ -247,26 +247,6 @@ def load_recipe(path: str | os.PathLike) -> Recipe:
         reason = " ".join(str(e).split())[:200]
         raise OptionError(f"--recipe {path} is not valid YAML/JSON ({reason}); fix the file") from None
     return Recipe.from_dict(data, where=f"recipe {path.name}")
-
-
-def quantize_with_recipe(model, calib, recipe: Recipe, **pipeline_kwargs):
-    """Quantize ``model`` in place as ``recipe`` says; returns the run report
-    (see :func:`bitmosaic.pipeline.pipeline.quantize_model` for ``pipeline_kwargs``)."""
-    from ..models.arch import get_arch
-    from ..pipeline import quantize_model  # the package's name, so callers (and tests) can wrap it
-
-    arch = pipeline_kwargs.pop("arch", None) or get_arch(model)
-    names = [
-        f"{arch.layers_path}.{li}.{n}"
-        for li in range(len(arch.layers(model)))
-        for g in arch.sequential
-        for n in g
-    ]
-    resolve = recipe.resolver(names)
-    spec, config = resolve.default  # one object: a model-wide plan made on it reaches every linear
-    return quantize_model(
-        model, calib, spec, config, arch=arch, resolve=resolve, rotate=recipe.rotate, **pipeline_kwargs
-    )
 
 
 # -- validation helpers ------------------------------------------------------------------------------

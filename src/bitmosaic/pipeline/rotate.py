@@ -32,7 +32,7 @@ from ..algorithms.rotation import NoHadamardError, hadamard_factor, hadamard_tra
 from ..errors import OptionError
 from ..models.arch import ArchSpec
 from ..modules.rotation import attach_input_rotation, input_rotation_spec, online_spec
-from .spin import learn_rotation
+from .spin import learn_rotation, on_device
 
 __all__ = ["ROTATIONS", "RotationSpec", "check_rotatable", "parse_rotation", "prepare_rotation",
            "rotate_model", "rotated_state"]  # fmt: skip
@@ -252,9 +252,9 @@ def rotate_model(
     R2s = [R2] * len(arch.layers(model))
     out = {"kind": spec.label, "seed": int(seed), "online": online, "untied": bool(tied)}
     if spec.kind == "spinquant":
-        with torch.enable_grad():
+        with torch.enable_grad(), on_device(model, arch, device):
             Q1, R2s, out["learned"] = learn_rotation(
-                model, arch, Q1, R2s, calib, act, spec, rotated_state, progress, device
+                model, arch, (Q1, R2s), calib, act, spec, rotated_state, progress
             )
     for name, value in rotated_state(model, arch, Q1, R2s).items():
         _set(model.get_parameter(name), value)

@@ -25,6 +25,8 @@ copies at once.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -36,7 +38,7 @@ from ..modules.qlinear import UnpackableCodesError
 from .distributed import current
 from .report import ERROR_METRICS, error_metrics, hessian_summary
 
-__all__ = ["Handed", "HessianSpentError", "quantize_shared"]
+__all__ = ["Handed", "HessianSpentError", "SolveJob", "quantize_shared"]
 
 
 class Handed:
@@ -59,15 +61,33 @@ def _narrow(W: torch.Tensor) -> torch.Tensor:
     return W if W.dtype in (torch.bfloat16, torch.float16, torch.float32) else W.float()
 
 
-def quantize_shared(
-    method, config, layer, names, H, percdamp, prefix, check, act_stats=None, state=None, dist=None,
-    disposable: bool = False, input_scales=None,
-) -> list[tuple[str, nn.Module, dict]]:  # fmt: skip
-    """Quantize linears ``names`` that share Hessian ``H``; stacked into one call when the method
+@dataclass
+class SolveJob:
+    """What one :func:`quantize_shared` call solves: linears ``names`` of ``layer`` (under the qualified
+    prefix ``prefix``) with ``method`` and ``config``; ``check``: verify the packed weights against the
+    simulated ones; ``act_stats``: their input observer; ``state``: the run state the method's
+    ``prepare`` returned; ``dist``: a data-parallel run's rank (the solves are spread over the ranks,
+    :meth:`Dist.solve`); ``input_scales``: the factors a transform folded into their input
+    (``LayerStats``)."""
+
+    method: object
+    config: object
+    layer: nn.Module
+    names: list[str]
+    prefix: str
+    check: bool = True
+    act_stats: object = None
+    state: object = None
+    dist: object = None
+    input_scales: torch.Tensor | None = None
+
+
+def quantize_shared(job: SolveJob, H, disposable: bool = False) -> list[tuple[str, nn.Module, dict]]:
+    """Quantize the linears of ``job`` that share Hessian ``H``; stacked into one call when the method
     allows it.  Returns (name, packed module, report row) and puts the dequantized weights in place.
-    ``dist``: the solves of a data-parallel run are spread over its ranks (:meth:`Dist.solve`).
-    ``disposable``: the caller needs ``H`` no more (module doc); may raise HessianSpentError.
-    ``input_scales``: the factors a transform folded into these linears' input (``LayerStats``)."""
+    ``disposable``: the caller needs ``H`` no more (module doc); may raise HessianSpentError."""
+    method, config, layer, names, prefix = job.method, job.config, job.layer, job.names, job.prefix
+    percdamp, state = config.percdamp, job.state
     H = H.take() if isinstance(H, Handed) else H
     lins = [layer.get_submodule(n) for n in names]
     own = [_narrow(lin.weight.data) for lin in lins]  # no float32 copies (module doc)
@@ -80,7 +100,9 @@ def quantize_shared(
         calls = [((n,), W.float()) for n, W in zip(names, own, strict=True)]
     disposable = disposable and H is not None and len(calls) == 1 and method.may_overwrite_hessian
     summaries = {n: hessian_summary(W, H) for n, W in zip(names, own, strict=True)} if disposable else {}
-    stats = LayerStats(hessian=H, act=act_stats, hessian_disposable=disposable, input_scales=input_scales)
+    stats = LayerStats(
+        hessian=H, act=job.act_stats, hessian_disposable=disposable, input_scales=job.input_scales
+    )
     names_of = [call_names for call_names, _ in calls]
     weights = [W for _, W in calls]
     del own, calls
@@ -90,7 +112,7 @@ def quantize_shared(
         return method.quantize(W, stats, config, state, name)
 
     try:
-        solved = (dist or current()).solve(weights, solve, method.row_separable)
+        solved = (job.dist or current()).solve(weights, solve, method.row_separable)
     except ScaleOverflowError as e:  # name the layer(s): the grid code does not know them
         which = ", ".join(f"{prefix}.{n}" for n in names)
         raise ScaleOverflowError(f"layer {which}: {e}") from None
@@ -114,7 +136,7 @@ def quantize_shared(
                 qlin = method.pack(r, config, lin.bias)
             except UnpackableCodesError as e:
                 raise UnpackableCodesError(f"layer {prefix}.{n}: {e}") from None
-            if check and not torch.equal(qlin.dequantize_weight(torch.float32), Wq.to("cpu")):
+            if job.check and not torch.equal(qlin.dequantize_weight(torch.float32), Wq.to("cpu")):
                 raise RuntimeError(f"internal: packed weights of {prefix}.{n} differ from the simulated ones")
             row = {"name": f"{prefix}.{n}", "shape": list(Wn.shape)}
             if measured:

@@ -19,6 +19,7 @@ and knows no method.  Cost: ``steps`` forward and backward passes of the whole f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from ..algorithms.rotation import cayley_step
 from ..formats.act import ActQuantSpec, fake_quant
 from ..models.arch import ArchSpec
 
-__all__ = ["learn_rotation", "dynamic_form"]
+__all__ = ["learn_rotation", "dynamic_form", "on_device"]
 
 
 def dynamic_form(act: ActQuantSpec) -> ActQuantSpec:
@@ -51,33 +52,44 @@ def _ste_hook(spec: ActQuantSpec):
     return hook
 
 
+@contextlib.contextmanager
+def on_device(model: nn.Module, arch: ArchSpec, device: torch.device | str | None):
+    """The whole ``model`` on ``device`` (``None``: where it is) for the block, back home after."""
+    home = model.get_submodule(arch.rotation.embed).weight.device
+    dev = torch.device(device) if device is not None else home
+    if dev != home:
+        model.to(dev)
+    try:
+        yield
+    finally:
+        if dev != home:
+            model.to(home)
+
+
 def learn_rotation(
     model: nn.Module,
     arch: ArchSpec,
-    Q1: torch.Tensor,
-    R2: list[torch.Tensor],
+    start: tuple[torch.Tensor, list[torch.Tensor]],
     calib: torch.Tensor,
     act: ActQuantSpec,
     spec,
     rotated_state: Callable[..., dict[str, torch.Tensor]],
     progress: bool = False,
-    device: torch.device | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor], dict]:
-    """Learn R1 (``Q1``, ``[d, d]``) and the per-layer R2 (``R2``) of a model that
-    :func:`~bitmosaic.pipeline.rotate.prepare_rotation` prepared (``spec``: a
+    """Learn R1 (``Q1``, ``[d, d]``) and the per-layer R2 (``R2``) from ``start = (Q1, R2)`` for a model
+    that :func:`~bitmosaic.pipeline.rotate.prepare_rotation` prepared (``spec``: a
     :class:`~bitmosaic.pipeline.rotate.RotationSpec` with ``steps``, ``lr`` and ``batch``;
     ``rotated_state``: the rotation's differentiable parametrisation,
-    :func:`~bitmosaic.pipeline.rotate.rotated_state`; ``device``: where to learn, default where the
-    model is).  Returns the learned matrices (float64, orthogonal to rounding, on ``Q1``'s device) and
+    :func:`~bitmosaic.pipeline.rotate.rotated_state`), where the model is (:func:`on_device` puts it
+    where it should learn).  Returns the learned matrices (float64, orthogonal to rounding, on
+    ``Q1``'s device) and
     ``{"steps", "lr", "batch", "cycle", "losses", "loss_first", "loss_last"}``: ``losses`` the
     cross-entropy of each step's samples before its step (``loss_first``/``loss_last`` the first and
     the last), ``cycle`` the steps after which the samples repeat (steps ``t`` and ``t + cycle`` see the
     same samples, so a descent shows as ``losses[t + cycle] < losses[t]``); the model's parameters are
-    unchanged and back where they were (the caller folds the result in)."""
-    home = model.get_submodule(arch.rotation.embed).weight.device
-    dev = torch.device(device) if device is not None else home
-    if dev != home:
-        model.to(dev)
+    unchanged (the caller folds the result in)."""
+    Q1, R2 = start
+    dev = model.get_submodule(arch.rotation.embed).weight.device
     base = {n: p.detach() for n, p in model.named_parameters()}
     grads = {n: p.requires_grad for n, p in model.named_parameters()}
     Q = Q1.to(device=dev, dtype=torch.float32).clone().requires_grad_(True)
@@ -108,8 +120,6 @@ def learn_rotation(
             h.remove()
         for name, p in model.named_parameters():
             p.requires_grad_(grads[name])
-        if dev != home:
-            model.to(home)
     cycle = calib.shape[0] // math.gcd(calib.shape[0], spec.batch)
     info = {"steps": spec.steps, "lr": spec.lr, "batch": spec.batch, "cycle": cycle, "losses": losses,
             "loss_first": losses[0], "loss_last": losses[-1]}  # fmt: skip

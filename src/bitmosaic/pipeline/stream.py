@@ -56,6 +56,8 @@ from ..io.serialization import (
 )
 from ..models.arch import get_arch
 from ..modules.qmodules import full_layer_config
+from .run import run, source_name
+from .settings import Calibration, RunSettings
 from .spill import SPILL_PREFIX, TensorFile, write_tensor_file
 
 __all__ = ["LayerStore", "quantize_streaming", "partial_dir", "streamable"]
@@ -248,22 +250,15 @@ def _fill_outside(ckpt: Checkpoint, model: nn.Module, layers_path: str, dtype: t
 
 
 def quantize_streaming(
-    ckpt: Checkpoint,
-    tokenizer,
-    out: str | os.PathLike,
-    recipe,
-    calib: torch.Tensor,
-    *,
-    dtype: torch.dtype = torch.float32,
-    overwrite: bool = False,
-    settings: dict | None = None,
-    **quantize_kwargs,
-):
+    ckpt: Checkpoint, tokenizer, out: str | os.PathLike, recipe, calibration,
+    settings: RunSettings | None = None, *, dtype: torch.dtype = torch.float32, overwrite: bool = False,
+):  # fmt: skip
     """Quantize checkpoint ``ckpt`` into folder ``out`` layer by layer (module doc); returns the run
-    report.  ``dtype``: the dtype tensors are read in and unquantized tensors are saved in (as the
-    in-memory path's load dtype); ``settings``: pipeline settings that change results (they join the
-    resume fingerprint); ``quantize_kwargs`` go to :func:`bitmosaic.quantize_` (tokenizer, seed,
-    batch size, device, ...)."""
+    report.  ``calibration``: token ids or a :class:`~bitmosaic.pipeline.settings.Calibration`;
+    ``settings``: the run's :class:`~bitmosaic.pipeline.settings.RunSettings` (those that change results
+    join the resume fingerprint); ``dtype``: the dtype tensors are read in and unquantized tensors are
+    saved in (as the in-memory path's load dtype); ``tokenizer`` is saved beside the model.  The
+    provenance names the model by the checkpoint's spec (a local path resolved)."""
     why = streamable(recipe)
     if why:
         raise OptionError(why)
@@ -272,17 +267,28 @@ def quantize_streaming(
         work = partial_dir(out)
         fresh = not (work / PROGRESS).is_file()
         try:
-            return _quantize_streaming(ckpt, tokenizer, out, recipe, calib, dtype, overwrite, settings,
-                                       quantize_kwargs)  # fmt: skip
+            return _quantize_streaming(ckpt, tokenizer, out, recipe, Calibration.of(calibration),
+                                       settings or RunSettings(), dtype, overwrite)  # fmt: skip
         except BaseException:  # a refused recipe, a signal in layer 0: no finished layer worth keeping
             if fresh and not (work / PROGRESS).is_file():
                 shutil.rmtree(work, ignore_errors=True)
             raise
 
 
-def _quantize_streaming(ckpt, tokenizer, out: Path, recipe, calib, dtype, overwrite, settings, kwargs):
-    from ..api import quantize_
+def _fingerprint(ckpt: Checkpoint, recipe, calib: torch.Tensor, settings: RunSettings, dtype) -> dict:
+    """What a resumed run must share with the run that started it (module doc)."""
+    changes = {**settings.record(), "seed": settings.seed, "device": str(settings.device),
+               "dtype": str(dtype)}  # fmt: skip
+    return {
+        "version": __version__,
+        "source": ckpt.fingerprint(),
+        "recipe": _sha(json.dumps(recipe.to_dict(), sort_keys=True, default=str).encode()),
+        "calibration": _sha(str(tuple(calib.shape)).encode() + calib.to(torch.int64).numpy().tobytes()),
+        "settings": _sha(json.dumps(changes, sort_keys=True, default=str).encode()),
+    }
 
+
+def _quantize_streaming(ckpt, tokenizer, out: Path, recipe, calibration, settings, dtype, overwrite):
     work = partial_dir(out)
     work.mkdir(parents=True, exist_ok=True)
     for old in work.glob(SPILL_PREFIX + "*"):  # spilled activations of a run that was killed
@@ -290,20 +296,14 @@ def _quantize_streaming(ckpt, tokenizer, out: Path, recipe, calib, dtype, overwr
     for old in work.glob("*.tmp"):  # a shard or inputs file a killed run was writing
         old.unlink(missing_ok=True)
     model = ckpt.empty_model(dtype)
-    fingerprint = {
-        "version": __version__,
-        "source": ckpt.fingerprint(),
-        "recipe": _sha(json.dumps(recipe.to_dict(), sort_keys=True, default=str).encode()),
-        "calibration": _sha(str(tuple(calib.shape)).encode() + calib.to(torch.int64).numpy().tobytes()),
-        "settings": _sha(json.dumps({**(settings or {}), "dtype": str(dtype)}, sort_keys=True).encode()),
-    }
+    fingerprint = _fingerprint(ckpt, recipe, calibration.tokens, settings, dtype)
     store = LayerStore(ckpt, model, work, dtype, fingerprint)
     arch = store.arch
     _write_outside(store, ckpt, model)
     _fill_outside(ckpt, model, arch.layers_path, dtype)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
-    report = quantize_(model, recipe, calib, tokenizer=tokenizer, store=store, **kwargs)
+    report = run(model, recipe, calibration, settings, store, source_model=source_name(ckpt.spec))
     from ..io.provenance import saved_run_info
 
     cfg = saved_config(model, saved_run_info(model.bitmosaic_run), store.state["modules"])
