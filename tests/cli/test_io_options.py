@@ -10,7 +10,7 @@ from bitmosaic import quantize_
 from bitmosaic.cli import build_parser, main, method_options
 from bitmosaic.errors import BitmosaicError, OptionError
 from bitmosaic.methods import get_method
-from bitmosaic.methods.lattice import EntropyConfig, SSQRConfig
+from bitmosaic.methods.hptq import EntropyConfig, SSQRConfig
 from bitmosaic.methods.smoothquant import AWQConfig
 from tests.helpers import tiny_llama
 
