@@ -38,7 +38,9 @@ def fresh_babai(nsamples: int = 8, seqlen: int = 256, layers=(0, 15)) -> dict:
     from bitmosaic.algorithms import HessianAccumulator
     from bitmosaic.data import calibration_samples
     from bitmosaic.io import load_model
-    from bitmosaic.methods.gptq import BabaiConfig, GPTQConfig, quantize_babai, quantize_gptq
+    from bitmosaic.methods.babai import BabaiConfig, quantize_babai
+    from bitmosaic.methods.common import quantize_gptq
+    from bitmosaic.methods.gptq import GPTQConfig
     from bitmosaic.methods.registry import LayerStats
     from bitmosaic.pipeline.capture import run_layer
     from bitmosaic.pipeline.pipeline import capture_layer_inputs

@@ -19,7 +19,8 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "src" / "bitmosaic"
 
-# the words that mean a method in code: its registered names, its class/module stems
+# the words that mean a method in code: its registered names, its class/module stems (one row per
+# methods file: hptq.py registers hptq and its RTN variant hrtn)
 METHODS: dict[str, tuple[str, ...]] = {
     "rtn": ("rtn",),
     "gptq": ("gptq",),
@@ -30,7 +31,8 @@ METHODS: dict[str, tuple[str, ...]] = {
     "fp8": ("fp8",),
     "ssqr": ("ssqr",),
     "hptq/hrtn": ("hptq", "hrtn", "huffman"),
-    "sq-weights/sq-acts": ("sq-weights", "sq-acts", "sq_weights", "sq_acts", "sqweight", "sqact"),
+    "sq-weights": ("sq-weights", "sq_weights", "sqweight"),
+    "sq-acts": ("sq-acts", "sq_acts", "sqact"),
     "sfmp": ("sfmp",),
     "mosaic": ("mosaic",),
 }

@@ -147,7 +147,7 @@ def test_a_method_touches_few_files():
     kind and kernel, plus registration lines (the issue's bound: SFMP at most 7 files in all)."""
     fp = _footprint().footprint()
     assert len(fp["sfmp"]) <= 7, fp["sfmp"]
-    for m in ("sfmp", "mosaic", "ssqr", "hptq/hrtn", "sq-weights/sq-acts", "smoothquant", "awq", "dpq"):
+    for m in ("sfmp", "mosaic", "ssqr", "hptq/hrtn", "sq-weights", "sq-acts", "smoothquant", "awq", "dpq"):
         own = [f for f in fp[m] if f not in REGISTRATION]
         assert len(own) <= 5, (m, own)
 
@@ -215,3 +215,29 @@ def test_run_path_functions_take_few_parameters():
              if where.startswith(("pipeline/pipeline.py", "api.py", "cli/quantize.py"))}  # fmt: skip
     for fn in ("quantize_model", "quantize_", "cmd_quantize", "_quantize"):
         assert sizes[fn] <= 80, (fn, sizes[fn])
+
+
+# a registered method that is another's variant and lives in that method's file (the Babai paper's HRTN
+# "mirrors HPTQ but replaces GPTQ with RTN": one config, one algorithm call, one packed format)
+VARIANT_OF = {"hrtn": "hptq"}
+
+
+def test_method_files_are_named_by_method_and_stand_alone():
+    """Every registered method lives in ``methods/<its name>.py``, no method file imports another, and
+    no method's config derives from another method's config (what several share stands on the small
+    bases in ``methods/common.py``), so a change to one method's file or config moves that method."""
+    from bitmosaic.methods import get_method, list_methods
+
+    methods = {n: get_method(n) for n in list_methods()}
+    files = {n: type(m).__module__ for n, m in methods.items()}
+    wrong = {
+        n: f for n, f in files.items() if f != "bitmosaic.methods." + VARIANT_OF.get(n, n).replace("-", "_")
+    }
+    assert not wrong, f"methods not in a file named by the method: {wrong}"
+    configs = {m.config_cls for m in methods.values()}
+    borrowed = {n: [b.__name__ for b in m.config_cls.__mro__[1:] if b in configs] for n, m in methods.items()}
+    borrowed = {n: b for n, b in borrowed.items() if b}
+    assert not borrowed, f"configs derived from another method's: {borrowed}"
+    graph, own = _graph(), set(files.values())
+    cross = sorted(f"{m} -> {d}" for m in own for d in graph[m] if d in own)
+    assert not cross, "method files importing another method's file:\n" + "\n".join(cross)

@@ -121,7 +121,9 @@ def test_babai_min_pivot_bound_not_worse_than_act(layer64):
 def test_babai_method_equals_gptq_static_groups_method(order, direction, clip):
     """Methods ``babai`` and ``gptq --static-groups`` give the same integers for every order and
     direction (Thm. 4): both take the processing order from the same (once-)damped Hessian."""
-    from bitmosaic.methods.gptq import BabaiConfig, GPTQConfig, quantize_babai, quantize_gptq
+    from bitmosaic.methods.babai import BabaiConfig, quantize_babai
+    from bitmosaic.methods.common import quantize_gptq
+    from bitmosaic.methods.gptq import GPTQConfig
     from bitmosaic.methods.registry import LayerStats
 
     W, _, H = _random_layer(11, out=16, n=64, tokens=120)  # few tokens: a stiff, correlated H

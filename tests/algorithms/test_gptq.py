@@ -112,7 +112,8 @@ def test_gptq_method_defaults_are_act_order_with_mse_scales():
     groups, which resolve to static groups at 4 bits (no g_idx: every export format holds the result)."""
     from dataclasses import replace
 
-    from bitmosaic.methods.gptq import GPTQConfig, static_groups_for
+    from bitmosaic.methods.common import static_groups_for
+    from bitmosaic.methods.gptq import GPTQConfig
     from bitmosaic.methods.registry import get_method
 
     cfg = get_method("gptq").make_config(bits=4, group_size=2)
@@ -135,8 +136,8 @@ def test_auto_static_groups_follow_the_order_and_width(layer64, order, given, bi
     dynamic below (measured best at 3 bits) and where the order keeps the groups contiguous (the
     original GPTQ); an explicit value wins.  The result is the explicit run's."""
     from bitmosaic.methods.base import LayerStats
-    from bitmosaic.methods.common import processing_order
-    from bitmosaic.methods.gptq import GPTQConfig, quantize_gptq, static_groups_for
+    from bitmosaic.methods.common import processing_order, quantize_gptq, static_groups_for
+    from bitmosaic.methods.gptq import GPTQConfig
 
     W, _, H = layer64
     cfg = GPTQConfig(bits=bits, group_size=16, order=order, static_groups=given, solver_dtype="float64")

@@ -185,7 +185,8 @@ def test_awq_clip_search_never_worse_than_minmax(grid, group):
 
 
 def test_smoothquant_keeps_its_own_weight_defaults():
-    """SmoothQuantConfig derives from GPTQConfig; GPTQ's act-order + MSE defaults must not leak in."""
+    """SmoothQuantConfig stands on the GPTQ solver fields (common.GPTQSolverConfig), not on GPTQConfig;
+    GPTQ's act-order + MSE defaults must not leak in."""
     from bitmosaic.methods.smoothquant import SmoothQuantConfig
 
     cfg = SmoothQuantConfig()

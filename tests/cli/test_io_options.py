@@ -10,8 +10,9 @@ from bitmosaic import quantize_
 from bitmosaic.cli import build_parser, main, method_options
 from bitmosaic.errors import BitmosaicError, OptionError
 from bitmosaic.methods import get_method
-from bitmosaic.methods.lattice import EntropyConfig, SSQRConfig
-from bitmosaic.methods.smoothquant import AWQConfig
+from bitmosaic.methods.awq import AWQConfig
+from bitmosaic.methods.hptq import EntropyConfig
+from bitmosaic.methods.ssqr import SSQRConfig
 from tests.helpers import tiny_llama
 
 

@@ -8,7 +8,7 @@ from bitmosaic.algorithms.smooth import search_alpha, smoothing_loss
 from bitmosaic.formats.act import ActQuantSpec, fake_quant
 from bitmosaic.formats.grid import IntGrid, dequantize_codes, quantize_codes
 from bitmosaic.methods import get_method
-from bitmosaic.methods.smoothquant import act_fake_quant, weight_fake_quant
+from bitmosaic.methods.common import act_fake_quant, weight_fake_quant
 from tests.conftest import data_dir, real_layer_inputs, smollm2_gguf
 
 pytestmark = [

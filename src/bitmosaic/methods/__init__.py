@@ -1,7 +1,22 @@
 """The methods, registered by name: ``get_method("gptq")``.  A new method is one file here (its
 config and :class:`~.base.Method` subclass with ``@register``) and one line below."""
 
-from . import dpq, fp8, gptq, lattice, mosaic, rtn, sfmp, smoothquant, sq  # noqa: F401  (registration)
+# registration: one line per method file (hptq.py registers hptq and its RTN variant hrtn)
+from . import (  # noqa: F401
+    awq,
+    babai,
+    dpq,
+    fp8,
+    gptq,
+    hptq,
+    mosaic,
+    rtn,
+    sfmp,
+    smoothquant,
+    sq_acts,
+    sq_weights,
+    ssqr,
+)
 from .registry import (
     DEFAULT_METHOD,
     LayerStats,

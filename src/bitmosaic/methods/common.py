@@ -1,26 +1,34 @@
 """What several methods share, declared once: the options they have in common (``shared(name)``;
-each config may give its own default, help and choices) and small helpers of the method layer
+each config may give its own default, help and choices), the small config bases several methods'
+configs stand on (:class:`GPTQSolverConfig`: the fields of a GPTQ solve; :class:`SmoothingConfig`:
+SmoothQuant smoothing before an RTN or GPTQ solve), the solves and transform they share
+(:func:`quantize_gptq`, :func:`smoothing_transform`) and small helpers of the method layer
 (processing orders, the Hessian check, the fake quantizers smoothing searches score with).  Method
-files import this, never each other's private parts."""
+files import this, never each other: no method's config derives from another method's config."""
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 
+from ..algorithms.gptq import gptq_quantize
 from ..algorithms.hessian import damp_hessian
 from ..algorithms.observers import ActObserver
-from ..algorithms.orders import make_order
+from ..algorithms.orders import groups_contiguous, make_order
 from ..algorithms.rtn import rtn_quantize
+from ..algorithms.smooth import search_alpha, smooth_scales, smoothing_loss
+from ..algorithms.types import QuantResult
 from ..formats.act import ActQuantSpec, fake_quant
 from ..formats.grid import IntGrid
 from .base import LayerStats, WeightQuantConfig
-from .options import option, parse_alpha
+from .options import like, option, parse_alpha, parse_floats
 
 __all__ = [
-    "HESSIAN_DTYPES", "act_fake_quant", "foldable_groups", "processing_order", "require_hessian", "shared",
-    "weight_fake_quant",
+    "ALPHA_GRID", "GPTQSolverConfig", "HESSIAN_DTYPES", "STATIC_GROUPS_MIN_BITS", "SmoothingConfig",
+    "act_fake_quant", "foldable_groups", "processing_order", "quantize_gptq", "require_hessian", "shared",
+    "smoothing_transform", "static_groups_for", "weight_fake_quant",
 ]  # fmt: skip
 
 HESSIAN_DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -51,6 +59,8 @@ _SHARED: dict[str, tuple] = {
     "max_shrink": (0.5, dict(help="largest clip shrink the AWQ clip search tries", range=(0, 1))),
     "per_channel": (False, dict(help="FP8 weight scale per output channel (else per tensor)")),
     "pow2": (False, dict(help="power-of-two FP8 scales")),
+    "sq": ("16-(8/4)-0.75", dict(
+        help="SQ format bank-(high/low)-sparsity, e.g. 16-(8/4)-0.5 or 64-(fp8/fp4)-0.875")),
 }  # fmt: skip
 
 
@@ -109,3 +119,122 @@ def foldable_groups(caps, factors):
         else (None, {"reason": "no foldable preceding op"})
         for cap in caps
     ]
+
+
+# -- the GPTQ solve: gptq; smoothquant and sq-acts with their GPTQ solver; sq-weights' fields ----------
+@dataclass
+class GPTQSolverConfig(WeightQuantConfig):
+    """The fields of a GPTQ solve, for the configs of the methods that run one (each gives its own
+    defaults).  ``static_groups=True`` fixes every group's scale from the original weights of its
+    contiguous columns (the Babai-equivalent lattice; llm-compressor's ``actorder: weight``),
+    ``False`` fits each group on the error-updated weights when it is reached (under act-order:
+    groups by processing position, with a permuted ``g_idx`` that only GPTQ checkpoints hold),
+    ``None`` (auto) resolves per layer in :func:`static_groups_for`; ``solver_dtype`` is the solver's
+    working precision."""
+
+    order: str = shared("order")
+    direction: str = shared("direction")
+    static_groups: bool | None = option(
+        None,
+        help="fix every group's scale from the original weights before the updates (contiguous groups, "
+        "no g_idx: every export format holds it); --no-static-groups: fit each group on the updated "
+        "weights when reached (act-order then needs a g_idx: GPTQ export only); auto: static at 4+ bits "
+        "under act/min-pivot orders, dynamic at 2-3 bits (measured best at each width)",
+        type=bool,
+    )
+    block_size: int = shared("block_size")
+    damp: float = shared("damp")
+    solver_dtype: str = shared("solver_dtype")
+
+
+# auto groups: static from this width up (benchmarks/results/static_groups*.md, verdict protocol)
+STATIC_GROUPS_MIN_BITS = 4
+
+
+def static_groups_for(cfg: GPTQSolverConfig, perm: torch.Tensor) -> bool:
+    """``cfg.static_groups``, with ``None`` (auto) resolved for the processing order ``perm``: dynamic
+    when the order keeps the contiguous groups together (natural, GAR: no ``g_idx`` either way);
+    where it scatters them (act, min-pivot), static from ``STATIC_GROUPS_MIN_BITS`` bits up, dynamic
+    below (measured: at 3 bits a group fitted on the error-updated weights is worth its ``g_idx``)."""
+    if cfg.static_groups is not None:
+        return bool(cfg.static_groups)
+    if groups_contiguous(perm, cfg.group_size):
+        return False
+    return cfg.bits >= STATIC_GROUPS_MIN_BITS
+
+
+def quantize_gptq(weight, stats: LayerStats, cfg: GPTQSolverConfig) -> QuantResult:
+    """GPTQ on ``cfg``'s integer grid, order and groups (the Hessian from the calibration)."""
+    H = require_hessian(stats, "gptq")
+    perm = processing_order(H, cfg)
+    return gptq_quantize(
+        weight,
+        H,
+        IntGrid(cfg.bits, cfg.sym),
+        cfg.group_size,
+        perm=perm,
+        clip=cfg.clip,
+        scale_method=cfg.scale,
+        static_groups=static_groups_for(cfg, perm),
+        block_size=cfg.block_size,
+        percdamp=cfg.damp,
+        dtype=HESSIAN_DTYPES[cfg.solver_dtype],
+        overwrite_hessian=stats.hessian_disposable,
+    )
+
+
+# -- SmoothQuant smoothing before the weight solve: smoothquant, sq-weights, sq-acts -----------------
+ALPHA_GRID = tuple(i / 20 for i in range(21))
+
+
+@dataclass
+class SmoothingConfig(GPTQSolverConfig):
+    """SmoothQuant smoothing (alpha fixed or searched per group) before an RTN or GPTQ solve: the
+    fields of the smoothing methods (each gives its own defaults)."""
+
+    # the smoothing methods' own weight quantizer settings (SmoothQuant's RTN): not GPTQ's act-order +
+    # MSE defaults, which would change their results and slow the alpha search tenfold
+    scale: str = like(WeightQuantConfig, "scale", "minmax")
+    order: str = shared("order", "natural")
+    static_groups: bool | None = like(GPTQSolverConfig, "static_groups", False)  # the paper's (dynamic) GPTQ
+    alpha: float | None = shared("alpha")
+    alpha_grid: tuple[float, ...] = option(
+        ALPHA_GRID, help="alpha values searched (comma list)", parse=parse_floats
+    )
+    solver: str = shared(
+        "solver", "rtn", help="the weight quantizer after smoothing: rtn (the paper) | gptq",
+        old_names=("weights",), deprecated=("--smooth-weights",),
+    )  # fmt: skip
+    max_tokens: int = shared("max_tokens")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.solver not in ("rtn", "gptq"):
+            raise ValueError(f"smoothquant solver (weights) must be 'rtn' or 'gptq', got {self.solver!r}")
+        if self.alpha is not None and not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1] (or None to search), got {self.alpha}")
+
+
+def smoothing_transform(caps, cfg: SmoothingConfig, smooth: bool = True):
+    """SmoothQuant's factors per foldable group: ``cfg.alpha``, or the alpha of ``cfg.alpha_grid``
+    with the least output error after weight and activation quantization on the group's token
+    sample (the group left unsmoothed where none beats no smoothing); ``smooth=False`` (a config's
+    ``--no-smooth``) smooths no group."""
+    if not smooth:
+        return [(None, {"reason": "smoothing off"}) for _ in caps]
+    qw, qx = weight_fake_quant(cfg), act_fake_quant(cfg.act)
+
+    def factors(cap, weights):
+        amax = cap.observer.channel_absmax
+        if cfg.alpha is not None:
+            return smooth_scales(amax, weights, cfg.alpha), {"alpha": cfg.alpha}
+        res = search_alpha(cap.sample, amax, weights, qw, qx, cfg.alpha_grid)
+        # Our decision (the paper has no search): keep the group unsmoothed when no alpha
+        # beats it on the searched objective, so the search can never make a group worse.
+        base = smoothing_loss(cap.sample, weights, torch.ones_like(res.scales), qw, qx, dtype=torch.float32)
+        info = {"alpha": res.alpha, "loss": res.losses[res.alpha], "unsmoothed_loss": base}
+        if base <= res.losses[res.alpha]:
+            return None, {**info, "alpha": None}
+        return res.scales, info
+
+    return foldable_groups(caps, factors)
