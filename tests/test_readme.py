@@ -508,9 +508,9 @@ def test_methods_table_is_the_generated_one():
     assert got == gen.table(), "run `python scripts/readme_methods.py --write` and commit README.md"
     rows = gen.rows()
     assert [r[0] for r in rows] == list_methods()
-    # the same rows as `bitmosaic methods --markdown` prints, less the module-kind column
+    # the same rows as `bitmosaic methods --markdown` prints, less the bits and module-kind columns
     cli = methods_table(markdown=True).splitlines()
-    ours = [f"| `{n}` | {s} | {' '.join(f'`{x}`' for x in fl)} |" for n, s, _, fl in rows]
+    ours = [f"| `{n}` | {s} | {' '.join(f'`{x}`' for x in fl)} |" for n, s, _, _, fl in rows]
     assert cli[2 : 2 + len(ours)] == ours and cli[-1] == got.splitlines()[-1]
 
 
