@@ -32,7 +32,11 @@ The ``bitmosaic compare`` block runs its configs in-process (``eval.compare._run
 in its own ``python`` process costs ~8 s of imports each on a loaded 2-core machine) and only its first
 two configs (substitution ``compare-configs``); every one of the README's configs is still checked to be
 a valid ``bitmosaic quantize`` command line (``test_compare_configs_are_quantize_commands``).
-``BITMOSAIC_README_FULL_COMPARE=1`` runs all ten (measured: the file takes 36 s instead of 24 s).
+``BITMOSAIC_README_FULL_COMPARE=1`` runs all ten (measured when the README held the block: the file took
+36 s instead of 24 s).  What the docs/ pages added: the compressed-tensors reproduction in a fresh
+``python`` process (it must not see the work-around other tests install), a transformers load of the
+README's compressed-tensors export, one more ``export``; docs/cli.md's longer run is another tiny-model
+``quantize`` (3 bits, other flags than the README's 4-bit path), so it runs too.
 """
 
 from __future__ import annotations
@@ -525,9 +529,29 @@ def test_readme_is_short_and_links_every_docs_page():
     for page in DOCS:
         assert f"](docs/{page.name})" in text, f"README.md does not link docs/{page.name}"
     for page in PAGES:
-        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text(encoding="utf-8")):
-            if "://" not in target:
-                assert (page.parent / target).exists(), f"{page.relative_to(REPO)}: broken link {target}"
+        for target, anchor in re.findall(
+            r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", page.read_text(encoding="utf-8")
+        ):
+            if "://" in target:
+                continue
+            dest = (page.parent / target) if target else page
+            assert dest.exists(), f"{page.relative_to(REPO)}: broken link {target}"
+            if anchor and dest.suffix == ".md":
+                assert anchor in _anchors(dest), (
+                    f"{page.relative_to(REPO)}: no #{anchor} in {target or page.name}"
+                )
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings (outside code fences)."""
+    out, fence = set(), False
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            fence = not fence
+        elif not fence and line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            out.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
