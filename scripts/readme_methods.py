@@ -5,7 +5,9 @@
     python scripts/readme_methods.py --write    # replace the block between the README's markers
 
 Columns: the registered name; its one-line summary (the method's own ``description``, the line
-``bitmosaic methods`` prints, else the first line of its class docstring); the module kind its layers
+``bitmosaic methods`` prints, else the first line of its class docstring); its weight bits (the
+declared range and default of its config's ``bits`` field, else of its own bit-width fields such as
+``target_bits`` or ``avg_bits``, else why it takes no ``--bits``); the module kind its layers
 are saved as (``kind`` in a saved ``config.json``, ``bitmosaic inspect --layers``), read from the
 module classes its ``pack`` hook builds; and its own CLI flags (its config's fields, in declaration
 order: the flags ``bitmosaic methods`` lists).  ``tests/test_readme.py`` regenerates the table and
@@ -41,6 +43,38 @@ def _flags(method) -> list[str]:
     return own
 
 
+def _span(f) -> str:
+    from bitmosaic.methods.options import default_of, option_spec
+
+    lo, hi = option_spec(f).range or (None, None)
+    span = (
+        f"{lo:g}"
+        if lo == hi and lo is not None
+        else f"{lo:g}–{hi:g}"
+        if lo is not None and hi is not None
+        else ""
+    )
+    d = default_of(f)
+    if d is None or lo == hi:
+        return span
+    return f"{span} (default {d:g})" if span else f"default {d:g}"
+
+
+def bits(method) -> str:
+    """The weight bits the method takes: its ``bits`` field's range and default, else its own bit-width
+    fields (their flags, ranges and defaults), else why it has no ``--bits`` (its config's ``unused``)."""
+    from bitmosaic.methods.options import flag_of, used_options
+
+    used = used_options(method.config_cls)
+    if "bits" in used:
+        return _span(used["bits"])
+    own = [f for n, f in used.items() if n.endswith("bits") or n == "bpw"]
+    if own:
+        return ", ".join(f"`{flag_of(f)}` {_span(f)}".rstrip() for f in own)
+    why = getattr(method.config_cls, "unused", {}).get("bits", "")
+    return " ".join(why.split()).replace("|", "\\|")
+
+
 def _names(code: types.CodeType, globals_: dict, seen: set, depth: int = 0) -> set[str]:
     """Every global or imported name the code (and the module-level helpers it calls, a few levels
     deep) refers to."""
@@ -72,20 +106,25 @@ def module_kind(method) -> str:
     return leaves[0].kind
 
 
-def rows() -> list[tuple[str, str, str, list[str]]]:
-    """(name, summary, module kind, flags) of every registered method, by name."""
+def rows() -> list[tuple[str, str, str, str, list[str]]]:
+    """(name, summary, bits, module kind, flags) of every registered method, by name."""
     from bitmosaic.methods import get_method, list_methods
 
-    return [(n, _summary(m), module_kind(m), _flags(m)) for n in list_methods() for m in [get_method(n)]]
+    return [
+        (n, _summary(m), bits(m), module_kind(m), _flags(m)) for n in list_methods() for m in [get_method(n)]
+    ]
 
 
 def table() -> str:
     from bitmosaic.methods import get_method, list_methods
 
     no_act = [n for n in list_methods() if "act" in getattr(get_method(n).config_cls, "unused", {})]
-    lines = ["| method | what it does | saved as (module kind) | its flags |", "|---|---|---|---|"]
-    for name, summary, kind, flags in rows():
-        lines.append(f"| `{name}` | {summary} | `{kind}` | {' '.join(f'`{x}`' for x in flags)} |")
+    lines = [
+        "| method | what it does | weight bits | saved as (module kind) | its flags |",
+        "|---|---|---|---|---|",
+    ]
+    for name, summary, nbits, kind, flags in rows():
+        lines.append(f"| `{name}` | {summary} | {nbits} | `{kind}` | {' '.join(f'`{x}`' for x in flags)} |")
     lines.append("")
     tail = "Every method also takes the activation flags `--scheme --abits --afmt --a-*`"
     if no_act:

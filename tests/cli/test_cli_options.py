@@ -24,7 +24,7 @@ SRC = ROOT / "src" / "bitmosaic"
 def _help() -> str:
     p = build_parser()
     sub = next(a for a in p._actions if a.dest == "command")
-    return sub.choices["quantize"].format_help()
+    return sub.choices["quantize"].format_help(full=True)  # --help-all (--help: the common flags)
 
 
 def _fields():

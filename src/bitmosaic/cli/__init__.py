@@ -42,6 +42,60 @@ class _Help(argparse.HelpFormatter):
         return h + " (default: %(default)s)"
 
 
+class _Parser(argparse.ArgumentParser):
+    """``--help`` leaves out the actions marked rare (``action.rare = True``: method-specific and seldom
+    used flags, still accepted); ``format_help(full=True)`` (``--help-all``) shows every one."""
+
+    def format_help(self, full: bool = False) -> str:
+        hidden = [] if full else [a for a in self._actions if getattr(a, "rare", False)]
+        saved = [a.help for a in hidden]
+        for a in hidden:
+            a.help = argparse.SUPPRESS
+        try:
+            return super().format_help()
+        finally:
+            for a, h in zip(hidden, saved, strict=True):
+                a.help = h
+
+
+class _HelpAll(argparse.Action):
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser._print_message(parser.format_help(full=True), sys.stdout)
+        parser.exit()
+
+
+class _HelpMethod(argparse.Action):
+    """``--help-method NAME``: one method's options (``bitmosaic methods NAME``), then exit 0; an unknown
+    NAME is one line on stderr and exit 2."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, metavar="NAME", **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from .method_flags import method_help
+
+        try:
+            text = method_help(values)
+        except ValueError as e:
+            parser.exit(2, f"error: {e}\n")
+        parser._print_message(text + "\n", sys.stdout)
+        parser.exit()
+
+
+def _rare(*actions) -> None:
+    for a in actions:
+        a.rare = True
+
+
+# quantize flags left out of the short --help (still accepted; --help-all shows them)
+_RARE_QUANTIZE = {
+    "bound_orders", "hessian_dtype", "batch_size", "cache_dir", "no_cache", "tasks_limit", "tasks_dir",
+    "max_memory", "a_granularity", "a_group_size", "a_static", "a_pow2", "a_calib", "a_percentile", "a_clip",
+}  # fmt: skip
+
 _HANDLERS = {
     "quantize": cmd_quantize,
     "eval": cmd_eval,
@@ -56,10 +110,20 @@ _HANDLERS = {
 def build_parser() -> argparse.ArgumentParser:
     from ..methods import DEFAULT_METHOD
 
-    p = argparse.ArgumentParser(prog="bitmosaic", description=__doc__)
+    p = _Parser(prog="bitmosaic", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    q = sub.add_parser("quantize", help="quantize a model with calibration data", formatter_class=_Help)
+    q = sub.add_parser(
+        "quantize", help="quantize a model with calibration data", formatter_class=_Help,
+        usage="%(prog)s [--model MODEL] [--method NAME] [METHOD FLAGS] [--out DIR] [--eval SOURCE] [...]",
+        epilog="Shown: the common flags and the default method's. Every flag (each method's own, the "
+        "activation and the rarer ones): --help-all; one method's options with defaults and ranges: "
+        "--help-method NAME or `bitmosaic methods NAME`.",
+    )  # fmt: skip
+    q.add_argument(
+        "--help-all", action=_HelpAll, help="show every flag, each method's own included, and exit"
+    )
+    q.add_argument("--help-method", action=_HelpMethod, help="show one method's options and exit")
     q.add_argument("--model", default=DEFAULT_MODEL, help="HF dir, hub id, gguf:PATH or alias")
     q.add_argument(
         "--method", default=DEFAULT_METHOD, help="a registered method (`bitmosaic methods` lists them)"
@@ -107,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
         "half of it; default: %(default)s",
     )  # fmt: skip
 
+    _rare(*(a for a in q._actions if a.dest in _RARE_QUANTIZE))
+
     e = sub.add_parser("eval", help="perplexity of a model or a saved quantized folder")
     e.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     e.add_argument("--ppl", default="wikitext2", help="wikitext2, a text file, or none (skip perplexity)")
@@ -145,7 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
         "exit 2 naming the first file that differs",
     )  # fmt: skip
 
-    ms = sub.add_parser("methods", help="list registered methods and their flags")
+    ms = sub.add_parser("methods", help="list registered methods and their flags, or one method's options")
+    ms.add_argument(
+        "name", nargs="?", default=None,
+        help="one method: its options with help, defaults and ranges (= quantize --help-method NAME)",
+    )  # fmt: skip
     ms.add_argument(
         "--markdown", action="store_true",
         help="as a Markdown table (the README's, from scripts/readme_methods.py, adds the saved kind)",

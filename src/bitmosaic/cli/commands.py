@@ -167,7 +167,8 @@ def _act_compute(lc: dict) -> str:
 
 
 def cmd_methods(args) -> int:
-    from .method_flags import methods_table
+    from .method_flags import method_help, methods_table
 
-    print(methods_table(markdown=getattr(args, "markdown", False)))
+    name = getattr(args, "name", None)
+    print(method_help(name) if name else methods_table(markdown=getattr(args, "markdown", False)))
     return 0
