@@ -34,9 +34,10 @@ from torch import nn
 
 from bitmosaic.formats.act import ActQuantSpec, fake_quant
 from bitmosaic.models.arch import get_arch
-from bitmosaic.pipeline.calibration import LayerInputs, group_statistics
+from bitmosaic.pipeline.calibration import LayerInputs
 from bitmosaic.pipeline.capture import run_layer
 from bitmosaic.pipeline.pipeline import capture_layer_inputs
+from bitmosaic.pipeline.statistics import group_statistics
 
 from common import Bench, base_parser, protocol_label, write_results
 

@@ -434,7 +434,7 @@ def test_compare_configs_are_quantize_commands():
     """Every config of the README's compare example (all of them, not only the ones run) is a valid
     ``bitmosaic quantize`` command line: known flags, each used by its method."""
     from bitmosaic.cli import build_parser
-    from bitmosaic.cli.commands import recipe_from_args
+    from bitmosaic.cli.quantize import recipe_from_args
     from bitmosaic.eval.compare import parse_configs
 
     cmds = [
@@ -456,10 +456,12 @@ def test_commented_quantize_calls_take_real_options():
     """``# or e.g. quantize_(model, "dpq", calib, group_size=128)`` in a Python block: the method exists and
     every keyword is a ``quantize_`` argument, a method's prepare input, or an option of that method."""
     from bitmosaic import quantize_
-    from bitmosaic.api import as_recipe
+    from bitmosaic.api import CALIBRATION_KEYWORDS, as_recipe
     from bitmosaic.methods import get_method, list_methods
+    from bitmosaic.pipeline.settings import settings_fields
 
     params = set(inspect.signature(quantize_).parameters) - {"options"}
+    params |= set(settings_fields()) | set(CALIBRATION_KEYWORDS)  # quantize_'s keywords beside the options
     prepare = {i for m in list_methods() for i in get_method(m).prepare_inputs}
     calls = []
     for b in BLOCKS:

@@ -113,7 +113,8 @@ def _exists(p: str) -> bool:
         return False
 
 
-_CALIB_KEYS = ("nsamples", "seqlen", "data_dir", "calib_source", "more_calib")
+# quantize_'s keywords that say what it calibrates on (the rest: RunSettings fields, the method's options)
+CALIBRATION_KEYWORDS = ("nsamples", "seqlen", "data_dir", "calib_source", "more_calib", "source_model")
 
 
 def quantize_(model: nn.Module, method, calib, *, tokenizer=None, settings: RunSettings | None = None,
@@ -156,8 +157,8 @@ def quantize_(model: nn.Module, method, calib, *, tokenizer=None, settings: RunS
         )
     mine = {k: options.pop(k) for k in list(options) if k in settings_fields()}
     settings = (settings or RunSettings()).replace(**mine)
-    cal = {k: options.pop(k) for k in _CALIB_KEYS if k in options}
-    source_model = options.pop("source_model", None)
+    cal = {k: options.pop(k) for k in CALIBRATION_KEYWORDS if k in options}
+    source_model = cal.pop("source_model", None)
     takes = {i for m in list_methods() for i in get_method(m).prepare_inputs}
     inputs = {k: options.pop(k) for k in list(options) if k in takes}  # checked by the pipeline
     scheme, rotate = options.pop("scheme", None), options.pop("rotate", None)

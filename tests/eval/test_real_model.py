@@ -36,7 +36,7 @@ def calib(smollm_calib):
 @pytest.fixture(scope="module")
 def real_layer(smollm, calib):
     """Weights and float64 Hessians of decoder layer 2's q_proj and down_proj on real activations."""
-    from bitmosaic.pipeline.calibration import group_statistics
+    from bitmosaic.pipeline.statistics import group_statistics
 
     _, layer, inputs, kwargs = next(real_layer_inputs(smollm[0], calib, [2]))
     out = {}

@@ -217,7 +217,7 @@ def check_grammar(case) -> None:
     load (argparse, the method's flags, the one-entry recipe and its config)."""
     from bitmosaic.algorithms.mosaic import parse_block as mosaic_block
     from bitmosaic.cli import build_parser
-    from bitmosaic.cli.commands import recipe_from_args
+    from bitmosaic.cli.quantize import recipe_from_args
     from bitmosaic.formats.act import normalize_fmt, parse_scheme
     from bitmosaic.formats.sq import parse_sq
     from bitmosaic.methods.options import parse_alpha, parse_block, parse_floats, parse_group_size

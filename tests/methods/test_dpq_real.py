@@ -20,7 +20,7 @@ NAMES = ("self_attn.q_proj", "mlp.down_proj")
 @pytest.fixture(scope="module")
 def layers_wh(smollm, smollm_calib):
     """(W, H) of q_proj and down_proj in decoder layers 3 and 20 on real activations."""
-    from bitmosaic.pipeline.calibration import group_statistics
+    from bitmosaic.pipeline.statistics import group_statistics
 
     out = {}
     for i, layer, inputs, kwargs in real_layer_inputs(smollm[0], smollm_calib, [3, 20]):

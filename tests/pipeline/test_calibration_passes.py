@@ -11,7 +11,8 @@ from torch import nn
 
 from bitmosaic import quantize_
 from bitmosaic.io import quantized_modules
-from bitmosaic.pipeline.calibration import LayerInputs, capture_layer_inputs, group_statistics
+from bitmosaic.pipeline.calibration import LayerInputs, capture_layer_inputs
+from bitmosaic.pipeline.statistics import group_statistics
 from tests.pipeline.test_pipeline import tiny_llama
 
 

@@ -175,7 +175,8 @@ def test_stacked_shared_hessian_rows_equal_separate_calls(calib):
     are those of separate per-linear GPTQ calls on the same Hessian."""
     from bitmosaic.algorithms import gptq_quantize, make_order
     from bitmosaic.formats.grid import IntGrid
-    from bitmosaic.pipeline.calibration import LayerInputs, capture_layer_inputs, group_statistics
+    from bitmosaic.pipeline.calibration import LayerInputs, capture_layer_inputs
+    from bitmosaic.pipeline.statistics import group_statistics
 
     m = tiny_llama(layers=1)
     layer = m.model.layers[0]

@@ -108,10 +108,19 @@ _HANDLERS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..methods import DEFAULT_METHOD
-
     p = _Parser(prog="bitmosaic", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
+    _add_quantize_parser(sub)
+    _add_eval_parser(sub)
+    _add_inspect_and_methods_parsers(sub)
+    _compare.add_parser(sub)
+    add_export_parser(sub)
+    add_reproduce_parser(sub)
+    return p
+
+
+def _add_quantize_parser(sub) -> None:
+    from ..methods import DEFAULT_METHOD
 
     q = sub.add_parser(
         "quantize", help="quantize a model with calibration data", formatter_class=_Help,
@@ -173,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     _rare(*(a for a in q._actions if a.dest in _RARE_QUANTIZE))
 
+
+def _add_eval_parser(sub) -> None:
     e = sub.add_parser("eval", help="perplexity of a model or a saved quantized folder")
     e.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     e.add_argument("--ppl", default="wikitext2", help="wikitext2, a text file, or none (skip perplexity)")
@@ -202,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval_extras(e, quantize=False)
     _add_device_args(e)
 
+
+def _add_inspect_and_methods_parsers(sub) -> None:
     i = sub.add_parser("inspect", help="describe a saved quantized model folder")
     i.add_argument("dir")
     i.add_argument("--layers", action="store_true", help="print the per-layer table")
@@ -220,10 +233,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--markdown", action="store_true",
         help="as a Markdown table (the README's, from scripts/readme_methods.py, adds the saved kind)",
     )  # fmt: skip
-    _compare.add_parser(sub)
-    add_export_parser(sub)
-    add_reproduce_parser(sub)
-    return p
 
 
 @contextlib.contextmanager

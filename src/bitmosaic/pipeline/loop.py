@@ -33,13 +33,14 @@ from ..formats.grid import IntGrid
 from ..models.arch import ArchSpec
 from ..modules.actquant import attach_input_quant
 from ..modules.rotation import carry_input_rotation
-from .calibration import OutputCache, group_statistics, layer_kind
+from .calibration import layer_kind
 from .capture import capture_groups, run_layer
 from .distributed import Dist
 from .report import RunReport
 from .settings import RunSettings
 from .smoothing import fold_group_scales
 from .solve import Handed, HessianSpentError, SolveJob, quantize_shared
+from .statistics import OutputCache, group_statistics
 
 __all__ = ["LayerRun", "quantize_layer", "transform_layer", "entry_key"]
 
