@@ -172,7 +172,7 @@ def quantize_(
 
     if not isinstance(model, nn.Module):
         raise OptionError(f"model must be a torch nn.Module (transformers model); got {type(model).__name__}")
-    from .io.serialization import quantized_modules
+    from .io.saved.save import quantized_modules
 
     done = quantized_modules(model)
     if done:
@@ -218,7 +218,7 @@ def quantize_(
     )
     bos = bos_token_id(tokenizer) is not None if tokenizer is not None else False
     report.calibration.update({"source": source or "tensor", "seed": seed, "bos": bos})
-    from .io.provenance import run_provenance
+    from .io.saved.provenance import run_provenance
 
     spec = source_model or getattr(getattr(model, "config", None), "_name_or_path", None) or None
     prov = run_provenance(

@@ -349,7 +349,8 @@ def test_saved_model_as_quantize_input(qdir, src, capsys, monkeypatch):
 
 @pytest.mark.parametrize("where", ["safetensors", "config"])
 def test_full_disk_during_save(src, tmp_path, capsys, monkeypatch, where):
-    import bitmosaic.io.serialization as ser
+    import bitmosaic.io.saved.save as ser
+    import bitmosaic.io.saved.shards as shards
 
     model, text = src
     out = tmp_path / "out" / "q"
@@ -362,7 +363,7 @@ def test_full_disk_during_save(src, tmp_path, capsys, monkeypatch, where):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     if where == "safetensors":
-        monkeypatch.setattr(ser, "save_file", full)
+        monkeypatch.setattr(shards, "save_file", full)
     else:
         monkeypatch.setattr(ser, "_write_config", full)
     line = _error_line(capsys, _quantize(model, text, "--out", str(out)))

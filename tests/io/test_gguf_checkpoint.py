@@ -1,4 +1,4 @@
-"""A GGUF file read tensor by tensor (``bitmosaic.io.gguf_checkpoint``): every tensor bit for bit what
+"""A GGUF file read tensor by tensor (``bitmosaic.io.sources.gguf_checkpoint``): every tensor bit for bit what
 transformers' GGUF loader gives (tiny files of each streamable architecture written here with the
 ``gguf`` package, and the real SmolLM2, against its converted copy); one tensor dequantized per read
 and the file unmapped after it; a streamed quantization from the file itself with the same bytes as
@@ -15,10 +15,16 @@ import torch
 
 import bitmosaic
 from bitmosaic.api import as_recipe
-from bitmosaic.io import gguf_cache, loading, save_quantized
-from bitmosaic.io.checkpoint import Checkpoint
-from bitmosaic.io.gguf_checkpoint import STREAMABLE, GGUFCheckpoint, UnsupportedGGUFError, gguf_fingerprint
-from bitmosaic.io.sources import open_checkpoint
+from bitmosaic.io import save_quantized
+from bitmosaic.io.sources import gguf_cache, loading
+from bitmosaic.io.sources.checkpoint import Checkpoint
+from bitmosaic.io.sources.gguf_checkpoint import (
+    STREAMABLE,
+    GGUFCheckpoint,
+    UnsupportedGGUFError,
+    gguf_fingerprint,
+)
+from bitmosaic.io.sources.opener import open_checkpoint
 from bitmosaic.pipeline.stream import quantize_streaming
 from bitmosaic.testing import tiny_llama, word_tokenizer
 from tests.conftest import smollm2_gguf
@@ -336,7 +342,7 @@ def test_unsupported_architectures_are_refused_in_one_line(tmp_path, monkeypatch
 def test_an_unsupported_architecture_streams_through_a_new_converted_copy(tmp_path, monkeypatch):
     monkeypatch.setenv("BITMOSAIC_CACHE", str(tmp_path / "cache"))
     path = tiny_gguf(tmp_path / "m.gguf", "llama")
-    monkeypatch.setattr("bitmosaic.io.gguf_checkpoint.STREAMABLE", ())
+    monkeypatch.setattr("bitmosaic.io.sources.gguf_checkpoint.STREAMABLE", ())
     real = loading._from_pretrained
     calls = []
 

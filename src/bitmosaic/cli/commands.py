@@ -54,14 +54,14 @@ def _check_json_path(path: str | None) -> None:
         from ..errors import BitmosaicError
 
         raise BitmosaicError(f"--json {path} is a folder; give the path of a .json file")
-    from ..io.serialization import check_writable
+    from ..io.saved.outdir import check_writable
 
     check_writable(path, "--json")
 
 
 def _write_json(path: str | None, obj: dict) -> None:
     if path:
-        from ..io.serialization import atomic_write_text
+        from ..io.saved.outdir import atomic_write_text
 
         atomic_write_text(path, json.dumps(obj, indent=2))
         print(f"report written to {path}")
@@ -142,7 +142,7 @@ def cmd_quantize(args) -> int:
     rank 0 alone prints, evaluates and writes ``--out`` / ``--json``."""
     import torch
 
-    from ..io.loading import resolve_device
+    from ..io.sources.loading import resolve_device
     from ..pipeline.distributed import init_from_env, local_threads, shutdown
 
     check_counts(args)
@@ -160,7 +160,7 @@ def cmd_quantize(args) -> int:
             args.no_progress = True
         with contextlib.ExitStack() as stack:
             if args.out and dist.is_main:  # one run per --out: a second one refuses now, not at save
-                from ..io.serialization import check_output_dir, output_lock
+                from ..io.saved.outdir import check_output_dir, output_lock
 
                 check_output_dir(args.out, args.overwrite)
                 stack.enter_context(output_lock(args.out))
@@ -174,7 +174,7 @@ def _quantize(args, device, dist) -> int:
 
     from ..errors import OptionError
     from ..io import load_model, save_quantized
-    from ..io.loading import resolve_dtype
+    from ..io.sources.loading import resolve_dtype
     from ..pipeline.pipeline import peak_rss_mb
     from ..pipeline.spill import parse_size
 
@@ -186,7 +186,7 @@ def _quantize(args, device, dist) -> int:
     check_float_model(args.model)
     dtype = resolve_dtype(args.dtype, device, args.model)
     if args.out:  # refuse a bad --out (or --json) before hours of work, not after
-        from ..io.serialization import check_output_dir
+        from ..io.saved.outdir import check_output_dir
 
         check_output_dir(args.out, args.overwrite)
     _check_json_path(args.json)
@@ -311,7 +311,7 @@ def cmd_eval(args) -> int:
 
     from ..errors import BitmosaicError, OptionError
     from ..io import load_model
-    from ..io.loading import resolve_device, resolve_dtype
+    from ..io.sources.loading import resolve_device, resolve_dtype
 
     check_counts(args, seqlen=2)  # an evaluation window: one token of context, one predicted
     skip_ppl = args.ppl.lower() == "none"
@@ -371,7 +371,7 @@ def verify_file_hashes(path: Path) -> list[str] | None:
     saved before bitmosaic recorded hashes gets one warning line and ``None``."""
     import sys
 
-    from ..io.integrity import SUMS, verify_folder
+    from ..io.saved.integrity import SUMS, verify_folder
 
     checked = verify_folder(path)
     if checked is None:
@@ -385,7 +385,7 @@ def verify_file_hashes(path: Path) -> list[str] | None:
 
 def cmd_inspect(args) -> int:
     from ..errors import CorruptModelError
-    from ..io.serialization import stored_module_bits, verify_saved
+    from ..io.saved.load import stored_module_bits, verify_saved
     from ..modules import KINDS
 
     path = Path(args.dir)

@@ -44,7 +44,7 @@ def _fidelity_reference(model: str, ref: str) -> str:
     if ref != "source":
         return ref
     from ..errors import BitmosaicError, OptionError
-    from ..io.serialization import verify_saved
+    from ..io.saved.load import verify_saved
 
     if not (Path(model) / "config.json").is_file():
         raise OptionError(f"--fidelity needs the float model to compare {model} with: give --fidelity MODEL")

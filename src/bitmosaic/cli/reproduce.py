@@ -5,7 +5,7 @@ recorded one), 2 on bad input.
 
 The folder's ``quantization_config`` holds ``recipe`` and ``provenance`` (model, calibration
 fingerprint, device, dtype, threads, batch size, library versions; see
-:mod:`bitmosaic.io.provenance`).  The run uses the recorded device and thread count unless
+:mod:`bitmosaic.io.saved.provenance`).  The run uses the recorded device and thread count unless
 ``--device`` / ``--threads`` say otherwise; a different torch build, device or thread count can
 change float rounding, so the versions are printed side by side.
 """
@@ -112,10 +112,10 @@ def cmd_reproduce(args) -> int:
     from ..data import calibration_samples
     from ..errors import BitmosaicError
     from ..io import load_model
-    from ..io.loading import resolve_device
-    from ..io.provenance import calibration_fingerprint, compare_fingerprints, library_versions
-    from ..io.saved import _read_state_dict, verify_saved
-    from ..io.serialization import _state_dict_for_save, quantized_modules
+    from ..io.saved.load import read_state_dict, verify_saved
+    from ..io.saved.provenance import calibration_fingerprint, compare_fingerprints, library_versions
+    from ..io.saved.save import quantized_modules, state_dict_for_save
+    from ..io.sources.loading import resolve_device
     from ..modules.qmodules import full_layer_config
     from .checks import check_counts
     from .commands import _check_json_path, _write_json, run_recipe, verify_file_hashes
@@ -170,7 +170,7 @@ def cmd_reproduce(args) -> int:
         f"calibration data matches ({run.nsamples} x {run.seqlen} tokens from {run.calib}, seed {run.seed})"
     )
     run_recipe(model, tok, recipe, run, device, progress=not args.no_progress, calib=calib)
-    rows = compare_state_dicts(_read_state_dict(path), _state_dict_for_save(model))
+    rows = compare_state_dicts(read_state_dict(path), state_dict_for_save(model))
     n_tensors = len(rows)
     rerun = {n: full_layer_config(m) for n, m in quantized_modules(model).items()}
     rows += compare_layer_configs(qc["modules"], rerun)

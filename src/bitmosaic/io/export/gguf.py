@@ -77,7 +77,7 @@ class _Model:
 
     @classmethod
     def read(cls, spec: str) -> _Model:
-        from ..loading import resolve_model_spec
+        from ..sources.loading import resolve_model_spec
 
         kind, info = resolve_model_spec(str(spec))
         if kind == "bitmosaic":
@@ -87,7 +87,7 @@ class _Model:
                 if m.bias is not None:
                     plain[f"{n}.bias"] = lambda b=m.bias: b.detach()
             return cls(str(src.path), src.config, src.qmods, plain, src.qc.get("source_model"))
-        from ..sources import open_checkpoint
+        from ..sources.opener import open_checkpoint
 
         ckpt, _ = open_checkpoint(str(spec))  # a float model (a GGUF file, a folder or an alias)
         plain = {k: (lambda k=k: ckpt.get(k)) for k in ckpt.keys()}
@@ -95,7 +95,7 @@ class _Model:
 
 
 def _source_gguf(model: _Model, given) -> Path:
-    from ..loading import ModelSpecError, resolve_model_spec
+    from ..sources.loading import ModelSpecError, resolve_model_spec
 
     if given is not None:
         p = Path(given).expanduser()
@@ -330,7 +330,7 @@ def export_gguf(src, out, *, gguf_type: str | None = None, lossy: bool = False, 
                 source_gguf=None) -> ExportResult:  # fmt: skip
     """Write ``src`` (a saved bitmosaic folder or a float model argument) as the GGUF file ``out``
     (module doc).  Raises :class:`ExportError` (one line) for what the file cannot hold exactly."""
-    from ..gguf_checkpoint import GGUFCheckpoint, UnsupportedGGUFError
+    from ..sources.gguf_checkpoint import GGUFCheckpoint, UnsupportedGGUFError
 
     if gguf_type is not None:
         gguf_type = gguf_type.upper()

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from ..._version import __version__
-from ..outdir import make_temporary, output_lock
+from ..saved.outdir import make_temporary, output_lock
 from .layers import ExportError
 
 _SKIP_KV = ("GGUF.", "general.architecture", "general.file_type", "general.quantization_version",
@@ -37,7 +37,7 @@ def _check_out(out, overwrite: bool) -> Path:
 def _written_by_us(path: Path) -> bool:
     from gguf import GGUFReader
 
-    from ..gguf_checkpoint import _check_layout
+    from ..sources.gguf_checkpoint import _check_layout
 
     try:
         _check_layout(path)  # a damaged file at --out: gguf-py alone could read it without end

@@ -8,8 +8,8 @@ which are memory-mapped (``safe_open``), and empties it again when done.
 Sources: a Hugging Face folder (``model.safetensors`` or shards with ``model.safetensors.index.json``),
 a hub id (downloaded with ``huggingface_hub.snapshot_download``, safetensors only), or a GGUF file of
 any size: read tensor by tensor from the file itself
-(:class:`~bitmosaic.io.gguf_checkpoint.GGUFCheckpoint`), or from its converted copy
-(:mod:`bitmosaic.io.gguf_cache`) when an earlier load already made one (the same float32 values, read
+(:class:`~bitmosaic.io.sources.gguf_checkpoint.GGUFCheckpoint`), or from its converted copy
+(:mod:`bitmosaic.io.sources.gguf_cache`) when an earlier load already made one (the same float32 values, read
 without dequantizing).  A GGUF architecture that cannot be read tensor by tensor goes through a new
 converted copy when copies are on and the file is under their size limit, else is refused in one line.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import CorruptModelError, ModelSpecError, check_finite
+from ...errors import CorruptModelError, ModelSpecError, check_finite
 
 __all__ = ["Checkpoint"]
 

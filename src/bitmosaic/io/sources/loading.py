@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from ..devices import DEVICE_CHOICES, resolve_device
-from ..errors import BitmosaicError, CorruptModelError, DeviceError, ModelSpecError, check_finite
+from ...devices import DEVICE_CHOICES, resolve_device
+from ...errors import BitmosaicError, CorruptModelError, DeviceError, ModelSpecError, check_finite
 
 __all__ = [
     "ALIASES",
@@ -180,7 +180,7 @@ def load_model(spec: str, dtype: torch.dtype | str = torch.float32):
         dtype = resolve_dtype(dtype)
     kind, info = resolve_model_spec(spec)
     if kind == "bitmosaic":
-        from .serialization import load_quantized
+        from ..saved.load import load_quantized
 
         return load_quantized(info["path"], dtype=dtype)
     if kind == "gguf":
@@ -236,7 +236,7 @@ def _from_pretrained(src: str, kw: dict, spec: str, dtype: torch.dtype):
 
 
 def _load_gguf(path: Path, spec: str, dtype: torch.dtype):
-    """A GGUF file, through its converted copy (:mod:`bitmosaic.io.gguf_cache`) when there is one."""
+    """A GGUF file, through its converted copy (:mod:`bitmosaic.io.sources.gguf_cache`) when there is one."""
     from .gguf_cache import drop_copy, gguf_copy
     from .gguf_checkpoint import open_gguf
 

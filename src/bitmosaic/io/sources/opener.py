@@ -1,6 +1,6 @@
 """Where a streamed run's tensors come from: :func:`open_checkpoint` turns a model argument (a folder, a
-hub id, a GGUF file or an alias) into a :class:`~bitmosaic.io.checkpoint.Checkpoint` and its tokenizer
-(a GGUF file: :class:`~bitmosaic.io.gguf_checkpoint.GGUFCheckpoint`, or its converted copy when one
+hub id, a GGUF file or an alias) into a :class:`~bitmosaic.io.sources.checkpoint.Checkpoint` and its tokenizer
+(a GGUF file: :class:`~bitmosaic.io.sources.gguf_checkpoint.GGUFCheckpoint`, or its converted copy when one
 exists).  Kept apart from both checkpoint kinds so that neither imports the other's module."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import BitmosaicError
+from ...errors import BitmosaicError
 from .checkpoint import Checkpoint
 from .loading import ModelSpecError, resolve_model_spec
 

@@ -1,6 +1,6 @@
 """A GGUF file read one tensor at a time, for streaming quantization of GGUF models of any size.
 
-:class:`GGUFCheckpoint` has the interface of :class:`~bitmosaic.io.checkpoint.Checkpoint` (``keys``,
+:class:`GGUFCheckpoint` has the interface of :class:`~bitmosaic.io.sources.checkpoint.Checkpoint` (``keys``,
 ``in``, ``get``, ``fingerprint``, ``config``, ``empty_model``, ``fill``) and reads what transformers'
 GGUF loader would, without ever holding more than the one tensor asked for:
 
@@ -14,7 +14,7 @@ GGUF loader would, without ever holding more than the one tensor asked for:
   the read is done, so no page of the file stays mapped), dequantizes it with
   ``gguf.quants.dequantize``, applies the processing and returns float32 -- bit for bit the tensor
   ``from_pretrained(..., gguf_file=..., dtype=torch.float32)`` builds, and that the converted copy
-  (:mod:`bitmosaic.io.gguf_cache`) holds -- cast to the requested dtype.
+  (:mod:`bitmosaic.io.sources.gguf_cache`) holds -- cast to the requested dtype.
 
 Architectures: those whose GGUF tensors map one to one onto the model's and whose conversion has been
 checked against transformers' loader (:data:`STREAMABLE`); others are refused in one line
@@ -35,7 +35,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..errors import CorruptModelError, ModelSpecError, check_finite
+from ...errors import CorruptModelError, ModelSpecError, check_finite
 from .checkpoint import Checkpoint, _missing
 
 __all__ = ["GGUFCheckpoint", "STREAMABLE", "UnsupportedGGUFError", "gguf_fingerprint", "open_gguf"]
