@@ -19,7 +19,7 @@ def fake_gguf(tmp_path, monkeypatch):
     path = tmp_path / "m.gguf"
     path.write_bytes(b"GGUF" + bytes(100))
     calls = []
-    real = loading._from_pretrained
+    real = loading.load_pretrained
 
     def fake(src, kw, spec, dtype):
         if "gguf_file" in kw:
@@ -27,7 +27,7 @@ def fake_gguf(tmp_path, monkeypatch):
             return tiny_llama(seed=3).to(dtype), word_tokenizer()
         return real(src, kw, spec, dtype)
 
-    monkeypatch.setattr(loading, "_from_pretrained", fake)
+    monkeypatch.setattr(loading, "load_pretrained", fake)
     # the stand-in is no GGUF: skip the header check every real load makes first (test_gguf_checkpoint)
     monkeypatch.setattr("bitmosaic.io.sources.gguf_checkpoint.open_gguf", lambda path, spec=None: None)
     return path, calls

@@ -25,7 +25,7 @@ from torch import nn
 
 from ...errors import CorruptModelError, ModelSpecError, check_finite
 
-__all__ = ["Checkpoint"]
+__all__ = ["Checkpoint", "is_file_name", "missing_tensor"]
 
 
 def is_file_name(name) -> bool:
@@ -35,7 +35,8 @@ def is_file_name(name) -> bool:
     return plain and "\\" not in name
 
 
-def _missing(spec: str, name: str) -> str:
+def missing_tensor(spec: str, name: str) -> str:
+    """The one-line message of a checkpoint of model ``spec`` that lacks tensor ``name``."""
     return f"{spec}: tensor {name} is missing from the checkpoint; re-download it"
 
 
@@ -90,7 +91,7 @@ class Checkpoint:
         from safetensors import SafetensorError, safe_open
 
         if name not in self.files:
-            raise CorruptModelError(_missing(self.spec, name))
+            raise CorruptModelError(missing_tensor(self.spec, name))
         file = self.files[name]
         try:
             with safe_open(str(file), "pt") as f:
@@ -144,5 +145,5 @@ class Checkpoint:
             if key in self:
                 sd[name] = self.get(key, dtype if t.is_floating_point() else None)
             elif t.device.type == "meta":
-                raise CorruptModelError(_missing(self.spec, key))
+                raise CorruptModelError(missing_tensor(self.spec, key))
         module.load_state_dict(sd, strict=False, assign=True)

@@ -36,9 +36,11 @@ import numpy as np
 import torch
 
 from ...errors import CorruptModelError, ModelSpecError, check_finite
-from .checkpoint import Checkpoint, _missing
+from .checkpoint import Checkpoint, missing_tensor
 
-__all__ = ["GGUFCheckpoint", "STREAMABLE", "UnsupportedGGUFError", "gguf_fingerprint", "open_gguf"]
+__all__ = [
+    "GGUFCheckpoint", "STREAMABLE", "UnsupportedGGUFError", "check_layout", "gguf_fingerprint", "open_gguf",
+]  # fmt: skip
 
 # GGUF ``general.architecture`` values read tensor by tensor (each checked against transformers' loader
 # in tests/io/test_gguf_checkpoint.py).  Mistral GGUFs say "llama".
@@ -107,7 +109,7 @@ def open_gguf(path: str | os.PathLike, spec: str | None = None):
 
     path = Path(path)
     try:
-        _check_layout(path)  # before gguf-py walks it: a count the file cannot hold is refused at once
+        check_layout(path)  # before gguf-py walks it: a count the file cannot hold is refused at once
         reader = GGUFReader(os.fspath(path))
     except (ValueError, OSError, KeyError, IndexError, EOFError) as e:
         raise _damaged(spec or str(path), path, e) from None
@@ -123,7 +125,7 @@ def open_gguf(path: str | os.PathLike, spec: str | None = None):
 _MAX_NESTING = 16  # arrays of arrays (models hold none; gguf-py recurses once per level)
 
 
-def _check_layout(path: Path) -> None:
+def check_layout(path: Path) -> None:
     """Walk the header of GGUF ``path`` (metadata and tensor infos) with every count and length checked
     against the bytes left in the file, in constant memory; raise ``ValueError`` naming the first that
     does not fit.  gguf-py's reader trusts them: past the end of the file its reads return empty arrays
@@ -395,7 +397,7 @@ class GGUFCheckpoint(Checkpoint):
         from gguf import quants
 
         if name not in self.names:
-            raise CorruptModelError(_missing(self.spec, name))
+            raise CorruptModelError(missing_tensor(self.spec, name))
         gname = self.names[name]
         info = self._tensors[gname]
         try:

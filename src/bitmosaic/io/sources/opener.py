@@ -60,7 +60,7 @@ def _open_gguf(path: Path, spec: str) -> tuple[Checkpoint, object]:
 
     from .gguf_cache import existing_copy, gguf_copy
     from .gguf_checkpoint import GGUFCheckpoint, UnsupportedGGUFError, gguf_fingerprint
-    from .loading import _from_pretrained
+    from .loading import load_pretrained
 
     folder = existing_copy(path)
     if folder is None:
@@ -68,7 +68,7 @@ def _open_gguf(path: Path, spec: str) -> tuple[Checkpoint, object]:
             ckpt = GGUFCheckpoint(path, spec)
         except UnsupportedGGUFError as e:
             try:
-                folder = gguf_copy(path, lambda src, kw: _from_pretrained(src, kw, spec, torch.float32))
+                folder = gguf_copy(path, lambda src, kw: load_pretrained(src, kw, spec, torch.float32))
             except BitmosaicError:
                 raise
             except Exception:  # transformers cannot convert it either: the one-line refusal
