@@ -153,7 +153,7 @@ def test_reproduce_refuses_an_edited_config(tmp_path, src, capsys):
 
 
 def test_compare_refuses_a_folder_it_did_not_write(tmp_path, src, capsys, monkeypatch):
-    import bitmosaic.eval.compare as compare
+    import bitmosaic.cli.compare as compare
 
     model, text = src
     out = tmp_path / "mine"
@@ -412,7 +412,7 @@ def test_matching_scheme_and_abits_are_accepted():
     ],
 )
 def test_bad_option_values_of_eval_and_compare(tmp_path, capsys, monkeypatch, argv):
-    import bitmosaic.eval.compare as compare
+    import bitmosaic.cli.compare as compare
 
     monkeypatch.chdir(tmp_path)  # nothing may be written, but never into the checkout
     monkeypatch.setattr(bm_io, "load_model", _never)
