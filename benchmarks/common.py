@@ -21,7 +21,7 @@ from float_reference import CachedReference, default_store
 from bitmosaic.data import bos_token_id, calibration_samples, eval_tokens
 from bitmosaic.eval.perplexity import perplexity
 from bitmosaic.io import load_model
-from bitmosaic.io.serialization import atomic_write_text
+from bitmosaic.io.saved.outdir import atomic_write_text
 from bitmosaic.methods import get_method
 from bitmosaic.modules import QuantModule, set_weight_cache
 from bitmosaic.pipeline import RunSettings, quantize_model

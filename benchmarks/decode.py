@@ -6,7 +6,7 @@ bit-plane LUT at 1-3 bits; the ``(FMA)`` rows run the same W3/W2 folders on ``Lo
 32 channels, ``q8_0``, as llama.cpp's blocks); the ``+H8`` rows the output
 head as an 8-bit copy, ``--runtime-head int8``, as llama.cpp's file holds it in ``Q8_0``; ``+Q8H`` its
 inputs too in int8 blocks, ``--runtime-head q8_0``, as llama.cpp computes it; the ``(compiled)`` rows
-those models with :func:`bitmosaic.io.decode.enable_compiled_decode`: a static KV cache and a
+those models with :func:`bitmosaic.modules.decode.enable_compiled_decode`: a static KV cache and a
 ``torch.compile``-d decode step inside plain ``generate``),
 against llama.cpp running the very GGUF the model comes from (Q4_1) where ``llama_cpp`` is
 installed (``pip install llama-cpp-python``, or the ``peers`` extra), same threads, same prompt token
@@ -64,7 +64,8 @@ def _linear_bytes(model, folder: str) -> tuple[int, int]:
     """(resident, stored) bytes of the linear layers (the tied head excluded)."""
     import torch
 
-    from bitmosaic.io.serialization import quantized_modules, stored_module_bits
+    from bitmosaic.io.saved.load import stored_module_bits
+    from bitmosaic.io.saved.save import quantized_modules
     from bitmosaic.modules.base import resident_bytes
 
     qmods = quantized_modules(model)
@@ -78,7 +79,7 @@ def _linear_bytes(model, folder: str) -> tuple[int, int]:
 
 
 # opt-in variants (run only when --only names them): a compiled row with an inductor option (the module
-# guards are skipped by default now: io/decode.py guards="model")
+# guards are skipped by default now: modules/decode.py guards="model")
 _INDUCTOR_OPTIONS = {
     "+cpp_wrapper": {"cpp_wrapper": True},
     "+freezing": {"freezing": True},
@@ -144,7 +145,7 @@ def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repea
     model.eval()
     compiled = "(compiled" in variant
     if compiled:  # a static cache and the compiled decode step in plain generate
-        from bitmosaic.io.decode import enable_compiled_decode
+        from bitmosaic.modules.decode import enable_compiled_decode
 
         option = variant.split("(compiled")[1].rstrip(")")  # "" or an _INDUCTOR_OPTIONS key
         opts = dict(_INDUCTOR_OPTIONS.get(option, {}))
@@ -318,7 +319,7 @@ def main() -> None:
     wants_llama = a.only is None or "llama.cpp Q4_1" in a.only.split(",")
     peer_path = find_or_build(build=not a.no_build_peer) if wants_llama else None
     have_llama = peer_path is not None
-    from bitmosaic.io.loading import _smollm2_gguf
+    from bitmosaic.io.sources.loading import _smollm2_gguf
 
     gguf = str(_smollm2_gguf())
     load_before = os.getloadavg()
@@ -340,7 +341,7 @@ def main() -> None:
         compiled = ("float", "W4 g128", "W2 g128", "W4 g128 +Q8H", "W2 g128 +Q8H", "W4 g128 +A8 +Q8H",
                     "W4 g128 +Q8A +Q8H")  # fmt: skip
         for v in compiled:
-            folders[f"{v} (compiled)"] = folders[v]  # static cache + torch.compile (io/decode.py)
+            folders[f"{v} (compiled)"] = folders[v]  # static cache + torch.compile (modules/decode.py)
         if only is not None:  # opt-in: any compiled row with an inductor option, "(compiled+cpp_wrapper)"
             folders.update({f"{v} (compiled{k})": folders[v] for v in compiled for k in _INDUCTOR_OPTIONS})
             unknown = sorted(only - set(folders) - {"llama.cpp Q4_1"})

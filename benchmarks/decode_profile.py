@@ -58,8 +58,8 @@ def _child(folder: str, threads: int, new_tokens: int, act: str | None) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from bitmosaic.io import load_quantized
-    from bitmosaic.io.decode import enable_compiled_decode
     from bitmosaic.modules.base import prepare_kernels
+    from bitmosaic.modules.decode import enable_compiled_decode
     from bitmosaic.modules.head import set_runtime_head
 
     torch.set_num_threads(threads)

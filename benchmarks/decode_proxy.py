@@ -2,7 +2,7 @@
 random Llama with SmolLM2-135M's decoder shapes (30 layers, hidden 576, MLP 1536, 9 heads, 3 KV heads)
 and a 128-token vocabulary (so no head cost; SmolLM2's float32 tied head is ~11 ms of a token, handled
 elsewhere), RTN W4 and W2 g128 on the default kernels, eager ``generate`` against
-:func:`bitmosaic.io.decode.enable_compiled_decode` (its default skips dynamo's guards on the modules;
+:func:`bitmosaic.modules.decode.enable_compiled_decode` (its default skips dynamo's guards on the modules;
 ``+full_guards``: ``guards="full"``, dynamo's own guards).  Random weights: the tokens mean nothing, the
 time per token is what is measured (64 new tokens, best of 3, one thread by default).  Each row runs in
 its own process.  ``first generate s``: the compiling call (inductor's FX cache may shorten it on a rerun).
@@ -30,8 +30,8 @@ def _child(bits: int, mode: str, threads: int, new_tokens: int) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from bitmosaic import quantize_
-    from bitmosaic.io.decode import enable_compiled_decode
     from bitmosaic.modules.base import prepare_kernels
+    from bitmosaic.modules.decode import enable_compiled_decode
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)

@@ -31,7 +31,7 @@ from types import SimpleNamespace
 
 import torch
 
-from bitmosaic.io.serialization import atomic_write_text
+from bitmosaic.io.saved.outdir import atomic_write_text
 
 __all__ = ["CachedReference", "default_store"]
 

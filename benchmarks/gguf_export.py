@@ -193,7 +193,7 @@ def main() -> None:
     from bitmosaic.eval.perplexity import perplexity
     from bitmosaic.io import load_model, save_quantized
     from bitmosaic.io.export import export_model
-    from bitmosaic.io.serialization import quantized_modules
+    from bitmosaic.io.saved.save import quantized_modules
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)

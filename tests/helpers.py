@@ -50,7 +50,7 @@ def compare_in_process(subprocess_if=lambda cmd: False):
     through ``main`` in this process, its output going to the same log file (a fresh interpreter costs
     about 3 s of imports per config).  Commands for which ``subprocess_if(cmd)`` holds still run as
     real subprocesses."""
-    import bitmosaic.eval.compare as compare
+    import bitmosaic.cli.compare as compare
     from bitmosaic.cli import main
 
     saved = compare._run

@@ -28,7 +28,7 @@ reason).  A substitution that matches nothing, a README command of another progr
 :data:`NOT_RUN`, or a block of a language or section this file does not know fails the tests, so the
 README and this file cannot drift apart silently.
 
-The ``bitmosaic compare`` block runs its configs in-process (``eval.compare._run`` patched: every config
+The ``bitmosaic compare`` block runs its configs in-process (``cli.compare._run`` patched: every config
 in its own ``python`` process costs ~8 s of imports each on a loaded 2-core machine) and only its first
 two configs (substitution ``compare-configs``); every one of the README's configs is still checked to be
 a valid ``bitmosaic quantize`` command line (``test_compare_configs_are_quantize_commands``).
@@ -434,8 +434,8 @@ def test_compare_configs_are_quantize_commands():
     """Every config of the README's compare example (all of them, not only the ones run) is a valid
     ``bitmosaic quantize`` command line: known flags, each used by its method."""
     from bitmosaic.cli import build_parser
+    from bitmosaic.cli.compare import parse_configs
     from bitmosaic.cli.quantize import recipe_from_args
-    from bitmosaic.eval.compare import parse_configs
 
     cmds = [
         argv

@@ -201,8 +201,8 @@ def test_export_follows_a_symlink_inside_the_folder(tmp_path):
 def test_compare_run_names_stay_inside_out(name, tmp_path):
     """A config's name becomes ``OUT/runs/NAME.json`` and ``OUT/models/NAME``: never a path that leaves
     those folders (``..``) or names the folder itself (``.``)."""
-    from bitmosaic.eval.compare import parse_configs
-    from bitmosaic.io.checkpoint import is_file_name
+    from bitmosaic.cli.compare import parse_configs
+    from bitmosaic.io.sources.checkpoint import is_file_name
 
     f = tmp_path / "configs.json"
     f.write_text(f'[{{"name": "{name}", "method": "rtn", "bits": 4}}]')

@@ -2,7 +2,7 @@
 
 The top-level names are loaded lazily, so ``import bitmosaic.formats`` (or any other subpackage)
 loads only what that subpackage needs.  ``import bitmosaic`` also lets transformers load saved
-bitmosaic folders (``AutoModelForCausalLM.from_pretrained(dir)``; see ``io/hf_integration.py``),
+bitmosaic folders (``AutoModelForCausalLM.from_pretrained(dir)``; see ``io/saved/hf_integration.py``),
 registering with transformers only once transformers' quantizer registry is imported.
 """
 
@@ -24,7 +24,7 @@ def __getattr__(name: str):
 
         return RunSettings
     if name == "load":
-        from .io.hf_integration import load
+        from .io.saved.hf_integration import load
 
         return load
     if name in ("get_method", "list_methods"):

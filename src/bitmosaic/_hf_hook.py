@@ -17,10 +17,10 @@ _TARGET = "transformers.quantizers.auto"
 
 
 def _register() -> None:
-    mod = sys.modules.get(f"{__package__}.io.hf_integration")
+    mod = sys.modules.get(f"{__package__}.io.saved.hf_integration")
     if mod is not None and not hasattr(mod, "register"):
         return  # it is importing transformers' registry right now, and registers at its own end
-    from .io.hf_integration import register
+    from .io.saved.hf_integration import register
 
     register()
 

@@ -27,7 +27,7 @@ _DATASETS = ("wikitext2", "wikitext-2")
 def as_recipe(method, options: dict | None = None, scheme: str | None = None, rotate: str | None = None):
     """A :class:`~bitmosaic.pipeline.recipe.Recipe` from a method name (with config ``options``,
     ``scheme`` and ``rotate``), a ``Recipe``, a recipe dict, or the path of a YAML/JSON recipe file."""
-    from .pipeline.recipe import Recipe, _jsonable, load_recipe
+    from .pipeline.recipe import Recipe, jsonable_options, load_recipe
 
     options = dict(options or {})
     if isinstance(method, (Recipe, dict)) or (isinstance(method, (str, os.PathLike)) and _is_file(method)):
@@ -54,7 +54,7 @@ def as_recipe(method, options: dict | None = None, scheme: str | None = None, ro
     except ValueError as e:
         raise OptionError(str(e)) from None
     options = rename_old_keys(spec.config_cls, options, f"method {spec.name!r}: ")
-    d = {"method": spec.name, "settings": _jsonable(options)}
+    d = {"method": spec.name, "settings": jsonable_options(options)}
     if scheme is not None:
         d["scheme"] = scheme
     if rotate is not None:
@@ -144,7 +144,7 @@ def quantize_(model: nn.Module, method, calib, *, tokenizer=None, settings: RunS
     :func:`bitmosaic.io.save_quantized` writes them.  Bad arguments are one-line
     :class:`~bitmosaic.errors.OptionError` s.  See :func:`bitmosaic.pipeline.run.run`.
     """
-    from .io.serialization import quantized_modules
+    from .io.saved.save import quantized_modules
     from .methods import get_method, list_methods
 
     if not isinstance(model, nn.Module):

@@ -70,7 +70,7 @@ class OutputWriteError(BitmosaicError, OSError):
 
 
 class ModelSpecError(BitmosaicError):
-    """The model argument names nothing loadable (also importable from ``bitmosaic.io.loading``)."""
+    """The model argument names nothing loadable (also importable from ``bitmosaic.io.sources.loading``)."""
 
 
 class OutputLockedError(BitmosaicError):

@@ -153,7 +153,7 @@ def test_reproduce_refuses_an_edited_config(tmp_path, src, capsys):
 
 
 def test_compare_refuses_a_folder_it_did_not_write(tmp_path, src, capsys, monkeypatch):
-    import bitmosaic.eval.compare as compare
+    import bitmosaic.cli.compare as compare
 
     model, text = src
     out = tmp_path / "mine"
@@ -361,7 +361,8 @@ def test_saved_model_as_quantize_input(qdir, src, capsys, monkeypatch):
 
 @pytest.mark.parametrize("where", ["safetensors", "config"])
 def test_full_disk_during_save(src, tmp_path, capsys, monkeypatch, where):
-    import bitmosaic.io.serialization as ser
+    import bitmosaic.io.saved.save as ser
+    import bitmosaic.io.saved.shards as shards
 
     model, text = src
     out = tmp_path / "out" / "q"
@@ -374,7 +375,7 @@ def test_full_disk_during_save(src, tmp_path, capsys, monkeypatch, where):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     if where == "safetensors":
-        monkeypatch.setattr(ser, "save_file", full)
+        monkeypatch.setattr(shards, "save_file", full)
     else:
         monkeypatch.setattr(ser, "_write_config", full)
     line = _error_line(capsys, _quantize(model, text, "--out", str(out)))
@@ -423,7 +424,7 @@ def test_matching_scheme_and_abits_are_accepted():
     ],
 )
 def test_bad_option_values_of_eval_and_compare(tmp_path, capsys, monkeypatch, argv):
-    import bitmosaic.eval.compare as compare
+    import bitmosaic.cli.compare as compare
 
     monkeypatch.chdir(tmp_path)  # nothing may be written, but never into the checkout
     monkeypatch.setattr(bm_io, "load_model", _never)

@@ -130,7 +130,7 @@ def test_methods_command_lists_each_method_with_its_flags(capsys):
 
 # the CLI and API files of this layer (cmd_inspect, export and the load path belong to the module kinds)
 _NO_METHOD_NAMES = ["cli/__init__.py", "cli/args.py", "cli/method_flags.py", "cli/reproduce.py", "api.py",
-                    "io/provenance.py"]  # fmt: skip
+                    "io/saved/provenance.py"]  # fmt: skip
 
 
 @pytest.mark.parametrize("rel", _NO_METHOD_NAMES)

@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bitmosaic.cli.compare import parse_configs
 from bitmosaic.errors import BitmosaicError
-from bitmosaic.eval.compare import collect_rows, parse_configs
+from bitmosaic.eval.compare import collect_rows
 from bitmosaic.eval.plots import CLIP, pareto_front, pareto_plot
 from tests.helpers import compare_in_process, save_hf_dir, words
 

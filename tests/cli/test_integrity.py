@@ -67,7 +67,7 @@ def _child(tmp_path: Path, patch: str, argv: list[str], sig_wait: bool = True) -
 
 
 _SIGNAL_IN_SAVE = """
-import bitmosaic.io.serialization as ser
+import bitmosaic.io.saved.save as ser
 real = ser.write_safetensors
 def hit(*a, **k):
     real(*a, **k)
@@ -150,7 +150,7 @@ def test_a_second_run_into_the_same_out_refuses(src, tmp_path, capsys):
     model, text = src
     out = tmp_path / "q"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom bitmosaic.io.outdir import output_lock\n"
+        [sys.executable, "-c", "import sys, time\nfrom bitmosaic.io.saved.outdir import output_lock\n"
          "with output_lock(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(120)\n", str(out)],
         stdout=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": str(Path(bitmosaic.__file__).parents[1])},
@@ -319,7 +319,7 @@ def test_export_kill_9_leftovers_are_cleaned_and_one_export_per_out(qdir, tmp_pa
     assert "removed" in capsys.readouterr().err
     assert sorted(p.name for p in parent.iterdir()) == ["b"]
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom bitmosaic.io.outdir import output_lock\n"
+        [sys.executable, "-c", "import sys, time\nfrom bitmosaic.io.saved.outdir import output_lock\n"
          "with output_lock(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(120)\n",
          str(parent / "c")],
         stdout=subprocess.PIPE, text=True,

@@ -369,13 +369,13 @@ def safetensors_strategy():
 
 def check_safetensors(case) -> None:
     """The header readers of a saved folder and of a float checkpoint, and the full read."""
-    from bitmosaic.io.checkpoint import Checkpoint
-    from bitmosaic.io.saved import (
+    from bitmosaic.io.saved.load import (
         _load_safetensors,
         stored_module_bits,
         stored_tensors,
         stored_tensors_of_file,
     )
+    from bitmosaic.io.sources.checkpoint import Checkpoint
 
     data, index = case
     with _scratch() as d:
@@ -416,7 +416,7 @@ def saved_config_strategy():
 
 
 def check_saved_config(cfg) -> None:
-    from bitmosaic.io.serialization import read_quant_config, verify_saved
+    from bitmosaic.io.saved.load import read_quant_config, verify_saved
 
     src = _saved_model()
     with _scratch() as d:
@@ -453,7 +453,7 @@ def gguf_strategy():
 
 def check_gguf(data: bytes) -> None:
     """The tensor-by-tensor reader (streaming), every tensor read."""
-    from bitmosaic.io.gguf_checkpoint import GGUFCheckpoint
+    from bitmosaic.io.sources.gguf_checkpoint import GGUFCheckpoint
 
     with _scratch() as d:
         f = d / "model.gguf"

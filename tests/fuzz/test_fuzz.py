@@ -35,7 +35,7 @@ def test_the_harness_catches_a_foreign_exception():
 def test_fixed_crashes_stay_fixed(tmp_path):
     """The inputs the fuzzing found, each once a crash with another exception (now one line)."""
     from bitmosaic.formats.sq import parse_sq
-    from bitmosaic.io.checkpoint import Checkpoint
+    from bitmosaic.io.sources.checkpoint import Checkpoint
     from bitmosaic.methods.options import parse_group_size
     from bitmosaic.pipeline.recipe import load_recipe
 

@@ -1,6 +1,6 @@
-"""Compiled decode (io/decode.py): ``enable_compiled_decode`` makes plain ``model.generate`` use a static KV
-cache and one compiled decode graph (no graph break: the kernels are ``torch.library`` operators), with
-the same greedy tokens and logits as eager generate, and no recompilation per token."""
+"""Compiled decode (modules/decode.py): ``enable_compiled_decode`` makes plain ``model.generate`` use a
+static KV cache and one compiled decode graph (no graph break: the kernels are ``torch.library``
+operators), with the same greedy tokens and logits as eager generate, and no recompilation per token."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from bitmosaic import quantize_
-from bitmosaic.io.decode import disable_compiled_decode, enable_compiled_decode
 from bitmosaic.modules.base import QuantModule
+from bitmosaic.modules.decode import disable_compiled_decode, enable_compiled_decode
 from bitmosaic.testing import SPECIALS, VOCAB, tiny_llama
 
 NEW = 24

@@ -21,7 +21,7 @@ from bitmosaic.cli import main
 from bitmosaic.io import save_quantized
 from bitmosaic.io.export import ExportError, export_model
 from bitmosaic.io.export.gguf import default_types
-from bitmosaic.io.serialization import quantized_modules
+from bitmosaic.io.saved.save import quantized_modules
 from tests.io.test_gguf_checkpoint import _transformers, tiny_gguf
 
 CALIB = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))

@@ -1,4 +1,4 @@
-"""The converted copy of a GGUF model (``bitmosaic.io.gguf_cache``): made once, keyed by the file,
+"""The converted copy of a GGUF model (``bitmosaic.io.sources.gguf_cache``): made once, keyed by the file,
 replaced when damaged, off on request; and on the real SmolLM2 its weights and vocabulary equal what
 the ``gguf`` package itself reads from the file."""
 
@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from bitmosaic.io import gguf_cache, loading
+from bitmosaic.io.sources import gguf_cache, loading
 from bitmosaic.testing import tiny_llama, word_tokenizer
 from tests.conftest import smollm2_gguf
 
@@ -19,7 +19,7 @@ def fake_gguf(tmp_path, monkeypatch):
     path = tmp_path / "m.gguf"
     path.write_bytes(b"GGUF" + bytes(100))
     calls = []
-    real = loading._from_pretrained
+    real = loading.load_pretrained
 
     def fake(src, kw, spec, dtype):
         if "gguf_file" in kw:
@@ -27,9 +27,9 @@ def fake_gguf(tmp_path, monkeypatch):
             return tiny_llama(seed=3).to(dtype), word_tokenizer()
         return real(src, kw, spec, dtype)
 
-    monkeypatch.setattr(loading, "_from_pretrained", fake)
+    monkeypatch.setattr(loading, "load_pretrained", fake)
     # the stand-in is no GGUF: skip the header check every real load makes first (test_gguf_checkpoint)
-    monkeypatch.setattr("bitmosaic.io.gguf_checkpoint.open_gguf", lambda path, spec=None: None)
+    monkeypatch.setattr("bitmosaic.io.sources.gguf_checkpoint.open_gguf", lambda path, spec=None: None)
     return path, calls
 
 

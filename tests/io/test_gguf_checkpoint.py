@@ -1,4 +1,4 @@
-"""A GGUF file read tensor by tensor (``bitmosaic.io.gguf_checkpoint``): every tensor bit for bit what
+"""A GGUF file read tensor by tensor (``bitmosaic.io.sources.gguf_checkpoint``): every tensor bit for bit what
 transformers' GGUF loader gives (tiny files of each streamable architecture written here with the
 ``gguf`` package, and the real SmolLM2, against its converted copy); one tensor dequantized per read
 and the file unmapped after it; a streamed quantization from the file itself with the same bytes as
@@ -15,10 +15,16 @@ import torch
 
 import bitmosaic
 from bitmosaic.api import as_recipe
-from bitmosaic.io import gguf_cache, loading, save_quantized
-from bitmosaic.io.checkpoint import Checkpoint
-from bitmosaic.io.gguf_checkpoint import STREAMABLE, GGUFCheckpoint, UnsupportedGGUFError, gguf_fingerprint
-from bitmosaic.io.sources import open_checkpoint
+from bitmosaic.io import save_quantized
+from bitmosaic.io.sources import gguf_cache, loading
+from bitmosaic.io.sources.checkpoint import Checkpoint
+from bitmosaic.io.sources.gguf_checkpoint import (
+    STREAMABLE,
+    GGUFCheckpoint,
+    UnsupportedGGUFError,
+    gguf_fingerprint,
+)
+from bitmosaic.io.sources.opener import open_checkpoint
 from bitmosaic.pipeline import RunSettings
 from bitmosaic.pipeline.stream import quantize_streaming
 from bitmosaic.testing import tiny_llama, word_tokenizer
@@ -298,14 +304,14 @@ def test_an_array_count_the_file_cannot_hold_is_refused_before_gguf_py_walks_it(
 def test_a_damaged_file_at_the_export_out_is_never_replaced_and_never_walked(tmp_path, bounded_walk):
     """``export --format gguf --out F`` reads an existing ``F`` to see whether bitmosaic wrote it: a
     damaged one (the fuzz run's array count) is "not ours" at once, not read until memory runs out."""
-    from bitmosaic.io.export.gguf_file import _check_out
+    from bitmosaic.io.export.gguf_file import check_gguf_out
     from bitmosaic.io.export.layers import ExportError
 
     path = tiny_gguf(tmp_path / "a.gguf", "llama", vocab="llama")
     _with_array_count(path, "tokenizer.ggml.token_type", 2**64 - 2**48 + 128)
     before = path.read_bytes()
     with pytest.raises(ExportError, match="was not written by bitmosaic export; it is never replaced"):
-        _check_out(path, overwrite=True)
+        check_gguf_out(path, overwrite=True)
     assert path.read_bytes() == before
 
 
@@ -337,8 +343,8 @@ def test_unsupported_architectures_are_refused_in_one_line(tmp_path, monkeypatch
 def test_an_unsupported_architecture_streams_through_a_new_converted_copy(tmp_path, monkeypatch):
     monkeypatch.setenv("BITMOSAIC_CACHE", str(tmp_path / "cache"))
     path = tiny_gguf(tmp_path / "m.gguf", "llama")
-    monkeypatch.setattr("bitmosaic.io.gguf_checkpoint.STREAMABLE", ())
-    real = loading._from_pretrained
+    monkeypatch.setattr("bitmosaic.io.sources.gguf_checkpoint.STREAMABLE", ())
+    real = loading.load_pretrained
     calls = []
 
     def fake(src, kw, spec, dtype):  # the conversion (transformers needs a tokenizer in the file)
@@ -347,7 +353,7 @@ def test_an_unsupported_architecture_streams_through_a_new_converted_copy(tmp_pa
             return tiny_llama(seed=3).to(dtype), word_tokenizer()
         return real(src, kw, spec, dtype)
 
-    monkeypatch.setattr(loading, "_from_pretrained", fake)
+    monkeypatch.setattr(loading, "load_pretrained", fake)
     ckpt, tok = open_checkpoint(str(path))
     assert len(calls) == 1 and type(ckpt) is Checkpoint and gguf_cache.existing_copy(path) == ckpt.folder
     assert ckpt.fingerprint() == gguf_fingerprint(path)

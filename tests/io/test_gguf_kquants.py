@@ -28,7 +28,7 @@ from bitmosaic.io import save_quantized
 from bitmosaic.io.export import ExportError, export_model
 from bitmosaic.io.export import gguf_kquants as kq
 from bitmosaic.io.export.layers import regroup, weight_error
-from bitmosaic.io.serialization import quantized_modules
+from bitmosaic.io.saved.save import quantized_modules
 from tests.io.test_export_gguf import _read, _to_file_rows
 from tests.io.test_gguf_checkpoint import _transformers, tiny_gguf
 

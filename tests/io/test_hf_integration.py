@@ -58,7 +58,7 @@ def test_from_pretrained_loads_every_kind_bit_for_bit(saved, name):
 
     import bitmosaic  # noqa: F401  (registers the quantizer)
     from bitmosaic.io import load_quantized
-    from bitmosaic.io.serialization import quantized_modules
+    from bitmosaic.io.saved.save import quantized_modules
 
     path, quantized = saved[name]
     hf = AutoModelForCausalLM.from_pretrained(path)

@@ -123,9 +123,9 @@ def test_no_weights_file(saved):
 
 
 def test_missing_shard_and_broken_index(tmp_path, monkeypatch):
-    import bitmosaic.io.serialization as ser
+    import bitmosaic.io.saved.shards as shards
 
-    monkeypatch.setattr(ser, "SHARD_BYTES", 20_000)
+    monkeypatch.setattr(shards, "SHARD_BYTES", 20_000)
     out = save_quantized(_quantized_model(), tmp_path / "sharded", {"method": "rtn"})
     shards = sorted(out.glob("model-*.safetensors"))
     assert len(shards) > 1

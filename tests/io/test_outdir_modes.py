@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from bitmosaic.io.outdir import atomic_write_text, make_temporary
+from bitmosaic.io.saved.outdir import atomic_write_text, make_temporary
 
 
 @pytest.fixture

@@ -205,7 +205,7 @@ def test_load_in_a_fresh_process(root):
         "assert 'transformers' not in sys.modules, 'import bitmosaic imported transformers'\n"
         "m = bitmosaic.load(sys.argv[1])\n"
         "from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING as Q\n"
-        "from bitmosaic.io.hf_integration import BitmosaicHfQuantizer, register\n"
+        "from bitmosaic.io.saved.hf_integration import BitmosaicHfQuantizer, register\n"
         "assert Q['bitmosaic'] is BitmosaicHfQuantizer\n"
         "register(); register()\n"
         "import importlib; importlib.reload(bitmosaic)\n"

@@ -119,7 +119,7 @@ def streamed_digests(case: str, tmp: Path, spec: str, tokens: torch.Tensor) -> d
     """``CASES[case]`` streamed layer by layer from the checkpoint ``spec`` (``bitmosaic.pipeline.stream``)
     into ``tmp``, digested; ``"not streamable"`` for a method with a whole-model step."""
     from bitmosaic.api import as_recipe
-    from bitmosaic.io.sources import open_checkpoint
+    from bitmosaic.io.sources.opener import open_checkpoint
     from bitmosaic.pipeline import RunSettings
     from bitmosaic.pipeline.stream import quantize_streaming, streamable
 

@@ -229,6 +229,7 @@ def test_cli_quantize_uses_the_cache_dir_and_no_cache(tmp_path):
 
 
 def test_compare_gives_every_config_one_cache_and_reports_hits(tmp_path, monkeypatch):
+    from bitmosaic.cli import compare as cli_compare
     from bitmosaic.cli import main
     from bitmosaic.eval import compare
 
@@ -244,7 +245,7 @@ def test_compare_gives_every_config_one_cache_and_reports_hits(tmp_path, monkeyp
         compare.write_reports(compare.collect_rows(tmp_path, configs), tmp_path)
         return tmp_path
 
-    monkeypatch.setattr(compare, "run_compare", fake_run_compare)
+    monkeypatch.setattr(cli_compare, "run_compare", fake_run_compare)
     base = ["compare", "--configs", "awq:w4g32, awq:w3g32", "--out", str(tmp_path), "--no-progress"]
     assert main([*base, "--cache-dir", str(tmp_path / "c")]) == 0
     i = seen["common"].index("--cache-dir")

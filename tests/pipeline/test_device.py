@@ -17,7 +17,7 @@ from bitmosaic import quantize_
 from bitmosaic.devices import resolve_device
 from bitmosaic.errors import BitmosaicError, CorruptModelError, DeviceError, NonFiniteError
 from bitmosaic.io import load_model, load_quantized, quantized_modules, save_quantized
-from bitmosaic.io.loading import checkpoint_dtype, resolve_dtype, resolve_model_spec
+from bitmosaic.io.sources.loading import checkpoint_dtype, resolve_dtype, resolve_model_spec
 from tests.helpers import quantized_dir, save_hf_dir
 from tests.helpers import tiny_llama as tiny_hf_llama
 from tests.pipeline.test_pipeline import tiny_llama

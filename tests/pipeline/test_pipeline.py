@@ -170,12 +170,12 @@ def test_no_clip_codes_are_stored_exactly(tmp_path, calib):
 def test_interrupted_save_leaves_nothing(tmp_path, calib, monkeypatch):
     m = tiny_llama()
     quantize_(m, "rtn", calib, bits=4, group_size=32, progress=False)
-    import bitmosaic.io.serialization as ser
+    import bitmosaic.io.saved.shards as shards
 
     def fail(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(ser, "save_file", fail)
+    monkeypatch.setattr(shards, "save_file", fail)
     with pytest.raises(OSError, match="disk full"):
         save_quantized(m, tmp_path / "q", {"method": "rtn"})
     assert list(tmp_path.iterdir()) == []

@@ -111,7 +111,7 @@ def test_overrides_and_skips_reach_every_linear(tmp_path):
     from bitmosaic.algorithms import rtn_quantize
     from bitmosaic.formats.grid import IntGrid
     from bitmosaic.io import save_quantized
-    from bitmosaic.io.serialization import quantized_modules
+    from bitmosaic.io.saved.save import quantized_modules
 
     model = tiny_llama()
     float_down = model.model.layers[1].mlp.down_proj.weight.detach().clone()

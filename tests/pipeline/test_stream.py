@@ -18,7 +18,7 @@ import bitmosaic
 from bitmosaic.api import as_recipe
 from bitmosaic.errors import OptionError
 from bitmosaic.io import save_quantized
-from bitmosaic.io.checkpoint import Checkpoint
+from bitmosaic.io.sources.checkpoint import Checkpoint
 from bitmosaic.pipeline import RunSettings, stream
 from bitmosaic.pipeline.stream import LayerStore, partial_dir, quantize_streaming
 from bitmosaic.testing import word_tokenizer, words

@@ -37,11 +37,11 @@ import torch
 from ..formats.sq import (
     SQFormat,
     SQTensor,
-    _fp4_decode,
-    _fp4_encode,
-    _fp8_decode,
-    _fp8_encode,
     bank_topk_mask,
+    fp4_decode,
+    fp4_encode,
+    fp8_decode,
+    fp8_encode,
     part_scales,
     round_high,
     round_low,
@@ -131,7 +131,7 @@ class SQColumnQuantizer:
             lo = round_low(w / low_scale, fmt) + 0.0  # a low zero is +0 (-0 is v_mask for FP4)
             dq = torch.where(m, hi * high_scale, lo * low_scale)
             if fmt.fp:
-                q = torch.where(m, _fp8_encode(hi), _fp4_encode(lo) if fmt.h_low else 0).to(w.dtype)
+                q = torch.where(m, fp8_encode(hi), fp4_encode(lo) if fmt.h_low else 0).to(w.dtype)
             else:
                 q = torch.where(m, hi, lo)
             return q, dq
@@ -182,8 +182,8 @@ class SQWeightResult(QuantResult):
 def _sq_from_codes(codes: torch.Tensor, mask: torch.Tensor, fmt: SQFormat, ls, hs) -> SQTensor:
     c = codes.to(torch.int32)
     if fmt.fp:
-        high = _fp8_decode(c.clamp(0, 255) * mask)
-        low = _fp4_decode(c.clamp(0, 15)) if fmt.h_low else torch.zeros_like(high)
+        high = fp8_decode(c.clamp(0, 255) * mask)
+        low = fp4_decode(c.clamp(0, 15)) if fmt.h_low else torch.zeros_like(high)
     else:
         high = low = c.float()
     high = high.masked_fill(~mask, 0)

@@ -15,11 +15,11 @@ import threading
 from . import compare as _compare
 from .args import (
     DEFAULT_MODEL,
-    _add_act_args,
-    _add_device_args,
-    _add_eval_extras,
     act_spec_from_args,
+    add_act_args,
     add_cache_args,
+    add_device_args,
+    add_eval_extras,
 )
 from .commands import cmd_eval, cmd_inspect, cmd_methods
 from .export import add_export_parser, cmd_export
@@ -139,7 +139,7 @@ def _add_quantize_parser(sub) -> None:
     )
     q.add_argument("--recipe", default=None, help="YAML/JSON recipe: method, settings, overrides, skip")
     add_method_args(q)
-    _add_act_args(q)
+    add_act_args(q)
     q.add_argument("--calib", default="wikitext2", help="calibration data: wikitext2 or a text file")
     q.add_argument("--nsamples", type=int, default=32, help="calibration samples")
     q.add_argument("--seqlen", type=int, default=512, help="tokens per calibration sample")
@@ -161,8 +161,8 @@ def _add_quantize_parser(sub) -> None:
     q.add_argument("--eval-seqlen", type=int, default=512, help="tokens per evaluation window")
     q.add_argument("--max-windows", type=int, default=None, help="with --eval: first K windows only")
     q.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    _add_eval_extras(q, quantize=True)
-    _add_device_args(q)
+    add_eval_extras(q, quantize=True)
+    add_device_args(q)
     q.add_argument(
         "--overwrite", action="store_true", help="replace an existing bitmosaic model folder at --out"
     )
@@ -210,8 +210,8 @@ def _add_eval_parser(sub) -> None:
     e.add_argument("--json", default=None)
     e.add_argument("--threads", type=int, default=None)
     e.add_argument("--no-progress", action="store_true")
-    _add_eval_extras(e, quantize=False)
-    _add_device_args(e)
+    add_eval_extras(e, quantize=False)
+    add_device_args(e)
 
 
 def _add_inspect_and_methods_parsers(sub) -> None:

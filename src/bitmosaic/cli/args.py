@@ -17,7 +17,7 @@ ACT_DESTS = (
 )  # fmt: skip
 
 
-def _add_act_args(q: argparse.ArgumentParser) -> None:
+def add_act_args(q: argparse.ArgumentParser) -> None:
     a = q.add_argument_group("activation quantization (default: 16-bit activations)")
     a.add_argument(
         "--scheme",
@@ -131,7 +131,7 @@ def _check_scheme_act(scheme: str, spec, abits: int | None, afmt: str | None) ->
             )
 
 
-def _add_eval_extras(p: argparse.ArgumentParser, quantize: bool) -> None:
+def add_eval_extras(p: argparse.ArgumentParser, quantize: bool) -> None:
     """Fidelity against the float model and lm-eval zero-shot tasks (``quantize`` and ``eval``)."""
     if quantize:
         p.add_argument(
@@ -176,7 +176,7 @@ def calib_cache_from_args(args):
     return CalibCache(getattr(args, "cache_dir", None) or "auto")
 
 
-def _add_device_args(p: argparse.ArgumentParser) -> None:
+def add_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device",
         default="auto",

@@ -37,7 +37,7 @@ def check_float_model(spec: str) -> None:
     import json
     from pathlib import Path
 
-    from ..io.loading import resolve_model_spec
+    from ..io.sources.loading import resolve_model_spec
 
     kind, info = resolve_model_spec(spec)
     if kind != "bitmosaic":

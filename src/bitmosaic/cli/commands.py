@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .checks import check_counts, warn_positions
-from .eval_options import _fidelity_reference, _is_saved_quantized, _runtime_act, _runtime_head
+from .eval_options import apply_runtime_act, apply_runtime_head, fidelity_reference, is_saved_quantized
 from .evaluate import check_json_path, perplexity_of, print_tasks, write_json
 
 
@@ -14,7 +14,7 @@ def cmd_eval(args) -> int:
 
     from ..errors import BitmosaicError, OptionError
     from ..io import load_model
-    from ..io.loading import resolve_device, resolve_dtype
+    from ..io.sources.loading import resolve_device, resolve_dtype
 
     check_counts(args, seqlen=2)  # an evaluation window: one token of context, one predicted
     skip_ppl = args.ppl.lower() == "none"
@@ -27,8 +27,8 @@ def cmd_eval(args) -> int:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device, args.model)
     check_json_path(args.json)
-    ref_spec = _fidelity_reference(args.model, args.fidelity) if args.fidelity else None
-    if args.runtime_act not in (None, "none") and not _is_saved_quantized(args.model):
+    ref_spec = fidelity_reference(args.model, args.fidelity) if args.fidelity else None
+    if args.runtime_act not in (None, "none") and not is_saved_quantized(args.model):
         raise OptionError(
             f"--runtime-act {args.runtime_act} applies to the layers of a saved quantized model; "
             f"{args.model} is not one (quantize it first)"
@@ -40,10 +40,10 @@ def cmd_eval(args) -> int:
     res = {"model": args.model, "source": None if skip_ppl else args.ppl, "device": str(device)}
     if args.runtime_act is not None:
         res["runtime_act"] = args.runtime_act
-        _runtime_act(model, args.runtime_act)
+        apply_runtime_act(model, args.runtime_act)
     if args.runtime_head is not None:
         res["runtime_head"] = args.runtime_head
-        _runtime_head(model, args.runtime_head)
+        apply_runtime_head(model, args.runtime_head)
     res["dtype"] = str(dtype).removeprefix("torch.")
     if not skip_ppl:
         reference = load_model(ref_spec, dtype=dtype)[0] if ref_spec else None
@@ -72,7 +72,7 @@ def verify_file_hashes(path: Path) -> list[str] | None:
     saved before bitmosaic recorded hashes gets one warning line and ``None``."""
     import sys
 
-    from ..io.integrity import SUMS, verify_folder
+    from ..io.saved.integrity import SUMS, verify_folder
 
     checked = verify_folder(path)
     if checked is None:
@@ -86,7 +86,7 @@ def verify_file_hashes(path: Path) -> list[str] | None:
 
 def cmd_inspect(args) -> int:
     from ..errors import CorruptModelError
-    from ..io.serialization import stored_module_bits, verify_saved
+    from ..io.saved.load import stored_module_bits, verify_saved
     from ..modules import KINDS
 
     path = Path(args.dir)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _is_saved_quantized(model: str) -> bool:
+def is_saved_quantized(model: str) -> bool:
     import json
 
     cfg = Path(model) / "config.json"
@@ -18,7 +18,7 @@ def _is_saved_quantized(model: str) -> bool:
     return isinstance(qc, dict) and qc.get("quant_method") == "bitmosaic"
 
 
-def _runtime_act(model, mode: str) -> None:
+def apply_runtime_act(model, mode: str) -> None:
     """``eval --runtime-act MODE`` on a loaded model (modules/intact.py), with one line saying what runs."""
     from ..modules.intact import set_runtime_activations
 
@@ -28,7 +28,7 @@ def _runtime_act(model, mode: str) -> None:
         print(f"runtime activations {mode}: {n} weight-only layers quantize inputs {per} (not saved)")
 
 
-def _runtime_head(model, mode: str) -> None:
+def apply_runtime_head(model, mode: str) -> None:
     """``eval --runtime-head MODE`` on a loaded model (modules/head.py), with one line saying what runs."""
     from ..modules.head import set_runtime_head
 
@@ -39,12 +39,12 @@ def _runtime_head(model, mode: str) -> None:
         print(f"runtime head {mode}: this model has no linear output head; it stays as it is")
 
 
-def _fidelity_reference(model: str, ref: str) -> str:
+def fidelity_reference(model: str, ref: str) -> str:
     """The float model ``eval --fidelity`` compares with: REF, or a saved folder's source model."""
     if ref != "source":
         return ref
     from ..errors import BitmosaicError, OptionError
-    from ..io.serialization import verify_saved
+    from ..io.saved.load import verify_saved
 
     if not (Path(model) / "config.json").is_file():
         raise OptionError(f"--fidelity needs the float model to compare {model} with: give --fidelity MODEL")

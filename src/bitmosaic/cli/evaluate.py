@@ -46,14 +46,14 @@ def check_json_path(path: str | None) -> None:
         from ..errors import BitmosaicError
 
         raise BitmosaicError(f"--json {path} is a folder; give the path of a .json file")
-    from ..io.serialization import check_writable
+    from ..io.saved.outdir import check_writable
 
     check_writable(path, "--json")
 
 
 def write_json(path: str | None, obj: dict) -> None:
     if path:
-        from ..io.serialization import atomic_write_text
+        from ..io.saved.outdir import atomic_write_text
 
         atomic_write_text(path, json.dumps(obj, indent=2))
         print(f"report written to {path}")

@@ -61,7 +61,7 @@ def cmd_quantize(args) -> int:
     rank 0 alone prints, evaluates and writes ``--out`` / ``--json``."""
     import torch
 
-    from ..io.loading import resolve_device
+    from ..io.sources.loading import resolve_device
     from ..pipeline.distributed import init_from_env, local_threads, shutdown
 
     check_counts(args)
@@ -79,7 +79,7 @@ def cmd_quantize(args) -> int:
             args.no_progress = True
         with contextlib.ExitStack() as stack:
             if args.out and dist.is_main:  # one run per --out: a second one refuses now, not at save
-                from ..io.serialization import check_output_dir, output_lock
+                from ..io.saved.outdir import check_output_dir, output_lock
 
                 check_output_dir(args.out, args.overwrite)
                 stack.enter_context(output_lock(args.out))
@@ -118,7 +118,7 @@ def _quantize(args, device, dist) -> int:
 def _check(args, device, dist):
     """Step 1 (module doc): ``(recipe, dtype, streamed)``, or a one-line refusal before any work."""
     from ..errors import OptionError
-    from ..io.loading import resolve_dtype
+    from ..io.sources.loading import resolve_dtype
     from ..pipeline.spill import parse_size
     from .stream import should_stream
 
@@ -127,7 +127,7 @@ def _check(args, device, dist):
     check_float_model(args.model)
     dtype = resolve_dtype(args.dtype, device, args.model)
     if args.out:  # refuse a bad --out (or --json) before hours of work, not after
-        from ..io.serialization import check_output_dir
+        from ..io.saved.outdir import check_output_dir
 
         check_output_dir(args.out, args.overwrite)
     check_json_path(args.json)

@@ -109,8 +109,8 @@ def cmd_reproduce(args) -> int:
     import torch
 
     from ..errors import BitmosaicError
-    from ..io.loading import resolve_device
-    from ..io.provenance import library_versions
+    from ..io.saved.provenance import library_versions
+    from ..io.sources.loading import resolve_device
     from .checks import check_counts
     from .commands import verify_file_hashes
     from .evaluate import check_json_path, write_json
@@ -120,7 +120,7 @@ def cmd_reproduce(args) -> int:
     checked = verify_file_hashes(path)  # first: a file changed since the save is named as such
     if checked is not None:
         print(f"all {len(checked)} files match the SHA-256 recorded at save (SHA256SUMS)")
-    from ..io.serialization import verify_saved
+    from ..io.saved.load import verify_saved
 
     _, qc = verify_saved(path)  # an edited or damaged folder is refused as the loaders refuse it
     recipe, prov = _recorded(path, qc)
@@ -160,7 +160,7 @@ def _rerun(args, recipe, prov: dict, device):
 
     from ..api import draw_calibration
     from ..io import load_model
-    from ..io.provenance import calibration_fingerprint, compare_fingerprints
+    from ..io.saved.provenance import calibration_fingerprint, compare_fingerprints
     from ..pipeline.calib_cache import CalibCache
     from ..pipeline.run import run, source_name
     from ..pipeline.settings import RunSettings
@@ -184,11 +184,11 @@ def _rerun(args, recipe, prov: dict, device):
 
 def _compare(path: Path, qc: dict, model) -> tuple[list[dict], int]:
     """Every saved tensor and layer setting against the rerun's, printed: ``(differing rows, tensors)``."""
-    from ..io.saved import _read_state_dict
-    from ..io.serialization import _state_dict_for_save, quantized_modules
+    from ..io.saved.load import read_state_dict
+    from ..io.saved.save import quantized_modules, state_dict_for_save
     from ..modules.qmodules import full_layer_config
 
-    rows = compare_state_dicts(_read_state_dict(path), _state_dict_for_save(model))
+    rows = compare_state_dicts(read_state_dict(path), state_dict_for_save(model))
     n_tensors = len(rows)
     rerun = {n: full_layer_config(m) for n, m in quantized_modules(model).items()}
     rows += compare_layer_configs(qc["modules"], rerun)

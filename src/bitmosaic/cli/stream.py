@@ -20,7 +20,7 @@ STREAM_CHOICES = ("auto", "on", "off")
 
 def _float_bytes(model_spec: str, dtype) -> int | None:
     """Bytes the model's weights take in ``dtype``, from the safetensors headers (``None``: unknown)."""
-    from ..io.loading import resolve_model_spec
+    from ..io.sources.loading import resolve_model_spec
 
     try:
         kind, info = resolve_model_spec(model_spec)
@@ -76,7 +76,7 @@ def run_streaming(args, recipe, settings, dtype):
     folder beside ``--out`` (the run's work folder holds it)."""
     import torch
 
-    from ..io.sources import open_checkpoint
+    from ..io.sources.opener import open_checkpoint
     from ..pipeline.stream import partial_dir, quantize_streaming
     from .settings_flags import calibration_from_args
 

@@ -70,13 +70,21 @@ __all__ = [
     "quantize_part",
     "weight_name",
     "act_name",
+    "MIN_SCALE",
+    "fp16_scale",
+    "fp4_encode",
+    "fp4_decode",
+    "fp8_encode",
+    "fp8_decode",
+    "high_index",
+    "pos_bits",
 ]
 
 BANKS = (4, 8, 16, 32, 64, 128)
 SPARSITIES = (0.5, 0.75, 0.875, 0.9375)
 INT_PAIRS = ((8, 4), (8, 3), (8, 2), (4, 2))
 FP_HIGH, FP_LOW = "e4m3", "e2m1"  # the FP8/FP4 pair (App. 8)
-_MIN_SCALE = 2.0**-24  # smallest positive fp16 (subnormal): scales stay fp16-exact and nonzero
+MIN_SCALE = 2.0**-24  # smallest positive fp16 (subnormal): scales stay fp16-exact and nonzero
 # E2M1 magnitudes by 3-bit code (exponent, mantissa): 0, 0.5, 1, 1.5, 2, 3, 4, 6
 _E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -249,8 +257,10 @@ def _expand(scale: torch.Tensor, group: int, K: int) -> torch.Tensor:
     return scale.repeat_interleave(group, dim=-1)[..., :K]
 
 
-def _fp16_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
-    s = (amax.float() / qmax).clamp(min=_MIN_SCALE, max=65504.0)
+def fp16_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """The fp16-exact scale of a part whose absmax is ``amax`` on the grid ``±qmax``: ``amax / qmax``
+    clamped to ``[MIN_SCALE, 65504]`` and rounded to fp16 (float32 values)."""
+    s = (amax.float() / qmax).clamp(min=MIN_SCALE, max=65504.0)
     return s.to(torch.float16).float()
 
 
@@ -267,8 +277,8 @@ def part_scales(X: torch.Tensor, mask: torch.Tensor, fmt: SQFormat, group: int) 
         lo, hi = (torch.nn.functional.pad(t, (0, pad)) for t in (lo, hi))
     lo = lo.reshape(rows, G, group).amax(-1)
     hi = hi.reshape(rows, G, group).amax(-1)
-    low_scale = _fp16_scale(lo, fmt.qmax_low) if fmt.h_low else torch.ones_like(lo)
-    return low_scale, _fp16_scale(hi, fmt.qmax_high)
+    low_scale = fp16_scale(lo, fmt.qmax_low) if fmt.h_low else torch.ones_like(lo)
+    return low_scale, fp16_scale(hi, fmt.qmax_high)
 
 
 def _round_part(x: torch.Tensor, fp_fmt: str, qmax: float, fp: bool) -> torch.Tensor:
@@ -295,7 +305,7 @@ def quantize_part(x: torch.Tensor, fmt: SQFormat, high: bool) -> torch.Tensor:
     if not high and fmt.h_low == 0:
         return torch.zeros_like(x)
     qmax = fmt.qmax_high if high else fmt.qmax_low
-    s = _fp16_scale(x.detach().abs().float().amax(-1, keepdim=True), qmax)
+    s = fp16_scale(x.detach().abs().float().amax(-1, keepdim=True), qmax)
     v = (round_high if high else round_low)(x.float() / s, fmt)
     return (v * s).to(x.dtype)
 
@@ -354,26 +364,30 @@ def sq_quantize(
 
 
 # -- storage (§3.2.1, Fig. 1) -----------------------------------------------------------------
-def _fp4_encode(v: torch.Tensor) -> torch.Tensor:
+def fp4_encode(v: torch.Tensor) -> torch.Tensor:
+    """The 4-bit FP4 E2M1 codes (sign bit 3, magnitude code bits 0-2) of values already on the grid."""
     mag = torch.searchsorted(_E2M1.to(v.device), v.abs().contiguous())
     sign = ((v < 0) | ((v == 0) & torch.signbit(v))).to(torch.int32) << 3
     return mag.to(torch.int32) | sign
 
 
-def _fp4_decode(c: torch.Tensor) -> torch.Tensor:
+def fp4_decode(c: torch.Tensor) -> torch.Tensor:
+    """The values (float32) of FP4 E2M1 codes (inverse of :func:`fp4_encode`)."""
     mag = _E2M1.to(c.device)[(c & 7).long()]
     return torch.where((c & 8) != 0, -mag, mag)
 
 
-def _fp8_encode(v: torch.Tensor) -> torch.Tensor:
+def fp8_encode(v: torch.Tensor) -> torch.Tensor:
+    """The 8-bit FP8 E4M3 codes (int32) of ``v`` (its bits as ``float8_e4m3fn``)."""
     return v.float().to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int32)
 
 
-def _fp8_decode(c: torch.Tensor) -> torch.Tensor:
+def fp8_decode(c: torch.Tensor) -> torch.Tensor:
+    """The values (float32) of FP8 E4M3 codes (inverse of :func:`fp8_encode`)."""
     return c.to(torch.uint8).view(torch.float8_e4m3fn).float()
 
 
-def _compact_index(mask: torch.Tensor, fmt: SQFormat) -> torch.Tensor:
+def high_index(mask: torch.Tensor, fmt: SQFormat) -> torch.Tensor:
     """Column of every high value, ``[rows, high_count]`` in bank order then position order."""
     rows, K = mask.shape
     banks = fmt.banks(K)
@@ -394,17 +408,17 @@ def pack_sq(t: SQTensor) -> dict[str, torch.Tensor]:
     each high value, only when ``h_low = 0``), ``low_scale``/``high_scale`` (fp16)."""
     fmt = t.fmt
     check_mask(t.mask, fmt)
-    idx = _compact_index(t.mask, fmt)
+    idx = high_index(t.mask, fmt)
     hv = t.high.float().gather(1, idx)
     if fmt.fp:
-        hc = _fp8_encode(hv)
+        hc = fp8_encode(hv)
     else:
         hc = hv.round().to(torch.int32) + (1 << (fmt.h_high - 1))
     out = {"high": pack_codes(hc, fmt.h_high)}
     if fmt.h_low:
         lv = t.low.float()
         if fmt.fp:
-            lc = torch.where(t.mask, fmt.v_mask, _fp4_encode(lv))
+            lc = torch.where(t.mask, fmt.v_mask, fp4_encode(lv))
         else:
             lc = torch.where(t.mask, fmt.v_mask, lv.round().to(torch.int32) + (1 << (fmt.h_low - 1)))
         out["low"] = pack_codes(lc.to(torch.int32), fmt.h_low)
@@ -412,13 +426,14 @@ def pack_sq(t: SQTensor) -> dict[str, torch.Tensor]:
         starts = torch.tensor(
             [s for s, _, nh in fmt.banks(t.mask.shape[1]) for _ in range(nh)], device=idx.device
         )
-        out["pos"] = pack_codes((idx - starts).to(torch.int32), _pos_bits(fmt))
+        out["pos"] = pack_codes((idx - starts).to(torch.int32), pos_bits(fmt))
     out["low_scale"] = t.low_scale.to(torch.float16)
     out["high_scale"] = t.high_scale.to(torch.float16)
     return out
 
 
-def _pos_bits(fmt: SQFormat) -> int:
+def pos_bits(fmt: SQFormat) -> int:
+    """Bits of each stored in-bank position (``h_low = 0``: ``pos``): ``ceil(log2 bank)``, at least 2."""
     return max(2, math.ceil(math.log2(fmt.bank)))
 
 
@@ -429,18 +444,18 @@ def unpack_sq(
     group = group or fmt.bank
     n = fmt.high_count(K)
     hc = unpack_codes(buf["high"], fmt.h_high, n)
-    hv = _fp8_decode(hc) if fmt.fp else (hc - (1 << (fmt.h_high - 1))).float()
+    hv = fp8_decode(hc) if fmt.fp else (hc - (1 << (fmt.h_high - 1))).float()
     if fmt.h_low:
         lc = unpack_codes(buf["low"], fmt.h_low, K)
         mask = lc == fmt.v_mask
         if fmt.fp:
-            low = _fp4_decode(lc)
+            low = fp4_decode(lc)
         else:
             low = (lc - (1 << (fmt.h_low - 1))).float()
         low = low.masked_fill(mask, 0)
-        idx = _compact_index(mask, fmt)
+        idx = high_index(mask, fmt)
     else:
-        pos = unpack_codes(buf["pos"], _pos_bits(fmt), n)
+        pos = unpack_codes(buf["pos"], pos_bits(fmt), n)
         starts = torch.tensor([s for s, _, nh in fmt.banks(K) for _ in range(nh)], device=pos.device)
         idx = (pos + starts).long()
         mask = torch.zeros(rows, K, dtype=torch.bool, device=pos.device).scatter_(1, idx, True)

@@ -331,8 +331,8 @@ def quantize_gathered(
     multiple of ``run``: both SQ parts in one call) -- ``scales [1 or M, n_scales]`` given (calibrated) or,
     when None, per token
     from the absmax over the gathered columns of each scale column (``min(max(amax / qmax, min_scale),
-    65504)``, fp16-rounded where ``fp16``: the SQ-format's ``_fp16_scale``); ``qz``: per group of ``sub``
-    runs ``Σ scale · run sum`` (:meth:`IntActWeight.product_runs
+    65504)``, fp16-rounded where ``fp16``: :func:`bitmosaic.formats.sq.fp16_scale`); ``qz``: per group
+    of ``sub`` runs ``Σ scale · run sum`` (:meth:`IntActWeight.product_runs
     <bitmosaic.kernels.intmm.IntActWeight.product_runs>`).  The SQ-format's static parts
     (:class:`~bitmosaic.modules.sq.SQActLinear`); needs the ``intmm`` extension."""
     ext = _intmm("quantize_gathered")

@@ -62,7 +62,7 @@ class QuantModule(nn.Module):
     means beyond its buffers, through the hooks below (defaults: nothing to do, no export form):
 
     - :meth:`after_load` (per module) and :meth:`finish_model` (per kind, the whole model) run once a
-      saved model's buffers are filled, by every load path (``bitmosaic.io.finish.finish_load``);
+      saved model's buffers are filled, by every load path (``bitmosaic.io.saved.finish.finish_load``);
     - :meth:`saved_summary` (what a save records beside the per-layer table) and :meth:`describe_saved`
       (the header lines ``bitmosaic inspect`` prints for the kind);
     - :meth:`int_form` / :meth:`fp8_form` / :meth:`exports_as_fp8`: what an export can write.

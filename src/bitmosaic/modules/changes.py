@@ -1,6 +1,6 @@
 """A per-model counter of changes to how its modules compute, for caches that must not outlive them.
 
-A compiled decode step (:mod:`bitmosaic.io.decode`) skips dynamo's ~12,000 guards on a model's modules
+A compiled decode step (:mod:`bitmosaic.modules.decode`) skips dynamo's ~12,000 guards on a model's modules
 (about 3 ms a token on SmolLM2), so it cannot see a module switch paths by itself; the functions that
 switch them at run time -- :func:`~bitmosaic.modules.head.set_runtime_head`,
 :func:`~bitmosaic.modules.intact.set_runtime_activations`,

@@ -10,7 +10,7 @@ module's weight offline (:mod:`bitmosaic.pipeline.rotate`), so the float functio
 
 A saved model records, per rotated module, its :meth:`InputRotation.spec` in the quantization
 config's ``"rotation"`` entry; :func:`apply_saved_rotations` re-attaches them on every load path
-(:func:`bitmosaic.io.finish.finish_load`).
+(:func:`bitmosaic.io.saved.finish.finish_load`).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from ..algorithms.sq import SQWeightResult, dynamic_split, high_first_permutatio
 from ..algorithms.types import QuantResult
 from ..formats.act import ActQuantSpec
 from ..formats.packing import packed_cols, unpack_codes
-from ..formats.sq import _compact_index, _pos_bits, pack_sq, parse_sq, unpack_sq
+from ..formats.sq import high_index, pack_sq, parse_sq, pos_bits, unpack_sq
 from ..formats.sq_act import ACT_SCALES, act_scale_group
 from ..kernels.intmm import IntActWeight
 from .base import NoIntForm, QuantModule
@@ -72,7 +72,7 @@ class SQWeightLinear(QuantModule):
         else:
             self.low = None
             self.register_buffer(
-                "pos", torch.zeros(out_features, packed_cols(nh, _pos_bits(f)), dtype=torch.uint8)
+                "pos", torch.zeros(out_features, packed_cols(nh, pos_bits(f)), dtype=torch.uint8)
             )
         self.register_buffer("low_scale", torch.zeros(out_features, nb, dtype=torch.float16))
         self.register_buffer("high_scale", torch.zeros(out_features, nb, dtype=torch.float16))
@@ -405,7 +405,7 @@ class SQActLinear(QuantLinear):
 def _sparse_rows(high: torch.Tensor, mask: torch.Tensor, fmt) -> torch.Tensor:
     """The high part as a CSR matrix with exactly ``high_count`` entries per row (gathered)."""
     rows, K = high.shape
-    idx = _compact_index(mask, fmt)
+    idx = high_index(mask, fmt)
     vals = high.gather(1, idx)
     nnz = idx.shape[1]
     crow = torch.arange(rows + 1, device=high.device, dtype=torch.int64) * nnz

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..algorithms.sq import dynamic_split
-from ..formats.sq import _MIN_SCALE, _fp16_scale
+from ..formats.sq import MIN_SCALE, fp16_scale
 from ..formats.sq_act import act_scale_group
 from ..kernels import ops
 from .qlinear import QuantLinear
@@ -68,7 +68,7 @@ class SQIntKernel:
             a = torch.nn.functional.pad(xp.abs(), (0, nruns * length - xp.shape[1]))
             runs = a.reshape(M, nruns, length).amax(-1)
             amax = torch.zeros(M, self.n_scales).scatter_reduce_(1, act_cols.expand(M, -1), runs, "amax")
-            s = _fp16_scale(amax, qmax)
+            s = fp16_scale(amax, qmax)
         return torch.round(xp / s.index_select(1, col_act)).clamp_(-qmax, qmax), s
 
     def static_levels(self, x2: torch.Tensor, part: str, w, act_cols, run: int = 0):
@@ -88,7 +88,7 @@ class SQIntKernel:
             calibrated = m.act_high_scale if part == "high" else m.act_low_scale
             scales = None if calibrated is None else calibrated.float().reshape(1, -1)
         return ops.quantize_gathered(
-            x2, self.chan[part], act_cols, length, S, qmax, qmax2, n1, scales, w.KP, nruns // w.G, _MIN_SCALE,
+            x2, self.chan[part], act_cols, length, S, qmax, qmax2, n1, scales, w.KP, nruns // w.G, MIN_SCALE,
             True,
         )  # fmt: skip
 

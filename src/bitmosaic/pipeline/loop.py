@@ -110,7 +110,7 @@ def quantize_layer(run: LayerRun, li: int) -> None:
     if run.calibrate:
         runc0 = run.runc if li == 0 and run.dist.world == 1 else None  # later layers: quantized inputs
         lay.group_info = _apply_transform(run, lay, runc0)
-        lay.use_cache = _use_cache(run, layer)
+        lay.use_cache = use_output_cache(run, layer)
     with OutputCache() as cache:
         for gi, group in enumerate(run.arch.sequential):
             _quantize_group(run, lay, gi, group, cache)
@@ -326,7 +326,7 @@ def _finished_children(layer: nn.Module, arch: ArchSpec, gi: int) -> list[nn.Mod
     return out
 
 
-def _use_cache(run: LayerRun, layer: nn.Module) -> bool:
+def use_output_cache(run: LayerRun, layer: nn.Module) -> bool:
     """Whether ``layer``'s quantized linears' outputs are cached (``cache_outputs``, or when they fit the
     output cache's budget)."""
     if run.settings.cache_outputs is not None:

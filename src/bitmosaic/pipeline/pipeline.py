@@ -51,7 +51,7 @@ from .calib_cache import CalibCache
 from .calibration import StopForward, capture_layer_inputs, cast_floating, first_layer_inputs
 from .distributed import Dist, current
 from .fisher import fisher_service
-from .loop import LayerRun, _use_cache, entry_key, quantize_layer
+from .loop import LayerRun, entry_key, quantize_layer, use_output_cache
 from .recipe import Recipe
 from .report import RunReport, peak_rss_mb
 from .rotate import rotate_model
@@ -199,7 +199,7 @@ def _calibration_inputs(model: nn.Module, run: LayerRun, budget: int | None) -> 
         run.cache_budget_mb = min(s.cache_budget_mb, SPILL_FRACTION * cal["spill"]["budget_mb"])
         run.kwargs_by_kind = {k: [cast_floating(kw, run.dev, run.cdtype) for kw in v]
                               for k, v in kwargs_by_kind.items()}  # fmt: skip
-        cal["output_cache"] = _use_cache(run, run.layers[0])
+        cal["output_cache"] = use_output_cache(run, run.layers[0])
     cal["calibrated"] = calibrate
     cal["compute_dtype"] = str(run.cdtype).replace("torch.", "")
     cal["offload_inputs"] = bool(offload) if calibrate else None

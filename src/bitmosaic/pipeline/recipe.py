@@ -142,7 +142,7 @@ class Recipe:
     def from_options(cls, method: str, options: dict, rotate: str | None = None) -> Recipe:
         """The one-entry recipe the CLI flags stand for (``options``: config fields, ``act`` may be
         an :class:`~bitmosaic.formats.act.ActQuantSpec`; ``rotate``: ``--rotate``)."""
-        d = {"method": method, "settings": _jsonable(options)}
+        d = {"method": method, "settings": jsonable_options(options)}
         if rotate not in (None, "none"):
             d["rotate"] = rotate
         return cls.from_dict(d)
@@ -306,7 +306,7 @@ def _check_entries(recipe: Recipe, names: list[str]) -> None:
             taken.setdefault(n, where)
 
 
-def _jsonable(options: dict) -> dict:
+def jsonable_options(options: dict) -> dict:
     """Config options with the activation spec as a plain mapping (what a recipe file holds)."""
     out = {}
     for k, v in options.items():

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..io.provenance import run_provenance
+from ..io.saved.provenance import run_provenance
 from . import pipeline as driver
 from .recipe import Recipe
 from .report import RunReport

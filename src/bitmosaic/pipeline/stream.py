@@ -1,10 +1,10 @@
 """Streaming quantization: a model larger than memory, one decoder layer at a time, resumable.
 
 :func:`quantize_streaming` never holds the whole model.  It builds the model with its parameters on
-the ``meta`` device (:class:`~bitmosaic.io.checkpoint.Checkpoint`), reads the embeddings, captures
+the ``meta`` device (:class:`~bitmosaic.io.sources.checkpoint.Checkpoint`), reads the embeddings, captures
 the calibration inputs of layer 0 and writes the embeddings to the output, then for each decoder
 layer: reads it from the checkpoint (memory-mapped safetensors, or a GGUF file tensor by tensor:
-:class:`~bitmosaic.io.gguf_checkpoint.GGUFCheckpoint`), calibrates and quantizes it with the
+:class:`~bitmosaic.io.sources.gguf_checkpoint.GGUFCheckpoint`), calibrates and quantizes it with the
 very pipeline the in-memory path uses (:func:`~bitmosaic.pipeline.pipeline.quantize_model` with a
 :class:`LayerStore`), writes its packed tensors as one finished shard, and frees it.  Peak host memory
 is about one decoder layer in the compute dtype, its Hessians, and the calibration activations (in the
@@ -42,18 +42,10 @@ from torch import nn
 
 from .._version import __version__
 from ..errors import OptionError
-from ..io.checkpoint import Checkpoint
-from ..io.serialization import (
-    SAVE_META,
-    _replace_dir,
-    atomic_write_text,
-    check_output_dir,
-    finish_folder,
-    output_lock,
-    saved_config,
-    tensors_for_save,
-    write_shard,
-)
+from ..io.saved.outdir import atomic_write_text, check_output_dir, output_lock, replace_dir
+from ..io.saved.save import finish_folder, saved_config
+from ..io.saved.shards import SAVE_META, shard_name, shards_index, tensors_for_save, write_index, write_shard
+from ..io.sources.checkpoint import Checkpoint
 from ..models.arch import get_arch
 from ..modules.qmodules import full_layer_config
 from .run import run, source_name
@@ -136,16 +128,10 @@ class LayerStore:
                 )
 
     def shard(self, i: int) -> str:
-        return f"model-{i + 1:05d}-of-{self.n_shards:05d}.safetensors"
+        return shard_name(i, self.n_shards)
 
     def _write(self, i: int, sd: dict[str, torch.Tensor]) -> None:
-        tmp = self.work / (self.shard(i) + ".tmp")
-        try:
-            write_shard(tmp, tensors_for_save(sd), SAVE_META)
-            os.replace(tmp, self.work / self.shard(i))
-        except BaseException:  # SIGINT, SIGTERM, a full disk: no half-written shard left
-            tmp.unlink(missing_ok=True)
-            raise
+        write_shard(self.work / self.shard(i), tensors_for_save(sd))  # atomic: no half-written shard left
 
     # -- what the pipeline calls -----------------------------------------------------------------
     def resume(self, report, gen: torch.Generator, inputs) -> tuple[int, float, int]:
@@ -304,7 +290,7 @@ def _quantize_streaming(ckpt, tokenizer, out: Path, recipe, calibration, setting
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     report = run(model, recipe, calibration, settings, store, source_model=source_name(ckpt.spec))
-    from ..io.provenance import saved_run_info
+    from ..io.saved.provenance import saved_run_info
 
     cfg = saved_config(model, saved_run_info(model.bitmosaic_run), store.state["modules"])
     (work / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
@@ -313,34 +299,13 @@ def _quantize_streaming(ckpt, tokenizer, out: Path, recipe, calibration, setting
         gen.save_pretrained(work)
     if tokenizer is not None:
         tokenizer.save_pretrained(work)
-    weight_map, total = {}, 0
-    from safetensors import safe_open
-
-    for i in range(store.n_shards):
-        with safe_open(str(work / store.shard(i)), "pt") as f:
-            for k in f.keys():
-                weight_map[k] = store.shard(i)
-                sl = f.get_slice(k)
-                n = 1
-                for d in sl.get_shape():
-                    n *= d
-                total += n * _itemsize(sl.get_dtype())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (work / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    write_index(work, *shards_index(work, [store.shard(i) for i in range(store.n_shards)]))
     for f in work.glob("inputs-*.safetensors"):
         f.unlink()
     (work / PROGRESS).unlink()
     finish_folder(work)
     check_output_dir(out, overwrite)
-    _replace_dir(work, out)
+    replace_dir(work, out)
     shutil.rmtree(work, ignore_errors=True)
     model.bitmosaic_run["saved_to"] = str(out)
     return report
-
-
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-             "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}  # fmt: skip
-
-
-def _itemsize(dtype: str) -> int:
-    return _ITEMSIZE.get(dtype, 1)

@@ -92,7 +92,7 @@ def _is_saved(src) -> bool:
 
 def _refuse_rotation(src, fmt: str) -> None:
     """A rotated model (``--rotate``) needs its online rotations at run time, which neither format holds."""
-    from ..serialization import read_quant_config
+    from ..saved.load import read_quant_config
 
     rotation = read_quant_config(src)[1].get("rotation")
     if rotation:

@@ -3,8 +3,8 @@ the error a lossy form adds, and write the new checkpoint atomically.
 
 The output is built in a marked temporary sibling folder and renamed into place only when complete, so
 an interrupted export never leaves a partial checkpoint, and the next run into the same parent folder
-removes what a ``kill -9`` left (:func:`~bitmosaic.io.outdir.clean_stale_temporaries`); one export at a
-time per output folder (:func:`~bitmosaic.io.outdir.output_lock`).  An existing output folder is
+removes what a ``kill -9`` left (:func:`~bitmosaic.io.saved.outdir.clean_stale_temporaries`); one export at a
+time per output folder (:func:`~bitmosaic.io.saved.outdir.output_lock`).  An existing output folder is
 replaced only with ``overwrite`` and only when a previous export wrote it (it holds :data:`MARKER`); a
 user folder is never touched.  Besides the quantized tensors, the export copies every tensor outside the
 quantized layers (embeddings, norms, an untied ``lm_head``) unchanged, and the tokenizer and generation
@@ -21,10 +21,11 @@ from pathlib import Path
 
 import torch
 
-from ..integrity import SUMS
-from ..outdir import make_temporary, output_lock
-from ..saved import _read_state_dict, load_quantized, read_quant_config
-from ..serialization import _replace_dir, quantized_modules, write_safetensors
+from ..saved.integrity import SUMS
+from ..saved.load import load_quantized, read_quant_config, read_state_dict
+from ..saved.outdir import make_temporary, output_lock, replace_dir
+from ..saved.save import quantized_modules
+from ..saved.shards import write_safetensors
 from .layers import ExportError, Refusal, weight_error
 
 __all__ = [
@@ -91,7 +92,7 @@ class Source:
 
     def plain_tensors(self) -> dict[str, torch.Tensor]:
         """Stored tensors outside the quantized layers (embeddings, norms, an untied head), unchanged."""
-        sd = _read_state_dict(self.path)
+        sd = read_state_dict(self.path)
         names = tuple(n + "." for n in self.qmods)
         return {k: v for k, v in sd.items() if not k.startswith(names)}
 
@@ -199,7 +200,7 @@ def _write_locked(
         }
         (tmp / MARKER).write_text(json.dumps(report, indent=2))
         check_export_dir(out, overwrite, src.path)  # again: the folder may have changed meanwhile
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

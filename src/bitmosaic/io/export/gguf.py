@@ -53,7 +53,7 @@ from ...modules.actquant import input_quant_spec
 from . import gguf_kquants as kq
 from .common import ExportResult, Source, collect, record
 from .gguf_blocks import BLOCK, BLOCK_TYPES, BlockType, fit, pack
-from .gguf_file import _check_out, _file_order, _write
+from .gguf_file import check_gguf_out, tensors_in_file_order, write_gguf
 from .layers import ExportError, Refusal, regroup
 
 __all__ = ["GGUF_TYPES", "FLOAT_TYPES", "K_QUANTS", "default_types", "export_gguf"]
@@ -77,7 +77,7 @@ class _Model:
 
     @classmethod
     def read(cls, spec: str) -> _Model:
-        from ..loading import resolve_model_spec
+        from ..sources.loading import resolve_model_spec
 
         kind, info = resolve_model_spec(str(spec))
         if kind == "bitmosaic":
@@ -87,7 +87,7 @@ class _Model:
                 if m.bias is not None:
                     plain[f"{n}.bias"] = lambda b=m.bias: b.detach()
             return cls(str(src.path), src.config, src.qmods, plain, src.qc.get("source_model"))
-        from ..sources import open_checkpoint
+        from ..sources.opener import open_checkpoint
 
         ckpt, _ = open_checkpoint(str(spec))  # a float model (a GGUF file, a folder or an alias)
         plain = {k: (lambda k=k: ckpt.get(k)) for k in ckpt.keys()}
@@ -95,7 +95,7 @@ class _Model:
 
 
 def _source_gguf(model: _Model, given) -> Path:
-    from ..loading import ModelSpecError, resolve_model_spec
+    from ..sources.loading import ModelSpecError, resolve_model_spec
 
     if given is not None:
         p = Path(given).expanduser()
@@ -330,13 +330,13 @@ def export_gguf(src, out, *, gguf_type: str | None = None, lossy: bool = False, 
                 source_gguf=None) -> ExportResult:  # fmt: skip
     """Write ``src`` (a saved bitmosaic folder or a float model argument) as the GGUF file ``out``
     (module doc).  Raises :class:`ExportError` (one line) for what the file cannot hold exactly."""
-    from ..gguf_checkpoint import GGUFCheckpoint, UnsupportedGGUFError
+    from ..sources.gguf_checkpoint import GGUFCheckpoint, UnsupportedGGUFError
 
     if gguf_type is not None:
         gguf_type = gguf_type.upper()
         if gguf_type not in GGUF_TYPES:
             raise ExportError(f"unknown --gguf-type {gguf_type!r}; choose one of {', '.join(GGUF_TYPES)}")
-    out = _check_out(out, overwrite)
+    out = check_gguf_out(out, overwrite)
     model = _Model.read(src)
     if Path(model.spec) == out:
         raise ExportError(f"--out {out} is the source; choose another --out")
@@ -421,12 +421,12 @@ def export_gguf(src, out, *, gguf_type: str | None = None, lossy: bool = False, 
         )
     if rounded:
         model.notes.append(f"{len(rounded)} float tensor(s) rounded to {forced} (--lossy)")
-    ordered = _file_order(ckpt, orders, tensors, files)
+    ordered = tensors_in_file_order(ckpt, orders, tensors, files)
     types = [typ for _, typ in tensors.values()]
     counts = ", ".join(f"{t} x{types.count(t)}" for t in sorted(set(types)))
     notes = [*model.notes, f"metadata and tokenizer copied from {gpath}", f"tensor types: {counts}"]
     result = ExportResult(out, "gguf", records, notes)
-    _write(
+    write_gguf(
         out,
         overwrite,
         gpath,

@@ -12,14 +12,18 @@ from pathlib import Path
 import numpy as np
 
 from ..._version import __version__
-from ..outdir import make_temporary, output_lock
+from ..saved.outdir import make_temporary, output_lock
 from .layers import ExportError
+
+__all__ = ["check_gguf_out", "tensors_in_file_order", "write_gguf"]
 
 _SKIP_KV = ("GGUF.", "general.architecture", "general.file_type", "general.quantization_version",
             "general.alignment", "general.quantized_by", "bitmosaic.")  # fmt: skip
 
 
-def _check_out(out, overwrite: bool) -> Path:
+def check_gguf_out(out, overwrite: bool) -> Path:
+    """``out`` resolved, if a GGUF export may write there: a new path, or (with ``overwrite``) a file an
+    earlier bitmosaic export wrote; a folder or anyone else's file raises :class:`ExportError`."""
     out = Path(out).expanduser().resolve()
     if out.is_dir():
         raise ExportError(f"--out {out} is a folder; GGUF export writes one file (e.g. --out model.gguf)")
@@ -37,17 +41,19 @@ def _check_out(out, overwrite: bool) -> Path:
 def _written_by_us(path: Path) -> bool:
     from gguf import GGUFReader
 
-    from ..gguf_checkpoint import _check_layout
+    from ..sources.gguf_checkpoint import check_layout
 
     try:
-        _check_layout(path)  # a damaged file at --out: gguf-py alone could read it without end
+        check_layout(path)  # a damaged file at --out: gguf-py alone could read it without end
         f = GGUFReader(os.fspath(path)).fields.get("general.quantized_by")
         return f is not None and f.contents().startswith("bitmosaic")
     except Exception:  # not a GGUF file at all
         return False
 
 
-def _file_order(ckpt, orders: dict, tensors: dict, files: dict) -> list[tuple[str, np.ndarray, str]]:
+def tensors_in_file_order(
+    ckpt, orders: dict, tensors: dict, files: dict
+) -> list[tuple[str, np.ndarray, str]]:
     """``(GGUF name, data, type)`` in the source file's order, rows back in the file's order; source
     tensors the model has no parameter for (e.g. ``rope_freqs``) copied as they are."""
     import gguf
@@ -94,7 +100,11 @@ def _raw(ckpt, gname: str) -> np.ndarray:
     return np.array(t.data)
 
 
-def _write(out: Path, overwrite: bool, gpath: Path, arch: str, rows, file_type, report: dict) -> None:
+def write_gguf(out: Path, overwrite: bool, gpath: Path, arch: str, rows, file_type, report: dict) -> None:
+    """Write ``rows`` (``(GGUF name, data, type)``: :func:`tensors_in_file_order`) to the GGUF file
+    ``out`` with the metadata of the source file ``gpath`` (less what the export sets: ``file_type``,
+    who quantized it, the ``report``), through a marked temporary renamed into place under the output
+    lock."""
     import gguf
 
     reader = gguf.GGUFReader(os.fspath(gpath))
@@ -130,7 +140,7 @@ def _write_file(tmp: Path, out: Path, overwrite: bool, reader, arch: str, rows, 
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        _check_out(out, overwrite)  # again: the path may have changed meanwhile
+        check_gguf_out(out, overwrite)  # again: the path may have changed meanwhile
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -8,8 +8,8 @@ which are memory-mapped (``safe_open``), and empties it again when done.
 Sources: a Hugging Face folder (``model.safetensors`` or shards with ``model.safetensors.index.json``),
 a hub id (downloaded with ``huggingface_hub.snapshot_download``, safetensors only), or a GGUF file of
 any size: read tensor by tensor from the file itself
-(:class:`~bitmosaic.io.gguf_checkpoint.GGUFCheckpoint`), or from its converted copy
-(:mod:`bitmosaic.io.gguf_cache`) when an earlier load already made one (the same float32 values, read
+(:class:`~bitmosaic.io.sources.gguf_checkpoint.GGUFCheckpoint`), or from its converted copy
+(:mod:`bitmosaic.io.sources.gguf_cache`) when an earlier load already made one (the same float32 values, read
 without dequantizing).  A GGUF architecture that cannot be read tensor by tensor goes through a new
 converted copy when copies are on and the file is under their size limit, else is refused in one line.
 """
@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import CorruptModelError, ModelSpecError, check_finite
+from ...errors import CorruptModelError, ModelSpecError, check_finite
 
-__all__ = ["Checkpoint"]
+__all__ = ["Checkpoint", "is_file_name", "missing_tensor"]
 
 
 def is_file_name(name) -> bool:
@@ -35,7 +35,8 @@ def is_file_name(name) -> bool:
     return plain and "\\" not in name
 
 
-def _missing(spec: str, name: str) -> str:
+def missing_tensor(spec: str, name: str) -> str:
+    """The one-line message of a checkpoint of model ``spec`` that lacks tensor ``name``."""
     return f"{spec}: tensor {name} is missing from the checkpoint; re-download it"
 
 
@@ -90,7 +91,7 @@ class Checkpoint:
         from safetensors import SafetensorError, safe_open
 
         if name not in self.files:
-            raise CorruptModelError(_missing(self.spec, name))
+            raise CorruptModelError(missing_tensor(self.spec, name))
         file = self.files[name]
         try:
             with safe_open(str(file), "pt") as f:
@@ -144,5 +145,5 @@ class Checkpoint:
             if key in self:
                 sd[name] = self.get(key, dtype if t.is_floating_point() else None)
             elif t.device.type == "meta":
-                raise CorruptModelError(_missing(self.spec, key))
+                raise CorruptModelError(missing_tensor(self.spec, key))
         module.load_state_dict(sd, strict=False, assign=True)

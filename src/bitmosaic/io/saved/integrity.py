@@ -21,7 +21,7 @@ import hashlib
 import re
 from pathlib import Path
 
-from ..errors import CorruptModelError
+from ...errors import CorruptModelError
 
 __all__ = ["SUMS", "TEMP_MARKER", "file_sha256", "write_sums", "read_sums", "verify_folder", "foreign_files"]
 

@@ -1,5 +1,5 @@
-"""Save and load quantized models: safetensors shards + ``config.json`` with a versioned
-``quantization_config``.
+"""Save quantized models: safetensors shards (:mod:`bitmosaic.io.saved.shards`) + ``config.json`` with a
+versioned ``quantization_config``.
 
 ``quantization_config`` = ``{"quant_method": "bitmosaic", "format_version": 1, "method": ...,
 "bits": ..., "group_size": ..., "symmetric": ..., "order": ..., "config": {method options},
@@ -9,14 +9,13 @@ settings, so mixed-precision models load the same way.
 
 Writing goes to a temporary sibling directory that is renamed into place only when complete, so
 an interrupted save never leaves a partial model under the requested name; the folder ends with
-``SHA256SUMS``, the hash of every file written (:mod:`bitmosaic.io.integrity`).  An existing folder is
+``SHA256SUMS``, the hash of every file written (:mod:`bitmosaic.io.saved.integrity`).  An existing folder is
 replaced only when bitmosaic wrote it (its ``config.json`` says ``quant_method: "bitmosaic"``), holds
 nothing else, *and* the caller passed ``overwrite=True``; any other non-empty folder, or a file, is never
-touched (:func:`~bitmosaic.io.outdir.check_output_dir`).  One save at a time per folder
-(:func:`~bitmosaic.io.outdir.output_lock`).
+touched (:func:`~bitmosaic.io.saved.outdir.check_output_dir`).  One save at a time per folder
+(:func:`~bitmosaic.io.saved.outdir.output_lock`).
 
-Loading (and every check of what it reads) is :mod:`bitmosaic.io.saved`; its public names are
-importable from here too.
+Loading (and every check of what it reads) is :mod:`bitmosaic.io.saved.load`.
 """
 
 from __future__ import annotations
@@ -28,105 +27,30 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import save_file
 from torch import nn
 
-from ..errors import OutputWriteError
-from ..modules.qmodules import full_layer_config
+from ...errors import OutputWriteError
+from ...modules.qmodules import full_layer_config
 from .finish import quant_modules_by_kind
 from .integrity import write_sums
-from .outdir import (  # noqa: F401  (the names other modules import from here)
-    _replace_dir,
-    atomic_write_text,
-    check_output_dir,
-    check_writable,
-    make_temporary,
-    output_lock,
-)
-from .saved import (  # noqa: F401  (the reading side, importable from here as before)
-    FORMAT_VERSION,
-    check_quant_config,
-    check_saved_tensors,
-    install_quantized_modules,
-    load_quantized,
-    read_quant_config,
-    stored_module_bits,
-    stored_tensors,
-    stored_tensors_of_file,
-    verify_saved,
-)
+from .load import FORMAT_VERSION
+from .outdir import check_output_dir, make_temporary, output_lock, replace_dir
+from .shards import SAVE_META, tensors_for_save, write_safetensors
 
-__all__ = [
-    "FORMAT_VERSION",
-    "save_quantized",
-    "load_quantized",
-    "quantized_modules",
-    "atomic_write_text",
-    "check_output_dir",
-    "check_writable",
-    "read_quant_config",
-    "check_quant_config",
-    "check_saved_tensors",
-    "stored_tensors",
-    "stored_tensors_of_file",
-    "verify_saved",
-    "install_quantized_modules",
-    "stored_module_bits",
-    "saved_config",
-    "tensors_for_save",
-    "write_shard",
-    "finish_folder",
-]
-
-SHARD_BYTES = 2 * 1024**3
-SAVE_META = {"format": "pt", "bitmosaic_format_version": str(FORMAT_VERSION)}
+__all__ = ["save_quantized", "quantized_modules", "state_dict_for_save", "saved_config", "finish_folder"]
 
 
 def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Every bitmosaic layer of ``model`` by qualified name (a module with ``layer_config`` and ``kind``)."""
     return {n: m for n, m in model.named_modules() if hasattr(m, "layer_config") and hasattr(m, "kind")}
 
 
-def _state_dict_for_save(model: nn.Module) -> dict[str, torch.Tensor]:
+def state_dict_for_save(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a save writes: ``model``'s state dict without a tied ``lm_head.weight``, as
+    :func:`~bitmosaic.io.saved.shards.tensors_for_save` gives them."""
     tied = getattr(model.config, "tie_word_embeddings", False)
     sd = model.state_dict()
     return tensors_for_save({k: v for k, v in sd.items() if not (tied and k == "lm_head.weight")})
-
-
-def tensors_for_save(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``sd`` as safetensors can write it: detached, contiguous, on the CPU, one copy per shared tensor."""
-    out = {}
-    seen_ptrs = {}
-    for k, v in sd.items():
-        ptr = (v.data_ptr(), v.numel(), v.dtype) if v.numel() else None
-        if ptr is not None and ptr in seen_ptrs:  # shared tensor: keep one copy
-            v = v.clone()
-        seen_ptrs.setdefault(ptr, k)
-        out[k] = v.detach().contiguous().cpu()
-    return out
-
-
-def _sort_safetensors_metadata(file: Path) -> None:
-    """safetensors writes its ``__metadata__`` table in hash order, which changes from run to run; put
-    it in sorted key order in place (same length, every other byte untouched), so that saving the same
-    model twice gives the same file, bit for bit."""
-    with open(file, "r+b") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = f.read(n)
-        meta = json.loads(header).get("__metadata__")
-        if not meta:
-            return
-        old = b'"__metadata__":' + json.dumps(meta, separators=(",", ":")).encode()
-        new = b'"__metadata__":' + json.dumps(dict(sorted(meta.items())), separators=(",", ":")).encode()
-        at = header.find(old)
-        if at >= 0 and old != new:
-            f.seek(8 + at)
-            f.write(new)
-
-
-def write_shard(file: Path, sd: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> None:
-    """One safetensors file, its metadata table in sorted order (the same tensors give the same bytes)."""
-    save_file(sd, str(file), metadata=meta or SAVE_META)
-    _sort_safetensors_metadata(file)
 
 
 def saved_config(model: nn.Module, quant_info: dict, modules: dict[str, dict]) -> dict:
@@ -136,37 +60,13 @@ def saved_config(model: nn.Module, quant_info: dict, modules: dict[str, dict]) -
     cfg.pop("quantization_config", None)
     qc = {"quant_method": "bitmosaic", "format_version": FORMAT_VERSION, **quant_info}
     rotation = getattr(model, "bitmosaic_rotation", None)
-    if rotation:  # the online rotations every load path re-attaches (io/finish.py)
+    if rotation:  # the online rotations every load path re-attaches (io/saved/finish.py)
         qc["rotation"] = rotation
     for kind, mods in quant_modules_by_kind(model).items():  # what each kind records of itself
         qc.update(kind.saved_summary(model, mods, qc))
     qc["modules"] = modules
     cfg["quantization_config"] = qc
     return cfg
-
-
-def write_safetensors(folder: Path, sd: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
-    """``sd`` as ``model.safetensors``, or as shards of at most ``SHARD_BYTES`` plus the index."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for k, v in sd.items():
-        nbytes = v.numel() * v.element_size()
-        if size and size + nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][k] = v
-        size += nbytes
-    if len(shards) == 1:
-        write_shard(folder / "model.safetensors", shards[0], meta)
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        write_shard(folder / name, shard, meta)
-        weight_map.update({k: name for k in shard})
-    index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in sd.values())}}
-    index["weight_map"] = weight_map
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def save_quantized(
@@ -213,12 +113,12 @@ def save_quantized(
                     gen.save_pretrained(tmp)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
-                write_safetensors(tmp, _state_dict_for_save(model), SAVE_META)
+                write_safetensors(tmp, state_dict_for_save(model), SAVE_META)
                 finish_folder(tmp)
             except (OSError, SafetensorError) as e:  # a full disk, a lost mount: one line, nothing left
                 raise _write_error(out_dir, e) from None
             check_output_dir(out_dir, overwrite)  # again: the folder may have changed while we wrote
-            _replace_dir(tmp, out_dir)
+            replace_dir(tmp, out_dir)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

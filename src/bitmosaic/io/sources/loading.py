@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from ..devices import DEVICE_CHOICES, resolve_device
-from ..errors import BitmosaicError, CorruptModelError, DeviceError, ModelSpecError, check_finite
+from ...devices import DEVICE_CHOICES, resolve_device
+from ...errors import BitmosaicError, CorruptModelError, DeviceError, ModelSpecError, check_finite
 
 __all__ = [
     "ALIASES",
@@ -25,6 +25,7 @@ __all__ = [
     "ModelSpecError",
     "checkpoint_dtype",
     "load_model",
+    "load_pretrained",
     "resolve_device",
     "resolve_dtype",
     "resolve_model_spec",
@@ -180,7 +181,7 @@ def load_model(spec: str, dtype: torch.dtype | str = torch.float32):
         dtype = resolve_dtype(dtype)
     kind, info = resolve_model_spec(spec)
     if kind == "bitmosaic":
-        from .serialization import load_quantized
+        from ..saved.load import load_quantized
 
         return load_quantized(info["path"], dtype=dtype)
     if kind == "gguf":
@@ -190,10 +191,13 @@ def load_model(spec: str, dtype: torch.dtype | str = torch.float32):
 
         check_float_folder(info["path"])  # an unknown model_type, a missing shard, wrong shapes: one line
     src = str(info["path"]) if kind == "hf-dir" else info["repo_id"]
-    return _from_pretrained(src, {}, spec, dtype)
+    return load_pretrained(src, {}, spec, dtype)
 
 
-def _from_pretrained(src: str, kw: dict, spec: str, dtype: torch.dtype):
+def load_pretrained(src: str, kw: dict, spec: str, dtype: torch.dtype):
+    """``(model, tokenizer)`` of transformers' ``from_pretrained(src, **kw)`` in ``dtype`` (safetensors
+    only, except from a GGUF file), its failures as one-line bitmosaic errors naming ``spec`` and its
+    weights checked finite."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -236,22 +240,22 @@ def _from_pretrained(src: str, kw: dict, spec: str, dtype: torch.dtype):
 
 
 def _load_gguf(path: Path, spec: str, dtype: torch.dtype):
-    """A GGUF file, through its converted copy (:mod:`bitmosaic.io.gguf_cache`) when there is one."""
+    """A GGUF file, through its converted copy (:mod:`bitmosaic.io.sources.gguf_cache`) when there is one."""
     from .gguf_cache import drop_copy, gguf_copy
     from .gguf_checkpoint import open_gguf
 
     open_gguf(path, spec)  # a truncated or damaged file: one line naming it, before transformers reads it
 
     def convert(src, kw):
-        return _from_pretrained(src, kw, spec, torch.float32)
+        return load_pretrained(src, kw, spec, torch.float32)
 
     folder = gguf_copy(path, convert)
     if folder is not None:
         try:
-            return _from_pretrained(str(folder), {}, spec, dtype)
+            return load_pretrained(str(folder), {}, spec, dtype)
         except (ModelSpecError, CorruptModelError, ValueError) as e:
             drop_copy(folder, path, str(e).splitlines()[0] if str(e) else type(e).__name__)
             folder = gguf_copy(path, convert)
             if folder is not None:
-                return _from_pretrained(str(folder), {}, spec, dtype)
-    return _from_pretrained(str(path.parent), {"gguf_file": path.name}, spec, dtype)
+                return load_pretrained(str(folder), {}, spec, dtype)
+    return load_pretrained(str(path.parent), {"gguf_file": path.name}, spec, dtype)

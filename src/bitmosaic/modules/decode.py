@@ -45,8 +45,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..modules.base import QuantModule, prepare_kernels
-from ..modules.changes import changes
+from .base import QuantModule, prepare_kernels
+from .changes import changes
 
 __all__ = ["enable_compiled_decode", "disable_compiled_decode", "compile_config", "GUARDS"]
 

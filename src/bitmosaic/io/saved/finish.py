@@ -1,5 +1,5 @@
 """One end for every load path: :func:`finish_load` runs after a saved model's buffers are filled, by
-:func:`~bitmosaic.io.saved.load_quantized` and by the transformers quantizer
+:func:`~bitmosaic.io.saved.load.load_quantized` and by the transformers quantizer
 (``AutoModelForCausalLM.from_pretrained(dir)`` and ``bitmosaic.load(dir)``), so all three give the
 same modules, bit for bit.  What a kind needs at load it declares itself (``QuantModule.after_load``,
 ``QuantModule.finish_model``); nothing here names a method or a kind."""
@@ -9,11 +9,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import CorruptModelError
-from ..modules.base import QuantModule
-from ..modules.head import runtime_head_mode, set_runtime_head
-from ..modules.intact import runtime_act_mode, set_runtime_activations
-from ..modules.rotation import apply_saved_rotations
+from ...errors import CorruptModelError
+from ...modules.base import QuantModule
+from ...modules.head import runtime_head_mode, set_runtime_head
+from ...modules.intact import runtime_act_mode, set_runtime_activations
+from ...modules.rotation import apply_saved_rotations
 
 __all__ = ["finish_load", "model_arch", "quant_modules_by_kind"]
 
@@ -21,7 +21,7 @@ __all__ = ["finish_load", "model_arch", "quant_modules_by_kind"]
 def model_arch(model: nn.Module):
     """The architecture map of ``model``, or ``None`` when bitmosaic has none for it (loading still works;
     kinds that need it skip their model-level step)."""
-    from ..models.arch import UnknownArchitectureError, get_arch
+    from ...models.arch import UnknownArchitectureError, get_arch
 
     try:
         return get_arch(model)

@@ -31,7 +31,7 @@ _LIBRARIES = ("torch", "transformers", "safetensors", "accelerate", "numpy", "to
 
 def library_versions() -> dict[str, str | None]:
     """bitmosaic's, Python's and the key dependencies' versions (``None``: not installed)."""
-    from .._version import __version__
+    from ..._version import __version__
 
     out: dict[str, str | None] = {"bitmosaic": __version__, "python": platform.python_version()}
     for name in _LIBRARIES:

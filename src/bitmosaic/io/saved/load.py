@@ -6,7 +6,7 @@
 Unreadable JSON, truncated or garbage safetensors, missing shards and tensors that do not match the model
 raise :class:`~bitmosaic.errors.CorruptModelError` (one line, naming the file or tensor); NaN/Inf in a
 float tensor raises :class:`~bitmosaic.errors.NonFiniteError`.  The writing side is
-:mod:`bitmosaic.io.serialization`.
+:mod:`bitmosaic.io.saved.save`.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from ..errors import BitmosaicError, CorruptModelError, check_finite
-from ..formats.accounting import dtype_name_bits
-from ..modules.qmodules import module_from_layer_config
-from .checkpoint import is_file_name
+from ...errors import BitmosaicError, CorruptModelError, check_finite
+from ...formats.accounting import dtype_name_bits
+from ...modules.qmodules import module_from_layer_config
+from ..sources.checkpoint import is_file_name
 from .finish import finish_load, model_arch
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "verify_saved",
     "install_quantized_modules",
     "stored_module_bits",
+    "read_state_dict",
 ]
 
 FORMAT_VERSION = 1
@@ -145,7 +146,10 @@ def _check_placement(file: Path, keys, weight_map: dict | None) -> None:
         raise CorruptModelError(f"{file} holds tensors the index does not put there: {stray[:3]}")
 
 
-def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the saved folder ``path`` (one file or the shards its index names), each shard's
+    tensors checked against the index; damaged or missing files raise
+    :class:`~bitmosaic.errors.CorruptModelError`."""
     files, weight_map = _weight_files(path)
     sd: dict[str, torch.Tensor] = {}
     for file in files:
@@ -326,7 +330,7 @@ def load_quantized(path: str | os.PathLike, load_tokenizer: bool = True, dtype: 
     stored = stored_tensors(path)  # the files first, as bitmosaic.load does
     model, tied = _skeleton(path, qc)
     check_saved_tensors(path, model, stored, tied)
-    sd = _read_state_dict(path)
+    sd = read_state_dict(path)
     for k, v in sd.items():
         check_finite(v, f"tensor {k} of the saved model {path}")
     model.load_state_dict(sd, strict=False, assign=True)

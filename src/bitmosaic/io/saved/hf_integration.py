@@ -11,7 +11,7 @@ format version, from the first one on).  :func:`register` adds to transformers' 
   weights are read it swaps every listed ``nn.Linear`` (still on the meta device) for an empty
   module of the saved kind (each with its activation quantizer), so transformers' own loader fills
   their buffers from the safetensors shards; afterwards it runs the same
-  :func:`~bitmosaic.io.finish.finish_load` as :func:`~bitmosaic.io.saved.load_quantized`, so
+  :func:`~bitmosaic.io.saved.finish.finish_load` as :func:`~bitmosaic.io.saved.load.load_quantized`, so
   both loaders return the same modules, bit for bit.
 
 ``import bitmosaic`` arranges the registration (``bitmosaic/_hf_hook.py``): at once when
@@ -35,10 +35,10 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ..errors import CorruptModelError, check_finite
-from ..modules.base import QuantModule
+from ...errors import CorruptModelError, check_finite
+from ...modules.base import QuantModule
 from .finish import finish_load, model_arch
-from .saved import (
+from .load import (
     check_quant_config,
     check_saved_tensors,
     install_quantized_modules,
@@ -107,7 +107,7 @@ class BitmosaicHfQuantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         """The kernels are ``torch.library`` operators (kernels/ops.py): ``generate`` may compile the
-        decode step (:func:`bitmosaic.io.decode.enable_compiled_decode`)."""
+        decode step (:func:`bitmosaic.modules.decode.enable_compiled_decode`)."""
         return True
 
 

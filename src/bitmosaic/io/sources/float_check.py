@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import CorruptModelError, ModelSpecError
+from ...errors import CorruptModelError, ModelSpecError
 
 __all__ = ["check_float_folder"]
 

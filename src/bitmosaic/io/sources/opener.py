@@ -1,6 +1,6 @@
 """Where a streamed run's tensors come from: :func:`open_checkpoint` turns a model argument (a folder, a
-hub id, a GGUF file or an alias) into a :class:`~bitmosaic.io.checkpoint.Checkpoint` and its tokenizer
-(a GGUF file: :class:`~bitmosaic.io.gguf_checkpoint.GGUFCheckpoint`, or its converted copy when one
+hub id, a GGUF file or an alias) into a :class:`~bitmosaic.io.sources.checkpoint.Checkpoint` and its tokenizer
+(a GGUF file: :class:`~bitmosaic.io.sources.gguf_checkpoint.GGUFCheckpoint`, or its converted copy when one
 exists).  Kept apart from both checkpoint kinds so that neither imports the other's module."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import BitmosaicError
+from ...errors import BitmosaicError
 from .checkpoint import Checkpoint
 from .loading import ModelSpecError, resolve_model_spec
 
@@ -60,7 +60,7 @@ def _open_gguf(path: Path, spec: str) -> tuple[Checkpoint, object]:
 
     from .gguf_cache import existing_copy, gguf_copy
     from .gguf_checkpoint import GGUFCheckpoint, UnsupportedGGUFError, gguf_fingerprint
-    from .loading import _from_pretrained
+    from .loading import load_pretrained
 
     folder = existing_copy(path)
     if folder is None:
@@ -68,7 +68,7 @@ def _open_gguf(path: Path, spec: str) -> tuple[Checkpoint, object]:
             ckpt = GGUFCheckpoint(path, spec)
         except UnsupportedGGUFError as e:
             try:
-                folder = gguf_copy(path, lambda src, kw: _from_pretrained(src, kw, spec, torch.float32))
+                folder = gguf_copy(path, lambda src, kw: load_pretrained(src, kw, spec, torch.float32))
             except BitmosaicError:
                 raise
             except Exception:  # transformers cannot convert it either: the one-line refusal

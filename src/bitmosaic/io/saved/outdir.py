@@ -3,7 +3,7 @@ bitmosaic's own temporary folders.
 
 **May it write.**  :func:`check_output_dir`: a path that does not exist, an empty folder, and -- only
 with ``overwrite=True`` -- a folder bitmosaic saved that holds nothing else (a user's other files in
-it are named and refused, never deleted: :func:`~bitmosaic.io.integrity.foreign_files`).
+it are named and refused, never deleted: :func:`~bitmosaic.io.saved.integrity.foreign_files`).
 :func:`check_writable` refuses a path below a file or in a folder without write permission.  Both are
 cheap: call them before a long run.
 
@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import OutputExistsError, OutputLockedError, OutputWriteError
+from ...errors import OutputExistsError, OutputLockedError, OutputWriteError
 from .integrity import TEMP_MARKER, foreign_files
 
 try:
@@ -161,9 +161,6 @@ def replace_dir(tmp: Path, out_dir: Path) -> None:
         raise
     (out_dir / TEMP_MARKER).unlink(missing_ok=True)
     shutil.rmtree(old, ignore_errors=True)
-
-
-_replace_dir = replace_dir  # the name other modules import
 
 
 def make_temporary(out_dir: Path) -> Path:

@@ -1,6 +1,6 @@
 """A GGUF file read one tensor at a time, for streaming quantization of GGUF models of any size.
 
-:class:`GGUFCheckpoint` has the interface of :class:`~bitmosaic.io.checkpoint.Checkpoint` (``keys``,
+:class:`GGUFCheckpoint` has the interface of :class:`~bitmosaic.io.sources.checkpoint.Checkpoint` (``keys``,
 ``in``, ``get``, ``fingerprint``, ``config``, ``empty_model``, ``fill``) and reads what transformers'
 GGUF loader would, without ever holding more than the one tensor asked for:
 
@@ -14,7 +14,7 @@ GGUF loader would, without ever holding more than the one tensor asked for:
   the read is done, so no page of the file stays mapped), dequantizes it with
   ``gguf.quants.dequantize``, applies the processing and returns float32 -- bit for bit the tensor
   ``from_pretrained(..., gguf_file=..., dtype=torch.float32)`` builds, and that the converted copy
-  (:mod:`bitmosaic.io.gguf_cache`) holds -- cast to the requested dtype.
+  (:mod:`bitmosaic.io.sources.gguf_cache`) holds -- cast to the requested dtype.
 
 Architectures: those whose GGUF tensors map one to one onto the model's and whose conversion has been
 checked against transformers' loader (:data:`STREAMABLE`); others are refused in one line
@@ -35,10 +35,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..errors import CorruptModelError, ModelSpecError, check_finite
-from .checkpoint import Checkpoint, _missing
+from ...errors import CorruptModelError, ModelSpecError, check_finite
+from .checkpoint import Checkpoint, missing_tensor
 
-__all__ = ["GGUFCheckpoint", "STREAMABLE", "UnsupportedGGUFError", "gguf_fingerprint", "open_gguf"]
+__all__ = [
+    "GGUFCheckpoint", "STREAMABLE", "UnsupportedGGUFError", "check_layout", "gguf_fingerprint", "open_gguf",
+]  # fmt: skip
 
 # GGUF ``general.architecture`` values read tensor by tensor (each checked against transformers' loader
 # in tests/io/test_gguf_checkpoint.py).  Mistral GGUFs say "llama".
@@ -107,7 +109,7 @@ def open_gguf(path: str | os.PathLike, spec: str | None = None):
 
     path = Path(path)
     try:
-        _check_layout(path)  # before gguf-py walks it: a count the file cannot hold is refused at once
+        check_layout(path)  # before gguf-py walks it: a count the file cannot hold is refused at once
         reader = GGUFReader(os.fspath(path))
     except (ValueError, OSError, KeyError, IndexError, EOFError) as e:
         raise _damaged(spec or str(path), path, e) from None
@@ -123,7 +125,7 @@ def open_gguf(path: str | os.PathLike, spec: str | None = None):
 _MAX_NESTING = 16  # arrays of arrays (models hold none; gguf-py recurses once per level)
 
 
-def _check_layout(path: Path) -> None:
+def check_layout(path: Path) -> None:
     """Walk the header of GGUF ``path`` (metadata and tensor infos) with every count and length checked
     against the bytes left in the file, in constant memory; raise ``ValueError`` naming the first that
     does not fit.  gguf-py's reader trusts them: past the end of the file its reads return empty arrays
@@ -395,7 +397,7 @@ class GGUFCheckpoint(Checkpoint):
         from gguf import quants
 
         if name not in self.names:
-            raise CorruptModelError(_missing(self.spec, name))
+            raise CorruptModelError(missing_tensor(self.spec, name))
         gname = self.names[name]
         info = self._tensors[gname]
         try:

@@ -13,8 +13,8 @@ converter decides the values).  Files over ``$BITMOSAIC_GGUF_CACHE_MAX_GB`` (def
 copy of about 2B parameters) are not copied; ``BITMOSAIC_GGUF_CACHE=0`` turns the copy off.  A copy
 that fails to load is deleted with one warning and made again.
 
-Streaming quantization (:func:`bitmosaic.io.sources.open_checkpoint`) reads a copy that exists
-already, and otherwise reads the GGUF file tensor by tensor (:mod:`bitmosaic.io.gguf_checkpoint`)
+Streaming quantization (:func:`bitmosaic.io.sources.opener.open_checkpoint`) reads a copy that exists
+already, and otherwise reads the GGUF file tensor by tensor (:mod:`bitmosaic.io.sources.gguf_checkpoint`)
 without making one, so it has no size limit.
 """
 
@@ -28,7 +28,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from ..paths import default_cache_root
+from ...paths import default_cache_root
 
 __all__ = ["gguf_copy", "existing_copy", "drop_copy"]
 
