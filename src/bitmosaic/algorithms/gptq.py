@@ -266,7 +266,9 @@ def _gptq(W, H, group_size, perm, static_groups, block_size, percdamp, dtype, sc
     )
 
 
-def _static_scales(W, dead, g, G, scales, zeros, static_groups, fit) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _static_scales(
+    W, dead, g, G, scales, zeros, static_groups, fit
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The fixed ``(scales, zeros)`` (``[out, G]``, in ``W``'s dtype) of static groups: the given
     ``scales``/``zeros`` (which imply static groups), or fitted on each contiguous group of the
     original weights (dead inputs zeroed) before any update; ``None`` for dynamic groups."""
