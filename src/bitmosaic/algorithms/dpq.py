@@ -312,12 +312,26 @@ def dpq_quantize(
         quantizer=quantizer,
     )
     if not isinstance(quantizer, DualPrecisionQuantizer):
-        out = fp8_on_top(res, f.name, per_channel, margin, pow2)
-        # GPTQ's step errors describe the INT4 weight; report the inference weight's error
-        Hd = res.damped_hessian(H)
-        W0 = W.to(Hd.dtype).masked_fill((torch.diagonal(H) == 0)[None, :], 0)
-        out.step_errors = hessian_error(W0, out.dequantize(Hd.dtype), Hd)
-        return out
+        return _naive_result(res, W, H, f.name, per_channel, margin, pow2)
+    return _dual_result(res, quantizer, f.name, nearest)
+
+
+def _naive_result(
+    res: QuantResult, W: torch.Tensor, H: torch.Tensor, fmt: str, per_channel: bool, margin: float, pow2: bool
+) -> DPQResult:
+    """The "naive GPTQ" baseline (§4.2, Table 2): FP8 on top of the INT4 GPTQ result ``res``, with
+    ``step_errors`` those of the inference weight ``ŵ_8 s_w`` (GPTQ's describe the INT4 weight)."""
+    out = fp8_on_top(res, fmt, per_channel, margin, pow2)
+    # GPTQ's step errors describe the INT4 weight; report the inference weight's error
+    Hd = res.damped_hessian(H)
+    W0 = W.to(Hd.dtype).masked_fill((torch.diagonal(H) == 0)[None, :], 0)
+    out.step_errors = hessian_error(W0, out.dequantize(Hd.dtype), Hd)
+    return out
+
+
+def _dual_result(res: QuantResult, quantizer: DualPrecisionQuantizer, fmt: str, nearest: bool) -> DPQResult:
+    """DPQ's GPTQ result ``res`` (both levels compensated, Eq. 12) with its FP8 weight scale
+    ``s_w`` (Eq. 6) and the saturation count of Eq. 7."""
     s_w = quantizer.fp8_scale_rows.reshape(-1, 1)
     return DPQResult(
         codes=res.codes,
@@ -330,14 +344,14 @@ def dpq_quantize(
         step_errors=res.step_errors,
         pivots=res.pivots,
         info={
-            "fp8_format": f.name,
+            "fp8_format": fmt,
             "fp8_scale_max": float(s_w.max()),
             "fp8_saturated": int(quantizer.saturated),
             "naive": False,
             "nearest_code": bool(nearest),
         },
         fp8_scale=s_w,
-        fmt=f.name,
+        fmt=fmt,
     )
 
 

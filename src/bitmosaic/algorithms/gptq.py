@@ -32,7 +32,7 @@ DPQ paper's two-level INT4 -> FP8 -> 16-bit step (§3.1, Eqs. 7-11) is
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -214,6 +214,8 @@ def gptq_quantize(
 
 def _gptq(W, H, group_size, perm, static_groups, block_size, percdamp, dtype, scales, zeros, quantizer, fit,
           large_op, overwrite):  # fmt: skip
+    """:func:`gptq_quantize` in its threads: factorise, fix or plan the groups, solve block by block
+    (:func:`_solve_block`), each block's errors onto the columns after it by one product (GPTQ §3)."""
     out, n = W.shape
     dtype = dtype or (torch.float64 if W.dtype == torch.float64 else torch.float32)
     dev = W.device
@@ -227,95 +229,165 @@ def _gptq(W, H, group_size, perm, static_groups, block_size, percdamp, dtype, sc
 
     g = normalize_group_size(group_size, n)
     G = num_groups(n, group_size)
-    if scales is not None:
-        static_groups = True
-        static_s = scales.to(device=dev, dtype=dtype)
-        static_z = (zeros if zeros is not None else torch.zeros_like(scales)).to(device=dev, dtype=dtype)
-        if static_s.shape != (out, G):
-            raise ValueError(f"scales shape {tuple(static_s.shape)} != (out, groups) = ({out}, {G})")
-    elif static_groups:
-        static_s = W.new_empty(out, G)
-        static_z = W.new_empty(out, G)
-        for k in range(G):
-            cols, dk = W[:, k * g : (k + 1) * g], dead[k * g : (k + 1) * g]
-            if bool(dk.any()):
-                cols = cols.masked_fill(dk, 0)
-            static_s[:, k], static_z[:, k] = fit(cols, k)
+    static = _static_scales(W, dead, g, G, scales, zeros, static_groups, fit)
+    static_groups = static is not None
     aligned = static_groups or groups_contiguous(perm, g)
+    starts, pos_group = _group_starts(perm, g, aligned)
 
-    orig_group = (perm // g).tolist()  # contiguous group of the column at each processing position
-    if aligned:
-        starts = [0] + [i for i in range(1, n) if orig_group[i] != orig_group[i - 1]]
-        pos_group = orig_group  # scales indexed by original group
-    else:
-        starts = list(range(0, n, g))
-        pos_group = [i // g for i in range(n)]
-    start_set = set(starts)
-
-    # Processing order, one weight column per row: every per-column op reads a contiguous vector.
-    WT = W.T.index_select(0, perm)
+    WT = _working_copy(W, dead, perm)
     del W  # memory: WT is the working copy from here on
-    dead_p = dead.index_select(0, perm)
-    if bool(dead_p.any()):
-        WT[dead_p] = 0
     codesT = torch.empty_like(WT, dtype=_code_dtype(quantizer))  # memory: 1 byte per code on a clipped grid
-    out_s = WT.new_zeros(out, G)
-    out_z = WT.new_zeros(out, G)
+    groups = _GroupSteps(quantizer, fit, g, n, aligned, pos_group, set(starts), static,
+                         WT.new_zeros(out, G), WT.new_zeros(out, G))  # fmt: skip
     errsum = WT.new_zeros(out)
-    steps: dict[int, ColumnStep] = {}
     step: ColumnStep | None = None
     diagU = torch.diagonal(U)
     # A dynamic group's scale is computed from fully updated weights, so its first column must
     # start a block; static scales need no such cut (act-order would otherwise shred the blocks).
     for i1, i2 in _block_bounds(n, block_size, [] if static_groups else starts):
-        W1, U1 = WT[i1:i2], U[i1:i2, i1:i2]
-        E1 = torch.empty_like(W1)
-        for a in range(0, i2 - i1, _INNER):
-            b = min(a + _INNER, i2 - i1)
-            for i in range(a, b):
-                col = i1 + i
-                if col in start_set:
-                    k = pos_group[col]
-                    if k not in steps:
-                        if static_groups:
-                            out_s[:, k], out_z[:, k] = static_s[:, k], static_z[:, k]
-                        else:  # the group's current weights: this block starts at col (see above)
-                            glen = min(g, n - k * g) if aligned else min(g, n - col)
-                            out_s[:, k], out_z[:, k] = fit(WT[col : col + glen].T.contiguous(), k)
-                        qk = _for_group(quantizer, k)
-                        steps[k] = _column_step(qk, out_s[:, k].clone(), out_z[:, k].clone())
-                    step = steps[k]
-                w = W1[i]
-                q, dq = step(w)
-                codesT[col] = q
-                torch.sub(w, dq, out=E1[i]).div_(diagU[col])
-                if i + 1 < b:  # error onto the rest of the inner block, rank one
-                    W1[i + 1 : b].addr_(U1[i, i + 1 : b], E1[i], alpha=-1)
-            if b < i2 - i1:  # lazy: the inner block's errors onto the rest of the block
-                W1[b:].addmm_(U1[a:b, b:].T, E1[a:b], alpha=-1)
+        E1, step = _solve_block(WT, U, diagU, i1, i2, codesT, groups, step)
         errsum += (E1 * E1).sum(dim=0)
-        if i2 < n:
+        if i2 < n:  # lazy: the block's errors onto the columns after it
             with large_op():
                 WT[i2:].addmm_(U[i1:i2, i2:].T, E1, alpha=-1)
 
-    del WT, U, diagU, W1, U1, E1
-    codes = torch.empty(out, n, dtype=torch.int32, device=dev)  # original column order
-    step = max(1, (1 << 22) // max(out, 1))  # memory: no second [out, in] array of codes
-    for k in range(0, n, step):
-        codes.T[perm[k : k + step]] = codesT[k : k + step].to(torch.int32)
+    del WT, U, diagU, E1
+    codes = _original_order(codesT, perm)
     del codesT
-    if aligned:
-        g_idx = default_g_idx(n, g, device=dev)
-    else:
-        g_idx = torch.empty(n, dtype=torch.long, device=dev)
-        g_idx[perm] = torch.arange(n, device=dev) // g
     return QuantResult(
         codes=codes,
-        scales=out_s,
-        zeros=out_z,
-        g_idx=g_idx,
+        scales=groups.scales,
+        zeros=groups.zeros,
+        g_idx=_g_idx(n, g, perm, aligned),
         perm=perm,
         hessian_diag=Hd_diag,
         step_errors=errsum,
         pivots=pivots,
     )
+
+
+def _static_scales(
+    W, dead, g, G, scales, zeros, static_groups, fit
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The fixed ``(scales, zeros)`` (``[out, G]``, in ``W``'s dtype) of static groups: the given
+    ``scales``/``zeros`` (which imply static groups), or fitted on each contiguous group of the
+    original weights (dead inputs zeroed) before any update; ``None`` for dynamic groups."""
+    out, dtype, dev = W.shape[0], W.dtype, W.device
+    if scales is not None:
+        static_s = scales.to(device=dev, dtype=dtype)
+        static_z = (zeros if zeros is not None else torch.zeros_like(scales)).to(device=dev, dtype=dtype)
+        if static_s.shape != (out, G):
+            raise ValueError(f"scales shape {tuple(static_s.shape)} != (out, groups) = ({out}, {G})")
+        return static_s, static_z
+    if not static_groups:
+        return None
+    static_s = W.new_empty(out, G)
+    static_z = W.new_empty(out, G)
+    for k in range(G):
+        cols, dk = W[:, k * g : (k + 1) * g], dead[k * g : (k + 1) * g]
+        if bool(dk.any()):
+            cols = cols.masked_fill(dk, 0)
+        static_s[:, k], static_z[:, k] = fit(cols, k)
+    return static_s, static_z
+
+
+def _group_starts(perm: torch.Tensor, g: int, aligned: bool) -> tuple[list[int], list[int]]:
+    """``(starts, pos_group)``: the processing positions where a group's first column is reached,
+    and the group (the index of its scale column) of the column at each position.  Aligned groups
+    are the contiguous groups of the original order; otherwise groups are formed by processing
+    position (reference GPTQ act-order)."""
+    n = perm.numel()
+    orig_group = (perm // g).tolist()  # contiguous group of the column at each processing position
+    if aligned:
+        starts = [0] + [i for i in range(1, n) if orig_group[i] != orig_group[i - 1]]
+        return starts, orig_group  # scales indexed by original group
+    return list(range(0, n, g)), [i // g for i in range(n)]
+
+
+def _working_copy(W: torch.Tensor, dead: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """``W`` in processing order, one weight column per row (every per-column op reads a
+    contiguous vector), with the dead inputs' weights zeroed."""
+    WT = W.T.index_select(0, perm)
+    dead_p = dead.index_select(0, perm)
+    if bool(dead_p.any()):
+        WT[dead_p] = 0
+    return WT
+
+
+@dataclass
+class _GroupSteps:
+    """The groups' scales/zeros (``[out, G]``) and column steps, made when a group's first column
+    is reached: static groups copy their fixed scales, dynamic ones fit the group's current
+    (error-updated) weights."""
+
+    quantizer: ColumnQuantizer
+    fit: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+    g: int
+    n: int
+    aligned: bool
+    pos_group: list[int]
+    starts: set[int]
+    static: tuple[torch.Tensor, torch.Tensor] | None
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    steps: dict[int, ColumnStep] = field(default_factory=dict)
+
+    def step_at(self, col: int, WT: torch.Tensor) -> ColumnStep:
+        """The column step of the group that starts at processing position ``col``."""
+        k = self.pos_group[col]
+        if k not in self.steps:
+            if self.static is not None:
+                self.scales[:, k], self.zeros[:, k] = self.static[0][:, k], self.static[1][:, k]
+            else:  # the group's current weights: a block starts at col (see _gptq)
+                glen = min(self.g, self.n - k * self.g) if self.aligned else min(self.g, self.n - col)
+                self.scales[:, k], self.zeros[:, k] = self.fit(WT[col : col + glen].T.contiguous(), k)
+            qk = _for_group(self.quantizer, k)
+            self.steps[k] = _column_step(qk, self.scales[:, k].clone(), self.zeros[:, k].clone())
+        return self.steps[k]
+
+
+def _solve_block(WT, U, diagU, i1, i2, codesT, groups: _GroupSteps, step):
+    """Quantize the columns ``i1 .. i2-1`` (processing order) of the working copy ``WT`` (GPTQ paper
+    Alg. 1): each column ``i`` to ``q``, its error ``(w - q) / U_ii`` onto the later columns of the
+    block through row ``i`` of ``U`` -- rank one within an inner block of ``_INNER`` columns, by one
+    matrix product onto the rest of the block (GPTQ §3, lazy batch-updates).  Writes the codes into
+    ``codesT``; returns the block's scaled errors ``E1`` (``[i2 - i1, out]``) and the column step in
+    use at its end (``step``: the one in use at its start)."""
+    W1, U1 = WT[i1:i2], U[i1:i2, i1:i2]
+    E1 = torch.empty_like(W1)
+    start_set = groups.starts
+    for a in range(0, i2 - i1, _INNER):
+        b = min(a + _INNER, i2 - i1)
+        for i in range(a, b):
+            col = i1 + i
+            if col in start_set:
+                step = groups.step_at(col, WT)
+            w = W1[i]
+            q, dq = step(w)
+            codesT[col] = q
+            torch.sub(w, dq, out=E1[i]).div_(diagU[col])
+            if i + 1 < b:  # error onto the rest of the inner block, rank one
+                W1[i + 1 : b].addr_(U1[i, i + 1 : b], E1[i], alpha=-1)
+        if b < i2 - i1:  # lazy: the inner block's errors onto the rest of the block
+            W1[b:].addmm_(U1[a:b, b:].T, E1[a:b], alpha=-1)
+    return E1, step
+
+
+def _original_order(codesT: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """The codes (``[n, out]`` in processing order) as int32 ``[out, n]`` in the original column
+    order, in chunks (memory: no second ``[out, in]`` array of codes)."""
+    n, out = codesT.shape
+    codes = torch.empty(out, n, dtype=torch.int32, device=codesT.device)
+    chunk = max(1, (1 << 22) // max(out, 1))
+    for k in range(0, n, chunk):
+        codes.T[perm[k : k + chunk]] = codesT[k : k + chunk].to(torch.int32)
+    return codes
+
+
+def _g_idx(n: int, g: int, perm: torch.Tensor, aligned: bool) -> torch.Tensor:
+    """Each column's group: the trivial ``j // g`` for aligned groups, else by processing position."""
+    if aligned:
+        return default_g_idx(n, g, device=perm.device)
+    g_idx = torch.empty(n, dtype=torch.long, device=perm.device)
+    g_idx[perm] = torch.arange(n, device=perm.device) // g
+    return g_idx

@@ -392,18 +392,11 @@ def mosaic_decompose(
     M = select(selection, W=Wf, R=R, QR=QR, hdiag=hdiag, H=H, block=block, budget=budget, seed=seed,
                act_amax=act_amax)  # fmt: skip
     out, n = W.shape
-    columns, rblock = None, block
     if selection in COLUMN_SELECTIONS and bool(M.any()):  # dense columns (module doc)
-        columns = torch.nonzero(M.any(0)).reshape(-1)
-        rblock = (block[0], column_block_width(columns.numel(), block[1]))
-        res_codes, rs = residual_quant(R[:, columns], rblock)
-        sparse = torch.zeros_like(Wf)
-        sparse[:, columns] = residual_values(res_codes, rs, rblock[1])
-        bmask = torch.ones(block_grid((out, columns.numel()), rblock), dtype=torch.bool, device=W.device)
+        columns, rblock, res_codes, rs, sparse, bmask = _column_residual(M, R, Wf, block)
     else:
-        res_codes = torch.where(M, rc, torch.zeros_like(rc))
-        sparse = residual_values(res_codes, rs, block[1])
-        bmask = block_reduce(M.to(torch.float32), block, "amax") > 0
+        columns, rblock = None, block
+        res_codes, sparse, bmask = _block_residual(M, rc, rs, block)
     nr, nc = block_grid((out, n), block)
     info = {
         "selection": selection,
@@ -415,11 +408,8 @@ def mosaic_decompose(
     }
     if columns is not None:
         info["columns_compensated"] = int(columns.numel())
-    if report and H is not None:  # float32 products, float64 sums: a report, not a selection
-        Hf = H.float().to(W.device)
-        d0 = float(((R @ Hf) * R).sum(dtype=torch.float64))
-        dd = float(((sparse @ Hf) * (2 * R - sparse)).sum(dtype=torch.float64))  # = D(R) - D(R - S)
-        info.update({"residual_distortion": d0, "delta_D": dd, "recovered": dd / d0 if d0 > 0 else 0.0})
+    if report and H is not None:
+        info.update(_distortion_report(R, sparse, H))
     return MosaicResult(
         codes=(base_codes + 8).to(torch.int32),
         scales=base_scales[:, None].clone(),
@@ -434,3 +424,38 @@ def mosaic_decompose(
         columns=columns,
         residual=R,
     )
+
+
+def _block_residual(
+    M: torch.Tensor, rc: torch.Tensor, rs: torch.Tensor, block: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``M ⊙ Q(R)`` on the chosen blocks (Eq. 4): ``(res_codes, sparse, block_mask)``, the codes
+    zero outside the element mask ``M``."""
+    res_codes = torch.where(M, rc, torch.zeros_like(rc))
+    sparse = residual_values(res_codes, rs, block[1])
+    bmask = block_reduce(M.to(torch.float32), block, "amax") > 0
+    return res_codes, sparse, bmask
+
+
+def _column_residual(M: torch.Tensor, R: torch.Tensor, Wf: torch.Tensor, block: tuple[int, int]):
+    """A channel selection's residual as dense columns (module doc): ``Q(R)`` re-quantized on the
+    gathered matrix ``R[:, columns]`` with :func:`column_block_width` blocks, every block kept
+    (``sparse`` shaped and typed as ``Wf``).
+    Returns ``(columns, rblock, res_codes, res_scales, sparse, block_mask)``."""
+    out = R.shape[0]
+    columns = torch.nonzero(M.any(0)).reshape(-1)
+    rblock = (block[0], column_block_width(columns.numel(), block[1]))
+    res_codes, rs = residual_quant(R[:, columns], rblock)
+    sparse = torch.zeros_like(Wf)
+    sparse[:, columns] = residual_values(res_codes, rs, rblock[1])
+    bmask = torch.ones(block_grid((out, columns.numel()), rblock), dtype=torch.bool, device=Wf.device)
+    return columns, rblock, res_codes, rs, sparse, bmask
+
+
+def _distortion_report(R: torch.Tensor, sparse: torch.Tensor, H: torch.Tensor) -> dict[str, float]:
+    """The exact objective (Eq. 5-6) for ``info``: ``tr(R H Rᵀ)``, ``ΔD = D(R) - D(R - S)`` and the
+    recovered fraction (float32 products, float64 sums: a report, not a selection)."""
+    Hf = H.float().to(R.device)
+    d0 = float(((R @ Hf) * R).sum(dtype=torch.float64))
+    dd = float(((sparse @ Hf) * (2 * R - sparse)).sum(dtype=torch.float64))  # = D(R) - D(R - S)
+    return {"residual_distortion": d0, "delta_D": dd, "recovered": dd / d0 if d0 > 0 else 0.0}

@@ -330,8 +330,6 @@ def export_gguf(src, out, *, gguf_type: str | None = None, lossy: bool = False, 
                 source_gguf=None) -> ExportResult:  # fmt: skip
     """Write ``src`` (a saved bitmosaic folder or a float model argument) as the GGUF file ``out``
     (module doc).  Raises :class:`ExportError` (one line) for what the file cannot hold exactly."""
-    from ..sources.gguf_checkpoint import GGUFCheckpoint, UnsupportedGGUFError
-
     if gguf_type is not None:
         gguf_type = gguf_type.upper()
         if gguf_type not in GGUF_TYPES:
@@ -343,11 +341,7 @@ def export_gguf(src, out, *, gguf_type: str | None = None, lossy: bool = False, 
     gpath = _source_gguf(model, source_gguf)
     if gpath == out:
         raise ExportError(f"--out {out} is the source GGUF file; choose another --out")
-    try:
-        ckpt = GGUFCheckpoint(gpath)
-        orders = {n: ckpt.row_order(n) for n in ckpt.names}  # refuses a file transformers changes on reading
-    except UnsupportedGGUFError as e:
-        raise ExportError(f"cannot export as gguf: {e}".split("; use --stream")[0]) from None
+    ckpt, orders = _open_source_gguf(gpath)
     if not model.qmods and (gguf_type in BLOCK_TYPES or gguf_type in K_QUANTS):
         raise ExportError(
             f"{model.spec} has no quantized layers: GGUF block types are written from bitmosaic's integers; "
@@ -355,52 +349,105 @@ def export_gguf(src, out, *, gguf_type: str | None = None, lossy: bool = False, 
         )
     records, tensors, qtypes = [], {}, []  # tensors: model name -> (data, type name)
     if model.qmods:
-        if gguf_type in FLOAT_TYPES:
-            blocks, changes = {n: (None, gguf_type) for n in model.qmods}, {n: [] for n in model.qmods}
-        elif gguf_type in K_QUANTS:
-            narrow, rerounded = [], {}
-            fn = _kquant_layer(gguf_type, lossy, narrow, rerounded)
-            blocks, changes = collect(model.qmods, fn, "gguf", lossy)
-            if narrow:
-                model.notes.append(
-                    f"{len(narrow)} layer(s) whose input width is not a multiple of {kq.QK_K} (a {gguf_type} "
-                    f"super-block) written in their default legacy type (e.g. {blocks[narrow[0]][1]} for "
-                    f"{narrow[0]}), as llama.cpp falls back for such tensors"
-                )
-        else:
-            blocks, changes = collect(model.qmods, _block_layer(gguf_type, lossy), "gguf", lossy)
-        from gguf import GGMLQuantizationType as Q
-        from gguf import quants
-
-        for name, m in model.qmods.items():
-            data, typ = blocks[name]
-            if data is None:  # a float type for the quantized weights
-                data, typ, exact = _float_tensor(m.dequantize_reference(torch.float32), typ, None, True)
-                if not exact:
-                    if not lossy:
-                        raise ExportError(
-                            f"cannot export as gguf: {typ} cannot hold the quantized weights exactly (e.g. "
-                            f"{name}); use --gguf-type F32, or pass --lossy"
-                        )
-                    changes[name].append(f"weights rounded to {typ}")
-            deq = np.asarray(quants.dequantize(data, Q[typ])).reshape(m.out_features, m.in_features)
-            records.append(record(name, m, torch.from_numpy(np.ascontiguousarray(deq)), changes[name]))
-            tensors[f"{name}.weight"] = (data, typ)
-            qtypes.append(typ)
-        if gguf_type in K_QUANTS and not lossy and any(r.changes for r in records):
-            t = kq.K_TYPES[gguf_type]
-            raise ExportError(_kquant_refusal(t, records, model.qmods, sum(rerounded.values())))
-        fallback = [
-            n for n, (_, t) in blocks.items() if gguf_type is None and t != _first_default(model.qmods[n])
-        ]
-        if fallback:
-            model.notes.append(
-                f"{len(fallback)} asymmetric layer(s) written in the wider exact type (e.g. "
-                f"{blocks[fallback[0]][1]}): the fp16 offsets m of Q4_1/Q5_1 cannot hold theirs; "
-                "--gguf-type Q4_1 (or Q5_1) --lossy rounds the offsets instead"
-            )
+        records, tensors, qtypes = _quantized_tensors(model, gguf_type, lossy)
     forced = gguf_type if gguf_type in FLOAT_TYPES and not model.qmods else None
     files = ckpt.file_tensors()
+    _plain_tensors(model, ckpt, files, forced, lossy, tensors)
+    ordered = tensors_in_file_order(ckpt, orders, tensors, files)
+    types = [typ for _, typ in tensors.values()]
+    counts = ", ".join(f"{t} x{types.count(t)}" for t in sorted(set(types)))
+    notes = [*model.notes, f"metadata and tokenizer copied from {gpath}", f"tensor types: {counts}"]
+    result = ExportResult(out, "gguf", records, notes)
+    write_gguf(
+        out,
+        overwrite,
+        gpath,
+        ckpt.arch,
+        ordered,
+        _file_type(qtypes, types),
+        {"source": model.spec, **result.summary()},
+    )
+    return result
+
+
+def _open_source_gguf(gpath: Path):
+    """``(checkpoint, row orders)`` of the source GGUF file: each tensor's order of rows in the file
+    (refuses, in one line, a file whose tensors transformers changes on reading)."""
+    from ..sources.gguf_checkpoint import GGUFCheckpoint, UnsupportedGGUFError
+
+    try:
+        ckpt = GGUFCheckpoint(gpath)
+        orders = {n: ckpt.row_order(n) for n in ckpt.names}  # refuses a file transformers changes on reading
+    except UnsupportedGGUFError as e:
+        raise ExportError(f"cannot export as gguf: {e}".split("; use --stream")[0]) from None
+    return ckpt, orders
+
+
+def _layer_blocks(model: _Model, gguf_type: str | None, lossy: bool) -> tuple[dict, dict, dict]:
+    """``(blocks, changes, rerounded)`` of the quantized layers: per layer its ``(bytes, type)``
+    (bytes ``None`` for a float type, written by the caller) and its changes; ``rerounded``: per layer,
+    the k-quant sub-blocks whose integers the type cannot hold (k-quants only)."""
+    rerounded: dict[str, int] = {}
+    if gguf_type in FLOAT_TYPES:
+        blocks, changes = {n: (None, gguf_type) for n in model.qmods}, {n: [] for n in model.qmods}
+    elif gguf_type in K_QUANTS:
+        narrow: list[str] = []
+        fn = _kquant_layer(gguf_type, lossy, narrow, rerounded)
+        blocks, changes = collect(model.qmods, fn, "gguf", lossy)
+        if narrow:
+            model.notes.append(
+                f"{len(narrow)} layer(s) whose input width is not a multiple of {kq.QK_K} (a {gguf_type} "
+                f"super-block) written in their default legacy type (e.g. {blocks[narrow[0]][1]} for "
+                f"{narrow[0]}), as llama.cpp falls back for such tensors"
+            )
+    else:
+        blocks, changes = collect(model.qmods, _block_layer(gguf_type, lossy), "gguf", lossy)
+    return blocks, changes, rerounded
+
+
+def _quantized_tensors(model: _Model, gguf_type: str | None, lossy: bool) -> tuple[list, dict, list]:
+    """``(records, tensors, types)`` of the quantized layers' weights: each layer's blocks (or float
+    tensor) read back with ``gguf.quants`` for its record.  Refuses an inexact k-quant (without
+    ``lossy``) or float type; notes the layers written in a wider exact type than the default."""
+    blocks, changes, rerounded = _layer_blocks(model, gguf_type, lossy)
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    records, tensors, qtypes = [], {}, []
+    for name, m in model.qmods.items():
+        data, typ = blocks[name]
+        if data is None:  # a float type for the quantized weights
+            data, typ, exact = _float_tensor(m.dequantize_reference(torch.float32), typ, None, True)
+            if not exact:
+                if not lossy:
+                    raise ExportError(
+                        f"cannot export as gguf: {typ} cannot hold the quantized weights exactly (e.g. "
+                        f"{name}); use --gguf-type F32, or pass --lossy"
+                    )
+                changes[name].append(f"weights rounded to {typ}")
+        deq = np.asarray(quants.dequantize(data, Q[typ])).reshape(m.out_features, m.in_features)
+        records.append(record(name, m, torch.from_numpy(np.ascontiguousarray(deq)), changes[name]))
+        tensors[f"{name}.weight"] = (data, typ)
+        qtypes.append(typ)
+    if gguf_type in K_QUANTS and not lossy and any(r.changes for r in records):
+        t = kq.K_TYPES[gguf_type]
+        raise ExportError(_kquant_refusal(t, records, model.qmods, sum(rerounded.values())))
+    fallback = [
+        n for n, (_, t) in blocks.items() if gguf_type is None and t != _first_default(model.qmods[n])
+    ]
+    if fallback:
+        model.notes.append(
+            f"{len(fallback)} asymmetric layer(s) written in the wider exact type (e.g. "
+            f"{blocks[fallback[0]][1]}): the fp16 offsets m of Q4_1/Q5_1 cannot hold theirs; "
+            "--gguf-type Q4_1 (or Q5_1) --lossy rounds the offsets instead"
+        )
+    return records, tensors, qtypes
+
+
+def _plain_tensors(model: _Model, ckpt, files: dict, forced: str | None, lossy: bool, tensors: dict) -> None:
+    """Add every other tensor to ``tensors`` (a tied head left out), each in the first type that holds
+    it exactly (:func:`_float_tensor`); refuses, in one line, a ``forced`` type that cannot hold some
+    unless ``lossy`` (then noted as rounded)."""
     bad, rounded = [], []
     tied = bool(model.config.get("tie_word_embeddings")) and "lm_head.weight" not in ckpt.names
     for name, get in model.plain.items():
@@ -421,18 +468,3 @@ def export_gguf(src, out, *, gguf_type: str | None = None, lossy: bool = False, 
         )
     if rounded:
         model.notes.append(f"{len(rounded)} float tensor(s) rounded to {forced} (--lossy)")
-    ordered = tensors_in_file_order(ckpt, orders, tensors, files)
-    types = [typ for _, typ in tensors.values()]
-    counts = ", ".join(f"{t} x{types.count(t)}" for t in sorted(set(types)))
-    notes = [*model.notes, f"metadata and tokenizer copied from {gpath}", f"tensor types: {counts}"]
-    result = ExportResult(out, "gguf", records, notes)
-    write_gguf(
-        out,
-        overwrite,
-        gpath,
-        ckpt.arch,
-        ordered,
-        _file_type(qtypes, types),
-        {"source": model.spec, **result.summary()},
-    )
-    return result

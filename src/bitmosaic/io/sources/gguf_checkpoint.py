@@ -134,86 +134,109 @@ def check_layout(path: Path) -> None:
     memory ran out (an OOM kill, or a MemoryError/SystemError at a random place under a memory limit).
     A file without the GGUF magic or of a version gguf-py does not read is left to gguf-py's own error."""
     import mmap
-    import struct
 
-    from gguf import GGUFValueType as T
-
-    string_t, array_t = int(T.STRING), int(T.ARRAY)
-    # the scalar value types and their sizes in bytes (the type names are numpy's: UINT8, FLOAT32, BOOL)
-    sizes = {int(t): np.dtype(t.name.lower()).itemsize for t in T if t not in (T.STRING, T.ARRAY)}
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size < 24:
             return
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            if buf[:4] != b"GGUF":
-                return
-            order = "<"
-            version = struct.unpack_from("<I", buf, 4)[0]
-            if version & 0xFFFF == 0:  # written on a machine of the other byte order (as gguf-py reads it)
-                order, version = ">", struct.unpack_from(">I", buf, 4)[0]
-            if version not in (2, 3):
-                return
-            u32, u64 = struct.Struct(order + "I"), struct.Struct(order + "Q")
-            offs = 8
+            order = _byte_order(buf)
+            if order is not None:
+                _HeaderWalk(buf, size, order).walk()
 
-            def read(fmt: struct.Struct, what: str) -> int:
-                nonlocal offs
-                if fmt.size > size - offs:
-                    raise ValueError(f"the file ends inside {what}")
-                offs += fmt.size
-                return fmt.unpack_from(buf, offs - fmt.size)[0]
 
-            def fits(count: int, each: int, what: str, least: bool = False) -> None:
-                if count * each > size - offs:
-                    raise ValueError(f"{what} says {count} of {each}{' or more' if least else ''} bytes, "
-                                     f"but the file has {size - offs} bytes left")  # fmt: skip
+def _byte_order(buf) -> str | None:
+    """The ``struct`` byte order of a GGUF header (``"<"``, or ``">"`` for a file written on a machine
+    of the other byte order, as gguf-py reads it), or ``None`` without the magic or for a version
+    gguf-py does not read."""
+    import struct
 
-            def skip(count: int, each: int, what: str) -> None:
-                nonlocal offs
-                fits(count, each, what)
-                offs += count * each
+    if buf[:4] != b"GGUF":
+        return None
+    order = "<"
+    version = struct.unpack_from("<I", buf, 4)[0]
+    if version & 0xFFFF == 0:  # written on a machine of the other byte order (as gguf-py reads it)
+        order, version = ">", struct.unpack_from(">I", buf, 4)[0]
+    return order if version in (2, 3) else None
 
-            def string(what: str) -> int:
-                n = read(u64, f"the length of {what}")
-                skip(n, 1, f"the length of {what}")
-                return n
 
-            def name(what: str) -> str:  # a key's or a tensor's name, as much as errors show
-                n = string(what)
-                text = bytes(buf[offs - n : offs - n + min(n, 60)]).decode("utf-8", "replace")
-                return "".join(c if c.isprintable() else "?" for c in text)
+class _HeaderWalk:
+    """The walk of :func:`check_layout` over a mapped GGUF file of ``size`` bytes, from the offset
+    after the magic and version: each ``read``, ``skip`` and count is checked against the bytes left."""
 
-            def value(vtype: int, what: str, depth: int = 0) -> None:
-                if vtype in sizes:
-                    skip(1, sizes[vtype], what)
-                elif vtype == string_t:
-                    string(what)
-                elif vtype == array_t:
-                    if depth >= _MAX_NESTING:
-                        raise ValueError(f"{what} nests arrays more than {_MAX_NESTING} deep")
-                    itype, count = read(u32, what), read(u64, what)
-                    if itype in sizes:  # scalars: skipped at once
-                        skip(count, sizes[itype], f"the array {what}")
-                    elif itype in (string_t, array_t):  # a string's length or an array's type and count
-                        fits(count, 8 if itype == string_t else 12, f"the array {what}", least=True)
-                        for _ in range(count):
-                            value(itype, what, depth + 1)
-                    else:
-                        raise ValueError(f"{what} is an array of unknown value type {itype}")
-                else:
-                    raise ValueError(f"{what} has unknown value type {vtype}")
+    def __init__(self, buf, size: int, order: str) -> None:
+        import struct
 
-            tensors, kvs = read(u64, "the tensor count"), read(u64, "the metadata count")
-            fits(kvs, 13, "the metadata count", least=True)  # a key's length, its type and a byte
-            for i in range(kvs):
-                what = "metadata " + name(f"metadata key {i}")
-                value(read(u32, what), what)
-            fits(tensors, 24, "the tensor count", least=True)  # a name's length, dims, type, offset
-            for i in range(tensors):
-                what = "tensor info " + name(f"tensor info {i}")
-                skip(read(u32, what), 8, f"the dimension count of {what}")
-                read(u32, what), read(u64, what)
+        from gguf import GGUFValueType as T
+
+        self.buf, self.size, self.offs = buf, size, 8
+        self.u32, self.u64 = struct.Struct(order + "I"), struct.Struct(order + "Q")
+        self.string_t, self.array_t = int(T.STRING), int(T.ARRAY)
+        # the scalar value types and their sizes in bytes (the type names are numpy's: UINT8, FLOAT32, BOOL)
+        self.sizes = {int(t): np.dtype(t.name.lower()).itemsize for t in T if t not in (T.STRING, T.ARRAY)}
+
+    def walk(self) -> None:
+        """The counts, the metadata (keys and values) and the tensor infos, in file order."""
+        read, u32, u64 = self.read, self.u32, self.u64
+        tensors, kvs = read(u64, "the tensor count"), read(u64, "the metadata count")
+        self.fits(kvs, 13, "the metadata count", least=True)  # a key's length, its type and a byte
+        for i in range(kvs):
+            what = "metadata " + self.name(f"metadata key {i}")
+            self.value(read(u32, what), what)
+        self.fits(tensors, 24, "the tensor count", least=True)  # a name's length, dims, type, offset
+        for i in range(tensors):
+            what = "tensor info " + self.name(f"tensor info {i}")
+            self.skip(read(u32, what), 8, f"the dimension count of {what}")
+            read(u32, what), read(u64, what)
+
+    def read(self, fmt, what: str) -> int:
+        if fmt.size > self.size - self.offs:
+            raise ValueError(f"the file ends inside {what}")
+        self.offs += fmt.size
+        return fmt.unpack_from(self.buf, self.offs - fmt.size)[0]
+
+    def fits(self, count: int, each: int, what: str, least: bool = False) -> None:
+        if count * each > self.size - self.offs:
+            raise ValueError(f"{what} says {count} of {each}{' or more' if least else ''} bytes, "
+                             f"but the file has {self.size - self.offs} bytes left")  # fmt: skip
+
+    def skip(self, count: int, each: int, what: str) -> None:
+        self.fits(count, each, what)
+        self.offs += count * each
+
+    def string(self, what: str) -> int:
+        n = self.read(self.u64, f"the length of {what}")
+        self.skip(n, 1, f"the length of {what}")
+        return n
+
+    def name(self, what: str) -> str:
+        """A key's or a tensor's name, as much as errors show."""
+        n = self.string(what)
+        text = bytes(self.buf[self.offs - n : self.offs - n + min(n, 60)]).decode("utf-8", "replace")
+        return "".join(c if c.isprintable() else "?" for c in text)
+
+    def value(self, vtype: int, what: str, depth: int = 0) -> None:
+        if vtype in self.sizes:
+            self.skip(1, self.sizes[vtype], what)
+        elif vtype == self.string_t:
+            self.string(what)
+        elif vtype == self.array_t:
+            self.array(what, depth)
+        else:
+            raise ValueError(f"{what} has unknown value type {vtype}")
+
+    def array(self, what: str, depth: int) -> None:
+        if depth >= _MAX_NESTING:
+            raise ValueError(f"{what} nests arrays more than {_MAX_NESTING} deep")
+        itype, count = self.read(self.u32, what), self.read(self.u64, what)
+        if itype in self.sizes:  # scalars: skipped at once
+            self.skip(count, self.sizes[itype], f"the array {what}")
+        elif itype in (self.string_t, self.array_t):  # a string's length or an array's type and count
+            self.fits(count, 8 if itype == self.string_t else 12, f"the array {what}", least=True)
+            for _ in range(count):
+                self.value(itype, what, depth + 1)
+        else:
+            raise ValueError(f"{what} is an array of unknown value type {itype}")
 
 
 _BLOCK = re.compile(r"(?:^|\.)blk\.(\d+)\.")
