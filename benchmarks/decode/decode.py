@@ -12,7 +12,7 @@ against llama.cpp running the very GGUF the model comes from (Q4_1) where ``llam
 installed (``pip install llama-cpp-python``, or the ``peers`` extra), same threads, same prompt token
 ids, same number of new tokens.  Where ``llama_cpp`` is absent the run builds it once (llama.cpp from
 source, 3-7 minutes on 2 cores) into a cache folder of its own and runs the llama.cpp rows from
-there (``benchmarks/peer_llama.py``: on a CPU with AMX without it, since llama.cpp's AMX matmul crashed
+there (``benchmarks/peers/peer_llama.py``: on a CPU with AMX without it, since llama.cpp's AMX matmul crashed
 on an Intel Xeon VM with llama-cpp-python 0.3.36, SIGSEGV in ``ggml_backend_amx_mul_mat``);
 ``--no-build-peer`` skips those rows instead.
 
@@ -32,7 +32,7 @@ of the step.
 compiles the decode graph (it is not in ``decode tok/s``); ``graphs`` counts the graphs dynamo compiled in
 the row's process over every generate (1: no recompilation per token or per run).
 
-    python benchmarks/decode.py [--threads 1,2] [--new-tokens 64] [--only "W4 g128,W4 g128 (compiled)"]
+    python -m benchmarks.decode.decode [--threads 1,2] [--new-tokens 64] [--only "W4 g128,W4 g128 (compiled)"]
     (writes results/decode.{md,json}; --only runs the named variants, llama.cpp Q4_1 included, and
     the opt-in "(compiled+cpp_wrapper)" / "(compiled+freezing)" of any compiled row: inductor options)
 """
@@ -43,12 +43,11 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+from benchmarks import RESULTS
+
 PROMPT = "The history of the city begins in the early middle ages, when"
 
 
@@ -259,7 +258,10 @@ def _make_quantized(tmp: Path, bits: int) -> Path:
 
 
 def _run_child(args: list[str], env: dict[str, str] | None = None) -> dict | None:
-    res = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=env)
+    from benchmarks.harness.child import child_env, module_command  # the parent only
+
+    cmd = module_command("benchmarks.decode.decode")
+    res = subprocess.run([*cmd, *args], capture_output=True, text=True, env=child_env(env))
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("ROW ")]
     if res.returncode or not line:
         print(f"{args[1]} failed:\n{res.stderr[-2000:]}")
@@ -298,7 +300,7 @@ def main() -> None:
     p.add_argument("--only", default=None, help="comma list of variants to run (default: every one)")
     p.add_argument("--no-build-peer", action="store_true",
                    help="where llama_cpp is not installed, skip the llama.cpp rows instead of building it "
-                   "once into a cache folder (benchmarks/peer_llama.py)")  # fmt: skip
+                   "once into a cache folder (benchmarks/peers/peer_llama.py)")  # fmt: skip
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--folder", default="", help=argparse.SUPPRESS)
     p.add_argument("--prompt-ids", default="[]", help=argparse.SUPPRESS)
@@ -313,7 +315,7 @@ def main() -> None:
         print("ROW " + json.dumps(row))
         return
 
-    from peer_llama import child_env, find_or_build  # the parent only
+    from benchmarks.peers.peer_llama import child_env, find_or_build  # the parent only
 
     wants_llama = a.only is None or "llama.cpp Q4_1" in a.only.split(",")
     peer_path = find_or_build(build=not a.no_build_peer) if wants_llama else None
@@ -377,7 +379,7 @@ def main() -> None:
         r["speed_vs_llama_cpp"] = r["decode_tok_s"] / peer["decode_tok_s"] if peer else None
     table = _table(rows)
     print("\n" + table)
-    from common import machine_info, write_results  # the parent only (children run the variants)
+    from benchmarks.harness import machine_info, write_results  # the parent only (children run the variants)
 
     machine = machine_info(loadavg_1_5_15_before=load_before, loadavg_1_5_15_after=os.getloadavg())
     out = {"args": vars(a), "machine": machine, "llama_cpp": have_llama, "gguf": Path(gguf).name}

@@ -12,7 +12,7 @@ activations of ``+Q8A``), compiles the decode step, warms it up on the full leng
 * ``outside``: what the profiler saw outside any operator (``generate``'s Python, the guard checks).
 
 Per token, in ms, with the decode rate of the same run.  One process per thread count:
-``python benchmarks/decode_profile.py --threads 1,2`` (``--act q8_0`` for the +Q8A row).
+``python -m benchmarks.decode.decode_profile --threads 1,2`` (``--act q8_0`` for the +Q8A row).
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import RESULTS, machine_info, write_text
+from benchmarks.harness import RESULTS, machine_info, write_text
+from benchmarks.harness.child import child_env, module_command
 
 KINDS = ("linears", "head", "attention", "graph", "outside")
 
@@ -122,15 +122,16 @@ def main() -> None:
     if a.child:
         print(json.dumps(_child(a.child[0], int(a.child[1]), int(a.child[2]), a.act)))
         return
-    from decode import _make_quantized
+    from benchmarks.decode.decode import _make_quantized
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = _make_quantized(Path(tmp), 4)
         for th in (int(t) for t in a.threads.split(",")):
-            args = [sys.executable, __file__, "--child", str(folder), str(th), str(a.new_tokens)]
+            args = [*module_command("benchmarks.decode.decode_profile"), "--child", str(folder), str(th)]
+            args += [str(a.new_tokens)]
             args += ["--act", a.act] if a.act else []
-            r = subprocess.run(args, capture_output=True, text=True)
+            r = subprocess.run(args, capture_output=True, text=True, env=child_env())
             if r.returncode:
                 raise SystemExit(f"profile child failed: {r.stderr.strip().splitlines()[-1:]}")
             rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
@@ -144,7 +145,8 @@ def main() -> None:
         rate, wall = f"{r['tok_s_unprofiled']:.1f}", f"{r['ms_per_token_profiled']:.2f}"
         lines.append(f"| {r['threads']} | {r['act']} | {rate} | {wall} | " + " | ".join(cells) + " |")
     md = (
-        "Compiled SmolLM2 decode step, RTN W4 g128 + `q8_0` head (`python benchmarks/decode_profile.py`), "
+        "Compiled SmolLM2 decode step, RTN W4 g128 + `q8_0` head "
+        "(`python -m benchmarks.decode.decode_profile`), "
         "self CPU time per token by kind on the calling thread (torch.profiler; an operator's intra-op "
         "threads run inside its time; `outside` = the step's wall time not inside any recorded operator).\n\n"
         + "\n".join(lines)

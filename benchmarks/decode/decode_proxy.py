@@ -7,7 +7,8 @@ elsewhere), RTN W4 and W2 g128 on the default kernels, eager ``generate`` agains
 time per token is what is measured (64 new tokens, best of 3, one thread by default).  Each row runs in
 its own process.  ``first generate s``: the compiling call (inductor's FX cache may shorten it on a rerun).
 
-    python benchmarks/decode_proxy.py [--threads 1] [--bits 4,2]   (writes results/decode_proxy.{md,json})
+    python -m benchmarks.decode.decode_proxy [--threads 1] [--bits 4,2]
+      (writes results/decode_proxy.{md,json})
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from benchmarks import RESULTS
+
 MODES = ("eager", "compiled", "compiled+full_guards")
 
 
@@ -81,7 +81,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--bits", default="4,2")
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--json", default=str(HERE / "results" / "decode_proxy.json"))
+    p.add_argument("--json", default=str(RESULTS / "decode_proxy.json"))
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
@@ -92,8 +92,13 @@ def main() -> None:
     rows = []
     for bits in (int(b) for b in a.bits.split(",")):
         for mode in MODES:
-            cmd = [sys.executable, __file__, "--child", f"{bits}:{mode}", "--threads", str(a.threads)]
-            res = subprocess.run([*cmd, "--new-tokens", str(a.new_tokens)], capture_output=True, text=True)
+            from benchmarks.harness.child import child_env, module_command  # the parent only
+
+            cmd = [*module_command("benchmarks.decode.decode_proxy"), "--child", f"{bits}:{mode}"]
+            cmd += ["--threads", str(a.threads)]
+            res = subprocess.run(
+                [*cmd, "--new-tokens", str(a.new_tokens)], capture_output=True, text=True, env=child_env()
+            )
             line = [ln for ln in res.stdout.splitlines() if ln.startswith("ROW ")]
             if res.returncode or not line:
                 print(f"W{bits} {mode} failed:\n{res.stderr[-2000:]}")
@@ -114,7 +119,7 @@ def main() -> None:
         )
     table = "\n".join(lines)
     print("\n" + table)
-    from common import machine_info, write_results
+    from benchmarks.harness import machine_info, write_results
 
     machine = machine_info(loadavg_1_5_15_before=load_before, loadavg_1_5_15_after=os.getloadavg())
     write_results(a.json, "decode_proxy", {"args": vars(a), "machine": machine, "rows": rows}, table)

@@ -6,8 +6,9 @@ with ``--model smollm2-135m``), saved, then exported to GPTQ (v1, and v2 when v1
 compressed-tensors, first exactly and, when refused, with ``--lossy``.  Prints a Markdown table and
 writes benchmarks/results/export_matrix[_smollm2].json and .md.
 
-    PYTHONPATH=src python benchmarks/export_matrix.py                       # tiny model, ~1 min
-    flock /tmp/bitmosaic-heavy.lock env PYTHONPATH=src python benchmarks/export_matrix.py --model smollm2-135m
+    PYTHONPATH=src python -m benchmarks.export.export_matrix       # tiny model, ~1 min
+    flock /tmp/bitmosaic-heavy.lock env PYTHONPATH=src python -m benchmarks.export.export_matrix \\
+        --model smollm2-135m
 """
 
 from __future__ import annotations
@@ -19,11 +20,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness import RESULTS, write_results
 from bitmosaic import quantize_
 from bitmosaic.io import save_quantized
 from bitmosaic.io.export import ExportError, export_model
-
-from common import RESULTS, write_results
 
 
 def methods(group: int) -> list[tuple[str, str, dict]]:

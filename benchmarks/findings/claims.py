@@ -6,9 +6,14 @@ from __future__ import annotations
 
 from functools import partial
 
-from claims_babai import babai_bound_table, babai_min_pivot, hptq_vs_rtn_gptq, ssqr_vs_gptq
-from claims_dpq import dpq_gar_vs_act, dpq_vs_baselines
-from claims_mosaic import (
+from benchmarks.findings.claims_babai import (
+    babai_bound_table,
+    babai_min_pivot,
+    hptq_vs_rtn_gptq,
+    ssqr_vs_gptq,
+)
+from benchmarks.findings.claims_dpq import dpq_gar_vs_act, dpq_vs_baselines
+from benchmarks.findings.claims_mosaic import (
     mosaic_a4_no_collapse,
     mosaic_atom_model,
     mosaic_block_beats_channel,
@@ -22,8 +27,12 @@ from claims_mosaic import (
     mosaic_w4a8,
     mosaic_w4a8_vs_gptq,
 )
-from claims_rotation import rotation_beats_alone, rotation_w4a4_goal, spinquant_beats_hadamard
-from claims_sfmp import (
+from benchmarks.findings.claims_rotation import (
+    rotation_beats_alone,
+    rotation_w4a4_goal,
+    spinquant_beats_hadamard,
+)
+from benchmarks.findings.claims_sfmp import (
     PAPER_UNIFORM,
     sfmp_beats_uniform,
     sfmp_fisher_samples,
@@ -33,7 +42,7 @@ from claims_sfmp import (
     sfmp_reorder_helps,
     sfmp_small_blocks,
 )
-from claims_sq import (
+from benchmarks.findings.claims_sq import (
     sq_between_a4_a8,
     sq_importance_ablation,
     sq_int_throughput,
@@ -43,8 +52,8 @@ from claims_sq import (
     sq_w_sq_a4_beats_w4a4,
     sq_weights_improve_as_s_falls,
 )
-from claims_why import WHY
-from findings_lib import Finding
+from benchmarks.findings.findings_lib import Finding
+from benchmarks.findings.why import WHY_FILE, why_texts
 
 B = "Babai (GPTQ geometry)"
 
@@ -200,7 +209,16 @@ FINDINGS: list[Finding] = [
 ]
 
 
-if _stray := sorted(set(WHY) - {f.claim for f in FINDINGS}):  # a renamed claim must not lose its text
-    raise KeyError(f"claims_why.WHY names no claim of FINDINGS: {_stray}")
-for _f in FINDINGS:
-    _f.differ = WHY.get(_f.claim, "")
+
+
+def attach_why(findings: list[Finding], why: dict[str, str]) -> None:
+    """Give each finding its "why this may differ" text; a text that names no claim (a claim reworded,
+    its text left behind) stops the report instead of leaving the column blank."""
+    if stray := sorted(set(why) - {f.claim for f in findings}):
+        raise KeyError(f"{WHY_FILE.name} names no claim of FINDINGS: {stray}")
+    for f in findings:
+        f.differ = why.get(f.claim, "")
+
+
+WHY = why_texts()  # claim -> text, its numbers read from the result files (results/findings_why.yaml)
+attach_why(FINDINGS, WHY)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from findings_lib import HOLDS, MISSING, fmt, rows_by_name, verdict
+from benchmarks.findings.findings_lib import HOLDS, MISSING, fmt, rows_by_name, verdict
 
 
 # -- Babai / GPTQ (paper 004) ------------------------------------------------------------------
@@ -61,7 +61,8 @@ def ssqr_vs_gptq(res: dict) -> tuple[str, str]:
     ssqr = [v for k, v in r.items() if k.startswith("ssqr") and k.endswith("static")]
     if not base or not ssqr:
         rows = ",".join([*PAPER_GPTQ, "ssqr w3 g128 3% static"])
-        return "", f"{MISSING}: run benchmarks/ssqr_groups.py --protocol fast --fidelity --only '{rows}'"
+        how = f"python -m benchmarks.lattice.ssqr_groups --protocol fast --fidelity --only '{rows}'"
+        return "", f"{MISSING}: run {how}"
     has_kl = all("kl_mean" in v for v in [*base.values(), *ssqr])
     lines, wins = [], []
     for s in ssqr:

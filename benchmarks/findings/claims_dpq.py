@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from findings_lib import fmt, ppl_fid, rows_by_name, verdict
+from benchmarks.findings.findings_lib import fmt, ppl_fid, rows_by_name, verdict
 
 
 # -- DPQ (paper 003) ----------------------------------------------------------------------------

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from findings_lib import MISSING, UNTESTABLE, fmt, load, ppl_fid, protocol_of, rows_by_name, verdict
+from benchmarks.findings.findings_lib import (
+    MISSING,
+    UNTESTABLE,
+    fmt,
+    load,
+    ppl_fid,
+    protocol_of,
+    rows_by_name,
+    verdict,
+)
 
 
 # -- MosaicQuant (paper 002) --------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from findings_lib import fmt, load, rows_by_name, verdict
+from benchmarks.findings.findings_lib import fmt, load, rows_by_name, verdict
 
 # -- rotations (QuaRot; issue 25's goals: ours, not a claim of the five papers) ------------------------
 ALONE = "gptq W4A4 +hadamard"  # rotation alone: QuaRot's GPTQ W4A4 (W4 per channel, A4 per token)
@@ -22,7 +22,8 @@ def rotation_w4a4_goal(res: dict) -> tuple[str, str]:
 
 
 def a4_budget() -> str:
-    """What the activations alone cost the rotated model (``benchmarks/w4a4_budget.py``), where measured."""
+    """What the activations alone cost the rotated model (``benchmarks/rotation/w4a4_budget.py``), where
+    measured."""
     res = load("w4a4_budget")
     if res is None:
         return ""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from findings_lib import UNDECIDED, fmt, rows_by_name, verdict
+from benchmarks.findings.findings_lib import UNDECIDED, fmt, rows_by_name, verdict
 
 
 # -- SFMP (paper 001) ---------------------------------------------------------------------------

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from findings_lib import fmt, verdict
-
+from benchmarks.findings.findings_lib import fmt, verdict
 from bitmosaic.formats.sq import parse_sq
 
 

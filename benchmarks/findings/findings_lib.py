@@ -8,8 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+from benchmarks import RESULTS
+
+BENCHMARKS = Path(__file__).resolve().parents[1]
+NOT_SCRIPTS = ("harness", "findings")  # the package's own folders, not a benchmark's
 HOLDS, FAILS, UNTESTABLE, MISSING = "holds", "does not hold here", "cannot be tested here", "not measured"
 UNDECIDED = "undecided"  # verdict-protocol runs of two seeds disagree
 
@@ -50,6 +52,28 @@ def protocol_of(res: dict) -> str:
     if "max_windows" not in a and not res.get("rows"):  # per-layer measurements: no perplexity pass
         return f"{n}x{a.get('seqlen', 512)} calib, per layer (no perplexity)"
     return f"{n}x{a.get('seqlen', 512)} calib, " + ("every window" if w is None else f"{w} windows")
+
+
+def _is_script(path: Path) -> bool:
+    return path.parent.name not in NOT_SCRIPTS and '__name__ == "__main__"' in path.read_text()
+
+
+def module_of(source: str) -> str:
+    """The benchmark module that writes ``results/<source>.json``: the script of that name in a topic
+    folder, or the one whose part it is (``mosaic_main``: ``mosaic.py --parts main``; ``sfmp_decode``:
+    ``sfmp.py --parts decode``)."""
+    stem = source
+    while stem:
+        found = [p for p in sorted(BENCHMARKS.glob(f"*/{stem}.py")) if _is_script(p)]
+        if found:
+            return ".".join(("benchmarks", found[0].parent.name, stem))
+        stem = stem.rpartition("_")[0]
+    return f"benchmarks.<topic>.{source}"
+
+
+def run_command(source: str) -> str:
+    """What to type, at the repository root, to measure ``source``."""
+    return f"python -m {module_of(source)}"
 
 
 def load(name: str) -> dict | None:

@@ -5,8 +5,8 @@ the seconds, and how the inputs ended (accepted, or refused with which one-line 
 finds a defect records its exception and the run exits 1.  Each property runs in a process of its own, so
 a crash is recorded as that property's defect and one property's failure cannot change the next.
 
-    python benchmarks/fuzz_long.py --examples 5000            # every property, 5000 cases each
-    python benchmarks/fuzz_long.py --examples 20000 --only grammars recipe
+    python -m benchmarks.fuzz.fuzz_long --examples 5000            # every property, 5000 cases each
+    python -m benchmarks.fuzz.fuzz_long --examples 20000 --only grammars recipe
 """
 
 from __future__ import annotations
@@ -23,11 +23,9 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests.fuzz
-
-from tests.fuzz.properties import OUTCOMES, PROPERTIES, run  # noqa: E402
-
-from common import write_results  # noqa: E402
+from benchmarks.fuzz.properties import OUTCOMES, PROPERTIES, run
+from benchmarks.harness import write_results
+from benchmarks.harness.child import module_command
 
 
 def describe(e: BaseException) -> str:
@@ -73,8 +71,9 @@ def in_child(name: str, n: int, seed: int | None, max_memory_gb: float) -> dict:
     faulthandler's dump, the Python line it was at."""
     with tempfile.TemporaryDirectory(prefix="fuzz-long-") as d:
         out, err = Path(d) / "row.json", Path(d) / "stderr"
-        cmd = [sys.executable, __file__, "--only", name, "--examples", str(n), "--scale-slow", "--no-isolate",
-               "--max-memory-gb", str(max_memory_gb), "--row", str(out)]  # fmt: skip
+        cmd = [*module_command("benchmarks.fuzz.fuzz_long"), "--only", name, "--examples", str(n),
+               "--scale-slow", "--no-isolate", "--max-memory-gb", str(max_memory_gb),
+               "--row", str(out)]  # fmt: skip
         cmd += ["--derandomize"] if seed is None else ["--seed", str(seed)]
         t0 = time.perf_counter()
         with open(err, "wb") as f:
@@ -150,7 +149,7 @@ def main() -> int:
         failed += row["defect"] is not None
         defect, secs = row["defect"], row["seconds"]
         print(f"{name:14s} {n:7d} cases {secs:8.1f}s  {'DEFECT: ' + defect if defect else 'ok'}", flush=True)
-    cmd = "python benchmarks/fuzz_long.py " + " ".join(sys.argv[1:])
+    cmd = "python -m benchmarks.fuzz.fuzz_long " + " ".join(sys.argv[1:])
     md = [
         f"# Long fuzz run\n\n`{cmd}` (seed {seed if seed is not None else 'derandomized'})\n",
         "| property | parses | cases | seconds | accepted | refused (one line) | defect |",

@@ -1,6 +1,6 @@
 """Fuzz properties of every parser of untrusted input (issue 26, section 3), shared by the test suite
-(``tests/fuzz/test_fuzz.py``, a few thousand cases) and the long run (``benchmarks/fuzz_long.py
---examples N``).
+(``tests/fuzz/test_fuzz.py``, a few thousand cases) and the long run (``python -m
+benchmarks.fuzz.fuzz_long --examples N``).
 
 The one property: whatever the bytes or text, the parser either accepts them or raises a
 :class:`~bitmosaic.errors.BitmosaicError` whose message is one line (what the CLI prints after
@@ -397,7 +397,7 @@ def check_safetensors(case) -> None:
 @functools.lru_cache(maxsize=1)
 def _saved_model() -> Path:
     """A tiny saved bitmosaic folder (RTN w4 g32), made once per process."""
-    from tests.helpers import quantized_dir
+    from bitmosaic.testing import quantized_dir
 
     root = Path(tempfile.mkdtemp(prefix="bitmosaic-fuzz-saved-"))
     atexit.register(shutil.rmtree, root, True)  # once per process: it is reused by every case
@@ -438,7 +438,7 @@ def _gguf_bytes() -> tuple[bytes, int]:
     in both loaders) and where its tensor data starts."""
     from gguf import GGUFReader
 
-    from tests.io.test_gguf_checkpoint import tiny_gguf
+    from bitmosaic.testing import tiny_gguf
 
     with _scratch() as d:
         path = tiny_gguf(d / "tiny.gguf", "llama", layers=1, vocab="llama")

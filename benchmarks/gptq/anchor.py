@@ -3,12 +3,12 @@ calibration 16 x 512 from wikitext-2 valid, eval first 20 x 512 windows of wikit
 GPTQ w4/w3 g64 with static act-order; plus our MSE-scale variant.
 
 Reference: float 34.97, llm-compressor 0.14 GPTQ w4 g64 48.53, w3 g64 153.4 (114 s, 1.36 GB).
-Run: python benchmarks/anchor.py   (writes benchmarks/results/anchor.json)
+Run: python -m benchmarks.gptq.anchor   (writes benchmarks/results/anchor.json)
 """
 
 from __future__ import annotations
 
-from common import Bench, base_parser
+from benchmarks.harness import Bench, base_parser
 
 REFERENCE = {"float": 34.97, "gptq w4 g64": 48.53, "gptq w3 g64": 153.4}
 

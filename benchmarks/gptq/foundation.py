@@ -1,11 +1,11 @@
 """Foundation numbers on SmolLM2-135M: float vs RTN vs GPTQ at 3 and 4 bits, group 128.
 
-Run: python benchmarks/foundation.py   (writes benchmarks/results/foundation.json)
+Run: python -m benchmarks.gptq.foundation   (writes benchmarks/results/foundation.json)
 """
 
 from __future__ import annotations
 
-from common import Bench, base_parser
+from benchmarks.harness import Bench, base_parser
 
 
 def main() -> None:

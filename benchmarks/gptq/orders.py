@@ -1,13 +1,13 @@
 """Quantization orders on SmolLM2-135M: natural vs act-order vs GAR vs min-pivot (GPTQ, g128).
 
-Run: python benchmarks/orders.py [--bits 3] [--max-windows 40]
+Run: python -m benchmarks.gptq.orders [--bits 3] [--max-windows 40]
 Prints perplexity, total Hessian error, the summed no-clip Babai bound and time per order, and
 writes benchmarks/results/orders.json.
 """
 
 from __future__ import annotations
 
-from common import Bench, base_parser
+from benchmarks.harness import Bench, base_parser
 
 
 def main() -> None:

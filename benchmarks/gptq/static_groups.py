@@ -25,9 +25,9 @@ after ``--budget-min`` minutes (state saved) and the same command continues it. 
 benchmarks/results/static_groups[_fast].{json,md} (written at every stop; ``"complete"`` says
 whether every window of every model is in).
 
-    flock /tmp/bitmosaic-heavy.lock env PYTHONPATH=src python benchmarks/static_groups.py \\
+    flock /tmp/bitmosaic-heavy.lock env PYTHONPATH=src python -m benchmarks.gptq.static_groups \\
         --protocol verdict --bits 4,3,2 --budget-min 10      # repeat until "complete"
-    PYTHONPATH=src python benchmarks/static_groups.py --model tiny   # the logic, in seconds
+    PYTHONPATH=src python -m benchmarks.gptq.static_groups --model tiny   # the logic, in seconds
 """
 
 from __future__ import annotations
@@ -40,12 +40,11 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness import RESULTS, machine_info, write_results
 from bitmosaic import quantize_
 from bitmosaic.eval.fidelity import FidelityMeter
 from bitmosaic.eval.perplexity import eval_windows, window_nll
 from bitmosaic.io import load_quantized, save_quantized
-
-from common import RESULTS, machine_info, write_results
 
 PROTOCOLS = {"verdict": (128, None), "fast": (16, 20)}  # calibration samples, eval windows
 
@@ -261,7 +260,7 @@ def markdown(a, res: dict) -> str:
         spread = "not measured" if v["seed_spread"] is None else f"{v['seed_spread']:.2%}"
         lines.append(f"- w{v['bits']}: seed spread {spread}, margin {v['margin']:.2%}: "
                      + ("**within noise**" if v["within_noise"] else "**outside noise**"))  # fmt: skip
-    cmd = "flock /tmp/bitmosaic-heavy.lock env PYTHONPATH=src python benchmarks/static_groups.py "
+    cmd = "flock /tmp/bitmosaic-heavy.lock env PYTHONPATH=src python -m benchmarks.gptq.static_groups "
     cmd += f"--protocol {a.protocol} --bits {','.join(map(str, a.bits))} "
     cmd += f"--seeds {','.join(map(str, a.seeds))}" + ("" if a.device == "cpu" else f" --device {a.device}")
     lines += ["", f"Reproduce (repeat until complete): `{cmd}`"]

@@ -4,21 +4,19 @@ For each (tokens m, in k, out n) it checks the FP8 GEMM against the float32 refe
 device (max relative error), then times both (CUDA events, median of repeats) and reports the
 speed-up.  Without such a GPU it says so and writes nothing (no simulated timings).
 
-Run: python benchmarks/fp8_gemm.py   (writes benchmarks/results/fp8_gemm.json)
+Run: python -m benchmarks.gpu.fp8_gemm   (writes benchmarks/results/fp8_gemm.json)
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
+from benchmarks.harness import RESULTS, machine_info, write_results
 from bitmosaic.formats.fp import fp_round
 from bitmosaic.kernels.fp8 import fp8_gemm_reference, fp8_gemm_scaled_mm, scaled_mm_available
-
-from common import machine_info, write_results
 
 SHAPES = [
     (m, k, n)
@@ -44,7 +42,7 @@ def timed(fn, reps: int) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--reps", type=int, default=50)
-    p.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "fp8_gemm.json"))
+    p.add_argument("--json", default=str(RESULTS / "fp8_gemm.json"))
     a = p.parse_args()
     if not scaled_mm_available():
         print("no CUDA GPU with FP8 tensor cores (capability >= 8.9): nothing measured")

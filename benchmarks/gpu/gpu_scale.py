@@ -7,8 +7,8 @@ uses random token ids.  Reported: quantization seconds (the pipeline's own clock
 per-layer moves, Hessians, GPTQ, packing), peak device memory (``torch.cuda.max_memory_allocated``)
 and peak host RSS.
 
-    python benchmarks/gpu_scale.py                       # 8B model + one 70B layer, on CUDA
-    python benchmarks/gpu_scale.py --shape tiny --device cpu --nsamples 4 --seqlen 64   # smoke run
+    python -m benchmarks.gpu.gpu_scale                       # 8B model + one 70B layer, on CUDA
+    python -m benchmarks.gpu.gpu_scale --shape tiny --device cpu --nsamples 4 --seqlen 64   # smoke run
 """
 
 from __future__ import annotations
@@ -16,14 +16,11 @@ from __future__ import annotations
 import argparse
 import platform
 import time
-from pathlib import Path
 
 import torch
 
-from common import machine_info, write_results
-from shapes import SHAPES
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from benchmarks.harness import RESULTS, machine_info, write_results
+from benchmarks.scale.shapes import SHAPES
 
 
 def build_random_llama(shape: str, dtype: torch.dtype, init_device: str = "cpu"):

@@ -17,7 +17,7 @@ warm-up):
 
 Targets (issue 24): at M=512, W4A8 int >= 2x fp32 and >= 1.5x W4A16; W8A8 int >= 2x fp32.
 
-    python benchmarks/int_gemm.py [--threads 1,2] [--shapes 576x576,4096x4096]
+    python -m benchmarks.kernels.int_gemm [--threads 1,2] [--shapes 576x576,4096x4096]
       (writes benchmarks/results/int_gemm.{json,md})
 """
 
@@ -28,6 +28,7 @@ import argparse
 import torch
 from torch.nn import functional as F
 
+from benchmarks.harness import machine_bounds, machine_info, median_ms, write_results
 from bitmosaic.formats.act import ActQuantSpec, fake_quant
 from bitmosaic.kernels.intmm import IntActWeight, vnni
 from bitmosaic.kernels.isa import kernel_isa
@@ -35,31 +36,9 @@ from bitmosaic.kernels.qmatmul import LowBitWeight
 from bitmosaic.modules.actquant import ActQuantizer
 from bitmosaic.modules.intact import IntActKernel
 
-from common import machine_info, median_ms, read_bandwidth_gbs, write_results
-
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (4096, 4096), (14336, 4096)]
 ROWS = (512, 1)
 GS = 128
-
-
-def int8_rate_gops() -> float:
-    """int8 multiply-adds x 2 per second of ``torch._int_mm`` on 2048^3 (GOPS)."""
-    n = 2048
-    a = torch.randint(-128, 128, (n, n), dtype=torch.int8)
-    b = torch.randint(-128, 128, (n, n), dtype=torch.int8)
-    ms = median_ms(lambda: torch._int_mm(a, b), 1.0, 10)
-    return 2 * n**3 / (ms / 1e3) / 1e9
-
-
-def machine_bounds(threads: int) -> tuple[float, float]:
-    """This machine's int8 GEMM rate (GOPS) and read bandwidth (GB/s) at ``threads`` threads (set here),
-    measured now and printed: the bounds every integer-path table reports beside its times."""
-    torch.set_num_threads(threads)
-    rate, bw = int8_rate_gops(), read_bandwidth_gbs()
-    print(
-        f"{threads} thread(s): torch._int_mm int8 {rate:.0f} GOPS, read bandwidth {bw:.1f} GB/s", flush=True
-    )
-    return rate, bw
 
 
 def weights(N: int, K: int, g: torch.Generator):
@@ -168,7 +147,7 @@ def main() -> None:
         )
         + ". Times in ms (median).",
         "",
-        f"Reproduce: `python benchmarks/int_gemm.py --threads {args.threads} --rows {args.rows}"
+        f"Reproduce: `python -m benchmarks.kernels.int_gemm --threads {args.threads} --rows {args.rows}"
         + (f" --shapes {args.shapes}" if args.shapes else "")
         + "`",
         "",

@@ -1,6 +1,6 @@
 // Peak instruction rates of one core: independent AVX-512 VNNI vpdpbusd and FMA vfmadd231ps chains (12 of
 // each, so neither latency nor a dependency limits them).  The physical bounds that README quotes next to
-// the integer kernels (issue 24): gcc -O2 -mavx512f -mavx512vnni -o /tmp/isa_peak benchmarks/isa_peak.c && /tmp/isa_peak
+// the integer kernels (issue 24): gcc -O2 -mavx512f -mavx512vnni -o /tmp/isa_peak benchmarks/kernels/isa_peak.c && /tmp/isa_peak
 #include <immintrin.h>
 #include <stdio.h>
 #include <time.h>

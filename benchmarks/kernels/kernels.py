@@ -11,26 +11,24 @@ reads / this machine's read bandwidth (``x.sum()`` over 512 MiB, best of 5, same
 Times are medians over repeats after a warm-up.  The kernel runs its best instruction set here
 (``BITMOSAIC_KERNEL_ISA`` forces another; the table's first line names it).
 
-    python benchmarks/kernels.py [--quick]     (writes benchmarks/results/kernels.{json,md})
-    python benchmarks/kernels.py --shapes 4096x4096 --threads 1 --bits 2,4 --json /tmp/k.json   (a subset)
+    python -m benchmarks.kernels.kernels [--quick]     (writes benchmarks/results/kernels.{json,md})
+    python -m benchmarks.kernels.kernels --shapes 4096x4096 --threads 1 --bits 2,4 --json /tmp/k.json
+      (a subset)
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 from torch.nn import functional as F
 
+from benchmarks.harness import RESULTS, machine_info, median_ms, read_bandwidth_gbs, write_results
 from bitmosaic.formats.packing import pack_codes
 from bitmosaic.kernels.cpu import dequantize_packed
 from bitmosaic.kernels.isa import available_isas, kernel_isa
 from bitmosaic.kernels.qmatmul import LowBitWeight, extension
 
-from common import machine_info, median_ms, read_bandwidth_gbs, write_results
-
-RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (4096, 4096), (14336, 4096), (4096, 14336)]
 GS = 128
 

@@ -11,7 +11,7 @@ medians over repeats after a warm-up.  The linearity check fits ``ms = a + b * b
 integer widths of each (shape, threads) by least squares and reports ``a / ms(4 bits)`` (0 =
 proportional to bits) and R².
 
-    flock /tmp/bitmosaic-heavy.lock python benchmarks/lut_gemv.py [--quick]
+    flock /tmp/bitmosaic-heavy.lock python -m benchmarks.kernels.lut_gemv [--quick]
     (writes benchmarks/results/lut_gemv.{json,md})
 
 ``--batch``: instead, the LUT kernel at 1-128 rows of ``x`` (speculative decode, small batches,
@@ -30,15 +30,13 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
+from benchmarks.harness import RESULTS, cpu_name, machine_info, median_ms, write_results
 from bitmosaic.kernels import lut
 from bitmosaic.kernels.isa import available_isas
 from bitmosaic.kernels.lut import BitPlaneWeight
 from bitmosaic.kernels.qmatmul import LowBitWeight
 from bitmosaic.kernels.qmatmul import extension as fma_extension
 
-from common import cpu_name, machine_info, median_ms, write_results
-
-RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (4096, 4096), (14336, 4096)]
 BITS = [1, 2, 3, 4, 8, 2.5, 3.5]
 GS, RB = 128, 512

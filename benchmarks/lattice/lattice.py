@@ -2,14 +2,14 @@
 (g128, MSE scales, act-order), HRTN and HPTQ at ~2.1/3.1/4.1 bits, SSQR at 1-5% outliers, and the
 per-order Babai bound table (natural / act-order / min-pivot, summed per layer kind).
 
-Run: python benchmarks/lattice.py [--quick]     (writes benchmarks/results/lattice.json)
+Run: python -m benchmarks.lattice.lattice [--quick]     (writes benchmarks/results/lattice.json)
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
-from common import Bench, base_parser
+from benchmarks.harness import Bench, base_parser
 
 KINDS = {
     "q_proj": "QKV",

@@ -20,7 +20,7 @@ per SSQR row, in how many layers its Hessian-weighted error is below each GPTQ r
 Rows accumulate in the output JSON across ``--only`` runs of the same protocol (a row run again is
 replaced; a different protocol starts the file afresh).
 
-Run: python benchmarks/ssqr_groups.py --protocol fast --fidelity [--only NAME,NAME]
+Run: python -m benchmarks.lattice.ssqr_groups --protocol fast --fidelity [--only NAME,NAME]
 """
 
 from __future__ import annotations
@@ -30,9 +30,8 @@ import math
 import sys
 from pathlib import Path
 
+from benchmarks.harness import RESULTS, Bench, base_parser, protocol_label, write_text
 from bitmosaic.formats.accounting import paper_storage_bits
-
-from common import RESULTS, Bench, base_parser, protocol_label, write_text
 
 ACT = {"order": "act", "scale": "mse"}
 COLUMNS = ["ppl", "kl_mean", "top1_agreement", "bits_per_weight", "paper_bpw", "overflow_a1_mean",
@@ -115,7 +114,7 @@ def markdown(rows: list[dict], wins: dict, args, label: str) -> str:
     for s, per in wins.items():
         lines.append(f"- {s}: " + "; ".join(f"{g} {w}" for g, w in per.items()))
     names = ",".join(r["name"] for r in rows)
-    cmd = f"python benchmarks/ssqr_groups.py --protocol {label} --fidelity --only '{names}'"
+    cmd = f"python -m benchmarks.lattice.ssqr_groups --protocol {label} --fidelity --only '{names}'"
     return "\n".join(lines + ["", f"Reproduce (rows accumulate, so a few rows per run also do): `{cmd}`"])
 
 

@@ -1,5 +1,5 @@
 """A model-level Atom-like W4A4 row on SmolLM2-135M: MosaicQuant's comparator in its Table 1 (Atom, Zhao
-et al. 2024), rebuilt in the simplified form of ``benchmarks/mosaic_layers.py`` and run over the whole
+et al. 2024), rebuilt in the simplified form of ``benchmarks/mosaic/mosaic_layers.py`` and run over the whole
 model, so that MosaicQuant's "beats Atom" claim is judged on perplexity, as the paper judges it.
 
 Per linear: 3.1% of the input channels (Atom's 128 of 4096), those of largest ``max|X_j|`` on the
@@ -18,7 +18,7 @@ The run also measures MosaicQuant W4A4 (``mosaic.py``'s main row, the same optio
 the claim compares rows of one run: one protocol, one ``--device`` (``--no-mosaic`` skips it).  The
 Atom-like split itself is quantized on the CPU whatever ``--device`` says; its evaluation runs there.
 
-Run: flock /tmp/bitmosaic-heavy.lock python benchmarks/atom_model.py --protocol fast --threads 2
+Run: flock /tmp/bitmosaic-heavy.lock python -m benchmarks.mosaic.atom_model --protocol fast --threads 2
 """
 
 from __future__ import annotations
@@ -27,18 +27,17 @@ import copy
 import time
 
 import torch
-from mosaic import REFERENCE
-from mosaic import part_runs as mosaic_runs
-from mosaic_layers import A4, ATOM_SHARE, atom_like_weights
 from torch import nn
 
+from benchmarks.harness import Bench, base_parser, protocol_label, write_results
+from benchmarks.mosaic.mosaic import REFERENCE
+from benchmarks.mosaic.mosaic import part_runs as mosaic_runs
+from benchmarks.mosaic.mosaic_layers import A4, ATOM_SHARE, atom_like_weights
 from bitmosaic.formats.act import ActQuantSpec, fake_quant
 from bitmosaic.models.arch import get_arch
 from bitmosaic.pipeline.calibration import LayerInputs, group_statistics
 from bitmosaic.pipeline.capture import run_layer
 from bitmosaic.pipeline.pipeline import capture_layer_inputs
-
-from common import Bench, base_parser, protocol_label, write_results
 
 A8 = ActQuantSpec("int", 8)
 
@@ -131,7 +130,7 @@ def main() -> None:
     md = [
         f"Atom-like W4A4 on {a.model}, *{proto}* protocol (calibration {a.nsamples}x{a.seqlen}, seed "
         f"{a.seed}; {windows}); simulated (float32 fake quantization). Reproduce: "
-        f"`python benchmarks/atom_model.py --protocol {proto}`",
+        f"`python -m benchmarks.mosaic.atom_model --protocol {proto}`",
         "",
         "| row | ppl | KL | top-1 | weight bits/weight | activation bits | quant s |",
         "|---|---|---|---|---|---|---|",

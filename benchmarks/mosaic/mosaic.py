@@ -31,10 +31,11 @@ Parts (``--parts``, comma-separated):
 JSON and table (``common.merged_rows``; each row records its own options).
 
 Activation quantization is simulated (fake-quantized inputs, float32 matmul).  Layer-level
-distortion (heatmaps, distortion vs budget per criterion) is ``benchmarks/mosaic_layers.py``;
-CPU latency and memory overhead of the sparse branch is ``benchmarks/mosaic_kernel.py``.
+distortion (heatmaps, distortion vs budget per criterion) is ``benchmarks/mosaic/mosaic_layers.py``;
+CPU latency and memory overhead of the sparse branch is ``benchmarks/mosaic/mosaic_kernel.py``.
 
-Run: flock /tmp/bitmosaic-heavy.lock python benchmarks/mosaic.py --parts main --nsamples 16 --max-windows 20
+Run: flock /tmp/bitmosaic-heavy.lock python -m benchmarks.mosaic.mosaic --parts main --nsamples 16 \\
+       --max-windows 20
 """
 
 from __future__ import annotations
@@ -43,9 +44,8 @@ import copy
 import json
 from pathlib import Path
 
+from benchmarks.harness import RESULTS, Bench, base_parser, write_text
 from bitmosaic.formats.act import ActQuantSpec
-
-from common import RESULTS, Bench, base_parser, write_text
 
 A8 = ActQuantSpec("int", 8)
 A4 = ActQuantSpec("int", 4, granularity="group", group_size=128)
@@ -143,7 +143,7 @@ def write_table(path: Path, cols: list[str], a, part: str) -> None:
     flags += f" --seed {a.seed}" if a.seed else ""
     head = (
         f"SmolLM2-135M, calib {a.nsamples}x{a.seqlen} seed {a.seed}, WikiText-2 ppl on {windows} of "
-        f"{a.seqlen}; `python benchmarks/mosaic.py --parts {part} {flags}` (a row alone: "
+        f"{a.seqlen}; `python -m benchmarks.mosaic.mosaic --parts {part} {flags}` (a row alone: "
         "`--only NAME`)\n\n"
     )
     write_text(path.with_suffix(".md"), head + "\n".join(lines) + "\n")

@@ -23,7 +23,7 @@ Latency overhead = time / dense - 1.  Memory overhead = stored residual bits (bl
 packed codes, fp16 row scales) / stored dense-base bits (packed codes + per-channel fp16 scales).
 CPU only: no GPU is lent to this task, so the Triton kernel is not written or measured.
 
-Run: flock /tmp/bitmosaic-heavy.lock python benchmarks/mosaic_kernel.py --threads 2 [--abits 4]
+Run: flock /tmp/bitmosaic-heavy.lock python -m benchmarks.mosaic.mosaic_kernel --threads 2 [--abits 4]
 """
 
 from __future__ import annotations
@@ -34,14 +34,12 @@ import time
 
 import torch
 
+from benchmarks.harness import RESULTS, machine_bounds, machine_info, write_results
 from bitmosaic.algorithms.mosaic import mosaic_decompose
 from bitmosaic.formats.act import ActQuantSpec, fake_quant
 from bitmosaic.kernels.mosaic import DECODE_ROWS
 from bitmosaic.modules import attach_input_quant
 from bitmosaic.modules.mosaic import MosaicQuantLinear
-
-from common import RESULTS, machine_info, write_results
-from int_gemm import machine_bounds
 
 SHAPES = ("576x576", "192x576", "1536x576", "576x1536", "4096x4096", "1024x4096", "14336x4096")
 
@@ -134,7 +132,8 @@ def main() -> None:
     out = {"args": vars(a), "machine": machine_info(), "bounds": bounds, "rows": rows}
     lines = [
         f"CPU, {a.threads} threads, budget {a.budget:g}, {a.block} blocks, median ms "
-        f"(`python benchmarks/mosaic_kernel.py --threads {a.threads} --abits {a.abits}`). `dense` is the "
+        f"(`python -m benchmarks.mosaic.mosaic_kernel --threads {a.threads} --abits {a.abits}`). "
+        f"`dense` is the "
         f"W4A16 kernel (float inputs); `int` columns: INT{a.abits} per-token activations in integers; "
         f"bounds measured in the same run: int8 {rate:.0f} GOPS (`torch._int_mm`), read {bw:.1f} GB/s.",
         "",

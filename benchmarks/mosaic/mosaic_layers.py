@@ -27,7 +27,7 @@ the float inputs), ``R = W~ - Q(W~)`` and the candidate ``Q(R)``:
   per-matrix top-K, on the summed ΔD (extension); the table gives the mean and the largest
   per-linear share at 10% beside it (the paper's Observation 3 quotes single layers).
 
-Run: flock /tmp/bitmosaic-heavy.lock python benchmarks/mosaic_layers.py --layers 10,20
+Run: flock /tmp/bitmosaic-heavy.lock python -m benchmarks.mosaic.mosaic_layers --layers 10,20
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import json
 
 import torch
 
+from benchmarks.harness import RESULTS, write_text
 from bitmosaic.algorithms.gptq import gptq_quantize
 from bitmosaic.algorithms.mosaic import (
     COLUMN_SELECTIONS,
@@ -63,8 +64,6 @@ from bitmosaic.models.arch import get_arch
 from bitmosaic.modules.mosaic import MosaicQuantLinear
 from bitmosaic.pipeline.capture import capture_groups, run_layer
 from bitmosaic.pipeline.pipeline import capture_layer_inputs
-
-from common import RESULTS, write_text
 
 CRITERIA = ("delta-hessian", "oracle", "channel-act", "channel", "magnitude", "residual-norm", "random")
 ATOM_SHARE = 128 / 4096  # Atom keeps 128 outlier channels of Llama's 4096 in INT8 (3.1%)
@@ -290,7 +289,7 @@ def _markdown(result) -> None:
         "W4A4 relative output error on the token sample: MosaicQuant (10%) vs Atom-like (3.1% INT8 "
         "channels, GPTQ g128 INT4 weights), each with weight bits per weight / activation bits per element. "
         f"SmolLM2-135M, calib {a['nsamples']}x{a['seqlen']} seed {a['seed']}; "
-        f"`python benchmarks/mosaic_layers.py --layers {a['layers']} --nsamples {a['nsamples']}`",
+        f"`python -m benchmarks.mosaic.mosaic_layers --layers {a['layers']} --nsamples {a['nsamples']}`",
         "",
     ]
     i10 = budgets.index(0.1)

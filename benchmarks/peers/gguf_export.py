@@ -5,7 +5,7 @@ quantization of the same float model at the same GGUF type?
 Protocol *fast* (default): calibration 16 x 512 tokens of WikiText-2 ``valid`` (seed 0), perplexity on
 the first 20 non-overlapping 512-token windows of WikiText-2 raw ``test`` (``bitmosaic.eval.perplexity``'s
 windows: BOS + 511 text tokens when the tokenizer adds a BOS).  llama.cpp (``llama_cpp`` built from
-source, CPU: the installed package, or the one ``benchmarks/peer_llama.py`` builds once into a cache
+source, CPU: the installed package, or the one ``benchmarks/peers/peer_llama.py`` builds once into a cache
 folder where none is) gets the very same token ids, one window per fresh context
 (``logits_all=True``), and its logits are scored in float64 like bitmosaic's.
 
@@ -34,7 +34,7 @@ Rows:
 Every step keeps its output under ``--work`` (default ``runs/gguf_export``) and is skipped when it is
 there, so an interrupted run continues.  Reproduce::
 
-    flock /tmp/bitmosaic-heavy.lock python benchmarks/gguf_export.py --threads 2
+    flock /tmp/bitmosaic-heavy.lock python -m benchmarks.peers.gguf_export --threads 2
 
 Note: SmolLM2-135M's GGUF stores its linear layers as Q4_1 (asymmetric 4-bit, groups of 32), so every
 4-bit group-32 quantization of it is close to lossless and the differences at 4 and 8 bits are small.
@@ -53,8 +53,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, machine_info, write_results  # noqa: E402
+from benchmarks.harness import RESULTS, machine_info, write_results  # noqa: E402
 
 CONFIGS = {  # name -> (GPTQ options, [(file tag, --gguf-type, lossy)])
     "w4 sym g32": ({"bits": 4, "sym": True}, [("Q4_0", None, False)]),
@@ -175,9 +174,9 @@ def main() -> None:
     )
     p.add_argument("--no-build-peer", action="store_true",
                    help="where llama_cpp is not installed, stop instead of building it once into a cache "
-                   "folder (benchmarks/peer_llama.py)")  # fmt: skip
+                   "folder (benchmarks/peers/peer_llama.py)")  # fmt: skip
     a = p.parse_args()
-    from peer_llama import find_or_build
+    from benchmarks.peers.peer_llama import find_or_build
 
     peer = find_or_build(build=not a.no_build_peer)  # llama.cpp runs in this process: its folder first
     if peer is None:
@@ -315,7 +314,7 @@ def _report(a, state: dict, have_llama: bool) -> None:
     lines = [
         f"# GGUF export in llama.cpp ({a.model}; {proto})",
         "",
-        "Reproduce: `flock /tmp/bitmosaic-heavy.lock python benchmarks/gguf_export.py --threads 2`",
+        "Reproduce: `flock /tmp/bitmosaic-heavy.lock python -m benchmarks.peers.gguf_export --threads 2`",
         "",
         "## llama.cpp reads our export: its perplexity vs bitmosaic's on the same windows",
         "",

@@ -38,7 +38,7 @@ installed on a CPU-only machine).  Every step keeps its output under ``--work`` 
 there.  Reproduce::
 
     BUILD_CUDA_EXT=0 pip install --no-deps gptqmodel==7.3.6 ...   # see the results file
-    nice -n 19 python benchmarks/gptqmodel_check.py --threads 2
+    nice -n 19 python -m benchmarks.peers.gptqmodel_check --threads 2
 """
 
 from __future__ import annotations
@@ -62,10 +62,9 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, machine_info, write_results  # noqa: E402
+from benchmarks.harness import RESULTS, machine_info, write_results  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # name -> settings.  tiny: quantize_ options (group 32: its layers are 64 and 96 wide); smollm2: CLI flags.
 # auto: also GPTQModel's own choice of kernel on a CPU (BACKEND.AUTO: TorchAtenLinear for 4 bits, which
@@ -466,8 +465,8 @@ def _report(a, state: dict) -> None:
         "",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in ver.items() if v) + ".",
         "",
-        "Reproduce: `nice -n 19 python benchmarks/gptqmodel_check.py --threads 2` (in an environment with "
-        "gptqmodel; see *Install* below).",
+        "Reproduce: `nice -n 19 python -m benchmarks.peers.gptqmodel_check --threads 2` (in an environment "
+        "with gptqmodel; see *Install* below).",
         "",
         "## Weights: GPTQModel's `dequantize_weight()` against bitmosaic's, every quantized layer",
         "",

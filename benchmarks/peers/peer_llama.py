@@ -1,4 +1,4 @@
-"""llama.cpp's Python binding for ``benchmarks/decode.py``: the installed one, or one built once.
+"""llama.cpp's Python binding for ``benchmarks/decode/decode.py``: the installed one, or one built once.
 
 ``decode.py`` times llama.cpp on the very GGUF our SmolLM2 comes from, in the same run.  Where the
 ``llama_cpp`` package is not importable, :func:`find_or_build` builds ``llama-cpp-python`` (llama.cpp

@@ -9,8 +9,8 @@ loader for both) is its own; "seconds" is quantization only (no load, no eval).
 llm-compressor is the optional ``anchors`` extra (``pip install -e .[anchors]``, or a separate
 environment given with ``--anchor-python``); without it its rows are skipped with a message.
 
-    python benchmarks/speed.py                       (writes benchmarks/results/speed.json)
-    python benchmarks/speed.py --anchor-python /path/to/venv/bin/python
+    python -m benchmarks.peers.speed                       (writes benchmarks/results/speed.json)
+    python -m benchmarks.peers.speed --anchor-python /path/to/venv/bin/python
 """
 
 from __future__ import annotations
@@ -20,10 +20,8 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+from benchmarks import RESULTS
 
 # name -> (tool, options); bitmosaic options are quantize_ keywords
 CONFIGS = {
@@ -147,6 +145,8 @@ def main() -> None:
         if k in ("model", "nsamples", "seqlen", "max_windows", "seed", "data_dir", "threads")
         and v is not None
     ]
+    from benchmarks.harness.child import child_env, module_command  # the parent only
+
     rows, skipped = [], {}
     for name in names:
         tool = CONFIGS[name][0]
@@ -162,9 +162,9 @@ def main() -> None:
                 print(f"skipped {name}: {skipped[name]}", flush=True)
                 continue
         print(f"running {name} ...", flush=True)
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        env = child_env({**os.environ, "TOKENIZERS_PARALLELISM": "false"})
         proc = subprocess.run(
-            [py, str(Path(__file__).resolve()), "--child", name, *passthrough],
+            [*module_command("benchmarks.peers.speed", py), "--child", name, *passthrough],
             capture_output=True,
             text=True,
             env=env,
@@ -189,7 +189,10 @@ def main() -> None:
         r["rss_ratio_vs_llm_compressor"] = r["peak_rss_mb"] / base["peak_rss_mb"] if base else None
         sp = f"{r['speedup_vs_llm_compressor']:.2f}x" if base else "-"
         print(f"{r['name']:<46} {r['seconds']:>8.1f} {sp:>8} {r['peak_rss_mb']:>12.0f} {r['ppl']:>8.3f}")
-    from common import machine_info, write_results  # the parent only: a child may run in another env
+    from benchmarks.harness import (  # the parent only: a child may run in another env
+        machine_info,
+        write_results,
+    )
 
     args = {k: v for k, v in vars(a).items() if k != "child"}
     out = {"args": args, "machine": machine_info(), "rows": rows}

@@ -9,7 +9,7 @@ samples); plus ``key``, the time to fingerprint the model for the run's key.
 the warm one (so the later methods of the list find what the earlier ones stored, as in
 ``bitmosaic compare``) -- with the wall time of each and a bit-for-bit check of the three models.
 
-Run: flock /tmp/bitmosaic-heavy.lock python benchmarks/calib_cache.py --threads 2
+Run: flock /tmp/bitmosaic-heavy.lock python -m benchmarks.pipeline.calib_cache --threads 2
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness import RESULTS, base_parser, write_text
 from bitmosaic.data import calibration_samples
 from bitmosaic.io import load_model
 from bitmosaic.models.arch import get_arch
@@ -31,8 +32,6 @@ from bitmosaic.pipeline.calibration import LayerInputs, capture_layer_inputs, ca
 from bitmosaic.pipeline.capture import capture_groups
 from bitmosaic.pipeline.fisher import fisher_salience
 from bitmosaic.pipeline.recipe import method_config
-
-from common import RESULTS, base_parser, write_text
 
 
 def _same(a, b) -> bool:

@@ -17,7 +17,7 @@ and the perplexity of each saved model on the first ``--max-windows`` x 512 wind
 test (``bitmosaic eval``).  Timings are medians over the reps; codes and perplexity from the first.
 The commands run the ``bitmosaic`` this script imports (its folder goes first on ``PYTHONPATH``).
 
-    flock /tmp/bitmosaic-heavy.lock python benchmarks/distributed.py
+    flock /tmp/bitmosaic-heavy.lock python -m benchmarks.pipeline.distributed
     (benchmarks/results/distributed_smollm2.{json,md})
 """
 
@@ -35,9 +35,8 @@ from pathlib import Path
 import torch
 
 import bitmosaic
+from benchmarks.harness import machine_info, write_results
 from bitmosaic.io import load_quantized, quantized_modules
-
-from common import machine_info, write_results
 
 PY = [sys.executable, "-m"]
 CONFIGS = {
@@ -47,7 +46,7 @@ CONFIGS = {
                                "-m", "bitmosaic", "quantize"],  # fmt: skip
 }
 REFERENCE = "1 process x 2 threads"
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
     [str(Path(bitmosaic.__file__).resolve().parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])]
 )}  # fmt: skip

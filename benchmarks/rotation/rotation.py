@@ -2,7 +2,7 @@
 16x512 (WikiText-2 validation, seed 0), perplexity on the first 20 windows of 512 tokens of the
 WikiText-2 test set, with KL(float || quantized) and top-1 agreement on the same windows.
 
-Weights: 4-bit symmetric per-channel (QuaRot's and ``benchmarks/mosaic.py``'s setting; GPTQ with
+Weights: 4-bit symmetric per-channel (QuaRot's and ``benchmarks/mosaic/mosaic.py``'s setting; GPTQ with
 act-order and MSE scales); activations INT, symmetric, dynamic: per token (``A4``, ``A8``) or in
 groups of 64 channels (``A4g64``).  Each config runs without and with ``--rotate hadamard``.
 ``A4c0.9`` clips the activation scales at 0.9 of the maximum (QuaRot's setting); ``A16`` quantizes
@@ -23,7 +23,7 @@ new config after M minutes.  The Markdown table is rewritten from every row each
 of one calibration sample, lr 1.5; ``+spinquant:batch=8``: 8 samples a step, the paper's batch) against
 the row's activation quantizer, weights in float, on ``--device``; the row keeps the first and last
 step's loss.
-Run: python benchmarks/rotation.py --protocol fast [--only NAME,NAME] [--budget-min 9]
+Run: python -m benchmarks.rotation.rotation --protocol fast [--only NAME,NAME] [--budget-min 9]
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from types import SimpleNamespace
 
 import torch
 
+from benchmarks.harness import RESULTS, Bench, base_parser, protocol_label, write_results
 from bitmosaic.algorithms.rtn import rtn_quantize
 from bitmosaic.formats.act import ActQuantSpec
 from bitmosaic.formats.grid import IntGrid
@@ -43,8 +44,6 @@ from bitmosaic.methods import get_method
 from bitmosaic.models.arch import get_arch
 from bitmosaic.pipeline import quantize_model
 from bitmosaic.pipeline.rotate import rotate_model
-
-from common import RESULTS, Bench, base_parser, protocol_label, write_results
 
 ACTS = {
     "A16": None,  # weights only: what the weights alone cost
@@ -63,7 +62,7 @@ METHODS = {
     "rtn": ("rtn", W4),
     "gptq": ("gptq", GPTQ),
     "gptq-g128": ("gptq", {**GPTQ, "group_size": 128}),
-    # SQ-format (its W4A4-class settings of benchmarks/sq_format.py): W(SQ5) = 64-(8/4)-0.875 weights
+    # SQ-format (its W4A4-class settings of benchmarks/sq/sq_format.py): W(SQ5) = 64-(8/4)-0.875 weights
     # with the run's activations; A(SQ) = 16-(8/4)-0.5 activations with per-bank scales and W4 weights
     "sq-weights": ("sq-weights", {"bits": 4, "group_size": 128, "solver": "gptq", "sq": "64-(8/4)-0.875"}),
     "sq-acts": ("sq-acts", {"bits": 4, "group_size": 128, "solver": "gptq", "sq": "16-(8/4)-0.5",
@@ -250,7 +249,7 @@ def markdown(rows: list[dict], args, diag: list[dict] | None = None) -> str:
         "base RTN (the paper's) or GPTQ (mosaic-gptq, ours). Rotation: R1, R2 per head, online Hadamard "
         "at o_proj and down_proj inputs."
         " Reproduce: "
-        f"`python benchmarks/rotation.py {how}` (add `--device cuda` on a GPU)",
+        f"`python -m benchmarks.rotation.rotation {how}` (add `--device cuda` on a GPU)",
         "",
         "| config | rotate | ppl | ppl / float | KL | top-1 | bits/weight | quant s | where |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -14,7 +14,7 @@ integer kernels compute):
   kind of linear's inputs, other clip ratios, groups of 32 and 128, and A8 everywhere.
 
 The *fast* protocol by default (16x512 calibration, the first 20 test windows, KL and top-1 to the
-float model on the same windows).  Run: ``python benchmarks/w4a4_budget.py [--protocol fast]``
+float model on the same windows).  Run: ``python -m benchmarks.rotation.w4a4_budget [--protocol fast]``
 (about 10 minutes on 2 cores); writes ``results/w4a4_budget.{md,json}``.
 """
 
@@ -27,14 +27,13 @@ from dataclasses import replace
 
 import torch
 
+from benchmarks.harness import Bench, base_parser, protocol_label, write_results
 from bitmosaic.formats.act import ActQuantSpec
 from bitmosaic.methods import get_method
 from bitmosaic.models.arch import get_arch
 from bitmosaic.modules.actquant import ActQuantizer, attach_input_quant
 from bitmosaic.pipeline import quantize_model
 from bitmosaic.pipeline.rotate import rotate_model
-
-from common import Bench, base_parser, protocol_label, write_results
 
 G64 = ActQuantSpec("int", 4, granularity="group", group_size=64, clip_ratio=0.9)
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
@@ -90,7 +89,7 @@ def markdown(out: dict) -> str:
         "same windows). One Hadamard-rotated model (QuaRot: R1, R2, online Hadamards at o_proj and "
         "down_proj), its activation quantizers swapped between evaluations; activations simulated (the "
         "integer kernels' values). GPTQ W4: symmetric per channel, act-order, MSE scales, quantized once "
-        f"with A4 g64 clip 0.9. Reproduce: `python benchmarks/w4a4_budget.py{how}`",
+        f"with A4 g64 clip 0.9. Reproduce: `python -m benchmarks.rotation.w4a4_budget{how}`",
         "",
         f"Float (unrotated, unquantized): {fl:.2f}; the goal, 1.5x float: {1.5 * fl:.2f}.",
         "",

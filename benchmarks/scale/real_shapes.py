@@ -9,11 +9,11 @@ and its peak RSS (``VmHWM``), and stops it after ``--layers`` layers (``--layers
 stopped run resumes where it stopped when run again).  Beside the numbers: the FLOP count of one
 layer and this machine's measured float32 GEMM rate, so the time can be read against its bound.
 
-    python benchmarks/real_shapes.py write --shape llama3-8b --dir /tmp/l8b
-    python benchmarks/real_shapes.py run --shape llama3-8b --dir /tmp/l8b --layers 4
-    python benchmarks/real_shapes.py check --dir /tmp/l8b      # the finished output loads and generates
-    python benchmarks/real_shapes.py write --shape llama3-70b-layer --dir /tmp/l70
-    python benchmarks/real_shapes.py run --shape llama3-70b-layer --dir /tmp/l70 --layers 0
+    python -m benchmarks.scale.real_shapes write --shape llama3-8b --dir /tmp/l8b
+    python -m benchmarks.scale.real_shapes run --shape llama3-8b --dir /tmp/l8b --layers 4
+    python -m benchmarks.scale.real_shapes check --dir /tmp/l8b      # the finished output loads and generates
+    python -m benchmarks.scale.real_shapes write --shape llama3-70b-layer --dir /tmp/l70
+    python -m benchmarks.scale.real_shapes run --shape llama3-70b-layer --dir /tmp/l70 --layers 0
 """
 
 from __future__ import annotations
@@ -29,9 +29,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_info, median_ms, write_results  # noqa: E402
-from shapes import SHAPES  # noqa: E402
+from benchmarks.harness import RESULTS, machine_info, median_ms, write_results  # noqa: E402
+from benchmarks.scale.shapes import SHAPES  # noqa: E402
 
 
 def _config(shape: str):
@@ -210,7 +209,7 @@ def main() -> None:
     if args.what == "check":
         res = check(out)
         print(json.dumps(res, indent=1))
-        path = Path(args.json or Path(__file__).parent / "results" / f"real_shapes_{args.shape}.json")
+        path = Path(args.json or RESULTS / f"real_shapes_{args.shape}.json")
         if path.is_file():  # beside the run's numbers
             data = json.loads(path.read_text())
             data["results"]["load_and_generate"] = res

@@ -40,8 +40,8 @@ parts can run a few rows at a time under the shared lock (``--only``); ``--repor
 tables and writes ``sfmp.json``/``sfmp.md`` and the allocation PNG.  Part ``decode``:
 :mod:`sfmp_decode`.
 
-Run: flock /tmp/bitmosaic-heavy.lock python benchmarks/sfmp.py --protocol fast --parts main --points 2.5
-     flock /tmp/bitmosaic-heavy.lock python benchmarks/sfmp.py --protocol fast --parts reorder \
+Run: flock /tmp/bitmosaic-heavy.lock python -m benchmarks.sfmp.sfmp --protocol fast --parts main --points 2.5
+     flock /tmp/bitmosaic-heavy.lock python -m benchmarks.sfmp.sfmp --protocol fast --parts reorder \
          --points 3.25 --solvers gptq --only "3.25 sfmp-gptq g256 mb=64 b=3.068 reorder=none"
 """
 
@@ -53,13 +53,12 @@ import json
 import time
 from pathlib import Path
 
+from benchmarks.harness import RESULTS, Bench, base_parser, protocol_label, write_text
 from bitmosaic.data import calibration_samples
 from bitmosaic.methods import get_method
 from bitmosaic.methods.sfmp import sfmp_budget
 from bitmosaic.pipeline import quantize_model
 from bitmosaic.pipeline.fisher import salience_linear_names
-
-from common import RESULTS, Bench, base_parser, protocol_label, write_text
 
 PAIRS = {  # point -> (uniform bits, uniform group or None, sfmp group)
     "2.5": (2, 64, 128),

@@ -1,7 +1,9 @@
-"""SFMP's decode cost of reordering (issue #12; the paper reports at most 5%): ``benchmarks/sfmp.py
---parts decode`` runs :func:`part_decode`, which writes ``sfmp_decode.json``/``.md`` and nothing else.
+"""SFMP's decode cost of reordering (issue #12; the paper reports at most 5%): ``python -m
+benchmarks.sfmp.sfmp --parts decode`` runs :func:`part_decode`, which writes ``sfmp_decode.json``/``.md``
+and nothing else.
 
-Run: flock /tmp/bitmosaic-heavy.lock python benchmarks/sfmp.py --parts decode --decode-point 3.0 --threads 1
+Run: flock /tmp/bitmosaic-heavy.lock python -m benchmarks.sfmp.sfmp --parts decode --decode-point 3.0 \\
+       --threads 1
 """
 
 from __future__ import annotations
@@ -10,11 +12,10 @@ import copy
 import json
 import time
 
+from benchmarks.harness import RESULTS, write_text
 from bitmosaic.data import calibration_samples
 from bitmosaic.methods import get_method
 from bitmosaic.pipeline import quantize_model
-
-from common import RESULTS, write_text
 
 
 def _decode_rate(model, prompt, new_tokens: int) -> float:

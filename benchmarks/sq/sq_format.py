@@ -21,7 +21,7 @@ the SQ bank swept apart from the A4 group.  ``--only`` (comma list of row names)
 Column ``paper_act_bits_scales``: the paper's activation bits (y, or the INT width) plus the
 activation scales' bits (MAC-weighted over the linears).
 
-Run: python benchmarks/sq_format.py --protocol fast --parts acts,weights,...
+Run: python -m benchmarks.sq.sq_format --protocol fast --parts acts,weights,...
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ import time
 from pathlib import Path
 
 import torch
-from sq_format_fig import part_fig
 
+from benchmarks.harness import RESULTS, Bench, base_parser, protocol_label, write_text
+from benchmarks.sq.sq_format_fig import part_fig
 from bitmosaic.algorithms.sq import static_act_scales, static_channel_mask, static_importance
 from bitmosaic.data import bos_token_id, calibration_samples
 from bitmosaic.eval.perplexity import perplexity
@@ -48,8 +49,6 @@ from bitmosaic.modules.base import set_weight_cache
 from bitmosaic.modules.qlinear import QuantLinear
 from bitmosaic.modules.sq import SQActLinear, SQWeightLinear
 from bitmosaic.pipeline import quantize_model
-
-from common import RESULTS, Bench, base_parser, protocol_label, write_text
 
 CACHE = Path("/tmp/bitmosaic_sq_bench")
 BASE = {"bits": 4, "group_size": 128, "alpha": 0.5, "solver": "gptq"}
@@ -491,7 +490,7 @@ def report(rows: list[dict], a) -> str:
         f"SQ-format on {a.model}, calibration {a.nsamples}x{a.seqlen} (seed {a.seed}), WikiText-2 "
         f"perplexity on {windows} of {a.seqlen} (protocol: {proto}; fast: 16x512 and 20 windows, "
         "verdict: 128x512, every window, KL and top-1 to the float model from the same pass). Each part "
-        f"reruns alone: `PYTHONPATH=src python benchmarks/sq_format.py {flag}--parts PART` "
+        f"reruns alone: `PYTHONPATH=src python -m benchmarks.sq.sq_format {flag}--parts PART` "
         "(`--only ROW,...` for some of its rows; `act_compute`: the quantized layers by how "
         "their activations computed, integer kernel or simulated in float32, where the row recorded it).\n\n"
     )

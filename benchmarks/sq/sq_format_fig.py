@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from benchmarks.harness import RESULTS
 from bitmosaic.algorithms.sq import static_channel_mask, static_importance
 from bitmosaic.formats.sq import parse_sq
-
-from common import RESULTS
 
 
 def part_fig(b) -> None:

@@ -20,7 +20,7 @@ The SQ-format's own overhead on this CPU: dynamic, its split (top-k per bank, tw
 part: float32 torch operations) and a second integer product (each part multiplies every column, zeros
 at the other part's places: there is no split datapath); static, the gather and each 8-column run's own
 activation scale (one float FMA per run and 16 output rows, where W4A4 has one per 128 columns), with
-the two parts' products one product's worth of columns.  ``python benchmarks/sq_gemm.py --threads 2``
+the two parts' products one product's worth of columns.  ``python -m benchmarks.sq.sq_gemm --threads 2``
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import os
 
 import torch
 
+from benchmarks.harness import RESULTS, machine_bounds, machine_info, median_ms, write_results
 from bitmosaic.algorithms.rtn import rtn_quantize
 from bitmosaic.algorithms.sq import static_channel_mask
 from bitmosaic.formats.act import ActQuantSpec
@@ -38,9 +39,6 @@ from bitmosaic.formats.sq import parse_sq
 from bitmosaic.modules import QuantLinear, attach_input_quant
 from bitmosaic.modules.intact import ACT_COMPUTE_ENV
 from bitmosaic.modules.sq import SQActLinear
-
-from common import RESULTS, machine_info, median_ms, write_results
-from int_gemm import machine_bounds
 
 SHAPES = ("576x576", "1536x576", "576x1536", "4096x4096", "14336x4096")
 SQ = "16-(8/4)-0.5"
@@ -99,7 +97,8 @@ def main() -> None:
     cols = ("fp32", "W4A16", "W4A8", "W4A4", "SQ dyn", "SQ static", "SQ sim")
     lines = [
         f"W4 g128 weights, W4A(SQ6) `{SQ}` with per-bank activation scales; CPU, {a.threads} threads, "
-        f"median ms (`python benchmarks/sq_gemm.py --threads {a.threads}`); bounds measured in the same run: "
+        f"median ms (`python -m benchmarks.sq.sq_gemm --threads {a.threads}`); bounds measured in the same "
+        f"run: "
         f"int8 {rate:.0f} GOPS (`torch._int_mm`), read {bw:.1f} GB/s. Ratios: the W4A16 time over each.",
         "",
         "| shape | rows | "

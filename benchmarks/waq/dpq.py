@@ -10,15 +10,14 @@ All W4 rows: INT4 asymmetric g128 with MSE scales; all A8 rows: FP8 E4M3 (±448)
 scales from calibration.  FP8 arithmetic is simulated on CPU (float32 matmul of FP8-grid operands;
 see ``bitmosaic.modules.qmodules.FP8ComputeQuantLinear``).
 
-Run: python benchmarks/dpq.py --protocol verdict [--device cuda] [--json F]   (default JSON:
+Run: python -m benchmarks.waq.dpq --protocol verdict [--device cuda] [--json F]   (default JSON:
 benchmarks/results/dpq.json; ``--protocol fast`` for development)
 """
 
 from __future__ import annotations
 
+from benchmarks.harness import RESULTS, Bench, base_parser
 from bitmosaic.formats.act import ActQuantSpec
-
-from common import RESULTS, Bench, base_parser
 
 
 def main() -> None:

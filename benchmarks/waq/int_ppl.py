@@ -16,8 +16,8 @@ path's.  Each row also gives ``ppl_int / ppl_ref - 1`` with a 95% interval over 
 window's mean-NLL difference is one paired sample): on 20 windows that interval is wider than 0.1%, so the
 target is judged on the whole test set.  Also the whole-model wall time of the evaluation on each path.
 
-    python benchmarks/int_ppl.py    (writes benchmarks/results/int_ppl.{json,md}; ~10 min on 2 cores)
-    python benchmarks/int_ppl.py --runs "smoothquant W8A8,gptq W4A8" --max-windows 0 \
+    python -m benchmarks.waq.int_ppl    (writes benchmarks/results/int_ppl.{json,md}; ~10 min on 2 cores)
+    python -m benchmarks.waq.int_ppl --runs "smoothquant W8A8,gptq W4A8" --max-windows 0 \
         --no-jitter --json benchmarks/results/int_ppl_full.json    (every test window: 13-16 min a row)
 """
 
@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from benchmarks.harness import Bench, base_parser, protocol_label, write_results
 from bitmosaic.data import bos_token_id
 from bitmosaic.eval.fidelity import token_kl
 from bitmosaic.eval.perplexity import eval_windows, window_nll
@@ -39,8 +40,6 @@ from bitmosaic.methods import get_method
 from bitmosaic.modules import QuantModule
 from bitmosaic.modules.intact import ACT_COMPUTE_ENV, act_path_label, set_runtime_activations
 from bitmosaic.pipeline import quantize_model
-
-from common import Bench, base_parser, protocol_label, write_results
 
 RUNS = {
     "smoothquant W8A8": ("smoothquant", "W8A8", {"group_size": None, "sym": True, "alpha": 0.5}),
@@ -183,7 +182,7 @@ def main() -> None:
         del model
     label = protocol_label(a)
     windows_ = "every window" if a.max_windows is None else f"{a.max_windows} windows"
-    cmd = f'`python benchmarks/int_ppl.py --runs "{a.runs}" --kl-windows {a.kl_windows}'
+    cmd = f'`python -m benchmarks.waq.int_ppl --runs "{a.runs}" --kl-windows {a.kl_windows}'
     if label != "fast":
         cmd += f" --nsamples {a.nsamples} --max-windows {a.max_windows or 0}"
     cmd += " --no-jitter`" if a.no_jitter else "`"

@@ -7,14 +7,13 @@ act-order + MSE scales, SmoothQuant searches alpha per group (RTN weights, as in
 "+gptq" row adds GPTQ weights), AWQ searches its scales and clipping.  Activation quantization
 is simulated (fake quantization, float32 matmul; see ``bitmosaic.formats.act``).
 
-Run: python benchmarks/waq.py   (writes benchmarks/results/waq.json; ~35 min on 2 cores)
+Run: python -m benchmarks.waq.waq   (writes benchmarks/results/waq.json; ~35 min on 2 cores)
 """
 
 from __future__ import annotations
 
+from benchmarks.harness import RESULTS, Bench, base_parser
 from bitmosaic.formats.act import parse_scheme
-
-from common import RESULTS, Bench, base_parser
 
 SCHEMES = ("W4A16", "W8A8", "W4A8", "W4A8-FP8", "W4A4")
 METHODS = {

@@ -1,15 +1,15 @@
-"""``benchmarks/sfmp.py``'s bookkeeping (no model): the verdict protocol refuses a Fisher from fewer
+"""``benchmarks/sfmp/sfmp.py``'s bookkeeping (no model): the verdict protocol refuses a Fisher from fewer
 than 128 samples before anything loads, every row records its protocol, and the ablation rows are
 named by their code bits and block rows."""
 
 import pytest
 
-from tests.helpers import load_benchmark
+from benchmarks.sfmp import sfmp
 
 
 @pytest.fixture(scope="module")
 def sfmp_bench():
-    return load_benchmark("sfmp")
+    return sfmp
 
 
 def _args(mod, argv, salience=None):
