@@ -73,6 +73,6 @@ def test_a_copied_row_keeps_the_cpu_that_measured_it(sfmp_bench, tmp_path):
     assert got["3.25 sfmp-gptq g256 old"]["cpu"] is None
     assert got["3.25 sfmp-gptq g256 mb=512"]["copied_from"] == "3.25 sfmp-gptq g256"
     # a row measured by this run names this run's CPU
-    from common import cpu_name  # importable once the benchmark is loaded
+    from benchmarks.harness import cpu_name
 
     assert b._add({"name": "new", "ppl": 1.0, "bits_per_weight": 4.0})["cpu"] == cpu_name()
