@@ -29,7 +29,7 @@ lint: install
 	$(PYTHON) -m ruff check src tests benchmarks scripts
 
 bench: install
-	$(PYTHON) benchmarks/orders.py
+	$(PYTHON) -m benchmarks.gptq.orders
 
 # Every method at 2-8 bits on SmolLM2-135M: table, Pareto plot and report in runs/compare-smollm2
 # (resumable; about an hour on 2 cores). Its last results are in benchmarks/results/compare_smollm2.*.

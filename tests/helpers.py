@@ -14,24 +14,13 @@ from bitmosaic.testing import (  # noqa: F401  (re-exported for the tests)
     NWORDS,
     SPECIALS,
     VOCAB,
+    quantized_dir,
     save_hf_dir,
     tiny_gemma,
     tiny_llama,
     word_tokenizer,
     words,
 )
-
-
-def quantized_dir(path: Path, *, tokenizer: bool = True) -> Path:
-    """A bitmosaic folder: the tiny Llama quantized with RTN w4 g32."""
-    from bitmosaic import quantize_
-    from bitmosaic.io import save_quantized
-
-    m = tiny_llama()
-    calib = torch.randint(len(SPECIALS), VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
-    quantize_(m, "rtn", calib, bits=4, group_size=32, progress=False)
-    tok = word_tokenizer() if tokenizer else None
-    return save_quantized(m, path, {"method": "rtn", "bits": 4, "group_size": 32}, tokenizer=tok)
 
 
 def snapshot(path: Path) -> dict[str, bytes]:
@@ -81,23 +70,6 @@ def env_var(name: str, value: str):
             os.environ.pop(name, None)
         else:
             os.environ[name] = old
-
-
-def load_benchmark(name: str):
-    """Import ``benchmarks/<name>.py`` as a module (its folder on ``sys.path`` while it loads, for its
-    sibling imports such as ``common``)."""
-    import importlib.util
-    import sys
-
-    folder = Path(__file__).resolve().parents[1] / "benchmarks"
-    sys.path.insert(0, str(folder))
-    try:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", folder / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(folder))
-    return mod
 
 
 def assert_reload_same_logits(model, ids: torch.Tensor, path: Path, quant_config: dict) -> None:

@@ -1,4 +1,4 @@
-"""``benchmarks/atom_model.py``: the model-level Atom-like W4A4 baseline computes, per linear, what the
+"""``benchmarks/mosaic/atom_model.py``: the model-level Atom-like W4A4 baseline computes, per linear, what the
 per-linear one of ``mosaic_layers.py`` computes, keeps the largest-activation channels in INT8 and
 replaces every decoder linear."""
 
@@ -8,11 +8,12 @@ import copy
 
 import torch
 
-from tests.helpers import load_benchmark, tiny_llama
+from benchmarks.mosaic import atom_model, mosaic_layers
+from tests.helpers import tiny_llama
 
 
 def test_atom_like_linear_is_the_per_linear_baseline():
-    atom, layers = load_benchmark("atom_model"), load_benchmark("mosaic_layers")
+    atom, layers = atom_model, mosaic_layers
     g = torch.Generator().manual_seed(0)
     X = torch.randn(64, 96, generator=g)
     X[:, 5] *= 30  # an outlier channel: it must land among the INT8 ones
@@ -30,7 +31,7 @@ def test_atom_like_linear_is_the_per_linear_baseline():
 
 
 def test_quantize_atom_like_replaces_every_decoder_linear():
-    atom = load_benchmark("atom_model")
+    atom = atom_model
     m = tiny_llama()
     ref = copy.deepcopy(m)
     calib = torch.randint(0, 128, (6, 32), generator=torch.Generator().manual_seed(0))

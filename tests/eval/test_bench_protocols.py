@@ -1,13 +1,17 @@
-"""The benchmarks' shared flags (``benchmarks/common.py``): ``--protocol`` fills the calibration and
+"""The benchmarks' shared flags (``benchmarks/harness/``): ``--protocol`` fills the calibration and
 test-window counts of the project's two protocols, explicit values win, and the label a result gets
 names the protocol only when the settings are that protocol's."""
 
 import pytest
 
+from benchmarks import harness
+from benchmarks.harness import bench as harness_bench
+from benchmarks.waq import int_ppl
+
 
 @pytest.fixture(scope="module")
-def common(bench_module):
-    return bench_module("common")  # with benchmarks/ on the path, so it runs alone too
+def common():
+    return harness
 
 
 @pytest.mark.parametrize(
@@ -65,15 +69,15 @@ def test_only_rows_join_the_same_run(common, tmp_path):
     assert common.merged_rows(path, fast, rows[:1]) == [{"name": "x", "ppl": 1}, rows[0]]
 
 
-def test_int_ppl_paired_ratio_interval(bench_module):
-    """``benchmarks/int_ppl.py``'s integer-vs-simulated ratio: exp of the mean per-window NLL difference
+def test_int_ppl_paired_ratio_interval():
+    """``benchmarks/waq/int_ppl.py``'s integer-vs-simulated ratio: exp of the mean per-window NLL difference
     (what the two perplexities' ratio is, windows being equally long), with an interval that is empty
     for a constant shift and widens with window-to-window spread."""
     import math
 
     import torch
 
-    mod = bench_module("int_ppl")
+    mod = int_ppl
     ref = torch.tensor([3.0, 3.2, 2.9, 3.4], dtype=torch.float64)  # window_nll sums in float64
     shifted = mod.paired_ratio(ref + 0.001, ref)
     assert shifted["ppl_ratio_minus_1"] == pytest.approx(math.expm1(0.001), rel=1e-9)
@@ -114,7 +118,7 @@ def test_a_partial_run_resumes_with_only(common, tmp_path, monkeypatch):
     accumulate over sessions and machines)."""
     import json
 
-    monkeypatch.setattr(common, "peak_rss_mb", lambda: 0.0)
+    monkeypatch.setattr(harness_bench, "peak_rss_mb", lambda: 0.0)
     a = common.base_parser("x").parse_args(["--protocol", "verdict"])
     cut = common.Bench.__new__(common.Bench)
     cut.args, cut.rows, cut.partial_path = a, [], tmp_path / "b.partial.json"

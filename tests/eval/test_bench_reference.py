@@ -1,6 +1,6 @@
-"""``benchmarks/common.py``'s cached float reference: a verdict run's later rows re-apply only the output
-head to the reference's kept hidden states; KL, top-1 and perplexity come out exactly as with the whole
-model, and the cache follows the reference's weights."""
+"""The harness's cached float reference (``benchmarks/harness/float_reference.py``): a verdict run's
+later rows re-apply only the output head to the reference's kept hidden states; KL, top-1 and
+perplexity come out exactly as with the whole model, and the cache follows the reference's weights."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import copy
 
 import torch
 
+from benchmarks import harness as common
 from bitmosaic.eval.perplexity import perplexity
-from tests.helpers import load_benchmark, tiny_llama
+from tests.helpers import tiny_llama
 
 
 def _ids(n: int = 200, seed: int = 0) -> torch.Tensor:
@@ -17,7 +18,6 @@ def _ids(n: int = 200, seed: int = 0) -> torch.Tensor:
 
 
 def test_cached_reference_gives_the_whole_models_numbers():
-    common = load_benchmark("common")
     ref = tiny_llama()
     quant = copy.deepcopy(ref)
     with torch.no_grad():
@@ -36,7 +36,6 @@ def test_cached_reference_gives_the_whole_models_numbers():
 
 
 def test_cached_reference_follows_an_in_place_change():
-    common = load_benchmark("common")
     ref = tiny_llama()
     cached = common.CachedReference(ref)
     batch = _ids(32)
@@ -51,7 +50,6 @@ def test_cached_reference_follows_an_in_place_change():
 
 
 def test_cached_reference_runs_the_whole_model_where_the_head_alone_differs():
-    common = load_benchmark("common")
     ref = tiny_llama()
 
     def cap(module, args, out):  # a full forward that does more than head(base) (Gemma-2's softcap)
@@ -70,7 +68,6 @@ def test_cached_reference_runs_the_whole_model_where_the_head_alone_differs():
 def test_the_float_row_fills_the_reference_cache_with_the_same_numbers():
     """A verdict run's float row goes through the cached reference: its perplexity is the whole model's
     and the first quantized row after it already finds every window's hidden states."""
-    common = load_benchmark("common")
     ref = tiny_llama()
     ids = _ids()
     bench = common.Bench.__new__(common.Bench)
@@ -86,7 +83,6 @@ def test_the_float_row_fills_the_reference_cache_with_the_same_numbers():
 def test_a_stored_reference_gives_the_same_numbers_in_the_next_run(tmp_path):
     """With a store, the next run's reference (a fresh object, as in a new process) reads every window
     back from disk instead of running the decoder, and KL, top-1 and perplexity stay bit for bit."""
-    common = load_benchmark("common")
     ref, quant = tiny_llama(), tiny_llama()
     with torch.no_grad():
         for p in quant.parameters():
@@ -115,7 +111,6 @@ def test_a_stored_reference_gives_the_same_numbers_in_the_next_run(tmp_path):
 
 
 def test_a_stored_reference_remembers_that_the_head_alone_differs(tmp_path):
-    common = load_benchmark("common")
     ref = tiny_llama()
     ref.register_forward_hook(lambda m, a, out: setattr(out, "logits", 5.0 * torch.tanh(out.logits / 5.0)))
     batch = _ids(32)
@@ -130,7 +125,6 @@ def test_a_stored_reference_remembers_that_the_head_alone_differs(tmp_path):
 
 def test_the_store_keys_on_what_decides_the_logits_besides_the_weights(tmp_path):
     """Same weights, another attention implementation or thread count: another folder of the store."""
-    common = load_benchmark("common")
     ref = tiny_llama()
     first = common.CachedReference(ref, tmp_path)._disk()
     assert common.CachedReference(copy.deepcopy(ref), tmp_path)._disk() == first

@@ -1,4 +1,4 @@
-"""``benchmarks/ssqr_groups.py``'s columns from real report rows of a tiny model: the paper's bits
+"""``benchmarks/lattice/ssqr_groups.py``'s columns from real report rows of a tiny model: the paper's bits
 per weight (hand count), SSQR's overflow at alpha = 1 (mean, max over layers) and the per-layer wins."""
 
 import copy
@@ -6,15 +6,15 @@ import copy
 import pytest
 import torch
 
+from benchmarks.lattice import ssqr_groups
 from bitmosaic.methods import get_method
 from bitmosaic.pipeline import RunSettings, quantize_model
-from tests.helpers import load_benchmark
 from tests.pipeline.test_pipeline import tiny_llama
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_benchmark("ssqr_groups")
+    return ssqr_groups
 
 
 def _row(model, calib, name, method, **opts):

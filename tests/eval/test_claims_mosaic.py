@@ -4,13 +4,15 @@ judges take the run's own MosaicQuant W4A4 row, else the main table's of the sam
 
 import pytest
 
+from benchmarks.findings import claims_mosaic as module
+
 FAST = {"nsamples": 16, "max_windows": 20}
 VERDICT = {"nsamples": 128, "max_windows": None}
 
 
 @pytest.fixture(scope="module")
-def claims_mosaic(bench_module):
-    return bench_module("claims_mosaic")
+def claims_mosaic():
+    return module
 
 
 def _atom(ppl: float, protocol: str, args: dict) -> dict:

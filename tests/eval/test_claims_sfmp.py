@@ -1,8 +1,11 @@
-"""The SFMP judges of ``benchmarks/claims_sfmp.py`` on a verdict run that holds only some claims' rows:
-a claim whose rows are absent raises ``KeyError`` (so the findings report falls back to the fast run
-instead of printing a missing verdict), and a close m_b pair is decided once every row is verdict."""
+"""The SFMP judges of ``benchmarks/findings/claims_sfmp.py`` on a verdict run that holds only some
+claims' rows: a claim whose rows are absent raises ``KeyError`` (so the findings report falls back to
+the fast run instead of printing a missing verdict), and a close m_b pair is decided once every row is
+verdict."""
 
 import pytest
+
+from benchmarks.findings import claims_sfmp as module
 
 
 def _row(name, ppl, protocol="verdict", bpw=3.27):
@@ -10,8 +13,8 @@ def _row(name, ppl, protocol="verdict", bpw=3.27):
 
 
 @pytest.fixture(scope="module")
-def judges(bench_module):
-    return bench_module("claims_sfmp")
+def judges():
+    return module
 
 
 def _blocks(protocol):

@@ -4,12 +4,14 @@ likewise its (8/4) rows stand in for the gap part's (8/4) rows."""
 
 import pytest
 
+from benchmarks.findings import claims_sq as module
+
 SQ6 = "W4A(SQ6) 16-(8/4)-0.5"
 
 
 @pytest.fixture(scope="module")
-def claims_sq(bench_module):
-    return bench_module("claims_sq")
+def claims_sq():
+    return module
 
 
 def _res(ablate: dict, scales: dict) -> dict:

@@ -3,10 +3,13 @@ that run holds every row the claim needs, and on the benchmark's own JSON otherw
 
 import pytest
 
+from benchmarks.findings import claims
+from benchmarks.findings import findings as findings_module
+
 
 @pytest.fixture(scope="module")
-def findings(bench_module):
-    return bench_module("findings")
+def findings():
+    return findings_module
 
 
 def _claim(findings):
@@ -38,7 +41,9 @@ def test_missing_everywhere_names_the_run(findings, monkeypatch):
     nums, v, used = findings.judge(_claim(findings))
     assert nums == "" and "bench_verdict.json has no 'b'" in v and used == "bench"
     monkeypatch.setattr(findings, "load", {}.get)
-    assert findings.judge(_claim(findings))[1].startswith("not measured: run python benchmarks/bench.py")
+    assert findings.judge(_claim(findings))[1].startswith(
+        "not measured: run python -m benchmarks.<topic>.bench"
+    )
 
 
 def test_two_seeds_must_agree(findings, monkeypatch, tmp_path):
@@ -162,21 +167,26 @@ def test_a_pooled_claim_sees_every_seed_at_once_and_never_a_later_seed_alone(fin
     del runs["bench"]
     assert (
         findings.judge_seeds(claim)[1]
-        == "not measured: bench_verdict.json has no 'b'; rerun python benchmarks/bench.py"
+        == "not measured: bench_verdict.json has no 'b'; rerun python -m benchmarks.<topic>.bench"
     )
 
 
-def test_every_why_text_names_a_claim(bench_module, monkeypatch):
+def test_every_why_text_names_a_claim():
     """Each claim's "why this may differ" text is keyed by the claim's words: a key that names no claim
     (a claim reworded, its text left behind) stops the report instead of leaving the column blank."""
-    import importlib
-    from pathlib import Path
-
-    claims = bench_module("claims")
     assert all(f.differ for f in claims.FINDINGS if f.claim in claims.WHY)
-    monkeypatch.syspath_prepend(str(Path(claims.__file__).parent))
-    monkeypatch.setitem(claims.WHY, "a claim reworded since", "its old text")
+    assert set(claims.WHY) <= {f.claim for f in claims.FINDINGS}
+    f = claims.Finding("P", "a claim", "bench", None)
+    claims.attach_why([f], {"a claim": "its text"})
+    assert f.differ == "its text"
     with pytest.raises(KeyError, match="a claim reworded since"):
-        importlib.reload(claims)
-    del claims.WHY["a claim reworded since"]
-    importlib.reload(claims)  # leave the module as the other tests expect it
+        claims.attach_why([f], {"a claim": "its text", "a claim reworded since": "its old text"})
+
+
+def test_a_missing_run_names_the_module_that_measures_it(findings):
+    """The "not measured" line and ``--run`` name the benchmark that writes a result, as a module of
+    the package: the script of that name in its topic folder, or the one whose part it is."""
+    assert findings.module_of("dpq") == "benchmarks.waq.dpq"
+    assert findings.module_of("ssqr_groups_verdict") == "benchmarks.lattice.ssqr_groups"
+    assert findings.module_of("mosaic_thin") == "benchmarks.mosaic.mosaic"  # mosaic.py --parts thin
+    assert findings.module_of("sfmp_decode") == "benchmarks.sfmp.sfmp"  # sfmp.py --parts decode

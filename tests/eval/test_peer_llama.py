@@ -1,23 +1,22 @@
-"""``benchmarks/peer_llama.py``: llama.cpp's binding for ``decode.py``, found or built once into a cache
+"""``benchmarks/peers/peer_llama.py``: llama.cpp's binding for ``decode.py``, found or built once into a cache
 folder.  The build itself (pip compiling llama.cpp, minutes) is replaced here by a stand-in command that
 writes the package or fails, so the tests check what the module decides and leaves behind: the build
 options per CPU, the cache key, the skip line without a build, a failed build leaving nothing, and a
 finished one renamed into place and used from then on."""
 
+import importlib
 import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "peer_llama.py"
+import benchmarks.peers.peer_llama
 
 
 @pytest.fixture()
 def peer(monkeypatch, tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_peer_llama", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = importlib.reload(benchmarks.peers.peer_llama)  # afresh for each test
     monkeypatch.setenv(mod.CACHE_ENV, str(tmp_path / "cache"))
     real = importlib.util.find_spec
     monkeypatch.setattr(  # as if llama_cpp were not installed here

@@ -1,15 +1,15 @@
-"""``benchmarks/sfmp.py``'s bookkeeping (no model): the verdict protocol refuses a Fisher from fewer
+"""``benchmarks/sfmp/sfmp.py``'s bookkeeping (no model): the verdict protocol refuses a Fisher from fewer
 than 128 samples before anything loads, every row records its protocol, and the ablation rows are
 named by their code bits and block rows."""
 
 import pytest
 
-from tests.helpers import load_benchmark
+from benchmarks.sfmp import sfmp
 
 
 @pytest.fixture(scope="module")
 def sfmp_bench():
-    return load_benchmark("sfmp")
+    return sfmp
 
 
 def _args(mod, argv, salience=None):
@@ -73,6 +73,6 @@ def test_a_copied_row_keeps_the_cpu_that_measured_it(sfmp_bench, tmp_path):
     assert got["3.25 sfmp-gptq g256 old"]["cpu"] is None
     assert got["3.25 sfmp-gptq g256 mb=512"]["copied_from"] == "3.25 sfmp-gptq g256"
     # a row measured by this run names this run's CPU
-    from common import cpu_name  # importable once the benchmark is loaded
+    from benchmarks.harness import cpu_name
 
     assert b._add({"name": "new", "ppl": 1.0, "bits_per_weight": 4.0})["cpu"] == cpu_name()

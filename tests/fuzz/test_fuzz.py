@@ -1,14 +1,14 @@
 """Fuzzed parsers of untrusted input (issue 26, section 3): the grammars of ``--sq``/``--block``/
 ``--scheme``/``--group-size``/``--alpha``/``--max-memory``, recipe mappings and files, safetensors headers
 and indexes, a saved model's ``config.json``, and GGUF files (streamed and loaded whole).  Each property
-(``tests/fuzz/properties.py``) runs a fixed, derandomized set of cases: any exception other than a
-one-line :class:`~bitmosaic.errors.BitmosaicError` fails.  ``benchmarks/fuzz_long.py --examples N`` runs the
-same properties much longer."""
+(``benchmarks/fuzz/properties.py``) runs a fixed, derandomized set of cases: any exception other than a
+one-line :class:`~bitmosaic.errors.BitmosaicError` fails.  ``python -m benchmarks.fuzz.fuzz_long
+--examples N`` runs the same properties much longer."""
 
 import pytest
 
+from benchmarks.fuzz.properties import PROPERTIES, ours, run
 from bitmosaic.errors import BitmosaicError
-from tests.fuzz.properties import PROPERTIES, ours, run
 
 
 @pytest.mark.parametrize("name", sorted(PROPERTIES))

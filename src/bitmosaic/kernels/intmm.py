@@ -23,7 +23,7 @@ row's int32 lane, and the per-group epilogue needs no horizontal sum.  Widths 1-
 Kernels (``csrc/intmm.cpp``): AVX-512 VNNI, AVX2 and portable C++, chosen per call like the other
 kernels (:func:`bitmosaic.kernels.isa.kernel_isa`; ``avx512`` without VNNI runs the AVX2 body).  A second
 route, ``torch._int_mm`` (oneDNN int8 GEMM) once per weight group on an unpacked int8 copy of the weight,
-is kept for measurement (``route="int_mm"``, ``benchmarks/int_gemm.py``).
+is kept for measurement (``route="int_mm"``, ``benchmarks/kernels/int_gemm.py``).
 
 Capabilities (:mod:`bitmosaic.kernels.select`): one width 1-8 per matrix, CPU, group sizes that are
 multiples of 8 (or one group per row), input width below ``MAX_K``; without the compiled extension

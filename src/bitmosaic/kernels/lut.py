@@ -30,9 +30,9 @@ any group size; the measured choice at 1-3 bits and 1-64 rows of x with its comp
 (``FAST_BITS``, the measurements are noted there), so the packed kinds (RTN, GPTQ, AWQ, ...) decode on it
 at 1-3 bits and on ``LowBitWeight`` from 4 bits.
 
-Measured (``benchmarks/lut_gemv.py``, ``benchmarks/results/lut_gemv.md``, AVX-512 path, batch 1): faster
-than the unpack+FMA ``LowBitWeight`` at 1-4 bits on every measured shape, slower at 8 bits; latency
-grows linearly with bits (R² 0.97-0.99; W1/W4 0.2-0.7, W8/W4 about 2).  The GEMV prefetches the
+Measured (``benchmarks/kernels/lut_gemv.py``, ``benchmarks/results/lut_gemv.md``, AVX-512 path,
+batch 1): faster than the unpack+FMA ``LowBitWeight`` at 1-4 bits on every measured shape, slower at 8
+bits; latency grows linearly with bits (R² 0.97-0.99; W1/W4 0.2-0.7, W8/W4 about 2).  The GEMV prefetches the
 tile four ahead: without it, weights that stream from memory (every layer of a decode step) left
 its loads waiting and it lost to ``LowBitWeight`` end to end.
 

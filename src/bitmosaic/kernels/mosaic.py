@@ -34,7 +34,7 @@ residual blocks tile the gathered ``[N, k]`` matrix, so its one path is the dens
 :meth:`MosaicWeight.sparse_only` on the gathered activation columns ``x[:, columns]``.
 
 ``__call__`` uses :meth:`decode` for at most ``DECODE_ROWS`` rows, :meth:`three_step` below
-``FUSED_MIN_ROWS`` and :meth:`fused` from there: measured on 2 cores (``benchmarks/mosaic_kernel.py``,
+``FUSED_MIN_ROWS`` and :meth:`fused` from there: measured on 2 cores (``benchmarks/mosaic/mosaic_kernel.py``,
 4096-wide shapes), at 16 rows the three-step path costs +18..35% over the dense product and the
 fused tiles +65..100%, at 512 rows three-step +25..59% and fused +3..11%; 128 sits between the two
 measured points on a log scale.
@@ -50,7 +50,7 @@ integer weight ``[bm, n_blocks * bk]`` over the *gathered* int8 activation colum
 gathers its ``k`` columns the same way).  Every sum ``Σ c q`` is exact in int32 and scaled once, so the
 output equals the simulated path up to float32 rounding.  It is not ZipperEngine's single fused pass:
 the residual is one more kernel call per row block that holds selected blocks (which costs at decode,
-not at prefill: ``benchmarks/mosaic_kernel.py``).
+not at prefill: ``benchmarks/mosaic/mosaic_kernel.py``).
 """
 
 from __future__ import annotations

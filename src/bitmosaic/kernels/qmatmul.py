@@ -40,7 +40,7 @@ Capabilities (read by :func:`bitmosaic.kernels.select.select_kernel`): any width
 any group size; fast at every width and batch (the GEMV up to 8 rows, tiles above), compiled or not.
 
 Design choice (two designs were measured): this unpack-in-register design is measured in
-``benchmarks/kernels.py`` (``benchmarks/results/kernels.md``); the bit-plane lookup-table design
+``benchmarks/kernels/kernels.py`` (``benchmarks/results/kernels.md``); the bit-plane lookup-table design
 (T-MAC, SFMP §4.5) is a separate kernel.
 """
 

@@ -24,7 +24,7 @@ class SSQRConfig(WeightQuantConfig):
     scale: str = like(WeightQuantConfig, "scale", "mse")  # SSQR starts from MSE scales (fixed)
     # "static": the paper's contiguous groups fitted before GPTQ (Algorithm 9), the default;
     # "dynamic": GPTQ's act-order dynamic groups x the global multiplier (the grouping and scales
-    # of the GPTQ baseline).  Measured on SmolLM2 w3 g128 1% outliers (benchmarks/ssqr_groups.py,
+    # of the GPTQ baseline).  Measured on SmolLM2 w3 g128 1% outliers (benchmarks/lattice/ssqr_groups.py,
     # 32x512 calibration, 40 windows; commit e41d56e): static 57.55 ppl at 3.62 bpw, dynamic 58.80
     # at 3.67, so the paper's variant stays the default; GPTQ act+MSE g64 gives 47.28 at 3.55 bpw.
     groups: str = option(

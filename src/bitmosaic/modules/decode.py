@@ -31,7 +31,7 @@ attributes changed by hand after the call -- call :func:`enable_compiled_decode`
 ``guards="full"`` (dynamo's own guards, transformers' compiled ``self.__call__``).
 
 Cost and scope: the first ``generate`` compiles (inductor's C++ codegen; about a minute for SmolLM2-135M
-on this CPU, ``benchmarks/decode.py`` reports it apart from the decode rate); later calls with the same
+on this CPU, ``benchmarks/decode/decode.py`` reports it apart from the decode rate); later calls with the same
 ``max_new_tokens``, prompt length bucket and batch size reuse the graph, and another cache length
 compiles again.  It helps where Python overhead dominates a token (small models, batch 1); it changes no
 number beyond float32 reassociation by inductor's fused element-wise kernels (tested against eager:

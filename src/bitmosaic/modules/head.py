@@ -2,7 +2,7 @@
 
 At decode, a model's output head (``lm_head``, often tied to the embeddings) is the largest matrix it
 reads per token: SmolLM2-135M's is ``49152 x 576`` float32, 113 MB, about a third of bitmosaic's
-per-token time before this (``benchmarks/decode.py``).  llama.cpp reads it at 8 bits (SmolLM2's GGUF
+per-token time before this (``benchmarks/decode/decode.py``).  llama.cpp reads it at 8 bits (SmolLM2's GGUF
 stores ``token_embd`` as ``Q8_0``: symmetric int8 in blocks of 32 with one scale each).
 
 Two run-time heads (:func:`set_runtime_head`), both with the weight in that format -- per row, blocks of

@@ -26,8 +26,8 @@ token, ``q8_0`` with one scale per block of 32 channels of each token, as llama.
 (the weight's groups split into blocks of 32 for the kernel, :func:`act_weight_groups`; an act-order
 layer's blocks are of its stored, permuted columns).  A weight-only layer then runs the integer kernel
 with an INT8 quantizer that is *not* part of the model (not saved, not in the state dict, not in the
-config): it is an approximation chosen at run time for speed, off by default (``benchmarks/int_ppl.py``
-measures its KL and top-1 agreement against the weight-only path, ``benchmarks/decode.py`` the speed).
+config): it is an approximation chosen at run time for speed, off by default (``benchmarks/waq/int_ppl.py``
+measures its KL and top-1 agreement against the weight-only path, ``benchmarks/decode/decode.py`` the speed).
 It applies only where the integer path runs (the layer's kernel, group size, the CPU); elsewhere, and under
 ``$BITMOSAIC_ACT_COMPUTE=sim``, the layer stays weight-only (there is nothing to gain from simulating it).
 """

@@ -51,7 +51,7 @@ def _make_kernel(codes, gbits_rb, scales, zeros, group_size: int, row_block: int
     """The kernel of ``W̃`` (codes ``[N, K]``, widths ``[n_rb, G]``) that
     :func:`~bitmosaic.kernels.select.select_kernel` picks among ``kernels``: for SFMP the bit-plane LUT
     GEMV at batch 1 (SFMP §4.5; faster than the unpack+FMA ``LowBitWeight`` at 1-3 bits,
-    ``benchmarks/lut_gemv.py``), tiled dequantize + matmul above."""
+    ``benchmarks/kernels/lut_gemv.py``), tiled dequantize + matmul above."""
     from ..kernels.select import select_kernel
 
     kind = select_kernel(kernels, gbits_rb, group_size=group_size)

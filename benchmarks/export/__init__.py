@@ -1,0 +1,1 @@
+"""Which method's result each export format holds (exported, refused or lossy)."""

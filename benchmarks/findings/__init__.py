@@ -1,0 +1,2 @@
+"""The findings report: each paper's claims judged from the benchmarks' result files
+(``python -m benchmarks.findings``)."""

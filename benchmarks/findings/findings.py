@@ -1,0 +1,270 @@
+"""Findings report: does each paper's headline claim hold on SmolLM2-135M here?
+
+One row per claim: the paper, the claim, the numbers behind it and a verdict (holds / does not hold
+here / cannot be tested here, with why).  The numbers are never typed in: each row reads the JSON
+that the method's own benchmark wrote (``benchmarks/results/<name>.json``, or ``<name>_verdict.json``
+where a verdict-protocol run holds every row the claim needs; ``--run NAME`` reruns
+that benchmark first, with its recorded arguments), and the Babai equivalence and bound rows are
+measured afresh here on real SmolLM2 layers (``--skip-fresh`` reuses the last such measurement
+from ``findings.json``).  A benchmark whose JSON
+is missing gives the row "not measured" and the command that measures it.  The last column's texts
+(why a row may differ from its paper) are data, ``benchmarks/results/findings_why.yaml``, whose
+measured numbers are read from the same result files (:mod:`benchmarks.findings.why`).
+
+Run: python -m benchmarks.findings   (writes benchmarks/results/findings.md and findings.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections import Counter
+
+from benchmarks.findings import why
+from benchmarks.findings.claims import FINDINGS, Finding
+from benchmarks.findings.findings_lib import (
+    DIFFERS,
+    MISSING,
+    RESULTS,
+    UNDECIDED,
+    load,
+    module_of,
+    protocol_of,
+    run_command,
+    verdict,
+)
+from benchmarks.findings.why import WHY_FILE
+from benchmarks.harness import write_text
+from benchmarks.harness.child import child_env
+
+
+def register(more: list[Finding]) -> None:
+    FINDINGS.extend(more)
+
+
+def fresh_babai(nsamples: int = 8, seqlen: int = 256, layers=(0, 15)) -> dict:
+    """On real SmolLM2 layers: method ``babai`` vs ``gptq --static-groups --direction back`` integers
+    (Thm. 4), in float64, for every linear of the chosen decoder layers."""
+    import torch
+
+    from bitmosaic.algorithms import HessianAccumulator
+    from bitmosaic.data import calibration_samples
+    from bitmosaic.io import load_model
+    from bitmosaic.methods.babai import BabaiConfig, quantize_babai
+    from bitmosaic.methods.common import quantize_gptq
+    from bitmosaic.methods.gptq import GPTQConfig
+    from bitmosaic.methods.registry import LayerStats
+    from bitmosaic.pipeline.capture import run_layer
+    from bitmosaic.pipeline.pipeline import capture_layer_inputs
+
+    model, tok = load_model("smollm2-135m")
+    calib = calibration_samples(tok, "wikitext2", nsamples, seqlen, seed=0)
+    blocks = model.model.layers
+    inputs, kw = capture_layer_inputs(model, blocks, calib, batch_size=4)
+    kwargs = next(iter(kw.values()))
+    same = total = 0
+    with torch.inference_mode():
+        for i in range(max(layers) + 1):
+            if i in layers:
+                for lin in blocks[i].modules():
+                    if not isinstance(lin, torch.nn.Linear):
+                        continue
+                    acc = HessianAccumulator(lin.in_features, dtype=torch.float64)
+                    hook = lin.register_forward_pre_hook(lambda m, a, acc=acc: acc.add(a[0].double()))
+                    for h, k in zip(inputs, kwargs, strict=True):
+                        run_layer(blocks[i], h, k)
+                    hook.remove()
+                    common = dict(bits=3, group_size=128, scale="minmax", order="act")
+                    common["direction"] = "back"
+                    W, st = lin.weight.double(), LayerStats(hessian=acc.H)
+                    b = quantize_babai(W, st, BabaiConfig(**common, damp=0.01, solver_dtype="float64"))
+                    g = quantize_gptq(W, st, GPTQConfig(**common, static_groups=True, solver_dtype="float64"))
+                    same += int((b.codes == g.codes).sum())
+                    total += b.codes.numel()
+            inputs = [run_layer(blocks[i], h, k) for h, k in zip(inputs, kwargs, strict=True)]
+    return {"identical_codes": same, "codes": total, "layers": list(layers)}
+
+
+def judge_fresh(res: dict) -> tuple[str, str]:
+    frac = res["identical_codes"] / res["codes"]
+    nums = (
+        f"{res['identical_codes']}/{res['codes']} integers identical ({frac:.6%}), w3 g128 act order, "
+        f"every linear of layers {res['layers']}"
+    )
+    return nums, verdict(frac == 1.0)
+
+
+def verdict_runs(source: str) -> list[str]:
+    """The verdict-protocol runs of ``source``: ``<source>_verdict.json`` (seed 0) and any other seed's
+    ``<source>_verdict_s<N>.json``, in that order."""
+    seeds = sorted(RESULTS.glob(f"{source}_verdict_s*.json"), key=lambda p: p.stem)
+    # not the partial file a run still going (or cut short) keeps beside its JSON
+    return [f"{source}_verdict"] + [p.stem for p in seeds if not p.stem.endswith(".partial")]
+
+
+def judge(f: Finding) -> tuple[str, str, str]:
+    """(numbers, verdict, the JSON used): the verdict-protocol runs of ``f.source`` when they hold every
+    row the claim needs (seeds that disagree: :func:`majority`),
+    else the benchmark's own ``<source>.json``."""
+    return judge_seeds(f)[:3]
+
+
+def judge_seeds(f: Finding) -> tuple[str, str, str, int]:
+    """:func:`judge`, and how many verdict-protocol seeds the verdict rests on (0: not the verdict runs)."""
+    if f.pooled:
+        return judge_pooled(f)
+    missing, seeds = None, []
+    for name in verdict_runs(f.source):
+        res = load(name)
+        if res is None:
+            continue
+        try:
+            seeds.append((name, *f.judge(res)))
+        except KeyError as e:  # a row the claim needs is absent from that run
+            missing = missing or (name, e)
+    if seeds:
+        name, nums, v = seeds[0]
+        if len(seeds) > 1:
+            nums += "; " + "; ".join(f"{n}: {other}" for n, other, _ in seeds[1:])
+            if any(_head(other) != _head(v) for *_, other in seeds[1:]):  # the reasons may differ
+                v = majority([x for *_, x in seeds])
+        return nums, v, name, len(seeds)
+    res = load(f.source)
+    if res is not None:
+        try:
+            return (*f.judge(res), f.source, 0)
+        except KeyError as e:
+            missing = missing or (f.source, e)
+    return _not_measured(f, missing)
+
+
+def _not_measured(f: Finding, missing: tuple[str, KeyError] | None) -> tuple[str, str, str, int]:
+    """The verdict of a claim no run can judge: which run lacks which row, or that none ran."""
+    if missing is None:
+        return "", f"{MISSING}: run {run_command(f.source)}", f.source, 0
+    name, e = missing
+    return "", f"{MISSING}: {name}.json has no {e}; rerun {run_command(f.source)}", f.source, 0
+
+
+def judge_pooled(f: Finding) -> tuple[str, str, str, int]:
+    """:func:`judge_seeds` of a pooled claim: judged once on seed 0's verdict run with every other
+    seed's run beside it (``res["seeds"]``), the judge deciding pair by pair and counting the seeds;
+    else on the benchmark's own run (never on a later seed alone: it repeats only some pairs)."""
+    verdict_run, *others = verdict_runs(f.source)
+    missing = None
+    for name in (verdict_run, f.source):
+        res = load(name)
+        if res is None:
+            continue
+        seeds = {o: r for o in others if (r := load(o)) is not None} if name == verdict_run else {}
+        try:
+            nums, v, n = f.judge({**res, "seeds": seeds})
+        except KeyError as e:
+            missing = missing or (name, e)
+            continue
+        return nums, v, name, n if name == verdict_run else 0
+    return _not_measured(f, missing)
+
+
+def _head(verdict: str) -> str:
+    """A verdict without its parenthesised reason or ``;``-separated notes: two seeds that both say
+    ``does not hold here`` agree even where their reasons quote different numbers."""
+    return verdict.split(" (", 1)[0].split("; ", 1)[0]
+
+
+def majority(verdicts: list[str]) -> str:
+    """The verdict of seeds that disagree: with three or more, the one most of them give, with its
+    count (``holds (2 of 3 seeds)``); else (two, or no majority) undecided, every seed's named."""
+    heads = [_head(v) for v in verdicts]  # seeds are counted by verdict, whatever their reasons say
+    best = max(set(heads), key=heads.count)
+    if len(verdicts) >= 3 and heads.count(best) > len(verdicts) / 2:
+        return (
+            f"{best} ({heads.count(best)} of {len(verdicts)} seeds; the others: "
+            + " / ".join(v for v, h in zip(verdicts, heads, strict=True) if h != best)
+            + ")"
+        )
+    return f"{UNDECIDED} (the seeds disagree: " + " / ".join(verdicts) + ")"
+
+
+def rerun(name: str) -> None:
+    res = load(name)
+    args = (res or {}).get("args", {})
+    cmd = [sys.executable, "-m", module_of(name)]
+    for k, v in args.items():
+        if v is None or v is False or k == "json":
+            continue
+        cmd += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+    print("running", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, env=child_env())
+
+
+def protocol_summary(rows: list[dict]) -> str:
+    """One line: how many claims each protocol decided (the move to the verdict protocol, counted)."""
+
+    def kind(protocol: str) -> str:
+        if protocol == "-" or protocol.endswith("(no perplexity)"):
+            return "no perplexity (timings, per-layer errors)"
+        head = protocol.split(",")[0]
+        return f"the {head} protocol" if head in ("verdict", "fast") else "other settings"
+
+    counts = Counter(kind(r["protocol"]) for r in rows)
+    return f"Of {len(rows)} claims: " + ", ".join(f"{n} on {k}" for k, n in counts.most_common()) + "."
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", default="", help="comma list of benchmarks to rerun first (e.g. dpq,lattice)")
+    p.add_argument("--skip-fresh", action="store_true", help="skip the fresh Babai equivalence measurement")
+    a = p.parse_args()
+    for name in filter(None, a.run.split(",")):
+        rerun(name)
+    for line in why.check():  # a result measured again: its text shows the new number, to be read again
+        print(f"note: {WHY_FILE.name}: {line}", file=sys.stderr)
+    if a.skip_fresh:  # keep the last fresh measurement, if any (it is recorded in findings.json)
+        prev = load("findings")
+        fresh = (prev or {}).get("fresh")
+    else:
+        fresh = fresh_babai()
+    rows = []
+    for f in FINDINGS:
+        used, nseeds = f.source, 0
+        if f.source == "fresh":
+            if fresh is None:
+                nums, v = "", f"{MISSING} (--skip-fresh)"
+            else:
+                nums, v = judge_fresh(fresh)
+        elif not callable(f.judge):
+            nums, v = f.judge
+        else:
+            nums, v, used, nseeds = judge_seeds(f)
+        proto = "fresh (8x256 calib)" if f.source == "fresh" else protocol_of(load(used) or {})
+        if nseeds:  # how many seeds the verdict rests on (pooled: seed 0, more on the pairs repeated)
+            proto += ", one seed" if nseeds == 1 else f", {nseeds} seeds"
+            proto += " on the pairs a later seed repeats, one on the rest" if f.pooled and nseeds > 1 else ""
+        rows.append({"paper": f.paper, "claim": f.claim, "source": used, "numbers": nums, "verdict": v,
+                     "protocol": proto, "may_differ": f.differ})  # fmt: skip
+    md = ["# Findings on SmolLM2-135M (WikiText-2)", "",
+          "Generated by `python -m benchmarks.findings` from the benchmarks' own JSON results. Protocols: "
+          "*fast* = 16x512 calibration, the first 20 test windows; *verdict* = at least 128x512, every "
+          "window, KL and top-1; other settings are spelled out. A claim is judged on its verdict-protocol "
+          "runs where they hold every row it needs (`<source>_verdict.json`, other seeds in "
+          "`<source>_verdict_s<N>.json`: with two seeds a verdict stands only if both give it, with three "
+          "or more the one most seeds give, counted; a claim judged pair by pair, whose later seeds "
+          "repeat only its pairs under 10% (SFMP's main table), takes a pair's winner only where every "
+          "seed gives it; the "
+          "protocol column says how many seeds), else on the benchmark's own run. A claim marked *ours* "
+          "is a comparison of our own, not the paper's.", "",
+          f"Why any row may differ from its paper: {DIFFERS}.", "", protocol_summary(rows), "",
+          "| paper | claim | numbers | verdict | protocol | why this may differ from the paper | source |",
+          "|---|---|---|---|---|---|---|"]  # fmt: skip
+    cols = ("paper", "claim", "numbers", "verdict", "protocol", "may_differ", "source")
+    md += ["| " + " | ".join(str(r[c]).replace("|", "\\|") for c in cols) + " |" for r in rows]
+    write_text(RESULTS / "findings.md", "\n".join(md) + "\n")
+    write_text(RESULTS / "findings.json", json.dumps({"rows": rows, "fresh": fresh}, indent=2))
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Shared pieces of the findings report: the Finding record, result loading and verdict words."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks import RESULTS
+
+BENCHMARKS = Path(__file__).resolve().parents[1]
+NOT_SCRIPTS = ("harness", "findings")  # the package's own folders, not a benchmark's
+HOLDS, FAILS, UNTESTABLE, MISSING = "holds", "does not hold here", "cannot be tested here", "not measured"
+UNDECIDED = "undecided"  # verdict-protocol runs of two seeds disagree
+
+
+@dataclass
+class Finding:
+    paper: str
+    claim: str
+    source: str  # benchmark JSON name (benchmarks/results/<source>.json), or "fresh"
+    judge: Callable[[dict], tuple]  # results -> (numbers, verdict); pooled: (numbers, verdict, seeds)
+    differ: str = ""  # why this may differ from the paper, besides what every row shares (DIFFERS)
+    # the judge sees every verdict seed at once (seed 0's rows, the others as res["seeds"]) and says
+    # how many seeds its pairs rest on: for tables whose later seeds repeat only the pairs under 10%
+    pooled: bool = False
+
+
+# what every SmolLM2 row shares and the papers do not (the report says it once, above the table)
+DIFFERS = (
+    "SmolLM2-135M (576 wide, 30 layers) where the papers use 7B-70B models; its weights come from a "
+    "Q4_1 GGUF, so it has no heavy weight outliers; the papers' own baselines are not all rebuilt here"
+)
+
+
+def protocol_of(res: dict) -> str:
+    """Which protocol ``res`` (a benchmark's JSON) measured with: ``fast``, ``verdict``, or its settings;
+    ``-`` for a result with no calibration (a kernel timing); a per-layer measurement names its
+    calibration and says it scores no perplexity."""
+    if res.get("protocol") in ("fast", "verdict"):
+        return res["protocol"]
+    a = res.get("args") or {}
+    n, w = a.get("nsamples"), a.get("max_windows")
+    if n is None:
+        return "-"
+    if (n, w) == (16, 20):
+        return "fast"
+    if n >= 128 and w is None and a.get("fidelity"):  # the verdict protocol (common.protocol_label)
+        return "verdict"
+    if "max_windows" not in a and not res.get("rows"):  # per-layer measurements: no perplexity pass
+        return f"{n}x{a.get('seqlen', 512)} calib, per layer (no perplexity)"
+    return f"{n}x{a.get('seqlen', 512)} calib, " + ("every window" if w is None else f"{w} windows")
+
+
+def _is_script(path: Path) -> bool:
+    return path.parent.name not in NOT_SCRIPTS and '__name__ == "__main__"' in path.read_text()
+
+
+def module_of(source: str) -> str:
+    """The benchmark module that writes ``results/<source>.json``: the script of that name in a topic
+    folder, or the one whose part it is (``mosaic_main``: ``mosaic.py --parts main``; ``sfmp_decode``:
+    ``sfmp.py --parts decode``)."""
+    stem = source
+    while stem:
+        found = [p for p in sorted(BENCHMARKS.glob(f"*/{stem}.py")) if _is_script(p)]
+        if found:
+            return ".".join(("benchmarks", found[0].parent.name, stem))
+        stem = stem.rpartition("_")[0]
+    return f"benchmarks.<topic>.{source}"
+
+
+def run_command(source: str) -> str:
+    """What to type, at the repository root, to measure ``source``."""
+    return f"python -m {module_of(source)}"
+
+
+def load(name: str) -> dict | None:
+    p = RESULTS / f"{name}.json"
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def rows_by_name(res: dict) -> dict[str, dict]:
+    return {r["name"]: r for r in res.get("rows", [])}
+
+
+def fmt(x: float, nd: int = 2) -> str:
+    return "inf" if not math.isfinite(x) else f"{x:.{nd}f}"
+
+
+def ppl_fid(row: dict) -> str:
+    """``row``'s perplexity, with KL and top-1 to the float model where the run measured them."""
+    out = fmt(row["ppl"])
+    if "kl_mean" in row:
+        out += f" (KL {row['kl_mean']:.4f}, top-1 {row['top1_agreement']:.3f})"
+    return out
+
+
+def verdict(ok: bool, why_not: str = "") -> str:
+    return HOLDS if ok else (FAILS + (f" ({why_not})" if why_not else ""))

@@ -1,0 +1,1 @@
+"""GPTQ on SmolLM2-135M: orders, static groups, the foundation rows, the llm-compressor anchor protocol."""

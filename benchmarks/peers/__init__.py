@@ -1,0 +1,1 @@
+"""bitmosaic beside other tools: llama.cpp (GGUF, decode), GPTQModel, llm-compressor (speed)."""

@@ -1,0 +1,1 @@
+"""The pipeline's costs: the calibration statistics cache, data-parallel calibration."""

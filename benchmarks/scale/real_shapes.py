@@ -1,0 +1,251 @@
+"""Quantize at real shapes on this machine: a Llama-3-8B-shaped checkpoint and one Llama-3-70B-shaped
+decoder layer, streamed (``quantize --stream on``), GPTQ w4 g128 with the default order and scales,
+16 x 512 calibration tokens.
+
+The checkpoints have random bf16 weights from a fixed seed (timings and memory do not depend on the
+values) and are written shard by shard, one decoder layer at a time, never held whole.  The run is
+the CLI itself in a child process; the parent reads its ``progress.json`` (wall seconds per layer)
+and its peak RSS (``VmHWM``), and stops it after ``--layers`` layers (``--layers 0``: all of them; a
+stopped run resumes where it stopped when run again).  Beside the numbers: the FLOP count of one
+layer and this machine's measured float32 GEMM rate, so the time can be read against its bound.
+
+    python -m benchmarks.scale.real_shapes write --shape llama3-8b --dir /tmp/l8b
+    python -m benchmarks.scale.real_shapes run --shape llama3-8b --dir /tmp/l8b --layers 4
+    python -m benchmarks.scale.real_shapes check --dir /tmp/l8b      # the finished output loads and generates
+    python -m benchmarks.scale.real_shapes write --shape llama3-70b-layer --dir /tmp/l70
+    python -m benchmarks.scale.real_shapes run --shape llama3-70b-layer --dir /tmp/l70 --layers 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+from benchmarks.harness import RESULTS, machine_info, median_ms, write_results  # noqa: E402
+from benchmarks.scale.shapes import SHAPES  # noqa: E402
+
+
+def _config(shape: str):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**SHAPES[shape], tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=0,
+                       eos_token_id=1)  # fmt: skip
+
+
+def _random(name: str, shape, seed: int) -> torch.Tensor:
+    """N(0, 0.02) in bf16 (norm weights: ones), from a generator seeded by the name; row blocks of at
+    most 64M values so the float32 draw stays small."""
+    if len(shape) == 1:
+        return torch.ones(shape, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    out = torch.empty(shape, dtype=torch.bfloat16)
+    step = max(1, (64 << 20) // shape[1])
+    for r in range(0, shape[0], step):
+        out[r : r + step] = (torch.randn(min(step, shape[0] - r), shape[1], generator=g) * 0.02).bfloat16()
+    return out
+
+
+def write_checkpoint(folder: Path, shape: str, seed: int = 0) -> None:
+    """A bf16 safetensors checkpoint of ``shape``: one shard per decoder layer, the embeddings and the
+    head in shards of their own, an index, and a word tokenizer; never more than one shard in memory."""
+    from accelerate import init_empty_weights
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from bitmosaic.testing import word_tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = _config(shape)
+    with init_empty_weights():
+        skel = AutoModelForCausalLM.from_config(cfg)
+    names = {n: tuple(p.shape) for n, p in skel.named_parameters()}
+    groups: list[list[str]] = [["model.embed_tokens.weight"]]
+    for li in range(cfg.num_hidden_layers):
+        groups.append([n for n in names if n.startswith(f"model.layers.{li}.")])
+    groups.append(["model.norm.weight", "lm_head.weight"])
+    weight_map, total = {}, 0
+    for i, group in enumerate(groups):
+        file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        if not (folder / file).is_file():
+            t0 = time.perf_counter()
+            sd = {n: _random(n, names[n], seed) for n in group}
+            save_file(sd, str(folder / (file + ".tmp")), metadata={"format": "pt"})
+            os.replace(folder / (file + ".tmp"), folder / file)
+            print(f"{file}: {len(sd)} tensors in {time.perf_counter() - t0:.1f}s", flush=True)
+            del sd
+        for n in group:
+            weight_map[n] = file
+            total += 2 * int(torch.tensor(names[n]).prod())
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
+    cfg.save_pretrained(folder)
+    word_tokenizer().save_pretrained(folder)
+    (folder / "calib.txt").write_text(" ".join(f"w{i % 997}" for i in range(200_000)))
+
+
+def gemm_gflops(n: int = 4096, k: int = 4096, m: int = 8192) -> float:
+    """This machine's float32 GEMM rate (GFLOP/s) at the shape of a layer's projections."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    ms = median_ms(lambda: a @ b, budget_s=3.0, max_reps=10)
+    return 2 * m * n * k / (ms / 1e3) / 1e9
+
+
+def layer_flops(shape: str, tokens: int, seqlen: int = 512) -> dict:
+    """FLOPs of one decoder layer's GPTQ run (module doc of pipeline.py): the layer forwards the
+    pipeline makes (no output cache at these sizes: a pass up to each group's inputs -- q/k/v's
+    costs nothing -- and the final one) with their attention ``4 T seqlen h``, the Hessians
+    ``2 T d^2`` of the four inputs (the upper triangle is ``T d^2``, plus the diagonal blocks), GPTQ's
+    solve per stacked group (Cholesky ``d^3/3``, triangular inverse ``d^3/3``, column updates
+    ``2 rows d^2``) and the report's error metrics (``w^T H w`` per row: ``2 rows d^2``)."""
+    s = SHAPES[shape]
+    h, f = s["hidden_size"], s["intermediate_size"]
+    kv = s["num_key_value_heads"] * (h // s["num_attention_heads"])
+    qkv, o, gu, down = h * (h + 2 * kv), h * h, 2 * h * f, f * h
+    passes = qkv + (qkv + o) + (qkv + o + gu) + (qkv + o + gu + down)
+    forward = 2 * tokens * passes + 4 * (4 * tokens * seqlen * h)
+    hess = tokens * (3 * h * h + f * f)
+    groups = ((h + 2 * kv, h), (h, h), (2 * f, h), (h, f))
+    solve = sum(2 * d**3 / 3 + 2 * rows * d * d for rows, d in groups)
+    metrics = sum(2 * rows * d * d for rows, d in groups)
+    return {"forward": forward, "hessian": hess, "gptq": solve, "metrics": metrics,
+            "total": forward + hess + solve + metrics}  # fmt: skip
+
+
+def _rss_mb(pid: int) -> float:
+    return _vmhwm_mb(pid, "VmRSS:")
+
+
+def _vmhwm_mb(pid: int, field: str = "VmHWM:") -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def run(folder: Path, shape: str, layers: int, out: Path, threads: int | None) -> dict:
+    prog = out.parent / f".{out.name}.partial" / "progress.json"
+    argv = [sys.executable, "-m", "bitmosaic.cli", "quantize", "--model", str(folder), "--method", "gptq",
+            "--bits", "4", "--group-size", "128", "--calib", str(folder / "calib.txt"), "--nsamples", "16",
+            "--seqlen", "512", "--dtype", "bfloat16", "--stream", "on", "--out", str(out),
+            "--no-progress"]  # fmt: skip
+    if threads:
+        argv += ["--threads", str(threads)]
+    t0 = time.perf_counter()
+    p = subprocess.Popen(argv)
+    peak, done, trace, state = 0.0, 0, [], None
+    while p.poll() is None:
+        peak = max(peak, _vmhwm_mb(p.pid))
+        trace.append((round(time.perf_counter() - t0, 1), round(_rss_mb(p.pid)), done))
+        try:  # kept as last read: a finished run's work folder becomes the output, without it
+            state = json.loads(prog.read_text())
+            done = state["layers_done"]
+        except (OSError, ValueError, KeyError):
+            pass
+        if layers and done >= layers:
+            p.terminate()
+            p.wait()
+            break
+        time.sleep(0.5)
+    wall = time.perf_counter() - t0
+    per_layer = state.get("layer_seconds") if state else None
+    return {"returncode": p.returncode, "wall_s": wall, "peak_rss_mb": peak, "layer_seconds": per_layer,
+            "finished": out.is_dir(), "rss_trace": trace}  # fmt: skip
+
+
+def check(out: Path, new_tokens: int = 8) -> dict:
+    """Load the finished output with ``bitmosaic.load`` (transformers' ``from_pretrained`` with the
+    packed modules) and generate greedily: load seconds, decode tokens/s, peak RSS, finite logits."""
+    import resource
+
+    from transformers import AutoTokenizer
+
+    import bitmosaic
+
+    t0 = time.perf_counter()
+    model = bitmosaic.load(str(out))
+    load_s = time.perf_counter() - t0
+    tok = AutoTokenizer.from_pretrained(str(out))
+    ids = tok("w1 w2 w3 w4", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        logits = model(ids).logits
+        t0 = time.perf_counter()
+        gen = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens)
+        gen_s = time.perf_counter() - t0
+    kinds = sorted({type(m).__name__ for m in model.modules() if "Linear" in type(m).__name__})
+    new = int(gen.shape[1] - ids.shape[1])
+    return {"load_s": load_s, "generate_s": gen_s, "new_tokens": new, "tokens_per_s": new / gen_s,
+            "logits_finite": bool(torch.isfinite(logits).all()),
+            "linear_kinds": kinds, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "output_gb": sum(p.stat().st_size for p in out.glob("*.safetensors")) / 1e9}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=("write", "run", "check"))
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    ap.add_argument("--dir", type=Path, required=True, help="the checkpoint folder")
+    ap.add_argument("--out", type=Path, default=None, help="output folder (default DIR-gptq-w4g128)")
+    ap.add_argument("--layers", type=int, default=4, help="stop after this many layers (0: all)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.what == "write":
+        write_checkpoint(args.dir, args.shape, args.seed)
+        return
+    out = args.out or args.dir.with_name(args.dir.name + "-gptq-w4g128")
+    if args.what == "check":
+        res = check(out)
+        print(json.dumps(res, indent=1))
+        path = Path(args.json or RESULTS / f"real_shapes_{args.shape}.json")
+        if path.is_file():  # beside the run's numbers
+            data = json.loads(path.read_text())
+            data["results"]["load_and_generate"] = res
+            path.write_text(json.dumps(data, indent=2, default=str))
+        return
+    gemm = gemm_gflops()
+    res = run(args.dir, args.shape, args.layers, out, args.threads)
+    flops = layer_flops(args.shape, 16 * 512)
+    n_layers = SHAPES[args.shape]["num_hidden_layers"]
+    secs = res["layer_seconds"] or []
+    steady = secs[1:] or secs  # the first layer's time includes loading and the capture
+    mean = sum(steady) / max(len(steady), 1)
+    bound = flops["total"] / (gemm * 1e9)
+    rows = {
+        "shape": args.shape, "gemm_gflops_fp32": gemm, "layer_tflop": {k: v / 1e12 for k, v in flops.items()},
+        "bound_s_per_layer": bound, "layer_seconds": secs, "mean_s_per_layer_after_first": mean,
+        "ratio_to_bound": mean / bound if bound else None, "projected_total_s": mean * n_layers,
+        "peak_rss_mb": res["peak_rss_mb"], "finished": res["finished"], "wall_s": res["wall_s"],
+        "rss_trace_s_mb_layers": res["rss_trace"][::4],
+    }  # fmt: skip
+    md = [f"# {args.shape}: GPTQ w4 g128 (default order/scales), 16 x 512 calibration, streamed", "",
+          "| quantity | value |", "|---|---|",
+          f"| float32 GEMM rate (4096x4096 @ 8192 rows) | {gemm:.0f} GFLOP/s |",
+          f"| FLOPs per layer: forwards + Hessians + GPTQ + error metrics | "
+          f"{' + '.join(f'{flops[k] / 1e12:.2f}' for k in ('forward', 'hessian', 'gptq', 'metrics'))} = "
+          f"{flops['total'] / 1e12:.2f} TFLOP |",
+          f"| bound per layer (FLOPs / GEMM rate) | {bound:.1f} s |",
+          f"| seconds per layer (wall, as run) | {', '.join(f'{s:.1f}' for s in secs)} |",
+          f"| mean after the first / bound | {mean:.1f} s / {bound:.1f} s = {rows['ratio_to_bound']:.2f}x |",
+          f"| projected total ({n_layers} layers) | {mean * n_layers / 60:.1f} min |",
+          f"| peak RSS | {res['peak_rss_mb']:.0f} MB |",
+          f"| finished the whole model | {res['finished']} |"]  # fmt: skip
+    write_results(args.json, f"real_shapes_{args.shape}", {"results": rows, "machine": machine_info()},
+                  "\n".join(md))  # fmt: skip
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()

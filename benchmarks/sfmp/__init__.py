@@ -1,0 +1,1 @@
+"""SFMP: mixed-precision allocation at matched memory, reordering and its decode cost."""
