@@ -1,4 +1,4 @@
-"""The long fuzz run (issue 26, section 3): every property of ``tests/fuzz/properties.py`` -- the test
+"""The long fuzz run (issue 26, section 3): every property of ``benchmarks/fuzz/properties.py`` -- the test
 suite's fuzzing of every parser of untrusted input -- for many more cases, each with its own random seed
 unless ``--derandomize``.  Writes ``benchmarks/results/fuzz_long.{json,md}``: per property the cases run,
 the seconds, and how the inputs ended (accepted, or refused with which one-line error); a property that
