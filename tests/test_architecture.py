@@ -33,12 +33,7 @@ def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = name.split(".") if is_pkg else name.split(".")[:-1]
-            if node.level:
-                base = base[: len(base) - (node.level - 1)]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
+            mod = _from_module(node, name, is_pkg)
             targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods else mod for a in node.names]
         for t in targets:
             while t and t not in mods:
@@ -46,6 +41,15 @@ def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
             if t and t != name:
                 out.add(t)
     return out
+
+
+def _from_module(node: ast.ImportFrom, name: str, is_pkg: bool) -> str:
+    """The absolute module a ``from ... import`` in module ``name`` reads from."""
+    if not node.level:
+        return node.module or ""
+    base = name.split(".") if is_pkg else name.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
 
 
 def _graph() -> dict[str, set[str]]:
@@ -167,12 +171,7 @@ def _private_imports(path: Path, name: str, mods: dict[str, Path]) -> list[str]:
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if not isinstance(node, ast.ImportFrom):
             continue
-        base = name.split(".") if is_pkg else name.split(".")[:-1]
-        if node.level:
-            base = base[: len(base) - (node.level - 1)]
-            mod = ".".join(base + ([node.module] if node.module else []))
-        else:
-            mod = node.module or ""
+        mod = _from_module(node, name, is_pkg)
         if not mod.startswith("bitmosaic"):
             continue
         for a in node.names:
