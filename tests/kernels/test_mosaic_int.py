@@ -54,7 +54,7 @@ def _check(m, x):
             y_sim = m(x)
     assert m.res_index.numel() and m._int_act.weight.parts  # the residual did run
     q = m.input_quant
-    _close(y - m.bias, y_sim - m.bias, fake_quant(x, q.spec, q.scale), m.dequantize_reference())
+    _close(y - m.bias, y_sim - m.bias, fake_quant(x, q.spec, q.scale), m.dequantize_reference(), m.bias)
     return y
 
 
