@@ -1,7 +1,8 @@
 """``bitmosaic compare``: many quantization configs on one model, one table, one Pareto plot.
 
 Configs are written ``method:setting[;option...]``, comma-separated, e.g.
-``"rtn:w4g128, gptq:w3g128, gptq:w4g128;order=natural, smoothquant:w8a8, sfmp:bpw3.25, mosaic:w4a4"``:
+``"rtn:w4g128, gptq:w3g128, gptq:w4g128;order=natural, rtn:w8a8"`` (any registered method; the
+Makefile's ``compare`` target lists one config of each):
 
 * ``w<B>`` weight bits, ``g<G>`` group size (``gch`` or ``g-1``: per-channel), ``a<A>`` activation bits
   (``w4a8`` is the scheme ``W4A8``; a suffix ``-fp8``/``-fp4`` picks float activations: ``w4a8-fp8``),

@@ -31,7 +31,7 @@ quantize ...`` (``--nnodes`` for several machines) with the same flags as one pr
   samples once.
 - *Output*: only rank 0 prints, shows progress, evaluates and writes the folder and the JSON.
 
-**Reduction order.**  Hessians and observers (activation maxima, AWQ's channel means, static
+**Reduction order.**  Hessians and observers (activation maxima, a smoothing search's channel means, static
 scales) are not summed over ranks: every element goes through the operations one process applies
 to it (the running mean over the batches in global batch order; each block row by the same
 ``addmm``), so they are bit-identical to one process's whenever the BLAS gives the same bits for
