@@ -27,10 +27,10 @@ folder, its table and plot: :mod:`bitmosaic.eval.compare`).
 What is shared between configs: the float model's evaluation, the calibration samples (the same
 ``--seed`` draws the same samples) and, through one calibration cache folder passed to every config
 (:mod:`bitmosaic.pipeline.calib_cache`), the statistics of the *float* model: the inputs of the first
-decoder layer, layer 0's smoothing statistics and the SFMP Fisher salience.  The column ``cache_hits``
-says which each config found there.  Other Hessians and activation statistics are *not* shared: the
-sequential pipeline gathers each layer's statistics on the outputs of the already-quantized earlier
-layers, so they differ from method to method.
+decoder layer, layer 0's smoothing statistics and the Fisher salience of a global bit allocation.
+The column ``cache_hits`` says which each config found there.  Other Hessians and activation
+statistics are *not* shared: the sequential pipeline gathers each layer's statistics on the outputs
+of the already-quantized earlier layers, so they differ from method to method.
 """
 
 from __future__ import annotations
