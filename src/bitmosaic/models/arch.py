@@ -69,11 +69,55 @@ class ArchSpec:
     norm_offset: float = 0.0
     rotation: RotationMap | None = LLAMA_ROTATION
 
+    # names a layer may lack (e.g. a dense MLP in a mixture-of-experts model's first layers)
+    optional: tuple[str, ...] = ()
+
     def layers(self, model: nn.Module) -> nn.ModuleList:
         return model.get_submodule(self.layers_path)
 
     def linear_names(self) -> list[str]:
+        """The map's names (an experts wildcard ``mlp.experts.*.down_proj`` unexpanded)."""
         return [name for group in self.sequential for name in group]
+
+    def groups(self, layer: nn.Module) -> tuple[tuple[str, ...], ...]:
+        """``sequential`` for one decoder layer: a ``*`` stands for each index of the module list
+        before it (the experts of a :class:`~bitmosaic.modules.experts.RoutedExperts`), and names the
+        layer lacks are dropped when they are ``optional`` or expert wildcards (a group may then be
+        empty; the indices stay those of ``sequential``)."""
+        return tuple(tuple(n for name in group for n in _expand(layer, name, name in self.optional))
+                     for group in self.sequential)  # fmt: skip
+
+    def expert_group(self, index: int) -> bool:
+        """Whether group ``index`` holds expert projections (a ``*`` name)."""
+        return any("*" in name for name in self.sequential[index])
+
+    def layer_linear_names(self, layer: nn.Module) -> list[str]:
+        return [name for group in self.groups(layer) for name in group]
+
+
+def _expand(layer: nn.Module, name: str, optional: bool) -> list[str]:
+    if "*" not in name:
+        if optional and not _has(layer, name):
+            return []
+        return [name]
+    head, tail = name.split(".*.", 1)
+    if not _has(layer, head):
+        return []
+    container = layer.get_submodule(head)
+    if not isinstance(container, nn.ModuleList):
+        raise UnknownArchitectureError(
+            f"{head} is not a list of experts ({type(container).__name__}); unfuse the experts first "
+            "(bitmosaic.modules.experts.unfuse_experts(model))"
+        )
+    return [f"{head}.{i}.{tail}" for i in range(len(container))]
+
+
+def _has(layer: nn.Module, name: str) -> bool:
+    try:
+        layer.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 LLAMA_LIKE = ArchSpec(
@@ -114,6 +158,23 @@ PHI3 = ArchSpec(
     ),
 )
 
+# Mixture of experts (transformers 5: the experts fused into 3-D parameters, unfused into one linear per
+# expert projection by bitmosaic.modules.experts before a run).  Each expert's gate/up read its routed
+# rows of the post-attention norm's output; the router (``mlp.gate``) stays float.  A routed expert's
+# factors cannot be folded into the norm (every expert reads it), so the experts' groups are unsmoothed.
+QWEN3_MOE = ArchSpec(
+    layers_path="model.layers",
+    sequential=(
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        ("self_attn.o_proj",),
+        ("mlp.experts.*.gate_proj", "mlp.experts.*.up_proj"),
+        ("mlp.experts.*.down_proj",),
+    ),
+    smooth_prev=("input_layernorm", "self_attn.v_proj", None, None),
+    rotation=RotationMap(refuse="its experts are not rotated yet (the router and every expert read the "
+                         "rotated stream)"),  # fmt: skip
+)
+
 ARCHS: dict[str, ArchSpec] = {
     "llama": LLAMA_LIKE,
     "mistral": LLAMA_LIKE,
@@ -135,6 +196,9 @@ ARCHS: dict[str, ArchSpec] = {
     ),
     "granite": LLAMA_LIKE,
     "phi3": PHI3,
+    "qwen3_moe": QWEN3_MOE,
+    "mixtral": QWEN3_MOE,
+    "olmoe": QWEN3_MOE,
 }
 
 

@@ -36,6 +36,7 @@ from ..modules.rotation import carry_input_rotation
 from .calibration import layer_kind
 from .capture import capture_groups, run_layer
 from .distributed import Dist
+from .experts import expert_statistics, is_expert_group
 from .report import RunReport
 from .settings import RunSettings
 from .smoothing import fold_group_scales
@@ -89,11 +90,13 @@ class _Layer:
     prefix: str
     plan: dict
     kwargs: list | None
+    groups: tuple = ()  # the map's true-sequential groups for this layer (ArchSpec.groups)
     use_cache: bool = False
     group_info: dict = field(default_factory=dict)  # group index -> the transform's report entry
     folded: dict = field(default_factory=dict)  # group index -> the factors folded into its input
     qmods: dict = field(default_factory=dict)  # linear name -> packed module
     act_scales: dict = field(default_factory=dict)  # linear name -> static input scale (or None)
+    experts: dict = field(default_factory=dict)  # group index -> ExpertStats of an expert group
 
 
 def quantize_layer(run: LayerRun, li: int) -> None:
@@ -106,14 +109,15 @@ def quantize_layer(run: LayerRun, li: int) -> None:
     home, home_dtype = first_param.device, first_param.dtype
     layer.to(run.dev, run.cdtype)
     kwargs = run.kwargs_by_kind[layer_kind(layer)] if run.calibrate else None
-    lay = _Layer(li, layer, f"{run.arch.layers_path}.{li}", run.plans[li], kwargs)
+    lay = _Layer(li, layer, f"{run.arch.layers_path}.{li}", run.plans[li], kwargs, run.arch.groups(layer))
     if run.calibrate:
         runc0 = run.runc if li == 0 and run.dist.world == 1 else None  # later layers: quantized inputs
         lay.group_info = _apply_transform(run, lay, runc0)
         lay.use_cache = use_output_cache(run, layer)
     with OutputCache() as cache:
-        for gi, group in enumerate(run.arch.sequential):
-            _quantize_group(run, lay, gi, group, cache)
+        for gi, group in enumerate(lay.groups):
+            if group:  # a map's group this layer lacks (a dense MLP in an MoE layer) is empty
+                _quantize_group(run, lay, gi, group, cache)
         if run.calibrate:
             _propagate(run, lay, cache)
     release_host_memory()
@@ -152,10 +156,10 @@ def _quantize_group(run: LayerRun, lay: _Layer, gi: int, group, cache: OutputCac
         done += _solve_hessian(run, lay, grp, own, names)
     for entry in done:
         _record(run, lay, gi, entry, grp.observers)
-    if lay.use_cache and gi < len(run.arch.sequential) - 1:  # quantized or skipped: final from now on
+    if lay.use_cache and gi < len(lay.groups) - 1:  # quantized or skipped: final from now on
         for name in group:
             cache.install(lay.module.get_submodule(name))
-        for child in _finished_children(lay.module, run.arch, gi):
+        for child in _finished_children(lay.module, lay.groups, gi):
             cache.install(child)
     del grp, done
     release_host_memory()  # the heap pages this group's temporaries freed
@@ -172,7 +176,13 @@ def _statistics(run: LayerRun, lay: _Layer, gi: int, group, cache: OutputCache) 
     )
     stat_kw = dict(hessian_dtype=run.settings.hessian_dtype, cache=cache if lay.use_cache else None,
                    observe=observe, dist=run.dist)  # fmt: skip
-    accs, owner, observers = group_statistics(lay.module, group, run.inputs, lay.kwargs, **stat_kw)
+    if is_expert_group(lay.module, group):
+        s = run.settings
+        stat_kw.update(moe_calib=s.moe_calib, min_tokens=s.moe_min_tokens, fallback=s.moe_fallback)
+        accs, owner, observers, seen = expert_statistics(lay.module, group, run.inputs, lay.kwargs, **stat_kw)
+        lay.experts[gi] = seen
+    else:
+        accs, owner, observers = group_statistics(lay.module, group, run.inputs, lay.kwargs, **stat_kw)
     shared: dict[str, list[str]] = {}
     for name in group:
         shared.setdefault(owner[name], []).append(name)
@@ -201,7 +211,8 @@ def _solve_hessian(run: LayerRun, lay: _Layer, grp: _Group, own: str, names: lis
         try:
             rows = quantize_shared(job, H, disposable=lone)
         except HessianSpentError:  # needs a retry with more damping: a kept H
-            H = group_statistics(lay.module, grp.names, run.inputs, lay.kwargs, **grp.stat_kw)[0][own].H
+            again = expert_statistics if is_expert_group(lay.module, grp.names) else group_statistics
+            H = again(lay.module, grp.names, run.inputs, lay.kwargs, **grp.stat_kw)[0][own].H
             rows = quantize_shared(job, H)
         done += [(own, m, c, None if lone else H, *r) for r in rows]
     return done
@@ -217,6 +228,11 @@ def _record(run: LayerRun, lay: _Layer, gi: int, entry: tuple, observers: dict) 
         row["act"] = act.label
     if lay.group_info.get(gi):
         row["transform"] = lay.group_info[gi]
+    seen = lay.experts.get(gi)
+    if seen is not None:  # an expert projection: the rows routed to it, and its fallback rule if any
+        row["expert_tokens"] = seen.tokens.get(own, 0)
+        if own in seen.fallback:
+            row["expert_fallback"] = seen.fallback[own]
     orders = run.settings.analyze_orders
     if orders and H is not None:
         grid = IntGrid(c.bits, c.symmetric)
@@ -256,7 +272,8 @@ def transform_layer(layer: nn.Module, arch: ArchSpec, plan: dict, inputs, kwargs
 
     run = LayerRun(arch, [layer], [plan], RunSettings(), torch.device("cpu"), torch.float32, current(), None,
                    inputs=inputs, gen=gen)  # fmt: skip
-    return _apply_transform(run, _Layer(0, layer, f"{arch.layers_path}.0", plan, kwargs), None)
+    lay = _Layer(0, layer, f"{arch.layers_path}.0", plan, kwargs, arch.groups(layer))
+    return _apply_transform(run, lay, None)
 
 
 def _apply_transform(run: LayerRun, lay: _Layer, runc) -> dict[int, dict]:
@@ -268,7 +285,9 @@ def _apply_transform(run: LayerRun, lay: _Layer, runc) -> dict[int, dict]:
     transform runs on one rank."""
     plan, arch, dist = lay.plan, run.arch, run.dist
     todo: dict[tuple, list[int]] = {}
-    for gi, group in enumerate(arch.sequential):
+    for gi, group in enumerate(lay.groups):
+        if not group or is_expert_group(lay.module, group):
+            continue  # experts: no per-channel factor serves every expert's routed tokens (capture.py)
         keys = {entry_key(plan[n]) if plan[n] else None for n in group}
         if len(keys) == 1 and None not in keys and plan[group[0]][0].has_transform:
             todo.setdefault(keys.pop(), []).append(gi)
@@ -312,12 +331,12 @@ def _static_act(plan: dict, group, prefix: str):
     return next(iter(specs.values()), None)
 
 
-def _finished_children(layer: nn.Module, arch: ArchSpec, gi: int) -> list[nn.Module]:
+def _finished_children(layer: nn.Module, groups: tuple, gi: int) -> list[nn.Module]:
     """Direct children of ``layer`` (e.g. ``self_attn``) whose quantized linears are all in groups
     ``<= gi``: their inputs and weights are final, so their whole output can be cached (the
     attention itself is then computed once per layer, not once per later group)."""
-    done = {n for g in arch.sequential[: gi + 1] for n in g}
-    pending = {n for g in arch.sequential[gi + 1 :] for n in g}
+    done = {n for g in groups[: gi + 1] for n in g}
+    pending = {n for g in groups[gi + 1 :] for n in g}
     out = []
     for cname, child in layer.named_children():
         mine = {n for n in done | pending if n.startswith(cname + ".")}
@@ -331,5 +350,6 @@ def use_output_cache(run: LayerRun, layer: nn.Module) -> bool:
     output cache's budget)."""
     if run.settings.cache_outputs is not None:
         return bool(run.settings.cache_outputs)
-    width = sum(layer.get_submodule(n).weight.shape[0] for g in run.arch.sequential[:-1] for n in g)
+    width = sum(layer.get_submodule(n).weight.shape[0] for g in run.arch.groups(layer)[:-1] for n in g
+                if not is_expert_group(layer, (n,)))  # an expert's outputs: its routed rows only
     return run.local.numel() * width * 4 / 2**20 <= run.cache_budget_mb

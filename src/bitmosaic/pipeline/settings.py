@@ -21,7 +21,7 @@ import torch
 
 from ..errors import OptionError
 
-__all__ = ["RunSettings", "Calibration", "settings_fields"]
+__all__ = ["RunSettings", "Calibration", "settings_fields", "SETTING_CHOICES"]
 
 
 def _setting(default, help: str, *, flag: str | None = None, record: str | None = None, factory=None):
@@ -34,6 +34,7 @@ def _setting(default, help: str, *, flag: str | None = None, record: str | None 
 
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
+_CHOICES = {"moe_calib": ("routed", "all"), "moe_fallback": ("pooled",)}  # str settings' values
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,16 @@ class RunSettings:
         False, "calibrate even methods that need no Hessian (RTN, FP8), for the report's error metrics")
     check_packing: bool = _setting(True, "verify every packed module against the simulated weights")
     progress: bool = _setting(True, "show progress bars (with an ETA)", flag="--no-progress")
+    moe_calib: str = _setting(
+        "routed", "mixture-of-experts statistics: 'routed' (each expert's Hessian from the tokens routed to it, "
+        "weighted by the squared routing weight) or 'all' (every calibration token through every expert, "
+        "unweighted, for statistics only; outputs stay routed)", flag="--moe-calib")  # fmt: skip
+    moe_min_tokens: int = _setting(
+        1, "an expert routed fewer calibration tokens than this falls back to --moe-fallback",
+        flag="--moe-min-tokens")  # fmt: skip
+    moe_fallback: str = _setting(
+        "pooled", "the rule for an expert below --moe-min-tokens: 'pooled' (the Hessian of all the layer's "
+        "experts' routed tokens)", flag="--moe-fallback")  # fmt: skip
 
     def __post_init__(self):
         b = self.batch_size
@@ -88,6 +99,12 @@ class RunSettings:
                     f"hessian_dtype must be one of {sorted(_DTYPES)}, got {self.hessian_dtype!r}"
                 )
             object.__setattr__(self, "hessian_dtype", _DTYPES[self.hessian_dtype])
+        for name, allowed in _CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise OptionError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        m = self.moe_min_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise OptionError(f"moe_min_tokens must be an integer >= 0, got {m!r}")
         if isinstance(self.analyze_orders, str):  # "natural,act" as the CLI writes it
             object.__setattr__(self, "analyze_orders", tuple(o for o in self.analyze_orders.split(",") if o))
         if self.analyze_orders is not None:
@@ -116,6 +133,9 @@ class RunSettings:
                     v = ",".join(v)
                 out[key] = v
         return out
+
+
+SETTING_CHOICES = _CHOICES
 
 
 def settings_fields() -> dict[str, dataclasses.Field]:

@@ -22,6 +22,7 @@ from torch import nn
 
 from ...errors import BitmosaicError, CorruptModelError, check_finite
 from ...formats.accounting import dtype_name_bits
+from ...modules.experts import unfuse_experts
 from ...modules.qmodules import module_from_layer_config
 from ..sources.checkpoint import is_file_name
 from .finish import finish_load, model_arch
@@ -296,6 +297,7 @@ def _skeleton(path: Path, qc: dict, meta: bool = False) -> tuple[nn.Module, bool
         raise CorruptModelError(
             f"{path}/config.json describes no model transformers can build ({type(e).__name__}: {reason})"
         ) from None
+    unfuse_experts(model)  # a mixture of experts is saved one linear per expert projection
     if meta:
         with torch.device("meta"):
             install_quantized_modules(model, qc["modules"], path)

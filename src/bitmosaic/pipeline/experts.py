@@ -1,0 +1,184 @@
+"""Statistics of a group of expert projections (``mlp.experts.<e>.gate_proj`` ...): one Hessian per
+expert from the tokens routed to it.
+
+For expert ``e`` the layer's output gets ``w_t * expert_e(x_t)`` from token ``t`` routed to it with
+routing weight ``w_t``, so an error ``dW x_t`` of one of its linears reaches the layer output scaled by
+``w_t``: the squared output error is ``sum_t w_t^2 |dW x_t|^2`` -- the GPTQ objective (GPTQ paper,
+Eq. 1-2) with the Hessian ``2/n sum_t w_t^2 x_t x_t^T``.  That is exact for ``down_proj`` and first
+order for ``gate_proj``/``up_proj`` (whose error passes the gate rule first), and it is what
+``moe_calib='routed'`` accumulates: each routed row scaled by its routing weight.  ``'all'`` sends every
+calibration token through every expert (:attr:`~bitmosaic.modules.experts.RoutedExperts.observe_all`),
+unweighted, for statistics only: no expert lacks tokens, at E/k times the expert FLOPs.
+
+An expert routed fewer than ``moe_min_tokens`` rows falls back to ``moe_fallback``: ``'pooled'``, the
+layer's pooled Hessian of the same projection (all experts' rows, weighted alike).  :func:`expert_statistics`
+returns the rows each expert saw and which experts fell back, for the run report.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..algorithms.hessian import HessianAccumulator
+from ..algorithms.observers import ActObserver
+from ..devices import release_host_memory
+from ..errors import OptionError
+from ..modules.experts import RoutedExperts
+from .calibration import LayerInputs, StopForward
+from .capture import run_layer
+
+__all__ = ["expert_statistics", "is_expert_group", "ExpertStats"]
+
+
+def is_expert_group(layer: nn.Module, names) -> bool:
+    """Whether the group's linears are expert projections (their parent's parent is a RoutedExperts)."""
+    return any(isinstance(_container(layer, n), RoutedExperts) for n in names)
+
+
+def _container(layer: nn.Module, name: str) -> nn.Module | None:
+    parts = name.split(".")
+    if len(parts) < 3:
+        return None
+    return layer.get_submodule(".".join(parts[:-2]))
+
+
+class _Fixed:
+    """A Hessian that is not accumulated here (a fallback's): what the solver reads of an accumulator."""
+
+    def __init__(self, H: torch.Tensor) -> None:
+        self.H = H
+
+    def take(self) -> torch.Tensor:
+        return self.H.clone()
+
+
+class ExpertStats:
+    """Per expert group: ``tokens`` (owner name -> routed rows seen), ``fallback`` (owner -> rule)."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, int] = {}
+        self.fallback: dict[str, str] = {}
+
+
+@torch.inference_mode()
+def expert_statistics(
+    layer: nn.Module,
+    names,
+    inputs: LayerInputs,
+    kwargs: list[dict],
+    *,
+    hessian_dtype: torch.dtype = torch.float32,
+    cache=None,
+    observe=False,
+    dist=None,
+    moe_calib: str = "routed",
+    min_tokens: int = 1,
+    fallback: str = "pooled",
+) -> tuple[dict, dict[str, str], dict[str, ActObserver], ExpertStats]:
+    """Hessians of the expert linears ``names`` (module doc), the owner of each (an expert's gate and up
+    read one tensor: one Hessian), input observers when ``observe`` and the :class:`ExpertStats`."""
+    if dist is not None and dist.world > 1:
+        raise OptionError("data-parallel runs of mixture-of-experts layers are not supported yet; run on one "
+                          "process (drop torchrun)")  # fmt: skip
+    containers = {id(c): c for n in names if isinstance(c := _container(layer, n), RoutedExperts)}
+    act_spec = None if isinstance(observe, bool) else observe
+    observe = bool(observe) and (act_spec is None or act_spec.static)
+    accs: dict[str, HessianAccumulator] = {}
+    observers: dict[str, ActObserver] = {}
+    owner: dict[str, str] = {}
+    stats = ExpertStats()
+    weights: dict[int, torch.Tensor | None] = {}  # id(expert) -> the routing weights of its current call
+    want_routed = moe_calib == "routed"
+
+    def expert_hook(module, args):
+        weights[id(module)] = args[1] if len(args) > 1 else None
+
+    def linear_hook(name, expert):
+        def hook(module, args):
+            w = weights.get(id(expert))
+            if (w is not None) != want_routed:
+                return  # a routed call under 'all' (or the statistics call under 'routed')
+            x = args[0].reshape(-1, args[0].shape[-1])
+            own = next((o for o, t in seen.get(id(expert), []) if t is args[0]), None)
+            if own is not None:  # gate and up of one expert read one tensor
+                owner.setdefault(name, own)
+                return
+            owner.setdefault(name, name)
+            seen.setdefault(id(expert), []).append((name, args[0]))
+            xf = x.float() if w is None else x.float() * w.reshape(-1, 1).float()
+            acc = accs.get(name)
+            if acc is None:
+                acc = accs[name] = HessianAccumulator(x.shape[-1], dtype=hessian_dtype, device=x.device)
+            acc.add(xf.to(hessian_dtype) if hessian_dtype != torch.float32 else xf)
+            stats.tokens[name] = stats.tokens.get(name, 0) + x.shape[0]
+            if observe:
+                observers.setdefault(name, ActObserver(x.shape[-1], act_spec)).add(x)
+
+        return hook
+
+    def stop(module, args, out):
+        raise StopForward
+
+    seen: dict[int, list] = {}
+    handles = []
+    for n in names:
+        expert = layer.get_submodule(n.rsplit(".", 1)[0])
+        handles.append(layer.get_submodule(n).register_forward_pre_hook(linear_hook(n, expert)))
+    for c in containers.values():
+        handles += [e.register_forward_pre_hook(expert_hook) for e in c]
+        handles.append(c.register_forward_hook(stop))
+        c.observe_all = not want_routed
+    try:
+        for b, (hs, kw) in enumerate(zip(inputs, kwargs, strict=True)):
+            if cache is not None:
+                cache.batch = b
+            seen.clear()
+            try:
+                run_layer(layer, hs, kw)
+            except StopForward:
+                pass
+            release_host_memory(grown_mb=64)
+    finally:
+        for h in handles:
+            h.remove()
+        for c in containers.values():
+            c.observe_all = False
+    _fall_back(names, accs, owner, stats, min_tokens, fallback)
+    return accs, owner, observers, stats
+
+
+def _fall_back(names, accs: dict, owner: dict, stats: ExpertStats, min_tokens: int, rule: str) -> None:
+    """Owners for experts never called (their projections share inputs as the called experts' do), and
+    the pooled Hessian for every owner below ``min_tokens``."""
+    template: dict[str, str] = {}  # member -> owner, by projection name (up_proj -> gate_proj)
+    for n, o in owner.items():
+        template.setdefault(n.rsplit(".", 1)[1], o.rsplit(".", 1)[1])
+    for n in names:
+        if n not in owner:
+            base, proj = n.rsplit(".", 1)
+            owner[n] = f"{base}.{template.get(proj, proj)}"
+    by_proj: dict[str, list[str]] = {}
+    for o in dict.fromkeys(owner[n] for n in names):
+        by_proj.setdefault(_proj(o), []).append(o)
+    for proj, owns in by_proj.items():
+        low = [o for o in owns if stats.tokens.get(o, 0) < min_tokens]
+        if not low:
+            continue
+        pool = [o for o in owns if stats.tokens.get(o, 0) > 0]
+        if not pool:
+            raise OptionError(
+                f"no calibration token reached any expert's {proj} in this layer; use more calibration "
+                "samples or --moe-calib all"
+            )
+        rows = sum(stats.tokens[o] for o in pool)
+        H = sum(accs[o].H * (stats.tokens[o] / rows) for o in pool)
+        for o in low:
+            accs[o] = _Fixed(H)
+            stats.fallback[o] = rule
+
+
+def _proj(name: str) -> str:
+    """``mlp.experts.3.gate_proj`` -> ``mlp.experts.*.gate_proj``."""
+    parts = name.split(".")
+    return ".".join(parts[:-2] + ["*", parts[-1]])
