@@ -27,6 +27,7 @@ from ..errors import OptionError
 from ..modules.experts import RoutedExperts
 from .calibration import LayerInputs, StopForward
 from .capture import run_layer
+from .settings import RunSettings
 
 __all__ = ["expert_statistics", "is_expert_group", "ExpertStats"]
 
@@ -68,16 +69,17 @@ def expert_statistics(
     inputs: LayerInputs,
     kwargs: list[dict],
     *,
-    hessian_dtype: torch.dtype = torch.float32,
     cache=None,
     observe=False,
     dist=None,
-    moe_calib: str = "routed",
-    min_tokens: int = 1,
-    fallback: str = "pooled",
+    settings: RunSettings | None = None,
 ) -> tuple[dict, dict[str, str], dict[str, ActObserver], ExpertStats]:
     """Hessians of the expert linears ``names`` (module doc), the owner of each (an expert's gate and up
-    read one tensor: one Hessian), input observers when ``observe`` and the :class:`ExpertStats`."""
+    read one tensor: one Hessian), input observers when ``observe`` and the :class:`ExpertStats`;
+    ``settings``: the run's ``hessian_dtype``, ``moe_calib``, ``moe_min_tokens`` and ``moe_fallback``."""
+    settings = settings or RunSettings()
+    hessian_dtype = settings.hessian_dtype
+    moe_calib = settings.moe_calib
     if dist is not None and dist.world > 1:
         raise OptionError("data-parallel runs of mixture-of-experts layers are not supported yet; run on one "
                           "process (drop torchrun)")  # fmt: skip
@@ -144,7 +146,7 @@ def expert_statistics(
             h.remove()
         for c in containers.values():
             c.observe_all = False
-    _fall_back(names, accs, owner, stats, min_tokens, fallback)
+    _fall_back(names, accs, owner, stats, settings.moe_min_tokens, settings.moe_fallback)
     return accs, owner, observers, stats
 
 

@@ -177,8 +177,8 @@ def _statistics(run: LayerRun, lay: _Layer, gi: int, group, cache: OutputCache) 
     stat_kw = dict(hessian_dtype=run.settings.hessian_dtype, cache=cache if lay.use_cache else None,
                    observe=observe, dist=run.dist)  # fmt: skip
     if is_expert_group(lay.module, group):
-        s = run.settings
-        stat_kw.update(moe_calib=s.moe_calib, min_tokens=s.moe_min_tokens, fallback=s.moe_fallback)
+        stat_kw = {**stat_kw, "settings": run.settings}
+        del stat_kw["hessian_dtype"]  # the settings' own
         accs, owner, observers, seen = expert_statistics(lay.module, group, run.inputs, lay.kwargs, **stat_kw)
         lay.experts[gi] = seen
     else:
