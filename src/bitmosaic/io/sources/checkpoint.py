@@ -123,12 +123,13 @@ class Checkpoint:
     def empty_model(self, dtype: torch.dtype) -> nn.Module:
         """The model's modules in ``dtype`` with parameters on ``meta`` (buffers real), in eval mode."""
         from accelerate import init_empty_weights
-        from transformers import AutoModelForCausalLM
+
+        from .model_class import auto_model_class
 
         config = self.config()
         try:
             with init_empty_weights(include_buffers=False):
-                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+                model = auto_model_class(config).from_config(config, dtype=dtype)
         except Exception as e:  # noqa: BLE001 - a config transformers reads but cannot build (zero heads, ...)
             reason = " ".join(str(e).split())[:160] or type(e).__name__
             raise CorruptModelError(
