@@ -11,7 +11,12 @@ calibration token through every expert (:attr:`~bitmosaic.modules.experts.Routed
 unweighted, for statistics only: no expert lacks tokens, at E/k times the expert FLOPs.
 
 An expert routed fewer than ``moe_min_tokens`` rows falls back to ``moe_fallback``: ``'pooled'``, the
-layer's pooled Hessian of the same projection (all experts' rows, weighted alike).  :func:`expert_statistics`
+layer's pooled Hessian of the same projection (all experts' rows, weighted alike), solved by the run's
+method; or ``'rtn'``, round-to-nearest with MSE-searched scales on the run's grid (bits, group size,
+symmetry): the method registry's statistics-free method (:func:`~bitmosaic.methods.registry.grid_fallback`),
+which the loop swaps in for that expert's linears (:func:`apply_grid_fallback`).  Few rows make an
+``H x H`` Hessian rank-poor: GPTQ then fits the handful of seen rows and errs on the tokens it will see
+(docs/moe.md has the measurement behind the default ``moe_min_tokens``).  :func:`expert_statistics`
 returns the rows each expert saw and which experts fell back, for the run report.
 """
 
@@ -24,12 +29,16 @@ from ..algorithms.hessian import HessianAccumulator
 from ..algorithms.observers import ActObserver
 from ..devices import release_host_memory
 from ..errors import OptionError
+from ..methods.registry import grid_fallback
 from ..modules.experts import RoutedExperts
 from .calibration import LayerInputs, StopForward
 from .capture import run_layer
 from .settings import RunSettings
 
-__all__ = ["expert_statistics", "is_expert_group", "ExpertStats"]
+__all__ = ["expert_statistics", "is_expert_group", "ExpertStats", "GRID_RULES", "apply_grid_fallback",
+           "check_grid_fallback"]
+
+GRID_RULES = ("rtn",)  # fallback rules that quantize on the run's grid without statistics (module doc)
 
 
 def is_expert_group(layer: nn.Module, names) -> bool:
@@ -55,11 +64,20 @@ class _Fixed:
 
 
 class ExpertStats:
-    """Per expert group: ``tokens`` (owner name -> routed rows seen), ``fallback`` (owner -> rule)."""
+    """Per expert group: ``tokens`` (owner name -> routed rows seen; 0 for an expert never called),
+    ``fallback`` (owner -> rule)."""
 
     def __init__(self) -> None:
         self.tokens: dict[str, int] = {}
         self.fallback: dict[str, str] = {}
+
+    def per_expert(self) -> list[int]:
+        """The rows each expert saw (by expert index), read from the group's first projection."""
+        first = next(iter(self.tokens), None)
+        if first is None:
+            return []
+        proj = _proj(first)
+        return [t for o, t in sorted(self.tokens.items(), key=lambda kv: _index(kv[0])) if _proj(o) == proj]
 
 
 @torch.inference_mode()
@@ -164,8 +182,13 @@ def _fall_back(names, accs: dict, owner: dict, stats: ExpertStats, min_tokens: i
     for o in dict.fromkeys(owner[n] for n in names):
         by_proj.setdefault(_proj(o), []).append(o)
     for proj, owns in by_proj.items():
-        low = [o for o in owns if stats.tokens.get(o, 0) < min_tokens]
+        for o in owns:
+            stats.tokens.setdefault(o, 0)
+        low = [o for o in owns if stats.tokens[o] < min_tokens]
         if not low:
+            continue
+        if rule in GRID_RULES:  # solved without statistics: apply_grid_fallback swaps the method
+            stats.fallback.update(dict.fromkeys(low, rule))
             continue
         pool = [o for o in owns if stats.tokens.get(o, 0) > 0]
         if not pool:
@@ -178,6 +201,40 @@ def _fall_back(names, accs: dict, owner: dict, stats: ExpertStats, min_tokens: i
         for o in low:
             accs[o] = _Fixed(H)
             stats.fallback[o] = rule
+
+
+def _index(name: str) -> int:
+    """``mlp.experts.3.gate_proj`` -> 3."""
+    return int(name.split(".")[-2])
+
+
+def apply_grid_fallback(plan: dict, stats: ExpertStats, owner: dict) -> None:
+    """Give the linears of every expert that fell back to a grid rule (``'rtn'``) the registry's
+    statistics-free method on their planned grid (:func:`~bitmosaic.methods.registry.grid_fallback`),
+    in ``plan`` (this layer's linear name -> ``(Method, config)``).  A planned method that needs no
+    Hessian keeps its entry: its result does not depend on the statistics."""
+    for name, own in owner.items():
+        entry = plan.get(name)
+        if entry is not None and stats.fallback.get(own) in GRID_RULES and entry[0].needs_hessian:
+            plan[name] = grid_fallback(*entry)
+
+
+def check_grid_fallback(layers, groups_of, plans: list[dict], rule: str) -> None:
+    """Refuse, before any work, a grid fallback ``rule`` for an expert linear whose planned method has
+    no plain integer grid (one line, from :func:`~bitmosaic.methods.registry.grid_fallback`).
+    ``groups_of(layer)``: the layer's true-sequential groups."""
+    if rule not in GRID_RULES:
+        return
+    seen = set()
+    for layer, plan in zip(layers, plans, strict=True):
+        for group in groups_of(layer):
+            if not group or not is_expert_group(layer, group):
+                continue
+            for n in group:
+                entry = plan.get(n)
+                if entry is not None and entry[0].needs_hessian and id(entry) not in seen:
+                    seen.add(id(entry))
+                    grid_fallback(*entry)
 
 
 def _proj(name: str) -> str:
