@@ -10,13 +10,14 @@ order for ``gate_proj``/``up_proj`` (whose error passes the gate rule first), an
 calibration token through every expert (:attr:`~bitmosaic.modules.experts.RoutedExperts.observe_all`),
 unweighted, for statistics only: no expert lacks tokens, at E/k times the expert FLOPs.
 
-An expert routed fewer than ``moe_min_tokens`` rows falls back to ``moe_fallback``: ``'pooled'``, the
+An expert routed fewer than ``moe_min_tokens`` rows (``'auto'``: the projection's input width) falls back to ``moe_fallback``: ``'pooled'``, the
 layer's pooled Hessian of the same projection (all experts' rows, weighted alike), solved by the run's
 method; or ``'rtn'``, round-to-nearest with MSE-searched scales on the run's grid (bits, group size,
 symmetry): the method registry's statistics-free method (:func:`~bitmosaic.methods.registry.grid_fallback`),
 which the loop swaps in for that expert's linears (:func:`apply_grid_fallback`).  Few rows make an
-``H x H`` Hessian rank-poor: GPTQ then fits the handful of seen rows and errs on the tokens it will see
-(docs/moe.md has the measurement behind the default ``moe_min_tokens``).  :func:`expert_statistics`
+``H x H`` Hessian rank-poor: GPTQ then fits the handful of seen rows and errs on the tokens it will see;
+on a random 16-expert layer fed real token embeddings its own Hessian beat the pooled one on held-out
+tokens only from about ``H`` rows on (``benchmarks/moe/min_tokens.py``; docs/moe.md), hence ``'auto'``.  :func:`expert_statistics`
 returns the rows each expert saw and which experts fell back, for the run report.
 """
 
@@ -164,13 +165,16 @@ def expert_statistics(
             h.remove()
         for c in containers.values():
             c.observe_all = False
-    _fall_back(names, accs, owner, stats, settings.moe_min_tokens, settings.moe_fallback)
+    widths = {n: layer.get_submodule(n).in_features for n in names}
+    _fall_back(names, accs, owner, stats, settings.moe_min_tokens, settings.moe_fallback, widths)
     return accs, owner, observers, stats
 
 
-def _fall_back(names, accs: dict, owner: dict, stats: ExpertStats, min_tokens: int, rule: str) -> None:
+def _fall_back(names, accs: dict, owner: dict, stats: ExpertStats, min_tokens: int | str, rule: str,
+               widths: dict[str, int]) -> None:  # fmt: skip
     """Owners for experts never called (their projections share inputs as the called experts' do), and
-    the pooled Hessian for every owner below ``min_tokens``."""
+    the fallback ``rule`` for every owner below ``min_tokens`` rows (``'auto'``: its input width
+    ``widths[owner]``, the size of its Hessian)."""
     template: dict[str, str] = {}  # member -> owner, by projection name (up_proj -> gate_proj)
     for n, o in owner.items():
         template.setdefault(n.rsplit(".", 1)[1], o.rsplit(".", 1)[1])
@@ -184,7 +188,7 @@ def _fall_back(names, accs: dict, owner: dict, stats: ExpertStats, min_tokens: i
     for proj, owns in by_proj.items():
         for o in owns:
             stats.tokens.setdefault(o, 0)
-        low = [o for o in owns if stats.tokens[o] < min_tokens]
+        low = [o for o in owns if stats.tokens[o] < (widths[o] if min_tokens == "auto" else min_tokens)]
         if not low:
             continue
         if rule in GRID_RULES:  # solved without statistics: apply_grid_fallback swaps the method

@@ -36,8 +36,6 @@ def _setting(default, help: str, *, flag: str | None = None, record: str | None 
     return field(default=default, metadata=meta)
 
 
-# an expert routed fewer calibration rows falls back (docs/moe.md: measured on a 256-wide, 16-expert MoE)
-MOE_MIN_TOKENS = 16
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 _CHOICES = {"moe_calib": ("routed", "all"), "moe_fallback": ("pooled", "rtn")}  # str settings' values
 
@@ -88,10 +86,11 @@ class RunSettings:
         "weighted by the squared routing weight) or 'all' (every calibration token through every expert, "
         "unweighted, for statistics only; outputs stay routed)", flag="--moe-calib", record="moe_calib",
         record_default=False)  # fmt: skip
-    moe_min_tokens: int = _setting(
-        MOE_MIN_TOKENS, "an expert routed fewer calibration tokens than this falls back to --moe-fallback "
-        "(default 16: below it GPTQ on the expert's own Hessian is worse than on the pooled one; docs/moe.md)",
-        flag="--moe-min-tokens", record="moe_min_tokens", record_default=False)  # fmt: skip
+    moe_min_tokens: int | str = _setting(
+        "auto", "an expert routed fewer calibration rows than this falls back to --moe-fallback; 'auto' (default): "
+        "the projection's input width, below which its own Hessian is rank-poor and GPTQ on it did worse than "
+        "on the pooled one (docs/moe.md)", flag="--moe-min-tokens", record="moe_min_tokens",
+        record_default=False)  # fmt: skip
     moe_fallback: str = _setting(
         "pooled", "the rule for an expert below --moe-min-tokens: 'pooled' (the Hessian of all the layer's "
         "experts' routed tokens) or 'rtn' (round-to-nearest with MSE scales on the run's grid: bits, group "
@@ -111,8 +110,11 @@ class RunSettings:
             if getattr(self, name) not in allowed:
                 raise OptionError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         m = self.moe_min_tokens
-        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-            raise OptionError(f"moe_min_tokens must be an integer >= 0, got {m!r}")
+        if isinstance(m, str) and m.strip().isdigit():  # "64" as the CLI writes it
+            m = int(m)
+            object.__setattr__(self, "moe_min_tokens", m)
+        if m != "auto" and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+            raise OptionError(f"moe_min_tokens must be 'auto' or an integer >= 0, got {m!r}")
         if isinstance(self.analyze_orders, str):  # "natural,act" as the CLI writes it
             object.__setattr__(self, "analyze_orders", tuple(o for o in self.analyze_orders.split(",") if o))
         if self.analyze_orders is not None:
