@@ -11,7 +11,7 @@ import torch
 
 __all__ = [
     "NWORDS", "SPECIALS", "VOCAB", "quantized_dir", "save_hf_dir", "tiny_gemma", "tiny_gguf", "tiny_llama",
-    "word_tokenizer", "words",
+    "tiny_qwen3_moe", "word_tokenizer", "words",
 ]  # fmt: skip
 
 VOCAB = 128
@@ -81,6 +81,26 @@ def tiny_gemma(seed: int = 0):
         pad_token_id=0,
     )
     return GemmaForCausalLM(cfg).eval()
+
+
+def tiny_qwen3_moe(seed: int = 0, experts: int = 4, top_k: int = 2, hidden: int = 64, layers: int = 2):
+    """A tiny random Qwen3-MoE (transformers' own config and model; its experts fused as transformers 5
+    stores them), weights ~ N(0, 0.1) so that the routing and the experts' outputs are not negligible."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=experts, num_experts_per_tok=top_k, max_position_embeddings=128, bos_token_id=2,
+        eos_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0, 0.1)
+    return model
 
 
 def save_hf_dir(path: Path, model=None, bos: bool = False) -> Path:

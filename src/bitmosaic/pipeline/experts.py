@@ -10,8 +10,14 @@ order for ``gate_proj``/``up_proj`` (whose error passes the gate rule first), an
 calibration token through every expert (:attr:`~bitmosaic.modules.experts.RoutedExperts.observe_all`),
 unweighted, for statistics only: no expert lacks tokens, at E/k times the expert FLOPs.
 
-An expert routed fewer than ``moe_min_tokens`` rows falls back to ``moe_fallback``: ``'pooled'``, the
-layer's pooled Hessian of the same projection (all experts' rows, weighted alike).  :func:`expert_statistics`
+An expert routed fewer than ``moe_min_tokens`` rows (``'auto'``: the projection's input width) falls back to ``moe_fallback``: ``'pooled'``, the
+layer's pooled Hessian of the same projection (all experts' rows, weighted alike), solved by the run's
+method; or ``'rtn'``, round-to-nearest with MSE-searched scales on the run's grid (bits, group size,
+symmetry): the method registry's statistics-free method (:func:`~bitmosaic.methods.registry.grid_fallback`),
+which the loop swaps in for that expert's linears (:func:`apply_grid_fallback`).  Few rows make an
+``H x H`` Hessian rank-poor: GPTQ then fits the handful of seen rows and errs on the tokens it will see;
+on a random 16-expert layer fed real token embeddings its own Hessian beat the pooled one on held-out
+tokens only from about ``H`` rows on (``benchmarks/moe/min_tokens.py``; docs/moe.md), hence ``'auto'``.  :func:`expert_statistics`
 returns the rows each expert saw and which experts fell back, for the run report.
 """
 
@@ -24,12 +30,16 @@ from ..algorithms.hessian import HessianAccumulator
 from ..algorithms.observers import ActObserver
 from ..devices import release_host_memory
 from ..errors import OptionError
+from ..methods.registry import grid_fallback
 from ..modules.experts import RoutedExperts
 from .calibration import LayerInputs, StopForward
 from .capture import run_layer
 from .settings import RunSettings
 
-__all__ = ["expert_statistics", "is_expert_group", "ExpertStats"]
+__all__ = ["expert_statistics", "is_expert_group", "ExpertStats", "GRID_RULES", "apply_grid_fallback",
+           "check_grid_fallback"]
+
+GRID_RULES = ("rtn",)  # fallback rules that quantize on the run's grid without statistics (module doc)
 
 
 def is_expert_group(layer: nn.Module, names) -> bool:
@@ -55,11 +65,20 @@ class _Fixed:
 
 
 class ExpertStats:
-    """Per expert group: ``tokens`` (owner name -> routed rows seen), ``fallback`` (owner -> rule)."""
+    """Per expert group: ``tokens`` (owner name -> routed rows seen; 0 for an expert never called),
+    ``fallback`` (owner -> rule)."""
 
     def __init__(self) -> None:
         self.tokens: dict[str, int] = {}
         self.fallback: dict[str, str] = {}
+
+    def per_expert(self) -> list[int]:
+        """The rows each expert saw (by expert index), read from the group's first projection."""
+        first = next(iter(self.tokens), None)
+        if first is None:
+            return []
+        proj = _proj(first)
+        return [t for o, t in sorted(self.tokens.items(), key=lambda kv: _index(kv[0])) if _proj(o) == proj]
 
 
 @torch.inference_mode()
@@ -146,13 +165,16 @@ def expert_statistics(
             h.remove()
         for c in containers.values():
             c.observe_all = False
-    _fall_back(names, accs, owner, stats, settings.moe_min_tokens, settings.moe_fallback)
+    widths = {n: layer.get_submodule(n).in_features for n in names}
+    _fall_back(names, accs, owner, stats, settings.moe_min_tokens, settings.moe_fallback, widths)
     return accs, owner, observers, stats
 
 
-def _fall_back(names, accs: dict, owner: dict, stats: ExpertStats, min_tokens: int, rule: str) -> None:
+def _fall_back(names, accs: dict, owner: dict, stats: ExpertStats, min_tokens: int | str, rule: str,
+               widths: dict[str, int]) -> None:  # fmt: skip
     """Owners for experts never called (their projections share inputs as the called experts' do), and
-    the pooled Hessian for every owner below ``min_tokens``."""
+    the fallback ``rule`` for every owner below ``min_tokens`` rows (``'auto'``: its input width
+    ``widths[owner]``, the size of its Hessian)."""
     template: dict[str, str] = {}  # member -> owner, by projection name (up_proj -> gate_proj)
     for n, o in owner.items():
         template.setdefault(n.rsplit(".", 1)[1], o.rsplit(".", 1)[1])
@@ -164,8 +186,13 @@ def _fall_back(names, accs: dict, owner: dict, stats: ExpertStats, min_tokens: i
     for o in dict.fromkeys(owner[n] for n in names):
         by_proj.setdefault(_proj(o), []).append(o)
     for proj, owns in by_proj.items():
-        low = [o for o in owns if stats.tokens.get(o, 0) < min_tokens]
+        for o in owns:
+            stats.tokens.setdefault(o, 0)
+        low = [o for o in owns if stats.tokens[o] < (widths[o] if min_tokens == "auto" else min_tokens)]
         if not low:
+            continue
+        if rule in GRID_RULES:  # solved without statistics: apply_grid_fallback swaps the method
+            stats.fallback.update(dict.fromkeys(low, rule))
             continue
         pool = [o for o in owns if stats.tokens.get(o, 0) > 0]
         if not pool:
@@ -178,6 +205,40 @@ def _fall_back(names, accs: dict, owner: dict, stats: ExpertStats, min_tokens: i
         for o in low:
             accs[o] = _Fixed(H)
             stats.fallback[o] = rule
+
+
+def _index(name: str) -> int:
+    """``mlp.experts.3.gate_proj`` -> 3."""
+    return int(name.split(".")[-2])
+
+
+def apply_grid_fallback(plan: dict, stats: ExpertStats, owner: dict) -> None:
+    """Give the linears of every expert that fell back to a grid rule (``'rtn'``) the registry's
+    statistics-free method on their planned grid (:func:`~bitmosaic.methods.registry.grid_fallback`),
+    in ``plan`` (this layer's linear name -> ``(Method, config)``).  A planned method that needs no
+    Hessian keeps its entry: its result does not depend on the statistics."""
+    for name, own in owner.items():
+        entry = plan.get(name)
+        if entry is not None and stats.fallback.get(own) in GRID_RULES and entry[0].needs_hessian:
+            plan[name] = grid_fallback(*entry)
+
+
+def check_grid_fallback(layers, groups_of, plans: list[dict], rule: str) -> None:
+    """Refuse, before any work, a grid fallback ``rule`` for an expert linear whose planned method has
+    no plain integer grid (one line, from :func:`~bitmosaic.methods.registry.grid_fallback`).
+    ``groups_of(layer)``: the layer's true-sequential groups."""
+    if rule not in GRID_RULES:
+        return
+    seen = set()
+    for layer, plan in zip(layers, plans, strict=True):
+        for group in groups_of(layer):
+            if not group or not is_expert_group(layer, group):
+                continue
+            for n in group:
+                entry = plan.get(n)
+                if entry is not None and entry[0].needs_hessian and id(entry) not in seen:
+                    seen.add(id(entry))
+                    grid_fallback(*entry)
 
 
 def _proj(name: str) -> str:

@@ -36,14 +36,20 @@ from ..modules.rotation import carry_input_rotation
 from .calibration import layer_kind
 from .capture import capture_groups, run_layer
 from .distributed import Dist
-from .experts import expert_statistics, is_expert_group
+from .experts import apply_grid_fallback, expert_statistics, is_expert_group
 from .report import RunReport
 from .settings import RunSettings
 from .smoothing import fold_group_scales
 from .solve import Handed, HessianSpentError, SolveJob, quantize_shared
 from .statistics import OutputCache, group_statistics
 
-__all__ = ["LayerRun", "quantize_layer", "transform_layer", "entry_key"]
+__all__ = ["LayerRun", "quantize_layer", "transform_layer", "entry_key", "UNSMOOTHED_EXPERTS"]
+
+# why a smoothing transform leaves the experts' groups alone (their report rows say it)
+UNSMOOTHED_EXPERTS = (
+    "experts left unsmoothed: one per-channel factor folded into the norm before them would be shared by "
+    "every expert and the router, fitting no expert's routed tokens"
+)
 
 
 def entry_key(entry) -> tuple:
@@ -109,7 +115,8 @@ def quantize_layer(run: LayerRun, li: int) -> None:
     home, home_dtype = first_param.device, first_param.dtype
     layer.to(run.dev, run.cdtype)
     kwargs = run.kwargs_by_kind[layer_kind(layer)] if run.calibrate else None
-    lay = _Layer(li, layer, f"{run.arch.layers_path}.{li}", run.plans[li], kwargs, run.arch.groups(layer))
+    plan = dict(run.plans[li])  # a copy: an expert's fallback may swap its entry (experts.py)
+    lay = _Layer(li, layer, f"{run.arch.layers_path}.{li}", plan, kwargs, run.arch.groups(layer))
     if run.calibrate:
         runc0 = run.runc if li == 0 and run.dist.world == 1 else None  # later layers: quantized inputs
         lay.group_info = _apply_transform(run, lay, runc0)
@@ -181,6 +188,7 @@ def _statistics(run: LayerRun, lay: _Layer, gi: int, group, cache: OutputCache) 
         del stat_kw["hessian_dtype"]  # the settings' own
         accs, owner, observers, seen = expert_statistics(lay.module, group, run.inputs, lay.kwargs, **stat_kw)
         lay.experts[gi] = seen
+        apply_grid_fallback(plan, seen, owner)  # experts too thin for their own statistics (experts.py)
     else:
         accs, owner, observers = group_statistics(lay.module, group, run.inputs, lay.kwargs, **stat_kw)
     shared: dict[str, list[str]] = {}
@@ -222,13 +230,13 @@ def _record(run: LayerRun, lay: _Layer, gi: int, entry: tuple, observers: dict) 
     """One solved linear's report row, bits and input quantizer."""
     own, m, c, H, name, qlin, row = entry
     act = getattr(c, "act", None)
-    if run.named:
+    seen = lay.experts.get(gi)
+    if run.named or (seen is not None and own in seen.fallback):  # a fallback may change the method
         row["method"] = m.name
     if act is not None:
         row["act"] = act.label
     if lay.group_info.get(gi):
         row["transform"] = lay.group_info[gi]
-    seen = lay.experts.get(gi)
     if seen is not None:  # an expert projection: the rows routed to it, and its fallback rule if any
         row["expert_tokens"] = seen.tokens.get(own, 0)
         if own in seen.fallback:
@@ -285,14 +293,17 @@ def _apply_transform(run: LayerRun, lay: _Layer, runc) -> dict[int, dict]:
     transform runs on one rank."""
     plan, arch, dist = lay.plan, run.arch, run.dist
     todo: dict[tuple, list[int]] = {}
+    info: dict[int, dict] = {}
     for gi, group in enumerate(lay.groups):
-        if not group or is_expert_group(lay.module, group):
-            continue  # experts: no per-channel factor serves every expert's routed tokens (capture.py)
         keys = {entry_key(plan[n]) if plan[n] else None for n in group}
-        if len(keys) == 1 and None not in keys and plan[group[0]][0].has_transform:
+        if not (group and len(keys) == 1 and None not in keys and plan[group[0]][0].has_transform):
+            continue
+        if is_expert_group(lay.module, group):  # said in the group's report rows
+            info[gi] = {"folded": False, "unsmoothed": UNSMOOTHED_EXPERTS}
+        else:
             todo.setdefault(keys.pop(), []).append(gi)
     if not todo:
-        return {}
+        return info
     by_key = {entry_key(p): p for p in plan.values() if p}
     max_tokens = max(getattr(by_key[k][1], "max_tokens", 2048) for k in todo)
     cap_args = (lay.module, arch, run.inputs, lay.kwargs)
@@ -302,7 +313,6 @@ def _apply_transform(run: LayerRun, lay: _Layer, runc) -> dict[int, dict]:
         caps = capture_groups(*cap_args, max_tokens=max_tokens, generator=run.gen, dist=dist)
     for cap in caps:
         cap.prefix = lay.prefix
-    info: dict[int, dict] = {}
     for key, gis in todo.items():
         method, config = by_key[key]
         mine = [cap for cap in caps if cap.index in gis]

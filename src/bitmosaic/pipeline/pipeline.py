@@ -54,7 +54,8 @@ from .distributed import Dist, current
 from .fisher import fisher_service
 from .loop import LayerRun, entry_key, quantize_layer, use_output_cache
 from .recipe import Recipe
-from .report import RunReport, peak_rss_mb
+from .experts import check_grid_fallback
+from .report import RunReport, expert_summary, peak_rss_mb
 from .rotate import rotate_model
 from .settings import Calibration, RunSettings
 from .spill import SPILL_FRACTION, parse_size
@@ -149,6 +150,7 @@ def _plan(model: nn.Module, method, config, settings: RunSettings, dist: Dist) -
     else:
         resolve, rotate = (lambda name: (method, config)), "none"
     plans = [{n: resolve(f"{arch.layers_path}.{li}.{n}") for n in per_layer[li]} for li in range(n_layers)]
+    check_grid_fallback(layers, arch.groups, plans, settings.moe_fallback)  # refused before any work
     dev = resolve_device(settings.device, model)
     report = RunReport(method=method.name, config=config.to_dict(), device=str(dev))
     run = LayerRun(arch, [], plans, settings, dev, torch.float32, dist, report, named=named)
@@ -257,4 +259,7 @@ def _close_report(run: LayerRun, t0: float) -> RunReport:
     if run.dev.type == "cuda":
         report.peak_device_mb = torch.cuda.max_memory_allocated(run.dev) / 2**20
     report.bits_per_weight = run.total_bits / max(run.total_weights, 1)
+    experts = expert_summary(report.layers, run.settings)
+    if experts is not None:
+        report.calibration["experts"] = experts
     return report

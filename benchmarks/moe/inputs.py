@@ -1,0 +1,40 @@
+"""Real WikiText-2 token embeddings for the MoE benchmarks' random-weight layers.
+
+No trained MoE fits this machine, so the benchmarks feed random MoE layers the *real* token
+distribution: WikiText-2 calibration windows (``wikitext-2/valid.txt``, drawn as ``bitmosaic quantize``
+draws them), tokenized by SmolLM2-135M's tokenizer and embedded by its trained embedding table (576
+wide), lifted to the layers' width by a fixed random orthonormal map (scaled so a channel's RMS is 1).
+Token frequencies, repetitions and the embedding's anisotropy are real; the routing of a random
+router on them is not that of a trained model (simulated).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bitmosaic.data import calibration_samples
+
+__all__ = ["wikitext_embeddings", "SIMULATED"]
+
+SIMULATED = (
+    "simulated: random layer weights (router included) fed real WikiText-2 token embeddings (SmolLM2-135M's "
+    "tokenizer and embedding table, lifted to the layer width by a fixed random orthonormal map); a trained "
+    "router routes differently (typically more skewed), so these counts are not those of a trained model"
+)
+
+
+def wikitext_embeddings(nsamples: int, seqlen: int, width: int, seed: int = 0) -> torch.Tensor:
+    """``[nsamples, seqlen, width]`` float32 (module doc); ``seed`` draws the windows and the lift."""
+    from bitmosaic.io import load_model
+
+    model, tok = load_model("smollm2-135m")
+    ids = calibration_samples(tok, "wikitext2", nsamples, seqlen, seed=seed)
+    with torch.no_grad():
+        emb = model.get_input_embeddings()(ids).float()  # [n, seqlen, 576]
+    del model
+    g = torch.Generator().manual_seed(seed + 1)
+    d = emb.shape[-1]
+    q, _ = torch.linalg.qr(torch.randn(max(width, d), min(width, d), generator=g))
+    lift = q if width >= d else q.T  # [width, d]: orthonormal columns (or rows, narrowing)
+    x = emb @ lift.T
+    return x / x.pow(2).mean().sqrt()
