@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ...errors import CorruptModelError, ModelSpecError, check_finite
+from .expert_names import ExpertSource, expert_source
 
 __all__ = ["Checkpoint", "is_file_name", "missing_tensor"]
 
@@ -104,6 +105,35 @@ class Checkpoint:
         check_finite(t, f"weight {name} of model {self.spec!r}")
         return t
 
+    def get_part(self, src: ExpertSource, dtype: torch.dtype | None, shape) -> torch.Tensor:
+        """The part of a stored tensor that :func:`~bitmosaic.io.sources.expert_names.expert_source`
+        names (one expert of a fused 3-D tensor: only its rows are read), of the given ``shape``."""
+        from safetensors import SafetensorError, safe_open
+
+        if src.index is None:
+            t = self.get(src.name, dtype)
+        else:
+            file = self.files[src.name]
+            try:
+                with safe_open(str(file), "pt") as f:
+                    sl = f.get_slice(src.name)
+                    full = sl.get_shape()
+                    rows = full[1] // 2 if src.half is not None and len(full) > 1 else None
+                    lo, hi = (0, full[1]) if rows is None else (src.half * rows, (src.half + 1) * rows)
+                    t = sl[src.index : src.index + 1, lo:hi] if len(full) > 1 else sl[src.index : src.index + 1]
+                    t = t[0].to(dtype, copy=True) if dtype is not None and t.is_floating_point() else t[0].clone()
+            except (SafetensorError, OSError) as e:
+                raise CorruptModelError(
+                    f"cannot read {file} ({' '.join(str(e).split())}); re-download or re-save the model"
+                ) from None
+            check_finite(t, f"weight {src.name}[{src.index}] of model {self.spec!r}")
+        if tuple(t.shape) != tuple(shape):
+            raise CorruptModelError(
+                f"{self.spec}: tensor {src.name} gives a part of shape {tuple(t.shape)} where the model's "
+                f"config needs {tuple(shape)}; the checkpoint does not match its config.json"
+            )
+        return t
+
     def fingerprint(self) -> str:
         """What identifies the checkpoint cheaply: its config and every file's name, size and mtime (a
         GGUF file's converted copy: the GGUF file's, so a resumed run may read either)."""
@@ -143,8 +173,11 @@ class Checkpoint:
         sd = {}
         for name, t in [*module.named_parameters(), *module.named_buffers()]:
             key = prefix + name
+            want = dtype if t.is_floating_point() else None
             if key in self:
-                sd[name] = self.get(key, dtype if t.is_floating_point() else None)
+                sd[name] = self.get(key, want)
+            elif (src := expert_source(key, self.files)) is not None:  # a MoE tensor stored otherwise
+                sd[name] = self.get_part(src, want, t.shape)
             elif t.device.type == "meta":
                 raise CorruptModelError(missing_tensor(self.spec, key))
         module.load_state_dict(sd, strict=False, assign=True)
