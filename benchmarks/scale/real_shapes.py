@@ -146,7 +146,8 @@ def _vmhwm_mb(pid: int, field: str = "VmHWM:") -> float:
 def run(folder: Path, shape: str, layers: int, out: Path, threads: int | None, nsamples: int = 16) -> dict:
     prog = out.parent / f".{out.name}.partial" / "progress.json"
     argv = [sys.executable, "-m", "bitmosaic.cli", "quantize", "--model", str(folder), "--method", "gptq",
-            "--bits", "4", "--group-size", "128", "--calib", str(folder / "calib.txt"), "--nsamples", str(nsamples),
+            "--bits", "4", "--group-size", "128", "--calib", str(folder / "calib.txt"),
+            "--nsamples", str(nsamples),
             "--seqlen", "512", "--dtype", "bfloat16", "--stream", "on", "--out", str(out),
             "--no-progress"]  # fmt: skip
     if threads:
@@ -171,8 +172,8 @@ def run(folder: Path, shape: str, layers: int, out: Path, threads: int | None, n
     wall = time.perf_counter() - t0
     per_layer = state.get("layer_seconds") if state else None
     n_layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
-    if per_layer and out.is_dir() and len(per_layer) == n_layers - 1:  # the last layer's record went with
-        per_layer = [*per_layer, round(time.perf_counter() - seen, 3)]  # the work folder: timed to the exit
+    if out.is_dir() and len(per_layer or []) == n_layers - 1:  # the last layer's record went with the
+        per_layer = [*(per_layer or []), round(time.perf_counter() - (seen or t0), 3)]  # work folder: to the exit
     return {"returncode": p.returncode, "wall_s": wall, "peak_rss_mb": peak, "layer_seconds": per_layer,
             "finished": out.is_dir(), "rss_trace": trace}  # fmt: skip
 
@@ -228,15 +229,17 @@ def moe_results(args, gemm: float, res: dict) -> None:
     data["machine"] = machine_info()
     md = ["# Streamed GPTQ w4 g128 of MoE checkpoints at real shapes (issue 71)", "",
           "Random bf16 weights, hub per-expert tensor names, truncated checkpoints of the layers run; "
-          "`python -m benchmarks.scale.real_shapes run --shape S --dir D --layers 0 --threads 2 --nsamples N`. "
-          "Bound: FLOPs per layer (benchmarks/scale/moe.py) / the float32 GEMM rate measured in the run.", "",
-          "| shape | layers run | calibration | peak RSS | s/layer (after the first) | FLOP bound s/layer | ratio |",
-          "|---|---|---|---|---|---|---|"]  # fmt: skip
+          "`python -m benchmarks.scale.real_shapes run --shape S --dir D --layers 0 --threads 2 "
+          "--nsamples N`. Bound: FLOPs per layer (benchmarks/scale/moe.py) / the float32 GEMM rate "
+          "measured in the run.", "",
+          "| shape | layers run | calibration | peak RSS | s/layer after the first (each) "
+          "| FLOP bound s/layer | ratio |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in data["runs"].values():
-        md.append(f"| {r['shape']} | {r['layers_run']} | {r['calibration']} | {r['peak_rss_mb'] / 1024:.2f} GiB "
-                  f"| {r['mean_s_per_layer_after_first']:.1f} ({', '.join(f'{s:.0f}' for s in r['layer_seconds'])}) "
-                  f"| {r['bound_s_per_layer']:.1f} ({sum(r['layer_tflop'][k] for k in ('total',)):.2f} TFLOP at "
-                  f"{r['gemm_gflops_fp32']:.0f} GFLOP/s) | {r['ratio_to_bound']:.2f}x |")  # fmt: skip
+        each = ", ".join(f"{s:.0f}" for s in r["layer_seconds"])
+        md.append(f"| {r['shape']} | {r['layers_run']} | {r['calibration']} | {r['peak_rss_mb'] / 1024:.2f} "
+                  f"GiB | {r['mean_s_per_layer_after_first']:.1f} ({each}) | {r['bound_s_per_layer']:.1f} "
+                  f"({r['layer_tflop']['total']:.2f} TFLOP at {r['gemm_gflops_fp32']:.0f} GFLOP/s) | "
+                  f"{r['ratio_to_bound']:.2f}x |")  # fmt: skip
     write_results(path, "moe_scale", data, "\n".join(md))
     print("\n".join(md))
 

@@ -11,8 +11,21 @@ calibration token through every expert (:attr:`~bitmosaic.modules.experts.Routed
 unweighted, for statistics only: no expert lacks tokens, at E/k times the expert FLOPs.
 
 An expert routed fewer than ``moe_min_tokens`` rows falls back to ``moe_fallback``: ``'pooled'``, the
-layer's pooled Hessian of the same projection (all experts' rows, weighted alike).  :func:`expert_statistics`
-returns the rows each expert saw and which experts fell back, for the run report.
+layer's pooled Hessian of the same projection (all experts' rows, weighted alike: ``sum_e n_e H_e / sum_e
+n_e``).  :func:`expert_statistics` returns the rows each expert saw and which experts fell back, for the
+run report.
+
+**Experts in parts** (issue 71: "a layer's experts are calibrated, solved and written expert by expert").
+One Hessian per expert is ``E d^2`` floats per group: 2.1 GB for Qwen3-30B-A3B's gate/up (128 x 2048^2),
+52 GB for DeepSeek-V3's (256 x 7168^2).  When a group's Hessians exceed :data:`HESSIAN_FRACTION` of the
+memory budget (``max_memory``, else the memory available at the start), :func:`expert_parts` splits it
+into parts of whole experts that fit, and the loop runs one statistics pass per part (only the part's
+experts run: :attr:`~bitmosaic.modules.experts.RoutedExperts.only`; the attention's outputs come from the
+output cache when it is on), solves the part and frees its Hessians before the next.  :class:`ExpertPool`
+keeps what outlives a part: the rows each expert saw, the running pooled sum ``sum_e n_e H_e`` (added in
+the order the whole group would add it) and the experts below ``moe_min_tokens``, solved last on the
+pooled Hessian.  An expert's Hessian depends only on its own routed rows, so the parts give the bytes of
+the whole group at once.
 """
 
 from __future__ import annotations
@@ -29,7 +42,10 @@ from .calibration import LayerInputs, StopForward
 from .capture import run_layer
 from .settings import RunSettings
 
-__all__ = ["expert_statistics", "is_expert_group", "ExpertStats"]
+__all__ = ["expert_statistics", "is_expert_group", "ExpertStats", "ExpertPool", "expert_parts",
+           "HESSIAN_FRACTION"]  # fmt: skip
+
+HESSIAN_FRACTION = 0.25  # of the memory budget: what one part of a group's expert Hessians may take
 
 
 def is_expert_group(layer: nn.Module, names) -> bool:
@@ -78,6 +94,15 @@ def expert_statistics(
     read one tensor: one Hessian), input observers when ``observe`` and the :class:`ExpertStats`;
     ``settings``: the run's ``hessian_dtype``, ``moe_calib``, ``moe_min_tokens`` and ``moe_fallback``."""
     settings = settings or RunSettings()
+    accs, owner, observers, stats = _expert_pass(layer, names, inputs, kwargs, cache=cache, observe=observe,
+                                                 dist=dist, settings=settings)  # fmt: skip
+    _fall_back(names, accs, owner, stats, settings.moe_min_tokens, settings.moe_fallback)
+    return accs, owner, observers, stats
+
+
+@torch.inference_mode()
+def _expert_pass(layer, names, inputs, kwargs, *, cache, observe, dist, settings):
+    """One statistics pass over ``names``' experts (only they run): Hessians, owners, observers, rows."""
     hessian_dtype = settings.hessian_dtype
     moe_calib = settings.moe_calib
     if dist is not None and dist.world > 1:
@@ -131,6 +156,8 @@ def expert_statistics(
         handles += [e.register_forward_pre_hook(expert_hook) for e in c]
         handles.append(c.register_forward_hook(stop))
         c.observe_all = not want_routed
+        mine = {id(layer.get_submodule(n.rsplit(".", 1)[0])) for n in names}
+        c.only = {i for i, e in enumerate(c) if id(e) in mine}
     try:
         for b, (hs, kw) in enumerate(zip(inputs, kwargs, strict=True)):
             if cache is not None:
@@ -145,21 +172,29 @@ def expert_statistics(
         for h in handles:
             h.remove()
         for c in containers.values():
-            c.observe_all = False
-    _fall_back(names, accs, owner, stats, settings.moe_min_tokens, settings.moe_fallback)
+            c.observe_all, c.only = False, None
     return accs, owner, observers, stats
 
 
-def _fall_back(names, accs: dict, owner: dict, stats: ExpertStats, min_tokens: int, rule: str) -> None:
-    """Owners for experts never called (their projections share inputs as the called experts' do), and
-    the pooled Hessian for every owner below ``min_tokens``."""
-    template: dict[str, str] = {}  # member -> owner, by projection name (up_proj -> gate_proj)
+def _own_uncalled(names, owner: dict, template: dict[str, str]) -> None:
+    """Owners for experts never called: their projections share inputs as the called experts' do
+    (``template``: member -> owner by projection name, e.g. up_proj -> gate_proj; updated here)."""
     for n, o in owner.items():
         template.setdefault(n.rsplit(".", 1)[1], o.rsplit(".", 1)[1])
     for n in names:
         if n not in owner:
             base, proj = n.rsplit(".", 1)
             owner[n] = f"{base}.{template.get(proj, proj)}"
+
+
+def _no_tokens(proj: str) -> OptionError:
+    return OptionError(f"no calibration token reached any expert's {proj} in this layer; use more "
+                       "calibration samples or --moe-calib all")  # fmt: skip
+
+
+def _fall_back(names, accs: dict, owner: dict, stats: ExpertStats, min_tokens: int, rule: str) -> None:
+    """Owners for experts never called, and the pooled Hessian for every owner below ``min_tokens``."""
+    _own_uncalled(names, owner, {})
     by_proj: dict[str, list[str]] = {}
     for o in dict.fromkeys(owner[n] for n in names):
         by_proj.setdefault(_proj(o), []).append(o)
@@ -169,12 +204,9 @@ def _fall_back(names, accs: dict, owner: dict, stats: ExpertStats, min_tokens: i
             continue
         pool = [o for o in owns if stats.tokens.get(o, 0) > 0]
         if not pool:
-            raise OptionError(
-                f"no calibration token reached any expert's {proj} in this layer; use more calibration "
-                "samples or --moe-calib all"
-            )
+            raise _no_tokens(proj)
         rows = sum(stats.tokens[o] for o in pool)
-        H = sum(accs[o].H * (stats.tokens[o] / rows) for o in pool)
+        H = sum(accs[o].H * stats.tokens[o] for o in pool) / rows  # as ExpertPool adds it
         for o in low:
             accs[o] = _Fixed(H)
             stats.fallback[o] = rule
@@ -184,3 +216,66 @@ def _proj(name: str) -> str:
     """``mlp.experts.3.gate_proj`` -> ``mlp.experts.*.gate_proj``."""
     parts = name.split(".")
     return ".".join(parts[:-2] + ["*", parts[-1]])
+
+
+def expert_parts(layer: nn.Module, names, budget: int, hessian_dtype: torch.dtype) -> list[tuple[str, ...]]:
+    """``names`` in parts of whole experts whose Hessians (one per distinct input width of an expert's
+    linears) take at most :data:`HESSIAN_FRACTION` of ``budget`` bytes; one part when all fit (module
+    doc).  Names outside a list of experts go with the first part."""
+    key = {n: n.rsplit(".", 1)[0] if isinstance(_container(layer, n), RoutedExperts) else "" for n in names}
+    experts = list(dict.fromkeys(k for k in key.values() if k))
+    widths = {k: {layer.get_submodule(n).weight.shape[1] for n in names if key[n] == k} for k in experts}
+    one = max((sum(d * d for d in w) for w in widths.values()), default=0)
+    size = torch.empty((), dtype=hessian_dtype).element_size()
+    per_part = max(1, int(HESSIAN_FRACTION * budget // max(one * size, 1)))
+    if len(experts) <= per_part:
+        return [tuple(names)]
+    parts = [{"", *experts[: per_part]}]
+    parts += [set(experts[i : i + per_part]) for i in range(per_part, len(experts), per_part)]
+    return [tuple(n for n in names if key[n] in p) for p in parts]
+
+
+class ExpertPool:
+    """What outlives one part of an expert group (module doc): the rows seen, the running pooled sums
+    ``sum_e n_e H_e`` per projection, the owners below ``moe_min_tokens`` (solved last)."""
+
+    def __init__(self, settings: RunSettings) -> None:
+        self.settings = settings
+        self.stats = ExpertStats()
+        self.template: dict[str, str] = {"up_proj": "gate_proj"}  # ExpertMLP: gate and up read one tensor
+        self.sums: dict[str, torch.Tensor] = {}
+        self.rows: dict[str, int] = {}
+        self.low: dict[str, list[str]] = {}  # owner -> the names it owns, deferred to :meth:`rest`
+
+    def part(self, layer, names, inputs, kwargs, **stat_kw) -> tuple[dict, dict, dict, ExpertStats]:
+        """One part's statistics pass: the Hessians of its owners with enough rows (theirs to solve now),
+        the owners of its names that have enough, its observers and the group's :class:`ExpertStats`."""
+        accs, owner, observers, seen = _expert_pass(layer, names, inputs, kwargs, settings=self.settings,
+                                                    **stat_kw)  # fmt: skip
+        self.stats.tokens.update(seen.tokens)
+        _own_uncalled(names, owner, self.template)
+        for o in dict.fromkeys(owner[n] for n in names):  # the group's owner order
+            n_o = seen.tokens.get(o, 0)
+            if n_o > 0:
+                p = _proj(o)
+                add = accs[o].H * n_o
+                self.sums[p] = add if p not in self.sums else self.sums[p] + add
+                self.rows[p] = self.rows.get(p, 0) + n_o
+            if n_o < self.settings.moe_min_tokens:
+                accs.pop(o, None)
+                self.low[o] = [n for n in names if owner[n] == o]
+        ready = {n: o for n, o in owner.items() if o in accs}
+        return accs, ready, observers, self.stats
+
+    def rest(self) -> tuple[dict, dict]:
+        """The deferred owners' pooled Hessians and the owner of each of their names (after every part)."""
+        accs, owner = {}, {}
+        for o, names in self.low.items():
+            p = _proj(o)
+            if p not in self.sums:
+                raise _no_tokens(p)
+            accs[o] = _Fixed(self.sums[p] / self.rows[p])
+            self.stats.fallback[o] = self.settings.moe_fallback
+            owner.update(dict.fromkeys(names, o))
+        self.low, self.sums = {}, {}
+        return accs, owner
