@@ -172,8 +172,8 @@ def run(folder: Path, shape: str, layers: int, out: Path, threads: int | None, n
     wall = time.perf_counter() - t0
     per_layer = state.get("layer_seconds") if state else None
     n_layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
-    if out.is_dir() and len(per_layer or []) == n_layers - 1:  # the last layer's record went with the
-        per_layer = [*(per_layer or []), round(time.perf_counter() - (seen or t0), 3)]  # work folder: to the exit
+    if out.is_dir() and len(per_layer or []) == n_layers - 1:  # the last layer's record went with the work
+        per_layer = [*(per_layer or []), round(time.perf_counter() - (seen or t0), 3)]  # folder: to the exit
     return {"returncode": p.returncode, "wall_s": wall, "peak_rss_mb": peak, "layer_seconds": per_layer,
             "finished": out.is_dir(), "rss_trace": trace}  # fmt: skip
 
@@ -227,6 +227,13 @@ def moe_results(args, gemm: float, res: dict) -> None:
     data = json.loads(path.read_text()) if path.is_file() else {"runs": {}}
     data["runs"][f"{args.shape} {args.nsamples}x512"] = row
     data["machine"] = machine_info()
+    md = moe_markdown(data)
+    write_results(path, "moe_scale", data, md)
+    print(md)
+
+
+def moe_markdown(data: dict) -> str:
+    """``moe_scale.md``: the table of every run in ``data`` and its notes."""
     md = ["# Streamed GPTQ w4 g128 of MoE checkpoints at real shapes (issue 71)", "",
           "Random bf16 weights, hub per-expert tensor names, truncated checkpoints of the layers run; "
           "`python -m benchmarks.scale.real_shapes run --shape S --dir D --layers 0 --threads 2 "
@@ -240,15 +247,15 @@ def moe_results(args, gemm: float, res: dict) -> None:
                   f"GiB | {r['mean_s_per_layer_after_first']:.1f} ({each}) | {r['bound_s_per_layer']:.1f} "
                   f"({r['layer_tflop']['total']:.2f} TFLOP at {r['gemm_gflops_fp32']:.0f} GFLOP/s) | "
                   f"{r['ratio_to_bound']:.2f}x |")  # fmt: skip
-    write_results(path, "moe_scale", data, "\n".join(md))
-    print("\n".join(md))
+    notes = data.get("notes") or []
+    return "\n".join(md + (["", "## Notes", ""] + [f"* {n}" for n in notes] if notes else []))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("write", "run", "check"))
+    ap.add_argument("what", choices=("write", "run", "check", "table"))
     ap.add_argument("--shape", choices=sorted([*SHAPES, *MOE_SHAPES]), default="llama3-8b")
-    ap.add_argument("--dir", type=Path, required=True, help="the checkpoint folder")
+    ap.add_argument("--dir", type=Path, default=None, help="the checkpoint folder (write, run, check)")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default DIR-gptq-w4g128)")
     ap.add_argument("--layers", type=int, default=4, help="stop after this many layers (0: all)")
     ap.add_argument("--threads", type=int, default=None)
@@ -260,6 +267,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.what == "write":
         write_checkpoint(args.dir, args.shape, args.seed, args.write_layers)
+        return
+    if args.what == "table":  # moe_scale.md again from its JSON (after notes were added to it)
+        path = Path(args.json or RESULTS / "moe_scale.json")
+        write_results(path, "moe_scale", (data := json.loads(path.read_text())), moe_markdown(data))
         return
     out = args.out or args.dir.with_name(args.dir.name + "-gptq-w4g128")
     if args.what == "check":
