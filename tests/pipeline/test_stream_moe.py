@@ -182,3 +182,15 @@ def test_a_streamed_run_in_parts_equals_the_in_memory_run(tmp_path):
 
     a, b = _saved(m, tmp_path / "mem"), _tensors(tmp_path / "str")
     assert sorted(a) == sorted(b) and not [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def test_a_fused_tensor_that_does_not_match_the_config_is_one_line(tmp_path):
+    from bitmosaic.errors import CorruptModelError
+
+    src = _src(tmp_path, "qwen3_moe", "fused")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 8  # the stored experts are 16 wide
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CorruptModelError, match="does not match its config") as e:
+        _stream(src, tmp_path / "out")
+    assert "\n" not in str(e.value) and "gate_up_proj" in str(e.value)
