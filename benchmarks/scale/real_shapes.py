@@ -146,7 +146,8 @@ def _vmhwm_mb(pid: int, field: str = "VmHWM:") -> float:
 def run(folder: Path, shape: str, layers: int, out: Path, threads: int | None, nsamples: int = 16) -> dict:
     prog = out.parent / f".{out.name}.partial" / "progress.json"
     argv = [sys.executable, "-m", "bitmosaic.cli", "quantize", "--model", str(folder), "--method", "gptq",
-            "--bits", "4", "--group-size", "128", "--calib", str(folder / "calib.txt"), "--nsamples", str(nsamples),
+            "--bits", "4", "--group-size", "128", "--calib", str(folder / "calib.txt"),
+            "--nsamples", str(nsamples),
             "--seqlen", "512", "--dtype", "bfloat16", "--stream", "on", "--out", str(out),
             "--no-progress"]  # fmt: skip
     if threads:
@@ -171,8 +172,8 @@ def run(folder: Path, shape: str, layers: int, out: Path, threads: int | None, n
     wall = time.perf_counter() - t0
     per_layer = state.get("layer_seconds") if state else None
     n_layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
-    if per_layer and out.is_dir() and len(per_layer) == n_layers - 1:  # the last layer's record went with
-        per_layer = [*per_layer, round(time.perf_counter() - seen, 3)]  # the work folder: timed to the exit
+    if out.is_dir() and len(per_layer or []) == n_layers - 1:  # the last layer's record went with the work
+        per_layer = [*(per_layer or []), round(time.perf_counter() - (seen or t0), 3)]  # folder: to the exit
     return {"returncode": p.returncode, "wall_s": wall, "peak_rss_mb": peak, "layer_seconds": per_layer,
             "finished": out.is_dir(), "rss_trace": trace}  # fmt: skip
 
@@ -226,26 +227,35 @@ def moe_results(args, gemm: float, res: dict) -> None:
     data = json.loads(path.read_text()) if path.is_file() else {"runs": {}}
     data["runs"][f"{args.shape} {args.nsamples}x512"] = row
     data["machine"] = machine_info()
+    md = moe_markdown(data)
+    write_results(path, "moe_scale", data, md)
+    print(md)
+
+
+def moe_markdown(data: dict) -> str:
+    """``moe_scale.md``: the table of every run in ``data`` and its notes."""
     md = ["# Streamed GPTQ w4 g128 of MoE checkpoints at real shapes (issue 71)", "",
           "Random bf16 weights, hub per-expert tensor names, truncated checkpoints of the layers run; "
-          "`python -m benchmarks.scale.real_shapes run --shape S --dir D --layers 0 --threads 2 --nsamples N`. "
-          "Bound: FLOPs per layer (benchmarks/scale/moe.py) / the float32 GEMM rate measured in the run.", "",
-          "| shape | layers run | calibration | peak RSS | s/layer (after the first) | FLOP bound s/layer | ratio |",
-          "|---|---|---|---|---|---|---|"]  # fmt: skip
+          "`python -m benchmarks.scale.real_shapes run --shape S --dir D --layers 0 --threads 2 "
+          "--nsamples N`. Bound: FLOPs per layer (benchmarks/scale/moe.py) / the float32 GEMM rate "
+          "measured in the run.", "",
+          "| shape | layers run | calibration | peak RSS | s/layer after the first (each) "
+          "| FLOP bound s/layer | ratio |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in data["runs"].values():
-        md.append(f"| {r['shape']} | {r['layers_run']} | {r['calibration']} | {r['peak_rss_mb'] / 1024:.2f} GiB "
-                  f"| {r['mean_s_per_layer_after_first']:.1f} ({', '.join(f'{s:.0f}' for s in r['layer_seconds'])}) "
-                  f"| {r['bound_s_per_layer']:.1f} ({sum(r['layer_tflop'][k] for k in ('total',)):.2f} TFLOP at "
-                  f"{r['gemm_gflops_fp32']:.0f} GFLOP/s) | {r['ratio_to_bound']:.2f}x |")  # fmt: skip
-    write_results(path, "moe_scale", data, "\n".join(md))
-    print("\n".join(md))
+        each = ", ".join(f"{s:.0f}" for s in r["layer_seconds"])
+        md.append(f"| {r['shape']} | {r['layers_run']} | {r['calibration']} | {r['peak_rss_mb'] / 1024:.2f} "
+                  f"GiB | {r['mean_s_per_layer_after_first']:.1f} ({each}) | {r['bound_s_per_layer']:.1f} "
+                  f"({r['layer_tflop']['total']:.2f} TFLOP at {r['gemm_gflops_fp32']:.0f} GFLOP/s) | "
+                  f"{r['ratio_to_bound']:.2f}x |")  # fmt: skip
+    notes = data.get("notes") or []
+    return "\n".join(md + (["", "## Notes", ""] + [f"* {n}" for n in notes] if notes else []))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("write", "run", "check"))
+    ap.add_argument("what", choices=("write", "run", "check", "table"))
     ap.add_argument("--shape", choices=sorted([*SHAPES, *MOE_SHAPES]), default="llama3-8b")
-    ap.add_argument("--dir", type=Path, required=True, help="the checkpoint folder")
+    ap.add_argument("--dir", type=Path, default=None, help="the checkpoint folder (write, run, check)")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default DIR-gptq-w4g128)")
     ap.add_argument("--layers", type=int, default=4, help="stop after this many layers (0: all)")
     ap.add_argument("--threads", type=int, default=None)
@@ -257,6 +267,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.what == "write":
         write_checkpoint(args.dir, args.shape, args.seed, args.write_layers)
+        return
+    if args.what == "table":  # moe_scale.md again from its JSON (after notes were added to it)
+        path = Path(args.json or RESULTS / "moe_scale.json")
+        write_results(path, "moe_scale", (data := json.loads(path.read_text())), moe_markdown(data))
         return
     out = args.out or args.dir.with_name(args.dir.name + "-gptq-w4g128")
     if args.what == "check":

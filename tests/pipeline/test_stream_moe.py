@@ -135,3 +135,62 @@ def test_each_expert_is_read_alone_into_a_meta_skeleton(naming, tmp_path):
         assert torch.equal(expert.gate_proj.weight, ref.gate_up_proj[e, :i])
         assert torch.equal(expert.up_proj.weight, ref.gate_up_proj[e, i:])
         assert torch.equal(expert.down_proj.weight, ref.down_proj[e])
+
+
+def _saved(model, out):
+    from .test_stream import _tensors
+
+    return _tensors(save_quantized(model, out))
+
+
+@pytest.mark.parametrize("min_tokens", [1, 120])  # 120: some experts fall back to the pooled Hessian
+def test_experts_in_parts_under_a_small_budget_give_the_same_bytes(min_tokens, tmp_path, monkeypatch):
+    """Past the memory budget a group's experts are calibrated and solved in parts (one statistics pass
+    per part, its Hessians freed before the next); an expert's Hessian is its own routed rows', and the
+    pooled fallback is summed in the same order, so the bytes equal the whole group's at once."""
+    from bitmosaic.pipeline import experts as pexperts
+
+    calls = []
+    real_part = pexperts.ExpertPool.part
+    monkeypatch.setattr(pexperts.ExpertPool, "part",
+                        lambda self, *a, **k: calls.append(a[1]) or real_part(self, *a, **k))  # fmt: skip
+    runs = {}
+    for budget in (None, 20_000):  # 20 kB: a quarter holds one expert's 32 x 32 gate/up Hessian
+        m = _moe("qwen3_moe")
+        rep = quantize_(m, RECIPE[0], _calib(), progress=False, moe_min_tokens=min_tokens, max_memory=budget,
+                        **RECIPE[1])  # fmt: skip
+        runs[budget] = (_saved(m, tmp_path / f"m{budget}"), rep)
+    assert len(calls) == 2 * 4 and all(len(c) == 2 for c in calls)  # 2 layers x 4 parts of gate/up
+    (a, ra), (b, rb) = runs[None], runs[20_000]
+    assert sorted(a) == sorted(b) and not [k for k in a if not torch.equal(a[k], b[k])]
+    fell = sorted(r["name"] for r in ra.layers if r.get("expert_fallback"))
+    assert fell == sorted(r["name"] for r in rb.layers if r.get("expert_fallback"))
+    assert bool(fell) == (min_tokens > 1)
+    tok = {r["name"]: r["expert_tokens"] for r in ra.layers if "expert_tokens" in r}
+    assert tok == {r["name"]: r["expert_tokens"] for r in rb.layers if "expert_tokens" in r}
+
+
+def test_a_streamed_run_in_parts_equals_the_in_memory_run(tmp_path):
+    src = _src(tmp_path, "qwen3_moe", "fused")
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    quantize_(m, RECIPE[0], _calib(), progress=False, moe_min_tokens=1, **RECIPE[1])
+    quantize_streaming(Checkpoint(src), word_tokenizer(), tmp_path / "str", as_recipe(*RECIPE), _calib(),
+                       RunSettings(progress=False, moe_min_tokens=1, max_memory=20_000))  # fmt: skip
+    from .test_stream import _tensors
+
+    a, b = _saved(m, tmp_path / "mem"), _tensors(tmp_path / "str")
+    assert sorted(a) == sorted(b) and not [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def test_a_fused_tensor_that_does_not_match_the_config_is_one_line(tmp_path):
+    from bitmosaic.errors import CorruptModelError
+
+    src = _src(tmp_path, "qwen3_moe", "fused")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 8  # the stored experts are 16 wide
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CorruptModelError, match="does not match its config") as e:
+        _stream(src, tmp_path / "out")
+    assert "\n" not in str(e.value) and "gate_up_proj" in str(e.value)

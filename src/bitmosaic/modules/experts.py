@@ -19,7 +19,9 @@ model computes what it computed before, up to the summation order inside the spl
 Calibration statistics: each :class:`ExpertMLP` is called as ``expert(x, w)`` with its routed rows
 ``x`` and their routing weights ``w``; a forward pre-hook sees both.  With :attr:`RoutedExperts.observe_all`
 set, every expert is first also called as ``expert(x_all, None)`` on all of the batch's tokens (for
-statistics only; its output is discarded, the routed outputs are unchanged).
+statistics only; its output is discarded, the routed outputs are unchanged).  With
+:attr:`RoutedExperts.only` set (a statistics pass over some experts, whose output is dropped), only those
+experts run.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class RoutedExperts(nn.ModuleList):
         super().__init__(experts)
         self.fused_class = fused_class
         self.observe_all = False
+        self.only: set[int] | None = None  # a statistics pass: only these experts run (the output is dropped)
 
     @property
     def num_experts(self) -> int:
@@ -86,8 +89,9 @@ class RoutedExperts(nn.ModuleList):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         out = torch.zeros_like(hidden_states)
         if self.observe_all:
-            for expert in self:
-                expert(hidden_states, None)
+            for e, expert in enumerate(self):
+                if self.only is None or e in self.only:
+                    expert(hidden_states, None)
         n = len(self)
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -99,6 +103,8 @@ class RoutedExperts(nn.ModuleList):
                 continue
             sel = order[start : start + c]
             start += c
+            if self.only is not None and e not in self.only:
+                continue
             tok, pos = sel // k, sel % k
             w = top_k_weights[tok, pos]
             y = self[e](hidden_states[tok], w) * w[:, None]

@@ -19,6 +19,18 @@ which the loop swaps in for that expert's linears (:func:`apply_grid_fallback`).
 on a random 16-expert layer fed real token embeddings its own Hessian beat the pooled one on held-out
 tokens only from about ``H`` rows on (``benchmarks/moe/min_tokens.py``; docs/moe.md), hence ``'auto'``.  :func:`expert_statistics`
 returns the rows each expert saw and which experts fell back, for the run report.
+
+**Experts in parts** (issue 71: "a layer's experts are calibrated, solved and written expert by expert").
+One Hessian per expert is ``E d^2`` floats per group: 2.1 GB for Qwen3-30B-A3B's gate/up (128 x 2048^2),
+52 GB for DeepSeek-V3's (256 x 7168^2).  When a group's Hessians exceed :data:`HESSIAN_FRACTION` of the
+memory budget (``max_memory``, else the memory available at the start), :func:`expert_parts` splits it
+into parts of whole experts that fit, and the loop runs one statistics pass per part (only the part's
+experts run: :attr:`~bitmosaic.modules.experts.RoutedExperts.only`; the attention's outputs come from the
+output cache when it is on), solves the part and frees its Hessians before the next.  :class:`ExpertPool`
+keeps what outlives a part: the rows each expert saw, the running pooled sum ``sum_e n_e H_e`` (added in
+the order the whole group would add it) and the experts below ``moe_min_tokens``, solved last on the
+pooled Hessian (or by the grid rule).  An expert's Hessian depends only on its own routed rows, so the parts give the bytes of
+the whole group at once.
 """
 
 from __future__ import annotations
@@ -36,10 +48,12 @@ from .calibration import LayerInputs, StopForward
 from .capture import run_layer
 from .settings import RunSettings
 
-__all__ = ["expert_statistics", "is_expert_group", "ExpertStats", "GRID_RULES", "apply_grid_fallback",
-           "check_grid_fallback"]
+__all__ = ["expert_statistics", "is_expert_group", "ExpertStats", "ExpertPool", "expert_parts",
+           "HESSIAN_FRACTION", "GRID_RULES", "apply_grid_fallback", "check_grid_fallback"]  # fmt: skip
 
 GRID_RULES = ("rtn",)  # fallback rules that quantize on the run's grid without statistics (module doc)
+
+HESSIAN_FRACTION = 0.25  # of the memory budget: what one part of a group's expert Hessians may take
 
 
 def is_expert_group(layer: nn.Module, names) -> bool:
@@ -65,20 +79,11 @@ class _Fixed:
 
 
 class ExpertStats:
-    """Per expert group: ``tokens`` (owner name -> routed rows seen; 0 for an expert never called),
-    ``fallback`` (owner -> rule)."""
+    """Per expert group: ``tokens`` (owner name -> routed rows seen), ``fallback`` (owner -> rule)."""
 
     def __init__(self) -> None:
         self.tokens: dict[str, int] = {}
         self.fallback: dict[str, str] = {}
-
-    def per_expert(self) -> list[int]:
-        """The rows each expert saw (by expert index), read from the group's first projection."""
-        first = next(iter(self.tokens), None)
-        if first is None:
-            return []
-        proj = _proj(first)
-        return [t for o, t in sorted(self.tokens.items(), key=lambda kv: _index(kv[0])) if _proj(o) == proj]
 
 
 @torch.inference_mode()
@@ -97,6 +102,16 @@ def expert_statistics(
     read one tensor: one Hessian), input observers when ``observe`` and the :class:`ExpertStats`;
     ``settings``: the run's ``hessian_dtype``, ``moe_calib``, ``moe_min_tokens`` and ``moe_fallback``."""
     settings = settings or RunSettings()
+    accs, owner, observers, stats = _expert_pass(layer, names, inputs, kwargs, cache=cache, observe=observe,
+                                                 dist=dist, settings=settings)  # fmt: skip
+    widths = {n: layer.get_submodule(n).in_features for n in names}
+    _fall_back(names, accs, owner, stats, settings.moe_min_tokens, settings.moe_fallback, widths)
+    return accs, owner, observers, stats
+
+
+@torch.inference_mode()
+def _expert_pass(layer, names, inputs, kwargs, *, cache, observe, dist, settings):
+    """One statistics pass over ``names``' experts (only they run): Hessians, owners, observers, rows."""
     hessian_dtype = settings.hessian_dtype
     moe_calib = settings.moe_calib
     if dist is not None and dist.world > 1:
@@ -150,6 +165,8 @@ def expert_statistics(
         handles += [e.register_forward_pre_hook(expert_hook) for e in c]
         handles.append(c.register_forward_hook(stop))
         c.observe_all = not want_routed
+        mine = {id(layer.get_submodule(n.rsplit(".", 1)[0])) for n in names}
+        c.only = {i for i, e in enumerate(c) if id(e) in mine}
     try:
         for b, (hs, kw) in enumerate(zip(inputs, kwargs, strict=True)):
             if cache is not None:
@@ -164,52 +181,57 @@ def expert_statistics(
         for h in handles:
             h.remove()
         for c in containers.values():
-            c.observe_all = False
-    widths = {n: layer.get_submodule(n).in_features for n in names}
-    _fall_back(names, accs, owner, stats, settings.moe_min_tokens, settings.moe_fallback, widths)
+            c.observe_all, c.only = False, None
     return accs, owner, observers, stats
 
 
-def _fall_back(names, accs: dict, owner: dict, stats: ExpertStats, min_tokens: int | str, rule: str,
-               widths: dict[str, int]) -> None:  # fmt: skip
-    """Owners for experts never called (their projections share inputs as the called experts' do), and
-    the fallback ``rule`` for every owner below ``min_tokens`` rows (``'auto'``: its input width
-    ``widths[owner]``, the size of its Hessian)."""
-    template: dict[str, str] = {}  # member -> owner, by projection name (up_proj -> gate_proj)
+def _own_uncalled(names, owner: dict, template: dict[str, str]) -> None:
+    """Owners for experts never called: their projections share inputs as the called experts' do
+    (``template``: member -> owner by projection name, e.g. up_proj -> gate_proj; updated here)."""
     for n, o in owner.items():
         template.setdefault(n.rsplit(".", 1)[1], o.rsplit(".", 1)[1])
     for n in names:
         if n not in owner:
             base, proj = n.rsplit(".", 1)
             owner[n] = f"{base}.{template.get(proj, proj)}"
+
+
+def _no_tokens(proj: str) -> OptionError:
+    return OptionError(f"no calibration token reached any expert's {proj} in this layer; use more "
+                       "calibration samples or --moe-calib all")  # fmt: skip
+
+
+def _below(rows: int, min_tokens: int | str, width: int) -> bool:
+    """Whether ``rows`` routed rows are too few (``min_tokens`` ``'auto'``: fewer than the input width)."""
+    return rows < (width if min_tokens == "auto" else min_tokens)
+
+
+def _fall_back(names, accs: dict, owner: dict, stats: ExpertStats, min_tokens: int | str, rule: str,
+               widths: dict[str, int]) -> None:  # fmt: skip
+    """Owners for experts never called, and the fallback ``rule`` for every owner below ``min_tokens``
+    rows (``'auto'``: its input width ``widths[owner]``, the size of its Hessian): the pooled Hessian,
+    or a grid rule (:func:`apply_grid_fallback` swaps the method)."""
+    _own_uncalled(names, owner, {})
     by_proj: dict[str, list[str]] = {}
     for o in dict.fromkeys(owner[n] for n in names):
         by_proj.setdefault(_proj(o), []).append(o)
     for proj, owns in by_proj.items():
         for o in owns:
             stats.tokens.setdefault(o, 0)
-        low = [o for o in owns if stats.tokens[o] < (widths[o] if min_tokens == "auto" else min_tokens)]
+        low = [o for o in owns if _below(stats.tokens[o], min_tokens, widths[o])]
         if not low:
             continue
-        if rule in GRID_RULES:  # solved without statistics: apply_grid_fallback swaps the method
+        if rule in GRID_RULES:  # solved without statistics
             stats.fallback.update(dict.fromkeys(low, rule))
             continue
         pool = [o for o in owns if stats.tokens.get(o, 0) > 0]
         if not pool:
-            raise OptionError(
-                f"no calibration token reached any expert's {proj} in this layer; use more calibration "
-                "samples or --moe-calib all"
-            )
+            raise _no_tokens(proj)
         rows = sum(stats.tokens[o] for o in pool)
-        H = sum(accs[o].H * (stats.tokens[o] / rows) for o in pool)
+        H = sum(accs[o].H * stats.tokens[o] for o in pool) / rows  # as ExpertPool adds it
         for o in low:
             accs[o] = _Fixed(H)
             stats.fallback[o] = rule
-
-
-def _index(name: str) -> int:
-    """``mlp.experts.3.gate_proj`` -> 3."""
-    return int(name.split(".")[-2])
 
 
 def apply_grid_fallback(plan: dict, stats: ExpertStats, owner: dict) -> None:
@@ -245,3 +267,70 @@ def _proj(name: str) -> str:
     """``mlp.experts.3.gate_proj`` -> ``mlp.experts.*.gate_proj``."""
     parts = name.split(".")
     return ".".join(parts[:-2] + ["*", parts[-1]])
+
+
+def expert_parts(layer: nn.Module, names, budget: int, hessian_dtype: torch.dtype) -> list[tuple[str, ...]]:
+    """``names`` in parts of whole experts whose Hessians (one per distinct input width of an expert's
+    linears) take at most :data:`HESSIAN_FRACTION` of ``budget`` bytes; one part when all fit (module
+    doc).  Names outside a list of experts go with the first part."""
+    key = {n: n.rsplit(".", 1)[0] if isinstance(_container(layer, n), RoutedExperts) else "" for n in names}
+    experts = list(dict.fromkeys(k for k in key.values() if k))
+    widths = {k: {layer.get_submodule(n).weight.shape[1] for n in names if key[n] == k} for k in experts}
+    one = max((sum(d * d for d in w) for w in widths.values()), default=0)
+    size = torch.empty((), dtype=hessian_dtype).element_size()
+    per_part = max(1, int(HESSIAN_FRACTION * budget // max(one * size, 1)))
+    if len(experts) <= per_part:
+        return [tuple(names)]
+    parts = [{"", *experts[: per_part]}]
+    parts += [set(experts[i : i + per_part]) for i in range(per_part, len(experts), per_part)]
+    return [tuple(n for n in names if key[n] in p) for p in parts]
+
+
+class ExpertPool:
+    """What outlives one part of an expert group (module doc): the rows seen, the running pooled sums
+    ``sum_e n_e H_e`` per projection, the owners below ``moe_min_tokens`` (solved last)."""
+
+    def __init__(self, settings: RunSettings) -> None:
+        self.settings = settings
+        self.stats = ExpertStats()
+        self.template: dict[str, str] = {"up_proj": "gate_proj"}  # ExpertMLP: gate and up read one tensor
+        self.sums: dict[str, torch.Tensor] = {}
+        self.rows: dict[str, int] = {}
+        self.low: dict[str, list[str]] = {}  # owner -> the names it owns, deferred to :meth:`rest`
+
+    def part(self, layer, names, inputs, kwargs, **stat_kw) -> tuple[dict, dict, dict, ExpertStats]:
+        """One part's statistics pass: the Hessians of its owners with enough rows (theirs to solve now),
+        the owners of its names that have enough, its observers and the group's :class:`ExpertStats`."""
+        accs, owner, observers, seen = _expert_pass(layer, names, inputs, kwargs, settings=self.settings,
+                                                    **stat_kw)  # fmt: skip
+        self.stats.tokens.update(seen.tokens)
+        _own_uncalled(names, owner, self.template)
+        for o in dict.fromkeys(owner[n] for n in names):  # the group's owner order
+            n_o = seen.tokens.get(o, 0)
+            if n_o > 0:
+                p = _proj(o)
+                add = accs[o].H * n_o
+                self.sums[p] = add if p not in self.sums else self.sums[p] + add
+                self.rows[p] = self.rows.get(p, 0) + n_o
+            if _below(n_o, self.settings.moe_min_tokens, layer.get_submodule(o).in_features):
+                accs.pop(o, None)
+                self.low[o] = [n for n in names if owner[n] == o]
+        ready = {n: o for n, o in owner.items() if o in accs}
+        return accs, ready, observers, self.stats
+
+    def rest(self) -> tuple[dict, dict]:
+        """The deferred owners' pooled Hessians and the owner of each of their names (after every part)."""
+        accs, owner = {}, {}
+        rule = self.settings.moe_fallback
+        for o, names in self.low.items():
+            p = _proj(o)
+            self.stats.tokens.setdefault(o, 0)
+            self.stats.fallback[o] = rule
+            owner.update(dict.fromkeys(names, o))
+            if rule in GRID_RULES:  # no Hessian: apply_grid_fallback swaps the method
+                continue
+            if p not in self.sums:
+                raise _no_tokens(p)
+            accs[o] = _Fixed(self.sums[p] / self.rows[p])
+        self.low, self.sums = {}, {}
+        return accs, owner

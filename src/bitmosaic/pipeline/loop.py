@@ -37,7 +37,7 @@ from ..modules.rotation import carry_input_rotation
 from .calibration import layer_kind
 from .capture import capture_groups, run_layer
 from .distributed import Dist
-from .experts import apply_grid_fallback, expert_statistics, is_expert_group
+from .experts import ExpertPool, apply_grid_fallback, expert_parts, expert_statistics, is_expert_group
 from .report import RunReport
 from .settings import RunSettings
 from .smoothing import fold_group_scales
@@ -160,24 +160,44 @@ class _Group:
 def _quantize_group(run: LayerRun, lay: _Layer, gi: int, group, cache: OutputCache) -> None:
     """Calibrate group ``gi``, solve each of its Hessians' linears, record the rows, cache what is final."""
     run.bar.set_postfix_str(f"{lay.li}.{'/'.join(n.rsplit('.', 1)[-1] for n in group)}")
-    grp = _statistics(run, lay, gi, group, cache)
-    done = []
-    for own, names in grp.shared.items():
-        done += _solve_hessian(run, lay, grp, own, names)
-    for entry in done:
-        _record(run, lay, gi, entry, grp.observers)
+    parts, pool = [group], None
+    if run.calibrate and is_expert_group(lay.module, group):  # experts in parts past the budget (experts.py)
+        budget = int(run.report.calibration["spill"]["budget_mb"] * 2**20)
+        parts = expert_parts(lay.module, group, budget, run.settings.hessian_dtype)
+        pool = ExpertPool(run.settings) if len(parts) > 1 else None
+    for part in parts:
+        grp = _statistics(run, lay, gi, part, cache, pool)
+        _solve_group(run, lay, gi, grp)
+        del grp
+        release_host_memory()  # the part's Hessians
+    if pool is not None:  # the experts with too few rows, on the pooled Hessian of every part
+        accs, owner = pool.rest()
+        apply_grid_fallback(lay.plan, pool.stats, owner)
+        shared: dict[str, list[str]] = {}
+        for name, own in owner.items():
+            shared.setdefault(own, []).append(name)
+        _solve_group(run, lay, gi, _Group(gi, tuple(owner), accs, shared, {}, None))
     if lay.use_cache and gi < len(lay.groups) - 1:  # quantized or skipped: final from now on
         for name in group:
             cache.install(lay.module.get_submodule(name))
         for child in _finished_children(lay.module, lay.groups, gi):
             cache.install(child)
-    del grp, done
     release_host_memory()  # the heap pages this group's temporaries freed
 
 
-def _statistics(run: LayerRun, lay: _Layer, gi: int, group, cache: OutputCache) -> _Group:
+def _solve_group(run: LayerRun, lay: _Layer, gi: int, grp: _Group) -> None:
+    """Solve each of the group's Hessians' linears and record their rows."""
+    done = []
+    for own, names in grp.shared.items():
+        done += _solve_hessian(run, lay, grp, own, names)
+    for entry in done:
+        _record(run, lay, gi, entry, grp.observers)
+
+
+def _statistics(run: LayerRun, lay: _Layer, gi: int, group, cache: OutputCache, pool=None) -> _Group:
     """The group's Hessians and observers on the layer's current inputs (none for a run that does not
-    calibrate: each linear then solves alone)."""
+    calibrate: each linear then solves alone); ``pool``: an :class:`ExpertPool` when the group is one
+    part of an expert group (its owners with too few rows are left to the pool)."""
     if not run.calibrate:
         return _Group(gi, group, {}, {name: [name] for name in group}, {}, None)
     plan = lay.plan
@@ -187,16 +207,21 @@ def _statistics(run: LayerRun, lay: _Layer, gi: int, group, cache: OutputCache) 
     stat_kw = dict(hessian_dtype=run.settings.hessian_dtype, cache=cache if lay.use_cache else None,
                    observe=observe, dist=run.dist)  # fmt: skip
     if is_expert_group(lay.module, group):
-        stat_kw = {**stat_kw, "settings": run.settings}
         del stat_kw["hessian_dtype"]  # the settings' own
-        accs, owner, observers, seen = expert_statistics(lay.module, group, run.inputs, lay.kwargs, **stat_kw)
+        if pool is not None:
+            accs, owner, observers, seen = pool.part(lay.module, group, run.inputs, lay.kwargs, **stat_kw)
+        stat_kw["settings"] = run.settings
+        if pool is None:
+            accs, owner, observers, seen = expert_statistics(lay.module, group, run.inputs, lay.kwargs,
+                                                             **stat_kw)  # fmt: skip
         lay.experts[gi] = seen
         apply_grid_fallback(plan, seen, owner)  # experts too thin for their own statistics (experts.py)
     else:
         accs, owner, observers = group_statistics(lay.module, group, run.inputs, lay.kwargs, **stat_kw)
     shared: dict[str, list[str]] = {}
     for name in group:
-        shared.setdefault(owner[name], []).append(name)
+        if name in owner:  # not: a part's expert with too few rows (solved last, by the pool)
+            shared.setdefault(owner[name], []).append(name)
     return _Group(gi, group, accs, shared, observers, stat_kw)
 
 

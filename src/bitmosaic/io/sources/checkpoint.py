@@ -41,6 +41,16 @@ def missing_tensor(spec: str, name: str) -> str:
     return f"{spec}: tensor {name} is missing from the checkpoint; re-download it"
 
 
+def _expert_slice(sl, src: ExpertSource) -> torch.Tensor:
+    """Expert ``src.index`` of a fused tensor (the half of its rows ``src.half`` names), read through the
+    memory map: only that expert's bytes are copied."""
+    full = sl.get_shape()
+    if len(full) == 1 or src.half is None:
+        return sl[src.index : src.index + 1][0]
+    rows = full[1] // 2
+    return sl[src.index : src.index + 1, src.half * rows : (src.half + 1) * rows][0]
+
+
 class Checkpoint:
     """The tensors of a safetensors model folder, by name, read lazily."""
 
@@ -116,12 +126,8 @@ class Checkpoint:
             file = self.files[src.name]
             try:
                 with safe_open(str(file), "pt") as f:
-                    sl = f.get_slice(src.name)
-                    full = sl.get_shape()
-                    rows = full[1] // 2 if src.half is not None and len(full) > 1 else None
-                    lo, hi = (0, full[1]) if rows is None else (src.half * rows, (src.half + 1) * rows)
-                    t = sl[src.index : src.index + 1, lo:hi] if len(full) > 1 else sl[src.index : src.index + 1]
-                    t = t[0].to(dtype, copy=True) if dtype is not None and t.is_floating_point() else t[0].clone()
+                    t = _expert_slice(f.get_slice(src.name), src)
+                    t = t.to(dtype, copy=True) if dtype is not None and t.is_floating_point() else t.clone()
             except (SafetensorError, OSError) as e:
                 raise CorruptModelError(
                     f"cannot read {file} ({' '.join(str(e).split())}); re-download or re-save the model"
