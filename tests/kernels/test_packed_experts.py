@@ -161,6 +161,11 @@ def test_kernel_selection_reports(gptq):
         if isinstance(m, QuantModule):
             m.kernel()
     assert resident_bytes(gptq) == resident_bytes(ref)
+    assert pack_experts(ref) == 2  # kernels built (saved buffers released) before packing: packed too
+    assert resident_bytes(gptq) == resident_bytes(ref)
+    ids = torch.randint(0, 128, (1, 6))
+    with torch.no_grad():
+        assert torch.equal(ref(ids).logits, gptq(ids).logits)
 
 
 def test_two_bit_experts_stack_the_selected_kernel():

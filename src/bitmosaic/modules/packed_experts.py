@@ -92,7 +92,8 @@ class PackedExperts(QuantModule):
         for e, m in enumerate(experts):
             if m.layer_config() != cfg:
                 raise NotStackable(f"expert {e}'s format {m.layer_config()} differs from expert 0's {cfg}")
-            if m.scales.device.type != "cpu" or m.cache_weight:
+            on_cpu = bool(m._kernel) or m.scales.device.type == "cpu"  # kernels live on the CPU
+            if not on_cpu or m.cache_weight:
                 raise NotStackable(f"expert {e} is not on the CPU or keeps a float weight")
         kernels = [m.kernel() for m in experts]
         if any(k is None for k in kernels):
