@@ -15,7 +15,12 @@ from bitmosaic.kernels.select import select_kernel
 from bitmosaic.modules import QuantLinear, QuantModule, full_layer_config, module_from_layer_config
 from bitmosaic.modules.base import resident_bytes
 from bitmosaic.modules.experts import RoutedExperts
-from bitmosaic.modules.packed_experts import PackedRoutedExperts, _plain, pack_experts, packed_experts_report
+from bitmosaic.modules.packed_experts import (
+    PackedRoutedExperts,
+    pack_experts,
+    packed_experts_report,
+    runs_stacked,
+)
 
 E, K, H = 4, 2, 32  # experts, top-k, hidden size of the tiny qwen3_moe
 
@@ -90,7 +95,7 @@ def test_the_pipeline_packs_every_moe_layer(gptq):
                 assert q._kernel.weight.data.data_ptr() == pe._kernel.stacks[("weight", "data")][e].data_ptr()
                 assert torch.equal(pe.qweight[e], q.qweight) and torch.equal(pe.scales[e], q.scales)
                 x = torch.randn(3, q.in_features)
-                assert _plain(q, pe._kernel[e], x)  # the packed forward takes the stacked row itself
+                assert runs_stacked(q, pe._kernel[e])  # the packed forward takes the stacked row itself
                 assert torch.equal(pe(x, e), q(x))
             w = pe.dequantize_reference()
             assert torch.equal(w, torch.stack([q.dequantize_reference() for q in mods]))
@@ -106,7 +111,7 @@ def test_packed_equals_per_expert_modules(gptq, tokens):
     with torch.no_grad():
         assert torch.equal(gptq(ids).logits, ref(ids).logits)
     g = torch.Generator().manual_seed(7)
-    for (_, pm), (_, rm) in zip(_experts(gptq), _experts(ref)):
+    for (_, pm), (_, rm) in zip(_experts(gptq), _experts(ref), strict=True):
         h = torch.randn(tokens, H, generator=g)
         idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])
         w = torch.rand(tokens, K, generator=g).softmax(-1)
@@ -131,7 +136,7 @@ def test_random_selections_match(gptq, tokens, pool, seed, bf16):
     choice = torch.tensor(pool)[torch.randint(0, len(pool), (tokens, K), generator=g)]
     h = torch.randn(tokens, H, generator=g).to(dtype)
     w = torch.rand(tokens, K, generator=g).to(dtype)
-    for (_, pm), (_, rm) in zip(_experts(gptq), _experts(_REF)):
+    for (_, pm), (_, rm) in zip(_experts(gptq), _experts(_REF), strict=True):
         with torch.no_grad():
             got, want = pm(h, choice, w), rm(h, choice, w)
         assert got.dtype == dtype and torch.equal(got, want)
@@ -156,6 +161,11 @@ def test_kernel_selection_reports(gptq):
         if isinstance(m, QuantModule):
             m.kernel()
     assert resident_bytes(gptq) == resident_bytes(ref)
+    assert pack_experts(ref) == 2  # kernels built (saved buffers released) before packing: packed too
+    assert resident_bytes(gptq) == resident_bytes(ref)
+    ids = torch.randint(0, 128, (1, 6))
+    with torch.no_grad():
+        assert torch.equal(ref(ids).logits, gptq(ids).logits)
 
 
 def test_two_bit_experts_stack_the_selected_kernel():

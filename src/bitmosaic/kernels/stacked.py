@@ -43,7 +43,9 @@ def _fields(obj, path: tuple = ()) -> list[tuple[tuple, object]]:
             out.append((p, type(v)))
             out.extend(_fields(v, p))
         else:
-            raise NotStackable(f"field {'.'.join(p)} of a {type(obj).__name__} ({type(v).__name__}) cannot be stacked")
+            raise NotStackable(
+                f"field {'.'.join(p)} of a {type(obj).__name__} ({type(v).__name__}) cannot be stacked"
+            )
     return out
 
 
@@ -68,7 +70,7 @@ def stack_in_place(objs: Sequence) -> dict[tuple, torch.Tensor]:
     for e, fields in enumerate(per[1:], 1):
         if type(objs[e]) is not type(objs[0]) or [p for p, _ in fields] != [p for p, _ in first]:
             raise NotStackable(f"kernel {e} is a {type(objs[e]).__name__} of another structure than kernel 0")
-        for (p, a), (_, b) in zip(first, fields):
+        for (p, a), (_, b) in zip(first, fields, strict=True):
             if torch.is_tensor(a) != torch.is_tensor(b):
                 raise NotStackable(f"field {'.'.join(p)} of kernel {e} differs in kind from kernel 0's")
             if torch.is_tensor(a):

@@ -39,11 +39,11 @@ from torch import nn
 
 from ..formats.accounting import bits_per_weight
 from ..kernels.stacked import NotStackable, StackedKernels, stack_in_place
-from .base import QuantModule, _wants_grad
+from .base import QuantModule
 from .experts import RoutedExperts
 from .qlinear import QuantLinear, packed_kwargs
 
-__all__ = ["PackedExperts", "PackedRoutedExperts", "pack_experts", "packed_experts_report"]
+__all__ = ["PackedExperts", "PackedRoutedExperts", "pack_experts", "packed_experts_report", "runs_stacked"]
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _STORAGE = ("qweight", "scales", "zeros", "g_idx")
@@ -92,7 +92,8 @@ class PackedExperts(QuantModule):
         for e, m in enumerate(experts):
             if m.layer_config() != cfg:
                 raise NotStackable(f"expert {e}'s format {m.layer_config()} differs from expert 0's {cfg}")
-            if m.scales.device.type != "cpu" or m.cache_weight:
+            on_cpu = bool(m._kernel) or m.scales.device.type == "cpu"  # kernels live on the CPU
+            if not on_cpu or m.cache_weight:
                 raise NotStackable(f"expert {e} is not on the CPU or keeps a float weight")
         kernels = [m.kernel() for m in experts]
         if any(k is None for k in kernels):
@@ -124,7 +125,9 @@ class PackedExperts(QuantModule):
         return [t for t in (getattr(self, n) for n in _STORAGE) if t is not None]
 
     def bits_per_weight(self) -> float:
-        return bits_per_weight(self.storage_tensors(), self.num_experts * self.in_features * self.out_features)
+        return bits_per_weight(
+            self.storage_tensors(), self.num_experts * self.in_features * self.out_features
+        )
 
     def dequantize_reference(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weights ``[E, out, in]`` through the ``packed`` reference path, expert by expert."""
@@ -145,18 +148,25 @@ class PackedExperts(QuantModule):
     def forward(self, x: torch.Tensor, e: int) -> torch.Tensor:  # type: ignore[override]
         """``x`` times expert ``e``'s weight (plus its bias)."""
         b = None if self.bias is None else self.bias[e].to(x.dtype)
-        if x.device.type == "cpu" and not _wants_grad(x) and self.kernel() is not None:
+        if x.device.type == "cpu" and not _grad(x) and self.kernel() is not None:
             y = self._kernel[e](x)
             return y if b is None else y + b
         return nn.functional.linear(x, self.expert(e)._dequantize(torch.float32).to(x.dtype), b)
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, {super().extra_repr()}, bits={self.bits}, group={self.group_size}"
+        return (
+            f"experts={self.num_experts}, {super().extra_repr()}, bits={self.bits}, group={self.group_size}"
+        )
 
 
-def _plain(m: nn.Module, k, x: torch.Tensor) -> bool:
-    """Whether ``m``'s forward on ``x`` is exactly ``k(x)`` (+ bias): its kernel is the stack's row ``k``
-    and nothing else acts (no activation quantizer, hook or cached float weight)."""
+def _grad(x: torch.Tensor) -> bool:
+    """Whether a forward records an autograd graph through ``x`` (the kernels then are not used)."""
+    return x.requires_grad and torch.is_grad_enabled()
+
+
+def runs_stacked(m: nn.Module, k) -> bool:
+    """Whether ``m``'s forward is exactly ``k(x)`` (+ bias) on a CPU ``x`` without a graph: its kernel is
+    the stack's row ``k`` and nothing else acts (no activation quantizer, hook or cached float weight)."""
     return (
         m._kernel is k
         and not m._forward_hooks
@@ -185,7 +195,7 @@ class PackedRoutedExperts(RoutedExperts):
         pe = self.packed.get(name)
         if pe is not None:
             k = pe._kernel[e]
-            if _plain(m, k, x):
+            if runs_stacked(m, k):
                 y = k(x)
                 return y if m.bias is None else y + m.bias.to(x.dtype)
         return m(x)
@@ -198,7 +208,7 @@ class PackedRoutedExperts(RoutedExperts):
         return self._proj("down_proj", mlp, e, mlp._rule(g, u))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        if self.observe_all or not self.packed or hidden_states.device.type != "cpu" or _wants_grad(hidden_states):
+        if self.observe_all or not self.packed or hidden_states.device.type != "cpu" or _grad(hidden_states):
             return super().forward(hidden_states, top_k_index, top_k_weights)
         out = torch.zeros_like(hidden_states)
         k = top_k_index.shape[-1]
