@@ -50,10 +50,12 @@ import numpy as np
 import torch
 
 from ...modules.actquant import input_quant_spec
+from ...modules.experts import RoutedExperts
 from . import gguf_kquants as kq
+from . import gguf_moe as moe
 from .common import ExportResult, Source, collect, record
 from .gguf_blocks import BLOCK, BLOCK_TYPES, BlockType, fit, pack
-from .gguf_file import check_gguf_out, tensors_in_file_order, write_gguf
+from .gguf_file import check_gguf_out, source_metadata, tensors_in_file_order, write_gguf
 from .layers import ExportError, Refusal, regroup
 
 __all__ = ["GGUF_TYPES", "FLOAT_TYPES", "K_QUANTS", "default_types", "export_gguf"]
@@ -74,6 +76,7 @@ class _Model:
     plain: dict  # the model's name -> a function giving the float tensor
     source_model: str | None  # the model argument the saved folder was quantized from
     notes: list[str] = field(default_factory=list)
+    experts: int = 0  # routed experts per MoE layer (0: a dense model)
 
     @classmethod
     def read(cls, spec: str) -> _Model:
@@ -86,7 +89,8 @@ class _Model:
             for n, m in src.qmods.items():
                 if m.bias is not None:
                     plain[f"{n}.bias"] = lambda b=m.bias: b.detach()
-            return cls(str(src.path), src.config, src.qmods, plain, src.qc.get("source_model"))
+            n = max((len(m) for m in src.model.modules() if isinstance(m, RoutedExperts)), default=0)
+            return cls(str(src.path), src.config, src.qmods, plain, src.qc.get("source_model"), experts=n)
         from ..sources.opener import open_checkpoint
 
         ckpt, _ = open_checkpoint(str(spec))  # a float model (a GGUF file, a folder or an alias)
@@ -338,6 +342,8 @@ def export_gguf(src, out, *, gguf_type: str | None = None, lossy: bool = False, 
     model = _Model.read(src)
     if Path(model.spec) == out:
         raise ExportError(f"--out {out} is the source; choose another --out")
+    if model.experts:
+        return _export_moe(model, out, gguf_type, lossy, overwrite, source_gguf)
     gpath = _source_gguf(model, source_gguf)
     if gpath == out:
         raise ExportError(f"--out {out} is the source GGUF file; choose another --out")
@@ -361,7 +367,7 @@ def export_gguf(src, out, *, gguf_type: str | None = None, lossy: bool = False, 
     write_gguf(
         out,
         overwrite,
-        gpath,
+        source_metadata(gpath),
         ckpt.arch,
         ordered,
         _file_type(qtypes, types),
@@ -402,7 +408,50 @@ def _layer_blocks(model: _Model, gguf_type: str | None, lossy: bool) -> tuple[di
             )
     else:
         blocks, changes = collect(model.qmods, _block_layer(gguf_type, lossy), "gguf", lossy)
+    if model.experts:  # llama.cpp stacks a layer's experts into one tensor of one type
+        model.notes.extend(moe.unify_expert_types(blocks, changes, lambda t, ns: _redo(model, t, ns)))
     return blocks, changes, rerounded
+
+
+def _redo(model: _Model, typ: str, names: list[str]) -> dict | None:
+    """The layers ``names`` as exact blocks of ``typ`` (``None`` when one has no exact form)."""
+    fn = _block_layer(typ, False)
+    try:
+        return {n: fn(n, model.qmods[n], []) for n in names}
+    except Refusal:
+        return None
+
+
+def _export_moe(
+    model: _Model, out: Path, gguf_type, lossy: bool, overwrite: bool, source_gguf
+) -> ExportResult:
+    """A mixture-of-experts model in llama.cpp's layout, its metadata from the Hugging Face config
+    (:mod:`.gguf_moe`): the quantized layers as the dense path writes them, each layer's experts
+    stacked into one tensor, every other tensor in the first float type that holds it exactly."""
+    arch, kv = moe.hf_metadata(model.config, model.experts)
+    given = None
+    if source_gguf is not None:
+        given = Path(source_gguf).expanduser().resolve()
+        if not given.is_file():
+            raise ExportError(
+                f"--source-gguf {source_gguf}: no such file; give a GGUF with the model's vocabulary"
+            )
+    kv += moe.tokenizer_metadata(Path(model.spec), given)
+    records, tensors, qtypes = _quantized_tensors(model, gguf_type, lossy) if model.qmods else ([], {}, [])
+    tied = bool(model.config.get("tie_word_embeddings"))
+    for name, get in model.plain.items():
+        if not (tied and name == "lm_head.weight"):
+            data, typ, _ = _float_tensor(get(), None, None, lossy)
+            tensors[name] = (data, typ)
+    rows = [(g, data, typ) for g, (data, typ) in moe.stack_experts(tensors, model.config).items()]
+    types = [typ for _, _, typ in rows]
+    counts = ", ".join(f"{t} x{types.count(t)}" for t in sorted(set(types)))
+    result = ExportResult(
+        out, "gguf", records, [*model.notes, f"llama.cpp architecture {arch}", f"tensor types: {counts}"]
+    )
+    report = {"source": model.spec, **result.summary()}
+    write_gguf(out, overwrite, kv, arch, rows, _file_type(qtypes, types), report)
+    return result
 
 
 def _quantized_tensors(model: _Model, gguf_type: str | None, lossy: bool) -> tuple[list, dict, list]:
