@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import bitmosaic
+from benchmarks.moe.gguf_llamacpp import BOUNDS, llama_cpp_errors
 from bitmosaic.cli import main
 from bitmosaic.io import load_quantized, save_quantized
 from bitmosaic.io.export import ExportError, export_model
@@ -121,6 +122,24 @@ def test_gguf_stacks_each_layers_experts_bit_for_bit(root, tmp_path):
     assert "output.weight" in tensors and "token_embd.weight" in tensors
 
 
+def test_gguf_mixtral_is_llama_with_experts(root, tmp_path):
+    """Mixtral in llama.cpp is ``llama`` with experts: the same stacking, q/k rows in llama.cpp's rope
+    order (``convert_hf_to_gguf.py``'s permute, written out independently in test_export_gguf.py)."""
+    from tests.io.test_export_gguf import _to_file_rows
+
+    folder = _quantized(root, "mixtral")
+    assert not export_model(folder, tmp_path / "m.gguf", "gguf").changed
+    tensors, meta = _read_gguf(tmp_path / "m.gguf")
+    assert meta["general.architecture"] == "llama" and meta["llama.expert_count"] == 4
+    assert meta["llama.expert_used_count"] == 2 and meta["llama.rope.dimension_count"] == 16
+    for name, m in _modules(folder).items():
+        typ, got = _gguf_slice(tensors, name)
+        kind = "attn_q" if "q_proj" in name else "attn_k" if "k_proj" in name else "other"
+        gname = f"blk.{name.split('.')[2]}.{kind}.weight"
+        want = _to_file_rows(m.dequantize_reference(torch.float32).numpy(), gname, "llama")
+        assert np.array_equal(got, want), (name, typ)
+
+
 def test_gguf_experts_of_one_tensor_share_one_type(root, tmp_path):
     """One expert whose offsets fp16 holds exactly would be Q4_1 on its own; llama.cpp's stacked tensor
     has one type, so all four take the first type exact for all of them (Q5_0)."""
@@ -174,53 +193,18 @@ def test_gguf_float_weights_are_exact_too(root, tmp_path):
         assert typ == "F32" and np.array_equal(got, m.dequantize_reference(torch.float32).numpy()), name
 
 
-def llama_cpp_logits(path: Path, ids: list[int]) -> torch.Tensor:
-    """llama.cpp's logits of every position of ``ids`` from the GGUF file ``path`` (one thread; the
-    KV cache in F32: its default F16 cache rounds keys and values to fp16, a 3e-4 relative change)."""
-    import llama_cpp
-
-    llm = llama_cpp.Llama(
-        model_path=str(path),
-        n_ctx=32,
-        n_batch=32,
-        logits_all=True,
-        verbose=False,
-        n_threads=1,
-        type_k=0,
-        type_v=0,
-    )  # fmt: skip (0: GGML_TYPE_F32)
-    llm.eval(ids)
-    out = torch.tensor(np.asarray(llm.scores[: len(ids)]), dtype=torch.float32)
-    del llm
-    return out
-
-
-def llama_cpp_errors(folder: Path, out: Path, ids: list[int]) -> dict[str, float]:
-    """llama.cpp's logits of bitmosaic's export of ``folder`` against bitmosaic's own: the largest
-    difference relative to the largest logit, for the quantized weights written as F32 (exact) and in
-    the default block types (files written into the folder ``out``)."""
-    with torch.inference_mode():
-        ours = _load(folder)(torch.tensor([ids])).logits[0].float()
-    errs = {}
-    for typ in ("F32", None):
-        path = out / f"{typ or 'default'}.gguf"
-        export_model(folder, path, "gguf", gguf_type=typ, overwrite=True)
-        theirs = llama_cpp_logits(path, ids)
-        errs[typ or "default"] = float((theirs - ours).abs().max()) / float(ours.abs().max())
-    return errs
-
-
 def test_llama_cpp_computes_the_quantized_moe_model(root, tmp_path):
     """llama.cpp runs the export: with the weights in F32 (exact) its logits are bitmosaic's up to the
     float32 summation order -- below 1e-5 of the largest logit (measured 6.5e-7: sums of 64-96 products
     over two layers; a wrong expert, routing weight or rope order gives 1e-2 and more); in the default
     block type, Q5_0, llama.cpp multiplies with 8-bit (Q8_0) activations, 1/254 of each 32-block's
     maximum (measured 1.1e-2, below 3e-2).  Where llama_cpp is not importable,
-    ``benchmarks/moe/gguf_llamacpp.py`` runs this same check and records it
+    ``benchmarks/moe/gguf_llamacpp.py`` runs this same check (its function) and records it
     (``benchmarks/results/moe_gguf_llamacpp.json``)."""
     pytest.importorskip("llama_cpp")
-    errs = llama_cpp_errors(_quantized(root), tmp_path, IDS)
-    assert errs["F32"] < 1e-5 and errs["default"] < 3e-2, errs
+    rows = llama_cpp_errors(_quantized(root), tmp_path, IDS)
+    for kind, bound in BOUNDS.items():
+        assert rows[kind]["exact_weights"] and rows[kind]["rel_max_err"] < bound, rows
 
 
 # -- compressed-tensors and GPTQ ----------------------------------------------------------------------

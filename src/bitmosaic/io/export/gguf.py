@@ -36,6 +36,9 @@
   values it changes (Gemma's norms) are refused.  Converting a Hugging Face tokenizer (a model
   without a source GGUF) is not implemented: refused in one line.
 
+A mixture-of-experts model (its experts quantized one linear per expert projection) is written in
+llama.cpp's MoE layout, its metadata from the Hugging Face config (:mod:`.gguf_moe`).
+
 The file is written in a marked temporary folder beside ``out`` and renamed into place when complete
 (what a ``kill -9`` leaves, the next run into the folder removes); one export per ``out`` at a time; an
 existing ``out`` is replaced only with ``overwrite`` and only when bitmosaic wrote it.
@@ -54,7 +57,7 @@ from ...modules.experts import RoutedExperts
 from . import gguf_kquants as kq
 from . import gguf_moe as moe
 from .common import ExportResult, Source, collect, record
-from .gguf_blocks import BLOCK, BLOCK_TYPES, BlockType, fit, pack
+from .gguf_blocks import BLOCK, BLOCK_TYPES, BlockType, fit, float_tensor, pack
 from .gguf_file import check_gguf_out, source_metadata, tensors_in_file_order, write_gguf
 from .layers import ExportError, Refusal, regroup
 
@@ -287,32 +290,6 @@ def _kquant_refusal(t: kq.KType, records: list, qmods: dict, rerounded: int) -> 
     )
 
 
-def _float_tensor(
-    w: torch.Tensor, forced: str | None, file_type, lossy: bool
-) -> tuple[np.ndarray, str, bool]:
-    """``(data, type name, exact)``: ``w`` in the first type of the candidates that holds it exactly
-    (``forced``; else the source file's block type, F16, BF16, F32); 1-D tensors in F32."""
-    from gguf import GGMLQuantizationType as Q
-    from gguf import quants
-
-    x = w.detach().float().contiguous().numpy()
-    if x.ndim < 2:
-        return x, "F32", True
-    if forced:
-        cands = [forced]
-    else:
-        src = getattr(file_type, "name", None)
-        cands = [src] if src in BLOCK_TYPES and x.shape[-1] % BLOCK == 0 else []
-        cands += ["F16", "BF16", "F32"]
-    for c in cands:
-        data = quants.quantize(x, Q[c])
-        if np.array_equal(np.asarray(quants.dequantize(data, Q[c])).reshape(x.shape), x):
-            return data, c, True
-    if forced and lossy:
-        return data, forced, False
-    return None, forced, False
-
-
 def _file_type(qtypes: list[str], types: list[str]):
     """``general.file_type``: the commonest type of the quantized matrices, else of the float ones."""
     from collections import Counter
@@ -441,7 +418,7 @@ def _export_moe(
     tied = bool(model.config.get("tie_word_embeddings"))
     for name, get in model.plain.items():
         if not (tied and name == "lm_head.weight"):
-            data, typ, _ = _float_tensor(get(), None, None, lossy)
+            data, typ, _ = float_tensor(get(), None, None, lossy)
             tensors[name] = (data, typ)
     rows = [(g, data, typ) for g, (data, typ) in moe.stack_experts(tensors, model.config).items()]
     types = [typ for _, _, typ in rows]
@@ -466,7 +443,7 @@ def _quantized_tensors(model: _Model, gguf_type: str | None, lossy: bool) -> tup
     for name, m in model.qmods.items():
         data, typ = blocks[name]
         if data is None:  # a float type for the quantized weights
-            data, typ, exact = _float_tensor(m.dequantize_reference(torch.float32), typ, None, True)
+            data, typ, exact = float_tensor(m.dequantize_reference(torch.float32), typ, None, True)
             if not exact:
                 if not lossy:
                     raise ExportError(
@@ -503,7 +480,7 @@ def _plain_tensors(model: _Model, ckpt, files: dict, forced: str | None, lossy: 
         if tied and name == "lm_head.weight":
             continue
         src_type = files[ckpt.names[name]][0] if name in ckpt.names else None
-        data, typ, exact = _float_tensor(get(), forced, src_type, lossy)
+        data, typ, exact = float_tensor(get(), forced, src_type, lossy)
         if data is None:
             bad.append(name)
             continue

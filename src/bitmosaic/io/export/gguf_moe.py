@@ -17,10 +17,10 @@ experts (q/k rows permuted to llama.cpp's rope order, :func:`llama_rows`), with 
 llama.cpp fixes per architecture whether the top-k routing weights are renormalised (qwen3moe and
 llama: yes; qwen2moe and olmoe: no), so a config whose ``norm_topk_prob`` says otherwise is refused
 (the file would compute another function), as are rope scaling, sliding windows, dense layers between
-the MoE layers and activations other than SiLU.  The tokenizer: the ``tokenizer.*`` keys of a GGUF of
-the same model (``--source-gguf``, e.g. ``convert_hf_to_gguf.py --vocab-only``); a folder without a
-tokenizer gets llama.cpp's ``tokenizer.ggml.model = "none"`` (token ids only) and ``{arch}.vocab_size``;
-converting a Hugging Face tokenizer is not implemented (refused, naming the fix).
+the MoE layers, q/k/v clipping and activations other than SiLU.  The tokenizer: the ``tokenizer.*``
+keys of a GGUF of the same model (``--source-gguf``, e.g. ``convert_hf_to_gguf.py --vocab-only``); a
+folder without a tokenizer gets llama.cpp's ``tokenizer.ggml.model = "none"`` (token ids only) and
+``{arch}.vocab_size``; converting a Hugging Face tokenizer is not implemented (refused, naming the fix).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def _rope_theta(config: dict) -> float:
 
 
 def _check_routing(config: dict, arch: str, renorm: bool) -> None:
-    mt = config["model_type"]
+    mt, heads = config["model_type"], config["num_attention_heads"]
     norm = True if mt == "mixtral" else bool(config.get("norm_topk_prob", False))
     why = None
     if norm != renorm:
@@ -111,6 +111,10 @@ def _check_routing(config: dict, arch: str, renorm: bool) -> None:
         why = f"dense MLP layers between the MoE layers, which llama.cpp's {arch} does not have"
     elif config.get("use_sliding_window") or (mt == "mixtral" and config.get("sliding_window")):
         why = f"a sliding attention window, which llama.cpp's {arch} does not apply"
+    elif arch == "olmoe" and (config.get("num_key_value_heads") or heads) != heads:
+        why = "grouped kv heads, while llama.cpp's olmoe norms k over all hidden_size channels"
+    elif config.get("clip_qkv") is not None:
+        why = f"clip_qkv={config['clip_qkv']} (llama.cpp's {arch} does not clip q/k/v)"
     elif config.get("hidden_act", "silu") != "silu":
         why = f"the activation {config.get('hidden_act')!r} (llama.cpp's {arch} runs SiLU)"
     if why:

@@ -1,0 +1,1 @@
+"""Mixture-of-experts models: export checks recorded where CI cannot run them (llama.cpp)."""
