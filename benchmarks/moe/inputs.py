@@ -14,7 +14,7 @@ import torch
 
 from bitmosaic.data import calibration_samples
 
-__all__ = ["wikitext_embeddings", "wikitext_ids", "lifted_embeddings", "SIMULATED"]
+__all__ = ["wikitext_embeddings", "wikitext_hidden", "wikitext_ids", "lifted_embeddings", "SIMULATED"]
 
 SIMULATED = (
     "simulated: random layer weights (router included) fed real WikiText-2 token embeddings (SmolLM2-135M's "
@@ -51,6 +51,20 @@ def wikitext_embeddings(nsamples: int, seqlen: int, width: int, seed: int = 0) -
         emb = model.get_input_embeddings()(ids).float()  # [n, seqlen, 576]
     del model
     x = _lift(emb, width, seed)
+    return x / x.pow(2).mean().sqrt()
+
+
+@torch.no_grad()
+def wikitext_hidden(nsamples: int, seqlen: int, width: int, layer: int = 8, seed: int = 0) -> torch.Tensor:
+    """Like :func:`wikitext_embeddings`, but SmolLM2's residual stream after decoder layer ``layer``
+    (contextual: a repeated token gets a different vector in each context), lifted the same way."""
+    model, tok = _smollm()
+    ids = calibration_samples(tok, "wikitext2", nsamples, seqlen, seed=seed)
+    model.model.layers = model.model.layers[:layer]
+    out = [model.model(ids[b : b + 8], output_hidden_states=True).hidden_states[layer].float()
+           for b in range(0, nsamples, 8)]  # fmt: skip
+    del model
+    x = _lift(torch.cat(out), width, seed)
     return x / x.pow(2).mean().sqrt()
 
 
