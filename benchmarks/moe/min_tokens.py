@@ -16,7 +16,11 @@ and scored by the relative output error ``sum v^2 |dW y|^2 / sum v^2 |W y|^2`` o
 was fitted to.  The table gives the mean over experts (2 draws of the subset each).  Simulated routing
 (random router): the threshold it gives is a property of the Hessian's rank, not of a trained router.
 
-Run: python -m benchmarks.moe.min_tokens   (writes benchmarks/results/moe_min_tokens.{json,md})
+``--source hidden`` feeds SmolLM2's contextual residual stream after layer 8 instead of the raw token
+embeddings (a repeated token then differs by context, as in a real layer).
+
+Run: python -m benchmarks.moe.min_tokens [--source hidden]
+(writes benchmarks/results/moe_min_tokens[_hidden].{json,md})
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import time
 import torch
 
 from benchmarks.harness import write_results
-from benchmarks.moe.inputs import SIMULATED, wikitext_embeddings
+from benchmarks.moe.inputs import SIMULATED, wikitext_embeddings, wikitext_hidden
 from bitmosaic.methods import LayerStats, get_method
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -98,12 +102,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, nargs="+", default=[256, 512])
     p.add_argument("--bits", type=int, nargs="+", default=[4, 3])
+    p.add_argument("--source", choices=("embeddings", "hidden"), default="embeddings",
+                   help="token embeddings, or SmolLM2's residual stream after layer 8 (contextual)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    name = "moe_min_tokens" + ("" if a.source == "embeddings" else "_hidden")
     t0 = time.perf_counter()
-    runs, md = [], [f"# Own vs pooled vs RTN for thin experts ({SIMULATED})", ""]
+    what = "token embeddings" if a.source == "embeddings" else "SmolLM2 hidden states after layer 8 (contextual)"
+    runs, md = [], [f"# Own vs pooled vs RTN for thin experts, inputs: {what} ({SIMULATED})", ""]
     for hidden in a.hidden:
-        x = wikitext_embeddings(80, 512, hidden).reshape(-1, hidden)
+        get = wikitext_embeddings if a.source == "embeddings" else wikitext_hidden
+        x = get(80, 512, hidden).reshape(-1, hidden)
         x_cal, x_eval = x[: 64 * 512], x[64 * 512 :]
         for bits in a.bits:
             r = measure(hidden, bits, x_cal, x_eval)
@@ -115,7 +124,7 @@ def main() -> None:
                    for n, t in r["table"].items()]  # fmt: skip
             md.append("")
             print("\n".join(md[-len(r["table"]) - 4 :]))
-    write_results(a.json, "moe_min_tokens", {"simulated": SIMULATED, "runs": runs,
+    write_results(a.json, name, {"simulated": SIMULATED, "source": a.source, "runs": runs,
                                              "seconds": time.perf_counter() - t0}, "\n".join(md))  # fmt: skip
 
 
