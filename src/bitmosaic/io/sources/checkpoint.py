@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -27,6 +28,9 @@ from ...errors import CorruptModelError, ModelSpecError, check_finite
 from .expert_names import ExpertSource, expert_source
 
 __all__ = ["Checkpoint", "is_file_name", "missing_tensor"]
+
+# an unfused expert's parameter (modules/experts.py) -> the fused tensor a checkpoint may hold instead
+_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.(gate|up|down)_proj\.(weight|bias)$")
 
 
 def is_file_name(name) -> bool:
@@ -174,6 +178,20 @@ class Checkpoint:
             ) from None
         return model.eval()
 
+    def _refuse_fused(self, key: str) -> None:
+        """A missing expert projection whose layer the checkpoint stores fused (gpt-oss: ``gate_up_proj``,
+        or MXFP4 ``gate_up_proj_blocks``): one line saying so (streaming reads one tensor per expert
+        projection; the in-memory load converts the fused layout)."""
+        m = _EXPERT.match(key)
+        if m is None:
+            return
+        fused = [f"{m.group(1)}.{p}{s}" for p in ("gate_up_proj", "down_proj") for s in ("", "_blocks")]
+        if any(f in self for f in fused):
+            raise ModelSpecError(
+                f"{self.spec} stores its experts fused ({next(f for f in fused if f in self)}), which "
+                "streaming does not read one expert at a time yet; quantize it without --stream"
+            )
+
     def fill(self, module: nn.Module, prefix: str, dtype: torch.dtype) -> None:
         """Read ``module``'s parameters (and persistent buffers) named ``prefix + name`` into it."""
         sd = {}
@@ -185,5 +203,6 @@ class Checkpoint:
             elif (src := expert_source(key, self.files)) is not None:  # a MoE tensor stored otherwise
                 sd[name] = self.get_part(src, want, t.shape)
             elif t.device.type == "meta":
+                self._refuse_fused(key)
                 raise CorruptModelError(missing_tensor(self.spec, key))
         module.load_state_dict(sd, strict=False, assign=True)
