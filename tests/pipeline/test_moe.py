@@ -246,3 +246,20 @@ def test_min_tokens_setting():
         RunSettings(moe_min_tokens=-1)
     assert "moe_min_tokens" not in RunSettings().record()
     assert RunSettings(moe_min_tokens=8, moe_fallback="rtn").record()["moe_fallback"] == "rtn"
+
+
+def test_all_calibration_is_the_same_with_and_without_the_output_cache():
+    """Under --moe-calib all an expert's gate/up run twice a batch (all tokens, then its routed rows): a
+    cached output of the first call must not answer the second."""
+    import bitmosaic
+    from bitmosaic.testing import tiny_qwen3_moe
+
+    ids = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(1))
+    outs = []
+    for cache in (True, False):
+        m = tiny_qwen3_moe()
+        bitmosaic.quantize_(m, "gptq", ids, bits=4, group_size=16, progress=False, moe_calib="all",
+                            cache_outputs=cache)  # fmt: skip
+        with torch.no_grad():
+            outs.append(m(ids).logits)
+    assert torch.equal(*outs)

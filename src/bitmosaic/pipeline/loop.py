@@ -178,8 +178,9 @@ def _quantize_group(run: LayerRun, lay: _Layer, gi: int, group, cache: OutputCac
             shared.setdefault(own, []).append(name)
         _solve_group(run, lay, gi, _Group(gi, tuple(owner), accs, shared, {}, None))
     if lay.use_cache and gi < len(lay.groups) - 1:  # quantized or skipped: final from now on
-        for name in group:
-            cache.install(lay.module.get_submodule(name))
+        if not is_expert_group(lay.module, group):  # an expert may run twice a batch (--moe-calib all)
+            for name in group:
+                cache.install(lay.module.get_submodule(name))
         for child in _finished_children(lay.module, lay.groups, gi):
             cache.install(child)
     release_host_memory()  # the heap pages this group's temporaries freed
