@@ -52,12 +52,14 @@ def _quantized(method: str, **options):
 
     model = tiny_moe()
     bitmosaic.quantize_(model, method, _calib(), progress=False, **options)
+    assert not any(type(m) is PackedRoutedExperts for _, m in _experts(model))  # packing is asked for
+    assert pack_experts(model) == 2
     return model
 
 
 @pytest.fixture(scope="module")
 def gptq():
-    """The tiny qwen3_moe after GPTQ w4 g16 (the pipeline packs each layer's experts)."""
+    """The tiny qwen3_moe after GPTQ w4 g16, its experts packed (``pack_experts``)."""
     return _quantized("gptq", bits=4, group_size=16)
 
 
@@ -215,7 +217,8 @@ def test_fallbacks_keep_the_output(gptq):
 
 
 def test_save_load_round_trip(gptq, tmp_path):
-    """The folder holds the per-expert names and bytes of the unpacked model; a load packs again."""
+    """The folder holds the per-expert names and bytes of the unpacked model; a load gives per-expert
+    modules, which pack again."""
     from safetensors.torch import load_file
 
     from bitmosaic.io import load_quantized, save_quantized
@@ -229,7 +232,9 @@ def test_save_load_round_trip(gptq, tmp_path):
     cb = json.loads((b / "config.json").read_text())["quantization_config"]["modules"]
     assert ca == cb and "model.layers.1.mlp.experts.0.gate_proj" in ca
     loaded, _ = load_quantized(a, load_tokenizer=False)
-    assert all(type(m) is PackedRoutedExperts for _, m in _experts(loaded)) and _experts(loaded)
+    assert _experts(loaded) and not any(type(m) is PackedRoutedExperts for _, m in _experts(loaded))
+    assert pack_experts(loaded) == 2
+    assert all(type(m) is PackedRoutedExperts for _, m in _experts(loaded))
     ids = torch.randint(0, 128, (2, 11))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, gptq(ids).logits)

@@ -32,7 +32,6 @@ from ..errors import OptionError, check_finite
 from ..formats.grid import IntGrid
 from ..models.arch import ArchSpec
 from ..modules.actquant import attach_input_quant
-from ..modules.packed_experts import pack_experts
 from ..modules.rotation import carry_input_rotation
 from .calibration import layer_kind
 from .capture import capture_groups, run_layer
@@ -136,8 +135,6 @@ def quantize_layer(run: LayerRun, li: int) -> None:
             attach_input_quant(qlin, act, qlin.in_features, lay.act_scales[name])
         carry_input_rotation(layer.get_submodule(name), qlin)  # online rotation: still first
         layer.set_submodule(name, qlin.to(home))
-    if run.store is None:  # a stored layer is written and freed next
-        pack_experts(layer)  # experts of one projection over one stacked storage (modules/packed_experts.py)
     if run.store is not None:  # written, recorded as finished, and freed
         run.store.done(li, layer, run.report.layers[n_rows:], run.inputs, run.gen, run.total_bits,
                        run.total_weights)  # fmt: skip

@@ -13,7 +13,6 @@ from ...errors import CorruptModelError
 from ...modules.base import QuantModule
 from ...modules.head import runtime_head_mode, set_runtime_head
 from ...modules.intact import runtime_act_mode, set_runtime_activations
-from ...modules.packed_experts import pack_experts
 from ...modules.rotation import apply_saved_rotations
 
 __all__ = ["finish_load", "model_arch", "quant_modules_by_kind"]
@@ -84,6 +83,5 @@ def finish_load(
         set_runtime_activations(model)
     if runtime_head_mode() != "none":
         set_runtime_head(model)
-    pack_experts(model)  # a mixture of experts runs each projection's experts over one stacked storage
     model.eval()
     return model
