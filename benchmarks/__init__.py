@@ -5,7 +5,7 @@
   writers, the *fast*/*verdict* protocols and :class:`~benchmarks.harness.Bench`);
 - :mod:`benchmarks.findings`: the claims engine, each paper's claims judged from the result files;
 - one folder per topic: ``gptq``, ``lattice``, ``sfmp``, ``mosaic``, ``sq``, ``waq``, ``rotation``,
-  ``kernels``, ``decode``, ``peers``, ``export``, ``pipeline``, ``scale``, ``gpu``, ``fuzz``;
+  ``kernels``, ``decode``, ``moe``, ``peers``, ``export``, ``pipeline``, ``scale``, ``gpu``, ``fuzz``;
 - ``results/``: what the benchmarks wrote (:data:`RESULTS`), the data the findings and the docs cite.
 
 The scripts import each other as modules of this package (``from benchmarks.harness import Bench``),

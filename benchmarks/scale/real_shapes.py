@@ -30,12 +30,15 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import RESULTS, machine_info, median_ms, write_results  # noqa: E402
+from benchmarks.scale.moe import MOE_SHAPES, hub_names, moe_config, moe_layer_flops  # noqa: E402
 from benchmarks.scale.shapes import SHAPES  # noqa: E402
 
 
-def _config(shape: str):
+def _config(shape: str, layers: int | None = None):
     from transformers import LlamaConfig
 
+    if shape in MOE_SHAPES:
+        return moe_config(shape, layers)
     return LlamaConfig(**SHAPES[shape], tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=0,
                        eos_token_id=1)  # fmt: skip
 
@@ -53,9 +56,12 @@ def _random(name: str, shape, seed: int) -> torch.Tensor:
     return out
 
 
-def write_checkpoint(folder: Path, shape: str, seed: int = 0) -> None:
+def write_checkpoint(folder: Path, shape: str, seed: int = 0, layers: int | None = None) -> None:
     """A bf16 safetensors checkpoint of ``shape``: one shard per decoder layer, the embeddings and the
-    head in shards of their own, an index, and a word tokenizer; never more than one shard in memory."""
+    head in shards of their own, an index, and a word tokenizer; never more than one shard in memory.
+    ``layers``: a truncated checkpoint, its config's ``num_hidden_layers`` that many (the layers are the
+    full model's first ones).  Experts are written as the hub ships them, one tensor per expert
+    projection (``mlp.experts.<e>.gate_proj.weight``)."""
     from accelerate import init_empty_weights
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -63,10 +69,13 @@ def write_checkpoint(folder: Path, shape: str, seed: int = 0) -> None:
     from bitmosaic.testing import word_tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
-    cfg = _config(shape)
+    cfg = _config(shape, layers)
+    if layers and shape not in MOE_SHAPES:
+        cfg.num_hidden_layers = layers
     with init_empty_weights():
         skel = AutoModelForCausalLM.from_config(cfg)
-    names = {n: tuple(p.shape) for n, p in skel.named_parameters()}
+    names = hub_names({n: tuple(p.shape) for n, p in skel.named_parameters()})
+    names.update({n: tuple(b.shape) for n, b in skel.named_buffers() if "e_score_correction" in n})
     groups: list[list[str]] = [["model.embed_tokens.weight"]]
     for li in range(cfg.num_hidden_layers):
         groups.append([n for n in names if n.startswith(f"model.layers.{li}.")])
@@ -134,23 +143,25 @@ def _vmhwm_mb(pid: int, field: str = "VmHWM:") -> float:
     return 0.0
 
 
-def run(folder: Path, shape: str, layers: int, out: Path, threads: int | None) -> dict:
+def run(folder: Path, shape: str, layers: int, out: Path, threads: int | None, nsamples: int = 16) -> dict:
     prog = out.parent / f".{out.name}.partial" / "progress.json"
     argv = [sys.executable, "-m", "bitmosaic.cli", "quantize", "--model", str(folder), "--method", "gptq",
-            "--bits", "4", "--group-size", "128", "--calib", str(folder / "calib.txt"), "--nsamples", "16",
+            "--bits", "4", "--group-size", "128", "--calib", str(folder / "calib.txt"),
+            "--nsamples", str(nsamples),
             "--seqlen", "512", "--dtype", "bfloat16", "--stream", "on", "--out", str(out),
             "--no-progress"]  # fmt: skip
     if threads:
         argv += ["--threads", str(threads)]
     t0 = time.perf_counter()
     p = subprocess.Popen(argv)
-    peak, done, trace, state = 0.0, 0, [], None
+    peak, done, trace, state, seen = 0.0, 0, [], None, 0.0
     while p.poll() is None:
         peak = max(peak, _vmhwm_mb(p.pid))
         trace.append((round(time.perf_counter() - t0, 1), round(_rss_mb(p.pid)), done))
         try:  # kept as last read: a finished run's work folder becomes the output, without it
             state = json.loads(prog.read_text())
             done = state["layers_done"]
+            seen = time.perf_counter()
         except (OSError, ValueError, KeyError):
             pass
         if layers and done >= layers:
@@ -160,6 +171,9 @@ def run(folder: Path, shape: str, layers: int, out: Path, threads: int | None) -
         time.sleep(0.5)
     wall = time.perf_counter() - t0
     per_layer = state.get("layer_seconds") if state else None
+    n_layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    if out.is_dir() and len(per_layer or []) == n_layers - 1:  # the last layer's record went with the work
+        per_layer = [*(per_layer or []), round(time.perf_counter() - (seen or t0), 3)]  # folder: to the exit
     return {"returncode": p.returncode, "wall_s": wall, "peak_rss_mb": peak, "layer_seconds": per_layer,
             "finished": out.is_dir(), "rss_trace": trace}  # fmt: skip
 
@@ -174,7 +188,12 @@ def check(out: Path, new_tokens: int = 8) -> dict:
     import bitmosaic
 
     t0 = time.perf_counter()
-    model = bitmosaic.load(str(out))
+    if json.loads((out / "config.json").read_text()).get("model_type") in ("qwen3_moe", "deepseek_v3"):
+        from bitmosaic.io import load_quantized
+
+        model = load_quantized(str(out), load_tokenizer=False)[0]  # experts: one linear each
+    else:
+        model = bitmosaic.load(str(out))
     load_s = time.perf_counter() - t0
     tok = AutoTokenizer.from_pretrained(str(out))
     ids = tok("w1 w2 w3 w4", return_tensors="pt").input_ids
@@ -191,32 +210,84 @@ def check(out: Path, new_tokens: int = 8) -> dict:
             "output_gb": sum(p.stat().st_size for p in out.glob("*.safetensors")) / 1e9}  # fmt: skip
 
 
+def moe_results(args, gemm: float, res: dict) -> None:
+    """One MoE run's row in ``benchmarks/results/moe_scale.{json,md}`` (the earlier runs' rows kept)."""
+    flops = moe_layer_flops(args.shape, args.nsamples * 512)
+    secs = res["layer_seconds"] or []
+    steady = secs[1:] or secs  # the first layer's time includes loading and the capture
+    mean = sum(steady) / max(len(steady), 1)
+    bound = flops["total"] / (gemm * 1e9)
+    row = {"shape": args.shape, "layers_run": len(secs), "calibration": f"{args.nsamples} x 512",
+           "threads": args.threads, "peak_rss_mb": res["peak_rss_mb"], "layer_seconds": secs,
+           "mean_s_per_layer_after_first": mean, "bound_s_per_layer": bound,
+           "ratio_to_bound": mean / bound if bound else None, "gemm_gflops_fp32": gemm,
+           "layer_tflop": {k: v / 1e12 for k, v in flops.items()}, "finished": res["finished"],
+           "wall_s": res["wall_s"], "rss_trace_s_mb_layers": res["rss_trace"][::4]}  # fmt: skip
+    path = Path(args.json or RESULTS / "moe_scale.json")
+    data = json.loads(path.read_text()) if path.is_file() else {"runs": {}}
+    data["runs"][f"{args.shape} {args.nsamples}x512"] = row
+    data["machine"] = machine_info()
+    md = moe_markdown(data)
+    write_results(path, "moe_scale", data, md)
+    print(md)
+
+
+def moe_markdown(data: dict) -> str:
+    """``moe_scale.md``: the table of every run in ``data`` and its notes."""
+    md = ["# Streamed GPTQ w4 g128 of MoE checkpoints at real shapes (issue 71)", "",
+          "Random bf16 weights, hub per-expert tensor names, truncated checkpoints of the layers run; "
+          "`python -m benchmarks.scale.real_shapes run --shape S --dir D --layers 0 --threads 2 "
+          "--nsamples N`. Bound: FLOPs per layer (benchmarks/scale/moe.py) / the float32 GEMM rate "
+          "measured in the run.", "",
+          "| shape | layers run | calibration | peak RSS | s/layer after the first (each) "
+          "| FLOP bound s/layer | ratio |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in data["runs"].values():
+        each = ", ".join(f"{s:.0f}" for s in r["layer_seconds"])
+        md.append(f"| {r['shape']} | {r['layers_run']} | {r['calibration']} | {r['peak_rss_mb'] / 1024:.2f} "
+                  f"GiB | {r['mean_s_per_layer_after_first']:.1f} ({each}) | {r['bound_s_per_layer']:.1f} "
+                  f"({r['layer_tflop']['total']:.2f} TFLOP at {r['gemm_gflops_fp32']:.0f} GFLOP/s) | "
+                  f"{r['ratio_to_bound']:.2f}x |")  # fmt: skip
+    notes = data.get("notes") or []
+    return "\n".join(md + (["", "## Notes", ""] + [f"* {n}" for n in notes] if notes else []))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("write", "run", "check"))
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
-    ap.add_argument("--dir", type=Path, required=True, help="the checkpoint folder")
+    ap.add_argument("what", choices=("write", "run", "check", "table"))
+    ap.add_argument("--shape", choices=sorted([*SHAPES, *MOE_SHAPES]), default="llama3-8b")
+    ap.add_argument("--dir", type=Path, default=None, help="the checkpoint folder (write, run, check)")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default DIR-gptq-w4g128)")
     ap.add_argument("--layers", type=int, default=4, help="stop after this many layers (0: all)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--nsamples", type=int, default=16, help="calibration samples of 512 tokens")
+    ap.add_argument("--write-layers", type=int, default=None,
+                    help="write: a truncated checkpoint of this many decoder layers (its config says so)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.what == "write":
-        write_checkpoint(args.dir, args.shape, args.seed)
+        write_checkpoint(args.dir, args.shape, args.seed, args.write_layers)
+        return
+    if args.what == "table":  # moe_scale.md again from its JSON (after notes were added to it)
+        path = Path(args.json or RESULTS / "moe_scale.json")
+        write_results(path, "moe_scale", (data := json.loads(path.read_text())), moe_markdown(data))
         return
     out = args.out or args.dir.with_name(args.dir.name + "-gptq-w4g128")
     if args.what == "check":
         res = check(out)
         print(json.dumps(res, indent=1))
-        path = Path(args.json or RESULTS / f"real_shapes_{args.shape}.json")
+        moe = args.shape in MOE_SHAPES
+        path = Path(args.json or RESULTS / ("moe_scale.json" if moe else f"real_shapes_{args.shape}.json"))
         if path.is_file():  # beside the run's numbers
             data = json.loads(path.read_text())
-            data["results"]["load_and_generate"] = res
+            (data if moe else data["results"])["load_and_generate" + (f" {out.name}" if moe else "")] = res
             path.write_text(json.dumps(data, indent=2, default=str))
         return
     gemm = gemm_gflops()
-    res = run(args.dir, args.shape, args.layers, out, args.threads)
+    res = run(args.dir, args.shape, args.layers, out, args.threads, args.nsamples)
+    if args.shape in MOE_SHAPES:
+        moe_results(args, gemm, res)
+        return
     flops = layer_flops(args.shape, 16 * 512)
     n_layers = SHAPES[args.shape]["num_hidden_layers"]
     secs = res["layer_seconds"] or []

@@ -11,7 +11,7 @@ import torch
 
 __all__ = [
     "NWORDS", "SPECIALS", "VOCAB", "quantized_dir", "save_hf_dir", "tiny_gemma", "tiny_gguf", "tiny_llama",
-    "word_tokenizer", "words",
+    "tiny_moe", "tiny_qwen3_moe", "word_tokenizer", "words",
 ]  # fmt: skip
 
 VOCAB = 128
@@ -81,6 +81,53 @@ def tiny_gemma(seed: int = 0):
         pad_token_id=0,
     )
     return GemmaForCausalLM(cfg).eval()
+
+
+def tiny_qwen3_moe(seed: int = 0, experts: int = 4, top_k: int = 2, hidden: int = 64, layers: int = 2):
+    """A tiny random Qwen3-MoE (transformers' own config and model; its experts fused as transformers 5
+    stores them), weights ~ N(0, 0.1) so that the routing and the experts' outputs are not negligible."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=experts, num_experts_per_tok=top_k, max_position_embeddings=128, bos_token_id=2,
+        eos_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0, 0.1)
+    return model
+
+
+# per model type: the expert settings of a tiny mixture of experts (4 experts, 2 routed per token)
+_MOE = {
+    "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 96, "head_dim": 16, "norm_topk_prob": True},
+    "mixtral": {"num_local_experts": 4},
+    "olmoe": {"num_experts": 4, "num_key_value_heads": 4},  # llama.cpp's olmoe has no grouped kv heads
+}
+
+
+def tiny_moe(model_type: str = "qwen3_moe", seed: int = 0, **overrides):
+    """A random tiny mixture-of-experts model of ``model_type`` from transformers' own config class (2
+    layers, hidden 64, 4 heads of 16 with 2 kv heads (OLMoE: 4), 4 experts of width 96 (Mixtral, OLMoE:
+    64), 2 per token, vocabulary 128; every size a multiple of 32, as GPTQ and GGUF blocks need); weights and
+    biases drawn from N(0, 0.1), norms left at 1.  ``overrides``: other config values."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    opts = {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "vocab_size": VOCAB,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts_per_tok": 2,
+            "max_position_embeddings": 64, **_MOE[model_type], **overrides}  # fmt: skip
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **opts)).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.ndim >= 2 or "bias" in n:
+                p.normal_(0, 0.1)
+    return model
 
 
 def save_hf_dir(path: Path, model=None, bos: bool = False) -> Path:

@@ -181,6 +181,8 @@ def _run_streamed(args, recipe, settings, dtype):
 
 def _summary(args, recipe, report, device, dtype) -> dict:
     """What the run did, printed, and the report's JSON entries."""
+    from ..pipeline.report import expert_lines
+
     spec, _ = recipe.default()
     for line in spec.summary_lines(report):
         print(line)
@@ -198,6 +200,8 @@ def _summary(args, recipe, report, device, dtype) -> dict:
     if dp:
         rss = ", ".join(f"{v:.0f}" for v in dp["peak_rss_mb_per_rank"])
         print(f"data-parallel: {dp['world']} processes, {dp['batches']} batches; peak RSS per rank {rss} MB")
+    for line in expert_lines(report.calibration.get("experts")):
+        print(line)
     cache = report.calibration.get("cache") or {}
     if cache.get("hits") or cache.get("misses"):
         hits, misses = ", ".join(cache["hits"]) or "-", ", ".join(cache["misses"]) or "-"

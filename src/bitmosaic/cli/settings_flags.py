@@ -23,9 +23,10 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
     """One flag per :class:`RunSettings` field that names one (module doc)."""
     import torch
 
-    from ..pipeline.settings import RunSettings, settings_fields
+    from ..pipeline.settings import SETTING_CHOICES, RunSettings, settings_fields
 
     default = RunSettings()
+    choices = {**_CHOICES, **SETTING_CHOICES}
     for name, f in settings_fields().items():
         flag, text = f.metadata.get("flag"), f.metadata["help"]
         if flag is None:
@@ -33,9 +34,9 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
         value = getattr(default, name)
         if isinstance(value, bool):  # a switch that turns a default-on setting off (--no-progress)
             p.add_argument(flag, action="store_true", help=f"turn off: {text}")
-        elif name in _CHOICES:
+        elif name in choices:
             shown = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
-            p.add_argument(flag, choices=_CHOICES[name], default=shown, help=text)
+            p.add_argument(flag, choices=choices[name], default=shown, help=text)
         elif value is None:  # a comma list (--bound-orders)
             p.add_argument(flag, default=None, help=f"comma list: {text}")
         else:

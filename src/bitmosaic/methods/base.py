@@ -148,7 +148,8 @@ class Method:
     raises :class:`~bitmosaic.algorithms.hessian.HessianSpentError` when it would need it again);
     its results carry ``step_errors`` and ``hessian_diag``, so the report needs no more of it;
     ``prepare_inputs``:
-    keyword inputs ``quantize_`` passes through to ``prepare`` (``ctx.inputs``)."""
+    keyword inputs ``quantize_`` passes through to ``prepare`` (``ctx.inputs``); ``grid_fallback``: this
+    is the statistics-free method other configs' grids fall back to (:func:`~.registry.grid_fallback`)."""
 
     name: ClassVar[str] = ""
     config_cls: ClassVar[type] = WeightQuantConfig
@@ -157,6 +158,8 @@ class Method:
     row_separable: ClassVar[bool] = False
     may_overwrite_hessian: ClassVar[bool] = False
     prepare_inputs: ClassVar[tuple[str, ...]] = ()
+    # the method :func:`~.registry.grid_fallback` quantizes a linear with on another config's grid (one)
+    grid_fallback: ClassVar[bool] = False
 
     # -- what the pipeline asks --------------------------------------------------------------------
     @property

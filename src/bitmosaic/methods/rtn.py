@@ -18,6 +18,7 @@ class RTNConfig(WeightQuantConfig):
 class RTN(Method):
     name, config_cls, description = "rtn", RTNConfig, "round-to-nearest"
     needs_hessian, row_separable = False, True
+    grid_fallback = True  # what a linear without statistics of its own is rounded with (registry.py)
 
     def quantize(self, weight, stats: LayerStats, cfg: RTNConfig, state=None, name=None):
         grid = IntGrid(cfg.bits, cfg.symmetric)

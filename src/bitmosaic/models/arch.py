@@ -19,62 +19,46 @@ is 1 for Gemma-style RMSNorms, which multiply by ``1 + weight``.
 the linears reading it, the linears writing the residual stream, the value/output pair of the
 attention heads and the linears that get an online Hadamard at their input.  ``refuse`` names why an
 architecture cannot be rotated exactly (post-norms between a block's output and the residual add).
+
+Mixture of experts (:mod:`bitmosaic.models.moe`: qwen2_moe, qwen3_moe, mixtral, olmoe, deepseek_v3,
+gpt_oss).  The fused 3-D experts of transformers 5 are unfused first, one linear per expert
+projection (:func:`bitmosaic.modules.experts.unfuse_experts`), and a map names them with a wildcard,
+``mlp.experts.*.gate_proj``: :meth:`ArchSpec.groups` expands ``*`` to the experts of each layer.  A
+group holds expert projections only or none (shared experts and dense MLPs are groups of their own),
+since an expert's Hessian comes from the rows routed to it.  Names a layer may lack (the dense MLP of
+the first DeepSeek layers or of Qwen-MoE's ``mlp_only_layers``, a shared expert) are ``optional``; such
+a group is empty in that layer and skipped.  Routers (``mlp.gate``, ``mlp.router``) and one-row gates
+(``mlp.shared_expert_gate``) are never listed: they stay float.  The maps refuse ``--rotate``.
+
+Multimodal models (gemma3, llava, qwen2_5_vl, qwen3_vl; :data:`MULTIMODAL`): only the language tower
+is mapped, at ``model.language_model.layers``, with the map of the text model's own ``model_type``
+(``config.text_config``: a llava over a Mistral is mapped as mistral); the vision tower and the
+projector are not in the map and stay float.  Saving and loading build the class
+``config.architectures`` names (:func:`bitmosaic.io.sources.model_class.auto_model_class`), so a
+quantized Qwen2.5-VL loads back as ``Qwen2_5_VLForConditionalGeneration``.  Rotation is refused: the
+projector writes image features into the residual stream, which would need R1 too.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["ArchSpec", "ARCHS", "RotationMap", "register_arch", "get_arch", "UnknownArchitectureError"]
+from .moe import MOE_ARCHS
+from .spec import LLAMA_ROTATION, ArchSpec, RotationMap, UnknownArchitectureError
 
-
-class UnknownArchitectureError(ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class RotationMap:
-    """Where a residual-stream rotation R1, the per-head value/output rotation R2 and the online
-    Hadamards go (names relative to the model, or to a decoder layer for ``norms`` ... ``online``)."""
-
-    embed: str = "model.embed_tokens"
-    final_norm: str = "model.norm"
-    head: str = "lm_head"
-    # (pre-norm, the linears reading its output): its scale is folded into them, then R1 on their inputs
-    norms: tuple[tuple[str, tuple[str, ...]], ...] = (
-        ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-        ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-    )
-    writers: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")  # R1ᵀ on their outputs
-    value: str | None = "self_attn.v_proj"  # R2 per head on its output rows ...
-    value_tail: bool = False  # ... only its last kv_heads·head_dim rows (a fused q|k|v projection)
-    attn_out: str | None = "self_attn.o_proj"  # ... and on these input columns
-    # an online Hadamard at the input: QuaRot's down_proj and, across the heads, o_proj (Sec. 4, step 1c)
-    online: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")
-    refuse: str | None = None  # why this architecture cannot be rotated (None: it can)
-
-
-LLAMA_ROTATION = RotationMap()
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    layers_path: str
-    sequential: tuple[tuple[str, ...], ...]
-    skipped: tuple[str, ...] = ("lm_head", "embed_tokens")
-    smooth_prev: tuple[str | None, ...] | None = None
-    norm_offset: float = 0.0
-    rotation: RotationMap | None = LLAMA_ROTATION
-
-    def layers(self, model: nn.Module) -> nn.ModuleList:
-        return model.get_submodule(self.layers_path)
-
-    def linear_names(self) -> list[str]:
-        return [name for group in self.sequential for name in group]
-
+__all__ = [
+    "ArchSpec",
+    "ARCHS",
+    "LLAMA_ROTATION",
+    "MULTIMODAL",
+    "RotationMap",
+    "register_arch",
+    "get_arch",
+    "language_tower",
+    "UnknownArchitectureError",
+]
 
 LLAMA_LIKE = ArchSpec(
     layers_path="model.layers",
@@ -114,6 +98,26 @@ PHI3 = ArchSpec(
     ),
 )
 
+# Multimodal: model_type -> the model_type of its default language tower (config.text_config decides)
+MULTIMODAL: dict[str, str] = {
+    "gemma3": "gemma3_text",
+    "llava": "llama",
+    "qwen2_5_vl": "qwen2_5_vl_text",
+    "qwen3_vl": "qwen3_vl_text",
+}
+_TOWER = "model.language_model"
+_MM_REFUSE = (
+    "it is multimodal: the vision projector writes image features into the residual stream, which "
+    "would need the rotation too (not implemented)"
+)
+
+
+def language_tower(spec: ArchSpec) -> ArchSpec:
+    """The map of a multimodal model's language tower whose text model has map ``spec``."""
+    refuse = spec.rotation.refuse if spec.rotation is not None and spec.rotation.refuse else _MM_REFUSE
+    return dataclasses.replace(spec, layers_path=f"{_TOWER}.layers", rotation=RotationMap(refuse=refuse))
+
+
 ARCHS: dict[str, ArchSpec] = {
     "llama": LLAMA_LIKE,
     "mistral": LLAMA_LIKE,
@@ -122,7 +126,6 @@ ARCHS: dict[str, ArchSpec] = {
     "gemma": dataclasses.replace(LLAMA_LIKE, norm_offset=1.0),
     "gemma2": GEMMA2_LIKE,
     "gemma3_text": GEMMA2_LIKE,
-    "gemma3": dataclasses.replace(GEMMA2_LIKE, layers_path="model.language_model.layers"),
     "smollm3": LLAMA_LIKE,
     # OLMo 2 normalises after attention/MLP: q/k/v and gate/up read the raw residual stream
     "olmo2": dataclasses.replace(
@@ -135,7 +138,12 @@ ARCHS: dict[str, ArchSpec] = {
     ),
     "granite": LLAMA_LIKE,
     "phi3": PHI3,
+    # the language towers of multimodal models (registered as text models too, for their text_config)
+    "qwen2_5_vl_text": LLAMA_LIKE,
+    "qwen3_vl_text": LLAMA_LIKE,  # q_norm/k_norm are norms
+    **MOE_ARCHS,
 }
+ARCHS.update({mt: language_tower(ARCHS[text]) for mt, text in MULTIMODAL.items()})
 
 
 def register_arch(model_type: str, spec: ArchSpec) -> None:
@@ -144,8 +152,21 @@ def register_arch(model_type: str, spec: ArchSpec) -> None:
 
 
 def get_arch(model: nn.Module) -> ArchSpec:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    """The map of ``model`` (its ``config.model_type``; a multimodal model: its language tower's, from
+    ``config.text_config.model_type``)."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
     spec = ARCHS.get(model_type)
+    if model_type in MULTIMODAL:
+        text_type = getattr(getattr(config, "text_config", None), "model_type", None)
+        if text_type is not None and text_type != MULTIMODAL[model_type]:
+            if text_type not in ARCHS:
+                raise UnknownArchitectureError(
+                    f"{model_type} model whose language tower is {text_type!r}, which has no layer map; "
+                    f"register one with bitmosaic.models.arch.register_arch({text_type!r}, ArchSpec(...)); "
+                    f"known: {', '.join(sorted(ARCHS))}"
+                )
+            spec = language_tower(ARCHS[text_type])
     if spec is None:
         raise UnknownArchitectureError(
             f"architecture {model_type!r} has no layer map. Add one with "

@@ -11,6 +11,7 @@ the registry is complete whenever ``bitmosaic.modules`` is imported.
 from .actquant import attach_input_quant, input_quant_spec
 from .base import KINDS, NoIntForm, QuantModule
 from .mosaic import MosaicQuantLinear
+from .packed_experts import PackedExperts, PackedRoutedExperts, pack_experts
 from .qlinear import QuantLinear, UnpackableCodesError, set_weight_cache
 from .qmodules import (
     MODULE_KINDS,
@@ -32,6 +33,8 @@ __all__ = [
     "FP8Linear",
     "HuffmanQuantLinear",
     "MosaicQuantLinear",
+    "PackedExperts",
+    "PackedRoutedExperts",
     "QuantLinear",
     "QuantModule",
     "SFMPLinear",
@@ -43,5 +46,6 @@ __all__ = [
     "full_layer_config",
     "input_quant_spec",
     "module_from_layer_config",
+    "pack_experts",
     "set_weight_cache",
 ]

@@ -24,11 +24,11 @@ def fold_model_permutations(model: nn.Module, arch) -> int:
     attention output mixes v's channels per head.  ``arch``: the model's architecture map."""
     if arch is None or arch.smooth_prev is None or len(arch.sequential) < 2:
         return 0
-    producers, consumer = arch.sequential[-2], arch.sequential[-1]
-    if len(consumer) != 1 or arch.smooth_prev[-1] not in producers:
-        return 0
     folded = 0
     for layer in arch.layers(model):
+        producers, consumer = arch.groups(layer)[-2:]
+        if len(consumer) != 1 or arch.smooth_prev[-1] not in producers:
+            continue  # e.g. a layer's experts: many down projections
         mods = [layer.get_submodule(n) for n in (*producers, consumer[0])]
         if all(getattr(m, "kind", None) == KIND for m in mods):
             folded += fold_permutations(mods[:-1], mods[-1])

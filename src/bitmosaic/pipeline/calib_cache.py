@@ -323,15 +323,15 @@ class RunCache:
             return capture_groups(layer, arch, inputs, kwargs, max_tokens=max_tokens, generator=generator)
         key = _sub_key(self.base, kind="captures", max_tokens=max_tokens, **self.run,
                        generator=_digest({"g": generator.get_state()}))  # fmt: skip
-        n = len(arch.sequential)
+        n = sum(1 for i, g in enumerate(arch.groups(layer)) if g and not arch.expert_group(i))
         got = self.cache.load(
             "captures", key, lambda v: set(v) == {"groups", "generator"} and len(v["groups"]) == n
         )
         if got is not None:
             generator.set_state(got["generator"])
-            return [_capture_from(layer, arch, i, g) for i, g in enumerate(got["groups"])]
+            return [_capture_from(layer, arch, g.get("index", i), g) for i, g in enumerate(got["groups"])]
         caps = capture_groups(layer, arch, inputs, kwargs, max_tokens=max_tokens, generator=generator)
-        groups = [{"hessian": c.hessian, "sample": c.sample, "absmax": c.observer.channel_absmax,
+        groups = [{"index": c.index, "hessian": c.hessian, "sample": c.sample, "absmax": c.observer.channel_absmax,
                    "abssum": c.observer.channel_abssum, "sum": c.observer.channel_sum,
                    "tokens": c.observer.tokens, "batches": c.observer.batches} for c in caps]  # fmt: skip
         self.cache.store("captures", key, {"groups": groups, "generator": generator.get_state()})
@@ -352,7 +352,7 @@ def _sub_key(base: str, **parts) -> str:
 def _capture_from(layer, arch, i: int, g: dict) -> GroupCapture:
     from ..algorithms.observers import ActObserver
 
-    names = arch.sequential[i]
+    names = arch.groups(layer)[i]
     obs = ActObserver(g["absmax"].shape[0])
     obs.channel_absmax, obs.channel_abssum, obs.channel_sum = g["absmax"], g["abssum"], g["sum"]
     obs.tokens, obs.batches = g["tokens"], g["batches"]

@@ -42,11 +42,13 @@ def foldable(layer: nn.Module, arch: ArchSpec, group_index: int) -> bool:
     when the group's input is rotated online: the rotation mixes the channels between the two)."""
     if arch.smooth_prev is None or arch.smooth_prev[group_index] is None:
         return False
-    group = arch.sequential[group_index]
+    group = arch.groups(layer)[group_index]
+    if not group or arch.expert_group(group_index):
+        return False
     if any(getattr(layer.get_submodule(n), "input_rotation", None) is not None for n in group):
         return False
     prev = layer.get_submodule(arch.smooth_prev[group_index])
-    n = layer.get_submodule(arch.sequential[group_index][0]).weight.shape[1]
+    n = layer.get_submodule(group[0]).weight.shape[1]
     if isinstance(prev, nn.Linear):
         return prev.weight.shape[0] == n  # GQA v_proj -> o_proj: widths differ
     w = getattr(prev, "weight", None)
@@ -73,7 +75,9 @@ def capture_groups(
     """``dist``: this process's rank of a data-parallel run (``inputs``: its batches); every rank
     then adds every batch's group inputs in batch order (:meth:`~.distributed.Dist.stream`), so
     the statistics and the token sample are those of one process."""
-    groups = arch.sequential
+    every = arch.groups(layer)  # experts' groups are not captured: no per-channel factor serves them all
+    index = [i for i, g in enumerate(every) if g and not arch.expert_group(i)]
+    groups = [every[i] for i in index]
     heads = [layer.get_submodule(g[0]) for g in groups]
     obs = [ActObserver(m.weight.shape[1]) for m in heads]
     accs = [HessianAccumulator(m.weight.shape[1]) for m in heads]
@@ -121,13 +125,13 @@ def capture_groups(
             h.remove()
     return [
         GroupCapture(
-            index=i,
+            index=index[i],
             names=tuple(g),
             observer=obs[i],
             hessian=accs[i].H,
             sample=torch.cat(samples[i])[:max_tokens],
             weights={n: layer.get_submodule(n).weight.detach().float().clone() for n in g},
-            foldable=foldable(layer, arch, i),
+            foldable=foldable(layer, arch, index[i]),
         )
         for i, g in enumerate(groups)
     ]

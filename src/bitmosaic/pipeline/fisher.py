@@ -37,8 +37,9 @@ _VERSION = 1
 def salience_linear_names(model: nn.Module, arch: ArchSpec | None = None) -> list[str]:
     """Qualified names of the quantizable decoder linears (``lm_head`` is not one of them)."""
     arch = arch or get_arch(model)
-    n = len(arch.layers(model))
-    return [f"{arch.layers_path}.{i}.{name}" for i in range(n) for name in arch.linear_names()]
+    layers = arch.layers(model)
+    return [f"{arch.layers_path}.{i}.{name}" for i, layer in enumerate(layers)
+            for name in arch.layer_linear_names(layer)]  # fmt: skip
 
 
 def _cache(cache_dir) -> CalibCache:

@@ -36,13 +36,20 @@ from ..modules.rotation import carry_input_rotation
 from .calibration import layer_kind
 from .capture import capture_groups, run_layer
 from .distributed import Dist
+from .experts import ExpertPool, apply_grid_fallback, expert_parts, expert_statistics, is_expert_group
 from .report import RunReport
 from .settings import RunSettings
 from .smoothing import fold_group_scales
 from .solve import Handed, HessianSpentError, SolveJob, quantize_shared
 from .statistics import OutputCache, group_statistics
 
-__all__ = ["LayerRun", "quantize_layer", "transform_layer", "entry_key"]
+__all__ = ["LayerRun", "quantize_layer", "transform_layer", "entry_key", "UNSMOOTHED_EXPERTS"]
+
+# why a smoothing transform leaves the experts' groups alone (their report rows say it)
+UNSMOOTHED_EXPERTS = (
+    "experts left unsmoothed: one per-channel factor folded into the norm before them would be shared by "
+    "every expert and the router, fitting no expert's routed tokens"
+)
 
 
 def entry_key(entry) -> tuple:
@@ -89,11 +96,13 @@ class _Layer:
     prefix: str
     plan: dict
     kwargs: list | None
+    groups: tuple = ()  # the map's true-sequential groups for this layer (ArchSpec.groups)
     use_cache: bool = False
     group_info: dict = field(default_factory=dict)  # group index -> the transform's report entry
     folded: dict = field(default_factory=dict)  # group index -> the factors folded into its input
     qmods: dict = field(default_factory=dict)  # linear name -> packed module
     act_scales: dict = field(default_factory=dict)  # linear name -> static input scale (or None)
+    experts: dict = field(default_factory=dict)  # group index -> ExpertStats of an expert group
 
 
 def quantize_layer(run: LayerRun, li: int) -> None:
@@ -106,14 +115,16 @@ def quantize_layer(run: LayerRun, li: int) -> None:
     home, home_dtype = first_param.device, first_param.dtype
     layer.to(run.dev, run.cdtype)
     kwargs = run.kwargs_by_kind[layer_kind(layer)] if run.calibrate else None
-    lay = _Layer(li, layer, f"{run.arch.layers_path}.{li}", run.plans[li], kwargs)
+    plan = dict(run.plans[li])  # a copy: an expert's fallback may swap its entry (experts.py)
+    lay = _Layer(li, layer, f"{run.arch.layers_path}.{li}", plan, kwargs, run.arch.groups(layer))
     if run.calibrate:
         runc0 = run.runc if li == 0 and run.dist.world == 1 else None  # later layers: quantized inputs
         lay.group_info = _apply_transform(run, lay, runc0)
         lay.use_cache = use_output_cache(run, layer)
     with OutputCache() as cache:
-        for gi, group in enumerate(run.arch.sequential):
-            _quantize_group(run, lay, gi, group, cache)
+        for gi, group in enumerate(lay.groups):
+            if group:  # a map's group this layer lacks (a dense MLP in an MoE layer) is empty
+                _quantize_group(run, lay, gi, group, cache)
         if run.calibrate:
             _propagate(run, lay, cache)
     release_host_memory()
@@ -146,24 +157,45 @@ class _Group:
 def _quantize_group(run: LayerRun, lay: _Layer, gi: int, group, cache: OutputCache) -> None:
     """Calibrate group ``gi``, solve each of its Hessians' linears, record the rows, cache what is final."""
     run.bar.set_postfix_str(f"{lay.li}.{'/'.join(n.rsplit('.', 1)[-1] for n in group)}")
-    grp = _statistics(run, lay, gi, group, cache)
+    parts, pool = [group], None
+    if run.calibrate and is_expert_group(lay.module, group):  # experts in parts past the budget (experts.py)
+        budget = int(run.report.calibration["spill"]["budget_mb"] * 2**20)
+        parts = expert_parts(lay.module, group, budget, run.settings.hessian_dtype)
+        pool = ExpertPool(run.settings) if len(parts) > 1 else None
+    for part in parts:
+        grp = _statistics(run, lay, gi, part, cache, pool)
+        _solve_group(run, lay, gi, grp)
+        del grp
+        release_host_memory()  # the part's Hessians
+    if pool is not None:  # the experts with too few rows, on the pooled Hessian of every part
+        accs, owner = pool.rest()
+        apply_grid_fallback(lay.plan, pool.stats, owner)
+        shared: dict[str, list[str]] = {}
+        for name, own in owner.items():
+            shared.setdefault(own, []).append(name)
+        _solve_group(run, lay, gi, _Group(gi, tuple(owner), accs, shared, {}, None))
+    if lay.use_cache and gi < len(lay.groups) - 1:  # quantized or skipped: final from now on
+        if not is_expert_group(lay.module, group):  # an expert may run twice a batch (--moe-calib all)
+            for name in group:
+                cache.install(lay.module.get_submodule(name))
+        for child in _finished_children(lay.module, lay.groups, gi):
+            cache.install(child)
+    release_host_memory()  # the heap pages this group's temporaries freed
+
+
+def _solve_group(run: LayerRun, lay: _Layer, gi: int, grp: _Group) -> None:
+    """Solve each of the group's Hessians' linears and record their rows."""
     done = []
     for own, names in grp.shared.items():
         done += _solve_hessian(run, lay, grp, own, names)
     for entry in done:
         _record(run, lay, gi, entry, grp.observers)
-    if lay.use_cache and gi < len(run.arch.sequential) - 1:  # quantized or skipped: final from now on
-        for name in group:
-            cache.install(lay.module.get_submodule(name))
-        for child in _finished_children(lay.module, run.arch, gi):
-            cache.install(child)
-    del grp, done
-    release_host_memory()  # the heap pages this group's temporaries freed
 
 
-def _statistics(run: LayerRun, lay: _Layer, gi: int, group, cache: OutputCache) -> _Group:
+def _statistics(run: LayerRun, lay: _Layer, gi: int, group, cache: OutputCache, pool=None) -> _Group:
     """The group's Hessians and observers on the layer's current inputs (none for a run that does not
-    calibrate: each linear then solves alone)."""
+    calibrate: each linear then solves alone); ``pool``: an :class:`ExpertPool` when the group is one
+    part of an expert group (its owners with too few rows are left to the pool)."""
     if not run.calibrate:
         return _Group(gi, group, {}, {name: [name] for name in group}, {}, None)
     plan = lay.plan
@@ -172,10 +204,22 @@ def _statistics(run: LayerRun, lay: _Layer, gi: int, group, cache: OutputCache) 
     )
     stat_kw = dict(hessian_dtype=run.settings.hessian_dtype, cache=cache if lay.use_cache else None,
                    observe=observe, dist=run.dist)  # fmt: skip
-    accs, owner, observers = group_statistics(lay.module, group, run.inputs, lay.kwargs, **stat_kw)
+    if is_expert_group(lay.module, group):
+        del stat_kw["hessian_dtype"]  # the settings' own
+        if pool is not None:
+            accs, owner, observers, seen = pool.part(lay.module, group, run.inputs, lay.kwargs, **stat_kw)
+        stat_kw["settings"] = run.settings
+        if pool is None:
+            accs, owner, observers, seen = expert_statistics(lay.module, group, run.inputs, lay.kwargs,
+                                                             **stat_kw)  # fmt: skip
+        lay.experts[gi] = seen
+        apply_grid_fallback(plan, seen, owner)  # experts too thin for their own statistics (experts.py)
+    else:
+        accs, owner, observers = group_statistics(lay.module, group, run.inputs, lay.kwargs, **stat_kw)
     shared: dict[str, list[str]] = {}
     for name in group:
-        shared.setdefault(owner[name], []).append(name)
+        if name in owner:  # not: a part's expert with too few rows (solved last, by the pool)
+            shared.setdefault(owner[name], []).append(name)
     return _Group(gi, group, accs, shared, observers, stat_kw)
 
 
@@ -201,7 +245,8 @@ def _solve_hessian(run: LayerRun, lay: _Layer, grp: _Group, own: str, names: lis
         try:
             rows = quantize_shared(job, H, disposable=lone)
         except HessianSpentError:  # needs a retry with more damping: a kept H
-            H = group_statistics(lay.module, grp.names, run.inputs, lay.kwargs, **grp.stat_kw)[0][own].H
+            again = expert_statistics if is_expert_group(lay.module, grp.names) else group_statistics
+            H = again(lay.module, grp.names, run.inputs, lay.kwargs, **grp.stat_kw)[0][own].H
             rows = quantize_shared(job, H)
         done += [(own, m, c, None if lone else H, *r) for r in rows]
     return done
@@ -211,12 +256,17 @@ def _record(run: LayerRun, lay: _Layer, gi: int, entry: tuple, observers: dict) 
     """One solved linear's report row, bits and input quantizer."""
     own, m, c, H, name, qlin, row = entry
     act = getattr(c, "act", None)
-    if run.named:
+    seen = lay.experts.get(gi)
+    if run.named or (seen is not None and own in seen.fallback):  # a fallback may change the method
         row["method"] = m.name
     if act is not None:
         row["act"] = act.label
     if lay.group_info.get(gi):
         row["transform"] = lay.group_info[gi]
+    if seen is not None:  # an expert projection: the rows routed to it, and its fallback rule if any
+        row["expert_tokens"] = seen.tokens.get(own, 0)
+        if own in seen.fallback:
+            row["expert_fallback"] = seen.fallback[own]
     orders = run.settings.analyze_orders
     if orders and H is not None:
         grid = IntGrid(c.bits, c.symmetric)
@@ -256,7 +306,8 @@ def transform_layer(layer: nn.Module, arch: ArchSpec, plan: dict, inputs, kwargs
 
     run = LayerRun(arch, [layer], [plan], RunSettings(), torch.device("cpu"), torch.float32, current(), None,
                    inputs=inputs, gen=gen)  # fmt: skip
-    return _apply_transform(run, _Layer(0, layer, f"{arch.layers_path}.0", plan, kwargs), None)
+    lay = _Layer(0, layer, f"{arch.layers_path}.0", plan, kwargs, arch.groups(layer))
+    return _apply_transform(run, lay, None)
 
 
 def _apply_transform(run: LayerRun, lay: _Layer, runc) -> dict[int, dict]:
@@ -268,12 +319,17 @@ def _apply_transform(run: LayerRun, lay: _Layer, runc) -> dict[int, dict]:
     transform runs on one rank."""
     plan, arch, dist = lay.plan, run.arch, run.dist
     todo: dict[tuple, list[int]] = {}
-    for gi, group in enumerate(arch.sequential):
+    info: dict[int, dict] = {}
+    for gi, group in enumerate(lay.groups):
         keys = {entry_key(plan[n]) if plan[n] else None for n in group}
-        if len(keys) == 1 and None not in keys and plan[group[0]][0].has_transform:
+        if not (group and len(keys) == 1 and None not in keys and plan[group[0]][0].has_transform):
+            continue
+        if is_expert_group(lay.module, group):  # said in the group's report rows
+            info[gi] = {"folded": False, "unsmoothed": UNSMOOTHED_EXPERTS}
+        else:
             todo.setdefault(keys.pop(), []).append(gi)
     if not todo:
-        return {}
+        return info
     by_key = {entry_key(p): p for p in plan.values() if p}
     max_tokens = max(getattr(by_key[k][1], "max_tokens", 2048) for k in todo)
     cap_args = (lay.module, arch, run.inputs, lay.kwargs)
@@ -283,7 +339,6 @@ def _apply_transform(run: LayerRun, lay: _Layer, runc) -> dict[int, dict]:
         caps = capture_groups(*cap_args, max_tokens=max_tokens, generator=run.gen, dist=dist)
     for cap in caps:
         cap.prefix = lay.prefix
-    info: dict[int, dict] = {}
     for key, gis in todo.items():
         method, config = by_key[key]
         mine = [cap for cap in caps if cap.index in gis]
@@ -312,12 +367,12 @@ def _static_act(plan: dict, group, prefix: str):
     return next(iter(specs.values()), None)
 
 
-def _finished_children(layer: nn.Module, arch: ArchSpec, gi: int) -> list[nn.Module]:
+def _finished_children(layer: nn.Module, groups: tuple, gi: int) -> list[nn.Module]:
     """Direct children of ``layer`` (e.g. ``self_attn``) whose quantized linears are all in groups
     ``<= gi``: their inputs and weights are final, so their whole output can be cached (the
     attention itself is then computed once per layer, not once per later group)."""
-    done = {n for g in arch.sequential[: gi + 1] for n in g}
-    pending = {n for g in arch.sequential[gi + 1 :] for n in g}
+    done = {n for g in groups[: gi + 1] for n in g}
+    pending = {n for g in groups[gi + 1 :] for n in g}
     out = []
     for cname, child in layer.named_children():
         mine = {n for n in done | pending if n.startswith(cname + ".")}
@@ -331,5 +386,6 @@ def use_output_cache(run: LayerRun, layer: nn.Module) -> bool:
     output cache's budget)."""
     if run.settings.cache_outputs is not None:
         return bool(run.settings.cache_outputs)
-    width = sum(layer.get_submodule(n).weight.shape[0] for g in run.arch.sequential[:-1] for n in g)
+    width = sum(layer.get_submodule(n).weight.shape[0] for g in run.arch.groups(layer)[:-1] for n in g
+                if not is_expert_group(layer, (n,)))  # an expert's outputs: its routed rows only
     return run.local.numel() * width * 4 / 2**20 <= run.cache_budget_mb

@@ -47,13 +47,15 @@ from ..devices import resolve_device
 from ..errors import OptionError
 from ..methods.base import Method, MethodContext
 from ..models.arch import get_arch
+from ..modules.experts import unfuse_experts
 from .calib_cache import CalibCache
 from .calibration import StopForward, capture_layer_inputs, cast_floating, first_layer_inputs
 from .distributed import Dist, current
 from .fisher import fisher_service
 from .loop import LayerRun, entry_key, quantize_layer, use_output_cache
 from .recipe import Recipe
-from .report import RunReport, peak_rss_mb
+from .experts import check_grid_fallback
+from .report import RunReport, expert_summary, peak_rss_mb
 from .rotate import rotate_model
 from .settings import Calibration, RunSettings
 from .spill import SPILL_FRACTION, parse_size
@@ -134,8 +136,11 @@ def quantize_model(
 def _plan(model: nn.Module, method, config, settings: RunSettings, dist: Dist) -> tuple[LayerRun, str]:
     """The run's :class:`LayerRun` with every linear's ``(Method, config)`` resolved, and the rotation."""
     arch = get_arch(model)
-    n_layers = len(arch.layers(model))
-    names = [f"{arch.layers_path}.{li}.{n}" for li in range(n_layers) for g in arch.sequential for n in g]
+    unfuse_experts(model)  # a mixture of experts: one linear per expert projection (modules/experts.py)
+    layers = arch.layers(model)
+    n_layers = len(layers)
+    per_layer = [arch.layer_linear_names(layer) for layer in layers]
+    names = [f"{arch.layers_path}.{li}.{n}" for li in range(n_layers) for n in per_layer[li]]
     named = isinstance(method, Recipe)
     if named:
         if config is not None:
@@ -144,8 +149,8 @@ def _plan(model: nn.Module, method, config, settings: RunSettings, dist: Dist) -
         method, config = resolve.default  # one object: a model-wide plan made on it reaches every linear
     else:
         resolve, rotate = (lambda name: (method, config)), "none"
-    plans = [{n: resolve(f"{arch.layers_path}.{li}.{n}") for g in arch.sequential for n in g}
-             for li in range(n_layers)]  # fmt: skip
+    plans = [{n: resolve(f"{arch.layers_path}.{li}.{n}") for n in per_layer[li]} for li in range(n_layers)]
+    check_grid_fallback(layers, arch.groups, plans, settings.moe_fallback)  # refused before any work
     dev = resolve_device(settings.device, model)
     report = RunReport(method=method.name, config=config.to_dict(), device=str(dev))
     run = LayerRun(arch, [], plans, settings, dev, torch.float32, dist, report, named=named)
@@ -254,4 +259,7 @@ def _close_report(run: LayerRun, t0: float) -> RunReport:
     if run.dev.type == "cuda":
         report.peak_device_mb = torch.cuda.max_memory_allocated(run.dev) / 2**20
     report.bits_per_weight = run.total_bits / max(run.total_weights, 1)
+    experts = expert_summary(report.layers, run.settings)
+    if experts is not None:
+        report.calibration["experts"] = experts
     return report

@@ -13,6 +13,7 @@ the LDL diagonal ``D`` of the bound, so a GPTQ row costs one float32 matmul (the
 from __future__ import annotations
 
 import resource
+import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +22,7 @@ from ..algorithms.bounds import babai_bound
 from ..algorithms.hessian import damp_hessian
 from ..algorithms.types import QuantResult
 
-__all__ = ["RunReport", "peak_rss_mb", "error_metrics", "ERROR_METRICS"]
+__all__ = ["RunReport", "peak_rss_mb", "error_metrics", "ERROR_METRICS", "expert_summary", "expert_lines"]
 
 # the per-linear error columns of a report row (module doc); ``None`` where a run did not measure them
 ERROR_METRICS = ("rel_out_error", "hessian_error", "babai_bound")
@@ -55,6 +56,52 @@ class RunReport:
             "bits_per_weight": self.bits_per_weight,
             "layers": self.layers,
         }
+
+
+def expert_summary(rows: list[dict], settings) -> dict | None:
+    """The mixture-of-experts part of a report (``calibration["experts"]``), read from the rows of the
+    expert projections (``expert_tokens``, ``expert_fallback``; so a resumed streamed run has it too):
+    the run's ``moe_*`` settings, per MoE layer the experts and the min/median/max calibration rows
+    routed to one (``'all'``: every row), and each expert that fell back with its rule.  ``None`` when
+    no row is an expert's (a dense model, or a run that did not calibrate)."""
+    layers: dict[str, dict[int, int]] = {}
+    fell: dict[str, dict] = {}
+    for row in rows:
+        if "expert_tokens" not in row:
+            continue
+        expert, proj = row["name"].rsplit(".", 1)
+        layer, index = expert.rsplit(".", 1)
+        layers.setdefault(layer, {}).setdefault(int(index), row["expert_tokens"])
+        if "expert_fallback" in row:
+            entry = fell.setdefault(expert, {"expert": expert, "tokens": row["expert_tokens"],
+                                             "rule": row["expert_fallback"], "linears": []})  # fmt: skip
+            entry["linears"].append(proj)
+    if not layers:
+        return None
+    per_layer = {}
+    for name, counts in layers.items():
+        t = sorted(counts.values())
+        per_layer[name] = {"experts": len(t), "min": t[0], "median": statistics.median(t), "max": t[-1]}
+    return {
+        "calib": settings.moe_calib, "min_tokens": settings.moe_min_tokens, "fallback_rule": settings.moe_fallback,
+        "layers": per_layer, "fallback": list(fell.values()),
+    }  # fmt: skip
+
+
+def expert_lines(summary: dict | None, most: int = 20) -> list[str]:
+    """What ``bitmosaic quantize`` prints of :func:`expert_summary` (at most ``most`` fallback lines)."""
+    if not summary:
+        return []
+    out = [f"experts ({summary['calib']} statistics): calibration rows per expert, min/median/max"]
+    for name, s in summary["layers"].items():
+        out.append(f"  {name}: {s['experts']} experts, {s['min']}/{s['median']:g}/{s['max']}")
+    fell = summary["fallback"]
+    if fell:
+        out.append(f"{len(fell)} experts under --moe-min-tokens {summary['min_tokens']} fell back:")
+        out += [f"  {f['expert']} ({f['tokens']} rows): {f['rule']}" for f in fell[:most]]
+        if len(fell) > most:
+            out.append(f"  ... {len(fell) - most} more (the --json report lists all)")
+    return out
 
 
 _ROWS = 1 << 22  # elements of an [out, in] temporary at a time (the metrics of a 4096 x 14336

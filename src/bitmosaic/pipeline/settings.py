@@ -21,19 +21,23 @@ import torch
 
 from ..errors import OptionError
 
-__all__ = ["RunSettings", "Calibration", "settings_fields"]
+__all__ = ["RunSettings", "Calibration", "settings_fields", "SETTING_CHOICES"]
 
 
-def _setting(default, help: str, *, flag: str | None = None, record: str | None = None, factory=None):
+def _setting(default, help: str, *, flag: str | None = None, record: str | None = None, factory=None,
+             record_default: bool = True):
     """A :class:`RunSettings` field: ``help`` (API docs and CLI help), ``flag`` (the CLI flag, ``None``:
-    not on the command line) and ``record`` (its key in the provenance's ``pipeline`` block)."""
-    meta = {"help": help, "flag": flag, "record": record}
+    not on the command line) and ``record`` (its key in the provenance's ``pipeline`` block);
+    ``record_default=False``: recorded only when it differs from its default (what :meth:`RunSettings.
+    from_record` then reads back), so the records of runs that do not use it stay as they were."""
+    meta = {"help": help, "flag": flag, "record": record, "record_default": record_default}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
 
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
+_CHOICES = {"moe_calib": ("routed", "all"), "moe_fallback": ("pooled", "rtn")}  # str settings' values
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,20 @@ class RunSettings:
         False, "calibrate even methods that need no Hessian (RTN, FP8), for the report's error metrics")
     check_packing: bool = _setting(True, "verify every packed module against the simulated weights")
     progress: bool = _setting(True, "show progress bars (with an ETA)", flag="--no-progress")
+    moe_calib: str = _setting(
+        "routed", "mixture-of-experts statistics: 'routed' (each expert's Hessian from the tokens routed to it, "
+        "weighted by the squared routing weight) or 'all' (every calibration token through every expert, "
+        "unweighted, for statistics only; outputs stay routed)", flag="--moe-calib", record="moe_calib",
+        record_default=False)  # fmt: skip
+    moe_min_tokens: int | str = _setting(
+        "auto", "an expert routed fewer calibration rows than this falls back to --moe-fallback; 'auto' (default): "
+        "the projection's input width, below which its own Hessian is rank-poor and GPTQ on it did worse than "
+        "on the pooled one (docs/moe.md)", flag="--moe-min-tokens", record="moe_min_tokens",
+        record_default=False)  # fmt: skip
+    moe_fallback: str = _setting(
+        "pooled", "the rule for an expert below --moe-min-tokens: 'pooled' (the Hessian of all the layer's "
+        "experts' routed tokens) or 'rtn' (round-to-nearest with MSE scales on the run's grid: bits, group "
+        "size, symmetry)", flag="--moe-fallback", record="moe_fallback", record_default=False)  # fmt: skip
 
     def __post_init__(self):
         b = self.batch_size
@@ -88,6 +106,15 @@ class RunSettings:
                     f"hessian_dtype must be one of {sorted(_DTYPES)}, got {self.hessian_dtype!r}"
                 )
             object.__setattr__(self, "hessian_dtype", _DTYPES[self.hessian_dtype])
+        for name, allowed in _CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise OptionError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        m = self.moe_min_tokens
+        if isinstance(m, str) and m.strip().isdigit():  # "64" as the CLI writes it
+            m = int(m)
+            object.__setattr__(self, "moe_min_tokens", m)
+        if m != "auto" and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+            raise OptionError(f"moe_min_tokens must be 'auto' or an integer >= 0, got {m!r}")
         if isinstance(self.analyze_orders, str):  # "natural,act" as the CLI writes it
             object.__setattr__(self, "analyze_orders", tuple(o for o in self.analyze_orders.split(",") if o))
         if self.analyze_orders is not None:
@@ -108,7 +135,7 @@ class RunSettings:
         out = {}
         for f in fields(self):
             key = f.metadata.get("record")
-            if key:
+            if key and (f.metadata.get("record_default", True) or getattr(self, f.name) != f.default):
                 v = getattr(self, f.name)
                 if isinstance(v, torch.dtype):
                     v = str(v).removeprefix("torch.")
@@ -116,6 +143,9 @@ class RunSettings:
                     v = ",".join(v)
                 out[key] = v
         return out
+
+
+SETTING_CHOICES = _CHOICES
 
 
 def settings_fields() -> dict[str, dataclasses.Field]:

@@ -23,7 +23,7 @@ def fold_group_scales(layer: nn.Module, arch: ArchSpec, group_index: int, s: tor
     """Apply factors ``s`` ([in]) to group ``group_index`` of ``layer`` in place."""
     if not foldable(layer, arch, group_index):
         raise ValueError(
-            f"group {arch.sequential[group_index]} has no preceding op to fold factors into "
+            f"group {arch.groups(layer)[group_index]} has no preceding op to fold factors into "
             f"(smooth_prev={arch.smooth_prev})"
         )
     prev = layer.get_submodule(arch.smooth_prev[group_index])
@@ -39,6 +39,6 @@ def fold_group_scales(layer: nn.Module, arch: ArchSpec, group_index: int, s: tor
         prev.weight.copy_(
             fold_scales_into_norm(prev.weight.float(), s, arch.norm_offset).to(prev.weight.dtype)
         )
-    for name in arch.sequential[group_index]:
+    for name in arch.groups(layer)[group_index]:
         lin = layer.get_submodule(name)
         lin.weight.copy_((lin.weight.float() * s[None, :]).to(lin.weight.dtype))

@@ -97,9 +97,8 @@ def learn_rotation(
     quant = dynamic_form(act)
     hooks = []
     for layer in arch.layers(model):
-        for group in arch.sequential:
-            for name in group:
-                hooks.append(layer.get_submodule(name).register_forward_pre_hook(_ste_hook(quant)))
+        for name in arch.layer_linear_names(layer):
+            hooks.append(layer.get_submodule(name).register_forward_pre_hook(_ste_hook(quant)))
     losses: list[float] = []
     try:
         for p in model.parameters():

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ...modules.experts import RoutedExperts
 from ..saved.integrity import SUMS
 from ..saved.load import load_quantized, read_quant_config, read_state_dict
 from ..saved.outdir import make_temporary, output_lock, replace_dir
@@ -37,6 +38,7 @@ __all__ = [
     "record",
     "check_export_dir",
     "write",
+    "serving_config",
 ]
 
 MARKER = "bitmosaic_export.json"  # the export report; also marks a folder an export may replace
@@ -97,9 +99,26 @@ class Source:
         return {k: v for k, v in sd.items() if not k.startswith(names)}
 
     def unquantized_linears(self) -> list[str]:
-        return [
+        """The float linears a loader must leave unquantized (compressed-tensors' ``ignore``): every
+        ``nn.Linear`` not quantized, and a mixture of experts' routers (``mlp.gate``; transformers 5
+        holds them as modules of their own with a 2-D ``weight``) and shared-expert gates."""
+        names = [
             n for n, m in self.model.named_modules() if isinstance(m, torch.nn.Linear) and n not in self.qmods
         ]
+        for parent in (
+            n.rpartition(".")[0] for n, m in self.model.named_modules() if isinstance(m, RoutedExperts)
+        ):
+            for child, m in self.model.get_submodule(parent).named_children():
+                w = getattr(m, "weight", None)
+                name = f"{parent}.{child}"
+                if (
+                    isinstance(w, torch.Tensor)
+                    and w.ndim == 2
+                    and name not in self.qmods
+                    and name not in names
+                ):
+                    names.append(name)
+        return names
 
 
 def collect(qmods: dict, fn: Callable, fmt: str, lossy: bool) -> tuple[dict, dict[str, list[str]]]:
@@ -131,6 +150,25 @@ def record(name: str, module, exported: torch.Tensor, changes: list[str]) -> Lay
     if not changes and not torch.equal(ref, exported.float()):
         raise RuntimeError(f"internal error: the exact export of {name} differs from its weights ({err})")
     return LayerRecord(name, list(changes), err["rel_err"], err["max_abs"])
+
+
+# the key the hub checkpoints (and vLLM's model code) read the routed expert count from, where
+# transformers 5 writes its own alias ``num_local_experts`` instead
+_EXPERT_COUNT_KEY = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts", "olmoe": "num_experts"}
+
+
+def serving_config(src: Source) -> dict:
+    """The exported ``config.json`` (less ``quantization_config``): the source's, with the routed expert
+    count also under the key the hub checkpoints use (vLLM's Qwen-MoE / OLMoE read ``num_experts``,
+    which transformers 5 saves as ``num_local_experts``) and ``architectures`` filled in where the
+    source left it empty (a model made from a config; vLLM picks its model class from it)."""
+    cfg = {k: v for k, v in src.config.items() if k != "quantization_config"}
+    key = _EXPERT_COUNT_KEY.get(cfg.get("model_type"))
+    if key and key not in cfg and "num_local_experts" in cfg:
+        cfg[key] = cfg["num_local_experts"]
+    if not cfg.get("architectures"):
+        cfg["architectures"] = [type(src.model).__name__]
+    return cfg
 
 
 def check_export_dir(out, overwrite: bool, src: Path) -> Path:
@@ -182,7 +220,7 @@ def _write_locked(
 ) -> None:
     tmp = make_temporary(out)  # marked: a kill -9 leaves nothing the next run does not clean
     try:
-        cfg = {k: v for k, v in src.config.items() if k != "quantization_config"}
+        cfg = serving_config(src)
         cfg["quantization_config"] = qconfig
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
         for f in sorted(src.path.iterdir()):  # tokenizer, generation config, chat template ...

@@ -36,6 +36,9 @@
   values it changes (Gemma's norms) are refused.  Converting a Hugging Face tokenizer (a model
   without a source GGUF) is not implemented: refused in one line.
 
+A mixture-of-experts model (its experts quantized one linear per expert projection) is written in
+llama.cpp's MoE layout, its metadata from the Hugging Face config (:mod:`.gguf_moe`).
+
 The file is written in a marked temporary folder beside ``out`` and renamed into place when complete
 (what a ``kill -9`` leaves, the next run into the folder removes); one export per ``out`` at a time; an
 existing ``out`` is replaced only with ``overwrite`` and only when bitmosaic wrote it.
@@ -50,10 +53,12 @@ import numpy as np
 import torch
 
 from ...modules.actquant import input_quant_spec
+from ...modules.experts import RoutedExperts
 from . import gguf_kquants as kq
+from . import gguf_moe as moe
 from .common import ExportResult, Source, collect, record
-from .gguf_blocks import BLOCK, BLOCK_TYPES, BlockType, fit, pack
-from .gguf_file import check_gguf_out, tensors_in_file_order, write_gguf
+from .gguf_blocks import BLOCK, BLOCK_TYPES, BlockType, fit, float_tensor, pack
+from .gguf_file import check_gguf_out, source_metadata, tensors_in_file_order, write_gguf
 from .layers import ExportError, Refusal, regroup
 
 __all__ = ["GGUF_TYPES", "FLOAT_TYPES", "K_QUANTS", "default_types", "export_gguf"]
@@ -74,6 +79,7 @@ class _Model:
     plain: dict  # the model's name -> a function giving the float tensor
     source_model: str | None  # the model argument the saved folder was quantized from
     notes: list[str] = field(default_factory=list)
+    experts: int = 0  # routed experts per MoE layer (0: a dense model)
 
     @classmethod
     def read(cls, spec: str) -> _Model:
@@ -86,7 +92,8 @@ class _Model:
             for n, m in src.qmods.items():
                 if m.bias is not None:
                     plain[f"{n}.bias"] = lambda b=m.bias: b.detach()
-            return cls(str(src.path), src.config, src.qmods, plain, src.qc.get("source_model"))
+            n = max((len(m) for m in src.model.modules() if isinstance(m, RoutedExperts)), default=0)
+            return cls(str(src.path), src.config, src.qmods, plain, src.qc.get("source_model"), experts=n)
         from ..sources.opener import open_checkpoint
 
         ckpt, _ = open_checkpoint(str(spec))  # a float model (a GGUF file, a folder or an alias)
@@ -283,32 +290,6 @@ def _kquant_refusal(t: kq.KType, records: list, qmods: dict, rerounded: int) -> 
     )
 
 
-def _float_tensor(
-    w: torch.Tensor, forced: str | None, file_type, lossy: bool
-) -> tuple[np.ndarray, str, bool]:
-    """``(data, type name, exact)``: ``w`` in the first type of the candidates that holds it exactly
-    (``forced``; else the source file's block type, F16, BF16, F32); 1-D tensors in F32."""
-    from gguf import GGMLQuantizationType as Q
-    from gguf import quants
-
-    x = w.detach().float().contiguous().numpy()
-    if x.ndim < 2:
-        return x, "F32", True
-    if forced:
-        cands = [forced]
-    else:
-        src = getattr(file_type, "name", None)
-        cands = [src] if src in BLOCK_TYPES and x.shape[-1] % BLOCK == 0 else []
-        cands += ["F16", "BF16", "F32"]
-    for c in cands:
-        data = quants.quantize(x, Q[c])
-        if np.array_equal(np.asarray(quants.dequantize(data, Q[c])).reshape(x.shape), x):
-            return data, c, True
-    if forced and lossy:
-        return data, forced, False
-    return None, forced, False
-
-
 def _file_type(qtypes: list[str], types: list[str]):
     """``general.file_type``: the commonest type of the quantized matrices, else of the float ones."""
     from collections import Counter
@@ -338,6 +319,8 @@ def export_gguf(src, out, *, gguf_type: str | None = None, lossy: bool = False, 
     model = _Model.read(src)
     if Path(model.spec) == out:
         raise ExportError(f"--out {out} is the source; choose another --out")
+    if model.experts:
+        return _export_moe(model, out, gguf_type, lossy, overwrite, source_gguf)
     gpath = _source_gguf(model, source_gguf)
     if gpath == out:
         raise ExportError(f"--out {out} is the source GGUF file; choose another --out")
@@ -361,7 +344,7 @@ def export_gguf(src, out, *, gguf_type: str | None = None, lossy: bool = False, 
     write_gguf(
         out,
         overwrite,
-        gpath,
+        source_metadata(gpath),
         ckpt.arch,
         ordered,
         _file_type(qtypes, types),
@@ -402,7 +385,50 @@ def _layer_blocks(model: _Model, gguf_type: str | None, lossy: bool) -> tuple[di
             )
     else:
         blocks, changes = collect(model.qmods, _block_layer(gguf_type, lossy), "gguf", lossy)
+    if model.experts:  # llama.cpp stacks a layer's experts into one tensor of one type
+        model.notes.extend(moe.unify_expert_types(blocks, changes, lambda t, ns: _redo(model, t, ns)))
     return blocks, changes, rerounded
+
+
+def _redo(model: _Model, typ: str, names: list[str]) -> dict | None:
+    """The layers ``names`` as exact blocks of ``typ`` (``None`` when one has no exact form)."""
+    fn = _block_layer(typ, False)
+    try:
+        return {n: fn(n, model.qmods[n], []) for n in names}
+    except Refusal:
+        return None
+
+
+def _export_moe(
+    model: _Model, out: Path, gguf_type, lossy: bool, overwrite: bool, source_gguf
+) -> ExportResult:
+    """A mixture-of-experts model in llama.cpp's layout, its metadata from the Hugging Face config
+    (:mod:`.gguf_moe`): the quantized layers as the dense path writes them, each layer's experts
+    stacked into one tensor, every other tensor in the first float type that holds it exactly."""
+    arch, kv = moe.hf_metadata(model.config, model.experts)
+    given = None
+    if source_gguf is not None:
+        given = Path(source_gguf).expanduser().resolve()
+        if not given.is_file():
+            raise ExportError(
+                f"--source-gguf {source_gguf}: no such file; give a GGUF with the model's vocabulary"
+            )
+    kv += moe.tokenizer_metadata(Path(model.spec), given)
+    records, tensors, qtypes = _quantized_tensors(model, gguf_type, lossy) if model.qmods else ([], {}, [])
+    tied = bool(model.config.get("tie_word_embeddings"))
+    for name, get in model.plain.items():
+        if not (tied and name == "lm_head.weight"):
+            data, typ, _ = float_tensor(get(), None, None, lossy)
+            tensors[name] = (data, typ)
+    rows = [(g, data, typ) for g, (data, typ) in moe.stack_experts(tensors, model.config).items()]
+    types = [typ for _, _, typ in rows]
+    counts = ", ".join(f"{t} x{types.count(t)}" for t in sorted(set(types)))
+    result = ExportResult(
+        out, "gguf", records, [*model.notes, f"llama.cpp architecture {arch}", f"tensor types: {counts}"]
+    )
+    report = {"source": model.spec, **result.summary()}
+    write_gguf(out, overwrite, kv, arch, rows, _file_type(qtypes, types), report)
+    return result
 
 
 def _quantized_tensors(model: _Model, gguf_type: str | None, lossy: bool) -> tuple[list, dict, list]:
@@ -417,7 +443,7 @@ def _quantized_tensors(model: _Model, gguf_type: str | None, lossy: bool) -> tup
     for name, m in model.qmods.items():
         data, typ = blocks[name]
         if data is None:  # a float type for the quantized weights
-            data, typ, exact = _float_tensor(m.dequantize_reference(torch.float32), typ, None, True)
+            data, typ, exact = float_tensor(m.dequantize_reference(torch.float32), typ, None, True)
             if not exact:
                 if not lossy:
                     raise ExportError(
@@ -454,7 +480,7 @@ def _plain_tensors(model: _Model, ckpt, files: dict, forced: str | None, lossy: 
         if tied and name == "lm_head.weight":
             continue
         src_type = files[ckpt.names[name]][0] if name in ckpt.names else None
-        data, typ, exact = _float_tensor(get(), forced, src_type, lossy)
+        data, typ, exact = float_tensor(get(), forced, src_type, lossy)
         if data is None:
             bad.append(name)
             continue

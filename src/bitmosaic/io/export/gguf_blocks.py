@@ -23,7 +23,8 @@ always does).  A block whose codes span the whole grid has one shift per directi
 fp16, an error below 2**-11 of ``m``).
 
 The exporter packs the blocks (:func:`pack`) and checks them by dequantizing them with ``gguf.quants``
-against the layer's own dequantization, bit for bit.
+against the layer's own dequantization, bit for bit.  Float tensors take the first float type that holds
+them exactly (:func:`float_tensor`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["BLOCK", "BlockType", "BLOCK_TYPES", "Fit", "fit", "pack"]
+__all__ = ["BLOCK", "BlockType", "BLOCK_TYPES", "Fit", "fit", "float_tensor", "pack"]
 
 BLOCK = 32
 
@@ -127,3 +128,27 @@ def pack(f: Fit, t: BlockType) -> np.ndarray:
         low = qn & 0x0F
         parts.append(low[:, : BLOCK // 2] | (low[:, BLOCK // 2 :] << 4))
     return np.concatenate(parts, axis=-1).reshape(out, -1)
+
+
+def float_tensor(w: torch.Tensor, forced: str | None, file_type, lossy: bool) -> tuple[np.ndarray, str, bool]:
+    """``(data, type name, exact)``: ``w`` in the first type of the candidates that holds it exactly
+    (``forced``; else the source file's block type, F16, BF16, F32); 1-D tensors in F32."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    x = w.detach().float().contiguous().numpy()
+    if x.ndim < 2:
+        return x, "F32", True
+    if forced:
+        cands = [forced]
+    else:
+        src = getattr(file_type, "name", None)
+        cands = [src] if src in BLOCK_TYPES and x.shape[-1] % BLOCK == 0 else []
+        cands += ["F16", "BF16", "F32"]
+    for c in cands:
+        data = quants.quantize(x, Q[c])
+        if np.array_equal(np.asarray(quants.dequantize(data, Q[c])).reshape(x.shape), x):
+            return data, c, True
+    if forced and lossy:
+        return data, forced, False
+    return None, forced, False

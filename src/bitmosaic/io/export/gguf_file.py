@@ -15,7 +15,7 @@ from ..._version import __version__
 from ..saved.outdir import make_temporary, output_lock
 from .layers import ExportError
 
-__all__ = ["check_gguf_out", "tensors_in_file_order", "write_gguf"]
+__all__ = ["check_gguf_out", "source_metadata", "tensors_in_file_order", "write_gguf"]
 
 _SKIP_KV = ("GGUF.", "general.architecture", "general.file_type", "general.quantization_version",
             "general.alignment", "general.quantized_by", "bitmosaic.")  # fmt: skip
@@ -100,32 +100,43 @@ def _raw(ckpt, gname: str) -> np.ndarray:
     return np.array(t.data)
 
 
-def write_gguf(out: Path, overwrite: bool, gpath: Path, arch: str, rows, file_type, report: dict) -> None:
-    """Write ``rows`` (``(GGUF name, data, type)``: :func:`tensors_in_file_order`) to the GGUF file
-    ``out`` with the metadata of the source file ``gpath`` (less what the export sets: ``file_type``,
-    who quantized it, the ``report``), through a marked temporary renamed into place under the output
-    lock."""
+def source_metadata(gpath: Path) -> list[tuple]:
+    """The metadata of the source GGUF file ``gpath`` as ``(key, value, type, sub type)``, less what the
+    export sets itself (``file_type``, who quantized it, the report)."""
     import gguf
 
-    reader = gguf.GGUFReader(os.fspath(gpath))
+    out = []
+    for key, f in gguf.GGUFReader(os.fspath(gpath)).fields.items():
+        if key.startswith(_SKIP_KV):
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        out.append((key, f.contents(), f.types[0], sub))
+    return out
+
+
+def write_gguf(out: Path, overwrite: bool, kv: list[tuple], arch: str, rows, file_type, report: dict) -> None:
+    """Write ``rows`` (``(GGUF name, data, type)``: :func:`tensors_in_file_order`) to the GGUF file
+    ``out`` with the metadata ``kv`` (``(key, value, type, sub type)``, :func:`source_metadata`; a type
+    ``None`` for a string) and the export's own (``file_type``, who quantized it, the ``report``),
+    through a marked temporary renamed into place under the output lock."""
     with output_lock(out):  # one export per --out; stale temporaries of a killed one are cleaned
         tmpdir = make_temporary(out)  # marked: what a kill -9 leaves, the next run removes
         try:
-            _write_file(tmpdir / out.name, out, overwrite, reader, arch, rows, file_type, report)
+            _write_file(tmpdir / out.name, out, overwrite, kv, arch, rows, file_type, report)
         finally:
             shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def _write_file(tmp: Path, out: Path, overwrite: bool, reader, arch: str, rows, file_type, report) -> None:
+def _write_file(tmp: Path, out: Path, overwrite: bool, kv, arch: str, rows, file_type, report) -> None:
     import gguf
 
     try:
         w = gguf.GGUFWriter(tmp, arch)
-        for key, f in reader.fields.items():
-            if key.startswith(_SKIP_KV):
-                continue
-            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-            w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+        for key, value, typ, sub in kv:
+            if typ is None:
+                w.add_string(key, value)
+            else:
+                w.add_key_value(key, value, typ, sub_type=sub)
         w.add_file_type(int(file_type))
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         w.add_quantized_by(f"bitmosaic {__version__}")

@@ -130,19 +130,23 @@ def register() -> None:
 
 
 def load(path: str | os.PathLike, **kwargs):
-    """``AutoModelForCausalLM.from_pretrained(path, **kwargs)`` for a bitmosaic folder.
+    """``from_pretrained(path, **kwargs)`` of a bitmosaic folder: ``AutoModelForCausalLM``, or the multimodal
+    class its config names (Qwen2.5-VL, LLaVA: :mod:`bitmosaic.io.sources.model_class`).
 
     The folder is checked first (one-line :class:`~bitmosaic.errors.CorruptModelError` for a missing
     or damaged ``config.json`` or a folder that is not a bitmosaic model).  Returns the transformers
     model; its tokenizer is ``AutoTokenizer.from_pretrained(path)``.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from ..sources.model_class import auto_model_class
 
     register()
     read_quant_config(Path(path))
     if Path(path).is_dir():
         stored_tensors(path)  # the weight files first, as load_quantized does
-    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    # a multimodal model (LLaVA, Qwen-VL): the class its config names, not AutoModelForCausalLM
+    return auto_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, **kwargs)
 
 
 register()  # importing this module is asking for the integration (see also bitmosaic/_hf_hook.py)

@@ -22,8 +22,10 @@ from torch import nn
 
 from ...errors import BitmosaicError, CorruptModelError, check_finite
 from ...formats.accounting import dtype_name_bits
+from ...modules.experts import unfuse_experts
 from ...modules.qmodules import module_from_layer_config
 from ..sources.checkpoint import is_file_name
+from ..sources.model_class import auto_model_class
 from .finish import finish_load, model_arch
 
 __all__ = [
@@ -279,7 +281,7 @@ def _skeleton(path: Path, qc: dict, meta: bool = False) -> tuple[nn.Module, bool
     """The model of a saved folder with empty quantized modules installed, and whether its head is
     tied; ``meta``: the quantized modules on the meta device too (nothing allocated)."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(path)
@@ -290,12 +292,13 @@ def _skeleton(path: Path, qc: dict, meta: bool = False) -> tuple[nn.Module, bool
         delattr(config, "quantization_config")
     try:
         with init_empty_weights(include_buffers=meta):
-            model = AutoModelForCausalLM.from_config(config)
+            model = auto_model_class(config).from_config(config)  # a multimodal model: its own class
     except Exception as e:  # noqa: BLE001 - a config transformers reads but cannot build (negative sizes, ...)
         reason = " ".join(str(e).split())[:200] or type(e).__name__
         raise CorruptModelError(
             f"{path}/config.json describes no model transformers can build ({type(e).__name__}: {reason})"
         ) from None
+    unfuse_experts(model)  # a mixture of experts is saved one linear per expert projection
     if meta:
         with torch.device("meta"):
             install_quantized_modules(model, qc["modules"], path)

@@ -18,14 +18,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ...errors import CorruptModelError, ModelSpecError, check_finite
+from .expert_names import ExpertSource, expert_source
 
 __all__ = ["Checkpoint", "is_file_name", "missing_tensor"]
+
+# an unfused expert's parameter (modules/experts.py) -> the fused tensor a checkpoint may hold instead
+_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.(gate|up|down)_proj\.(weight|bias)$")
 
 
 def is_file_name(name) -> bool:
@@ -38,6 +43,16 @@ def is_file_name(name) -> bool:
 def missing_tensor(spec: str, name: str) -> str:
     """The one-line message of a checkpoint of model ``spec`` that lacks tensor ``name``."""
     return f"{spec}: tensor {name} is missing from the checkpoint; re-download it"
+
+
+def _expert_slice(sl, src: ExpertSource) -> torch.Tensor:
+    """Expert ``src.index`` of a fused tensor (the half of its rows ``src.half`` names), read through the
+    memory map: only that expert's bytes are copied."""
+    full = sl.get_shape()
+    if len(full) == 1 or src.half is None:
+        return sl[src.index : src.index + 1][0]
+    rows = full[1] // 2
+    return sl[src.index : src.index + 1, src.half * rows : (src.half + 1) * rows][0]
 
 
 class Checkpoint:
@@ -104,6 +119,31 @@ class Checkpoint:
         check_finite(t, f"weight {name} of model {self.spec!r}")
         return t
 
+    def get_part(self, src: ExpertSource, dtype: torch.dtype | None, shape) -> torch.Tensor:
+        """The part of a stored tensor that :func:`~bitmosaic.io.sources.expert_names.expert_source`
+        names (one expert of a fused 3-D tensor: only its rows are read), of the given ``shape``."""
+        from safetensors import SafetensorError, safe_open
+
+        if src.index is None:
+            t = self.get(src.name, dtype)
+        else:
+            file = self.files[src.name]
+            try:
+                with safe_open(str(file), "pt") as f:
+                    t = _expert_slice(f.get_slice(src.name), src)
+                    t = t.to(dtype, copy=True) if dtype is not None and t.is_floating_point() else t.clone()
+            except (SafetensorError, OSError) as e:
+                raise CorruptModelError(
+                    f"cannot read {file} ({' '.join(str(e).split())}); re-download or re-save the model"
+                ) from None
+            check_finite(t, f"weight {src.name}[{src.index}] of model {self.spec!r}")
+        if tuple(t.shape) != tuple(shape):
+            raise CorruptModelError(
+                f"{self.spec}: tensor {src.name} gives a part of shape {tuple(t.shape)} where the model's "
+                f"config needs {tuple(shape)}; the checkpoint does not match its config.json"
+            )
+        return t
+
     def fingerprint(self) -> str:
         """What identifies the checkpoint cheaply: its config and every file's name, size and mtime (a
         GGUF file's converted copy: the GGUF file's, so a resumed run may read either)."""
@@ -123,12 +163,13 @@ class Checkpoint:
     def empty_model(self, dtype: torch.dtype) -> nn.Module:
         """The model's modules in ``dtype`` with parameters on ``meta`` (buffers real), in eval mode."""
         from accelerate import init_empty_weights
-        from transformers import AutoModelForCausalLM
+
+        from .model_class import auto_model_class
 
         config = self.config()
         try:
             with init_empty_weights(include_buffers=False):
-                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+                model = auto_model_class(config).from_config(config, dtype=dtype)
         except Exception as e:  # noqa: BLE001 - a config transformers reads but cannot build (zero heads, ...)
             reason = " ".join(str(e).split())[:160] or type(e).__name__
             raise CorruptModelError(
@@ -137,13 +178,31 @@ class Checkpoint:
             ) from None
         return model.eval()
 
+    def _refuse_fused(self, key: str) -> None:
+        """A missing expert projection whose layer the checkpoint stores fused (gpt-oss: ``gate_up_proj``,
+        or MXFP4 ``gate_up_proj_blocks``): one line saying so (streaming reads one tensor per expert
+        projection; the in-memory load converts the fused layout)."""
+        m = _EXPERT.match(key)
+        if m is None:
+            return
+        fused = [f"{m.group(1)}.{p}{s}" for p in ("gate_up_proj", "down_proj") for s in ("", "_blocks")]
+        if any(f in self for f in fused):
+            raise ModelSpecError(
+                f"{self.spec} stores its experts fused ({next(f for f in fused if f in self)}), which "
+                "streaming does not read one expert at a time yet; quantize it without --stream"
+            )
+
     def fill(self, module: nn.Module, prefix: str, dtype: torch.dtype) -> None:
         """Read ``module``'s parameters (and persistent buffers) named ``prefix + name`` into it."""
         sd = {}
         for name, t in [*module.named_parameters(), *module.named_buffers()]:
             key = prefix + name
+            want = dtype if t.is_floating_point() else None
             if key in self:
-                sd[name] = self.get(key, dtype if t.is_floating_point() else None)
+                sd[name] = self.get(key, want)
+            elif (src := expert_source(key, self.files)) is not None:  # a MoE tensor stored otherwise
+                sd[name] = self.get_part(src, want, t.shape)
             elif t.device.type == "meta":
+                self._refuse_fused(key)
                 raise CorruptModelError(missing_tensor(self.spec, key))
         module.load_state_dict(sd, strict=False, assign=True)

@@ -69,11 +69,14 @@ def check_float_folder(folder: str | Path) -> None:
     if not files:
         return
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from .model_class import auto_model_class
 
     try:
+        config = AutoConfig.from_pretrained(folder)
         with init_empty_weights(include_buffers=True):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+            model = auto_model_class(config).from_config(config)
     except Exception as e:  # transformers raises many kinds on configs it cannot build
         reason = " ".join(str(e).split())[:200] or type(e).__name__
         raise ModelSpecError(

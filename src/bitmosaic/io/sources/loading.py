@@ -199,13 +199,14 @@ def load_pretrained(src: str, kw: dict, spec: str, dtype: torch.dtype):
     only, except from a GGUF file), its failures as one-line bitmosaic errors naming ``spec`` and its
     weights checked finite."""
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     # never unpickle weights (a hub repo with only pytorch_model.bin is refused by transformers then)
     only_safe = {} if "gguf_file" in kw else {"use_safetensors": True}
     try:
         tok = AutoTokenizer.from_pretrained(src, **kw)
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kw, **only_safe)
+        cls, extra = _model_class(src, kw)
+        model = cls.from_pretrained(src, dtype=dtype, **kw, **only_safe, **extra)
     except OSError as e:
         raise ModelSpecError(f"could not load {spec!r}: {' '.join(str(e).split())}") from e
     except SafetensorError as e:
@@ -237,6 +238,28 @@ def load_pretrained(src: str, kw: dict, spec: str, dtype: torch.dtype):
     model.eval()
     _check_weights(model, spec)
     return model, tok
+
+
+def _model_class(src: str, kw: dict):
+    """The class that loads ``src`` (a multimodal model: its own, :mod:`.model_class`) and the keywords its
+    checkpoint needs: an MXFP4 checkpoint (gpt-oss) is dequantized exactly at load (FP4 codes times
+    power-of-two E8M0 scales are exact in float32 and bfloat16), never kept in the Triton kernels'
+    layout, so bitmosaic quantizes the float weights the checkpoint stands for."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .model_class import auto_model_class
+
+    if "gguf_file" in kw:
+        return AutoModelForCausalLM, {}
+    config = AutoConfig.from_pretrained(src)
+    qc = getattr(config, "quantization_config", None)
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    extra = {}
+    if str(method) in ("mxfp4", "QuantizationMethod.MXFP4"):
+        from transformers import Mxfp4Config
+
+        extra["quantization_config"] = Mxfp4Config(dequantize=True)
+    return auto_model_class(config), extra
 
 
 def _load_gguf(path: Path, spec: str, dtype: torch.dtype):
