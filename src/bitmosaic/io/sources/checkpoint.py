@@ -103,6 +103,11 @@ class Checkpoint:
         """Tensor ``name`` (in ``dtype`` when given), checked for NaN/Inf.  The file is opened for this
         one read and the tensor is copied out of its memory map, so no page of the checkpoint stays
         mapped (and counted in the process's resident memory) after the read."""
+        return self._read(name, dtype, lambda f: f.get_tensor(name), name)
+
+    def _read(self, name: str, dtype: torch.dtype | None, pick, label: str) -> torch.Tensor:
+        """``pick(f)`` of the open file that holds ``name``, copied out (in ``dtype`` when given) and
+        checked for NaN/Inf (``label``: how the error names it); one line on an unreadable file."""
         from safetensors import SafetensorError, safe_open
 
         if name not in self.files:
@@ -110,33 +115,23 @@ class Checkpoint:
         file = self.files[name]
         try:
             with safe_open(str(file), "pt") as f:
-                t = f.get_tensor(name)
+                t = pick(f)
                 t = t.to(dtype, copy=True) if dtype is not None and t.is_floating_point() else t.clone()
         except (SafetensorError, OSError) as e:
             raise CorruptModelError(
                 f"cannot read {file} ({' '.join(str(e).split())}); re-download or re-save the model"
             ) from None
-        check_finite(t, f"weight {name} of model {self.spec!r}")
+        check_finite(t, f"weight {label} of model {self.spec!r}")
         return t
 
     def get_part(self, src: ExpertSource, dtype: torch.dtype | None, shape) -> torch.Tensor:
         """The part of a stored tensor that :func:`~bitmosaic.io.sources.expert_names.expert_source`
         names (one expert of a fused 3-D tensor: only its rows are read), of the given ``shape``."""
-        from safetensors import SafetensorError, safe_open
-
         if src.index is None:
             t = self.get(src.name, dtype)
-        else:
-            file = self.files[src.name]
-            try:
-                with safe_open(str(file), "pt") as f:
-                    t = _expert_slice(f.get_slice(src.name), src)
-                    t = t.to(dtype, copy=True) if dtype is not None and t.is_floating_point() else t.clone()
-            except (SafetensorError, OSError) as e:
-                raise CorruptModelError(
-                    f"cannot read {file} ({' '.join(str(e).split())}); re-download or re-save the model"
-                ) from None
-            check_finite(t, f"weight {src.name}[{src.index}] of model {self.spec!r}")
+        else:  # one expert of a fused 3-D tensor: only its rows are read
+            pick = lambda f: _expert_slice(f.get_slice(src.name), src)  # noqa: E731
+            t = self._read(src.name, dtype, pick, f"{src.name}[{src.index}]")
         if tuple(t.shape) != tuple(shape):
             raise CorruptModelError(
                 f"{self.spec}: tensor {src.name} gives a part of shape {tuple(t.shape)} where the model's "
