@@ -13,10 +13,13 @@ largest difference relative to the largest logit.
 
 Expected: F32 files agree to float32 summation order (below 1e-5; a wrong expert, routing weight or
 rope row order gives 1e-2 and more); block-type files to llama.cpp's 8-bit activations (Q8_0: 1/254 of
-each 32-block's maximum; below 3e-2).  Recorded (benchmarks/results/moe_gguf_llamacpp.md): qwen3_moe and
-olmoe pass both; Mixtral's F32 file passes (1.0e-6) but its block-type file is off by 1.6e-1, the excess
-on the quantized ``attn_v``/``attn_output`` (found by swapping tensors between the two files), whose
-blocks gguf-py reads back bit for bit: not explained yet (docs/formats.md), so the script exits 1.
+each 32-block's maximum; below 3e-2) -- provided no token's routing is a near-tie.  llama.cpp's 8-bit
+activations move the router's logits by ~1e-2, so a token whose k-th and (k+1)-th router logits are
+closer than that may take the other expert in llama.cpp, and every later position, which attends to it,
+changes.  Measured on Mixtral's seed-0 model: its block-type file was off by 1.6e-1, token 0's layer-0
+gap was 0.011, and bitmosaic's own model with that one routing flipped agrees with llama.cpp to 1.2e-2
+(the 8-bit level).  So each model's seed is the first (from 0) whose smallest router gap over the probe
+tokens and layers, in the quantized model, is at least ``MIN_GAP`` (recorded with the result).
 Reproduce::
 
     flock /tmp/locks/heavy python -m benchmarks.moe.gguf_llamacpp
@@ -32,19 +35,44 @@ from pathlib import Path
 import numpy as np
 import torch
 
-MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe")
+MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
 IDS = [5, 9, 17, 33, 60, 2, 100, 7]
 CALIB_SEED = 0
 BOUNDS = {"F32": 1e-5, "default": 3e-2}  # see the module doc
+MIN_GAP = 0.05  # router logits: k-th minus (k+1)-th, smallest over tokens and layers (module doc)
 
 
-def quantized_moe(model_type: str, out: Path, **config) -> Path:
-    """The tiny ``model_type`` quantized with GPTQ 4-bit groups of 32 (asymmetric), saved to ``out``."""
+def router_gap(model, ids: list[int]) -> float:
+    """The smallest gap between the k-th and (k+1)-th router logit (k = experts per token) over the
+    tokens ``ids`` and every MoE layer of ``model``: how close its routing is to a tie."""
+    gaps, hooks = [], []
+    for name, mod in model.named_modules():
+        if name.endswith("mlp.gate") and hasattr(mod, "top_k"):
+
+            def rec(m, args, out, k=mod.top_k):  # noqa: B023 (k bound per module)
+                top = (out[0] if isinstance(out, tuple) else out).float().topk(k + 1, dim=-1).values
+                gaps.append(float((top[..., k - 1] - top[..., k]).min()))
+
+            hooks.append(mod.register_forward_hook(rec))
+    try:
+        with torch.inference_mode():
+            model(torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    if not gaps:
+        raise ValueError("no router (a module named '*mlp.gate' with top_k) in the model")
+    return min(gaps)
+
+
+def quantized_moe(model_type: str, out: Path, seed: int = 0, **config) -> Path:
+    """The tiny ``model_type`` (random weights from ``seed``) quantized with GPTQ 4-bit groups of 32
+    (asymmetric), saved to ``out``."""
     import bitmosaic
     from bitmosaic.io import save_quantized
     from bitmosaic.testing import tiny_moe
 
-    m = tiny_moe(model_type, **config)
+    m = tiny_moe(model_type, seed=seed, **config)
     calib = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(CALIB_SEED))
     bitmosaic.quantize_(m, "gptq", calib, progress=False, bits=4, group_size=32)
     return save_quantized(m, out, {"method": "gptq"}, overwrite=True)
@@ -69,6 +97,21 @@ def llama_cpp_logits(path: Path, ids: list[int], threads: int = 1) -> torch.Tens
     out = torch.tensor(np.asarray(llm.scores[: len(ids)]), dtype=torch.float32)
     del llm
     return out
+
+
+def untied_quantized_moe(
+    model_type: str, out: Path, ids: list[int], seeds: int = 10
+) -> tuple[Path, int, float]:
+    """:func:`quantized_moe` for the first seed whose quantized model routes ``ids`` with no near-tie
+    (:func:`router_gap` >= ``MIN_GAP``) -> (folder, seed, gap)."""
+    from bitmosaic.io import load_quantized
+
+    for seed in range(seeds):
+        folder = quantized_moe(model_type, out, seed=seed)
+        gap = router_gap(load_quantized(folder, load_tokenizer=False)[0], ids)
+        if gap >= MIN_GAP:
+            return folder, seed, gap
+    raise RuntimeError(f"no seed below {seeds} routes the probe tokens of {model_type} without a near-tie")
 
 
 def llama_cpp_errors(folder: Path, work: Path, ids: list[int], threads: int = 1) -> dict[str, dict]:
@@ -97,14 +140,18 @@ def _markdown(rows: dict) -> str:
         "",
         "Tiny random MoE models (2 layers, 4 experts, 2 per token), GPTQ 4-bit g32 asymmetric; llama.cpp's "
         "logits vs bitmosaic's on 8 tokens, max |diff| / max |logit| (bounds: F32 < 1e-5, block types "
-        "< 3e-2). Reproduce: `python -m benchmarks.moe.gguf_llamacpp`.",
+        f"< 3e-2); each model's seed is the first whose routing of the 8 tokens has no near-tie (router "
+        f"gap >= {MIN_GAP}; llama.cpp's 8-bit activations flip closer ties, see the script's doc). "
+        "Reproduce: `python -m benchmarks.moe.gguf_llamacpp`.",
         "",
-        "| model_type | GGUF arch | F32 weights | default block types | types (default file) | pass |",
-        "|---|---|---|---|---|---|",
+        "| model_type | GGUF arch | seed | router gap | F32 weights | default block types "
+        "| types (default file) | pass |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for mt, r in rows.items():
         lines.append(
-            f"| {mt} | {r['arch']} | {r['F32']['rel_max_err']:.1e} | {r['default']['rel_max_err']:.1e} | "
+            f"| {mt} | {r['arch']} | {r['seed']} | {r['router_gap']:.3f} "
+            f"| {r['F32']['rel_max_err']:.1e} | {r['default']['rel_max_err']:.1e} | "
             f"{r['default']['types'].removeprefix('tensor types: ')} | {r['pass']} |"
         )
     return "\n".join(lines)
@@ -132,13 +179,15 @@ def main() -> None:
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mt in MODEL_TYPES:
-            folder = quantized_moe(mt, Path(tmp) / mt)
+            folder, seed, gap = untied_quantized_moe(mt, Path(tmp) / mt, IDS)
             r = llama_cpp_errors(folder, Path(tmp), IDS, a.threads)
             ok = all(r[k]["rel_max_err"] < b and r[k]["exact_weights"] for k, b in BOUNDS.items())
-            rows[mt] = {"arch": MOE_ARCHS[mt][0], **r, "pass": ok}
+            rows[mt] = {"arch": MOE_ARCHS[mt][0], "seed": seed, "router_gap": gap, **r, "pass": ok}
             f32, dflt = r["F32"]["rel_max_err"], r["default"]["rel_max_err"]
             print(f"{mt}: F32 {f32:.2e}, default {dflt:.2e}, pass {ok}")
-    out = {"ids": IDS, "bounds": BOUNDS, "llama_cpp_version": llama_cpp.__version__, "rows": rows}
+    version = llama_cpp.__version__
+    out = {"ids": IDS, "bounds": BOUNDS, "min_router_gap": MIN_GAP, "llama_cpp_version": version}
+    out["rows"] = rows
     write_results(a.json, "moe_gguf_llamacpp", out, _markdown(rows))
     if not all(r["pass"] for r in rows.values()):
         raise SystemExit(1)

@@ -107,15 +107,18 @@ def tiny_qwen3_moe(seed: int = 0, experts: int = 4, top_k: int = 2, hidden: int 
 _MOE = {
     "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 96, "head_dim": 16, "norm_topk_prob": True},
     "mixtral": {"num_local_experts": 4},
+    "qwen2_moe": {"num_experts": 4, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
+                  "norm_topk_prob": False},  # fmt: skip
     "olmoe": {"num_experts": 4, "num_key_value_heads": 4},  # llama.cpp's olmoe has no grouped kv heads
 }
 
 
 def tiny_moe(model_type: str = "qwen3_moe", seed: int = 0, **overrides):
     """A random tiny mixture-of-experts model of ``model_type`` from transformers' own config class (2
-    layers, hidden 64, 4 heads of 16 with 2 kv heads (OLMoE: 4), 4 experts of width 96 (Mixtral, OLMoE:
-    64), 2 per token, vocabulary 128; every size a multiple of 32, as GPTQ and GGUF blocks need); weights and
-    biases drawn from N(0, 0.1), norms left at 1.  ``overrides``: other config values."""
+    layers, hidden 64, 4 heads of 16 with 2 kv heads (OLMoE: 4), 4 experts of width 96 (Mixtral, OLMoE,
+    Qwen2-MoE: 64; Qwen2-MoE also a shared expert of 64), 2 per token, vocabulary 128; every size a
+    multiple of 32, as GPTQ and GGUF blocks need); weights and biases drawn from N(0, 0.1), norms left
+    at 1.  ``overrides``: other config values."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)

@@ -10,27 +10,28 @@ order for ``gate_proj``/``up_proj`` (whose error passes the gate rule first), an
 calibration token through every expert (:attr:`~bitmosaic.modules.experts.RoutedExperts.observe_all`),
 unweighted, for statistics only: no expert lacks tokens, at E/k times the expert FLOPs.
 
-An expert routed fewer than ``moe_min_tokens`` rows (``'auto'``: the projection's input width) falls back to ``moe_fallback``: ``'pooled'``, the
-layer's pooled Hessian of the same projection (all experts' rows, weighted alike), solved by the run's
-method; or ``'rtn'``, round-to-nearest with MSE-searched scales on the run's grid (bits, group size,
-symmetry): the method registry's statistics-free method (:func:`~bitmosaic.methods.registry.grid_fallback`),
-which the loop swaps in for that expert's linears (:func:`apply_grid_fallback`).  Few rows make an
-``H x H`` Hessian rank-poor: GPTQ then fits the handful of seen rows and errs on the tokens it will see;
-on a random 16-expert layer fed real token embeddings its own Hessian beat the pooled one on held-out
-tokens only from about ``H`` rows on (``benchmarks/moe/min_tokens.py``; docs/moe.md), hence ``'auto'``.  :func:`expert_statistics`
-returns the rows each expert saw and which experts fell back, for the run report.
+An expert routed fewer than ``moe_min_tokens`` rows (``'auto'``: the projection's input width) falls back
+to ``moe_fallback``: ``'pooled'``, the layer's pooled Hessian of the same projection (all experts' rows,
+weighted alike), solved by the run's method; or ``'rtn'``, round-to-nearest with MSE-searched scales on
+the run's grid (bits, group size, symmetry): the method registry's statistics-free method
+(:func:`~bitmosaic.methods.registry.grid_fallback`), which the loop swaps in for that expert's linears
+(:func:`apply_grid_fallback`). Few rows make an ``H x H`` Hessian rank-poor: GPTQ then fits the handful of
+seen rows and errs on the tokens it will see; on a random 16-expert layer fed real token embeddings its
+own Hessian beat the pooled one on held-out tokens only from about ``H`` rows on
+(``benchmarks/moe/min_tokens.py``; docs/moe.md), hence ``'auto'``. :func:`expert_statistics` returns the
+rows each expert saw and which experts fell back, for the run report.
 
 **Experts in parts** (issue 71: "a layer's experts are calibrated, solved and written expert by expert").
 One Hessian per expert is ``E d^2`` floats per group: 2.1 GB for Qwen3-30B-A3B's gate/up (128 x 2048^2),
-52 GB for DeepSeek-V3's (256 x 7168^2).  When a group's Hessians exceed :data:`HESSIAN_FRACTION` of the
+52 GB for DeepSeek-V3's (256 x 7168^2). When a group's Hessians exceed :data:`HESSIAN_FRACTION` of the
 memory budget (``max_memory``, else the memory available at the start), :func:`expert_parts` splits it
 into parts of whole experts that fit, and the loop runs one statistics pass per part (only the part's
 experts run: :attr:`~bitmosaic.modules.experts.RoutedExperts.only`; the attention's outputs come from the
-output cache when it is on), solves the part and frees its Hessians before the next.  :class:`ExpertPool`
+output cache when it is on), solves the part and frees its Hessians before the next. :class:`ExpertPool`
 keeps what outlives a part: the rows each expert saw, the running pooled sum ``sum_e n_e H_e`` (added in
 the order the whole group would add it) and the experts below ``moe_min_tokens``, solved last on the
-pooled Hessian (or by the grid rule).  An expert's Hessian depends only on its own routed rows, so the parts give the bytes of
-the whole group at once.
+pooled Hessian (or by the grid rule). An expert's Hessian depends only on its own routed rows, so the
+parts give the bytes of the whole group at once.
 """
 
 from __future__ import annotations

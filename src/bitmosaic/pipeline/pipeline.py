@@ -51,10 +51,10 @@ from ..modules.experts import unfuse_experts
 from .calib_cache import CalibCache
 from .calibration import StopForward, capture_layer_inputs, cast_floating, first_layer_inputs
 from .distributed import Dist, current
+from .experts import check_grid_fallback
 from .fisher import fisher_service
 from .loop import LayerRun, entry_key, quantize_layer, use_output_cache
 from .recipe import Recipe
-from .experts import check_grid_fallback
 from .report import RunReport, expert_summary, peak_rss_mb
 from .rotate import rotate_model
 from .settings import Calibration, RunSettings
