@@ -56,13 +56,35 @@ def _random(name: str, shape, seed: int) -> torch.Tensor:
     return out
 
 
-def write_checkpoint(folder: Path, shape: str, seed: int = 0, layers: int | None = None) -> None:
+_BF16 = ("embed_tokens", "lm_head", "mlp.gate.", "norm")  # kept bf16 in the FP8 hub checkpoints
+
+
+def _tensors(names: dict, group: list[str], seed: int, fp8: bool) -> dict[str, torch.Tensor]:
+    """The shard's tensors; ``fp8``: each 2-D projection as E4M3 with a float32 scale per 128 x 128 block
+    (``<name>_scale_inv``), as Qwen3-30B-A3B-FP8 and DeepSeek-V3 ship them (io/sources/fp8_block.py)."""
+    from bitmosaic.io.sources import fp8_block
+
+    sd = {}
+    for n in group:
+        t = _random(n, names[n], seed)
+        if fp8 and t.ndim == 2 and not any(k in n for k in _BF16):
+            sd[n], sd[n + fp8_block.SCALE_SUFFIX] = fp8_block.quantize(t)
+        else:
+            sd[n] = t
+    return sd
+
+
+def write_checkpoint(
+    folder: Path, shape: str, seed: int = 0, layers: int | None = None, fp8: bool = False
+) -> None:
     """A bf16 safetensors checkpoint of ``shape``: one shard per decoder layer, the embeddings and the
     head in shards of their own, an index, and a word tokenizer; never more than one shard in memory.
     ``layers``: a truncated checkpoint, its config's ``num_hidden_layers`` that many (the layers are the
     full model's first ones).  Experts are written as the hub ships them, one tensor per expert
-    projection (``mlp.experts.<e>.gate_proj.weight``)."""
+    projection (``mlp.experts.<e>.gate_proj.weight``).  ``fp8``: the projections in FP8 with 128 x 128
+    block scales (half the bytes: a 48-layer Qwen3-30B-A3B is 31 GB instead of 61 GB)."""
     from accelerate import init_empty_weights
+    from safetensors import safe_open
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
@@ -85,17 +107,22 @@ def write_checkpoint(folder: Path, shape: str, seed: int = 0, layers: int | None
         file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         if not (folder / file).is_file():
             t0 = time.perf_counter()
-            sd = {n: _random(n, names[n], seed) for n in group}
+            sd = _tensors(names, group, seed, fp8)
             save_file(sd, str(folder / (file + ".tmp")), metadata={"format": "pt"})
             os.replace(folder / (file + ".tmp"), folder / file)
             print(f"{file}: {len(sd)} tensors in {time.perf_counter() - t0:.1f}s", flush=True)
             del sd
-        for n in group:
-            weight_map[n] = file
-            total += 2 * int(torch.tensor(names[n]).prod())
+        with safe_open(str(folder / file), "pt") as f:
+            for n in f.keys():
+                weight_map[n] = file
+                sl = f.get_slice(n)
+                total += int(torch.tensor(sl.get_shape()).prod()) * (1 if "F8" in sl.get_dtype() else 2)
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
     )
+    if fp8:
+        cfg.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                   "weight_block_size": [128, 128]}  # fmt: skip
     cfg.save_pretrained(folder)
     word_tokenizer().save_pretrained(folder)
     (folder / "calib.txt").write_text(" ".join(f"w{i % 997}" for i in range(200_000)))
@@ -263,10 +290,12 @@ def main() -> None:
     ap.add_argument("--nsamples", type=int, default=16, help="calibration samples of 512 tokens")
     ap.add_argument("--write-layers", type=int, default=None,
                     help="write: a truncated checkpoint of this many decoder layers (its config says so)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="write: the projections in FP8 with 128 x 128 block scales")  # fmt: skip
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.what == "write":
-        write_checkpoint(args.dir, args.shape, args.seed, args.write_layers)
+        write_checkpoint(args.dir, args.shape, args.seed, args.write_layers, args.fp8)
         return
     if args.what == "table":  # moe_scale.md again from its JSON (after notes were added to it)
         path = Path(args.json or RESULTS / "moe_scale.json")

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ...errors import CorruptModelError, ModelSpecError, check_finite
+from . import fp8_block
 from .expert_names import ExpertSource, expert_source
 
 __all__ = ["Checkpoint", "is_file_name", "missing_tensor"]
@@ -92,6 +93,7 @@ class Checkpoint:
                 f"{self.folder} holds no safetensors weights (model.safetensors or an index): streaming "
                 "reads safetensors only; convert the checkpoint with save_pretrained(safe_serialization=True)"
             )
+        self.fp8_block = fp8_block.block_size(self.folder)  # FP8 weights with block scales (fp8_block.py)
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
@@ -116,13 +118,32 @@ class Checkpoint:
         try:
             with safe_open(str(file), "pt") as f:
                 t = pick(f)
-                t = t.to(dtype, copy=True) if dtype is not None and t.is_floating_point() else t.clone()
+                if t.dtype in fp8_block.FP8_DTYPES:
+                    t = self._dequantize(name, t, dtype, label)
+                else:
+                    t = t.to(dtype, copy=True) if dtype is not None and t.is_floating_point() else t.clone()
         except (SafetensorError, OSError) as e:
             raise CorruptModelError(
                 f"cannot read {file} ({' '.join(str(e).split())}); re-download or re-save the model"
             ) from None
         check_finite(t, f"weight {label} of model {self.spec!r}")
         return t
+
+    def _dequantize(self, name: str, q: torch.Tensor, dtype, label: str) -> torch.Tensor:
+        """An FP8 weight as the float it stands for, times its block scales (:mod:`.fp8_block`)."""
+        scale_name = name + fp8_block.SCALE_SUFFIX
+        if self.fp8_block is None or scale_name not in self.files:
+            raise ModelSpecError(
+                f"{self.spec}: tensor {label} is stored in FP8 without block scales ({scale_name} and a "
+                "config quantization_config with weight_block_size); load it with transformers and save "
+                "it in bf16 first"
+            )
+        if label != name:
+            raise ModelSpecError(
+                f"{self.spec}: {label} is one expert of a fused FP8 tensor, which streaming does not read "
+                "in parts; quantize it without --stream"
+            )
+        return fp8_block.dequantize(q, self.get(scale_name), self.fp8_block, dtype, label)
 
     def get_part(self, src: ExpertSource, dtype: torch.dtype | None, shape) -> torch.Tensor:
         """The part of a stored tensor that :func:`~bitmosaic.io.sources.expert_names.expert_source`

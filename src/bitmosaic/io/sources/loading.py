@@ -259,6 +259,14 @@ def _model_class(src: str, kw: dict):
         from transformers import Mxfp4Config
 
         extra["quantization_config"] = Mxfp4Config(dequantize=True)
+    elif str(method) in ("fp8", "QuantizationMethod.FP8"):  # block-scaled FP8 (fp8_block.py): as float
+        from transformers import FineGrainedFP8Config
+
+        from .fp8_block import block_size
+
+        given = qc.get("weight_block_size") if isinstance(qc, dict) else getattr(qc, "weight_block_size", 0)
+        block = block_size(Path(src)) if Path(src).is_dir() else tuple(given or (128, 128))
+        extra["quantization_config"] = FineGrainedFP8Config(weight_block_size=block, dequantize=True)
     return auto_model_class(config), extra
 
 
