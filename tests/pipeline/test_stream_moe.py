@@ -194,3 +194,46 @@ def test_a_fused_tensor_that_does_not_match_the_config_is_one_line(tmp_path):
     with pytest.raises(CorruptModelError, match="does not match its config") as e:
         _stream(src, tmp_path / "out")
     assert "\n" not in str(e.value) and "gate_up_proj" in str(e.value)
+
+
+@pytest.mark.parametrize("min_tokens", [1, 120])  # 120: some experts fall back to the pooled Hessian
+def test_expert_weights_past_the_budget_are_read_part_by_part(min_tokens, tmp_path, monkeypatch):
+    """A streamed layer whose expert weights exceed a quarter of the budget keeps them on ``meta`` and
+    reads each part's experts for its pass (solved ones from their packed modules): never more than one
+    part's experts float at once, and the bytes of the in-memory run (lazy_experts.py)."""
+    from bitmosaic.pipeline import lazy_experts
+    from bitmosaic.pipeline.lazy_experts import LazyExperts
+
+    src = _src(tmp_path, "qwen3_moe", "hub")
+    float_counts, per_call = [], []
+    real_resident, real_per_call = LazyExperts.resident, LazyExperts.per_call
+
+    def resident(self, names):
+        ctx = real_resident(self, names)
+
+        class _Count:
+            def __enter__(s):
+                ctx.__enter__()
+                float_counts.append(sum(not self.layer.get_submodule(n).weight.is_meta for n in self.names))
+
+            def __exit__(s, *exc):
+                ctx.__exit__(*exc)
+                assert all(self.layer.get_submodule(n).weight.is_meta for n in self.names)
+
+        return _Count()
+
+    monkeypatch.setattr(LazyExperts, "resident", resident)
+    monkeypatch.setattr(LazyExperts, "per_call", lambda self: per_call.append(1) or real_per_call(self))
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    quantize_(m, RECIPE[0], _calib(), progress=False, moe_min_tokens=min_tokens, **RECIPE[1])
+    quantize_streaming(Checkpoint(src), word_tokenizer(), tmp_path / "str", as_recipe(*RECIPE), _calib(),
+                       RunSettings(progress=False, moe_min_tokens=min_tokens, max_memory=20_000))  # fmt: skip
+    from .test_stream import _tensors
+
+    assert per_call == [1, 1]  # both layers' last pass ran expert by expert
+    assert float_counts and max(float_counts) <= 3  # one expert a part (and a fallback chunk)
+    assert lazy_experts.WEIGHT_FRACTION * 20_000 < 4 * 3 * 16 * 32 * 4  # the experts exceed the fraction
+    a, b = _saved(m, tmp_path / "mem"), _tensors(tmp_path / "str")
+    assert sorted(a) == sorted(b) and not [k for k in a if not torch.equal(a[k], b[k])]

@@ -270,16 +270,19 @@ def _proj(name: str) -> str:
     return ".".join(parts[:-2] + ["*", parts[-1]])
 
 
-def expert_parts(layer: nn.Module, names, budget: int, hessian_dtype: torch.dtype) -> list[tuple[str, ...]]:
+def expert_parts(
+    layer: nn.Module, names, budget: int, hessian_dtype: torch.dtype, weight_bytes: int = 0
+) -> list[tuple[str, ...]]:
     """``names`` in parts of whole experts whose Hessians (one per distinct input width of an expert's
-    linears) take at most :data:`HESSIAN_FRACTION` of ``budget`` bytes; one part when all fit (module
-    doc).  Names outside a list of experts go with the first part."""
+    linears; plus ``weight_bytes`` per expert when its weights are read with it, lazy_experts.py) take at
+    most :data:`HESSIAN_FRACTION` of ``budget`` bytes; one part when all fit (module doc).  Names outside a
+    list of experts go with the first part."""
     key = {n: n.rsplit(".", 1)[0] if isinstance(_container(layer, n), RoutedExperts) else "" for n in names}
     experts = list(dict.fromkeys(k for k in key.values() if k))
     widths = {k: {layer.get_submodule(n).weight.shape[1] for n in names if key[n] == k} for k in experts}
     one = max((sum(d * d for d in w) for w in widths.values()), default=0)
     size = torch.empty((), dtype=hessian_dtype).element_size()
-    per_part = max(1, int(HESSIAN_FRACTION * budget // max(one * size, 1)))
+    per_part = max(1, int(HESSIAN_FRACTION * budget // max(one * size + weight_bytes, 1)))
     if len(experts) <= per_part:
         return [tuple(names)]
     parts = [{"", *experts[: per_part]}]

@@ -21,6 +21,7 @@ For layer ``li`` it
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,7 @@ from .calibration import layer_kind
 from .capture import capture_groups, run_layer
 from .distributed import Dist
 from .experts import ExpertPool, apply_grid_fallback, expert_parts, expert_statistics, is_expert_group
+from .lazy_experts import WEIGHT_FRACTION, LazyExperts, expert_linears, expert_weight_bytes
 from .report import RunReport
 from .settings import RunSettings
 from .smoothing import fold_group_scales
@@ -103,20 +105,40 @@ class _Layer:
     qmods: dict = field(default_factory=dict)  # linear name -> packed module
     act_scales: dict = field(default_factory=dict)  # linear name -> static input scale (or None)
     experts: dict = field(default_factory=dict)  # group index -> ExpertStats of an expert group
+    lazy: LazyExperts | None = None  # expert weights read part by part (lazy_experts.py)
+
+
+def _budget(run: LayerRun) -> int:
+    return int(run.report.calibration["spill"]["budget_mb"] * 2**20)
+
+
+def _move(layer: nn.Module, device, dtype) -> None:
+    """``layer.to(device, dtype)`` leaving ``meta`` parameters (experts not read yet) where they are."""
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        return t if t.is_meta else t.to(device, dtype if t.is_floating_point() else None)
+
+    layer._apply(convert)
 
 
 def quantize_layer(run: LayerRun, li: int) -> None:
     """Quantize decoder layer ``li`` (module doc, steps 1-5)."""
     layer = run.layers[li]
     n_rows = len(run.report.layers)
+    lazy = run.store is not None and run.calibrate and _lazy_wanted(run, layer)
     if run.store is not None:
-        run.store.load(li, layer)
-    first_param = next(layer.parameters())
+        run.store.load(li, layer, skip=expert_linears(layer) if lazy else ())
+    first_param = next(p for p in layer.parameters() if not p.is_meta)
     home, home_dtype = first_param.device, first_param.dtype
-    layer.to(run.dev, run.cdtype)
+    if lazy:
+        _move(layer, run.dev, run.cdtype)
+    else:
+        layer.to(run.dev, run.cdtype)
     kwargs = run.kwargs_by_kind[layer_kind(layer)] if run.calibrate else None
     plan = dict(run.plans[li])  # a copy: an expert's fallback may swap its entry (experts.py)
     lay = _Layer(li, layer, f"{run.arch.layers_path}.{li}", plan, kwargs, run.arch.groups(layer))
+    if lazy:
+        lay.lazy = LazyExperts(layer, run.store.reader(li), lay.qmods, run.cdtype, run.dev)
     if run.calibrate:
         runc0 = run.runc if li == 0 and run.dist.world == 1 else None  # later layers: quantized inputs
         lay.group_info = _apply_transform(run, lay, runc0)
@@ -126,9 +148,17 @@ def quantize_layer(run: LayerRun, li: int) -> None:
             if group:  # a map's group this layer lacks (a dense MLP in an MoE layer) is empty
                 _quantize_group(run, lay, gi, group, cache)
         if run.calibrate:
-            _propagate(run, lay, cache)
+            with lay.lazy.per_call() if lay.lazy else contextlib.nullcontext():
+                _propagate(run, lay, cache)
     release_host_memory()
-    layer.to(home, home_dtype)  # before the packed modules go in: their scales keep their dtype
+    if lay.lazy:  # an expert projection left float (no plan) is saved as read
+        for name in lay.lazy.names:
+            if name not in lay.qmods:
+                lay.lazy.read(name, layer.get_submodule(name))
+    if lay.lazy:  # before the packed modules go in: their scales keep their dtype
+        _move(layer, home, home_dtype)
+    else:
+        layer.to(home, home_dtype)
     for name, qlin in lay.qmods.items():
         act = getattr(lay.plan[name][1], "act", None)
         if act is not None:
@@ -154,26 +184,48 @@ class _Group:
     stat_kw: dict | None
 
 
+def _lazy_wanted(run: LayerRun, layer: nn.Module) -> bool:
+    """Whether a streamed ``layer``'s expert weights are read part by part (lazy_experts.py)."""
+    return expert_weight_bytes(layer, run.cdtype) > WEIGHT_FRACTION * _budget(run)
+
+
+def _resident(lay: _Layer, names):
+    """The experts of ``names`` in memory for the block (a lazily read layer), else nothing to do."""
+    return lay.lazy.resident(names) if lay.lazy is not None else contextlib.nullcontext()
+
+
 def _quantize_group(run: LayerRun, lay: _Layer, gi: int, group, cache: OutputCache) -> None:
     """Calibrate group ``gi``, solve each of its Hessians' linears, record the rows, cache what is final."""
     run.bar.set_postfix_str(f"{lay.li}.{'/'.join(n.rsplit('.', 1)[-1] for n in group)}")
     parts, pool = [group], None
     if run.calibrate and is_expert_group(lay.module, group):  # experts in parts past the budget (experts.py)
-        budget = int(run.report.calibration["spill"]["budget_mb"] * 2**20)
-        parts = expert_parts(lay.module, group, budget, run.settings.hessian_dtype)
+        weights = 0
+        if lay.lazy is not None:  # the float weights of one expert come with its Hessians
+            one = lay.lazy.experts_of(group[:1])
+            weights = sum(p.numel() for n in one for p in lay.module.get_submodule(n).parameters())
+            weights *= torch.empty((), dtype=run.cdtype).element_size()
+        parts = expert_parts(lay.module, group, _budget(run), run.settings.hessian_dtype, weights)
         pool = ExpertPool(run.settings) if len(parts) > 1 else None
     for part in parts:
-        grp = _statistics(run, lay, gi, part, cache, pool)
-        _solve_group(run, lay, gi, grp)
-        del grp
-        release_host_memory()  # the part's Hessians
+        with _resident(lay, part):
+            grp = _statistics(run, lay, gi, part, cache, pool)
+            _solve_group(run, lay, gi, grp)
+            del grp
+        release_host_memory()  # the part's Hessians (and float experts)
     if pool is not None:  # the experts with too few rows, on the pooled Hessian of every part
         accs, owner = pool.rest()
         apply_grid_fallback(lay.plan, pool.stats, owner)
         shared: dict[str, list[str]] = {}
         for name, own in owner.items():
             shared.setdefault(own, []).append(name)
-        _solve_group(run, lay, gi, _Group(gi, tuple(owner), accs, shared, {}, None))
+        per_part = max(len({n.rsplit(".", 1)[0] for n in p}) for p in parts) if lay.lazy else len(shared)
+        owners = list(shared)  # a lazily read layer: as many float experts at once as a part has
+        for i in range(0, len(owners), max(per_part, 1)):
+            chunk = {o: shared[o] for o in owners[i : i + per_part]}
+            names = tuple(n for ns in chunk.values() for n in ns)
+            with _resident(lay, names):
+                sub = {o: accs[o] for o in chunk if o in accs}
+                _solve_group(run, lay, gi, _Group(gi, names, sub, chunk, {}, None))
     if lay.use_cache and gi < len(lay.groups) - 1:  # quantized or skipped: final from now on
         if not is_expert_group(lay.module, group):  # an expert may run twice a batch (--moe-calib all)
             for name in group:

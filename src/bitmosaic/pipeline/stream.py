@@ -149,11 +149,18 @@ class LayerStore:
             self.layers[li] = _Freed()
         return k, float(self.state["total_bits"]), int(self.state["total_weights"])
 
-    def load(self, li: int, layer: nn.Module) -> None:
+    def load(self, li: int, layer: nn.Module, skip=()) -> None:
+        """Fill decoder layer ``li`` from the checkpoint, less the submodules named in ``skip`` (left on
+        ``meta``: experts read part by part, :meth:`reader`)."""
         if not self._outside_freed:  # the layer-0 inputs are captured: the embeddings are not needed
             _free_outside(self.model, self.arch.layers_path)
             self._outside_freed = True
-        self.ckpt.fill(layer, f"{self.arch.layers_path}.{li}.", self.dtype)
+        self.ckpt.fill(layer, f"{self.arch.layers_path}.{li}.", self.dtype, skip=skip)
+
+    def reader(self, li: int):
+        """``read(name, module)``: fill submodule ``name`` of layer ``li`` from the checkpoint."""
+        pre = f"{self.arch.layers_path}.{li}."
+        return lambda name, module: self.ckpt.fill(module, f"{pre}{name}.", self.dtype)
 
     def done(self, li, layer, rows, inputs, gen, total_bits, total_weights) -> None:
         prefix = f"{self.arch.layers_path}.{li}."

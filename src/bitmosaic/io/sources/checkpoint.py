@@ -208,10 +208,14 @@ class Checkpoint:
                 "streaming does not read one expert at a time yet; quantize it without --stream"
             )
 
-    def fill(self, module: nn.Module, prefix: str, dtype: torch.dtype) -> None:
-        """Read ``module``'s parameters (and persistent buffers) named ``prefix + name`` into it."""
+    def fill(self, module: nn.Module, prefix: str, dtype: torch.dtype, skip=()) -> None:
+        """Read ``module``'s parameters (and persistent buffers) named ``prefix + name`` into it, less
+        those of the submodules named in ``skip`` (left as they are)."""
         sd = {}
+        skip = tuple(s + "." for s in skip)
         for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            if skip and name.startswith(skip):
+                continue
             key = prefix + name
             want = dtype if t.is_floating_point() else None
             if key in self:
