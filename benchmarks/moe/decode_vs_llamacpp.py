@@ -129,7 +129,14 @@ def _prepare(ckpt: Path, work: Path) -> tuple[Path, Path, dict]:
             raise SystemExit(f"quantize failed ({rc})")
     from bitmosaic.io.export import export_model
 
-    res = export_model(out, gguf, "gguf", overwrite=True)
+    # the checkpoint's word tokenizer has no GGUF form: llama.cpp runs on token ids ("none" vocabulary)
+    ids_only = work / "q30-rtn-w4g32-sym-ids"
+    ids_only.mkdir(exist_ok=True)
+    for f in out.iterdir():
+        link = ids_only / f.name
+        if not f.name.startswith(("tokenizer", "special_tokens", "vocab")) and not link.exists():
+            link.symlink_to(f.resolve())
+    res = export_model(ids_only, gguf, "gguf", overwrite=True)
     return out, gguf, {"notes": list(res.notes), "gguf_mb": gguf.stat().st_size / 2**20}
 
 
@@ -139,7 +146,8 @@ def _bytes_per_token(folder: Path) -> float:
     from safetensors import safe_open
 
     cfg = json.loads((folder / "config.json").read_text())
-    k, e = cfg["num_experts_per_tok"], cfg["num_experts"]
+    k = cfg["num_experts_per_tok"]
+    e = next(cfg[n] for n in ("num_experts", "num_local_experts", "n_routed_experts") if cfg.get(n))
     total = 0.0
     for f in sorted(folder.glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
