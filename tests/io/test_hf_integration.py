@@ -159,3 +159,22 @@ def test_smollm2_through_transformers(smollm, smollm_calib, tmp_path):
     a = hf.generate(ids, max_new_tokens=8, do_sample=False)
     assert torch.equal(a, ours.generate(ids, max_new_tokens=8, do_sample=False))
     assert a.shape[1] == ids.shape[1] + 8
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_a_mixture_of_experts_loads_through_transformers(model_type, tmp_path):
+    """``bitmosaic.load`` (transformers' ``from_pretrained``) of a quantized MoE: its experts unfused as
+    the saved per-expert modules are, the same state and logits as ``load_quantized``, and it generates."""
+    import bitmosaic
+    from bitmosaic.io import load_quantized
+    from bitmosaic.testing import tiny_moe
+
+    path = tmp_path / model_type
+    _save(path, "gptq", {"bits": 4, "group_size": 32, "moe_min_tokens": 1}, model=tiny_moe(model_type))
+    got, ref = bitmosaic.load(path), load_quantized(path)[0]
+    _same_state(got, ref)
+    ids = _calib()[:1]
+    with torch.inference_mode():
+        assert torch.equal(got(ids).logits, ref(ids).logits)
+        out = got.generate(ids, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 4

@@ -37,6 +37,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ...errors import CorruptModelError, check_finite
 from ...modules.base import QuantModule
+from ...modules.experts import unfuse_experts
 from .finish import finish_load, model_arch
 from .load import (
     check_quant_config,
@@ -72,6 +73,7 @@ class BitmosaicHfQuantizer(HfQuantizer):
         qc = self.quantization_config.to_dict()
         path = _folder(model, checkpoint_files)
         check_quant_config(qc, path)
+        unfuse_experts(model)  # a mixture of experts is saved one linear per expert projection
         with torch.device("meta"):  # transformers fills the buffers from the shards
             install_quantized_modules(model, qc["modules"], path)
         files = [Path(f) for f in checkpoint_files or () if str(f).endswith(".safetensors")]
