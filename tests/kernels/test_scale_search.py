@@ -135,8 +135,8 @@ def test_each_isa_and_the_exact_tie_path(monkeypatch, name):
     w = torch.cat([_rows(k, 64, 128, gen) for k in KINDS])
     grid = IntGrid(4, False)
     xmin, xmax = w.amin(dim=1), w.amax(dim=1)
-    ps = torch.tensor([1 - i / 100 for i in range(80)])[:, None]
-    S, Z = scales.range_scale_zero(ps * xmin, ps * xmax, grid, check=False)
+    ps = torch.tensor([1 - i / 100 for i in range(80)])
+    S, Z = scales.range_scale_zero(xmin[:, None] * ps, xmax[:, None] * ps, grid, check=False)
     kappa, alpha2 = scale_search.error_bound(128)
     win, _ = ext.mse_survivors(
         w, S.contiguous(), Z.contiguous(), grid.maxq, kappa, alpha2, isa.ISAS.index(name)

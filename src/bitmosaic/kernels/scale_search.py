@@ -4,7 +4,7 @@
 80 shrink candidates minimising ``sum |w - Q(w)|^2.4`` in float32 torch arithmetic (``_mse_search``).
 :func:`mse_search` returns the same scale and zero per row, in three steps:
 
-1. The candidates' scales and zeros ``[C, R]`` with the reference's own torch code
+1. The candidates' scales and zeros ``[R, C]`` with the reference's own torch code
    (:func:`~bitmosaic.algorithms.scales.range_scale_zero` of ``p * xmin``, ``p * xmax``).
 2. ``csrc/scalesearch.cpp``: per row, every candidate's error approximately (torch's exact float32
    distances ``d``; ``d^2.4`` within the relative error ``APPROX_REL``, checked over every float32
@@ -86,7 +86,7 @@ def _exact_errors(w, S, Z, cand, row, maxq):
     for i in range(0, cand.numel(), per):
         c, r = cand[i : i + per], row[i : i + per]
         wb = w.index_select(0, r)
-        s, z = S[c, r][:, None], Z[c, r][:, None]
+        s, z = S[r, c][:, None], Z[r, c][:, None]
         e = torch.div(wb, s).round_().add_(z).clamp_(0, maxq).sub_(z)
         out[i : i + per] = e.mul_(s).sub_(wb).abs_().pow_(_NORM).sum(dim=1)
     return torch.nan_to_num_(out, nan=float("inf"))
@@ -107,21 +107,22 @@ def mse_search(
     ext = extension()
     if ext is None:
         return None
-    ps = torch.tensor([1 - i / mse_grid for i in range(n_cand)], dtype=w.dtype)[:, None]
-    S, Z = _scales.range_scale_zero(ps * xmin, ps * xmax, grid, check=False)  # the reference's [C, rows]
+    ps = torch.tensor([1 - i / mse_grid for i in range(n_cand)], dtype=w.dtype)
+    # the reference's candidate scales/zeros (the same elementwise ops), one row of candidates per row
+    S, Z = _scales.range_scale_zero(xmin[:, None] * ps, xmax[:, None] * ps, grid, check=False)  # [rows, C]
     S, Z = S.contiguous(), Z.contiguous()
     kappa, alpha2 = error_bound(cols)
     win, alive = ext.mse_survivors(w, S, Z, grid.maxq, kappa, alpha2, isa_number(ext=ext))
     win = win.long()
     several = (win == -1).nonzero().flatten()
     if several.numel():
-        cand, sub = alive[:, several].nonzero(as_tuple=True)
-        err = torch.full((n_cand, several.numel()), float("inf"), dtype=w.dtype)
-        err[cand, sub] = _exact_errors(w, S, Z, cand, several[sub], grid.maxq)
-        win[several] = err.min(dim=0).indices  # the first minimum in candidate order
+        sub, cand = alive[several].nonzero(as_tuple=True)
+        err = torch.full((several.numel(), n_cand), float("inf"), dtype=w.dtype)
+        err[sub, cand] = _exact_errors(w, S, Z, cand, several[sub], grid.maxq)
+        win[several] = err.min(dim=1).indices  # the first minimum in candidate order
     bad = (win == -2).nonzero().flatten()
     win[bad] = 0
-    s_out, z_out = S.gather(0, win[None])[0], Z.gather(0, win[None])[0]
+    s_out, z_out = S.gather(1, win[:, None])[:, 0], Z.gather(1, win[:, None])[:, 0]
     if bad.numel():  # a non-finite weight: the reference on those rows (it keeps the min-max scale)
         s_out[bad], z_out[bad] = _scales._mse_search(
             w[bad], xmin[bad], xmax[bad], grid, scale[bad], zero[bad], mse_grid, max_shrink, norm, chunk_elems

@@ -1,9 +1,10 @@
 // bitmosaic C++ kernel: the approximate pass of the MSE scale search (algorithms/scales.py, issue 74).
 //
-// For every row r of w [R, n] (float32) and candidate c (scale S[c, r], zero Z[c, r], float32 as the
+// For every row r of w [R, n] (float32) and candidate c (scale S[r, c], zero Z[r, c], float32 as the
 // torch search derives them), the error sum_j |w_j - Q(w_j)|^2.4 is evaluated with
 //   * the distance d = |(clamp(round(w / s) + z, 0, maxq) - z) * s - w| computed with exactly torch's
-//     float32 operations (correctly rounded div/add/mul/sub, round half to even), so d is torch's d;
+//     float32 operations (correctly rounded add/mul/sub, round half to even; the quotient's rounding
+//     from w * (1/s) where that provably agrees, else the division: round_div), so d is torch's d;
 //   * d^2.4 approximated (pow24 below) within a relative error kApproxRel, checked exhaustively over
 //     every float32 mantissa and exponent by tests/kernels/test_scale_search.py;
 //   * the sum accumulated in double.
@@ -34,6 +35,16 @@ constexpr float kP0 = 2.6461777687072754f, kP1 = 4.233884811401367f, kP2 = 1.975
 alignas(64) const float kT[16] = {1.0f, 5.278031643091577f, 27.857618025475976f, 147.0333894396205f,
                                   776.0469894475276f, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 constexpr int kBlock = 32;  // columns between pruning checks
+
+struct Args {
+  const float *w, *S, *Z;
+  int64_t R, n, C;
+  float maxq;
+  double kappa, alpha2;
+  int32_t* win;
+  uint8_t* alive;
+};
+
 
 inline float poly(float t) {
   float p = kP6;
@@ -76,18 +87,32 @@ inline float dist_scalar(float x, float s, float z, float maxq) {
 }
 
 namespace portable {
-inline double block(const float* w, int64_t c0, int64_t c1, float s, float z, float maxq) {
+BM_INLINE double block(const float* w, int64_t c0, int64_t c1, float s, float z, float maxq) {
   double acc = 0.0;
   for (int64_t j = c0; j < c1; ++j) acc += pow24_scalar(dist_scalar(w[j], s, z, maxq));
   return acc;
 }
+#include "scalesearch_rows.h"
 }  // namespace portable
 
 #ifdef BM_X86
 BM_BEGIN_TARGET(BM_AVX512_TARGET)
 namespace avx512 {
-BM_INLINE void acc16(__m512 x, __m512 s, __m512 z, __m512 maxq, __m512d& a0, __m512d& a1) {
-  __m512 q = _mm512_roundscale_ps(_mm512_div_ps(x, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+// round(x / s) as torch computes it (correctly rounded quotient, half to even), from x * (1/s): the two
+// quotients differ by less than 2^-22 |y|, so they round alike unless a half-integer lies within
+// 2^-21 |y| of y; such a vector (rare) takes the division.
+BM_INLINE __m512 round_div(__m512 x, __m512 s, __m512 inv) {
+  constexpr int kNear = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 y = _mm512_mul_ps(x, inv);
+  const __m512 ry = _mm512_roundscale_ps(y, kNear);
+  const __m512 half = _mm512_abs_ps(_mm512_sub_ps(_mm512_abs_ps(_mm512_sub_ps(y, ry)), _mm512_set1_ps(0.5f)));
+  const __mmask16 risky = _mm512_cmp_ps_mask(half, _mm512_mul_ps(_mm512_abs_ps(y), _mm512_set1_ps(0x1p-21f)), _CMP_LE_OQ);
+  if (__builtin_expect(risky != 0, 0)) return _mm512_roundscale_ps(_mm512_div_ps(x, s), kNear);
+  return ry;
+}
+
+BM_INLINE void acc16(__m512 x, __m512 s, __m512 inv, __m512 z, __m512 maxq, __m512d& a0, __m512d& a1) {
+  __m512 q = round_div(x, s, inv);
   q = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(q, z), _mm512_setzero_ps()), maxq);
   __m512 d = _mm512_sub_ps(_mm512_mul_ps(_mm512_sub_ps(q, z), s), x);
   const __m512i b = _mm512_and_si512(_mm512_castps_si512(d), _mm512_set1_epi32(0x7FFFFFFF));  // |d|
@@ -119,24 +144,38 @@ BM_INLINE void acc16(__m512 x, __m512 s, __m512 z, __m512 maxq, __m512d& a0, __m
   a1 = _mm512_add_pd(a1, _mm512_mul_pd(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1))), e1));
 }
 
-inline double block(const float* w, int64_t c0, int64_t c1, float s, float z, float maxq) {
+BM_INLINE double block(const float* w, int64_t c0, int64_t c1, float s, float z, float maxq) {
   const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z), vm = _mm512_set1_ps(maxq);
+  const __m512 vi = _mm512_set1_ps(1.0f / s);
   __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
   int64_t j = c0;
-  for (; j + 16 <= c1; j += 16) acc16(_mm512_loadu_ps(w + j), vs, vz, vm, a0, a1);
+  for (; j + 16 <= c1; j += 16) acc16(_mm512_loadu_ps(w + j), vs, vi, vz, vm, a0, a1);
   if (j < c1) {  // masked-off lanes read 0: d = 0 (z is an integer in [0, maxq]), so they add 0
     const __mmask16 mk = (__mmask16)((1u << (c1 - j)) - 1u);
-    acc16(_mm512_maskz_loadu_ps(mk, w + j), vs, vz, vm, a0, a1);
+    acc16(_mm512_maskz_loadu_ps(mk, w + j), vs, vi, vz, vm, a0, a1);
   }
   return _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
 }
+#include "scalesearch_rows.h"
 }  // namespace avx512
 BM_END_TARGET
 
 BM_BEGIN_TARGET(BM_AVX2_TARGET)
 namespace avx2 {
-BM_INLINE void acc8(__m256 x, __m256 s, __m256 z, __m256 maxq, __m256d& a0, __m256d& a1) {
-  __m256 q = _mm256_round_ps(_mm256_div_ps(x, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+BM_INLINE __m256 abs8(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
+
+BM_INLINE __m256 round_div(__m256 x, __m256 s, __m256 inv) {  // as avx512::round_div
+  constexpr int kNear = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m256 y = _mm256_mul_ps(x, inv);
+  const __m256 ry = _mm256_round_ps(y, kNear);
+  const __m256 half = abs8(_mm256_sub_ps(abs8(_mm256_sub_ps(y, ry)), _mm256_set1_ps(0.5f)));
+  const __m256 risky = _mm256_cmp_ps(half, _mm256_mul_ps(abs8(y), _mm256_set1_ps(0x1p-21f)), _CMP_LE_OQ);
+  if (__builtin_expect(_mm256_movemask_ps(risky) != 0, 0)) return _mm256_round_ps(_mm256_div_ps(x, s), kNear);
+  return ry;
+}
+
+BM_INLINE void acc8(__m256 x, __m256 s, __m256 inv, __m256 z, __m256 maxq, __m256d& a0, __m256d& a1) {
+  __m256 q = round_div(x, s, inv);
   q = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(q, z), _mm256_setzero_ps()), maxq);
   __m256 d = _mm256_sub_ps(_mm256_mul_ps(_mm256_sub_ps(q, z), s), x);
   const __m256i b = _mm256_and_si256(_mm256_castps_si256(d), _mm256_set1_epi32(0x7FFFFFFF));
@@ -166,119 +205,53 @@ BM_INLINE void acc8(__m256 x, __m256 s, __m256 z, __m256 maxq, __m256d& a0, __m2
   a1 = _mm256_add_pd(a1, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(f, 1)), e1));
 }
 
-inline double block(const float* w, int64_t c0, int64_t c1, float s, float z, float maxq) {
+BM_INLINE double block(const float* w, int64_t c0, int64_t c1, float s, float z, float maxq) {
   const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z), vm = _mm256_set1_ps(maxq);
+  const __m256 vi = _mm256_set1_ps(1.0f / s);
   __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
   int64_t j = c0;
-  for (; j + 8 <= c1; j += 8) acc8(_mm256_loadu_ps(w + j), vs, vz, vm, a0, a1);
+  for (; j + 8 <= c1; j += 8) acc8(_mm256_loadu_ps(w + j), vs, vi, vz, vm, a0, a1);
   if (j < c1) {
     const __m256i mk = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(c1 - j)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    acc8(_mm256_maskload_ps(w + j, mk), vs, vz, vm, a0, a1);
+    acc8(_mm256_maskload_ps(w + j, mk), vs, vi, vz, vm, a0, a1);
   }
   alignas(32) double t[4];
   _mm256_store_pd(t, _mm256_add_pd(a0, a1));
   return (t[0] + t[1]) + (t[2] + t[3]);
 }
+#include "scalesearch_rows.h"
 }  // namespace avx2
 BM_END_TARGET
 #endif
 
-struct Args {
-  const float *w, *S, *Z;
-  int64_t R, n, C;
-  float maxq;
-  double kappa, alpha2;
-  int32_t* win;
-  uint8_t* alive;
-};
 
-// One row: approximate sums with pruning, then the survivors (see the header comment).
-template <class Block>
-void search_row(const Args& a, int64_t r, Block block, double* A, uint8_t* full) {
-  const float* w = a.w + r * a.n;
-  for (int64_t j = 0; j < a.n; ++j) {
-    if (!std::isfinite(w[j])) {
-      a.win[r] = -2;
-      return;
-    }
-  }
-  const int64_t B = std::min<int64_t>(a.n, kBlock);
-  const double lo = 1.0 - a.kappa, hi = 1.0 + a.kappa;
-  int64_t best = 0;
-  for (int64_t c = 0; c < a.C; ++c) {
-    A[c] = block(w, 0, B, a.S[c * a.R + r], a.Z[c * a.R + r], a.maxq);
-    if (A[c] < A[best]) best = c;
-  }
-  auto finish = [&](int64_t c, double thr) {  // the rest of candidate c's sum, or stop above thr
-    double acc = A[c];
-    const float s = a.S[c * a.R + r], z = a.Z[c * a.R + r];
-    for (int64_t c0 = B; c0 < a.n && acc * lo <= thr; c0 += kBlock)
-      acc += block(w, c0, std::min(a.n, c0 + kBlock), s, z, a.maxq);
-    A[c] = acc;
-    return acc * lo <= thr;
-  };
-  const double inf = std::numeric_limits<double>::infinity();
-  finish(best, inf);
-  full[best] = 1;
-  double U = A[best];
-  double thr = U * hi + a.alpha2;
-  for (int64_t c = 0; c < a.C; ++c) {
-    if (c == best) continue;
-    full[c] = finish(c, thr) ? 1 : 0;
-    if (full[c] && A[c] < U) {
-      U = A[c];
-      thr = U * hi + a.alpha2;
-    }
-  }
-  int64_t count = 0, last = -1;
-  for (int64_t c = 0; c < a.C; ++c) {
-    const bool ok = full[c] && A[c] * lo <= thr;
-    a.alive[c * a.R + r] = ok ? 1 : 0;
-    if (ok) {
-      ++count;
-      last = c;
-    }
-  }
-  a.win[r] = count == 1 ? (int32_t)last : -1;
-}
-
-template <class Block>
-void search_rows(const Args& a, Block block) {
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, a.C * a.n));
-  at::parallel_for(0, a.R, grain, [&](int64_t r0, int64_t r1) {
-    std::vector<double> A(a.C);
-    std::vector<uint8_t> full(a.C);
-    for (int64_t r = r0; r < r1; ++r) search_row(a, r, block, A.data(), full.data());
-  });
-}
-
-// -> (win int32 [R], alive uint8 [C, R])
+// -> (win int32 [R], alive uint8 [R, C]; rows with win >= 0 or -2: alive not written)
 std::vector<torch::Tensor> mse_survivors(torch::Tensor w, torch::Tensor S, torch::Tensor Z, int64_t maxq,
                                          double kappa, double alpha2, int64_t isa) {
   bm::check_isa(isa);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat && w.is_contiguous(), "w: float32 [R, n]");
   const int64_t R = w.size(0), n = w.size(1);
-  TORCH_CHECK(S.dim() == 2 && S.size(1) == R && S.scalar_type() == torch::kFloat && S.is_contiguous(),
-              "scales: float32 [C, R]");
-  TORCH_CHECK(Z.sizes() == S.sizes() && Z.scalar_type() == torch::kFloat && Z.is_contiguous(), "zeros: float32 [C, R]");
+  TORCH_CHECK(S.dim() == 2 && S.size(0) == R && S.scalar_type() == torch::kFloat && S.is_contiguous(),
+              "scales: float32 [R, C]");
+  TORCH_CHECK(Z.sizes() == S.sizes() && Z.scalar_type() == torch::kFloat && Z.is_contiguous(), "zeros: float32 [R, C]");
   TORCH_CHECK(maxq >= 1 && maxq <= 255 && n >= 1 && kappa >= 0 && kappa < 0.5 && alpha2 >= 0, "bad arguments");
-  const int64_t C = S.size(0);
+  const int64_t C = S.size(1);
   TORCH_CHECK(C >= 1, "no candidates");
   auto win = torch::empty({R}, torch::kInt);
-  auto alive = torch::zeros({C, R}, torch::kByte);
+  auto alive = torch::empty({R, C}, torch::kByte);
   const Args a{w.data_ptr<float>(), S.data_ptr<float>(), Z.data_ptr<float>(), R, n, C, (float)maxq,
                kappa, alpha2, win.data_ptr<int32_t>(), alive.data_ptr<uint8_t>()};
 #ifdef BM_X86
   if (isa == bm::kAvx512) {
-    search_rows(a, avx512::block);
+    avx512::search_rows(a);
     return {win, alive};
   }
   if (isa == bm::kAvx2) {
-    search_rows(a, avx2::block);
+    avx2::search_rows(a);
     return {win, alive};
   }
 #endif
-  search_rows(a, portable::block);
+  portable::search_rows(a);
   return {win, alive};
 }
 
@@ -290,15 +263,13 @@ torch::Tensor pow24(torch::Tensor d, int64_t isa) {
   auto out = torch::empty({N}, torch::kDouble);
   const float* p = d.data_ptr<float>();
   double* o = out.data_ptr<double>();
-  // each element alone through block(): w = d, s = 1, z = 0, maxq = 0 gives q = clamp(round(d), 0, 0) = 0
-  // (d >= 0 and finite), so the distance is d itself
   at::parallel_for(0, N, 4096, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
 #ifdef BM_X86
-      if (isa == bm::kAvx512) { o[i] = avx512::block(p + i, 0, 1, 1.0f, 0.0f, 0.0f); continue; }
-      if (isa == bm::kAvx2) { o[i] = avx2::block(p + i, 0, 1, 1.0f, 0.0f, 0.0f); continue; }
+      if (isa == bm::kAvx512) { o[i] = avx512::pow24_one(p + i); continue; }
+      if (isa == bm::kAvx2) { o[i] = avx2::pow24_one(p + i); continue; }
 #endif
-      o[i] = portable::block(p + i, 0, 1, 1.0f, 0.0f, 0.0f);
+      o[i] = portable::pow24_one(p + i);
     }
   });
   return out;
