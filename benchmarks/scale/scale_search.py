@@ -86,13 +86,14 @@ def main() -> None:
     out["machine"] = machine_info()
     md = ["# MSE scale search: reference torch vs compiled (issue 74)", "",
           f"`python -m benchmarks.scale.scale_search --threads {args.threads}`; w4 asym g128, 80 shrink "
-          "candidates, norm 2.4; random bf16-valued weights (x0.02); scales and zeros checked bit for bit.", "",
-          "| one group (rows x 128) | reference | compiled | speedup | identical |", "|---|---|---|---|---|"]  # fmt: skip
+          "candidates, norm 2.4; random bf16-valued weights (x0.02); scales and zeros checked bit for bit.",
+          "", "| one group (rows x 128) | reference | compiled | speedup | identical |",
+          "|---|---|---|---|---|"]  # fmt: skip
     for v in per_group.values():
-        md.append(f"| {v['rows']} x {v['cols']} | {v['reference_s'] * 1e3:.1f} ms | {v['fast_s'] * 1e3:.1f} ms | "
-                  f"{v['speedup']:.1f}x | {v['identical']} |")  # fmt: skip
-    md += ["", "| layer (every projection's groups) | reference (one call per group) | compiled, one call per "
-           "group | compiled, one call per projection | speedup |", "|---|---|---|---|---|"]  # fmt: skip
+        md.append(f"| {v['rows']} x {v['cols']} | {v['reference_s'] * 1e3:.1f} ms | "
+                  f"{v['fast_s'] * 1e3:.1f} ms | {v['speedup']:.1f}x | {v['identical']} |")  # fmt: skip
+    md += ["", "| layer (every projection's groups) | reference (one call per group) | compiled, one call "
+           "per group | compiled, one call per projection | speedup |", "|---|---|---|---|---|"]  # fmt: skip
     for shape, v in out["layers"].items():
         md.append(f"| {shape} | {v['reference_s']:.1f} s | {v['fast_per_group_s']:.1f} s | "
                   f"{v['fast_batched_s']:.1f} s | {v['speedup']:.1f}x |")  # fmt: skip
