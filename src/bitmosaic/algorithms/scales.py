@@ -38,6 +38,7 @@ _MSE_CHUNK_ELEMS_GPU = 1 << 26
 # returns (scale, zero) or None where it does not apply (then _mse_search runs).  This module stays
 # pure torch: without it, or without a compiler, the reference below is the search.
 _fast_mse_search: Callable | None = None
+_BATCH_ROWS = 1 << 15  # rows (stacked groups) per call of the fast search in group_scale_zero
 
 
 def set_fast_mse_search(fn: Callable | None) -> Callable | None:
@@ -168,15 +169,20 @@ def group_scale_zero(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Static scales/zeros for every contiguous group of ``W`` -> ``[out, G]`` each.
 
-    With the fast MSE search installed and equal groups, all groups go in one call (the same
-    result as one call per group)."""
+    With the fast MSE search installed and equal groups, the groups go stacked as rows, up to
+    ``_BATCH_ROWS`` a call (the same result as one call per group)."""
     out, n = W.shape
     g = normalize_group_size(group_size, n)
     G = num_groups(n, group_size)
-    if method == "mse" and G > 1 and n == G * g:
-        got = _fast_rows(W.reshape(out * G, g), grid, out, **kw)
-        if got is not None:
-            return got[0].view(out, G), got[1].view(out, G)
+    if method == "mse" and G > 1 and n == G * g and _fast_mse_search is not None:
+        # at most _BATCH_ROWS stacked groups a call (memory: the candidates' scales are [rows, 80])
+        step = max(1, _BATCH_ROWS // G)
+        parts = [_fast_rows(W[i : i + step].reshape(-1, g), grid, out, **kw) for i in range(0, out, step)]
+        if all(p is not None for p in parts):
+            return (
+                torch.cat([p[0] for p in parts]).view(out, G),
+                torch.cat([p[1] for p in parts]).view(out, G),
+            )
     scales = W.new_empty(out, G)
     zeros = W.new_empty(out, G)
     for k in range(G):
