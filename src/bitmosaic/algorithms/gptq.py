@@ -42,7 +42,7 @@ from ..formats.grid import IntGrid, dequantize_codes, quantize_codes
 from ..formats.layout import default_g_idx, normalize_group_size, num_groups
 from .hessian import gptq_factor, solver_threads
 from .orders import groups_contiguous
-from .scales import ScaleMethod, find_scale_zero
+from .scales import ScaleMethod, find_scale_zero, group_scale_zero
 from .types import QuantResult
 
 __all__ = ["ColumnQuantizer", "ColumnStep", "IntColumnQuantizer", "gptq_quantize"]
@@ -89,6 +89,15 @@ class IntColumnQuantizer:
 
     def fit(self, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return find_scale_zero(cols, self.grid, self.scale_method)
+
+    def fit_groups(self, W: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`fit` of every contiguous group of ``g`` columns of ``W`` -> ``[out, G]`` each (the
+        same numbers; the fast MSE search takes all groups in one call, issue 74).  A subclass that
+        overrides :meth:`fit` gets one :meth:`fit` per group."""
+        if type(self).fit is not IntColumnQuantizer.fit:
+            sz = [self.fit(W[:, k : k + g]) for k in range(0, W.shape[1], g)]
+            return torch.stack([s for s, _ in sz], 1), torch.stack([z for _, z in sz], 1)
+        return group_scale_zero(W, self.grid, g, self.scale_method)
 
     def quantize(
         self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
@@ -192,9 +201,16 @@ def gptq_quantize(
 
     wide = threads is not None and H.shape[0] >= WIDE_SOLVE_MIN
 
-    def fit(cols: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def fit(cols: torch.Tensor, k: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        # k None: every group of cols at once ([out, G] each), None where the quantizer has no fit_groups
+        many = getattr(quantizer, "fit_groups", None) if k is None else None
+        if k is None and many is None:
+            return None
         with solver_threads(caller, W.device):
-            sz = _for_group(quantizer, k).fit(cols)
+            if k is None:
+                sz = many(cols, normalize_group_size(group_size, W.shape[1]))
+            else:
+                sz = _for_group(quantizer, k).fit(cols)
         if wide and W.device.type == "cpu":  # memory: the fit's freed temporaries (devices.py)
             release_host_memory(grown_mb=64)
         return sz
@@ -281,6 +297,12 @@ def _static_scales(
         return static_s, static_z
     if not static_groups:
         return None
+    if bool(dead.any()):
+        got = fit(W.masked_fill(dead, 0), None)
+    else:
+        got = fit(W, None)
+    if got is not None:
+        return got
     static_s = W.new_empty(out, G)
     static_z = W.new_empty(out, G)
     for k in range(G):

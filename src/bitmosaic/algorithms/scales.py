@@ -13,6 +13,7 @@ its weights are then represented to within ``2^-25`` absolute.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from ..formats.grid import IntGrid, fp16_ceil
 from ..formats.layout import normalize_group_size, num_groups
 
-__all__ = ["ScaleMethod", "range_scale_zero", "find_scale_zero", "group_scale_zero"]
+__all__ = ["ScaleMethod", "range_scale_zero", "find_scale_zero", "group_scale_zero", "set_fast_mse_search"]
 
 ScaleMethod = Literal["minmax", "mse"]
 
@@ -32,6 +33,19 @@ _MIN_SCALE = 2.0**-24
 # H200: 40 chunks per 128-column group of an 8B layer took half of its GPTQ time).
 _MSE_CHUNK_ELEMS = 1 << 21
 _MSE_CHUNK_ELEMS_GPU = 1 << 26
+# A faster MSE search with the same chosen scales bit for bit, injected from a higher layer (the C++
+# kernel: bitmosaic.kernels.scale_search.install(), issue 74); called with _mse_search's arguments, it
+# returns (scale, zero) or None where it does not apply (then _mse_search runs).  This module stays
+# pure torch: without it, or without a compiler, the reference below is the search.
+_fast_mse_search: Callable | None = None
+_BATCH_ROWS = 1 << 15  # rows (stacked groups) per call of the fast search in group_scale_zero
+
+
+def set_fast_mse_search(fn: Callable | None) -> Callable | None:
+    """Install ``fn`` as the fast MSE search (``None``: the reference only); returns the previous one."""
+    global _fast_mse_search
+    prev, _fast_mse_search = _fast_mse_search, fn
+    return prev
 
 
 def range_scale_zero(
@@ -126,16 +140,49 @@ def find_scale_zero(
         return scale, zero
     if chunk_elems is None:
         chunk_elems = _MSE_CHUNK_ELEMS if w.device.type == "cpu" else _MSE_CHUNK_ELEMS_GPU
-    return _mse_search(w.contiguous(), xmin, xmax, grid, scale, zero, mse_grid, max_shrink, norm, chunk_elems)
+    args = (w.contiguous(), xmin, xmax, grid, scale, zero, mse_grid, max_shrink, norm, chunk_elems)
+    if _fast_mse_search is not None:
+        got = _fast_mse_search(*args)
+        if got is not None:
+            return got
+    return _mse_search(*args)
+
+
+def _fast_rows(
+    w: torch.Tensor, grid: IntGrid, ref_rows: int, **kw
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The fast search on every row of ``w`` at once, standing for reference calls of ``ref_rows``
+    rows each, or ``None`` where it does not apply.  Its rows are independent (each is the
+    reference's result for that row), so many groups can go in one call; the reference's own
+    chunking differs with the rows, so it is never batched."""
+    if _fast_mse_search is None:
+        return None
+    xmin, xmax = w.amin(dim=1), w.amax(dim=1)
+    scale, zero = range_scale_zero(xmin, xmax, grid)
+    chunk = kw.get("chunk_elems") or (_MSE_CHUNK_ELEMS if w.device.type == "cpu" else _MSE_CHUNK_ELEMS_GPU)
+    return _fast_mse_search(w.contiguous(), xmin, xmax, grid, scale, zero, kw.get("mse_grid", 100),
+                            kw.get("max_shrink", 0.8), kw.get("norm", 2.4), chunk, ref_rows)  # fmt: skip
 
 
 def group_scale_zero(
     W: torch.Tensor, grid: IntGrid, group_size: int | None, method: ScaleMethod = "minmax", **kw
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Static scales/zeros for every contiguous group of ``W`` -> ``[out, G]`` each."""
+    """Static scales/zeros for every contiguous group of ``W`` -> ``[out, G]`` each.
+
+    With the fast MSE search installed and equal groups, the groups go stacked as rows, up to
+    ``_BATCH_ROWS`` a call (the same result as one call per group)."""
     out, n = W.shape
     g = normalize_group_size(group_size, n)
     G = num_groups(n, group_size)
+    if method == "mse" and G > 1 and n == G * g and _fast_mse_search is not None:
+        # at most _BATCH_ROWS stacked groups a call (memory: the candidates' scales are [rows, 80])
+        step = max(1, _BATCH_ROWS // G)
+        parts = [_fast_rows(W[i : i + step].reshape(-1, g), grid, out, **kw) for i in range(0, out, step)]
+        if all(p is not None for p in parts):
+            return (
+                torch.cat([p[0] for p in parts]).view(out, G),
+                torch.cat([p[1] for p in parts]).view(out, G),
+            )
     scales = W.new_empty(out, G)
     zeros = W.new_empty(out, G)
     for k in range(G):
