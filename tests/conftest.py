@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 import torch
 
-# The Triton kernels (kernels/triton/, issue 76) run in Triton's interpreter on a machine without a GPU; Triton
-# reads this when a kernel is decorated, so it is set before any test imports one.
+# The Triton kernels (kernels/triton/, issue 76) run in Triton's interpreter on a machine without a GPU;
+# Triton reads this when a kernel is decorated, so it is set before any test imports one.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

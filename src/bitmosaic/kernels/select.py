@@ -18,8 +18,8 @@ attribute: packed kinds ``("triton_int", "lut", "lowbit")``, mosaic ``("lowbit",
 :func:`select_kernel` takes the first listed kernel that runs the request and is fast for it, else the
 first that runs it.  A kind's integer-activation kernels are listed apart (``INT_ACT_KERNELS``:
 ``("int8act",)`` for the plain packed kind) and checked with :func:`runs` the same way.  So by
-default the packed kinds run the Triton kernel on CUDA and, on the CPU, the bit-plane LUT at 1-3 bits and LowBitWeight from 4 bits (and
-everywhere without the compiled LUT), mosaic LowBitWeight, SFMP the LUT.
+default the packed kinds run the Triton kernel on CUDA and, on the CPU, the bit-plane LUT at 1-3 bits
+and LowBitWeight from 4 bits (and everywhere without the compiled LUT), mosaic LowBitWeight, SFMP the LUT.
 
 One override, for benchmarking: ``$BITMOSAIC_KERNEL=lut|lowbit`` picks that kernel for every kind that
 lists it and can run the request (``auto`` or unset: the selection above).

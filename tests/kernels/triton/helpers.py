@@ -37,7 +37,7 @@ def accumulation_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return 2 * g * (x.abs().double() @ w.abs().double().T).float() + 1e-30
 
 
-def assert_close_sum(y: torch.Tensor, ref32: torch.Tensor, bound: torch.Tensor, out_dtype: torch.dtype) -> None:
+def assert_close_sum(y: torch.Tensor, ref32: torch.Tensor, bound: torch.Tensor, out_dtype) -> None:
     """``y`` (in ``out_dtype``) against the float32 reference ``ref32`` before rounding: the accumulation
     bound plus one rounding to ``out_dtype``."""
     eps = {torch.float32: 0.0, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[out_dtype]

@@ -65,7 +65,7 @@ def jit_module(name: str):
 
 
 def check_device(t) -> None:
-    """A Triton launch needs CUDA tensors, or CPU tensors under the interpreter: a one-line error otherwise."""
+    """A Triton launch needs CUDA tensors, or CPU tensors under the interpreter (else a one-line error)."""
     if t.device.type != "cuda" and not interpreting():
         raise RuntimeError(
             f"the Triton kernels run on CUDA tensors (got {t.device.type}); set TRITON_INTERPRET=1 before "

@@ -68,7 +68,8 @@ class TritonIntWeight:
         gs = K if group_size is None or group_size < 0 or group_size >= K else max(int(group_size), 1)
         G = -(-K // gs) if K else 0
         if tuple(scales.shape) != (N, G):
-            raise ValueError(f"scales must be [out={N}, groups={G}] for group size {gs}, got {tuple(scales.shape)}")
+            got = tuple(scales.shape)
+            raise ValueError(f"scales must be [out={N}, groups={G}] for group size {gs}, got {got}")
         z = zeros.float() if torch.is_tensor(zeros) else torch.full((N, G), float(zeros), device=codes.device)
         if tuple(z.shape) != (N, G):
             raise ValueError(f"zeros must be a number or [out={N}, groups={G}], got {tuple(z.shape)}")

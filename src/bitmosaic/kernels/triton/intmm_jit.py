@@ -69,9 +69,9 @@ def gemm_kernel(x_ptr, perm_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G, GS, str
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
     """Prefill: ``y [M, N] = x [M, K] Wᵀ`` with ``tl.dot`` on dequantized ``[BK, BN]`` weight tiles (float32
     products, IEEE; with half-precision ``x`` the tile is rounded to ``x``'s dtype, as ``F.linear`` on a
-    half weight, and the dot accumulates in float32; ``UPCAST``, set only under the interpreter for bfloat16,
-    multiplies the same rounded values in float32, since a bf16 x bf16 product is exact there).  ``HAS_PERM``: ``x`` is read at ``perm[k]`` (act-order
-    groups made contiguous)."""
+    half weight, and the dot accumulates in float32; ``UPCAST``, set only under the interpreter for
+    bfloat16, multiplies the same rounded values in float32, since a bf16 x bf16 product is exact there).
+    ``HAS_PERM``: ``x`` is read at ``perm[k]`` (act-order groups made contiguous)."""
     om = tl.program_id(0) * BM + tl.arange(0, BM)
     on = tl.program_id(1) * BN + tl.arange(0, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
