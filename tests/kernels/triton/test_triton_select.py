@@ -78,8 +78,9 @@ def test_load_on_the_device_runs_the_triton_kernels(tmp_path):
 
     need_triton()
     model = tiny_llama()
-    bitmosaic.quantize_(model, "gptq", calib(), progress=False, bits=4, group_size=32, order="act",
-                        static_groups=False)
+    bitmosaic.quantize_(
+        model, "gptq", calib(), progress=False, bits=4, group_size=32, order="act", static_groups=False
+    )
     path = save_quantized(model, tmp_path / "w4", {"method": "gptq"})
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(2))
     cpu = bitmosaic.load(path, device="cpu")

@@ -141,10 +141,9 @@ def load(path: str | os.PathLike, **kwargs):
     """
     from transformers import AutoConfig
 
-    from ..sources.model_class import auto_model_class
-
     from ...devices import resolve_device
     from ...modules.base import prepare_kernels
+    from ..sources.model_class import auto_model_class
 
     device = kwargs.pop("device", None)
     dev = None if device is None else resolve_device(device)  # one-line DeviceError without CUDA
