@@ -13,7 +13,9 @@ import os
 import pytest
 import torch
 
+from bitmosaic.algorithms.types import QuantResult
 from bitmosaic.kernels import triton as tk
+from bitmosaic.modules.qlinear import QuantLinear
 
 U32 = 2.0**-24  # float32 unit roundoff
 
@@ -65,3 +67,27 @@ def stand_in():
             os.environ.pop(tk.ON_CPU_ENV, None)
         else:
             os.environ[tk.ON_CPU_ENV] = old
+
+
+def packed_layer(g, bits, N, K, gs, symmetric, act_order, exact, offset=0):
+    """A packed module with random codes; ``exact``: power-of-two scales and integer zero-points."""
+    G = -(-K // gs)
+    codes = torch.randint(0, 1 << bits, (N, K), generator=g, dtype=torch.int32)
+    codes[0, 0] = min(offset, 0)  # below the grid (a no-clip quantizer's integer): stored with an offset
+    if exact:
+        scales = pow2_scales(g, (N, G)).float()
+        zeros = torch.randint(0, 1 << bits, (N, G), generator=g).float()
+    else:
+        scales = (torch.rand(N, G, generator=g) * 0.1 + 1e-3).half().float()
+        zeros = (torch.rand(N, G, generator=g) * (1 << bits)).half().float()  # fractional (AWQ-style)
+    g_idx = torch.arange(K, dtype=torch.int32) // gs
+    if act_order:
+        g_idx = g_idx[torch.randperm(K, generator=g)]
+    res = QuantResult(codes, scales, zeros, g_idx)
+    m = QuantLinear.from_result(res, bits=bits, group_size=gs, symmetric=symmetric)
+    return m.to(device())
+
+
+def make_inputs(g, M, K, exact, dtype=torch.float32):
+    x = torch.randint(-4, 5, (M, K), generator=g).float() if exact else torch.randn(M, K, generator=g)
+    return x.to(dtype).to(device())

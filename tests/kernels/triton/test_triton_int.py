@@ -9,37 +9,19 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bitmosaic.algorithms.types import QuantResult
 from bitmosaic.formats.layout import dequantize
 from bitmosaic.kernels.triton.intmm import GEMV_MAX_ROWS, TritonIntWeight
 from bitmosaic.modules.kernel import LowBitKernel
-from bitmosaic.modules.qlinear import QuantLinear
 
-from .helpers import accumulation_bound, assert_close_sum, device, need_triton, pow2_scales, stand_in
-
-
-def _layer(g, bits, N, K, gs, symmetric, act_order, exact, offset=0):
-    """A packed module with random codes; ``exact``: power-of-two scales and integer zero-points."""
-    G = -(-K // gs)
-    codes = torch.randint(0, 1 << bits, (N, K), generator=g, dtype=torch.int32)
-    codes[0, 0] = min(offset, 0)  # below the grid (a no-clip quantizer's integer): stored with an offset
-    if exact:
-        scales = pow2_scales(g, (N, G)).float()
-        zeros = torch.randint(0, 1 << bits, (N, G), generator=g).float()
-    else:
-        scales = (torch.rand(N, G, generator=g) * 0.1 + 1e-3).half().float()
-        zeros = (torch.rand(N, G, generator=g) * (1 << bits)).half().float()  # fractional (AWQ-style)
-    g_idx = torch.arange(K, dtype=torch.int32) // gs
-    if act_order:
-        g_idx = g_idx[torch.randperm(K, generator=g)]
-    res = QuantResult(codes, scales, zeros, g_idx)
-    m = QuantLinear.from_result(res, bits=bits, group_size=gs, symmetric=symmetric)
-    return m.to(device())
-
-
-def _inputs(g, M, K, exact, dtype=torch.float32):
-    x = torch.randint(-4, 5, (M, K), generator=g).float() if exact else torch.randn(M, K, generator=g)
-    return x.to(dtype).to(device())
+from .helpers import (
+    accumulation_bound,
+    assert_close_sum,
+    device,
+    make_inputs,
+    need_triton,
+    packed_layer,
+    stand_in,
+)
 
 
 def _kernel(m) -> TritonIntWeight:
@@ -64,18 +46,18 @@ def test_triton_is_installed():
     act_order=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_exact_on_exact_inputs(bits, gs, n_groups, N, M, symmetric, act_order, seed):
+def test_exact_on_exactmake_inputs(bits, gs, n_groups, N, M, symmetric, act_order, seed):
     """Integer x, power-of-two scales, integer zero-points: every partial sum is exact in float32, so the
     GEMV (<= 8 rows) and the tl.dot GEMM equal the reference bitwise, whatever their summation order; the
     kernel's dequantization equals the reference one bitwise (saved column order)."""
     with stand_in():
         g = torch.Generator().manual_seed(seed)
         K = gs * n_groups - (3 if n_groups > 1 else 0)  # a partial last group
-        m = _layer(g, bits, N, K, gs, symmetric, act_order, exact=True)
+        m = packed_layer(g, bits, N, K, gs, symmetric, act_order, exact=True)
         k = _kernel(m)
         ref_w = m.dequantize_reference()
         assert torch.equal(k.dequantize_rows(slice(None)), ref_w)
-        x = _inputs(g, M, K, exact=True)
+        x = make_inputs(g, M, K, exact=True)
         assert torch.equal(m(x), F.linear(x, ref_w))
 
 
@@ -97,11 +79,11 @@ def test_float_inputs_within_accumulation_bound(bits, gs, K, N, M, dtype, act_or
     rounded to its dtype, as ``F.linear`` with the half weight the CUDA fallback path uses."""
     with stand_in():
         g = torch.Generator().manual_seed(seed)
-        m = _layer(g, bits, N, K, gs, False, act_order, exact=False)
+        m = packed_layer(g, bits, N, K, gs, False, act_order, exact=False)
         k = _kernel(m)
         w = m.dequantize_reference()
         assert torch.equal(k.dequantize_rows(slice(None)), w)
-        x = _inputs(g, M, K, exact=False, dtype=dtype)
+        x = make_inputs(g, M, K, exact=False, dtype=dtype)
         wd = w.to(dtype).float()
         ref32 = x.float() @ wd.T
         y = m(x)
@@ -114,9 +96,9 @@ def test_no_clip_offset_and_batch_dims():
     zero-point as on the CPU) and a 3-D input."""
     with stand_in():
         g = torch.Generator().manual_seed(3)
-        m = _layer(g, 3, 24, 96, 32, False, False, exact=True, offset=-2)
+        m = packed_layer(g, 3, 24, 96, 32, False, False, exact=True, offset=-2)
         assert m.storage_bits == 4 and m.code_offset == -2
-        x = _inputs(g, 6, 96, exact=True).reshape(2, 3, 96)
+        x = make_inputs(g, 6, 96, exact=True).reshape(2, 3, 96)
         ref = F.linear(x, m.dequantize_reference())
         assert torch.equal(m(x), ref)
 
@@ -125,7 +107,7 @@ def test_saved_bytes_survive_the_kernel():
     """The kernel holds the weight (saved buffers released); a save rebuilds them bit for bit."""
     with stand_in():
         g = torch.Generator().manual_seed(5)
-        m = _layer(g, 4, 16, 128, 32, False, True, exact=False)
+        m = packed_layer(g, 4, 16, 128, 32, False, True, exact=False)
         before = {k: v.clone() for k, v in m.state_dict().items()}
         _kernel(m)
         assert m._released  # qweight/scales/zeros/g_idx rebuilt from the Triton weight, checked equal

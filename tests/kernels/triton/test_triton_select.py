@@ -18,7 +18,8 @@ from bitmosaic.kernels.triton.intmm import TritonIntWeight
 from bitmosaic.modules.kernel import LowBitKernel
 from bitmosaic.modules.mosaic import MosaicQuantLinear
 from bitmosaic.modules.qlinear import QuantLinear
-from bitmosaic.modules.qmodules import FP8ComputeQuantLinear
+from bitmosaic.modules.qmodules import FP8ComputeQuantLinear, SparseOutlierQuantLinear
+from bitmosaic.modules.sq import SQActLinear
 from tests.methods.saved_bytes import calib, tiny_llama
 
 from .helpers import need_triton, stand_in
@@ -67,7 +68,9 @@ def test_kinds_that_change_the_product_declare_their_own():
     """A subclass that changes the kernel or the product is not offered the packed kind's GPU kernel."""
     assert QuantLinear.GPU_KERNELS == ("triton_int",)
     assert MosaicQuantLinear.GPU_KERNELS == () and "triton_int" not in MosaicQuantLinear.KERNELS
-    assert FP8ComputeQuantLinear.GPU_KERNELS == () and "triton_int" not in FP8ComputeQuantLinear.KERNELS
+    assert SQActLinear.GPU_KERNELS == () and "triton_int" not in SQActLinear.KERNELS
+    for own in (SparseOutlierQuantLinear, FP8ComputeQuantLinear):  # SSQR, DPQ: their Triton kernels
+        assert own.GPU_KERNELS == ("triton_int",) and own.KERNELS[0] == "triton_int"
 
 
 def test_load_on_the_device_runs_the_triton_kernels(tmp_path):

@@ -55,6 +55,22 @@ class TritonIntWeight:
         self.qweight, self.scales, self.zeros = qweight, scales, zeros
         self.K, self.group_size, self.bits = K, group_size, bits
         self.N = scales.shape[0]
+        self.fp8_scale: torch.Tensor | None = None  # DPQ: see with_fp8
+
+    def with_fp8(self, fp8_scale: torch.Tensor) -> TritonIntWeight:
+        """DPQ's weight operand (algorithms/dpq.py): the same codes, each ``(c - z) s`` rounded onto the FP8
+        E4M3 grid in the kernel and multiplied by ``fp8_scale`` (``[1, 1]`` per tensor or ``[out, 1]``)."""
+        if fp8_scale.numel() not in (1, self.N):
+            raise ValueError(f"fp8_scale must have 1 or {self.N} values, got {fp8_scale.numel()}")
+        w = TritonIntWeight(self.qweight, self.scales, self.zeros, self.K, self.group_size, self.bits)
+        w.fp8_scale = fp8_scale.float().reshape(-1).contiguous()
+        return w
+
+    def _fp8_args(self, fallback: torch.Tensor):
+        sw = self.fp8_scale
+        if sw is None:
+            return (fallback, 0), False
+        return (sw, 0 if sw.numel() == 1 else 1), True
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, bits: int, scales: torch.Tensor, zeros, group_size: int):
@@ -78,7 +94,8 @@ class TritonIntWeight:
         return cls(q.contiguous(), scales.float().contiguous(), z.contiguous(), K, gs, storage)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros))
+        ts = [t for t in (self.qweight, self.scales, self.zeros, self.fp8_scale) if t is not None]
+        return sum(t.numel() * t.element_size() for t in ts)
 
     def _args(self):
         G = self.scales.shape[1]
@@ -102,8 +119,9 @@ class TritonIntWeight:
         q, s, z, G = self._args()
         perm = in_index if in_index is not None else q  # any pointer when HAS_PERM is off
         half = x2.dtype != torch.float32
-        common = (G, self.group_size, x2.stride(0), q.stride(0), y.stride(0))
-        flags = {"BITS": self.bits, "HAS_PERM": in_index is not None, "HALF": half}
+        sw, fp8 = self._fp8_args(s)
+        common = (G, self.group_size, x2.stride(0), q.stride(0), y.stride(0), *sw)
+        flags = {"BITS": self.bits, "FP8": fp8, "HAS_PERM": in_index is not None, "HALF": half}
         if M <= GEMV_MAX_ROWS:
             BN, BK = 32, 128
             grid = (-(-self.N // BN), M)
@@ -117,7 +135,7 @@ class TritonIntWeight:
         return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
 
     def dequantize(self, rows: slice | None = None) -> torch.Tensor:
-        """Rows of ``W`` in float32, exactly ``(c - z) * s`` (kernel column order)."""
+        """Rows of ``W`` in float32, exactly ``(c - z) * s`` (kernel column order; DPQ: E4M3, scaled)."""
         r0, r1, _ = (rows or slice(None)).indices(self.N)
         R = max(0, r1 - r0)
         w = torch.empty(R, self.K, dtype=torch.float32, device=self.qweight.device)
@@ -127,7 +145,7 @@ class TritonIntWeight:
         q, s, z, G = self._args()
         BN, BK = 16, 128
         grid = (-(-R // BN), -(-self.K // BK))
-        jit_module("intmm_jit").dequant_kernel[grid](
-            q, s, z, w, r0, R, self.K, G, self.group_size, q.stride(0), BITS=self.bits, BN=BN, BK=BK
-        )
+        sw, fp8 = self._fp8_args(s)
+        args = (q, s, z, w, r0, R, self.K, G, self.group_size, q.stride(0), *sw)
+        jit_module("intmm_jit").dequant_kernel[grid](*args, BITS=self.bits, FP8=fp8, BN=BN, BK=BK)
         return w
