@@ -36,7 +36,7 @@ import torch
 from ..formats.fp import fp_round
 from ..kernels.lut import BitPlaneWeight
 from ..kernels.qmatmul import LowBitWeight
-from ..kernels.select import select_kernel
+from ..kernels.select import offers_device, select_kernel
 from ..kernels.tiles import TORCH_TILE_ELEMS
 
 __all__ = [
@@ -164,7 +164,9 @@ def lowbit_from_codes(
         perm = contiguous_group_perm(g_idx, group_size).to(torch.int32)  # int32: half the bytes of int64
         codes = codes.index_select(1, perm)
     z = zeros.float() if torch.is_tensor(zeros) else float(zeros)
-    kind = select_kernel(kernels, bits, group_size=group_size, device=codes.device.type)
+    # the codes' device when one of ``kernels`` runs there (CUDA: the Triton kernels), else the CPU's
+    device = codes.device.type if offers_device(kernels, codes.device.type) else "cpu"
+    kind = select_kernel(kernels, bits, group_size=group_size, device=device)
     return LowBitKernel(kind.from_codes(codes, bits, scales.float(), z, group_size), perm)
 
 
