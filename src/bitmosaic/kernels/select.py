@@ -2,22 +2,24 @@
 
 Every kernel class declares what it runs (the GPTQModel style)::
 
-    KERNEL_NAME                   "lowbit" (LowBitWeight), "lut" (BitPlaneWeight) or "int8act"
-                                  (IntActWeight: integer activations, modules/intact.py)
+    KERNEL_NAME                   "lowbit" (LowBitWeight), "lut" (BitPlaneWeight), "int8act"
+                                  (IntActWeight: integer activations, modules/intact.py) or "triton_int"
+                                  (TritonIntWeight: the GPU dequant GEMM/GEMV, kernels/triton/, issue 76)
     SUPPORTS_BITS                 code widths it runs (per block, any mix when SUPPORTS_MIXED_BITS)
-    SUPPORTS_DEVICES              devices its weights live on
+    SUPPORTS_DEVICES              devices its weights live on (``supported_devices()``, when declared, says
+                                  where it runs *here*: the Triton kernels need Triton, see kernel_devices)
     SUPPORTS_GROUP_SIZE_MULTIPLE  group sizes it takes are multiples of this (1: any; -1 = one per row)
     SUPPORTS_ROWS                 (lo, hi) rows of x it is fast for (hi None: any)
     FAST_BITS                     widths at which it is the measured choice
     NEEDS_COMPILED                fast only with its compiled extension (``compiled()``)
 
 and every module kind lists, in order of preference, the kernels that can run it (a ``KERNELS`` class
-attribute: packed kinds ``("lut", "lowbit")``, mosaic ``("lowbit",)``, SFMP ``("lut",)``).
+attribute: packed kinds ``("triton_int", "lut", "lowbit")``, mosaic ``("lowbit",)``, SFMP ``("lut",)``).
 :func:`select_kernel` takes the first listed kernel that runs the request and is fast for it, else the
 first that runs it.  A kind's integer-activation kernels are listed apart (``INT_ACT_KERNELS``:
 ``("int8act",)`` for the plain packed kind) and checked with :func:`runs` the same way.  So by
-default the packed kinds run the bit-plane LUT at 1-3 bits and LowBitWeight from 4 bits (and
-everywhere without the compiled LUT), mosaic LowBitWeight, SFMP the LUT.
+default the packed kinds run the Triton kernel on CUDA and, on the CPU, the bit-plane LUT at 1-3 bits
+and LowBitWeight from 4 bits (and everywhere without the compiled LUT), mosaic LowBitWeight, SFMP the LUT.
 
 One override, for benchmarking: ``$BITMOSAIC_KERNEL=lut|lowbit`` picks that kernel for every kind that
 lists it and can run the request (``auto`` or unset: the selection above).
@@ -33,11 +35,27 @@ import torch
 from .intmm import IntActWeight
 from .lut import BitPlaneWeight
 from .qmatmul import LowBitWeight
+from .triton.intmm import TritonIntWeight
 
-__all__ = ["KERNEL_ENV", "KERNELS", "select_kernel", "runs", "is_fast"]
+__all__ = ["KERNEL_ENV", "KERNELS", "select_kernel", "runs", "is_fast", "kernel_devices", "offers_device"]
 
 KERNEL_ENV = "BITMOSAIC_KERNEL"
-KERNELS: dict[str, type] = {k.KERNEL_NAME: k for k in (LowBitWeight, BitPlaneWeight, IntActWeight)}
+KERNELS: dict[str, type] = {
+    k.KERNEL_NAME: k for k in (LowBitWeight, BitPlaneWeight, IntActWeight, TritonIntWeight)
+}
+
+
+def kernel_devices(kernel: type) -> tuple[str, ...]:
+    """The device types ``kernel`` runs on here: its ``supported_devices()`` when it has one (the Triton
+    kernels: CUDA when Triton is importable, none without it), else its ``SUPPORTS_DEVICES``."""
+    probe = getattr(kernel, "supported_devices", None)
+    return tuple(probe()) if probe is not None else tuple(kernel.SUPPORTS_DEVICES)
+
+
+def offers_device(candidates: Sequence[str], device: str) -> bool:
+    """Whether any of ``candidates`` (``KERNELS`` names) runs on ``device`` here."""
+    kind = torch.device(device).type
+    return any(c in KERNELS and kind in kernel_devices(KERNELS[c]) for c in candidates)
 
 
 def _widths(bits) -> set[int]:
@@ -53,7 +71,7 @@ def runs(kernel: type, bits, device: str = "cpu", group_size: int | None = None)
         return False
     if not widths <= set(kernel.SUPPORTS_BITS):
         return False
-    if torch.device(device).type not in kernel.SUPPORTS_DEVICES:
+    if torch.device(device).type not in kernel_devices(kernel):
         return False
     mult = kernel.SUPPORTS_GROUP_SIZE_MULTIPLE
     return group_size is None or group_size < 0 or mult <= 1 or group_size % mult == 0

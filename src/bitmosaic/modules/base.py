@@ -74,6 +74,10 @@ class QuantModule(nn.Module):
     # the kind quantizes its inputs itself, without an input quantizer (the SQ-format's split): its
     # integer kernel (``_build_int_act``) is called with ``(x, None)``
     QUANTIZES_OWN_INPUTS: ClassVar[bool] = False
+    # kernels (kernels/select.py names) that run this kind's kernel weight off the CPU (the Triton kernels,
+    # kernels/triton/, issue 76): a forward on such a device runs the kernel when one of them runs there;
+    # empty: off the CPU the kind dequantizes and calls F.linear
+    GPU_KERNELS: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -246,13 +250,24 @@ class QuantModule(nn.Module):
             return y if b is None else y + b
         # the CPU kernels write into preallocated outputs (no autograd): a forward that records a graph
         # (a plain ``model(ids)`` outside ``torch.no_grad()``) takes the differentiable path below
-        if self._wcache is None and not self.cache_weight and x.device.type == "cpu" and not _wants_grad(x):
+        if self._wcache is None and not self.cache_weight and self._kernel_runs_on(x) and not _wants_grad(x):
             k = self.kernel()
             if k is not None:
                 y = k(x)
                 return y if b is None else y + b
         w = self.dequantize_weight(torch.float32).to(x.dtype)
         return self._linear(x, w, b)
+
+    def _kernel_runs_on(self, x: torch.Tensor) -> bool:
+        """Whether a forward on ``x``'s device runs the kernel weight: always on the CPU; elsewhere when one
+        of the kind's ``GPU_KERNELS`` runs there (Triton importable, a CUDA device)."""
+        if x.device.type == "cpu":
+            return True
+        if not self.GPU_KERNELS:
+            return False
+        from ..kernels.select import offers_device
+
+        return offers_device(self.GPU_KERNELS, x.device.type)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """``x`` times the dequantized weight ``w`` ``[out, in]`` (plus ``b``); a kind whose inputs take a
@@ -359,10 +374,13 @@ class QuantModule(nn.Module):
 
 
 def prepare_kernels(model: nn.Module) -> None:
-    """Build every quantized module's kernel weight now (at load) rather than at its first forward."""
+    """Build every quantized module's kernel weight now (at load) rather than at its first forward: on
+    the CPU, and on a GPU for the kinds whose ``GPU_KERNELS`` run there."""
     for m in model.modules():
         if isinstance(m, QuantModule):
-            m.kernel()
+            t = next((b for b in m.storage_tensors() if b.device.type != "meta"), None)
+            if t is None or m._kernel_runs_on(t):
+                m.kernel()
 
 
 def set_weight_cache(model: nn.Module, enabled: bool = True) -> None:

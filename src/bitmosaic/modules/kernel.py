@@ -4,7 +4,8 @@ Each packed kind turns its saved buffers (the source of truth) into a *kernel we
 time it runs a forward on the CPU (or at load, see :func:`prepare_kernels`):
 
 * ``packed``: the codes go, at their storage width, into the kernel
-  :func:`~bitmosaic.kernels.select.select_kernel` picks among the kind's ``KERNELS``: by default the
+  :func:`~bitmosaic.kernels.select.select_kernel` picks among the kind's ``KERNELS``: on CUDA the Triton
+  dequant GEMM/GEMV (:class:`~bitmosaic.kernels.triton.intmm.TritonIntWeight`); on the CPU by default the
   bit-plane :class:`~bitmosaic.kernels.lut.BitPlaneWeight` at 1-3 bits (the LUT GEMV, faster there end
   to end), :class:`~bitmosaic.kernels.qmatmul.LowBitWeight` from 4 bits (``$BITMOSAIC_KERNEL``
   overrides it), the no-clip ``code_offset`` folded into the zero-point (``(c + o - z) s = (c - (z - o)) s``).
@@ -35,7 +36,7 @@ import torch
 from ..formats.fp import fp_round
 from ..kernels.lut import BitPlaneWeight
 from ..kernels.qmatmul import LowBitWeight
-from ..kernels.select import select_kernel
+from ..kernels.select import offers_device, select_kernel
 from ..kernels.tiles import TORCH_TILE_ELEMS
 
 __all__ = [
@@ -66,7 +67,8 @@ class LowBitKernel(KernelWeight):
     def __init__(self, weight: LowBitWeight | BitPlaneWeight, perm: torch.Tensor | None = None) -> None:
         self.weight = weight
         self.perm = perm
-        self._fused = isinstance(weight, BitPlaneWeight)  # it gathers x by perm inside its call
+        # it gathers x by perm inside its call (the bit-plane LUT, the Triton kernels)
+        self._fused = isinstance(weight, BitPlaneWeight) or getattr(weight, "GATHERS_INPUT", False)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._fused:
@@ -162,7 +164,9 @@ def lowbit_from_codes(
         perm = contiguous_group_perm(g_idx, group_size).to(torch.int32)  # int32: half the bytes of int64
         codes = codes.index_select(1, perm)
     z = zeros.float() if torch.is_tensor(zeros) else float(zeros)
-    kind = select_kernel(kernels, bits, group_size=group_size)
+    # the codes' device when one of ``kernels`` runs there (CUDA: the Triton kernels), else the CPU's
+    device = codes.device.type if offers_device(kernels, codes.device.type) else "cpu"
+    kind = select_kernel(kernels, bits, group_size=group_size, device=device)
     return LowBitKernel(kind.from_codes(codes, bits, scales.float(), z, group_size), perm)
 
 

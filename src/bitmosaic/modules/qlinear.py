@@ -36,8 +36,12 @@ class UnpackableCodesError(ValueError):
 class QuantLinear(QuantModule):
     kind = "packed"
     # the kernels that run this kind, preferred first (kernels/select.py picks one from their declared
-    # capabilities: the bit-plane LUT at 1-3 storage bits, LowBitWeight from 4)
-    KERNELS: ClassVar[tuple[str, ...]] = ("lut", "lowbit")
+    # capabilities: on CUDA the Triton GEMM/GEMV; on the CPU the bit-plane LUT at 1-3 storage bits,
+    # LowBitWeight from 4)
+    KERNELS: ClassVar[tuple[str, ...]] = ("triton_int", "lut", "lowbit")
+    # off the CPU (modules/base.py); a subclass that changes the kernel or the product runs F.linear on
+    # a GPU unless it declares its own
+    GPU_KERNELS: ClassVar[tuple[str, ...]] = ("triton_int",)
     # integer activations (modules/intact.py); a subclass that changes the kernel or the product
     # (its own _build_kernel / _linear) runs simulated unless it declares its own
     INT_ACT_KERNELS: ClassVar[tuple[str, ...]] = ("int8act",)
@@ -45,8 +49,13 @@ class QuantLinear(QuantModule):
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         own = cls.__dict__
-        if "INT_ACT_KERNELS" not in own and any(k in own for k in ("_build_kernel", "_linear", "forward")):
+        changes_product = any(k in own for k in ("_build_kernel", "_linear", "forward"))
+        if "INT_ACT_KERNELS" not in own and changes_product:
             cls.INT_ACT_KERNELS = ()
+        if "GPU_KERNELS" not in own and changes_product:
+            cls.GPU_KERNELS = ()
+            if "KERNELS" not in own:  # nor is it offered them on the CPU (the interpreter stand-in)
+                cls.KERNELS = tuple(k for k in cls.KERNELS if k not in QuantLinear.GPU_KERNELS)
 
     def __init__(
         self,

@@ -44,6 +44,9 @@ __all__ = [
 class SparseOutlierQuantLinear(QuantLinear):
     kind = "packed+csr"
     CONFIG_KEYS = ("nnz",)
+    # on CUDA: the Triton dense kernel plus a Triton CSR pass (kernels/triton/sparse.py, issue 76)
+    KERNELS = QuantLinear.KERNELS
+    GPU_KERNELS = QuantLinear.GPU_KERNELS
 
     def __init__(self, in_features, out_features, *, nnz: int = 0, **kw) -> None:
         super().__init__(in_features, out_features, **kw)
@@ -85,7 +88,12 @@ class SparseOutlierQuantLinear(QuantLinear):
                 (self.out_features, self.in_features),
                 check_invariants=True,
             )
-        return SparseAddKernel(super()._build_kernel(), sparse)
+        dense = super()._build_kernel()
+        if getattr(dense.weight, "KERNEL_NAME", None) == "triton_int":
+            from ..kernels.triton.sparse import TritonSparseAddKernel
+
+            return TritonSparseAddKernel(dense, sparse.to(dense.weight.qweight.device))
+        return SparseAddKernel(dense, sparse)
 
     def _saved_from_kernel(self, k):
         """The dense part's rebuilds plus the CSR outliers from the kernel's sparse matrix."""
@@ -124,6 +132,10 @@ class FP8ComputeQuantLinear(QuantLinear):
 
     kind = "dpq"
     CONFIG_KEYS = ("fmt", "fp8_rows")
+    # on CUDA: the Triton INT kernel with the E4M3 rounding and FP8 scale in its dequantization
+    # (kernels/triton/intmm.py, issue 76; E4M3 only, an E5M2 layer runs F.linear there)
+    KERNELS = QuantLinear.KERNELS
+    GPU_KERNELS = QuantLinear.GPU_KERNELS
 
     def __init__(self, in_features, out_features, *, fmt: str = "e4m3", fp8_rows: int = 1, **kw) -> None:
         super().__init__(in_features, out_features, **kw)
@@ -152,10 +164,19 @@ class FP8ComputeQuantLinear(QuantLinear):
         from .kernel import dpq_tiles
 
         dense = QuantLinear._build_kernel(self)
+        if getattr(dense.weight, "KERNEL_NAME", None) == "triton_int" and self.fmt == "e4m3":
+            from .kernel import LowBitKernel
+
+            k = LowBitKernel(dense.weight.with_fp8(self.fp8_scale), dense.perm)
+            k.dense = dense
+            return k
         return dpq_tiles(dense, self.fmt, self.fp8_scale, self.out_features, self.in_features)
 
     def _saved_from_kernel(self, k):
         return super()._saved_from_kernel(k.dense)  # fp8_scale is shared with the kernel, kept
+
+    def _kernel_runs_on(self, x: torch.Tensor) -> bool:
+        return (x.device.type == "cpu" or self.fmt == "e4m3") and super()._kernel_runs_on(x)
 
     _NOT_AFFINE = (
         "DPQ's weights are nearest_FP8((q - z) s) * s_w: FP8-domain group scales and an FP8 rounding are "

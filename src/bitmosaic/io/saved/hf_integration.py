@@ -137,18 +137,28 @@ def load(path: str | os.PathLike, **kwargs):
 
     The folder is checked first (one-line :class:`~bitmosaic.errors.CorruptModelError` for a missing
     or damaged ``config.json`` or a folder that is not a bitmosaic model).  Returns the transformers
-    model; its tokenizer is ``AutoTokenizer.from_pretrained(path)``.
+    model; its tokenizer is ``AutoTokenizer.from_pretrained(path)``.  ``device`` (``"cpu"``, ``"cuda"``,
+    ``"auto"``): the model is moved there and its kernel weights are built at once -- on CUDA the Triton
+    kernels of the kinds that declare them (:mod:`bitmosaic.kernels.triton`, issue 76).
     """
     from transformers import AutoConfig
 
+    from ...devices import resolve_device
+    from ...modules.base import prepare_kernels
     from ..sources.model_class import auto_model_class
 
+    device = kwargs.pop("device", None)
+    dev = None if device is None else resolve_device(device)  # one-line DeviceError without CUDA
     register()
     read_quant_config(Path(path))
     if Path(path).is_dir():
         stored_tensors(path)  # the weight files first, as load_quantized does
     # a multimodal model (LLaVA, Qwen-VL): the class its config names, not AutoModelForCausalLM
-    return auto_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, **kwargs)
+    model = auto_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, **kwargs)
+    if dev is not None:
+        model.to(dev)
+        prepare_kernels(model)  # on CUDA: the Triton kernels of the kinds that declare them (issue 76)
+    return model
 
 
 register()  # importing this module is asking for the integration (see also bitmosaic/_hf_hook.py)

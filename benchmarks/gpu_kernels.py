@@ -1,0 +1,264 @@
+"""The Triton GPU kernels (issue 76) against bf16 ``F.linear`` (and vLLM's Marlin when importable), timed.
+
+One prepared script for a lent GPU, within one 10-minute call: for each kernel -- the packed INT kinds
+(W2/W3/W4/W8, g128, W4 act-order), SSQR's dense + CSR outliers (W3 + 0.5 % outliers), DPQ's INT4 -> E4M3
+weight -- at 1, 16 and 512 rows of bf16 ``x`` on the SmolLM2-135M and Llama-3-8B linear shapes, it checks
+the kernel against ``F.linear(x, W.to(bf16))`` on the same device (max relative error) and times both (CUDA
+events, median); then an end-to-end greedy decode of a SmolLM2-135M-shaped Llama (random weights, RTN W4
+g128) with the Triton kernels against the same model in bf16.  A time budget (``--budget``, seconds) stops
+it early with what was measured so far.  Writes ``benchmarks/results/gpu_kernels.{json,md}``.
+
+Without a GPU it prints one line and writes nothing; ``--interpret`` then runs a tiny exactness check of
+every kernel in Triton's interpreter instead (no timings).
+
+Run: python -m benchmarks.gpu_kernels [--budget 480] [--interpret]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+SHAPES = {  # (in, out) of each distinct linear
+    "smollm2-135m": [(576, 576), (576, 192), (576, 1536), (1536, 576)],
+    "llama-8b": [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)],
+}
+ROWS = (1, 16, 512)
+KERNELS = {  # name -> (bits, group, act_order, outlier fraction, fp8)
+    "int2 g128": (2, 128, False, 0.0, False),
+    "int3 g128": (3, 128, False, 0.0, False),
+    "int4 g128": (4, 128, False, 0.0, False),
+    "int4 g128 act-order": (4, 128, True, 0.0, False),
+    "int8 g128": (8, 128, False, 0.0, False),
+    "ssqr int3 + 0.5% csr": (3, 128, False, 0.005, False),
+    "dpq int4 -> e4m3": (4, 128, False, 0.0, True),
+}
+
+
+def _module(k_in: int, n_out: int, spec, device, seed: int = 0):
+    """A quantized module of ``spec`` with random codes (the kernels' speed does not depend on them)."""
+    from bitmosaic.algorithms.types import QuantResult
+    from bitmosaic.modules.qlinear import QuantLinear
+    from bitmosaic.modules.qmodules import FP8ComputeQuantLinear, SparseOutlierQuantLinear
+
+    bits, gs, act, frac, fp8 = spec
+    g = torch.Generator().manual_seed(seed)
+    G = -(-k_in // gs)
+    codes = torch.randint(0, 1 << bits, (n_out, k_in), generator=g, dtype=torch.int32)
+    scales = (torch.rand(n_out, G, generator=g) * 0.01 + 1e-3).half().float()
+    zeros = torch.full((n_out, G), float(1 << (bits - 1)))
+    g_idx = torch.arange(k_in, dtype=torch.int32) // gs
+    if act:
+        g_idx = g_idx[torch.randperm(k_in, generator=g)]
+    m = QuantLinear.from_result(
+        QuantResult(codes, scales, zeros, g_idx), bits=bits, group_size=gs, symmetric=False
+    )
+    if frac:
+        nnz_mask = torch.rand(n_out, k_in, generator=g) < frac
+        sparse = torch.where(nnz_mask, torch.randn(n_out, k_in, generator=g) * 0.05, torch.zeros(())).half()
+        csr = sparse.float().to_sparse_csr()
+        s = SparseOutlierQuantLinear._from_packed(m, nnz=csr.values().numel())
+        s.outlier_row_ptr.copy_(csr.crow_indices())
+        s.outlier_cols.copy_(csr.col_indices())
+        s.outlier_vals.copy_(csr.values())
+        m = s
+    if fp8:
+        d = FP8ComputeQuantLinear._from_packed(m, fmt="e4m3", fp8_rows=1)
+        d.fp8_scale.fill_(0.5)
+        m = d
+    return m.to(device)
+
+
+def _ran(m) -> str:
+    """The kernel class ``m`` runs (its dense part's weight for SSQR)."""
+    k = m.kernel()
+    if k is None:
+        return "F.linear"
+    w = getattr(k, "weight", None) or getattr(getattr(k, "dense", None), "weight", None)
+    return f"{type(k).__name__}({type(w).__name__})" if w is not None else type(k).__name__
+
+
+def _timed(fn, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def _marlin():
+    """vLLM's Marlin W4 GEMM as ``(setup(w_bf16, group) -> fn(x))``, or ``(None, why)``."""
+    try:
+        from vllm.model_executor.layers.quantization.utils.marlin_utils_test import marlin_quantize
+        from vllm.scalar_type import scalar_types
+    except Exception as e:  # not installed, or an API this script does not know
+        return None, f"vLLM Marlin not importable ({type(e).__name__}: {e})"[:160]
+
+    def setup(w: torch.Tensor, group: int):
+        from vllm.model_executor.layers.quantization.utils.marlin_utils import (
+            apply_gptq_marlin_linear,
+            marlin_make_workspace_new,
+        )
+
+        n, k = w.shape
+        _, q, s, g_idx, sort, _ = marlin_quantize(w.T.contiguous(), scalar_types.uint4b8, group, False)
+        ws = marlin_make_workspace_new(w.device)
+        zp = torch.empty(0, dtype=torch.int, device=w.device)
+
+        def fn(x):
+            return apply_gptq_marlin_linear(x, q, s, zp, g_idx, sort, ws, scalar_types.uint4b8, n, k, True)
+
+        return fn
+
+    return setup, ""
+
+
+def _linear_rows(deadline: float) -> list[dict]:
+    import torch.nn.functional as F
+
+    dev = torch.device("cuda")
+    marlin_setup, marlin_why = _marlin()
+    rows = []
+    for model, shapes in SHAPES.items():
+        for k_in, n_out in shapes:
+            for name, spec in KERNELS.items():
+                if time.time() > deadline:
+                    return rows
+                m = _module(k_in, n_out, spec, dev)
+                w = m.dequantize_reference().to(dev)
+                wb = w.bfloat16()
+                marlin = None
+                if marlin_setup is not None and name == "int4 g128":
+                    try:
+                        marlin = marlin_setup(wb, 128)
+                    except Exception as e:
+                        marlin_why = f"Marlin setup failed ({type(e).__name__}: {e})"[:160]
+                for r in ROWS:
+                    x = torch.randn(r, k_in, device=dev, dtype=torch.bfloat16)
+                    with torch.no_grad():
+                        y = m(x).float()
+                        ref = F.linear(x, wb).float()
+                        err = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+                        t_k = _timed(lambda: m(x))
+                        t_b = _timed(lambda: F.linear(x, wb))
+                        t_m = _timed(lambda: marlin(x)) if marlin is not None else None
+                    kname = _ran(m)
+                    rows.append({"model": model, "in": k_in, "out": n_out, "kernel": name, "rows": r,
+                                 "ran": kname, "bf16_ms": t_b, "triton_ms": t_k, "marlin_ms": t_m,
+                                 "max_rel_err": err})  # fmt: skip
+                    print(f"{model:>12} {k_in:>6}x{n_out:<6} {name:>22} m={r:<4} bf16 {t_b:8.4f} ms  "
+                          f"triton {t_k:8.4f} ms  x{t_b / t_k:5.2f}  err {err:.1e}", flush=True)  # fmt: skip
+    rows.append({"marlin": marlin_why or "measured"})
+    return rows
+
+
+def _decode(deadline: float, tokens: int = 64) -> dict:
+    """Greedy decode of a SmolLM2-135M-shaped Llama (random weights): bf16 vs RTN W4 g128 on Triton."""
+    if time.time() > deadline - 60:
+        return {"skipped": "time budget"}
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import bitmosaic
+    from bitmosaic.modules.base import prepare_kernels
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    dense = LlamaForCausalLM(cfg).eval()
+    q = copy.deepcopy(dense)
+    calib = torch.randint(0, cfg.vocab_size, (2, 32))
+    bitmosaic.quantize_(q, "rtn", calib, progress=False, bits=4, group_size=128)
+    dense = dense.to("cuda", torch.bfloat16)
+    q = q.to("cuda", torch.bfloat16)
+    prepare_kernels(q)
+    ids = torch.randint(0, cfg.vocab_size, (1, 16), device="cuda")
+    out = {}
+    for name, model in (("bf16", dense), ("triton w4", q)):
+        kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=4, do_sample=False)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            model.generate(ids, **kw)
+            torch.cuda.synchronize()
+        out[name] = tokens / (time.perf_counter() - t)
+        print(f"decode {name}: {out[name]:.1f} tokens/s", flush=True)
+    return {"tokens": tokens, "tokens_per_s": out}
+
+
+def _interpret_check() -> int:
+    """A tiny exactness check of every kernel in Triton's interpreter (no timings)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["BITMOSAIC_TRITON_ON_CPU"] = "1"
+    import torch.nn.functional as F
+
+    for name, spec in KERNELS.items():
+        m = _module(64, 24, (spec[0], 32, *spec[2:]), "cpu")
+        x = torch.randint(-4, 5, (3, 64)).float()
+        diff = float((m(x) - F.linear(x, m.dequantize_reference())).abs().max())
+        print(f"{name:>22}: {_ran(m)}, max |y - F.linear(x, W)| = {diff:.1e} (interpreter)")
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--budget", type=float, default=480.0, help="seconds before it stops and writes (default 480)"
+    )
+    p.add_argument(
+        "--interpret", action="store_true", help="no GPU: a tiny exactness check in the interpreter"
+    )
+    a = p.parse_args()
+    if a.interpret:
+        return _interpret_check()
+    if not torch.cuda.is_available():
+        print(
+            "gpu_kernels: no CUDA GPU here: nothing measured (run on a GPU, or --interpret for a CPU check)"
+        )
+        return 0
+    from benchmarks.harness import machine_info, write_results
+    from bitmosaic.kernels import triton as tk
+
+    if not tk.available():
+        print("gpu_kernels: Triton is not importable (pip install 'triton>=3.2,<4'): nothing measured")
+        return 1
+    deadline = time.time() + a.budget
+    rows = _linear_rows(deadline - 120)
+    decode = _decode(deadline)
+    gpu = torch.cuda.get_device_name()
+    out = {"device": gpu, "machine": machine_info(), "rows": rows, "decode": decode}
+    write_results(None, "gpu_kernels", out, _markdown(gpu, rows, decode))
+    return 0
+
+
+def _markdown(gpu: str, rows: list[dict], decode: dict) -> str:
+    head = "| model | in x out | kernel | rows | bf16 ms | triton ms | speed-up | Marlin ms | max rel err |"
+    lines = [f"# Triton kernels vs bf16 F.linear on {gpu}", "", head, "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "kernel" not in r:
+            lines.append(f"\nMarlin: {r['marlin']}")
+            continue
+        mm = "-" if r["marlin_ms"] is None else f"{r['marlin_ms']:.4f}"
+        lines.append(
+            f"| {r['model']} | {r['in']}x{r['out']} | {r['kernel']} | {r['rows']} | {r['bf16_ms']:.4f} | "
+            f"{r['triton_ms']:.4f} | {r['bf16_ms'] / r['triton_ms']:.2f} | {mm} | {r['max_rel_err']:.1e} |"
+        )
+    lines += ["", f"End-to-end decode (SmolLM2-135M shape, random weights): {decode}"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
