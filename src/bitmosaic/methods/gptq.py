@@ -12,9 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..algorithms.gguf_grid import GGUFGridResult, iq_gptq
 from ..algorithms.types import QuantResult
-from .common import GPTQSolverConfig, quantize_gptq
-from .options import like
+from ..errors import OptionError
+from ..formats.gguf_iq import IQ_TYPES, SUB
+from ..modules.gguf_grid import GGUFGridLinear
+from .common import HESSIAN_DTYPES, GPTQSolverConfig, processing_order, quantize_gptq, require_hessian
+from .options import like, option
 from .registry import LayerStats, Method, WeightQuantConfig, register
 
 __all__ = ["GPTQ", "GPTQConfig"]
@@ -32,6 +36,23 @@ class GPTQConfig(GPTQSolverConfig):
     :class:`~.common.GPTQSolverConfig`; auto resolves in :func:`~.common.static_groups_for`."""
 
     scale: str = like(WeightQuantConfig, "scale", "mse")
+    gguf_type: str | None = option(
+        None,
+        help="solve on a GGUF type's own grid so `bitmosaic export --format gguf` writes it exactly: IQ4_XS "
+        "(IQ4_NL where the input width is not a multiple of 256, as llama.cpp falls back) or IQ4_NL; sets "
+        "4 bits, groups of 32",
+        choices=tuple(IQ_TYPES),
+        parse=str.upper,
+        type=str,
+    )
+
+    def __post_init__(self) -> None:
+        if self.gguf_type is not None:
+            self.gguf_type = self.gguf_type.upper()
+            if self.gguf_type not in IQ_TYPES:
+                raise ValueError(f"--gguf-type {self.gguf_type}: gptq solves on {', '.join(IQ_TYPES)}")
+            self.bits, self.group_size, self.sym = 4, SUB, True
+        super().__post_init__()
 
 
 @register
@@ -41,4 +62,30 @@ class GPTQ(Method):
     description = "GPTQ (OPTQ) with orders, groups, clip/no-clip"
 
     def quantize(self, weight, stats: LayerStats, cfg: GPTQConfig, state=None, name=None) -> QuantResult:
-        return quantize_gptq(weight, stats, cfg)
+        if cfg.gguf_type is None:
+            return quantize_gptq(weight, stats, cfg)
+        H = require_hessian(stats, "gptq")
+        return iq_gptq(weight, H, layer_gguf_type(cfg.gguf_type, weight.shape[1], name),
+                       perm=processing_order(H, cfg), block_size=cfg.block_size, percdamp=cfg.damp,
+                       dtype=HESSIAN_DTYPES[cfg.solver_dtype],
+                       overwrite_hessian=stats.hessian_disposable)  # fmt: skip
+
+    def pack(self, res, cfg, bias):
+        if isinstance(res, GGUFGridResult):
+            return GGUFGridLinear.from_result(res, bias)
+        return super().pack(res, cfg, bias)
+
+
+def layer_gguf_type(gguf_type: str, in_features: int, name=None) -> str:
+    """The type a layer of ``in_features`` inputs takes for ``--gguf-type``: llama.cpp's own fallback
+    (``tensor_type_fallback`` in llama-quant.cpp: IQ4_XS -> IQ4_NL) where a super-block does not fit."""
+    t = IQ_TYPES[gguf_type]
+    if in_features % t.block == 0:
+        return gguf_type
+    if gguf_type == "IQ4_XS" and in_features % SUB == 0:
+        return "IQ4_NL"
+    raise OptionError(
+        f"--gguf-type {gguf_type}: layer {name or ''} has {in_features} input columns, not a multiple of "
+        f"{SUB} (no IQ4 block fits; llama.cpp writes such tensors as F16); quantize it with another method "
+        "or leave it out with a recipe override"
+    )
