@@ -113,7 +113,7 @@ def test_iq4_xs_run_saves_loads_and_exports_exactly(iq_model, tmp_path):
 
 def test_other_types_are_refused_in_one_line(iq_model, tmp_path, capsys):
     folder, _ = iq_model
-    with pytest.raises(ExportError, match="calibrated on llama.cpp's IQ4_NL/IQ4_XS grid"):
+    with pytest.raises(ExportError, match="calibrated on the GGUF grid of IQ4_NL/IQ4_XS"):
         export_model(folder, tmp_path / "m.gguf", "gguf", gguf_type="Q4_0")
     rc = main(["export", str(folder), "--format", "gguf", "--gguf-type", "Q4_K", "--lossy", "--out",
                str(tmp_path / "k.gguf")])  # fmt: skip
@@ -131,11 +131,11 @@ def test_other_types_are_refused_in_one_line(iq_model, tmp_path, capsys):
 
 def test_a_width_no_iq4_block_fits_is_refused_in_one_line():
     from bitmosaic.errors import OptionError
-    from bitmosaic.methods.gptq import layer_gguf_type
+    from bitmosaic.methods.gguf_mix import tensor_type
 
-    assert layer_gguf_type("IQ4_XS", 576) == "IQ4_NL" and layer_gguf_type("IQ4_XS", 1536) == "IQ4_XS"
+    assert tensor_type("IQ4_XS", "x", 576, 30, 3) == "IQ4_NL" and tensor_type("IQ4_XS", "x", 1536, 30, 3) == "IQ4_XS"
     with pytest.raises(OptionError, match="not a multiple of 32"):
-        layer_gguf_type("IQ4_NL", 100, "x")
+        tensor_type("IQ4_NL", "x", 100, 30, 3)
 
 
 def test_llama_cpp_runs_the_iq4_file(iq_model, tmp_path):

@@ -1,6 +1,15 @@
-"""GPTQ on llama.cpp's non-linear IQ4 grid (``IQ4_NL`` / ``IQ4_XS``; issue 72), so the GGUF file holds the
-calibrated weights exactly.
+"""GPTQ on a GGUF type's own stored grid -- llama.cpp's non-linear IQ4 grid (``IQ4_NL`` / ``IQ4_XS``) and the
+k-quants (``Q2_K`` .. ``Q6_K``) -- so the GGUF file holds the calibrated weights exactly (issue 72).
 
+k-quants (:func:`kquant_gptq`): the super-block ``d`` / ``dmin`` and the small integer sub-block scales and
+mins are fitted first on the original weights by the k-quant fit of
+:mod:`bitmosaic.algorithms.gguf_kquants` (``fit_weights``: per sub-block min/max or max-abs, then the
+stored integers and fp16 ``d``/``dmin`` by the least-squares search), then fixed; GPTQ rounds each column
+to the sub-block's grid ``(d * sc) * q - dmin * m`` (``(d * sc) * (q - offset)`` for Q3_K / Q6_K) -- the
+float32 numbers ggml computes -- with error feedback.  The scale fit does not weight inputs by importance
+(llama.cpp's imatrix does); the solve does, through ``H``.
+
+IQ4:
 The grid is fixed before the solve, as the type stores it (:mod:`bitmosaic.formats.gguf_iq`): per 32
 weights a multiplier ``d * l`` (IQ4_NL: an fp16 ``d`` per block, ``l = 1``; IQ4_XS: one fp16 ``d`` per 256
 weights and a 6-bit ``l`` in [-32, 31] per 32), chosen from the original weights by a search over that
@@ -26,10 +35,12 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..formats import gguf_iq as iq
+from . import gguf_kquants as kq
 from .gptq import gptq_quantize
 from .types import QuantResult
 
-__all__ = ["GGUFGridResult", "IQColumnQuantizer", "importance", "iq_scales", "iq_gptq"]
+__all__ = ["GGUFGridResult", "IQColumnQuantizer", "KColumnQuantizer", "importance", "iq_scales", "iq_gptq",
+           "kquant_gptq"]  # fmt: skip
 
 _NTRY = 7  # llama.cpp's inverse-scale tries either side of -127 / max
 
@@ -56,6 +67,25 @@ class IQColumnQuantizer:
         dl = scale * zero
         q = _nearest(_div(w, dl), kv)
         return q.to(w.dtype), dl * kv[q]
+
+
+@dataclass(frozen=True)
+class KColumnQuantizer:
+    """One column to the nearest code of its sub-block: ``scale * q - zero`` (types with a min: ``scale`` is
+    ``d * sc``, ``zero`` is ``dmin * m``) or ``scale * (q - offset)``; codes clamped to ``0 .. qmax``."""
+
+    t: kq.KType
+
+    def fit(self, cols: torch.Tensor):  # pragma: no cover - the groups are always given (static)
+        raise RuntimeError("k-quant groups are fixed before the solve (pass scales)")
+
+    def quantize(self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
+        t = self.t
+        if t.with_min:
+            q = _div(w + zero, scale).round().clamp(0, t.qmax)
+            return q, scale * q - zero
+        q = (_div(w, scale).round() + t.offset).clamp(0, t.qmax)
+        return q, scale * (q - t.offset)
 
 
 def _block_scales(x: torch.Tensor, wt: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -120,31 +150,41 @@ class GGUFGridResult(QuantResult):
     IQ4_XS super-block), ``zeros`` its multiplier ``l``: the weight is ``(scale * zero) * KVALUES[code]``."""
 
     gguf_type: str = field(kw_only=True)
+    # k-quants: the stored per-row integers and fp16 numbers (``sc``, ``m``, ``d``, ``dmin``; see KFit)
+    aux: dict = field(default_factory=dict, kw_only=True)
 
     @property
     def iq_type(self) -> iq.IQType:
         return iq.IQ_TYPES[self.gguf_type]
 
-    def stored(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(codes uint8, d fp16 [out, in/block], l int8 [out, in/32])`` as the type stores them."""
+    def stored(self):
+        """IQ4: ``(codes uint8, d fp16 [out, in/block], l int8 [out, in/32])``; a k-quant: its
+        :class:`~bitmosaic.algorithms.gguf_kquants.KFit` -- as the type stores them."""
+        if self.gguf_type in kq.K_TYPES:
+            a = self.aux
+            return kq.KFit(self.codes.long(), a["sc"], a.get("m"), a["d"], a.get("dmin"), 0, a["sc"].numel())
         t = self.iq_type
         return self.codes.to(torch.uint8), self.scales[:, :: t.nsub].half(), self.zeros.to(torch.int8)
 
     def lattice_scales(self) -> None:
-        return None  # a non-uniform grid: no integer lattice, no Babai bound
+        return None  # a non-uniform grid (or integer scales with mins): no Babai bound
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.gguf_type in kq.K_TYPES:
+            return kq.dequantize(self.stored(), kq.K_TYPES[self.gguf_type]).to(dtype)
         return iq.dequantize(*self.stored(), self.iq_type).to(dtype)
 
     def select_rows(self, start: int, stop: int) -> GGUFGridResult:
         base = super().select_rows(start, stop)
+        aux = {k: v[start:stop] for k, v in self.aux.items()}
         return GGUFGridResult(**{f: getattr(base, f) for f in base.__dataclass_fields__},
-                              gguf_type=self.gguf_type)  # fmt: skip
+                              gguf_type=self.gguf_type, aux=aux)  # fmt: skip
 
     @classmethod
     def cat_rows(cls, parts: list[QuantResult]) -> GGUFGridResult:
         base = QuantResult.cat_rows(parts)
-        return replace(parts[0], **{f: getattr(base, f) for f in base.__dataclass_fields__})
+        aux = {k: torch.cat([p.aux[k] for p in parts]) for k in parts[0].aux}
+        return replace(parts[0], aux=aux, **{f: getattr(base, f) for f in base.__dataclass_fields__})
 
 
 def iq_gptq(W: torch.Tensor, H: torch.Tensor, gguf_type: str, *, perm=None, block_size: int = 128,
@@ -157,3 +197,22 @@ def iq_gptq(W: torch.Tensor, H: torch.Tensor, gguf_type: str, *, perm=None, bloc
                         scales=scales, zeros=l.float(), quantizer=IQColumnQuantizer(),
                         overwrite_hessian=overwrite_hessian)  # fmt: skip
     return GGUFGridResult(**{f: getattr(res, f) for f in res.__dataclass_fields__}, gguf_type=gguf_type)
+
+
+def kquant_gptq(W: torch.Tensor, H: torch.Tensor, gguf_type: str, *, perm=None, block_size: int = 128,
+                percdamp: float = 0.01, dtype=None, overwrite_hessian: bool = False) -> GGUFGridResult:  # fmt: skip
+    """GPTQ of ``W`` ``[out, in]`` against ``H`` on the k-quant ``gguf_type``'s stored grid, its scales and
+    mins fitted first and fixed (module doc)."""
+    t = kq.K_TYPES[gguf_type]
+    f = kq.fit_weights(W.float(), t)
+    out = W.shape[0]
+    d = f.d.float().repeat_interleave(t.nsub, dim=1)
+    scale = d * f.sc.float()  # float32: ggml's ``d * sc``
+    zero = f.dmin.float().repeat_interleave(t.nsub, dim=1) * f.m.float() if t.with_min else torch.zeros_like(scale)
+    res = gptq_quantize(W, H, None, t.sub, perm=perm, block_size=block_size, percdamp=percdamp, dtype=dtype,
+                        scales=scale, zeros=zero, quantizer=KColumnQuantizer(t),
+                        overwrite_hessian=overwrite_hessian)  # fmt: skip
+    aux = {"sc": f.sc.reshape(out, -1), "d": f.d}
+    if t.with_min:
+        aux.update(m=f.m.reshape(out, -1), dmin=f.dmin)
+    return GGUFGridResult(**{k: getattr(res, k) for k in res.__dataclass_fields__}, gguf_type=gguf_type, aux=aux)

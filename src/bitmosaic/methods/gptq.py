@@ -6,18 +6,25 @@ paper §4, Theorem 4; method ``babai``), and ``order="min-pivot"`` is that paper
 (§4, Algorithm 3).  The solve (:func:`~.common.quantize_gptq`) and its fields
 (:class:`~.common.GPTQSolverConfig`) are shared with the methods that run a GPTQ solve after
 smoothing; this file holds GPTQ's own defaults.
+
+``gguf_type`` (``--gguf-type Q4_K_M``, ``IQ4_XS``, ...; issue 72): each linear is solved on the stored grid
+of the GGUF type llama.cpp's preset gives it (:mod:`.gguf_mix`): a k-quant or IQ4 grid with its scales
+fixed first (:mod:`bitmosaic.algorithms.gguf_grid`, packed as
+:class:`~bitmosaic.modules.gguf_grid.GGUFGridLinear`), or a legacy fallback (Q4_0 / Q5_0 / Q8_0) as a
+symmetric integer grid in groups of 32; the GGUF export writes either exactly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from ..algorithms.gguf_grid import GGUFGridResult, iq_gptq
+from ..algorithms.gguf_grid import GGUFGridResult, iq_gptq, kquant_gptq
 from ..algorithms.types import QuantResult
-from ..errors import OptionError
-from ..formats.gguf_iq import IQ_TYPES, SUB
 from ..modules.gguf_grid import GGUFGridLinear
+from ..modules.qlinear import QuantLinear
 from .common import HESSIAN_DTYPES, GPTQSolverConfig, processing_order, quantize_gptq, require_hessian
+from .gguf_mix import IQ_TYPES, LEGACY_BITS, PRESETS, tensor_type
 from .options import like, option
 from .registry import LayerStats, Method, WeightQuantConfig, register
 
@@ -38,10 +45,10 @@ class GPTQConfig(GPTQSolverConfig):
     scale: str = like(WeightQuantConfig, "scale", "mse")
     gguf_type: str | None = option(
         None,
-        help="solve on a GGUF type's own grid so `bitmosaic export --format gguf` writes it exactly: IQ4_XS "
-        "(IQ4_NL where the input width is not a multiple of 256, as llama.cpp falls back) or IQ4_NL; sets "
-        "4 bits, groups of 32",
-        choices=tuple(IQ_TYPES),
+        help="solve on a GGUF type's own stored grid so `bitmosaic export --format gguf` writes it exactly, "
+        "with llama.cpp's per-tensor mix of the preset and its fallbacks for widths a block does not fit: "
+        + " ".join(PRESETS),
+        choices=tuple(PRESETS),
         parse=str.upper,
         type=str,
     )
@@ -49,10 +56,16 @@ class GPTQConfig(GPTQSolverConfig):
     def __post_init__(self) -> None:
         if self.gguf_type is not None:
             self.gguf_type = self.gguf_type.upper()
-            if self.gguf_type not in IQ_TYPES:
-                raise ValueError(f"--gguf-type {self.gguf_type}: gptq solves on {', '.join(IQ_TYPES)}")
-            self.bits, self.group_size, self.sym = 4, SUB, True
+            if self.gguf_type not in PRESETS:
+                raise ValueError(f"--gguf-type {self.gguf_type}: gptq solves on {', '.join(PRESETS)}")
+            self.bits, self.group_size, self.sym = 4, 32, True  # the report's; each layer's type decides
         super().__post_init__()
+
+    @property
+    def solve_alone(self) -> bool:
+        """Each linear is solved on its own (never stacked with those sharing its input): a GGUF preset
+        picks each tensor's type by its name."""
+        return self.gguf_type is not None
 
 
 @register
@@ -61,31 +74,38 @@ class GPTQ(Method):
     may_overwrite_hessian = True
     description = "GPTQ (OPTQ) with orders, groups, clip/no-clip"
 
+    def needs_prepare(self, config) -> bool:
+        return getattr(config, "gguf_type", None) is not None
+
+    def prepare(self, model, cfg: GPTQConfig, ctx):
+        """The counts llama.cpp's per-tensor mix needs: decoder layers and the query heads per kv head."""
+        c = getattr(model, "config", None)
+        heads = getattr(c, "num_attention_heads", 1) or 1
+        return {"n_layers": getattr(c, "num_hidden_layers", 1) or 1,
+                "n_gqa": heads / (getattr(c, "num_key_value_heads", None) or heads)}  # fmt: skip
+
     def quantize(self, weight, stats: LayerStats, cfg: GPTQConfig, state=None, name=None) -> QuantResult:
         if cfg.gguf_type is None:
             return quantize_gptq(weight, stats, cfg)
+        state = state or {"n_layers": 1, "n_gqa": 1}
+        typ = tensor_type(cfg.gguf_type, name, weight.shape[1], state["n_layers"], state["n_gqa"])
+        if typ in LEGACY_BITS:  # llama.cpp's fallback is an integer grid: GPTQ on it, symmetric, groups of 32
+            sub = dataclasses.replace(cfg, gguf_type=None, bits=LEGACY_BITS[typ], sym=True, group_size=32,
+                                      static_groups=True)  # fmt: skip
+            res = quantize_gptq(weight, stats, sub)
+            res.info["gguf_type"] = typ
+            return res
         H = require_hessian(stats, "gptq")
-        return iq_gptq(weight, H, layer_gguf_type(cfg.gguf_type, weight.shape[1], name),
-                       perm=processing_order(H, cfg), block_size=cfg.block_size, percdamp=cfg.damp,
-                       dtype=HESSIAN_DTYPES[cfg.solver_dtype],
-                       overwrite_hessian=stats.hessian_disposable)  # fmt: skip
+        solve = iq_gptq if typ in IQ_TYPES else kquant_gptq
+        res = solve(weight, H, typ, perm=processing_order(H, cfg), block_size=cfg.block_size, percdamp=cfg.damp,
+                    dtype=HESSIAN_DTYPES[cfg.solver_dtype], overwrite_hessian=stats.hessian_disposable)  # fmt: skip
+        res.info["gguf_type"] = typ
+        return res
 
     def pack(self, res, cfg, bias):
         if isinstance(res, GGUFGridResult):
             return GGUFGridLinear.from_result(res, bias)
+        typ = res.info.get("gguf_type")
+        if typ in LEGACY_BITS:
+            return QuantLinear.from_result(res, bits=LEGACY_BITS[typ], group_size=32, symmetric=True, bias=bias)
         return super().pack(res, cfg, bias)
-
-
-def layer_gguf_type(gguf_type: str, in_features: int, name=None) -> str:
-    """The type a layer of ``in_features`` inputs takes for ``--gguf-type``: llama.cpp's own fallback
-    (``tensor_type_fallback`` in llama-quant.cpp: IQ4_XS -> IQ4_NL) where a super-block does not fit."""
-    t = IQ_TYPES[gguf_type]
-    if in_features % t.block == 0:
-        return gguf_type
-    if gguf_type == "IQ4_XS" and in_features % SUB == 0:
-        return "IQ4_NL"
-    raise OptionError(
-        f"--gguf-type {gguf_type}: layer {name or ''} has {in_features} input columns, not a multiple of "
-        f"{SUB} (no IQ4 block fits; llama.cpp writes such tensors as F16); quantize it with another method "
-        "or leave it out with a recipe override"
-    )

@@ -1,11 +1,13 @@
 """``GGUFGridLinear`` (kind ``"gguf-grid"``): a linear layer stored as llama.cpp's GGUF blocks of a type
-bitmosaic has no integer grid for (``IQ4_NL``, ``IQ4_XS``; issue 72).
+bitmosaic's integer layout cannot hold -- ``IQ4_NL``, ``IQ4_XS`` and the k-quants ``Q2_K`` .. ``Q6_K`` (their
+integer sub-block scales and mins) -- calibrated on that type's grid (issue 72).
 
 The one buffer ``blocks`` (uint8 ``[out, row bytes]``) *is* the tensor's data in the GGUF file, so the GGUF
-export writes it as it is and the accounting counts exactly its bits (4.5 / 4.25 per weight).  The weight
-is :func:`bitmosaic.formats.gguf_iq.dequantize` of the unpacked blocks (float32, what ggml computes);
-the reference path reads the same bytes with the ``gguf`` package's own dequantizer where it is
-installed (tested equal).  No INT or FP8 form: other export formats refuse it in one line.
+export writes it as it is and the accounting counts exactly its bits (IQ4_NL 4.5, IQ4_XS 4.25, Q4_K 4.5,
+Q6_K 6.5625 per weight...).  The weight: IQ4 types through :func:`bitmosaic.formats.gguf_iq.dequantize`
+of the unpacked blocks (float32, what ggml computes), k-quants through the ``gguf`` package's
+dequantizer; the reference path reads every type with the ``gguf`` package (tested equal to the
+solver's own float model).  No INT or FP8 form: other export formats refuse it in one line.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..algorithms import gguf_kquants as kq
 from ..formats import gguf_iq as iq
 from .base import NoIntForm, QuantModule
 
@@ -25,14 +28,19 @@ class GGUFGridLinear(QuantModule):
 
     def __init__(self, in_features: int, out_features: int, *, gguf_type: str, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        if gguf_type not in iq.IQ_TYPES:
-            raise ValueError(f"gguf_type {gguf_type!r} is not one of {', '.join(iq.IQ_TYPES)}")
-        t = iq.IQ_TYPES[gguf_type]
-        if in_features % t.block:
-            raise ValueError(f"{gguf_type} needs an input width that is a multiple of {t.block}, got {in_features}")
+        if gguf_type not in (*iq.IQ_TYPES, *kq.K_TYPES):
+            raise ValueError(f"gguf_type {gguf_type!r} is not one of {', '.join((*iq.IQ_TYPES, *kq.K_TYPES))}")
+        import gguf
+
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[gguf_type]]
+        if in_features % block:
+            raise ValueError(f"{gguf_type} needs an input width that is a multiple of {block}, got {in_features}")
         self.gguf_type = gguf_type
-        self.bits, self.group_size, self.symmetric = 4, iq.SUB, True  # for reports: a 4-bit grid per 32
-        self.register_buffer("blocks", torch.zeros(out_features, iq.row_bytes(t, in_features), dtype=torch.uint8))
+        k = kq.K_TYPES.get(gguf_type)
+        # for reports: the code width and the weights per scale
+        self.bits, self.group_size = (k.qmax.bit_length(), k.sub) if k else (4, iq.SUB)
+        self.symmetric = not (k and k.with_min)
+        self.register_buffer("blocks", torch.zeros(out_features, in_features // block * size, dtype=torch.uint8))
 
     @property
     def iq_type(self) -> iq.IQType:
@@ -43,7 +51,11 @@ class GGUFGridLinear(QuantModule):
         """The module of a :class:`~bitmosaic.algorithms.gguf_grid.GGUFGridResult`."""
         out, n = res.codes.shape
         m = cls(n, out, gguf_type=res.gguf_type, bias=bias is not None)
-        m.blocks.copy_(torch.from_numpy(iq.pack(*(x.cpu() for x in res.stored()), res.iq_type)))
+        if res.gguf_type in kq.K_TYPES:
+            data = kq.pack(res.stored(), kq.K_TYPES[res.gguf_type])
+        else:
+            data = iq.pack(*(x.cpu() for x in res.stored()), res.iq_type)
+        m.blocks.copy_(torch.from_numpy(data))
         m._set_bias(bias)
         return m
 
@@ -52,15 +64,15 @@ class GGUFGridLinear(QuantModule):
         return self.blocks.cpu().numpy(), self.gguf_type
 
     def _dequantize(self, dtype):
+        if self.gguf_type in kq.K_TYPES:
+            return self.dequantize_reference(dtype)
         codes, d, l = iq.unpack(self.blocks.cpu().numpy(), self.iq_type, self.in_features)
         return iq.dequantize(codes, d, l, self.iq_type).to(device=self.blocks.device, dtype=dtype)
 
     def dequantize_reference(self, dtype=torch.float32):
-        try:
-            from gguf import quants
-        except ImportError:  # the gguf package is optional: the same bytes through our own reader
-            return self._dequantize(dtype)
-        w = quants.dequantize(self.blocks.cpu().numpy(), self.iq_type.qtype)
+        import gguf
+
+        w = gguf.quants.dequantize(self.blocks.cpu().numpy(), gguf.GGMLQuantizationType[self.gguf_type])
         w = np.ascontiguousarray(w, dtype=np.float32).reshape(self.out_features, self.in_features)
         return torch.from_numpy(w).to(device=self.blocks.device, dtype=dtype)
 
@@ -68,11 +80,11 @@ class GGUFGridLinear(QuantModule):
         return [self.blocks]
 
     def layer_config(self) -> dict:
-        return self._config(gguf_type=self.gguf_type, bits=4, group_size=iq.SUB)
+        return self._config(gguf_type=self.gguf_type, bits=self.bits, group_size=self.group_size)
 
     def int_form(self, allowed_bits, lossy, changes):
         raise NoIntForm(
-            f"a {self.gguf_type} layer is on llama.cpp's non-linear grid, not an integer one "
+            f"a {self.gguf_type} layer is on that GGUF type's own grid, not bitmosaic's integer one "
             "(export it with --format gguf)",
             fixable=False,
         )

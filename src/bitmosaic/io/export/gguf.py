@@ -25,12 +25,13 @@
   (``lossy``).  Layers whose input width is not a multiple of 256 are written in their exact legacy
   default type, as llama.cpp falls back for such tensors (a note says how many).  The written blocks are
   read back with ``gguf.quants`` and must equal the refit's own float model bit for bit.
-- ``IQ4_NL`` / ``IQ4_XS`` (llama.cpp's non-linear 4-bit grid): layers that ``bitmosaic quantize --method
-  gptq --gguf-type IQ4_XS`` (or ``IQ4_NL``) solved on that grid hold their GGUF blocks already
-  (:class:`~bitmosaic.modules.gguf_grid.GGUFGridLinear`): written as they are (exact, no ``lossy``),
-  with or without ``--gguf-type IQ4_*``; other layers are refused for an IQ4 type (bitmosaic has no
-  IQ4 quantizer for integers it did not calibrate on that grid), and such layers refuse the other
-  block types (``F32`` / ``F16`` / ``BF16`` write their weights as floats).
+- layers that ``bitmosaic quantize --method gptq --gguf-type T`` solved on a GGUF type's own grid
+  (``IQ4_NL`` / ``IQ4_XS``, the k-quants, the presets ``Q4_K_M`` ...) hold their GGUF blocks already
+  (:class:`~bitmosaic.modules.gguf_grid.GGUFGridLinear`): written as they are (exact, no ``lossy``), the
+  preset's legacy fallback layers (integer grids) in their exact default type; a ``--gguf-type`` other
+  than those types is refused (``F32`` / ``F16`` / ``BF16`` write the weights as floats).  An IQ4 type is
+  refused for a model without such layers (bitmosaic has no IQ4 form of integers it did not calibrate
+  on that grid).
 - every other tensor (embeddings, norms, biases, an untied head) in the first of (the source file's
   block type, F16, BF16, F32) that holds it exactly; 1-D tensors in F32.  A float model (a model
   argument such as ``smollm2-135m``, not a saved folder) exports the same way, with ``TYPE`` one of
@@ -414,11 +415,11 @@ def _grid_blocks(model: _Model, gguf_type: str | None, lossy: bool, grid: set) -
     layers' own grid types is refused in one line."""
     own = {n: model.qmods[n].gguf_data() for n in grid}
     types = sorted({t for _, t in own.values()})
-    if gguf_type is not None and gguf_type not in GRID_TYPES:
+    if gguf_type is not None and gguf_type not in (*GRID_TYPES, *types):
         raise ExportError(
-            f"cannot export as gguf: {len(grid)} layer(s) were calibrated on llama.cpp's {'/'.join(types)} "
-            f"grid (e.g. {min(grid)}), which {gguf_type} cannot hold; leave out --gguf-type (or pass "
-            f"{types[-1]}), or choose F32 / F16 for floats"
+            f"cannot export as gguf: {len(grid)} layer(s) were calibrated on the GGUF grid of "
+            f"{'/'.join(types)} (e.g. {min(grid)}), which {gguf_type} cannot hold; leave out --gguf-type, "
+            "or choose F32 / F16 for floats"
         )
     rest = {n: m for n, m in model.qmods.items() if n not in grid}
     blocks, changes = collect(rest, _block_layer(None, lossy), "gguf", lossy) if rest else ({}, {})
