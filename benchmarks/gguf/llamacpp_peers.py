@@ -39,7 +39,9 @@ from pathlib import Path
 from benchmarks.harness import RESULTS, write_results
 
 TYPES = ("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "IQ4_XS", "IQ4_NL", "IQ3_S", "IQ2_XS")
-OURS = ("IQ4_XS", "IQ4_NL")  # the types bitmosaic solves on (gptq --gguf-type)
+# the presets bitmosaic solves on (gptq --gguf-type), most asked first
+OURS = ("Q4_K_M", "Q3_K_M", "IQ4_XS", "Q2_K", "Q5_K_M", "Q6_K", "IQ4_NL", "Q4_0")
+FRESH = 40  # seconds into a run after which a (minutes-long) bitmosaic quantization waits for the next run
 CHUNKS, CTX, CALIB_CHUNKS = 40, 512, 16
 
 
@@ -48,7 +50,9 @@ def _data() -> Path:
 
     d = resolve_data_dir(None)
     if d is None:
-        raise SystemExit("set BITMOSAIC_DATA to the shared data folder (wikitext-2/valid.txt, wikitext-2-raw/)")
+        raise SystemExit(
+            "set BITMOSAIC_DATA to the shared data folder (wikitext-2/valid.txt, wikitext-2-raw/)"
+        )
     return Path(d)
 
 
@@ -142,13 +146,44 @@ class Steps:
                 self.save()
         imat = self.work / "imatrix.gguf"
         if not imat.exists():
-            _run([self.tool("llama-imatrix"), "-m", self.work / "base.F32.gguf", "-f", self.valid, "-o", imat,
-                  "-c", CTX, "--chunks", CALIB_CHUNKS, "-t", self.a.threads], self.work / "imatrix.log")  # fmt: skip
+            _run(
+                [
+                    self.tool("llama-imatrix"),
+                    "-m",
+                    self.work / "base.F32.gguf",
+                    "-f",
+                    self.valid,
+                    "-o",
+                    imat,
+                    "-c",
+                    CTX,
+                    "--chunks",
+                    CALIB_CHUNKS,
+                    "-t",
+                    self.a.threads,
+                ],
+                self.work / "imatrix.log",
+            )
         kld = self.work / "base.F16.kld"
         if "F16" not in self.state.get("ppl", {}):
-            out = _run([self.tool("llama-perplexity"), "-m", self.work / "base.F16.gguf", "-f", self.test, "-c", CTX,
-                        "--chunks", CHUNKS, "-t", self.a.threads, "--kl-divergence-base", kld],
-                       self.work / "ppl.F16.log")  # fmt: skip
+            out = _run(
+                [
+                    self.tool("llama-perplexity"),
+                    "-m",
+                    self.work / "base.F16.gguf",
+                    "-f",
+                    self.test,
+                    "-c",
+                    CTX,
+                    "--chunks",
+                    CHUNKS,
+                    "-t",
+                    self.a.threads,
+                    "--kl-divergence-base",
+                    kld,
+                ],
+                self.work / "ppl.F16.log",
+            )
             self.record("F16", self.work / "base.F16.gguf", parse_perplexity(out))
 
     def record(self, key: str, path: Path, r: dict):
@@ -160,9 +195,23 @@ class Steps:
     def perplexity(self, key: str, path: Path):
         if key in self.state.get("ppl", {}) or not self.budget_left():
             return
-        out = _run([self.tool("llama-perplexity"), "-m", path, "-c", CTX, "--chunks", CHUNKS, "-t", self.a.threads,
-                    "--kl-divergence-base", self.work / "base.F16.kld", "--kl-divergence"],
-                   self.work / f"ppl.{key}.log")  # fmt: skip
+        out = _run(
+            [
+                self.tool("llama-perplexity"),
+                "-m",
+                path,
+                "-c",
+                CTX,
+                "--chunks",
+                CHUNKS,
+                "-t",
+                self.a.threads,
+                "--kl-divergence-base",
+                self.work / "base.F16.kld",
+                "--kl-divergence",
+            ],
+            self.work / f"ppl.{key}.log",
+        )
         self.record(key, path, parse_perplexity(out))
 
     def llama_file(self, typ: str, imatrix: bool) -> Path | None:
@@ -173,8 +222,14 @@ class Steps:
             return p if p.exists() else None
         if not self.budget_left():
             return None
-        cmd = [self.tool("llama-quantize"), *(["--imatrix", self.work / "imatrix.gguf"] if imatrix else []),
-               self.work / "base.F32.gguf", p.with_suffix(".tmp"), typ, self.a.threads]  # fmt: skip
+        cmd = [
+            self.tool("llama-quantize"),
+            *(["--imatrix", self.work / "imatrix.gguf"] if imatrix else []),
+            self.work / "base.F32.gguf",
+            p.with_suffix(".tmp"),
+            typ,
+            self.a.threads,
+        ]
         try:
             _run(cmd, self.work / f"quantize.{typ}.{tag}.log")
         except RuntimeError as e:
@@ -187,7 +242,8 @@ class Steps:
 
     def ours(self, typ: str) -> Path | None:
         p = self.work / f"bitmosaic.{typ}.gguf"
-        if p.exists() or not self.budget_left():
+        late = self.a.budget is not None and time.monotonic() - self.t0 > FRESH
+        if p.exists() or late:
             return p if p.exists() else None
         import bitmosaic
         from bitmosaic.io import load_model, save_quantized
@@ -200,7 +256,11 @@ class Steps:
         secs = time.perf_counter() - t
         folder = save_quantized(model, self.work / f"bitmosaic.{typ}")
         res = export_model(folder, p, "gguf", overwrite=True)
-        self.state.setdefault("ours", {})[typ] = {"quant_seconds": secs, "changed": res.changed, "notes": res.notes}
+        self.state.setdefault("ours", {})[typ] = {
+            "quant_seconds": secs,
+            "changed": res.changed,
+            "notes": res.notes,
+        }
         self.save()
         return p
 
@@ -208,7 +268,8 @@ class Steps:
 def _cell(r: dict | None) -> str:
     if not r:
         return "-"
-    return f"{r['ppl']:.2f} ({r['mb']:.1f} MB, KL {r.get('kld', float('nan')):.4f}, top-1 {r.get('top1', 0):.1f}%)"
+    kl, top1 = r.get("kld", float("nan")), r.get("top1", 0)
+    return f"{r['ppl']:.2f} ({r['mb']:.1f} MB, KL {kl:.4f}, top-1 {top1:.1f}%)"
 
 
 def report(st: dict, a) -> str:
@@ -216,13 +277,17 @@ def report(st: dict, a) -> str:
     lines = [
         f"# bitmosaic GGUF vs llama.cpp (imatrix) on {a.model}, llama.cpp's own perplexity tool",
         "",
-        f"llama.cpp tools built from llama-cpp-python 0.3.36's vendor/llama.cpp (benchmarks/peers/llama_tools.py); "
-        f"`llama-perplexity -c {CTX} --chunks {CHUNKS}` on WikiText-2 raw test, KL and top-1 against the F16 file's "
+        "llama.cpp tools built from llama-cpp-python 0.3.36's vendor/llama.cpp "
+        "(benchmarks/peers/llama_tools.py); "
+        f"`llama-perplexity -c {CTX} --chunks {CHUNKS}` on WikiText-2 raw test, KL and top-1 against the F16 "
+        "file's "
         f"logits in the same pass; imatrix from `llama-imatrix -c {CTX} --chunks {CALIB_CHUNKS}` on "
-        "wikitext-2/valid.txt; bitmosaic: `--method gptq --gguf-type T` calibrated on the same 16 x 512 chunks, "
+        "wikitext-2/valid.txt; bitmosaic: `--method gptq --gguf-type T` calibrated on the same 16 x 512 "
+        "chunks, "
         "exported without --lossy.  Each cell: perplexity (file MB, mean KL, top-1 agreement).  2 threads.",
         "",
-        f"Reproduce: `flock /tmp/locks/heavy python -m benchmarks.gguf.llamacpp_peers --budget 280` (repeat until done)",
+        "Reproduce: `flock /tmp/locks/heavy python -m benchmarks.gguf.llamacpp_peers --budget 280` "
+        "(repeat until done)",
         "",
         "| type | llama.cpp, no imatrix | llama.cpp + imatrix | bitmosaic | bitmosaic vs imatrix |",
         "|---|---|---|---|---|",
@@ -231,15 +296,31 @@ def report(st: dict, a) -> str:
         if key in p:
             lines.append(f"| {key} | {_cell(p[key])} | | | |")
     for typ in TYPES:
-        plain, imat, ours = p.get(f"llama {typ} plain"), p.get(f"llama {typ} imatrix"), p.get(f"bitmosaic {typ}")
+        plain, imat, ours = (
+            p.get(f"llama {typ} plain"),
+            p.get(f"llama {typ} imatrix"),
+            p.get(f"bitmosaic {typ}"),
+        )
         ref = st.get("refused", {})
-        c_plain = _cell(plain) if plain else (f"refused: {ref[f'{typ} plain']}" if f"{typ} plain" in ref else "-")
-        vs = f"{ours['ppl'] / imat['ppl']:.4f}x ppl, {ours['mb'] / imat['mb']:.3f}x MB" if ours and imat else "-"
-        lines.append(f"| {typ} | {c_plain} | {_cell(imat)} | {_cell(ours) if ours else 'not implemented'} | {vs} |")
+        c_plain = (
+            _cell(plain) if plain else (f"refused: {ref[f'{typ} plain']}" if f"{typ} plain" in ref else "-")
+        )
+        vs = (
+            f"{ours['ppl'] / imat['ppl']:.4f}x ppl, {ours['mb'] / imat['mb']:.3f}x MB"
+            if ours and imat
+            else "-"
+        )
+        lines.append(
+            f"| {typ} | {c_plain} | {_cell(imat)} | "
+            f"{_cell(ours) if ours else ('not run' if typ in OURS else 'not implemented')} | {vs} |"
+        )
     lines += ["", "## tensor types per file (2-D)", ""]
     for key, r in p.items():
         lines.append(f"- {key}: {', '.join(f'{t} x{n}' for t, n in r['types'].items())}")
-    lines += ["", "Not measured: decode tok/s (llama-bench is not built); the `--target-bpw` points (not implemented)."]
+    lines += [
+        "",
+        "Not measured: decode tok/s (llama-bench is not built); the `--target-bpw` points (not implemented).",
+    ]
     return "\n".join(lines)
 
 
@@ -270,9 +351,17 @@ def main() -> None:
                 f = s.ours(typ)
                 if f is not None:
                     s.perplexity(f"bitmosaic {typ}", f)
-    done = s.budget_left()
-    write_results(RESULTS / "gguf_vs_llamacpp.json", "gguf_vs_llamacpp", {"protocol": __doc__, **s.state},
-                  report(s.state, a))  # fmt: skip
+                else:  # too late in this run for a quantization: the next run starts with it
+                    break
+    done = s.budget_left() and all(
+        f"bitmosaic {t}" in s.state.get("ppl", {}) for t in OURS if t in types and not a.skip_ours
+    )
+    write_results(
+        RESULTS / "gguf_vs_llamacpp.json",
+        "gguf_vs_llamacpp",
+        {"protocol": __doc__, **s.state},
+        report(s.state, a),
+    )
     print("done" if done else "budget spent: run again to continue", flush=True)
 
 

@@ -38,7 +38,9 @@ def test_gptq_on_the_k_grid_is_exact_and_beats_the_fit_alone(typ):
     got = torch.from_numpy(np.asarray(quants.dequantize(data, t.qtype)).reshape(out, n))
     assert torch.equal(got, res.dequantize())
     fitted = kq.fit_weights(W, t)  # the same scales, codes by nearest rounding
-    assert torch.equal(fitted.sc, res.stored().sc) and torch.equal(fitted.d.view(torch.int16), res.stored().d.view(torch.int16))
+    assert torch.equal(fitted.sc, res.stored().sc) and torch.equal(
+        fitted.d.view(torch.int16), res.stored().d.view(torch.int16)
+    )
 
     def err(A):
         E = W - A
@@ -102,7 +104,9 @@ def test_llama_cpp_runs_the_q4_k_m_file(q4km, tmp_path):
     out = tmp_path / "m.gguf"
     export_model(q4km, out, "gguf")
     ids = [1, 5, 9, 17, 33, 65, 100, 3]
-    llm = llama_cpp.Llama(model_path=str(out), n_ctx=16, n_batch=16, logits_all=True, verbose=False, n_threads=1)
+    llm = llama_cpp.Llama(
+        model_path=str(out), n_ctx=16, n_batch=16, logits_all=True, verbose=False, n_threads=1
+    )
     llm.eval(ids)
     theirs = torch.tensor(np.asarray(llm.scores[: len(ids)]), dtype=torch.float32)
     del llm

@@ -45,7 +45,11 @@ def test_packed_blocks_read_back_with_gguf_quants(typ):
     got = np.asarray(quants.dequantize(data, t.qtype)).reshape(out, n)
     assert np.array_equal(got, iq.dequantize(codes, d, l, t).numpy())
     c2, d2, l2 = iq.unpack(data, t, n)
-    assert torch.equal(c2, codes) and torch.equal(d2.view(torch.int16), d.view(torch.int16)) and torch.equal(l2, l)
+    assert (
+        torch.equal(c2, codes)
+        and torch.equal(d2.view(torch.int16), d.view(torch.int16))
+        and torch.equal(l2, l)
+    )
 
 
 @pytest.mark.parametrize("typ", sorted(iq.IQ_TYPES))
@@ -64,7 +68,9 @@ def test_gptq_on_the_grid_is_exact_and_beats_nearest_rounding(typ):
     got = torch.from_numpy(np.asarray(quants.dequantize(data, t.qtype)).reshape(out, n))
     assert torch.equal(got, res.dequantize())
     d, l = iq_scales(W, importance(H), t)
-    assert torch.equal(res.stored()[1].view(torch.int16), d.view(torch.int16)) and torch.equal(res.stored()[2], l)
+    assert torch.equal(res.stored()[1].view(torch.int16), d.view(torch.int16)) and torch.equal(
+        res.stored()[2], l
+    )
     dl = (d.float().repeat_interleave(t.nsub, 1) * l.float()).repeat_interleave(iq.SUB, 1)
     kv = iq.grid()
     nearest = (W[..., None] - dl[..., None] * kv).abs().argmin(-1)
@@ -133,7 +139,10 @@ def test_a_width_no_iq4_block_fits_is_refused_in_one_line():
     from bitmosaic.errors import OptionError
     from bitmosaic.methods.gguf_mix import tensor_type
 
-    assert tensor_type("IQ4_XS", "x", 576, 30, 3) == "IQ4_NL" and tensor_type("IQ4_XS", "x", 1536, 30, 3) == "IQ4_XS"
+    assert (
+        tensor_type("IQ4_XS", "x", 576, 30, 3) == "IQ4_NL"
+        and tensor_type("IQ4_XS", "x", 1536, 30, 3) == "IQ4_XS"
+    )
     with pytest.raises(OptionError, match="not a multiple of 32"):
         tensor_type("IQ4_NL", "x", 100, 30, 3)
 
@@ -146,7 +155,9 @@ def test_llama_cpp_runs_the_iq4_file(iq_model, tmp_path):
     out = tmp_path / "m.gguf"
     export_model(folder, out, "gguf")
     ids = [1, 5, 9, 17, 33, 65, 100, 3]
-    llm = llama_cpp.Llama(model_path=str(out), n_ctx=16, n_batch=16, logits_all=True, verbose=False, n_threads=1)
+    llm = llama_cpp.Llama(
+        model_path=str(out), n_ctx=16, n_batch=16, logits_all=True, verbose=False, n_threads=1
+    )
     llm.eval(ids)
     theirs = torch.tensor(np.asarray(llm.scores[: len(ids)]), dtype=torch.float32)
     del llm

@@ -39,8 +39,15 @@ from . import gguf_kquants as kq
 from .gptq import gptq_quantize
 from .types import QuantResult
 
-__all__ = ["GGUFGridResult", "IQColumnQuantizer", "KColumnQuantizer", "importance", "iq_scales", "iq_gptq",
-           "kquant_gptq"]  # fmt: skip
+__all__ = [
+    "GGUFGridResult",
+    "IQColumnQuantizer",
+    "KColumnQuantizer",
+    "importance",
+    "iq_scales",
+    "iq_gptq",
+    "kquant_gptq",
+]
 
 _NTRY = 7  # llama.cpp's inverse-scale tries either side of -127 / max
 
@@ -177,8 +184,9 @@ class GGUFGridResult(QuantResult):
     def select_rows(self, start: int, stop: int) -> GGUFGridResult:
         base = super().select_rows(start, stop)
         aux = {k: v[start:stop] for k, v in self.aux.items()}
-        return GGUFGridResult(**{f: getattr(base, f) for f in base.__dataclass_fields__},
-                              gguf_type=self.gguf_type, aux=aux)  # fmt: skip
+        return GGUFGridResult(
+            **{f: getattr(base, f) for f in base.__dataclass_fields__}, gguf_type=self.gguf_type, aux=aux
+        )
 
     @classmethod
     def cat_rows(cls, parts: list[QuantResult]) -> GGUFGridResult:
@@ -187,20 +195,50 @@ class GGUFGridResult(QuantResult):
         return replace(parts[0], aux=aux, **{f: getattr(base, f) for f in base.__dataclass_fields__})
 
 
-def iq_gptq(W: torch.Tensor, H: torch.Tensor, gguf_type: str, *, perm=None, block_size: int = 128,
-            percdamp: float = 0.01, dtype=None, overwrite_hessian: bool = False) -> GGUFGridResult:  # fmt: skip
-    """GPTQ of ``W`` ``[out, in]`` against ``H`` on the ``gguf_type`` grid, scales fixed first (module doc)."""
+def iq_gptq(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    gguf_type: str,
+    *,
+    perm=None,
+    block_size: int = 128,
+    percdamp: float = 0.01,
+    dtype=None,
+    overwrite_hessian: bool = False,
+) -> GGUFGridResult:
+    """GPTQ of ``W`` ``[out, in]`` against ``H`` on the ``gguf_type`` grid, its scales fixed first
+    (module doc)."""
     t = iq.IQ_TYPES[gguf_type]
     d, l = iq_scales(W, importance(H), t)
     scales = d.float().repeat_interleave(t.nsub, dim=1)
-    res = gptq_quantize(W, H, None, iq.SUB, perm=perm, block_size=block_size, percdamp=percdamp, dtype=dtype,
-                        scales=scales, zeros=l.float(), quantizer=IQColumnQuantizer(),
-                        overwrite_hessian=overwrite_hessian)  # fmt: skip
+    res = gptq_quantize(
+        W,
+        H,
+        None,
+        iq.SUB,
+        perm=perm,
+        block_size=block_size,
+        percdamp=percdamp,
+        dtype=dtype,
+        scales=scales,
+        zeros=l.float(),
+        quantizer=IQColumnQuantizer(),
+        overwrite_hessian=overwrite_hessian,
+    )
     return GGUFGridResult(**{f: getattr(res, f) for f in res.__dataclass_fields__}, gguf_type=gguf_type)
 
 
-def kquant_gptq(W: torch.Tensor, H: torch.Tensor, gguf_type: str, *, perm=None, block_size: int = 128,
-                percdamp: float = 0.01, dtype=None, overwrite_hessian: bool = False) -> GGUFGridResult:  # fmt: skip
+def kquant_gptq(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    gguf_type: str,
+    *,
+    perm=None,
+    block_size: int = 128,
+    percdamp: float = 0.01,
+    dtype=None,
+    overwrite_hessian: bool = False,
+) -> GGUFGridResult:
     """GPTQ of ``W`` ``[out, in]`` against ``H`` on the k-quant ``gguf_type``'s stored grid, its scales and
     mins fitted first and fixed (module doc)."""
     t = kq.K_TYPES[gguf_type]
@@ -208,11 +246,28 @@ def kquant_gptq(W: torch.Tensor, H: torch.Tensor, gguf_type: str, *, perm=None, 
     out = W.shape[0]
     d = f.d.float().repeat_interleave(t.nsub, dim=1)
     scale = d * f.sc.float()  # float32: ggml's ``d * sc``
-    zero = f.dmin.float().repeat_interleave(t.nsub, dim=1) * f.m.float() if t.with_min else torch.zeros_like(scale)
-    res = gptq_quantize(W, H, None, t.sub, perm=perm, block_size=block_size, percdamp=percdamp, dtype=dtype,
-                        scales=scale, zeros=zero, quantizer=KColumnQuantizer(t),
-                        overwrite_hessian=overwrite_hessian)  # fmt: skip
+    zero = (
+        f.dmin.float().repeat_interleave(t.nsub, dim=1) * f.m.float()
+        if t.with_min
+        else torch.zeros_like(scale)
+    )
+    res = gptq_quantize(
+        W,
+        H,
+        None,
+        t.sub,
+        perm=perm,
+        block_size=block_size,
+        percdamp=percdamp,
+        dtype=dtype,
+        scales=scale,
+        zeros=zero,
+        quantizer=KColumnQuantizer(t),
+        overwrite_hessian=overwrite_hessian,
+    )
     aux = {"sc": f.sc.reshape(out, -1), "d": f.d}
     if t.with_min:
         aux.update(m=f.m.reshape(out, -1), dmin=f.dmin)
-    return GGUFGridResult(**{k: getattr(res, k) for k in res.__dataclass_fields__}, gguf_type=gguf_type, aux=aux)
+    return GGUFGridResult(
+        **{k: getattr(res, k) for k in res.__dataclass_fields__}, gguf_type=gguf_type, aux=aux
+    )

@@ -75,7 +75,7 @@ def row_bytes(t: IQType, n: int) -> int:
 def dequantize(codes: torch.Tensor, d: torch.Tensor, l: torch.Tensor, t: IQType) -> torch.Tensor:
     """float32 ``[out, in]``: ``(d * l) * KVALUES[codes]`` as ggml computes it (module doc)."""
     out, n = codes.shape
-    dl = (d.float().repeat_interleave(t.nsub, dim=1) * l.float())  # [out, in/32]
+    dl = d.float().repeat_interleave(t.nsub, dim=1) * l.float()  # [out, in/32]
     v = grid(codes.device)[codes.long()].reshape(out, n // SUB, SUB)
     return (dl[..., None] * v).reshape(out, n)
 

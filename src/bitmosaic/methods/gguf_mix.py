@@ -30,7 +30,14 @@ PRESETS = {"Q2_K": "Q2_K", "Q3_K_M": "Q3_K", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K",
            "Q4_0": "Q4_0"}  # fmt: skip
 MIXES = ("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M")  # the presets with a per-tensor mix (the rest: pure)
 BLOCK_OF = {**dict.fromkeys((*K_TYPES, "IQ4_XS"), 256), "IQ4_NL": 32, "Q4_0": 32, "Q5_0": 32, "Q8_0": 32}
-FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_0", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
+FALLBACK = {
+    "Q2_K": "Q4_0",
+    "Q3_K": "Q4_0",
+    "Q4_K": "Q5_0",
+    "Q5_K": "Q5_0",
+    "Q6_K": "Q8_0",
+    "IQ4_XS": "IQ4_NL",
+}
 LEGACY_BITS = {"Q4_0": 4, "Q5_0": 5, "Q8_0": 8}  # symmetric integer grids, groups of 32
 CATEGORY = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}  # fmt: skip

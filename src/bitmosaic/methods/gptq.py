@@ -81,8 +81,10 @@ class GPTQ(Method):
         """The counts llama.cpp's per-tensor mix needs: decoder layers and the query heads per kv head."""
         c = getattr(model, "config", None)
         heads = getattr(c, "num_attention_heads", 1) or 1
-        return {"n_layers": getattr(c, "num_hidden_layers", 1) or 1,
-                "n_gqa": heads / (getattr(c, "num_key_value_heads", None) or heads)}  # fmt: skip
+        return {
+            "n_layers": getattr(c, "num_hidden_layers", 1) or 1,
+            "n_gqa": heads / (getattr(c, "num_key_value_heads", None) or heads),
+        }
 
     def quantize(self, weight, stats: LayerStats, cfg: GPTQConfig, state=None, name=None) -> QuantResult:
         if cfg.gguf_type is None:
@@ -90,15 +92,24 @@ class GPTQ(Method):
         state = state or {"n_layers": 1, "n_gqa": 1}
         typ = tensor_type(cfg.gguf_type, name, weight.shape[1], state["n_layers"], state["n_gqa"])
         if typ in LEGACY_BITS:  # llama.cpp's fallback is an integer grid: GPTQ on it, symmetric, groups of 32
-            sub = dataclasses.replace(cfg, gguf_type=None, bits=LEGACY_BITS[typ], sym=True, group_size=32,
-                                      static_groups=True)  # fmt: skip
+            sub = dataclasses.replace(
+                cfg, gguf_type=None, bits=LEGACY_BITS[typ], sym=True, group_size=32, static_groups=True
+            )
             res = quantize_gptq(weight, stats, sub)
             res.info["gguf_type"] = typ
             return res
         H = require_hessian(stats, "gptq")
         solve = iq_gptq if typ in IQ_TYPES else kquant_gptq
-        res = solve(weight, H, typ, perm=processing_order(H, cfg), block_size=cfg.block_size, percdamp=cfg.damp,
-                    dtype=HESSIAN_DTYPES[cfg.solver_dtype], overwrite_hessian=stats.hessian_disposable)  # fmt: skip
+        res = solve(
+            weight,
+            H,
+            typ,
+            perm=processing_order(H, cfg),
+            block_size=cfg.block_size,
+            percdamp=cfg.damp,
+            dtype=HESSIAN_DTYPES[cfg.solver_dtype],
+            overwrite_hessian=stats.hessian_disposable,
+        )
         res.info["gguf_type"] = typ
         return res
 
@@ -107,5 +118,7 @@ class GPTQ(Method):
             return GGUFGridLinear.from_result(res, bias)
         typ = res.info.get("gguf_type")
         if typ in LEGACY_BITS:
-            return QuantLinear.from_result(res, bits=LEGACY_BITS[typ], group_size=32, symmetric=True, bias=bias)
+            return QuantLinear.from_result(
+                res, bits=LEGACY_BITS[typ], group_size=32, symmetric=True, bias=bias
+            )
         return super().pack(res, cfg, bias)

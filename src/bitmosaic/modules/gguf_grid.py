@@ -29,18 +29,24 @@ class GGUFGridLinear(QuantModule):
     def __init__(self, in_features: int, out_features: int, *, gguf_type: str, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
         if gguf_type not in (*iq.IQ_TYPES, *kq.K_TYPES):
-            raise ValueError(f"gguf_type {gguf_type!r} is not one of {', '.join((*iq.IQ_TYPES, *kq.K_TYPES))}")
+            raise ValueError(
+                f"gguf_type {gguf_type!r} is not one of {', '.join((*iq.IQ_TYPES, *kq.K_TYPES))}"
+            )
         import gguf
 
         block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[gguf_type]]
         if in_features % block:
-            raise ValueError(f"{gguf_type} needs an input width that is a multiple of {block}, got {in_features}")
+            raise ValueError(
+                f"{gguf_type} needs an input width that is a multiple of {block}, got {in_features}"
+            )
         self.gguf_type = gguf_type
         k = kq.K_TYPES.get(gguf_type)
         # for reports: the code width and the weights per scale
         self.bits, self.group_size = (k.qmax.bit_length(), k.sub) if k else (4, iq.SUB)
         self.symmetric = not (k and k.with_min)
-        self.register_buffer("blocks", torch.zeros(out_features, in_features // block * size, dtype=torch.uint8))
+        self.register_buffer(
+            "blocks", torch.zeros(out_features, in_features // block * size, dtype=torch.uint8)
+        )
 
     @property
     def iq_type(self) -> iq.IQType:
