@@ -95,7 +95,11 @@ def _run_build(version: str, args: str, tmp: Path, out, jobs: int) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def find_or_build(build: bool = True, version: str = VERSION, jobs: int = 2, log=print) -> Path | None:
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def find_or_build(build: bool = True, version: str = VERSION, jobs: int = 2, log=_say) -> Path | None:
     """The folder holding ``bin/llama-{imatrix,quantize,perplexity}``: cached, or built now; ``None``
     (the reason logged in one line) when there is none and ``build`` is off or the build failed."""
     args = cmake_args(cpu_flags())
@@ -113,14 +117,14 @@ def find_or_build(build: bool = True, version: str = VERSION, jobs: int = 2, log
     log_path = final.with_name(f"{final.name}.log")
     shutil.rmtree(tmp, ignore_errors=True)
     log(f"building llama.cpp's {', '.join(TOOLS)} from {PACKAGE}=={version}'s source into {final} "
-        f"({args}; -j{jobs}); about 15 minutes on 2 cores", flush=True)  # fmt: skip
+        f"({args}; -j{jobs}); about 7-15 minutes on 2 cores")  # fmt: skip
     t0 = time.monotonic()
     done = threading.Event()
 
     def progress() -> None:
         while not done.wait(60):
             s = int(time.monotonic() - t0)
-            log(f"  building llama.cpp tools ... {s // 60}:{s % 60:02d} elapsed", flush=True)
+            log(f"  building llama.cpp tools ... {s // 60}:{s % 60:02d} elapsed")
 
     ticker = threading.Thread(target=progress, daemon=True)
     ticker.start()
@@ -140,7 +144,7 @@ def find_or_build(build: bool = True, version: str = VERSION, jobs: int = 2, log
     except OSError:  # another process finished the same build first
         shutil.rmtree(tmp, ignore_errors=True)
     log_path.unlink(missing_ok=True)
-    log(f"built llama.cpp tools in {time.monotonic() - t0:.0f} s: {final}", flush=True)
+    log(f"built llama.cpp tools in {time.monotonic() - t0:.0f} s: {final}")
     return final if _built(final) else None
 
 
