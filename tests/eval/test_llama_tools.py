@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import benchmarks.peers.llama_tools
-from benchmarks.gguf.llamacpp_peers import calibration_chunks, parse_perplexity
+from benchmarks.gguf.llamacpp_peers import parse_perplexity
 
 
 @pytest.fixture()
