@@ -497,7 +497,9 @@ def _quantized_tensors(model: _Model, gguf_type: str | None, lossy: bool) -> tup
         t = kq.K_TYPES[gguf_type]
         raise ExportError(_kquant_refusal(t, records, model.qmods, sum(rerounded.values())))
     fallback = [
-        n for n, (_, t) in blocks.items() if gguf_type is None and t != _first_default(model.qmods[n])
+        n
+        for n, (_, t) in blocks.items()
+        if gguf_type is None and not hasattr(model.qmods[n], "gguf_data") and t != _first_default(model.qmods[n])
     ]
     if fallback:
         model.notes.append(
