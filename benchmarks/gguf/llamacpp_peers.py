@@ -268,8 +268,9 @@ class Steps:
 def _cell(r: dict | None) -> str:
     if not r:
         return "-"
-    kl, top1 = r.get("kld", float("nan")), r.get("top1", 0)
-    return f"{r['ppl']:.2f} ({r['mb']:.1f} MB, KL {kl:.4f}, top-1 {top1:.1f}%)"
+    if "kld" not in r:  # the base of the KL pass itself
+        return f"{r['ppl']:.2f} ({r['mb']:.1f} MB; the KL base)"
+    return f"{r['ppl']:.2f} ({r['mb']:.1f} MB, KL {r['kld']:.4f}, top-1 {r.get('top1', 0):.1f}%)"
 
 
 def report(st: dict, a) -> str:
