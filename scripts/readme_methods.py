@@ -93,17 +93,18 @@ def _names(code: types.CodeType, globals_: dict, seen: set, depth: int = 0) -> s
 
 
 def module_kind(method) -> str:
-    """The saved module kind the method's ``pack`` builds: of the registered module classes its code
-    names, the most derived (``SQActLinear`` wraps a ``QuantLinear``)."""
+    """The saved module kind(s) the method's ``pack`` builds: of the registered module classes its code
+    names, the most derived (``SQActLinear`` wraps a ``QuantLinear``); a method whose options choose
+    between unrelated kinds (gptq: ``packed``, or ``gguf-grid`` with ``--gguf-type``) lists each."""
     from bitmosaic.modules import KINDS
 
     pack = type(method).pack
     names = _names(pack.__code__, pack.__globals__, set())
     classes = [c for c in KINDS.values() if c.__name__ in names]
     leaves = [c for c in classes if not any(o is not c and issubclass(o, c) for o in classes)]
-    if len(leaves) != 1:
-        raise RuntimeError(f"cannot tell the module kind of method {method.name!r}: {leaves}")
-    return leaves[0].kind
+    if not leaves:
+        raise RuntimeError(f"cannot tell the module kind of method {method.name!r}")
+    return " / ".join(sorted((c.kind for c in leaves), key=lambda k: (k != "packed", k)))
 
 
 def rows() -> list[tuple[str, str, str, str, list[str]]]:

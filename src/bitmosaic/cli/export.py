@@ -30,7 +30,8 @@ def add_export_parser(sub) -> None:
         type=str.upper,
         metavar="TYPE",
         help="gguf: the type of the quantized matrices, Q4_0 Q4_1 Q5_0 Q5_1 Q8_0, the k-quants Q2_K Q3_K "
-        "Q4_K Q5_K Q6_K (their sub-block scales refitted to our integers: lossy, needs --lossy) or F32 F16 "
+        "Q4_K Q5_K Q6_K (their sub-block scales refitted to our integers: lossy, needs --lossy; layers "
+        "quantized with gptq --gguf-type on a type's grid: exact), IQ4_NL IQ4_XS (only those) or F32 F16 "
         "BF16 "
         "(default: the smallest that holds the weights exactly for their bits and symmetry; a float model: "
         "per tensor, the first of F16, BF16, F32 that holds it exactly)",

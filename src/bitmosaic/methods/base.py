@@ -166,6 +166,11 @@ class Method:
     def has_prepare(self) -> bool:
         return type(self).prepare is not Method.prepare
 
+    def needs_prepare(self, config) -> bool:
+        """Whether a run with ``config`` calls :meth:`prepare` (default: whenever the method has one; a
+        method whose prepare serves one option only says so here, so its other runs can stream)."""
+        return self.has_prepare
+
     @property
     def has_transform(self) -> bool:
         return type(self).transform is not Method.transform

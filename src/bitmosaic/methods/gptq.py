@@ -6,15 +6,26 @@ paper §4, Theorem 4; method ``babai``), and ``order="min-pivot"`` is that paper
 (§4, Algorithm 3).  The solve (:func:`~.common.quantize_gptq`) and its fields
 (:class:`~.common.GPTQSolverConfig`) are shared with the methods that run a GPTQ solve after
 smoothing; this file holds GPTQ's own defaults.
+
+``gguf_type`` (``--gguf-type Q4_K_M``, ``IQ4_XS``, ...; issue 72): each linear is solved on the stored grid
+of the GGUF type llama.cpp's preset gives it (:mod:`.gguf_mix`): a k-quant or IQ4 grid with its scales
+fixed first (:mod:`bitmosaic.algorithms.gguf_grid`, packed as
+:class:`~bitmosaic.modules.gguf_grid.GGUFGridLinear`), or a legacy fallback (Q4_0 / Q5_0 / Q8_0) as a
+symmetric integer grid in groups of 32; the GGUF export writes either exactly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from ..algorithms.gguf_grid import GGUFGridResult, iq_gptq, kquant_gptq
 from ..algorithms.types import QuantResult
-from .common import GPTQSolverConfig, quantize_gptq
-from .options import like
+from ..modules.gguf_grid import GGUFGridLinear
+from ..modules.qlinear import QuantLinear
+from .common import HESSIAN_DTYPES, GPTQSolverConfig, processing_order, quantize_gptq, require_hessian
+from .gguf_mix import IQ_TYPES, LEGACY_BITS, PRESETS, tensor_type
+from .options import like, option
 from .registry import LayerStats, Method, WeightQuantConfig, register
 
 __all__ = ["GPTQ", "GPTQConfig"]
@@ -32,6 +43,29 @@ class GPTQConfig(GPTQSolverConfig):
     :class:`~.common.GPTQSolverConfig`; auto resolves in :func:`~.common.static_groups_for`."""
 
     scale: str = like(WeightQuantConfig, "scale", "mse")
+    gguf_type: str | None = option(
+        None,
+        help="solve on a GGUF type's own stored grid so `bitmosaic export --format gguf` writes it exactly, "
+        "with llama.cpp's per-tensor mix of the preset and its fallbacks for widths a block does not fit: "
+        + " ".join(PRESETS),
+        choices=tuple(PRESETS),
+        parse=str.upper,
+        type=str,
+    )
+
+    def __post_init__(self) -> None:
+        if self.gguf_type is not None:
+            self.gguf_type = self.gguf_type.upper()
+            if self.gguf_type not in PRESETS:
+                raise ValueError(f"--gguf-type {self.gguf_type}: gptq solves on {', '.join(PRESETS)}")
+            self.bits, self.group_size, self.sym = 4, 32, True  # the report's; each layer's type decides
+        super().__post_init__()
+
+    @property
+    def solve_alone(self) -> bool:
+        """Each linear is solved on its own (never stacked with those sharing its input): a GGUF preset
+        picks each tensor's type by its name."""
+        return self.gguf_type is not None
 
 
 @register
@@ -40,5 +74,51 @@ class GPTQ(Method):
     may_overwrite_hessian = True
     description = "GPTQ (OPTQ) with orders, groups, clip/no-clip"
 
+    def needs_prepare(self, config) -> bool:
+        return getattr(config, "gguf_type", None) is not None
+
+    def prepare(self, model, cfg: GPTQConfig, ctx):
+        """The counts llama.cpp's per-tensor mix needs: decoder layers and the query heads per kv head."""
+        c = getattr(model, "config", None)
+        heads = getattr(c, "num_attention_heads", 1) or 1
+        return {
+            "n_layers": getattr(c, "num_hidden_layers", 1) or 1,
+            "n_gqa": heads / (getattr(c, "num_key_value_heads", None) or heads),
+        }
+
     def quantize(self, weight, stats: LayerStats, cfg: GPTQConfig, state=None, name=None) -> QuantResult:
-        return quantize_gptq(weight, stats, cfg)
+        if cfg.gguf_type is None:
+            return quantize_gptq(weight, stats, cfg)
+        state = state or {"n_layers": 1, "n_gqa": 1}
+        typ = tensor_type(cfg.gguf_type, name, weight.shape[1], state["n_layers"], state["n_gqa"])
+        if typ in LEGACY_BITS:  # llama.cpp's fallback is an integer grid: GPTQ on it, symmetric, groups of 32
+            sub = dataclasses.replace(
+                cfg, gguf_type=None, bits=LEGACY_BITS[typ], sym=True, group_size=32, static_groups=True
+            )
+            res = quantize_gptq(weight, stats, sub)
+            res.info["gguf_type"] = typ
+            return res
+        H = require_hessian(stats, "gptq")
+        solve = iq_gptq if typ in IQ_TYPES else kquant_gptq
+        res = solve(
+            weight,
+            H,
+            typ,
+            perm=processing_order(H, cfg),
+            block_size=cfg.block_size,
+            percdamp=cfg.damp,
+            dtype=HESSIAN_DTYPES[cfg.solver_dtype],
+            overwrite_hessian=stats.hessian_disposable,
+        )
+        res.info["gguf_type"] = typ
+        return res
+
+    def pack(self, res, cfg, bias):
+        if isinstance(res, GGUFGridResult):
+            return GGUFGridLinear.from_result(res, bias)
+        typ = res.info.get("gguf_type")
+        if typ in LEGACY_BITS:
+            return QuantLinear.from_result(
+                res, bits=LEGACY_BITS[typ], group_size=32, symmetric=True, bias=bias
+            )
+        return super().pack(res, cfg, bias)

@@ -10,6 +10,7 @@ the registry is complete whenever ``bitmosaic.modules`` is imported.
 
 from .actquant import attach_input_quant, input_quant_spec
 from .base import KINDS, NoIntForm, QuantModule
+from .gguf_grid import GGUFGridLinear
 from .mosaic import MosaicQuantLinear
 from .packed_experts import PackedExperts, PackedRoutedExperts, pack_experts
 from .qlinear import QuantLinear, UnpackableCodesError, set_weight_cache
@@ -31,6 +32,7 @@ __all__ = [
     "NoIntForm",
     "FP8ComputeQuantLinear",
     "FP8Linear",
+    "GGUFGridLinear",
     "HuffmanQuantLinear",
     "MosaicQuantLinear",
     "PackedExperts",

@@ -235,7 +235,7 @@ def _prepare(model, calib, run: LayerRun, progress, inputs, fisher):
         mine = {k: v for k, v in inputs.items() if k in m.prepare_inputs and v is not None}
         ctx = MethodContext(arch, names[key], calib, progress, mine, fisher, (m, c))
         contexts[key] = ctx
-        if m.has_prepare:
+        if m.needs_prepare(c):
             states[key] = m.prepare(model, c, ctx)
     return contexts, states
 

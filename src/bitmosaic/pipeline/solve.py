@@ -93,7 +93,8 @@ def quantize_shared(job: SolveJob, H, disposable: bool = False) -> list[tuple[st
     own = [_narrow(lin.weight.data) for lin in lins]  # no float32 copies (module doc)
     for n, W in zip(names, own, strict=True):
         check_finite(W, f"the weight of {prefix}.{n}")
-    stacked = method.row_separable and len(names) > 1
+    # a config whose choice depends on the linear's name (a GGUF preset's per-tensor mix) solves alone
+    stacked = method.row_separable and len(names) > 1 and not getattr(config, "solve_alone", False)
     if stacked:
         calls = [(names, torch.cat(own).float())]
     else:

@@ -73,8 +73,8 @@ def streamable(recipe) -> str | None:
         )
     entries = [recipe.default()]
     entries += [recipe._entry_config(r, f"recipe overrides[{i}]") for i, r in enumerate(recipe.overrides)]
-    for method, _ in entries:
-        if method is not None and (method.has_prepare or method.has_finalize):
+    for method, config in entries:
+        if method is not None and (method.needs_prepare(config) or method.has_finalize):
             return (
                 f"method {method.name} has a whole-model step (its prepare/finalize hooks see every layer at "
                 "once), so it cannot stream one layer at a time; use --stream off (the model is then loaded "

@@ -25,6 +25,13 @@
   (``lossy``).  Layers whose input width is not a multiple of 256 are written in their exact legacy
   default type, as llama.cpp falls back for such tensors (a note says how many).  The written blocks are
   read back with ``gguf.quants`` and must equal the refit's own float model bit for bit.
+- layers that ``bitmosaic quantize --method gptq --gguf-type T`` solved on a GGUF type's own grid
+  (``IQ4_NL`` / ``IQ4_XS``, the k-quants, the presets ``Q4_K_M`` ...) hold their GGUF blocks already
+  (:class:`~bitmosaic.modules.gguf_grid.GGUFGridLinear`): written as they are (exact, no ``lossy``), the
+  preset's legacy fallback layers (integer grids) in their exact default type; a ``--gguf-type`` other
+  than those types is refused (``F32`` / ``F16`` / ``BF16`` write the weights as floats).  An IQ4 type is
+  refused for a model without such layers (bitmosaic has no IQ4 form of integers it did not calibrate
+  on that grid).
 - every other tensor (embeddings, norms, biases, an untied head) in the first of (the source file's
   block type, F16, BF16, F32) that holds it exactly; 1-D tensors in F32.  A float model (a model
   argument such as ``smollm2-135m``, not a saved folder) exports the same way, with ``TYPE`` one of
@@ -65,7 +72,8 @@ __all__ = ["GGUF_TYPES", "FLOAT_TYPES", "K_QUANTS", "default_types", "export_ggu
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 K_QUANTS = tuple(kq.K_TYPES)  # Q2_K .. Q6_K
-GGUF_TYPES = (*BLOCK_TYPES, *K_QUANTS, *FLOAT_TYPES)
+GRID_TYPES = ("IQ4_NL", "IQ4_XS")  # written from layers calibrated on them (GGUFGridLinear), as they are
+GGUF_TYPES = (*BLOCK_TYPES, *K_QUANTS, *GRID_TYPES, *FLOAT_TYPES)
 _ALL_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
@@ -297,11 +305,13 @@ def _file_type(qtypes: list[str], types: list[str]):
     from gguf import LlamaFileType as F
 
     named = {"F32": F.ALL_F32, "F16": F.MOSTLY_F16, "BF16": F.MOSTLY_BF16}
-    named.update({t: F[f"MOSTLY_{t}"] for t in BLOCK_TYPES})
+    named.update({t: F[f"MOSTLY_{t}"] for t in (*BLOCK_TYPES, *GRID_TYPES)})
     named.update({t: F[f"MOSTLY_{t}" + ("" if t in ("Q2_K", "Q6_K") else "_S")] for t in K_QUANTS})
     kquants = [t for t in qtypes if t in K_QUANTS]  # a k-quant file is named for its k-quant type
     if kquants:
         return named[Counter(kquants).most_common(1)[0][0]]
+    if "IQ4_XS" in qtypes:  # an IQ4_XS file (its narrow layers in IQ4_NL, as llama.cpp's) is named for it
+        return named["IQ4_XS"]
     if qtypes:
         return named[Counter(qtypes).most_common(1)[0][0]]
     return next((named[t] for t in ("BF16", "F16") if t in types), named["F32"])
@@ -371,6 +381,15 @@ def _layer_blocks(model: _Model, gguf_type: str | None, lossy: bool) -> tuple[di
     (bytes ``None`` for a float type, written by the caller) and its changes; ``rerounded``: per layer,
     the k-quant sub-blocks whose integers the type cannot hold (k-quants only)."""
     rerounded: dict[str, int] = {}
+    grid = {n for n, m in model.qmods.items() if hasattr(m, "gguf_data")}
+    if grid and gguf_type not in FLOAT_TYPES:
+        return _grid_blocks(model, gguf_type, lossy, grid)
+    if gguf_type in GRID_TYPES:
+        raise ExportError(
+            f"cannot export as gguf: {gguf_type} is written from layers calibrated on its grid, and "
+            f"{model.spec} has none; quantize with --method gptq --gguf-type {gguf_type}, or choose another "
+            "--gguf-type"
+        )
     if gguf_type in FLOAT_TYPES:
         blocks, changes = {n: (None, gguf_type) for n in model.qmods}, {n: [] for n in model.qmods}
     elif gguf_type in K_QUANTS:
@@ -388,6 +407,25 @@ def _layer_blocks(model: _Model, gguf_type: str | None, lossy: bool) -> tuple[di
     if model.experts:  # llama.cpp stacks a layer's experts into one tensor of one type
         model.notes.extend(moe.unify_expert_types(blocks, changes, lambda t, ns: _redo(model, t, ns)))
     return blocks, changes, rerounded
+
+
+def _grid_blocks(model: _Model, gguf_type: str | None, lossy: bool, grid: set) -> tuple[dict, dict, dict]:
+    """:func:`_layer_blocks` of a model whose layers ``grid`` hold their own GGUF blocks: those as they
+    are; any others as the default block types would write them.  A ``gguf_type`` other than the
+    layers' own grid types is refused in one line."""
+    own = {n: model.qmods[n].gguf_data() for n in grid}
+    types = sorted({t for _, t in own.values()})
+    if gguf_type is not None and gguf_type not in (*GRID_TYPES, *types):
+        raise ExportError(
+            f"cannot export as gguf: {len(grid)} layer(s) were calibrated on the GGUF grid of "
+            f"{'/'.join(types)} (e.g. {min(grid)}), which {gguf_type} cannot hold; leave out --gguf-type, "
+            "or choose F32 / F16 for floats"
+        )
+    rest = {n: m for n, m in model.qmods.items() if n not in grid}
+    blocks, changes = collect(rest, _block_layer(None, lossy), "gguf", lossy) if rest else ({}, {})
+    blocks.update(own)
+    changes.update({n: [] for n in grid})
+    return blocks, changes, {}
 
 
 def _redo(model: _Model, typ: str, names: list[str]) -> dict | None:
@@ -459,7 +497,9 @@ def _quantized_tensors(model: _Model, gguf_type: str | None, lossy: bool) -> tup
         t = kq.K_TYPES[gguf_type]
         raise ExportError(_kquant_refusal(t, records, model.qmods, sum(rerounded.values())))
     fallback = [
-        n for n, (_, t) in blocks.items() if gguf_type is None and t != _first_default(model.qmods[n])
+        n
+        for n, (_, t) in blocks.items()
+        if gguf_type is None and not hasattr(model.qmods[n], "gguf_data") and t != _first_default(model.qmods[n])
     ]
     if fallback:
         model.notes.append(

@@ -1,0 +1,90 @@
+"""llama.cpp's per-tensor type mix of a GGUF preset, so ``--method gptq --gguf-type Q4_K_M`` calibrates every
+linear for the type llama.cpp's ``llama-quantize`` would give it (issue 72).
+
+Transcribed from ``llama_tensor_get_type_impl`` and ``tensor_type_fallback`` in ``src/llama-quant.cpp`` of
+the llama.cpp that llama-cpp-python 0.3.36 vendors, for dense (non-expert, non-Falcon) models, with an
+importance matrix (the IQ4 presets' imatrix-less rule, Q5_K for the first eighth of ``ffn_down``, is
+left out: bitmosaic always calibrates).  ``use_more_bits(i, n)``: the first and last eighth of the layers
+and every third in between.  Token embedding and output head are not quantized linears here (the export
+writes them in the source file's type).
+
+Fallbacks for an input width that is not a multiple of the type's block (256 for the k-quants and
+IQ4_XS): Q2_K, Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL -- except that
+bitmosaic writes Q5_0 where llama.cpp writes Q5_1 (a calibrated asymmetric 5-bit layer is exact in Q5_1
+only where every block's offset is an fp16 number; Q5_0 is the smaller file, 5.5 vs 6 bits).
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import OptionError
+
+__all__ = ["PRESETS", "LEGACY_BITS", "BLOCK_OF", "tensor_type"]
+
+K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+IQ_TYPES = ("IQ4_NL", "IQ4_XS")
+# preset -> the default type of its tensors
+PRESETS = {"Q2_K": "Q2_K", "Q3_K_M": "Q3_K", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K",
+           "IQ4_XS": "IQ4_XS", "IQ4_NL": "IQ4_NL", "Q3_K": "Q3_K", "Q4_K": "Q4_K", "Q5_K": "Q5_K",
+           "Q4_0": "Q4_0"}  # fmt: skip
+MIXES = ("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M")  # the presets with a per-tensor mix (the rest: pure)
+BLOCK_OF = {**dict.fromkeys((*K_TYPES, "IQ4_XS"), 256), "IQ4_NL": 32, "Q4_0": 32, "Q5_0": 32, "Q8_0": 32}
+FALLBACK = {
+    "Q2_K": "Q4_0",
+    "Q3_K": "Q4_0",
+    "Q4_K": "Q5_0",
+    "Q5_K": "Q5_0",
+    "Q6_K": "Q8_0",
+    "IQ4_XS": "IQ4_NL",
+}
+LEGACY_BITS = {"Q4_0": 4, "Q5_0": 5, "Q8_0": 8}  # symmetric integer grids, groups of 32
+CATEGORY = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+            "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}  # fmt: skip
+
+
+def use_more_bits(i: int, n: int) -> bool:
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def _mixed(preset: str, category: str | None, i: int, n: int, n_gqa: float) -> str:
+    new = PRESETS[preset]
+    if preset not in MIXES or category is None:
+        return new
+    if category == "attn_v":
+        if preset == "Q2_K":
+            return "Q4_K" if n_gqa >= 4 else "Q3_K"
+        if preset == "Q3_K_M":
+            return "Q5_K" if i < 2 else "Q4_K"
+        return "Q6_K" if use_more_bits(i, n) else new  # Q4_K_M, Q5_K_M
+    if category == "ffn_down":
+        if preset == "Q2_K":
+            return "Q3_K"
+        if preset == "Q3_K_M":
+            return "Q5_K" if i < n // 16 else "Q4_K"
+        return "Q6_K" if use_more_bits(i, n) else new
+    if category == "attn_output":
+        return {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K"}.get(preset, new)
+    return new
+
+
+def tensor_type(preset: str, name: str | None, in_features: int, n_layers: int, n_gqa: float) -> str:
+    """The GGUF type llama.cpp gives the linear ``name`` (``model.layers.3.self_attn.v_proj``) of
+    ``in_features`` inputs under ``preset``, its width fallback applied (module doc)."""
+    m = re.search(r"layers\.(\d+)\.(?:[^.]+\.)*?(\w+_proj)$", name or "")
+    category = CATEGORY.get(m[2]) if m else None
+    if preset in MIXES and category is None:
+        raise OptionError(
+            f"--gguf-type {preset}: cannot tell the role of layer {name or '(unnamed)'} (llama.cpp's mix is "
+            "by q/k/v/o/gate/up/down projection); use the plain type (e.g. Q4_K) or a recipe"
+        )
+    typ = _mixed(preset, category, int(m[1]) if m else 0, n_layers, n_gqa)
+    if in_features % BLOCK_OF[typ]:
+        typ = FALLBACK.get(typ, typ)
+    if in_features % BLOCK_OF[typ]:
+        raise OptionError(
+            f"--gguf-type {preset}: layer {name or ''} has {in_features} input columns, not a multiple of "
+            f"{BLOCK_OF[typ]} ({typ}; llama.cpp writes such tensors as F16); quantize it with another method "
+            "through a recipe override"
+        )
+    return typ
