@@ -166,6 +166,11 @@ class Method:
     def has_prepare(self) -> bool:
         return type(self).prepare is not Method.prepare
 
+    def packs_plain(self, config) -> bool:
+        """Whether ``config``'s results are packed as the plain integer grid of its bits/group size/symmetry
+        (:meth:`pack` not overridden; a method that overrides it for some options only says so here)."""
+        return type(self).pack is Method.pack
+
     def needs_prepare(self, config) -> bool:
         """Whether a run with ``config`` calls :meth:`prepare` (default: whenever the method has one; a
         method whose prepare serves one option only says so here, so its other runs can stream)."""

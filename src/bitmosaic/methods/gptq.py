@@ -77,6 +77,9 @@ class GPTQ(Method):
     def needs_prepare(self, config) -> bool:
         return getattr(config, "gguf_type", None) is not None
 
+    def packs_plain(self, config) -> bool:  # a GGUF type packs its own grid
+        return getattr(config, "gguf_type", None) is None
+
     def prepare(self, model, cfg: GPTQConfig, ctx):
         """The counts llama.cpp's per-tensor mix needs: decoder layers and the query heads per kv head."""
         c = getattr(model, "config", None)

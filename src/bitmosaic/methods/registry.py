@@ -51,11 +51,11 @@ def grid_fallback(method: Method, config) -> tuple[Method, WeightQuantConfig]:
     too thin (an expert routed too few calibration tokens, issue 71).  Refused in one line for a method
     whose results are not that grid's plain format (it packs its own kind, or ignores the grid fields)."""
     unused = [f for f in _GRID_FIELDS if f in getattr(method.config_cls, "unused", {})]
-    if type(method).pack is not Method.pack or unused:
+    if not method.packs_plain(config) or unused:
         why = f"it does not use {'/'.join(unused)}" if unused else "it packs its own kind"
         raise OptionError(
-            f"method {method.name!r} stores its own format ({why}), so a linear without statistics of its own "
-            "cannot be rounded to its grid instead; use the pooled fallback (--moe-fallback pooled)"
+            f"method {method.name!r} stores its own format ({why}), so a linear without statistics of its "
+            "own cannot be rounded to its grid instead; use the pooled fallback (--moe-fallback pooled)"
         )
     fallback = next((m for m in _REGISTRY.values() if m.grid_fallback), None)
     if fallback is None:
