@@ -60,6 +60,8 @@ __all__ = [
     "pack_fp4",
     "unpack_fp4",
     "MXTensor",
+    "MX_SCHEMES",
+    "scheme_weight_format",
     "mx_quantize",
     "mx_dequantize",
     "mx_matmul",
@@ -113,6 +115,24 @@ MX_FORMATS: dict[str, MXFormat] = {
     "mxfp8-e5m2": MXFormat("mxfp8-e5m2", "e5m2", 32, "e8m0"),
     "fp8-block": MXFormat("fp8-block", "e4m3", 128, "fp32", block_rows=128),
 }
+
+
+# llm-compressor's preset names -> (weight format, activations quantized too)
+MX_SCHEMES: dict[str, tuple[str, bool]] = {
+    "MXFP4A16": ("mxfp4", False),
+    "MXFP4": ("mxfp4", True),
+    "NVFP4A16": ("nvfp4", False),
+    "NVFP4": ("nvfp4", True),
+    "MXFP8A16": ("mxfp8", False),
+    "MXFP8": ("mxfp8", True),
+    "FP8_BLOCK": ("fp8-block", True),
+}
+
+
+def scheme_weight_format(scheme: str | None) -> str | None:
+    """The microscaling weight format of a preset scheme name (``NVFP4A16`` -> ``nvfp4``), else None."""
+    hit = MX_SCHEMES.get(scheme.strip().upper().replace("-", "_")) if scheme else None
+    return hit[0] if hit else None
 
 
 def get_mx_format(name: str | MXFormat) -> MXFormat:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..algorithms.mx import mx_gptq
 from ..algorithms.types import QuantResult
-from .common import GPTQSolverConfig, quantize_gptq
+from .common import HESSIAN_DTYPES, GPTQSolverConfig, processing_order, quantize_gptq, require_hessian, shared
+from .microscale import SPLIT_ROWS, STACK_ROWS, is_mx, mx_post_init
 from .options import like
 from .registry import LayerStats, Method, WeightQuantConfig, register
 
@@ -32,6 +34,14 @@ class GPTQConfig(GPTQSolverConfig):
     :class:`~.common.GPTQSolverConfig`; auto resolves in :func:`~.common.static_groups_for`."""
 
     scale: str = like(WeightQuantConfig, "scale", "mse")
+    wfmt: str = shared("wfmt")
+    mx_rule: str = shared("mx_rule")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        mx_post_init(self)
+
+    stack_rows, split_rows = STACK_ROWS, SPLIT_ROWS
 
 
 @register
@@ -41,4 +51,11 @@ class GPTQ(Method):
     description = "GPTQ (OPTQ) with orders, groups, clip/no-clip"
 
     def quantize(self, weight, stats: LayerStats, cfg: GPTQConfig, state=None, name=None) -> QuantResult:
+        if is_mx(cfg):  # error feedback over the element grid, block scales fixed first (algorithms/mx.py)
+            H = require_hessian(stats, "gptq")
+            return mx_gptq(
+                weight, H, cfg.wfmt, method=cfg.scale, rule=cfg.mx_rule, perm=processing_order(H, cfg),
+                block_size=cfg.block_size, percdamp=cfg.damp, dtype=HESSIAN_DTYPES[cfg.solver_dtype],
+                overwrite_hessian=stats.hessian_disposable,
+            )  # fmt: skip
         return quantize_gptq(weight, stats, cfg)

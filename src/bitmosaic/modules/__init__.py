@@ -11,6 +11,7 @@ the registry is complete whenever ``bitmosaic.modules`` is imported.
 from .actquant import attach_input_quant, input_quant_spec
 from .base import KINDS, NoIntForm, QuantModule
 from .mosaic import MosaicQuantLinear
+from .mx import MXLinear
 from .packed_experts import PackedExperts, PackedRoutedExperts, pack_experts
 from .qlinear import QuantLinear, UnpackableCodesError, set_weight_cache
 from .qmodules import (
@@ -33,6 +34,7 @@ __all__ = [
     "FP8Linear",
     "HuffmanQuantLinear",
     "MosaicQuantLinear",
+    "MXLinear",
     "PackedExperts",
     "PackedRoutedExperts",
     "QuantLinear",

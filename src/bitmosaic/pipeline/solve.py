@@ -93,7 +93,9 @@ def quantize_shared(job: SolveJob, H, disposable: bool = False) -> list[tuple[st
     own = [_narrow(lin.weight.data) for lin in lins]  # no float32 copies (module doc)
     for n, W in zip(names, own, strict=True):
         check_finite(W, f"the weight of {prefix}.{n}")
-    stacked = method.row_separable and len(names) > 1
+    # a config may keep rows apart (stack_rows/split_rows: a format scaled over row blocks or a tensor)
+    stacked = method.row_separable and len(names) > 1 and getattr(config, "stack_rows", True)
+    split = method.row_separable and getattr(config, "split_rows", True)
     if stacked:
         calls = [(names, torch.cat(own).float())]
     else:
@@ -112,7 +114,7 @@ def quantize_shared(job: SolveJob, H, disposable: bool = False) -> list[tuple[st
         return method.quantize(W, stats, config, state, name)
 
     try:
-        solved = (job.dist or current()).solve(weights, solve, method.row_separable)
+        solved = (job.dist or current()).solve(weights, solve, split)
     except ScaleOverflowError as e:  # name the layer(s): the grid code does not know them
         which = ", ".join(f"{prefix}.{n}" for n in names)
         raise ScaleOverflowError(f"layer {which}: {e}") from None
