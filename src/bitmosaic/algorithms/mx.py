@@ -13,7 +13,8 @@ hold* and keeps, per block, the one with the smallest squared error after roundi
 GPTQ (:class:`MXColumnQuantizer`): the block scales are fixed from the original weights (static groups,
 so a block's columns share one scale whatever the processing order) and each error-updated column is
 rounded to the *nearest element value* (ties to even), the error ``w - Q(w)`` being propagated as in
-GPTQ (Frantar et al. 2023, Alg. 1).  The "codes" of the result are the element values themselves.
+GPTQ (Frantar et al. 2023, Alg. 1).  The solver keeps integer codes, so the element's bit pattern stands
+for it there; the "codes" of the returned result are the element values themselves.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from ..formats.mx import (
     MXTensor,
     block_amax,
     block_scales,
+    decode_elements,
     element_divisor,
+    encode_elements,
     expand_blocks,
     get_mx_format,
     nvfp4_global_scale,
@@ -169,8 +172,10 @@ class MXColumnQuantizer:
         return div.to(cols.dtype), torch.zeros_like(div, dtype=cols.dtype)
 
     def quantize(self, w, scale, zero):
-        v = quantize_elements(w / scale, self.fmt).to(w.dtype)
-        return v, v * scale
+        """``(element code, value · divisor)``: GPTQ keeps integer codes, so the element's bit pattern
+        (E2M1 nibble or FP8 byte) stands for it; :func:`mx_gptq` decodes them back to values."""
+        v = quantize_elements(w / scale, self.fmt)
+        return encode_elements(v, self.fmt).to(w.dtype), v.to(w.dtype) * scale
 
 
 def mx_gptq(W, H, fmt: str | MXFormat, *, method="mse", rule="floor", perm=None, block_size=128,
@@ -185,6 +190,7 @@ def mx_gptq(W, H, fmt: str | MXFormat, *, method="mse", rule="floor", perm=None,
         W, H, None, fmt.block, perm=perm, static_groups=True, block_size=block_size, percdamp=percdamp,
         dtype=dtype, quantizer=q, overwrite_hessian=overwrite_hessian,
     )  # fmt: skip
-    out = _result(W, res.codes, res.scales, fmt, gs)
+    values = decode_elements(res.codes.to(torch.uint8), fmt)
+    out = _result(W, values, res.scales, fmt, gs)
     out.perm, out.hessian_diag, out.step_errors, out.pivots = res.perm, res.hessian_diag, res.step_errors, res.pivots
     return out
