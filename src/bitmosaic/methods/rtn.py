@@ -27,7 +27,7 @@ class RTNConfig(WeightQuantConfig):
 
 @register
 class RTN(Method):
-    name, config_cls, description = "rtn", RTNConfig, "round-to-nearest (INT grid or MXFP4/NVFP4/MXFP8/FP8 block)"
+    name, config_cls, description = "rtn", RTNConfig, "round-to-nearest"
     needs_hessian, row_separable = False, True
     grid_fallback = True  # what a linear without statistics of its own is rounded with (registry.py)
 

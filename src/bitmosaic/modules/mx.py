@@ -20,7 +20,7 @@ from ..formats.mx import MXTensor, get_mx_format, mx_dequantize
 from .base import NoIntForm, QuantModule
 from .kernel import TiledKernel
 
-__all__ = ["MXLinear"]
+__all__ = ["MXLinear", "from_result"]
 
 
 class MXLinear(QuantModule):
@@ -94,3 +94,8 @@ class MXLinear(QuantModule):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {self.fmt}"
+
+
+def from_result(result, bias=None) -> MXLinear:
+    """The module of a microscaling quantization result (anything with ``to_tensor() -> MXTensor``)."""
+    return MXLinear.from_tensor(result.to_tensor(), bias)
