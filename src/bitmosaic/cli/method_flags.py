@@ -263,6 +263,10 @@ def method_options(args, method) -> dict:
                 f"--scheme/--abits/--afmt do not apply to method {method.name!r}: {unused['act']}"
             )
         opts["act"] = act
+    if args.scheme:
+        from ..methods.microscale import scheme_options
+
+        opts.update(scheme_options(method.name, method.config_cls, args.scheme))
     return opts
 
 

@@ -11,6 +11,8 @@ a formula written from this definition):
   zero per row and group on an asymmetric grid (a symmetric grid's zero is implied, not stored);
 * optionally a ``g_idx`` of ``in`` entries (act-order layouts), ``g_idx_bits`` each.
 
+Microscaling formats (:mod:`bitmosaic.formats.mx`, issue 75) count the same way: :func:`mx_storage_bits`.
+
 :func:`paper_storage_bits` is the Babai paper's nominal count instead (a second column beside the
 stored one, for comparing with its tables): symmetric, so no zeros, and no ``g_idx``.
 """
@@ -23,8 +25,9 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from .layout import num_groups
+from .mx import MXFormat, get_mx_format
 
-__all__ = ["storage_bits", "bits_per_weight", "dtype_name_bits", "paper_storage_bits"]
+__all__ = ["storage_bits", "bits_per_weight", "dtype_name_bits", "paper_storage_bits", "mx_storage_bits"]
 
 
 def storage_bits(tensors: Iterable[torch.Tensor | None] | Mapping[str, torch.Tensor | None]) -> int:
@@ -80,3 +83,11 @@ def paper_storage_bits(
         raise ValueError(f"outliers must be in [0, {out_features * in_features}], got {outliers}")
     scales = out_features * num_groups(in_features, group_size)
     return out_features * in_features * bits + scales * scale_bits + outliers * outlier_bits
+
+
+def mx_storage_bits(out_features: int, in_features: int, fmt: str | MXFormat) -> int:
+    """Stored bits of an ``[out, in]`` matrix in ``fmt`` (what :meth:`MXTensor.tensors` holds):
+    ``elem_bits`` per element, ``scale_bits`` per (possibly partial) block, 32 for a tensor scale."""
+    fmt = get_mx_format(fmt)
+    R, C = fmt.scale_shape(out_features, in_features)
+    return out_features * in_features * fmt.elem_bits + R * C * fmt.scale_bits + (32 if fmt.global_scale else 0)

@@ -135,9 +135,15 @@ def parse_scheme(scheme: str) -> tuple[int, ActQuantSpec | None]:
     """``"W4A8"`` -> (4, INT8 per-token); ``"W4A8-FP8"`` -> (4, E4M3 per-tensor static);
     ``"W4A16"`` -> (4, None).  FP activations default to static per-tensor scales (the DPQ
     setting); INT activations to dynamic per-token scales (the usual W8A8/W4A4 setting)."""
+    mx = _mx_scheme(scheme)
+    if mx is not None:
+        return mx
     m = re.fullmatch(r"W(\d+)A(\d+)(?:-(\w[\w-]*))?", scheme.strip().upper())
     if not m:
-        raise OptionError(f"scheme {scheme!r} is not of the form W<bits>A<bits>[-FP8|-FP4|-E5M2]")
+        raise OptionError(
+            f"scheme {scheme!r} is not of the form W<bits>A<bits>[-FP8|-FP4|-E5M2] nor a microscaling preset "
+            "(NVFP4A16, MXFP4A16, MXFP8A16, FP8_BLOCK)"
+        )
     wbits, abits, fmt = int(m.group(1)), int(m.group(2)), m.group(3)
     if abits >= 16:
         if fmt:
@@ -146,6 +152,26 @@ def parse_scheme(scheme: str) -> tuple[int, ActQuantSpec | None]:
     if fmt is None:
         return wbits, ActQuantSpec("int", abits)
     return wbits, ActQuantSpec(normalize_fmt(fmt), abits, granularity="tensor", static=True)
+
+
+def _mx_scheme(scheme: str) -> tuple[int, ActQuantSpec | None] | None:
+    """llm-compressor's microscaling presets (``NVFP4A16``, ``FP8_BLOCK``...; :data:`.mx.MX_SCHEMES`):
+    ``(element bits, activation quantizer)``; the weight format itself is
+    :func:`.mx.scheme_weight_format`'s."""
+    from .mx import MX_SCHEMES, get_mx_format
+
+    key = scheme.strip().upper().replace("-", "_")
+    if key not in MX_SCHEMES:
+        return None
+    wfmt, acts = MX_SCHEMES[key]
+    bits = get_mx_format(wfmt).elem_bits
+    if not acts:
+        return bits, None
+    if wfmt == "fp8-block":  # llm-compressor's FP8_BLOCK inputs: E4M3, one dynamic scale per token and 128
+        return bits, ActQuantSpec("e4m3", 8, granularity="group", group_size=128)
+    raise OptionError(
+        f"--scheme {scheme}: its microscaled activations are not implemented yet; use {key}A16 (weight-only)"
+    )
 
 
 def act_amax(x: torch.Tensor, spec: ActQuantSpec) -> torch.Tensor:

@@ -212,6 +212,11 @@ class Method:
     def pack(self, result: QuantResult, config, bias: torch.Tensor | None) -> nn.Module:
         from ..modules.qlinear import QuantLinear
 
+        if hasattr(result, "to_tensor"):  # a microscaling result (algorithms/mx.py): the ``mx`` kind
+            from ..modules import mx
+
+            return mx.from_result(result, bias)
+
         return QuantLinear.from_result(
             result, bits=config.bits, group_size=config.group_size, symmetric=config.sym, bias=bias,
             clip=getattr(config, "clip", None),

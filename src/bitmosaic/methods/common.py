@@ -59,6 +59,13 @@ _SHARED: dict[str, tuple] = {
     "max_shrink": (0.5, dict(help="largest clip shrink the AWQ clip search tries", range=(0, 1))),
     "per_channel": (False, dict(help="FP8 weight scale per output channel (else per tensor)")),
     "pow2": (False, dict(help="power-of-two FP8 scales")),
+    "wfmt": ("int", dict(
+        help="weight format: int (the INT grid) or a microscaling format (mxfp4, nvfp4, mxfp8, mxfp8-e5m2, "
+        "fp8-block; fixes bits and group size; --scheme NVFP4A16 etc. set it)",
+        choices=("int", "mxfp4", "nvfp4", "mxfp8", "mxfp8-e5m2", "fp8-block"))),
+    "mx_rule": ("floor", dict(
+        help="E8M0 shared exponent: floor (OCP MX spec) or round (compressed-tensors/vLLM)",
+        choices=("floor", "round"))),
     "sq": ("16-(8/4)-0.75", dict(
         help="SQ format bank-(high/low)-sparsity, e.g. 16-(8/4)-0.5 or 64-(fp8/fp4)-0.875")),
 }  # fmt: skip

@@ -20,11 +20,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..algorithms.gguf_grid import GGUFGridResult, iq_gptq, kquant_gptq
+from ..algorithms.mx import mx_gptq
 from ..algorithms.types import QuantResult
 from ..modules.gguf_grid import GGUFGridLinear
 from ..modules.qlinear import QuantLinear
-from .common import HESSIAN_DTYPES, GPTQSolverConfig, processing_order, quantize_gptq, require_hessian
+from .common import HESSIAN_DTYPES, GPTQSolverConfig, processing_order, quantize_gptq, require_hessian, shared
 from .gguf_mix import IQ_TYPES, LEGACY_BITS, PRESETS, tensor_type
+from .microscale import SPLIT_ROWS, STACK_ROWS, is_mx, mx_post_init
 from .options import like, option
 from .registry import LayerStats, Method, WeightQuantConfig, register
 
@@ -52,14 +54,23 @@ class GPTQConfig(GPTQSolverConfig):
         parse=str.upper,
         type=str,
     )
+    wfmt: str = shared("wfmt")
+    mx_rule: str = shared("mx_rule")
 
     def __post_init__(self) -> None:
         if self.gguf_type is not None:
             self.gguf_type = self.gguf_type.upper()
             if self.gguf_type not in PRESETS:
                 raise ValueError(f"--gguf-type {self.gguf_type}: gptq solves on {', '.join(PRESETS)}")
+            if is_mx(self):
+                raise ValueError(
+                    f"--gguf-type {self.gguf_type} and --wfmt {self.wfmt} are two grids; give one of them"
+                )
             self.bits, self.group_size, self.sym = 4, 32, True  # the report's; each layer's type decides
         super().__post_init__()
+        mx_post_init(self)
+
+    stack_rows, split_rows = STACK_ROWS, SPLIT_ROWS
 
     @property
     def solve_alone(self) -> bool:
@@ -90,6 +101,13 @@ class GPTQ(Method):
         }
 
     def quantize(self, weight, stats: LayerStats, cfg: GPTQConfig, state=None, name=None) -> QuantResult:
+        if is_mx(cfg):  # error feedback over the element grid, block scales fixed first (algorithms/mx.py)
+            H = require_hessian(stats, "gptq")
+            return mx_gptq(
+                weight, H, cfg.wfmt, method=cfg.scale, rule=cfg.mx_rule, perm=processing_order(H, cfg),
+                block_size=cfg.block_size, percdamp=cfg.damp, dtype=HESSIAN_DTYPES[cfg.solver_dtype],
+                overwrite_hessian=stats.hessian_disposable,
+            )  # fmt: skip
         if cfg.gguf_type is None:
             return quantize_gptq(weight, stats, cfg)
         state = state or {"n_layers": 1, "n_gqa": 1}

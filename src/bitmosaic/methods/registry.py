@@ -61,4 +61,5 @@ def grid_fallback(method: Method, config) -> tuple[Method, WeightQuantConfig]:
     if fallback is None:
         raise RuntimeError("internal: no registered method is marked grid_fallback")
     options = {f: getattr(config, f) for f in (*_GRID_FIELDS, "clip", "act")}
+    options.update({f: getattr(config, f) for f in ("wfmt", "mx_rule") if hasattr(config, f)})
     return fallback, fallback.make_config(**options, scale="mse")

@@ -12,6 +12,7 @@ from .actquant import attach_input_quant, input_quant_spec
 from .base import KINDS, NoIntForm, QuantModule
 from .gguf_grid import GGUFGridLinear
 from .mosaic import MosaicQuantLinear
+from .mx import MXLinear
 from .packed_experts import PackedExperts, PackedRoutedExperts, pack_experts
 from .qlinear import QuantLinear, UnpackableCodesError, set_weight_cache
 from .qmodules import (
@@ -35,6 +36,7 @@ __all__ = [
     "GGUFGridLinear",
     "HuffmanQuantLinear",
     "MosaicQuantLinear",
+    "MXLinear",
     "PackedExperts",
     "PackedRoutedExperts",
     "QuantLinear",

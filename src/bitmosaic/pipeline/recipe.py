@@ -54,6 +54,7 @@ def method_config(method: str, options: dict, scheme: str | None = None):
     from ..formats.act import parse_scheme
     from ..formats.packing import SUPPORTED_BITS
     from ..methods import get_method
+    from ..methods.microscale import scheme_options
 
     spec = get_method(method)
     options = dict(options)
@@ -63,7 +64,7 @@ def method_config(method: str, options: dict, scheme: str | None = None):
         bits, act = parse_scheme(scheme)
         if options.get("bits", bits) != bits:
             raise ValueError(f"scheme {scheme} says {bits}-bit weights but bits={options['bits']}")
-        options = {**options, "bits": bits, "act": act}
+        options = {**options, "bits": bits, "act": act, **scheme_options(spec.name, spec.config_cls, scheme)}
     bits, group = options.get("bits"), options.get("group_size")
     if bits is not None and (type(bits) is not int or bits not in SUPPORTED_BITS):
         raise OptionError(f"bits={bits!r} is not a supported width; use one of {list(SUPPORTED_BITS)}")

@@ -93,8 +93,11 @@ def quantize_shared(job: SolveJob, H, disposable: bool = False) -> list[tuple[st
     own = [_narrow(lin.weight.data) for lin in lins]  # no float32 copies (module doc)
     for n, W in zip(names, own, strict=True):
         check_finite(W, f"the weight of {prefix}.{n}")
-    # a config whose choice depends on the linear's name (a GGUF preset's per-tensor mix) solves alone
-    stacked = method.row_separable and len(names) > 1 and not getattr(config, "solve_alone", False)
+    # a config may keep rows apart (stack_rows/split_rows: a format scaled over row blocks or a tensor);
+    # one whose choice depends on the linear's name (a GGUF preset's per-tensor mix) solves alone
+    stacked = method.row_separable and len(names) > 1 and getattr(config, "stack_rows", True)
+    stacked = stacked and not getattr(config, "solve_alone", False)
+    split = method.row_separable and getattr(config, "split_rows", True)
     if stacked:
         calls = [(names, torch.cat(own).float())]
     else:
@@ -113,7 +116,7 @@ def quantize_shared(job: SolveJob, H, disposable: bool = False) -> list[tuple[st
         return method.quantize(W, stats, config, state, name)
 
     try:
-        solved = (job.dist or current()).solve(weights, solve, method.row_separable)
+        solved = (job.dist or current()).solve(weights, solve, split)
     except ScaleOverflowError as e:  # name the layer(s): the grid code does not know them
         which = ", ".join(f"{prefix}.{n}" for n in names)
         raise ScaleOverflowError(f"layer {which}: {e}") from None

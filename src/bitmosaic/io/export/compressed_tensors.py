@@ -24,7 +24,9 @@ Asymmetric zero-points are packed exactly as compressed-tensors' own compressor 
 transformers loader trips on their shape (a library bug: :mod:`.ct_compat` has the work-around).
 Activation quantizers map when compressed-tensors has the same scheme: INT/E4M3 per-token dynamic and
 per-tensor static (``input_scale``) or dynamic; per-group, power-of-two dynamic, E5M2, E4M3-240 and FP4
-activations are refused (dropped with ``--lossy``).  Note that a loader computes dynamic INT scales its
+activations are refused (dropped with ``--lossy``), except dynamic E4M3 per-group scales (FP8_BLOCK's).
+Microscaling layers (MXFP4, NVFP4, MXFP8, FP8 block) are written as llm-compressor writes them
+(:mod:`.ct_mx`).  Note that a loader computes dynamic INT scales its
 own way (compressed-tensors: ``amax / 127.5``; bitmosaic and vLLM: ``amax / 127``).
 """
 
@@ -38,6 +40,7 @@ import torch
 from ...formats.wordpack import pack_words
 from ...modules.actquant import input_quant_spec
 from .common import Source, collect, record
+from .ct_mx import mx_layer
 from .layers import IntLayer, Refusal, fp8_layer, int_layer, regroup, requantize_contiguous
 
 __all__ = ["CT_BITS", "build_compressed_tensors", "act_args"]
@@ -53,8 +56,8 @@ def act_args(m) -> tuple[dict | None, torch.Tensor | None]:
     why = None
     if spec.fmt not in ("int", "e4m3"):
         why = f"{spec.fmt} activations (compressed-tensors has INT and E4M3)"
-    elif spec.granularity == "group":
-        why = "per-group activation scales"
+    elif spec.granularity == "group" and (spec.static or spec.fmt != "e4m3" or spec.pow2):
+        why = "per-group activation scales (compressed-tensors has dynamic E4M3 ones: FP8_BLOCK's)"
     elif spec.pow2 and not spec.static:
         why = "dynamic power-of-two activation scales"
     elif spec.clip_ratio != 1 and not spec.static:
@@ -68,6 +71,8 @@ def act_args(m) -> tuple[dict | None, torch.Tensor | None]:
         "strategy": spec.granularity,
         "dynamic": not spec.static,
     }
+    if spec.granularity == "group":  # FP8_BLOCK's inputs: one dynamic E4M3 scale per token and group
+        args["group_size"] = spec.group_size
     return args, (m.input_quant.scale.detach().float().reshape(1).clone() if spec.static else None)
 
 
@@ -118,7 +123,9 @@ def _convert(lossy: bool):
 
 def _layer(m, act, input_scale, lossy: bool, changes: list[str], act_refusal: str | None):
     """``(exported layer, tensors, scheme)`` of one module (``act``: its mapped activation scheme)."""
-    if m.exports_as_fp8(lossy):
+    if getattr(m, "kind", None) == "mx":  # microscaling formats: their own bytes (ct_mx.py)
+        lay, t, w, fmt = mx_layer(m)
+    elif m.exports_as_fp8(lossy):
         lay = fp8_layer(m, lossy, changes)
         per_tensor = lay.scale.shape[0] == 1
         w = {

@@ -65,6 +65,7 @@ from . import gguf_kquants as kq
 from . import gguf_moe as moe
 from .common import ExportResult, Source, collect, record
 from .gguf_blocks import BLOCK, BLOCK_TYPES, BlockType, fit, float_tensor, pack
+from .gguf_mx import MXFP4_TYPE, mxfp4_blocks
 from .gguf_file import check_gguf_out, source_metadata, tensors_in_file_order, write_gguf
 from .layers import ExportError, Refusal, regroup
 
@@ -73,7 +74,7 @@ __all__ = ["GGUF_TYPES", "FLOAT_TYPES", "K_QUANTS", "default_types", "export_ggu
 FLOAT_TYPES = ("F32", "F16", "BF16")
 K_QUANTS = tuple(kq.K_TYPES)  # Q2_K .. Q6_K
 GRID_TYPES = ("IQ4_NL", "IQ4_XS")  # written from layers calibrated on them (GGUFGridLinear), as they are
-GGUF_TYPES = (*BLOCK_TYPES, *K_QUANTS, *GRID_TYPES, *FLOAT_TYPES)
+GGUF_TYPES = (*BLOCK_TYPES, *K_QUANTS, *GRID_TYPES, *FLOAT_TYPES, MXFP4_TYPE)
 _ALL_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
@@ -178,6 +179,14 @@ def _block_layer(gguf_type: str | None, lossy: bool):
     from gguf import quants
 
     def fn(name, m, changes):
+        if gguf_type in (None, MXFP4_TYPE) and getattr(m, "fmt", None) == "mxfp4" and input_quant_spec(m) is None:
+            return mxfp4_blocks(m), MXFP4_TYPE  # exact (gguf_mx.py)
+        if gguf_type == MXFP4_TYPE:
+            if not lossy:
+                raise Refusal("weights that are not MXFP4 (GGUF MXFP4 holds bitmosaic's mxfp4 layers exactly)")
+            changes.append("re-rounded with llama.cpp's MXFP4 rounding of the bitmosaic weights")
+            w = m.dequantize_reference(torch.float32).numpy()
+            return quants.quantize(w, quants.GGMLQuantizationType.MXFP4), MXFP4_TYPE
         why: list[str] = []
         spec = input_quant_spec(m)
         if spec is not None:
@@ -306,6 +315,7 @@ def _file_type(qtypes: list[str], types: list[str]):
 
     named = {"F32": F.ALL_F32, "F16": F.MOSTLY_F16, "BF16": F.MOSTLY_BF16}
     named.update({t: F[f"MOSTLY_{t}"] for t in (*BLOCK_TYPES, *GRID_TYPES)})
+    named[MXFP4_TYPE] = F.MOSTLY_MXFP4_MOE  # llama.cpp's one MXFP4 file type (gpt-oss)
     named.update({t: F[f"MOSTLY_{t}" + ("" if t in ("Q2_K", "Q6_K") else "_S")] for t in K_QUANTS})
     kquants = [t for t in qtypes if t in K_QUANTS]  # a k-quant file is named for its k-quant type
     if kquants:
