@@ -65,8 +65,8 @@ from . import gguf_kquants as kq
 from . import gguf_moe as moe
 from .common import ExportResult, Source, collect, record
 from .gguf_blocks import BLOCK, BLOCK_TYPES, BlockType, fit, float_tensor, pack
-from .gguf_mx import MXFP4_TYPE, mxfp4_blocks
 from .gguf_file import check_gguf_out, source_metadata, tensors_in_file_order, write_gguf
+from .gguf_mx import MXFP4_TYPE, mxfp4_blocks
 from .layers import ExportError, Refusal, regroup
 
 __all__ = ["GGUF_TYPES", "FLOAT_TYPES", "K_QUANTS", "default_types", "export_gguf"]
@@ -179,11 +179,14 @@ def _block_layer(gguf_type: str | None, lossy: bool):
     from gguf import quants
 
     def fn(name, m, changes):
-        if gguf_type in (None, MXFP4_TYPE) and getattr(m, "fmt", None) == "mxfp4" and input_quant_spec(m) is None:
+        mx = getattr(m, "fmt", None) == "mxfp4" and input_quant_spec(m) is None
+        if gguf_type in (None, MXFP4_TYPE) and mx:
             return mxfp4_blocks(m), MXFP4_TYPE  # exact (gguf_mx.py)
         if gguf_type == MXFP4_TYPE:
             if not lossy:
-                raise Refusal("weights that are not MXFP4 (GGUF MXFP4 holds bitmosaic's mxfp4 layers exactly)")
+                raise Refusal(
+                    "weights that are not MXFP4 (GGUF MXFP4 holds bitmosaic's mxfp4 layers exactly)"
+                )
             changes.append("re-rounded with llama.cpp's MXFP4 rounding of the bitmosaic weights")
             w = m.dequantize_reference(torch.float32).numpy()
             return quants.quantize(w, quants.GGMLQuantizationType.MXFP4), MXFP4_TYPE
@@ -509,7 +512,9 @@ def _quantized_tensors(model: _Model, gguf_type: str | None, lossy: bool) -> tup
     fallback = [
         n
         for n, (_, t) in blocks.items()
-        if gguf_type is None and not hasattr(model.qmods[n], "gguf_data") and t != _first_default(model.qmods[n])
+        if gguf_type is None
+        and not hasattr(model.qmods[n], "gguf_data")
+        and t != _first_default(model.qmods[n])
     ]
     if fallback:
         model.notes.append(
