@@ -136,7 +136,9 @@ def test_rotated_gptq_saved_loaded_generates(name, scheme, tmp_path):
     ids = _ids()
     ref = _logits(model, ids)
     opts = {"bits": 4} if scheme == "W4" else {"scheme": "W4A4"}
-    report = bitmosaic.quantize_(model, "gptq", _calib(), progress=False, rotate="hadamard", group_size=16, **opts)
+    report = bitmosaic.quantize_(
+        model, "gptq", _calib(), progress=False, rotate="hadamard", group_size=16, **opts
+    )
     assert report.calibration["rotation"]["online"] == len(_writers(model))
     q = _logits(model, ids)
     assert 0 < (q - ref).abs().max() < ref.abs().max()  # quantized, and still the model
@@ -182,12 +184,17 @@ def test_spinquant_learns_on_experts_and_keeps_float(name):
     ref = _logits(model, ids)
     with torch.no_grad():
         rotate_model(start, get_arch(start), "hadamard")
-    info = rotate_model(model, get_arch(model), "spinquant:steps=2,lr=1.5", calib=_calib(), act=ActQuantSpec("int", 4))
+    info = rotate_model(
+        model, get_arch(model), "spinquant:steps=2,lr=1.5", calib=_calib(), act=ActQuantSpec("int", 4)
+    )
     assert info["learned"]["steps"] == 2 and len(info["learned"]["losses"]) == 2
     assert all(torch.isfinite(torch.tensor(info["learned"]["losses"])))
     out = _logits(model, ids)
     assert (out - ref).abs().max() <= 2e-5 * ref.abs().max()  # the learned rotation is exact too
-    moved = model.model.layers[1].mlp.experts[0].up_proj.weight - start.model.layers[1].mlp.experts[0].up_proj.weight
+    moved = (
+        model.model.layers[1].mlp.experts[0].up_proj.weight
+        - start.model.layers[1].mlp.experts[0].up_proj.weight
+    )
     assert moved.abs().max() > 1e-4  # R1 moved from its Hadamard start, and the experts with it
 
 

@@ -52,8 +52,14 @@ def _names(*groups) -> tuple[str, ...]:
     return tuple(n for g in groups for n in g)
 
 
-def _rotation(router: str, shared: str | None = None, gates: tuple[str, ...] = (), attn: tuple[str, ...] = _QKV,
-              attn_optional: tuple[str, ...] = (), **kw) -> RotationMap:  # fmt: skip
+def _rotation(
+    router: str,
+    shared: str | None = None,
+    gates: tuple[str, ...] = (),
+    attn: tuple[str, ...] = _QKV,
+    attn_optional: tuple[str, ...] = (),
+    **kw,
+) -> RotationMap:
     """The rotation map of an MoE decoder: ``attn`` read the input norm; the post-attention norm is read
     by the router, the routed experts' gate/up, the shared expert ``shared`` and one-row ``gates``
     (MoE layers) or by a dense MLP (dense layers); each ``down_proj`` writes the stream and gets the
@@ -86,8 +92,12 @@ OLMOE = dataclasses.replace(
     QWEN3_MOE,
     rotation=_rotation(
         "mlp.gate",
-        refuse_when=(("clip_qkv", "it clamps the value states (clip_qkv), which R2 on each head's values "
-                      "would change"),),
+        refuse_when=(
+            (
+                "clip_qkv",
+                "it clamps the value states (clip_qkv), which R2 on each head's values would change",
+            ),
+        ),
     ),  # fmt: skip
 )
 
@@ -134,8 +144,12 @@ DEEPSEEK_V3 = ArchSpec(
         None,
     ),  # fmt: skip
     rotation=_rotation(
-        "mlp.gate", "mlp.shared_experts", attn=(*_Q_A, "self_attn.kv_a_proj_with_mqa"), attn_optional=_Q_A,
-        value=None, attn_out=None,
+        "mlp.gate",
+        "mlp.shared_experts",
+        attn=(*_Q_A, "self_attn.kv_a_proj_with_mqa"),
+        attn_optional=_Q_A,
+        value=None,
+        attn_out=None,
     ),  # fmt: skip
     optional=(
         "self_attn.q_a_proj",

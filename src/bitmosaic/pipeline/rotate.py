@@ -105,7 +105,8 @@ def _refusal(model: nn.Module, arch: ArchSpec, kind: str) -> str | None:
         return rmap.refuse
     cfg = getattr(model, "config", None)
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return next((why for attr, why in rmap.refuse_when if getattr(cfg, attr, None) not in (None, False)), None)
+    set_ = [why for attr, why in rmap.refuse_when if getattr(cfg, attr, None) not in (None, False)]
+    return set_[0] if set_ else None
 
 
 def _float_weight(m: nn.Module) -> bool:
