@@ -110,13 +110,20 @@ _MOE = {
     "qwen2_moe": {"num_experts": 4, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
                   "norm_topk_prob": False},  # fmt: skip
     "olmoe": {"num_experts": 4, "num_key_value_heads": 4},  # llama.cpp's olmoe has no grouped kv heads
+    # multi-head latent attention (4 heads of 16 + 8 rotary), layer 0 dense, a shared expert of 64
+    "deepseek_v3": {"n_routed_experts": 4, "moe_intermediate_size": 64, "first_k_dense_replace": 1,
+                    "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+                    "v_head_dim": 16, "n_group": 1, "topk_group": 1, "num_key_value_heads": 4},  # fmt: skip
+    # attention sinks, biased q/k/v/o, router and experts (transposed, gate/up interleaved)
+    "gpt_oss": {"num_local_experts": 4, "head_dim": 16, "sliding_window": 8},
 }
 
 
 def tiny_moe(model_type: str = "qwen3_moe", seed: int = 0, **overrides):
     """A random tiny mixture-of-experts model of ``model_type`` from transformers' own config class (2
-    layers, hidden 64, 4 heads of 16 with 2 kv heads (OLMoE: 4), 4 experts of width 96 (Mixtral, OLMoE,
-    Qwen2-MoE: 64; Qwen2-MoE also a shared expert of 64), 2 per token, vocabulary 128; every size a
+    layers, hidden 64, 4 heads of 16 with 2 kv heads (OLMoE, DeepSeek-V3: 4), 4 experts of width 96
+    (Mixtral, OLMoE, Qwen2-MoE, DeepSeek-V3, gpt-oss: 64; Qwen2-MoE and DeepSeek-V3 also a shared expert
+    of 64; DeepSeek-V3's layer 0 a dense MLP), 2 per token, vocabulary 128; every size a
     multiple of 32, as GPTQ and GGUF blocks need); weights and biases drawn from N(0, 0.1), norms left
     at 1.  ``overrides``: other config values."""
     from transformers import AutoConfig, AutoModelForCausalLM

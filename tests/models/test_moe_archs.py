@@ -149,4 +149,4 @@ def test_gptq_saved_loaded_generates(name, tmp_path):
 def test_every_moe_map_registered():
     for t in CONFIGS:
         t = t.split("-")[0]
-        assert t in ARCHS and ARCHS[t].rotation.refuse
+        assert t in ARCHS and not ARCHS[t].rotation.refuse  # rotated: tests/models/test_moe_rotate.py

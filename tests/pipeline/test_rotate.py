@@ -49,30 +49,23 @@ def tiny(model_type: str, seed: int = 0):
 
 
 ROTATABLE = ["llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "smollm3", "phi3"]
-REFUSED = ["gemma2", "olmo2", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss"]
+REFUSED = ["gemma2", "olmo2"]
+# mixtures of experts: rotated, tested in tests/models/test_moe_rotate.py
+MOE_ROTATABLE = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss"]
 # multimodal language towers: refused too, tested in tests/models/test_multimodal.py
 MULTIMODAL_REFUSED = ["gemma3", "llava", "qwen2_5_vl", "qwen3_vl"]
-# small expert counts (the defaults build hundreds of experts)
-_REFUSED_EXTRA = {
-    "qwen2_moe": dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=32),
-    "qwen3_moe": dict(num_experts=4, moe_intermediate_size=16),
-    "olmoe": dict(num_experts=4),
-    "mixtral": dict(num_local_experts=4),
-    "deepseek_v3": dict(n_routed_experts=4, moe_intermediate_size=16, first_k_dense_replace=1, q_lora_rank=16,
-                        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1,
-                        topk_group=1),  # fmt: skip
-    "gpt_oss": dict(num_local_experts=4),
-}
 
 
 def test_every_supported_architecture_is_listed():
     """Each architecture map either rotates (tested below) or says why not (refused below)."""
-    named = set(ROTATABLE) | set(REFUSED) | set(MULTIMODAL_REFUSED)
+    named = set(ROTATABLE) | set(REFUSED) | set(MULTIMODAL_REFUSED) | set(MOE_ROTATABLE)
     text_towers = ("gemma3_text", "qwen2_5_vl_text", "qwen3_vl_text")  # built as their multimodal models
     missing = {t for t, a in ARCHS.items() if t not in named and t not in text_towers}
     assert not missing
     for t in REFUSED + MULTIMODAL_REFUSED + ["gemma3_text"]:
         assert ARCHS[t].rotation.refuse
+    for t in ROTATABLE + MOE_ROTATABLE:
+        assert not ARCHS[t].rotation.refuse
 
 
 @pytest.mark.parametrize("kind", ["hadamard", "random"])
@@ -101,7 +94,7 @@ def test_float_model_unchanged(model_type, kind):
 def test_refused_in_one_line(model_type):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kw = {**_COMMON, "intermediate_size": 80, **_REFUSED_EXTRA.get(model_type, {})}
+    kw = {**_COMMON, "intermediate_size": 80}
     cfg = AutoConfig.for_model(model_type, **kw)
     model = AutoModelForCausalLM.from_config(cfg)
     before = {k: v.clone() for k, v in model.state_dict().items()}

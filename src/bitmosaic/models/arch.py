@@ -28,7 +28,9 @@ group holds expert projections only or none (shared experts and dense MLPs are g
 since an expert's Hessian comes from the rows routed to it.  Names a layer may lack (the dense MLP of
 the first DeepSeek layers or of Qwen-MoE's ``mlp_only_layers``, a shared expert) are ``optional``; such
 a group is empty in that layer and skipped.  Routers (``mlp.gate``, ``mlp.router``) and one-row gates
-(``mlp.shared_expert_gate``) are never listed: they stay float.  The maps refuse ``--rotate``.
+(``mlp.shared_expert_gate``) are never listed: they stay float.  ``--rotate`` folds R1 into them too
+(they read the rotated stream), and the rotation map's names expand per layer the same way
+(:meth:`RotationMap.layer_norms`, its own ``optional``).
 
 Multimodal models (gemma3, llava, qwen2_5_vl, qwen3_vl; :data:`MULTIMODAL`): only the language tower
 is mapped, at ``model.language_model.layers``, with the map of the text model's own ``model_type``

@@ -17,24 +17,31 @@ has the general ones):
 - ``smooth_prev``: the post-attention norm feeds the router and every expert too, so no factor can be
   folded into it for a routed or shared expert (``None``); a dense layer's gate/up may use it (only
   they read it there), and a shared expert's down_proj folds into its own up_proj;
-- rotation (``--rotate``) is refused: the router and every expert read the rotated stream, and that
-  fold is not implemented yet.
+- rotation (``--rotate``, :mod:`bitmosaic.pipeline.rotate`): the post-attention norm's readers are the
+  router (a module with a float ``weight [E, H]``, not an ``nn.Linear``; gpt-oss's bias stays as it
+  is), every routed expert's gate/up, a shared expert's gate/up and Qwen2-MoE's one-row
+  ``shared_expert_gate``, or a dense layer's gate/up: each gets the norm's scale and R1 (``W Q``);
+  every expert's (and shared expert's) ``down_proj`` writes the stream (``Qᵀ W``, bias ``b Q``) and
+  gets the online Hadamard of its own (expert) width at its input.  The router and gates still stay
+  float, rotated.  Names a layer lacks are ``optional`` in the rotation map too, so each layer
+  rotates what it has (Qwen-MoE ``mlp_only_layers``, DeepSeek's first dense layers).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from .spec import ArchSpec, RotationMap
 
-__all__ = ["MOE_ARCHS", "QWEN3_MOE", "QWEN2_MOE", "DEEPSEEK_V3", "GPT_OSS"]
+__all__ = ["MOE_ARCHS", "QWEN3_MOE", "OLMOE", "QWEN2_MOE", "DEEPSEEK_V3", "GPT_OSS"]
 
 _ATTN = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",))
 _ATTN_PREV = ("input_layernorm", "self_attn.v_proj")
 _DENSE = (("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
 _DENSE_PREV = ("post_attention_layernorm", "mlp.up_proj")
 _EXPERTS = (("mlp.experts.*.gate_proj", "mlp.experts.*.up_proj"), ("mlp.experts.*.down_proj",))
-_REFUSE = RotationMap(
-    refuse="its experts are not rotated yet (the router and every expert read the rotated stream)"
-)
+_QKV = _ATTN[0]
+_Q_A = ("self_attn.q_a_proj", "self_attn.q_proj")  # DeepSeek: q_proj only where q_lora_rank is None
 
 
 def _shared(prefix: str) -> tuple[tuple[str, ...], ...]:
@@ -45,14 +52,53 @@ def _names(*groups) -> tuple[str, ...]:
     return tuple(n for g in groups for n in g)
 
 
+def _rotation(
+    router: str,
+    shared: str | None = None,
+    gates: tuple[str, ...] = (),
+    attn: tuple[str, ...] = _QKV,
+    attn_optional: tuple[str, ...] = (),
+    **kw,
+) -> RotationMap:
+    """The rotation map of an MoE decoder: ``attn`` read the input norm; the post-attention norm is read
+    by the router, the routed experts' gate/up, the shared expert ``shared`` and one-row ``gates``
+    (MoE layers) or by a dense MLP (dense layers); each ``down_proj`` writes the stream and gets the
+    online Hadamard.  The MLP's names are optional (each layer has a dense MLP or experts; a wildcard a
+    layer lacks expands to nothing), of the attention's only ``attn_optional``."""
+    extra = _shared(shared) if shared else ((), ())
+    mlp_in = (*_DENSE[0], router, *_EXPERTS[0], *extra[0], *gates)
+    mlp_out = (*_DENSE[1], *_EXPERTS[1], *extra[1])
+    return RotationMap(
+        norms=(("input_layernorm", attn), ("post_attention_layernorm", mlp_in)),
+        writers=("self_attn.o_proj", *mlp_out),
+        online=("self_attn.o_proj", *mlp_out),
+        optional=(*_names(*_DENSE), router, *extra[0], *extra[1], *gates, *attn_optional),
+        **kw,
+    )
+
+
 # Qwen3-MoE, Mixtral, OLMoE (OLMoE's q_norm/k_norm are norms, not linears): attention, a dense MLP in
 # the layers ``mlp_only_layers`` names (Qwen3-MoE), routed experts elsewhere.
 QWEN3_MOE = ArchSpec(
     layers_path="model.layers",
     sequential=(*_ATTN, *_DENSE, *_EXPERTS),
     smooth_prev=(*_ATTN_PREV, *_DENSE_PREV, None, None),
-    rotation=_REFUSE,
+    rotation=_rotation("mlp.gate"),
     optional=_names(*_DENSE),
+)
+
+# OLMoE with ``clip_qkv``: the value states are clamped, and a clamp does not commute with R2
+OLMOE = dataclasses.replace(
+    QWEN3_MOE,
+    rotation=_rotation(
+        "mlp.gate",
+        refuse_when=(
+            (
+                "clip_qkv",
+                "it clamps the value states (clip_qkv), which R2 on each head's values would change",
+            ),
+        ),
+    ),  # fmt: skip
 )
 
 # Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): routed experts plus one shared expert, scaled per token by
@@ -61,7 +107,7 @@ QWEN2_MOE = ArchSpec(
     layers_path="model.layers",
     sequential=(*_ATTN, *_DENSE, *_shared("mlp.shared_expert"), *_EXPERTS),
     smooth_prev=(*_ATTN_PREV, *_DENSE_PREV, None, "mlp.shared_expert.up_proj", None, None),
-    rotation=_REFUSE,
+    rotation=_rotation("mlp.gate", "mlp.shared_expert", ("mlp.shared_expert_gate",)),
     optional=_names(*_DENSE, *_shared("mlp.shared_expert")),
 )
 
@@ -69,7 +115,12 @@ QWEN2_MOE = ArchSpec(
 # kv_a_proj_with_mqa read the input norm, q_b_proj reads q_a_layernorm's output, kv_b_proj
 # kv_a_layernorm's (the rotary part of kv_a's output bypasses that norm); the first
 # ``first_k_dense_replace`` layers have a dense MLP, the others routed experts plus ``mlp.shared_experts``.
-# The router ``mlp.gate`` (with its score-correction bias) stays float.
+# The router ``mlp.gate`` (with its score-correction bias) stays float.  Rotation: q_a_proj (q_proj)
+# and kv_a_proj_with_mqa read the input norm, o_proj writes the stream and gets the online Hadamard
+# across its heads; q_a_layernorm and kv_a_layernorm normalise latents, not the residual stream, and are
+# untouched.  No R2: MLA caches the latent c_KV, not per-head values, so there is no value cache for R2
+# to even out, and kv_b_proj's rows interleave each head's key (nope) and value parts, which the
+# ``value``/``value_tail`` convention does not describe.
 DEEPSEEK_V3 = ArchSpec(
     layers_path="model.layers",
     sequential=(
@@ -92,7 +143,14 @@ DEEPSEEK_V3 = ArchSpec(
         None,
         None,
     ),  # fmt: skip
-    rotation=_REFUSE,
+    rotation=_rotation(
+        "mlp.gate",
+        "mlp.shared_experts",
+        attn=(*_Q_A, "self_attn.kv_a_proj_with_mqa"),
+        attn_optional=_Q_A,
+        value=None,
+        attn_out=None,
+    ),  # fmt: skip
     optional=(
         "self_attn.q_a_proj",
         "self_attn.q_proj",
@@ -103,19 +161,22 @@ DEEPSEEK_V3 = ArchSpec(
 
 # gpt-oss: q/k/v/o with biases and per-head attention sinks (a parameter of the attention, float), the
 # experts stored transposed with gate/up interleaved and biased (unfused by modules/experts.py), the
-# router ``mlp.router`` (biased) float.
+# router ``mlp.router`` (biased) float.  Rotation: the sinks are one logit per head added to the
+# attention scores, untouched by R1 (on the projections' inputs) and by R2 (within each head's values);
+# the router's bias and the gate/up biases and clamps act on outputs R1 does not change; o_proj's and
+# the experts' down_proj biases are rotated with their writers.
 GPT_OSS = ArchSpec(
     layers_path="model.layers",
     sequential=(*_ATTN, *_EXPERTS),
     smooth_prev=(*_ATTN_PREV, None, None),
-    rotation=_REFUSE,
+    rotation=_rotation("mlp.router"),
 )
 
 MOE_ARCHS: dict[str, ArchSpec] = {
     "qwen2_moe": QWEN2_MOE,
     "qwen3_moe": QWEN3_MOE,
     "mixtral": QWEN3_MOE,
-    "olmoe": QWEN3_MOE,
+    "olmoe": OLMOE,
     "deepseek_v3": DEEPSEEK_V3,
     "gpt_oss": GPT_OSS,
 }

@@ -34,6 +34,24 @@ class RotationMap:
     # an online Hadamard at the input: QuaRot's down_proj and, across the heads, o_proj (Sec. 4, step 1c)
     online: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")
     refuse: str | None = None  # why this architecture cannot be rotated (None: it can)
+    # names a layer may lack (a dense layer's MLP, an MoE layer's router or shared expert); any name in
+    # ``norms``/``writers``/``online`` may be an experts wildcard ``mlp.experts.*.down_proj``
+    optional: tuple[str, ...] = ()
+    # (config attribute, why): refused when the model's config sets it (not None / False)
+    refuse_when: tuple[tuple[str, str], ...] = ()
+
+    def layer_norms(self, layer: nn.Module) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """``norms`` for one decoder layer, each reader list expanded as :meth:`ArchSpec.groups` does."""
+        return tuple((norm, self._names(layer, readers)) for norm, readers in self.norms)
+
+    def layer_writers(self, layer: nn.Module) -> tuple[str, ...]:
+        return self._names(layer, self.writers)
+
+    def layer_online(self, layer: nn.Module) -> tuple[str, ...]:
+        return self._names(layer, self.online)
+
+    def _names(self, layer: nn.Module, names: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(n for name in names for n in _expand(layer, name, name in self.optional))
 
 
 LLAMA_ROTATION = RotationMap()

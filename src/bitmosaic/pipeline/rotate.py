@@ -31,6 +31,8 @@ from torch import nn
 from ..algorithms.rotation import NoHadamardError, hadamard_factor, hadamard_transform, orthogonal_matrix
 from ..errors import OptionError
 from ..models.arch import ArchSpec
+from ..modules.base import QuantModule
+from ..modules.experts import unfuse_experts
 from ..modules.rotation import attach_input_rotation, input_rotation_spec, online_spec
 from .spin import learn_rotation, on_device
 
@@ -94,30 +96,56 @@ def _kv_heads(cfg) -> int:
     return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
 
 
+def _refusal(model: nn.Module, arch: ArchSpec, kind: str) -> str | None:
+    """Why ``model`` cannot be rotated at all (its map refuses, or its config sets what a map refuses)."""
+    rmap = arch.rotation
+    if rmap is None:
+        return "it has no rotation map"
+    if rmap.refuse:
+        return rmap.refuse
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    set_ = [why for attr, why in rmap.refuse_when if getattr(cfg, attr, None) not in (None, False)]
+    return set_[0] if set_ else None
+
+
+def _float_weight(m: nn.Module) -> bool:
+    """A float linear, or a router-like module computing ``x Wᵀ (+ b)`` from a float 2-D ``weight``."""
+    if isinstance(m, nn.Linear):
+        return True
+    w = m._parameters.get("weight")
+    return w is not None and w.is_floating_point() and w.ndim == 2 and not isinstance(m, QuantModule)
+
+
 def check_rotatable(model: nn.Module, arch: ArchSpec, kind: str) -> None:
-    """One-line :class:`OptionError` when ``model`` cannot be rotated with ``kind`` (before any change)."""
+    """One-line :class:`OptionError` when ``model`` cannot be rotated with ``kind``, before any change but
+    one: a mixture of experts' fused experts are unfused (:func:`~bitmosaic.modules.experts.unfuse_experts`,
+    the same function; what every run does first) so that the map's expert wildcards expand."""
     kind = parse_rotation(kind).kind
     if kind == "none":
         return
     mtype = getattr(getattr(model, "config", None), "model_type", "?")
-    rmap = arch.rotation
-    if rmap is None or rmap.refuse:
-        why = rmap.refuse if rmap is not None else "it has no rotation map"
+    why = _refusal(model, arch, kind)
+    if why:
         raise OptionError(f"--rotate {kind} cannot rotate {mtype} exactly: {why}; use --rotate none")
+    rmap = arch.rotation
     if any(input_rotation_spec(m) is not None for m in model.modules()):
         raise OptionError(
             "the model is already rotated (it has online rotations); rotate the float model once"
         )
-    layer = arch.layers(model)[0]
-    for n in (*rmap.writers, *rmap.online, *(x for _, g in rmap.norms for x in g)):
-        if not isinstance(layer.get_submodule(n), nn.Linear):
-            what = type(layer.get_submodule(n)).__name__
-            raise OptionError(f"--rotate needs float linears, but {n} is {what}; rotate the float model")
+    unfuse_experts(model)
+    sizes = {"hidden size": model.get_submodule(rmap.embed).weight.shape[1]}
+    if rmap.value and rmap.attn_out:
+        sizes["head_dim"] = _head_dim(model.config)
+    for layer in arch.layers(model):
+        readers = (x for _, g in rmap.layer_norms(layer) for x in g)
+        for n in (*rmap.layer_writers(layer), *rmap.layer_online(layer), *readers):
+            if not _float_weight(layer.get_submodule(n)):
+                what = type(layer.get_submodule(n)).__name__
+                raise OptionError(f"--rotate needs float linears, but {n} is {what}; rotate the float model")
+        for n in rmap.layer_online(layer):
+            sizes.setdefault(f"{n} input", layer.get_submodule(n).in_features)
     if kind in ("hadamard", "spinquant"):  # SpinQuant starts from the Hadamard rotations
-        d = model.get_submodule(rmap.embed).weight.shape[1]
-        sizes = {"hidden size": d, "head_dim": _head_dim(model.config)}
-        for n in rmap.online:
-            sizes[f"{n} input"] = layer.get_submodule(n).in_features
         for what, n in sizes.items():
             if hadamard_factor(n) is None:
                 raise OptionError(
@@ -159,9 +187,9 @@ def prepare_rotation(model: nn.Module, arch: ArchSpec, kind: str, seed: int) -> 
     _fold_norm(model.get_submodule(rmap.final_norm), [head], arch.norm_offset)
     online: dict[str, dict] = {}
     for li, layer in enumerate(arch.layers(model)):
-        for norm, readers in rmap.norms:
+        for norm, readers in rmap.layer_norms(layer):
             _fold_norm(layer.get_submodule(norm), [layer.get_submodule(n) for n in readers], arch.norm_offset)
-        for n in rmap.online:
+        for n in rmap.layer_online(layer):
             lin = layer.get_submodule(n)
             spec = online_spec(kind, lin.in_features, seed + 2)
             attach_input_rotation(lin, spec)
@@ -188,10 +216,10 @@ def rotated_state(
     }
     for li, layer in enumerate(arch.layers(model)):
         pre = f"{arch.layers_path}.{li}."
-        for _, readers in rmap.norms:
+        for _, readers in rmap.layer_norms(layer):
             for n in readers:
                 out[pre + n + ".weight"] = get(pre + n + ".weight") @ Q1
-        for n in rmap.writers:
+        for n in rmap.layer_writers(layer):
             out[pre + n + ".weight"] = Q1.T @ get(pre + n + ".weight")
             if layer.get_submodule(n).bias is not None:
                 out[pre + n + ".bias"] = get(pre + n + ".bias") @ Q1
@@ -210,7 +238,7 @@ def rotated_state(
                 out[kv + ".bias"] = torch.cat([b[:keep], (b[keep:].reshape(-1, hd) @ R).reshape(-1)])
             Wo = out.get(ok + ".weight", get(ok + ".weight")).reshape(o.out_features, -1, hd)
             out[ok + ".weight"] = (Wo @ R).reshape(o.weight.shape)
-        for n in rmap.online:
+        for n in rmap.layer_online(layer):
             r = layer.get_submodule(n).input_rotation
             W = out.get(pre + n + ".weight", get(pre + n + ".weight"))
             out[pre + n + ".weight"] = (
@@ -233,7 +261,6 @@ def rotate_model(
     layer's R2 learned from the Hadamard ones on ``calib`` against the activation quantizer ``act``
     (:mod:`bitmosaic.pipeline.spin`), on ``device`` (default: where the model is)."""
     spec = parse_rotation(kind)
-    check_rotatable(model, arch, spec.kind)
     if spec.kind == "none":
         return {}
     if spec.kind == "spinquant" and (calib is None or act is None):
@@ -241,15 +268,17 @@ def rotate_model(
             "--rotate spinquant learns its rotations against the run's activation quantizer on the "
             "calibration data; this run has none (no --abits/--scheme activations): use --rotate hadamard"
         )
+    check_rotatable(model, arch, spec.kind)
     base = "random" if spec.kind == "random" else "hadamard"
     d = model.get_submodule(arch.rotation.embed).weight.shape[1]
+    per_head = bool(arch.rotation.value and arch.rotation.attn_out)  # no R2 where the map has none (MLA)
     try:
         Q1 = orthogonal_matrix(base, d, seed)
-        R2 = orthogonal_matrix(base, _head_dim(model.config), seed + 1, signs=False)
+        R2 = orthogonal_matrix(base, _head_dim(model.config), seed + 1, signs=False) if per_head else None
     except NoHadamardError as e:  # check_rotatable refuses these first
         raise OptionError(str(e)) from None
     tied, online = prepare_rotation(model, arch, base, seed)
-    R2s = [R2] * len(arch.layers(model))
+    R2s = [R2] * len(arch.layers(model)) if per_head else []
     out = {"kind": spec.label, "seed": int(seed), "online": online, "untied": bool(tied)}
     if spec.kind == "spinquant":
         with torch.enable_grad(), on_device(model, arch, device):
