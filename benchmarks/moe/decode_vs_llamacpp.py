@@ -9,13 +9,15 @@ with ``bitmosaic export --format gguf`` (``Q4_0`` for every linear and the exper
 as ``ffn_{gate,up,down}_exps``; the embeddings and head as the export writes them, noted in the JSON).
 
 Rows, each in its own process (``--threads`` each): ``bitmosaic`` = ``bitmosaic.load(out)`` then plain
-``generate`` (greedy, the default load: what a user gets), ``bitmosaic (compiled)`` the same model with
-:func:`bitmosaic.modules.decode.enable_compiled_decode`, and ``llama.cpp Q4_0`` = llama-cpp-python
+``generate`` (greedy, the default load: what a user gets; the compiled decode step refuses a mixture of
+experts, whose routing is data-dependent), and ``llama.cpp Q4_0`` = llama-cpp-python
 (built from source by ``benchmarks/peers/peer_llama.py``) on the exported file.  Same prompt token ids
 (random: the checkpoint has no tokenizer), same number of new tokens; decode tok/s counts the tokens after
 the first over their wall time, best of ``--repeats``.  Bound: the bytes a token reads (per layer the
 attention and 8 experts' packed weights, plus the head) over the read bandwidth measured in the same run
-(a 1 GiB ``torch.sum``).  Random weights route uniformly-ish, as the bound assumes.
+(a 1 GiB ``torch.sum``).  Random weights route uniformly-ish, as the bound assumes.  At 3 layers the 151936 x 2048 head (bf16 in
+both) is most of the bytes a token reads, so this measures the head and the step's fixed costs as much
+as the experts.
 
     flock /tmp/locks/heavy python -m benchmarks.moe.decode_vs_llamacpp --dir D [--threads 1,2]
 """
@@ -197,9 +199,7 @@ def main() -> None:
     for t in (int(x) for x in a.threads.split(",")):
         bw = _bandwidth_gbs(t)
         common = ["--threads", str(t), "--new-tokens", str(a.new_tokens), "--repeats", str(a.repeats)]
-        for name, child, path in (("bitmosaic", "bitmosaic", folder),
-                                  ("bitmosaic (compiled)", "compiled", folder),
-                                  ("llama.cpp Q4_0", "llama", gguf)):  # fmt: skip
+        for name, child, path in (("bitmosaic", "bitmosaic", folder), ("llama.cpp Q4_0", "llama", gguf)):
             if child == "llama" and peer is None:
                 continue
             try:

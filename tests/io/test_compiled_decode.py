@@ -141,3 +141,18 @@ def test_full_guards_and_unknown_guards():
         assert not hasattr(m, "_compiled_call")  # transformers compiles self.__call__ on the first generate
         out, _ = _generate(m, ids)
     assert torch.equal(out, ref) and hasattr(m, "_compiled_call")
+
+
+def test_enable_compiled_decode_refuses_a_mixture_of_experts_in_one_line():
+    """Routing picks experts per token (a data-dependent loop), which no static graph holds: refused
+    before anything changes, and eager generate still works."""
+    from bitmosaic.modules.experts import unfuse_experts
+    from bitmosaic.testing import tiny_moe
+
+    model = tiny_moe("qwen3_moe")
+    unfuse_experts(model)
+    with pytest.raises(ValueError, match="mixture of experts") as e:
+        enable_compiled_decode(model)
+    assert "\n" not in str(e.value) and model.generation_config.cache_implementation is None
+    out = model.generate(torch.tensor([[5, 9, 17]]), max_new_tokens=2, do_sample=False)
+    assert out.shape[1] == 5

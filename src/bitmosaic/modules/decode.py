@@ -123,6 +123,13 @@ def enable_compiled_decode(model: nn.Module, options: dict | None = None, guards
         )
     if guards not in GUARDS:
         raise ValueError(f"guards must be one of {', '.join(GUARDS)}, not {guards!r}")
+    from .experts import RoutedExperts
+
+    if any(isinstance(m, RoutedExperts) for m in model.modules()):
+        raise ValueError(
+            "compiled decode needs the step as one static graph, but this mixture of experts picks its "
+            "experts per token (data-dependent); decode it without enable_compiled_decode"
+        )
     _prepare(model)
     disable_compiled_decode(model)  # a step compiled before (another config or guards) is not reused
     gc.cache_implementation = "static"
