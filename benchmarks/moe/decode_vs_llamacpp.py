@@ -10,14 +10,14 @@ as ``ffn_{gate,up,down}_exps``; the embeddings and head as the export writes the
 
 Rows, each in its own process (``--threads`` each): ``bitmosaic`` = ``bitmosaic.load(out)`` then plain
 ``generate`` (greedy, the default load: what a user gets; the compiled decode step refuses a mixture of
-experts, whose routing is data-dependent), and ``llama.cpp Q4_0`` = llama-cpp-python
-(built from source by ``benchmarks/peers/peer_llama.py``) on the exported file.  Same prompt token ids
-(random: the checkpoint has no tokenizer), same number of new tokens; decode tok/s counts the tokens after
-the first over their wall time, best of ``--repeats``.  Bound: the bytes a token reads (per layer the
-attention and 8 experts' packed weights, plus the head) over the read bandwidth measured in the same run
-(a 1 GiB ``torch.sum``).  Random weights route uniformly-ish, as the bound assumes.  At 3 layers the 151936 x 2048 head (bf16 in
-both) is most of the bytes a token reads, so this measures the head and the step's fixed costs as much
-as the experts.
+experts, whose routing is data-dependent), and ``llama.cpp Q4_0`` = llama-cpp-python (built from source by
+``benchmarks/peers/peer_llama.py``) on the exported file. Same prompt token ids (random: the checkpoint
+has no tokenizer), same number of new tokens; decode tok/s counts the tokens after the first over their
+wall time, best of ``--repeats``. Bound: the bytes a token reads (per layer the attention and 8 experts'
+packed weights, plus the head) over the read bandwidth measured in the same run (a 1 GiB ``torch.sum``).
+Random weights route uniformly-ish, as the bound assumes. At 3 layers the 151936 x 2048 head (bf16 in
+both) is most of the bytes a token reads, so this measures the head and the step's fixed costs as much as
+the experts.
 
     flock /tmp/locks/heavy python -m benchmarks.moe.decode_vs_llamacpp --dir D [--threads 1,2]
 """
