@@ -36,6 +36,11 @@ EXPORT_CASES = {
     "gptq-static-groups": ("gptq", {"bits": 4, "group_size": 32, "static_groups": True}),
     # MosaicQuant W4A8 without residual blocks: its dense INT4 base and INT8 token activations
     "mosaic-w4a8-dense": ("mosaic", {"scheme": "W4A8", "budget_frac": 0.0, "block": "32x32"}),
+    # GPTQ on a GGUF type's own grid (IQ4_NL: blocks of 32, so the tiny model's widths hold it) -> gguf-grid
+    "gptq-gguf-iq4nl": ("gptq", {"gguf_type": "IQ4_NL"}),
+    # microscaling weights -> mx
+    "gptq-nvfp4": ("gptq", {"wfmt": "nvfp4"}),
+    "rtn-mxfp4": ("rtn", {"wfmt": "mxfp4"}),
 }
 
 
@@ -98,6 +103,10 @@ REFUSED = {
     ("mosaic", GPTQ): "block-sparse 4-bit residual",
     ("mosaic", CT): "block-sparse 4-bit residual",
     ("mosaic-w4a8-dense", GPTQ): "GPTQ checkpoints hold weights only",
+    ("gptq-gguf-iq4nl", GPTQ): "on that GGUF type's own grid",
+    ("gptq-gguf-iq4nl", CT): "on that GGUF type's own grid",
+    ("gptq-nvfp4", GPTQ): "floats with block scales, not an INT grid",
+    ("rtn-mxfp4", GPTQ): "floats with block scales, not an INT grid",
 }
 
 
