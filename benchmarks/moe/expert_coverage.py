@@ -45,10 +45,21 @@ def build(layers: int, seed: int = 0):
 
     torch.manual_seed(seed)
     table = lifted_embeddings(2048, seed)
-    cfg = Qwen3MoeConfig(vocab_size=table.shape[0], hidden_size=2048, moe_intermediate_size=768,
-                         intermediate_size=6144, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
-                         num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                         tie_word_embeddings=True, max_position_embeddings=4096)  # fmt: skip
+    cfg = Qwen3MoeConfig(
+        vocab_size=table.shape[0],
+        hidden_size=2048,
+        moe_intermediate_size=768,
+        intermediate_size=6144,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    )
     model = Qwen3MoeForCausalLM(cfg).eval()
     with torch.no_grad():
         model.model.embed_tokens.weight.copy_(table)
@@ -64,9 +75,13 @@ def _coverage(counts: list[int]) -> dict:
 
 
 def _stat_seconds(layer, inputs, kwargs, calib: str) -> float:
-    group = tuple(f"mlp.experts.{e}.{p}" for e in range(len(layer.mlp.experts)) for p in ("gate_proj", "up_proj"))
+    group = tuple(
+        f"mlp.experts.{e}.{p}" for e in range(len(layer.mlp.experts)) for p in ("gate_proj", "up_proj")
+    )
     t0 = time.perf_counter()
-    out = expert_statistics(layer, group, inputs, kwargs, settings=RunSettings(moe_calib=calib, moe_min_tokens=0))
+    out = expert_statistics(
+        layer, group, inputs, kwargs, settings=RunSettings(moe_calib=calib, moe_min_tokens=0)
+    )
     seconds = time.perf_counter() - t0
     del out
     gc.collect()
@@ -89,10 +104,16 @@ def main() -> None:
     layers = model.model.layers
     sub, kw = capture_layer_inputs(model, layers, ids[: a.time_samples], batch_size=a.time_samples)
     timed_rows = a.time_samples * a.seqlen
-    seconds = {calib: _stat_seconds(layers[0], sub, next(iter(kw.values())), calib) for calib in ("routed", "all")}
+    seconds = {
+        calib: _stat_seconds(layers[0], sub, next(iter(kw.values())), calib) for calib in ("routed", "all")
+    }
     scale = ids.numel() / timed_rows
-    timing = {"timed_rows": timed_rows, "seconds": seconds, "ratio_all_to_routed": seconds["all"] / seconds["routed"],
-              "scaled_to_calibration_seconds": {k: v * scale for k, v in seconds.items()}}  # fmt: skip
+    timing = {
+        "timed_rows": timed_rows,
+        "seconds": seconds,
+        "ratio_all_to_routed": seconds["all"] / seconds["routed"],
+        "scaled_to_calibration_seconds": {k: v * scale for k, v in seconds.items()},
+    }
     del sub
     inputs, kw = capture_layer_inputs(model, layers, ids, batch_size=a.batch_size)
     kwargs = next(iter(kw.values()))
@@ -119,23 +140,44 @@ def main() -> None:
 
 def _markdown(out: dict) -> str:
     n, s = out["calibration"]
-    md = [f"# Expert coverage under --moe-calib routed ({n} x {s} tokens, Qwen3-30B-A3B-shaped MoE stack)", "",
-          f"**{out['simulated']}.**", "",
-          "| layer | rows/expert min | median | max | " + " | ".join(f"< {t}" for t in out["thresholds"]) + " |",
-          "|---:|---:|---:|---:|" + "---:|" * len(out["thresholds"])]  # fmt: skip
+    md = [
+        f"# Expert coverage under --moe-calib routed ({n} x {s} tokens, Qwen3-30B-A3B-shaped MoE stack)",
+        "",
+        f"**{out['simulated']}.**",
+        "",
+        "| layer | rows/expert min | median | max | "
+        + " | ".join(f"< {t}" for t in out["thresholds"])
+        + " |",
+        "|---:|---:|---:|---:|" + "---:|" * len(out["thresholds"]),
+    ]
     for r in out["layers"]:
-        md.append(f"| {r['layer']} | {r['min']} | {r['median']:g} | {r['max']} | "
-                  + " | ".join(str(r[f"below_{t}"]) for t in out["thresholds"]) + " |")  # fmt: skip
+        md.append(
+            f"| {r['layer']} | {r['min']} | {r['median']:g} | {r['max']} | "
+            + " | ".join(str(r[f"below_{t}"]) for t in out["thresholds"])
+            + " |"
+        )
     c = out["all_cost"]
-    md += ["", "Columns `< N`: experts (of 128) routed fewer than N rows; `< 2048` is `--moe-min-tokens auto` "
-           "for gate/up (the input width).", "",
-           f"## Cost of --moe-calib all (layer 0's gate/up statistics, {c['timed_rows']} rows timed, "
-           f"{out['threads']} threads)", "", "| calib | seconds timed | scaled to the calibration set |",
-           "|---|---:|---:|"]  # fmt: skip
-    md += [f"| {k} | {v:.2f} | {c['scaled_to_calibration_seconds'][k]:.0f} |" for k, v in c["seconds"].items()]
-    md += ["", f"`all` / `routed`: {c['ratio_all_to_routed']:.1f}x measured; in FLOPs `all` is E/k = 16x the routed "
-           "pass (every expert runs and accumulates every row), and the routed pass's 128 small per-expert calls "
-           "carry more fixed cost per row. Scaled linearly in the rows (not timed at the full size)."]  # fmt: skip
+    md += [
+        "",
+        "Columns `< N`: experts (of 128) routed fewer than N rows; `< 2048` is `--moe-min-tokens auto` "
+        "for gate/up (the input width).",
+        "",
+        f"## Cost of --moe-calib all (layer 0's gate/up statistics, {c['timed_rows']} rows timed, "
+        f"{out['threads']} threads)",
+        "",
+        "| calib | seconds timed | scaled to the calibration set |",
+        "|---|---:|---:|",
+    ]
+    md += [
+        f"| {k} | {v:.2f} | {c['scaled_to_calibration_seconds'][k]:.0f} |" for k, v in c["seconds"].items()
+    ]
+    md += [
+        "",
+        f"`all` / `routed`: {c['ratio_all_to_routed']:.1f}x measured; in FLOPs `all` is E/k = 16x the routed "
+        "pass (every expert runs and accumulates every row), and the routed pass's 128 small per-expert "
+        "calls "
+        "carry more fixed cost per row. Scaled linearly in the rows (not timed at the full size).",
+    ]
     return "\n".join(md)
 
 

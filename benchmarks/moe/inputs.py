@@ -30,7 +30,8 @@ def _smollm():
 
 
 def wikitext_ids(nsamples: int, seqlen: int, seed: int = 0) -> torch.Tensor:
-    """``[nsamples, seqlen]`` WikiText-2 calibration windows in SmolLM2's tokens (as ``quantize`` draws them)."""
+    """``[nsamples, seqlen]`` WikiText-2 calibration windows in SmolLM2's tokens (as ``quantize`` draws
+    them)."""
     _, tok = _smollm()
     return calibration_samples(tok, "wikitext2", nsamples, seqlen, seed=seed)
 
@@ -69,7 +70,8 @@ def wikitext_hidden(nsamples: int, seqlen: int, width: int, layer: int = 8, seed
 
 
 def _lift(emb: torch.Tensor, width: int, seed: int) -> torch.Tensor:
-    """``emb @ lift.T`` with a fixed random ``[width, d]`` map with orthonormal columns (rows when narrowing)."""
+    """``emb @ lift.T`` with a fixed random ``[width, d]`` map with orthonormal columns (rows when
+    narrowing)."""
     g = torch.Generator().manual_seed(seed + 1)
     d = emb.shape[-1]
     q, _ = torch.linalg.qr(torch.randn(max(width, d), min(width, d), generator=g))

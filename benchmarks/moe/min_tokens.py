@@ -82,16 +82,21 @@ def measure(hidden: int, bits: int, x_cal, x_eval, experts=16, k=2, draws=2, see
         X, w = _rows(xc, ic, wc, e)
         Y, v = _rows(xe, ie, we, e)
         W = gates[e]
-        base = {"pooled": _rel(W, _gptq(W, pooled, gcfg), Y, v),
-                "rtn": _rel(W, get_method("rtn").quantize(W, LayerStats(), rcfg).dequantize(torch.float32), Y, v)}
+        base = {
+            "pooled": _rel(W, _gptq(W, pooled, gcfg), Y, v),
+            "rtn": _rel(W, get_method("rtn").quantize(W, LayerStats(), rcfg).dequantize(torch.float32), Y, v),
+        }
         for n in (n for n in ROWS if n <= X.shape[0]):
-            for d in range(draws):
+            for _ in range(draws):
                 pick = torch.randperm(X.shape[0], generator=g)[:n]
                 out[n]["own"].append(_rel(W, _gptq(W, _hessian(X[pick], w[pick]), gcfg), Y, v))
             out[n]["pooled"].append(base["pooled"])
             out[n]["rtn"].append(base["rtn"])
-    table = {n: {key: sum(vals) / len(vals) for key, vals in d.items()} | {"experts": len(d["pooled"])}
-             for n, d in out.items() if d["pooled"]}  # fmt: skip
+    table = {
+        n: {key: sum(vals) / len(vals) for key, vals in d.items()} | {"experts": len(d["pooled"])}
+        for n, d in out.items()
+        if d["pooled"]
+    }
     beats = [n for n, r in table.items() if r["own"] < r["pooled"]]
     routed = [int((ic == e).sum()) for e in range(experts)]
     return {"hidden": hidden, "bits": bits, "table": table, "own_beats_pooled_from": min(beats, default=None),
@@ -102,13 +107,19 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, nargs="+", default=[256, 512])
     p.add_argument("--bits", type=int, nargs="+", default=[4, 3])
-    p.add_argument("--source", choices=("embeddings", "hidden"), default="embeddings",
-                   help="token embeddings, or SmolLM2's residual stream after layer 8 (contextual)")
+    p.add_argument(
+        "--source",
+        choices=("embeddings", "hidden"),
+        default="embeddings",
+        help="token embeddings, or SmolLM2's residual stream after layer 8 (contextual)",
+    )
     p.add_argument("--json", default=None)
     a = p.parse_args()
     name = "moe_min_tokens" + ("" if a.source == "embeddings" else "_hidden")
     t0 = time.perf_counter()
-    what = "token embeddings" if a.source == "embeddings" else "SmolLM2 hidden states after layer 8 (contextual)"
+    what = (
+        "token embeddings" if a.source == "embeddings" else "SmolLM2 hidden states after layer 8 (contextual)"
+    )
     runs, md = [], [f"# Own vs pooled vs RTN for thin experts, inputs: {what} ({SIMULATED})", ""]
     for hidden in a.hidden:
         get = wikitext_embeddings if a.source == "embeddings" else wikitext_hidden

@@ -56,7 +56,10 @@ def test_e8m0_known_values():
     v = e8m0_decode(codes)
     assert v[:6].tolist() == [2.0**-127, 2.0**-126, 0.5, 1.0, 2.0, 2.0**127]
     assert math.isnan(v[6])
-    assert torch.equal(e8m0_encode(torch.tensor([-127, -1, 0, 1, 127, 300])), torch.tensor([0, 126, 127, 128, 254, 254], dtype=torch.uint8))
+    assert torch.equal(
+        e8m0_encode(torch.tensor([-127, -1, 0, 1, 127, 300])),
+        torch.tensor([0, 126, 127, 128, 254, 254], dtype=torch.uint8),
+    )
 
 
 def test_shared_exponent_rules():
@@ -84,7 +87,10 @@ def test_round_trip_is_exact_and_bits_are_counted(name, rule):
     D = mx_dequantize(t)
     # re-quantizing the dequantized weights with the stored scales reproduces the same bytes
     t2 = MXTensor.from_values(t.values(), t.scale_values(), fmt, t.global_scale)
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(t.tensors(), t2.tensors()))
+    assert all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        for a, b in zip(t.tensors(), t2.tensors(), strict=True)
+    )
     assert torch.equal(mx_dequantize(t2), D)
     # every element is within half a step of its block's grid (or saturated at the grid's max)
     assert torch.isfinite(D).all()
@@ -153,7 +159,11 @@ def _ct(preset: str, W: torch.Tensor):
     sd = {"weight": W, "weight_scale": scale}
     if gs is not None:
         sd["weight_global_scale"] = gs
-    fmt_name = {"NVFP4A16": "nvfp4-pack-quantized", "MXFP4A16": "mxfp4-pack-quantized", "MXFP8A16": "mxfp8-quantized"}
+    fmt_name = {
+        "NVFP4A16": "nvfp4-pack-quantized",
+        "MXFP4A16": "mxfp4-pack-quantized",
+        "MXFP8A16": "mxfp8-quantized",
+    }
     comp = BaseCompressor.get_value_from_registry(fmt_name[preset])
     return comp, scheme, comp.compress(sd, scheme)
 
@@ -169,7 +179,10 @@ def test_bit_for_bit_with_compressed_tensors(preset, name):
     if t.global_scale is not None:
         assert torch.equal(out["weight_global_scale"].float(), t.global_scale)
     # and their decompressor reads our bytes back to our values (in their bfloat16)
-    sd = {key: t.elements if key == "weight_packed" else t.elements.view(torch.float8_e4m3fn), "weight_scale": t.scales}
+    sd = {
+        key: t.elements if key == "weight_packed" else t.elements.view(torch.float8_e4m3fn),
+        "weight_scale": t.scales,
+    }
     if t.global_scale is not None:
         sd["weight_global_scale"] = t.global_scale
     back = comp.decompress(sd, scheme)["weight"].float()

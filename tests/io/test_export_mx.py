@@ -32,8 +32,14 @@ def test_compressed_tensors_reads_our_microscaling_bytes(tmp_path, scheme, fmt, 
     group = next(iter(qc["config_groups"].values()))
     assert args.items() <= group["weights"].items() and group["weights"]["type"] == "float"
     if scheme == "FP8_BLOCK":  # llm-compressor's FP8_BLOCK inputs
-        assert group["input_activations"] == {"num_bits": 8, "type": "float", "symmetric": True,
-                                              "strategy": "group", "dynamic": True, "group_size": 128}  # fmt: skip
+        assert group["input_activations"] == {
+            "num_bits": 8,
+            "type": "float",
+            "symmetric": True,
+            "strategy": "group",
+            "dynamic": True,
+            "group_size": 128,
+        }
     got = ct_decompress(out)
     logits, qmods = ours(src)
     assert set(got) == set(qmods)

@@ -22,7 +22,8 @@ OPTIONS = {
     "sfmp": {"avg_bits": 4},  # needs a budget
 }
 # relative squared error of the logits against the float model's: the 4-5 bit methods land at 0.001-0.05 on
-# this model, the ~3.1-bit Huffman-coded ones (hptq, hrtn) at 0.2-0.3; a broken fold or a wrong expert: order 1
+# this model, the ~3.1-bit Huffman-coded ones (hptq, hrtn) at 0.2-0.3; a broken fold or a wrong expert:
+# order 1
 BOUND = 0.5
 
 
@@ -54,7 +55,9 @@ def test_method_runs_on_moe_layers(name, data):
         assert type(layer.mlp.gate).__name__ == "Qwen3MoeTopKRouter"  # the router stays float
         for e, expert in enumerate(layer.mlp.experts):
             for proj in ("gate_proj", "up_proj", "down_proj"):
-                assert type(getattr(expert, proj)).__name__ != "Linear", f"{name}: expert {e}.{proj} left float"
+                assert type(getattr(expert, proj)).__name__ != "Linear", (
+                    f"{name}: expert {e}.{proj} left float"
+                )
                 assert f"model.layers.{li}.mlp.experts.{e}.{proj}" in rows
     method = get_method(name)
     expert_rows = [r for n, r in rows.items() if ".experts." in n]

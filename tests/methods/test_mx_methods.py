@@ -11,7 +11,14 @@ from bitmosaic.algorithms.mx import MXColumnQuantizer, mx_gptq, mx_rtn, search_b
 from bitmosaic.cli import main
 from bitmosaic.errors import OptionError
 from bitmosaic.formats.accounting import mx_storage_bits
-from bitmosaic.formats.mx import MX_FORMATS, decode_elements, get_mx_format, mx_dequantize, mx_quantize, nvfp4_global_scale
+from bitmosaic.formats.mx import (
+    MX_FORMATS,
+    decode_elements,
+    get_mx_format,
+    mx_dequantize,
+    mx_quantize,
+    nvfp4_global_scale,
+)
 from bitmosaic.io import save_quantized
 from bitmosaic.io.saved.load import load_quantized
 from bitmosaic.modules import MXLinear
@@ -54,7 +61,10 @@ def test_minmax_rtn_is_the_reference_quantizer(name):
     for rule in ("floor", "round"):
         a = mx_rtn(W, name, method="minmax", rule=rule).to_tensor()
         b = mx_quantize(W, name, rule=rule)
-        assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.tensors(), b.tensors()))
+        assert all(
+            torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+            for x, y in zip(a.tensors(), b.tensors(), strict=True)
+        )
 
 
 @pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "fp8-block"])
@@ -94,7 +104,10 @@ def _calib():
     return torch.randint(len(SPECIALS), VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("scheme,fmt", [("NVFP4A16", "nvfp4"), ("MXFP4A16", "mxfp4"), ("MXFP8A16", "mxfp8"), ("FP8_BLOCK", "fp8-block")])
+@pytest.mark.parametrize(
+    "scheme,fmt",
+    [("NVFP4A16", "nvfp4"), ("MXFP4A16", "mxfp4"), ("MXFP8A16", "mxfp8"), ("FP8_BLOCK", "fp8-block")],
+)
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
 def test_schemes_quantize_save_load_generate(scheme, fmt, method, tmp_path):
     m = tiny_llama()
@@ -103,7 +116,9 @@ def test_schemes_quantize_save_load_generate(scheme, fmt, method, tmp_path):
     mods = {n: x for n, x in m.named_modules() if isinstance(x, MXLinear)}
     assert len(mods) == 14 and {x.fmt for x in mods.values()} == {fmt}
     lin = mods["model.layers.0.mlp.down_proj"]
-    assert lin.bits_per_weight() * lin.in_features * lin.out_features == mx_storage_bits(lin.out_features, lin.in_features, fmt)
+    assert lin.bits_per_weight() * lin.in_features * lin.out_features == mx_storage_bits(
+        lin.out_features, lin.in_features, fmt
+    )
     with torch.no_grad():
         y = m(ids).logits
         # the tiled reference kernel is the exact dequantization times x
@@ -144,8 +159,20 @@ def test_activation_presets_not_built_refuse():
 def test_cli_scheme(tmp_path, capsys):
     (tmp_path / "t.txt").write_text(words(400))
     src = save_hf_dir(tmp_path / "f")
-    base = ["quantize", "--model", str(src), "--calib", str(tmp_path / "t.txt"), "--nsamples", "2", "--seqlen", "16",
-            "--no-progress", "--device", "cpu"]  # fmt: skip
+    base = [
+        "quantize",
+        "--model",
+        str(src),
+        "--calib",
+        str(tmp_path / "t.txt"),
+        "--nsamples",
+        "2",
+        "--seqlen",
+        "16",
+        "--no-progress",
+        "--device",
+        "cpu",
+    ]
     assert main([*base, "--method", "gptq", "--scheme", "MXFP4A16", "--out", str(tmp_path / "q")]) == 0
     m = load_quantized(tmp_path / "q", load_tokenizer=False)[0]
     assert m.model.layers[1].mlp.up_proj.fmt == "mxfp4"

@@ -65,9 +65,12 @@ def test_routed_hessian_is_the_routing_weighted_sum(calib):
     model = tiny_qwen3_moe()
     layer, inputs, kwargs = _layer0(model, calib)
     x = _moe_inputs(layer, inputs, kwargs)
-    idx, w = _by_hand_routing(x, layer.mlp.gate, model.config.num_experts_per_tok, model.config.norm_topk_prob)
-    accs, owner, _, stats = expert_statistics(layer, _group(layer), inputs, kwargs,
-                                              settings=RunSettings(moe_min_tokens=0))  # fmt: skip
+    idx, w = _by_hand_routing(
+        x, layer.mlp.gate, model.config.num_experts_per_tok, model.config.norm_topk_prob
+    )
+    accs, owner, _, stats = expert_statistics(
+        layer, _group(layer), inputs, kwargs, settings=RunSettings(moe_min_tokens=0)
+    )
     assert not stats.fallback
     weighted = unweighted = 0
     for e in range(len(layer.mlp.experts)):
@@ -145,7 +148,9 @@ def test_pooled_fallback_for_an_expert_biased_to_zero_tokens(calib):
         rows, slot = (idx == e).nonzero(as_tuple=True)
         xe = xd[rows] * w[rows, slot][:, None]
         pooled, n_all = pooled + 2.0 * xe.T @ xe, n_all + len(rows)
-    torch.testing.assert_close(accs["mlp.experts.3.gate_proj"].H.double(), pooled / n_all, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(
+        accs["mlp.experts.3.gate_proj"].H.double(), pooled / n_all, rtol=1e-4, atol=1e-6
+    )
 
 
 def test_rtn_fallback_quantizes_thin_experts_by_rtn_on_the_runs_grid(calib):
@@ -155,8 +160,9 @@ def test_rtn_fallback_quantizes_thin_experts_by_rtn_on_the_runs_grid(calib):
 
     model = tiny_qwen3_moe()
     float_model = copy.deepcopy(model)
-    report = bitmosaic.quantize_(model, "gptq", calib, bits=3, group_size=32, progress=False, moe_min_tokens=120,
-                                 moe_fallback="rtn")  # fmt: skip
+    report = bitmosaic.quantize_(
+        model, "gptq", calib, bits=3, group_size=32, progress=False, moe_min_tokens=120, moe_fallback="rtn"
+    )
     fell = report.calibration["experts"]["fallback"]
     assert fell and all(f["rule"] == "rtn" and f["tokens"] < 120 for f in fell)
     rows = {r["name"]: r for r in report.layers}
@@ -214,9 +220,30 @@ def test_quantize_prints_and_writes_the_experts_summary(tmp_path, calib, capsys)
     src = save_hf_dir(tmp_path / "moe", tiny_qwen3_moe())
     out, text_file = tmp_path / "run.json", tmp_path / "calib.txt"
     text_file.write_text(" ".join(f"w{(i * 37) % 100}" for i in range(3000)))
-    rc = main(["quantize", "--model", str(src), "--calib", str(text_file), "--nsamples", "8", "--seqlen", "32",
-               "--method", "gptq", "--group-size", "32", "--moe-min-tokens", "120", "--moe-fallback", "rtn",
-               "--json", str(out), "--no-progress"])  # fmt: skip
+    rc = main(
+        [
+            "quantize",
+            "--model",
+            str(src),
+            "--calib",
+            str(text_file),
+            "--nsamples",
+            "8",
+            "--seqlen",
+            "32",
+            "--method",
+            "gptq",
+            "--group-size",
+            "32",
+            "--moe-min-tokens",
+            "120",
+            "--moe-fallback",
+            "rtn",
+            "--json",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     moe = json.loads(out.read_text())["calibration"]["experts"]

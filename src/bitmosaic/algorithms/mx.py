@@ -64,7 +64,9 @@ class MXQuantResult(QuantResult):
     def select_rows(self, start: int, stop: int) -> MXQuantResult:
         fmt = get_mx_format(self.fmt)
         if start % fmt.block_rows:
-            raise ValueError(f"{fmt.name} rows are scaled in blocks of {fmt.block_rows}; row {start} splits one")
+            raise ValueError(
+                f"{fmt.name} rows are scaled in blocks of {fmt.block_rows}; row {start} splits one"
+            )
         return self._like(super().select_rows(start, stop))
 
     @classmethod
@@ -144,7 +146,9 @@ def _result(W, values, div_rows, fmt, gs, **extra) -> MXQuantResult:
     )
 
 
-def mx_rtn(W: torch.Tensor, fmt: str | MXFormat, *, method: str = "mse", rule: str = "floor") -> MXQuantResult:
+def mx_rtn(
+    W: torch.Tensor, fmt: str | MXFormat, *, method: str = "mse", rule: str = "floor"
+) -> MXQuantResult:
     """Round-to-nearest of ``W`` (``[out, in]``) onto ``fmt`` with searched block scales."""
     fmt = get_mx_format(fmt)
     W = W.float()
@@ -168,7 +172,9 @@ class MXColumnQuantizer:
     def fit(self, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         gs = None if self.global_scale is None else self.global_scale.to(cols.device)
         scale = search_block_scales(cols, self.fmt, method=self.method, rule=self.rule, global_scale=gs)
-        div = element_divisor(scale[:, 0], self.fmt, gs).repeat_interleave(self.fmt.block_rows)[: cols.shape[0]]
+        div = element_divisor(scale[:, 0], self.fmt, gs).repeat_interleave(self.fmt.block_rows)[
+            : cols.shape[0]
+        ]
         return div.to(cols.dtype), torch.zeros_like(div, dtype=cols.dtype)
 
     def quantize(self, w, scale, zero):
@@ -192,5 +198,10 @@ def mx_gptq(W, H, fmt: str | MXFormat, *, method="mse", rule="floor", perm=None,
     )  # fmt: skip
     values = decode_elements(res.codes.to(torch.uint8), fmt)
     out = _result(W, values, res.scales, fmt, gs)
-    out.perm, out.hessian_diag, out.step_errors, out.pivots = res.perm, res.hessian_diag, res.step_errors, res.pivots
+    out.perm, out.hessian_diag, out.step_errors, out.pivots = (
+        res.perm,
+        res.hessian_diag,
+        res.step_errors,
+        res.pivots,
+    )
     return out

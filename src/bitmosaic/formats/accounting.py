@@ -90,4 +90,6 @@ def mx_storage_bits(out_features: int, in_features: int, fmt: str | MXFormat) ->
     ``elem_bits`` per element, ``scale_bits`` per (possibly partial) block, 32 for a tensor scale."""
     fmt = get_mx_format(fmt)
     R, C = fmt.scale_shape(out_features, in_features)
-    return out_features * in_features * fmt.elem_bits + R * C * fmt.scale_bits + (32 if fmt.global_scale else 0)
+    return (
+        out_features * in_features * fmt.elem_bits + R * C * fmt.scale_bits + (32 if fmt.global_scale else 0)
+    )

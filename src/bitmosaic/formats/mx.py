@@ -19,7 +19,8 @@ Scale rules (what each producer computes; :func:`block_scales`):
   values above the grid after the division saturate to ``±max``.
 * E8M0, ``rule="round"``: compressed-tensors / vLLM's reference (``generate_mx_scales``): ``amax`` is
   first rounded to one mantissa bit (half up: the E2M1 width, which compressed-tensors 0.20 also uses
-  for MXFP8), then the same floor -- so an FP4 block never saturates by more than half a step.  Both store the biased exponent ``e + 127`` in a byte (255 is NaN, unused).
+  for MXFP8), then the same floor -- so an FP4 block never saturates by more than half a step.  Both
+  store the biased exponent ``e + 127`` in a byte (255 is NaN, unused).
 * NVFP4 (compressed-tensors ``generate_gparam`` / ``calculate_qparams``): ``global = 448·6 / amax(W)``
   (FP32), block scale ``E4M3(global · amax_block / 6)`` (a zero becomes 0.125, as there), and the
   element divisor is ``scale / global``.

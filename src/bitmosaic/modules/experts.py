@@ -63,7 +63,9 @@ class ExpertMLP(nn.Module):
     """One expert: ``down(rule(gate(x), up(x)))``; ``forward(x, w)`` with ``w`` its tokens' routing
     weights (``None``: a statistics-only call on all tokens; the weights are applied by the caller)."""
 
-    def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, rule: _GateRule) -> None:
+    def __init__(
+        self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, rule: _GateRule
+    ) -> None:
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
         object.__setattr__(self, "_rule", rule)  # not a child: holds no parameters

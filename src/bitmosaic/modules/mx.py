@@ -37,7 +37,9 @@ class MXLinear(QuantModule):
         if f.elem == "e2m1" and in_features % 2:
             raise ValueError(f"{f.name} packs two values a byte; in_features={in_features} is odd")
         self.register_buffer("weight_packed", torch.zeros(out_features, cols, dtype=torch.uint8))
-        self.register_buffer("weight_scale", torch.zeros(f.scale_shape(out_features, in_features), dtype=f.scale_dtype))
+        self.register_buffer(
+            "weight_scale", torch.zeros(f.scale_shape(out_features, in_features), dtype=f.scale_dtype)
+        )
         if f.global_scale:
             self.register_buffer("weight_global_scale", torch.ones(1, dtype=torch.float32))
         else:

@@ -331,9 +331,19 @@ class RunCache:
             generator.set_state(got["generator"])
             return [_capture_from(layer, arch, g.get("index", i), g) for i, g in enumerate(got["groups"])]
         caps = capture_groups(layer, arch, inputs, kwargs, max_tokens=max_tokens, generator=generator)
-        groups = [{"index": c.index, "hessian": c.hessian, "sample": c.sample, "absmax": c.observer.channel_absmax,
-                   "abssum": c.observer.channel_abssum, "sum": c.observer.channel_sum,
-                   "tokens": c.observer.tokens, "batches": c.observer.batches} for c in caps]  # fmt: skip
+        groups = [
+            {
+                "index": c.index,
+                "hessian": c.hessian,
+                "sample": c.sample,
+                "absmax": c.observer.channel_absmax,
+                "abssum": c.observer.channel_abssum,
+                "sum": c.observer.channel_sum,
+                "tokens": c.observer.tokens,
+                "batches": c.observer.batches,
+            }
+            for c in caps
+        ]
         self.cache.store("captures", key, {"groups": groups, "generator": generator.get_state()})
         return caps
 

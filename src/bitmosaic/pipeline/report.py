@@ -83,9 +83,12 @@ def expert_summary(rows: list[dict], settings) -> dict | None:
         t = sorted(counts.values())
         per_layer[name] = {"experts": len(t), "min": t[0], "median": statistics.median(t), "max": t[-1]}
     return {
-        "calib": settings.moe_calib, "min_tokens": settings.moe_min_tokens, "fallback_rule": settings.moe_fallback,
-        "layers": per_layer, "fallback": list(fell.values()),
-    }  # fmt: skip
+        "calib": settings.moe_calib,
+        "min_tokens": settings.moe_min_tokens,
+        "fallback_rule": settings.moe_fallback,
+        "layers": per_layer,
+        "fallback": list(fell.values()),
+    }
 
 
 def expert_lines(summary: dict | None, most: int = 20) -> list[str]:
@@ -130,7 +133,11 @@ def hessian_summary(W: torch.Tensor, H: torch.Tensor) -> tuple[float, torch.Tens
 
 
 def error_metrics(
-    W: torch.Tensor, Wq: torch.Tensor, H: torch.Tensor | None, res: QuantResult, percdamp: float,
+    W: torch.Tensor,
+    Wq: torch.Tensor,
+    H: torch.Tensor | None,
+    res: QuantResult,
+    percdamp: float,
     summary: tuple[float, torch.Tensor] | None = None,
 ) -> dict:
     """``rel_out_error``, ``hessian_error`` and ``babai_bound`` of one linear (module doc).

@@ -24,8 +24,15 @@ from ..errors import OptionError
 __all__ = ["RunSettings", "Calibration", "settings_fields", "SETTING_CHOICES"]
 
 
-def _setting(default, help: str, *, flag: str | None = None, record: str | None = None, factory=None,
-             record_default: bool = True):
+def _setting(
+    default,
+    help: str,
+    *,
+    flag: str | None = None,
+    record: str | None = None,
+    factory=None,
+    record_default: bool = True,
+):
     """A :class:`RunSettings` field: ``help`` (API docs and CLI help), ``flag`` (the CLI flag, ``None``:
     not on the command line) and ``record`` (its key in the provenance's ``pipeline`` block);
     ``record_default=False``: recorded only when it differs from its default (what :meth:`RunSettings.
@@ -78,23 +85,38 @@ class RunSettings:
         None, "orders (e.g. natural,act,min-pivot) whose Babai bound and no-clip GPTQ error each layer's "
         "report rows add", flag="--bound-orders", record="bound_orders")  # fmt: skip
     measure_errors: bool = _setting(
-        False, "calibrate even methods that need no Hessian (RTN, FP8), for the report's error metrics")
+        False, "calibrate even methods that need no Hessian (RTN, FP8), for the report's error metrics"
+    )
     check_packing: bool = _setting(True, "verify every packed module against the simulated weights")
     progress: bool = _setting(True, "show progress bars (with an ETA)", flag="--no-progress")
     moe_calib: str = _setting(
-        "routed", "mixture-of-experts statistics: 'routed' (each expert's Hessian from the tokens routed to it, "
+        "routed",
+        "mixture-of-experts statistics: 'routed' (each expert's Hessian from the tokens routed to it, "
         "weighted by the squared routing weight) or 'all' (every calibration token through every expert, "
-        "unweighted, for statistics only; outputs stay routed)", flag="--moe-calib", record="moe_calib",
-        record_default=False)  # fmt: skip
+        "unweighted, for statistics only; outputs stay routed)",
+        flag="--moe-calib",
+        record="moe_calib",
+        record_default=False,
+    )
     moe_min_tokens: int | str = _setting(
-        "auto", "an expert routed fewer calibration rows than this falls back to --moe-fallback; 'auto' (default): "
-        "the projection's input width, below which its own Hessian is rank-poor and GPTQ on it did worse than "
-        "on the pooled one (docs/moe.md)", flag="--moe-min-tokens", record="moe_min_tokens",
-        record_default=False)  # fmt: skip
+        "auto",
+        "an expert routed fewer calibration rows than this falls back to --moe-fallback; 'auto' (default): "
+        "the projection's input width, below which its own Hessian is rank-poor and GPTQ on it did worse "
+        "than "
+        "on the pooled one (docs/moe.md)",
+        flag="--moe-min-tokens",
+        record="moe_min_tokens",
+        record_default=False,
+    )
     moe_fallback: str = _setting(
-        "pooled", "the rule for an expert below --moe-min-tokens: 'pooled' (the Hessian of all the layer's "
+        "pooled",
+        "the rule for an expert below --moe-min-tokens: 'pooled' (the Hessian of all the layer's "
         "experts' routed tokens) or 'rtn' (round-to-nearest with MSE scales on the run's grid: bits, group "
-        "size, symmetry)", flag="--moe-fallback", record="moe_fallback", record_default=False)  # fmt: skip
+        "size, symmetry)",
+        flag="--moe-fallback",
+        record="moe_fallback",
+        record_default=False,
+    )
 
     def __post_init__(self):
         b = self.batch_size
