@@ -237,3 +237,30 @@ def test_expert_weights_past_the_budget_are_read_part_by_part(min_tokens, tmp_pa
     assert lazy_experts.WEIGHT_FRACTION * 20_000 < 4 * 3 * 16 * 32 * 4  # the experts exceed the fraction
     a, b = _saved(m, tmp_path / "mem"), _tensors(tmp_path / "str")
     assert sorted(a) == sorted(b) and not [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def test_deepseek_v3_streams_its_experts_part_by_part_to_the_in_memory_bytes(tmp_path, monkeypatch):
+    """DeepSeek-V3's map (MLA attention, a first dense layer, shared experts, grouped top-k routing):
+    its MoE layer read part by part under a small budget gives the in-memory run's bytes."""
+    from transformers import AutoModelForCausalLM
+
+    from bitmosaic.pipeline import lazy_experts
+    from bitmosaic.testing import tiny_moe
+
+    from .test_stream import _tensors
+
+    src = tmp_path / "src"
+    tiny_moe("deepseek_v3").save_pretrained(src)
+    word_tokenizer().save_pretrained(src)
+    m = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    quantize_(m, RECIPE[0], _calib(), progress=False, moe_min_tokens=1, bits=4, group_size=32)
+    lazy = []
+    real_init = lazy_experts.LazyExperts.__init__
+    monkeypatch.setattr(lazy_experts.LazyExperts, "__init__",
+                        lambda self, *a, **k: lazy.append(1) or real_init(self, *a, **k))  # fmt: skip
+    quantize_streaming(Checkpoint(src), word_tokenizer(), tmp_path / "str", as_recipe("gptq", {"bits": 4,
+                       "group_size": 32}), _calib(), RunSettings(progress=False, moe_min_tokens=1,
+                       max_memory=40_000))  # fmt: skip
+    assert lazy == [1]  # the MoE layer (the first is dense)
+    a, b = _saved(m, tmp_path / "mem"), _tensors(tmp_path / "str")
+    assert sorted(a) == sorted(b) and not [k for k in a if not torch.equal(a[k], b[k])]
