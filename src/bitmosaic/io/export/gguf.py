@@ -67,6 +67,7 @@ from .common import ExportResult, Source, collect, record
 from .gguf_blocks import BLOCK, BLOCK_TYPES, BlockType, fit, float_tensor, pack
 from .gguf_file import check_gguf_out, source_metadata, tensors_in_file_order, write_gguf
 from .gguf_mx import MXFP4_TYPE, mxfp4_blocks
+from .gguf_refit import kquant_layer, kquant_refusal
 from .layers import ExportError, Refusal, regroup
 
 __all__ = ["GGUF_TYPES", "FLOAT_TYPES", "K_QUANTS", "default_types", "export_gguf"]
@@ -234,82 +235,6 @@ def _block_layer(gguf_type: str | None, lossy: bool):
     return fn
 
 
-def _kquant_layer(gguf_type: str, lossy: bool, fallback: list[str], rerounded: dict[str, int]):
-    """``fn(name, module, changes)`` -> ``(bytes, type)``: the layer as the k-quant ``gguf_type``, our
-    integers kept and the sub-block scales refitted (:mod:`.gguf_kquants`).  A refit that is not exact
-    appends its change even without ``lossy`` (the caller refuses then, naming the error it adds).  A
-    layer whose input width is not a multiple of 256 (llama.cpp falls back to a legacy type there too)
-    is written in its legacy default type (appended to ``fallback``); ``rerounded``: per layer, the
-    sub-blocks whose integers the type cannot hold."""
-    from gguf import quants
-
-    t = kq.K_TYPES[gguf_type]
-    legacy = _block_layer(None, lossy)
-
-    def fn(name, m, changes):
-        if m.in_features % kq.QK_K:
-            fallback.append(name)
-            return legacy(name, m, changes)
-        why: list[str] = []
-        spec = input_quant_spec(m)
-        if spec is not None:
-            why.append(f"activation quantization ({spec.label}): GGUF holds weights only")
-        try:
-            form = m.int_form(_ALL_BITS, False, [])
-        except Refusal as r:
-            form = None
-            why.extend(r.reasons)
-        if form is not None and not form.contiguous:
-            why.append(f"act-order groups (g_idx): a {t.name} sub-block is {t.sub} consecutive columns")
-        if why and not lossy:
-            raise Refusal(why[-1], also=tuple(why[:-1]))
-        w = m.dequantize_reference(torch.float32)
-        if why:
-            if spec is not None:
-                changes.append(f"activation quantizer {spec.label} dropped")
-            changes.append(f"re-rounded to {t.name} from the bitmosaic weights")
-            f = kq.fit_weights(w, t)
-        elif form.group_size % t.sub:
-            changes.append(f"groups of {form.group_size} columns re-rounded to {t.name} sub-blocks")
-            f = kq.fit_weights(w, t)
-        else:
-            split = regroup(form, t.sub)
-            f = kq.fit(split.values(), split.scales, w, t)
-        data = kq.pack(f, t)
-        mine = kq.dequantize(f, t)
-        got = np.asarray(quants.dequantize(data, t.qtype)).reshape(mine.shape)
-        if not np.array_equal(got, mine.numpy()):
-            raise RuntimeError(f"internal error: the {t.name} blocks of {name} do not read back as fitted")
-        if f.rerounded:
-            rerounded[name] = f.rerounded
-        if not changes and not torch.equal(mine, w):
-            changes.append(t.refitted())
-            if f.rerounded:
-                changes.append(
-                    f"{t.name}: {f.rerounded} of {f.subblocks} sub-blocks re-rounded (integers outside "
-                    f"{t.code_range})"
-                )
-        return data, t.name
-
-    return fn
-
-
-def _kquant_refusal(t: kq.KType, records: list, qmods: dict, rerounded: int) -> str:
-    """The one line refusing an inexact k-quant: the weight error it would add, and the fixes."""
-    bad = [r for r in records if r.changes]
-    rel = [r.rel_err for r in bad]
-    m = qmods[bad[0].name]
-    exact = " or ".join(default_types(getattr(m, "bits", 8), bool(getattr(m, "symmetric", True))))
-    extra = f", {rerounded} sub-blocks re-rounded (integers outside {t.code_range})" if rerounded else ""
-    return (
-        f"cannot export as gguf: {t.name} stores {t.what()} per 256 weights, which holds {len(bad)} of "
-        f"{len(records)} layer(s) only approximately (e.g. {bad[0].name}): refitted to our integers they "
-        f"would add a weight error of {sum(rel) / len(rel):.1e} mean, {max(rel):.1e} max (relative "
-        f"Frobenius, per layer){extra}; pass --lossy to write it, or leave out --gguf-type for an exact "
-        f"type ({exact} for these layers)"
-    )
-
-
 def _file_type(qtypes: list[str], types: list[str]):
     """``general.file_type``: the commonest type of the quantized matrices, else of the float ones."""
     from collections import Counter
@@ -407,7 +332,7 @@ def _layer_blocks(model: _Model, gguf_type: str | None, lossy: bool) -> tuple[di
         blocks, changes = {n: (None, gguf_type) for n in model.qmods}, {n: [] for n in model.qmods}
     elif gguf_type in K_QUANTS:
         narrow: list[str] = []
-        fn = _kquant_layer(gguf_type, lossy, narrow, rerounded)
+        fn = kquant_layer(gguf_type, lossy, narrow, rerounded, _block_layer(None, lossy))
         blocks, changes = collect(model.qmods, fn, "gguf", lossy)
         if narrow:
             model.notes.append(
@@ -508,7 +433,9 @@ def _quantized_tensors(model: _Model, gguf_type: str | None, lossy: bool) -> tup
         qtypes.append(typ)
     if gguf_type in K_QUANTS and not lossy and any(r.changes for r in records):
         t = kq.K_TYPES[gguf_type]
-        raise ExportError(_kquant_refusal(t, records, model.qmods, sum(rerounded.values())))
+        m = model.qmods[next(r.name for r in records if r.changes)]
+        exact = " or ".join(default_types(getattr(m, "bits", 8), bool(getattr(m, "symmetric", True))))
+        raise ExportError(kquant_refusal(t, records, sum(rerounded.values()), exact))
     fallback = [
         n
         for n, (_, t) in blocks.items()
