@@ -35,19 +35,6 @@ from pathlib import Path
 PROMPT_IDS = [9707, 11, 1879, 0, 576, 3364, 315, 279, 3283, 12033]  # any ids below the vocabulary
 
 
-def _bandwidth_gbs(threads: int) -> float:
-    import torch
-
-    torch.set_num_threads(threads)
-    x = torch.ones(2**28, dtype=torch.float32)  # 1 GiB
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return x.numel() * 4 / best / 1e9
-
-
 def _child_bitmosaic(folder: str, threads: int, new_tokens: int, repeats: int, compiled: bool) -> dict:
     import torch
 
@@ -186,7 +173,9 @@ def main() -> None:
             r = _child_bitmosaic(a.path, t, a.new_tokens, a.repeats, a.child == "compiled")
         print(json.dumps(r))
         return
-    from benchmarks.harness import write_results
+    import torch
+
+    from benchmarks.harness import read_bandwidth_gbs, write_results
     from benchmarks.peers.peer_llama import find_or_build
 
     ckpt = Path(a.dir)
@@ -197,7 +186,8 @@ def main() -> None:
     per_token = _bytes_per_token(folder)
     rows = []
     for t in (int(x) for x in a.threads.split(",")):
-        bw = _bandwidth_gbs(t)
+        torch.set_num_threads(t)
+        bw = read_bandwidth_gbs()
         common = ["--threads", str(t), "--new-tokens", str(a.new_tokens), "--repeats", str(a.repeats)]
         for name, child, path in (("bitmosaic", "bitmosaic", folder), ("llama.cpp Q4_0", "llama", gguf)):
             if child == "llama" and peer is None:

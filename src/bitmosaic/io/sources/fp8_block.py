@@ -20,12 +20,14 @@ per-channel ``weight_scale``, compressed-tensors' ``float-quantized``) are refus
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 
 from ...errors import CorruptModelError, ModelSpecError
+from ...formats.mx import block_amax, expand_blocks, get_mx_format
 
 __all__ = ["FP8_DTYPES", "block_size", "dequantize", "quantize"]
 
@@ -71,20 +73,20 @@ def dequantize(
             f"FP8 tensor {name} of shape {(rows, cols)} has scales {tuple(scale.shape)} where blocks of "
             f"{block} need {want}; the checkpoint does not match its config's weight_block_size"
         )
-    s = scale.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
-    out = q.float().mul_(s)
+    out = q.float().mul_(expand_blocks(scale.float(), _format(block), (rows, cols)))
     return out if dtype in (None, torch.float32) else out.to(dtype)
 
 
 def quantize(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse used to write such checkpoints (benchmarks, tests): per block ``s = amax / 448``
     (E4M3's largest finite value; 1 for an all-zero block) and ``q = e4m3(w / s)`` -> ``(q, s)``."""
-    br, bc = block
-    rows, cols = w.shape
-    pad = torch.zeros(-(-rows // br) * br, -(-cols // bc) * bc, dtype=torch.float32)
-    pad[:rows, :cols] = w.float()
-    blocks = pad.reshape(pad.shape[0] // br, br, pad.shape[1] // bc, bc)
-    s = blocks.abs().amax(dim=(1, 3)) / torch.finfo(torch.float8_e4m3fn).max
+    fmt = _format(block)
+    s = block_amax(w, fmt) / torch.finfo(torch.float8_e4m3fn).max
     s = torch.where(s > 0, s, torch.ones_like(s))
-    q = (blocks / s[:, None, :, None]).reshape(pad.shape)[:rows, :cols].to(torch.float8_e4m3fn)
+    q = (w.float() / expand_blocks(s, fmt, tuple(w.shape))).to(torch.float8_e4m3fn)
     return q, s
+
+
+def _format(block: tuple[int, int]):
+    """formats/mx.py's FP8 block format with the checkpoint's ``[rows, cols]`` block."""
+    return dataclasses.replace(get_mx_format("fp8-block"), block_rows=block[0], block=block[1])
