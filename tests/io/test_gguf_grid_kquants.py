@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import bitmosaic
+from benchmarks.moe.gguf_llamacpp import llama_cpp_logits
 from bitmosaic.algorithms import gguf_kquants as kq
 from bitmosaic.algorithms.gguf_grid import kquant_gptq
 from bitmosaic.io import save_quantized
@@ -100,16 +101,11 @@ def test_q4_k_m_run_exports_exactly_in_llama_cpps_mix(q4km, tmp_path):
 
 
 def test_llama_cpp_runs_the_q4_k_m_file(q4km, tmp_path):
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     out = tmp_path / "m.gguf"
     export_model(q4km, out, "gguf")
     ids = [1, 5, 9, 17, 33, 65, 100, 3]
-    llm = llama_cpp.Llama(
-        model_path=str(out), n_ctx=16, n_batch=16, logits_all=True, verbose=False, n_threads=1
-    )
-    llm.eval(ids)
-    theirs = torch.tensor(np.asarray(llm.scores[: len(ids)]), dtype=torch.float32)
-    del llm
+    theirs = llama_cpp_logits(out, ids)  # the MoE check's reader (benchmarks/moe/gguf_llamacpp.py)
     with torch.inference_mode():
         ours = bitmosaic.load(q4km)(torch.tensor([ids])).logits[0]
     assert torch.isfinite(theirs).all()

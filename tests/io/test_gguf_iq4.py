@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import bitmosaic
+from benchmarks.moe.gguf_llamacpp import llama_cpp_logits
 from bitmosaic.algorithms.gguf_grid import importance, iq_gptq, iq_scales
 from bitmosaic.cli import main
 from bitmosaic.formats import gguf_iq as iq
@@ -150,17 +151,12 @@ def test_a_width_no_iq4_block_fits_is_refused_in_one_line():
 def test_llama_cpp_runs_the_iq4_file(iq_model, tmp_path):
     """llama.cpp loads the file and its logits follow bitmosaic's (llama.cpp multiplies IQ4 weights with
     8-bit activations, so not bit for bit)."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     folder, _ = iq_model
     out = tmp_path / "m.gguf"
     export_model(folder, out, "gguf")
     ids = [1, 5, 9, 17, 33, 65, 100, 3]
-    llm = llama_cpp.Llama(
-        model_path=str(out), n_ctx=16, n_batch=16, logits_all=True, verbose=False, n_threads=1
-    )
-    llm.eval(ids)
-    theirs = torch.tensor(np.asarray(llm.scores[: len(ids)]), dtype=torch.float32)
-    del llm
+    theirs = llama_cpp_logits(out, ids)  # the MoE check's reader (benchmarks/moe/gguf_llamacpp.py)
     with torch.inference_mode():
         ours = bitmosaic.load(folder)(torch.tensor([ids])).logits[0]
     assert torch.isfinite(theirs).all()
