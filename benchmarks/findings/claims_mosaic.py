@@ -36,7 +36,10 @@ def _wide_alpha(scheme: str, res: dict | None = None) -> str:
     """MosaicQuant with SmoothQuant's α grid (0-1 in steps of 0.05, plus no smoothing), when run (a fast
     protocol run: named so beside the rows of a verdict run ``res``)."""
     name = "alpha 0-1/0.05 + none" + ("" if scheme == "W4A4" else f" {scheme}")
-    row = rows_by_name(load("mosaic_search") or {"rows": []}).get(name)
+    search = load("mosaic_search") or {"rows": []}
+    if (search.get("args") or {}).get("model") != ((res or {}).get("args") or {}).get("model", "smollm2-135m"):
+        return ""  # that search ran on another model (the report's second model has none)
+    row = rows_by_name(search).get(name)
     if not row:
         return ""
     where = " (fast protocol)" if (res or {}).get("protocol") == "verdict" else ""

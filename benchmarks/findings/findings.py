@@ -21,9 +21,10 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 
 from benchmarks.findings import why
-from benchmarks.findings.claims import FINDINGS, Finding
+from benchmarks.findings.claims import FINDINGS, SECOND_MODEL, SECOND_WHY, Finding
 from benchmarks.findings.findings_lib import (
     DIFFERS,
     MISSING,
@@ -212,6 +213,67 @@ def protocol_summary(rows: list[dict]) -> str:
     counts = Counter(kind(r["protocol"]) for r in rows)
     return f"Of {len(rows)} claims: " + ", ".join(f"{n} on {k}" for k, n in counts.most_common()) + "."
 
+# the second model (issue 73): Gemma-3-270m (a different family, twice the size, its float weights a
+# dequantized Q4_K_M/Q6_K file: not SmolLM2's Q4_1 grid), run with the same benchmarks and row names,
+# ``--model gemma3-270m``, into ``<source>_gemma.json`` (fast) / ``<source>_gemma_verdict[_s<N>].json``
+MODELS = (("SmolLM2-135M", ""), ("Gemma-3-270m", "_gemma"))
+SECOND_MODEL_NOTE = (
+    "The claims named in `claims.SECOND_MODEL` (one or more per paper and the ones that set a default) "
+    "are also judged on Gemma-3-270m with the same benchmark, rows and judge (`--model gemma3-270m`, "
+    "results `<source>_gemma*.json`); a verdict that differs between the models says so in both rows. "
+    "Rotation is refused on Gemma-3 (its norms are `1 + w`, with a softcap-free but scaled embedding), so "
+    "its W4A4 rows use the non-rotated comparators."
+)
+
+GEMMA_DIFFERS = (
+    "Gemma-3-270m (640 wide, 18 layers, 262k vocabulary, BOS on every window), dequantized from its "
+    "Q4_K_M GGUF (Q6_K parts): its weights sit on k-quant grids (per-32 6-bit scales), not SmolLM2's Q4_1"
+)
+
+
+def model_rows(f: Finding, fresh: dict | None) -> list[dict]:
+    """The report's rows of claim ``f``: SmolLM2-135M's, then Gemma-3-270m's where ``f`` is one of
+    :data:`claims.SECOND_MODEL` (judged like the first, on ``<source>_gemma*`` runs)."""
+    out = [_row(f, fresh, MODELS[0][0])]
+    if f.claim in SECOND_MODEL and callable(f.judge) and f.source != "fresh":
+        second = replace(f, source=f.source + MODELS[1][1], differ=SECOND_WHY.get(f.claim, GEMMA_DIFFERS))
+        out.append(_row(second, None, MODELS[1][0]))
+    return out
+
+
+def _row(f: Finding, fresh: dict | None, model: str) -> dict:
+    used, nseeds = f.source, 0
+    if f.source == "fresh":
+        if fresh is None:
+            nums, v = "", f"{MISSING} (--skip-fresh)"
+        else:
+            nums, v = judge_fresh(fresh)
+    elif not callable(f.judge):
+        nums, v = f.judge
+    else:
+        nums, v, used, nseeds = judge_seeds(f)
+    if v.startswith(MISSING) and model != MODELS[0][0]:
+        v = f"{MISSING}: run {run_command(f.source)} --model gemma3-270m --protocol verdict"
+    proto = "fresh (8x256 calib)" if f.source == "fresh" else protocol_of(load(used) or {})
+    if nseeds:  # how many seeds the verdict rests on (pooled: seed 0, more on the pairs repeated)
+        proto += ", one seed" if nseeds == 1 else f", {nseeds} seeds"
+        proto += " on the pairs a later seed repeats, one on the rest" if f.pooled and nseeds > 1 else ""
+    return {"paper": f.paper, "claim": f.claim, "model": model, "source": used, "numbers": nums,
+            "verdict": v, "protocol": proto, "may_differ": f.differ}  # fmt: skip
+
+
+def flag_flips(rows: list[dict]) -> list[dict]:
+    """Rows of one claim on several models: where their verdicts differ (not counting "not measured"),
+    each verdict says so, naming every model's verdict and protocol."""
+    judged = [r for r in rows if not r["verdict"].startswith(MISSING)]
+    if len({_head(r["verdict"]) for r in judged}) > 1:
+        note = "; flips between models: " + " / ".join(
+            f"{r['model']} {_head(r['verdict'])} ({r['protocol'].split(',')[0]})" for r in judged
+        )
+        for r in judged:
+            r["verdict"] += note
+    return rows
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -227,25 +289,8 @@ def main() -> None:
         fresh = (prev or {}).get("fresh")
     else:
         fresh = fresh_babai()
-    rows = []
-    for f in FINDINGS:
-        used, nseeds = f.source, 0
-        if f.source == "fresh":
-            if fresh is None:
-                nums, v = "", f"{MISSING} (--skip-fresh)"
-            else:
-                nums, v = judge_fresh(fresh)
-        elif not callable(f.judge):
-            nums, v = f.judge
-        else:
-            nums, v, used, nseeds = judge_seeds(f)
-        proto = "fresh (8x256 calib)" if f.source == "fresh" else protocol_of(load(used) or {})
-        if nseeds:  # how many seeds the verdict rests on (pooled: seed 0, more on the pairs repeated)
-            proto += ", one seed" if nseeds == 1 else f", {nseeds} seeds"
-            proto += " on the pairs a later seed repeats, one on the rest" if f.pooled and nseeds > 1 else ""
-        rows.append({"paper": f.paper, "claim": f.claim, "source": used, "numbers": nums, "verdict": v,
-                     "protocol": proto, "may_differ": f.differ})  # fmt: skip
-    md = ["# Findings on SmolLM2-135M (WikiText-2)", "",
+    rows = [r for f in FINDINGS for r in flag_flips(model_rows(f, fresh))]
+    md = ["# Findings on SmolLM2-135M and Gemma-3-270m (WikiText-2)", "",
           "Generated by `python -m benchmarks.findings` from the benchmarks' own JSON results. Protocols: "
           "*fast* = 16x512 calibration, the first 20 test windows; *verdict* = at least 128x512, every "
           "window, KL and top-1; other settings are spelled out. A claim is judged on its verdict-protocol "
@@ -255,11 +300,11 @@ def main() -> None:
           "repeat only its pairs under 10% (SFMP's main table), takes a pair's winner only where every "
           "seed gives it; the "
           "protocol column says how many seeds), else on the benchmark's own run. A claim marked *ours* "
-          "is a comparison of our own, not the paper's.", "",
+          "is a comparison of our own, not the paper's. " + SECOND_MODEL_NOTE, "",
           f"Why any row may differ from its paper: {DIFFERS}.", "", protocol_summary(rows), "",
-          "| paper | claim | numbers | verdict | protocol | why this may differ from the paper | source |",
-          "|---|---|---|---|---|---|---|"]  # fmt: skip
-    cols = ("paper", "claim", "numbers", "verdict", "protocol", "may_differ", "source")
+          "| paper | claim | model | numbers | verdict | protocol | why this may differ from the paper | source |",
+          "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    cols = ("paper", "claim", "model", "numbers", "verdict", "protocol", "may_differ", "source")
     md += ["| " + " | ".join(str(r[c]).replace("|", "\\|") for c in cols) + " |" for r in rows]
     write_text(RESULTS / "findings.md", "\n".join(md) + "\n")
     write_text(RESULTS / "findings.json", json.dumps({"rows": rows, "fresh": fresh}, indent=2))

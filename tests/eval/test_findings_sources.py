@@ -190,3 +190,42 @@ def test_a_missing_run_names_the_module_that_measures_it(findings):
     assert findings.module_of("ssqr_groups_verdict") == "benchmarks.lattice.ssqr_groups"
     assert findings.module_of("mosaic_thin") == "benchmarks.mosaic.mosaic"  # mosaic.py --parts thin
     assert findings.module_of("sfmp_decode") == "benchmarks.sfmp.sfmp"  # sfmp.py --parts decode
+
+
+def test_second_model_rows_and_flips(findings, monkeypatch):
+    """Issue 73: a claim of ``claims.SECOND_MODEL`` gets a Gemma-3-270m row judged by the same judge on
+    ``<source>_gemma*.json``; where the two models' verdicts differ, both rows say so; a claim outside
+    the set keeps one row; a second-model run not yet made says which command makes it."""
+    f = _claim(findings)
+    monkeypatch.setattr(findings, "SECOND_MODEL", frozenset({f.claim}))
+    store = {"bench_verdict": _rows(a=1.0, b=2.0), "bench_gemma": _rows(a=3.0, b=2.0)}
+    monkeypatch.setattr(findings, "load", store.get)
+    rows = findings.flag_flips(findings.model_rows(f, None))
+    assert [(r["model"], r["source"]) for r in rows] == [
+        ("SmolLM2-135M", "bench_verdict"), ("Gemma-3-270m", "bench_gemma")
+    ]
+    assert rows[0]["verdict"].startswith("holds; flips between models: SmolLM2-135M holds")
+    assert rows[1]["verdict"].startswith("no; flips between models:")
+    assert rows[1]["may_differ"] == findings.GEMMA_DIFFERS  # no Gemma text in the yaml: the shared one
+    store["bench_gemma"] = _rows(a=1.5, b=2.0)  # the same verdict: nothing flagged
+    rows = findings.flag_flips(findings.model_rows(f, None))
+    assert [r["verdict"] for r in rows] == ["holds", "holds"]
+    del store["bench_gemma"]
+    rows = findings.flag_flips(findings.model_rows(f, None))
+    assert rows[0]["verdict"] == "holds"  # a second model not measured is no flip
+    assert rows[1]["verdict"].endswith("--model gemma3-270m --protocol verdict")
+    monkeypatch.setattr(findings, "SECOND_MODEL", frozenset())
+    assert len(findings.model_rows(f, None)) == 1
+
+
+def test_second_model_claims_exist_and_runs_are_defined():
+    """Every claim named for the second model is a claim of the report whose source the Gemma driver
+    knows how to run (same rows, ``--model gemma3-270m``)."""
+    from benchmarks.findings import second_model
+
+    by_claim = {f.claim: f for f in claims.FINDINGS}
+    assert claims.SECOND_MODEL <= set(by_claim)
+    assert {by_claim[c].source for c in claims.SECOND_MODEL} <= set(second_model.RUNS)
+    cmd = second_model.command("lattice", "verdict", 1)
+    assert cmd[cmd.index("--model") + 1] == "gemma3-270m"
+    assert cmd[cmd.index("--json") + 1].endswith("lattice_gemma_verdict_s1.json")

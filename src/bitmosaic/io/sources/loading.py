@@ -72,7 +72,6 @@ def _gemma3_270m_gguf() -> Path:
     part packages: joined once into ``~/.cache/bitmosaic/models/`` (a temporary file, its SHA-256 checked
     against the wrapper's, then renamed), reused while its size and the wrapper's hash match."""
     import hashlib
-    import importlib
     import tempfile
 
     try:
