@@ -253,7 +253,8 @@ def _row(f: Finding, fresh: dict | None, model: str) -> dict:
     else:
         nums, v, used, nseeds = judge_seeds(f)
     if v.startswith(MISSING) and model != MODELS[0][0]:
-        v = f"{MISSING}: run {run_command(f.source)} --model gemma3-270m --protocol verdict"
+        base = f.source.removesuffix(MODELS[1][1])
+        v = f"{MISSING}: run python -m benchmarks.findings.second_model --only {base} --protocol verdict"
     proto = "fresh (8x256 calib)" if f.source == "fresh" else protocol_of(load(used) or {})
     if nseeds:  # how many seeds the verdict rests on (pooled: seed 0, more on the pairs repeated)
         proto += ", one seed" if nseeds == 1 else f", {nseeds} seeds"

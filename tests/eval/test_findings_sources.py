@@ -213,7 +213,7 @@ def test_second_model_rows_and_flips(findings, monkeypatch):
     del store["bench_gemma"]
     rows = findings.flag_flips(findings.model_rows(f, None))
     assert rows[0]["verdict"] == "holds"  # a second model not measured is no flip
-    assert rows[1]["verdict"].endswith("--model gemma3-270m --protocol verdict")
+    assert rows[1]["verdict"].endswith("second_model --only bench --protocol verdict")
     monkeypatch.setattr(findings, "SECOND_MODEL", frozenset())
     assert len(findings.model_rows(f, None)) == 1
 
