@@ -231,12 +231,13 @@ def attach_why(findings: list[Finding], why: dict[str, str]) -> None:
     """Give each finding its "why this may differ" text (the second model's texts, keyed
     ``"Gemma-3-270m: <claim>"``, go to :data:`SECOND_WHY`); a text that names no claim (a claim reworded,
     its text left behind) stops the report instead of leaving the column blank."""
-    SECOND_WHY.update({k[len(SECOND):]: v for k, v in why.items() if k.startswith(SECOND)})
+    second = {k[len(SECOND):]: v for k, v in why.items() if k.startswith(SECOND)}
     why = {k: v for k, v in why.items() if not k.startswith(SECOND)}
-    if stray := sorted((set(why) | set(SECOND_WHY)) - {f.claim for f in findings}):
+    if stray := sorted((set(why) | set(second)) - {f.claim for f in findings}):
         raise KeyError(f"{WHY_FILE.name} names no claim of FINDINGS: {stray}")
     for f in findings:
         f.differ = why.get(f.claim, "")
+    SECOND_WHY.update(second)
 
 
 SECOND_WHY: dict[str, str] = {}  # claim -> the why text of its Gemma-3-270m row
