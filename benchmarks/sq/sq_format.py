@@ -17,7 +17,9 @@ Parts (``--parts``, each cached in JSON so they can run one at a time under the 
 acts, weights, defaults, gap, ablate, calib, agrid, wgrid, fig, and (issue 25) scales -- static vs
 dynamic W4A(SQ6) with activation scales per token / per bank / per group of 128 (and calibrated
 static bank/group scales) -- and a4group -- W4A4 and W(SQ)A4 with A4 per group of 64 / 128 channels,
-the SQ bank swept apart from the A4 group.  ``--only`` (comma list of row names) runs some rows.
+the SQ bank swept apart from the A4 group -- and (issue 73) a4paper -- part a4group's W(SQ)A4 rows with
+Algorithm 1's masks as printed (fixed up front from ``W'^2 / diag(H^-1)^2``).  ``--only`` (comma list
+of row names) runs some rows.
 Column ``paper_act_bits_scales``: the paper's activation bits (y, or the INT width) plus the
 activation scales' bits (MAC-weighted over the linears).
 
@@ -245,10 +247,17 @@ def part_acts(b: SQBench) -> None:
                 b.row("acts", name, b.with_sq_acts(sq, strat), parse_sq(sq).paper_act_bits())
 
 
+# Algorithm 1's mask forms (issue 73): ours by default (OBS saliency, masks chosen lazily per bank from
+# the GPTQ-updated weights); "paper": I = W'^2 / diag(H^-1)^2 with every mask fixed before GPTQ starts
+W_MASKS = {"obs-lazy": {}, "paper": {"importance": "paper", "mask_timing": "upfront"}}
+
+
 def _sq_weights(b: SQBench, sq: str, cache: bool = False, **opts):
-    """A W(SQ) model calibrated on 16-bit activations; ``cache``: kept on disk between commands."""
+    """A W(SQ) model calibrated on 16-bit activations; ``cache``: kept on disk between commands
+    (one copy per ``opts``: the paper's mask form is another model)."""
     a = b.args
-    path = CACHE / f"sqw_{sq}_{a.nsamples}x{a.seqlen}_s{a.seed}"
+    tag = "".join(f"_{k}-{v}" for k, v in sorted(opts.items()))
+    path = CACHE / f"sqw_{sq}_{a.nsamples}x{a.seqlen}_s{a.seed}{tag}"
     info_path = path / "bench_info.json"
     if cache and info_path.exists():
         return load_quantized(path, load_tokenizer=False)[0].float().eval(), json.loads(info_path.read_text())
@@ -433,6 +442,22 @@ def part_a4group(b: SQBench) -> None:
         del model
 
 
+def part_a4paper(b: SQBench) -> None:
+    """Issue 73: the W(SQ)A4 rows of part a4group with Algorithm 1 as printed (``--importance paper
+    --mask-timing upfront``: masks fixed up front from ``I = W'^2 / diag(H^-1)^2``), named
+    ``... mask=paper``; part a4group's rows (OBS saliency, lazy masks: our default) are ours."""
+    opts = W_MASKS["paper"]
+    for sq in W_SQ.values():
+        fmt = parse_sq(sq)
+        names = {g: f"{weight_name(fmt, 4)} {sq} a4-g{g} mask=paper" for g in A4_GROUPS}
+        if not any(b.wants(n) for n in names.values()):
+            continue
+        model, info = _sq_weights(b, sq, cache=True, **opts)
+        for g, name in names.items():
+            b.row("a4paper", name, b.with_acts(model, 4, g), fmt.paper_weight_bits, **info, **opts)
+        del model
+
+
 PARTS = {
     "table": lambda b: None,  # only print/write the table of what is already in the JSON
     "acts": part_acts,
@@ -446,6 +471,7 @@ PARTS = {
     "fig": part_fig,
     "scales": part_scales,
     "a4group": part_a4group,
+    "a4paper": part_a4paper,
 }
 
 
