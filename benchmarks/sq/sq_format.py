@@ -19,9 +19,9 @@ dynamic W4A(SQ6) with activation scales per token / per bank / per group of 128 
 static bank/group scales) -- and a4group -- W4A4 and W(SQ)A4 with A4 per group of 64 / 128 channels,
 the SQ bank swept apart from the A4 group -- and (issue 73) a4paper -- part a4group's W(SQ)A4 rows with
 Algorithm 1's masks as printed (fixed up front from ``W'^2 / diag(H^-1)^2``).  ``--only`` (comma list
-of row names) runs some rows.
-Column ``paper_act_bits_scales``: the paper's activation bits (y, or the INT width) plus the
-activation scales' bits (MAC-weighted over the linears).
+of row names) runs some rows; abits (issue 73): W4A5 / A6 / A7, the INT rows between A4 and A8.
+Columns ``act_bits`` (values, scales and mask) and ``paper_act_bits_scales`` (the paper's y, or the INT
+width, plus the scales), MAC-weighted over the linears, both from ``formats.sq_act.act_bits``.
 
 Run: python -m benchmarks.sq.sq_format --protocol fast --parts acts,weights,...
 """
@@ -43,7 +43,7 @@ from bitmosaic.data import bos_token_id, calibration_samples
 from bitmosaic.eval.perplexity import perplexity
 from bitmosaic.formats.act import ActQuantSpec
 from bitmosaic.formats.sq import act_name, parse_sq, weight_name
-from bitmosaic.formats.sq_act import act_scale_bits, act_scale_group, act_storage_bits
+from bitmosaic.formats.sq_act import SQActLayout, act_bits
 from bitmosaic.io import load_quantized, save_quantized
 from bitmosaic.methods import get_method
 from bitmosaic.modules.actquant import attach_input_quant, input_quant_spec
@@ -59,6 +59,7 @@ W_SQ = {"W(SQ6)": "32-(8/4)-0.75", "W(SQ5)": "64-(8/4)-0.875", "W(SQ4.5)": "64-(
 A4_GROUPS = (64, 128)  # group-wise A4 (issue 25): per token, one INT4 scale per G channels
 SCALE_SETTINGS = (("token", None, False), ("bank", None, False), ("group", 128, False))
 STATIC_CALIBRATED = (("bank", None, True), ("group", 128, True))
+ACT_TOKENS = 2048  # rows a static mask / calibrated scale is spread over in the activation bits
 
 
 def scale_label(scale: str, group: int | None, calibrated: bool) -> str:
@@ -177,10 +178,12 @@ class SQBench(Bench):
 
     @staticmethod
     def measured(model) -> tuple[float, float, float, float]:
-        """(stored bits per weight over all quantized linears, low-precision MAC share, stored bits
-        per activation value, the paper's activation bits plus the scales' bits), the last two
-        MAC-weighted: SQ layouts from :func:`act_storage_bits` (scales per token / bank / group, or
-        calibrated per linear), INT ``a + 16 * ceil(K / G) / K`` (G = K per token), 16 when unquantized."""
+        """(stored bits per weight over all quantized linears, low-precision MAC share, activation bits,
+        the paper's activation bits plus the scales' bits), the last two MAC-weighted, both from
+        :func:`~bitmosaic.formats.sq_act.act_bits` of each linear's input layout (issue 73): ``total``
+        (values, scales and mask: SQ splits with scales per token / bank / group or calibrated per
+        linear, INT ``a + 16 ceil(K / G) / K`` with G = K per token, 16 when unquantized) and
+        ``with_scales`` (the paper's ``y`` or the INT width, plus the scales)."""
         bits = n = low = abits = pbits = 0.0
         for _, m in model.named_modules():
             if not (hasattr(m, "bits_per_weight") and hasattr(m, "storage_tensors")):
@@ -190,22 +193,17 @@ class SQBench(Bench):
             n += k
             spec = input_quant_spec(m)
             a4 = spec is not None and spec.bits <= 4
-            K = m.in_features
+            layout = spec
             if isinstance(m, SQActLinear):  # W4 x A(SQ): the low part runs W4A4
-                sc = (m.act_scale, m.act_group)
-                a = act_storage_bits(m.fmt, K, m.strategy, 2048, *sc, calibrated=m.calibrated_scales)
-                g = act_scale_group(m.fmt, K, *sc)
-                pa = m.fmt.paper_act_bits() + act_scale_bits(K, g, m.calibrated_scales)
+                layout = SQActLayout(m.fmt, m.strategy, m.act_scale, m.act_group, m.calibrated_scales)
                 low += m.mac_split()[0]
+            elif isinstance(m, SQWeightLinear):  # W(SQ) x A4: the low part runs W4A4
+                low += m.mac_split()[0] if a4 else 0
             else:
-                g = spec.group_size if spec is not None and spec.granularity == "group" else K
-                a = pa = spec.bits + 16 * -(-K // min(g, K)) / K if spec is not None else 16.0
-                if isinstance(m, SQWeightLinear):  # W(SQ) x A4: the low part runs W4A4
-                    low += m.mac_split()[0] if a4 else 0
-                else:
-                    low += k if a4 and getattr(m, "bits", 16) <= 4 else 0
-            abits += a * k
-            pbits += pa * k
+                low += k if a4 and getattr(m, "bits", 16) <= 4 else 0
+            ab = act_bits(m.in_features, layout, ACT_TOKENS)
+            abits += ab.total * k
+            pbits += ab.with_scales * k
         return bits / n, low / n, abits / n, pbits / n
 
     def row(self, part: str, name: str, model, paper_bits, **extra) -> dict | None:
@@ -442,6 +440,20 @@ def part_a4group(b: SQBench) -> None:
         del model
 
 
+INT_A_BITS = (5, 6, 7)  # the INT activation widths between A4 and A8 (issue 73: bits-matched baselines)
+
+
+def part_abits(b: SQBench) -> None:
+    """Issue 73: W4A5, W4A6, W4A7 (per token, and A5/A6 per group of 128 channels) on the shared W4
+    weights: the INT rows an SQ activation row is compared with at equal activation bits (scales
+    counted), where W4A4 and W4A8 alone would leave the bits between them interpolated."""
+    runs = [(ab, None) for ab in INT_A_BITS] + [(ab, 128) for ab in INT_A_BITS[:2]]
+    for ab, g in runs:
+        name = f"W4A{ab}" + (f" a{ab}-g{g}" if g else "")
+        if b.wants(name):
+            b.row("abits", name, b.with_acts(b.base(), ab, g), f"4/{ab}")
+
+
 def part_a4paper(b: SQBench) -> None:
     """Issue 73: the W(SQ)A4 rows of part a4group with Algorithm 1 as printed (``--importance paper
     --mask-timing upfront``: masks fixed up front from ``I = W'^2 / diag(H^-1)^2``), named
@@ -472,6 +484,7 @@ PARTS = {
     "scales": part_scales,
     "a4group": part_a4group,
     "a4paper": part_a4paper,
+    "abits": part_abits,
 }
 
 
