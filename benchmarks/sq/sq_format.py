@@ -74,9 +74,15 @@ class SQBench(Bench):
     def __init__(self, args):
         super().__init__(args)
         self.out = Path(args.json) if args.json else RESULTS / "sq_format.json"
-        self.done = json.loads(self.out.read_text())["rows"] if self.out.exists() else []
+        old = json.loads(self.out.read_text()) if self.out.exists() else {}
+        self.done = old.get("rows", [])
+        self.notes = old.get("notes")  # kept across runs (e.g. sq_act_bits.py's backfill note)
         self._base = None
         self._stats: dict[int, dict] = {}
+
+    def save(self) -> None:
+        out = {"args": vars(self.args), "rows": self.done}
+        write_text(self.out, json.dumps(out | ({"notes": self.notes} if self.notes else {}), indent=2))
 
     # -- models -------------------------------------------------------------------------------
     def quantize(self, method: str, **opts):
@@ -225,7 +231,7 @@ class SQBench(Bench):
         r.update(self.measure(model))  # ppl (and, verdict protocol, KL and top-1 from the same pass)
         r["eval_seconds"] = time.perf_counter() - t
         self.done = [d for d in self.done if not (d["part"] == part and d["name"] == name)] + [r]
-        write_text(self.out, json.dumps({"args": vars(self.args), "rows": self.done}, indent=2))
+        self.save()
         print(
             f"  [{part}] {name:<44} ppl {r['ppl']:9.3f}  paper {paper_bits!s:>6}  bits {bpw:6.3f}"
             f"  act-bits {abits:6.3f}  low-MAC {share:.3f}" + "".join(f"  {k} {v}" for k, v in extra.items()),
@@ -337,7 +343,7 @@ def part_defaults(b: SQBench) -> None:
                 }
                 b.done = [d for d in b.done if not (d["part"] == "defaults" and d["name"] == r["name"])] + [r]
                 print(f"  [defaults] {r['name']:<36} rel. output error {num / den:.5f}", flush=True)
-    write_text(b.out, json.dumps({"args": vars(b.args), "rows": b.done}, indent=2))
+    b.save()
 
 
 # issue 25: the claims first measured with per-token activation scales, rerun with per-bank scales (the
