@@ -120,9 +120,14 @@ def _first(values, what: str):
     raise KeyError(what)
 
 
-def _sq_ppl(rows: dict[str, dict], sq: str, strategy: str, scale: str = "token") -> float:
+def _sq_row(rows: dict[str, dict], sq: str, strategy: str, scale: str = "token") -> dict:
     end = strategy if scale == "token" else f"{strategy} scales={scale}"
-    return _first((v["ppl"] for k, v in rows.items() if f" {sq} " in f" {k} " and k.endswith(end)), sq)
+    return _first((v for k, v in rows.items() if f" {sq} " in f" {k} " and k.endswith(end)), sq)
+
+
+def _at(row: dict) -> str:
+    """`` @ 8.00`` -- the row's activation bits, scales and mask counted (issue 73) -- where recorded."""
+    return f" @ {row['act_bits']:.2f}" if "act_bits" in row else ""
 
 
 def _by_scale(judge, res: dict) -> tuple[str, str]:
@@ -151,10 +156,11 @@ def _static_falls_at_int2(res: dict, scale: str) -> tuple[str, str]:
     gaps = {}
     for low in (4, 3, 2):
         sq = f"16-(8/{low})-0.5"
-        d, st = _sq_ppl(r, sq, "dynamic", scale), _sq_ppl(r, sq, "static", scale)
-        gaps[low] = (d, st, st / d - 1)
+        d, st = _sq_row(r, sq, "dynamic", scale), _sq_row(r, sq, "static", scale)
+        gaps[low] = (d, st, st["ppl"] / d["ppl"] - 1)
     nums = "; ".join(
-        f"(8/{k}): dynamic {fmt(d)}, static {fmt(st)} ({g:+.0%})" for k, (d, st, g) in gaps.items()
+        f"(8/{k}): dynamic {fmt(d['ppl'])}{_at(d)}, static {fmt(st['ppl'])}{_at(st)} ({g:+.0%})"
+        for k, (d, st, g) in gaps.items()
     )
     ok = gaps[2][2] > gaps[3][2] > gaps[4][2]
     return nums, verdict(ok, "the static-dynamic gap does not widen steadily towards INT2")
@@ -165,7 +171,8 @@ def sq_static_falls_at_int2(res: dict) -> tuple[str, str]:
 
 
 def _static_small_banks(res: dict, scale: str) -> tuple[str, str]:
-    """At each sparsity, the bank chosen by calibration loss (test perplexity only reported)."""
+    """At each sparsity, the bank chosen by calibration loss (test perplexity only reported); each cell
+    with its activation bits (per-bank scales cost more at small banks)."""
     end = "static" if scale == "token" else f"static scales={scale}"
     rows = [v for v in res["rows"] if v.get("part") == "agrid" and v["name"].endswith(end)]
     by_s: dict[str, list[tuple[int, dict]]] = {}
@@ -180,16 +187,11 @@ def _static_small_banks(res: dict, scale: str) -> tuple[str, str]:
         best = min(cells, key=lambda c: c[1]["calib_loss"])
         lines.append(
             f"s={s}: "
-            + ", ".join(f"b{b} {fmt(v['ppl'])}" + _scale_bits(v, scale) for b, v in cells)
+            + ", ".join(f"b{b} {fmt(v['ppl'])}{_at(v)}" for b, v in cells)
             + f" (chosen by calib loss: b{best[0]})"
         )
         ok &= best[0] <= min(b for b, _ in cells) * 2  # one of the two smallest banks
     return "; ".join(lines), verdict(ok, "a larger bank has the lowest calibration loss")
-
-
-def _scale_bits(row: dict, scale: str) -> str:
-    """The paper's activation bits plus the activation scales' (per-bank scales cost more at small banks)."""
-    return "" if scale == "token" else f" ({row['paper_act_bits_scales']:.2f} act bits)"
 
 
 def sq_static_small_banks(res: dict) -> tuple[str, str]:
@@ -213,6 +215,8 @@ def _importance_ablation(res: dict, scale: str) -> tuple[str, str]:
         f"static W4A(SQ6) b16: I=|A·ΣW| {fmt(p['aw'])}, mean|A|·Σ|W| {fmt(p['abs-aw'])}, "
         f"|A| alone {fmt(p['a'])}"
     )
+    bits = sorted({f"{v['act_bits']:.2f}" for k, v in r.items() if k.endswith(end) and "act_bits" in v})
+    nums += f" (all @ {' / '.join(bits)} act bits)" if bits else ""
     return nums, verdict(p["a"] > 1.1 * p["aw"], "|A| alone is within 10% of the paper's importance")
 
 
