@@ -43,15 +43,14 @@ from benchmarks.findings.claims_sfmp import (
     sfmp_small_blocks,
 )
 from benchmarks.findings.claims_sq import (
-    sq_between_a4_a8,
     sq_importance_ablation,
     sq_int_throughput,
-    sq_static_close_at_84,
     sq_static_falls_at_int2,
     sq_static_small_banks,
     sq_w_sq_a4_beats_w4a4,
     sq_weights_improve_as_s_falls,
 )
+from benchmarks.findings.claims_sq_bits import sq_between_a4_a8, sq_static_close_at_84
 from benchmarks.findings.findings_lib import Finding
 from benchmarks.findings.why import WHY_FILE, why_texts
 

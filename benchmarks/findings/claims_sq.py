@@ -27,98 +27,86 @@ def _sq_scale_ppl(res: dict, strategy: str, scale: str) -> float:
     raise KeyError(k)
 
 
-def sq_between_a4_a8(res: dict) -> tuple[str, str]:
-    """Table 1 / Fig. 5: W4A(SQ) bridges W4A8 and W4A4 (on par with W4A8 or between the two).  The
-    paper's W4A4 (GPTQ) does not collapse, so the A4 bound is W4A4 with A4 per group of 128 where
-    measured (per-token INT4 collapses this model), and the SQ rows are those with per-bank
-    activation scales (the granularity the paper's tables fit)."""
-    r, g = _sq_rows(res, "acts"), _sq_rows(res, "a4group")
-    a8, a4_tok = r["W4A8"]["ppl"], r["W4A4"]["ppl"]
-    a4 = g["W4A4 a4-g128"]["ppl"] if "W4A4 a4-g128" in g else a4_tok
-    sq = {k: v["ppl"] for k, v in _sq_rows(res, "scales").items() if k.endswith("scales=bank")}
-    if not sq:  # before issue 25: per-token scales only
-        sq = {k: v["ppl"] for k, v in r.items() if k.startswith("W4A(SQ")}
-    # below W4A8 counts as inside: the paper has W4A(SQ6) on par with GPTQ W4A8 (7.97 vs 7.98, Llama-3-8B)
-    inside = [k for k, p in sq.items() if p <= a4]
-    below = [k for k, p in sq.items() if p < a8]
-    bound = f"W4A4 (A4 per group of 128) {fmt(a4)}, per-token" if a4 != a4_tok else "W4A4"
-    nums = f"W4A8 {fmt(a8)}, {bound} {fmt(a4_tok)}; " + ", ".join(f"{k} {fmt(p)}" for k, p in sq.items())
-    nums += f"; {len(below)} of {len(sq)} below W4A8" if below else ""
-    return nums, verdict(len(inside) == len(sq), f"{len(sq) - len(inside)} setting(s) worse than W4A4")
+PAPER = " mask=paper"  # part a4paper: Algorithm 1 as printed (issue 73); without it: ours (OBS, lazy)
 
 
-def sq_static_close_at_84(res: dict) -> tuple[str, str]:
-    """Table 2: static ≈ dynamic at 16-(8/4)-0.5, judged with per-bank activation scales (both
-    strategies; the granularity the paper's tables fit); per token, per 128 channels and calibrated
-    static scales reported."""
-    lines, gaps = [], {}
-    for sc in ("token", "bank", "group128"):
-        try:
-            d, st = _sq_scale_ppl(res, "dynamic", sc), _sq_scale_ppl(res, "static", sc)
-        except KeyError:
-            continue
-        gaps[sc] = st / d - 1
-        lines.append(f"scales per {sc}: dynamic {fmt(d)}, static {fmt(st)} ({gaps[sc]:+.1%})")
-    scales = _sq_rows(res, "scales")
-    for sc in ("bank", "group128"):
-        k = f"{_SQ6} static scales={sc}/calibrated"
-        if k in scales:
-            lines.append(f"static, calibrated {sc} scales {fmt(scales[k]['ppl'])}")
-    if "bank" not in gaps:
-        raise KeyError("sq_format part scales: W4A(SQ6) dynamic/static with per-bank scales")
-    fid = [scales.get(f"{_SQ6} {st} scales=bank", {}) for st in ("dynamic", "static")]
-    if all("kl_mean" in r for r in fid):  # the verdict protocol's fidelity to the float model
-        lines.append(
-            "KL dynamic / static {:.4f} / {:.4f}, top-1 {:.4f} / {:.4f}".format(
-                fid[0]["kl_mean"], fid[1]["kl_mean"], fid[0]["top1_agreement"], fid[1]["top1_agreement"]
-            )
-        )
-    return "(8/4) b16 s0.5: " + "; ".join(lines), verdict(gaps["bank"] <= 0.05, "static over 5% worse")
+def _w_sq_a4(res: dict, G: int) -> tuple[dict[str, dict], dict[str, dict]]:
+    """(the paper's, ours) W(SQ)A4 rows at A4 per group of ``G``, by setting (those measured)."""
+    r = {**_sq_rows(res, "a4group"), **_sq_rows(res, "a4paper")}
+    paper = {k: r[f"{k} a4-g{G}{PAPER}"] for k in _W_SQ_A4 if f"{k} a4-g{G}{PAPER}" in r}
+    ours = {k: r[f"{k} a4-g{G}"] for k in _W_SQ_A4 if f"{k} a4-g{G}" in r}
+    return paper, ours
+
+
+def _abits(rows) -> str:
+    """The rows' activation bits (scales counted), one value where they all agree."""
+    bits = sorted({round(v["act_bits"], 2) for v in rows if "act_bits" in v})
+    return " / ".join(f"{b:.2f}" for b in bits) + " act bits" if bits else ""
 
 
 def sq_weights_improve_as_s_falls(res: dict) -> tuple[str, str]:
     """Table 1: W(SQ)A4 improves as s falls (W(SQ4.5) -> W(SQ5) -> W(SQ6)).  Judged with A4 per
-    group of 64 and of 128 channels (per-token INT4 collapses this model); per-token A4, A8 and A16
-    (the weight side alone) reported, and the W(SQ5) bank sweep (16 vs 64) at each A4 group."""
+    group of 64 and of 128 channels (per-token INT4 collapses this model), on the paper's Algorithm 1
+    (masks fixed up front from W'^2 / diag(H^-1)^2, part a4paper) where all three settings ran it,
+    else on ours (OBS saliency, lazy masks) with the paper's rows reported; per-token A4, A8 and A16
+    (the weight side alone) and the W(SQ5) bank sweep (16 vs 64) reported."""
     g, w = _sq_rows(res, "a4group"), _sq_rows(res, "weights")
-    ppl = {}
+    ppl, judged, seen = {}, [], []
     for G in (64, 128):
-        names = [f"{k} a4-g{G}" for k in _W_SQ_A4]
-        if all(n in g for n in names):
-            ppl[f"A4 g{G}"] = [g[n]["ppl"] for n in names]
-    if not ppl:
+        paper, ours = _w_sq_a4(res, G)
+        if len(paper) == 3:
+            ppl[f"paper A4 g{G}"] = [paper[k]["ppl"] for k in _W_SQ_A4]
+            judged.append(f"paper A4 g{G}")
+        if len(ours) == 3:
+            ppl[f"ours A4 g{G}"] = [ours[k]["ppl"] for k in _W_SQ_A4]
+        seen += [*paper.values(), *ours.values()]
+    judged = judged or [k for k in ppl if k.startswith("ours")]
+    if not judged:
         raise KeyError("sq_format part a4group: W(SQ)A4 with group-wise A4")
-    judged = list(ppl)
     for a in ("A4", "A8", "A16"):  # part weights: per-token A4 (collapses), A8, A16
         names = [k.replace("A4 ", f"{a} ") for k in _W_SQ_A4]
         if all(n in w for n in names):
-            ppl[f"{a} per token" if a == "A4" else a] = [w[n]["ppl"] for n in names]
+            ppl[f"ours {a} per token" if a == "A4" else f"ours {a}"] = [w[n]["ppl"] for n in names]
     nums = "s 0.9375 / 0.875 / 0.75 -> " + "; ".join(
         f"{a}: " + " / ".join(fmt(p) for p in v) for a, v in ppl.items()
     )
+    extra = []
+    for G in (64, 128):
+        if f"paper A4 g{G}" not in judged:
+            extra += [f"{k.split()[0]} g{G} {fmt(v['ppl'])}" for k, v in _w_sq_a4(res, G)[0].items()]
+    if extra:
+        nums += "; the paper's masks (not every setting): " + ", ".join(extra)
     banks = [f"A4 g{G}: b16 {fmt(g[f'W(SQ5)A4 16-(8/4)-0.875 a4-g{G}']['ppl'])} vs b64 "
              f"{fmt(g[f'W(SQ5)A4 64-(8/4)-0.875 a4-g{G}']['ppl'])}"
              for G in (64, 128) if f"W(SQ5)A4 16-(8/4)-0.875 a4-g{G}" in g]  # fmt: skip
     if banks:
-        nums += "; W(SQ5) bank sweep " + ", ".join(banks)
-    mono = {a: v[0] > v[1] > v[2] for a, v in ppl.items()}
-    bad = [a for a in judged if not mono[a]]
+        nums += "; ours W(SQ5) bank sweep " + ", ".join(banks)
+    nums += f" (A4 group rows at {_abits(seen)})"
+    bad = [a for a in judged if not ppl[a][0] > ppl[a][1] > ppl[a][2]]
     return nums, verdict(not bad, f"not monotone at {', '.join(bad)}")
 
 
 def sq_w_sq_a4_beats_w4a4(res: dict) -> tuple[str, str]:
-    """Table 1 (W4A4 vs W(SQ)A4): every W(SQ)A4 beats W4A4 at the same group-wise A4 (the paper's
-    comparator is GPTQ W4A4; ours is the same smoothed GPTQ W4 weights every activation row uses)."""
+    """Table 1 (W4A4 vs W(SQ)A4): every W(SQ)A4 beats W4A4 at the same group-wise A4 (and so at equal
+    activation bits).  Each setting judged on the paper's Algorithm 1 (part a4paper: masks fixed up
+    front from W'^2 / diag(H^-1)^2) where it ran, else on ours (OBS saliency, lazy masks); ours
+    reported beside the paper's.  The paper's comparator is GPTQ W4A4; ours is the same smoothed GPTQ
+    W4 weights every activation row uses."""
     g = _sq_rows(res, "a4group")
     lines, worse = [], []
     for G in (64, 128):
         base = g.get(f"W4A4 a4-g{G}")
-        rows = {k: g.get(f"{k} a4-g{G}") for k in _W_SQ_A4}
-        if base is None or None in rows.values():
+        paper, ours = _w_sq_a4(res, G)
+        if base is None or len({**ours, **paper}) < len(_W_SQ_A4):
             continue
-        each = [f"{k.split()[0]} {fmt(v['ppl'])} @ {fmt(v['measured_bits'])} bpw" for k, v in rows.items()]
-        lines.append(f"A4 g{G}: W4A4 {fmt(base['ppl'])}, " + ", ".join(each))
-        worse += [f"{k.split()[0]} g{G}" for k, v in rows.items() if v["ppl"] >= base["ppl"]]
+        each = []
+        for k in _W_SQ_A4:
+            v, form = (paper[k], "paper") if k in paper else (ours[k], "ours")
+            also = f", ours {fmt(ours[k]['ppl'])}" if form == "paper" and k in ours else ""
+            each.append(f"{k.split()[0]} {form} {fmt(v['ppl'])}{also} @ {fmt(v['measured_bits'])} bpw")
+            worse += [f"{k.split()[0]} g{G}"] if v["ppl"] >= base["ppl"] else []
+        bits = _abits([base, *paper.values(), *ours.values()])
+        lines.append(f"A4 g{G} ({bits}): W4A4 {fmt(base['ppl'])}, " + ", ".join(each))
     if not lines:
         raise KeyError("sq_format part a4group: W4A4 and W(SQ)A4 with group-wise A4")
     return "; ".join(lines), verdict(not worse, f"{', '.join(worse)} not better than W4A4")
@@ -132,9 +120,14 @@ def _first(values, what: str):
     raise KeyError(what)
 
 
-def _sq_ppl(rows: dict[str, dict], sq: str, strategy: str, scale: str = "token") -> float:
+def _sq_row(rows: dict[str, dict], sq: str, strategy: str, scale: str = "token") -> dict:
     end = strategy if scale == "token" else f"{strategy} scales={scale}"
-    return _first((v["ppl"] for k, v in rows.items() if f" {sq} " in f" {k} " and k.endswith(end)), sq)
+    return _first((v for k, v in rows.items() if f" {sq} " in f" {k} " and k.endswith(end)), sq)
+
+
+def _at(row: dict) -> str:
+    """`` @ 8.00`` -- the row's activation bits, scales and mask counted (issue 73) -- where recorded."""
+    return f" @ {row['act_bits']:.2f}" if "act_bits" in row else ""
 
 
 def _by_scale(judge, res: dict) -> tuple[str, str]:
@@ -163,10 +156,11 @@ def _static_falls_at_int2(res: dict, scale: str) -> tuple[str, str]:
     gaps = {}
     for low in (4, 3, 2):
         sq = f"16-(8/{low})-0.5"
-        d, st = _sq_ppl(r, sq, "dynamic", scale), _sq_ppl(r, sq, "static", scale)
-        gaps[low] = (d, st, st / d - 1)
+        d, st = _sq_row(r, sq, "dynamic", scale), _sq_row(r, sq, "static", scale)
+        gaps[low] = (d, st, st["ppl"] / d["ppl"] - 1)
     nums = "; ".join(
-        f"(8/{k}): dynamic {fmt(d)}, static {fmt(st)} ({g:+.0%})" for k, (d, st, g) in gaps.items()
+        f"(8/{k}): dynamic {fmt(d['ppl'])}{_at(d)}, static {fmt(st['ppl'])}{_at(st)} ({g:+.0%})"
+        for k, (d, st, g) in gaps.items()
     )
     ok = gaps[2][2] > gaps[3][2] > gaps[4][2]
     return nums, verdict(ok, "the static-dynamic gap does not widen steadily towards INT2")
@@ -177,7 +171,8 @@ def sq_static_falls_at_int2(res: dict) -> tuple[str, str]:
 
 
 def _static_small_banks(res: dict, scale: str) -> tuple[str, str]:
-    """At each sparsity, the bank chosen by calibration loss (test perplexity only reported)."""
+    """At each sparsity, the bank chosen by calibration loss (test perplexity only reported); each cell
+    with its activation bits (per-bank scales cost more at small banks)."""
     end = "static" if scale == "token" else f"static scales={scale}"
     rows = [v for v in res["rows"] if v.get("part") == "agrid" and v["name"].endswith(end)]
     by_s: dict[str, list[tuple[int, dict]]] = {}
@@ -192,16 +187,11 @@ def _static_small_banks(res: dict, scale: str) -> tuple[str, str]:
         best = min(cells, key=lambda c: c[1]["calib_loss"])
         lines.append(
             f"s={s}: "
-            + ", ".join(f"b{b} {fmt(v['ppl'])}" + _scale_bits(v, scale) for b, v in cells)
+            + ", ".join(f"b{b} {fmt(v['ppl'])}{_at(v)}" for b, v in cells)
             + f" (chosen by calib loss: b{best[0]})"
         )
         ok &= best[0] <= min(b for b, _ in cells) * 2  # one of the two smallest banks
     return "; ".join(lines), verdict(ok, "a larger bank has the lowest calibration loss")
-
-
-def _scale_bits(row: dict, scale: str) -> str:
-    """The paper's activation bits plus the activation scales' (per-bank scales cost more at small banks)."""
-    return "" if scale == "token" else f" ({row['paper_act_bits_scales']:.2f} act bits)"
 
 
 def sq_static_small_banks(res: dict) -> tuple[str, str]:
@@ -225,6 +215,8 @@ def _importance_ablation(res: dict, scale: str) -> tuple[str, str]:
         f"static W4A(SQ6) b16: I=|A·ΣW| {fmt(p['aw'])}, mean|A|·Σ|W| {fmt(p['abs-aw'])}, "
         f"|A| alone {fmt(p['a'])}"
     )
+    bits = sorted({f"{v['act_bits']:.2f}" for k, v in r.items() if k.endswith(end) and "act_bits" in v})
+    nums += f" (all @ {' / '.join(bits)} act bits)" if bits else ""
     return nums, verdict(p["a"] > 1.1 * p["aw"], "|A| alone is within 10% of the paper's importance")
 
 

@@ -17,9 +17,11 @@ Parts (``--parts``, each cached in JSON so they can run one at a time under the 
 acts, weights, defaults, gap, ablate, calib, agrid, wgrid, fig, and (issue 25) scales -- static vs
 dynamic W4A(SQ6) with activation scales per token / per bank / per group of 128 (and calibrated
 static bank/group scales) -- and a4group -- W4A4 and W(SQ)A4 with A4 per group of 64 / 128 channels,
-the SQ bank swept apart from the A4 group.  ``--only`` (comma list of row names) runs some rows.
-Column ``paper_act_bits_scales``: the paper's activation bits (y, or the INT width) plus the
-activation scales' bits (MAC-weighted over the linears).
+the SQ bank swept apart from the A4 group -- and (issue 73) a4paper -- part a4group's W(SQ)A4 rows with
+Algorithm 1's masks as printed (fixed up front from ``W'^2 / diag(H^-1)^2``).  ``--only`` (comma list
+of row names) runs some rows; abits (issue 73): W4A5 / A6 / A7, the INT rows between A4 and A8.
+Columns ``act_bits`` (values, scales and mask) and ``paper_act_bits_scales`` (the paper's y, or the INT
+width, plus the scales), MAC-weighted over the linears, both from ``formats.sq_act.act_bits``.
 
 Run: python -m benchmarks.sq.sq_format --protocol fast --parts acts,weights,...
 """
@@ -35,13 +37,14 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import RESULTS, Bench, base_parser, protocol_label, write_text
+from benchmarks.sq.sq_format_a4 import CACHE, W_SQ, _sq_weights, part_a4group, part_a4paper, part_abits
 from benchmarks.sq.sq_format_fig import part_fig
 from bitmosaic.algorithms.sq import static_act_scales, static_channel_mask, static_importance
 from bitmosaic.data import bos_token_id, calibration_samples
 from bitmosaic.eval.perplexity import perplexity
 from bitmosaic.formats.act import ActQuantSpec
 from bitmosaic.formats.sq import act_name, parse_sq, weight_name
-from bitmosaic.formats.sq_act import act_scale_bits, act_scale_group, act_storage_bits
+from bitmosaic.formats.sq_act import SQActLayout, act_bits
 from bitmosaic.io import load_quantized, save_quantized
 from bitmosaic.methods import get_method
 from bitmosaic.modules.actquant import attach_input_quant, input_quant_spec
@@ -50,13 +53,11 @@ from bitmosaic.modules.qlinear import QuantLinear
 from bitmosaic.modules.sq import SQActLinear, SQWeightLinear
 from bitmosaic.pipeline import RunSettings, quantize_model
 
-CACHE = Path("/tmp/bitmosaic_sq_bench")
 BASE = {"bits": 4, "group_size": 128, "alpha": 0.5, "solver": "gptq"}
 DEFAULT_LAYERS = (2, 14, 26)
-W_SQ = {"W(SQ6)": "32-(8/4)-0.75", "W(SQ5)": "64-(8/4)-0.875", "W(SQ4.5)": "64-(8/4)-0.9375"}
-A4_GROUPS = (64, 128)  # group-wise A4 (issue 25): per token, one INT4 scale per G channels
 SCALE_SETTINGS = (("token", None, False), ("bank", None, False), ("group", 128, False))
 STATIC_CALIBRATED = (("bank", None, True), ("group", 128, True))
+ACT_TOKENS = 2048  # rows a static mask / calibrated scale is spread over in the activation bits
 
 
 def scale_label(scale: str, group: int | None, calibrated: bool) -> str:
@@ -71,9 +72,15 @@ class SQBench(Bench):
     def __init__(self, args):
         super().__init__(args)
         self.out = Path(args.json) if args.json else RESULTS / "sq_format.json"
-        self.done = json.loads(self.out.read_text())["rows"] if self.out.exists() else []
+        old = json.loads(self.out.read_text()) if self.out.exists() else {}
+        self.done = old.get("rows", [])
+        self.notes = old.get("notes")  # kept across runs (e.g. sq_act_bits.py's backfill note)
         self._base = None
         self._stats: dict[int, dict] = {}
+
+    def save(self) -> None:
+        out = {"args": vars(self.args), "rows": self.done}
+        write_text(self.out, json.dumps(out | ({"notes": self.notes} if self.notes else {}), indent=2))
 
     # -- models -------------------------------------------------------------------------------
     def quantize(self, method: str, **opts):
@@ -175,10 +182,12 @@ class SQBench(Bench):
 
     @staticmethod
     def measured(model) -> tuple[float, float, float, float]:
-        """(stored bits per weight over all quantized linears, low-precision MAC share, stored bits
-        per activation value, the paper's activation bits plus the scales' bits), the last two
-        MAC-weighted: SQ layouts from :func:`act_storage_bits` (scales per token / bank / group, or
-        calibrated per linear), INT ``a + 16 * ceil(K / G) / K`` (G = K per token), 16 when unquantized."""
+        """(stored bits per weight over all quantized linears, low-precision MAC share, activation bits,
+        the paper's activation bits plus the scales' bits), the last two MAC-weighted, both from
+        :func:`~bitmosaic.formats.sq_act.act_bits` of each linear's input layout (issue 73): ``total``
+        (values, scales and mask: SQ splits with scales per token / bank / group or calibrated per
+        linear, INT ``a + 16 ceil(K / G) / K`` with G = K per token, 16 when unquantized) and
+        ``with_scales`` (the paper's ``y`` or the INT width, plus the scales)."""
         bits = n = low = abits = pbits = 0.0
         for _, m in model.named_modules():
             if not (hasattr(m, "bits_per_weight") and hasattr(m, "storage_tensors")):
@@ -188,22 +197,17 @@ class SQBench(Bench):
             n += k
             spec = input_quant_spec(m)
             a4 = spec is not None and spec.bits <= 4
-            K = m.in_features
+            layout = spec
             if isinstance(m, SQActLinear):  # W4 x A(SQ): the low part runs W4A4
-                sc = (m.act_scale, m.act_group)
-                a = act_storage_bits(m.fmt, K, m.strategy, 2048, *sc, calibrated=m.calibrated_scales)
-                g = act_scale_group(m.fmt, K, *sc)
-                pa = m.fmt.paper_act_bits() + act_scale_bits(K, g, m.calibrated_scales)
+                layout = SQActLayout(m.fmt, m.strategy, m.act_scale, m.act_group, m.calibrated_scales)
                 low += m.mac_split()[0]
+            elif isinstance(m, SQWeightLinear):  # W(SQ) x A4: the low part runs W4A4
+                low += m.mac_split()[0] if a4 else 0
             else:
-                g = spec.group_size if spec is not None and spec.granularity == "group" else K
-                a = pa = spec.bits + 16 * -(-K // min(g, K)) / K if spec is not None else 16.0
-                if isinstance(m, SQWeightLinear):  # W(SQ) x A4: the low part runs W4A4
-                    low += m.mac_split()[0] if a4 else 0
-                else:
-                    low += k if a4 and getattr(m, "bits", 16) <= 4 else 0
-            abits += a * k
-            pbits += pa * k
+                low += k if a4 and getattr(m, "bits", 16) <= 4 else 0
+            ab = act_bits(m.in_features, layout, ACT_TOKENS)
+            abits += ab.total * k
+            pbits += ab.with_scales * k
         return bits / n, low / n, abits / n, pbits / n
 
     def row(self, part: str, name: str, model, paper_bits, **extra) -> dict | None:
@@ -225,7 +229,7 @@ class SQBench(Bench):
         r.update(self.measure(model))  # ppl (and, verdict protocol, KL and top-1 from the same pass)
         r["eval_seconds"] = time.perf_counter() - t
         self.done = [d for d in self.done if not (d["part"] == part and d["name"] == name)] + [r]
-        write_text(self.out, json.dumps({"args": vars(self.args), "rows": self.done}, indent=2))
+        self.save()
         print(
             f"  [{part}] {name:<44} ppl {r['ppl']:9.3f}  paper {paper_bits!s:>6}  bits {bpw:6.3f}"
             f"  act-bits {abits:6.3f}  low-MAC {share:.3f}" + "".join(f"  {k} {v}" for k, v in extra.items()),
@@ -243,23 +247,6 @@ def part_acts(b: SQBench) -> None:
             name = f"{act_name(4, parse_sq(sq))} {sq} {strat}"
             if b.wants(name):
                 b.row("acts", name, b.with_sq_acts(sq, strat), parse_sq(sq).paper_act_bits())
-
-
-def _sq_weights(b: SQBench, sq: str, cache: bool = False, **opts):
-    """A W(SQ) model calibrated on 16-bit activations; ``cache``: kept on disk between commands."""
-    a = b.args
-    path = CACHE / f"sqw_{sq}_{a.nsamples}x{a.seqlen}_s{a.seed}"
-    info_path = path / "bench_info.json"
-    if cache and info_path.exists():
-        return load_quantized(path, load_tokenizer=False)[0].float().eval(), json.loads(info_path.read_text())
-    t = time.perf_counter()
-    model, rep = b.quantize("sq-weights", sq=sq, **opts)
-    loss = sum(r["hessian_error"] for r in rep.layers if r.get("hessian_error") is not None)
-    info = {"calib_hessian_error": loss, "quant_seconds": round(time.perf_counter() - t, 1)}
-    if cache:
-        save_quantized(model, path, {"method": "sq-weights", "sq": sq, **opts})
-        write_text(info_path, json.dumps(info))
-    return model, info
 
 
 def part_weights(b: SQBench) -> None:
@@ -330,7 +317,7 @@ def part_defaults(b: SQBench) -> None:
                 }
                 b.done = [d for d in b.done if not (d["part"] == "defaults" and d["name"] == r["name"])] + [r]
                 print(f"  [defaults] {r['name']:<36} rel. output error {num / den:.5f}", flush=True)
-    write_text(b.out, json.dumps({"args": vars(b.args), "rows": b.done}, indent=2))
+    b.save()
 
 
 # issue 25: the claims first measured with per-token activation scales, rerun with per-bank scales (the
@@ -412,27 +399,6 @@ def part_scales(b: SQBench) -> None:
             b.row("scales", name, m, fmt.paper_act_bits())
 
 
-W_SQ_BANKS = ("16-(8/4)-0.875",)  # the bank swept at s = 0.875 against W(SQ5)'s 64 (A4 groups apart)
-
-
-def part_a4group(b: SQBench) -> None:
-    """Issue 25: W4A4 and W(SQ)A4 with A4 per token and group of 64 / 128 channels (the W(SQ)
-    bank swept separately: 16 and 64 at s = 0.875).  W(SQ) models are cached on disk."""
-    for g in A4_GROUPS:
-        name = f"W4A4 a4-g{g}"
-        if b.wants(name):
-            b.row("a4group", name, b.with_acts(b.base(), 4, g), "4/4")
-    for sq in (*W_SQ.values(), *W_SQ_BANKS):
-        fmt = parse_sq(sq)
-        names = {g: f"{weight_name(fmt, 4)} {sq} a4-g{g}" for g in A4_GROUPS}
-        if not any(b.wants(n) for n in names.values()):
-            continue
-        model, info = _sq_weights(b, sq, cache=True)
-        for g, name in names.items():
-            b.row("a4group", name, b.with_acts(model, 4, g), fmt.paper_weight_bits, **info)
-        del model
-
-
 PARTS = {
     "table": lambda b: None,  # only print/write the table of what is already in the JSON
     "acts": part_acts,
@@ -446,6 +412,8 @@ PARTS = {
     "fig": part_fig,
     "scales": part_scales,
     "a4group": part_a4group,
+    "a4paper": part_a4paper,
+    "abits": part_abits,
 }
 
 
