@@ -53,7 +53,7 @@ from benchmarks.findings.claims_sq import (
     sq_weights_improve_as_s_falls,
 )
 from benchmarks.findings.findings_lib import Finding
-from benchmarks.findings.why import WHY_FILE, why_texts
+from benchmarks.findings.why import Q4_1_FILE, WHY_FILE, q4_1_texts, why_texts
 
 B = "Babai (GPTQ geometry)"
 
@@ -209,16 +209,17 @@ FINDINGS: list[Finding] = [
 ]
 
 
-
-
-def attach_why(findings: list[Finding], why: dict[str, str]) -> None:
-    """Give each finding its "why this may differ" text; a text that names no claim (a claim reworded,
-    its text left behind) stops the report instead of leaving the column blank."""
-    if stray := sorted(set(why) - {f.claim for f in findings}):
-        raise KeyError(f"{WHY_FILE.name} names no claim of FINDINGS: {stray}")
+def attach_why(findings: list[Finding], why: dict[str, str], q4_1: dict[str, str] | None = None) -> None:
+    """Give each finding its "why this may differ" text and its Q4_1-grid dependence; a text that names
+    no claim (a claim reworded, its text left behind) stops the report instead of leaving a blank."""
+    claims = {f.claim for f in findings}
+    for name, texts in ((WHY_FILE.name, why), (Q4_1_FILE.name, q4_1 or {})):
+        if stray := sorted(set(texts) - claims):
+            raise KeyError(f"{name} names no claim of FINDINGS: {stray}")
     for f in findings:
         f.differ = why.get(f.claim, "")
+        f.q4_1 = (q4_1 or {}).get(f.claim, "not yet assessed")
 
 
 WHY = why_texts()  # claim -> text, its numbers read from the result files (results/findings_why.yaml)
-attach_why(FINDINGS, WHY)
+attach_why(FINDINGS, WHY, q4_1_texts())  # results/findings_q4_1.yaml

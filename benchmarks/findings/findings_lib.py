@@ -23,6 +23,7 @@ class Finding:
     source: str  # benchmark JSON name (benchmarks/results/<source>.json), or "fresh"
     judge: Callable[[dict], tuple]  # results -> (numbers, verdict); pooled: (numbers, verdict, seeds)
     differ: str = ""  # why this may differ from the paper, besides what every row shares (DIFFERS)
+    q4_1: str = ""  # whether the verdict can depend on SmolLM2's Q4_1-grid weights, and why (issue 73)
     # the judge sees every verdict seed at once (seed 0's rows, the others as res["seeds"]) and says
     # how many seeds its pairs rest on: for tables whose later seeds repeat only the pairs under 10%
     pooled: bool = False
