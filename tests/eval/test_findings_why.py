@@ -84,10 +84,10 @@ def test_a_number_is_shown_at_its_literals_decimals(literal, value, shown):
 
 
 # -- no measured number without its result file (issue 73) ------------------------------------------
-# Texts not yet converted to citations (issue 73 item 3): each still quotes plain numbers that look
-# measured.  The SQ-format texts are being rewritten for issue 73 items 4-5 and the MosaicQuant main-table
-# texts for item 3; the others wait for their conversion.  A text converted leaves this list (the test
-# below fails while it is listed but clean).
+# Texts not yet converted to citations (issue 73): each still quotes plain numbers that look measured.
+# The SQ-format texts are being rewritten for issue 73 items 4-5, the MosaicQuant main-table texts for
+# item 3, SSQR's for item 7.  A text converted leaves this list (the test below fails while it is
+# listed but clean).
 UNCONVERTED = {
     # SQ-format (items 4-5)
     "W4A(SQ) lands between W4A4 and W4A8",
@@ -102,11 +102,6 @@ UNCONVERTED = {
     "MosaicQuant beats RTN and SmoothQuant at W4A8",
     # SSQR's off-grid share and α (item 7): measured once, in no result file yet
     "SSQR (1-3% outliers) beats GPTQ at equal bits",
-    # SFMP's main-table texts: their margins (NN% lower) not yet written as ratios
-    "SFMP (AWQ blocks) beats uniform GPTQ and AWQ at equal memory",
-    "ours: SFMP with GPTQ blocks beats uniform at equal memory",
-    "ours: SFMP (AWQ blocks) beats our GPTQ (act-order, MSE) at equal memory",
-    "ours: GPTQ blocks beat the paper's AWQ blocks",
 }
 # a why text that still blames the Q4_1 weight format for the activations' outliers (the SQ-format
 # helper's text, to be rewritten with items 4-5)
