@@ -206,9 +206,10 @@ def main() -> None:
     p.add_argument("--json", default=None)
     a = p.parse_args()
     torch.manual_seed(a.seed)
-    models = {m: measure(m, a.nsamples, a.seqlen, a.seed) for m in a.models.split(",")}
-    out = {"args": vars(a), "outlier_x": OUTLIER_X, "models": models}
-    write_results(a.json, "outliers", out, markdown(out))
+    out = {"args": vars(a), "outlier_x": OUTLIER_X, "models": {}}
+    for m in a.models.split(","):  # written after each model: a run cut short keeps the models it measured
+        out["models"][m] = measure(m, a.nsamples, a.seqlen, a.seed)
+        write_results(a.json, "outliers", out, markdown(out))
 
 
 if __name__ == "__main__":
