@@ -52,7 +52,7 @@ from benchmarks.findings.claims_sq import (
 )
 from benchmarks.findings.claims_sq_bits import sq_between_a4_a8, sq_static_close_at_84
 from benchmarks.findings.findings_lib import Finding
-from benchmarks.findings.why import WHY_FILE, why_texts
+from benchmarks.findings.why import Q4_1_FILE, WHY_FILE, q4_1_texts, why_texts
 
 B = "Babai (GPTQ geometry)"
 
@@ -208,8 +208,6 @@ FINDINGS: list[Finding] = [
 ]
 
 
-
-
 # issue 73: the claims also judged on a second model, Gemma-3-270m (findings.MODELS): at least one per
 # paper, and the comparisons behind a default (GPTQ over AWQ at W4 g128: the SFMP table's uniform rows)
 SECOND_MODEL = frozenset({
@@ -226,19 +224,22 @@ SECOND_MODEL = frozenset({
 SECOND = "Gemma-3-270m: "  # a findings_why.yaml key naming the second model's row of a claim
 
 
-def attach_why(findings: list[Finding], why: dict[str, str]) -> None:
-    """Give each finding its "why this may differ" text (the second model's texts, keyed
-    ``"Gemma-3-270m: <claim>"``, go to :data:`SECOND_WHY`); a text that names no claim (a claim reworded,
-    its text left behind) stops the report instead of leaving the column blank."""
+def attach_why(findings: list[Finding], why: dict[str, str], q4_1: dict[str, str] | None = None) -> None:
+    """Give each finding its "why this may differ" text and its Q4_1-grid dependence (the second model's
+    texts, keyed ``"Gemma-3-270m: <claim>"``, go to :data:`SECOND_WHY`); a text that names no claim (a
+    claim reworded, its text left behind) stops the report instead of leaving a blank."""
+    claims = {f.claim for f in findings}
     second = {k[len(SECOND):]: v for k, v in why.items() if k.startswith(SECOND)}
     why = {k: v for k, v in why.items() if not k.startswith(SECOND)}
-    if stray := sorted((set(why) | set(second)) - {f.claim for f in findings}):
-        raise KeyError(f"{WHY_FILE.name} names no claim of FINDINGS: {stray}")
+    for name, texts in ((WHY_FILE.name, why), (WHY_FILE.name, second), (Q4_1_FILE.name, q4_1 or {})):
+        if stray := sorted(set(texts) - claims):
+            raise KeyError(f"{name} names no claim of FINDINGS: {stray}")
     for f in findings:
         f.differ = why.get(f.claim, "")
+        f.q4_1 = (q4_1 or {}).get(f.claim, "not yet assessed")
     SECOND_WHY.update(second)
 
 
 SECOND_WHY: dict[str, str] = {}  # claim -> the why text of its Gemma-3-270m row
 WHY = why_texts()  # claim -> text, its numbers read from the result files (results/findings_why.yaml)
-attach_why(FINDINGS, WHY)
+attach_why(FINDINGS, WHY, q4_1_texts())  # results/findings_q4_1.yaml

@@ -270,4 +270,6 @@ def mosaic_fused_overhead(res: dict) -> tuple[str, str]:
         nums += "; integer path (W4A4): " + ", ".join(
             f"{r['shape']} b{r['batch']} {r['int_overhead']:+.0%}" for r in ints
         )
-    return nums + f"; memory +{mem:.1%}", f"{UNTESTABLE} (the ~5-6% is a GPU figure; no GPU was lent)"
+    # a GPU was lent (benchmarks/results/gpu_h200.md), but bitmosaic has no fused MosaicQuant GPU kernel
+    why = "the ~5-6% is a fused GPU kernel's; bitmosaic has none for MosaicQuant's residual blocks"
+    return nums + f"; memory +{mem:.1%}", f"{UNTESTABLE} ({why})"

@@ -259,8 +259,9 @@ def _row(f: Finding, fresh: dict | None, model: str) -> dict:
     if nseeds:  # how many seeds the verdict rests on (pooled: seed 0, more on the pairs repeated)
         proto += ", one seed" if nseeds == 1 else f", {nseeds} seeds"
         proto += " on the pairs a later seed repeats, one on the rest" if f.pooled and nseeds > 1 else ""
+    q4_1 = getattr(f, "q4_1", "") if model == MODELS[0][0] else ""  # SmolLM2's grid: its rows only
     return {"paper": f.paper, "claim": f.claim, "model": model, "source": used, "numbers": nums,
-            "verdict": v, "protocol": proto, "may_differ": f.differ}  # fmt: skip
+            "verdict": v, "protocol": proto, "may_differ": f.differ, "q4_1": q4_1}  # fmt: skip
 
 
 def flag_flips(rows: list[dict]) -> list[dict]:
@@ -302,11 +303,17 @@ def main() -> None:
           "seed gives it; the "
           "protocol column says how many seeds), else on the benchmark's own run. A claim marked *ours* "
           "is a comparison of our own, not the paper's. " + SECOND_MODEL_NOTE, "",
-          f"Why any row may differ from its paper: {DIFFERS}.", "", protocol_summary(rows), "",
+          f"Why any row may differ from its paper: {DIFFERS}.", "",
+          "Each SmolLM2 row's last line, *Q4_1 grid*, says whether its verdict can depend on SmolLM2's float "
+          "weights being a dequantized Q4_1 grid (at most 16 values per 32 weights, asymmetric, float "
+          "offsets), and why (`findings_q4_1.yaml`).", "", protocol_summary(rows), "",
           "| paper | claim | model | numbers | verdict | protocol | why this may differ from the paper | source |",
           "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     cols = ("paper", "claim", "model", "numbers", "verdict", "protocol", "may_differ", "source")
-    md += ["| " + " | ".join(str(r[c]).replace("|", "\\|") for c in cols) + " |" for r in rows]
+    for r in rows:  # the why column ends with the row's Q4_1-grid line (SmolLM2's rows)
+        grid = f"<br>*Q4_1 grid: {r['q4_1']}*" if r.get("q4_1") else ""
+        cell = {**r, "may_differ": f"{r['may_differ']}{grid}".removeprefix("<br>")}
+        md.append("| " + " | ".join(str(cell[c]).replace("|", "\\|") for c in cols) + " |")
     write_text(RESULTS / "findings.md", "\n".join(md) + "\n")
     write_text(RESULTS / "findings.json", json.dumps({"rows": rows, "fresh": fresh}, indent=2))
     print("\n".join(md))

@@ -23,15 +23,20 @@ class Finding:
     source: str  # benchmark JSON name (benchmarks/results/<source>.json), or "fresh"
     judge: Callable[[dict], tuple]  # results -> (numbers, verdict); pooled: (numbers, verdict, seeds)
     differ: str = ""  # why this may differ from the paper, besides what every row shares (DIFFERS)
+    q4_1: str = ""  # whether the verdict can depend on SmolLM2's Q4_1-grid weights, and why (issue 73)
     # the judge sees every verdict seed at once (seed 0's rows, the others as res["seeds"]) and says
     # how many seeds its pairs rest on: for tables whose later seeds repeat only the pairs under 10%
     pooled: bool = False
 
 
 # what every SmolLM2 row shares and the papers do not (the report says it once, above the table)
+# (issue 73: no claim about the weights' outliers here -- the Q4_1 grid keeps each group's extremes, and
+# outliers.md measures the weights' and activations' outliers; each row says whether the grid can matter)
 DIFFERS = (
-    "SmolLM2-135M (576 wide, 30 layers) where the papers use 7B-70B models; its weights come from a "
-    "Q4_1 GGUF, so it has no heavy weight outliers; the papers' own baselines are not all rebuilt here"
+    "SmolLM2-135M (576 wide, 30 layers) where the papers use 7B-70B models; its float weights are a "
+    "dequantized Q4_1 GGUF (each 32 weights of a row on a grid of 16 values, asymmetric, float offsets: "
+    "each row's *Q4_1 grid* line says whether its verdict can depend on that); its weight and activation "
+    "outliers are measured in outliers.md; the papers' own baselines are not all rebuilt here"
 )
 
 

@@ -9,8 +9,21 @@ file's name, then keys, a list's element picked by its ``name`` or by its index)
 number as ``{LITERAL ALIAS.FIELD}``: ``{45.46 hptq.ppl}`` is row ``hptq``'s ``ppl`` shown with two
 decimals.  :func:`render` fills every such number from the result file, at the literal's decimals;
 :func:`check` lists every literal that differs from its file (the test suite asks for none: a result
-measured again must have its text read again).  A number the texts compute (a percentage between two
-rows) or quote (a paper's figure, a setting) stays plain text.
+measured again must have its text read again).
+
+No measured number in plain text (issue 73): a number that looks measured -- a decimal with two or more
+decimals, or a percentage (:data:`LOOKS_MEASURED`) -- is one of
+
+* ``{LITERAL ALIAS.FIELD}``, a number read from its result file (above);
+* ``{LITERAL% A.FIELD below B.FIELD}`` (``100 (1 - a/b)``), ``{LITERAL% A.FIELD above B.FIELD}``
+  (``100 (a/b - 1)``), ``{LITERALx A.FIELD / B.FIELD}`` (``a/b``) or ``{LITERAL A.FIELD - B.FIELD}``
+  (``a - b``): a percentage, ratio or difference of two cited numbers, computed from the files and
+  checked like them (:data:`RATIO`);
+* ``{paper LITERAL}``: a figure quoted from the paper, or ``{set LITERAL}``: a setting (a budget, a
+  grid, a learning rate), shown as ``LITERAL`` (:data:`MARK`): quoted, not measured here.
+
+:func:`unmarked` lists the plain numbers of a text that look measured; the test suite asks for none,
+outside an explicit list of texts not yet converted.
 """
 
 from __future__ import annotations
@@ -25,8 +38,21 @@ import yaml
 from benchmarks import RESULTS
 
 WHY_FILE = RESULTS / "findings_why.yaml"
+# whether each verdict can depend on SmolLM2's float weights being a dequantized Q4_1 grid (16 values per
+# 32 weights, asymmetric, float offsets; issue 73): entries as in WHY_FILE, plus ``q4_1``: one of Q4_1_WORDS
+Q4_1_FILE = RESULTS / "findings_q4_1.yaml"
+Q4_1_WORDS = ("can depend", "cannot")
 # {LITERAL ALIAS.FIELD}: a number as the text shows it, and where the result file holds it
 NUMBER = re.compile(r"\{(?P<lit>[-+]?\d+(?:\.\d+)?) (?P<alias>[\w-]+)\.(?P<field>[\w.-]+)\}")
+# {LITERAL% A.FIELD below|above B.FIELD} / {LITERALx A.FIELD / B.FIELD}: computed from two cited numbers
+_REF = r"[\w-]+\.[\w.-]+"
+RATIO = re.compile(
+    rf"\{{(?P<lit>[-+]?\d+(?:\.\d+)?)(?P<unit>[%x]?) (?P<a>{_REF}) (?P<op>below|above|/|-) (?P<b>{_REF})\}}"
+)
+# {paper LITERAL} / {set LITERAL}: a paper's figure or a setting, quoted
+MARK = re.compile(r"\{(?P<kind>paper|set) (?P<lit>[-+]?\d+(?:\.\d+)?[%x]?)\}")
+# a plain number that looks measured: two or more decimals, or a percentage
+LOOKS_MEASURED = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d{2,}|(?:\.\d+)?%)")
 
 
 def load_texts(path: str | Path = WHY_FILE) -> dict[str, dict]:
@@ -63,16 +89,27 @@ def cited(cite: list, results: Path = RESULTS):
     return obj
 
 
-def _value(entry: dict, m: re.Match, results: Path) -> float:
-    alias = m["alias"]
+def _lookup(entry: dict, ref: str, results: Path) -> float:
+    """The number ``ref`` (``ALIAS.FIELD``) names in ``entry``'s cites."""
+    alias, _, field = ref.partition(".")
     if alias not in entry["cites"]:
         raise KeyError(f"no cite named {alias!r}")
     obj = cited(entry["cites"][alias], results)
-    for key in m["field"].split("."):
+    for key in field.split("."):
         obj = _step(obj, int(key) if key.isdigit() and isinstance(obj, list) else key)
     if isinstance(obj, bool) or not isinstance(obj, int | float):
-        raise TypeError(f"{alias}.{m['field']} is {obj!r}, not a number")
+        raise TypeError(f"{ref} is {obj!r}, not a number")
     return obj
+
+
+def _value(entry: dict, m: re.Match, results: Path) -> float:
+    """The number a :data:`NUMBER` or :data:`RATIO` match stands for."""
+    if "op" not in m.groupdict():
+        return _lookup(entry, f"{m['alias']}.{m['field']}", results)
+    a, b = _lookup(entry, m["a"], results), _lookup(entry, m["b"], results)
+    if m["op"] in "/-":
+        return a / b if m["op"] == "/" else a - b
+    return 100 * (1 - a / b) if m["op"] == "below" else 100 * (a / b - 1)
 
 
 def _shown(value: float, literal: str) -> str:
@@ -82,17 +119,22 @@ def _shown(value: float, literal: str) -> str:
     return "+" + out if literal.startswith("+") and value >= 0 else out
 
 
+def _unit(m: re.Match) -> str:
+    return m.groupdict().get("unit") or ""
+
+
 def render(entry: dict, results: Path = RESULTS) -> str:
     """``entry``'s text with each cited number read from its result file (where the file no longer
-    holds it, the literal stays: :func:`check` names it)."""
+    holds it, the literal stays: :func:`check` names it), each ratio computed, each quoted figure bare."""
 
     def number(m: re.Match) -> str:
         try:
-            return _shown(_value(entry, m, results), m["lit"])
-        except (KeyError, IndexError, TypeError, ValueError, OSError):
-            return m["lit"]
+            return _shown(_value(entry, m, results), m["lit"]) + _unit(m)
+        except (KeyError, IndexError, TypeError, ValueError, OSError, ZeroDivisionError):
+            return m["lit"] + _unit(m)
 
-    return NUMBER.sub(number, entry["text"])
+    text = RATIO.sub(number, entry["text"])
+    return MARK.sub(lambda m: m["lit"], NUMBER.sub(number, text))
 
 
 def check(path: str | Path = WHY_FILE, results: Path = RESULTS) -> list[str]:
@@ -100,17 +142,38 @@ def check(path: str | Path = WHY_FILE, results: Path = RESULTS) -> list[str]:
     _result.cache_clear()  # a test may have rewritten a result file
     bad = []
     for claim, entry in load_texts(path).items():
-        for m in NUMBER.finditer(entry["text"]):
+        for m in [*NUMBER.finditer(entry["text"]), *RATIO.finditer(entry["text"])]:
             try:
                 shown = _shown(_value(entry, m, Path(results)), m["lit"])
-            except (KeyError, IndexError, TypeError, ValueError, OSError) as e:
+            except (KeyError, IndexError, TypeError, ValueError, OSError, ZeroDivisionError) as e:
                 bad.append(f"{claim}: {m[0]} cites nothing ({type(e).__name__}: {e})")
                 continue
             if shown != m["lit"]:
-                bad.append(f"{claim}: {m[0]} reads {shown} in {entry['cites'][m['alias']][0]}.json")
+                where = entry["cites"][(m.groupdict().get("alias") or m["a"].split(".")[0])][0]
+                bad.append(f"{claim}: {m[0]} reads {shown}{_unit(m)} in {where}.json")
     return bad
+
+
+def unmarked(text: str) -> list[str]:
+    """The plain numbers of ``text`` that look measured (:data:`LOOKS_MEASURED`): neither read from a
+    result file nor marked as a paper's figure or a setting."""
+    for pattern in (RATIO, NUMBER, MARK):
+        text = pattern.sub(" ", text)
+    return LOOKS_MEASURED.findall(text)
 
 
 def why_texts(path: str | Path = WHY_FILE, results: Path = RESULTS) -> dict[str, str]:
     """claim -> its rendered text, every number from the result files."""
     return {claim: render(entry, Path(results)) for claim, entry in load_texts(path).items()}
+
+
+def q4_1_texts(path: str | Path = Q4_1_FILE, results: Path = RESULTS) -> dict[str, str]:
+    """claim -> ``"can depend: <reason>"`` or ``"cannot: <reason>"``, the reason rendered as a why text."""
+    out = {}
+    for claim, entry in load_texts(path).items():
+        if entry.get("q4_1") not in Q4_1_WORDS:
+            raise ValueError(
+                f"{path}: the entry of {claim!r} has q4_1 {entry.get('q4_1')!r}, not one of {Q4_1_WORDS}"
+            )
+        out[claim] = f"{entry['q4_1']}: {render(entry, Path(results))}"
+    return out

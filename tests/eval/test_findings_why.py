@@ -3,6 +3,7 @@ measured number in them is the number its result file holds, read from there; a 
 (here: a copy of a result file, one value changed) makes the check name the text's number."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -47,7 +48,11 @@ def test_a_result_measured_again_fails_the_check(tmp_path):
     row[m["field"]] *= 1.01  # the same row, measured again
     path.write_text(json.dumps(res))
     bad = why.check(results=results)
-    assert len(bad) == 1 and claim in bad[0] and m[0] in bad[0]
+    assert claim in bad[0] and m[0] in bad[0]
+    # the number, and each ratio computed from it (HPTQ's margins over GPTQ and HRTN)
+    ref = f"{m['alias']}.{m['field']}"
+    assert len(bad) == 1 + sum(ref in r[0] for r in why.RATIO.finditer(entries[claim]["text"])) == 3
+    assert all(claim in b and ref in b for b in bad)
     new = f"{float(m['lit']) * 1.01:.2f}"
     assert new in why.render(entries[claim], results) and bad[0].endswith(f"reads {new} in {cite[0]}.json")
 
@@ -76,3 +81,82 @@ def test_a_number_that_names_nothing_fails_the_check(tmp_path):
 def test_a_number_is_shown_at_its_literals_decimals(literal, value, shown):
     """Rounded once, from the file's value (0.83549 is 0.835: the text had 0.836, rounded twice)."""
     assert why._shown(value, literal) == shown
+
+
+# -- no measured number without its result file (issue 73) ------------------------------------------
+# Texts not yet converted to citations (issue 73): each still quotes plain numbers that look measured.
+# The SQ-format texts are being rewritten for issue 73 items 4-5, the MosaicQuant main-table texts for
+# item 3, SSQR's for item 7.  A text converted leaves this list (the test below fails while it is
+# listed but clean).
+UNCONVERTED = {
+    # SQ-format (items 4-5)
+    "W4A(SQ) lands between W4A4 and W4A8",
+    "static masks ≈ dynamic at (8/4)",
+    "W(SQ)A4 improves as the sparsity s falls",
+    "W(SQ)A4 beats W4A4 (group-wise A4)",
+    "static falls away from dynamic towards INT2",
+    "static SQ prefers small banks",
+    "|Ā_j| alone as static importance degrades",
+    # MosaicQuant's main table (item 3)
+    "W4A4 MosaicQuant beats the collapsing RTN and SmoothQuant",
+    "MosaicQuant beats RTN and SmoothQuant at W4A8",
+    # SSQR's off-grid share and α (item 7): measured once, in no result file yet
+    "SSQR (1-3% outliers) beats GPTQ at equal bits",
+}
+# a why text that still blames the Q4_1 weight format for the activations' outliers (the SQ-format
+# helper's text, to be rewritten with items 4-5)
+Q4_1_BLAMED = {"|Ā_j| alone as static importance degrades"}
+
+
+def _all_texts():
+    return {**why.load_texts(), **{f"q4_1: {c}": e for c, e in why.load_texts(why.Q4_1_FILE).items()}}
+
+
+def test_no_measured_number_in_plain_text():
+    """Every decimal with two or more decimals and every percentage of a text is read from a result file,
+    computed from two, or marked as a paper's figure or a setting (why.py's conventions)."""
+    texts = _all_texts()
+    assert UNCONVERTED <= set(texts)
+    plain = {c: why.unmarked(e["text"]) for c, e in texts.items()}
+    assert {c: p for c, p in plain.items() if p and c not in UNCONVERTED} == {}
+    assert [c for c in UNCONVERTED if not plain[c]] == []  # converted: take it off the list
+
+
+def test_no_text_blames_the_weight_format_for_activation_outliers():
+    """A weight format cannot remove activation outliers: no text puts "Q4_1" and "outlier" in one clause."""
+    clauses = {c: re.split(r"[;:.(]\s", e["text"]) for c, e in why.load_texts().items()}
+    blamed = {c for c, parts in clauses.items() if any("Q4_1" in p and "outlier" in p for p in parts)}
+    assert blamed == Q4_1_BLAMED
+
+
+def test_every_claim_says_whether_it_can_depend_on_the_q4_1_grid():
+    texts = why.q4_1_texts()
+    assert set(texts) == {f.claim for f in FINDINGS}
+    assert all(t.split(":")[0] in why.Q4_1_WORDS for t in texts.values())
+    assert why.check(why.Q4_1_FILE) == []
+    assert all(f.q4_1 == texts[f.claim] for f in FINDINGS)  # the report shows it
+
+
+def test_ratios_and_quoted_figures(tmp_path):
+    """``{17% A below B}`` is 100 (1 - a/b), ``above`` 100 (a/b - 1), ``x ... /`` a/b, each checked like a
+    cited number; ``{paper ...}`` / ``{set ...}`` are shown bare; plain measured-looking numbers are named."""
+    (tmp_path / "r.json").write_text(
+        json.dumps({"rows": [{"name": "a", "ppl": 83.0}, {"name": "b", "ppl": 100.0}]})
+    )
+    cites = {"a": ["r", "rows", "a"], "b": ["r", "rows", "b"]}
+    good = {
+        "cites": cites,
+        "text": "{17% a.ppl below b.ppl}, {+20.5% b.ppl above a.ppl}, {1.20x b.ppl / a.ppl}",
+    }
+    good["text"] += " against the paper's {paper 10.34} at {set 10%}"
+    bad = {"cites": cites, "text": "{18% a.ppl below b.ppl} and {1.2x a.ppl / c.ppl}"}
+    texts = tmp_path / "why.yaml"
+    texts.write_text(json.dumps({"good": good, "bad": bad}))
+    assert why.render(good, tmp_path) == "17%, +20.5%, 1.20x against the paper's 10.34 at 10%"
+    lines = why.check(texts, tmp_path)
+    assert len(lines) == 2 and "reads 17% in r.json" in lines[0] and "no cite named 'c'" in lines[1]
+    assert why.unmarked(good["text"]) == []
+    assert why.unmarked("a 4.25-bit budget, 3.1% of channels, 12.5 and 7 bits, {45.46 a.ppl}") == [
+        "4.25",
+        "3.1%",
+    ]
