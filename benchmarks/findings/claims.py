@@ -12,7 +12,7 @@ from benchmarks.findings.claims_babai import (
     hptq_vs_rtn_gptq,
     ssqr_vs_gptq,
 )
-from benchmarks.findings.claims_dpq import dpq_gar_vs_act, dpq_vs_baselines
+from benchmarks.findings.claims_dpq import DPQ_VS_NAIVE, dpq_gar_vs_act, dpq_vs_baselines
 from benchmarks.findings.claims_mosaic import (
     mosaic_a4_no_collapse,
     mosaic_atom_model,
@@ -65,7 +65,9 @@ FINDINGS: list[Finding] = [
     Finding(B, "min-pivot order gives the smallest bound", "lattice", babai_min_pivot),
     Finding(B, "HPTQ beats RTN/HRTN and GPTQ at ~3.1 bits", "lattice", hptq_vs_rtn_gptq),
     Finding(B, "SSQR (1-3% outliers) beats GPTQ at equal bits", "ssqr_groups", ssqr_vs_gptq),
-    Finding("DPQ", "DPQ W4A8 beats naive GPTQ and RTN W4A8", "dpq", dpq_vs_baselines),
+    Finding(
+        "DPQ", "DPQ W4A8 beats naive GPTQ and RTN W4A8", "dpq", dpq_vs_baselines, close_pairs=(DPQ_VS_NAIVE,)
+    ),
     Finding("DPQ", "GAR ≈ act-order accuracy without g_idx", "dpq", dpq_gar_vs_act),
     Finding("SQ-format", "W4A(SQ) lands between W4A4 and W4A8", "sq_format", sq_between_a4_a8),
     Finding("SQ-format", "static masks ≈ dynamic at (8/4)", "sq_format", sq_static_close_at_84),

@@ -30,12 +30,14 @@ from benchmarks.findings.findings_lib import (
     MISSING,
     RESULTS,
     UNDECIDED,
+    WITHIN_NOISE,
     load,
     module_of,
     protocol_of,
     run_command,
     verdict,
 )
+from benchmarks.findings.noise import pair_noise
 from benchmarks.findings.why import WHY_FILE
 from benchmarks.harness import write_text
 from benchmarks.harness.child import child_env
@@ -113,9 +115,35 @@ def judge(f: Finding) -> tuple[str, str, str]:
 
 
 def judge_seeds(f: Finding) -> tuple[str, str, str, int]:
-    """:func:`judge`, and how many verdict-protocol seeds the verdict rests on (0: not the verdict runs)."""
-    if f.pooled:
-        return judge_pooled(f)
+    """:func:`judge`, and how many verdict-protocol seeds the verdict rests on (0: not the verdict runs);
+    a claim's close pairs then get their intervals and may turn the verdict to "within noise"
+    (:func:`close_pair_noise`)."""
+    nums, v, used, n = judge_pooled(f) if f.pooled else _judge_seeds(f)
+    if not f.close_pairs or not nums:  # not measured: nothing to add
+        return nums, v, used, n
+    nums, v = close_pair_noise(f, nums, v, used)
+    return nums, v, used, n
+
+
+def close_pair_noise(f: Finding, nums: str, v: str, used: str) -> tuple[str, str]:
+    """``nums`` and ``v`` with each close pair of ``f`` (:attr:`Finding.close_pairs`) judged over the
+    runs the verdict rests on (every verdict seed holding both rows, or the one run ``used``): its
+    intervals and seed spread added to the numbers, and the verdict "within noise" where an interval
+    includes 1 or the seeds disagree in sign (:mod:`benchmarks.findings.noise`)."""
+    names = verdict_runs(f.source) if used == f"{f.source}_verdict" else [used]
+    runs = [res for name in names if (res := load(name)) is not None]
+    why = []
+    for a, b in f.close_pairs:
+        pn = pair_noise(runs, a, b)
+        if pn is None:  # not close, or not measured together
+            continue
+        nums += "; " + pn.text()
+        if pn.within_noise:
+            why.append(f"{a} vs {b}: {pn.reason()}")
+    return nums, (f"{WITHIN_NOISE} ({'; '.join(why)})" if why else v)
+
+
+def _judge_seeds(f: Finding) -> tuple[str, str, str, int]:
     missing, seeds = None, []
     for name in verdict_runs(f.source):
         res = load(name)
@@ -301,8 +329,12 @@ def main() -> None:
           "or more the one most seeds give, counted; a claim judged pair by pair, whose later seeds "
           "repeat only its pairs under 10% (SFMP's main table), takes a pair's winner only where every "
           "seed gives it; the "
-          "protocol column says how many seeds), else on the benchmark's own run. A claim marked *ours* "
-          "is a comparison of our own, not the paper's. " + SECOND_MODEL_NOTE, "",
+          "protocol column says how many seeds), else on the benchmark's own run. A claim comparing two "
+          "rows within 10% of each other (a close pair) shows the paired bootstrap 95% interval of their "
+          "perplexity ratio over the test windows (2000 resamples) and the seed spread (min..max of the "
+          "ratio over seeds), and is *within noise* where an interval includes 1 or the seeds disagree; "
+          "a pair measured before per-window NLLs were kept says so and gets no interval. A claim "
+          "marked *ours* is a comparison of our own, not the paper's. " + SECOND_MODEL_NOTE, "",
           f"Why any row may differ from its paper: {DIFFERS}.", "",
           "Each SmolLM2 row's last line, *Q4_1 grid*, says whether its verdict can depend on SmolLM2's float "
           "weights being a dequantized Q4_1 grid (at most 16 values per 32 weights, asymmetric, float "

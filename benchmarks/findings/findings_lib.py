@@ -14,6 +14,9 @@ BENCHMARKS = Path(__file__).resolve().parents[1]
 NOT_SCRIPTS = ("harness", "findings")  # the package's own folders, not a benchmark's
 HOLDS, FAILS, UNTESTABLE, MISSING = "holds", "does not hold here", "cannot be tested here", "not measured"
 UNDECIDED = "undecided"  # verdict-protocol runs of two seeds disagree
+# a close pair (within 10%) whose paired bootstrap interval includes 1, or whose seeds disagree in sign
+# (benchmarks.findings.noise): neither "holds" nor "does not hold"
+WITHIN_NOISE = "within noise"
 
 
 @dataclass
@@ -27,6 +30,10 @@ class Finding:
     # the judge sees every verdict seed at once (seed 0's rows, the others as res["seeds"]) and says
     # how many seeds its pairs rest on: for tables whose later seeds repeat only the pairs under 10%
     pooled: bool = False
+    # the row pairs (a, b) the claim says differ: where a pair is close (within 10%) the numbers get its
+    # paired bootstrap interval and seed spread, and the verdict says "within noise" where those do
+    # (benchmarks.findings.noise)
+    close_pairs: tuple[tuple[str, str], ...] = ()
 
 
 # what every SmolLM2 row shares and the papers do not (the report says it once, above the table)

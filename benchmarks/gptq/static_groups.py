@@ -42,6 +42,7 @@ import torch
 
 from benchmarks.harness import RESULTS, machine_info, write_results
 from bitmosaic import quantize_
+from bitmosaic.eval.bootstrap import bootstrap_ratio
 from bitmosaic.eval.fidelity import FidelityMeter
 from bitmosaic.eval.perplexity import eval_windows, window_nll
 from bitmosaic.io import load_quantized, save_quantized
@@ -165,14 +166,6 @@ def evaluate(a, base, ids, state: State, deadline: float) -> bool:
 
 def _ppl(nll: torch.Tensor, tokens_per_window: int) -> float:
     return math.exp(float(nll.sum()) / (nll.numel() * tokens_per_window))
-
-
-def bootstrap_ratio(a_nll, b_nll, tokens_per_window: int, n: int = 2000, seed: int = 0) -> tuple:
-    """95% interval of ppl(a) / ppl(b) over windows resampled with replacement (paired)."""
-    d = torch.tensor(a_nll, dtype=torch.float64) - torch.tensor(b_nll, dtype=torch.float64)
-    idx = torch.randint(0, d.numel(), (n, d.numel()), generator=torch.Generator().manual_seed(seed))
-    r = torch.exp(d[idx].mean(dim=1) / tokens_per_window)
-    return float(torch.quantile(r, 0.025)), float(torch.quantile(r, 0.975))
 
 
 def summarise(a, state: State, ids: torch.Tensor) -> dict:

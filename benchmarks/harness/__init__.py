@@ -1,7 +1,8 @@
 """The one harness every benchmark uses: a timer (:func:`median_ms`), the machine's facts and its
 measured bounds (:func:`machine_info`, :func:`read_bandwidth_gbs`, :func:`machine_bounds`), one writer
 of the results (:func:`write_results`: JSON, and a Markdown table beside it, atomically, into
-``benchmarks/results/``), the shared flags and the *fast*/*verdict* protocols (:func:`base_parser`,
+``benchmarks/results/``; each measured row keeps its per-window NLLs, ``window_nll``, for a paired
+bootstrap), the shared flags and the *fast*/*verdict* protocols (:func:`base_parser`,
 :func:`protocol_label`), and :class:`Bench`, which loads SmolLM2-135M once, runs quantization configs
 on fresh copies of the float model and measures perplexity."""
 
@@ -23,7 +24,7 @@ from benchmarks.harness.protocols import (
     settle_protocol,
 )
 from benchmarks.harness.timer import median_ms
-from benchmarks.harness.writers import RESULTS, write_results, write_text
+from benchmarks.harness.writers import RESULTS, dumps_results, write_results, write_text
 
 __all__ = [
     "PROTOCOLS",
@@ -35,6 +36,7 @@ __all__ = [
     "base_parser",
     "cpu_name",
     "default_store",
+    "dumps_results",
     "int8_rate_gops",
     "machine_bounds",
     "machine_info",

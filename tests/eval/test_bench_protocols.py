@@ -169,3 +169,31 @@ def test_act_paths_name_the_compute_each_row_ran(common):
     with env_var(ACT_COMPUTE_ENV, "sim"):
         assert common.act_paths(model) == {"simulated": 2}
     assert common.act_paths(torch.nn.Sequential(layer(None))) == {}
+
+
+def test_every_measured_row_keeps_its_window_nlls_on_one_json_line(common, tmp_path):
+    """``Bench.measure`` keeps each window's mean NLL (``window_nll``, 6 significant digits) beside the
+    perplexity, for the findings' paired bootstrap of a close pair (issue 73); the results' JSON writes
+    that list on one line (a verdict row has 589 windows) and reads back the same."""
+    import json
+    import math
+
+    import torch
+
+    from bitmosaic.testing import VOCAB, tiny_llama, word_tokenizer
+
+    bench = common.Bench.__new__(common.Bench)
+    bench.args = common.base_parser("x").parse_args(["--seqlen", "16", "--max-windows", "3"])
+    bench.model, bench.tok, bench.reference = tiny_llama(), word_tokenizer(), None
+    bench.device, bench.progress = "cpu", False
+    bench.eval_ids = torch.randint(4, VOCAB, (1, 16 * 5), generator=torch.Generator().manual_seed(0))
+    row = bench.measure(bench.model)
+    assert len(row["window_nll"]) == 3 == row["windows"]
+    assert all(float(f"{v:.6g}") == v for v in row["window_nll"])
+    assert math.exp(sum(row["window_nll"]) / 3) == pytest.approx(row["ppl"], rel=1e-5)
+    out = {"rows": [{"name": "float", **row}], "args": {"seed": 0}}
+    text = common.dumps_results(out)
+    assert json.loads(text) == out
+    assert '"window_nll": [' + ",".join(map(str, row["window_nll"])) + "]" in text
+    path = common.write_results(tmp_path / "r.json", "x", dict(out, machine={}))
+    assert json.loads(path.read_text())["rows"] == out["rows"]

@@ -190,3 +190,20 @@ def test_device_out_of_memory_is_a_clear_error(monkeypatch):
     with pytest.raises(DeviceError, match="does not fit on cuda.*--device cpu"):
         perplexity(model, torch.randint(0, V, (1, 200)), seqlen=50, progress=False, device="cuda")
     assert model.moves == ["cuda", "cpu"]  # put back where it was
+
+
+def test_per_window_nll_is_each_windows_mean_nll():
+    """``per_window=True`` keeps each window's mean NLL, in window order and independent of the batch
+    size: their mean is the result's NLL, and each equals the window scored alone (the input of a paired
+    bootstrap, :func:`bitmosaic.eval.bootstrap.bootstrap_ratio`)."""
+    model = TinyLM()
+    tokens = torch.randint(0, V, (1, 6 * 40), generator=torch.Generator().manual_seed(2))
+    plain = perplexity(model, tokens, seqlen=40, progress=False)
+    assert "window_nll" not in plain  # only on request
+    for bs in (1, 4):
+        res = perplexity(model, tokens, seqlen=40, batch_size=bs, progress=False, per_window=True)
+        assert len(res["window_nll"]) == 6
+        assert sum(res["window_nll"]) / 6 == pytest.approx(res["nll"], rel=1e-12)
+        for w, got in enumerate(res["window_nll"]):
+            alone = math.log(reference_ppl(model, tokens[:, w * 40 : (w + 1) * 40], 40, 1))
+            assert got == pytest.approx(alone, rel=1e-5)

@@ -57,6 +57,7 @@ def perplexity(
     device: str | torch.device | None = None,
     bos_token_id: int | None = None,
     reference=None,
+    per_window: bool = False,
 ) -> dict:
     """Perplexity of ``model`` on ``tokens`` (LongTensor ``[1, N]``) over windows of ``seqlen`` tokens.
 
@@ -70,6 +71,9 @@ def perplexity(
     ``reference``: a model with the same vocabulary (the float model) run on the same windows where it
     is; the result then also holds ``kl_mean``, ``kl_p99`` (nats per token, KL(reference || model)),
     ``top1_agreement`` and ``compared_tokens``.
+    ``per_window``: the result also holds ``window_nll``, each window's mean NLL per predicted token
+    (a list of floats, window order), for a paired bootstrap of two models on the same windows
+    (:func:`bitmosaic.eval.bootstrap.bootstrap_ratio`).
 
     Returns ``{"ppl", "nll" (mean NLL per predicted token), "tokens" (predicted tokens), "windows",
     "seqlen", "bos" (whether windows started with BOS)}``.  A model that does not fit on ``device`` raises
@@ -84,12 +88,13 @@ def perplexity(
     home = _model_device(model)
     device = home if device is None else torch.device(device)
     meter = FidelityMeter() if reference is not None else None
+    sums: list[float] | None = [] if per_window else None  # each window's summed NLL
     if device == home:
-        total_nll = _total_nll(model, ids, batch_size, device, progress, reference, meter)
+        total_nll = _total_nll(model, ids, batch_size, device, progress, reference, meter, sums)
     else:
         try:
             model.to(device)
-            total_nll = _total_nll(model, ids, batch_size, device, progress, reference, meter)
+            total_nll = _total_nll(model, ids, batch_size, device, progress, reference, meter, sums)
         except torch.OutOfMemoryError:  # the finally below puts the model back first
             raise DeviceError(
                 f"the model does not fit on {device} for the evaluation; use --device cpu "
@@ -110,6 +115,8 @@ def perplexity(
     }
     if meter is not None:
         out.update(meter.summary())
+    if sums is not None:
+        out["window_nll"] = [x / (seqlen - 1) for x in sums]
     return out
 
 
@@ -191,9 +198,11 @@ def _total_nll(
     progress: bool,
     reference=None,
     meter: FidelityMeter | None = None,
+    sums: list[float] | None = None,
 ) -> float:
     """Summed NLL (float64) of windows ``ids`` ``[windows, seqlen]``, each scoring its positions 1..
-    (with ``reference``, ``meter`` also gets both models' logits at those positions)."""
+    (with ``reference``, ``meter`` also gets both models' logits at those positions; ``sums``, when
+    given, gets each window's summed NLL)."""
     from tqdm.auto import tqdm
 
     windows, seqlen = ids.shape
@@ -216,6 +225,8 @@ def _total_nll(
                 batch = ids[start : start + batch_size].to(device)
                 nll, pred = window_nll(model, batch, start, windows)
                 total_nll += float(nll.sum())
+                if sums is not None:
+                    sums.extend(nll.tolist())
                 if meter is not None:
                     ref = _logits(reference, batch.to(ref_device))[:, :-1, :].to(pred.device)
                     # the full-logits scan runs only where a KL value is not finite, which any NaN or
