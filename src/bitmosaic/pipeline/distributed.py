@@ -20,6 +20,15 @@ quantize ...`` (``--nnodes`` for several machines) with the same flags as one pr
   256 rows at a time) are dealt over the ranks, longest first to the least loaded
   (:meth:`Dist.hessian_blocks`); each rank computes its own and the owners broadcast them
   (:meth:`Dist.gather_hessian`).
+- *Experts* (mixture-of-experts layers, :mod:`~bitmosaic.pipeline.experts`): each rank runs the
+  router and the experts on its own batches; what each expert linear read of a batch (its routed rows
+  and their routing weights; under ``--moe-calib all`` every token, the batch sent once for every
+  expert's gate/up) is broadcast in global batch order, and every rank adds it to that expert's Hessian
+  as one process does, block rows dealt over the ranks (rotated by the accumulator's index, so that
+  thin experts' single block rows are spread).  The rows per expert, the experts below
+  ``--moe-min-tokens`` and their pooled Hessians, and a group's parts under the memory budget (the
+  least of the ranks' budgets) are one process's; the expert linears' solves are shared out as
+  below.
 - *Solves*: a method whose rows are quantized independently (``row_separable``) has every solve
   call split into N contiguous row blocks, one per rank; any other method's calls are owned
   whole, round-robin by a counter that runs over the whole run (call ``k`` on rank ``k mod N``).
@@ -47,8 +56,10 @@ calibration cache (layer-0 inputs and captures) is not used under torchrun; the 
 when every rank finds it.
 
 **Traffic.**  The price of exactness: each group's inputs, ``tokens x in_features`` values in the
-compute dtype, reach every rank (SmolLM2-135M with 16 x 512 tokens: about 0.1 GB per layer),
-where summing Hessians would move ``in_features²``; on one machine (shared-memory loopback, NVLink)
+compute dtype, reach every rank (SmolLM2-135M with 16 x 512 tokens: about 0.1 GB per layer;
+an expert group: about ``k (H + I)`` values per token, ``k`` experts per token of hidden ``H`` and
+width ``I``; ``H + E I`` under ``--moe-calib all``), where summing Hessians would move ``in_features²``
+per linear (per expert); on one machine (shared-memory loopback, NVLink)
 this is small next to the forward passes, across slow links it may not be.
 
 **Streaming** (``quantize --stream``) is refused under torchrun in one line: its resume record
@@ -183,10 +194,16 @@ class Dist:
                     consume(b, self._broadcast_items(items if r == self.rank else None, r))
 
     def _broadcast_items(self, items: list | None, src: int) -> list:
-        meta = [[(k, tuple(t.shape), t.dtype) for k, t in items] if items is not None else None]
+        """``items`` of rank ``src`` on every rank (a ``None`` tensor: the item's key alone travels)."""
+        meta = [[(k, None if t is None else (tuple(t.shape), t.dtype)) for k, t in items] if items is not None
+                 else None]  # fmt: skip
         torch.distributed.broadcast_object_list(meta, src=src, device=self.device)
         out = []
-        for n, (k, shape, dtype) in enumerate(meta[0]):
+        for n, (k, spec) in enumerate(meta[0]):
+            if spec is None:
+                out.append((k, None))
+                continue
+            shape, dtype = spec
             if self.rank == src:
                 buf = items[n][1].to(self.device).contiguous()
             else:
@@ -195,12 +212,15 @@ class Dist:
             out.append((k, items[n][1] if self.rank == src else buf))
         return out
 
-    def hessian_blocks(self, acc) -> set[int]:
+    def hessian_blocks(self, acc, offset: int = 0) -> set[int]:
         """The block rows of ``acc`` this rank computes: longest first to the least loaded rank
-        (the block row from row ``i`` costs ``rows x (n - i)``)."""
+        (the block row from row ``i`` costs ``rows x (n - i)``), ties to the lowest rank counted from
+        ``offset`` (many small accumulators, e.g. one per expert: rotate it so that their single
+        block rows do not all land on rank 0)."""
         starts = list(acc.block_starts)
         if self.world == 1:
             return set(range(len(starts)))
+        me = (self.rank - offset) % self.world
         n = acc.in_features
         ends = [*starts[1:], n]
         cost = [(e - i) * (n - i) for i, e in zip(starts, ends, strict=True)]
@@ -209,7 +229,7 @@ class Dist:
         for k in sorted(range(len(starts)), key=lambda k: (-cost[k], k)):
             r = min(range(self.world), key=lambda r: (load[r], r))
             load[r] += cost[k]
-            if r == self.rank:
+            if r == me:
                 mine.add(k)
         return mine
 

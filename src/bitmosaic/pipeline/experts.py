@@ -112,78 +112,159 @@ def expert_statistics(
 
 @torch.inference_mode()
 def _expert_pass(layer, names, inputs, kwargs, *, cache, observe, dist, settings):
-    """One statistics pass over ``names``' experts (only they run): Hessians, owners, observers, rows."""
-    hessian_dtype = settings.hessian_dtype
-    moe_calib = settings.moe_calib
-    if dist is not None and dist.world > 1:
-        raise OptionError("data-parallel runs of mixture-of-experts layers are not supported yet; run on one "
-                          "process (drop torchrun)")  # fmt: skip
-    containers = {id(c): c for n in names if isinstance(c := _container(layer, n), RoutedExperts)}
-    act_spec = None if isinstance(observe, bool) else observe
-    observe = bool(observe) and (act_spec is None or act_spec.static)
-    accs: dict[str, HessianAccumulator] = {}
-    observers: dict[str, ActObserver] = {}
-    owner: dict[str, str] = {}
-    stats = ExpertStats()
-    weights: dict[int, torch.Tensor | None] = {}  # id(expert) -> the routing weights of its current call
-    want_routed = moe_calib == "routed"
+    """One statistics pass over ``names``' experts (only they run): Hessians, owners, observers, rows.
 
-    def expert_hook(module, args):
-        weights[id(module)] = args[1] if len(args) > 1 else None
+    ``dist``: this process's rank of a data-parallel run (``inputs``: its batches).  Each rank runs the
+    attention, router and experts on its own batches; what the hooks saw of each batch (every expert
+    linear's input, routing weights, who shares whose input) is broadcast in global batch order
+    (:meth:`~.distributed.Dist.stream`) and every rank adds it in that order, each Hessian's block rows
+    dealt over the ranks: the statistics of one process, bit for bit (distributed.py)."""
+    rec = _ExpertPass(layer, names, observe, dist, settings)
+    try:
+        if rec.many:
+            batches = iter(zip(inputs, kwargs, strict=True))
+            dist.stream(len(inputs), lambda j: _encode(rec.run(j, *next(batches), cache)),
+                        lambda b, items: rec.take(_decode(items)))  # fmt: skip
+            for name, acc in rec.accs.items():
+                dist.gather_hessian(acc, rec.blocks[name])
+        else:
+            for b, (hs, kw) in enumerate(zip(inputs, kwargs, strict=True)):
+                rec.run(b, hs, kw, cache)
+    finally:
+        rec.close()
+    return rec.accs, rec.owner, rec.observers, rec.stats
 
-    def linear_hook(name, expert):
+
+class _ExpertPass:
+    """The hooks of :func:`_expert_pass` on one layer.  Each call of an expert linear is an event,
+    ``("add", name, x, w)`` (its input rows and their routing weights, ``None`` for a statistics call
+    under ``'all'``) or ``("share", name, owner)`` (it reads the very tensor ``owner`` read: gate and up);
+    one process takes each event as it happens, a data-parallel rank keeps a batch's events for
+    :meth:`~.distributed.Dist.stream`.  :meth:`take` adds them; :meth:`close` removes the hooks."""
+
+    def __init__(self, layer: nn.Module, names, observe, dist, settings: RunSettings) -> None:
+        self.layer, self.settings, self.dist = layer, settings, dist
+        self.many = dist is not None and dist.world > 1
+        self.act_spec = None if isinstance(observe, bool) else observe
+        self.observe = bool(observe) and (self.act_spec is None or self.act_spec.static)
+        self.accs: dict[str, HessianAccumulator] = {}
+        self.blocks: dict[str, set[int] | None] = {}  # a data-parallel run: the block rows this rank adds
+        self.observers: dict[str, ActObserver] = {}
+        self.owner: dict[str, str] = {}
+        self.stats = ExpertStats()
+        self.events: list = []  # this batch's, kept for the broadcast (a data-parallel run)
+        self.weights: dict[int, torch.Tensor | None] = {}  # id(expert) -> its current call's routing weights
+        self.seen: dict[int, list] = {}  # id(expert) -> (owner, input) of this batch's calls
+        self.want_routed = settings.moe_calib == "routed"
+        self.containers = {id(c): c for n in names if isinstance(c := _container(layer, n), RoutedExperts)}
+        self.handles = []
+        for n in names:
+            hook = self._linear_hook(n, layer.get_submodule(n.rsplit(".", 1)[0]))
+            self.handles.append(layer.get_submodule(n).register_forward_pre_hook(hook))
+        mine = {id(layer.get_submodule(n.rsplit(".", 1)[0])) for n in names}
+        for c in self.containers.values():
+            self.handles += [e.register_forward_pre_hook(self._expert_hook) for e in c]
+            self.handles.append(c.register_forward_hook(_stop))
+            c.observe_all = not self.want_routed
+            c.only = {i for i, e in enumerate(c) if id(e) in mine}
+
+    def _expert_hook(self, module, args) -> None:
+        self.weights[id(module)] = args[1] if len(args) > 1 else None
+
+    def _linear_hook(self, name: str, expert: nn.Module):
         def hook(module, args):
-            w = weights.get(id(expert))
-            if (w is not None) != want_routed:
+            w = self.weights.get(id(expert))
+            if (w is not None) != self.want_routed:
                 return  # a routed call under 'all' (or the statistics call under 'routed')
-            x = args[0].reshape(-1, args[0].shape[-1])
-            own = next((o for o, t in seen.get(id(expert), []) if t is args[0]), None)
+            own = next((o for o, t in self.seen.get(id(expert), []) if t is args[0]), None)
             if own is not None:  # gate and up of one expert read one tensor
-                owner.setdefault(name, own)
-                return
-            owner.setdefault(name, name)
-            seen.setdefault(id(expert), []).append((name, args[0]))
-            xf = x.float() if w is None else x.float() * w.reshape(-1, 1).float()
-            acc = accs.get(name)
-            if acc is None:
-                acc = accs[name] = HessianAccumulator(x.shape[-1], dtype=hessian_dtype, device=x.device)
-            acc.add(xf.to(hessian_dtype) if hessian_dtype != torch.float32 else xf)
-            stats.tokens[name] = stats.tokens.get(name, 0) + x.shape[0]
-            if observe:
-                observers.setdefault(name, ActObserver(x.shape[-1], act_spec)).add(x)
+                event = ("share", name, own)
+            else:
+                self.seen.setdefault(id(expert), []).append((name, args[0]))
+                event = ("add", name, args[0], w)
+            if self.many:
+                self.events.append(event)
+            else:
+                self.take([event])
 
         return hook
 
-    def stop(module, args, out):
-        raise StopForward
+    def run(self, b: int, hs: torch.Tensor, kw: dict, cache) -> list:
+        """Batch ``b``'s pass (its events added as they happen, or returned: a data-parallel rank)."""
+        if cache is not None:
+            cache.batch = b
+        self.seen.clear()
+        try:
+            run_layer(self.layer, hs, kw)
+        except StopForward:
+            pass
+        self.seen.clear()
+        events, self.events = self.events, []
+        release_host_memory(grown_mb=64)
+        return events
 
-    seen: dict[int, list] = {}
-    handles = []
-    for n in names:
-        expert = layer.get_submodule(n.rsplit(".", 1)[0])
-        handles.append(layer.get_submodule(n).register_forward_pre_hook(linear_hook(n, expert)))
-    for c in containers.values():
-        handles += [e.register_forward_pre_hook(expert_hook) for e in c]
-        handles.append(c.register_forward_hook(stop))
-        c.observe_all = not want_routed
-        mine = {id(layer.get_submodule(n.rsplit(".", 1)[0])) for n in names}
-        c.only = {i for i, e in enumerate(c) if id(e) in mine}
-    try:
-        for b, (hs, kw) in enumerate(zip(inputs, kwargs, strict=True)):
-            if cache is not None:
-                cache.batch = b
-            seen.clear()
-            try:
-                run_layer(layer, hs, kw)
-            except StopForward:
-                pass
-            release_host_memory(grown_mb=64)
-    finally:
-        for h in handles:
+    def take(self, events: list) -> None:
+        """Add one batch's events, in the order they happened."""
+        hessian_dtype = self.settings.hessian_dtype
+        for kind, name, *rest in events:
+            if kind == "share":
+                self.owner.setdefault(name, rest[0])
+                continue
+            x, w = rest[0].reshape(-1, rest[0].shape[-1]), rest[1]
+            self.owner.setdefault(name, name)
+            xf = x.float() if w is None else x.float() * w.reshape(-1, 1).float()
+            acc = self.accs.get(name)
+            if acc is None:
+                acc = self.accs[name] = HessianAccumulator(x.shape[-1], dtype=hessian_dtype, device=x.device)
+                # rotated by the accumulator's index: thin experts' one block row spread over the ranks
+                self.blocks[name] = self.dist.hessian_blocks(acc, len(self.accs)) if self.many else None
+            acc.add(xf.to(hessian_dtype) if hessian_dtype != torch.float32 else xf, self.blocks[name])
+            self.stats.tokens[name] = self.stats.tokens.get(name, 0) + x.shape[0]
+            if self.observe:
+                self.observers.setdefault(name, ActObserver(x.shape[-1], self.act_spec)).add(x)
+
+    def close(self) -> None:
+        for h in self.handles:
             h.remove()
-        for c in containers.values():
+        for c in self.containers.values():
             c.observe_all, c.only = False, None
-    return accs, owner, observers, stats
+
+
+def _stop(module, args, out):
+    raise StopForward
+
+
+def _encode(events: list) -> list:
+    """A batch's events as :meth:`~.distributed.Dist.stream` items ``[(key, tensor or None)]``: an
+    input that is the very tensor an earlier event sent (every expert's statistics call under ``'all'``
+    reads the whole batch) travels once, as a reference."""
+    items: list = []
+    sent: list[tuple[torch.Tensor, int]] = []
+    for kind, name, *rest in events:
+        if kind == "share":
+            items.append((("share", name, rest[0]), None))
+            continue
+        x, w = rest
+        ref = next((k for t, k in sent if t is x), None)
+        if ref is None:
+            sent.append((x, len(items)))
+        items.append((("add", name, ref), x if ref is None else None))
+        if w is not None:
+            items.append((("w",), w))
+    return items
+
+
+def _decode(items: list) -> list:
+    """The events :func:`_encode` made of ``items`` (the tensors as broadcast)."""
+    events: list = []
+    for key, t in items:
+        if key[0] == "share":
+            events.append(key)
+        elif key[0] == "w":
+            events[-1] = (*events[-1][:3], t)
+        else:
+            events.append(("add", key[1], t if key[2] is None else items[key[2]][1], None))
+    return events
 
 
 def _own_uncalled(names, owner: dict, template: dict[str, str]) -> None:

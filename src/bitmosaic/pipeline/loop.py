@@ -109,7 +109,10 @@ class _Layer:
 
 
 def _budget(run: LayerRun) -> int:
-    return int(run.report.calibration["spill"]["budget_mb"] * 2**20)
+    """The run's memory budget in bytes; a data-parallel run's is the least of its ranks' (every rank then
+    cuts an expert group into the same parts, experts.py)."""
+    budget = int(run.report.calibration["spill"]["budget_mb"] * 2**20)
+    return min(run.dist.all_gather_object(budget)) if run.dist.world > 1 else budget
 
 
 def _move(layer: nn.Module, device, dtype) -> None:
