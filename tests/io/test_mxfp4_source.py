@@ -1,8 +1,8 @@
 """gpt-oss's native MXFP4 checkpoint (``*_blocks``: two FP4 E2M1 codes a byte, low nibble first;
 ``*_scales``: one E8M0 exponent per 32 values) loads through bitmosaic's float loading as the exactly
 decoded float weights: the codes are decoded here by hand (sign, magnitude table, ``2**(scale - 127)``),
-independently of transformers' lookup table and ``ldexp``.  Streaming such a checkpoint (fused experts)
-is refused in one line."""
+independently of transformers' lookup table and ``ldexp``.  Streaming reads it one expert at a time
+(tests/pipeline/test_stream_gpt_oss.py); fused blocks without their scales are refused in one line."""
 
 from __future__ import annotations
 
@@ -32,10 +32,11 @@ def _decode_row(blocks: torch.Tensor, scales: torch.Tensor) -> list[float]:
     return out
 
 
-def _mxfp4_folder(path, name="gpt_oss"):
-    """A tiny gpt-oss folder whose experts are stored as MXFP4 (random codes, scales 2**-7 .. 2**3,
-    and the extremes 2**-127 and 2**0 in the first group), with the config's mxfp4 quantization_config."""
-    model = tiny(name)
+def _mxfp4_folder(path, name="gpt_oss", model=None):
+    """A tiny gpt-oss folder (``model``, else :func:`tiny` of ``name``) whose experts are stored as MXFP4
+    (random codes, scales 2**-7 .. 2**3, and the extremes 2**-127 and 2**0 in the first group), with the
+    config's mxfp4 quantization_config."""
+    model = tiny(name) if model is None else model
     save_hf_dir(path, model)
     sd = dict(model.state_dict())
     g = torch.Generator().manual_seed(0)
@@ -73,14 +74,18 @@ def test_mxfp4_experts_load_exactly(tmp_path, dtype):
         assert torch.isfinite(model(torch.randint(3, 128, (1, 8))).logits).all()
 
 
-def test_mxfp4_streaming_refused_in_one_line(tmp_path):
+def test_mxfp4_blocks_without_scales_refused_in_one_line(tmp_path):
+    from safetensors.torch import load_file
+
     _mxfp4_folder(tmp_path / "f")
+    file = str(tmp_path / "f" / "model.safetensors")
+    save_file({k: v for k, v in load_file(file).items() if not k.endswith("_scales")}, file)
     ckpt = Checkpoint(tmp_path / "f")
     model = ckpt.empty_model(torch.float32)
     from bitmosaic.modules.experts import unfuse_experts
 
     unfuse_experts(model)
     layer = model.model.layers[0]
-    with pytest.raises(ModelSpecError, match="stores its experts fused.*without --stream") as e:
+    with pytest.raises(ModelSpecError, match="stores its experts fused.*_blocks.*without --stream") as e:
         ckpt.fill(layer, "model.layers.0.", torch.float32)
     assert "\n" not in str(e.value)

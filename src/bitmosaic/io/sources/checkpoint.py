@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 from ...errors import CorruptModelError, ModelSpecError, check_finite
+from ...formats.mx import MXTensor, get_mx_format, mx_dequantize
 from . import fp8_block
-from .expert_names import ExpertSource, expert_source
+from .expert_names import ExpertSource, expert_source, fused_layouts
 
 __all__ = ["Checkpoint", "is_file_name", "missing_tensor"]
 
@@ -47,13 +48,38 @@ def missing_tensor(spec: str, name: str) -> str:
 
 
 def _expert_slice(sl, src: ExpertSource) -> torch.Tensor:
-    """Expert ``src.index`` of a fused tensor (the half of its rows ``src.half`` names), read through the
-    memory map: only that expert's bytes are copied."""
+    """Expert ``src.index`` of a fused tensor, read through the memory map: only that expert's bytes are
+    copied, and where its output features are dimension 1 (not ``transposed``, or MXFP4 blocks and
+    scales) only the rows of the projection ``src.half`` names (a strided read when ``interleaved``)."""
+    e = slice(src.index, src.index + 1)
     full = sl.get_shape()
-    if len(full) == 1 or src.half is None:
-        return sl[src.index : src.index + 1][0]
-    rows = full[1] // 2
-    return sl[src.index : src.index + 1, src.half * rows : (src.half + 1) * rows][0]
+    if len(full) == 1 or src.half is None or src.transposed:
+        return sl[e][0]  # output features last (transposed): the half is taken after the read, by _oriented
+    n = full[1] // 2
+    rows = slice(src.half, None, 2) if src.interleaved else slice(src.half * n, (src.half + 1) * n)
+    return sl[e, rows][0]
+
+
+def _oriented(t: torch.Tensor, src: ExpertSource) -> torch.Tensor:
+    """An expert's slice (:func:`_expert_slice`, MXFP4 decoded) as the ``[out, in]`` weight of its
+    projection: transposed when stored ``[in, out]``, then its gate or up rows taken; contiguous."""
+    if src.transposed and t.ndim == 2:
+        t = t.T
+        if src.half is not None:
+            n = t.shape[0] // 2
+            t = t[src.half :: 2] if src.interleaved else t[src.half * n : (src.half + 1) * n]
+    return t.contiguous()
+
+
+def _mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's MXFP4 rows (``blocks`` ``[rows, G, 16]`` bytes, ``scales`` ``[rows, G]`` E8M0) as their
+    exact float32 values ``[rows, 32 G]`` (:func:`bitmosaic.formats.mx.mx_dequantize`: same nibble order,
+    low first, and block of 32 as the OCP MX format)."""
+    rows, groups = scales.shape
+    if tuple(blocks.shape) != (rows, groups, 16):
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}")
+    packed = MXTensor(get_mx_format("mxfp4"), (rows, groups * 32), blocks.reshape(rows, groups * 16), scales)
+    return mx_dequantize(packed, torch.float32)
 
 
 class Checkpoint:
@@ -147,12 +173,25 @@ class Checkpoint:
 
     def get_part(self, src: ExpertSource, dtype: torch.dtype | None, shape) -> torch.Tensor:
         """The part of a stored tensor that :func:`~bitmosaic.io.sources.expert_names.expert_source`
-        names (one expert of a fused 3-D tensor: only its rows are read), of the given ``shape``."""
+        names (one expert of a fused 3-D tensor: only its rows are read; MXFP4 blocks and scales
+        (gpt-oss): decoded exactly), of the given ``shape``."""
+        label = f"{src.name}[{src.index}]"
         if src.index is None:
             t = self.get(src.name, dtype)
-        else:  # one expert of a fused 3-D tensor: only its rows are read
-            pick = lambda f: _expert_slice(f.get_slice(src.name), src)  # noqa: E731
-            t = self._read(src.name, dtype, pick, f"{src.name}[{src.index}]")
+        elif src.scales is None:  # one expert of a fused 3-D tensor: only its rows are read
+            pick = lambda f: _oriented(_expert_slice(f.get_slice(src.name), src), src)  # noqa: E731
+            t = self._read(src.name, dtype, pick, label)
+        else:  # MXFP4 blocks and scales (gpt-oss): the expert's rows of both, decoded exactly
+            read_scales = lambda f: _expert_slice(f.get_slice(src.scales), src)  # noqa: E731
+            scales = self._read(src.scales, None, read_scales, label)
+
+            def pick(f):
+                return _oriented(_mxfp4(_expert_slice(f.get_slice(src.name), src), scales), src)
+
+            try:
+                t = self._read(src.name, dtype, pick, label)
+            except ValueError as e:
+                raise CorruptModelError(f"{self.spec}: {label}: {e}; re-download the model") from None
         if tuple(t.shape) != tuple(shape):
             raise CorruptModelError(
                 f"{self.spec}: tensor {src.name} gives a part of shape {tuple(t.shape)} where the model's "
@@ -192,20 +231,32 @@ class Checkpoint:
                 f"the config of {self.spec!r} describes no model transformers can build "
                 f"({type(e).__name__}: {reason}); re-download it"
             ) from None
+        self._layouts = fused_layouts(model)  # before unfusing: how its fused experts lie (gpt-oss)
         return model.eval()
 
+    def fused_layouts(self) -> dict:
+        """The model's fused-experts layouts by module name (:func:`.expert_names.fused_layouts`), from
+        the empty model (built here, on ``meta``, when :meth:`empty_model` has not run)."""
+        if getattr(self, "_layouts", None) is None:
+            self.empty_model(torch.float32)
+        return self._layouts
+
+    def _expert_source(self, key: str) -> ExpertSource | None:
+        """Where the checkpoint holds expert tensor ``key`` under another name or fused (expert_names.py)."""
+        return expert_source(key, self.files, self.fused_layouts() if _EXPERT.match(key) else None)
+
     def _refuse_fused(self, key: str) -> None:
-        """A missing expert projection whose layer the checkpoint stores fused (gpt-oss: ``gate_up_proj``,
-        or MXFP4 ``gate_up_proj_blocks``): one line saying so (streaming reads one tensor per expert
-        projection; the in-memory load converts the fused layout)."""
+        """A missing expert projection whose layer the checkpoint stores fused in a layout
+        :func:`.expert_names.expert_source` does not read (say MXFP4 blocks without their scales): one
+        line saying so (the in-memory load converts what transformers converts)."""
         m = _EXPERT.match(key)
         if m is None:
             return
         fused = [f"{m.group(1)}.{p}{s}" for p in ("gate_up_proj", "down_proj") for s in ("", "_blocks")]
         if any(f in self for f in fused):
             raise ModelSpecError(
-                f"{self.spec} stores its experts fused ({next(f for f in fused if f in self)}), which "
-                "streaming does not read one expert at a time yet; quantize it without --stream"
+                f"{self.spec} stores its experts fused ({next(f for f in fused if f in self)}) in a layout "
+                "streaming does not read one expert at a time; quantize it without --stream"
             )
 
     def fill(self, module: nn.Module, prefix: str, dtype: torch.dtype, skip=()) -> None:
@@ -220,7 +271,7 @@ class Checkpoint:
             want = dtype if t.is_floating_point() else None
             if key in self:
                 sd[name] = self.get(key, want)
-            elif (src := expert_source(key, self.files)) is not None:  # a MoE tensor stored otherwise
+            elif (src := self._expert_source(key)) is not None:  # a MoE tensor stored otherwise
                 sd[name] = self.get_part(src, want, t.shape)
             elif t.device.type == "meta":
                 self._refuse_fused(key)
