@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 from pathlib import Path
 
 import torch
@@ -91,3 +92,19 @@ def cli_quantize_args(tmp_path: Path, scheme: str = "W4A4") -> list[str]:
     return ["quantize", "--model", str(src), "--method", "rtn", "--scheme", scheme, "--group-size", "32",
             "--calib", str(tmp_path / "calib.txt"), "--nsamples", "4", "--seqlen", "32",
             "--no-progress"]  # fmt: skip
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on the loopback (one per process group a torchrun test starts)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+def quantized_codes(model) -> dict[str, torch.Tensor]:
+    """Every quantized module's integer codes, by name: what two runs must agree on bit for bit."""
+    from bitmosaic.io import quantized_modules
+
+    return {n: m.codes().clone() for n, m in sorted(quantized_modules(model).items())}

@@ -6,7 +6,6 @@ import contextlib
 import io
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -17,11 +16,12 @@ from bitmosaic.algorithms.types import QuantResult
 from bitmosaic.cli import main
 from bitmosaic.errors import OptionError
 from bitmosaic.eval.perplexity import perplexity
-from bitmosaic.io import load_quantized, quantized_modules
+from bitmosaic.io import load_quantized
 from bitmosaic.pipeline.capture import capture_groups
 from bitmosaic.pipeline.distributed import Dist, current
 from bitmosaic.pipeline.fisher import fisher_salience
 from bitmosaic.testing import save_hf_dir, tiny_llama, words
+from tests.helpers import free_ports, quantized_codes
 
 # Python API runs in every rank: (method, options); smoothquant searches alpha on its token sample
 API_RUNS = {
@@ -36,16 +36,6 @@ def _calib() -> torch.Tensor:  # 7 samples in batches of 2: 4 batches, the last 
     return torch.randint(4, 128, (7, 32), generator=torch.Generator().manual_seed(0))
 
 
-def _codes(model) -> dict[str, torch.Tensor]:
-    return {n: m.codes().clone() for n, m in sorted(quantized_modules(model).items())}
-
-
-def _free_ports(n: int = 3) -> list[int]:
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
 
 
 def _worker(rank: int, world: int, ports: list[int], tmp: str) -> None:
@@ -72,7 +62,7 @@ def _worker(rank: int, world: int, ports: list[int], tmp: str) -> None:
         for method, opts in API_RUNS.items():
             model = tiny_llama(0)
             report = quantize_(model, method, _calib(), batch_size=2, progress=False, **opts)
-            got[method] = {"codes": _codes(model), "dist": report.calibration["distributed"],
+            got[method] = {"codes": quantized_codes(model), "dist": report.calibration["distributed"],
                            "transform": [r.get("transform") for r in report.layers]}  # fmt: skip
         torch.save(got, os.path.join(tmp, f"api{rank}.pt"))
     finally:
@@ -92,7 +82,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist")
     save_hf_dir(tmp / "model", tiny_llama(0))
     (tmp / "calib.txt").write_text(words(4000))
-    torch.multiprocessing.spawn(_worker, args=(2, _free_ports(), str(tmp)), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_worker, args=(2, free_ports(3), str(tmp)), nprocs=2, join=True)
     return tmp
 
 
@@ -103,7 +93,7 @@ def test_two_processes_give_the_codes_of_one_and_only_rank0_writes(runs, capsys)
     capsys.readouterr()
     one, _ = load_quantized(single)
     dp, _ = load_quantized(runs / "dp")
-    assert _same_fraction(_codes(dp), _codes(one)) >= 0.999
+    assert _same_fraction(quantized_codes(dp), quantized_codes(one)) >= 0.999
     report = json.loads((runs / "dp.json").read_text())
     assert report["calibration"]["distributed"]["samples_per_rank"] == [4, 3]
     assert len(report["calibration"]["distributed"]["peak_rss_mb_per_rank"]) == 2
@@ -139,7 +129,7 @@ def test_smoothing_methods_match_one_process_and_every_rank_agrees(runs, method)
     model = tiny_llama(0)
     report = quantize_(model, method, _calib(), batch_size=2, progress=False, **API_RUNS[method])
     assert "distributed" not in report.calibration
-    assert _same_fraction(r0["codes"], _codes(model)) >= 0.999
+    assert _same_fraction(r0["codes"], quantized_codes(model)) >= 0.999
     choice = {"awq": "ratio", "smoothquant": "alpha"}[method]  # the searches chose the same factors
     picked = [t.get(choice) for t in r0["transform"]]
     assert any(p is not None for p in picked)

@@ -7,17 +7,16 @@ with the same codes."""
 import contextlib
 import json
 import os
-import socket
 
 import pytest
 import torch
 
 from bitmosaic import quantize_
 from bitmosaic.cli import main
-from bitmosaic.io import quantized_modules
 from bitmosaic.pipeline.distributed import Dist
 from bitmosaic.pipeline.experts import _decode, _encode
 from bitmosaic.testing import save_hf_dir, tiny_moe, words
+from tests.helpers import free_ports, quantized_codes
 
 WIDE = {"hidden_size": 128, "moe_intermediate_size": 128, "intermediate_size": 128}  # g128 is one group
 FLAGS = ["quantize", "--method", "gptq", "--bits", "4", "--group-size", "128", "--nsamples", "7",
@@ -47,20 +46,10 @@ def _cli(tmp: str, case: str, tag: str) -> list[str]:
             os.path.join(tmp, "calib.txt"), "--out", out, "--json", f"{out}.json"]  # fmt: skip
 
 
-def _codes(model) -> dict[str, torch.Tensor]:
-    return {n: m.codes().clone() for n, m in sorted(quantized_modules(model).items())}
-
 
 def _expert_rows(layers: list[dict]) -> dict[str, tuple]:
     return {r["name"]: (r["expert_tokens"], r.get("expert_fallback")) for r in layers if "expert_tokens" in r}
 
-
-def _free_ports(n: int) -> list[int]:
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
 
 
 def _worker(rank: int, world: int, ports: list[int], tmp: str) -> None:
@@ -75,7 +64,7 @@ def _worker(rank: int, world: int, ports: list[int], tmp: str) -> None:
     try:
         model = _model("qwen3_moe")
         report = quantize_(model, "gptq", _calib(), batch_size=2, progress=False, **PARTS)
-        got = {"codes": _codes(model), "rows": _expert_rows(report.layers)}
+        got = {"codes": quantized_codes(model), "rows": _expert_rows(report.layers)}
         torch.save(got, os.path.join(tmp, f"api{rank}.pt"))
     finally:
         torch.distributed.destroy_process_group()
@@ -87,7 +76,7 @@ def runs(tmp_path_factory):
     for model_type in {t for t, _ in CASES.values()}:
         save_hf_dir(tmp / model_type, _model(model_type))
     (tmp / "calib.txt").write_text(words(4000))
-    torch.multiprocessing.spawn(_worker, args=(2, _free_ports(len(CASES) + 1), str(tmp)), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_worker, args=(2, free_ports(len(CASES) + 1), str(tmp)), nprocs=2, join=True)
     return tmp
 
 
@@ -132,7 +121,7 @@ def test_expert_groups_in_parts_match_one_process_on_every_rank(runs):
     model = _model("qwen3_moe")
     with _one_thread():
         report = quantize_(model, "gptq", _calib(), batch_size=2, progress=False, **PARTS)
-    one = _codes(model)
+    one = quantized_codes(model)
     assert len(one) == 2 * (4 * 3 + 4) and r0["codes"].keys() == one.keys()
     for n in one:
         assert torch.equal(r0["codes"][n], one[n]) and torch.equal(r1["codes"][n], one[n]), n
