@@ -24,7 +24,9 @@ from benchmarks.findings.claims_mosaic import (
     mosaic_selection_ablation,
     mosaic_ten_percent_half,
     mosaic_thin_blocks,
+    mosaic_vs_table1_w4a4,
     mosaic_w4a8,
+    mosaic_w4a8_near_w4a16,
     mosaic_w4a8_vs_gptq,
 )
 from benchmarks.findings.claims_rotation import (
@@ -83,6 +85,13 @@ FINDINGS: list[Finding] = [
     ),  # fmt: skip
     Finding("MosaicQuant", "MosaicQuant beats RTN and SmoothQuant at W4A8", "mosaic_main", mosaic_w4a8),
     Finding("MosaicQuant", "ours: MosaicQuant beats GPTQ at W4A8", "mosaic_main", mosaic_w4a8_vs_gptq),
+    Finding(
+        "MosaicQuant",
+        "MosaicQuant beats QuaRot, SpinQuant and Atom at W4A4 (Table 1)",
+        "mosaic_main",
+        mosaic_vs_table1_w4a4,
+    ),  # fmt: skip
+    Finding("MosaicQuant", "W4A8 MosaicQuant close to W4A16 (Table 1)", "mosaic_main", mosaic_w4a8_near_w4a16),
     Finding("SQ-format", "static falls away from dynamic towards INT2", "sq_format", sq_static_falls_at_int2),
     Finding("SQ-format", "static SQ prefers small banks", "sq_format", sq_static_small_banks),
     Finding("SQ-format", "|Ā_j| alone as static importance degrades", "sq_format", sq_importance_ablation),

@@ -21,6 +21,9 @@ Parts (``--parts``, comma-separated):
   SmoothQuant baseline's grid; ``main`` searches 0.3-1.0 in steps of 0.1), at W4A4 and W4A8.
 * ``thin`` (issue 25): thin residual blocks 8x128, 16x64 and 1x128 at the 10% budget, with their
   index overhead in the bits per weight.
+* ``gqa`` (issue 73): main's MosaicQuant rows with ``o_proj`` left unsmoothed under grouped-query
+  attention (``fold_o_proj=False``, the method before issue 73; main's rows now fold its factors,
+  shared by the query heads of a key-value head, into ``v_proj``).
 * ``channel`` (issue 25): channel-level compensation at the same element budget as 10% of 64x64
   blocks, residual stored as dense columns (bits per weight = what is stored): the paper's baseline
   (§3 Observation 1, Fig. 5: outlier channels by the float input's ``max|X_j|``) and ours (columns
@@ -102,11 +105,17 @@ def part_runs(part: str, max_tokens: int) -> list[tuple[str, str, str, dict]]:
             ("channel (paper: outlier max|X|)", "W4A4", "mosaic", {**w4a4, "selection": "channel-act"}),
             ("channel (ours: Δ-Hessian columns)", "W4A4", "mosaic", {**w4a4, "selection": "channel"}),
         ]
+    if part == "gqa":  # issue 73: main's rows as before, o_proj left unsmoothed under GQA (main folds it now)
+        off = {"fold_o_proj": False}
+        return [
+            ("mosaic W4A8 o_proj unsmoothed", "W4A8", "mosaic", {**mos, "act": A8, **off}),
+            ("mosaic W4A4 o_proj unsmoothed", "W4A4", "mosaic", {**w4a4, **off}),
+        ]
     if part == "thin":
         return ref + [
             (f"block {b}", "W4A4", "mosaic", {**w4a4, "block": b}) for b in ("8x128", "16x64", "1x128")
         ]
-    parts = "main, ablation, oracle, sweep, blocks, search, thin, channel"
+    parts = "main, ablation, oracle, sweep, blocks, search, thin, channel, gqa"
     raise SystemExit(f"unknown part {part!r}; use {parts}")
 
 
@@ -142,7 +151,7 @@ def write_table(path: Path, cols: list[str], a, part: str) -> None:
     flags = f"--protocol {a.protocol}" if a.protocol else flags
     flags += f" --seed {a.seed}" if a.seed else ""
     head = (
-        f"SmolLM2-135M, calib {a.nsamples}x{a.seqlen} seed {a.seed}, WikiText-2 ppl on {windows} of "
+        f"{a.model}, calib {a.nsamples}x{a.seqlen} seed {a.seed}, WikiText-2 ppl on {windows} of "
         f"{a.seqlen}; `python -m benchmarks.mosaic.mosaic --parts {part} {flags}` (a row alone: "
         "`--only NAME`)\n\n"
     )

@@ -133,3 +133,48 @@ def test_block_vs_channel_never_takes_main_of_another_device(claims_mosaic, stor
     store["mosaic_channel_verdict"] = _part("verdict", VERDICT, {PAPER_CH: 45.0}, "cuda")
     nums, v = claims_mosaic.mosaic_block_beats_channel(_layers(0.3, 0.2))
     assert "W4A4 ppl" not in nums and v == "holds"  # the shares alone, no cross-device perplexity pair
+
+
+# -- Table 1's other comparators (issue 73): every row of one protocol, the GQA-folded row preferred ------
+def _table1(store, mosaic_ppl: float, args: dict, device: str = "cpu") -> dict:
+    verdict = args is VERDICT
+    tag = "_verdict" if verdict else ""
+    store["rotation" + tag] = _part("", args, {module.QUAROT: 55.1, module.SPINQUANT: 49.6}, device)
+    store["atom_model" + tag] = {**_atom(48.1, "", {**args, "device": device})}
+    store["sfmp" + tag] = _part("", args, {"4.25 gptq w4g128": 35.8, "4.25 awq w4g128": 36.6}, device)
+    main = _part("", args, {"mosaic W4A4": mosaic_ppl, "mosaic W4A8": 54.0, "float": 30.0}, device)
+    for run in (main, store["rotation" + tag], store["atom_model" + tag], store["sfmp" + tag]):
+        run["protocol"] = "verdict" if verdict else "fast"
+    return main
+
+
+def test_table1_w4a4_judges_rows_of_one_protocol(claims_mosaic, store):
+    res = _table1(store, 146.8, VERDICT)
+    nums, v = claims_mosaic.mosaic_vs_table1_w4a4(res)
+    assert "MosaicQuant 146.80" in nums and "QuaRot-like" in nums and "ResQ: no row" in nums
+    assert v.startswith("does not hold here") and "QuaRot, SpinQuant, Atom lower" in v
+    store["mosaic_fold_verdict"] = _part("verdict", VERDICT, {"mosaic W4A4": 45.0}, "cpu")
+    nums, v = claims_mosaic.mosaic_vs_table1_w4a4(res)  # the folded row is the method now
+    assert "MosaicQuant 45.00" in nums and "before: 146.80" in nums and v == "holds"
+
+
+def test_table1_refuses_a_comparator_of_another_protocol_or_device(claims_mosaic, store):
+    res = _table1(store, 40.0, VERDICT)
+    store["rotation_verdict"] = _part("verdict", {**VERDICT, "max_windows": 20}, {module.QUAROT: 55.1}, "cpu")
+    with pytest.raises(KeyError):
+        claims_mosaic.mosaic_vs_table1_w4a4(res)
+    res = _table1(store, 40.0, VERDICT, device="cuda")
+    res["args"]["device"] = "cpu"
+    with pytest.raises(KeyError):
+        claims_mosaic.mosaic_vs_table1_w4a4(res)
+    store["mosaic_fold_verdict"] = _part("verdict", VERDICT, {"mosaic W4A4": 1.0}, "cuda")  # another device: unused
+    res = _table1(store, 146.8, VERDICT)
+    assert "before" not in claims_mosaic.mosaic_vs_table1_w4a4(res)[0]
+
+
+def test_w4a8_near_w4a16_is_five_percent_of_the_best(claims_mosaic, store):
+    res = _table1(store, 146.8, VERDICT)
+    nums, v = claims_mosaic.mosaic_w4a8_near_w4a16(res)
+    assert "GPTQ 35.80" in nums and "1.51x" in nums and v.startswith("does not hold here")
+    store["mosaic_fold_verdict"] = _part("verdict", VERDICT, {"mosaic W4A8": 37.5}, "cpu")  # 1.047x GPTQ
+    assert claims_mosaic.mosaic_w4a8_near_w4a16(res)[1] == "holds"

@@ -236,7 +236,8 @@ def test_method_end_to_end_save_reload_bit_for_bit(tmp_path):
     assert 0 < float((out - ref).norm() / ref.norm()) < 1
     rows = {r["name"].split(".")[-1]: r for r in rep.layers}
     assert rows["q_proj"]["transform"]["alpha"] in get_method("mosaic").make_config().alpha_grid
-    assert rows["o_proj"]["transform"]["folded"] is False  # GQA: o_proj stays unsmoothed
+    # GQA: o_proj smoothed with factors shared by the query heads of a key-value head, folded into v_proj
+    assert rows["o_proj"]["transform"]["folded"] is True and rows["o_proj"]["transform"]["shared_by_heads"]
     assert all(0 <= r["recovered"] <= 1 and r["blocks_selected"] <= r["blocks_total"] for r in rep.layers)
     path = save_quantized(m, tmp_path / "q", {"method": "mosaic"})
     m2, _ = load_quantized(path, load_tokenizer=False)

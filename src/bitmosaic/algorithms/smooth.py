@@ -27,7 +27,9 @@ __all__ = [
     "SmoothSearch",
     "fold_scales_into_linear_rows",
     "fold_scales_into_norm",
+    "gqa_channel_map",
     "search_alpha",
+    "shared_scales",
     "smooth_scales",
     "smoothing_loss",
 ]
@@ -48,15 +50,49 @@ def _weight_col_absmax(weights: Sequence[torch.Tensor]) -> torch.Tensor:
     return wmax
 
 
+def gqa_channel_map(n_in: int, n_kv_channels: int, head_dim: int) -> torch.Tensor:
+    """``[n_in]`` index of the ``v_proj`` output channel each ``o_proj`` input channel is a weighted
+    average of, under grouped-query attention: query head ``h`` reads key-value head
+    ``h // (n_q / n_kv)`` (transformers' ``repeat_kv``), so input ``h*d + j`` of ``o_proj`` comes from
+    channel ``(h // rep)*d + j`` of ``v_proj``.  Factors constant on each class of this map (one per
+    ``head_dim`` channel of a key-value head, shared by its query heads) fold exactly into ``v_proj``'s
+    rows (issue 73: the MosaicQuant paper migrates the outliers of every linear, §1, Eq. 3)."""
+    if head_dim <= 0 or n_kv_channels % head_dim or n_in % n_kv_channels:
+        raise ValueError(
+            f"o_proj width {n_in} is not a whole number of copies of v_proj's {n_kv_channels} channels "
+            f"in heads of {head_dim}"
+        )
+    rep = n_in // n_kv_channels
+    c = torch.arange(n_in)
+    return (c // (rep * head_dim)) * head_dim + c % head_dim
+
+
+def shared_scales(s: torch.Tensor, tie: torch.Tensor, rtol: float = 0.0) -> torch.Tensor:
+    """The factors ``t`` (one per class of ``tie``) with ``s == t[tie]``; a ValueError when ``s`` is
+    not constant on a class (it could not be folded into the op producing the classes)."""
+    tie = tie.to(s.device)
+    m = int(tie.max()) + 1
+    t = torch.zeros(m, dtype=s.dtype, device=s.device).scatter(0, tie, s)
+    if not torch.allclose(t[tie], s, rtol=rtol, atol=0.0):
+        raise ValueError("smoothing factors differ within a group of channels that share one producer channel")
+    return t
+
+
 def smooth_scales(
-    act_absmax: torch.Tensor, weights: Sequence[torch.Tensor], alpha: float, eps: float = 1e-5
+    act_absmax: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    alpha: float,
+    eps: float = 1e-5,
+    tie: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SmoothQuant's per-channel factors (Xiao et al. 2023, §4, Eq. 4) -> ``[n]``.
 
     ``s_j = act_absmax_j^alpha / wmax_j^(1-alpha)`` with ``wmax_j`` the largest ``|W_ij|`` over
     all ``weights`` sharing this input (e.g. q/k/v after one norm).  Channels where either
     maximum is 0 get ``s_j = 1`` (nothing to migrate); ``s`` is clamped to ``>= eps``.  Computed
-    in float64, returned in ``act_absmax``'s dtype.
+    in float64, returned in ``act_absmax``'s dtype.  ``tie`` (``[n]`` class indices, e.g.
+    :func:`gqa_channel_map`): one factor per class, from the largest ``act_absmax`` and ``wmax`` over
+    its channels (the formula on the class's merged channel), so that ``s`` folds into the producer.
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
@@ -64,9 +100,16 @@ def smooth_scales(
     wmax = _weight_col_absmax(weights).to(a.device)
     if a.shape != wmax.shape:
         raise ValueError(f"act_absmax has shape {tuple(a.shape)}, weights have {wmax.numel()} inputs")
+    if tie is not None:
+        tie = tie.to(a.device)
+        m = int(tie.max()) + 1
+        a = torch.zeros(m, dtype=a.dtype, device=a.device).scatter_reduce(0, tie, a, "amax")
+        wmax = torch.zeros(m, dtype=a.dtype, device=a.device).scatter_reduce(0, tie, wmax, "amax")
     s = a.pow(alpha) / wmax.pow(1.0 - alpha)
     dead = (a == 0) | (wmax == 0) | ~torch.isfinite(s)
     s = torch.where(dead, torch.ones_like(s), s).clamp(min=eps)
+    if tie is not None:
+        s = s[tie]
     return s.to(act_absmax.dtype)
 
 

@@ -118,11 +118,13 @@ def act_fake_quant(spec: ActQuantSpec | None):
     return q
 
 
-def foldable_groups(caps, factors):
-    """``factors(cap, weights) -> (scales | None, info)`` on foldable groups; the rest unsmoothed."""
+def foldable_groups(caps, factors, tied: bool = False):
+    """``factors(cap, weights) -> (scales | None, info)`` on foldable groups; the rest unsmoothed.
+    ``tied``: also on groups foldable with factors shared within the classes of ``cap.tie`` (GQA
+    ``o_proj``; ``factors`` must then return scales constant on each class)."""
     return [
         factors(cap, [cap.weights[n] for n in cap.names])
-        if cap.foldable
+        if cap.foldable or (tied and getattr(cap, "tie", None) is not None)
         else (None, {"reason": "no foldable preceding op"})
         for cap in caps
     ]

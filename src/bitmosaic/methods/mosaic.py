@@ -2,9 +2,13 @@
 Δ-Hessian score), after SmoothQuant smoothing with a per-layer α search.
 
 - Smoothing (Eq. 3, App. C.1): ``s_j = max|X_j|^α / max|W_j|^(1-α)``, shared across q/k/v and
-  across gate/up and folded as :mod:`bitmosaic.pipeline.smoothing` does (norms, ``v_proj`` when the
-  widths match, ``up_proj``).  ``o_proj`` under grouped-query attention (SmolLM2, Llama 3, Qwen)
-  has no op to fold into and is left **unsmoothed** (MosaicQuant still applies to it).
+  across gate/up and folded as :mod:`bitmosaic.pipeline.smoothing` does (norms, ``v_proj``,
+  ``up_proj``).  The paper "fully migrates the outliers" of every linear (§1, Eq. 3); under
+  grouped-query attention (SmolLM2, Llama 3, Qwen, Gemma 3) ``o_proj``'s input channel ``h·d + j``
+  averages ``v_proj`` row ``(h // rep)·d + j``, so ``o_proj`` gets one factor per ``v_proj`` row,
+  shared by the query heads of its key-value head (the formula on the merged channel: the largest
+  ``max|X|`` and ``max|W|`` over the heads), folded into that row (issue 73).  ``fold_o_proj=False``
+  leaves ``o_proj`` unsmoothed under GQA (the behaviour before issue 73).
 - α per layer and group: the grid ``alpha_grid`` (default 0.3..1.0, including full migration) is
   searched for the smallest output MSE on a token sample of the float layer's inputs
   ``Σ_i ||X W_iᵀ - Q_x(X / s) Ŵ_i(s)ᵀ||²`` where ``Ŵ_i(s)`` is the full MosaicQuant weight of
@@ -81,6 +85,10 @@ class MosaicConfig(WeightQuantConfig):
         ALPHA_GRID, help="alpha values searched (comma list)", parse=parse_floats
     )
     smooth: bool = shared("smooth")
+    fold_o_proj: bool = option(
+        True, help="under grouped-query attention smooth o_proj too, with factors shared by the query heads "
+        "of each key-value head folded into v_proj (the paper migrates every linear); off: o_proj unsmoothed",
+    )  # fmt: skip
     try_no_smooth: bool = option(
         False, help="the alpha search also tries no smoothing (s = 1) and keeps it where its loss is lowest"
     )
@@ -184,10 +192,12 @@ def mosaic_transform(caps, cfg: MosaicConfig):
 
     def factors(cap, weights):
         amax = cap.observer.channel_absmax
+        tie = None if cap.foldable else cap.tie  # GQA o_proj: one factor per v_proj row
         if not cfg.smooth:
             return None, {"alpha": None, "reason": "smoothing off"}
+        shared_by = {} if tie is None else {"shared_by_heads": True}
         if cfg.alpha is not None:
-            return smooth_scales(amax, weights, cfg.alpha), {"alpha": cfg.alpha}
+            return smooth_scales(amax, weights, cfg.alpha, tie=tie), {"alpha": cfg.alpha, **shared_by}
         # the search runs where the weights are (the run's device); the token sample and the channel
         # statistics may have been kept on the CPU: move them there, and give the scales back beside amax
         dev = weights[0].device
@@ -197,7 +207,9 @@ def mosaic_transform(caps, cfg: MosaicConfig):
         ref = [X @ W.float().T for W in weights]
         best = (None, float("inf"), None)
         losses = {}
-        candidates = [(float(a), smooth_scales(amax_d, weights, float(a)).float()) for a in cfg.alpha_grid]
+        candidates = [
+            (float(a), smooth_scales(amax_d, weights, float(a), tie=tie).float()) for a in cfg.alpha_grid
+        ]
         if cfg.try_no_smooth:  # s = 1: the layer as it is
             candidates.append((None, torch.ones_like(amax_d, dtype=torch.float32)))
         for a, s in candidates:
@@ -214,9 +226,9 @@ def mosaic_transform(caps, cfg: MosaicConfig):
         if best[0] is None and best[2] is not None:  # no smoothing (s = 1) won
             return None, {"alpha": None, "reason": "no smoothing had the lowest loss", "loss": best[1],
                           "losses": losses}  # fmt: skip
-        return best[2].to(amax.device), {"alpha": best[0], "loss": best[1], "losses": losses}
+        return best[2].to(amax.device), {"alpha": best[0], "loss": best[1], "losses": losses, **shared_by}
 
-    return foldable_groups(caps, factors)
+    return foldable_groups(caps, factors, tied=cfg.fold_o_proj)
 
 
 def quantize_mosaic(weight, stats: LayerStats, cfg: MosaicConfig):

@@ -63,7 +63,7 @@ import torch
 from torch import nn
 
 from ..paths import default_cache_root
-from .capture import GroupCapture, capture_groups, foldable
+from .capture import GroupCapture, capture_groups, foldable, gqa_tie
 
 __all__ = ["CalibCache", "RunCache", "cache_key", "default_cache_root"]
 
@@ -374,4 +374,5 @@ def _capture_from(layer, arch, i: int, g: dict) -> GroupCapture:
         sample=g["sample"],
         weights={n: layer.get_submodule(n).weight.detach().float().clone() for n in names},
         foldable=foldable(layer, arch, i),
+        tie=gqa_tie(layer, arch, i),
     )

@@ -17,12 +17,13 @@ from torch import nn
 
 from ..algorithms.hessian import HessianAccumulator
 from ..algorithms.observers import ActObserver
+from ..algorithms.smooth import gqa_channel_map
 from ..models.arch import ArchSpec
 
 if TYPE_CHECKING:
     from .distributed import Dist
 
-__all__ = ["GroupCapture", "capture_groups", "foldable", "run_layer"]
+__all__ = ["GroupCapture", "capture_groups", "foldable", "gqa_tie", "run_layer"]
 
 
 @dataclass
@@ -35,6 +36,9 @@ class GroupCapture:
     weights: dict[str, torch.Tensor]  # the group's float weights (float32 copies)
     foldable: bool  # whether per-channel factors can be folded into the preceding op
     prefix: str = ""  # qualified name of the decoder layer (names are relative to it)
+    # not foldable per channel, but factors constant on the classes of this map are (GQA o_proj: one
+    # per v_proj channel, shared by the query heads of its key-value head; gqa_tie)
+    tie: torch.Tensor | None = None
 
 
 def foldable(layer: nn.Module, arch: ArchSpec, group_index: int) -> bool:
@@ -53,6 +57,34 @@ def foldable(layer: nn.Module, arch: ArchSpec, group_index: int) -> bool:
         return prev.weight.shape[0] == n  # GQA v_proj -> o_proj: widths differ
     w = getattr(prev, "weight", None)
     return w is not None and w.ndim == 1 and w.shape[0] == n
+
+
+def gqa_tie(layer: nn.Module, arch: ArchSpec, group_index: int) -> torch.Tensor | None:
+    """For ``o_proj`` under grouped-query attention (``smooth_prev`` a ``v_proj`` narrower than the
+    group's input): the map of each input channel to the ``v_proj`` row it averages
+    (:func:`~bitmosaic.algorithms.smooth.gqa_channel_map`), read from the attention module's
+    ``head_dim`` and ``num_key_value_groups`` (transformers' attention classes); ``None`` where the
+    group is foldable per channel, has no such producer, or the attention normalises ``v`` (a
+    ``v_norm`` would undo the fold)."""
+    if arch.smooth_prev is None or arch.smooth_prev[group_index] is None:
+        return None
+    group = arch.groups(layer)[group_index]
+    if not group or arch.expert_group(group_index) or foldable(layer, arch, group_index):
+        return None
+    if any(getattr(layer.get_submodule(n), "input_rotation", None) is not None for n in group):
+        return None
+    name = arch.smooth_prev[group_index]
+    prev = layer.get_submodule(name)
+    attn = layer.get_submodule(name.rpartition(".")[0]) if "." in name else layer
+    hd, rep = getattr(attn, "head_dim", None), getattr(attn, "num_key_value_groups", None)
+    if not isinstance(prev, nn.Linear) or not isinstance(hd, int) or not isinstance(rep, int):
+        return None
+    if getattr(attn, "v_norm", None) is not None:
+        return None
+    n = layer.get_submodule(group[0]).weight.shape[1]
+    if n != prev.weight.shape[0] * rep or prev.weight.shape[0] % hd:
+        return None
+    return gqa_channel_map(n, prev.weight.shape[0], hd)
 
 
 def run_layer(layer: nn.Module, hs: torch.Tensor, kw: dict) -> torch.Tensor:
@@ -132,6 +164,7 @@ def capture_groups(
             sample=torch.cat(samples[i])[:max_tokens],
             weights={n: layer.get_submodule(n).weight.detach().float().clone() for n in g},
             foldable=foldable(layer, arch, index[i]),
+            tie=gqa_tie(layer, arch, index[i]),
         )
         for i, g in enumerate(groups)
     ]
