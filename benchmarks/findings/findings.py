@@ -282,7 +282,8 @@ def _row(f: Finding, fresh: dict | None, model: str) -> dict:
         nums, v, used, nseeds = judge_seeds(f)
     if v.startswith(MISSING) and model != MODELS[0][0]:
         base = f.source.removesuffix(MODELS[1][1])
-        v = f"{MISSING}: run python -m benchmarks.findings.second_model --only {base} --protocol verdict"
+        lacks = v.split("; rerun ")[0] + "; " if "; rerun " in v else f"{MISSING}: "
+        v = f"{lacks}run python -m benchmarks.findings.second_model --only {base} --protocol verdict"
     proto = "fresh (8x256 calib)" if f.source == "fresh" else protocol_of(load(used) or {})
     if nseeds:  # how many seeds the verdict rests on (pooled: seed 0, more on the pairs repeated)
         proto += ", one seed" if nseeds == 1 else f", {nseeds} seeds"

@@ -37,7 +37,15 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import RESULTS, Bench, base_parser, protocol_label, write_text
-from benchmarks.sq.sq_format_a4 import CACHE, W_SQ, _sq_weights, part_a4group, part_a4paper, part_abits
+from benchmarks.sq.sq_format_a4 import (
+    CACHE,
+    W_SQ,
+    _sq_weights,
+    model_tag,
+    part_a4group,
+    part_a4paper,
+    part_abits,
+)
 from benchmarks.sq.sq_format_fig import part_fig
 from bitmosaic.algorithms.sq import static_act_scales, static_channel_mask, static_importance
 from bitmosaic.data import bos_token_id, calibration_samples
@@ -94,7 +102,8 @@ class SQBench(Bench):
         """The W4 weights every activation setting shares; cached on disk between parts."""
         if self._base is None:
             a = self.args
-            path = CACHE / f"base_{a.nsamples}x{a.seqlen}_s{a.seed}"
+            # the model is part of the key (a second model once read SmolLM2's cached weights)
+            path = CACHE / f"base_{a.nsamples}x{a.seqlen}_s{a.seed}{model_tag(a)}"
             t = time.perf_counter()
             if path.exists():
                 self._base = load_quantized(path, load_tokenizer=False)[0].float().eval()

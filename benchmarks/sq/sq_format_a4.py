@@ -5,6 +5,7 @@ is ``sq_format.SQBench``."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -13,6 +14,13 @@ from bitmosaic.formats.sq import parse_sq, weight_name
 from bitmosaic.io import load_quantized, save_quantized
 
 CACHE = Path("/tmp/bitmosaic_sq_bench")
+
+
+def model_tag(args) -> str:
+    """The model's part of a cached model's name ("" for SmolLM2, the default: its old names stay)."""
+    return "" if args.model == "smollm2-135m" else "_" + re.sub(r"[^\w.-]+", "-", args.model)
+
+
 W_SQ = {"W(SQ6)": "32-(8/4)-0.75", "W(SQ5)": "64-(8/4)-0.875", "W(SQ4.5)": "64-(8/4)-0.9375"}
 A4_GROUPS = (64, 128)  # group-wise A4 (issue 25): per token, one INT4 scale per G channels
 
@@ -27,7 +35,7 @@ def _sq_weights(b, sq: str, cache: bool = False, **opts):
     (one copy per ``opts``: the paper's mask form is another model)."""
     a = b.args
     tag = "".join(f"_{k}-{v}" for k, v in sorted(opts.items()))
-    path = CACHE / f"sqw_{sq}_{a.nsamples}x{a.seqlen}_s{a.seed}{tag}"
+    path = CACHE / f"sqw_{sq}_{a.nsamples}x{a.seqlen}_s{a.seed}{tag}{model_tag(a)}"
     info_path = path / "bench_info.json"
     if cache and info_path.exists():
         return load_quantized(path, load_tokenizer=False)[0].float().eval(), json.loads(info_path.read_text())
