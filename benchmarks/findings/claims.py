@@ -91,7 +91,9 @@ FINDINGS: list[Finding] = [
         "mosaic_main",
         mosaic_vs_table1_w4a4,
     ),  # fmt: skip
-    Finding("MosaicQuant", "W4A8 MosaicQuant close to W4A16 (Table 1)", "mosaic_main", mosaic_w4a8_near_w4a16),
+    Finding(
+        "MosaicQuant", "W4A8 MosaicQuant close to W4A16 (Table 1)", "mosaic_main", mosaic_w4a8_near_w4a16
+    ),
     Finding("SQ-format", "static falls away from dynamic towards INT2", "sq_format", sq_static_falls_at_int2),
     Finding("SQ-format", "static SQ prefers small banks", "sq_format", sq_static_small_banks),
     Finding("SQ-format", "|Ā_j| alone as static importance degrades", "sq_format", sq_importance_ablation),

@@ -37,7 +37,8 @@ def _wide_alpha(scheme: str, res: dict | None = None) -> str:
     protocol run: named so beside the rows of a verdict run ``res``)."""
     name = "alpha 0-1/0.05 + none" + ("" if scheme == "W4A4" else f" {scheme}")
     search = load("mosaic_search") or {"rows": []}
-    if (search.get("args") or {}).get("model") != ((res or {}).get("args") or {}).get("model", "smollm2-135m"):
+    model = ((res or {}).get("args") or {}).get("model", "smollm2-135m")
+    if (search.get("args") or {}).get("model") != model:
         return ""  # that search ran on another model (the report's second model has none)
     row = rows_by_name(search).get(name)
     if not row:
@@ -329,7 +330,8 @@ def mosaic_vs_table1_w4a4(res: dict) -> tuple[str, str]:
     rot, atom = rows_by_name(_same_protocol(res, "rotation")), _same_protocol(res, "atom_model")
     q, sp = rot[QUAROT], rot[SPINQUANT]
     a = next(r for r in atom["rows"] if r["name"] == ATOM)
-    nums = (f"W4A4 ({protocol_of(res)}, every row): {text}, {_grid(m)}; QuaRot-like (Hadamard + GPTQ, A4 g128) "
+    nums = (f"W4A4 ({protocol_of(res)}, every row): {text}, {_grid(m)}; "
+            "QuaRot-like (Hadamard + GPTQ, A4 g128) "
             f"{fmt(q['ppl'])} @ {fmt(q['bits_per_weight'], 3)} bpw; SpinQuant-like (learned rotation + GPTQ, "
             f"A4 g64 clip 0.9) {fmt(sp['ppl'])} @ {fmt(sp['bits_per_weight'], 3)} bpw; Atom-like "
             f"{ppl_fid(a)} @ {fmt(a['weight_bpw'], 3)} bpw; ResQ: no row (not rebuilt here)")  # fmt: skip
@@ -347,5 +349,6 @@ def mosaic_w4a8_near_w4a16(res: dict) -> tuple[str, str]:
     best = min(r["ppl"] for _, r in w16)
     nums = (f"({protocol_of(res)}, every row) W4A8 {text}, {_grid(m)}; W4A16 g128: "
             + ", ".join(f"{label} {ppl_fid(r)} @ {fmt(r['bits_per_weight'], 3)} bpw" for label, r in w16)
-            + f" (float {fmt(rows_by_name(res)['float']['ppl'])}); MosaicQuant/best W4A16 {m['ppl'] / best:.2f}x")  # fmt: skip
+            + f" (float {fmt(rows_by_name(res)['float']['ppl'])}); "
+            + f"MosaicQuant/best W4A16 {m['ppl'] / best:.2f}x")  # fmt: skip
     return nums, verdict(m["ppl"] <= 1.05 * best, f"{m['ppl'] / best:.2f}x the best W4A16")

@@ -340,7 +340,8 @@ def main() -> None:
           "Each SmolLM2 row's last line, *Q4_1 grid*, says whether its verdict can depend on SmolLM2's float "
           "weights being a dequantized Q4_1 grid (at most 16 values per 32 weights, asymmetric, float "
           "offsets), and why (`findings_q4_1.yaml`).", "", protocol_summary(rows), "",
-          "| paper | claim | model | numbers | verdict | protocol | why this may differ from the paper | source |",
+          "| paper | claim | model | numbers | verdict | protocol | why this may differ from the paper "
+          "| source |",
           "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     cols = ("paper", "claim", "model", "numbers", "verdict", "protocol", "may_differ", "source")
     for r in rows:  # the why column ends with the row's Q4_1-grid line (SmolLM2's rows)

@@ -167,7 +167,8 @@ def test_table1_refuses_a_comparator_of_another_protocol_or_device(claims_mosaic
     res["args"]["device"] = "cpu"
     with pytest.raises(KeyError):
         claims_mosaic.mosaic_vs_table1_w4a4(res)
-    store["mosaic_fold_verdict"] = _part("verdict", VERDICT, {"mosaic W4A4": 1.0}, "cuda")  # another device: unused
+    # another device: unused
+    store["mosaic_fold_verdict"] = _part("verdict", VERDICT, {"mosaic W4A4": 1.0}, "cuda")
     res = _table1(store, 146.8, VERDICT)
     assert "before" not in claims_mosaic.mosaic_vs_table1_w4a4(res)[0]
 

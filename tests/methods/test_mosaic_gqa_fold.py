@@ -44,7 +44,8 @@ def llama(heads=4, kv=2, hidden=64, layers=2, seed=0):
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=128, hidden_size=hidden, intermediate_size=96, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=64, tie_word_embeddings=True,
+        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=64,
+        tie_word_embeddings=True,
     )  # fmt: skip
     return _outliers(LlamaForCausalLM(cfg).eval(), ("input_layernorm", "post_attention_layernorm"), seed)
 
@@ -60,7 +61,8 @@ def gemma3(seed=0):
         vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=1, head_dim=16, max_position_embeddings=64, sliding_window=16,
     )  # fmt: skip
-    norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+    norms = ("input_layernorm", "post_attention_layernorm")
+    norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
     return _outliers(Gemma3ForCausalLM(cfg).eval(), norms, seed, offset=1.0)
 
 
@@ -145,7 +147,8 @@ def test_mosaic_smoothing_keeps_float_logits(name):
 def test_fold_o_proj_off_keeps_the_old_behaviour():
     m = llama()
     infos = _transform_all(m, alpha_grid=(0.5,), fold_o_proj=False)
-    assert all(info[1]["folded"] is False and info[1]["reason"] == "no foldable preceding op" for info in infos)
+    unfolded = [i[1]["folded"] is False and i[1]["reason"] == "no foldable preceding op" for i in infos]
+    assert all(unfolded)
     assert all(info[0]["folded"] for info in infos)
 
 

@@ -74,7 +74,9 @@ def shared_scales(s: torch.Tensor, tie: torch.Tensor, rtol: float = 0.0) -> torc
     m = int(tie.max()) + 1
     t = torch.zeros(m, dtype=s.dtype, device=s.device).scatter(0, tie, s)
     if not torch.allclose(t[tie], s, rtol=rtol, atol=0.0):
-        raise ValueError("smoothing factors differ within a group of channels that share one producer channel")
+        raise ValueError(
+            "smoothing factors differ within a group of channels that share one producer channel"
+        )
     return t
 
 
