@@ -27,9 +27,12 @@ from benchmarks.findings import why
 from benchmarks.findings.claims import FINDINGS, SECOND_MODEL, SECOND_WHY, Finding
 from benchmarks.findings.findings_lib import (
     DIFFERS,
+    FAILS,
+    HOLDS,
     MISSING,
     RESULTS,
     UNDECIDED,
+    UNTESTABLE,
     WITHIN_NOISE,
     load,
     module_of,
@@ -293,13 +296,22 @@ def _row(f: Finding, fresh: dict | None, model: str) -> dict:
             "verdict": v, "protocol": proto, "may_differ": f.differ, "q4_1": q4_1}  # fmt: skip
 
 
+VERDICT_WORDS = (HOLDS, FAILS, UNTESTABLE, UNDECIDED, WITHIN_NOISE, MISSING)
+
+
+def _kind(verdict: str) -> str:
+    """A verdict's word (holds, does not hold here, within noise, ...), its qualifiers left out: "holds at
+    BPW 4.25 only" and "holds" agree."""
+    return next((w for w in VERDICT_WORDS if verdict.startswith(w)), _head(verdict))
+
+
 def flag_flips(rows: list[dict]) -> list[dict]:
     """Rows of one claim on several models: where their verdicts differ (not counting "not measured"),
     each verdict says so, naming every model's verdict and protocol."""
     judged = [r for r in rows if not r["verdict"].startswith(MISSING)]
-    if len({_head(r["verdict"]) for r in judged}) > 1:
+    if len({_kind(r["verdict"]) for r in judged}) > 1:
         note = "; flips between models: " + " / ".join(
-            f"{r['model']} {_head(r['verdict'])} ({r['protocol'].split(',')[0]})" for r in judged
+            f"{r['model']} {_kind(r['verdict'])} ({r['protocol'].split(',')[0]})" for r in judged
         )
         for r in judged:
             r["verdict"] += note

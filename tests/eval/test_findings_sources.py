@@ -230,3 +230,15 @@ def test_second_model_claims_exist_and_runs_are_defined():
     cmd = second_model.command("lattice", "verdict", 1)
     assert cmd[cmd.index("--model") + 1] == "gemma3-270m"
     assert cmd[cmd.index("--json") + 1].endswith("lattice_gemma_verdict_s1.json")
+
+
+def test_a_qualified_verdict_is_no_flip(findings):
+    """"holds at BPW 4.25 only" on one model and "holds" on the other agree (the word counts, not its
+    qualifiers); "holds" against "within noise" is a flip."""
+    rows = [{"model": "A", "verdict": "holds", "protocol": "verdict, 3 seeds"},
+            {"model": "B", "verdict": "holds at BPW 4.25 only; 2 pairs close", "protocol": "fast"}]
+    same = findings.flag_flips([dict(r) for r in rows])
+    assert [r["verdict"] for r in same] == [r["verdict"] for r in rows]
+    rows[1]["verdict"] = "within noise (interval includes 1)"
+    flagged = findings.flag_flips(rows)
+    assert flagged[0]["verdict"] == "holds; flips between models: A holds (verdict) / B within noise (fast)"
