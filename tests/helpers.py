@@ -108,3 +108,24 @@ def quantized_codes(model) -> dict[str, torch.Tensor]:
     from bitmosaic.io import quantized_modules
 
     return {n: m.codes().clone() for n, m in sorted(quantized_modules(model).items())}
+
+
+def transform_every_layer(model, spec, cfg, calib) -> list:
+    """Run ``spec``'s transform hook (smoothing searches and folds, no quantization) on every decoder layer
+    of ``model`` in order, each layer's float outputs feeding the next; returns each layer's infos."""
+    from bitmosaic.models.arch import get_arch
+    from bitmosaic.pipeline.calibration import capture_layer_inputs
+    from bitmosaic.pipeline.loop import transform_layer
+
+    arch = get_arch(model)
+    layers = arch.layers(model)
+    inputs, kw = capture_layer_inputs(model, layers, calib, batch_size=4)
+    kwargs = next(iter(kw.values()))
+    plan = {n: (spec, cfg) for group in arch.sequential for n in group}  # every linear: this method
+    infos = []
+    for layer in layers:
+        infos.append(transform_layer(layer, arch, plan, inputs, kwargs, torch.Generator().manual_seed(0)))
+        with torch.inference_mode():
+            inputs = [layer(h, **k) for h, k in zip(inputs, kwargs, strict=True)]
+            inputs = [x[0] if isinstance(x, tuple) else x for x in inputs]
+    return infos

@@ -16,10 +16,9 @@ from bitmosaic import quantize_
 from bitmosaic.algorithms.smooth import gqa_channel_map, smooth_scales
 from bitmosaic.methods import get_method
 from bitmosaic.models.arch import get_arch
-from bitmosaic.pipeline.calibration import capture_layer_inputs
 from bitmosaic.pipeline.capture import gqa_tie
-from bitmosaic.pipeline.loop import transform_layer
 from bitmosaic.pipeline.smoothing import fold_group_scales
+from tests.helpers import transform_every_layer
 
 A8 = {"fmt": "int", "bits": 8}
 
@@ -113,19 +112,7 @@ def test_fold_of_shared_factors_keeps_float_logits(name):
 def _transform_all(m, **opts):
     """MosaicQuant's transform (the alpha search and every fold, no quantization) on each float layer."""
     spec = get_method("mosaic")
-    cfg = spec.make_config(act=A8, block="32x32", **opts)
-    arch = get_arch(m)
-    layers = arch.layers(m)
-    inputs, kw = capture_layer_inputs(m, layers, CALIB, batch_size=4)
-    kwargs = next(iter(kw.values()))
-    plan = {n: (spec, cfg) for grp in arch.sequential for n in grp}
-    infos = []
-    for layer in layers:
-        infos.append(transform_layer(layer, arch, plan, inputs, kwargs, torch.Generator().manual_seed(0)))
-        with torch.inference_mode():
-            inputs = [layer(h, **k) for h, k in zip(inputs, kwargs, strict=True)]
-            inputs = [x[0] if isinstance(x, tuple) else x for x in inputs]
-    return infos
+    return transform_every_layer(m, spec, spec.make_config(act=A8, block="32x32", **opts), CALIB)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -10,10 +10,7 @@ from bitmosaic import quantize_
 from bitmosaic.cli import build_parser
 from bitmosaic.io import load_quantized, save_quantized
 from bitmosaic.methods import get_method
-from bitmosaic.models.arch import get_arch
-from bitmosaic.pipeline.calibration import capture_layer_inputs
-from bitmosaic.pipeline.loop import transform_layer
-from tests.helpers import assert_reload_same_logits
+from tests.helpers import assert_reload_same_logits, transform_every_layer
 from tests.pipeline.test_pipeline import tiny_llama
 
 
@@ -48,18 +45,8 @@ def test_folded_factors_leave_the_float_model_unchanged(calib, ids, method, opts
     cfg = spec.make_config(
         bits=4, group_size=32, act=None if method == "awq" else {"fmt": "int", "bits": 8}, **opts
     )
-    arch = get_arch(m)
-    layers = arch.layers(m)
-    inputs, kw = capture_layer_inputs(m, layers, calib, batch_size=4)
-    kwargs = next(iter(kw.values()))
     before = copy.deepcopy(m.state_dict())
-    plan = {n: (spec, cfg) for g in arch.sequential for n in g}  # every linear: this method
-    infos = []
-    for layer in layers:
-        infos.append(transform_layer(layer, arch, plan, inputs, kwargs, torch.Generator().manual_seed(0)))
-        with torch.inference_mode():
-            inputs = [layer(h, **k) for h, k in zip(inputs, kwargs, strict=True)]
-            inputs = [x[0] if isinstance(x, tuple) else x for x in inputs]
+    infos = transform_every_layer(m, spec, cfg, calib)
     with torch.inference_mode():
         out = m(ids).logits
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
