@@ -31,6 +31,7 @@ from benchmarks.findings.findings_lib import (
     HOLDS,
     MISSING,
     RESULTS,
+    SECOND_SUFFIX,
     UNDECIDED,
     UNTESTABLE,
     WITHIN_NOISE,
@@ -247,18 +248,18 @@ def protocol_summary(rows: list[dict]) -> str:
 # the second model (issue 73): Gemma-3-270m (a different family, twice the size, its float weights a
 # dequantized Q4_K_M/Q6_K file: not SmolLM2's Q4_1 grid), run with the same benchmarks and row names,
 # ``--model gemma3-270m``, into ``<source>_gemma.json`` (fast) / ``<source>_gemma_verdict[_s<N>].json``
-MODELS = (("SmolLM2-135M", ""), ("Gemma-3-270m", "_gemma"))
+MODELS = (("SmolLM2-135M", ""), ("Gemma-3-270m", SECOND_SUFFIX))
 SECOND_MODEL_NOTE = (
     "The claims named in `claims.SECOND_MODEL` (one or more per paper and the ones that set a default) "
     "are also judged on Gemma-3-270m with the same benchmark, rows and judge (`--model gemma3-270m`, "
     "results `<source>_gemma*.json`); a verdict that differs between the models says so in both rows. "
-    "Rotation is refused on Gemma-3 (its norms are `1 + w`, with a softcap-free but scaled embedding), so "
-    "its W4A4 rows use the non-rotated comparators."
+    "bitmosaic refuses rotation on Gemma-3, so no rotation claim has a Gemma row."
 )
 
 GEMMA_DIFFERS = (
     "Gemma-3-270m (640 wide, 18 layers, 262k vocabulary, BOS on every window), dequantized from its "
-    "Q4_K_M GGUF (Q6_K parts): its weights sit on k-quant grids (per-32 6-bit scales), not SmolLM2's Q4_1"
+    "Q4_K_M GGUF (Q4_K and Q6_K blocks): another grid than SmolLM2's Q4_1, but a grid too (outliers.md: "
+    "every 32-weight group of o_proj holds at most 16 values, 15-25% of the q/k/v/gate/up groups do)"
 )
 
 
@@ -283,10 +284,6 @@ def _row(f: Finding, fresh: dict | None, model: str) -> dict:
         nums, v = f.judge
     else:
         nums, v, used, nseeds = judge_seeds(f)
-    if v.startswith(MISSING) and model != MODELS[0][0]:
-        base = f.source.removesuffix(MODELS[1][1])
-        lacks = v.split("; rerun ")[0] + "; " if "; rerun " in v else f"{MISSING}: "
-        v = f"{lacks}run python -m benchmarks.findings.second_model --only {base} --protocol verdict"
     proto = "fresh (8x256 calib)" if f.source == "fresh" else protocol_of(load(used) or {})
     if nseeds:  # how many seeds the verdict rests on (pooled: seed 0, more on the pairs repeated)
         proto += ", one seed" if nseeds == 1 else f", {nseeds} seeds"

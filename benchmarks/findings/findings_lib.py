@@ -83,8 +83,15 @@ def module_of(source: str) -> str:
     return f"benchmarks.<topic>.{source}"
 
 
+SECOND_SUFFIX = "_gemma"  # the result files of the report's second model: <source>_gemma*.json (issue 73)
+
+
 def run_command(source: str) -> str:
-    """What to type, at the repository root, to measure ``source``."""
+    """What to type, at the repository root, to measure ``source`` (a second-model source: the driver
+    that reruns its benchmark on Gemma-3-270m with the same rows, benchmarks/findings/second_model.py)."""
+    if SECOND_SUFFIX in source:
+        base = source.split(SECOND_SUFFIX)[0]
+        return f"python -m benchmarks.findings.second_model --only {base} --protocol verdict"
     return f"python -m {module_of(source)}"
 
 

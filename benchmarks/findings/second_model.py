@@ -19,11 +19,10 @@ import argparse
 import subprocess
 import sys
 
-from benchmarks.findings.findings_lib import RESULTS
+from benchmarks.findings.findings_lib import RESULTS, SECOND_SUFFIX
 from benchmarks.harness.child import child_env
 
 MODEL = "gemma3-270m"
-SUFFIX = "_gemma"  # findings.MODELS' suffix of the second model's result files
 
 # source -> (module, arguments): the rows each claim of claims.SECOND_MODEL needs, named as on SmolLM2
 RUNS: dict[str, tuple[str, list[str]]] = {
@@ -48,7 +47,7 @@ RUNS: dict[str, tuple[str, list[str]]] = {
 
 def out_name(source: str, protocol: str, seed: int) -> str:
     """``<source>_gemma`` (fast), ``<source>_gemma_verdict`` or ``..._verdict_s<seed>``."""
-    name = source + SUFFIX
+    name = source + SECOND_SUFFIX
     if protocol == "verdict":
         name += "_verdict" + (f"_s{seed}" if seed else "")
     elif seed:
