@@ -67,12 +67,17 @@ def gqa_channel_map(n_in: int, n_kv_channels: int, head_dim: int) -> torch.Tenso
     return (c // (rep * head_dim)) * head_dim + c % head_dim
 
 
+def _class_max(x: torch.Tensor, tie: torch.Tensor) -> torch.Tensor:
+    """The largest ``x`` (non-negative) over each class of ``tie`` -> ``[classes]``."""
+    tie = tie.to(x.device)
+    return torch.zeros(int(tie.max()) + 1, dtype=x.dtype, device=x.device).scatter_reduce(0, tie, x, "amax")
+
+
 def shared_scales(s: torch.Tensor, tie: torch.Tensor, rtol: float = 0.0) -> torch.Tensor:
     """The factors ``t`` (one per class of ``tie``) with ``s == t[tie]``; a ValueError when ``s`` is
     not constant on a class (it could not be folded into the op producing the classes)."""
     tie = tie.to(s.device)
-    m = int(tie.max()) + 1
-    t = torch.zeros(m, dtype=s.dtype, device=s.device).scatter(0, tie, s)
+    t = _class_max(s, tie)
     if not torch.allclose(t[tie], s, rtol=rtol, atol=0.0):
         raise ValueError(
             "smoothing factors differ within a group of channels that share one producer channel"
@@ -104,9 +109,7 @@ def smooth_scales(
         raise ValueError(f"act_absmax has shape {tuple(a.shape)}, weights have {wmax.numel()} inputs")
     if tie is not None:
         tie = tie.to(a.device)
-        m = int(tie.max()) + 1
-        a = torch.zeros(m, dtype=a.dtype, device=a.device).scatter_reduce(0, tie, a, "amax")
-        wmax = torch.zeros(m, dtype=a.dtype, device=a.device).scatter_reduce(0, tie, wmax, "amax")
+        a, wmax = _class_max(a, tie), _class_max(wmax.to(a.dtype), tie)
     s = a.pow(alpha) / wmax.pow(1.0 - alpha)
     dead = (a == 0) | (wmax == 0) | ~torch.isfinite(s)
     s = torch.where(dead, torch.ones_like(s), s).clamp(min=eps)
