@@ -47,6 +47,13 @@ def missing_tensor(spec: str, name: str) -> str:
     return f"{spec}: tensor {name} is missing from the checkpoint; re-download it"
 
 
+def _half_rows(rows: int, src: ExpertSource) -> slice:
+    """Which of a gate/up tensor's ``rows`` output features are projection ``src.half``'s (0 gate, 1 up):
+    the even or odd ones when ``interleaved`` (gpt-oss), else the first or second half."""
+    n = rows // 2
+    return slice(src.half, None, 2) if src.interleaved else slice(src.half * n, (src.half + 1) * n)
+
+
 def _expert_slice(sl, src: ExpertSource) -> torch.Tensor:
     """Expert ``src.index`` of a fused tensor, read through the memory map: only that expert's bytes are
     copied, and where its output features are dimension 1 (not ``transposed``, or MXFP4 blocks and
@@ -55,9 +62,7 @@ def _expert_slice(sl, src: ExpertSource) -> torch.Tensor:
     full = sl.get_shape()
     if len(full) == 1 or src.half is None or src.transposed:
         return sl[e][0]  # output features last (transposed): the half is taken after the read, by _oriented
-    n = full[1] // 2
-    rows = slice(src.half, None, 2) if src.interleaved else slice(src.half * n, (src.half + 1) * n)
-    return sl[e, rows][0]
+    return sl[e, _half_rows(full[1], src)][0]
 
 
 def _oriented(t: torch.Tensor, src: ExpertSource) -> torch.Tensor:
@@ -66,8 +71,7 @@ def _oriented(t: torch.Tensor, src: ExpertSource) -> torch.Tensor:
     if src.transposed and t.ndim == 2:
         t = t.T
         if src.half is not None:
-            n = t.shape[0] // 2
-            t = t[src.half :: 2] if src.interleaved else t[src.half * n : (src.half + 1) * n]
+            t = t[_half_rows(t.shape[0], src)]
     return t.contiguous()
 
 
