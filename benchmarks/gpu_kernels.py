@@ -8,6 +8,18 @@ events, median); then an end-to-end greedy decode of a SmolLM2-135M-shaped Llama
 g128) with the Triton kernels against the same model in bf16.  A time budget (``--budget``, seconds) stops
 it early with what was measured so far.  Writes ``benchmarks/results/gpu_kernels.{json,md}``.
 
+Also DPQ's FP8 tensor-core path (``_dpq_fp8_rows``: a DPQ layer with its static E4M3 input quantizer, the
+fp8 ``tl.dot`` against the float path, W4A16 and bf16, and its error in units of the float32 accumulation
+bound) and SFMP's module path (``_sfmp_rows``: an ``SFMPLinear`` with permutations and mixed 2-4-bit
+blocks on the Triton bit-plane kernel, after that kernel's 1-row latency at W1/2/3/4/6/8 on the 8B shapes).
+
+Fits one 10-minute call on an H100 by construction: 168 kernel rows (8 shapes x 7 kernels x 3 row counts;
+3 timed functions at most), 24 DPQ FP8 rows (5 timed functions), 24 SFMP module rows (2) and 4 width rows
+(6 widths), every timed function 3 warm-up + 20 timed calls (``_timed``), then 2 decodes of 64 tokens.  Each
+section checks its share of ``--budget`` (default 480 s: kernels until 40 %, DPQ until 55 %, SFMP until
+75 %, decode in the rest, skipped under 60 s) before each shape or row, so a run ends within the budget
+plus one row's setup (its module built and its kernels compiled) and writes what it measured.
+
 Without a GPU it prints one line and writes nothing; ``--interpret`` then runs a tiny exactness check of
 every kernel in Triton's interpreter instead (no timings).
 
@@ -199,6 +211,151 @@ def _decode(deadline: float, tokens: int = 64) -> dict:
     return {"tokens": tokens, "tokens_per_s": out}
 
 
+DPQ_FP8 = "dpq w4a8 fp8 dot"  # DPQ with its static per-tensor E4M3 input quantizer: FP8 operands on tl.dot
+
+
+def _dpq_fp8_rows(deadline: float) -> list[dict]:
+    """DPQ's FP8 tensor-core path (issue 76; DPQ §3 Fig. 3, §4.3): a DPQ layer with a static per-tensor E4M3
+    input quantizer runs the INT4 -> E4M3 weights and E4M3 activations on an fp8 ``tl.dot`` (capability >=
+    8.9).  Per shape and row count it times the layer (``layer_ms``: the input quantizer included), its
+    kernel alone on the quantized input (``fp8_ms``), the same kernel on the float path
+    (``$BITMOSAIC_TRITON_FP8_DOT=0``: ``float_ms``), the W4A16 Triton kernel (``w4a16_ms``) and bf16
+    ``F.linear`` (``bf16_ms``); ``err_over_bound``: the float32-input product's largest error against
+    :func:`bitmosaic.kernels.fp8.fp8_gemm_reference` in units of the float32 accumulation bound (<= 1:
+    the tensor cores' accumulation is as good as float32's)."""
+    import torch.nn.functional as F
+
+    from bitmosaic.formats.act import ActQuantSpec
+    from bitmosaic.formats.fp import fp_round
+    from bitmosaic.kernels import triton as tk
+    from bitmosaic.kernels.fp8 import fp8_gemm_reference
+    from bitmosaic.modules.actquant import attach_input_quant
+
+    dev, rows, u = torch.device("cuda"), [], 2.0**-24
+    spec = ActQuantSpec("e4m3", 8, granularity="tensor", static=True)
+    for model, shapes in SHAPES.items():
+        for k_in, n_out in shapes:
+            if time.time() > deadline:
+                return rows
+            m = _module(k_in, n_out, KERNELS["dpq int4 -> e4m3"], "cpu")
+            attach_input_quant(m, spec, k_in, scale=torch.tensor([0.02]))
+            m, w4 = m.to(dev), _module(k_in, n_out, KERNELS["int4 g128"], dev)
+            w8, sw, sx = m.fp8_weight().to(dev), m.fp8_scale, m.input_quant.scale
+            wb = m.dequantize_reference().to(dev).bfloat16()
+            k = m.kernel()
+            for r in ROWS:
+                x = torch.randn(r, k_in, device=dev)
+                with torch.no_grad():
+                    x8 = fp_round(x / sx, "e4m3")
+                    ref = fp8_gemm_reference(x8, w8, sx, sw)
+                    bound = _gamma2(k_in, u) * (x8.abs() @ w8.abs().T) * sx * sw.reshape(1, -1)
+                    bound = bound + 4 * u * ref.abs() + 1e-30
+                    err = float(((m(x) - ref).abs() / bound).max())
+                    xb = x.bfloat16()
+                    xq = m.input_quant(xb)
+                    t_l, t_k = _timed(lambda: m(xb)), _timed(lambda: k(xq))
+                    os.environ[tk.FP8_DOT_ENV] = "0"
+                    try:
+                        t_f = _timed(lambda: k(xq))
+                    finally:
+                        del os.environ[tk.FP8_DOT_ENV]
+                    t_4, t_b = _timed(lambda: w4(xb)), _timed(lambda: F.linear(xb, wb))
+                fp8 = k.weight.fp8_operands(xq, sx)
+                rows.append({"model": model, "in": k_in, "out": n_out, "kernel": DPQ_FP8, "rows": r,
+                             "fp8_dot": fp8, "layer_ms": t_l, "fp8_ms": t_k, "float_ms": t_f, "w4a16_ms": t_4,
+                             "bf16_ms": t_b, "err_over_bound": err})  # fmt: skip
+                print(f"{model:>12} {k_in:>6}x{n_out:<6} {DPQ_FP8} m={r:<4} fp8_dot={fp8} kernel {t_k:8.4f} "
+                      f"ms float {t_f:8.4f} ms W4A16 {t_4:8.4f} ms bf16 {t_b:8.4f} ms err/bound {err:.2f}",
+                      flush=True)  # fmt: skip
+    return rows
+
+
+def _gamma2(k: int, u: float) -> float:
+    """Twice Higham's ``gamma_K`` (two float32 sums of the same products in any orders differ by at most
+    this times ``sum |x| |w|``)."""
+    return 2 * k * u / (1 - k * u)
+
+
+SFMP_WIDTHS = (1, 2, 3, 4, 6, 8)  # the latency-vs-bits line (SFMP Fig. 8), at 1 row on the 8B shapes
+
+
+def _sfmp_module(k_in: int, n_out: int, device, seed: int = 0):
+    """An SFMP linear with row and column permutations and random 2-4-bit blocks of 128 x 128 (g128)."""
+    from bitmosaic.algorithms.sfmp import BlockPlan
+    from bitmosaic.modules.sfmp import SFMPLinear, SFMPResult
+
+    g = torch.Generator().manual_seed(seed)
+    b = 128
+    bits = torch.randint(2, 5, (-(-n_out // b), -(-k_in // b)), generator=g).to(torch.uint8)
+    rp, cp = torch.randperm(n_out, generator=g), torch.randperm(k_in, generator=g)
+    per = bits.long().repeat_interleave(b, 0)[:n_out].repeat_interleave(b, 1)[:, :k_in]
+    codes_t = (torch.rand(n_out, k_in, generator=g) * 2.0**per).floor().to(torch.int32)
+    codes = torch.empty_like(codes_t)
+    codes[rp[:, None], cp[None, :]] = codes_t
+    G = -(-k_in // b)
+    scales = (torch.rand(n_out, G, generator=g) * 0.01 + 1e-3).half().float()
+    zeros = torch.full((n_out, G), 2.0)
+    plan = BlockPlan(n_out, k_in, b, b, b, rp.to(torch.int32), cp.to(torch.int32), bits)
+    res = SFMPResult(codes, scales, zeros, torch.zeros(k_in, dtype=torch.int32), plan=plan)
+    return SFMPLinear.from_result(res).to(device)
+
+
+def _uniform_planes(k_in: int, n_out: int, bits: int, device):
+    """A W``bits`` g128 bit-plane weight (row blocks of 128) of random plane words, made on the device
+    (the GEMV's time does not depend on the codes; packing 8B-shaped codes on the CPU would cost seconds)."""
+    from bitmosaic.formats.bitplane import BitPlanes
+    from bitmosaic.kernels.triton.bitplane import TritonBitPlaneWeight
+
+    b, n_rb, G = 128, -(-n_out // 128), k_in // 128
+    rows = torch.full((n_rb, 1), b, dtype=torch.int64)
+    rows[-1] = n_out - (n_rb - 1) * b
+    sizes = (rows * (b // 32) * bits * 4).expand(n_rb, G).reshape(-1)  # bytes of each block, rb-major
+    offsets = (torch.cumsum(sizes, 0) - sizes).reshape(n_rb, G)
+    data = torch.randint(0, 256, (int(sizes.sum()),), dtype=torch.uint8, device=device)
+    bmap = torch.full((n_rb, G), bits, dtype=torch.uint8, device=device)
+    planes = BitPlanes(data, offsets.to(device), bmap, n_out, k_in, b, b)
+    s = torch.full((G, n_out), 1e-3, device=device)
+    return TritonBitPlaneWeight(planes, s, torch.zeros_like(s))
+
+
+def _sfmp_rows(deadline: float) -> list[dict]:
+    """SFMP on the GPU (issue 76): the Triton bit-plane GEMV's 1-row latency against the code width first
+    (uniform W1-W8 weights on each 8B shape: ``widths_ms``, SFMP Fig. 8), then the module path -- an
+    :class:`SFMPLinear` (permutations, mixed 2/3/4-bit blocks) whose forward runs the GEMV (up to 16 rows)
+    or its dequantize + ``torch.mm`` (above), ``sfmp_ms``, against bf16 ``F.linear`` at 1/16/512 rows."""
+    import torch.nn.functional as F
+
+    dev, rows = torch.device("cuda"), []
+    for k_in, n_out in SHAPES["llama-8b"]:
+        widths = {}
+        x = torch.randn(1, k_in, device=dev, dtype=torch.bfloat16)
+        for b in SFMP_WIDTHS:
+            if time.time() > deadline:
+                return rows
+            w = _uniform_planes(k_in, n_out, b, dev)
+            widths[b] = _timed(lambda: w.matmul(x))
+        rows.append({"model": "llama-8b", "in": k_in, "out": n_out, "kernel": "bitplane widths", "rows": 1,
+                     "widths_ms": widths})  # fmt: skip
+        print(f"llama-8b {k_in}x{n_out} bit-plane GEMV ms by width: {widths}", flush=True)
+    for model, shapes in SHAPES.items():
+        for k_in, n_out in shapes:
+            if time.time() > deadline:
+                return rows
+            m = _sfmp_module(k_in, n_out, dev)
+            wb = m.dequantize_reference().to(dev).bfloat16()
+            for r in ROWS:
+                x = torch.randn(r, k_in, device=dev, dtype=torch.bfloat16)
+                with torch.no_grad():
+                    ref = F.linear(x, wb).float()
+                    err = float((m(x).float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+                    t_s, t_b = _timed(lambda: m(x)), _timed(lambda: F.linear(x, wb))
+                rows.append({"model": model, "in": k_in, "out": n_out, "kernel": "sfmp module", "rows": r,
+                             "ran": _ran(m), "sfmp_ms": t_s, "bf16_ms": t_b, "max_rel_err": err})  # fmt: skip
+                print(f"{model:>12} {k_in:>6}x{n_out:<6} sfmp module m={r:<4} {t_s:8.4f} ms bf16 {t_b:8.4f} "
+                      f"ms err {err:.1e}", flush=True)  # fmt: skip
+    return rows
+
+
 def _interpret_check() -> int:
     """A tiny exactness check of every kernel in Triton's interpreter (no timings)."""
     os.environ["TRITON_INTERPRET"] = "1"
@@ -210,6 +367,28 @@ def _interpret_check() -> int:
         x = torch.randint(-4, 5, (3, 64)).float()
         diff = float((m(x) - F.linear(x, m.dequantize_reference())).abs().max())
         print(f"{name:>22}: {_ran(m)}, max |y - F.linear(x, W)| = {diff:.1e} (interpreter)")
+    return _interpret_check_dpq_sfmp()
+
+
+def _interpret_check_dpq_sfmp() -> int:
+    """The DPQ FP8-operand path and the SFMP module path, tiny, in the interpreter."""
+    import torch.nn.functional as F
+
+    from bitmosaic.formats.act import ActQuantSpec
+    from bitmosaic.formats.fp import fp_round
+    from bitmosaic.kernels.fp8 import fp8_gemm_reference
+    from bitmosaic.modules.actquant import attach_input_quant
+
+    m = _module(64, 24, (4, 32, False, 0.0, True), "cpu")
+    attach_input_quant(m, ActQuantSpec("e4m3", 8, granularity="tensor", static=True), 64, torch.tensor([0.5]))
+    x = torch.randint(-8, 9, (20, 64)).float()
+    ref = fp8_gemm_reference(fp_round(x / 0.5, "e4m3"), m.fp8_weight(), torch.tensor(0.5), m.fp8_scale)
+    print(f"{DPQ_FP8:>22}: fp8 operands {m.kernel().weight.fp8_operands(x, m.input_quant.scale)}, "
+          f"max |y - fp8 GEMM reference| = {float((m(x) - ref).abs().max()):.1e} (interpreter)")  # fmt: skip
+    s = _sfmp_module(256, 256, "cpu")
+    x = torch.randint(-4, 5, (3, 256)).float()
+    diff = float((s(x) - F.linear(x, s.dequantize_reference())).abs().max())
+    print(f"{'sfmp module':>22}: {_ran(s)}, max |y - F.linear(x, W)| = {diff:.1e} (interpreter)")
     return 0
 
 
@@ -235,12 +414,16 @@ def main() -> int:
     if not tk.available():
         print("gpu_kernels: Triton is not importable (pip install 'triton>=3.2,<4'): nothing measured")
         return 1
-    deadline = time.time() + a.budget
-    rows = _linear_rows(deadline - 120)
+    start = time.time()
+    deadline = start + a.budget
+    rows = _linear_rows(start + 0.4 * a.budget)
+    dpq = _dpq_fp8_rows(start + 0.55 * a.budget)
+    sfmp = _sfmp_rows(start + 0.75 * a.budget)
     decode = _decode(deadline)
     gpu = torch.cuda.get_device_name()
-    out = {"device": gpu, "machine": machine_info(), "rows": rows, "decode": decode}
-    write_results(None, "gpu_kernels", out, _markdown(gpu, rows, decode))
+    out = {"device": gpu, "machine": machine_info(), "rows": rows, "dpq_fp8": dpq, "sfmp": sfmp}
+    out["decode"] = decode
+    write_results(None, "gpu_kernels", out, _markdown(gpu, rows, decode) + _markdown_dpq_sfmp(dpq, sfmp))
     return 0
 
 
@@ -257,6 +440,30 @@ def _markdown(gpu: str, rows: list[dict], decode: dict) -> str:
             f"{r['triton_ms']:.4f} | {r['bf16_ms'] / r['triton_ms']:.2f} | {mm} | {r['max_rel_err']:.1e} |"
         )
     lines += ["", f"End-to-end decode (SmolLM2-135M shape, random weights): {decode}"]
+    return "\n".join(lines)
+
+
+def _markdown_dpq_sfmp(dpq: list[dict], sfmp: list[dict]) -> str:
+    head = ("| model | in x out | rows | fp8 dot | layer ms | fp8 kernel ms | float path ms | W4A16 ms "
+            "| bf16 ms | err / fp32 bound |")  # fmt: skip
+    lines = ["", "## DPQ W4A8: FP8 operands on tl.dot", "", head, "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in dpq:
+        lines.append(
+            f"| {r['model']} | {r['in']}x{r['out']} | {r['rows']} | {r['fp8_dot']} | {r['layer_ms']:.4f} | "
+            f"{r['fp8_ms']:.4f} | {r['float_ms']:.4f} | {r['w4a16_ms']:.4f} | {r['bf16_ms']:.4f} | "
+            f"{r['err_over_bound']:.2f} |"
+        )
+    head = "| model | in x out | rows | ran | SFMP ms | bf16 ms | max rel err |"
+    lines += ["", "## SFMP: the module path and the bit-plane GEMV by width", "", head, "|---" * 7 + "|"]
+    for r in sfmp:
+        if "widths_ms" in r:
+            ms = ", ".join(f"W{b} {t:.4f}" for b, t in r["widths_ms"].items())
+            lines.append(f"\n{r['in']}x{r['out']}, 1 row, ms by width: {ms}")
+            continue
+        lines.append(
+            f"| {r['model']} | {r['in']}x{r['out']} | {r['rows']} | {r['ran']} | {r['sfmp_ms']:.4f} | "
+            f"{r['bf16_ms']:.4f} | {r['max_rel_err']:.1e} |"
+        )
     return "\n".join(lines)
 
 

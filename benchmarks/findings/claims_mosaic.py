@@ -258,24 +258,6 @@ def mosaic_int_prefill(res: dict) -> tuple[str, str]:
     return nums, verdict(min(r["int_vs_w4a16"] for r in rows) > 1, "slower than W4A16 on some shape")
 
 
-def mosaic_fused_overhead(res: dict) -> tuple[str, str]:
-    rows = [r for r in res["rows"] if r["shape"] in ("4096x4096", "1024x4096", "14336x4096")]
-    nums = "CPU, 10% budget: " + ", ".join(
-        f"{r['shape']} b{r['batch']} fused {r['fused_overhead']:+.0%} / 3-step "
-        f"{r['three_step_overhead']:+.0%}"
-        for r in rows
-    )
-    mem = rows[0]["memory_overhead"] if rows else float("nan")
-    ints = [r for r in rows if "int_overhead" in r]
-    if ints:  # the integer path's second pass (kernels/mosaic.py MosaicIntActWeight)
-        nums += "; integer path (W4A4): " + ", ".join(
-            f"{r['shape']} b{r['batch']} {r['int_overhead']:+.0%}" for r in ints
-        )
-    # a GPU was lent (benchmarks/results/gpu_h200.md), but bitmosaic has no fused MosaicQuant GPU kernel
-    why = "the ~5-6% is a fused GPU kernel's; bitmosaic has none for MosaicQuant's residual blocks"
-    return nums + f"; memory +{mem:.1%}", f"{UNTESTABLE} ({why})"
-
-
 # -- Table 1's other comparators (issue 73): QuaRot, SpinQuant, Atom, ResQ; W4A8 against W4A16 ----------
 SAME_RUN = ("model", "nsamples", "seqlen", "max_windows", "seed")  # the settings rows of one protocol share
 QUAROT = "gptq W4A4g128 +hadamard"  # rotation.json: Hadamard + GPTQ per-channel W4, A4 per group of 128

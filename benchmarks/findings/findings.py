@@ -175,6 +175,8 @@ def _judge_seeds(f: Finding) -> tuple[str, str, str, int]:
 
 def _not_measured(f: Finding, missing: tuple[str, KeyError] | None) -> tuple[str, str, str, int]:
     """The verdict of a claim no run can judge: which run lacks which row, or that none ran."""
+    if missing is None and f.unmeasured is not None:
+        return (*f.unmeasured, f.source, 0)
     if missing is None:
         return "", f"{MISSING}: run {run_command(f.source)}", f.source, 0
     name, e = missing

@@ -34,6 +34,9 @@ class Finding:
     # paired bootstrap interval and seed spread, and the verdict says "within noise" where those do
     # (benchmarks.findings.noise)
     close_pairs: tuple[tuple[str, str], ...] = ()
+    # (numbers, verdict) where no run wrote the source: a GPU claim's "not measured: no GPU lent"
+    # (claims_gpu.py); None: "not measured: run <the benchmark>"
+    unmeasured: tuple[str, str] | None = None
 
 
 # what every SmolLM2 row shares and the papers do not (the report says it once, above the table)
@@ -76,9 +79,11 @@ def module_of(source: str) -> str:
     ``sfmp.py --parts decode``)."""
     stem = source
     while stem:
-        found = [p for p in sorted(BENCHMARKS.glob(f"*/{stem}.py")) if _is_script(p)]
+        found = [p for p in [BENCHMARKS / f"{stem}.py", *sorted(BENCHMARKS.glob(f"*/{stem}.py"))]
+                 if p.is_file() and _is_script(p)]  # fmt: skip
         if found:
-            return ".".join(("benchmarks", found[0].parent.name, stem))
+            parts = () if found[0].parent == BENCHMARKS else (found[0].parent.name,)
+            return ".".join(("benchmarks", *parts, stem))
         stem = stem.rpartition("_")[0]
     return f"benchmarks.<topic>.{source}"
 

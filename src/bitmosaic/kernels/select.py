@@ -3,8 +3,9 @@
 Every kernel class declares what it runs (the GPTQModel style)::
 
     KERNEL_NAME                   "lowbit" (LowBitWeight), "lut" (BitPlaneWeight), "int8act"
-                                  (IntActWeight: integer activations, modules/intact.py) or "triton_int"
+                                  (IntActWeight: integer activations, modules/intact.py), "triton_int"
                                   (TritonIntWeight: the GPU dequant GEMM/GEMV, kernels/triton/, issue 76)
+                                  or "triton_bitplane" (TritonBitPlaneWeight: SFMP's bit-plane GEMV)
     SUPPORTS_BITS                 code widths it runs (per block, any mix when SUPPORTS_MIXED_BITS)
     SUPPORTS_DEVICES              devices its weights live on (``supported_devices()``, when declared, says
                                   where it runs *here*: the Triton kernels need Triton, see kernel_devices)
@@ -14,12 +15,14 @@ Every kernel class declares what it runs (the GPTQModel style)::
     NEEDS_COMPILED                fast only with its compiled extension (``compiled()``)
 
 and every module kind lists, in order of preference, the kernels that can run it (a ``KERNELS`` class
-attribute: packed kinds ``("triton_int", "lut", "lowbit")``, mosaic ``("lowbit",)``, SFMP ``("lut",)``).
+attribute: packed kinds ``("triton_int", "lut", "lowbit")``, mosaic ``("lowbit",)``, SFMP
+``("triton_bitplane", "lut")``).
 :func:`select_kernel` takes the first listed kernel that runs the request and is fast for it, else the
 first that runs it.  A kind's integer-activation kernels are listed apart (``INT_ACT_KERNELS``:
 ``("int8act",)`` for the plain packed kind) and checked with :func:`runs` the same way.  So by
 default the packed kinds run the Triton kernel on CUDA and, on the CPU, the bit-plane LUT at 1-3 bits
-and LowBitWeight from 4 bits (and everywhere without the compiled LUT), mosaic LowBitWeight, SFMP the LUT.
+and LowBitWeight from 4 bits (and everywhere without the compiled LUT), mosaic LowBitWeight, SFMP the
+Triton bit-plane GEMV on CUDA and the LUT on the CPU.
 
 One override, for benchmarking: ``$BITMOSAIC_KERNEL=lut|lowbit`` picks that kernel for every kind that
 lists it and can run the request (``auto`` or unset: the selection above).
@@ -35,13 +38,15 @@ import torch
 from .intmm import IntActWeight
 from .lut import BitPlaneWeight
 from .qmatmul import LowBitWeight
+from .triton.bitplane import TritonBitPlaneWeight
 from .triton.intmm import TritonIntWeight
 
 __all__ = ["KERNEL_ENV", "KERNELS", "select_kernel", "runs", "is_fast", "kernel_devices", "offers_device"]
 
 KERNEL_ENV = "BITMOSAIC_KERNEL"
 KERNELS: dict[str, type] = {
-    k.KERNEL_NAME: k for k in (LowBitWeight, BitPlaneWeight, IntActWeight, TritonIntWeight)
+    k.KERNEL_NAME: k
+    for k in (LowBitWeight, BitPlaneWeight, IntActWeight, TritonIntWeight, TritonBitPlaneWeight)
 }
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "KernelWeight",
     "LowBitKernel",
     "TiledKernel",
+    "ScaledInputKernel",
     "SparseAddKernel",
     "lowbit_from_codes",
     "lowbit_codes",
@@ -89,6 +90,20 @@ class LowBitKernel(KernelWeight):
     def nbytes(self) -> int:
         perm = 0 if self.perm is None else self.perm.numel() * self.perm.element_size()
         return self.weight.nbytes() + perm
+
+
+class ScaledInputKernel(LowBitKernel):
+    """DPQ on the Triton kernel (issue 76): the packed weight multiplied with the layer's per-tensor FP8
+    activation scale, read at each call (``act_scale()``: the input quantizer's buffer, or ``None``), so
+    the kernel feeds FP8 operands to ``tl.dot`` where the device has an FP8 one
+    (:meth:`~bitmosaic.kernels.triton.intmm.TritonIntWeight.fp8_operands`); ``.dense``: the INT part."""
+
+    def __init__(self, weight, perm: torch.Tensor | None, act_scale: Callable[[], torch.Tensor | None]):
+        super().__init__(weight, perm)
+        self.act_scale = act_scale
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight.matmul(x, in_index=self.perm, x_scale=self.act_scale())
 
 
 class TiledKernel(KernelWeight):

@@ -132,7 +132,8 @@ class FP8ComputeQuantLinear(QuantLinear):
 
     kind = "dpq"
     CONFIG_KEYS = ("fmt", "fp8_rows")
-    # on CUDA: the Triton INT kernel with the E4M3 rounding and FP8 scale in its dequantization
+    # on CUDA: the Triton INT kernel with the E4M3 rounding and FP8 scale in its dequantization, FP8
+    # operands on tl.dot with a static per-tensor E4M3 input quantizer on capability >= 8.9
     # (kernels/triton/intmm.py, issue 76; E4M3 only, an E5M2 layer runs F.linear there)
     KERNELS = QuantLinear.KERNELS
     GPU_KERNELS = QuantLinear.GPU_KERNELS
@@ -165,12 +166,22 @@ class FP8ComputeQuantLinear(QuantLinear):
 
         dense = QuantLinear._build_kernel(self)
         if getattr(dense.weight, "KERNEL_NAME", None) == "triton_int" and self.fmt == "e4m3":
-            from .kernel import LowBitKernel
+            from .kernel import ScaledInputKernel
 
-            k = LowBitKernel(dense.weight.with_fp8(self.fp8_scale), dense.perm)
+            k = ScaledInputKernel(dense.weight.with_fp8(self.fp8_scale), dense.perm, self.fp8_act_scale)
             k.dense = dense
             return k
         return dpq_tiles(dense, self.fmt, self.fp8_scale, self.out_features, self.in_features)
+
+    def fp8_act_scale(self) -> torch.Tensor | None:
+        """The static per-tensor E4M3 activation scale of this layer's input quantizer (DPQ §4.1), which
+        lets the Triton kernel multiply FP8 operands on the tensor cores; ``None`` for any other
+        activation quantizer or none (the kernel then multiplies the FP8-grid weight in float32)."""
+        q = self.act_quantizer()
+        spec = getattr(q, "spec", None)
+        if spec is None or spec.fmt not in ("e4m3", "e4m3-240") or spec.granularity != "tensor":
+            return None
+        return q.scale if spec.static else None
 
     def _saved_from_kernel(self, k):
         return super()._saved_from_kernel(k.dense)  # fp8_scale is shared with the kernel, kept

@@ -14,7 +14,9 @@ folded indices are derived from the saved permutations at load, never saved.
 
 The kernel is made by :func:`_make_kernel`: the bit-plane LUT GEMV of §4.5 / App. G
 (:class:`~bitmosaic.kernels.lut.BitPlaneWeight`, any mix of 1..8 bits per block, blocks of
-``block_rows`` x ``group_size``) at batch 1, its tiled dequantize + matmul for more rows.  Once it
+``block_rows`` x ``group_size``) at batch 1, its tiled dequantize + matmul for more rows; on CUDA the
+same planes in the Triton bit-plane GEMV (``kernels/triton/bitplane.py``, issue 76; dequantize +
+``torch.mm`` above 16 rows), which ``bitmosaic.load(path, device="cuda")`` builds.  Once it
 is built, ``qweight``/``scales``/``zeros`` are released and rebuilt from it, bit for bit, whenever
 something reads them (the one mechanism of :mod:`bitmosaic.modules.base`, resident weights), so a
 loaded model holds one copy of its weights, not two.
@@ -30,6 +32,7 @@ import torch
 from ..algorithms.sfmp import BlockPlan, group_bits, index_dtype, inverse_perm
 from ..algorithms.types import QuantResult
 from ..formats.accounting import storage_bits
+from ..formats.bitplane import BitPlanes
 from ..formats.bitplane import unpack as unpack_planes
 from ..formats.blocks import pack_blocks, unpack_blocks
 from ..formats.intform import IntForm, embed, widest_fit
@@ -47,20 +50,27 @@ class SFMPResult(QuantResult):
     plan: BlockPlan | None = None
 
 
-def _make_kernel(codes, gbits_rb, scales, zeros, group_size: int, row_block: int, kernels=("lut",)):
+def _make_kernel(codes, gbits_rb, scales, zeros, group_size: int, row_block: int, kernels=("lut",),
+                 device="cpu"):  # fmt: skip
     """The kernel of ``W̃`` (codes ``[N, K]``, widths ``[n_rb, G]``) that
-    :func:`~bitmosaic.kernels.select.select_kernel` picks among ``kernels``: for SFMP the bit-plane LUT
-    GEMV at batch 1 (SFMP §4.5; faster than the unpack+FMA ``LowBitWeight`` at 1-3 bits,
-    ``benchmarks/kernels/lut_gemv.py``), tiled dequantize + matmul above."""
-    from ..kernels.select import select_kernel
+    :func:`~bitmosaic.kernels.select.select_kernel` picks among ``kernels`` for ``device`` (built on the
+    CPU, then moved there): for SFMP on CUDA the Triton bit-plane GEMV (kernels/triton/bitplane.py, issue
+    76); on the CPU the bit-plane LUT GEMV at batch 1 (SFMP §4.5; faster than the unpack+FMA
+    ``LowBitWeight`` at 1-3 bits, ``benchmarks/kernels/lut_gemv.py``), tiled dequantize + matmul above."""
+    from ..kernels.select import offers_device, select_kernel
 
-    kind = select_kernel(kernels, gbits_rb, group_size=group_size)
-    return kind.from_codes(codes, gbits_rb, scales, zeros, group_size, row_block)
+    dev = torch.device(device)
+    on = dev.type if offers_device(kernels, dev.type) else "cpu"
+    kind = select_kernel(kernels, gbits_rb, group_size=group_size, device=on)
+    w = kind.from_codes(codes, gbits_rb, scales, zeros, group_size, row_block)
+    return w.to(dev) if dev.type != "cpu" and hasattr(w, "to") else w
 
 
 class SFMPLinear(QuantModule):
     kind = "sfmp"
-    KERNELS: ClassVar[tuple[str, ...]] = ("lut",)  # its column gather / row un-permutation run in the call
+    # its column gather / row un-permutation run in the kernel call; on CUDA the Triton bit-plane GEMV
+    KERNELS: ClassVar[tuple[str, ...]] = ("triton_bitplane", "lut")
+    GPU_KERNELS: ClassVar[tuple[str, ...]] = ("triton_bitplane",)
     CONFIG_KEYS: ClassVar[tuple[str, ...]] = (
         "group_size", "block_rows", "block_cols", "row_reorder", "col_reorder", "nbytes",
     )  # fmt: skip
@@ -169,7 +179,7 @@ class SFMPLinear(QuantModule):
         gb = group_bits(plan)[:: self.block_rows].to(torch.uint8)  # [n_rb, G]
         w = _make_kernel(
             self.codes_permuted(), gb, self.scales.float().cpu(), self.zeros.float().cpu(),
-            self.group_size, self.block_rows, self.KERNELS,
+            self.group_size, self.block_rows, self.KERNELS, self.bit_map.device,
         )  # fmt: skip
         return _PermutedKernel(w, self)
 
@@ -182,12 +192,17 @@ class SFMPLinear(QuantModule):
         w = k.weight
 
         def qweight() -> torch.Tensor:
-            parts = []
-            for rb in range(self.bit_map.shape[0]):
+            p, parts = w.planes, []
+            if p.data.device.type != "cpu":  # the format's unpacking runs on the CPU
+                p = BitPlanes(p.data.cpu(), p.offsets.cpu(), p.bits.cpu(), p.N, p.K, p.group_size,
+                              p.row_block)  # fmt: skip
+            bmap = self.bit_map.cpu()
+            for rb in range(bmap.shape[0]):
                 rows = slice(rb * self.block_rows, min(self.out_features, (rb + 1) * self.block_rows))
-                codes = unpack_planes(w.planes, rows)
-                parts.append(pack_blocks(codes, self.bit_map[rb : rb + 1], self.block_rows, self.block_cols))
-            return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+                codes = unpack_planes(p, rows)
+                parts.append(pack_blocks(codes, bmap[rb : rb + 1], self.block_rows, self.block_cols))
+            q = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+            return q.to(w.planes.data.device)
 
         return {
             "qweight": qweight,

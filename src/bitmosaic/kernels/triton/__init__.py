@@ -1,11 +1,12 @@
 """GPU kernels in Triton for the papers' formats (issue 76), verified on the CPU with Triton's interpreter.
 
 One file per kernel family: ``intmm.py`` (the packed INT kinds: dequant GEMM with ``tl.dot`` for prefill,
-GEMV for decode; with ``with_fp8`` DPQ's INT4 -> FP8 E4M3 dequantization, multiplied in float),
-``sparse.py`` (SSQR's dense product plus its CSR outliers), ``bitplane.py`` (SFMP's bit-plane GEMV, on the
-format; docs/cpu-inference.md, "GPU kernels", says what is not written yet).  The ``*_jit.py`` files hold
-the ``@triton.jit`` bodies; they are imported lazily, on the first launch, because Triton reads
-``TRITON_INTERPRET`` when a kernel is decorated.
+GEMV for decode; with ``with_fp8`` DPQ's INT4 -> FP8 E4M3 dequantization, fed with FP8 activations to
+an FP8 ``tl.dot`` where :func:`fp8_dot` says the device has one, else multiplied in float),
+``sparse.py`` (SSQR's dense product plus its CSR outliers), ``bitplane.py`` (SFMP's bit-plane GEMV, the
+SFMP module kind's kernel on CUDA; docs/cpu-inference.md, "GPU kernels", says what is not written yet).
+The ``*_jit.py`` files hold the ``@triton.jit`` bodies; they are imported lazily, on the first launch,
+because Triton reads ``TRITON_INTERPRET`` when a kernel is decorated.
 
 Nothing here imports Triton at import time: without it (or with ``BITMOSAIC_NO_TRITON=1``) :func:`available`
 is false and the selector (:mod:`bitmosaic.kernels.select`) simply does not offer these kernels.
@@ -22,10 +23,15 @@ import functools
 import importlib
 import os
 
-__all__ = ["NO_TRITON_ENV", "ON_CPU_ENV", "available", "interpreting", "devices", "jit_module"]
+__all__ = [
+    "NO_TRITON_ENV", "ON_CPU_ENV", "FP8_DOT_ENV", "FP8_DOT_CAPABILITY",
+    "available", "interpreting", "devices", "fp8_dot", "jit_module",
+]  # fmt: skip
 
 NO_TRITON_ENV = "BITMOSAIC_NO_TRITON"
 ON_CPU_ENV = "BITMOSAIC_TRITON_ON_CPU"
+FP8_DOT_ENV = "BITMOSAIC_TRITON_FP8_DOT"  # 0: never the FP8 tl.dot (DPQ multiplies in float32 instead)
+FP8_DOT_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) on
 
 
 @functools.cache
@@ -56,6 +62,21 @@ def devices() -> tuple[str, ...]:
     if interpreting() and os.environ.get(ON_CPU_ENV, "0") == "1":
         return ("cuda", "cpu")
     return ("cuda",)
+
+
+def fp8_dot(device) -> bool:
+    """Whether ``tl.dot`` runs FP8 E4M3 operands on ``device``: a CUDA device of compute capability >= 8.9
+    (Ada, Hopper: FP8 tensor cores), or the CPU under the interpreter (which runs an fp8 ``tl.dot`` with
+    exact products and float32 sums: tests/kernels/triton/test_triton_dpq_fp8.py); never with
+    ``$BITMOSAIC_TRITON_FP8_DOT=0``."""
+    if os.environ.get(FP8_DOT_ENV, "1") == "0":
+        return False
+    import torch
+
+    d = torch.device(device)
+    if d.type == "cuda":
+        return tuple(torch.cuda.get_device_capability(d)) >= FP8_DOT_CAPABILITY
+    return d.type == "cpu" and interpreting()
 
 
 def jit_module(name: str):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ...formats.packing import SUPPORTED_BITS, pack_codes
-from . import check_device, devices, interpreting, jit_module
+from . import check_device, devices, fp8_dot, interpreting, jit_module
 
 __all__ = ["TritonIntWeight", "GEMV_MAX_ROWS"]
 
@@ -101,11 +101,24 @@ class TritonIntWeight:
         G = self.scales.shape[1]
         return self.qweight, self.scales.contiguous(), self.zeros.contiguous(), G
 
-    def matmul(self, x: torch.Tensor, in_index: torch.Tensor | None = None) -> torch.Tensor:
+    def fp8_operands(self, x: torch.Tensor, x_scale: torch.Tensor | None) -> bool:
+        """Whether :meth:`matmul` feeds FP8 operands to ``tl.dot`` (DPQ §3, Fig. 3; §4.3: the FP8 GEMM
+        engines): a DPQ weight (:meth:`with_fp8`), a per-tensor activation scale, and a device whose
+        ``tl.dot`` runs FP8 (:func:`~bitmosaic.kernels.triton.fp8_dot`: capability >= 8.9); else the
+        float path (the same E4M3 weight values, scaled, multiplied in float32)."""
+        return self.fp8_scale is not None and x_scale is not None and fp8_dot(x.device)
+
+    def matmul(self, x: torch.Tensor, in_index: torch.Tensor | None = None,
+               x_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """``x [..., K]`` (float32/bfloat16/float16) -> ``[..., N]`` in ``x``'s dtype; ``in_index``: read
-        ``x`` at these columns (act-order)."""
+        ``x`` at these columns (act-order); ``x_scale`` (DPQ, one value): the FP8 activation scale ``s_x``
+        -- where :meth:`fp8_operands` holds, ``x`` is quantized in the kernel to ``nearest_E4M3(x / s_x)``
+        and the product is the FP8 x FP8 GEMM ``(x8 @ w8ᵀ) s_x s_w`` on every row count (a GEMV tile
+        of 16 rows at decode)."""
         if x.shape[-1] != self.K:
             raise ValueError(f"x has {x.shape[-1]} features but the weight has {self.K} input columns")
+        if x_scale is not None and x_scale.numel() != 1:
+            raise ValueError(f"x_scale must be one per-tensor activation scale, got {x_scale.numel()} values")
         check_device(x)
         jit = jit_module("intmm_jit")
         x2 = x.reshape(-1, self.K)
@@ -120,18 +133,20 @@ class TritonIntWeight:
         perm = in_index if in_index is not None else q  # any pointer when HAS_PERM is off
         half = x2.dtype != torch.float32
         sw, fp8 = self._fp8_args(s)
+        dot_fp8 = self.fp8_operands(x2, x_scale)
         common = (G, self.group_size, x2.stride(0), q.stride(0), y.stride(0), *sw)
         flags = {"BITS": self.bits, "FP8": fp8, "HAS_PERM": in_index is not None, "HALF": half}
-        if M <= GEMV_MAX_ROWS:
+        if M <= GEMV_MAX_ROWS and not dot_fp8:
             BN, BK = 32, 128
             grid = (-(-self.N // BN), M)
             jit.gemv_kernel[grid](x2, perm, q, s, z, y, self.N, self.K, *common, **flags, BN=BN, BK=BK)
         else:
-            BM, BN, BK = _pow2(M, 16, 64), 64, 64
+            BM, BN, BK = _pow2(M, 16, 64), (32 if M <= GEMV_MAX_ROWS else 64), 64
             grid = (-(-M // BM), -(-self.N // BN))
             up = interpreting() and x2.dtype == torch.bfloat16
-            jit.gemm_kernel[grid](x2, perm, q, s, z, y, M, self.N, self.K, *common, **flags, UPCAST=up,
-                                  BM=BM, BN=BN, BK=BK)  # fmt: skip
+            xs = x_scale.float().reshape(-1)[:1].to(x.device) if dot_fp8 else s  # any pointer when off
+            jit.gemm_kernel[grid](x2, perm, q, s, z, y, M, self.N, self.K, *common, xs, **flags,
+                                  DOT_FP8=dot_fp8, UPCAST=up, BM=BM, BN=BN, BK=BK)  # fmt: skip
         return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
 
     def dequantize(self, rows: slice | None = None) -> torch.Tensor:

@@ -85,14 +85,22 @@ def dequant_kernel(q_ptr, s_ptr, z_ptr, w_ptr, r0, R, K, G, GS, stride_q, sw_ptr
 
 @triton.jit
 def gemm_kernel(x_ptr, perm_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G, GS, stride_xm, stride_q, stride_ym,
-                sw_ptr, sw_stride, BITS: tl.constexpr, FP8: tl.constexpr,
+                sw_ptr, sw_stride, xs_ptr, BITS: tl.constexpr, FP8: tl.constexpr, DOT_FP8: tl.constexpr,
                 HAS_PERM: tl.constexpr, HALF: tl.constexpr, UPCAST: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
     """Prefill: ``y [M, N] = x [M, K] Wᵀ`` with ``tl.dot`` on dequantized ``[BK, BN]`` weight tiles (float32
     products, IEEE; with half-precision ``x`` the tile is rounded to ``x``'s dtype, as ``F.linear`` on a
     half weight, and the dot accumulates in float32; ``UPCAST``, set only under the interpreter for
     bfloat16, multiplies the same rounded values in float32, since a bf16 x bf16 product is exact there).
-    ``HAS_PERM``: ``x`` is read at ``perm[k]`` (act-order groups made contiguous)."""
+    ``HAS_PERM``: ``x`` is read at ``perm[k]`` (act-order groups made contiguous).
+
+    ``DOT_FP8`` (DPQ §3, Fig. 3: INT4 weights dequantized to FP8, activations quantized to FP8, an FP8
+    GEMM with a high-precision output): both operands go to ``tl.dot`` as ``float8e4nv`` -- ``x8 =
+    nearest_E4M3(x / s_x)`` with the per-tensor activation scale ``xs_ptr[0]`` (on an ``x`` its quantizer
+    already put on that grid this gives back its FP8 values exactly), ``w8 = nearest_E4M3((c - z) s)``
+    -- accumulated in float32 (``max_num_imprecise_acc=0``: Hopper adds each FP8 MMA into the float32
+    accumulator), and the tile is scaled once at the end, ``acc * s_x * s_w``: exactly
+    :func:`bitmosaic.kernels.fp8.fp8_gemm_reference` up to the summation order."""
     om = tl.program_id(0) * BM + tl.arange(0, BM)
     on = tl.program_id(1) * BN + tl.arange(0, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -104,14 +112,25 @@ def gemm_kernel(x_ptr, perm_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G, GS, str
             cols = tl.load(perm_ptr + ok, mask=kmask, other=0)
         x = tl.load(x_ptr + om[:, None] * stride_xm + cols[None, :], mask=(om[:, None] < M) & kmask[None, :],
                     other=0.0)  # fmt: skip
-        w = _weight(q_ptr, s_ptr, z_ptr, on[None, :], ok[:, None], G, GS, stride_q, BITS,
-                    kmask[:, None] & (on[None, :] < N), sw_ptr, sw_stride, FP8)  # fmt: skip
-        if UPCAST:  # the interpreter's dot misreads bfloat16: the same products (exact in float32), upcast
-            acc = tl.dot(x.to(tl.float32), to_dtype(w, x.dtype).to(tl.float32), acc, input_precision="ieee")
-        elif HALF:
-            acc = tl.dot(x, to_dtype(w, x.dtype), acc)
+        wmask = kmask[:, None] & (on[None, :] < N)
+        if DOT_FP8:  # the unscaled E4M3 operands (s_x and s_w after the loop)
+            x8 = e4m3_rne(tl.math.div_rn(x.to(tl.float32), tl.load(xs_ptr))).to(tl.float8e4nv)
+            w = _weight(q_ptr, s_ptr, z_ptr, on[None, :], ok[:, None], G, GS, stride_q, BITS, wmask)
+            w8 = e4m3_rne(w).to(tl.float8e4nv)
+            acc = tl.dot(x8, w8, acc, out_dtype=tl.float32, max_num_imprecise_acc=0)
         else:
-            acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
+            w = _weight(q_ptr, s_ptr, z_ptr, on[None, :], ok[:, None], G, GS, stride_q, BITS, wmask,
+                        sw_ptr, sw_stride, FP8)  # fmt: skip
+            if UPCAST:  # the interpreter's dot misreads bfloat16: the same products (exact in float32)
+                wu = to_dtype(w, x.dtype).to(tl.float32)
+                acc = tl.dot(x.to(tl.float32), wu, acc, input_precision="ieee")
+            elif HALF:
+                acc = tl.dot(x, to_dtype(w, x.dtype), acc)
+            else:
+                acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
+    if DOT_FP8:
+        sw = tl.load(sw_ptr + on * sw_stride, mask=on < N, other=0.0)
+        acc = acc * tl.load(xs_ptr) * sw[None, :]
     ymask = (om[:, None] < M) & (on[None, :] < N)
     tl.store(y_ptr + om[:, None] * stride_ym + on[None, :], to_dtype(acc, y_ptr.dtype.element_ty), mask=ymask)
 
