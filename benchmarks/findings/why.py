@@ -14,7 +14,8 @@ measured again must have its text read again).
 No measured number in plain text (issue 73): a number that looks measured -- a decimal with two or more
 decimals, or a percentage (:data:`LOOKS_MEASURED`) -- is one of
 
-* ``{LITERAL ALIAS.FIELD}``, a number read from its result file (above);
+* ``{LITERAL ALIAS.FIELD}``, a number read from its result file (above), or ``{LITERAL% ALIAS.FIELD}``,
+  a fraction read from its file and shown as a percentage (``0.019`` as ``1.9%``);
 * ``{LITERAL% A.FIELD below B.FIELD}`` (``100 (1 - a/b)``), ``{LITERAL% A.FIELD above B.FIELD}``
   (``100 (a/b - 1)``), ``{LITERALx A.FIELD / B.FIELD}`` (``a/b``) or ``{LITERAL A.FIELD - B.FIELD}``
   (``a - b``): a percentage, ratio or difference of two cited numbers, computed from the files and
@@ -47,7 +48,8 @@ WHY_FILE = RESULTS / "findings_why.yaml"
 Q4_1_FILE = RESULTS / "findings_q4_1.yaml"
 Q4_1_WORDS = ("can depend", "cannot")
 # {LITERAL ALIAS.FIELD}: a number as the text shows it, and where the result file holds it
-NUMBER = re.compile(r"\{(?P<lit>[-+]?\d+(?:\.\d+)?) (?P<alias>[\w-]+)\.(?P<field>[\w.-]+)\}")
+# ({LITERAL% ALIAS.FIELD}: a fraction the file holds, shown as a percentage)
+NUMBER = re.compile(r"\{(?P<lit>[-+]?\d+(?:\.\d+)?)(?P<pct>%?) (?P<alias>[\w-]+)\.(?P<field>[\w.-]+)\}")
 # {LITERAL% A.FIELD below|above B.FIELD} / {LITERALx A.FIELD / B.FIELD}: computed from two cited numbers
 _REF = r"[\w-]+\.[\w.-]+"
 RATIO = re.compile(
@@ -135,7 +137,8 @@ def _value(entry: dict, m: re.Match, results: Path) -> float:
     if "fn" in m.groupdict():
         return _count(entry, m, results)
     if "op" not in m.groupdict():
-        return _lookup(entry, f"{m['alias']}.{m['field']}", results)
+        value = _lookup(entry, f"{m['alias']}.{m['field']}", results)
+        return 100 * value if m["pct"] else value
     a, b = _lookup(entry, m["a"], results), _lookup(entry, m["b"], results)
     if m["op"] in "/-":
         return a / b if m["op"] == "/" else a - b
@@ -150,7 +153,7 @@ def _shown(value: float, literal: str) -> str:
 
 
 def _unit(m: re.Match) -> str:
-    return m.groupdict().get("unit") or ""
+    return m.groupdict().get("unit") or m.groupdict().get("pct") or ""
 
 
 def _alias(m: re.Match) -> str:

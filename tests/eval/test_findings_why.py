@@ -148,21 +148,24 @@ def test_ratios_and_quoted_figures(tmp_path):
     ]
 
 
-def test_counts_over_a_cited_list(tmp_path):
+def test_counts_over_a_cited_list_and_percentages(tmp_path):
     """``{N len A.FIELD}`` is a cited list's length, ``{N count A.FIELD == X}`` how many of its elements
-    equal X; both checked like a cited number, and a count over a non-list names it."""
-    rows = [{"name": "a", "alphas": [0.3, 0.3, 0.5, 1.0, 0.3], "ppl": 9.0}]
+    equal X, ``{N% A.FIELD}`` a cited fraction as a percentage; each checked like a cited number, and a
+    count over a non-list names it."""
+    rows = [{"name": "a", "alphas": [0.3, 0.3, 0.5, 1.0, 0.3], "ppl": 9.0, "rate": 0.01896}]
     (tmp_path / "r.json").write_text(json.dumps({"rows": rows}))
     cites = {"a": ["r", "rows", "a"]}
     good = {
         "cites": cites,
-        "text": "{3 count a.alphas == 0.3} of {5 len a.alphas} at 0.3, {1 count a.alphas == 1}",
+        "text": "{3 count a.alphas == 0.3} of {5 len a.alphas} at 0.3, {1 count a.alphas == 1}, "
+        "{1.9% a.rate}",
     }
-    bad = {"cites": cites, "text": "{2 count a.alphas == 0.3} of {5 len a.ppl}"}
+    bad = {"cites": cites, "text": "{2 count a.alphas == 0.3} of {5 len a.ppl}, {0.02% a.rate}"}
     texts = tmp_path / "why.yaml"
     texts.write_text(json.dumps({"good": good, "bad": bad}))
-    assert why.render(good, tmp_path) == "3 of 5 at 0.3, 1"
+    assert why.render(good, tmp_path) == "3 of 5 at 0.3, 1, 1.9%"  # a fraction shown as a percentage
     lines = why.check(texts, tmp_path)
-    assert len(lines) == 2 and all(line.startswith("bad: ") for line in lines)
-    assert "reads 3 in r.json" in lines[0] and "TypeError" in lines[1] and "not a list" in lines[1]
+    assert len(lines) == 3 and all(line.startswith("bad: ") for line in lines)
+    assert "reads 1.90% in r.json" in lines[0]  # the percentage, not the fraction
+    assert "reads 3 in r.json" in lines[1] and "TypeError" in lines[2] and "not a list" in lines[2]
     assert why.unmarked(good["text"] + " {2 len a.alphas}") == []
