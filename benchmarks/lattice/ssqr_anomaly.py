@@ -4,7 +4,7 @@ On the verdict protocol (``ssqr_groups_verdict.json``) SSQR w3 g128 3% static ha
 Hessian-weighted error in 210 of 210 layers, the lower KL and the higher top-1 against GPTQ w3 g128
 act mse static, yet the higher perplexity.  Quantizing the whole model twice takes ~40 min on the shared
 2-core CPU (SSQR's alpha bisection runs GPTQ several times per linear), so this benchmark quantizes
-a few decoder layers (``--layers``, default the first, a middle and the last) with each method, from
+a few decoder layers (``--layers``, default one in the middle) with each method, from
 the float model's inputs on the verdict calibration's text (``--nsamples`` samples of 512, seed 0),
 keeps the float model everywhere else, and measures on test windows spread over WikiText-2 test:
 
@@ -20,11 +20,11 @@ keeps the float model everywhere else, and measures on test windows spread over 
     whether their columns are the high-activation input channels), and the NLL of SSQR with the
     outliers of one projection kind removed (the clamped dense code kept).
 
-Stages, each a separate locked job of a few minutes: ``grams``, ``quantize --which ssqr``,
-``quantize --which gptq``, ``evaluate --part base``, ``evaluate --part variants``, ``report`` (writes
-``benchmarks/results/ssqr_anomaly.{md,json}``).
+Stages: ``grams``, ``quantize --which ssqr``, ``quantize --which gptq``, ``evaluate --part base``,
+``evaluate --part variants``, ``report`` (writes ``benchmarks/results/ssqr_anomaly.{md,json}``), or
+``all`` of them in one job (the variants while ``--budget`` seconds last).
 
-Run: python -m benchmarks.lattice.ssqr_anomaly STAGE [--which gptq|ssqr] [--layers 0,15,29]
+Run: python -m benchmarks.lattice.ssqr_anomaly all [--layers 15] [--nsamples 32] [--windows 8]
 """
 
 from __future__ import annotations
@@ -90,8 +90,13 @@ def token_counts(tok) -> torch.Tensor:
 
 
 # -- (a) inputs and quantization ------------------------------------------------------------------------
+class _Enough(Exception):
+    """Raised after the last layer whose inputs are wanted: the rest of the forward is not needed."""
+
+
 def input_gram(model, batches: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
-    """name -> sum over tokens of x x^T of the linear's float inputs (float64)."""
+    """name -> sum over tokens of x x^T of the linear's float inputs (float64); each forward stops
+    after the last decoder layer of ``names``."""
     grams: dict[str, torch.Tensor] = {}
     hooks = []
     for name in names:
@@ -101,9 +106,18 @@ def input_gram(model, batches: torch.Tensor, names: list[str]) -> dict[str, torc
             grams[name] = grams.get(name, 0) + x.T @ x
 
         hooks.append(model.get_submodule(name).register_forward_hook(hook))
+    last = max(layer_of(n) for n in names)
+
+    def stop(mod, inp, out):
+        raise _Enough
+
+    hooks.append(model.get_submodule(f"model.layers.{last}").register_forward_hook(stop))
     with torch.no_grad():
         for row in batches:
-            model(row[None], use_cache=False)
+            try:
+                model(row[None], use_cache=False)
+            except _Enough:
+                pass
     for h in hooks:
         h.remove()
     return grams
@@ -152,10 +166,11 @@ def quantize(which: str, store: Path) -> None:
 
 
 def weight_set(q: dict, drop: str | None = None) -> dict[str, torch.Tensor]:
-    """name -> the full dequantized weight (dense + outliers; without the outliers of kind ``drop``)."""
+    """name -> the full dequantized weight (dense + outliers; without the outliers of kind ``drop``, or
+    of every kind: ``"*"``)."""
     out = {}
     for name, w in q["weights"].items():
-        if name in q["outliers"] and kind_of(name) != drop:
+        if name in q["outliers"] and drop not in (kind_of(name), "*"):
             idx, vals = q["outliers"][name]
             w = w.clone()
             w[idx[:, 0].long(), idx[:, 1].long()] += vals
@@ -219,19 +234,22 @@ def setter(model, store: Path):
 
 
 def variant_sets(q: dict, layers: list[int]) -> dict[str, dict]:
-    """SSQR without the outliers of one kind, and SSQR with one layer taken from GPTQ."""
+    """SSQR without any outliers, without those of one kind, and with one layer taken from GPTQ."""
     full, gw = weight_set(q["ssqr"]), weight_set(q["gptq"])
-    out = {f"ssqr without {k} outliers": weight_set(q["ssqr"], drop=k) for k in KINDS}
-    for layer in layers:
-        out[f"ssqr with gptq layer {layer}"] = {
-            n: gw[n] if layer_of(n) == layer else w for n, w in full.items()
-        }
+    out = {"ssqr without outliers": weight_set(q["ssqr"], drop="*")}
+    out |= {f"ssqr without {k} outliers": weight_set(q["ssqr"], drop=k) for k in KINDS}
+    if len(layers) > 1:
+        for layer in layers:
+            out[f"ssqr with gptq layer {layer}"] = {
+                n: gw[n] if layer_of(n) == layer else w for n, w in full.items()
+            }
     return out
 
 
-def evaluate(store: Path, part: str, windows: int) -> None:
+def evaluate(store: Path, part: str, windows: int, budget_s: float = math.inf) -> None:
     """``base``: per predicted token the float NLL, each model's NLL and KL(float || model), and whether
-    the float top-1 is right (``tokens.pt``); ``variants``: each variant's per-window mean NLL."""
+    the float top-1 is right (``tokens.pt``); ``variants``: each variant's per-window mean NLL, in
+    :func:`variant_sets`' order until ``budget_s`` seconds have passed."""
     model, tok = load_model(MODEL)
     wins = test_windows(tok, windows)
     put, q = setter(model, store)
@@ -240,11 +258,14 @@ def evaluate(store: Path, part: str, windows: int) -> None:
         layers = sorted({layer_of(n) for n in q["gptq"]["weights"]})
         out = {"windows": windows}
         for label, w in variant_sets(q, layers).items():
+            if time.perf_counter() - t0 > budget_s:
+                print(f"  time budget spent: {label} and the variants after it not run")
+                break
             put(w)
             nll = [float(-logprobs(model, r).gather(1, r[1:, None]).double().mean()) for r in wins]
             out[label] = nll
             print(f"  {label}: ppl {math.exp(sum(nll) / len(nll)):.3f} ({time.perf_counter() - t0:.0f}s)")
-        (store / "variants.json").write_text(json.dumps(out))
+            (store / "variants.json").write_text(json.dumps(out))
         return
     sets = {w: weight_set(q[w]) for w in SPECS}
     cols: dict[str, list] = {k: [] for k in ("nll_float", "target", "pos", "float_right")}
@@ -461,11 +482,12 @@ def markdown(out: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=("grams", "quantize", "evaluate", "report"))
+    p.add_argument("stage", choices=("all", "grams", "quantize", "evaluate", "report"))
     p.add_argument("--which", choices=sorted(SPECS), default="ssqr")
     p.add_argument("--part", choices=("base", "variants"), default="base")
     p.add_argument("--store", default="/tmp/ssqr_anomaly", help="where the stages keep their results")
-    p.add_argument("--layers", default="0,15,29", help="decoder layers quantized")
+    p.add_argument("--layers", default="15", help="decoder layers quantized (comma list)")
+    p.add_argument("--budget", type=float, default=270, help="all: seconds after which variants stop")
     p.add_argument("--nsamples", type=int, default=32, help="calibration samples of 512 tokens")
     p.add_argument("--windows", type=int, default=16, help="test windows (spread over the test set)")
     p.add_argument("--threads", type=int, default=2)
@@ -473,13 +495,20 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     store = Path(a.store)
     store.mkdir(parents=True, exist_ok=True)
-    if a.stage == "grams":
+    if a.stage in ("all", "grams"):
+        t0 = time.perf_counter()
         grams(store, [int(x) for x in a.layers.split(",")], a.nsamples, a.windows)
+    if a.stage == "all":  # one job: every stage, the variants as long as the budget lasts
+        for which in ("ssqr", "gptq"):
+            quantize(which, store)
+        evaluate(store, "base", a.windows)
+        evaluate(store, "variants", a.windows, a.budget - (time.perf_counter() - t0))
+        report(store)
     elif a.stage == "quantize":
         quantize(a.which, store)
     elif a.stage == "evaluate":
         evaluate(store, a.part, a.windows)
-    else:
+    elif a.stage == "report":
         report(store)
 
 

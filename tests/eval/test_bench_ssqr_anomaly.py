@@ -76,3 +76,40 @@ def test_token_buckets_add_up_to_the_whole_gap():
         assert sum(r["tokens"] for k, r in out.items() if k.startswith(group)) == n
     assert a["windows"] == 2 and a["gap_ci95_lo"] <= a["nll_gap"] <= a["gap_ci95_hi"]
     assert math.isclose(a["ppl_gptq"], math.exp(float(t["nll_gptq"].double().mean())), rel_tol=1e-9)
+
+
+def test_the_report_shows_every_part():
+    """The markdown of a report built from the summaries (hand-made linears, tokens and variants)."""
+    rows = [
+        {
+            "name": f"model.layers.15.{p}.{k}",
+            "gptq_calib": 0.02,
+            "gptq_test": 0.03,
+            "ssqr_calib": 0.01,
+            "ssqr_test": 0.04,
+        }
+        for p, k in [("self_attn", k) for k in sa.KINDS[:4]] + [("mlp", k) for k in sa.KINDS[4:]]
+    ]
+    lay = sa.summarize_layers({"rows": rows})
+    assert lay["ssqr_lower_calib"] == 7 and lay["ssqr_lower_test"] == 0
+    assert math.isclose(lay["ssqr_test_over_calib"], 4.0) and math.isclose(lay["gptq_test_over_calib"], 1.5)
+    n = sa.SEQLEN - 1
+    t = {"nll_float": torch.ones(n), "target": torch.zeros(n, dtype=torch.long), "pos": torch.arange(n)}
+    t |= {"float_right": torch.ones(n, dtype=torch.bool), "nll_gptq": torch.full((n,), 1.1)}
+    t |= {
+        "nll_ssqr": torch.full((n,), 1.2),
+        "kl_gptq": torch.full((n,), 0.2),
+        "kl_ssqr": torch.full((n,), 0.1),
+    }
+    out = {
+        "protocol": "hand-made",
+        "linear_errors": lay,
+        "tokens": sa.summarize_tokens(t, torch.tensor([5000])),
+        "outliers": sa.outlier_layout(_ssqr(), {n: torch.arange(200.0) for n in _ssqr()["weights"]}),
+        "variants": [{"name": "ssqr without outliers", "ppl": 3.1, "nll_over_gptq": 0.05, "gap_closed": 0.5}],
+        "verdict_alpha": {"mean": 0.94, "min": 0.92, "max": 0.96, "layers": 210},
+    }
+    md = sa.markdown(out)
+    assert "SSQR lower in 7 of 7 linears on the calibration text, 0 on held-out text" in md
+    assert "| down_proj | 0.02 | 0.03 | 0.01 | 0.04 | 0 of 1 |" in md
+    assert "+0.10000 nats" in md and "| ssqr without outliers | 3.100 | +0.05000 | +0.50 |" in md
