@@ -14,11 +14,15 @@ measured again must have its text read again).
 No measured number in plain text (issue 73): a number that looks measured -- a decimal with two or more
 decimals, or a percentage (:data:`LOOKS_MEASURED`) -- is one of
 
-* ``{LITERAL ALIAS.FIELD}``, a number read from its result file (above);
+* ``{LITERAL ALIAS.FIELD}``, a number read from its result file (above), or ``{LITERAL% ALIAS.FIELD}``,
+  a fraction read from its file and shown as a percentage (``0.019`` as ``1.9%``);
 * ``{LITERAL% A.FIELD below B.FIELD}`` (``100 (1 - a/b)``), ``{LITERAL% A.FIELD above B.FIELD}``
   (``100 (a/b - 1)``), ``{LITERALx A.FIELD / B.FIELD}`` (``a/b``) or ``{LITERAL A.FIELD - B.FIELD}``
   (``a - b``): a percentage, ratio or difference of two cited numbers, computed from the files and
   checked like them (:data:`RATIO`);
+* ``{LITERAL len A.FIELD}`` (the length of a cited list) or ``{LITERAL count A.FIELD == X}`` (how many of
+  its elements equal ``X``): a count over a list a result file holds (:data:`LIST`), e.g. the linears
+  whose searched α sits on the grid's end;
 * ``{paper LITERAL}``: a figure quoted from the paper, or ``{set LITERAL}``: a setting (a budget, a
   grid, a learning rate), shown as ``LITERAL`` (:data:`MARK`): quoted, not measured here.
 
@@ -29,6 +33,7 @@ outside an explicit list of texts not yet converted.
 from __future__ import annotations
 
 import json
+import math
 import re
 from functools import cache
 from pathlib import Path
@@ -43,12 +48,15 @@ WHY_FILE = RESULTS / "findings_why.yaml"
 Q4_1_FILE = RESULTS / "findings_q4_1.yaml"
 Q4_1_WORDS = ("can depend", "cannot")
 # {LITERAL ALIAS.FIELD}: a number as the text shows it, and where the result file holds it
-NUMBER = re.compile(r"\{(?P<lit>[-+]?\d+(?:\.\d+)?) (?P<alias>[\w-]+)\.(?P<field>[\w.-]+)\}")
+# ({LITERAL% ALIAS.FIELD}: a fraction the file holds, shown as a percentage)
+NUMBER = re.compile(r"\{(?P<lit>[-+]?\d+(?:\.\d+)?)(?P<pct>%?) (?P<alias>[\w-]+)\.(?P<field>[\w.-]+)\}")
 # {LITERAL% A.FIELD below|above B.FIELD} / {LITERALx A.FIELD / B.FIELD}: computed from two cited numbers
 _REF = r"[\w-]+\.[\w.-]+"
 RATIO = re.compile(
     rf"\{{(?P<lit>[-+]?\d+(?:\.\d+)?)(?P<unit>[%x]?) (?P<a>{_REF}) (?P<op>below|above|/|-) (?P<b>{_REF})\}}"
 )
+# {LITERAL len A.FIELD} / {LITERAL count A.FIELD == X}: a list's length, or how many of its elements are X
+LIST = re.compile(rf"\{{(?P<lit>\d+) (?P<fn>len|count) (?P<ref>{_REF})(?: == (?P<x>[-+]?\d+(?:\.\d+)?))?\}}")
 # {paper LITERAL} / {set LITERAL}: a paper's figure or a setting, quoted
 MARK = re.compile(r"\{(?P<kind>paper|set) (?P<lit>[-+]?\d+(?:\.\d+)?[%x]?)\}")
 # a plain number that looks measured: two or more decimals, or a percentage
@@ -89,23 +97,48 @@ def cited(cite: list, results: Path = RESULTS):
     return obj
 
 
-def _lookup(entry: dict, ref: str, results: Path) -> float:
-    """The number ``ref`` (``ALIAS.FIELD``) names in ``entry``'s cites."""
+def _resolve(entry: dict, ref: str, results: Path):
+    """The object ``ref`` (``ALIAS.FIELD``) names in ``entry``'s cites."""
     alias, _, field = ref.partition(".")
     if alias not in entry["cites"]:
         raise KeyError(f"no cite named {alias!r}")
     obj = cited(entry["cites"][alias], results)
     for key in field.split("."):
         obj = _step(obj, int(key) if key.isdigit() and isinstance(obj, list) else key)
-    if isinstance(obj, bool) or not isinstance(obj, int | float):
+    return obj
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _lookup(entry: dict, ref: str, results: Path) -> float:
+    """The number ``ref`` (``ALIAS.FIELD``) names in ``entry``'s cites."""
+    obj = _resolve(entry, ref, results)
+    if not _is_number(obj):
         raise TypeError(f"{ref} is {obj!r}, not a number")
     return obj
 
 
+def _count(entry: dict, m: re.Match, results: Path) -> int:
+    """The count a :data:`LIST` match stands for."""
+    obj = _resolve(entry, m["ref"], results)
+    if not isinstance(obj, list):
+        raise TypeError(f"{m['ref']} is {type(obj).__name__}, not a list")
+    if m["fn"] == "len":
+        return len(obj)
+    if m["x"] is None:
+        raise ValueError(f"{m[0]}: count needs '== X'")
+    return sum(_is_number(v) and math.isclose(v, float(m["x"]), abs_tol=1e-9) for v in obj)
+
+
 def _value(entry: dict, m: re.Match, results: Path) -> float:
-    """The number a :data:`NUMBER` or :data:`RATIO` match stands for."""
+    """The number a :data:`NUMBER`, :data:`RATIO` or :data:`LIST` match stands for."""
+    if "fn" in m.groupdict():
+        return _count(entry, m, results)
     if "op" not in m.groupdict():
-        return _lookup(entry, f"{m['alias']}.{m['field']}", results)
+        value = _lookup(entry, f"{m['alias']}.{m['field']}", results)
+        return 100 * value if m["pct"] else value
     a, b = _lookup(entry, m["a"], results), _lookup(entry, m["b"], results)
     if m["op"] in "/-":
         return a / b if m["op"] == "/" else a - b
@@ -120,7 +153,13 @@ def _shown(value: float, literal: str) -> str:
 
 
 def _unit(m: re.Match) -> str:
-    return m.groupdict().get("unit") or ""
+    return m.groupdict().get("unit") or m.groupdict().get("pct") or ""
+
+
+def _alias(m: re.Match) -> str:
+    """The (first) cite a match reads."""
+    g = m.groupdict()
+    return g.get("alias") or (g.get("a") or g["ref"]).split(".")[0]
 
 
 def render(entry: dict, results: Path = RESULTS) -> str:
@@ -133,7 +172,7 @@ def render(entry: dict, results: Path = RESULTS) -> str:
         except (KeyError, IndexError, TypeError, ValueError, OSError, ZeroDivisionError):
             return m["lit"] + _unit(m)
 
-    text = RATIO.sub(number, entry["text"])
+    text = LIST.sub(number, RATIO.sub(number, entry["text"]))
     return MARK.sub(lambda m: m["lit"], NUMBER.sub(number, text))
 
 
@@ -142,14 +181,14 @@ def check(path: str | Path = WHY_FILE, results: Path = RESULTS) -> list[str]:
     _result.cache_clear()  # a test may have rewritten a result file
     bad = []
     for claim, entry in load_texts(path).items():
-        for m in [*NUMBER.finditer(entry["text"]), *RATIO.finditer(entry["text"])]:
+        for m in [m for p in (NUMBER, RATIO, LIST) for m in p.finditer(entry["text"])]:
             try:
                 shown = _shown(_value(entry, m, Path(results)), m["lit"])
             except (KeyError, IndexError, TypeError, ValueError, OSError, ZeroDivisionError) as e:
                 bad.append(f"{claim}: {m[0]} cites nothing ({type(e).__name__}: {e})")
                 continue
             if shown != m["lit"]:
-                where = entry["cites"][(m.groupdict().get("alias") or m["a"].split(".")[0])][0]
+                where = entry["cites"][_alias(m)][0]
                 bad.append(f"{claim}: {m[0]} reads {shown}{_unit(m)} in {where}.json")
     return bad
 
@@ -157,7 +196,7 @@ def check(path: str | Path = WHY_FILE, results: Path = RESULTS) -> list[str]:
 def unmarked(text: str) -> list[str]:
     """The plain numbers of ``text`` that look measured (:data:`LOOKS_MEASURED`): neither read from a
     result file nor marked as a paper's figure or a setting."""
-    for pattern in (RATIO, NUMBER, MARK):
+    for pattern in (RATIO, LIST, NUMBER, MARK):
         text = pattern.sub(" ", text)
     return LOOKS_MEASURED.findall(text)
 

@@ -84,28 +84,12 @@ def test_a_number_is_shown_at_its_literals_decimals(literal, value, shown):
 
 
 # -- no measured number without its result file (issue 73) ------------------------------------------
-# Texts not yet converted to citations (issue 73): each still quotes plain numbers that look measured.
-# The SQ-format texts are being rewritten for issue 73 items 4-5, the MosaicQuant main-table texts for
-# item 3, SSQR's for item 7.  A text converted leaves this list (the test below fails while it is
-# listed but clean).
-UNCONVERTED = {
-    # SQ-format (items 4-5)
-    "W4A(SQ) lands between W4A4 and W4A8",
-    "static masks ≈ dynamic at (8/4)",
-    "W(SQ)A4 improves as the sparsity s falls",
-    "W(SQ)A4 beats W4A4 (group-wise A4)",
-    "static falls away from dynamic towards INT2",
-    "static SQ prefers small banks",
-    "|Ā_j| alone as static importance degrades",
-    # MosaicQuant's main table (item 3)
-    "W4A4 MosaicQuant beats the collapsing RTN and SmoothQuant",
-    "MosaicQuant beats RTN and SmoothQuant at W4A8",
-    # SSQR's off-grid share and α (item 7): measured once, in no result file yet
-    "SSQR (1-3% outliers) beats GPTQ at equal bits",
-}
-# a why text that still blames the Q4_1 weight format for the activations' outliers (the SQ-format
-# helper's text, to be rewritten with items 4-5)
-Q4_1_BLAMED = {"|Ā_j| alone as static importance degrades"}
+# Texts not yet converted to citations (issue 73): each would still quote plain numbers that look
+# measured.  None is left; a text converted leaves this list (the test below fails while it is listed
+# but clean).
+UNCONVERTED: set[str] = set()
+# a why text that still blames the Q4_1 weight format for the activations' outliers
+Q4_1_BLAMED: set[str] = set()
 
 
 def _all_texts():
@@ -160,3 +144,26 @@ def test_ratios_and_quoted_figures(tmp_path):
         "4.25",
         "3.1%",
     ]
+
+
+def test_counts_over_a_cited_list_and_percentages(tmp_path):
+    """``{N len A.FIELD}`` is a cited list's length, ``{N count A.FIELD == X}`` how many of its elements
+    equal X, ``{N% A.FIELD}`` a cited fraction as a percentage; each checked like a cited number, and a
+    count over a non-list names it."""
+    rows = [{"name": "a", "alphas": [0.3, 0.3, 0.5, 1.0, 0.3], "ppl": 9.0, "rate": 0.01896}]
+    (tmp_path / "r.json").write_text(json.dumps({"rows": rows}))
+    cites = {"a": ["r", "rows", "a"]}
+    good = {
+        "cites": cites,
+        "text": "{3 count a.alphas == 0.3} of {5 len a.alphas} at 0.3, {1 count a.alphas == 1}, "
+        "{1.9% a.rate}",
+    }
+    bad = {"cites": cites, "text": "{2 count a.alphas == 0.3} of {5 len a.ppl}, {0.02% a.rate}"}
+    texts = tmp_path / "why.yaml"
+    texts.write_text(json.dumps({"good": good, "bad": bad}))
+    assert why.render(good, tmp_path) == "3 of 5 at 0.3, 1, 1.9%"  # a fraction shown as a percentage
+    lines = why.check(texts, tmp_path)
+    assert len(lines) == 3 and all(line.startswith("bad: ") for line in lines)
+    assert "reads 1.90% in r.json" in lines[0]  # the percentage, not the fraction
+    assert "reads 3 in r.json" in lines[1] and "TypeError" in lines[2] and "not a list" in lines[2]
+    assert why.unmarked(good["text"] + " {2 len a.alphas}") == []
