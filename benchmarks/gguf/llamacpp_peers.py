@@ -135,7 +135,7 @@ class Steps:
     def budget_left(self) -> bool:
         return self.a.budget is None or time.monotonic() - self.t0 < self.a.budget
 
-    def base(self):
+    def base(self, imatrix: bool = True):
         from bitmosaic.io.export import export_model
 
         for typ in ("F32", "F16"):
@@ -145,7 +145,7 @@ class Steps:
                 self.state[f"export {typ}"] = {"changed": res.changed, "notes": res.notes}
                 self.save()
         imat = self.work / "imatrix.gguf"
-        if not imat.exists():
+        if imatrix and not imat.exists():
             _run(
                 [
                     self.tool("llama-imatrix"),
@@ -333,15 +333,20 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=None, help="stop between steps after this many seconds")
     p.add_argument("--types", default=",".join(TYPES))
     p.add_argument("--skip-ours", action="store_true")
+    p.add_argument(
+        "--skip-llama",
+        action="store_true",
+        help="no imatrix and no llama-quantize files (their rows kept as the state holds them)",
+    )
     a = p.parse_args()
     import torch
 
     torch.set_num_threads(a.threads)
     s = Steps(a)
-    s.base()
+    s.base(imatrix=not a.skip_llama)
     s.perplexity("F32", s.work / "base.F32.gguf")
     types = a.types.split(",")
-    for typ in types:
+    for typ in types if not a.skip_llama else ():
         for imatrix in (True, False):
             f = s.llama_file(typ, imatrix)
             if f is not None:
