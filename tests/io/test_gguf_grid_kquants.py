@@ -33,7 +33,8 @@ def test_gptq_on_the_k_grid_is_exact_and_beats_the_fit_alone(typ):
     g = torch.Generator().manual_seed(2)
     out, n = 40, 512
     W = torch.randn(out, n, generator=g) * 0.05
-    H = _hessian(n, 1)
+    X = torch.randn(4 * n, n // 8, generator=g) @ torch.randn(n // 8, n, generator=g) / 4
+    H = _hessian(n, 1) + X.T @ X / X.shape[0]  # correlated inputs, as a layer's
     res = kquant_gptq(W, H, typ)
     data = kq.pack(res.stored(), t)
     got = torch.from_numpy(np.asarray(quants.dequantize(data, t.qtype)).reshape(out, n))
