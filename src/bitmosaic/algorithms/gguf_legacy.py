@@ -43,32 +43,40 @@ L_TYPES = {t.name: t for t in (LType("Q4_1", 15), LType("Q5_1", 31))}
 
 
 def _sum(x: torch.Tensor) -> torch.Tensor:
-    return x.sum(-1)
+    return x.sum(-1).double()  # float32 sums of a block (as ggml), the rest in float64
 
 
 def qkx3(
     x: torch.Tensor, wt: torch.Tensor, nmax: int, rmin: float = -0.9, rdelta: float = 0.05, nstep: int = 36
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(scale, min, codes)`` per row of ``x`` ``[..., n]`` minimizing ``sum(wt * (scale * q + min - x)**2)``
-    with codes ``0 .. nmax`` and ``min <= 0``: llama.cpp's ``make_qkx3_quants`` (``ggml-quants.c``), in
-    float64 and for every row at once."""
-    x, wt = x.double(), wt.double()
+    with codes ``0 .. nmax`` and ``min <= 0``: llama.cpp's ``make_qkx3_quants`` (``ggml-quants.c``), for
+    every row at once (codes and sums in float32 as ggml, the rest in float64; each candidate's error from
+    the sums: ``s^2 Sqq + 2 s m Sq + m^2 Sw - 2 s Sqx - 2 m Sx + Sxx``)."""
+    x, wt = x.float(), wt.float()
     lo = x.amin(-1).clamp(max=0)
-    span = x.amax(-1) - lo
+    span = (x.amax(-1) - lo).double()
     ok = span > 0
     safe = torch.where(ok, span, 1)
-    sw, sx = _sum(wt), _sum(wt * x)
+    xs = x - lo[..., None]
+    sw, sx, sxx = _sum(wt), _sum(wt * x), _sum(wt * x * x)
 
     def codes(iscale):
-        return (iscale[..., None] * (x - lo[..., None])).round().clamp(0, nmax)
+        return (iscale.float()[..., None] * xs).round_().clamp_(0, nmax)
 
-    best_q = torch.where(ok[..., None], codes(nmax / safe), 0)
-    best_s = torch.where(ok, span / nmax, 0)
-    best_m = lo
-    best = _sum(wt * (best_s[..., None] * best_q + best_m[..., None] - x) ** 2)
+    def sums(q):
+        wq = wt * q
+        return _sum(wq), _sum(wq * q), _sum(wq * x)
+
+    def error(s, m, sl, sl2, sxl):
+        return s * s * sl2 + 2 * s * m * sl + m * m * sw - 2 * s * sxl - 2 * m * sx + sxx
+
+    best_inv = nmax / safe
+    best_s, best_m = torch.where(ok, span / nmax, 0), lo.double()
+    best = error(best_s, best_m, *sums(codes(best_inv)))
     for step in range(nstep + 1):
-        q = codes((rmin + rdelta * step + nmax) / safe)
-        sl, sl2, sxl = _sum(wt * q), _sum(wt * q * q), _sum(wt * q * x)
+        inv = (rmin + rdelta * step + nmax) / safe
+        sl, sl2, sxl = sums(codes(inv))
         det = sw * sl2 - sl * sl
         good = ok & (det > 0)
         sdet = torch.where(good, det, 1)
@@ -76,12 +84,13 @@ def qkx3(
         pos = m > 0
         s = torch.where(pos, sxl / torch.where(sl2 > 0, sl2, 1), s)
         m = torch.where(pos, 0, m)
-        err = _sum(wt * (s[..., None] * q + m[..., None] - x) ** 2)
+        err = error(s, m, sl, sl2, sxl)
         better = good & (err < best)
         best = torch.where(better, err, best)
         best_s, best_m = torch.where(better, s, best_s), torch.where(better, m, best_m)
-        best_q = torch.where(better[..., None], q, best_q)
-    return best_s, best_m, best_q.long()
+        best_inv = torch.where(better, inv, best_inv)
+    q = torch.where(ok[..., None], codes(best_inv), 0)
+    return best_s, best_m, q.long()
 
 
 def fit(W: torch.Tensor, importance: torch.Tensor, t: LType) -> tuple[torch.Tensor, torch.Tensor]:
