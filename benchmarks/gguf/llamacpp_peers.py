@@ -40,7 +40,8 @@ from benchmarks.harness import RESULTS, write_results
 
 TYPES = ("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "IQ4_XS", "IQ4_NL", "IQ3_S", "IQ2_XS")
 # the presets bitmosaic solves on (gptq --gguf-type), most asked first
-OURS = ("Q4_K_M", "Q3_K_M", "IQ4_XS", "Q2_K", "Q5_K_M", "Q6_K", "IQ4_NL", "Q4_0")
+BPW = "bpw@"  # bitmosaic --gguf-target-bpw at the bits per weight of the preset named after it
+OURS = ("Q4_K_M", "Q3_K_M", "IQ4_XS", "Q2_K", "Q5_K_M", "Q6_K", "IQ4_NL", "Q4_0", "bpw@Q4_K_M", "bpw@Q3_K_M")
 FRESH = 110  # seconds into a run after which a (minutes-long) bitmosaic quantization waits for the next run
 CHUNKS, CTX, CALIB_CHUNKS = 40, 512, 16
 
@@ -135,7 +136,7 @@ class Steps:
     def budget_left(self) -> bool:
         return self.a.budget is None or time.monotonic() - self.t0 < self.a.budget
 
-    def base(self):
+    def base(self, imatrix: bool = True):
         from bitmosaic.io.export import export_model
 
         for typ in ("F32", "F16"):
@@ -145,7 +146,7 @@ class Steps:
                 self.state[f"export {typ}"] = {"changed": res.changed, "notes": res.notes}
                 self.save()
         imat = self.work / "imatrix.gguf"
-        if not imat.exists():
+        if imatrix and not imat.exists():
             _run(
                 [
                     self.tool("llama-imatrix"),
@@ -245,18 +246,30 @@ class Steps:
         late = self.a.budget is not None and time.monotonic() - self.t0 > FRESH
         if p.exists() or late:
             return p if p.exists() else None
+        import torch
+
         import bitmosaic
         from bitmosaic.io import load_model, save_quantized
         from bitmosaic.io.export import export_model
 
         model, tok = load_model(self.a.model)
         calib = calibration_chunks(tok, self.valid, CALIB_CHUNKS, CTX)
+        kw, extra = {"gguf_type": typ}, {}
+        if typ.startswith(BPW):  # --gguf-target-bpw at the preset's own bits per weight (equal file bytes)
+            from bitmosaic.methods.gguf_bpw import preset_bpw
+
+            names = [
+                n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n
+            ]
+            kw = {"gguf_target_bpw": preset_bpw(model, names, typ[len(BPW) :])}
+            extra = {"target_bpw": kw["gguf_target_bpw"]}
         t = time.perf_counter()
-        bitmosaic.quantize_(model, "gptq", calib, progress=False, source_model=self.a.model, gguf_type=typ)
+        bitmosaic.quantize_(model, "gptq", calib, progress=False, source_model=self.a.model, **kw)
         secs = time.perf_counter() - t
         folder = save_quantized(model, self.work / f"bitmosaic.{typ}")
         res = export_model(folder, p, "gguf", overwrite=True)
         self.state.setdefault("ours", {})[typ] = {
+            **extra,
             "quant_seconds": secs,
             "changed": res.changed,
             "notes": res.notes,
@@ -296,15 +309,16 @@ def report(st: dict, a) -> str:
     for key in ("F32", "F16"):
         if key in p:
             lines.append(f"| {key} | {_cell(p[key])} | | | |")
-    for typ in TYPES:
+    for typ in (*TYPES, *(t for t in OURS if t.startswith(BPW))):
+        peer = typ.removeprefix(BPW)
         plain, imat, ours = (
-            p.get(f"llama {typ} plain"),
-            p.get(f"llama {typ} imatrix"),
+            p.get(f"llama {peer} plain"),
+            p.get(f"llama {peer} imatrix"),
             p.get(f"bitmosaic {typ}"),
         )
         ref = st.get("refused", {})
         c_plain = (
-            _cell(plain) if plain else (f"refused: {ref[f'{typ} plain']}" if f"{typ} plain" in ref else "-")
+            _cell(plain) if plain else (f"refused: {ref[f'{peer} plain']}" if f"{peer} plain" in ref else "-")
         )
         vs = (
             f"{ours['ppl'] / imat['ppl']:.4f}x ppl, {ours['mb'] / imat['mb']:.3f}x MB"
@@ -318,9 +332,17 @@ def report(st: dict, a) -> str:
     lines += ["", "## tensor types per file (2-D)", ""]
     for key, r in p.items():
         lines.append(f"- {key}: {', '.join(f'{t} x{n}' for t, n in r['types'].items())}")
+    bpw = {t: r["target_bpw"] for t, r in st.get("ours", {}).items() if "target_bpw" in r}
     lines += [
         "",
-        "Not measured: decode tok/s (llama-bench is not built); the `--target-bpw` points (not implemented).",
+        "`bpw@P`: bitmosaic `--gguf-target-bpw B` with B the exact bits per weight of the linears in "
+        "preset P's mix ("
+        + ", ".join(f"{t}: B = {b:.4f}" for t, b in bpw.items())
+        + "), compared with P's files "
+        "(equal bytes).  Q2_K, Q5_K_M, Q4_0, IQ4_NL re-measured after the Q5_1 fallback and the weighted "
+        "k-quant scale fit (`--skip-llama`: the llama.cpp rows are the earlier run's).",
+        "",
+        "Not measured: decode tok/s (llama-bench is not built).",
     ]
     return "\n".join(lines)
 
@@ -333,15 +355,20 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=None, help="stop between steps after this many seconds")
     p.add_argument("--types", default=",".join(TYPES))
     p.add_argument("--skip-ours", action="store_true")
+    p.add_argument(
+        "--skip-llama",
+        action="store_true",
+        help="no imatrix and no llama-quantize files (their rows kept as the state holds them)",
+    )
     a = p.parse_args()
     import torch
 
     torch.set_num_threads(a.threads)
     s = Steps(a)
-    s.base()
+    s.base(imatrix=not a.skip_llama)
     s.perplexity("F32", s.work / "base.F32.gguf")
     types = a.types.split(",")
-    for typ in types:
+    for typ in types if not a.skip_llama else ():
         for imatrix in (True, False):
             f = s.llama_file(typ, imatrix)
             if f is not None:

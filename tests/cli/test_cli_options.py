@@ -139,3 +139,11 @@ def test_cli_names_no_method(rel):
     tree = ast.parse((SRC / rel).read_text())
     bad = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in names]
     assert not bad, f"{rel} names methods {bad}"
+
+
+@pytest.mark.parametrize(("method", "fix"), [("babai", "--method gptq --gguf-type TYPE --order"),
+                                             ("awq", "--method gptq --gguf-type TYPE")])  # fmt: skip
+def test_gguf_type_is_refused_by_babai_and_awq_in_one_line_with_the_fix(capsys, method, fix):
+    assert main(["quantize", "--method", method, "--gguf-type", "Q4_K_M"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--gguf-type does not apply to method '{method}': " in err and fix in err

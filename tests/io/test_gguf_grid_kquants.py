@@ -14,7 +14,7 @@ import torch
 import bitmosaic
 from benchmarks.moe.gguf_llamacpp import llama_cpp_logits
 from bitmosaic.algorithms import gguf_kquants as kq
-from bitmosaic.algorithms.gguf_grid import kquant_gptq
+from bitmosaic.algorithms.gguf_grid import importance, kquant_gptq
 from bitmosaic.io import save_quantized
 from bitmosaic.io.export import export_model
 from bitmosaic.io.saved.save import quantized_modules
@@ -33,12 +33,13 @@ def test_gptq_on_the_k_grid_is_exact_and_beats_the_fit_alone(typ):
     g = torch.Generator().manual_seed(2)
     out, n = 40, 512
     W = torch.randn(out, n, generator=g) * 0.05
-    H = _hessian(n, 1)
+    X = torch.randn(4 * n, n // 8, generator=g) @ torch.randn(n // 8, n, generator=g) / 4
+    H = _hessian(n, 1) + X.T @ X / X.shape[0]  # correlated inputs, as a layer's
     res = kquant_gptq(W, H, typ)
     data = kq.pack(res.stored(), t)
     got = torch.from_numpy(np.asarray(quants.dequantize(data, t.qtype)).reshape(out, n))
     assert torch.equal(got, res.dequantize())
-    fitted = kq.fit_weights(W, t)  # the same scales, codes by nearest rounding
+    fitted = kq.fit_weights(W, t, importance(H))  # the same scales (weighted fit), codes by nearest rounding
     assert torch.equal(fitted.sc, res.stored().sc) and torch.equal(
         fitted.d.view(torch.int16), res.stored().d.view(torch.int16)
     )
@@ -66,12 +67,14 @@ def test_the_mix_follows_llama_quantize():
             c[t] = c.get(t, 0) + 1
         return c
 
-    # llama.cpp's files also hold token_embd (Q8_0), left out here; its Q5_1 fallbacks are our Q5_0
+    # llama.cpp's files also hold token_embd (Q8_0), left out here (tests/io/test_gguf_legacy_grid.py
+    # compares every preset with the counts of llama.cpp's own files)
     assert counts("Q4_K_M") == {"Q5_0": 166, "Q8_0": 14, "Q4_K": 16, "Q6_K": 14}
-    assert counts("Q3_K_M") == {"Q4_0": 120, "Q5_0": 60, "Q4_K": 29, "Q5_K": 1}
+    assert counts("Q3_K_M") == {"Q4_0": 120, "Q5_0": 58, "Q5_1": 2, "Q4_K": 29, "Q5_K": 1}
     assert counts("Q2_K") == {"Q4_0": 180, "Q3_K": 30}
     assert counts("Q6_K") == {"Q8_0": 180, "Q6_K": 30}
-    assert counts("Q5_K_M") == {"Q5_0": 166, "Q8_0": 14, "Q5_K": 16, "Q6_K": 14}  # llama.cpp: Q5_1 x166
+    assert counts("Q5_K_M") == {"Q5_1": 166, "Q8_0": 14, "Q5_K": 16, "Q6_K": 14}
+    assert counts("Q4_0") == {"Q4_0": 207, "Q4_1": 3}
     assert sum(use_more_bits(i, 30) for i in range(30)) == 14
 
 

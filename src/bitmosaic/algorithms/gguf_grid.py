@@ -3,11 +3,11 @@ k-quants (``Q2_K`` .. ``Q6_K``) -- so the GGUF file holds the calibrated weights
 
 k-quants (:func:`kquant_gptq`): the super-block ``d`` / ``dmin`` and the small integer sub-block scales and
 mins are fitted first on the original weights by the k-quant fit of
-:mod:`bitmosaic.algorithms.gguf_kquants` (``fit_weights``: per sub-block min/max or max-abs, then the
-stored integers and fp16 ``d``/``dmin`` by the least-squares search), then fixed; GPTQ rounds each column
-to the sub-block's grid ``(d * sc) * q - dmin * m`` (``(d * sc) * (q - offset)`` for Q3_K / Q6_K) -- the
-float32 numbers ggml computes -- with error feedback.  The scale fit does not weight inputs by importance
-(llama.cpp's imatrix does); the solve does, through ``H``.
+:mod:`bitmosaic.algorithms.gguf_kquants` (``fit_weights``: per sub-block llama.cpp's weighted code search,
+then the stored integers and fp16 ``d``/``dmin`` by the weighted least-squares search), each weight's
+error weighted by its input's importance ``diag(H)`` as llama.cpp weights it by the imatrix, then fixed;
+GPTQ rounds each column to the sub-block's grid ``(d * sc) * q - dmin * m`` (``(d * sc) * (q - offset)``
+for Q3_K / Q6_K) -- the float32 numbers ggml computes -- with error feedback.
 
 IQ4:
 The grid is fixed before the solve, as the type stores it (:mod:`bitmosaic.formats.gguf_iq`): per 32
@@ -36,6 +36,7 @@ import torch
 
 from ..formats import gguf_iq as iq
 from . import gguf_kquants as kq
+from . import gguf_legacy as gl
 from .gptq import gptq_quantize
 from .types import QuantResult
 
@@ -47,6 +48,7 @@ __all__ = [
     "iq_scales",
     "iq_gptq",
     "kquant_gptq",
+    "legacy_gptq",
 ]
 
 _NTRY = 7  # llama.cpp's inverse-scale tries either side of -127 / max
@@ -166,10 +168,13 @@ class GGUFGridResult(QuantResult):
 
     def stored(self):
         """IQ4: ``(codes uint8, d fp16 [out, in/block], l int8 [out, in/32])``; a k-quant: its
-        :class:`~bitmosaic.algorithms.gguf_kquants.KFit` -- as the type stores them."""
+        :class:`~bitmosaic.algorithms.gguf_kquants.KFit`; Q4_1 / Q5_1: ``(codes, d, m)`` -- as the type
+        stores them."""
         if self.gguf_type in kq.K_TYPES:
             a = self.aux
             return kq.KFit(self.codes.long(), a["sc"], a.get("m"), a["d"], a.get("dmin"), 0, a["sc"].numel())
+        if self.gguf_type in gl.L_TYPES:  # Q4_1 / Q5_1: (codes, d, m)
+            return self.codes.long(), self.aux["d"], self.aux["m"]
         t = self.iq_type
         return self.codes.to(torch.uint8), self.scales[:, :: t.nsub].half(), self.zeros.to(torch.int8)
 
@@ -179,6 +184,8 @@ class GGUFGridResult(QuantResult):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.gguf_type in kq.K_TYPES:
             return kq.dequantize(self.stored(), kq.K_TYPES[self.gguf_type]).to(dtype)
+        if self.gguf_type in gl.L_TYPES:
+            return gl.dequantize(*self.stored()).to(dtype)
         return iq.dequantize(*self.stored(), self.iq_type).to(dtype)
 
     def select_rows(self, start: int, stop: int) -> GGUFGridResult:
@@ -242,7 +249,7 @@ def kquant_gptq(
     """GPTQ of ``W`` ``[out, in]`` against ``H`` on the k-quant ``gguf_type``'s stored grid, its scales and
     mins fitted first and fixed (module doc)."""
     t = kq.K_TYPES[gguf_type]
-    f = kq.fit_weights(W.float(), t)
+    f = kq.fit_weights(W.float(), t, importance(H))
     out = W.shape[0]
     d = f.d.float().repeat_interleave(t.nsub, dim=1)
     scale = d * f.sc.float()  # float32: ggml's ``d * sc``
@@ -270,4 +277,38 @@ def kquant_gptq(
         aux.update(m=f.m.reshape(out, -1), dmin=f.dmin)
     return GGUFGridResult(
         **{k: getattr(res, k) for k in res.__dataclass_fields__}, gguf_type=gguf_type, aux=aux
+    )
+
+
+def legacy_gptq(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    gguf_type: str,
+    *,
+    perm=None,
+    block_size: int = 128,
+    percdamp: float = 0.01,
+    dtype=None,
+    overwrite_hessian: bool = False,
+) -> GGUFGridResult:
+    """GPTQ of ``W`` ``[out, in]`` against ``H`` on the ``Q4_1`` / ``Q5_1`` grid, each block's fp16 ``d`` and
+    ``m`` fitted first by the importance-weighted search (:mod:`.gguf_legacy`) and fixed."""
+    t = gl.L_TYPES[gguf_type]
+    d, m = gl.fit(W.float(), importance(H), t)
+    res = gptq_quantize(
+        W,
+        H,
+        None,
+        gl.BLOCK,
+        perm=perm,
+        block_size=block_size,
+        percdamp=percdamp,
+        dtype=dtype,
+        scales=d.float(),
+        zeros=-m.float(),  # ``d * q - (-m)``: the float32 number ggml computes, ``d * q + m``
+        quantizer=KColumnQuantizer(t),
+        overwrite_hessian=overwrite_hessian,
+    )
+    return GGUFGridResult(
+        **{k: getattr(res, k) for k in res.__dataclass_fields__}, gguf_type=gguf_type, aux={"d": d, "m": m}
     )

@@ -124,14 +124,22 @@ def fit(values: torch.Tensor, scales: torch.Tensor, weights: torch.Tensor, t: KT
     return _by_rows(lambda v, s, w: _fit(v, s, w, t), values, scales, weights)
 
 
-def fit_weights(weights: torch.Tensor, t: KType) -> KFit:
-    """The k-quant of float weights ``[out, in]``, every sub-block re-rounded (no integers to keep)."""
+def fit_weights(weights: torch.Tensor, t: KType, importance: torch.Tensor | None = None) -> KFit:
+    """The k-quant of float weights ``[out, in]``, every sub-block re-rounded (no integers to keep).
 
-    def one(weights):
+    ``importance`` (``[in]``, e.g. ``diag(H)``, what llama.cpp's imatrix holds): each weight's squared
+    error counts that much, in the sub-block search (llama.cpp's ``make_qkx3_quants`` for the types with a
+    min, ``make_qx_quants`` for the symmetric ones) and in the least-squares fit of the integer scales,
+    mins and fp16 ``d`` / ``dmin`` -- as ``quantize_row_q2_K_impl`` .. ``q6_K_impl`` use their
+    ``quant_weights``.  Without it: plain min/max (max-abs) codes and unweighted least squares."""
+    imp = None if importance is None else importance.double().reshape(1, -1).expand(weights.shape[0], -1)
+
+    def one(weights, *imp_rows):
         w = _blocks(weights.double(), t)
-        return _refit(_reround(w, t), w, torch.zeros(w.shape[:-1], dtype=torch.bool), t)
+        wt = _blocks(imp_rows[0], t) if imp_rows else None
+        return _refit(_reround(w, t, wt), w, torch.zeros(w.shape[:-1], dtype=torch.bool), t, wt)
 
-    return _by_rows(one, weights)
+    return _by_rows(one, weights, *(() if imp is None else (imp,)))
 
 
 def _by_rows(fn, *tensors: torch.Tensor) -> KFit:
@@ -171,9 +179,12 @@ def _fit(values: torch.Tensor, scales: torch.Tensor, weights: torch.Tensor, t: K
     return _refit(q, w, ok, t)
 
 
-def _reround(w: torch.Tensor, t: KType) -> torch.Tensor:
+def _reround(w: torch.Tensor, t: KType, wt: torch.Tensor | None = None) -> torch.Tensor:
     """Codes of ``w`` (``[..., sub]``) on the type's grid, per sub-block: min/max (types with a min,
-    the min clamped to <= 0) or signed max-abs mapped to ``-offset`` (symmetric types)."""
+    the min clamped to <= 0) or signed max-abs mapped to ``-offset`` (symmetric types); with weights
+    ``wt`` the weighted searches of :func:`fit_weights`."""
+    if wt is not None:
+        return _weighted_codes(w, wt, t)
     if t.with_min:
         lo = w.amin(-1, keepdim=True).clamp(max=0)
         a = (w.amax(-1, keepdim=True) - lo) / t.qmax
@@ -183,6 +194,27 @@ def _reround(w: torch.Tensor, t: KType) -> torch.Tensor:
     a = w.gather(-1, idx) / -t.offset
     q = torch.where(a != 0, w / torch.where(a != 0, a, 1), 0)
     return (q.round().clamp(-t.offset, t.qmax - t.offset) + t.offset).long()
+
+
+def _weighted_codes(w: torch.Tensor, wt: torch.Tensor, t: KType) -> torch.Tensor:
+    """Per sub-block the codes of llama.cpp's weighted search: ``make_qkx3_quants`` (types with a min: 37
+    inverse scales around ``qmax / (max - min)``, the min <= 0) or ``make_qx_quants`` (symmetric: 19
+    inverse scales ``-(offset + 0.1 k) / max``, the one with the largest ``sum(wt q x)**2 / sum(wt q q)``)."""
+    if t.with_min:
+        from .gguf_legacy import qkx3
+
+        return qkx3(w, wt, t.qmax)[2]
+    idx = w.abs().argmax(-1, keepdim=True)
+    top = w.gather(-1, idx)
+    safe = torch.where(top != 0, top, 1)
+    best_q, best = torch.zeros_like(w), torch.full_like(top[..., 0], -1.0)
+    for k in range(-9, 10):
+        q = (-(t.offset + 0.1 * k) / safe * w).round().clamp(-t.offset, t.qmax - t.offset)
+        sxq, sqq = (wt * w * q).sum(-1), (wt * q * q).sum(-1)
+        score = torch.where(sqq > 0, sxq * sxq / torch.where(sqq > 0, sqq, 1), 0)
+        better = score > best
+        best, best_q = torch.where(better, score, best), torch.where(better[..., None], q, best_q)
+    return (torch.where(top != 0, best_q, 0) + t.offset).long()
 
 
 def _fp16(x: torch.Tensor) -> torch.Tensor:
@@ -225,13 +257,17 @@ def _search(x: torch.Tensor, wt: torch.Tensor, lo: int, hi: int) -> tuple[torch.
     return best_d, _round_to(x, best_d, lo, hi)
 
 
-def _refit(q: torch.Tensor, w: torch.Tensor, kept: torch.Tensor, t: KType) -> KFit:
+def _refit(
+    q: torch.Tensor, w: torch.Tensor, kept: torch.Tensor, t: KType, wt: torch.Tensor | None = None
+) -> KFit:
     """Integer scales (and mins) with fp16 ``d`` (``dmin``) per super-block for codes ``q`` reproducing
-    ``w`` (``[out, nsb, nsub, sub]``) in least squares; codes of sub-blocks not ``kept`` re-chosen."""
+    ``w`` (``[out, nsb, nsub, sub]``) in least squares, each weight's error weighted by ``wt`` (same shape;
+    none: equal); codes of sub-blocks not ``kept`` re-chosen."""
     out = w.shape[0]
     qf = q.double() if t.with_min else (q - t.offset).double()
-    n = t.sub
-    s1, s2, sw, swq = qf.sum(-1), (qf * qf).sum(-1), w.sum(-1), (w * qf).sum(-1)
+    wt = torch.ones_like(w) if wt is None else wt
+    n = wt.sum(-1)  # the sub-block's total weight (``sub`` when equal)
+    s1, s2, sw, swq = (wt * qf).sum(-1), (wt * qf * qf).sum(-1), (wt * w).sum(-1), (wt * w * qf).sum(-1)
     if t.with_min:
         var = s2 - s1 * s1 / n  # n * variance of the codes: how much the error depends on the scale
         slope = torch.where(var > 0, (swq - s1 * sw / n) / torch.where(var > 0, var, 1), 0)
@@ -254,11 +290,11 @@ def _refit(q: torch.Tensor, w: torch.Tensor, kept: torch.Tensor, t: KType) -> KF
             return best
 
         d, sc = _search(slope, var, t.sc_lo, t.sc_hi)
-        dmin, m = _search((d[..., None] * sc * s1 - sw) / n, torch.ones_like(var), 0, t.m_hi)
+        dmin, m = _search((d[..., None] * sc * s1 - sw) / n, n, 0, t.m_hi)
         sc, m, err = integers(d, dmin, sc)
         total = err.sum(-1)
         for _ in range(_ROUNDS):  # alternate: d and dmin by least squares for the integers, then integers
-            a11, a12, a22 = (sc * sc * s2).sum(-1), -(sc * m * s1).sum(-1), n * (m * m).sum(-1)
+            a11, a12, a22 = (sc * sc * s2).sum(-1), -(sc * m * s1).sum(-1), (n * m * m).sum(-1)
             b1, b2 = (sc * swq).sum(-1), -(m * sw).sum(-1)
             det = a11 * a22 - a12 * a12
             ok = det.abs() > 1e-12 * (a11 * a22).abs().clamp(min=1e-300)

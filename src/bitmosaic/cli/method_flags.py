@@ -243,6 +243,7 @@ def method_options(args, method) -> dict:
         own = [f for f in fields.values() if flag_of(f) == d.flag and not option_spec(f).shared]
         if not own or any(f.name in unused for f in own):
             why = next((unused[f.name] for f in own if f.name in unused), None)
+            why = why or (None if own else getattr(cls, "refuses", {}).get(d.dest))
             where = f"; it is used by {', '.join(d.users)}" if d.users and not why else ""
             raise OptionError(
                 f"{d.typed(value)} does not apply to method {method.name!r}{': ' + why if why else where}"

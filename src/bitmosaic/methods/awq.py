@@ -9,6 +9,7 @@ search per (row, group), then RTN.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -26,6 +27,11 @@ __all__ = ["AWQ", "AWQConfig", "awq_transform", "quantize_awq"]
 
 @dataclass
 class AWQConfig(WeightQuantConfig):
+    refuses: ClassVar[dict[str, str]] = {
+        "gguf_type": "AWQ's scale search rounds to nearest on bitmosaic's integer grid, not a GGUF type's "
+        "sub-block scales; use --method gptq --gguf-type TYPE (its scale fit and solve weight the inputs "
+        "by the same activations)"
+    }
     n_grid: int = shared("n_grid")
     duo_scaling: bool = shared("duo_scaling")
     clip_search: bool = shared("clip_search")

@@ -9,6 +9,7 @@ basis order is GPTQ's processing order reversed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -26,6 +27,11 @@ __all__ = ["Babai", "BabaiConfig", "quantize_babai"]
 
 @dataclass
 class BabaiConfig(WeightQuantConfig):
+    refuses: ClassVar[dict[str, str]] = {
+        "gguf_type": "Babai's nearest plane with static groups is GPTQ in the reverse order (Babai paper "
+        "Theorem 4), so on a GGUF type's grid it is --method gptq --gguf-type TYPE --order ORDER "
+        "(e.g. --order min-pivot)"
+    }
     order: str = shared("order", "natural")
     direction: str = shared("direction")
     damp: float = shared("damp")

@@ -62,6 +62,8 @@ class WeightQuantConfig(metaclass=ConfigMeta):
     a subclass lists the inherited ones it does not use in ``unused``)."""
 
     unused: ClassVar[dict[str, str]] = {}
+    # another method's option (its keyword) this one refuses, and why (with the fix)
+    refuses: ClassVar[dict[str, str]] = {}
 
     bits: int = option(4, help="weight bits", range=(1, 8), aliases=("--wbits",))
     group_size: int | None = option(

@@ -4,14 +4,15 @@ linear for the type llama.cpp's ``llama-quantize`` would give it (issue 72).
 Transcribed from ``llama_tensor_get_type_impl`` and ``tensor_type_fallback`` in ``src/llama-quant.cpp`` of
 the llama.cpp that llama-cpp-python 0.3.36 vendors, for dense (non-expert, non-Falcon) models, with an
 importance matrix (the IQ4 presets' imatrix-less rule, Q5_K for the first eighth of ``ffn_down``, is
-left out: bitmosaic always calibrates).  ``use_more_bits(i, n)``: the first and last eighth of the layers
+left out, and the Q4_0 preset's imatrix rule, Q4_1 for the first eighth of ``ffn_down``, is in: bitmosaic
+always calibrates).  ``use_more_bits(i, n)``: the first and last eighth of the layers
 and every third in between.  Token embedding and output head are not quantized linears here (the export
 writes them in the source file's type).
 
 Fallbacks for an input width that is not a multiple of the type's block (256 for the k-quants and
-IQ4_XS): Q2_K, Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL -- except that
-bitmosaic writes Q5_0 where llama.cpp writes Q5_1 (a calibrated asymmetric 5-bit layer is exact in Q5_1
-only where every block's offset is an fp16 number; Q5_0 is the smaller file, 5.5 vs 6 bits).
+IQ4_XS): Q2_K, Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL, as llama.cpp's
+``tensor_type_fallback`` (Q4_1 / Q5_1 are solved on their own grid, fp16 ``d`` and ``m`` fixed first:
+:mod:`bitmosaic.algorithms.gguf_legacy`), so each file has llama.cpp's size.
 """
 
 from __future__ import annotations
@@ -20,21 +21,23 @@ import re
 
 from ..errors import OptionError
 
-__all__ = ["PRESETS", "LEGACY_BITS", "BLOCK_OF", "tensor_type"]
+__all__ = ["PRESETS", "LEGACY_BITS", "L_TYPES", "BLOCK_OF", "tensor_type"]
 
 K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 IQ_TYPES = ("IQ4_NL", "IQ4_XS")
+L_TYPES = ("Q4_1", "Q5_1")  # asymmetric legacy types, on their own grid (fp16 mins)
 # preset -> the default type of its tensors
 PRESETS = {"Q2_K": "Q2_K", "Q3_K_M": "Q3_K", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K",
            "IQ4_XS": "IQ4_XS", "IQ4_NL": "IQ4_NL", "Q3_K": "Q3_K", "Q4_K": "Q4_K", "Q5_K": "Q5_K",
            "Q4_0": "Q4_0"}  # fmt: skip
 MIXES = ("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M")  # the presets with a per-tensor mix (the rest: pure)
-BLOCK_OF = {**dict.fromkeys((*K_TYPES, "IQ4_XS"), 256), "IQ4_NL": 32, "Q4_0": 32, "Q5_0": 32, "Q8_0": 32}
+BLOCK_OF = {**dict.fromkeys((*K_TYPES, "IQ4_XS"), 256),
+            **dict.fromkeys(("IQ4_NL", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"), 32)}  # fmt: skip
 FALLBACK = {
     "Q2_K": "Q4_0",
     "Q3_K": "Q4_0",
     "Q4_K": "Q5_0",
-    "Q5_K": "Q5_0",
+    "Q5_K": "Q5_1",
     "Q6_K": "Q8_0",
     "IQ4_XS": "IQ4_NL",
 }
@@ -49,6 +52,8 @@ def use_more_bits(i: int, n: int) -> bool:
 
 def _mixed(preset: str, category: str | None, i: int, n: int, n_gqa: float) -> str:
     new = PRESETS[preset]
+    if preset == "Q4_0" and category == "ffn_down" and i < n // 8:
+        return "Q4_1"  # llama.cpp's guard for the first ffn_down layers, with an imatrix
     if preset not in MIXES or category is None:
         return new
     if category == "attn_v":

@@ -9,9 +9,11 @@ smoothing; this file holds GPTQ's own defaults.
 
 ``gguf_type`` (``--gguf-type Q4_K_M``, ``IQ4_XS``, ...; issue 72): each linear is solved on the stored grid
 of the GGUF type llama.cpp's preset gives it (:mod:`.gguf_mix`): a k-quant or IQ4 grid with its scales
-fixed first (:mod:`bitmosaic.algorithms.gguf_grid`, packed as
-:class:`~bitmosaic.modules.gguf_grid.GGUFGridLinear`), or a legacy fallback (Q4_0 / Q5_0 / Q8_0) as a
-symmetric integer grid in groups of 32; the GGUF export writes either exactly.
+fixed first (:mod:`bitmosaic.algorithms.gguf_grid`; Q4_1 / Q5_1 likewise, their fp16 ``d`` and ``m``;
+packed as :class:`~bitmosaic.modules.gguf_grid.GGUFGridLinear`), or a legacy fallback (Q4_0 / Q5_0 /
+Q8_0) as a symmetric integer grid in groups of 32; the GGUF export writes either exactly.
+``gguf_target_bpw`` (``--gguf-target-bpw B``) picks each linear's type by Fisher salience under a
+bits-per-weight budget (:mod:`.gguf_bpw`) and solves it the same way.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..algorithms.gguf_grid import GGUFGridResult, iq_gptq, kquant_gptq
+from ..algorithms.gguf_grid import GGUFGridResult, iq_gptq, kquant_gptq, legacy_gptq
 from ..algorithms.mx import mx_gptq
 from ..algorithms.types import QuantResult
+from ..errors import OptionError
 from ..modules.gguf_grid import GGUFGridLinear
 from ..modules.qlinear import QuantLinear
 from .common import HESSIAN_DTYPES, GPTQSolverConfig, processing_order, quantize_gptq, require_hessian, shared
-from .gguf_mix import IQ_TYPES, LEGACY_BITS, PRESETS, tensor_type
+from .gguf_bpw import choose_types
+from .gguf_mix import IQ_TYPES, L_TYPES, LEGACY_BITS, PRESETS, tensor_type
 from .microscale import SPLIT_ROWS, STACK_ROWS, is_mx, mx_post_init
 from .options import like, option
 from .registry import LayerStats, Method, WeightQuantConfig, register
@@ -54,10 +58,31 @@ class GPTQConfig(GPTQSolverConfig):
         parse=str.upper,
         type=str,
     )
+    gguf_target_bpw: float | None = option(
+        None,
+        help="like --gguf-type, but a GGUF type per linear from Q2_K..Q6_K, IQ4_XS, Q8_0 (llama.cpp's "
+        "fallbacks for widths a block does not fit) so the linears' exact bits per weight are at most this, "
+        "chosen by Fisher salience",
+        type=float,
+    )
     wfmt: str = shared("wfmt")
     mx_rule: str = shared("mx_rule")
 
     def __post_init__(self) -> None:
+        if self.gguf_target_bpw is not None:
+            from .gguf_bpw import BPW_RANGE, range_error
+
+            if self.gguf_type is not None:
+                raise OptionError(
+                    f"--gguf-type {self.gguf_type} and --gguf-target-bpw {self.gguf_target_bpw:g} both "
+                    "choose the GGUF types; give one of them"
+                )
+            lo, hi = BPW_RANGE
+            if not lo <= self.gguf_target_bpw <= hi:
+                raise range_error(self.gguf_target_bpw, lo, hi, "outside the range of the GGUF types")
+            if is_mx(self):
+                raise OptionError(f"--gguf-target-bpw and --wfmt {self.wfmt} are two grids; give one of them")
+            self.bits, self.group_size, self.sym = 4, 32, True  # the report's; each layer's type decides
         if self.gguf_type is not None:
             self.gguf_type = self.gguf_type.upper()
             if self.gguf_type not in PRESETS:
@@ -76,7 +101,11 @@ class GPTQConfig(GPTQSolverConfig):
     def solve_alone(self) -> bool:
         """Each linear is solved on its own (never stacked with those sharing its input): a GGUF preset
         picks each tensor's type by its name."""
-        return self.gguf_type is not None
+        return self.gguf_type is not None or self.gguf_target_bpw is not None
+
+
+def _gguf(cfg) -> bool:
+    return getattr(cfg, "gguf_type", None) is not None or getattr(cfg, "gguf_target_bpw", None) is not None
 
 
 @register
@@ -86,19 +115,25 @@ class GPTQ(Method):
     description = "GPTQ (OPTQ) with orders, groups, clip/no-clip"
 
     def needs_prepare(self, config) -> bool:
-        return getattr(config, "gguf_type", None) is not None
+        return _gguf(config)
 
     def packs_plain(self, config) -> bool:  # a GGUF type packs its own grid
-        return getattr(config, "gguf_type", None) is None
+        return not _gguf(config)
 
     def prepare(self, model, cfg: GPTQConfig, ctx):
-        """The counts llama.cpp's per-tensor mix needs: decoder layers and the query heads per kv head."""
+        """The counts llama.cpp's per-tensor mix needs: decoder layers and the query heads per kv head;
+        with ``gguf_target_bpw`` each linear's type, by Fisher salience (:mod:`.gguf_bpw`)."""
         c = getattr(model, "config", None)
         heads = getattr(c, "num_attention_heads", 1) or 1
-        return {
+        state = {
             "n_layers": getattr(c, "num_hidden_layers", 1) or 1,
             "n_gqa": heads / (getattr(c, "num_key_value_heads", None) or heads),
         }
+        if cfg.gguf_target_bpw is not None:
+            salience, info = ctx.fisher(ctx.names)
+            state["types"], summary = choose_types(model, ctx.names, salience, cfg.gguf_target_bpw)
+            ctx.record("gguf_allocation", {**summary, "fisher": info})
+        return state
 
     def quantize(self, weight, stats: LayerStats, cfg: GPTQConfig, state=None, name=None) -> QuantResult:
         if is_mx(cfg):  # error feedback over the element grid, block scales fixed first (algorithms/mx.py)
@@ -108,10 +143,13 @@ class GPTQ(Method):
                 block_size=cfg.block_size, percdamp=cfg.damp, dtype=HESSIAN_DTYPES[cfg.solver_dtype],
                 overwrite_hessian=stats.hessian_disposable,
             )  # fmt: skip
-        if cfg.gguf_type is None:
+        if not _gguf(cfg):
             return quantize_gptq(weight, stats, cfg)
         state = state or {"n_layers": 1, "n_gqa": 1}
-        typ = tensor_type(cfg.gguf_type, name, weight.shape[1], state["n_layers"], state["n_gqa"])
+        if cfg.gguf_target_bpw is not None:
+            typ = state["types"][name]
+        else:
+            typ = tensor_type(cfg.gguf_type, name, weight.shape[1], state["n_layers"], state["n_gqa"])
         if typ in LEGACY_BITS:  # llama.cpp's fallback is an integer grid: GPTQ on it, symmetric, groups of 32
             sub = dataclasses.replace(
                 cfg, gguf_type=None, bits=LEGACY_BITS[typ], sym=True, group_size=32, static_groups=True
@@ -120,7 +158,7 @@ class GPTQ(Method):
             res.info["gguf_type"] = typ
             return res
         H = require_hessian(stats, "gptq")
-        solve = iq_gptq if typ in IQ_TYPES else kquant_gptq
+        solve = iq_gptq if typ in IQ_TYPES else legacy_gptq if typ in L_TYPES else kquant_gptq
         res = solve(
             weight,
             H,
