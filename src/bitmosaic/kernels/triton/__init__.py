@@ -2,8 +2,9 @@
 
 One file per kernel family: ``intmm.py`` (the packed INT kinds: dequant GEMM with ``tl.dot`` for prefill,
 GEMV for decode; with ``with_fp8`` DPQ's INT4 -> FP8 E4M3 dequantization, multiplied in float),
-``sparse.py`` (SSQR's dense product plus its CSR outliers), ``bitplane.py`` (SFMP's bit-plane GEMV, on the
-format; docs/cpu-inference.md, "GPU kernels", says what is not written yet).  The ``*_jit.py`` files hold
+``sparse.py`` (SSQR's dense product plus its CSR outliers), ``mosaic.py`` (MosaicQuant's dense base plus
+residual blocks in one kernel), ``sqsplit.py`` (SQ-format's static split GEMM), ``bitplane.py`` (SFMP's
+bit-plane GEMV, on the format; docs/cpu-inference.md, "GPU kernels", says what is not written yet).  The ``*_jit.py`` files hold
 the ``@triton.jit`` bodies; they are imported lazily, on the first launch, because Triton reads
 ``TRITON_INTERPRET`` when a kernel is decorated.
 
