@@ -2,7 +2,9 @@
 
 One prepared script for a lent GPU, within one 10-minute call: for each kernel -- the packed INT kinds
 (W2/W3/W4/W8, g128, W4 act-order), SSQR's dense + CSR outliers (W3 + 0.5 % outliers), DPQ's INT4 -> E4M3
-weight -- at 1, 16 and 512 rows of bf16 ``x`` on the SmolLM2-135M and Llama-3-8B linear shapes, it checks
+weight, MosaicQuant's fused W4 base + 5 % of 64x64 residual blocks and SQ-format's static split (W4 g128,
+16-(8/4)-0.75 bank-scaled activations; both also against their dense INT4 kernel alone) -- at 1, 16 and
+512 rows of bf16 ``x`` on the SmolLM2-135M and Llama-3-8B linear shapes, it checks
 the kernel against ``F.linear(x, W.to(bf16))`` on the same device (max relative error) and times both (CUDA
 events, median); then an end-to-end greedy decode of a SmolLM2-135M-shaped Llama (random weights, RTN W4
 g128) with the Triton kernels against the same model in bf16.  A time budget (``--budget``, seconds) stops
@@ -49,6 +51,10 @@ KERNELS = {  # name -> (bits, group, act_order, outlier fraction, fp8)
     "ssqr int3 + 0.5% csr": (3, 128, False, 0.005, False),
     "dpq int4 -> e4m3": (4, 128, False, 0.0, True),
 }
+FUSED = {  # name -> (kind, setting): MosaicQuant's base + residual kernel, SQ-format's static split GEMM
+    "mosaic w4 + 5% 64x64 blocks": ("mosaic", 0.05),
+    "sq static 16-(8/4)-0.75 w4 g128": ("sq", "16-(8/4)-0.75"),
+}
 
 
 def _module(k_in: int, n_out: int, spec, device, seed: int = 0):
@@ -57,6 +63,8 @@ def _module(k_in: int, n_out: int, spec, device, seed: int = 0):
     from bitmosaic.modules.qlinear import QuantLinear
     from bitmosaic.modules.qmodules import FP8ComputeQuantLinear, SparseOutlierQuantLinear
 
+    if isinstance(spec[0], str):
+        return _fused_module(k_in, n_out, spec, device, seed)
     bits, gs, act, frac, fp8 = spec
     g = torch.Generator().manual_seed(seed)
     G = -(-k_in // gs)
@@ -83,6 +91,52 @@ def _module(k_in: int, n_out: int, spec, device, seed: int = 0):
         d.fp8_scale.fill_(0.5)
         m = d
     return m.to(device)
+
+
+def _fused_module(k_in: int, n_out: int, spec, device, seed: int = 0):
+    """MosaicQuant (random per-channel W4 base, ``density`` of random 64x64 residual blocks) or SQ-format
+    static activations (random W4 g128, a random static mask of ``sq``, per-bank activation scales)."""
+    from bitmosaic.algorithms.sq import static_channel_mask
+    from bitmosaic.formats.packing import pack_codes
+    from bitmosaic.formats.sq import parse_sq
+    from bitmosaic.modules.mosaic import MosaicQuantLinear
+    from bitmosaic.modules.sq import SQActLinear
+
+    kind, setting = spec
+    g = torch.Generator().manual_seed(seed)
+    if kind == "sq":
+        dense = _module(k_in, n_out, (4, 128, False, 0.0, False), "cpu", seed)
+        mask = static_channel_mask(torch.rand(k_in, generator=g), parse_sq(setting))
+        return SQActLinear.from_packed(dense, setting, "static", "bank", mask).to(device)
+    bm = bk = 64
+    m = MosaicQuantLinear(k_in, n_out, bits=4, group_size=None, symmetric=True, block_rows=bm, block_cols=bk,
+                          n_blocks=0)  # fmt: skip
+    nb = -(-n_out // bm) * -(-k_in // bk)
+    idx = torch.nonzero(torch.rand(nb, generator=g) < setting).reshape(-1).to(torch.int32)
+    m.qweight.copy_(pack_codes(torch.randint(0, 16, (n_out, k_in), generator=g, dtype=torch.int32), 4))
+    m.scales.copy_((torch.rand(n_out, 1, generator=g) * 0.01 + 1e-3).half())
+    m.res_index = idx
+    m.res_qweight = pack_codes(
+        torch.randint(0, 16, (idx.numel() * bm, bk), generator=g, dtype=torch.int32), 4
+    )
+    m.res_scales = (torch.rand(idx.numel(), bm, generator=g) * 1e-3).half()
+    return m.to(device)
+
+
+def _dense_int(k_in: int, n_out: int, spec, device):
+    """The dense INT kernel a fused kind is compared with: its W4 base alone (per channel for mosaic)."""
+    if not isinstance(spec[0], str):
+        return None
+    return _module(k_in, n_out, (4, k_in if spec[0] == "mosaic" else 128, False, 0.0, False), device)
+
+
+def _reference(m, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What ``m(x)`` should be: ``F.linear`` on the bf16 weight, or the SQ split's own float forward."""
+    import torch.nn.functional as F
+
+    from bitmosaic.modules.sq import SQActLinear
+
+    return m._linear(x, w, None) if isinstance(m, SQActLinear) else F.linear(x, w.to(x.dtype))
 
 
 def _ran(m) -> str:
@@ -144,10 +198,11 @@ def _linear_rows(deadline: float) -> list[dict]:
     rows = []
     for model, shapes in SHAPES.items():
         for k_in, n_out in shapes:
-            for name, spec in KERNELS.items():
+            for name, spec in {**KERNELS, **FUSED}.items():
                 if time.time() > deadline:
                     return rows
                 m = _module(k_in, n_out, spec, dev)
+                base = _dense_int(k_in, n_out, spec, dev)
                 w = m.dequantize_reference().to(dev)
                 wb = w.bfloat16()
                 marlin = None
@@ -160,15 +215,16 @@ def _linear_rows(deadline: float) -> list[dict]:
                     x = torch.randn(r, k_in, device=dev, dtype=torch.bfloat16)
                     with torch.no_grad():
                         y = m(x).float()
-                        ref = F.linear(x, wb).float()
+                        ref = _reference(m, x, w).float()
                         err = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
                         t_k = _timed(lambda: m(x))
                         t_b = _timed(lambda: F.linear(x, wb))
                         t_m = _timed(lambda: marlin(x)) if marlin is not None else None
+                        t_i = _timed(lambda: base(x)) if base is not None else None
                     kname = _ran(m)
                     rows.append({"model": model, "in": k_in, "out": n_out, "kernel": name, "rows": r,
                                  "ran": kname, "bf16_ms": t_b, "triton_ms": t_k, "marlin_ms": t_m,
-                                 "max_rel_err": err})  # fmt: skip
+                                 "int4_ms": t_i, "max_rel_err": err})  # fmt: skip
                     print(f"{model:>12} {k_in:>6}x{n_out:<6} {name:>22} m={r:<4} bf16 {t_b:8.4f} ms  "
                           f"triton {t_k:8.4f} ms  x{t_b / t_k:5.2f}  err {err:.1e}", flush=True)  # fmt: skip
     rows.append({"marlin": marlin_why or "measured"})
@@ -360,12 +416,13 @@ def _interpret_check() -> int:
     """A tiny exactness check of every kernel in Triton's interpreter (no timings)."""
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ["BITMOSAIC_TRITON_ON_CPU"] = "1"
-    import torch.nn.functional as F
+    os.environ["BITMOSAIC_ACT_COMPUTE"] = "sim"  # SQ: the float split (the CPU's integer path otherwise)
 
-    for name, spec in KERNELS.items():
-        m = _module(64, 24, (spec[0], 32, *spec[2:]), "cpu")
+    for name, spec in {**KERNELS, **FUSED}.items():
+        m = _module(64, 24, spec if isinstance(spec[0], str) else (spec[0], 32, *spec[2:]), "cpu")
         x = torch.randint(-4, 5, (3, 64)).float()
-        diff = float((m(x) - F.linear(x, m.dequantize_reference())).abs().max())
+        with torch.no_grad():
+            diff = float((m(x) - _reference(m, x, m.dequantize_reference())).abs().max())
         print(f"{name:>22}: {_ran(m)}, max |y - F.linear(x, W)| = {diff:.1e} (interpreter)")
     return _interpret_check_dpq_sfmp()
 
@@ -428,16 +485,26 @@ def main() -> int:
 
 
 def _markdown(gpu: str, rows: list[dict], decode: dict) -> str:
-    head = "| model | in x out | kernel | rows | bf16 ms | triton ms | speed-up | Marlin ms | max rel err |"
-    lines = [f"# Triton kernels vs bf16 F.linear on {gpu}", "", head, "|---|---|---|---|---|---|---|---|---|"]
+    head = (
+        "| model | in x out | kernel | rows | bf16 ms | triton ms | speed-up | Marlin ms | dense INT4 ms "
+        "| max rel err |"
+    )
+    lines = [
+        f"# Triton kernels vs bf16 F.linear on {gpu}",
+        "",
+        head,
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "kernel" not in r:
             lines.append(f"\nMarlin: {r['marlin']}")
             continue
         mm = "-" if r["marlin_ms"] is None else f"{r['marlin_ms']:.4f}"
+        im = "-" if r.get("int4_ms") is None else f"{r['int4_ms']:.4f}"
         lines.append(
             f"| {r['model']} | {r['in']}x{r['out']} | {r['kernel']} | {r['rows']} | {r['bf16_ms']:.4f} | "
-            f"{r['triton_ms']:.4f} | {r['bf16_ms'] / r['triton_ms']:.2f} | {mm} | {r['max_rel_err']:.1e} |"
+            f"{r['triton_ms']:.4f} | {r['bf16_ms'] / r['triton_ms']:.2f} | {mm} | {im} | "
+            f"{r['max_rel_err']:.1e} |"
         )
     lines += ["", f"End-to-end decode (SmolLM2-135M shape, random weights): {decode}"]
     return "\n".join(lines)

@@ -26,7 +26,9 @@ activations, ``$BITMOSAIC_ACT_COMPUTE=sim``, off the CPU) the input quantizer pr
 once, and the kernel multiplies it by the dense base and the residual blocks -- in one tiling pass for
 prefill, and for decode (at most 8 rows) in two compiled passes (dense GEMV, then the residual
 blocks accumulated into the same output) -- so the sparse branch uses the same quantized activations
-(:mod:`bitmosaic.kernels.mosaic`).
+(:mod:`bitmosaic.kernels.mosaic`).  On a CUDA device (``GPU_KERNELS``) both run in one Triton kernel,
+ZipperEngine's fusion (§4.2): each output tile accumulates the dense base and the residual blocks of its
+rows (:mod:`bitmosaic.kernels.triton.mosaic`; issue 76).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ __all__ = ["MosaicQuantLinear"]
 class MosaicQuantLinear(QuantLinear):
     kind = "mosaic"
     KERNELS = ("lowbit",)  # the residual pass adds into LowBitWeight's GEMV and fused tiles
+    # off the CPU: dense base and residual blocks in one Triton kernel (kernels/triton/mosaic.py, issue 76)
+    GPU_KERNELS = ("triton_mosaic",)
     INT_ACT_KERNELS = ("int8act",)  # INT activations: dense base and residual blocks in integers
     CONFIG_KEYS = ("block_rows", "block_cols", "n_blocks", "n_columns")
 
@@ -130,7 +134,12 @@ class MosaicQuantLinear(QuantLinear):
 
     def _build_kernel(self):
         from ..kernels.mosaic import MosaicColumnsWeight, MosaicWeight
+        from ..kernels.select import offers_device, select_kernel
 
+        device = self.scales.device.type
+        if offers_device(self.GPU_KERNELS, device):  # the fused Triton kernel (issue 76, §4.2)
+            kind = select_kernel(self.GPU_KERNELS, self.storage_bits, device=device, group_size=-1)
+            return self._triton_kernel(kind)
         dense = super()._build_kernel()  # a LowBitKernel without permutation (no g_idx)
         c, s = self.residual_blocks()
         shape = (self.out_features, self.residual_width)
@@ -138,6 +147,17 @@ class MosaicQuantLinear(QuantLinear):
             cols = self.res_columns
             return MosaicColumnsWeight(dense.weight, self.res_index, c, s, shape, self.block, cols)
         return MosaicWeight(dense.weight, self.res_index, c, s, shape, self.block)
+
+    def _triton_kernel(self, kind):
+        """The dense base (codes at their storage width, ``code_offset`` folded into the zero-point 8) and
+        the residual blocks as ``kind`` (:class:`~bitmosaic.kernels.triton.mosaic.TritonMosaicWeight`)."""
+        from ..kernels.triton.intmm import TritonIntWeight
+
+        codes = unpack_codes(self.qweight, self.storage_bits, self.in_features)
+        dense = TritonIntWeight.from_codes(codes, self.storage_bits, self.scales, 8.0 - self.code_offset, -1)
+        c, s = self.residual_blocks()
+        shape = (self.out_features, self.residual_width)
+        return kind(dense, self.res_index, c, s, shape, self.block, self.res_columns)
 
     # -- integer activations (kernels/mosaic.py) ------------------------------------------------
     @staticmethod

@@ -125,6 +125,8 @@ class SQActLinear(QuantLinear):
     kind = "packed+sq-act"
     CONFIG_KEYS = ("sq", "strategy", "act_scale")  # + act_group, calibrated_scales when set
     INT_ACT_KERNELS = ("int8act",)  # INT SQ activations: both parts in integers (sq_int.py SQIntKernel)
+    # the static split GEMM off the CPU (kernels/triton/sqsplit.py, issue 76); no CPU kernel weight
+    KERNELS = GPU_KERNELS = ("triton_sq",)
     QUANTIZES_OWN_INPUTS = True
 
     def __init__(
@@ -235,7 +237,32 @@ class SQActLinear(QuantLinear):
         return self._unpermute(super()._dequantize(dtype))
 
     def _build_kernel(self):
-        return None  # the split forward below dequantizes the stored weight
+        """Static strategy on a device the Triton split GEMM runs on (CUDA; issue 76): the stored weight and
+        the split in one kernel (kernels/triton/sqsplit.py).  Otherwise none: the split forward below
+        dequantizes the stored weight."""
+        from ..kernels.select import offers_device, select_kernel
+
+        device = self.scales.device.type
+        if self.strategy != "static" or not offers_device(self.GPU_KERNELS, device):
+            return None
+        kind = select_kernel(self.GPU_KERNELS, self.storage_bits, device=device, group_size=self.group_size)
+        z = self._zeros_arg()
+        z = z - self.code_offset if not torch.is_tensor(z) else z.float() - self.code_offset
+        zeros = z.float() if torch.is_tensor(z) else torch.full_like(self.scales, z, dtype=torch.float32)
+        cal = None if self.act_low_scale is None else (self.act_low_scale, self.act_high_scale)
+        split = {"fmt": self.fmt, "mask": self.channel_mask(), "perm": self.sq_perm, "scale": self.act_scale,
+                 "group": self.act_group, "scales": cal}  # fmt: skip
+        return kind(self.qweight, self.storage_bits, self.scales.float(), zeros, self._g_idx_arg(), split)
+
+    def _saved_from_kernel(self, k):
+        """The packed buffers the Triton split kernel holds (``qweight`` itself, ``scales``/``zeros`` in
+        float32 with ``code_offset`` folded, ``g_idx`` in stored order): rebuilt, checked, released."""
+        out = {"qweight": lambda: k.qweight, "scales": lambda: k.scales.to(torch.float16)}
+        if not self.symmetric:
+            out["zeros"] = lambda: (k.zeros + self.code_offset).to(torch.float16)
+        if self._buffers.get("g_idx") is not None:
+            out["g_idx"] = lambda: k.g_idx.clone()
+        return out
 
     def stored_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight in its stored column order (high channels first when static; a new tensor)."""

@@ -15,6 +15,8 @@ from bitmosaic.kernels.lut import BitPlaneWeight
 from bitmosaic.kernels.qmatmul import LowBitWeight
 from bitmosaic.kernels.select import KERNEL_ENV, offers_device, select_kernel
 from bitmosaic.kernels.triton.intmm import TritonIntWeight
+from bitmosaic.kernels.triton.mosaic import TritonMosaicWeight
+from bitmosaic.kernels.triton.sqsplit import TritonSQSplitWeight
 from bitmosaic.modules.kernel import LowBitKernel
 from bitmosaic.modules.mosaic import MosaicQuantLinear
 from bitmosaic.modules.qlinear import QuantLinear
@@ -44,6 +46,28 @@ def test_cuda_requests_get_triton_cpu_requests_do_not(monkeypatch):
     assert not offers_device(("lut", "lowbit"), "cuda")
 
 
+def test_mosaic_and_sq_kernels_are_selected_on_cuda_only(monkeypatch):
+    """Their declared capabilities: one storage width per matrix (2-8 bits), CUDA (the CPU only under the
+    stand-in); without Triton neither is offered and the kinds keep their CPU paths."""
+    need_triton()
+    monkeypatch.delenv(tk.ON_CPU_ENV, raising=False)
+    mosaic, sq = MosaicQuantLinear.GPU_KERNELS, SQActLinear.GPU_KERNELS
+    for rows in (1, 16, 512):
+        assert select_kernel(mosaic, 4, rows=rows, device="cuda", group_size=-1) is TritonMosaicWeight
+        for bits in (2, 4, 8):
+            assert select_kernel(sq, bits, rows=rows, device="cuda:0", group_size=64) is TritonSQSplitWeight
+    mixed = torch.tensor([[2, 4]], dtype=torch.uint8)
+    for kernels in (mosaic, sq):  # one storage width per matrix
+        with pytest.raises(ValueError, match="none of the kernels"):
+            select_kernel(kernels, mixed, device="cuda")
+    assert offers_device(mosaic, "cuda") and offers_device(sq, "cuda")
+    assert not offers_device(mosaic, "cpu") and not offers_device(sq, "cpu")
+    with stand_in():
+        assert offers_device(mosaic, "cpu") and offers_device(sq, "cpu")
+    monkeypatch.setenv(tk.NO_TRITON_ENV, "1")
+    assert not offers_device(mosaic, "cuda") and not offers_device(sq, "cuda")
+
+
 def test_without_triton_nothing_is_offered(monkeypatch):
     """``BITMOSAIC_NO_TRITON=1`` (as on a machine without Triton): the selector does not offer them, the
     CPU choices stay, a CUDA request has no kernel (the module then runs F.linear)."""
@@ -65,10 +89,13 @@ def test_stand_in_needs_the_interpreter(monkeypatch):
 
 
 def test_kinds_that_change_the_product_declare_their_own():
-    """A subclass that changes the kernel or the product is not offered the packed kind's GPU kernel."""
+    """A subclass that changes the kernel or the product is not offered the packed kind's GPU kernel; the
+    mosaic and static SQ kinds declare their own (kernels/triton/mosaic.py, sqsplit.py)."""
     assert QuantLinear.GPU_KERNELS == ("triton_int",)
-    assert MosaicQuantLinear.GPU_KERNELS == () and "triton_int" not in MosaicQuantLinear.KERNELS
-    assert SQActLinear.GPU_KERNELS == () and "triton_int" not in SQActLinear.KERNELS
+    assert (
+        MosaicQuantLinear.GPU_KERNELS == ("triton_mosaic",) and "triton_int" not in MosaicQuantLinear.KERNELS
+    )
+    assert SQActLinear.GPU_KERNELS == ("triton_sq",) and "triton_int" not in SQActLinear.KERNELS
     for own in (SparseOutlierQuantLinear, FP8ComputeQuantLinear):  # SSQR, DPQ: their Triton kernels
         assert own.GPU_KERNELS == ("triton_int",) and own.KERNELS[0] == "triton_int"
 
