@@ -91,3 +91,15 @@ def test_a_gpu_without_fp8_tensor_cores_cannot_test_dpq(monkeypatch):
         r["fp8_dot"] = False
     nums, v, _ = _judged(monkeypatch, {"gpu_kernels": run})[DPQ]
     assert nums.startswith("measured on NVIDIA A100-SXM4-80GB") and v.startswith("cannot be tested here")
+
+
+@pytest.mark.parametrize(("sq_ms", "word"), [(1.1, "holds"), (2.5, "does not hold")])
+def test_the_sq_split_is_judged_against_our_int8_and_int4_kernels(monkeypatch, sq_ms, word):
+    """SQ-format's split GEMM at 512 rows against the Triton INT8 dequant GEMM (``int8 g128``) and the fused
+    row's own dense INT4 kernel (``int4_ms``): no integer-activation GEMM runs on the GPU here."""
+    run = _run()
+    for k, n in SHAPES:
+        run["rows"].append(_row("int8 g128", k, n, 512, triton_ms=2.0, bf16_ms=2.0))
+        run["rows"].append(_row("sq static 16-(8/4)-0.75 w4 g128", k, n, 512, triton_ms=sq_ms, int4_ms=1.0))
+    nums, v, _ = _judged(monkeypatch, {"gpu_kernels": run})[SQ]
+    assert v.startswith(word) and "our INT8 kernel 2.0000" in nums and "our INT4 kernel 1.0000" in nums

@@ -6,7 +6,7 @@ Every kernel class declares what it runs (the GPTQModel style)::
                                   (IntActWeight: integer activations, modules/intact.py), "triton_int"
                                   (TritonIntWeight: the GPU dequant GEMM/GEMV, kernels/triton/, issue 76),
                                   "triton_bitplane" (TritonBitPlaneWeight: SFMP's bit-plane GEMV),
-                                  "triton_mosaic" (MosaicQuant's fused base + residual blocks) or
+                                  "triton_blockres" (MosaicQuant's fused base + residual blocks) or
                                   "triton_sq" (SQ-format's static split GEMM)
     SUPPORTS_BITS                 code widths it runs (per block, any mix when SUPPORTS_MIXED_BITS)
     SUPPORTS_DEVICES              devices its weights live on (``supported_devices()``, when declared, says
@@ -18,7 +18,7 @@ Every kernel class declares what it runs (the GPTQModel style)::
 
 and every module kind lists, in order of preference, the kernels that can run it (a ``KERNELS`` class
 attribute: packed kinds ``("triton_int", "lut", "lowbit")``, mosaic ``("lowbit",)``, SFMP
-``("triton_bitplane", "lut")``; off the CPU a kind's ``GPU_KERNELS``: mosaic ``("triton_mosaic",)``, SQ
+``("triton_bitplane", "lut")``; off the CPU a kind's ``GPU_KERNELS``: mosaic ``("triton_blockres",)``, SQ
 activations ``("triton_sq",)``, SFMP ``("triton_bitplane",)``).
 :func:`select_kernel` takes the first listed kernel that runs the request and is fast for it, else the
 first that runs it.  A kind's integer-activation kernels are listed apart (``INT_ACT_KERNELS``:
@@ -43,7 +43,7 @@ from .lut import BitPlaneWeight
 from .qmatmul import LowBitWeight
 from .triton.bitplane import TritonBitPlaneWeight
 from .triton.intmm import TritonIntWeight
-from .triton.mosaic import TritonMosaicWeight
+from .triton.blockres import TritonBlockResidualWeight
 from .triton.sqsplit import TritonSQSplitWeight
 
 __all__ = ["KERNEL_ENV", "KERNELS", "select_kernel", "runs", "is_fast", "kernel_devices", "offers_device"]
@@ -57,7 +57,7 @@ KERNELS: dict[str, type] = {
         IntActWeight,
         TritonIntWeight,
         TritonBitPlaneWeight,
-        TritonMosaicWeight,
+        TritonBlockResidualWeight,
         TritonSQSplitWeight,
     )
 }

@@ -28,7 +28,7 @@ prefill, and for decode (at most 8 rows) in two compiled passes (dense GEMV, the
 blocks accumulated into the same output) -- so the sparse branch uses the same quantized activations
 (:mod:`bitmosaic.kernels.mosaic`).  On a CUDA device (``GPU_KERNELS``) both run in one Triton kernel,
 ZipperEngine's fusion (§4.2): each output tile accumulates the dense base and the residual blocks of its
-rows (:mod:`bitmosaic.kernels.triton.mosaic`; issue 76).
+rows (:mod:`bitmosaic.kernels.triton.blockres`; issue 76).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ __all__ = ["MosaicQuantLinear"]
 class MosaicQuantLinear(QuantLinear):
     kind = "mosaic"
     KERNELS = ("lowbit",)  # the residual pass adds into LowBitWeight's GEMV and fused tiles
-    # off the CPU: dense base and residual blocks in one Triton kernel (kernels/triton/mosaic.py, issue 76)
-    GPU_KERNELS = ("triton_mosaic",)
+    # off the CPU: dense base and residual blocks in one Triton kernel (kernels/triton/blockres.py, issue 76)
+    GPU_KERNELS = ("triton_blockres",)
     INT_ACT_KERNELS = ("int8act",)  # INT activations: dense base and residual blocks in integers
     CONFIG_KEYS = ("block_rows", "block_cols", "n_blocks", "n_columns")
 
@@ -150,7 +150,7 @@ class MosaicQuantLinear(QuantLinear):
 
     def _triton_kernel(self, kind):
         """The dense base (codes at their storage width, ``code_offset`` folded into the zero-point 8) and
-        the residual blocks as ``kind`` (:class:`~bitmosaic.kernels.triton.mosaic.TritonMosaicWeight`)."""
+        the residual blocks as ``kind`` (:class:`~bitmosaic.kernels.triton.blockres.TritonBlockResidualWeight`)."""
         from ..kernels.triton.intmm import TritonIntWeight
 
         codes = unpack_codes(self.qweight, self.storage_bits, self.in_features)

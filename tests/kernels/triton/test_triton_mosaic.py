@@ -1,4 +1,4 @@
-"""MosaicQuant's fused dense base + residual blocks in one Triton kernel (kernels/triton/mosaic.py; issue 76,
+"""MosaicQuant's fused dense base + residual blocks in one Triton kernel (kernels/triton/blockres.py; issue 76,
 MosaicQuant §4.2) against the module's reference forward ``F.linear(x, dequantize_reference())``, under the
 interpreter with the device stand-in (the module picks the kernel as it would on CUDA).
 
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from bitmosaic.formats.act import ActQuantSpec, fake_quant
 from bitmosaic.formats.packing import pack_codes
 from bitmosaic.kernels.triton.intmm import TritonIntWeight
-from bitmosaic.kernels.triton.mosaic import TritonMosaicWeight
+from bitmosaic.kernels.triton.blockres import TritonBlockResidualWeight
 from bitmosaic.modules import attach_input_quant
 from bitmosaic.modules.mosaic import MosaicQuantLinear
 from tests.helpers import env_var
@@ -75,7 +75,7 @@ def _bound(x, m, dtype=torch.float32):
 
 def _run(m, x):
     k = m.kernel()
-    assert isinstance(k, TritonMosaicWeight) and isinstance(k.dense, TritonIntWeight)
+    assert isinstance(k, TritonBlockResidualWeight) and isinstance(k.dense, TritonIntWeight)
     with torch.no_grad():
         return m(x)
 
@@ -165,7 +165,7 @@ def test_load_on_the_device_runs_the_fused_kernel(tmp_path):
     with stand_in():
         gpu = bitmosaic.load(path, device="cpu")
         layers = [m for m in gpu.modules() if isinstance(m, MosaicQuantLinear)]
-        assert layers and all(isinstance(m._kernel, TritonMosaicWeight) for m in layers)
+        assert layers and all(isinstance(m._kernel, TritonBlockResidualWeight) for m in layers)
         assert any(m._kernel.codes.shape[0] for m in layers)
         assert all("qweight" in m._released for m in layers)  # rebuilt from the kernel's base, exactly
         assert torch.equal(layers[0].qweight, cpu.get_submodule(_name(gpu, layers[0])).qweight)

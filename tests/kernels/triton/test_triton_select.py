@@ -15,7 +15,7 @@ from bitmosaic.kernels.lut import BitPlaneWeight
 from bitmosaic.kernels.qmatmul import LowBitWeight
 from bitmosaic.kernels.select import KERNEL_ENV, offers_device, select_kernel
 from bitmosaic.kernels.triton.intmm import TritonIntWeight
-from bitmosaic.kernels.triton.mosaic import TritonMosaicWeight
+from bitmosaic.kernels.triton.blockres import TritonBlockResidualWeight
 from bitmosaic.kernels.triton.sqsplit import TritonSQSplitWeight
 from bitmosaic.modules.kernel import LowBitKernel
 from bitmosaic.modules.mosaic import MosaicQuantLinear
@@ -53,7 +53,7 @@ def test_mosaic_and_sq_kernels_are_selected_on_cuda_only(monkeypatch):
     monkeypatch.delenv(tk.ON_CPU_ENV, raising=False)
     mosaic, sq = MosaicQuantLinear.GPU_KERNELS, SQActLinear.GPU_KERNELS
     for rows in (1, 16, 512):
-        assert select_kernel(mosaic, 4, rows=rows, device="cuda", group_size=-1) is TritonMosaicWeight
+        assert select_kernel(mosaic, 4, rows=rows, device="cuda", group_size=-1) is TritonBlockResidualWeight
         for bits in (2, 4, 8):
             assert select_kernel(sq, bits, rows=rows, device="cuda:0", group_size=64) is TritonSQSplitWeight
     mixed = torch.tensor([[2, 4]], dtype=torch.uint8)
@@ -90,10 +90,10 @@ def test_stand_in_needs_the_interpreter(monkeypatch):
 
 def test_kinds_that_change_the_product_declare_their_own():
     """A subclass that changes the kernel or the product is not offered the packed kind's GPU kernel; the
-    mosaic and static SQ kinds declare their own (kernels/triton/mosaic.py, sqsplit.py)."""
+    mosaic and static SQ kinds declare their own (kernels/triton/blockres.py, sqsplit.py)."""
     assert QuantLinear.GPU_KERNELS == ("triton_int",)
     assert (
-        MosaicQuantLinear.GPU_KERNELS == ("triton_mosaic",) and "triton_int" not in MosaicQuantLinear.KERNELS
+        MosaicQuantLinear.GPU_KERNELS == ("triton_blockres",) and "triton_int" not in MosaicQuantLinear.KERNELS
     )
     assert SQActLinear.GPU_KERNELS == ("triton_sq",) and "triton_int" not in SQActLinear.KERNELS
     for own in (SparseOutlierQuantLinear, FP8ComputeQuantLinear):  # SSQR, DPQ: their Triton kernels

@@ -3,7 +3,7 @@
 One file per kernel family: ``intmm.py`` (the packed INT kinds: dequant GEMM with ``tl.dot`` for prefill,
 GEMV for decode; with ``with_fp8`` DPQ's INT4 -> FP8 E4M3 dequantization, fed with FP8 activations to
 an FP8 ``tl.dot`` where :func:`fp8_dot` says the device has one, else multiplied in float),
-``sparse.py`` (SSQR's dense product plus its CSR outliers), ``mosaic.py`` (MosaicQuant's dense base plus
+``sparse.py`` (SSQR's dense product plus its CSR outliers), ``blockres.py`` (MosaicQuant's dense base plus
 residual blocks in one kernel), ``sqsplit.py`` (SQ-format's static split GEMM), ``bitplane.py`` (SFMP's
 bit-plane GEMV, the SFMP module kind's kernel on CUDA; docs/cpu-inference.md, "GPU kernels", says what is
 not written yet).  The ``*_jit.py`` files hold the ``@triton.jit`` bodies; they are imported lazily, on the

@@ -23,7 +23,7 @@ __all__ = ["TritonIntWeight", "GEMV_MAX_ROWS"]
 GEMV_MAX_ROWS = 8  # up to this many rows of x: the GEMV (the weight read once per row), above: the GEMM
 
 
-def _pow2(n: int, lo: int, hi: int) -> int:
+def pow2_tile(n: int, lo: int, hi: int) -> int:
     p = lo
     while p < n and p < hi:
         p *= 2
@@ -141,7 +141,7 @@ class TritonIntWeight:
             grid = (-(-self.N // BN), M)
             jit.gemv_kernel[grid](x2, perm, q, s, z, y, self.N, self.K, *common, **flags, BN=BN, BK=BK)
         else:
-            BM, BN, BK = _pow2(M, 16, 64), (32 if M <= GEMV_MAX_ROWS else 64), 64
+            BM, BN, BK = pow2_tile(M, 16, 64), (32 if M <= GEMV_MAX_ROWS else 64), 64
             grid = (-(-M // BM), -(-self.N // BN))
             up = interpreting() and x2.dtype == torch.bfloat16
             xs = x_scale.float().reshape(-1)[:1].to(x.device) if dot_fp8 else s  # any pointer when off

@@ -13,7 +13,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _codes(q_ptr, row_off, offs_k, BITS: tl.constexpr, mask):
+def codes_tile(q_ptr, row_off, offs_k, BITS: tl.constexpr, mask):
     """The ``BITS``-bit codes at columns ``offs_k`` of the packed rows starting at ``q_ptr + row_off``."""
     pos = (offs_k % 8) * BITS
     byte = (offs_k // 8) * BITS + pos // 8
@@ -57,11 +57,11 @@ def e4m3_rne(v):
 
 
 @triton.jit
-def _weight(q_ptr, s_ptr, z_ptr, n, k, G, GS, stride_q, BITS: tl.constexpr, mask,
+def weight_tile(q_ptr, s_ptr, z_ptr, n, k, G, GS, stride_q, BITS: tl.constexpr, mask,
             sw_ptr=None, sw_stride=0, FP8: tl.constexpr = False):  # fmt: skip
     """``(c - z) * s`` (float32) at rows ``n`` and columns ``k`` (broadcast), 0 where masked; ``FP8``
     (DPQ): rounded onto the E4M3 grid, times the FP8 weight scale ``sw[n * sw_stride]``."""
-    c = _codes(q_ptr, n * stride_q, k, BITS, mask)
+    c = codes_tile(q_ptr, n * stride_q, k, BITS, mask)
     g = n * G + k // GS
     s = tl.load(s_ptr + g, mask=mask, other=0.0)
     z = tl.load(z_ptr + g, mask=mask, other=0.0)
@@ -78,7 +78,7 @@ def dequant_kernel(q_ptr, s_ptr, z_ptr, w_ptr, r0, R, K, G, GS, stride_q, sw_ptr
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     mask = (rn[:, None] < R) & (k[None, :] < K)
-    w = _weight(q_ptr, s_ptr, z_ptr, (r0 + rn)[:, None], k[None, :], G, GS, stride_q, BITS, mask,
+    w = weight_tile(q_ptr, s_ptr, z_ptr, (r0 + rn)[:, None], k[None, :], G, GS, stride_q, BITS, mask,
                 sw_ptr, sw_stride, FP8)  # fmt: skip
     tl.store(w_ptr + rn[:, None] * K + k[None, :], w, mask=mask)
 
@@ -115,11 +115,11 @@ def gemm_kernel(x_ptr, perm_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G, GS, str
         wmask = kmask[:, None] & (on[None, :] < N)
         if DOT_FP8:  # the unscaled E4M3 operands (s_x and s_w after the loop)
             x8 = e4m3_rne(tl.math.div_rn(x.to(tl.float32), tl.load(xs_ptr))).to(tl.float8e4nv)
-            w = _weight(q_ptr, s_ptr, z_ptr, on[None, :], ok[:, None], G, GS, stride_q, BITS, wmask)
+            w = weight_tile(q_ptr, s_ptr, z_ptr, on[None, :], ok[:, None], G, GS, stride_q, BITS, wmask)
             w8 = e4m3_rne(w).to(tl.float8e4nv)
             acc = tl.dot(x8, w8, acc, out_dtype=tl.float32, max_num_imprecise_acc=0)
         else:
-            w = _weight(q_ptr, s_ptr, z_ptr, on[None, :], ok[:, None], G, GS, stride_q, BITS, wmask,
+            w = weight_tile(q_ptr, s_ptr, z_ptr, on[None, :], ok[:, None], G, GS, stride_q, BITS, wmask,
                         sw_ptr, sw_stride, FP8)  # fmt: skip
             if UPCAST:  # the interpreter's dot misreads bfloat16: the same products (exact in float32)
                 wu = to_dtype(w, x.dtype).to(tl.float32)
@@ -152,7 +152,7 @@ def gemv_kernel(x_ptr, perm_ptr, q_ptr, s_ptr, z_ptr, y_ptr, N, K, G, GS, stride
         if HAS_PERM:
             cols = tl.load(perm_ptr + ok, mask=kmask, other=0)
         x = tl.load(x_ptr + m * stride_xm + cols, mask=kmask, other=0.0)
-        w = _weight(q_ptr, s_ptr, z_ptr, on[:, None], ok[None, :], G, GS, stride_q, BITS,
+        w = weight_tile(q_ptr, s_ptr, z_ptr, on[:, None], ok[None, :], G, GS, stride_q, BITS,
                     (on[:, None] < N) & kmask[None, :], sw_ptr, sw_stride, FP8)  # fmt: skip
         if HALF:
             w = to_dtype(w, x.dtype).to(tl.float32)

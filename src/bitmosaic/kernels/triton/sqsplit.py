@@ -28,7 +28,7 @@ import torch
 from ...algorithms.sq import static_split
 from ...formats.sq_act import act_scale_group
 from . import check_device, devices, jit_module
-from .intmm import _pow2
+from .intmm import pow2_tile
 
 __all__ = ["TritonSQSplitWeight"]
 
@@ -108,7 +108,7 @@ class TritonSQSplitWeight:
             ah, al, sh, sl = self.levels(x2)
             if al.shape[1] == 0:
                 al = ah  # any pointer: no low columns to read
-            BM, BN, BK = _pow2(M, 16, 64), 64, 64
+            BM, BN, BK = pow2_tile(M, 16, 64), 64, 64
             grid = (-(-M // BM), -(-self.N // BN))
             jit_module("sqsplit_jit").sq_split_kernel[grid](
                 ah, al, sh, sl, self.scale_col, self.qweight, self.scales, self.zeros, self.g_idx, y,

@@ -6,14 +6,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .intmm_jit import _codes, to_dtype
+from .intmm_jit import codes_tile, to_dtype
 
 
 @triton.jit
 def _weight_g(q_ptr, s_ptr, z_ptr, gidx_ptr, n, k, G, stride_q, BITS: tl.constexpr, mask):
     """``(c - z) * s`` (float32) at rows ``n`` and stored columns ``k``, the group of column ``k`` read
     from ``g_idx`` (the static split stores its columns high-first: groups are not contiguous)."""
-    c = _codes(q_ptr, n * stride_q, k, BITS, mask)
+    c = codes_tile(q_ptr, n * stride_q, k, BITS, mask)
     g = n * G + tl.load(gidx_ptr + k, mask=mask, other=0)
     s = tl.load(s_ptr + g, mask=mask, other=0.0)
     z = tl.load(z_ptr + g, mask=mask, other=0.0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .intmm_jit import _weight, to_dtype
+from .intmm_jit import weight_tile, to_dtype
 
 
 @triton.jit
@@ -24,7 +24,7 @@ def _product(acc, x, w, HALF: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def mosaic_kernel(x_ptr, q_ptr, s_ptr, z_ptr, rc_ptr, rs_ptr, rb_ptr, cb_ptr, starts_ptr, cols_ptr, y_ptr,
+def blockres_kernel(x_ptr, q_ptr, s_ptr, z_ptr, rc_ptr, rs_ptr, rb_ptr, cb_ptr, starts_ptr, cols_ptr, y_ptr,
                   M, N, K, KR, G, GS, NRB, bm, bk, stride_xm, stride_q, stride_ym,
                   BITS: tl.constexpr, HAS_COLS: tl.constexpr, HALF: tl.constexpr, UPCAST: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RK: tl.constexpr):  # fmt: skip
@@ -48,7 +48,7 @@ def mosaic_kernel(x_ptr, q_ptr, s_ptr, z_ptr, rc_ptr, rs_ptr, rb_ptr, cb_ptr, st
         kmask = ok < K
         x = tl.load(x_ptr + om[:, None] * stride_xm + ok[None, :], mask=mmask[:, None] & kmask[None, :],
                     other=0.0)  # fmt: skip
-        w = _weight(q_ptr, s_ptr, z_ptr, on[None, :], ok[:, None], G, GS, stride_q, BITS,
+        w = weight_tile(q_ptr, s_ptr, z_ptr, on[None, :], ok[:, None], G, GS, stride_q, BITS,
                     kmask[:, None] & nmask[None, :])  # fmt: skip
         acc = _product(acc, x, w, HALF, UPCAST)
     rb0 = n0 // bm

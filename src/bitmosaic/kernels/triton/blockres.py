@@ -28,16 +28,16 @@ from __future__ import annotations
 import torch
 
 from . import check_device, devices, interpreting, jit_module
-from .intmm import TritonIntWeight, _pow2
+from .intmm import TritonIntWeight, pow2_tile
 
-__all__ = ["TritonMosaicWeight"]
+__all__ = ["TritonBlockResidualWeight"]
 
 
-class TritonMosaicWeight:
+class TritonBlockResidualWeight:
     """The dense base (a :class:`TritonIntWeight`, ``.dense``) plus the residual blocks, one kernel per call
     (``__call__(x)``: the :class:`~bitmosaic.kernels.mosaic.MosaicWeight` interface)."""
 
-    KERNEL_NAME = "triton_mosaic"
+    KERNEL_NAME = "triton_blockres"
     SUPPORTS_BITS = (2, 3, 4, 5, 6, 7, 8)  # the base's storage width (4, wider for a no-clip base)
     SUPPORTS_MIXED_BITS = False
     SUPPORTS_DEVICES = ("cuda",)  # plus the CPU under the interpreter stand-in: supported_devices()
@@ -101,12 +101,12 @@ class TritonMosaicWeight:
             rc, rs, rb, cb = (
                 (self.codes, self.scales, self.rb, self.cb) if self.rb.numel() else (self.starts,) * 4
             )
-            BM, BN, BK = _pow2(M, 16, 64), 64, 64
-            RK = _pow2(self.bk, 16, 1 << 30)
+            BM, BN, BK = pow2_tile(M, 16, 64), 64, 64
+            RK = pow2_tile(self.bk, 16, 1 << 30)
             half = x2.dtype != torch.float32
             up = interpreting() and x2.dtype == torch.bfloat16
             grid = (-(-M // BM), -(-self.N // BN))
-            jit_module("mosaic_jit").mosaic_kernel[grid](
+            jit_module("blockres_jit").blockres_kernel[grid](
                 x2, q, s, z, rc, rs, rb, cb, self.starts, cols, y,
                 M, self.N, self.K, self.KR, G, d.group_size, self.nrb, self.bm, self.bk,
                 x2.stride(0), q.stride(0), y.stride(0), BITS=d.bits, HAS_COLS=self.columns is not None,
