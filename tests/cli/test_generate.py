@@ -102,7 +102,7 @@ def test_reference_is_eager(qdir):
             "does not exist: bitmosaic generate takes a folder saved by `bitmosaic quantize",
         ),
         ("gguf", [], "a GGUF file (run it with llama.cpp)"),
-        ("float", [], "is not a bitmosaic model"),
+        ("float", [], "is not a bitmosaic folder (a float model?): quantize it first"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(qdir, tmp_path, capsys, make, argv, expect):
@@ -114,6 +114,7 @@ def test_bad_input_is_one_line_and_exit_2(qdir, tmp_path, capsys, make, argv, ex
         target.write_bytes(b"GGUF\x03\x00\x00\x00")
     elif make == "float":
         target = save_hf_dir(tmp_path / "float")
+    capsys.readouterr()  # the writer's progress bar
     rc, out, err = run(capsys, target, "--prompt", PROMPT, *argv)
     assert rc == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("error: ") and expect in err, err

@@ -4,9 +4,11 @@ The folder loads as ``bitmosaic.load(DIR)`` does, so decode runs the compiled st
 (:func:`~bitmosaic.modules.decode.default_compiled_decode`; ``--no-compile`` or
 ``$BITMOSAIC_NO_COMPILE=1``: eager).  The new text streams to stdout as it is generated; the prefill and
 decode rates go to stderr, one line each.  The decode rate leaves out the first decode step, which is
-where the step compiles (its seconds are printed beside it).  Only bitmosaic folders: a GGUF file or a
-float model is refused in one line (llama.cpp runs GGUF files; ``bitmosaic quantize --out`` makes a
-folder).
+where the step compiles (its seconds are printed beside it).  The static KV cache holds the prompt plus
+``--max-new-tokens`` rounded up to a multiple of ``CACHE_BUCKET`` tokens (at most the model's positions):
+the compiled step depends on that length, so a later run with another prompt of a similar size finds
+it in the cache on disk instead of compiling again.  Only bitmosaic folders: a GGUF file or a float model
+is refused in one line (llama.cpp runs GGUF files; ``bitmosaic quantize --out`` makes a folder).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+CACHE_BUCKET = 256  # the static KV cache's length is rounded up to a multiple of this
 HELP = "generate text from a saved bitmosaic model folder (streamed to stdout; tok/s on stderr)"
 
 
@@ -58,6 +61,18 @@ def _check(args) -> Path:
         raise OptionError(
             f"{path} {what}: bitmosaic generate takes a folder saved by `bitmosaic quantize --out`"
         )
+    from ..errors import CorruptModelError
+    from ..io.saved.load import read_quant_config
+
+    try:
+        read_quant_config(path)
+    except CorruptModelError as e:
+        if "not a bitmosaic model" not in str(e):
+            raise
+        raise OptionError(
+            f"{path} is not a bitmosaic folder (a float model?): quantize it first "
+            f"(bitmosaic quantize --model {path} --out DIR), then run bitmosaic generate DIR"
+        ) from None
     return path
 
 
@@ -116,14 +131,20 @@ def cmd_generate(args) -> int:
         ) from None
     ids = tok(args.prompt, return_tensors="pt").input_ids
     rates = _Rates(tok)
-    sample = {"temperature": args.temperature} if args.temperature > 0 else {}
+    extra = {"temperature": args.temperature} if args.temperature > 0 else {}
+    compiled = hasattr(model, "_compiled_call")
+    if compiled:  # one static cache length per bucket: other prompts reuse the step cached on disk
+        need = ids.shape[1] + args.max_new_tokens
+        bucket = -(-need // CACHE_BUCKET) * CACHE_BUCKET
+        positions = getattr(model.config, "max_position_embeddings", need)
+        extra["max_cache_len"] = max(need, min(bucket, positions))
     with torch.inference_mode():
         model.generate(
-            ids, max_new_tokens=args.max_new_tokens, do_sample=bool(sample), streamer=rates.streamer,
-            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id, **sample,
+            ids, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0, streamer=rates.streamer,
+            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id, **extra,
         )  # fmt: skip
     sys.stdout.flush()
-    compiled = hasattr(model, "_compiled_call") and not getattr(model._compiled_call, "eager", False)
+    compiled = compiled and not getattr(model._compiled_call, "eager", False)
     for line in rates.report(ids.shape[1], compiled):
         print(line, file=sys.stderr)
     return 0
