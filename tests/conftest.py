@@ -10,6 +10,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
+NO_COMPILE_ENV = "BITMOSAIC_NO_COMPILE"  # bitmosaic.modules.decode.NO_COMPILE_ENV (not imported this early)
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
@@ -27,6 +28,20 @@ def _private_calibration_cache(tmp_path_factory):
     os.environ["BITMOSAIC_CACHE"] = str(tmp_path_factory.mktemp("bitmosaic-cache"))
     yield
     os.environ.pop("BITMOSAIC_CACHE", None)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _eager_decode_unless_tested():
+    """Loaded bitmosaic folders decode through a compiled step by default (issue 74), whose first
+    ``generate`` compiles for 30-60 s on the shared 2-core machine: every test but those of the default
+    (tests/io/test_default_decode.py, tests/cli/test_generate.py: they remove this) decodes eagerly, as all
+    did before, unless $BITMOSAIC_NO_COMPILE is set already."""
+    if NO_COMPILE_ENV in os.environ:
+        yield
+        return
+    os.environ[NO_COMPILE_ENV] = "1"
+    yield
+    os.environ.pop(NO_COMPILE_ENV, None)
 
 
 def correlated_inputs(n_tokens: int, n: int, seed: int = 0, dtype=torch.float64) -> torch.Tensor:

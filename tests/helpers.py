@@ -129,3 +129,21 @@ def transform_every_layer(model, spec, cfg, calib) -> list:
             inputs = [layer(h, **k) for h, k in zip(inputs, kwargs, strict=True)]
             inputs = [x[0] if isinstance(x, tuple) else x for x in inputs]
     return infos
+
+
+def varied_quantized_dir(path: Path, tokenizer: bool = True) -> Path:
+    """A saved W4 folder (RTN g32, with the word tokenizer unless told not to) of the tiny Llama with its
+    2-D weights scaled by 8, so its greedy continuations vary (equal tokens then mean something; the
+    unscaled model repeats one token)."""
+    from bitmosaic import quantize_
+    from bitmosaic.io import save_quantized
+
+    m = tiny_llama()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.mul_(8)
+    calib = torch.randint(len(SPECIALS), VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    quantize_(m, "rtn", calib, bits=4, group_size=32, progress=False)
+    tok = word_tokenizer() if tokenizer else None
+    return save_quantized(m, path, {"method": "rtn", "bits": 4, "group_size": 32}, tokenizer=tok)

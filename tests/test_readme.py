@@ -178,6 +178,8 @@ NEEDS: dict[tuple, tuple] = {
     SERVING: ("README.md", "Python API"),  # it loads runs/w4, which the Python API saves
     ("docs/scaling.md", "How it is served"): SERVING,  # exports runs/w4act (substitution 70b-folder)
     CT_FIX: SERVING,  # loads runs/w4act-ct (substitution ct-folder)
+    # generates from runs/w4 (decoded eagerly here: the session's $BITMOSAIC_NO_COMPILE, conftest)
+    ("docs/cpu-inference.md", "Generating text: compiled decode by default"): ("README.md", "Python API"),
 }
 
 LANGUAGES = {"bash", "python", "yaml", "text"}

@@ -220,7 +220,8 @@ def check(out: Path, new_tokens: int = 8) -> dict:
 
         model = load_quantized(str(out), load_tokenizer=False)[0]  # experts: one linear each
     else:
-        model = bitmosaic.load(str(out))
+        # eager decode, as before issue 74's compiled default: 8 tokens would time a one-off compile
+        model = bitmosaic.load(str(out), compile=False)
     load_s = time.perf_counter() - t0
     tok = AutoTokenizer.from_pretrained(str(out))
     ids = tok("w1 w2 w3 w4", return_tensors="pt").input_ids

@@ -1,4 +1,4 @@
-"""The ``bitmosaic`` command: ``quantize``, ``eval``, ``inspect``, ``methods``.
+"""The ``bitmosaic`` command: ``quantize``, ``eval``, ``inspect``, ``methods``, ``generate``, ...
 
 Each subcommand's handler lives in its own module of this package (``commands.py``; new
 subcommands add a module and one line in ``_HANDLERS``); shared flags are in ``args.py``.
@@ -23,6 +23,7 @@ from .args import (
 )
 from .commands import cmd_eval, cmd_inspect, cmd_methods
 from .export import add_export_parser, cmd_export
+from .generate import add_generate_parser, cmd_generate
 from .method_flags import add_method_args, method_options
 from .quantize import cmd_quantize
 from .reproduce import add_reproduce_parser, cmd_reproduce
@@ -104,6 +105,7 @@ _HANDLERS = {
     "compare": _compare.cmd_compare,
     "export": cmd_export,
     "reproduce": cmd_reproduce,
+    "generate": cmd_generate,
 }
 
 
@@ -116,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     _compare.add_parser(sub)
     add_export_parser(sub)
     add_reproduce_parser(sub)
+    add_generate_parser(sub)
     return p
 
 

@@ -30,6 +30,13 @@ still read at every call, so weights changed in place are seen.  Not seen: modul
 attributes changed by hand after the call -- call :func:`enable_compiled_decode` again, or pass
 ``guards="full"`` (dynamo's own guards, transformers' compiled ``self.__call__``).
 
+By default (issue 74) every bitmosaic load path turns this on (:func:`default_compiled_decode`:
+``bitmosaic.load``, ``from_pretrained`` of a bitmosaic folder, ``bitmosaic generate``), except for a
+mixture of experts, a model not on the CPU, or ``compile=False`` / ``$BITMOSAIC_NO_COMPILE=1``; a step
+that fails to compile decodes eagerly after one line on stderr.  The first call of a step says on stderr
+that it compiles, and the compiled code is cached across processes (:func:`inductor_cache_dir`, inductor's
+FX-graph and AOT-autograd caches: a later process traces the step again but compiles nothing).
+
 Cost and scope: the first ``generate`` compiles (inductor's C++ codegen; about a minute for SmolLM2-135M
 on this CPU, ``benchmarks/decode/decode.py`` reports it apart from the decode rate); later calls with the same
 ``max_new_tokens``, prompt length bucket and batch size reuse the graph, and another cache length
@@ -42,13 +49,28 @@ number beyond float32 reassociation by inductor's fused element-wise kernels (te
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+
 import torch
 from torch import nn
 
 from .base import QuantModule, prepare_kernels
 from .changes import changes
 
-__all__ = ["enable_compiled_decode", "disable_compiled_decode", "compile_config", "GUARDS"]
+__all__ = [
+    "enable_compiled_decode",
+    "disable_compiled_decode",
+    "default_compiled_decode",
+    "compile_config",
+    "inductor_cache_dir",
+    "compile_opted_out",
+    "NO_COMPILE_ENV",
+    "GUARDS",
+]
+
+NO_COMPILE_ENV = "BITMOSAIC_NO_COMPILE"
 
 
 def compile_config(options: dict | None = None):
@@ -72,16 +94,58 @@ def _skip_module_guards(entries) -> list[bool]:
     return [not e.orig_guard.source.is_unspecialized_nn_module() for e in entries]
 
 
+def inductor_cache_dir() -> str:
+    """Where the compiled decode steps are cached across processes: ``$TORCHINDUCTOR_CACHE_DIR`` when the
+    user set it, else ``inductor/`` under bitmosaic's cache root (``$BITMOSAIC_CACHE``, else
+    ``~/.cache/bitmosaic``)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from ..paths import default_cache_root
+
+    env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if env and os.path.abspath(env) != os.path.abspath(default_cache_dir()):  # torch writes its default
+        return env
+    return str(default_cache_root() / "inductor")
+
+
+@contextlib.contextmanager
+def _cache_in(path: str):
+    """``$TORCHINDUCTOR_CACHE_DIR`` = ``path`` while a step runs (inductor reads it when it compiles or
+    looks a graph up in its FX-graph and AOT caches), the previous value afterwards: other
+    ``torch.compile`` calls of the process keep their own cache."""
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
+
+
 class _CompiledStep:
     """The model's compiled decode step for ``guards="model"`` (module doc): ``model(*args, **kwargs)``
     through ``torch.compile`` with the module guards skipped, from a function whose code object is this
-    step's own, compiled again when :func:`~bitmosaic.modules.changes.changes` moves."""
+    step's own, compiled again when :func:`~bitmosaic.modules.changes.changes` moves.  Its compiled code
+    is cached in :func:`inductor_cache_dir` (inductor's FX-graph and AOT-autograd caches: a later process
+    traces the step again but compiles nothing); the first call of each compile says so on stderr.
+    ``fallback``: a step that fails to compile says so in one line on stderr and runs eagerly from then
+    on (the default path, :func:`default_compiled_decode`), instead of raising."""
 
-    def __init__(self, model: nn.Module, config) -> None:
+    def __init__(self, model: nn.Module, config, fallback: bool = False) -> None:
         self.model = model
         self.kwargs = config.to_dict()
         options = self.kwargs.get("options") or {}
-        self.kwargs["options"] = {**options, "guard_filter_fn": _skip_module_guards}
+        self.kwargs["options"] = {**options, "guard_filter_fn": _skip_module_guards, "fx_graph_cache": True}
+        self.fallback = fallback
+        self.eager = False
+        self._cache = inductor_cache_dir()
         self._compile()
 
     def _compile(self) -> None:
@@ -93,11 +157,38 @@ class _CompiledStep:
         step.__code__ = step.__code__.replace()  # a new code object: dynamo's graph cache of this step alone
         self._at = changes(model)
         self._fn = torch.compile(step, **self.kwargs)
+        self._announced = False
+
+    def _announce(self) -> None:
+        print(
+            f"bitmosaic: compiling the decode step of {type(self.model).__name__} (the first time up to a "
+            f"minute or two on a CPU for a small model, a few seconds once cached in {self._cache}; "
+            f"{NO_COMPILE_ENV}=1 or bitmosaic.load(..., compile=False) decodes eagerly)",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._announced = True
 
     def __call__(self, *args, **kwargs):
+        if self.eager:
+            return self.model(*args, **kwargs)
         if changes(self.model) != self._at:
             self._compile()
-        return self._fn(*args, **kwargs)
+        if not self._announced:
+            self._announce()
+        with _cache_in(self._cache):
+            if not self.fallback:
+                return self._fn(*args, **kwargs)
+            try:
+                return self._fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 -- any compile failure: eager, which raises real errors
+                print(
+                    f"bitmosaic: the decode step did not compile ({_one_line(e)}); decoding eagerly",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self.eager = True
+        return self.model(*args, **kwargs)
 
 
 def _prepare(model: nn.Module) -> None:
@@ -109,36 +200,79 @@ def _prepare(model: nn.Module) -> None:
                 m.runs_int_act(torch.empty(0, m.in_features))  # builds the integer kernel where it runs
 
 
-def enable_compiled_decode(model: nn.Module, options: dict | None = None, guards: str = "model") -> nn.Module:
-    """Make ``model.generate(...)`` decode with a static KV cache and a compiled step (module doc); returns
-    ``model``.  ``options``: inductor options for the compile (default none); ``guards``: ``"model"``
-    (default: no guards on the modules, a step of this model's own) or ``"full"`` (module doc).  Raises
-    ``ValueError`` for a model without a ``generation_config`` (not a transformers generative model) or
-    an unknown ``guards``."""
+def _refusal(model: nn.Module) -> str | None:
+    """Why ``model``'s decode step cannot be one static graph, or ``None``."""
     gc = getattr(model, "generation_config", None)
     if gc is None or not hasattr(model, "generate"):
-        raise ValueError(
+        return (
             f"{type(model).__name__} has no generation_config/generate: compiled decode needs a "
             "transformers causal LM (load it with bitmosaic.io.load_quantized or load_model)"
         )
-    if guards not in GUARDS:
-        raise ValueError(f"guards must be one of {', '.join(GUARDS)}, not {guards!r}")
     from .experts import RoutedExperts
 
     if any(isinstance(m, RoutedExperts) for m in model.modules()):
-        raise ValueError(
+        return (
             "compiled decode needs the step as one static graph, but this mixture of experts picks its "
             "experts per token (data-dependent); decode it without enable_compiled_decode"
         )
+    return None
+
+
+def enable_compiled_decode(
+    model: nn.Module, options: dict | None = None, guards: str = "model", *, fallback: bool = False
+) -> nn.Module:
+    """Make ``model.generate(...)`` decode with a static KV cache and a compiled step (module doc); returns
+    ``model``.  ``options``: inductor options for the compile (default none); ``guards``: ``"model"``
+    (default: no guards on the modules, a step of this model's own) or ``"full"`` (module doc);
+    ``fallback``: a step that fails to compile decodes eagerly (one line on stderr) instead of raising
+    (``guards="model"`` only).  Raises ``ValueError`` for a model without a ``generation_config`` (not a
+    transformers generative model), a mixture of experts, or an unknown ``guards``."""
+    reason = _refusal(model)
+    if reason is not None:
+        raise ValueError(reason)
+    if guards not in GUARDS:
+        raise ValueError(f"guards must be one of {', '.join(GUARDS)}, not {guards!r}")
+    gc = model.generation_config
     _prepare(model)
     disable_compiled_decode(model)  # a step compiled before (another config or guards) is not reused
     gc.cache_implementation = "static"
     gc.compile_config = compile_config(options)
     gc.disable_compile = False
     if guards == "model":  # transformers' get_compiled_call returns this step while the config is this one
-        model._compiled_call = _CompiledStep(model, gc.compile_config)
+        model._compiled_call = _CompiledStep(model, gc.compile_config, fallback=fallback)
         model._last_compile_config = gc.compile_config
     return model
+
+
+def compile_opted_out() -> bool:
+    """``$BITMOSAIC_NO_COMPILE`` set to anything but empty or ``0``."""
+    return os.environ.get(NO_COMPILE_ENV, "").strip() not in ("", "0")
+
+
+def default_compiled_decode(model: nn.Module, compile: bool = True) -> str | None:
+    """What every bitmosaic load path does by default (``bitmosaic.load``, ``from_pretrained`` of a
+    bitmosaic folder, ``bitmosaic generate``; issue 74): :func:`enable_compiled_decode` with ``fallback``,
+    so ``model.generate`` decodes through the compiled step without being asked.  Returns ``None`` when
+    it did, else why not -- and leaves the model as it was, decoding eagerly, without an error:
+
+    * ``compile=False`` or ``$BITMOSAIC_NO_COMPILE=1`` (the opt-outs);
+    * a mixture of experts (routing picks experts per token: no static graph holds it), or a model
+      without ``generate``;
+    * a model not wholly on the CPU (the compiled step is built and measured for the CPU kernels; on
+      CUDA call :func:`enable_compiled_decode` yourself);
+    * a step that fails to compile (an operator or module dynamo cannot trace): found on the first
+      ``generate``, which says so in one line on stderr and goes on eagerly.
+    """
+    if not compile or compile_opted_out():
+        return f"compile=False or {NO_COMPILE_ENV}=1"
+    reason = _refusal(model)
+    if reason is not None:
+        return reason
+    devices = {t.device.type for t in (*model.parameters(), *model.buffers())}
+    if devices != {"cpu"}:
+        return f"the model is on {', '.join(sorted(devices))}, not the CPU alone"
+    enable_compiled_decode(model, fallback=True)
+    return None
 
 
 def disable_compiled_decode(model: nn.Module) -> nn.Module:

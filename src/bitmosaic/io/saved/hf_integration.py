@@ -22,6 +22,7 @@ transformers' quantizer registry is already imported, else the moment it is, so 
 
 from __future__ import annotations
 
+import contextvars
 import os
 from pathlib import Path
 
@@ -35,8 +36,9 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ...errors import CorruptModelError, check_finite
+from ...errors import CorruptModelError, OptionError, check_finite
 from ...modules.base import QuantModule
+from ...modules.decode import default_compiled_decode
 from ...modules.experts import unfuse_experts
 from .finish import finish_load, model_arch
 from .load import (
@@ -51,6 +53,9 @@ from .load import (
 __all__ = ["QUANT_METHOD", "BitmosaicConfig", "BitmosaicHfQuantizer", "register", "load"]
 
 QUANT_METHOD = "bitmosaic"
+
+# load()'s ``compile`` for the quantizer it runs through (from_pretrained takes no keyword of ours)
+_COMPILE: contextvars.ContextVar[bool] = contextvars.ContextVar("bitmosaic_compile", default=True)
 
 
 class BitmosaicConfig(QuantizationConfigMixin):
@@ -97,7 +102,9 @@ class BitmosaicHfQuantizer(HfQuantizer):
                         "the saved model is damaged: save or download it again"
                     )
                 check_finite(t, f"tensor {key} of the saved model {path}")
-        return finish_load(model, self.quantization_config.to_dict(), model_arch(model))
+        finish_load(model, self.quantization_config.to_dict(), model_arch(model))
+        default_compiled_decode(model, _COMPILE.get())  # eager, with no error, where it does not apply
+        return model
 
     def is_serializable(self, **kwargs) -> bool:
         return True
@@ -131,7 +138,7 @@ def register() -> None:
         register_quantizer(QUANT_METHOD)(BitmosaicHfQuantizer)
 
 
-def load(path: str | os.PathLike, **kwargs):
+def load(path: str | os.PathLike, *, compile: bool = True, **kwargs):
     """``from_pretrained(path, **kwargs)`` of a bitmosaic folder: ``AutoModelForCausalLM``, or the multimodal
     class its config names (Qwen2.5-VL, LLaVA: :mod:`bitmosaic.io.sources.model_class`).
 
@@ -140,6 +147,13 @@ def load(path: str | os.PathLike, **kwargs):
     model; its tokenizer is ``AutoTokenizer.from_pretrained(path)``.  ``device`` (``"cpu"``, ``"cuda"``,
     ``"auto"``): the model is moved there and its kernel weights are built at once -- on CUDA the Triton
     kernels of the kinds that declare them (:mod:`bitmosaic.kernels.triton`, issue 76).
+
+    ``compile`` (default ``True``): ``model.generate`` decodes through a compiled step with a static KV
+    cache (:func:`~bitmosaic.modules.decode.default_compiled_decode`, issue 74): the first ``generate``
+    compiles (announced on stderr; cached under ``~/.cache/bitmosaic/inductor``, so a later process
+    compiles nothing).  It falls back to eager decode, with no error, for a mixture of experts, a model
+    not on the CPU, or a step that does not compile.  ``compile=False`` or ``$BITMOSAIC_NO_COMPILE=1``:
+    eager decode.
     """
     from transformers import AutoConfig
 
@@ -148,13 +162,19 @@ def load(path: str | os.PathLike, **kwargs):
     from ..sources.model_class import auto_model_class
 
     device = kwargs.pop("device", None)
+    if not isinstance(compile, bool):
+        raise OptionError(f"compile must be True or False, not {compile!r}")
     dev = None if device is None else resolve_device(device)  # one-line DeviceError without CUDA
     register()
     read_quant_config(Path(path))
     if Path(path).is_dir():
         stored_tensors(path)  # the weight files first, as load_quantized does
     # a multimodal model (LLaVA, Qwen-VL): the class its config names, not AutoModelForCausalLM
-    model = auto_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, **kwargs)
+    token = _COMPILE.set(compile and (dev is None or dev.type == "cpu"))  # moved after: no CPU step
+    try:
+        model = auto_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, **kwargs)
+    finally:
+        _COMPILE.reset(token)
     if dev is not None:
         model.to(dev)
         prepare_kernels(model)  # on CUDA: the Triton kernels of the kinds that declare them (issue 76)
