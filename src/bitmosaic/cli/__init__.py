@@ -150,9 +150,8 @@ def _add_quantize_parser(sub) -> None:
         "stream rotated, per-head value/output rotation, online Hadamards before o_proj and down_proj): "
         "4-bit activations without outlier collapse; random = random orthogonal matrices; spinquant = R1 "
         "and R2 learned from the Hadamard ones by Cayley SGD against the activation quantizer on the "
-        "calibration data (default 100 steps, lr 1.5, 1 sample a step; needs --abits); block = the same "
-        "with block-diagonal Hadamards of the weights' scale block (32 MX, 16 NVFP4; --rotate-block N) "
-        "(default: none)",
+        "calibration data (100 steps, lr 1.5, 1 sample a step; needs --abits); block = Hadamards per "
+        "scale block (default: none)",
     )  # fmt: skip
     q.add_argument(
         "--rotate-block", type=int, default=None, metavar="N",
