@@ -51,6 +51,39 @@ def test_compressed_tensors_reads_our_microscaling_bytes(tmp_path, scheme, fmt, 
             assert torch.allclose(got[name].float(), ref, rtol=2**-7, atol=0), name
 
 
+@pytest.mark.parametrize("scheme,fmt", [("NVFP4", "nvfp4-pack-quantized"), ("MXFP4", "mxfp4-pack-quantized"),
+                                        ("MXFP8", "mxfp8-quantized")])  # fmt: skip
+def test_microscaled_activations_export_as_llm_compressor_writes_them(tmp_path, scheme, fmt):
+    """W4A4 / W8A8: ``input_activations`` equal to llm-compressor's preset (as compressed-tensors
+    serializes it) and read back by compressed-tensors; NVFP4's calibrated tensor scale as
+    ``input_global_scale``; the weights as before."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+    from safetensors.torch import load_file
+
+    src = quantized(tmp_path, "rtn", scheme=scheme)
+    res = export_model(src, tmp_path / "out", "compressed-tensors")
+    assert not res.changed
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == fmt
+    group = next(iter(qc["config_groups"].values()))
+    preset = PRESET_SCHEMES[scheme]["input_activations"]
+    assert group["input_activations"] == preset.model_dump(mode="json")
+    back = QuantizationConfig.model_validate(qc)  # read as it reads llm-compressor's own config.json
+    theirs = QuantizationArgs.model_validate(preset.model_dump(mode="json"))
+    assert next(iter(back.config_groups.values())).input_activations == theirs
+    sd = load_file(str(tmp_path / "out" / "model.safetensors"))
+    _, qmods = ours(src)
+    for name, m in qmods.items():
+        if scheme == "NVFP4":
+            assert torch.equal(sd[f"{name}.input_global_scale"], m.input_quant.scale)
+            assert float(m.input_quant.scale) != 1.0  # calibrated
+        else:
+            assert not any(k.startswith(f"{name}.input_") for k in sd)
+    got = ct_decompress(tmp_path / "out")
+    assert set(got) == set(qmods)
+
+
 @pytest.mark.parametrize("scheme", ["NVFP4A16", "MXFP4A16"])
 def test_transformers_loads_the_fp4_export(tmp_path, scheme):
     from transformers import AutoModelForCausalLM

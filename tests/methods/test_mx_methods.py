@@ -151,9 +151,42 @@ def test_methods_without_the_grid_refuse_in_one_line(method):
     assert "\n" not in str(e.value)
 
 
-def test_activation_presets_not_built_refuse():
-    with pytest.raises(OptionError, match="NVFP4A16"):
-        quantize_(tiny_llama(), "rtn", _calib(), scheme="NVFP4", progress=False)
+@pytest.mark.parametrize("scheme,fmt", [("NVFP4", "nvfp4"), ("MXFP4", "mxfp4"), ("MXFP8", "mxfp8")])
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_full_schemes_quantize_weights_and_activations(scheme, fmt, method, tmp_path):
+    """W4A4 / W8A8 of one format: the weights in the ``mx`` kind, every input through the microscaled
+    quantizer (NVFP4's tensor scale calibrated from the layer's calibration inputs), saved and loaded."""
+    from bitmosaic.formats.act import ActQuantSpec, fake_quant
+
+    m = tiny_llama()
+    seen = {}
+    hook = m.model.layers[1].mlp.down_proj.register_forward_pre_hook(
+        lambda mod, a: seen.setdefault("x", []).append(a[0].detach().clone())
+    )
+    quantize_(m, method, _calib(), scheme=scheme, progress=False)
+    hook.remove()
+    mods = {n: x for n, x in m.named_modules() if isinstance(x, MXLinear)}
+    assert len(mods) == 14
+    for x in mods.values():
+        assert x.fmt == fmt and x.input_quant.spec == ActQuantSpec.microscaled(fmt)
+    down = m.model.layers[1].mlp.down_proj
+    if fmt == "nvfp4":  # the maximum over the calibration inputs the layer saw (quantized upstream)
+        amax = torch.cat([x.reshape(-1, x.shape[-1]) for x in seen["x"]]).abs().amax()
+        assert torch.equal(down.input_quant.scale, nvfp4_global_scale(amax))
+    else:
+        assert down.input_quant.scale is None  # E8M0 block scales: all dynamic
+    x = torch.randn(3, down.in_features)
+    with torch.no_grad():
+        want = fake_quant(x, down.input_quant.spec, down.input_quant.scale) @ down.dequantize_reference().T
+        assert torch.allclose(down(x), want, atol=1e-5, rtol=1e-5)
+    ids = _calib()[:1, :8]
+    with torch.no_grad():
+        out = m(ids).logits
+    save_quantized(m, tmp_path / "q")
+    back = load_quantized(tmp_path / "q", load_tokenizer=False)[0]
+    assert back.model.layers[1].mlp.down_proj.input_quant.spec == down.input_quant.spec
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, out)
 
 
 def test_cli_scheme(tmp_path, capsys):

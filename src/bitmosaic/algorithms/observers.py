@@ -52,6 +52,8 @@ class ActObserver:
         spec = self.spec
         if spec is None or not spec.static:
             return
+        if spec.mx is not None:  # NVFP4's calibrated tensor scale: the running maximum (static_minmax)
+            return
         if spec.granularity == "group":
             g = spec.group_size
             G = -(-self.n // g)
@@ -77,7 +79,8 @@ class ActObserver:
         return (self.channel_sum / max(self.tokens, 1)).float()
 
     def static_amax(self) -> torch.Tensor:
-        """The calibrated ``amax`` of a static spec: ``[1]`` per tensor, ``[G]`` per group."""
+        """The calibrated ``amax`` of a static spec: ``[1]`` per tensor (and for NVFP4's tensor scale),
+        ``[G]`` per group."""
         spec = self.spec
         if spec is None or not spec.static:
             raise ValueError("static_amax needs a static activation spec")
@@ -85,7 +88,7 @@ class ActObserver:
             raise ValueError("observer saw no calibration data")
         if spec.calib == "percentile":
             return self.pct_sum / self.batches
-        if spec.granularity == "group":
+        if spec.granularity == "group" and spec.mx is None:
             return self.group_amax
         return self.channel_absmax.amax().reshape(1)
 

@@ -8,6 +8,9 @@
 - :func:`hadamard_transform`: ``x @ H / sqrt(n)`` along the last dimension in ``O(n log n)`` for
   the power-of-two factor (a fast Walsh-Hadamard transform: reshapes into butterflies) plus one
   small ``m × m`` matmul.
+- :func:`block_hadamard_transform`: the block-diagonal ``I ⊗ H_b / sqrt(b)``: each run of ``b``
+  consecutive channels transformed on its own (the block-wise rotation of BRQ / micro-rotated GPTQ for
+  microscaling formats: it mixes values only inside one scale block).
 - :func:`random_orthogonal`: a Haar-random orthogonal matrix from a seed (QR of a Gaussian, signs fixed).
 - :func:`orthogonal_matrix`: the ``[n, n]`` matrix a rotation ``kind`` uses (normalised, orthogonal).
 - :func:`cayley_step`: one descent step on the orthogonal group by the Cayley transform (SpinQuant's
@@ -27,6 +30,7 @@ __all__ = [
     "hadamard_factor",
     "hadamard_matrix",
     "hadamard_transform",
+    "block_hadamard_transform",
     "orthogonal_matrix",
     "random_orthogonal",
     "random_signs",
@@ -155,6 +159,15 @@ def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     return (y.reshape(shape) / math.sqrt(n)).to(x.dtype)
 
 
+def block_hadamard_transform(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x @ kron(I, hadamard_matrix(block)) / sqrt(block)`` over the last dimension: every ``block``
+    consecutive channels rotated on their own (orthogonal; ``block`` must divide the width)."""
+    n = x.shape[-1]
+    if block < 1 or n % block:
+        raise ValueError(f"a block rotation of {block} needs a width divisible by it, got {n}")
+    return hadamard_transform(x.reshape(*x.shape[:-1], n // block, block)).reshape(x.shape)
+
+
 def random_orthogonal(n: int, seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """A Haar-random orthogonal ``[n, n]`` matrix from ``seed`` (QR of a float64 Gaussian on the CPU,
     column signs fixed by ``diag(R) > 0``, so the same seed gives the same matrix)."""
@@ -171,10 +184,18 @@ def random_signs(n: int, seed: int, dtype: torch.dtype = torch.float64) -> torch
     return (torch.randint(0, 2, (n,), generator=g) * 2 - 1).to(dtype)
 
 
-def orthogonal_matrix(kind: str, n: int, seed: int, signs: bool = True) -> torch.Tensor:
+def orthogonal_matrix(
+    kind: str, n: int, seed: int, signs: bool = True, block: int | None = None
+) -> torch.Tensor:
     """The normalised orthogonal ``[n, n]`` (float64) of a rotation ``kind``: ``"hadamard"``:
     ``diag(s) H / sqrt(n)`` with random signs ``s`` from ``seed`` (``signs=False``: ``H / sqrt(n)``);
+    ``"block"``: the same with the block-diagonal ``kron(I, H_block) / sqrt(block)``;
     ``"random"``: a Haar-random orthogonal matrix (:func:`random_orthogonal`)."""
+    if kind == "block":
+        if block is None or n % block:
+            raise ValueError(f"a block rotation of {block} needs a width divisible by it, got {n}")
+        H = torch.kron(torch.eye(n // block, dtype=torch.float64), hadamard_matrix(block) / math.sqrt(block))
+        return random_signs(n, seed)[:, None] * H if signs else H
     if kind == "hadamard":
         H = hadamard_matrix(n) / math.sqrt(n)
         return random_signs(n, seed)[:, None] * H if signs else H

@@ -95,6 +95,7 @@ def _rare(*actions) -> None:
 _RARE_QUANTIZE = {
     "bound_orders", "hessian_dtype", "batch_size", "cache_dir", "no_cache", "tasks_limit", "tasks_dir",
     "max_memory", "a_granularity", "a_group_size", "a_static", "a_pow2", "a_calib", "a_percentile", "a_clip",
+    "rotate_block",
 }  # fmt: skip
 
 _HANDLERS = {
@@ -147,12 +148,17 @@ def _add_quantize_parser(sub) -> None:
     q.add_argument("--nsamples", type=int, default=32, help="calibration samples")
     q.add_argument("--seqlen", type=int, default=512, help="tokens per calibration sample")
     q.add_argument(
-        "--rotate", default=None, metavar="{none,hadamard,random,spinquant[:steps=N,lr=X,batch=B]}",
+        "--rotate", default=None, metavar="{none,hadamard,random,spinquant[:steps=N,lr=X,batch=B],block}",
         help="QuaRot rotation folded into the float model before any method (norm scales folded, residual "
         "stream rotated, per-head value/output rotation, online Hadamards before o_proj and down_proj): "
         "4-bit activations without outlier collapse; random = random orthogonal matrices; spinquant = R1 "
         "and R2 learned from the Hadamard ones by Cayley SGD against the activation quantizer on the "
-        "calibration data (default 100 steps, lr 1.5, 1 sample a step; needs --abits) (default: none)",
+        "calibration data (100 steps, lr 1.5, 1 sample a step; needs --abits); block = Hadamards per "
+        "scale block (default: none)",
+    )  # fmt: skip
+    q.add_argument(
+        "--rotate-block", type=int, default=None, metavar="N",
+        help="with --rotate block: the order of the block Hadamards (default: the weights' block/group size)",
     )  # fmt: skip
     add_settings_flags(q)  # --batch-size, --hessian-dtype, --seed, --bound-orders, --no-progress
     add_cache_args(q)

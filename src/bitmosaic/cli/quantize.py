@@ -35,7 +35,7 @@ def recipe_from_args(args):
 
     if args.recipe is None:
         spec = get_method(args.method)
-        rotate = getattr(args, "rotate", None)
+        rotate = _rotate_flag(args)
         return Recipe.from_options(spec.name, method_options(args, spec), rotate=rotate)
     given = [
         d.typed(getattr(args, d.dest))
@@ -43,7 +43,7 @@ def recipe_from_args(args):
         if getattr(args, d.dest, None) is not None
     ]
     given += ["--" + a.replace("_", "-") for a in ACT_DESTS if getattr(args, a, None) not in (None, False)]
-    if getattr(args, "rotate", None) is not None:
+    if getattr(args, "rotate", None) is not None or getattr(args, "rotate_block", None) is not None:
         given.append("--rotate (the recipe's 'rotate' key)")
     if args.method != DEFAULT_METHOD:  # a --method next to --recipe (other than the default) is an error
         given.insert(0, "--method")
@@ -53,6 +53,18 @@ def recipe_from_args(args):
             "put them in the recipe file"
         )
     return load_recipe(args.recipe)
+
+
+def _rotate_flag(args) -> str | None:
+    """``--rotate``, with ``--rotate-block N`` read into ``block:N`` (it needs ``--rotate block``)."""
+    from ..errors import OptionError
+
+    rotate, block = getattr(args, "rotate", None), getattr(args, "rotate_block", None)
+    if block is None:
+        return rotate
+    if rotate not in ("block", f"block:{block}"):
+        raise OptionError(f"--rotate-block {block} sizes a block rotation; give it with --rotate block")
+    return f"block:{block}"
 
 
 def cmd_quantize(args) -> int:

@@ -13,6 +13,15 @@ values to refine the grid for the rest (QuaRot's activation clip ratio, 0.9 at A
 2024, Sec. 5); ``pow2`` rounds each scale *up* to a power of two (so nothing extra saturates).
 Fake quantization returns ``Q(x / scale) * scale``.
 
+Microscaled activations (``mx``: an :data:`.mx.MX_FORMATS` name; issue 75): the input rows are quantized
+with the weight codec of :mod:`.mx` -- one block scale per ``group_size`` (the format's block) channels of
+each token, in the format's own encoding (E8M0 for MXFP4/MXFP8, E4M3 over a FP32 tensor scale for NVFP4),
+elements rounded to nearest-even on the element grid.  The block scales are always dynamic; E8M0
+exponents follow ``mx_rule`` (``"round"``: compressed-tensors' ``generate_mx_scales``, what llm-compressor
+and vLLM's reference compute for activations too).  NVFP4's tensor scale is *static* (``static=True``,
+calibrated as llm-compressor does: the ``static_minmax`` maximum over the calibration set, stored as
+``input_global_scale = 448·6 / amax``) or dynamic per input (``static=False``).
+
 Numerics (what is simulated): a linear layer then computes ``Q(x) @ Ŵ^T`` in float32.  For FP8
 operands this is exactly an FP8×FP8 GEMM with float32 accumulation (every product of two FP8
 values is exact in float32); for INT operands it equals the integer GEMM rescaled by the scales,
@@ -29,6 +38,15 @@ import torch
 
 from ..errors import OptionError
 from .fp import FP_FORMATS, fp_round, get_float_format
+from .mx import (
+    MX_SCHEMES,
+    block_amax,
+    block_scales,
+    element_divisor,
+    get_mx_format,
+    nvfp4_global_scale,
+    quantize_elements,
+)
 
 __all__ = [
     "ActQuantSpec",
@@ -39,6 +57,7 @@ __all__ = [
     "act_scales",
     "fake_quant",
     "normalize_fmt",
+    "mx_divisors",
 ]
 
 GRANULARITIES = ("token", "tensor", "group")
@@ -58,6 +77,8 @@ class ActQuantSpec:
     calib: str = "max"  # static scale statistic: "max" | "percentile"
     percentile: float = 99.99
     clip_ratio: float = 1.0  # scale = clip_ratio * amax / qmax
+    mx: str | None = None  # microscaled: a formats.mx format name ("mxfp4", "nvfp4", "mxfp8")
+    mx_rule: str = "round"  # E8M0 exponent rule of the mx block scales (formats.mx.e8m0_exponent)
 
     def __post_init__(self) -> None:
         if self.fmt != "int" and self.fmt not in FP_FORMATS:
@@ -80,6 +101,39 @@ class ActQuantSpec:
             raise ValueError(f"percentile must be in (0, 100], got {self.percentile}")
         if not 0 < self.clip_ratio <= 1:
             raise ValueError(f"activation clip ratio must be in (0, 1], got {self.clip_ratio}")
+        if self.mx is not None:
+            self._check_mx()
+
+    def _check_mx(self) -> None:
+        f = get_mx_format(self.mx)
+        if f.block_rows != 1:
+            raise ValueError(f"{f.name} has 2-D weight blocks; its activations are E4M3 per token group")
+        want = {"fmt": f.elem, "granularity": "group", "group_size": f.block, "pow2": False,
+                "calib": "max", "clip_ratio": 1.0}  # fmt: skip
+        bad = [f"{k}={getattr(self, k)!r} (must be {v!r})" for k, v in want.items() if getattr(self, k) != v]
+        if self.static and not f.global_scale:
+            bad.append(
+                f"static=True ({f.name} block scales are dynamic; only NVFP4's tensor scale is static)"
+            )
+        if bad:
+            raise ValueError(f"{f.name} activations: {', '.join(bad)}")
+        if self.mx_rule not in ("floor", "round"):
+            raise ValueError(
+                f"mx_rule must be 'floor' (OCP MX) or 'round' (compressed-tensors), got {self.mx_rule!r}"
+            )
+
+    @classmethod
+    def microscaled(cls, name: str, static: bool = True, rule: str = "round") -> ActQuantSpec:
+        """The activation quantizer of microscaling format ``name`` (``static``: NVFP4's calibrated
+        tensor scale; ignored for the E8M0 formats, whose scales are all dynamic)."""
+        f = get_mx_format(name)
+        return cls(f.elem, f.elem_bits, granularity="group", group_size=f.block,
+                   static=static and f.global_scale, mx=f.name, mx_rule=rule)  # fmt: skip
+
+    @property
+    def per_tensor_static(self) -> bool:
+        """One calibrated scale for the whole input (per-tensor static, or NVFP4's tensor scale)."""
+        return self.static and (self.granularity == "tensor" or self.mx is not None)
 
     @property
     def qmax(self) -> float:
@@ -89,6 +143,12 @@ class ActQuantSpec:
 
     @property
     def label(self) -> str:
+        if self.mx is not None:
+            scale = (
+                ("static-global" if self.static else "dynamic-global") if self.mx == "nvfp4" else "dynamic"
+            )
+            rule = "" if self.mx == "nvfp4" or self.mx_rule == "round" else f"/{self.mx_rule}"
+            return f"{self.mx}/{scale}{rule}"
         grid = f"int{self.bits}" if self.fmt == "int" else f"fp{self.bits}-{self.fmt}"
         gran = f"group{self.group_size}" if self.granularity == "group" else self.granularity
         clip = "" if self.clip_ratio == 1 else f"/clip{self.clip_ratio:g}"
@@ -101,6 +161,8 @@ class ActQuantSpec:
         d = dataclasses.asdict(self)
         if self.clip_ratio == 1:
             del d["clip_ratio"]
+        if self.mx is None:
+            del d["mx"], d["mx_rule"]
         return d
 
     @classmethod
@@ -142,7 +204,7 @@ def parse_scheme(scheme: str) -> tuple[int, ActQuantSpec | None]:
     if not m:
         raise OptionError(
             f"scheme {scheme!r} is not of the form W<bits>A<bits>[-FP8|-FP4|-E5M2] nor a microscaling preset "
-            "(NVFP4A16, MXFP4A16, MXFP8A16, FP8_BLOCK)"
+            "(NVFP4A16, NVFP4, MXFP4A16, MXFP4, MXFP8A16, MXFP8, FP8_BLOCK)"
         )
     wbits, abits, fmt = int(m.group(1)), int(m.group(2)), m.group(3)
     if abits >= 16:
@@ -158,8 +220,6 @@ def _mx_scheme(scheme: str) -> tuple[int, ActQuantSpec | None] | None:
     """llm-compressor's microscaling presets (``NVFP4A16``, ``FP8_BLOCK``...; :data:`.mx.MX_SCHEMES`):
     ``(element bits, activation quantizer)``; the weight format itself is
     :func:`.mx.scheme_weight_format`'s."""
-    from .mx import MX_SCHEMES, get_mx_format
-
     key = scheme.strip().upper().replace("-", "_")
     if key not in MX_SCHEMES:
         return None
@@ -169,9 +229,9 @@ def _mx_scheme(scheme: str) -> tuple[int, ActQuantSpec | None] | None:
         return bits, None
     if wfmt == "fp8-block":  # llm-compressor's FP8_BLOCK inputs: E4M3, one dynamic scale per token and 128
         return bits, ActQuantSpec("e4m3", 8, granularity="group", group_size=128)
-    raise OptionError(
-        f"--scheme {scheme}: its microscaled activations are not implemented yet; use {key}A16 (weight-only)"
-    )
+    # NVFP4 / MXFP4 / MXFP8 inputs as llm-compressor's presets: dynamic block scales in the weight's
+    # encoding; NVFP4's tensor scale calibrated (static_minmax)
+    return bits, ActQuantSpec.microscaled(wfmt, static=True)
 
 
 def act_amax(x: torch.Tensor, spec: ActQuantSpec) -> torch.Tensor:
@@ -191,7 +251,10 @@ def act_amax(x: torch.Tensor, spec: ActQuantSpec) -> torch.Tensor:
 
 
 def scale_from_amax(amax: torch.Tensor, spec: ActQuantSpec) -> torch.Tensor:
-    """``clip_ratio · amax / qmax`` (float32), optionally rounded up to a power of two."""
+    """``clip_ratio · amax / qmax`` (float32), optionally rounded up to a power of two; for a microscaled
+    spec, NVFP4's tensor scale ``448·6 / amax`` (:func:`.mx.nvfp4_global_scale`)."""
+    if spec.mx is not None:
+        return nvfp4_global_scale(amax.float().amax())
     a = amax.float() if spec.clip_ratio == 1 else amax.float() * spec.clip_ratio
     s = (a / spec.qmax).clamp(min=_MIN_SCALE)
     if spec.pow2:
@@ -208,11 +271,28 @@ def act_scales(x: torch.Tensor, spec: ActQuantSpec, scale: torch.Tensor | None =
     ``scale`` of a static spec (``[1]`` / ``[G]``), else ``[..., 1]`` per token, ``[1]`` per tensor,
     ``[..., G]`` per group.  The integer kernels (:mod:`bitmosaic.kernels.intmm`) take these too, so
     both paths quantize to the same integers."""
+    if spec.mx is not None:
+        return mx_divisors(x, spec, scale)
     if spec.static:
         if scale is None:
             raise ValueError(f"static activation quantizer {spec.label} has no calibrated scale")
         return scale.float()
     return scale_from_amax(act_amax(x, spec), spec)
+
+
+def mx_divisors(x: torch.Tensor, spec: ActQuantSpec, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Element divisors ``[..., G]`` of a microscaled spec: the weight codec's block scales
+    (:func:`.mx.block_scales`, ``spec.mx_rule``) of every token's blocks, over NVFP4's tensor scale
+    (``scale``: the calibrated one when static, else ``448·6 / amax(x)``)."""
+    f = get_mx_format(spec.mx)
+    X = x.detach().reshape(-1, x.shape[-1]).float()
+    gs = None
+    if f.global_scale:
+        if spec.static and scale is None:
+            raise ValueError(f"static activation quantizer {spec.label} has no calibrated tensor scale")
+        gs = scale.float().reshape(1).to(X.device) if spec.static else nvfp4_global_scale(X.abs().amax())
+    s = block_scales(block_amax(X, f), f, rule=spec.mx_rule, global_scale=gs)
+    return element_divisor(s, f, gs).reshape(*x.shape[:-1], s.shape[-1])
 
 
 def fake_quant(x: torch.Tensor, spec: ActQuantSpec, scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -227,6 +307,8 @@ def fake_quant(x: torch.Tensor, spec: ActQuantSpec, scale: torch.Tensor | None =
     xf = x.float() / s
     if spec.fmt == "int":
         q = torch.round(xf).clamp_(-spec.qmax - 1, spec.qmax)
+    elif spec.mx is not None:  # the element grid as the weight codec rounds it (formats.mx)
+        q = quantize_elements(xf, get_mx_format(spec.mx))
     else:
         q = fp_round(xf, spec.fmt)
     return (q * s).to(x.dtype)

@@ -88,7 +88,8 @@ def act_bits(K: int, layout: ActQuantSpec | SQActLayout | None, tokens: int = 20
 
     INT/FP (:class:`~bitmosaic.formats.act.ActQuantSpec`): the width, plus one fp16 scale (8 bits
     when ``pow2``) per token and group (``K`` channels per token; a static or per-tensor scale once
-    per linear, spread over the ``tokens``); symmetric grids, no zero-point.  SQ
+    per linear, spread over the ``tokens``); symmetric grids, no zero-point.  Microscaled: an 8-bit
+    (E8M0/E4M3) scale per block and token, plus NVFP4's FP32 tensor scale once per linear.  SQ
     (:class:`SQActLayout`): ``y``; two fp16 scales (low, high) per token and scale group
     (:func:`act_scale_bits`); the mask -- static: one bit per channel per linear over ``tokens``;
     dynamic: the Fig. 1 layout's low tensor keeps every place, so each high value also holds an
@@ -96,6 +97,10 @@ def act_bits(K: int, layout: ActQuantSpec | SQActLayout | None, tokens: int = 20
     """
     if layout is None:
         return ActBits(16.0, 0.0, 0.0)
+    if isinstance(layout, ActQuantSpec) and layout.mx is not None:  # 8-bit block scales, NVFP4's FP32 one
+        g = layout.group_size
+        tensor = 32 / K / tokens if layout.mx == "nvfp4" else 0.0
+        return ActBits(float(layout.bits), 8 * -(-K // g) / K + tensor, 0.0)
     if isinstance(layout, ActQuantSpec):
         g = min(layout.group_size, K) if layout.granularity == "group" else K
         per_linear = layout.static or layout.granularity == "tensor"

@@ -24,7 +24,7 @@ class ActQuantizer(nn.Module):
         super().__init__()
         self.spec = spec
         if spec.static:
-            size = 1 if spec.granularity == "tensor" else -(-in_features // spec.group_size)
+            size = 1 if spec.per_tensor_static else -(-in_features // spec.group_size)
             self.register_buffer("scale", torch.ones(size, dtype=torch.float32))
         else:
             self.scale = None

@@ -4,7 +4,8 @@
 modules afterwards) an ``input_rotation`` child -- an :class:`InputRotation` with no saved state --
 and a forward pre-hook, put *first*, that replaces the input ``x`` by ``x @ R`` (``R`` orthogonal:
 the normalised Hadamard of the input width, through a fast Walsh-Hadamard transform, or for widths
-with no known Hadamard under ``--rotate random`` a random orthogonal matrix rebuilt from its seed).
+with no known Hadamard under ``--rotate random`` a random orthogonal matrix rebuilt from its seed; under
+``--rotate block`` the block-diagonal Hadamard of the scale block, ``{"type": "hadamard", "block": b}``).
 Any input quantizer (:mod:`.actquant`) then sees the rotated input.  Its transpose is folded into the
 module's weight offline (:mod:`bitmosaic.pipeline.rotate`), so the float function is unchanged.
 
@@ -18,16 +19,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..algorithms.rotation import hadamard_factor, hadamard_transform, random_orthogonal
+from ..algorithms.rotation import (
+    block_hadamard_transform,
+    hadamard_factor,
+    hadamard_transform,
+    random_orthogonal,
+)
 
 __all__ = ["InputRotation", "attach_input_rotation", "apply_saved_rotations", "carry_input_rotation",
            "input_rotation_spec", "online_spec"]  # fmt: skip
 
 
-def online_spec(kind: str, n: int, seed: int) -> dict:
+def online_spec(kind: str, n: int, seed: int, block: int | None = None) -> dict:
     """The online rotation of an ``n``-wide input for ``--rotate kind``: a Hadamard when one of order
     ``n`` is known (``kind="hadamard"`` needs one: the caller refuses otherwise), else, for
-    ``kind="random"``, a random orthogonal matrix from ``seed``."""
+    ``kind="random"``, a random orthogonal matrix from ``seed``; ``kind="block"``: the block-diagonal
+    Hadamard of order ``block``."""
+    if kind == "block":
+        return {"type": "hadamard", "n": int(n), "block": int(block)}
     if hadamard_factor(n) is not None:
         return {"type": "hadamard", "n": int(n)}
     return {"type": "random", "n": int(n), "seed": int(seed)}
@@ -41,6 +50,9 @@ class InputRotation(nn.Module):
         self.type = spec["type"]
         self.n = spec["n"]
         self.seed = int(spec.get("seed", 0))
+        self.block = spec.get("block")  # a block-diagonal Hadamard (--rotate block), else None
+        if self.block is not None and (self.type != "hadamard" or self.n % int(self.block)):
+            raise ValueError(f"bad online rotation {spec!r}: a block Hadamard's block must divide n")
         self._matrix: torch.Tensor | None = None  # the random kind's matrix, built on first use
 
     def spec(self) -> dict:
@@ -55,17 +67,19 @@ class InputRotation(nn.Module):
         if x.shape[-1] != self.n:
             raise ValueError(f"online rotation of width {self.n} got an input of width {x.shape[-1]}")
         if self.type == "hadamard":
-            return hadamard_transform(x)
+            return hadamard_transform(x) if self.block is None else block_hadamard_transform(x, self.block)
         return x @ self.matrix(x.device, x.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.type}, n={self.n}"
+        return f"{self.type}, n={self.n}" + ("" if self.block is None else f", block={self.block}")
 
 
 def online_spec_of(m: InputRotation) -> dict:
     d = {"type": m.type, "n": m.n}
     if m.type == "random":
         d["seed"] = m.seed
+    if m.block is not None:
+        d["block"] = int(m.block)
     return d
 
 

@@ -164,6 +164,14 @@ def _rotate(model: nn.Module, run: LayerRun, rotate: str, tokens: torch.Tensor) 
         return
     act = getattr(run.default[1], "act", None)  # what a learned rotation (spinquant) is learned against
     s = run.settings
+    if rotate == "block":  # --rotate block: Hadamards of the weights' scale block (group) size
+        group = getattr(run.default[1], "group_size", None)
+        if not group:
+            raise OptionError(
+                "--rotate block rotates within the weights' scale blocks, but these are per channel; "
+                "give --rotate-block N"
+            )
+        rotate = f"block:{group}"
     rotation = rotate_model(model, run.arch, rotate, s.seed, calib=tokens, act=act, progress=s.progress,
                             device=run.dev)  # fmt: skip
     if not rotation:

@@ -19,6 +19,12 @@ The float model computes the same function (tested on every architecture with a 
 float32 rounding); its linears' inputs are free of the channel outliers a few residual dimensions
 carry, which is what lets 4-bit activations work (Ashkboos et al., "QuaRot", 2024).  The surgery runs
 in float64 and writes back in each weight's dtype.  Nothing here names a method.
+
+``--rotate block[:N]`` (issue 75) does the same surgery with block-diagonal Hadamards ``I ⊗ H_N / sqrt(N)``
+(R1 with random signs, R2 per head, the online one before ``down_proj``), ``N`` the weights' scale block by
+default (32 for MXFP4/MXFP8 and INT g32, 16 for NVFP4): each rotation mixes values only inside one scale
+block, so a block's outlier is spread over its own block and no block's power-of-two scale is set by
+another block's values (BRQ, "block rotation is all you need for MXFP4", and micro-rotated GPTQ).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..algorithms.rotation import NoHadamardError, hadamard_factor, hadamard_transform, orthogonal_matrix
+from ..algorithms.rotation import NoHadamardError, hadamard_factor, orthogonal_matrix
 from ..errors import OptionError
 from ..models.arch import ArchSpec
 from ..modules.base import QuantModule
@@ -39,7 +45,7 @@ from .spin import learn_rotation, on_device
 __all__ = ["ROTATIONS", "RotationSpec", "check_rotatable", "parse_rotation", "prepare_rotation",
            "rotate_model", "rotated_state"]  # fmt: skip
 
-ROTATIONS = ("none", "hadamard", "random", "spinquant")
+ROTATIONS = ("none", "hadamard", "random", "spinquant", "block")
 
 
 @dataclass(frozen=True)
@@ -51,9 +57,12 @@ class RotationSpec:
     steps: int = 100
     lr: float = 1.5
     batch: int = 1
+    block: int | None = None  # --rotate block: the Hadamard's order (None: the weights' scale block)
 
     @property
     def label(self) -> str:
+        if self.kind == "block":
+            return "block" if self.block is None else f"block:{self.block}"
         default = (RotationSpec.steps, RotationSpec.lr, RotationSpec.batch)
         if self.kind != "spinquant" or (self.steps, self.lr, self.batch) == default:
             return self.kind
@@ -62,15 +71,21 @@ class RotationSpec:
 
 
 def parse_rotation(text: str | None) -> RotationSpec:
-    """``none`` | ``hadamard`` | ``random`` | ``spinquant[:steps=N,lr=X,batch=B]`` -> :class:`RotationSpec`
-    (one-line :class:`OptionError` otherwise)."""
+    """``none`` | ``hadamard`` | ``random`` | ``spinquant[:steps=N,lr=X,batch=B]`` | ``block[:N]`` ->
+    :class:`RotationSpec` (one-line :class:`OptionError` otherwise)."""
     text = "none" if text in (None, False) else str(text)
     kind, _, rest = text.partition(":")
-    if kind not in ROTATIONS or (rest and kind != "spinquant"):
+    if kind not in ROTATIONS or (rest and kind not in ("spinquant", "block")):
         raise OptionError(
             f"--rotate {text!r} is not a rotation; use one of none, hadamard, random, "
-            "spinquant[:steps=N,lr=X,batch=B]"
+            "spinquant[:steps=N,lr=X,batch=B], block[:N]"
         )
+    if kind == "block":
+        if rest and not (rest.isdigit() and int(rest) >= 2):
+            raise OptionError(
+                f"--rotate {text}: the block is a size >= 2 (e.g. block:32, or --rotate-block 32)"
+            )
+        return RotationSpec("block", block=int(rest) if rest else None)
     opts: dict = {}
     for item in filter(None, rest.split(",")):
         key, _, val = item.partition("=")
@@ -117,11 +132,12 @@ def _float_weight(m: nn.Module) -> bool:
     return w is not None and w.is_floating_point() and w.ndim == 2 and not isinstance(m, QuantModule)
 
 
-def check_rotatable(model: nn.Module, arch: ArchSpec, kind: str) -> None:
+def check_rotatable(model: nn.Module, arch: ArchSpec, kind: str) -> None:  # noqa: C901
     """One-line :class:`OptionError` when ``model`` cannot be rotated with ``kind``, before any change but
     one: a mixture of experts' fused experts are unfused (:func:`~bitmosaic.modules.experts.unfuse_experts`,
     the same function; what every run does first) so that the map's expert wildcards expand."""
-    kind = parse_rotation(kind).kind
+    rspec = parse_rotation(kind)
+    kind = rspec.kind
     if kind == "none":
         return
     mtype = getattr(getattr(model, "config", None), "model_type", "?")
@@ -145,7 +161,9 @@ def check_rotatable(model: nn.Module, arch: ArchSpec, kind: str) -> None:
                 raise OptionError(f"--rotate needs float linears, but {n} is {what}; rotate the float model")
         for n in rmap.layer_online(layer):
             sizes.setdefault(f"{n} input", layer.get_submodule(n).in_features)
-    if kind in ("hadamard", "spinquant"):  # SpinQuant starts from the Hadamard rotations
+    if kind == "block":
+        _check_block(rspec.block, sizes, mtype)
+    elif kind in ("hadamard", "spinquant"):  # SpinQuant starts from the Hadamard rotations
         for what, n in sizes.items():
             if hadamard_factor(n) is None:
                 raise OptionError(
@@ -153,6 +171,28 @@ def check_rotatable(model: nn.Module, arch: ArchSpec, kind: str) -> None:
                     "(known: m·2^k with m = 1, 2 or a Paley order such as 12, 20, 28, 36); "
                     "use --rotate random"
                 )
+
+
+def _r2_block(block: int | None, head_dim: int) -> int | None:
+    """The order of the per-head block rotation: the block, or the whole head where a head fits in one
+    block (heads are block-aligned, so it still mixes only inside one scale block)."""
+    return None if block is None else min(block, head_dim)
+
+
+def _check_block(block: int | None, sizes: dict, mtype: str) -> None:
+    """One line when a block rotation of order ``block`` cannot rotate every width in ``sizes``."""
+    if block is None:
+        raise OptionError("--rotate block needs a block size: give --rotate-block N (or block:N)")
+    if hadamard_factor(block) is None:
+        raise OptionError(
+            f"--rotate block: no Hadamard matrix of order {block} is known here; use a power of two"
+        )
+    for what, n in sizes.items():
+        if n % block and not (what == "head_dim" and block % n == 0):  # R2: a whole head inside a block
+            raise OptionError(
+                f"--rotate block:{block} needs every rotated width divisible by {block}, but the {what} of "
+                f"{mtype} is {n}; give --rotate-block N with N dividing it"
+            )
 
 
 @torch.no_grad()
@@ -173,7 +213,9 @@ def _fold_norm(norm: nn.Module, linears: list[nn.Linear], offset: float) -> None
 
 
 @torch.no_grad()
-def prepare_rotation(model: nn.Module, arch: ArchSpec, kind: str, seed: int) -> tuple[bool, dict]:
+def prepare_rotation(
+    model: nn.Module, arch: ArchSpec, kind: str, seed: int, block: int | None = None
+) -> tuple[bool, dict]:
     """Steps 1 and 4's attachment: untie the head, fold every norm's scale into the linears reading it,
     attach the online rotations (not yet folded into the weights).  Returns (untied, online specs)."""
     rmap = arch.rotation
@@ -191,7 +233,7 @@ def prepare_rotation(model: nn.Module, arch: ArchSpec, kind: str, seed: int) -> 
             _fold_norm(layer.get_submodule(norm), [layer.get_submodule(n) for n in readers], arch.norm_offset)
         for n in rmap.layer_online(layer):
             lin = layer.get_submodule(n)
-            spec = online_spec(kind, lin.in_features, seed + 2)
+            spec = online_spec(kind, lin.in_features, seed + 2, block)
             attach_input_rotation(lin, spec)
             online[f"{arch.layers_path}.{li}.{n}"] = spec
     return tied, online
@@ -241,9 +283,7 @@ def rotated_state(
         for n in rmap.layer_online(layer):
             r = layer.get_submodule(n).input_rotation
             W = out.get(pre + n + ".weight", get(pre + n + ".weight"))
-            out[pre + n + ".weight"] = (
-                hadamard_transform(W) if r.type == "hadamard" else W @ r.matrix(W.device, dt)
-            )
+            out[pre + n + ".weight"] = r(W)  # W R: the online rotation applied to W's rows
     return out
 
 
@@ -257,7 +297,8 @@ def rotate_model(
     ``kind="hadamard"``: R1 = randomised Hadamard (random signs from ``seed``), R2 and the online
     rotation plain Hadamards (refused in one line where no Hadamard of that order is known);
     ``"random"``: R1, R2 random orthogonal from ``seed``, the online one a Hadamard when known, else
-    a random orthogonal matrix from ``seed``; ``"spinquant[:steps=N,lr=X,batch=B]"``: R1 and each
+    a random orthogonal matrix from ``seed``; ``"block:N"``: the Hadamard ones block-diagonal of order
+    ``N`` (resolved by the caller: the weights' block); ``"spinquant[:steps=N,lr=X,batch=B]"``: R1 and each
     layer's R2 learned from the Hadamard ones on ``calib`` against the activation quantizer ``act``
     (:mod:`bitmosaic.pipeline.spin`), on ``device`` (default: where the model is)."""
     spec = parse_rotation(kind)
@@ -268,16 +309,21 @@ def rotate_model(
             "--rotate spinquant learns its rotations against the run's activation quantizer on the "
             "calibration data; this run has none (no --abits/--scheme activations): use --rotate hadamard"
         )
-    check_rotatable(model, arch, spec.kind)
-    base = "random" if spec.kind == "random" else "hadamard"
+    check_rotatable(model, arch, spec.label)
+    base = spec.kind if spec.kind in ("random", "block") else "hadamard"
+    hd = _head_dim(model.config)
     d = model.get_submodule(arch.rotation.embed).weight.shape[1]
     per_head = bool(arch.rotation.value and arch.rotation.attn_out)  # no R2 where the map has none (MLA)
     try:
-        Q1 = orthogonal_matrix(base, d, seed)
-        R2 = orthogonal_matrix(base, _head_dim(model.config), seed + 1, signs=False) if per_head else None
+        Q1 = orthogonal_matrix(base, d, seed, block=spec.block)
+        R2 = (
+            orthogonal_matrix(base, hd, seed + 1, signs=False, block=_r2_block(spec.block, hd))
+            if per_head
+            else None
+        )
     except NoHadamardError as e:  # check_rotatable refuses these first
         raise OptionError(str(e)) from None
-    tied, online = prepare_rotation(model, arch, base, seed)
+    tied, online = prepare_rotation(model, arch, base, seed, spec.block)
     R2s = [R2] * len(arch.layers(model)) if per_head else []
     out = {"kind": spec.label, "seed": int(seed), "online": online, "untied": bool(tied)}
     if spec.kind == "spinquant":

@@ -25,8 +25,8 @@ transformers loader trips on their shape (a library bug: :mod:`.ct_compat` has t
 Activation quantizers map when compressed-tensors has the same scheme: INT/E4M3 per-token dynamic and
 per-tensor static (``input_scale``) or dynamic; per-group, power-of-two dynamic, E5M2, E4M3-240 and FP4
 activations are refused (dropped with ``--lossy``), except dynamic E4M3 per-group scales (FP8_BLOCK's).
-Microscaling layers (MXFP4, NVFP4, MXFP8, FP8 block) are written as llm-compressor writes them
-(:mod:`.ct_mx`).  Note that a loader computes dynamic INT scales its
+Microscaling layers (MXFP4, NVFP4, MXFP8, FP8 block) and microscaled activations are written as
+llm-compressor writes them (:mod:`.ct_mx`).  Note that a loader computes dynamic INT scales its
 own way (compressed-tensors: ``amax / 127.5``; bitmosaic and vLLM: ``amax / 127``).
 """
 
@@ -40,7 +40,7 @@ import torch
 from ...formats.wordpack import pack_words
 from ...modules.actquant import input_quant_spec
 from .common import Source, collect, record
-from .ct_mx import mx_layer
+from .ct_mx import mx_act_args, mx_layer
 from .layers import IntLayer, Refusal, fp8_layer, int_layer, regroup, requantize_contiguous
 
 __all__ = ["CT_BITS", "build_compressed_tensors", "act_args"]
@@ -53,6 +53,8 @@ def act_args(m) -> tuple[dict | None, torch.Tensor | None]:
     spec = input_quant_spec(m)
     if spec is None:
         return None, None
+    if spec.mx is not None:
+        return mx_act_args(spec, m.input_quant.scale)
     why = None
     if spec.fmt not in ("int", "e4m3"):
         why = f"{spec.fmt} activations (compressed-tensors has INT and E4M3)"
@@ -155,8 +157,8 @@ def _layer(m, act, input_scale, lossy: bool, changes: list[str], act_refusal: st
         w = _weight_args(lay.bits, "int", lay.symmetric, group)
         fmt = "pack-quantized" if act is None else "int-quantized"
         t = _int_tensors(lay, fmt == "pack-quantized")
-    if input_scale is not None:
-        t["input_scale"] = input_scale
+    if input_scale is not None:  # NVFP4 inputs ("local" dynamic): the calibrated tensor scale
+        t["input_global_scale" if act.get("dynamic") == "local" else "input_scale"] = input_scale
     if act_refusal and not lossy:
         raise Refusal(act_refusal)
     scheme = {"weights": w, "input_activations": act, "output_activations": None, "format": fmt}

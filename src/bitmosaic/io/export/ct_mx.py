@@ -12,6 +12,12 @@ bitmosaic       compressed-tensors format  tensors (weights args as the preset's
                                            ⌈in/128⌉]``, strategy ``block`` ``[128, 128]`` (``FP8_BLOCK``)
 ==============  =========================  ===================================================================
 
+Microscaled activations (``--scheme NVFP4 | MXFP4 | MXFP8``) get the ``input_activations`` of
+llm-compressor's presets (:func:`mx_act_args`): dynamic E8M0 block scales for MXFP4/MXFP8, and for NVFP4
+dynamic E4M3 block scales over the calibrated tensor scale (``dynamic: "local"``, stored as
+``input_global_scale``).  Not held: a dynamic NVFP4 tensor scale and the OCP ``floor`` exponent rule
+(compressed-tensors computes activation scales with its own ``round`` rule).
+
 The bytes are bitmosaic's own stored bytes (the same packing and scale encodings), so the export is
 exact; compressed-tensors' decompressor reads them back to the same weights (``tests/io``).  Not held:
 MXFP8 with E5M2 elements (compressed-tensors' MXFP8 is E4M3), and FP4 blocks over a partial last group
@@ -27,7 +33,7 @@ import torch
 from ...formats.mx import MXTensor, mx_dequantize
 from .layers import Refusal
 
-__all__ = ["mx_layer"]
+__all__ = ["mx_layer", "mx_act_args"]
 
 
 @dataclass
@@ -75,3 +81,25 @@ def mx_layer(m) -> tuple[MXLayer, dict[str, torch.Tensor], dict, str]:
     else:
         raise Refusal(f"{f.name} weights (compressed-tensors' MXFP8 has E4M3 elements)")
     return MXLayer(t), tensors, args, fmt
+
+
+def mx_act_args(spec, scale: torch.Tensor | None) -> tuple[dict, torch.Tensor | None]:
+    """``(input_activations args, input_global_scale or None)`` of a microscaled activation quantizer
+    (:class:`~bitmosaic.formats.act.ActQuantSpec` with ``mx``), as llm-compressor's NVFP4 / MXFP4 / MXFP8
+    presets write them; :class:`Refusal` where compressed-tensors computes something else."""
+    if spec.mx_rule != "round":
+        raise Refusal(
+            f"activation quantization {spec.label}: compressed-tensors rounds E8M0 scales its own way"
+        )
+    args = {"num_bits": spec.bits, "type": "float", "symmetric": True, "group_size": spec.group_size}
+    if spec.mx == "nvfp4":
+        if not spec.static:
+            raise Refusal(
+                f"activation quantization {spec.label}: compressed-tensors' NVFP4 inputs have a calibrated "
+                "tensor scale (use the static one: --scheme NVFP4)"
+            )
+        args.update(strategy="tensor_group", dynamic="local", scale_dtype="torch.float8_e4m3fn",
+                    observer="static_minmax")  # fmt: skip
+        return args, scale.detach().float().reshape(1).clone()
+    args.update(strategy="group", dynamic=True, scale_dtype="torch.uint8")
+    return args, None
