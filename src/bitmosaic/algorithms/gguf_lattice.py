@@ -53,13 +53,10 @@ def candidates(w: torch.Tensor, m: torch.Tensor, scale: torch.Tensor, t: gl.Latt
     G = gl.codebook(t, w.device, w.dtype)
     a, neg0 = w.abs(), w < 0
     ma = m * a
-    dist = (
-        (ma * a).sum(-1, keepdim=True)
-        - 2 * scale[:, None] * (ma @ G.T)
-        + scale[:, None] ** 2 * (m @ (G * G).T)
-    )
+    # distance = sum(m a^2) + scale * rel, rel = scale * m.G^2 - 2 (m a).G: one product, ranked (scale >= 0)
+    rel = torch.cat([scale[:, None] * m.expand_as(a), -2 * ma], -1) @ torch.cat([G * G, G], -1).T
     k = min(k, G.shape[0])
-    idx = dist.argmin(-1, keepdim=True) if k == 1 else dist.topk(k, -1, largest=False).indices
+    idx = rel.argmin(-1, keepdim=True) if k == 1 else rel.topk(k, -1, largest=False).indices
     g = G[idx]  # [R, k, dim]
     neg = neg0[:, None, :].expand_as(g).clone()
     if t.parity:
@@ -69,7 +66,7 @@ def candidates(w: torch.Tensor, m: torch.Tensor, scale: torch.Tensor, t: gl.Latt
         neg ^= flip
         if k > 1:
             pen = 4 * scale[:, None] * cost.amin(-1) * odd[:, None]
-            order = (dist.gather(-1, idx) + pen).argsort(-1)
+            order = (scale[:, None] * rel.gather(-1, idx) + pen).argsort(-1)
             idx, neg, g = (
                 idx.gather(-1, order),
                 neg[torch.arange(len(w))[:, None], order],
