@@ -13,7 +13,8 @@ llama_tools.py``).  Protocol (the issue's):
   own per-tensor mix of the preset, fallbacks for SmolLM2's 576-wide inputs included; IQ2_XS/IQ3_S
   without an importance matrix are refused or poor by llama.cpp's own rule and reported as they come);
 - bitmosaic's files: ``--method gptq --gguf-type T`` (scales on the type's stored encoding, GPTQ on its
-  grid, exact export) calibrated on *the same* 16 x 512 token chunks llama-imatrix reads (tokenized by
+  grid -- IQ3_S / IQ2_XS: a vector GPTQ on the codebook --, exact export) calibrated on *the same* 16 x 512
+  token chunks llama-imatrix reads (tokenized by
   bitmosaic's tokenizer of the same vocabulary, BOS in place of each chunk's first token), then
   ``bitmosaic export --format gguf`` (no ``--lossy``);
 - ``llama-perplexity -c 512 --chunks 40`` on WikiText-2 raw test (llama.cpp scores the second half of
@@ -41,7 +42,8 @@ from benchmarks.harness import RESULTS, write_results
 TYPES = ("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "IQ4_XS", "IQ4_NL", "IQ3_S", "IQ2_XS")
 # the presets bitmosaic solves on (gptq --gguf-type), most asked first
 BPW = "bpw@"  # bitmosaic --gguf-target-bpw at the bits per weight of the preset named after it
-OURS = ("Q4_K_M", "Q3_K_M", "IQ4_XS", "Q2_K", "Q5_K_M", "Q6_K", "IQ4_NL", "Q4_0", "bpw@Q4_K_M", "bpw@Q3_K_M")
+OURS = ("Q4_K_M", "Q3_K_M", "IQ4_XS", "Q2_K", "Q5_K_M", "Q6_K", "IQ4_NL", "Q4_0", "IQ3_S", "IQ2_XS", "bpw@Q4_K_M",
+        "bpw@Q3_K_M")
 FRESH = 110  # seconds into a run after which a (minutes-long) bitmosaic quantization waits for the next run
 CHUNKS, CTX, CALIB_CHUNKS = 40, 512, 16
 

@@ -191,7 +191,7 @@ class GGUFGridResult(QuantResult):
     def select_rows(self, start: int, stop: int) -> GGUFGridResult:
         base = super().select_rows(start, stop)
         aux = {k: v[start:stop] for k, v in self.aux.items()}
-        return GGUFGridResult(
+        return type(self)(
             **{f: getattr(base, f) for f in base.__dataclass_fields__}, gguf_type=self.gguf_type, aux=aux
         )
 

@@ -78,12 +78,14 @@ def tensor_type(preset: str, name: str | None, in_features: int, n_layers: int, 
     ``in_features`` inputs under ``preset``, its width fallback applied (module doc)."""
     m = re.search(r"layers\.(\d+)\.(?:[^.]+\.)*?(\w+_proj)$", name or "")
     category = CATEGORY.get(m[2]) if m else None
-    if preset in MIXES and category is None:
+    if (preset in MIXES or preset in LATTICE) and category is None:
         raise OptionError(
             f"--gguf-type {preset}: cannot tell the role of layer {name or '(unnamed)'} (llama.cpp's mix is "
             "by q/k/v/o/gate/up/down projection); use the plain type (e.g. Q4_K) or a recipe"
         )
-    typ = _mixed(preset, category, int(m[1]) if m else 0, n_layers, n_gqa)
+    i = int(m[1]) if m else 0
+    mix = _lattice_mixed if preset in LATTICE else _mixed
+    typ = mix(preset, category, i, n_layers, n_gqa)
     if in_features % BLOCK_OF[typ]:
         typ = FALLBACK.get(typ, typ)
     if in_features % BLOCK_OF[typ]:
@@ -93,3 +95,24 @@ def tensor_type(preset: str, name: str | None, in_features: int, n_layers: int, 
             "through a recipe override"
         )
     return typ
+
+
+# -- the lattice presets IQ3_S and IQ2_XS (issue 72) ------------------------------------------------------
+# llama_tensor_get_type_impl for LLAMA_FTYPE_MOSTLY_IQ3_S / IQ2_XS, dense models (n_expert 0): IQ3_S gives
+# attn_v Q4_K at n_gqa >= 4 and everything else IQ3_S; IQ2_XS gives attn_v Q4_K at n_gqa >= 4 else Q2_K,
+# and the first eighth of ffn_down (by its count, as llama.cpp's i_ffn_down) Q2_K.  Both fall back to
+# IQ4_NL for input widths that are not a multiple of 256 (tensor_type_fallback).
+LATTICE = ("IQ3_S", "IQ2_XS")
+PRESETS.update({t: t for t in LATTICE})
+BLOCK_OF.update(dict.fromkeys(LATTICE, 256))
+FALLBACK.update(dict.fromkeys(LATTICE, "IQ4_NL"))
+
+
+def _lattice_mixed(preset: str, category: str | None, i: int, n: int, n_gqa: float) -> str:
+    if category == "attn_v":
+        if n_gqa >= 4:
+            return "Q4_K"
+        return "Q2_K" if preset == "IQ2_XS" else preset
+    if preset == "IQ2_XS" and category == "ffn_down" and i < n // 8:
+        return "Q2_K"
+    return preset

@@ -9,9 +9,10 @@ smoothing; this file holds GPTQ's own defaults.
 
 ``gguf_type`` (``--gguf-type Q4_K_M``, ``IQ4_XS``, ...; issue 72): each linear is solved on the stored grid
 of the GGUF type llama.cpp's preset gives it (:mod:`.gguf_mix`): a k-quant or IQ4 grid with its scales
-fixed first (:mod:`bitmosaic.algorithms.gguf_grid`; Q4_1 / Q5_1 likewise, their fp16 ``d`` and ``m``;
-packed as :class:`~bitmosaic.modules.gguf_grid.GGUFGridLinear`), or a legacy fallback (Q4_0 / Q5_0 /
-Q8_0) as a symmetric integer grid in groups of 32; the GGUF export writes either exactly.
+fixed first (:mod:`bitmosaic.algorithms.gguf_grid`; Q4_1 / Q5_1 likewise, their fp16 ``d`` and ``m``; the
+lattice codebooks of IQ3_S / IQ2_XS by a vector GPTQ, :mod:`bitmosaic.algorithms.gguf_lattice`; packed as
+:class:`~bitmosaic.modules.gguf_grid.GGUFGridLinear`), or a legacy fallback (Q4_0 / Q5_0 / Q8_0) as a
+symmetric integer grid in groups of 32; the GGUF export writes either exactly.
 ``gguf_target_bpw`` (``--gguf-target-bpw B``) picks each linear's type by Fisher salience under a
 bits-per-weight budget (:mod:`.gguf_bpw`) and solves it the same way.
 """
@@ -22,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..algorithms.gguf_grid import GGUFGridResult, iq_gptq, kquant_gptq, legacy_gptq
+from ..algorithms.gguf_lattice import lattice_gptq
 from ..algorithms.mx import mx_gptq
 from ..algorithms.types import QuantResult
 from ..errors import OptionError
@@ -29,7 +31,7 @@ from ..modules.gguf_grid import GGUFGridLinear
 from ..modules.qlinear import QuantLinear
 from .common import HESSIAN_DTYPES, GPTQSolverConfig, processing_order, quantize_gptq, require_hessian, shared
 from .gguf_bpw import choose_types
-from .gguf_mix import IQ_TYPES, L_TYPES, LEGACY_BITS, PRESETS, tensor_type
+from .gguf_mix import IQ_TYPES, L_TYPES, LATTICE, LEGACY_BITS, PRESETS, tensor_type
 from .microscale import SPLIT_ROWS, STACK_ROWS, is_mx, mx_post_init
 from .options import like, option
 from .registry import LayerStats, Method, WeightQuantConfig, register
@@ -158,7 +160,12 @@ class GPTQ(Method):
             res.info["gguf_type"] = typ
             return res
         H = require_hessian(stats, "gptq")
-        solve = iq_gptq if typ in IQ_TYPES else legacy_gptq if typ in L_TYPES else kquant_gptq
+        if typ in IQ_TYPES:
+            solve = iq_gptq
+        elif typ in LATTICE:
+            solve = lattice_gptq
+        else:
+            solve = legacy_gptq if typ in L_TYPES else kquant_gptq
         res = solve(
             weight,
             H,

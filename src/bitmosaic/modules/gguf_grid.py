@@ -1,13 +1,14 @@
 """``GGUFGridLinear`` (kind ``"gguf-grid"``): a linear layer stored as llama.cpp's GGUF blocks of a type
 bitmosaic's integer layout cannot hold -- ``IQ4_NL``, ``IQ4_XS``, the k-quants ``Q2_K`` .. ``Q6_K`` (their
-integer sub-block scales and mins) and ``Q4_1`` / ``Q5_1`` (fp16 mins, no multiple of the scale) --
-calibrated on that type's grid (issue 72).
+integer sub-block scales and mins), ``Q4_1`` / ``Q5_1`` (fp16 mins, no multiple of the scale) and the
+lattice codebooks ``IQ3_S`` / ``IQ2_XS`` -- calibrated on that type's grid (issue 72).
 
 The one buffer ``blocks`` (uint8 ``[out, row bytes]``) *is* the tensor's data in the GGUF file, so the GGUF
 export writes it as it is and the accounting counts exactly its bits (IQ4_NL 4.5, IQ4_XS 4.25, Q4_K 4.5,
-Q6_K 6.5625 per weight...).  The weight: IQ4 types through :func:`bitmosaic.formats.gguf_iq.dequantize`
-of the unpacked blocks (float32, what ggml computes), k-quants and Q4_1 / Q5_1 through the ``gguf``
-package's dequantizer; the reference path reads every type with the ``gguf`` package (tested equal to the
+Q6_K 6.5625, IQ3_S 3.4375, IQ2_XS 2.3125 per weight...).  The weight: IQ4 and lattice types through
+:func:`bitmosaic.formats.gguf_iq.dequantize` / :func:`bitmosaic.formats.gguf_lattice.dequantize` of the
+unpacked blocks (float32, what ggml computes), k-quants and Q4_1 / Q5_1 through the ``gguf`` package's
+dequantizer; the reference path reads every type with the ``gguf`` package (tested equal to the
 solver's own float model).  No INT or FP8 form: other export formats refuse it in one line.
 """
 
@@ -19,6 +20,7 @@ import torch
 from ..algorithms import gguf_kquants as kq
 from ..algorithms import gguf_legacy as gl
 from ..formats import gguf_iq as iq
+from ..formats import gguf_lattice as lat
 from .base import NoIntForm, QuantModule
 
 __all__ = ["GGUFGridLinear"]
@@ -30,7 +32,7 @@ class GGUFGridLinear(QuantModule):
 
     def __init__(self, in_features: int, out_features: int, *, gguf_type: str, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        known = (*iq.IQ_TYPES, *kq.K_TYPES, *gl.L_TYPES)
+        known = (*iq.IQ_TYPES, *kq.K_TYPES, *gl.L_TYPES, *lat.LATTICE_TYPES)
         if gguf_type not in known:
             raise ValueError(f"gguf_type {gguf_type!r} is not one of {', '.join(known)}")
         import gguf
@@ -44,6 +46,9 @@ class GGUFGridLinear(QuantModule):
         k = kq.K_TYPES.get(gguf_type) or gl.L_TYPES.get(gguf_type)
         # for reports: the code width and the weights per scale
         self.bits, self.group_size = (k.qmax.bit_length(), getattr(k, "sub", gl.BLOCK)) if k else (4, iq.SUB)
+        lt = lat.LATTICE_TYPES.get(gguf_type)
+        if lt:  # IQ2_XS ~2, IQ3_S ~3 bits a weight; one 4-bit scale per sub-block
+            self.bits, self.group_size = int(lt.bits), lt.sub
         self.symmetric = not (k and k.with_min)
         self.register_buffer(
             "blocks", torch.zeros(out_features, in_features // block * size, dtype=torch.uint8)
@@ -62,6 +67,8 @@ class GGUFGridLinear(QuantModule):
             data = kq.pack(res.stored(), kq.K_TYPES[res.gguf_type])
         elif res.gguf_type in gl.L_TYPES:
             data = gl.pack(*(x.cpu() for x in res.stored()), gl.L_TYPES[res.gguf_type])
+        elif res.gguf_type in lat.LATTICE_TYPES:
+            data = lat.pack(*res.stored(), lat.LATTICE_TYPES[res.gguf_type])
         else:
             data = iq.pack(*(x.cpu() for x in res.stored()), res.iq_type)
         m.blocks.copy_(torch.from_numpy(data))
@@ -75,6 +82,10 @@ class GGUFGridLinear(QuantModule):
     def _dequantize(self, dtype):
         if self.gguf_type in (*kq.K_TYPES, *gl.L_TYPES):
             return self.dequantize_reference(dtype)
+        if self.gguf_type in lat.LATTICE_TYPES:
+            t = lat.LATTICE_TYPES[self.gguf_type]
+            w = lat.dequantize(*lat.unpack(self.blocks.cpu().numpy(), t, self.in_features), t)
+            return w.to(device=self.blocks.device, dtype=dtype)
         codes, d, l = iq.unpack(self.blocks.cpu().numpy(), self.iq_type, self.in_features)
         return iq.dequantize(codes, d, l, self.iq_type).to(device=self.blocks.device, dtype=dtype)
 
