@@ -95,7 +95,7 @@ def _rare(*actions) -> None:
 _RARE_QUANTIZE = {
     "bound_orders", "hessian_dtype", "batch_size", "cache_dir", "no_cache", "tasks_limit", "tasks_dir",
     "max_memory", "a_granularity", "a_group_size", "a_static", "a_pow2", "a_calib", "a_percentile", "a_clip",
-    "rotate_block",
+    "rotate_block", "moe_fallback", "eval_seqlen",
 }  # fmt: skip
 
 _HANDLERS = {
