@@ -79,8 +79,10 @@ def sq_split_gemm(res: dict) -> tuple[str, str]:
     if not rows:
         raise KeyError("SQ-format rows at 512 rows")
     cmp = [(r, _same(res, r, "int8 g128")["triton_ms"], r["int4_ms"]) for r in rows]
-    nums = ", ".join(f"{_shape(r)} SQ {r['triton_ms']:.4f} ms, our INT8 kernel {a8:.4f}, our INT4 kernel {a4:.4f}"
-                     for r, a8, a4 in cmp)  # fmt: skip
+    nums = ", ".join(
+        f"{_shape(r)} SQ {r['triton_ms']:.4f} ms, our INT8 kernel {a8:.4f}, our INT4 kernel {a4:.4f}"
+        for r, a8, a4 in cmp
+    )
     ok = all(r["triton_ms"] < a8 and r["triton_ms"] <= 1.25 * a4 for r, a8, a4 in cmp)
     return nums, verdict(ok, "not faster than our INT8 kernel or over 1.25x our INT4 kernel on some 8B shape")
 

@@ -42,8 +42,8 @@ from .intmm import IntActWeight
 from .lut import BitPlaneWeight
 from .qmatmul import LowBitWeight
 from .triton.bitplane import TritonBitPlaneWeight
-from .triton.intmm import TritonIntWeight
 from .triton.blockres import TritonBlockResidualWeight
+from .triton.intmm import TritonIntWeight
 from .triton.sqsplit import TritonSQSplitWeight
 
 __all__ = ["KERNEL_ENV", "KERNELS", "select_kernel", "runs", "is_fast", "kernel_devices", "offers_device"]

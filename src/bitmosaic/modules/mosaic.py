@@ -150,7 +150,8 @@ class MosaicQuantLinear(QuantLinear):
 
     def _triton_kernel(self, kind):
         """The dense base (codes at their storage width, ``code_offset`` folded into the zero-point 8) and
-        the residual blocks as ``kind`` (:class:`~bitmosaic.kernels.triton.blockres.TritonBlockResidualWeight`)."""
+        the residual blocks as ``kind``
+        (:class:`~bitmosaic.kernels.triton.blockres.TritonBlockResidualWeight`)."""
         from ..kernels.triton.intmm import TritonIntWeight
 
         codes = unpack_codes(self.qweight, self.storage_bits, self.in_features)

@@ -1,4 +1,5 @@
-"""MosaicQuant's fused dense base + residual blocks in one Triton kernel (kernels/triton/blockres.py; issue 76,
+"""MosaicQuant's fused dense base + residual blocks in one Triton kernel
+(kernels/triton/blockres.py; issue 76,
 MosaicQuant §4.2) against the module's reference forward ``F.linear(x, dequantize_reference())``, under the
 interpreter with the device stand-in (the module picks the kernel as it would on CUDA).
 
@@ -17,8 +18,8 @@ from hypothesis import strategies as st
 
 from bitmosaic.formats.act import ActQuantSpec, fake_quant
 from bitmosaic.formats.packing import pack_codes
-from bitmosaic.kernels.triton.intmm import TritonIntWeight
 from bitmosaic.kernels.triton.blockres import TritonBlockResidualWeight
+from bitmosaic.kernels.triton.intmm import TritonIntWeight
 from bitmosaic.modules import attach_input_quant
 from bitmosaic.modules.mosaic import MosaicQuantLinear
 from tests.helpers import env_var

@@ -14,8 +14,8 @@ from bitmosaic.kernels import triton as tk
 from bitmosaic.kernels.lut import BitPlaneWeight
 from bitmosaic.kernels.qmatmul import LowBitWeight
 from bitmosaic.kernels.select import KERNEL_ENV, offers_device, select_kernel
-from bitmosaic.kernels.triton.intmm import TritonIntWeight
 from bitmosaic.kernels.triton.blockres import TritonBlockResidualWeight
+from bitmosaic.kernels.triton.intmm import TritonIntWeight
 from bitmosaic.kernels.triton.sqsplit import TritonSQSplitWeight
 from bitmosaic.modules.kernel import LowBitKernel
 from bitmosaic.modules.mosaic import MosaicQuantLinear
@@ -93,7 +93,8 @@ def test_kinds_that_change_the_product_declare_their_own():
     mosaic and static SQ kinds declare their own (kernels/triton/blockres.py, sqsplit.py)."""
     assert QuantLinear.GPU_KERNELS == ("triton_int",)
     assert (
-        MosaicQuantLinear.GPU_KERNELS == ("triton_blockres",) and "triton_int" not in MosaicQuantLinear.KERNELS
+        MosaicQuantLinear.GPU_KERNELS == ("triton_blockres",)
+        and "triton_int" not in MosaicQuantLinear.KERNELS
     )
     assert SQActLinear.GPU_KERNELS == ("triton_sq",) and "triton_int" not in SQActLinear.KERNELS
     for own in (SparseOutlierQuantLinear, FP8ComputeQuantLinear):  # SSQR, DPQ: their Triton kernels

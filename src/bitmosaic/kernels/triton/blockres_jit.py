@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .intmm_jit import weight_tile, to_dtype
+from .intmm_jit import to_dtype, weight_tile
 
 
 @triton.jit
