@@ -80,6 +80,22 @@ def fp8_dot(device) -> bool:
     return d.type == "cpu" and interpreting()
 
 
+class TritonKernel:
+    """The capabilities every Triton kernel class shares (the selector's attributes, kernels/select.py):
+    CUDA devices, plus the CPU under the interpreter stand-in; no C++ extension needed."""
+
+    SUPPORTS_DEVICES = ("cuda",)  # plus the CPU under the interpreter stand-in: supported_devices()
+    NEEDS_COMPILED = False
+
+    @staticmethod
+    def compiled() -> bool:
+        return bool(devices())
+
+    @staticmethod
+    def supported_devices() -> tuple[str, ...]:
+        return devices()
+
+
 def jit_module(name: str):
     """The ``@triton.jit`` module ``bitmosaic.kernels.triton.<name>`` (imported on first use)."""
     if not available():

@@ -24,7 +24,7 @@ import torch
 from ...formats.bitplane import BitPlanes
 from ..lut import BitPlaneWeight
 from ..tiles import TORCH_TILE_ELEMS
-from . import check_device, devices, jit_module
+from . import TritonKernel, check_device, jit_module
 
 __all__ = ["bitplane_gemv", "TritonBitPlaneWeight", "GEMV_MAX_ROWS"]
 
@@ -79,23 +79,13 @@ def bitplane_gemv(p: BitPlanes, scales: torch.Tensor, zeros, x: torch.Tensor) ->
     return y.reshape(*x.shape[:-1], p.N).to(x.dtype)
 
 
-class TritonBitPlaneWeight(BitPlaneWeight):
+class TritonBitPlaneWeight(TritonKernel, BitPlaneWeight):
     """:class:`~bitmosaic.kernels.lut.BitPlaneWeight`'s planes, scales and zero-points (so SFMP rebuilds its
     saved buffers from it the same way), multiplied by the Triton kernels on CUDA."""
 
     KERNEL_NAME = "triton_bitplane"
-    SUPPORTS_DEVICES = ("cuda",)  # plus the CPU under the interpreter stand-in: supported_devices()
     SUPPORTS_ROWS = (1, None)  # the GEMV up to GEMV_MAX_ROWS rows, the batched path above
     FAST_BITS = BitPlaneWeight.SUPPORTS_BITS
-    NEEDS_COMPILED = False
-
-    @staticmethod
-    def compiled() -> bool:
-        return bool(devices())
-
-    @staticmethod
-    def supported_devices() -> tuple[str, ...]:
-        return devices()
 
     def __init__(self, planes: BitPlanes, scales_t: torch.Tensor, zeros_t: torch.Tensor):
         super().__init__(planes, scales_t, zeros_t)

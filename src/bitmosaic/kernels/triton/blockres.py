@@ -27,32 +27,22 @@ from __future__ import annotations
 
 import torch
 
-from . import check_device, devices, interpreting, jit_module
+from . import TritonKernel, check_device, interpreting, jit_module
 from .intmm import TritonIntWeight, pow2_tile
 
 __all__ = ["TritonBlockResidualWeight"]
 
 
-class TritonBlockResidualWeight:
+class TritonBlockResidualWeight(TritonKernel):
     """The dense base (a :class:`TritonIntWeight`, ``.dense``) plus the residual blocks, one kernel per call
     (``__call__(x)``: the :class:`~bitmosaic.kernels.mosaic.MosaicWeight` interface)."""
 
     KERNEL_NAME = "triton_blockres"
     SUPPORTS_BITS = (2, 3, 4, 5, 6, 7, 8)  # the base's storage width (4, wider for a no-clip base)
     SUPPORTS_MIXED_BITS = False
-    SUPPORTS_DEVICES = ("cuda",)  # plus the CPU under the interpreter stand-in: supported_devices()
     SUPPORTS_GROUP_SIZE_MULTIPLE = 1
     SUPPORTS_ROWS = (1, None)
     FAST_BITS = SUPPORTS_BITS
-    NEEDS_COMPILED = False
-
-    @staticmethod
-    def compiled() -> bool:
-        return bool(devices())
-
-    @staticmethod
-    def supported_devices() -> tuple[str, ...]:
-        return devices()
 
     def __init__(self, dense: TritonIntWeight, index, codes, scales, shape, block, columns=None) -> None:
         """As :class:`~bitmosaic.kernels.mosaic.MosaicWeight`: ``index`` ``[n_sel]`` flat block indices

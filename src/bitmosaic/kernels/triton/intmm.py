@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ...formats.packing import SUPPORTED_BITS, pack_codes
-from . import check_device, devices, fp8_dot, interpreting, jit_module
+from . import TritonKernel, check_device, fp8_dot, interpreting, jit_module
 
 __all__ = ["TritonIntWeight", "GEMV_MAX_ROWS"]
 
@@ -30,26 +30,16 @@ def pow2_tile(n: int, lo: int, hi: int) -> int:
     return p
 
 
-class TritonIntWeight:
+class TritonIntWeight(TritonKernel):
     """Packed integer codes + float32 scales/zero-points ``[N, G]``; ``matmul`` never builds a float ``W``."""
 
     KERNEL_NAME = "triton_int"
     SUPPORTS_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
     SUPPORTS_MIXED_BITS = False
-    SUPPORTS_DEVICES = ("cuda",)  # plus the CPU under the interpreter stand-in: supported_devices()
     SUPPORTS_GROUP_SIZE_MULTIPLE = 1
     SUPPORTS_ROWS = (1, None)
     FAST_BITS = SUPPORTS_BITS
-    NEEDS_COMPILED = False
     GATHERS_INPUT = True  # matmul(x, in_index=perm) gathers x inside the kernel
-
-    @staticmethod
-    def compiled() -> bool:
-        return bool(devices())
-
-    @staticmethod
-    def supported_devices() -> tuple[str, ...]:
-        return devices()
 
     def __init__(self, qweight, scales, zeros, K: int, group_size: int, bits: int) -> None:
         self.qweight, self.scales, self.zeros = qweight, scales, zeros

@@ -27,32 +27,22 @@ import torch
 
 from ...algorithms.sq import static_split
 from ...formats.sq_act import act_scale_group
-from . import check_device, devices, jit_module
+from . import TritonKernel, check_device, jit_module
 from .intmm import pow2_tile
 
 __all__ = ["TritonSQSplitWeight"]
 
 
-class TritonSQSplitWeight:
+class TritonSQSplitWeight(TritonKernel):
     """The packed high-first weight and the static split's settings; ``__call__(x)`` splits ``x`` and
     runs the kernel (the :class:`~bitmosaic.modules.kernel.KernelWeight` interface)."""
 
     KERNEL_NAME = "triton_sq"
     SUPPORTS_BITS = (2, 3, 4, 5, 6, 7, 8)  # the packed weight's storage width
     SUPPORTS_MIXED_BITS = False
-    SUPPORTS_DEVICES = ("cuda",)  # plus the CPU under the interpreter stand-in: supported_devices()
     SUPPORTS_GROUP_SIZE_MULTIPLE = 1
     SUPPORTS_ROWS = (1, None)
     FAST_BITS = SUPPORTS_BITS
-    NEEDS_COMPILED = False
-
-    @staticmethod
-    def compiled() -> bool:
-        return bool(devices())
-
-    @staticmethod
-    def supported_devices() -> tuple[str, ...]:
-        return devices()
 
     def __init__(self, qweight, bits: int, scales, zeros, g_idx, split: dict) -> None:
         """``qweight`` ``[N, packed]`` (stored, high-first columns, ``bits`` per code), float32 ``scales`` and
