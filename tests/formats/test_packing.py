@@ -190,3 +190,17 @@ def test_empty_rows_and_columns(bits):
     packed = pack_codes(torch.zeros(3, 0, dtype=torch.int32), bits)
     assert packed.shape == (3, 0)
     assert unpack_codes(packed, bits, 0).shape == (3, 0)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(rows=st.integers(0, 9), cols=st.integers(0, 70), bits=st.sampled_from([2, 4, 8]), seed=st.integers(0, 999))
+def test_byte_aligned_widths_take_the_word_path_bytes(rows, cols, bits, seed):
+    """2/4/8 bits pack and unpack in uint8 (whole codes per byte); the bytes are the int64 word path's."""
+    from bitmosaic.formats import packing
+
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 1 << bits, (rows, cols), generator=g, dtype=torch.int32)
+    n_chunks = -(-cols // 8)
+    fast, words = packing._pack_bytes(codes, bits, n_chunks), packing._pack_words(codes, bits, n_chunks)
+    assert torch.equal(fast, words)
+    assert torch.equal(packing._unpack_bytes(words, bits, cols), packing._unpack_words(words, bits, cols))

@@ -110,6 +110,20 @@ def test_mixed_widths_per_block_match_reference(N, G, gs, tail, row_block, seed)
     _check_all(w, ref, g, batches=(1, 4, 11), rows=slice(N // 3, N))
 
 
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(N=st.integers(1, 30), G=st.integers(1, 6), gs=st.sampled_from([8, 40, 64, 128, 200]),
+       bits=st.integers(1, 8), seed=st.integers(0, 2**16))  # fmt: skip
+def test_one_width_packs_all_groups_at_once_to_the_per_group_bytes(N, G, gs, bits, seed):
+    """The one-call packing of a block whose groups share a width (qmatmul._pack_row_block) writes the
+    bytes and offsets of packing each group on its own (the layout's definition)."""
+    codes = torch.randint(0, 1 << bits, (N, G * gs), generator=torch.Generator().manual_seed(seed))
+    w = LowBitWeight.from_codes(codes, bits, torch.ones(N, G), 0.0, gs)
+    parts = [qmatmul._pack_any(codes[:, g * gs : (g + 1) * gs], bits) for g in range(G)]
+    want = torch.cat(parts, 1)
+    assert torch.equal(w.data[: want.numel()], want.reshape(-1)) and w.data.numel() == want.numel() + 64
+    assert w.goff[0].tolist() == [sum(p.shape[1] for p in parts[:g]) for g in range(G)]
+
+
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_spans_large_groups(bits):
     """Whole spans and a partial last group (40 codes: a span's last lanes unused), every batch path."""

@@ -81,7 +81,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     maxq = (1 << bits) - 1
     rows, cols = codes.shape
     if codes.numel():
-        lo, hi = int(codes.min()), int(codes.max())
+        lo, hi = (int(v) for v in torch.aminmax(codes))
         if lo < 0 or hi > maxq:
             n_bad = int(((codes < 0) | (codes > maxq)).sum())
             raise ValueError(
@@ -97,7 +97,30 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
+def _pack_bytes(codes: torch.Tensor, bits: int, n_chunks: int) -> torch.Tensor:
+    """2/4/8 bits: ``8 // bits`` whole codes per byte, so the little-endian chunk word is byte ``k``
+    holding codes ``k * per ...`` from its low bits -- the same bytes as the word path, in uint8."""
+    rows, cols = codes.shape
+    per = 8 // bits
+    c = codes.to(torch.uint8)
+    pad = n_chunks * _CHUNK - cols
+    if pad:
+        c = torch.nn.functional.pad(c, (0, pad))
+    if per == 1:
+        return c.contiguous()
+    c = c.reshape(rows, n_chunks * bits, per)
+    out = c[..., 0].clone()
+    for i in range(1, per):
+        out |= c[..., i] << (i * bits)
+    return out
+
+
 def _pack_rows(codes: torch.Tensor, bits: int, n_chunks: int) -> torch.Tensor:
+    return _pack_bytes(codes, bits, n_chunks) if 8 % bits == 0 else _pack_words(codes, bits, n_chunks)
+
+
+def _pack_words(codes: torch.Tensor, bits: int, n_chunks: int) -> torch.Tensor:
+    """Any width: each chunk of 8 codes as one int64 word of ``8 * bits`` bits, cut into bytes."""
     rows, cols = codes.shape
     c = codes.to(torch.int64)
     pad = n_chunks * _CHUNK - cols
@@ -130,8 +153,25 @@ def unpack_codes(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
             f"packed has {packed.shape[1]} bytes per row but {cols} columns of {bits}-bit codes "
             f"need ceil({cols}/8)*{bits} = {expect}; check cols and bits match the packing"
         )
+    if 8 % bits == 0:
+        return _unpack_bytes(packed, bits, cols)
+    return _unpack_words(packed, bits, cols)
+
+
+def _unpack_bytes(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
+    """2/4/8 bits: shift the whole codes out of each byte in uint8 (inverse of :func:`_pack_bytes`)."""
+    rows, nbytes = packed.shape
+    per, maxq = 8 // bits, (1 << bits) - 1
+    out = torch.empty(rows, nbytes, per, dtype=torch.uint8, device=packed.device)
+    for i in range(per):
+        out[..., i] = (packed >> (i * bits)) & maxq
+    return out.reshape(rows, nbytes * per)[:, :cols].to(torch.int32)
+
+
+def _unpack_words(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
+    """Any width: each chunk's ``bits`` bytes as one int64 word, the codes shifted out of it."""
     rows = packed.shape[0]
-    n_chunks = expect // bits
+    n_chunks = packed.shape[1] // bits
     b = packed.reshape(rows, n_chunks, bits).to(torch.int64)
     word = b[..., 0].clone()
     for k in range(1, bits):

@@ -85,17 +85,56 @@ def _check_bits_map(bits, n_rb: int, G: int) -> torch.Tensor:
 _SPAN, _span_order, _unpack_any = SPAN, span_order, unpack_any  # the layout's span order (torch_paths.py)
 
 
-def _pack_any(codes: torch.Tensor, b: int) -> torch.Tensor:
-    """Pack one block's ``codes [rows, len]`` at width ``b`` in 1..8 in the span layout (module doc):
-    zero-padded to whole spans, reordered by :func:`_span_order`, then a little-endian bit stream."""
+def _pack_any(codes: torch.Tensor, b: int, spans: bool = True) -> torch.Tensor:
+    """Pack one block's ``codes [rows, len]`` (in range for width ``b`` in 1..8) in the span layout
+    (module doc): zero-padded to whole spans, reordered by :func:`_span_order`, then a little-endian bit
+    stream (``spans=False``: ``codes`` are padded and in span order already)."""
     rows, cols = codes.shape
-    order = _span_order(cols)
-    padded = torch.nn.functional.pad(codes.to(torch.int64), (0, order.numel() - cols))[:, order]
+    padded = codes.to(torch.uint8)
+    if spans:
+        order = _span_order(cols)
+        padded = torch.nn.functional.pad(padded, (0, order.numel() - cols))[:, order]
     if b >= 2:
         return pack_codes(padded, b)
     c = padded.to(torch.uint8).reshape(rows, -1, 8)
     weights = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8)
     return (c * weights).sum(-1, dtype=torch.int32).to(torch.uint8)
+
+
+def _pack_row_block(
+    rows: torch.Tensor, bits: torch.Tensor, gs: int, r0: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row block's ``codes [R, K]`` at the groups' widths ``bits [G]`` -> (its bytes ``[R, n]``, each
+    group's byte offset ``[G]``): the groups' :func:`_pack_any` spans side by side.  When the groups share
+    one width and one length (``K = G gs``), they are packed in one call: a group pads to whole spans of
+    64 codes and a width-``b`` span is ``8 b`` bytes, so no byte holds two groups and the bytes are the
+    per-group concatenation (``tests/kernels/test_qmatmul.py``) for a fraction of the Python work."""
+    R, K = rows.shape
+    G = bits.numel()
+    offs = torch.zeros(G, dtype=torch.int64)
+    if G and R and K == G * gs and bool((bits == bits[0]).all()):
+        b = int(bits[0])
+        lo, hi = (int(v) for v in torch.aminmax(rows))
+        if lo >= 0 and hi < 1 << b:  # else the loop below names the block
+            order = _span_order(gs)
+            grouped = rows.to(torch.uint8).reshape(R, G, gs)
+            padded = torch.nn.functional.pad(grouped, (0, order.numel() - gs))[..., order]
+            out = _pack_any(padded.reshape(R, G * order.numel()), b, spans=False)
+            return out, torch.arange(G, dtype=torch.int64) * (order.numel() // 8 * b)
+    parts, pos = [], 0
+    for g in range(G):
+        b = int(bits[g])
+        block = rows[:, g * gs : (g + 1) * gs]
+        if block.numel() and (int(block.min()) < 0 or int(block.max()) >= 1 << b):
+            raise ValueError(
+                f"codes of block (rows {r0}.., group {g}) lie in [{int(block.min())}, "
+                f"{int(block.max())}], outside the {b}-bit range [0, {(1 << b) - 1}]"
+            )
+        packed = _pack_any(block, b)
+        offs[g] = pos
+        pos += packed.shape[1]
+        parts.append(packed)
+    return (torch.cat(parts, 1) if parts else torch.zeros(R, 0, dtype=torch.uint8)), offs
 
 
 class LowBitWeight:
@@ -157,20 +196,8 @@ class LowBitWeight:
         offset = 0
         for r in range(n_rb):
             rows = codes[r * rb : (r + 1) * rb]
-            parts, pos = [], 0
-            for g in range(G):
-                b = int(bmap[r, g])
-                block = rows[:, g * gs : (g + 1) * gs]
-                if block.numel() and (int(block.min()) < 0 or int(block.max()) >= 1 << b):
-                    raise ValueError(
-                        f"codes of block (rows {r * rb}.., group {g}) lie in [{int(block.min())}, "
-                        f"{int(block.max())}], outside the {b}-bit range [0, {(1 << b) - 1}]"
-                    )
-                packed = _pack_any(block, b)
-                goff[r, g] = pos
-                pos += packed.shape[1]
-                parts.append(packed)
-            row_bytes = torch.cat(parts, 1) if parts else torch.zeros(rows.shape[0], 0, dtype=torch.uint8)
+            row_bytes, goff[r] = _pack_row_block(rows, bmap[r], gs, r * rb)
+            pos = row_bytes.shape[1]
             base.append(offset)
             rowlen.append(pos)
             offset += row_bytes.numel()
