@@ -193,7 +193,8 @@ def test_empty_rows_and_columns(bits):
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
-@given(rows=st.integers(0, 9), cols=st.integers(0, 70), bits=st.sampled_from([2, 4, 8]), seed=st.integers(0, 999))
+@given(rows=st.integers(0, 9), cols=st.integers(0, 70), bits=st.sampled_from([2, 4, 8]),
+       seed=st.integers(0, 999))  # fmt: skip
 def test_byte_aligned_widths_take_the_word_path_bytes(rows, cols, bits, seed):
     """2/4/8 bits pack and unpack in uint8 (whole codes per byte); the bytes are the int64 word path's."""
     from bitmosaic.formats import packing
