@@ -170,7 +170,10 @@ def _vmhwm_mb(pid: int, field: str = "VmHWM:") -> float:
     return 0.0
 
 
-def run(folder: Path, shape: str, layers: int, out: Path, threads: int | None, nsamples: int = 16) -> dict:
+def run(
+    folder: Path, shape: str, layers: int, out: Path, threads: int | None, nsamples: int = 16,
+    max_memory: str | None = None,
+) -> dict:
     prog = out.parent / f".{out.name}.partial" / "progress.json"
     argv = [sys.executable, "-m", "bitmosaic.cli", "quantize", "--model", str(folder), "--method", "gptq",
             "--bits", "4", "--group-size", "128", "--calib", str(folder / "calib.txt"),
@@ -179,6 +182,8 @@ def run(folder: Path, shape: str, layers: int, out: Path, threads: int | None, n
             "--no-progress"]  # fmt: skip
     if threads:
         argv += ["--threads", str(threads)]
+    if max_memory:
+        argv += ["--max-memory", max_memory]
     t0 = time.perf_counter()
     p = subprocess.Popen(argv)
     peak, done, trace, state, seen = 0.0, 0, [], None, 0.0
@@ -298,6 +303,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--nsamples", type=int, default=16, help="calibration samples of 512 tokens")
+    ap.add_argument("--max-memory", default=None, help="run: the CLI's --max-memory (default: its own)")
     ap.add_argument("--write-layers", type=int, default=None,
                     help="write: a truncated checkpoint of this many decoder layers (its config says so)")
     ap.add_argument("--fp8", action="store_true",
@@ -323,7 +329,7 @@ def main() -> None:
             path.write_text(json.dumps(data, indent=2, default=str))
         return
     gemm = gemm_gflops()
-    res = run(args.dir, args.shape, args.layers, out, args.threads, args.nsamples)
+    res = run(args.dir, args.shape, args.layers, out, args.threads, args.nsamples, args.max_memory)
     if args.shape in MOE_SHAPES:
         moe_results(args, gemm, res)
         return

@@ -170,6 +170,29 @@ def test_experts_in_parts_under_a_small_budget_give_the_same_bytes(min_tokens, t
     assert tok == {r["name"]: r["expert_tokens"] for r in rb.layers if "expert_tokens" in r}
 
 
+def test_thin_experts_of_one_projection_share_one_pooled_hessian():
+    """After the parts, every expert below moe_min_tokens gets the pooled Hessian of its projection: one
+    tensor per projection, not a copy per expert (a DeepSeek-V3 layer's ~256 thin gate/up experts would
+    hold 256 x 205 MB); each solve still takes its own copy (``take``)."""
+    from bitmosaic.pipeline import experts as pexperts
+
+    pool = pexperts.ExpertPool(RunSettings())
+    gen = torch.Generator().manual_seed(0)
+    for p, d in (("gate_proj", 6), ("down_proj", 4)):
+        pool.sums[f"mlp.experts.*.{p}"] = torch.randn(d, d, generator=gen)
+        pool.rows[f"mlp.experts.*.{p}"] = 10
+        for e in range(3):
+            pool.low[f"mlp.experts.{e}.{p}"] = [f"mlp.experts.{e}.{p}"]
+    accs, owner = pool.rest()
+    assert len(accs) == 6 and len(owner) == 6
+    for p in ("gate_proj", "down_proj"):
+        hs = [accs[f"mlp.experts.{e}.{p}"].H for e in range(3)]
+        assert all(h is hs[0] for h in hs)
+        taken = accs[f"mlp.experts.0.{p}"].take()
+        assert taken.data_ptr() != hs[0].data_ptr() and torch.equal(taken, hs[0])
+    assert {pool.stats.fallback[o] for o in owner} == {"pooled"}
+
+
 def test_a_streamed_run_in_parts_equals_the_in_memory_run(tmp_path):
     src = _src(tmp_path, "qwen3_moe", "fused")
     from transformers import AutoModelForCausalLM

@@ -405,7 +405,7 @@ class ExpertPool:
 
     def rest(self) -> tuple[dict, dict]:
         """The deferred owners' pooled Hessians and the owner of each of their names (after every part)."""
-        accs, owner = {}, {}
+        accs, owner, pooled = {}, {}, {}
         rule = self.settings.moe_fallback
         for o, names in self.low.items():
             p = _proj(o)
@@ -416,6 +416,8 @@ class ExpertPool:
                 continue
             if p not in self.sums:
                 raise _no_tokens(p)
-            accs[o] = _Fixed(self.sums[p] / self.rows[p])
+            if p not in pooled:  # one tensor per projection: a DeepSeek-V3 layer's ~256 thin experts
+                pooled[p] = self.sums[p] / self.rows[p]  # would otherwise hold 256 x 205 MB copies
+            accs[o] = _Fixed(pooled[p])
         self.low, self.sums = {}, {}
         return accs, owner
