@@ -144,6 +144,19 @@ def test_llama_cpp_mix_of_the_xxs_presets():
     assert tensor_type("IQ2_XXS", "model.layers.3.self_attn.o_proj", 1024, 30, 3) == "IQ2_XXS"
     assert tensor_type("IQ2_XXS", "model.layers.3.self_attn.v_proj", 576, 30, 3) == "Q4_0"
     assert tensor_type("IQ2_XXS", "model.layers.3.self_attn.v_proj", 1024, 30, 8) == "Q4_K"
+    # the 2-D types of the files llama-quantize --imatrix wrote for SmolLM2 (30 layers, 576 -> 1536, n_gqa 3;
+    # runs of llama.cpp built from llama-cpp-python 0.3.36's source, read with gguf-py), less token_embd
+    names = [f"model.layers.{i}.{p}" for i in range(30) for p in
+             ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+              "mlp.up_proj", "mlp.down_proj")]  # fmt: skip
+    llama_cpp = {"IQ3_XXS": {"IQ3_XXS": 30, "IQ4_NL": 180},
+                 "IQ2_XXS": {"IQ2_XXS": 27, "IQ4_NL": 150, "Q2_K": 3, "Q4_0": 30}}  # fmt: skip
+    for preset, want in llama_cpp.items():
+        ours: dict[str, int] = {}
+        for n in names:
+            t = tensor_type(preset, n, 1536 if n.endswith("down_proj") else 576, 30, 3)
+            ours[t] = ours.get(t, 0) + 1
+        assert ours == want, preset
 
 
 @pytest.fixture(scope="module", params=["IQ3_S", "IQ2_XS", "IQ3_XXS", "IQ2_XXS"])
