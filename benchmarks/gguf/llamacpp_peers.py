@@ -10,8 +10,9 @@ llama_tools.py``).  Protocol (the issue's):
   ``wikitext-2/valid.txt`` (``-c 512 --chunks 16``: the file's first 16 x 512 tokens, BOS in place of each
   chunk's first token);
 - llama.cpp's files: ``llama-quantize`` of the F32 file without and with ``--imatrix`` for each type (its
-  own per-tensor mix of the preset, fallbacks for SmolLM2's 576-wide inputs included; IQ2_XS/IQ3_S
-  without an importance matrix are refused or poor by llama.cpp's own rule and reported as they come);
+  own per-tensor mix of the preset, fallbacks for SmolLM2's 576-wide inputs included; IQ2_XS/IQ3_S/
+  IQ3_XXS/IQ2_XXS without an importance matrix are refused or poor by llama.cpp's own rule and reported as
+  they come);
 - bitmosaic's files: ``--method gptq --gguf-type T`` (scales on the type's stored encoding, GPTQ on its
   grid -- IQ3_S / IQ2_XS: a vector GPTQ on the codebook --, exact export) calibrated on *the same* 16 x 512
   token chunks llama-imatrix reads (tokenized by
@@ -39,11 +40,12 @@ from pathlib import Path
 
 from benchmarks.harness import RESULTS, write_results
 
-TYPES = ("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "IQ4_XS", "IQ4_NL", "IQ3_S", "IQ2_XS")
+TYPES = ("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "IQ4_XS", "IQ4_NL", "IQ3_S", "IQ2_XS",
+         "IQ3_XXS", "IQ2_XXS")  # fmt: skip
 # the presets bitmosaic solves on (gptq --gguf-type), most asked first
 BPW = "bpw@"  # bitmosaic --gguf-target-bpw at the bits per weight of the preset named after it
 OURS = ("Q4_K_M", "Q3_K_M", "IQ4_XS", "Q2_K", "Q5_K_M", "Q6_K", "IQ4_NL", "Q4_0", "IQ3_S", "IQ2_XS",
-        "bpw@Q4_K_M", "bpw@Q3_K_M")  # fmt: skip
+        "bpw@Q4_K_M", "bpw@Q3_K_M", "IQ3_XXS", "IQ2_XXS")  # fmt: skip
 FRESH = 110  # seconds into a run after which a (minutes-long) bitmosaic quantization waits for the next run
 CHUNKS, CTX, CALIB_CHUNKS = 40, 512, 16
 

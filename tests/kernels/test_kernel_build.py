@@ -161,7 +161,7 @@ def test_no_ext_environment_is_one_warning_and_the_torch_path(monkeypatch):
 
 def test_module_names_follow_the_sources():
     names = {n: build.module_name(n) for n in build.EXTENSIONS}
-    assert len(set(names.values())) == len(build.EXTENSIONS) == 5
+    assert len(set(names.values())) == len(build.EXTENSIONS) == 6
     assert all(re.fullmatch(rf"bitmosaic_{n}_[0-9a-f]{{10}}", v) for n, v in names.items())
 
 

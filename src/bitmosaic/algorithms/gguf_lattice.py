@@ -1,28 +1,38 @@
-"""Vector GPTQ on llama.cpp's lattice codebooks ``IQ3_S`` and ``IQ2_XS`` (issue 72), so the GGUF file holds
-the calibrated weights exactly (layouts: :mod:`bitmosaic.formats.gguf_lattice`).
+"""Vector GPTQ on llama.cpp's lattice codebooks ``IQ3_S``, ``IQ2_XS``, ``IQ3_XXS`` and ``IQ2_XXS`` (issue 72),
+so the GGUF file holds the calibrated weights exactly (layouts: :mod:`bitmosaic.formats.gguf_lattice`).
 
 Scales first, then fixed (as the k-quant and IQ4 paths of :mod:`.gguf_grid` do): each input weighted by its
 importance ``diag(H)`` (what llama.cpp's importance matrix holds),
 
-1. per sub-block (IQ2_XS: 16 weights, IQ3_S: 32) a float scale: for trial scales ``r * max|w| / max(grid)``
-   the nearest codebook points (signs of the weights; IQ2_XS's even parity by flipping the cheapest
-   sign), then the weighted least-squares scale for those points, the one with the least error kept;
-2. per super-block of 256 an fp16 ``d`` and the 4-bit ``s`` (IQ2_XS ``d * (0.5 + s) / 4``, IQ3_S
-   ``d * (1 + 2 s)``): candidates ``d`` around ``max scale / max level``, each sub-block's ``s`` rounded,
-   the ``d`` with the least weighted error of the super-block's nearest points kept.
+1. per sub-block (IQ2_XS: 16 weights, the others 32) a float scale: for trial scales
+   ``r * max|w| / max(grid)`` the nearest codebook points (signs of the weights; where a parity group of 8
+   -- IQ2_XS / IQ2_XXS: one point, IQ3_XXS: two -- has odd parity, the cheapest sign flipped, the point
+   chosen with that cost: :func:`nearest_many`), then the weighted least-squares scale for those points,
+   the one with the least error kept;
+2. per super-block of 256 an fp16 ``d`` and the 4-bit ``s`` (IQ2_XS / IQ2_XXS ``d * (0.5 + s) / 4``,
+   IQ3_XXS ``d * (0.5 + s) / 2``, IQ3_S ``d * (1 + 2 s)``): candidates ``d`` around ``max scale / max
+   level``, each sub-block's ``s`` rounded, the ``d`` with the least weighted error of the super-block's
+   nearest points kept.
+
+Every trial scale of a sub-block (step 1) and every candidate ``d`` of a super-block (step 2) is searched
+in one pass over the codebook (``csrc/latticesearch.cpp`` where compiled, the same results bit for bit).
 
 Then the solve -- the Babai paper's nearest plane (GPTQ back to front, /work/shared/papers) with a codebook
-for the rounding: columns go in runs of ``dim`` (a codebook point: 8 for IQ2_XS, 4 for IQ3_S; runs ordered
-by the caller's order, e.g. act-order, by their first column in it).  With ``U`` the upper Cholesky factor
-of ``H^-1`` in that order, a run ``b`` of every row is rounded to the codebook point ``q`` minimising
-``||(w_b - q) U_bb^-1||^2`` -- the exact GPTQ loss of the run -- among the ``K`` points nearest under that
-metric's diagonal (all 512 scored at once, on ``|w|`` with the weights' signs; IQ2_XS's parity fixed on
-each), and ``E_b = (w_b - q) U_bb^-1`` is fed to the later columns, ``W_rest -= E_b U_b,rest`` (block GPTQ:
-``W - Q = E U`` as for single columns, so the loss is ``sum ||E||^2``).  Nothing is refitted afterwards.
+for the rounding: columns go in runs (a codebook point, or the two points of an IQ3_XXS parity group:
+8 columns for IQ2_XS / IQ2_XXS / IQ3_XXS, 4 for IQ3_S; runs ordered by the caller's order, e.g.
+act-order, by their first column in it).  With ``U`` the upper Cholesky factor of ``H^-1`` in that order,
+a run ``b`` of every row is rounded to the codebook point(s) ``q`` minimising ``||(w_b - q) U_bb^-1||^2``
+-- the exact GPTQ loss of the run -- among the ``K`` points nearest under that metric's diagonal (all
+scored at once, on ``|w|`` with the weights' signs, parity fixed on each; IQ3_XXS: the ``K x K`` pairs of
+each point's ``K`` nearest), and ``E_b = (w_b - q) U_bb^-1`` is fed to the later columns,
+``W_rest -= E_b U_b,rest`` (block GPTQ: ``W - Q = E U`` as for single columns, so the loss is
+``sum ||E||^2``).  Nothing is refitted afterwards.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,18 +41,71 @@ from ..formats import gguf_lattice as gl
 from .gguf_grid import GGUFGridResult, importance
 from .hessian import gptq_factor
 
-__all__ = ["LatticeResult", "candidates", "lattice_scales", "lattice_rtn", "lattice_gptq"]
+__all__ = [
+    "LatticeResult",
+    "candidates",
+    "run_candidates",
+    "nearest_many",
+    "nearest_k",
+    "lattice_scales",
+    "lattice_rtn",
+    "lattice_gptq",
+]
 
 _FIT_RATIOS = [0.6 + 0.06 * i for i in range(10)]  # trial scales: r * max|w| / max(grid)
 _D_RATIOS = [0.8 + 0.05 * i for i in range(9)]  # candidate d: r * largest scale / largest level
 _K = 8  # codebook candidates scored under the full metric in the solve
 _CHUNK = 1 << 15  # points searched at once (x 512 distances)
+_SUPER_CHUNK = 2048  # super-blocks whose scales are searched at once (bounds memory)
+# A faster nearest_many with the same results bit for bit, injected from a higher layer (the C++ kernel:
+# bitmosaic.kernels.lattice_search.install()); called with nearest_many's arguments, it returns its tuple
+# or None where it does not apply.  Without it (or a compiler) the torch reference below runs.
+_fast_nearest: Callable | None = None
+
+
+def set_fast_nearest(fn: Callable | None) -> Callable | None:
+    """Install ``fn`` as the fast :func:`nearest_many` (``None``: the reference); returns the previous."""
+    global _fast_nearest
+    prev, _fast_nearest = _fast_nearest, fn
+    return prev
 
 
 def _levels(t: gl.LatticeType) -> torch.Tensor:
     """The 16 multipliers of ``d`` a 4-bit ``s`` gives."""
-    s = torch.arange(16, dtype=torch.float32)
-    return (0.5 + s) * 0.25 if t.name == "IQ2_XS" else 1 + 2 * s
+    off, mul, post = t.level
+    return (off + mul * torch.arange(16, dtype=torch.float32)) * post
+
+
+def nearest_many(a: torch.Tensor, m: torch.Tensor, s: torch.Tensor, G: torch.Tensor, parity: bool):
+    """Per point ``i`` (``|w|`` ``a [N, dim]``, weights ``m [N, dim]``) and trial scale ``s [N, C]`` the first
+    codebook point ``g`` of ``G [P, dim]`` minimising ``r = s A_g - 2 B_g`` (``A_g = sum m g^2``, ``B_g =
+    sum (m a) g``: the weighted error ``sum m (a - s g)^2`` is ``sum m a^2 + s r``) and, with ``parity``,
+    minimising ``r + 4 F_g``, ``F_g = min_j (m_j a_j) g_j`` (the error with the cheapest sign flipped).
+    Returns ``(idx, val, fidx, fval)``, each ``[N, C]`` (int32 / float32; the flip pair zero without
+    parity).  The torch reference of ``csrc/latticesearch.cpp`` (same operations, same order)."""
+    if _fast_nearest is not None:
+        got = _fast_nearest(a, m, s, G, parity)
+        if got is not None:
+            return got
+    N, C = s.shape
+    idx, fidx = (torch.zeros(N, C, dtype=torch.int32, device=a.device) for _ in range(2))
+    val, fval = (torch.zeros(N, C, device=a.device) for _ in range(2))
+    for i in range(0, N, _CHUNK // 4):
+        ai, mi = a[i : i + _CHUNK // 4], m[i : i + _CHUNK // 4]
+        A = B = F = None
+        for j in range(G.shape[1]):
+            mj, maj, gj = mi[:, j : j + 1], mi[:, j : j + 1] * ai[:, j : j + 1], G[:, j]
+            A = (mj * gj) * gj if A is None else A + (mj * gj) * gj
+            B = maj * gj if B is None else B + maj * gj
+            F = maj * gj if F is None else torch.minimum(F, maj * gj)
+        for c in range(C):
+            r = s[i : i + _CHUNK // 4, c : c + 1] * A - 2.0 * B
+            val[i : i + len(ai), c], ix = r.min(-1)
+            idx[i : i + len(ai), c] = ix.int()
+            if parity:
+                fval[i : i + len(ai), c], ix = (r + 4.0 * F).min(-1)
+                fidx[i : i + len(ai), c] = ix.int()
+    return idx, val, fidx, fval
 
 
 def candidates(w: torch.Tensor, m: torch.Tensor, scale: torch.Tensor, t: gl.LatticeType, k: int):
@@ -53,10 +116,10 @@ def candidates(w: torch.Tensor, m: torch.Tensor, scale: torch.Tensor, t: gl.Latt
     G = gl.codebook(t, w.device, w.dtype)
     a, neg0 = w.abs(), w < 0
     ma = m * a
-    # distance = sum(m a^2) + scale * rel, rel = scale * m.G^2 - 2 (m a).G: one product, ranked (scale >= 0)
-    rel = torch.cat([scale[:, None] * m.expand_as(a), -2 * ma], -1) @ torch.cat([G * G, G], -1).T
     k = min(k, G.shape[0])
-    idx = rel.argmin(-1, keepdim=True) if k == 1 else rel.topk(k, -1, largest=False).indices
+    # distance = sum(m a^2) + scale * rel, rel = scale * m.G^2 - 2 (m a).G, ranked (scale >= 0)
+    idx, rel = nearest_k(a.contiguous(), m.expand_as(a).contiguous(), scale.to(w.dtype).contiguous(), G, k)
+    idx = idx.long()
     g = G[idx]  # [R, k, dim]
     neg = neg0[:, None, :].expand_as(g).clone()
     if t.parity:
@@ -66,7 +129,7 @@ def candidates(w: torch.Tensor, m: torch.Tensor, scale: torch.Tensor, t: gl.Latt
         neg ^= flip
         if k > 1:
             pen = 4 * scale[:, None] * cost.amin(-1) * odd[:, None]
-            order = (scale[:, None] * rel.gather(-1, idx) + pen).argsort(-1)
+            order = (scale[:, None] * rel + pen).argsort(-1)
             idx, neg, g = (
                 idx.gather(-1, order),
                 neg[torch.arange(len(w))[:, None], order],
@@ -75,67 +138,133 @@ def candidates(w: torch.Tensor, m: torch.Tensor, scale: torch.Tensor, t: gl.Latt
     return idx, neg, torch.where(neg, -g, g)
 
 
-def _nearest(w, m, scale, t, k):
-    """The best of :func:`candidates` by the diagonal weighted error: ``(idx [R], neg [R, dim], q)``."""
-    idx, neg, q = candidates(w, m, scale, t, k)
-    err = (m[:, None, :] * (w[:, None, :] - scale[:, None, None] * q) ** 2).sum(-1)
-    j = err.argmin(-1, keepdim=True)
-    r = torch.arange(len(w), device=w.device)
-    return idx.gather(-1, j)[:, 0], neg[r, j[:, 0]], q[r, j[:, 0]]
+def run_candidates(w: torch.Tensor, m: torch.Tensor, scale: torch.Tensor, t: gl.LatticeType, k: int):
+    """:func:`candidates` for a run of ``t.run`` columns (``[R, run]``): one point, or (IQ3_XXS) the two
+    points sharing a sign parity, whose ``k x k`` combinations of each point's ``k`` nearest (signs of
+    ``w``) get the cheapest sign of the eight flipped where their parity is odd.  Returns ``(idx [R, K,
+    points], neg [R, K, run], q [R, K, run])``."""
+    n_pts = t.run // t.dim
+    if n_pts == 1:
+        idx, neg, q = candidates(w, m, scale, t, k)
+        return idx[..., None], neg, q
+    free = dataclasses.replace(t, sign_group=0)  # each point's nearest, signs as the weights'
+    parts = [candidates(w[:, p * t.dim : (p + 1) * t.dim], m[:, p * t.dim : (p + 1) * t.dim], scale, free, k)
+             for p in range(n_pts)]  # fmt: skip
+    (i0, _, q0), (i1, _, q1) = parts
+    R, K = i0.shape
+    idx = torch.stack([i0[:, :, None].expand(R, K, K), i1[:, None, :].expand(R, K, K)], -1)
+    idx = idx.reshape(R, K * K, 2)
+    g = torch.cat([q0[:, :, None, :].expand(R, K, K, t.dim), q1[:, None, :, :].expand(R, K, K, t.dim)], -1)
+    g = g.abs().reshape(R, K * K, t.run)
+    neg0 = w < 0
+    odd = neg0.sum(-1) % 2 == 1
+    cost = (m * w.abs())[:, None, :] * g  # the cost of flipping one sign is 4 * scale * m * |w| * g
+    flip = torch.nn.functional.one_hot(cost.argmin(-1), t.run).bool() & odd[:, None, None]
+    neg = neg0[:, None, :] ^ flip
+    return idx, neg, torch.where(neg, -g, g)
 
 
-def _points(w, m, scale, t):
-    """:func:`_nearest` over all points of ``w`` ``[R, dim]`` in chunks (``k`` 4 with parity, else 1)."""
-    parts = [_nearest(w[i : i + _CHUNK], m[i : i + _CHUNK], scale[i : i + _CHUNK], t, 4 if t.parity else 1)
-             for i in range(0, len(w), _CHUNK)]  # fmt: skip
-    return tuple(torch.cat(x) for x in zip(*parts, strict=True))
+def nearest_k(a: torch.Tensor, m: torch.Tensor, s: torch.Tensor, G: torch.Tensor, k: int):
+    """Per point (``a``, ``m`` ``[N, dim]``, one scale ``s [N]``) the ``k`` first codebook points by
+    ``r = s A_g - 2 B_g`` (:func:`nearest_many`), ascending, ties in codebook order: ``(idx int32 [N, k],
+    r [N, k])``.
+    The torch reference of ``csrc/latticesearch.cpp``'s ``nearest_k``."""
+    if _fast_nearest is not None:
+        got = _fast_nearest(a, m, s, G, k=k)
+        if got is not None:
+            return got
+    A = B = None
+    for j in range(G.shape[1]):
+        mj, maj, gj = m[:, j : j + 1], m[:, j : j + 1] * a[:, j : j + 1], G[:, j]
+        A = (mj * gj) * gj if A is None else A + (mj * gj) * gj
+        B = maj * gj if B is None else B + maj * gj
+    r, order = (s[:, None] * A - 2.0 * B).sort(dim=-1, stable=True)
+    return order[:, :k].int(), r[:, :k]
+
+
+def _points(w: torch.Tensor, m: torch.Tensor, scale: torch.Tensor, t: gl.LatticeType):
+    """The nearest codebook point of each point of ``w`` ``[R, dim]`` (weights ``m``) for each of its trial
+    scales ``scale [R, C]``, the weights' signs, and where a sign group (``t.sign_group`` consecutive
+    weights) has odd parity the cheapest sign of it flipped: exactly the best choice under that rule
+    (:func:`nearest_many`).  Returns ``(idx [R, C], neg [R, C, dim] bool, q [R, C, dim])``, ``q`` the signed
+    unscaled points."""
+    R, C = scale.shape
+    G = gl.codebook(t, w.device, w.dtype)
+    a, neg0 = w.abs(), w < 0
+    idx, val, fidx, fval = nearest_many(
+        a.contiguous(), m.contiguous(), scale.float().contiguous(), G, t.parity
+    )
+    idx = idx.long()
+    neg = neg0[:, None, :].expand(R, C, t.dim).clone()
+    if t.parity:
+        k = t.sign_group // t.dim  # points per sign group: 1 or 2
+        odd = (neg0.reshape(-1, t.sign_group).sum(-1) % 2 == 1)[:, None]  # [R / k, 1]
+        if k == 1:
+            flip = odd.expand(R, C)
+        else:  # the flip goes into the point where it costs less (the first on a tie)
+            v, fv = val.reshape(-1, 2, C), fval.reshape(-1, 2, C)
+            first = fv[:, 0] + v[:, 1] <= v[:, 0] + fv[:, 1]
+            flip = torch.stack([odd & first, odd & ~first], 1).reshape(R, C)
+        idx = torch.where(flip, fidx.long(), idx)
+        g = G[idx]
+        j = ((w.abs() * m)[:, None, :] * g).argmin(-1)
+        neg ^= torch.nn.functional.one_hot(j, t.dim).bool() & flip[..., None]
+    else:
+        g = G[idx]
+    return idx, neg, torch.where(neg, -g, g)
 
 
 def _sub_scales(x, m, t):
     """Per sub-block the float scale of step 1 (module doc): ``x``, ``m`` ``[S, sub]`` -> ``[S]``."""
-    S, per = x.shape[0], t.sub // t.dim
+    S, per, C = x.shape[0], t.sub // t.dim, len(_FIT_RATIOS)
     gmax = float(gl.codebook(t).max())
     amax = x.abs().amax(-1)
-    best_s, best_err = torch.zeros_like(amax), torch.full_like(amax, float("inf"))
-    xs, ms = x.reshape(-1, t.dim), m.reshape(-1, t.dim)
-    for r in _FIT_RATIOS:
-        _, _, q = _points(xs, ms, (r * amax / gmax).repeat_interleave(per), t)
-        q = q.reshape(S, t.sub)
-        num, den = (m * x * q).sum(-1), (m * q * q).sum(-1)
-        s = torch.where(den > 0, num / den.clamp(min=1e-30), 0).clamp(min=0)
-        err = (m * (x - s[:, None] * q) ** 2).sum(-1)
-        better = err < best_err
-        best_s, best_err = torch.where(better, s, best_s), torch.where(better, err, best_err)
-    return best_s
+    trial = torch.stack([r * amax / gmax for r in _FIT_RATIOS], -1)
+    _, _, q = _points(x.reshape(-1, t.dim), m.reshape(-1, t.dim), trial.repeat_interleave(per, 0), t)
+    q = q.reshape(S, per, C, t.dim).transpose(1, 2).reshape(S, C, t.sub)
+    x, m = x[:, None, :], m[:, None, :]
+    num, den = (m * x * q).sum(-1), (m * q * q).sum(-1)
+    s = torch.where(den > 0, num / den.clamp(min=1e-30), 0).clamp(min=0)
+    err = (m * (x - s[..., None] * q) ** 2).sum(-1)  # [S, C]
+    best = err.argmin(-1, keepdim=True)  # the first least error, as a sequential strict < over the trials
+    return torch.where(err.gather(-1, best) < float("inf"), s.gather(-1, best), 0)[:, 0]
+
+
+def _block_scales(x, m, t, lv):
+    """Step 2 (module doc) for whole super-blocks: ``x``, ``m`` ``[B * 256 / sub, sub]`` -> ``(d, s)``."""
+    nsub, per, C = gl.QK // t.sub, t.sub // t.dim, len(_D_RATIOS)
+    fs = _sub_scales(x, m, t).reshape(-1, nsub)  # [B, nsub]
+    smax = fs.amax(-1)
+    d = torch.stack([(r * smax / lv[-1]).half().float() for r in _D_RATIOS], -1)  # [B, C]
+    d = torch.where(torch.isfinite(d), d, 0)
+    ratio = torch.where(d[..., None] > 0, fs[:, None, :] / d[..., None].clamp(min=1e-30), 0)  # [B, C, nsub]
+    s = (ratio[..., None] - lv).abs().argmin(-1)  # the nearest level
+    db = d[..., None] * lv[s]  # float32 as ggml: ``d * level``
+    trial = db.transpose(1, 2).reshape(-1, C).repeat_interleave(per, 0)  # [points, C]
+    _, _, q = _points(x.reshape(-1, t.dim), m.reshape(-1, t.dim), trial, t)
+    q = q.reshape(-1, per, C, t.dim).transpose(1, 2).reshape(-1, C, t.sub)  # [subs, C, sub]
+    err = (m[:, None, :] * (x[:, None, :] - db.transpose(1, 2).reshape(-1, C, 1) * q) ** 2).sum(-1)
+    err = err.reshape(-1, nsub, C).sum(1)  # [B, C]
+    best = err.argmin(-1, keepdim=True)
+    ok = err.gather(-1, best)[:, 0] < float("inf")
+    bd = torch.where(ok, d.gather(-1, best)[:, 0], 0)
+    bs = torch.where(ok[:, None], s.gather(1, best[..., None].expand(-1, 1, nsub))[:, 0], 0)
+    return bd, bs
 
 
 def lattice_scales(
     W: torch.Tensor, imp: torch.Tensor, t: gl.LatticeType
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d fp16 [out, in / 256], s uint8 [out, in / sub])`` of ``W`` for input weights ``imp`` ``[in]``
-    (module doc)."""
+    (module doc), every trial scale of a sub-block (super-block) searched in one pass."""
     out, n = W.shape
     x = W.float().reshape(-1, t.sub)
     m = imp.float().reshape(1, n // t.sub, t.sub).expand(out, -1, -1).reshape(-1, t.sub)
-    fs = _sub_scales(x, m, t).reshape(-1, gl.QK // t.sub)  # [super-blocks, nsub]
     lv = _levels(t).to(W.device)
-    smax = fs.amax(-1)
-    best_err = torch.full_like(smax, float("inf"))
-    best_d, best_s = torch.zeros_like(smax), torch.zeros_like(fs)
-    xs, ms = x.reshape(-1, t.dim), m.reshape(-1, t.dim)
-    for r in _D_RATIOS:
-        d = (r * smax / lv[-1]).half().float()
-        d = torch.where(torch.isfinite(d), d, 0)
-        ratio = torch.where(d[:, None] > 0, fs / d[:, None].clamp(min=1e-30), 0)
-        s = (ratio[..., None] - lv).abs().argmin(-1)  # the nearest level
-        db = d[:, None] * lv[s]  # float32 as ggml: ``d * level``
-        _, _, q = _points(xs, ms, db.reshape(-1).repeat_interleave(t.sub // t.dim), t)
-        err = (m * (x - db.reshape(-1, 1) * q.reshape(-1, t.sub)) ** 2).sum(-1)
-        err = err.reshape(-1, gl.QK // t.sub).sum(-1)
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_d, best_s = torch.where(better, d, best_d), torch.where(better[:, None], s, best_s)
-    return best_d.half().reshape(out, -1), best_s.to(torch.uint8).reshape(out, -1)
+    step = _SUPER_CHUNK * (gl.QK // t.sub)
+    parts = [_block_scales(x[i : i + step], m[i : i + step], t, lv) for i in range(0, len(x), step)]
+    d, s = (torch.cat(p) for p in zip(*parts, strict=True))
+    return d.half().reshape(out, -1), s.to(torch.uint8).reshape(out, -1)
 
 
 @dataclass
@@ -177,7 +306,8 @@ def lattice_rtn(
     imp = torch.ones(n, device=W.device) if imp is None else imp.float()
     db = gl.scale_of(d, s, t).repeat_interleave(t.sub // t.dim, dim=1).reshape(-1)
     m = imp.reshape(1, -1, t.dim).expand(out, -1, -1).reshape(-1, t.dim)
-    idx, neg, _ = _points(W.float().reshape(-1, t.dim), m, db, t)
+    idx, neg, _ = _points(W.float().reshape(-1, t.dim), m, db[:, None], t)
+    idx, neg = idx[:, 0], neg[:, 0]
     return _result(idx.reshape(out, -1), neg.reshape(out, n), d, s, t, gguf_type)
 
 
@@ -210,7 +340,7 @@ def lattice_gptq(
     dtype = dtype or torch.float32
     d, s = lattice_scales(W, importance(H), t)
     db = gl.scale_of(d, s, t).repeat_interleave(t.sub, dim=1)  # [out, in] per column
-    cols = _run_order(perm, n, t.dim, W.device)
+    cols = _run_order(perm, n, t.run, W.device)
     dead = torch.diagonal(H) == 0
     Hd_diag, U, pivots, _ = gptq_factor(H.to(dtype), percdamp, cols, overwrite=overwrite_hessian)
     Wp = W.to(dtype).masked_fill(dead[None, :], 0)[:, cols].clone()
@@ -218,22 +348,22 @@ def lattice_gptq(
     idx = torch.empty(out, n // t.dim, dtype=torch.long, device=W.device)
     neg = torch.empty(out, n, dtype=torch.bool, device=W.device)
     errsum = Wp.new_zeros(out)
-    eye = torch.eye(t.dim, dtype=dtype, device=W.device)
+    eye = torch.eye(t.run, dtype=dtype, device=W.device)
     rows = torch.arange(out, device=W.device)
-    block_size = max(t.dim, block_size // t.dim * t.dim)
+    block_size = max(t.run, block_size // t.run * t.run)
     for i1 in range(0, n, block_size):
         i2 = min(n, i1 + block_size)
         E1 = Wp.new_zeros(out, i2 - i1)
-        for c in range(i1, i2, t.dim):
-            e = c + t.dim
+        for c in range(i1, i2, t.run):
+            e = c + t.run
             Uinv = torch.linalg.solve_triangular(U[c:e, c:e], eye, upper=True)
             m = (Uinv * Uinv).sum(-1)[None, :]  # diag(U_bb^-1 U_bb^-T)
             w, sc = Wp[:, c:e], dbp[:, c]
-            ix, ng, q = candidates(w, m, sc, t, _K)
+            ix, ng, q = run_candidates(w, m, sc, t, _K)
             E = (w[:, None, :] - sc[:, None, None] * q) @ Uinv  # [out, K, dim]
             j = (E * E).sum(-1).argmin(-1)
             Eb = E[rows, j]
-            idx[:, c // t.dim], neg[:, c:e] = ix[rows, j], ng[rows, j]
+            idx[:, c // t.dim : e // t.dim], neg[:, c:e] = ix[rows, j], ng[rows, j]
             errsum += (Eb * Eb).sum(-1)
             E1[:, c - i1 : e - i1] = Eb
             if e < i2:

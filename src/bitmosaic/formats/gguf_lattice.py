@@ -1,10 +1,11 @@
-"""llama.cpp's lattice GGUF types ``IQ3_S`` and ``IQ2_XS`` as data: codebooks, byte layouts and the float32
-weights llama.cpp (and ``gguf.quants.dequantize``) compute from them (issue 72).
+"""llama.cpp's lattice GGUF types ``IQ3_S``, ``IQ2_XS``, ``IQ3_XXS`` and ``IQ2_XXS`` as data: codebooks, byte
+layouts and the float32 weights llama.cpp (and ``gguf.quants.dequantize``) compute from them (issue 72).
 
-Both split a row into super-blocks of 256 weights with one fp16 ``d``; each run of ``dim`` weights is one
-point of a fixed codebook of 512 non-negative vectors (``iq2xs_grid``: 8 values from {8, 25, 43};
-``iq3s_grid``: 4 values from {1, 3, .., 15}; E8-lattice-like shells), times a per-weight sign and a
-4-bit sub-block scale ``s``:
+All split a row into super-blocks of 256 weights with one fp16 ``d``; each run of ``dim`` weights is one
+point of a fixed codebook of non-negative vectors (``iq2xs_grid``: 512 x 8 values from {8, 25, 43};
+``iq3s_grid``: 512 x 4 from {1, 3, .., 15}; ``iq2xxs_grid``: 256 x 8 from {8, 25, 43}; ``iq3xxs_grid``:
+256 x 4 from {4, 12, .., 52, 62}; E8-lattice-like shells), times a per-weight sign and a 4-bit sub-block
+scale ``s``:
 
 =======  ====  =========  =======================================  ====================================
 type     dim   sub-block  weight                                   bytes per 256 weights
@@ -15,15 +16,23 @@ IQ2_XS   8     16         ``((d * (0.5 + s)) * 0.25 * g) * sign``  2 ``d`` + 32 
 IQ3_S    4     32         ``((d * (1 + 2 s)) * g) * sign``         2 ``d`` + 64 index bytes + 8 (9th
                                                                    bits) + 32 signs + 4 scales: 110
                                                                    (3.4375 bits)
+IQ2_XXS  8     32         ``((d * (0.5 + s)) * 0.25 * g) * sign``  2 ``d`` + per 32 weights 4 index
+                                                                   bytes and a uint32 (four 7-bit
+                                                                   sign indices, ``s`` in the top 4
+                                                                   bits): 66 (2.0625 bits)
+IQ3_XXS  4     32         ``((d * (0.5 + s)) * 0.5 * g) * sign``   2 ``d`` + 64 index bytes + per 32
+                                                                   weights a uint32 as IQ2_XXS's: 98
+                                                                   (3.0625 bits)
 =======  ====  =========  =======================================  ====================================
 
-IQ2_XS stores 7 of the 8 signs of a point; the eighth is their parity (``ksigns``: the number of negative
-weights of every 8 is even).  IQ3_S stores every sign.  ``s`` packs two per byte, low nibble first.
+IQ2_XS, IQ2_XXS and IQ3_XXS store 7 of the signs of every 8 weights (IQ3_XXS: two points); the eighth is
+their parity (``ksigns``: the number of negative weights of every 8 is even).  IQ3_S stores every sign.
+IQ2_XS / IQ3_S pack ``s`` two per byte, low nibble first.
 
-Here a layer is four tensors: ``idx`` (codebook indices 0..511, int16 ``[out, in / dim]``), ``neg``
+Here a layer is four tensors: ``idx`` (codebook indices, int16 ``[out, in / dim]``), ``neg``
 (1 where a weight is negative, uint8 ``[out, in]``), ``d`` (fp16 ``[out, in / 256]``) and ``s`` (uint8
-``[out, in / sub]``).  The codebooks are the ``gguf`` package's (``gguf.quants.IQ2_XS.grid``,
-``IQ3_S.grid``), the tables of llama.cpp's ``ggml-common.h``.
+``[out, in / sub]``).  The codebooks are the ``gguf`` package's (``gguf.quants.IQ2_XS.grid``, ...), the
+tables of llama.cpp's ``ggml-common.h``.
 """
 
 from __future__ import annotations
@@ -45,7 +54,18 @@ class LatticeType:
     dim: int  # weights per codebook point
     sub: int  # weights per 4-bit scale
     bytes_per_block: int  # per 256 weights
-    parity: bool  # the signs of each point have even parity (only 7 stored)
+    sign_group: int  # weights whose signs have even parity (7 of 8 stored); 0: every sign stored
+    points: int = 512  # codebook size
+    level: tuple = (0.5, 1.0, 0.25)  # the multiplier of d for a 4-bit s: (off + mul * s) * post
+
+    @property
+    def parity(self) -> bool:
+        return self.sign_group > 0
+
+    @property
+    def run(self) -> int:
+        """Columns solved together: one point, or the points sharing a sign parity."""
+        return max(self.dim, self.sign_group)
 
     @property
     def bits(self) -> float:
@@ -59,8 +79,15 @@ class LatticeType:
 
 
 LATTICE_TYPES = {
-    t.name: t for t in (LatticeType("IQ2_XS", 8, 16, 74, True), LatticeType("IQ3_S", 4, 32, 110, False))
+    t.name: t
+    for t in (
+        LatticeType("IQ2_XS", 8, 16, 74, 8),
+        LatticeType("IQ3_S", 4, 32, 110, 0, level=(1.0, 2.0, 1.0)),
+        LatticeType("IQ2_XXS", 8, 32, 66, 8, points=256),
+        LatticeType("IQ3_XXS", 4, 32, 98, 8, points=256, level=(0.5, 1.0, 0.5)),
+    )
 }
+_XXS = ("IQ2_XXS", "IQ3_XXS")
 
 
 @functools.cache
@@ -69,11 +96,11 @@ def _codebook_np(name: str) -> np.ndarray:
 
     cls = getattr(quants, name)
     cls.init_grid()
-    return np.ascontiguousarray(cls.grid.reshape(512, -1), dtype=np.float32)
+    return np.ascontiguousarray(cls.grid.reshape(cls.grid_shape), dtype=np.float32)
 
 
 def codebook(t: LatticeType, device=None, dtype=torch.float32) -> torch.Tensor:
-    """The 512 points ``[512, dim]`` (non-negative integers as floats)."""
+    """The codebook ``[points, dim]`` (non-negative integers as floats)."""
     return torch.from_numpy(_codebook_np(t.name)).to(device=device, dtype=dtype)
 
 
@@ -81,10 +108,8 @@ def scale_of(d: torch.Tensor, s: torch.Tensor, t: LatticeType) -> torch.Tensor:
     """float32 per sub-block multiplier ``[out, in / sub]`` from ``d`` fp16 ``[out, in / 256]`` and ``s``
     ``[out, in / sub]``, in ggml's order of operations."""
     df = d.float().repeat_interleave(QK // t.sub, dim=1)
-    sf = s.float()
-    if t.name == "IQ2_XS":
-        return (df * (0.5 + sf)) * 0.25
-    return df * (1 + 2 * sf)
+    off, mul, post = t.level
+    return (df * (off + mul * s.float())) * post  # post a power of two, mul * s and off + . exact
 
 
 def dequantize(
@@ -123,14 +148,27 @@ def pack(
     idx = idx.cpu().numpy().astype(np.uint16).reshape(out, nb, -1)
     ng = neg.cpu().numpy().astype(np.uint8).reshape(out, nb, -1, t.dim)
     dd = d.cpu().to(torch.float16).numpy().reshape(out, nb, 1).view(np.uint8)
-    sc = _nibbles(s.cpu().numpy().reshape(out, nb, -1))
-    if t.name == "IQ2_XS":
+    if t.parity:
+        ng = ng.reshape(out, nb, -1, t.sign_group)
         if bool((ng.sum(-1) % 2).any()):
             raise ValueError(
-                "IQ2_XS: a point with an odd number of negative signs (the type stores even parity)"
+                f"{t.name}: a group of {t.sign_group} weights with an odd number of negative signs (the type "
+                "stores even parity)"
             )
-        sign7 = (ng[..., :7] << np.arange(7, dtype=np.uint8)).sum(-1, dtype=np.uint16)
-        qs = (idx | (sign7 << 9)).astype("<u2").view(np.uint8)
+        sign7 = (ng[..., :7] << np.arange(7, dtype=np.uint8)).sum(-1, dtype=np.uint32)  # [out, nb, 32]
+    if t.name in _XXS:  # per 32 weights a uint32: four 7-bit sign indices, the 4-bit scale on top
+        shift = np.arange(0, 28, 7, dtype=np.uint32)
+        words = (sign7.reshape(out, nb, 8, 4) << shift).sum(-1, dtype=np.uint32)
+        words = (words | (s.cpu().numpy().astype(np.uint32).reshape(out, nb, 8) << 28)).astype("<u4")
+        qs = idx.astype(np.uint8).reshape(out, nb, 8, -1)  # the points' indices, per 32 weights
+        if t.name == "IQ2_XXS":  # (4 indices, word) per 32 weights
+            body = np.concatenate([qs, words[..., None].view(np.uint8)], axis=-1)
+        else:  # 64 indices, then the 8 words
+            body = np.concatenate([qs.reshape(out, nb, -1), words.view(np.uint8)], axis=-1)
+        return np.concatenate([dd, body.reshape(out, nb, -1)], axis=-1).reshape(out, -1)
+    sc = _nibbles(s.cpu().numpy().reshape(out, nb, -1))
+    if t.name == "IQ2_XS":
+        qs = (idx | (sign7.astype(np.uint16) << 9)).astype("<u2").view(np.uint8)
         return np.concatenate([dd, qs, sc], axis=-1).reshape(out, -1)
     qs = (idx & 255).astype(np.uint8)
     qh = _bits((idx >> 8).astype(np.uint8))
@@ -145,15 +183,28 @@ def unpack(data: np.ndarray, t: LatticeType, n: int):
     nb = n // QK
     b = data.reshape(out, nb, t.bytes_per_block)
     d = torch.from_numpy(b[..., :2].copy().view(np.float16).reshape(out, nb))
-    sc = b[..., -QK // t.sub // 2 :]
-    s = np.stack([sc & 15, sc >> 4], axis=-1).reshape(out, -1)
+    if t.name in _XXS:
+        if t.name == "IQ2_XXS":
+            body = b[..., 2:].reshape(out, nb, 8, 8)
+            qs, words = body[..., :4], body[..., 4:].copy().view("<u4")[..., 0]
+        else:
+            qs, words = b[..., 2:66], b[..., 66:].copy().view("<u4")
+        words = words.astype(np.uint32).reshape(out, nb, 8)
+        s = (words >> 28).reshape(out, -1)
+        sign7 = ((words[..., None] >> np.arange(0, 28, 7, dtype=np.uint32)) & 127).astype(np.uint8)
+        low = _unbits(sign7.reshape(out, nb, 32, 1))[..., :7]
+        neg = np.concatenate([low, low.sum(-1, keepdims=True) % 2], axis=-1)
+        idx = qs.reshape(out, nb, -1).astype(np.uint16)
+    else:
+        sc = b[..., -QK // t.sub // 2 :]
+        s = np.stack([sc & 15, sc >> 4], axis=-1).reshape(out, -1)
     if t.name == "IQ2_XS":
         qs = b[..., 2:66].copy().view("<u2").astype(np.uint16)  # [out, nb, 32]
         idx = qs & 511
         sign7 = (qs >> 9).astype(np.uint8)
         low = _unbits(sign7[..., None]).reshape(out, nb, 32, 8)[..., :7]
         neg = np.concatenate([low, low.sum(-1, keepdims=True) % 2], axis=-1)
-    else:
+    elif t.name == "IQ3_S":
         idx = b[..., 2:66].astype(np.uint16) | (_unbits(b[..., 66:74]).astype(np.uint16) << 8)
         neg = _unbits(b[..., 74:106])
     idx = torch.from_numpy(idx.reshape(out, -1).astype(np.int16))

@@ -88,6 +88,11 @@ def tensor_type(preset: str, name: str | None, in_features: int, n_layers: int, 
     typ = mix(preset, category, i, n_layers, n_gqa)
     if in_features % BLOCK_OF[typ]:
         typ = FALLBACK.get(typ, typ)
+    if typ in UNWRITTEN:
+        raise OptionError(
+            f"--gguf-type {preset}: llama.cpp writes layer {name} as {typ}, which bitmosaic does not "
+            "write; use --gguf-type IQ3_S (or override the layer with a recipe)"
+        )
     if in_features % BLOCK_OF[typ]:
         raise OptionError(
             f"--gguf-type {preset}: layer {name or ''} has {in_features} input columns, not a multiple of "
@@ -97,22 +102,28 @@ def tensor_type(preset: str, name: str | None, in_features: int, n_layers: int, 
     return typ
 
 
-# -- the lattice presets IQ3_S and IQ2_XS (issue 72) ------------------------------------------------------
-# llama_tensor_get_type_impl for LLAMA_FTYPE_MOSTLY_IQ3_S / IQ2_XS, dense models (n_expert 0): IQ3_S gives
-# attn_v Q4_K at n_gqa >= 4 and everything else IQ3_S; IQ2_XS gives attn_v Q4_K at n_gqa >= 4 else Q2_K,
-# and the first eighth of ffn_down (by its count, as llama.cpp's i_ffn_down) Q2_K.  Both fall back to
-# IQ4_NL for input widths that are not a multiple of 256 (tensor_type_fallback).
-LATTICE = ("IQ3_S", "IQ2_XS")
+# -- the lattice presets IQ3_S, IQ2_XS, IQ3_XXS and IQ2_XXS (issue 72) ------------------------------------
+# llama_tensor_get_type_impl for LLAMA_FTYPE_MOSTLY_IQ3_S / IQ2_XS / IQ3_XXS / IQ2_XXS, dense models
+# (n_expert 0), with an importance matrix: IQ3_S gives attn_v Q4_K at n_gqa >= 4 and everything else IQ3_S;
+# IQ2_XS and IQ2_XXS give attn_v Q4_K at n_gqa >= 4 else Q2_K, and the first eighth of ffn_down (by its
+# count, as llama.cpp's i_ffn_down) Q2_K; IQ3_XXS gives attn_v Q4_K at n_gqa >= 4, attn_output IQ3_S and
+# attn_q / attn_k IQ2_S (which bitmosaic does not write: refused unless the width falls back).  All fall
+# back to IQ4_NL for input widths that are not a multiple of 256 (tensor_type_fallback), IQ2_S too.
+LATTICE = ("IQ3_S", "IQ2_XS", "IQ3_XXS", "IQ2_XXS")
 PRESETS.update({t: t for t in LATTICE})
-BLOCK_OF.update(dict.fromkeys(LATTICE, 256))
-FALLBACK.update(dict.fromkeys(LATTICE, "IQ4_NL"))
+BLOCK_OF.update(dict.fromkeys((*LATTICE, "IQ2_S"), 256))
+FALLBACK.update(dict.fromkeys((*LATTICE, "IQ2_S"), "IQ4_NL"))
+UNWRITTEN = ("IQ2_S",)  # types llama.cpp's mixes use that bitmosaic cannot write (yet)
 
 
 def _lattice_mixed(preset: str, category: str | None, i: int, n: int, n_gqa: float) -> str:
+    two_bit = preset in ("IQ2_XS", "IQ2_XXS")
     if category == "attn_v":
         if n_gqa >= 4:
             return "Q4_K"
-        return "Q2_K" if preset == "IQ2_XS" else preset
-    if preset == "IQ2_XS" and category == "ffn_down" and i < n // 8:
+        return "Q2_K" if two_bit else preset
+    if two_bit and category == "ffn_down" and i < n // 8:
         return "Q2_K"
+    if preset == "IQ3_XXS":
+        return {"attn_output": "IQ3_S", "attn_q": "IQ2_S", "attn_k": "IQ2_S"}.get(category, preset)
     return preset
