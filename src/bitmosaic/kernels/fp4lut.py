@@ -14,8 +14,9 @@ per pass); more rows (prefill) run tiles dequantized from the kernel layout (exa
 values) and ``torch.mm``.  Without the compiled extension every call runs those tiles.
 
 Layout (built at load time from the stored :class:`~bitmosaic.formats.mx.MXTensor`, which stays the
-source of truth): tiles of 16 rows; per tile and column pair the 16 rows' stored bytes (the saved
-``weight_packed`` bytes, transposed per tile), zero rows past ``N``; divisors float32 ``[blocks, Npad]``.
+source of truth): tiles of 16 rows; per tile and quad of 8 columns the 16 rows' 32-bit words (each the
+row's 4 saved ``weight_packed`` bytes of those columns: nibble ``n`` is column ``8q + n``), so one load
+feeds 8 lookups of 16 rows; zero codes past ``N`` and ``K``; divisors float32 ``[blocks, Npad]``.
 
 :class:`MXTiledWeight` is the reference kernel: rows of the weight dequantized exactly a tile at a time
 and multiplied in float32 -- every microscaling format (FP8 ones included), and FP4 where the LUT
@@ -63,7 +64,7 @@ class FP4LutWeight:
     SUPPORTS_BITS = (4,)  # E2M1 elements only
     SUPPORTS_MIXED_BITS = False
     SUPPORTS_DEVICES = ("cpu",)
-    SUPPORTS_GROUP_SIZE_MULTIPLE = 2  # a block holds whole bytes (two codes)
+    SUPPORTS_GROUP_SIZE_MULTIPLE = 8  # a block holds whole words (8 codes)
     SUPPORTS_ROWS = (1, 32)  # the GEMV (8 rows of x per pass); tiles above
     FAST_BITS = (4,)  # mx_gemv.md: faster than the reference tiles at every measured shape
     NEEDS_COMPILED = True  # its pure-torch path is the reference tiles
@@ -73,19 +74,19 @@ class FP4LutWeight:
         return extension() is not None
 
     def __init__(self, data: torch.Tensor, div_t: torch.Tensor, N: int, K: int, block: int):
-        self.data, self.div_t = data, div_t  # uint8 [ntiles, K/2, 16], float32 [blocks, ntiles*16]
+        self.data, self.div_t = data, div_t  # uint8 [ntiles, ceil(K/8), 64], float32 [blocks, ntiles*16]
         self.N, self.K, self.block = N, K, block
 
     @classmethod
     def from_tensor(cls, t: MXTensor) -> FP4LutWeight:
         """The kernel layout of an FP4 microscaled matrix (``t.fmt.elem == "e2m1"``, one block row)."""
         f = t.fmt
-        if f.elem != "e2m1" or f.block_rows != 1 or f.block % 2:
-            raise ValueError(f"the FP4 LUT runs E2M1 weights in row blocks of even width, not {f.name}")
+        if f.elem != "e2m1" or f.block_rows != 1 or f.block % 8:
+            raise ValueError(f"the FP4 LUT runs E2M1 weights in row blocks of 8k columns, not {f.name}")
         N, K = t.shape
-        nt = -(-N // TILE)
-        packed = torch.nn.functional.pad(t.elements.to(torch.uint8), (0, 0, 0, nt * TILE - N))
-        data = packed.reshape(nt, TILE, K // 2).transpose(1, 2).contiguous()
+        nt, nq = -(-N // TILE), -(-K // 8)
+        packed = torch.nn.functional.pad(t.elements.to(torch.uint8), (0, nq * 4 - K // 2, 0, nt * TILE - N))
+        data = packed.reshape(nt, TILE, nq, 4).transpose(1, 2).reshape(nt, nq, 4 * TILE).contiguous()
         div = element_divisor(t.scale_values(), f, t.global_scale)  # [N, blocks] float32
         div_t = torch.nn.functional.pad(div.T, (0, nt * TILE - N)).contiguous()
         return cls(data, div_t, N, K, f.block)
@@ -96,8 +97,9 @@ class FP4LutWeight:
     def packed_rows(self, r0: int, r1: int) -> torch.Tensor:
         """Stored bytes ``[r1 - r0, K/2]`` of rows ``r0:r1`` (the saved ``weight_packed`` rows, exactly)."""
         t0, t1 = r0 // TILE, -(-r1 // TILE)
-        part = self.data[t0:t1].transpose(1, 2).reshape(-1, self.K // 2)
-        return part[r0 - t0 * TILE : r1 - t0 * TILE]
+        nq = self.data.shape[1]
+        part = self.data[t0:t1].reshape(t1 - t0, nq, TILE, 4).transpose(1, 2).reshape(-1, nq * 4)
+        return part[r0 - t0 * TILE : r1 - t0 * TILE, : self.K // 2]
 
     def dequantize(self, rows: slice | None = None) -> torch.Tensor:
         """Rows of ``W`` in float32, exactly the reference's ``e2m1(c) · d``."""

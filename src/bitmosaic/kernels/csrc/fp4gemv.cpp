@@ -6,18 +6,19 @@
 // E4M3 block scale over the FP32 tensor scale, rounded once to float32, bitmosaic/formats/mx.py).
 //
 // Layout (kernels/fp4lut.py builds it from the stored MXTensor): tiles of 16 rows; tile t holds, for each
-// column pair p (columns 2p, 2p+1), the 16 rows' stored bytes (code of column 2p in the low nibble, 2p+1 in
-// the high one, as the saved weight_packed), so data[(t * P + p) * 16 + r], P = K / 2.  Rows past N are
-// zero codes (+0).  The divisors are float32 [nb, Npad] (transposed: 16 rows of a block contiguous), zero
-// past N.
-//
+// quad q of 8 columns, the 16 rows' 32-bit words: word r = the row's stored bytes of columns 8q .. 8q+7
+// (little-endian, so nibble n -- bits 4n .. 4n+3 -- is column 8q + n, as in the saved weight_packed), so
+// data[((t * Q + q) * 16 + r) * 4 + b], Q = ceil(K / 8).  Rows past N and columns past K are zero codes
+// (+0, their tables are zero).  The divisors are float32 [nb, Npad] (transposed: 16 rows of a block
+// contiguous), zero past N.
 // Arithmetic: for each activation x_j a table T_j[c] = e2m1(c) * x_j (16 floats, one rounding each: 1.5 x
 // and 3 x need a 25th bit); per block y[n] += d[n, b] * Σ_{j in b} T_j[c[n, j]] (float32, the block sum in
 // one or two chains, then one product and one add per block).  So the result is the reference
 // dequantize-then-matmul up to float32 rounding: each term meets at most K + 2 roundings on either side
 // (tests/kernels/test_fp4lut.py states the bound).  AVX-512: the 16-float table is one register, a vpermps
 // looks up 16 rows at once; AVX2: two 8-entry vpermps and a blend (vec.h lookup16), 8 rows at once;
-// portable: scalar lookups.  vpermps reads the low 4 bits of each lane, so the high nibble is one shift.
+// portable: scalar lookups.  One load gives 8 columns of 16 rows; vpermps reads the low 4 bits of each
+// lane, so nibble n is one shift (the bit-plane LUT's lookup16 on a word of 8 nibbles).
 // Loop order: each thread takes a range of row tiles; the columns are walked in chunks whose tables (one
 // per row of x) stay in L1 while the thread's tiles stream through (the chunk's piece of the next tiles is
 // prefetched); the tables of a chunk are built by the thread that uses them.
@@ -45,18 +46,19 @@ constexpr float kE2M1[16] = {0.f,  0.5f,  1.f,  1.5f,  2.f,  3.f,  4.f,  6.f,
                              -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 
 struct Fp4 {
-  const uint8_t* data;  // [ntiles, P, 16]
+  const uint8_t* data;  // [ntiles, Q, 16, 4]
   const float* divT;    // [nb, Npad]
-  int64_t N, K, P, block, nb, ntiles, Npad;
+  int64_t N, K, Q, block, nb, ntiles, Npad;
   int64_t chunk;  // columns per table chunk (a multiple of block)
+  int64_t kpad() const { return Q * 8; }
 };
 
-// tables of columns [c0, c1) for M rows of x (row stride K): T[(m * (c1 - c0) + j) * 16 + c]
+// tables of columns [c0, c1) for M rows of x (row stride K; zero past K): T[(m * (c1 - c0) + j) * 16 + c]
 void build_tables(const float* x, int64_t K, int M, int64_t c0, int64_t c1, float* T) {
   const int64_t L = c1 - c0;
   for (int m = 0; m < M; ++m)
     for (int64_t j = 0; j < L; ++j) {
-      const float v = x[m * K + c0 + j];
+      const float v = c0 + j < K ? x[m * K + c0 + j] : 0.f;
       float* t = T + (m * L + j) * 16;
       for (int c = 0; c < 16; ++c) t[c] = kE2M1[c] * v;
     }
@@ -66,7 +68,13 @@ inline void prefetch(const uint8_t* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
 }
 
-// Portable: tile t, columns [c0, c1) (whole blocks but the last), M rows of x; y [M, Npad] accumulates.
+inline uint32_t load32(const uint8_t* p) {
+  uint32_t w;
+  std::memcpy(&w, p, 4);
+  return w;  // little-endian hosts (x86-64, arm64)
+}
+
+// Portable: tile t, columns [c0, c1) (whole blocks but the last, whole quads), M rows of x; y [M, Npad].
 template <int M>
 void tile_portable(const Fp4& F, int64_t t, int64_t c0, int64_t c1, const float* T, float* y) {
   const int64_t L = c1 - c0;
@@ -74,12 +82,16 @@ void tile_portable(const Fp4& F, int64_t t, int64_t c0, int64_t c1, const float*
   for (int64_t b0 = c0; b0 < c1; b0 += F.block) {
     const int64_t b1 = std::min(c1, b0 + F.block), blk = b0 / F.block;
     for (int m = 0; m < M; ++m) std::fill(acc[m], acc[m] + TILE, 0.f);
-    for (int64_t j = b0; j < b1; j += 2) {
-      const uint8_t* w = F.data + (t * F.P + j / 2) * TILE;
-      for (int m = 0; m < M; ++m) {
-        const float* Tl = T + (m * L + (j - c0)) * 16;
-        const float* Th = Tl + 16;
-        for (int r = 0; r < TILE; ++r) acc[m][r] += Tl[w[r] & 15] + Th[w[r] >> 4];
+    for (int64_t j = b0; j < b1; j += 8) {
+      const uint8_t* w = F.data + (t * F.Q + j / 8) * TILE * 4;
+      for (int r = 0; r < TILE; ++r) {
+        const uint32_t u = load32(w + 4 * r);
+        for (int m = 0; m < M; ++m) {
+          const float* Tm = T + (m * L + (j - c0)) * 16;
+          float s = 0.f;
+          for (int n = 0; n < 8; ++n) s += Tm[16 * n + ((u >> (4 * n)) & 15)];
+          acc[m][r] += s;
+        }
       }
     }
     const float* d = F.divT + blk * F.Npad + t * TILE;
@@ -91,15 +103,11 @@ void tile_portable(const Fp4& F, int64_t t, int64_t c0, int64_t c1, const float*
 #ifdef BM_X86
 BM_BEGIN_TARGET(BM_AVX2_TARGET)
 namespace avx2 {
-// 8 rows' bytes as int32 lanes
-inline __m256i load_rows(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
 #include "fp4gemv_simd.h"
 }  // namespace avx2
 BM_END_TARGET
 BM_BEGIN_TARGET(BM_AVX512_TARGET)
 namespace avx512 {
-// 16 rows' bytes as int32 lanes
-inline __m512i load_rows(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
 #include "fp4gemv_simd.h"
 }  // namespace avx512
 BM_END_TARGET
@@ -120,11 +128,11 @@ void pass(const Fp4& F, const float* x, int64_t isa, float* y) {
   const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(4, F.ntiles / std::max(1, at::get_num_threads())));
   at::parallel_for(0, F.ntiles, grain, [&](int64_t a, int64_t b) {
     std::vector<float> T(F.chunk * 16 * M);
-    for (int64_t c0 = 0; c0 < F.K; c0 += F.chunk) {
-      const int64_t c1 = std::min(F.K, c0 + F.chunk), piece = (c1 - c0) / 2 * TILE;
+    for (int64_t c0 = 0; c0 < F.kpad(); c0 += F.chunk) {
+      const int64_t c1 = std::min(F.kpad(), c0 + F.chunk), piece = (c1 - c0) / 2 * TILE;
       build_tables(x, F.K, M, c0, c1, T.data());
       for (int64_t t = a; t < b; ++t) {
-        if (t + PREFETCH_TILES < b) prefetch(F.data + ((t + PREFETCH_TILES) * F.P + c0 / 2) * TILE, piece);
+        if (t + PREFETCH_TILES < b) prefetch(F.data + ((t + PREFETCH_TILES) * F.Q + c0 / 8) * TILE * 4, piece);
         tile_any<M>(isa, F, t, c0, c1, T.data(), y);
       }
     }
@@ -133,14 +141,14 @@ void pass(const Fp4& F, const float* x, int64_t isa, float* y) {
 
 }  // namespace
 
-// x float32 [M, K]; data uint8 [ntiles, K/2, 16]; divT float32 [nb, ntiles*16]; returns float32 [M, N]
+// x float32 [M, K]; data uint8 [ntiles, ceil(K/8), 64]; divT float32 [nb, ntiles*16]; returns float32 [M, N]
 torch::Tensor fp4_gemv(torch::Tensor x, torch::Tensor data, torch::Tensor divT, int64_t N, int64_t K, int64_t block,
                        int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.dtype() == torch::kFloat32, "x must be float32 [M, K]");
-  TORCH_CHECK(K % 2 == 0 && block > 0 && block % 2 == 0, "K and the block must be even");
-  TORCH_CHECK(data.dtype() == torch::kUInt8 && data.is_contiguous() && data.dim() == 3 && data.size(2) == TILE &&
-                  data.size(1) == K / 2 && data.size(0) * TILE >= N,
-              "data must be contiguous uint8 [ceil(N/16), K/2, 16]");
+  TORCH_CHECK(block > 0 && block % 8 == 0, "the block must be a multiple of 8 columns");
+  TORCH_CHECK(data.dtype() == torch::kUInt8 && data.is_contiguous() && data.dim() == 3 && data.size(2) == 4 * TILE &&
+                  data.size(1) == (K + 7) / 8 && data.size(0) * TILE >= N,
+              "data must be contiguous uint8 [ceil(N/16), ceil(K/8), 64]");
   const int64_t nb = (K + block - 1) / block, ntiles = data.size(0);
   TORCH_CHECK(divT.dtype() == torch::kFloat32 && divT.is_contiguous() && divT.dim() == 2 && divT.size(0) == nb &&
                   divT.size(1) == ntiles * TILE,
@@ -148,7 +156,7 @@ torch::Tensor fp4_gemv(torch::Tensor x, torch::Tensor data, torch::Tensor divT, 
   bm::check_isa(isa);
   x = x.contiguous();
   const int64_t M = x.size(0);
-  Fp4 F{data.data_ptr<uint8_t>(), divT.data_ptr<float>(), N, K, K / 2, block, nb, ntiles, ntiles * TILE, 0};
+  Fp4 F{data.data_ptr<uint8_t>(), divT.data_ptr<float>(), N, K, (K + 7) / 8, block, nb, ntiles, ntiles * TILE, 0};
   auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   auto ybuf = torch::zeros({MAX_M, F.Npad}, x.options());
