@@ -126,6 +126,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=None, help="comma-separated OUTxIN shapes (default: all six)")
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    p.add_argument("--name", default=NAME, help="results file name (benchmarks/results/NAME.{json,md})")
     a = p.parse_args()
     if fp4lut.extension() is None:
         print("the FP4 LUT extension is not compiled here: the rows would time the reference tiles")
@@ -141,7 +142,7 @@ def main() -> None:
         print(f"{t} thread(s): read bandwidth {bw[t]:.1f} GB/s", flush=True)
     g = torch.Generator().manual_seed(0)
     rows = [r for N, K in shapes for r in measure(N, K, threads_list, bw, g)]
-    out = RESULTS / f"{NAME}.json"
+    out = RESULTS / f"{a.name}.json"
     if out.exists():  # keep the rows of shapes not measured in this run
         old = json.loads(out.read_text()).get("rows", [])
         rows = [r for r in old if tuple(r["shape"]) not in set(shapes)] + rows
@@ -151,7 +152,7 @@ def main() -> None:
             "cpus": os.cpu_count(), "group_size_int4": GS}  # fmt: skip
     md = markdown(rows, meta)
     print(md)
-    write_results(out, NAME, {"meta": meta, "machine": machine_info(), "rows": rows}, md)
+    write_results(out, a.name, {"meta": meta, "machine": machine_info(), "rows": rows}, md)
 
 
 if __name__ == "__main__":
