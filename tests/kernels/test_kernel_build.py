@@ -29,7 +29,7 @@ def test_one_numbering_in_python_and_cpp():
     exts = [build.load(n) for n in build.EXTENSIONS]
     if all(e is None for e in exts):
         pytest.skip("no compiled extension here")
-    assert len({tuple(isa.available_isas(e)) for e in exts}) == 1  # one detection for all five
+    assert len({tuple(isa.available_isas(e)) for e in exts}) == 1  # one detection for all seven
     assert isa.available_isas()[0] == "portable"
 
 
@@ -161,7 +161,7 @@ def test_no_ext_environment_is_one_warning_and_the_torch_path(monkeypatch):
 
 def test_module_names_follow_the_sources():
     names = {n: build.module_name(n) for n in build.EXTENSIONS}
-    assert len(set(names.values())) == len(build.EXTENSIONS) == 6
+    assert len(set(names.values())) == len(build.EXTENSIONS) == 7
     assert all(re.fullmatch(rf"bitmosaic_{n}_[0-9a-f]{{10}}", v) for n, v in names.items())
 
 

@@ -3,11 +3,12 @@ bitmosaic.kernels``), cached by torch (``$TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``) under a name that changes with the sources, the torch version and the
 machine architecture; ``scripts/install.sh`` builds them at install time.
 
-Six extensions: ``qmatmul`` (:mod:`bitmosaic.kernels.qmatmul`), ``lutgemv``
+Seven extensions: ``qmatmul`` (:mod:`bitmosaic.kernels.qmatmul`), ``lutgemv``
 (:mod:`bitmosaic.kernels.lut`), ``mosaic`` (:mod:`bitmosaic.kernels.mosaic`), ``intmm``
-(:mod:`bitmosaic.kernels.intmm`, integer activations) and ``scalesearch``
-(:mod:`bitmosaic.kernels.scale_search`, the MSE scale search) and ``latticesearch``
-(:mod:`bitmosaic.kernels.lattice_search`, the GGUF lattice codebook search), each compiled for the
+(:mod:`bitmosaic.kernels.intmm`, integer activations), ``scalesearch``
+(:mod:`bitmosaic.kernels.scale_search`, the MSE scale search), ``latticesearch``
+(:mod:`bitmosaic.kernels.lattice_search`, the GGUF lattice codebook search) and ``fp4gemv``
+(:mod:`bitmosaic.kernels.fp4lut`, the MXFP4/NVFP4 LUT GEMV), each compiled for the
 baseline x86-64 with its SIMD code per ISA inside (:mod:`bitmosaic.kernels.isa`).  A build prints one
 line to stderr first (it takes a while: ``COLD_BUILD_S``).  When an extension cannot be built (no C++
 compiler, a failed build) or ``$BITMOSAIC_NO_EXT=1``, :func:`load` returns ``None`` and the kernels run
@@ -37,8 +38,9 @@ EXTENSIONS = {  # name -> source
     "intmm": "intmm.cpp",
     "scalesearch": "scalesearch.cpp",
     "latticesearch": "latticesearch.cpp",
+    "fp4gemv": "fp4gemv.cpp",
 }
-COLD_BUILD_S = "about 2 minutes for all six"  # 121 s of CPU measured (five), cold cache (README "Kernels")
+COLD_BUILD_S = "about 2 minutes for all seven"  # 121 s of CPU measured for five, cold cache (README "Kernels")
 # the pure-torch fallback against the compiled kernels at batch 1, 4096x4096 g128, 1 thread: LowBitWeight
 # W2/W4 1.4 ms -> 590-600 ms (about 430x), BitPlaneWeight W2/W4 1.6/5.7 ms -> 670-730 ms (130-430x)
 FALLBACK_SLOWDOWN = "100-400x"

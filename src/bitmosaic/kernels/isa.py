@@ -2,9 +2,9 @@
 
 ``ISAS = ("portable", "avx2", "avx512")``; an ISA's index in it is the number every compiled kernel call
 takes (``csrc/isa.h``: ``kPortable = 0``, ``kAvx2 = 1``, ``kAvx512 = 2``), for every extension
-(``qmatmul``, ``lutgemv``, ``mosaic``, ``intmm``).  ``avx512`` means AVX-512 F/BW/VL/DQ/VBMI, ``avx2``
-AVX2 + FMA, ``portable`` plain C++.  The CPU detection is the C++ header's (every extension exports
-``isa_supported(i)``); :func:`available_isas` lists what this CPU runs.
+(``qmatmul``, ``lutgemv``, ``mosaic``, ``intmm``, ``scalesearch``, ``fp4gemv``).  ``avx512`` means
+AVX-512 F/BW/VL/DQ/VBMI, ``avx2`` AVX2 + FMA, ``portable`` plain C++.  The CPU detection is the C++
+header's (every extension exports ``isa_supported(i)``); :func:`available_isas` lists what this CPU runs.
 
 Each call runs on :func:`kernel_isa`: the best available ISA, or the one named by
 ``$BITMOSAIC_KERNEL_ISA=portable|avx2|avx512`` (``auto`` or unset: the best; a name this CPU lacks is

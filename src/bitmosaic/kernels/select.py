@@ -6,8 +6,10 @@ Every kernel class declares what it runs (the GPTQModel style)::
                                   (IntActWeight: integer activations, modules/intact.py), "triton_int"
                                   (TritonIntWeight: the GPU dequant GEMM/GEMV, kernels/triton/, issue 76),
                                   "triton_bitplane" (TritonBitPlaneWeight: SFMP's bit-plane GEMV),
-                                  "triton_blockres" (MosaicQuant's fused base + residual blocks) or
-                                  "triton_sq" (SQ-format's static split GEMM)
+                                  "triton_blockres" (MosaicQuant's fused base + residual blocks),
+                                  "triton_sq" (SQ-format's static split GEMM), "fp4_lut" (FP4LutWeight:
+                                  the MXFP4/NVFP4 LUT GEMV, issue 75) or "mx_tiles" (MXTiledWeight: the
+                                  microscaling reference tiles)
     SUPPORTS_BITS                 code widths it runs (per block, any mix when SUPPORTS_MIXED_BITS)
     SUPPORTS_DEVICES              devices its weights live on (``supported_devices()``, when declared, says
                                   where it runs *here*: the Triton kernels need Triton, see kernel_devices)
@@ -18,14 +20,16 @@ Every kernel class declares what it runs (the GPTQModel style)::
 
 and every module kind lists, in order of preference, the kernels that can run it (a ``KERNELS`` class
 attribute: packed kinds ``("triton_int", "lut", "lowbit")``, mosaic ``("lowbit",)``, SFMP
-``("triton_bitplane", "lut")``; off the CPU a kind's ``GPU_KERNELS``: mosaic ``("triton_blockres",)``, SQ
-activations ``("triton_sq",)``, SFMP ``("triton_bitplane",)``).
+``("triton_bitplane", "lut")``, microscaling ``("fp4_lut", "mx_tiles")``; off the CPU a kind's
+``GPU_KERNELS``: mosaic ``("triton_blockres",)``, SQ activations ``("triton_sq",)``, SFMP
+``("triton_bitplane",)``).
 :func:`select_kernel` takes the first listed kernel that runs the request and is fast for it, else the
 first that runs it.  A kind's integer-activation kernels are listed apart (``INT_ACT_KERNELS``:
 ``("int8act",)`` for the plain packed kind) and checked with :func:`runs` the same way.  So by
 default the packed kinds run the Triton kernel on CUDA and, on the CPU, the bit-plane LUT at 1-3 bits
 and LowBitWeight from 4 bits (and everywhere without the compiled LUT), mosaic LowBitWeight, SFMP the
-Triton bit-plane GEMV on CUDA and the LUT on the CPU.
+Triton bit-plane GEMV on CUDA and the LUT on the CPU, and MXFP4/NVFP4 the FP4 LUT GEMV on the CPU (the
+reference tiles without its extension, and for the FP8 formats).
 
 One override, for benchmarking: ``$BITMOSAIC_KERNEL=lut|lowbit`` picks that kernel for every kind that
 lists it and can run the request (``auto`` or unset: the selection above).
@@ -38,6 +42,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .fp4lut import FP4LutWeight, MXTiledWeight
 from .intmm import IntActWeight
 from .lut import BitPlaneWeight
 from .qmatmul import LowBitWeight
@@ -59,6 +64,8 @@ KERNELS: dict[str, type] = {
         TritonBitPlaneWeight,
         TritonBlockResidualWeight,
         TritonSQSplitWeight,
+        FP4LutWeight,
+        MXTiledWeight,
     )
 }
 

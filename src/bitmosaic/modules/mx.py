@@ -7,9 +7,14 @@ Buffers are the exact stored form of :class:`bitmosaic.formats.mx.MXTensor`:
 * ``weight_scale``: the block scales in their encoding (E8M0 bytes, E4M3 bytes or float32);
 * ``weight_global_scale``: NVFP4's float32 tensor scale (``[1]``; other formats have none).
 
-Inference runs the reference kernel: rows of the weight dequantized exactly (element value times its
-block's divisor, float32) a tile at a time and multiplied in float32
-(:class:`~bitmosaic.modules.kernel.TiledKernel`), never a resident float weight.
+Inference on the CPU runs the kernel :func:`~bitmosaic.kernels.select.select_kernel` picks among
+``KERNELS``: for MXFP4 and NVFP4 the FP4 LUT GEMV (:class:`~bitmosaic.kernels.fp4lut.FP4LutWeight`,
+issue 75 item 5: tables of the 16 E2M1 values times each activation, the block divisor per block; tiles
+above 32 rows of x), for the FP8 formats -- and FP4 without the compiled extension -- the reference
+kernel (:class:`~bitmosaic.kernels.fp4lut.MXTiledWeight`: rows of the weight dequantized exactly, element
+value times its block's divisor, float32, a tile at a time and multiplied in float32); never a resident
+float weight.  The FP4 kernel's layout holds the stored bytes (transposed per tile of 16 rows), so
+``weight_packed`` is released once it is built and rebuilt from it on demand (``modules/base.py``).
 """
 
 from __future__ import annotations
@@ -17,10 +22,25 @@ from __future__ import annotations
 import torch
 
 from ..formats.mx import MXTensor, get_mx_format, mx_dequantize
+from ..kernels.fp4lut import FP4LutWeight
+from ..kernels.select import select_kernel
 from .base import NoIntForm, QuantModule
-from .kernel import TiledKernel
+from .kernel import KernelWeight
 
-__all__ = ["MXLinear", "from_result"]
+__all__ = ["MXLinear", "MXKernel", "from_result"]
+
+
+class MXKernel(KernelWeight):
+    """The ``mx`` kind's kernel weight: ``.weight`` (an :class:`FP4LutWeight` or :class:`MXTiledWeight`)."""
+
+    def __init__(self, weight) -> None:
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight.matmul(x)
+
+    def nbytes(self) -> int:
+        return self.weight.nbytes()
 
 
 class MXLinear(QuantModule):
@@ -28,6 +48,7 @@ class MXLinear(QuantModule):
 
     kind = "mx"
     CONFIG_KEYS = ("fmt",)
+    KERNELS = ("fp4_lut", "mx_tiles")  # kernels/select.py names, preferred first
 
     def __init__(self, in_features, out_features, *, fmt: str = "mxfp4", bias=False):
         super().__init__(in_features, out_features, bias, cache_weight=False)
@@ -65,14 +86,6 @@ class MXLinear(QuantModule):
         return MXTensor(self.format, (self.out_features, self.in_features), self.weight_packed,
                         self.weight_scale, self.weight_global_scale)  # fmt: skip
 
-    def _rows(self, rows: slice) -> torch.Tensor:
-        """Rows ``rows`` of the weight, dequantized exactly (float32): the reference kernel's tile."""
-        f, t = self.format, self.tensor()
-        sa, sb = rows.start // f.block_rows, -(-rows.stop // f.block_rows)
-        r0, r1 = sa * f.block_rows, min(sb * f.block_rows, self.out_features)
-        part = MXTensor(f, (r1 - r0, self.in_features), t.elements[r0:r1], t.scales[sa:sb], t.global_scale)
-        return mx_dequantize(part)[rows.start - r0 : rows.stop - r0]
-
     def _dequantize(self, dtype) -> torch.Tensor:
         return mx_dequantize(self.tensor(), torch.float32).to(dtype)
 
@@ -82,8 +95,15 @@ class MXLinear(QuantModule):
     def _build_kernel(self):
         if self.weight_packed.device.type != "cpu":
             return None
-        held = sum(t.numel() * t.element_size() for t in self.storage_tensors())
-        return TiledKernel(self._rows, self.out_features, self.in_features, held)
+        f = self.format
+        kind = select_kernel(self.KERNELS, f.elem_bits, device="cpu", group_size=f.block)
+        return MXKernel(kind.from_tensor(self.tensor()))
+
+    def _saved_from_kernel(self, kernel) -> dict:
+        w = kernel.weight
+        if not isinstance(w, FP4LutWeight):  # the reference tiles hold the buffers themselves
+            return {}
+        return {"weight_packed": lambda: w.packed_rows(0, w.N).contiguous()}
 
     def storage_tensors(self):
         return self.tensor().tensors()
