@@ -267,7 +267,7 @@ def moe_results(args, gemm: float, res: dict) -> None:
            "wall_s": res["wall_s"], "rss_trace_s_mb_layers": res["rss_trace"][::4]}  # fmt: skip
     path = Path(args.json or RESULTS / "moe_scale.json")
     data = json.loads(path.read_text()) if path.is_file() else {"runs": {}}
-    data["runs"][f"{args.shape} {args.nsamples}x512"] = row
+    data["runs"][f"{args.shape} {args.nsamples}x512" + (f", {args.label}" if args.label else "")] = row
     data["machine"] = machine_info()
     md = moe_markdown(data)
     write_results(path, "moe_scale", data, md)
@@ -285,6 +285,12 @@ def moe_markdown(data: dict) -> str:
           "| FLOP bound s/layer | ratio |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in data["runs"].values():
         each = ", ".join(f"{s:.0f}" for s in r["layer_seconds"])
+        if not r["layer_seconds"]:  # stopped (or killed) before its first layer was committed
+            md.append(f"| {r['shape']} | 0 (stopped after {r['wall_s'] / 60:.0f} min, unfinished: see the "
+                      f"notes) | {r['calibration']} | {r['peak_rss_mb'] / 1024:.2f} GiB | - | "
+                      f"{r['bound_s_per_layer']:.1f} ({r['layer_tflop']['total']:.2f} TFLOP at "
+                      f"{r['gemm_gflops_fp32']:.0f} GFLOP/s) | - |")  # fmt: skip
+            continue
         md.append(f"| {r['shape']} | {r['layers_run']} | {r['calibration']} | {r['peak_rss_mb'] / 1024:.2f} "
                   f"GiB | {r['mean_s_per_layer_after_first']:.1f} ({each}) | {r['bound_s_per_layer']:.1f} "
                   f"({r['layer_tflop']['total']:.2f} TFLOP at {r['gemm_gflops_fp32']:.0f} GFLOP/s) | "
@@ -304,6 +310,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--nsamples", type=int, default=16, help="calibration samples of 512 tokens")
     ap.add_argument("--max-memory", default=None, help="run: the CLI's --max-memory (default: its own)")
+    ap.add_argument("--label", default=None, help="run: a row of its own (the key gets this suffix)")
     ap.add_argument("--write-layers", type=int, default=None,
                     help="write: a truncated checkpoint of this many decoder layers (its config says so)")
     ap.add_argument("--fp8", action="store_true",
