@@ -11,7 +11,8 @@ logits 0.29-0.40 from the float model -- 20x further, so a wrong block, scale or
 
 Architectures: llama, qwen2 and phi3 (its fused ``attn_qkv`` and ``ffn_up`` as MXFP4 too) run; every
 quantized linear of the file is an MXFP4 tensor run by ggml's ``mul_mat`` (the token embeddings, the
-output head and the norms keep the source file's types: Q8_0, Q5_0, F32 here).  Not covered, for reasons that are not MXFP4's: tiny qwen3 files do not load in llama.cpp at
+output head and the norms keep the source file's types: Q8_0, Q5_0, F32 here).  Not covered, for reasons
+that are not MXFP4's: tiny qwen3 files do not load in llama.cpp at
 any type (``tiny_gguf`` writes no ``attention.key_length``, so llama.cpp expects 64-wide q heads of 16 and
 finds transformers' default head_dim of 128), and gemma3 is refused by our GGUF export (its q/k norms do
 not read back bit for bit).

@@ -40,7 +40,7 @@ EXTENSIONS = {  # name -> source
     "latticesearch": "latticesearch.cpp",
     "fp4gemv": "fp4gemv.cpp",
 }
-COLD_BUILD_S = "about 2 minutes for all seven"  # 121 s of CPU measured for five, cold cache (README "Kernels")
+COLD_BUILD_S = "about 2 minutes for all seven"  # 121 s CPU measured for five, cold cache (README "Kernels")
 # the pure-torch fallback against the compiled kernels at batch 1, 4096x4096 g128, 1 thread: LowBitWeight
 # W2/W4 1.4 ms -> 590-600 ms (about 430x), BitPlaneWeight W2/W4 1.6/5.7 ms -> 670-730 ms (130-430x)
 FALLBACK_SLOWDOWN = "100-400x"
