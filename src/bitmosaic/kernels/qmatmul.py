@@ -96,7 +96,7 @@ def _pack_any(codes: torch.Tensor, b: int, spans: bool = True) -> torch.Tensor:
         padded = torch.nn.functional.pad(padded, (0, order.numel() - cols))[:, order]
     if b >= 2:
         return pack_codes(padded, b)
-    c = padded.to(torch.uint8).reshape(rows, -1, 8)
+    c = padded.reshape(rows, -1, 8)
     weights = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8)
     return (c * weights).sum(-1, dtype=torch.int32).to(torch.uint8)
 

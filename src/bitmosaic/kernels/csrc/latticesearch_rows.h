@@ -4,28 +4,36 @@
 // order, and the build has -ffp-contract=off (no fused multiply-add): the results are the reference's bit
 // for bit on every ISA.
 
+// Row i's sums over every codebook point g: A = sum m g^2, B = sum (m a) g and, when F is given,
+// F = min (m a) g (the cheapest sign flip of the parity rule).
+inline void point_sums(const Args& a, int64_t i, float* A, float* B, float* F) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float* ai = a.a + i * a.D;
+  const float* mi = a.m + i * a.D;
+  for (int64_t g = 0; g < a.P; ++g) {
+    A[g] = 0.0f;
+    B[g] = 0.0f;
+  }
+  if (F)
+    for (int64_t g = 0; g < a.P; ++g) F[g] = inf;
+  for (int64_t j = 0; j < a.D; ++j) {
+    const float mj = mi[j], maj = mi[j] * ai[j];
+    const float* gj = a.Gt + j * a.P;
+    for (int64_t g = 0; g < a.P; ++g) {
+      A[g] = A[g] + (mj * gj[g]) * gj[g];
+      B[g] = B[g] + maj * gj[g];
+    }
+    if (F)
+      for (int64_t g = 0; g < a.P; ++g) F[g] = std::min(F[g], maj * gj[g]);
+  }
+}
+
 inline void search_rows(const Args& a) {
   at::parallel_for(0, a.N, 64, [&](int64_t i0, int64_t i1) {
     std::vector<float> A(a.P), B(a.P), F(a.P);
     const float inf = std::numeric_limits<float>::infinity();
     for (int64_t i = i0; i < i1; ++i) {
-      const float* ai = a.a + i * a.D;
-      const float* mi = a.m + i * a.D;
-      for (int64_t g = 0; g < a.P; ++g) {
-        A[g] = 0.0f;
-        B[g] = 0.0f;
-        F[g] = inf;
-      }
-      for (int64_t j = 0; j < a.D; ++j) {  // A = sum m g^2, B = sum (m a) g, F = min (m a) g
-        const float mj = mi[j], maj = mi[j] * ai[j];
-        const float* gj = a.Gt + j * a.P;
-        for (int64_t g = 0; g < a.P; ++g) {
-          A[g] = A[g] + (mj * gj[g]) * gj[g];
-          B[g] = B[g] + maj * gj[g];
-        }
-        if (a.parity)
-          for (int64_t g = 0; g < a.P; ++g) F[g] = std::min(F[g], maj * gj[g]);
-      }
+      point_sums(a, i, A.data(), B.data(), a.parity ? F.data() : nullptr);
       for (int64_t c = 0; c < a.C; ++c) {  // r = s A - 2 B; with the cheapest sign flipped r + 4 F
         const float s = a.s[i * a.C + c];
         float best = inf, fbest = inf;
@@ -63,20 +71,7 @@ inline void topk_rows(const Args& a, int64_t K) {
     std::vector<float> A(a.P), B(a.P), tv(K);
     std::vector<int32_t> ti(K);
     for (int64_t i = i0; i < i1; ++i) {
-      const float* ai = a.a + i * a.D;
-      const float* mi = a.m + i * a.D;
-      for (int64_t g = 0; g < a.P; ++g) {
-        A[g] = 0.0f;
-        B[g] = 0.0f;
-      }
-      for (int64_t j = 0; j < a.D; ++j) {
-        const float mj = mi[j], maj = mi[j] * ai[j];
-        const float* gj = a.Gt + j * a.P;
-        for (int64_t g = 0; g < a.P; ++g) {
-          A[g] = A[g] + (mj * gj[g]) * gj[g];
-          B[g] = B[g] + maj * gj[g];
-        }
-      }
+      point_sums(a, i, A.data(), B.data(), nullptr);
       const float s = a.s[i];
       int64_t n = 0;
       for (int64_t g = 0; g < a.P; ++g) {
