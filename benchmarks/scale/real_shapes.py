@@ -170,11 +170,9 @@ def _vmhwm_mb(pid: int, field: str = "VmHWM:") -> float:
     return 0.0
 
 
-def run(
-    folder: Path, shape: str, layers: int, out: Path, threads: int | None, nsamples: int = 16,
-    max_memory: str | None = None,
-) -> dict:
-    prog = out.parent / f".{out.name}.partial" / "progress.json"
+def quantize_argv(folder: Path, out: Path, threads: int | None, nsamples: int = 16,
+                  max_memory: str | None = None) -> list[str]:  # fmt: skip
+    """The CLI command of a streamed GPTQ w4 g128 run of ``folder`` into ``out``."""
     argv = [sys.executable, "-m", "bitmosaic.cli", "quantize", "--model", str(folder), "--method", "gptq",
             "--bits", "4", "--group-size", "128", "--calib", str(folder / "calib.txt"),
             "--nsamples", str(nsamples),
@@ -184,8 +182,16 @@ def run(
         argv += ["--threads", str(threads)]
     if max_memory:
         argv += ["--max-memory", max_memory]
+    return argv
+
+
+def run(
+    folder: Path, shape: str, layers: int, out: Path, threads: int | None, nsamples: int = 16,
+    max_memory: str | None = None,
+) -> dict:
+    prog = out.parent / f".{out.name}.partial" / "progress.json"
     t0 = time.perf_counter()
-    p = subprocess.Popen(argv)
+    p = subprocess.Popen(quantize_argv(folder, out, threads, nsamples, max_memory))
     peak, done, trace, state, seen = 0.0, 0, [], None, 0.0
     while p.poll() is None:
         peak = max(peak, _vmhwm_mb(p.pid))

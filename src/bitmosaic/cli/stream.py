@@ -83,8 +83,7 @@ def run_streaming(args, recipe, settings, dtype):
     t0 = time.perf_counter()
     ckpt, tok = open_checkpoint(args.model)
     warn_positions(SimpleNamespace(config=ckpt.config()), args.seqlen, "--seqlen")  # as the in-memory run
-    resuming = (partial_dir(args.out) / "progress.json").is_file()
-    print(f"streaming {args.model} layer by layer into {args.out}" + (" (resuming)" if resuming else ""))
+    print(f"streaming {args.model} layer by layer into {args.out}{_resuming(partial_dir(args.out))}")
     calibration = calibration_from_args(args, tok)
     torch.manual_seed(args.seed)
     settings = settings.replace(calib_cache=None, spill_dir=None)
@@ -92,3 +91,19 @@ def run_streaming(args, recipe, settings, dtype):
                                 overwrite=args.overwrite)  # fmt: skip
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _resuming(work) -> str:
+    """What an unfinished run in ``work`` left: finished layers, and the units of the layer it was in."""
+    import json
+
+    from ..pipeline.journal import journal_dir
+
+    try:
+        done = int(json.loads((work / "progress.json").read_text(encoding="utf-8"))["layers_done"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    units = len(list(journal_dir(work, done).glob("unit-*.safetensors")))
+    inside = f", {units} solves of layer {done} kept" if units else ""
+    return f" (resuming after {done} finished layers{inside})"
+

@@ -106,6 +106,7 @@ class _Layer:
     act_scales: dict = field(default_factory=dict)  # linear name -> static input scale (or None)
     experts: dict = field(default_factory=dict)  # group index -> ExpertStats of an expert group
     lazy: LazyExperts | None = None  # expert weights read part by part (lazy_experts.py)
+    journal: object = None  # a streamed layer's finished units (journal.py)
 
 
 def _budget(run: LayerRun) -> int:
@@ -142,6 +143,8 @@ def quantize_layer(run: LayerRun, li: int) -> None:
     lay = _Layer(li, layer, f"{run.arch.layers_path}.{li}", plan, kwargs, run.arch.groups(layer))
     if lazy:
         lay.lazy = LazyExperts(layer, run.store.reader(li), lay.qmods, run.cdtype, run.dev)
+    if run.store is not None and run.calibrate:
+        lay.journal = run.store.journal(li)
     if run.calibrate:
         runc0 = run.runc if li == 0 and run.dist.world == 1 else None  # later layers: quantized inputs
         lay.group_info = _apply_transform(run, lay, runc0)
@@ -239,12 +242,20 @@ def _quantize_group(run: LayerRun, lay: _Layer, gi: int, group, cache: OutputCac
 
 
 def _solve_group(run: LayerRun, lay: _Layer, gi: int, grp: _Group) -> None:
-    """Solve each of the group's Hessians' linears and record their rows."""
-    done = []
+    """Solve each of the group's Hessians' linears and record their rows.  In a streamed layer each
+    Hessian's solved linears are journaled, and those a killed run journaled are installed instead of
+    solved again (journal.py)."""
     for own, names in grp.shared.items():
-        done += _solve_hessian(run, lay, grp, own, names)
-    for entry in done:
-        _record(run, lay, gi, entry, grp.observers)
+        if lay.journal is not None and len(lay.journal) and lay.journal.solved(
+                [n for n in names if lay.plan[n] is not None]):  # fmt: skip
+            for name, qlin, row, scale in lay.journal.take([n for n in names if lay.plan[n] is not None]):
+                _install(run, lay, name, qlin, row, scale, in_place=True)
+            continue
+        done = _solve_hessian(run, lay, grp, own, names)
+        for entry in done:
+            _record(run, lay, gi, entry, grp.observers)
+        if lay.journal is not None:
+            lay.journal.add([(e[4], e[5], e[6], lay.act_scales.get(e[4])) for e in done])
 
 
 def _statistics(run: LayerRun, lay: _Layer, gi: int, group, cache: OutputCache, pool=None) -> _Group:
@@ -327,14 +338,25 @@ def _record(run: LayerRun, lay: _Layer, gi: int, entry: tuple, observers: dict) 
         grid = IntGrid(c.bits, c.symmetric)
         W = lay.module.get_submodule(name).weight.data.float()
         row["order_bounds"] = order_bound_table(W, H, grid, c.group_size, tuple(orders), percdamp=c.percdamp)
+    scale = observers[own].static_scale() if act is not None and act.static else None
+    _install(run, lay, name, qlin, row, scale)
+
+
+def _install(run: LayerRun, lay: _Layer, name: str, qlin: nn.Module, row: dict, scale,
+             in_place: bool = False) -> None:  # fmt: skip
+    """A solved linear's row, bits, packed module and input quantizer (with static ``scale``);
+    ``in_place``: also put its dequantized weights in place, as the solve does (a journaled linear)."""
     run.report.layers.append(row)
     run.total_bits += row["bits_per_weight"] * qlin.in_features * qlin.out_features
     run.total_weights += qlin.in_features * qlin.out_features
     lay.qmods[name] = qlin
     lin = lay.module.get_submodule(name)
+    if in_place:  # the packing check made these the solve's own values (solve.py)
+        lin.weight.data.copy_(qlin.dequantize_weight(torch.float32).to(lin.weight.device, lin.weight.dtype))
+    act = getattr(lay.plan[name][1], "act", None)
     if act is not None:  # later groups and the next layer see quantized inputs
-        lay.act_scales[name] = observers[own].static_scale() if act.static else None
-        attach_input_quant(lin, act, lin.in_features, lay.act_scales[name]).to(run.dev)
+        lay.act_scales[name] = scale
+        attach_input_quant(lin, act, lin.in_features, scale).to(run.dev)
 
 
 def _propagate(run: LayerRun, lay: _Layer, cache: OutputCache) -> None:

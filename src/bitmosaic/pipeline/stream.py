@@ -22,7 +22,8 @@ tokens, pipeline settings, library version).  ``progress.json`` is written last,
 crash or ``kill -9`` at any moment leaves a consistent record.  Rerunning the same command continues
 after the last finished layer and gives the same bytes as an uninterrupted run; a rerun with anything
 in the fingerprint changed refuses in one line naming it.  When the run completes, the folder is
-renamed into place.
+renamed into place.  Inside a layer, each finished solve is journaled (``layer-LLLLL/``,
+:mod:`bitmosaic.pipeline.journal`), so a rerun keeps the experts a killed run had solved.
 
 Methods with a whole-model step (a ``prepare`` or ``finalize`` hook, e.g. a global bit allocation
 from gradients through the full model) cannot stream and are refused in one line.
@@ -48,6 +49,7 @@ from ..io.saved.shards import SAVE_META, shard_name, shards_index, tensors_for_s
 from ..io.sources.checkpoint import Checkpoint
 from ..models.arch import get_arch
 from ..modules.qmodules import full_layer_config
+from .journal import LayerJournal, journal_dir, jsonable
 from .run import run, source_name
 from .settings import Calibration, RunSettings
 from .spill import SPILL_PREFIX, TensorFile, write_tensor_file
@@ -147,6 +149,7 @@ class LayerStore:
         report.layers.extend(self.state["rows"])
         for li in range(k):
             self.layers[li] = _Freed()
+            shutil.rmtree(journal_dir(self.work, li), ignore_errors=True)  # killed after the commit
         return k, float(self.state["total_bits"]), int(self.state["total_weights"])
 
     def load(self, li: int, layer: nn.Module, skip=()) -> None:
@@ -156,6 +159,16 @@ class LayerStore:
             _free_outside(self.model, self.arch.layers_path)
             self._outside_freed = True
         self.ckpt.fill(layer, f"{self.arch.layers_path}.{li}.", self.dtype, skip=skip)
+
+    def journal(self, li: int) -> LayerJournal:
+        """Layer ``li``'s units finished so far (journal.py): those of a killed run, on a rerun."""
+        return LayerJournal(journal_dir(self.work, li), begin=self._begin)
+
+    def _begin(self) -> None:
+        """Before the first unit of the first layer is journaled: ``progress.json`` with the fingerprint,
+        so that a rerun with anything changed refuses instead of installing another run's modules."""
+        if not (self.work / PROGRESS).is_file():
+            atomic_write_text(self.work / PROGRESS, json.dumps(self.state, indent=1))
 
     def reader(self, li: int):
         """``read(name, module)``: fill submodule ``name`` of layer ``li`` from the checkpoint."""
@@ -180,7 +193,7 @@ class LayerStore:
             raise
         st = self.state
         st["layers_done"] = li + 1
-        st["rows"] = st["rows"] + json.loads(json.dumps(rows, default=_jsonable))
+        st["rows"] = st["rows"] + json.loads(json.dumps(rows, default=jsonable))
         st["modules"].update(mods)
         st["total_bits"], st["total_weights"] = total_bits, total_weights
         now = time.perf_counter()  # wall time per layer (the first one includes the capture)
@@ -188,6 +201,7 @@ class LayerStore:
         self._t = now
         atomic_write_text(self.work / PROGRESS, json.dumps(st, indent=1))  # the commit point
         (self.work / f"inputs-{li:05d}.safetensors").unlink(missing_ok=True)
+        shutil.rmtree(journal_dir(self.work, li), ignore_errors=True)  # the shard holds it all now
         self.layers[li] = _Freed()
 
 
@@ -199,14 +213,6 @@ def _free_outside(model: nn.Module, layers_path: str) -> None:
         for n, p in list(mod._parameters.items()):
             if p is not None and p.device.type != "meta":
                 mod._parameters[n] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
-
-
-def _jsonable(v):
-    if isinstance(v, torch.Tensor):
-        return v.tolist()
-    if hasattr(v, "item"):
-        return v.item()
-    return str(v)
 
 
 def _write_outside(store: LayerStore, ckpt: Checkpoint, model: nn.Module) -> None:
