@@ -120,13 +120,15 @@ class HessianAccumulator:
         if m == 0:
             return
         self._mirrored = False
-        self._upper.mul_(self.n / (self.n + m))
+        keep = self.n / (self.n + m)
         self.n += m
         alpha = 2.0 / self.n  # scaled in the product: no scaled copy of x
         B = self._block
         for k, i in enumerate(range(0, self.in_features, B)):
-            if blocks is None or k in blocks:
-                self._upper[i : i + B, i:].addmm_(x[:, i : i + B].T, x[:, i:], alpha=alpha)
+            row = self._upper[i : i + B, i:]
+            row.mul_(keep)  # the block rows only: below them the mirror writes (half the traffic of a
+            if blocks is None or k in blocks:  # thin expert's many small adds)
+                row.addmm_(x[:, i : i + B].T, x[:, i:], alpha=alpha)
 
 
 def _damping_tries(H: torch.Tensor, percdamp: float, max_tries: int, stacklevel: int):
