@@ -1,4 +1,4 @@
-"""IQ3_S / IQ2_XS (issue 72): llama.cpp's lattice codebooks, a vector GPTQ on them, exported exactly.
+"""IQ3_S / IQ2_S / IQ2_XS / IQ3_XXS / IQ2_XXS (issue 72): llama.cpp's lattice codebooks, a vector GPTQ on them, exported exactly.
 
 The bytes are read back with ``gguf.quants.dequantize`` (gguf-py's transcription of ggml's formulas, not
 our packer) and must equal our float model of them bit for bit; the solve must beat nearest-point
@@ -73,7 +73,8 @@ def test_packed_blocks_read_back_with_gguf_quants(typ, out, nb, seed):
 def test_bits_per_weight_and_parity_refusal():
     import gguf
 
-    for typ, bits in (("IQ2_XS", 2.3125), ("IQ3_S", 3.4375), ("IQ2_XXS", 2.0625), ("IQ3_XXS", 3.0625)):
+    for typ, bits in (("IQ2_XS", 2.3125), ("IQ3_S", 3.4375), ("IQ2_XXS", 2.0625), ("IQ3_XXS", 3.0625),
+                      ("IQ2_S", 2.5625)):  # fmt: skip
         t = gl.LATTICE_TYPES[typ]
         block, size = gguf.GGML_QUANT_SIZES[t.qtype]
         assert (block, size) == (gl.QK, t.bytes_per_block) and t.bits == bits
