@@ -1,5 +1,6 @@
-"""llama.cpp's lattice GGUF types ``IQ3_S``, ``IQ2_S``, ``IQ2_XS``, ``IQ3_XXS`` and ``IQ2_XXS`` as data: codebooks, byte
-layouts and the float32 weights llama.cpp (and ``gguf.quants.dequantize``) compute from them (issue 72).
+"""llama.cpp's lattice GGUF types ``IQ3_S``, ``IQ2_S``, ``IQ2_XS``, ``IQ3_XXS`` and ``IQ2_XXS`` as data:
+codebooks, byte layouts and the float32 weights llama.cpp (and ``gguf.quants.dequantize``) compute from
+them (issue 72).
 
 All split a row into super-blocks of 256 weights with one fp16 ``d``; each run of ``dim`` weights is one
 point of a fixed codebook of non-negative vectors (``iq2xs_grid``: 512 x 8 values from {8, 25, 43};
