@@ -41,7 +41,7 @@ from pathlib import Path
 from benchmarks.harness import RESULTS, write_results
 
 TYPES = ("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "IQ4_XS", "IQ4_NL", "IQ3_S", "IQ2_XS",
-         "IQ3_XXS", "IQ2_XXS")  # fmt: skip
+         "IQ3_XXS", "IQ2_XXS", "IQ2_S", "IQ2_M")  # fmt: skip
 # the presets bitmosaic solves on (gptq --gguf-type), most asked first
 BPW = "bpw@"  # bitmosaic --gguf-target-bpw at the bits per weight of the preset named after it
 OURS = ("Q4_K_M", "Q3_K_M", "IQ4_XS", "Q2_K", "Q5_K_M", "Q6_K", "IQ4_NL", "Q4_0", "IQ3_S", "IQ2_XS",

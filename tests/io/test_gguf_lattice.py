@@ -1,4 +1,5 @@
-"""IQ3_S / IQ2_XS (issue 72): llama.cpp's lattice codebooks, a vector GPTQ on them, exported exactly.
+"""IQ3_S / IQ2_S / IQ2_XS / IQ3_XXS / IQ2_XXS (issue 72): llama.cpp's lattice codebooks, a vector GPTQ on
+them, exported exactly.
 
 The bytes are read back with ``gguf.quants.dequantize`` (gguf-py's transcription of ggml's formulas, not
 our packer) and must equal our float model of them bit for bit; the solve must beat nearest-point
@@ -17,12 +18,11 @@ import bitmosaic
 from benchmarks.moe.gguf_llamacpp import llama_cpp_logits
 from bitmosaic.algorithms.gguf_grid import importance
 from bitmosaic.algorithms.gguf_lattice import lattice_gptq, lattice_rtn, lattice_scales
-from bitmosaic.errors import OptionError
 from bitmosaic.formats import gguf_lattice as gl
 from bitmosaic.io import save_quantized
 from bitmosaic.io.export import export_model
 from bitmosaic.io.saved.save import quantized_modules
-from bitmosaic.methods.gguf_mix import tensor_type
+from bitmosaic.methods.gguf_mix import PRESETS, tensor_type
 from bitmosaic.testing import tiny_gguf
 from tests.io.test_export_gguf import CALIB, _check_weights
 from tests.io.test_gguf_checkpoint import _transformers
@@ -73,7 +73,8 @@ def test_packed_blocks_read_back_with_gguf_quants(typ, out, nb, seed):
 def test_bits_per_weight_and_parity_refusal():
     import gguf
 
-    for typ, bits in (("IQ2_XS", 2.3125), ("IQ3_S", 3.4375), ("IQ2_XXS", 2.0625), ("IQ3_XXS", 3.0625)):
+    for typ, bits in (("IQ2_XS", 2.3125), ("IQ3_S", 3.4375), ("IQ2_XXS", 2.0625), ("IQ3_XXS", 3.0625),
+                      ("IQ2_S", 2.5625)):  # fmt: skip
         t = gl.LATTICE_TYPES[typ]
         block, size = gguf.GGML_QUANT_SIZES[t.qtype]
         assert (block, size) == (gl.QK, t.bytes_per_block) and t.bits == bits
@@ -128,7 +129,7 @@ def test_llama_cpp_mix_of_the_lattice_presets():
 
 def test_llama_cpp_mix_of_the_xxs_presets():
     """llama_tensor_get_type for IQ3_XXS / IQ2_XXS with an imatrix (dense): IQ3_XXS's attn_output is IQ3_S,
-    its attn_q / attn_k IQ2_S (not written by bitmosaic: refused unless the width falls back to IQ4_NL);
+    its attn_q / attn_k the IQ2_S type (IQ4_NL where the width falls back);
     IQ2_XXS as IQ2_XS (attn_v and the first eighth of ffn_down Q2_K)."""
     assert tensor_type("IQ3_XXS", "model.layers.4.mlp.down_proj", 1536, 30, 3) == "IQ3_XXS"
     assert tensor_type("IQ3_XXS", "model.layers.0.mlp.down_proj", 1536, 30, 3) == "IQ3_XXS"
@@ -137,8 +138,8 @@ def test_llama_cpp_mix_of_the_xxs_presets():
     assert tensor_type("IQ3_XXS", "model.layers.4.self_attn.v_proj", 1024, 30, 3) == "IQ3_XXS"
     assert tensor_type("IQ3_XXS", "model.layers.4.self_attn.v_proj", 1024, 30, 4) == "Q4_K"
     assert tensor_type("IQ3_XXS", "model.layers.4.self_attn.q_proj", 576, 30, 3) == "IQ4_NL"
-    with pytest.raises(OptionError, match="IQ2_S"):
-        tensor_type("IQ3_XXS", "model.layers.4.self_attn.k_proj", 1024, 30, 3)
+    assert tensor_type("IQ3_XXS", "model.layers.4.self_attn.k_proj", 1024, 30, 3) == "IQ2_S"
+    assert tensor_type("IQ3_XXS", "model.layers.4.self_attn.q_proj", 1024, 30, 3) == "IQ2_S"
     assert tensor_type("IQ2_XXS", "model.layers.2.mlp.down_proj", 1536, 30, 3) == "Q2_K"
     assert tensor_type("IQ2_XXS", "model.layers.3.mlp.down_proj", 1536, 30, 3) == "IQ2_XXS"
     assert tensor_type("IQ2_XXS", "model.layers.3.self_attn.o_proj", 1024, 30, 3) == "IQ2_XXS"
@@ -159,13 +160,41 @@ def test_llama_cpp_mix_of_the_xxs_presets():
         assert ours == want, preset
 
 
-@pytest.fixture(scope="module", params=["IQ3_S", "IQ2_XS", "IQ3_XXS", "IQ2_XXS"])
+def test_llama_cpp_mix_of_the_iq2_s_and_iq2_m_presets():
+    """llama_tensor_get_type for IQ2_S (default type IQ2_XS) and IQ2_M (default type IQ2_S) with an imatrix
+    (dense): attn_v Q4_K at n_gqa >= 4 else IQ3_S, attn_output and the first eighth of ffn_down IQ3_S."""
+    for preset, typ in (("IQ2_S", "IQ2_XS"), ("IQ2_M", "IQ2_S")):
+        assert tensor_type(preset, "model.layers.4.self_attn.q_proj", 1024, 30, 3) == typ
+        assert tensor_type(preset, "model.layers.4.mlp.up_proj", 1024, 30, 3) == typ
+        assert tensor_type(preset, "model.layers.4.mlp.down_proj", 1536, 30, 3) == typ
+        assert tensor_type(preset, "model.layers.2.mlp.down_proj", 1536, 30, 3) == "IQ3_S"
+        assert tensor_type(preset, "model.layers.4.self_attn.o_proj", 1024, 30, 3) == "IQ3_S"
+        assert tensor_type(preset, "model.layers.4.self_attn.v_proj", 1024, 30, 3) == "IQ3_S"
+        assert tensor_type(preset, "model.layers.4.self_attn.v_proj", 1024, 30, 4) == "Q4_K"
+        assert tensor_type(preset, "model.layers.4.self_attn.v_proj", 576, 30, 4) == "Q5_0"
+        assert tensor_type(preset, "model.layers.4.self_attn.q_proj", 576, 30, 3) == "IQ4_NL"
+    # the 2-D types of the files llama-quantize --imatrix wrote for SmolLM2 (as the test above), less
+    # token_embd
+    names = [f"model.layers.{i}.{p}" for i in range(30) for p in
+             ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+              "mlp.up_proj", "mlp.down_proj")]  # fmt: skip
+    llama_cpp = {"IQ2_S": {"IQ2_XS": 27, "IQ3_S": 3, "IQ4_NL": 180},
+                 "IQ2_M": {"IQ2_S": 27, "IQ3_S": 3, "IQ4_NL": 180}}  # fmt: skip
+    for preset, want in llama_cpp.items():
+        ours: dict[str, int] = {}
+        for n in names:
+            t = tensor_type(preset, n, 1536 if n.endswith("down_proj") else 576, 30, 3)
+            ours[t] = ours.get(t, 0) + 1
+        assert ours == want, preset
+
+
+@pytest.fixture(scope="module", params=["IQ3_S", "IQ2_XS", "IQ3_XXS", "IQ2_XXS", "IQ2_M", "IQ2_S"])
 def lattice_model(request, tmp_path_factory):
-    """A tiny Llama, every input 256 or 512 wide, quantized with ``--gguf-type`` IQ3_S / IQ2_XS / IQ2_XXS and
-    saved; for IQ3_XXS 320 wide (its attn_q / attn_k would be IQ2_S: here IQ4_NL) with ffn_down 512 wide."""
+    """A tiny Llama, every input 256 or 512 wide, quantized with ``--gguf-type`` IQ3_S / IQ2_XS / IQ3_XXS
+    (attn_q / attn_k the IQ2_S type, attn_output IQ3_S) / IQ2_XXS / IQ2_M (the IQ2_S type, attn_output
+    IQ3_S) / IQ2_S (IQ2_XS, attn_output IQ3_S) and saved."""
     root = tmp_path_factory.mktemp(request.param)
-    hidden = 320 if request.param == "IQ3_XXS" else 256
-    src = tiny_gguf(root / "llama.gguf", "llama", tied=False, layers=1, hidden=hidden, intermediate=512,
+    src = tiny_gguf(root / "llama.gguf", "llama", tied=False, layers=1, hidden=256, intermediate=512,
                     vocab="none")  # fmt: skip
     m = _transformers(src)
     bitmosaic.quantize_(m, "gptq", CALIB, progress=False, source_model=str(src), gguf_type=request.param)
@@ -173,10 +202,15 @@ def lattice_model(request, tmp_path_factory):
 
 
 def test_lattice_run_saves_loads_and_exports_exactly(lattice_model, tmp_path):
-    folder, typ = lattice_model
+    folder, preset = lattice_model
+    typ = PRESETS[preset]  # the preset's default tensor type (IQ2_M: IQ2_S; IQ2_S: IQ2_XS)
     mods = quantized_modules(bitmosaic.load(folder))
     types = {n: m.gguf_type for n, m in mods.items()}
     assert typ in set(types.values())
+    if preset in ("IQ2_S", "IQ2_M", "IQ3_XXS"):  # llama.cpp's IQ3_S attn_output in these
+        assert types["model.layers.0.self_attn.o_proj"] == "IQ3_S"
+    if preset == "IQ3_XXS":  # and the IQ2_S type for attn_q / attn_k
+        assert types["model.layers.0.self_attn.q_proj"] == types["model.layers.0.self_attn.k_proj"] == "IQ2_S"
     for m in mods.values():  # the gguf package's reader and ours agree on the stored bytes
         assert torch.equal(m.dequantize_reference(), m.dequantize_weight())
         if m.gguf_type == typ:
@@ -187,7 +221,7 @@ def test_lattice_run_saves_loads_and_exports_exactly(lattice_model, tmp_path):
     assert _check_weights(folder, out, "llama") == types
     from gguf import GGUFReader, LlamaFileType
 
-    assert GGUFReader(str(out)).fields["general.file_type"].contents() == LlamaFileType[f"MOSTLY_{typ}"]
+    assert GGUFReader(str(out)).fields["general.file_type"].contents() == LlamaFileType[f"MOSTLY_{preset}"]
 
 
 def test_llama_cpp_runs_the_lattice_file(lattice_model, tmp_path):

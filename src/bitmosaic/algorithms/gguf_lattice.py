@@ -1,15 +1,16 @@
-"""Vector GPTQ on llama.cpp's lattice codebooks ``IQ3_S``, ``IQ2_XS``, ``IQ3_XXS`` and ``IQ2_XXS`` (issue 72),
-so the GGUF file holds the calibrated weights exactly (layouts: :mod:`bitmosaic.formats.gguf_lattice`).
+"""Vector GPTQ on llama.cpp's lattice codebooks ``IQ3_S``, ``IQ2_S``, ``IQ2_XS``, ``IQ3_XXS`` and ``IQ2_XXS``
+(issue 72), so the GGUF file holds the calibrated weights exactly (layouts:
+:mod:`bitmosaic.formats.gguf_lattice`).
 
 Scales first, then fixed (as the k-quant and IQ4 paths of :mod:`.gguf_grid` do): each input weighted by its
 importance ``diag(H)`` (what llama.cpp's importance matrix holds),
 
-1. per sub-block (IQ2_XS: 16 weights, the others 32) a float scale: for trial scales
+1. per sub-block (IQ2_XS / IQ2_S: 16 weights, the others 32) a float scale: for trial scales
    ``r * max|w| / max(grid)`` the nearest codebook points (signs of the weights; where a parity group of 8
    -- IQ2_XS / IQ2_XXS: one point, IQ3_XXS: two -- has odd parity, the cheapest sign flipped, the point
    chosen with that cost: :func:`nearest_many`), then the weighted least-squares scale for those points,
    the one with the least error kept;
-2. per super-block of 256 an fp16 ``d`` and the 4-bit ``s`` (IQ2_XS / IQ2_XXS ``d * (0.5 + s) / 4``,
+2. per super-block of 256 an fp16 ``d`` and the 4-bit ``s`` (IQ2_XS / IQ2_S / IQ2_XXS ``d * (0.5 + s) / 4``,
    IQ3_XXS ``d * (0.5 + s) / 2``, IQ3_S ``d * (1 + 2 s)``): candidates ``d`` around ``max scale / max
    level``, each sub-block's ``s`` rounded, the ``d`` with the least weighted error of the super-block's
    nearest points kept.
@@ -19,14 +20,14 @@ in one pass over the codebook (``csrc/latticesearch.cpp`` where compiled, the sa
 
 Then the solve -- the Babai paper's nearest plane (GPTQ back to front, /work/shared/papers) with a codebook
 for the rounding: columns go in runs (a codebook point, or the two points of an IQ3_XXS parity group:
-8 columns for IQ2_XS / IQ2_XXS / IQ3_XXS, 4 for IQ3_S; runs ordered by the caller's order, e.g.
+8 columns for IQ2_XS / IQ2_S / IQ2_XXS / IQ3_XXS, 4 for IQ3_S; runs ordered by the caller's order, e.g.
 act-order, by their first column in it).  With ``U`` the upper Cholesky factor of ``H^-1`` in that order,
 a run ``b`` of every row is rounded to the codebook point(s) ``q`` minimising ``||(w_b - q) U_bb^-1||^2``
 -- the exact GPTQ loss of the run -- among the ``K`` points nearest under that metric's diagonal (all
-scored at once, on ``|w|`` with the weights' signs, parity fixed on each; IQ3_XXS: the ``K x K`` pairs of
-each point's ``K`` nearest), and ``E_b = (w_b - q) U_bb^-1`` is fed to the later columns,
-``W_rest -= E_b U_b,rest`` (block GPTQ: ``W - Q = E U`` as for single columns, so the loss is
-``sum ||E||^2``).  Nothing is refitted afterwards.
+scored at once, on ``|w|`` with the weights' signs -- IQ3_S / IQ2_S store every sign: free --, parity
+fixed on each elsewhere; IQ3_XXS: the ``K x K`` pairs of each point's ``K`` nearest), and ``E_b = (w_b -
+q) U_bb^-1`` is fed to the later columns, ``W_rest -= E_b U_b,rest`` (block GPTQ: ``W - Q = E U`` as for
+single columns, so the loss is ``sum ||E||^2``).  Nothing is refitted afterwards.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ __all__ = [
 _FIT_RATIOS = [0.6 + 0.06 * i for i in range(10)]  # trial scales: r * max|w| / max(grid)
 _D_RATIOS = [0.8 + 0.05 * i for i in range(9)]  # candidate d: r * largest scale / largest level
 _K = 8  # codebook candidates scored under the full metric in the solve
-_CHUNK = 1 << 15  # points searched at once (x 512 distances)
+_CHUNK = 1 << 15  # points searched at once (x 512 -- IQ2_S 1024 -- distances)
 _SUPER_CHUNK = 2048  # super-blocks whose scales are searched at once (bounds memory)
 # A faster nearest_many with the same results bit for bit, injected from a higher layer (the C++ kernel:
 # bitmosaic.kernels.lattice_search.install()); called with nearest_many's arguments, it returns its tuple

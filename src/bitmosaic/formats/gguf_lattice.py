@@ -1,8 +1,10 @@
-"""llama.cpp's lattice GGUF types ``IQ3_S``, ``IQ2_XS``, ``IQ3_XXS`` and ``IQ2_XXS`` as data: codebooks, byte
-layouts and the float32 weights llama.cpp (and ``gguf.quants.dequantize``) compute from them (issue 72).
+"""llama.cpp's lattice GGUF types ``IQ3_S``, ``IQ2_S``, ``IQ2_XS``, ``IQ3_XXS`` and ``IQ2_XXS`` as data:
+codebooks, byte layouts and the float32 weights llama.cpp (and ``gguf.quants.dequantize``) compute from
+them (issue 72).
 
 All split a row into super-blocks of 256 weights with one fp16 ``d``; each run of ``dim`` weights is one
 point of a fixed codebook of non-negative vectors (``iq2xs_grid``: 512 x 8 values from {8, 25, 43};
+``iq2s_grid``: 1024 x 8 from {8, 25, 43};
 ``iq3s_grid``: 512 x 4 from {1, 3, .., 15}; ``iq2xxs_grid``: 256 x 8 from {8, 25, 43}; ``iq3xxs_grid``:
 256 x 4 from {4, 12, .., 52, 62}; E8-lattice-like shells), times a per-weight sign and a 4-bit sub-block
 scale ``s``:
@@ -16,6 +18,9 @@ IQ2_XS   8     16         ``((d * (0.5 + s)) * 0.25 * g) * sign``  2 ``d`` + 32 
 IQ3_S    4     32         ``((d * (1 + 2 s)) * g) * sign``         2 ``d`` + 64 index bytes + 8 (9th
                                                                    bits) + 32 signs + 4 scales: 110
                                                                    (3.4375 bits)
+IQ2_S    8     16         ``((d * (0.5 + s)) * 0.25 * g) * sign``  2 ``d`` + 32 index bytes + 32 signs
+                                                                   + 8 (10th and 9th bits, 2 a point)
+                                                                   + 8 scales: 82 (2.5625 bits)
 IQ2_XXS  8     32         ``((d * (0.5 + s)) * 0.25 * g) * sign``  2 ``d`` + per 32 weights 4 index
                                                                    bytes and a uint32 (four 7-bit
                                                                    sign indices, ``s`` in the top 4
@@ -26,8 +31,11 @@ IQ3_XXS  4     32         ``((d * (0.5 + s)) * 0.5 * g) * sign``   2 ``d`` + 64 
 =======  ====  =========  =======================================  ====================================
 
 IQ2_XS, IQ2_XXS and IQ3_XXS store 7 of the signs of every 8 weights (IQ3_XXS: two points); the eighth is
-their parity (``ksigns``: the number of negative weights of every 8 is even).  IQ3_S stores every sign.
-IQ2_XS / IQ3_S pack ``s`` two per byte, low nibble first.
+their parity (``ksigns``: the number of negative weights of every 8 is even).  IQ3_S and IQ2_S store
+every sign (a bit per weight, weight ``j`` of 8 in bit ``j``) and an index's bits above the low byte in
+``qh`` (point ``k`` of a byte's ``8 / b`` in bits ``b k``, ``b`` the high bits of an index); they differ
+in the order of the sections (``LatticeType.layout``).  IQ2_XS / IQ3_S / IQ2_S pack ``s`` two per byte,
+low nibble first (ggml's ``dequantize_row_iq2_s``: ``scales[ib32] & 0xf`` for the first 16 weights).
 
 Here a layer is four tensors: ``idx`` (codebook indices, int16 ``[out, in / dim]``), ``neg``
 (1 where a weight is negative, uint8 ``[out, in]``), ``d`` (fp16 ``[out, in / 256]``) and ``s`` (uint8
@@ -57,6 +65,7 @@ class LatticeType:
     sign_group: int  # weights whose signs have even parity (7 of 8 stored); 0: every sign stored
     points: int = 512  # codebook size
     level: tuple = (0.5, 1.0, 0.25)  # the multiplier of d for a 4-bit s: (off + mul * s) * post
+    layout: tuple = ()  # every sign stored: the order of the sections after d (module doc)
 
     @property
     def parity(self) -> bool:
@@ -66,6 +75,11 @@ class LatticeType:
     def run(self) -> int:
         """Columns solved together: one point, or the points sharing a sign parity."""
         return max(self.dim, self.sign_group)
+
+    @property
+    def high_bits(self) -> int:
+        """Bits of a codebook index above its low byte (IQ3_S 1, IQ2_S 2)."""
+        return max(0, (self.points - 1).bit_length() - 8)
 
     @property
     def bits(self) -> float:
@@ -82,7 +96,8 @@ LATTICE_TYPES = {
     t.name: t
     for t in (
         LatticeType("IQ2_XS", 8, 16, 74, 8),
-        LatticeType("IQ3_S", 4, 32, 110, 0, level=(1.0, 2.0, 1.0)),
+        LatticeType("IQ3_S", 4, 32, 110, 0, level=(1.0, 2.0, 1.0), layout=("qs", "qh", "signs", "scales")),
+        LatticeType("IQ2_S", 8, 16, 82, 0, points=1024, layout=("qs", "signs", "qh", "scales")),
         LatticeType("IQ2_XXS", 8, 32, 66, 8, points=256),
         LatticeType("IQ3_XXS", 4, 32, 98, 8, points=256, level=(0.5, 1.0, 0.5)),
     )
@@ -123,14 +138,24 @@ def dequantize(
     return (db * g) * sign
 
 
-def _bits(x: np.ndarray) -> np.ndarray:
-    """``[..., 8k]`` of 0/1 -> ``[..., k]`` bytes, element ``j`` of 8 in bit ``j``."""
-    b = x.reshape(*x.shape[:-1], -1, 8).astype(np.uint8)
-    return (b << np.arange(8, dtype=np.uint8)).sum(-1, dtype=np.uint8)
+def _bits(x: np.ndarray, b: int = 1) -> np.ndarray:
+    """``[..., k 8 / b]`` of ``b``-bit values -> ``[..., k]`` bytes, element ``j`` of ``8 / b`` in bits
+    ``b j``."""
+    per = 8 // b
+    v = x.reshape(*x.shape[:-1], -1, per).astype(np.uint8)
+    return (v << np.arange(0, 8, b, dtype=np.uint8)).sum(-1, dtype=np.uint8)
 
 
-def _unbits(x: np.ndarray) -> np.ndarray:
-    return ((x[..., None] >> np.arange(8, dtype=np.uint8)) & 1).reshape(*x.shape[:-1], -1)
+def _unbits(x: np.ndarray, b: int = 1) -> np.ndarray:
+    """The inverse of :func:`_bits`."""
+    v = (x[..., None] >> np.arange(0, 8, b, dtype=np.uint8)) & ((1 << b) - 1)
+    return v.reshape(*x.shape[:-1], -1)
+
+
+def _section_sizes(t: LatticeType) -> dict:
+    """Bytes per super-block of each section of a type that stores every sign (module doc)."""
+    pts = QK // t.dim
+    return {"qs": pts, "qh": pts * t.high_bits // 8, "signs": QK // 8, "scales": QK // t.sub // 2}
 
 
 def _nibbles(s: np.ndarray) -> np.ndarray:
@@ -170,10 +195,9 @@ def pack(
     if t.name == "IQ2_XS":
         qs = (idx | (sign7.astype(np.uint16) << 9)).astype("<u2").view(np.uint8)
         return np.concatenate([dd, qs, sc], axis=-1).reshape(out, -1)
-    qs = (idx & 255).astype(np.uint8)
-    qh = _bits((idx >> 8).astype(np.uint8))
-    signs = _bits(ng.reshape(out, nb, QK))
-    return np.concatenate([dd, qs, qh, signs, sc], axis=-1).reshape(out, -1)
+    parts = {"qs": (idx & 255).astype(np.uint8), "qh": _bits((idx >> 8).astype(np.uint8), t.high_bits),
+             "signs": _bits(ng.reshape(out, nb, QK)), "scales": sc}  # fmt: skip
+    return np.concatenate([dd, *(parts[k] for k in t.layout)], axis=-1).reshape(out, -1)
 
 
 def unpack(data: np.ndarray, t: LatticeType, n: int):
@@ -204,9 +228,12 @@ def unpack(data: np.ndarray, t: LatticeType, n: int):
         sign7 = (qs >> 9).astype(np.uint8)
         low = _unbits(sign7[..., None]).reshape(out, nb, 32, 8)[..., :7]
         neg = np.concatenate([low, low.sum(-1, keepdims=True) % 2], axis=-1)
-    elif t.name == "IQ3_S":
-        idx = b[..., 2:66].astype(np.uint16) | (_unbits(b[..., 66:74]).astype(np.uint16) << 8)
-        neg = _unbits(b[..., 74:106])
+    elif t.layout:
+        at, parts = 2, {}
+        for k, size in ((k, _section_sizes(t)[k]) for k in t.layout):
+            parts[k], at = b[..., at : at + size], at + size
+        idx = parts["qs"].astype(np.uint16) | (_unbits(parts["qh"], t.high_bits).astype(np.uint16) << 8)
+        neg = _unbits(parts["signs"])
     idx = torch.from_numpy(idx.reshape(out, -1).astype(np.int16))
     return (
         idx,

@@ -2,13 +2,14 @@
 bit (issue 72).
 
 :func:`bitmosaic.algorithms.gguf_lattice.nearest_many` scores every codebook point of ``IQ3_S`` /
-``IQ2_XS`` / ``IQ3_XXS`` / ``IQ2_XXS`` for every trial scale of the scale search.  In torch each trial is
-a ``[points, 512]`` tensor written to memory and reduced; ``csrc/latticesearch.cpp`` keeps a point's
-``A_g``, ``B_g`` (and ``F_g``) for all codebook points in cache, evaluates every trial scale of the point
-on them, and runs threads over points.  It performs the reference's float32 operations in the reference's
-order (built with ``-ffp-contract=off``: no fused multiply-add; the loops vectorise elementwise, with no
-reordered sums), so indices and values are identical (tests/kernels/test_lattice_search.py).  Float32
-CPU tensors only; otherwise (or without a compiler) the reference runs.
+``IQ2_S`` / ``IQ2_XS`` / ``IQ3_XXS`` / ``IQ2_XXS`` for every trial scale of the scale search.  In torch
+each trial is a ``[points, 512]`` (IQ2_S: 1024) tensor written to memory and reduced;
+``csrc/latticesearch.cpp`` keeps a point's ``A_g``, ``B_g`` (and ``F_g``) for all codebook points in cache,
+evaluates every trial scale of the point on them, and runs threads over points.  It performs the
+reference's float32 operations in the reference's order (built with ``-ffp-contract=off``: no fused
+multiply-add; the loops vectorise elementwise, with no reordered sums), so indices and values are
+identical (tests/kernels/test_lattice_search.py).  Float32 CPU tensors only; otherwise (or without a
+compiler) the reference runs.
 """
 
 from __future__ import annotations

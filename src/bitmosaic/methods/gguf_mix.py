@@ -78,21 +78,16 @@ def tensor_type(preset: str, name: str | None, in_features: int, n_layers: int, 
     ``in_features`` inputs under ``preset``, its width fallback applied (module doc)."""
     m = re.search(r"layers\.(\d+)\.(?:[^.]+\.)*?(\w+_proj)$", name or "")
     category = CATEGORY.get(m[2]) if m else None
-    if (preset in MIXES or preset in LATTICE) and category is None:
+    if (preset in MIXES or preset in LATTICE_PRESETS) and category is None:
         raise OptionError(
             f"--gguf-type {preset}: cannot tell the role of layer {name or '(unnamed)'} (llama.cpp's mix is "
             "by q/k/v/o/gate/up/down projection); use the plain type (e.g. Q4_K) or a recipe"
         )
     i = int(m[1]) if m else 0
-    mix = _lattice_mixed if preset in LATTICE else _mixed
+    mix = _lattice_mixed if preset in LATTICE_PRESETS else _mixed
     typ = mix(preset, category, i, n_layers, n_gqa)
     if in_features % BLOCK_OF[typ]:
         typ = FALLBACK.get(typ, typ)
-    if typ in UNWRITTEN:
-        raise OptionError(
-            f"--gguf-type {preset}: llama.cpp writes layer {name} as {typ}, which bitmosaic does not "
-            "write; use --gguf-type IQ3_S (or override the layer with a recipe)"
-        )
     if in_features % BLOCK_OF[typ]:
         raise OptionError(
             f"--gguf-type {preset}: layer {name or ''} has {in_features} input columns, not a multiple of "
@@ -102,28 +97,34 @@ def tensor_type(preset: str, name: str | None, in_features: int, n_layers: int, 
     return typ
 
 
-# -- the lattice presets IQ3_S, IQ2_XS, IQ3_XXS and IQ2_XXS (issue 72) ------------------------------------
-# llama_tensor_get_type_impl for LLAMA_FTYPE_MOSTLY_IQ3_S / IQ2_XS / IQ3_XXS / IQ2_XXS, dense models
-# (n_expert 0), with an importance matrix: IQ3_S gives attn_v Q4_K at n_gqa >= 4 and everything else IQ3_S;
-# IQ2_XS and IQ2_XXS give attn_v Q4_K at n_gqa >= 4 else Q2_K, and the first eighth of ffn_down (by its
-# count, as llama.cpp's i_ffn_down) Q2_K; IQ3_XXS gives attn_v Q4_K at n_gqa >= 4, attn_output IQ3_S and
-# attn_q / attn_k IQ2_S (which bitmosaic does not write: refused unless the width falls back).  All fall
-# back to IQ4_NL for input widths that are not a multiple of 256 (tensor_type_fallback), IQ2_S too.
-LATTICE = ("IQ3_S", "IQ2_XS", "IQ3_XXS", "IQ2_XXS")
+# -- the lattice presets IQ3_S, IQ2_XS, IQ3_XXS, IQ2_XXS, IQ2_S and IQ2_M (issue 72) ----------------------
+# llama_tensor_get_type_impl for LLAMA_FTYPE_MOSTLY_IQ3_S / IQ2_XS / IQ3_XXS / IQ2_XXS / IQ2_S / IQ2_M, dense
+# models (n_expert 0), with an importance matrix: IQ3_S gives attn_v Q4_K at n_gqa >= 4 and everything else
+# IQ3_S; IQ2_XS and IQ2_XXS give attn_v Q4_K at n_gqa >= 4 else Q2_K, and the first eighth of ffn_down (by
+# its count, as llama.cpp's i_ffn_down) Q2_K; IQ3_XXS gives attn_v Q4_K at n_gqa >= 4, attn_output IQ3_S and
+# attn_q / attn_k the IQ2_S type.  The presets IQ2_S and IQ2_M (llama_ftype_get_default_type: IQ2_S's
+# default type is IQ2_XS, IQ2_M's the IQ2_S type) give attn_v Q4_K at n_gqa >= 4 else IQ3_S, and IQ3_S to
+# attn_output and the first eighth of ffn_down.  All fall back to IQ4_NL for input widths that are not a
+# multiple of 256 (tensor_type_fallback).
+LATTICE = ("IQ3_S", "IQ2_S", "IQ2_XS", "IQ3_XXS", "IQ2_XXS")  # the lattice types gptq solves on
 PRESETS.update({t: t for t in LATTICE})
-BLOCK_OF.update(dict.fromkeys((*LATTICE, "IQ2_S"), 256))
-FALLBACK.update(dict.fromkeys((*LATTICE, "IQ2_S"), "IQ4_NL"))
-UNWRITTEN = ("IQ2_S",)  # types llama.cpp's mixes use that bitmosaic cannot write (yet)
+PRESETS.update({"IQ2_S": "IQ2_XS", "IQ2_M": "IQ2_S"})  # llama.cpp's preset -> its default type
+LATTICE_PRESETS = ("IQ3_S", "IQ2_XS", "IQ3_XXS", "IQ2_XXS", "IQ2_S", "IQ2_M")
+BLOCK_OF.update(dict.fromkeys(LATTICE, 256))
+FALLBACK.update(dict.fromkeys(LATTICE, "IQ4_NL"))
 
 
 def _lattice_mixed(preset: str, category: str | None, i: int, n: int, n_gqa: float) -> str:
     two_bit = preset in ("IQ2_XS", "IQ2_XXS")
+    wide = preset in ("IQ2_S", "IQ2_M")  # their attn_v / attn_output / first ffn_down: IQ3_S
     if category == "attn_v":
         if n_gqa >= 4:
             return "Q4_K"
-        return "Q2_K" if two_bit else preset
-    if two_bit and category == "ffn_down" and i < n // 8:
-        return "Q2_K"
+        return "Q2_K" if two_bit else "IQ3_S" if wide else preset
+    if (two_bit or wide) and category == "ffn_down" and i < n // 8:
+        return "IQ3_S" if wide else "Q2_K"
+    if wide and category == "attn_output":
+        return "IQ3_S"
     if preset == "IQ3_XXS":
         return {"attn_output": "IQ3_S", "attn_q": "IQ2_S", "attn_k": "IQ2_S"}.get(category, preset)
-    return preset
+    return PRESETS[preset]

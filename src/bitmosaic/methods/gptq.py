@@ -10,7 +10,7 @@ smoothing; this file holds GPTQ's own defaults.
 ``gguf_type`` (``--gguf-type Q4_K_M``, ``IQ4_XS``, ...; issue 72): each linear is solved on the stored grid
 of the GGUF type llama.cpp's preset gives it (:mod:`.gguf_mix`): a k-quant or IQ4 grid with its scales
 fixed first (:mod:`bitmosaic.algorithms.gguf_grid`; Q4_1 / Q5_1 likewise, their fp16 ``d`` and ``m``; the
-lattice codebooks of IQ3_S / IQ2_XS / IQ3_XXS / IQ2_XXS by a vector GPTQ,
+lattice codebooks of IQ3_S / IQ2_S / IQ2_XS / IQ3_XXS / IQ2_XXS by a vector GPTQ,
 :mod:`bitmosaic.algorithms.gguf_lattice`; packed as
 :class:`~bitmosaic.modules.gguf_grid.GGUFGridLinear`), or a legacy fallback (Q4_0 / Q5_0 / Q8_0) as a
 symmetric integer grid in groups of 32; the GGUF export writes either exactly.

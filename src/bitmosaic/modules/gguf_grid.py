@@ -1,13 +1,13 @@
 """``GGUFGridLinear`` (kind ``"gguf-grid"``): a linear layer stored as llama.cpp's GGUF blocks of a type
 bitmosaic's integer layout cannot hold -- ``IQ4_NL``, ``IQ4_XS``, the k-quants ``Q2_K`` .. ``Q6_K`` (their
 integer sub-block scales and mins), ``Q4_1`` / ``Q5_1`` (fp16 mins, no multiple of the scale) and the
-lattice codebooks ``IQ3_S`` / ``IQ2_XS`` / ``IQ3_XXS`` / ``IQ2_XXS`` -- calibrated on that type's grid
-(issue 72).
+lattice codebooks ``IQ3_S`` / ``IQ2_S`` / ``IQ2_XS`` / ``IQ3_XXS`` / ``IQ2_XXS`` -- calibrated on that
+type's grid (issue 72).
 
 The one buffer ``blocks`` (uint8 ``[out, row bytes]``) *is* the tensor's data in the GGUF file, so the GGUF
 export writes it as it is and the accounting counts exactly its bits (IQ4_NL 4.5, IQ4_XS 4.25, Q4_K 4.5,
-Q6_K 6.5625, IQ3_S 3.4375, IQ2_XS 2.3125, IQ3_XXS 3.0625, IQ2_XXS 2.0625 per weight...).  The weight:
-IQ4 and lattice types through
+Q6_K 6.5625, IQ3_S 3.4375, IQ2_S 2.5625, IQ2_XS 2.3125, IQ3_XXS 3.0625, IQ2_XXS 2.0625 per weight...).
+The weight: IQ4 and lattice types through
 :func:`bitmosaic.formats.gguf_iq.dequantize` / :func:`bitmosaic.formats.gguf_lattice.dequantize` of the
 unpacked blocks (float32, what ggml computes), k-quants and Q4_1 / Q5_1 through the ``gguf`` package's
 dequantizer; the reference path reads every type with the ``gguf`` package (tested equal to the
@@ -49,7 +49,7 @@ class GGUFGridLinear(QuantModule):
         # for reports: the code width and the weights per scale
         self.bits, self.group_size = (k.qmax.bit_length(), getattr(k, "sub", gl.BLOCK)) if k else (4, iq.SUB)
         lt = lat.LATTICE_TYPES.get(gguf_type)
-        if lt:  # IQ2_XS / IQ2_XXS ~2, IQ3_S / IQ3_XXS ~3 bits a weight; one 4-bit scale per sub-block
+        if lt:  # IQ2_S / IQ2_XS / IQ2_XXS ~2, IQ3_S / IQ3_XXS ~3 bits a weight; one 4-bit scale per sub-block
             self.bits, self.group_size = int(lt.bits), lt.sub
         self.symmetric = not (k and k.with_min)
         self.register_buffer(

@@ -75,7 +75,7 @@ __all__ = ["GGUF_TYPES", "FLOAT_TYPES", "K_QUANTS", "default_types", "export_ggu
 FLOAT_TYPES = ("F32", "F16", "BF16")
 K_QUANTS = tuple(kq.K_TYPES)  # Q2_K .. Q6_K
 # written from layers calibrated on them (GGUFGridLinear), as they are
-GRID_TYPES = ("IQ4_NL", "IQ4_XS", "IQ3_S", "IQ2_XS", "IQ3_XXS", "IQ2_XXS")
+GRID_TYPES = ("IQ4_NL", "IQ4_XS", "IQ3_S", "IQ2_S", "IQ2_XS", "IQ3_XXS", "IQ2_XXS")
 GGUF_TYPES = (*BLOCK_TYPES, *K_QUANTS, *GRID_TYPES, *FLOAT_TYPES, MXFP4_TYPE)
 _ALL_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 
@@ -246,10 +246,14 @@ def _file_type(qtypes: list[str], types: list[str]):
     named.update({t: F[f"MOSTLY_{t}"] for t in (*BLOCK_TYPES, *GRID_TYPES)})
     named[MXFP4_TYPE] = F.MOSTLY_MXFP4_MOE  # llama.cpp's one MXFP4 file type (gpt-oss)
     named.update({t: F[f"MOSTLY_{t}" + ("" if t in ("Q2_K", "Q6_K") else "_S")] for t in K_QUANTS})
-    # named for its narrowest lattice type, as llama.cpp's preset file (IQ3_XXS's attn_output is IQ3_S)
-    lattice = [t for t in ("IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ3_S") if t in qtypes]
+    # named as llama.cpp's preset file, for its narrowest lattice type (IQ3_XXS's attn_output is IQ3_S, its
+    # attn_q / attn_k IQ2_S); llama.cpp's IQ2_S preset is IQ2_XS with IQ3_S for attn_v / attn_output / the
+    # first ffn_down, its IQ2_M preset the IQ2_S type with the same IQ3_S tensors
+    lattice = [t for t in ("IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ2_S", "IQ3_S") if t in qtypes]
     if lattice:
-        return named[lattice[0]]
+        if lattice[0] == "IQ2_XS" and "IQ3_S" in qtypes:
+            return F.MOSTLY_IQ2_S
+        return F.MOSTLY_IQ2_M if lattice[0] == "IQ2_S" else named[lattice[0]]
     kquants = [t for t in qtypes if t in K_QUANTS]  # a k-quant file is named for its k-quant type
     if kquants:
         return named[Counter(kquants).most_common(1)[0][0]]
