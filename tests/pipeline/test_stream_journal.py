@@ -21,11 +21,15 @@ from bitmosaic.pipeline.journal import LayerJournal, journal_dir
 from bitmosaic.pipeline.stream import partial_dir, quantize_streaming
 from bitmosaic.testing import word_tokenizer, words
 
-from .test_stream import SRC, _Crash, _same_folder
+from .test_stream import SRC, _same_folder
 from .test_stream import _src as _dense_src
 from .test_stream_moe import _calib, _src
 
 GPTQ = ("gptq", {"bits": 4, "group_size": 16})
+
+
+class _Stop(KeyboardInterrupt):
+    """A signal between two solves (SIGINT/SIGTERM reach a run as a KeyboardInterrupt)."""
 
 
 def _run(src, out, recipe=GPTQ, **kw):
@@ -33,8 +37,9 @@ def _run(src, out, recipe=GPTQ, **kw):
     return quantize_streaming(Checkpoint(src), word_tokenizer(), out, as_recipe(*recipe), _calib(), settings)
 
 
-def _crash_after(monkeypatch, n: int) -> list:
-    """Raise after the ``n``-th journaled unit (a kill between two solves); the units written, by layer."""
+def _crash_after(monkeypatch, n: int, error=None) -> list:
+    """Raise ``error`` (default a signal) after the ``n``-th journaled unit (a kill between two solves); the
+    units written, by layer."""
     real_add, written = LayerJournal.add, []
 
     def add(self, solved):
@@ -42,7 +47,7 @@ def _crash_after(monkeypatch, n: int) -> list:
         if solved:
             written.append(self.folder.name)
             if len(written) == n:
-                raise _Crash
+                raise (error or _Stop)()
 
     monkeypatch.setattr(LayerJournal, "add", add)
     return written
@@ -69,7 +74,7 @@ def test_a_kill_between_experts_resumes_to_the_same_bytes(naming, settings, unit
     whole = _run(src, tmp_path / "whole", **settings)
     per_layer = len(whole.layers) // 2
     written = _crash_after(monkeypatch, units)
-    with pytest.raises(_Crash):
+    with pytest.raises(_Stop):
         _run(src, tmp_path / "out", **settings)
     work = partial_dir(tmp_path / "out")
     layer = int(written[-1].split("-")[1])
@@ -96,7 +101,7 @@ def test_a_static_input_scale_is_restored_with_its_linear(tmp_path, monkeypatch)
                                                                         static=True)})
     _run(src, tmp_path / "whole", recipe)
     _crash_after(monkeypatch, 5)  # layer 0's q/k/v, o, gate/up, down, then layer 1's q/k/v
-    with pytest.raises(_Crash):
+    with pytest.raises(_Stop):
         _run(src, tmp_path / "out", recipe)
     kept = LayerJournal(journal_dir(partial_dir(tmp_path / "out"), 1))
     assert kept.count == 1 and len(kept) == 3
@@ -109,7 +114,7 @@ def test_a_static_input_scale_is_restored_with_its_linear(tmp_path, monkeypatch)
 def test_a_journal_of_another_run_is_refused_not_installed(tmp_path, monkeypatch):
     src = _src(tmp_path, "qwen3_moe", "hub", layers=2)
     _crash_after(monkeypatch, 2)  # inside layer 0: only the journal's progress.json holds the fingerprint
-    with pytest.raises(_Crash):
+    with pytest.raises(_Stop):
         _run(src, tmp_path / "out")
     monkeypatch.undo()
     with pytest.raises(OptionError, match="different recipe") as e:
@@ -159,3 +164,17 @@ def test_kill_9_between_experts_then_the_same_command_finishes_bit_identical(tmp
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"resuming after 1 finished layers, {units} solves of layer 1 kept" in again.stdout
     _same_folder(tmp_path / "whole", tmp_path / "out")
+
+
+def test_an_error_in_the_first_layer_leaves_nothing_to_resume(tmp_path, monkeypatch):
+    """An error (not a signal) before any layer is committed removes the work folder, journal included,
+    so the rerun with the fix starts afresh instead of refusing a changed command."""
+    src = _src(tmp_path, "qwen3_moe", "hub", layers=2)
+    _crash_after(monkeypatch, 2, error=lambda: OptionError("a refused setting"))
+    with pytest.raises(OptionError, match="a refused setting"):
+        _run(src, tmp_path / "out")
+    assert not partial_dir(tmp_path / "out").exists()
+    monkeypatch.undo()
+    _run(src, tmp_path / "out", ("gptq", {"bits": 3, "group_size": 16}))  # another command: not refused
+    assert (tmp_path / "out").is_dir()
+

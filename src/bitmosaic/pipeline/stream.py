@@ -268,10 +268,19 @@ def quantize_streaming(
         try:
             return _quantize_streaming(ckpt, tokenizer, out, recipe, Calibration.of(calibration),
                                        settings or RunSettings(), dtype, overwrite)  # fmt: skip
-        except BaseException:  # a refused recipe, a signal in layer 0: no finished layer worth keeping
-            if fresh and not (work / PROGRESS).is_file():
+        except BaseException as e:  # a refused recipe, an error in layer 0: nothing worth keeping (a signal
+            # keeps layer 0's journaled solves: journal.py), so a rerun with the fix starts afresh
+            if fresh and (not (work / PROGRESS).is_file() or (isinstance(e, Exception) and _none_done(work))):
                 shutil.rmtree(work, ignore_errors=True)
             raise
+
+
+def _none_done(work: Path) -> bool:
+    """Whether the run in ``work`` has committed no layer yet."""
+    try:
+        return int(json.loads((work / PROGRESS).read_text(encoding="utf-8"))["layers_done"]) == 0
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
 
 
 def _fingerprint(ckpt: Checkpoint, recipe, calib: torch.Tensor, settings: RunSettings, dtype) -> dict:
