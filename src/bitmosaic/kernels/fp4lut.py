@@ -54,7 +54,7 @@ from ..formats.mx import (
 )
 from . import build, tiles
 from .isa import ISAS, isa_number
-from .ops import operator
+from .ops import _EXT_OPS, _ext_isa, operator
 
 __all__ = ["FP4LutWeight", "MXTiledWeight", "extension", "fp4_gemv", "TILE", "SCALE_KINDS"]
 
@@ -133,6 +133,15 @@ def _(x, data, scales_t, N, K, block, scale_kind, global_scale, isa):
     return x.new_empty(x.shape[0], N)
 
 
+def _gemv_ext_fake(x, data, scales_t, N, K, block, scale_kind, global_scale, isa):
+    return x.new_empty(x.shape[0], N)
+
+
+# bitmosaic::fp4_gemv_ext: the extension's own operator (csrc/fp4gemv.cpp, the ISA as its number), what a
+# compiled graph calls at 1-GEMV_ROWS rows of x -- C++ through the dispatcher, no Python kernel between
+_EXT_OPS["fp4_gemv_ext"] = ("fp4gemv", _gemv_ext_fake)
+
+
 class FP4LutWeight:
     """An MXFP4/NVFP4 weight in the FP4 LUT layout (module doc); ``matmul`` never builds the float weight."""
 
@@ -204,13 +213,18 @@ class FP4LutWeight:
     def matmul(self, x: torch.Tensor, isa: str = "auto") -> torch.Tensor:
         """``x [..., K]`` (float32/bfloat16/float16) -> ``[..., N]`` in ``x``'s dtype (float32 sums): the LUT
         GEMV on path ``isa`` (``auto``/``avx512``/``avx2``/``portable``) up to ``SUPPORTS_ROWS[1]`` rows,
-        tiles above (and without the extension); through the operator :func:`fp4_gemv`."""
+        tiles above (and without the extension); through the operator :func:`fp4_gemv` (a compiled graph
+        calls the extension's own ``bitmosaic::fp4_gemv_ext`` where the GEMV runs: C++ through the
+        dispatcher, no Python kernel between, as :mod:`.ops` does for the other extensions)."""
         if x.shape[-1] != self.K:
             raise ValueError(f"x has {x.shape[-1]} features but the weight has {self.K} input columns")
         if isa != "auto" and isa not in ISAS:
             raise ValueError(f"isa must be one of auto, {', '.join(ISAS)}, got {isa!r}")
         x2 = x.reshape(math.prod(x.shape[:-1]), self.K).float()
-        y = fp4_gemv(x2, *self._args(), isa)
+        if torch.compiler.is_compiling() and x2.shape[0] <= GEMV_ROWS and _ext_isa("fp4_gemv_ext", isa) >= 0:
+            y = torch.ops.bitmosaic.fp4_gemv_ext.default(x2, *self._args(), _ext_isa("fp4_gemv_ext", isa))
+        else:
+            y = fp4_gemv(x2, *self._args(), isa)
         return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
 
 

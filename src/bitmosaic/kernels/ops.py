@@ -31,7 +31,8 @@ Operators (names and arguments follow the extension entry points):
   static INT activations runs: one operator per linear instead of two, about 10 us saved per call from a
   compiled graph, where a SmolLM2 decode step makes about 210 of them);
 * ``bitmosaic::mosaic_residual`` is registered beside its kernel, in :mod:`.mosaic` (MosaicQuant's
-  residual pass; the same conventions).
+  residual pass; the same conventions), and ``bitmosaic::fp4_gemv`` in :mod:`.fp4lut` (the MXFP4/NVFP4 LUT
+  GEMV of the ``mx`` kind, issue 75; the prefill tiles inside the same operator).
 """
 
 from __future__ import annotations

@@ -204,6 +204,16 @@ torch::Tensor fp4_gemv(torch::Tensor x, torch::Tensor data, torch::Tensor scales
   return out;
 }
 
+// The same function as the CPU kernel of bitmosaic::fp4_gemv_ext (fp4lut.py: what a compiled graph calls at
+// 1-32 rows of x, through the dispatcher with no Python kernel in between; the ISA as its number).
+TORCH_LIBRARY_FRAGMENT(bitmosaic, m) {
+  m.def(
+      "fp4_gemv_ext(Tensor x, Tensor data, Tensor scales_t, int N, int K, int block, int scale_kind, "
+      "float global_scale, int isa) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(bitmosaic, CPU, m) { m.impl("fp4_gemv_ext", &fp4_gemv); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp4_gemv", &fp4_gemv, "FP4 (E2M1, block-scaled) LUT GEMV y = x W^T for 1-8 rows of x per pass",
         py::arg("x"), py::arg("data"), py::arg("scales_t"), py::arg("N"), py::arg("K"), py::arg("block"),
