@@ -144,7 +144,7 @@ def test_fp4_gemv_op(fmt, rows):
     torch.testing.assert_close(fp4lut.fp4_gemv(*args), x @ w.dequantize().T, rtol=1e-5, atol=1e-5)
     assert torch.equal(w.matmul(x), fp4lut.fp4_gemv(*args))
     if rows <= fp4lut.GEMV_ROWS and fp4lut.extension() is not None:  # what a compiled graph calls
-        ext_args = (x, *w._args(), ops._ext_isa("fp4_gemv_ext"))  # loads it, registers its fake
+        ext_args = (x, *w._args(), ops.ext_isa("fp4_gemv_ext"))  # loads it, registers its fake
         torch.library.opcheck(torch.ops.bitmosaic.fp4_gemv_ext.default, ext_args)
         assert torch.equal(torch.ops.bitmosaic.fp4_gemv_ext.default(*ext_args), w.matmul(x))
 

@@ -54,7 +54,7 @@ from ..formats.mx import (
 )
 from . import build, tiles
 from .isa import ISAS, isa_number
-from .ops import _EXT_OPS, _ext_isa, operator
+from .ops import ext_isa, ext_operator, operator
 
 __all__ = ["FP4LutWeight", "MXTiledWeight", "extension", "fp4_gemv", "TILE", "SCALE_KINDS"]
 
@@ -139,7 +139,7 @@ def _gemv_ext_fake(x, data, scales_t, N, K, block, scale_kind, global_scale, isa
 
 # bitmosaic::fp4_gemv_ext: the extension's own operator (csrc/fp4gemv.cpp, the ISA as its number), what a
 # compiled graph calls at 1-GEMV_ROWS rows of x -- C++ through the dispatcher, no Python kernel between
-_EXT_OPS["fp4_gemv_ext"] = ("fp4gemv", _gemv_ext_fake)
+ext_operator("fp4_gemv_ext", "fp4gemv", _gemv_ext_fake)
 
 
 class FP4LutWeight:
@@ -221,8 +221,8 @@ class FP4LutWeight:
         if isa != "auto" and isa not in ISAS:
             raise ValueError(f"isa must be one of auto, {', '.join(ISAS)}, got {isa!r}")
         x2 = x.reshape(math.prod(x.shape[:-1]), self.K).float()
-        if torch.compiler.is_compiling() and x2.shape[0] <= GEMV_ROWS and _ext_isa("fp4_gemv_ext", isa) >= 0:
-            y = torch.ops.bitmosaic.fp4_gemv_ext.default(x2, *self._args(), _ext_isa("fp4_gemv_ext", isa))
+        if torch.compiler.is_compiling() and x2.shape[0] <= GEMV_ROWS and ext_isa("fp4_gemv_ext", isa) >= 0:
+            y = torch.ops.bitmosaic.fp4_gemv_ext.default(x2, *self._args(), ext_isa("fp4_gemv_ext", isa))
         else:
             y = fp4_gemv(x2, *self._args(), isa)
         return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
