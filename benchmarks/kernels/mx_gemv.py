@@ -14,13 +14,18 @@ per GEMV, median after a warm-up; a decode token costs the sum over a model's li
   CPU choice at W4: the same bits per weight as MXFP4 with a float32 scale and zero-point per 32), and
   ``INT4 LUT``: the bit-plane LUT (:class:`~bitmosaic.kernels.lut.BitPlaneWeight`) on the same codes;
 * ``fp32`` / ``bf16``: ``F.linear`` with a float weight;
-* ``bound``: the bytes the MXFP4 kernel reads (its layout: codes plus float32 divisors) over the read
-  bandwidth measured in the same run at the same thread count (``torch.sum`` over 512 MiB, best of 5);
-  ``x bound`` = MXFP4 LUT ms / bound.
+* ``bound``: the bytes the MXFP4 kernel reads (its layout: codes plus the scale bytes it decodes; before
+  the kernel read the scale bytes, codes plus float32 divisors) over the read bandwidth measured in the
+  same run at the same thread count (``torch.sum`` over 512 MiB, best of 5); ``x bound`` = MXFP4 LUT ms /
+  bound; ``MXFP4 B/w`` / ``NVFP4 B/w``: the kernels' resident bits per weight;
+* ``load``: the machine's 1-minute load average when the row started (``os.getloadavg``: other jobs on a
+  shared machine show there).
 
     flock /tmp/locks/heavy python -m benchmarks.kernels.mx_gemv [--shapes 576x576,...] [--threads 1,2]
-    (writes benchmarks/results/mx_gemv.{json,md}; a run with --shapes replaces only the rows of its shapes,
-    so the 8B shapes can be measured in a separate, shorter run)
+        [--label NAME] [--name FILE]
+    (writes benchmarks/results/mx_gemv.{json,md}; a run replaces only the rows it measured -- same shape,
+    threads, batch and label -- so the 8B shapes can be measured in a separate, shorter run, and runs of
+    two versions of the kernel side by side: ``--label`` names the version in a column of its own)
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ def int4_weights(N: int, K: int, g: torch.Generator):
     return low, lut
 
 
-def measure(N: int, K: int, threads_list: list[int], bw: dict, g: torch.Generator) -> list[dict]:
+def measure(N: int, K: int, threads_list: list[int], bw: dict, g: torch.Generator, label=None) -> list[dict]:
     W = torch.randn(N, K, generator=g) * 0.02
     torch.set_num_threads(1)  # building is single-threaded: quiet on a shared machine
     mx, nv = (FP4LutWeight.from_tensor(mx_quantize(W, f, rule="round")) for f in ("mxfp4", "nvfp4"))
@@ -70,7 +75,7 @@ def measure(N: int, K: int, threads_list: list[int], bw: dict, g: torch.Generato
             x = torch.randn(M, K, generator=g)
             xb = x.bfloat16()
             r = {
-                "shape": [N, K], "threads": threads, "batch": M,
+                "shape": [N, K], "threads": threads, "batch": M, "label": label, "load": os.getloadavg()[0],
                 "mxfp4_lut_ms": median_ms(lambda: mx.matmul(x)),  # noqa: B023
                 "nvfp4_lut_ms": median_ms(lambda: nv.matmul(x)),  # noqa: B023
                 "int4_g32_ms": median_ms(lambda: low.matmul(x)),  # noqa: B023
@@ -103,21 +108,26 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = [
         f"FP4 LUT GEMV (issue 75), ms per GEMV (median); {meta['cpu']}; ISA {meta['isa']}; "
         f"torch {meta['torch']}. "
-        "bound = the MXFP4 kernel's bytes / read bandwidth measured in the same run (GB/s column). "
+        "bound = the MXFP4 kernel's bytes / read bandwidth measured in the same run (GB/s column); "
+        "B/w: the kernel's resident bits per weight; load: 1-minute load average at the row's start. "
         "INT4 g32: LowBitWeight (the packed kind's W4 kernel); INT4 LUT: the bit-plane LUT, same codes. "
         "MXFP4 tiles: the reference kernel (dequantized tiles + mm).",
         "",
-        "| shape | threads | batch | MXFP4 LUT | NVFP4 LUT | MXFP4 tiles | INT4 g32 | INT4 LUT | fp32 | bf16 "
-        "| bound | x bound | GB/s | MXFP4/INT4 | fp32/MXFP4 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | threads | batch | kernel | MXFP4 LUT | NVFP4 LUT | MXFP4 tiles | INT4 g32 | INT4 LUT "
+        "| fp32 | bf16 | bound | x bound | GB/s | MXFP4/INT4 | fp32/MXFP4 | MXFP4 B/w | NVFP4 B/w | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        n_w = r["shape"][0] * r["shape"][1]
+        load = r.get("load")
         lines.append(
-            f"| {r['shape'][0]}x{r['shape'][1]} | {r['threads']} | {r['batch']} | {_f(r['mxfp4_lut_ms'])} | "
+            f"| {r['shape'][0]}x{r['shape'][1]} | {r['threads']} | {r['batch']} | {r.get('label') or '—'} | "
+            f"{_f(r['mxfp4_lut_ms'])} | "
             f"{_f(r['nvfp4_lut_ms'])} | {_f(r['mxfp4_tiles_ms'])} | {_f(r['int4_g32_ms'])} | "
             f"{_f(r['int4_g32_lut_ms'])} | {_f(r['fp32_ms'])} | {_f(r['bf16_ms'])} | {_f(r['bound_ms'])} | "
             f"{r['x_bound']:.2f} | {r['read_gbs']:.1f} | {r['mxfp4_lut_ms'] / r['int4_g32_ms']:.2f} | "
-            f"{r['fp32_ms'] / r['mxfp4_lut_ms']:.2f} |"
+            f"{r['fp32_ms'] / r['mxfp4_lut_ms']:.2f} | {r['mxfp4_bytes'] * 8 / n_w:.3f} | "
+            f"{r['nvfp4_bytes'] * 8 / n_w:.3f} | {'—' if load is None else f'{load:.2f}'} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -127,6 +137,7 @@ def main() -> None:
     p.add_argument("--shapes", default=None, help="comma-separated OUTxIN shapes (default: all six)")
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     p.add_argument("--name", default=NAME, help="results file name (benchmarks/results/NAME.{json,md})")
+    p.add_argument("--label", default=None, help="the kernel version measured (a column)")
     a = p.parse_args()
     if fp4lut.extension() is None:
         print("the FP4 LUT extension is not compiled here: the rows would time the reference tiles")
@@ -141,11 +152,15 @@ def main() -> None:
         bw[t] = read_bandwidth_gbs()
         print(f"{t} thread(s): read bandwidth {bw[t]:.1f} GB/s", flush=True)
     g = torch.Generator().manual_seed(0)
-    rows = [r for N, K in shapes for r in measure(N, K, threads_list, bw, g)]
+    rows = [r for N, K in shapes for r in measure(N, K, threads_list, bw, g, a.label)]
     out = RESULTS / f"{a.name}.json"
-    if out.exists():  # keep the rows of shapes not measured in this run
-        old = json.loads(out.read_text()).get("rows", [])
-        rows = [r for r in old if tuple(r["shape"]) not in set(shapes)] + rows
+
+    def key(r):
+        return tuple(r["shape"]), r["threads"], r["batch"], r.get("label")
+
+    if out.exists():  # keep the rows not measured in this run (stable sort: runs in their order)
+        new = {key(r) for r in rows}
+        rows = [r for r in json.loads(out.read_text()).get("rows", []) if key(r) not in new] + rows
     rows.sort(key=lambda r: (SHAPES.index(tuple(r["shape"])) if tuple(r["shape"]) in SHAPES else 99,
                              r["threads"], r["batch"]))  # fmt: skip
     meta = {"cpu": cpu_name(), "isa": kernel_isa(ext=fp4lut.extension()), "torch": torch.__version__,

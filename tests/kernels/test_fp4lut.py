@@ -21,11 +21,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn import functional as F
 
-from bitmosaic.formats.mx import E2M1_VALUES, MXTensor, mx_dequantize, mx_quantize, unpack_fp4
+from bitmosaic.formats.mx import (
+    E2M1_VALUES,
+    MXTensor,
+    decode_elements,
+    element_divisor,
+    get_mx_format,
+    mx_dequantize,
+    mx_quantize,
+    unpack_fp4,
+)
 from bitmosaic.kernels import build
 from bitmosaic.kernels.fp4lut import FP4LutWeight, MXTiledWeight, extension
 from bitmosaic.kernels.isa import available_isas
 from bitmosaic.kernels.select import KERNEL_ENV, select_kernel
+from bitmosaic.modules.base import resident_bytes
 from bitmosaic.modules.mx import MXLinear
 
 compiled = pytest.mark.skipif(extension() is None, reason="no C++ compiler: the FP4 LUT is not built")
@@ -153,6 +163,98 @@ def test_module_forward_runs_the_selected_kernel(fmt):
     want = FP4LutWeight if fmt in ("mxfp4", "nvfp4") and extension() is not None else MXTiledWeight
     assert isinstance(m.kernel().weight, want)
     assert ("weight_packed" in m._released) == (want is FP4LutWeight)
+    assert ("weight_scale" in m._released) == (want is FP4LutWeight)
     after = m.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert torch.equal(m.weight_packed, t.elements)
+
+
+def emulate(t: MXTensor, x: torch.Tensor, simd: bool) -> torch.Tensor:
+    """The kernel's float32 arithmetic in torch, in its order (csrc/fp4gemv.cpp: per block, the quads' table
+    entries ``e2m1(c) x_j`` summed nibble by nibble (portable) or as ``(0+1)+(2+3)`` and ``(4+5)+(6+7)`` in
+    two chains (SIMD), then ``y += d · sum``), with the divisors the float path held: the reference's
+    :func:`element_divisor` of the decoded scales."""
+    N, K = t.shape
+    kp, block = -(-K // 8) * 8, t.fmt.block
+    vals = torch.nn.functional.pad(decode_elements(unpack_fp4(t.elements), t.fmt), (0, kp - K))
+    xp = torch.nn.functional.pad(x.float(), (0, kp - K))
+    div = element_divisor(t.scale_values(), t.fmt, t.global_scale)
+    y = torch.zeros(x.shape[0], N)
+    for b, j0 in enumerate(range(0, kp, block)):
+        p = xp[:, None, j0 : j0 + block] * vals[None, :, j0 : j0 + block]  # the table entries read
+        a0, a1 = torch.zeros_like(y), torch.zeros_like(y)
+        for q in range(0, p.shape[-1], 8):
+            e = [p[..., q + n] for n in range(8)]
+            if simd:
+                a0 = a0 + ((e[0] + e[1]) + (e[2] + e[3]))
+                a1 = a1 + ((e[4] + e[5]) + (e[6] + e[7]))
+            else:
+                s = torch.zeros_like(y)
+                for v in e:
+                    s = s + v
+                a0 = a0 + s
+        y = y + div[:, b] * (a0 + a1 if simd else a0)
+    return y
+
+
+@compiled
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    fmt=st.sampled_from(["mxfp4", "nvfp4"]),
+    N=st.integers(1, 40),
+    blocks=st.integers(1, 6),
+    tail=st.sampled_from([0, 2, 6]),
+    M=st.sampled_from([1, 3, 8, 9]),
+    seed=st.integers(0, 1000),
+)
+def test_scale_bytes_decode_to_the_float_divisors_bit_for_bit(fmt, N, blocks, tail, M, seed):
+    """The kernel decodes the stored scale bytes itself (E8M0 bits, the E4M3 table over the tensor scale):
+    on every ISA its output equals, bit for bit, the kernel's own arithmetic run in torch with the float32
+    divisors of the reference (what the kernel was handed before it read the bytes)."""
+    K = blocks * (32 if fmt == "mxfp4" else 16) + tail
+    t, x = _case(fmt, N, K, M, seed)
+    w = FP4LutWeight.from_tensor(t)
+    assert torch.equal(w.divisors(), element_divisor(t.scale_values(), t.fmt, t.global_scale))
+    for isa in available_isas(extension()):
+        assert torch.equal(w.matmul(x, isa=isa), emulate(t, x, simd=isa != "portable")), isa
+
+
+@compiled
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_every_scale_byte_decodes_as_the_reference(fmt):
+    """All 256 scale bytes (E8M0: 2^-127 subnormal at 0, NaN at 255; E4M3: subnormals, ±0, NaN) in one
+    weight whose row ``n`` is ``1.0`` at column 0 under byte ``n``: ``y = W e_0`` is the divisor itself."""
+    f = get_mx_format(fmt)
+    codes = torch.zeros(256, f.block, dtype=torch.uint8)
+    codes[:, 0] = 2  # E2M1 1.0
+    scales = torch.arange(256, dtype=torch.uint8).reshape(256, 1)
+    scales = scales if f.scale == "e8m0" else scales.view(torch.float8_e4m3fn)
+    gs = torch.tensor([2688.0 / 3.7], dtype=torch.float32) if f.global_scale else None
+    t = MXTensor(f, (256, f.block), codes[:, 0::2] | (codes[:, 1::2] << 4), scales, gs)
+    x = torch.zeros(1, f.block)
+    x[0, 0] = 1.0
+    ref = element_divisor(t.scale_values(), f, gs)[:, 0]
+    w = FP4LutWeight.from_tensor(t)
+    for isa in available_isas(extension()):
+        y = w.matmul(x, isa=isa)[0]
+        assert torch.equal(y.isnan(), ref.isnan()), isa
+        assert torch.equal(y[~ref.isnan()], ref[~ref.isnan()]), isa
+
+
+@pytest.mark.parametrize("fmt, bits", [("mxfp4", 4.25), ("nvfp4", 4.5)])
+def test_resident_bytes_are_the_files(fmt, bits):
+    """The kernel holds the codes and the scale bytes, no float copy of the scales: 4.25 (MXFP4) / 4.5
+    (NVFP4) bits per weight, plus NVFP4's 4-byte tensor scale; the module releases both stored buffers."""
+    N, K = 64, 512
+    t = mx_quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(2)), fmt)
+    w = FP4LutWeight.from_tensor(t)
+    assert w.nbytes() * 8 == bits * N * K + (32 if fmt == "nvfp4" else 0)
+    assert w.nbytes() == sum(v.numel() * v.element_size() for v in t.tensors())  # the file's bytes
+    assert torch.equal(w.scale_rows(0, N), t.scales) and w.scale_rows(0, N).dtype == t.scales.dtype
+    if extension() is None:
+        return
+    m = MXLinear.from_tensor(t)
+    m.kernel()
+    assert m._released == {"weight_packed", "weight_scale"}
+    assert resident_bytes(m) == w.nbytes() + (4 if fmt == "nvfp4" else 0)  # + the module's tensor scale
+    assert torch.equal(m.weight_scale, t.scales)

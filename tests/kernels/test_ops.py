@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bitmosaic.kernels import build, intmm, isa, mosaic, ops
+from bitmosaic.formats.mx import mx_quantize
+from bitmosaic.kernels import build, fp4lut, intmm, isa, mosaic, ops
 from bitmosaic.kernels.intmm import IntActWeight
 from bitmosaic.kernels.lut import BitPlaneWeight
 from bitmosaic.kernels.qmatmul import LowBitWeight
@@ -129,6 +130,23 @@ def test_mosaic_residual_op():
     torch.library.opcheck(mosaic.mosaic_residual.op, args)
     y = mosaic.mosaic_residual(*args)
     torch.testing.assert_close(y, y0 + k.sparse_only(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])  # the FP4 LUT GEMV and the prefill tiles
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_fp4_gemv_op(fmt, rows):
+    """``bitmosaic::fp4_gemv`` (registered beside its kernel, kernels/fp4lut.py): opcheck, and the reference
+    product (with or without the extension)."""
+    w = fp4lut.FP4LutWeight.from_tensor(mx_quantize(torch.randn(24, 96, generator=G), fmt))
+    x = torch.randn(rows, w.K, generator=G)
+    args = (x, *w._args(), "auto")
+    torch.library.opcheck(fp4lut.fp4_gemv.op, args)
+    torch.testing.assert_close(fp4lut.fp4_gemv(*args), x @ w.dequantize().T, rtol=1e-5, atol=1e-5)
+    assert torch.equal(w.matmul(x), fp4lut.fp4_gemv(*args))
+    if rows <= fp4lut.GEMV_ROWS and fp4lut.extension() is not None:  # what a compiled graph calls
+        ext_args = (x, *w._args(), ops.ext_isa("fp4_gemv_ext"))  # loads it, registers its fake
+        torch.library.opcheck(torch.ops.bitmosaic.fp4_gemv_ext.default, ext_args)
+        assert torch.equal(torch.ops.bitmosaic.fp4_gemv_ext.default(*ext_args), w.matmul(x))
 
 
 @pytest.mark.parametrize("per_group", [False, True])

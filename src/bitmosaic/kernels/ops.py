@@ -31,7 +31,8 @@ Operators (names and arguments follow the extension entry points):
   static INT activations runs: one operator per linear instead of two, about 10 us saved per call from a
   compiled graph, where a SmolLM2 decode step makes about 210 of them);
 * ``bitmosaic::mosaic_residual`` is registered beside its kernel, in :mod:`.mosaic` (MosaicQuant's
-  residual pass; the same conventions).
+  residual pass; the same conventions), and ``bitmosaic::fp4_gemv`` in :mod:`.fp4lut` (the MXFP4/NVFP4 LUT
+  GEMV of the ``mx`` kind, issue 75; the prefill tiles inside the same operator).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from .torch_paths import bitplane_dequantize, lowbit_dequantize, tiled_matmul_to
 
 __all__ = [
     "operator", "qmatmul", "lut_matmul", "int8_quantize", "int_matmul", "int_matmul_runs", "int_linear",
-    "int_matmul_parts", "quantize_gathered",
+    "int_matmul_parts", "quantize_gathered", "ext_operator", "ext_isa",
     "OPS",
 ]  # fmt: skip
 
@@ -61,8 +62,15 @@ _EXT_OPS: dict[str, tuple[str, object]] = {}
 _ext_fakes_done: set[str] = set()
 
 
+def ext_operator(name: str, ext: str, fake) -> None:
+    """Declare ``bitmosaic::<name>``, an operator the extension ``ext`` defines itself (its C++ function as
+    the CPU kernel) with ``fake`` as its fake implementation, registered when :func:`ext_isa` first loads
+    the extension."""
+    _EXT_OPS[name] = (ext, fake)
+
+
 @torch._dynamo.assume_constant_result
-def _ext_isa(name: str, isa: str = "auto") -> int:
+def ext_isa(name: str, isa: str = "auto") -> int:
     """The ISA number for the extension-defined operator ``bitmosaic::<name>`` (``-1``: the extension is
     absent), after loading the extension (which defines the operator) and registering its fake.  Under
     ``torch.compile`` it runs once, at trace time: a compiled graph keeps the ISA it was compiled with
@@ -105,7 +113,7 @@ def operator(name: str, ext: str | None = None, isa_arg: int | None = None):
         def call(*args, **kwargs):
             if torch.compiler.is_compiling():
                 if ext is not None and not kwargs:
-                    n = _ext_isa(name + "_ext", args[isa_arg])
+                    n = ext_isa(name + "_ext", args[isa_arg])
                     if n >= 0:
                         return getattr(torch.ops.bitmosaic, name + "_ext").default(
                             *args[:isa_arg], n, *args[isa_arg + 1 :]
@@ -367,7 +375,7 @@ def int_linear(
     argument) is defined by the extension itself (``csrc/intmm.cpp``) with its C++ function as the CPU
     kernel, so a compiled graph calls C++ through the dispatcher without a Python kernel in between (about
     5 us a call saved, ~210 calls a SmolLM2 token); in eager mode the same function runs through pybind."""
-    isa = _ext_isa("int_linear")
+    isa = ext_isa("int_linear")
     if isa < 0:
         raise RuntimeError("bitmosaic::int_linear needs the compiled intmm extension")
     args = (x, act_scale, act_group, float(qmax), KP, ratio, *layout, isa)

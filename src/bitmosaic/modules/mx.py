@@ -13,8 +13,10 @@ issue 75 item 5: tables of the 16 E2M1 values times each activation, the block d
 above 32 rows of x), for the FP8 formats -- and FP4 without the compiled extension -- the reference
 kernel (:class:`~bitmosaic.kernels.fp4lut.MXTiledWeight`: rows of the weight dequantized exactly, element
 value times its block's divisor, float32, a tile at a time and multiplied in float32); never a resident
-float weight.  The FP4 kernel's layout holds the stored bytes (transposed per tile of 16 rows), so
-``weight_packed`` is released once it is built and rebuilt from it on demand (``modules/base.py``).
+float weight.  The FP4 kernel's layout holds the stored bytes (codes transposed per tile of 16 rows, scale
+bytes transposed, decoded inside the kernel), so ``weight_packed`` and ``weight_scale`` are released once
+it is built and rebuilt from it on demand (``modules/base.py``): a loaded MXFP4/NVFP4 linear holds the
+file's 4.25/4.5 bits per weight, no float copy of its scales.
 """
 
 from __future__ import annotations
@@ -103,7 +105,10 @@ class MXLinear(QuantModule):
         w = kernel.weight
         if not isinstance(w, FP4LutWeight):  # the reference tiles hold the buffers themselves
             return {}
-        return {"weight_packed": lambda: w.packed_rows(0, w.N).contiguous()}
+        return {
+            "weight_packed": lambda: w.packed_rows(0, w.N).contiguous(),
+            "weight_scale": lambda: w.scale_rows(0, w.N),
+        }
 
     def storage_tensors(self):
         return self.tensor().tensors()
