@@ -246,9 +246,9 @@ def _solve_group(run: LayerRun, lay: _Layer, gi: int, grp: _Group) -> None:
     Hessian's solved linears are journaled, and those a killed run journaled are installed instead of
     solved again (journal.py)."""
     for own, names in grp.shared.items():
-        if lay.journal is not None and len(lay.journal) and lay.journal.solved(
-                [n for n in names if lay.plan[n] is not None]):  # fmt: skip
-            for name, qlin, row, scale in lay.journal.take([n for n in names if lay.plan[n] is not None]):
+        planned = [n for n in names if lay.plan[n] is not None]
+        if lay.journal is not None and len(lay.journal) and lay.journal.solved(planned):
+            for name, qlin, row, scale in lay.journal.take(planned):
                 _install(run, lay, name, qlin, row, scale, in_place=True)
             continue
         done = _solve_hessian(run, lay, grp, own, names)
