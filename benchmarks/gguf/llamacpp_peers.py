@@ -372,6 +372,19 @@ def report(st: dict, a) -> str:
     lines += ["", "## tensor types per file (2-D)", ""]
     for key, r in p.items():
         lines.append(f"- {key}: {', '.join(f'{t} x{n}' for t, n in r['types'].items())}")
+    differ = [
+        t
+        for t in TYPES
+        if f"bitmosaic {t}" in p
+        and f"llama {t} imatrix" in p
+        and p[f"bitmosaic {t}"]["types"] != p[f"llama {t} imatrix"]["types"]
+    ]
+    if differ:
+        lines += [
+            "",
+            "bitmosaic rows whose per-tensor types differ from llama.cpp's imatrix file (see the list "
+            f"above): {', '.join(differ)}.",
+        ]
     bpw = {t: r["target_bpw"] for t, r in st.get("ours", {}).items() if "target_bpw" in r}
     lines += [
         "",
