@@ -303,8 +303,9 @@ def _decode_note(dec: dict) -> list[str]:
     return [
         "decode tok/s: each file in llama.cpp's binding (built from the same llama-cpp-python 0.3.36 source "
         "and CMake options as the tools; `benchmarks/gguf/decode_speed.py`, `llama-bench -p 0 -n 32 -t 2` "
-        "emulated: BOS-only prompt, 32 greedy tokens, 5 repeats after a warm-up, mean rate of the decode "
-        "steps), all files in one step under the heavy lock (`--decode`); 1-minute load average "
+        "emulated: BOS-only prompt, 32 greedy tokens, 5 repeats (fewer past 20 s) after a warm-up, mean "
+        "rate of the decode steps), all files in one step under the heavy lock (`--decode`); 1-minute load "
+        "average "
         f"{dec['load_before']:.2f} before, {min(loads, default=0):.2f}-{max(loads, default=0):.2f} "
         "while timing"
         + (
