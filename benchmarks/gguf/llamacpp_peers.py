@@ -309,12 +309,19 @@ def _decode_note(dec: dict) -> list[str]:
         f"{dec['load_before']:.2f} before, {min(loads, default=0):.2f}-{max(loads, default=0):.2f} "
         "while timing"
         + (
-            ": taken beside other work on the 2 cores, so the speeds are only roughly comparable "
-            "(llama.cpp's spinning threads slow down badly when a core is shared)."
+            ": taken beside other work on the 2 cores (load > 2.5), where llama.cpp's spinning threads "
+            "slow down by up to two orders of magnitude: these speeds do not rank the types; rerun "
+            "`--decode` on a quiet machine."
             if busy
             else "."
         )
     ]
+
+
+def _not_run(st: dict, typ: str) -> str:
+    if typ in st.get("failed", {}):  # a quantization that stopped with an error (its log's last line)
+        return f"failed: {st['failed'][typ]}"
+    return "not run" if typ in OURS else "not implemented"
 
 
 def report(st: dict, a) -> str:
@@ -367,7 +374,7 @@ def report(st: dict, a) -> str:
         )
         lines.append(
             f"| {typ} | {c_plain} | {_cell(imat)} | "
-            f"{_cell(ours) if ours else ('not run' if typ in OURS else 'not implemented')} | {vs} "
+            f"{_cell(ours) if ours else _not_run(st, typ)} | {vs} "
             f"| {speeds} |"
         )
     lines += ["", "## tensor types per file (2-D)", ""]
