@@ -150,9 +150,10 @@ class GPTQ(Method):
             n, gqa, big = state["n_layers"], state["n_gqa"], state.get("llm_70b", False)
             typ = tensor_type(cfg.gguf_type, name, weight.shape[1], n, gqa, big)
         if typ in LEGACY_BITS:  # llama.cpp's fallback is an integer grid: GPTQ on it, symmetric, groups of 32
-            sub = dataclasses.replace(
-                cfg, gguf_type=None, bits=LEGACY_BITS[typ], sym=True, group_size=32, static_groups=True
-            )
+            sub = dataclasses.replace(  # no GGUF option left: its __post_init__ would reset bits to 4
+                cfg, gguf_type=None, gguf_target_bpw=None, bits=LEGACY_BITS[typ], sym=True, group_size=32,
+                static_groups=True,
+            )  # fmt: skip
             res = quantize_gptq(weight, stats, sub)
             res.info["gguf_type"] = typ
             return res
