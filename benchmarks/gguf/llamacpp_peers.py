@@ -290,8 +290,42 @@ def _cell(r: dict | None) -> str:
     return f"{r['ppl']:.2f} ({r['mb']:.1f} MB, KL {r['kld']:.4f}, top-1 {r.get('top1', 0):.1f}%)"
 
 
+def _speed(dec: dict, key: str) -> str:
+    r = dec.get(key)
+    return f"{r['tok_s']:.1f}" if r and "tok_s" in r else "-"
+
+
+def _decode_note(dec: dict) -> list[str]:
+    if not dec:
+        return ["Not measured: decode tok/s (run `--decode`)."]
+    loads = [r["load"] for r in dec.values() if isinstance(r, dict) and "load" in r]
+    busy = max([dec["load_before"], *loads]) > 2.5
+    return [
+        "decode tok/s: each file in llama.cpp's binding (built from the same llama-cpp-python 0.3.36 source "
+        "and CMake options as the tools; `benchmarks/gguf/decode_speed.py`, `llama-bench -p 0 -n 32 -t 2` "
+        "emulated: BOS-only prompt, 32 greedy tokens, 5 repeats (fewer past 20 s) after a warm-up, mean "
+        "rate of the decode steps), all files in one step under the heavy lock (`--decode`); 1-minute load "
+        "average "
+        f"{dec['load_before']:.2f} before, {min(loads, default=0):.2f}-{max(loads, default=0):.2f} "
+        "while timing"
+        + (
+            ": taken beside other work on the 2 cores (load > 2.5), where llama.cpp's spinning threads "
+            "slow down by up to two orders of magnitude: these speeds do not rank the types; rerun "
+            "`--decode` on a quiet machine."
+            if busy
+            else "."
+        )
+    ]
+
+
+def _not_run(st: dict, typ: str) -> str:
+    if typ in st.get("failed", {}):  # a quantization that stopped with an error (its log's last line)
+        return f"failed: {st['failed'][typ]}"
+    return "not run" if typ in OURS else "not implemented"
+
+
 def report(st: dict, a) -> str:
-    p = st.get("ppl", {})
+    p, dec = st.get("ppl", {}), st.get("decode", {})
     lines = [
         f"# bitmosaic GGUF vs llama.cpp (imatrix) on {a.model}, llama.cpp's own perplexity tool",
         "",
@@ -305,14 +339,15 @@ def report(st: dict, a) -> str:
         "exported without --lossy.  Each cell: perplexity (file MB, mean KL, top-1 agreement).  2 threads.",
         "",
         "Reproduce: `flock /tmp/locks/heavy python -m benchmarks.gguf.llamacpp_peers --budget 280` "
-        "(repeat until done)",
+        "(repeat until done), then `--decode` alone for the last column",
         "",
-        "| type | llama.cpp, no imatrix | llama.cpp + imatrix | bitmosaic | bitmosaic vs imatrix |",
-        "|---|---|---|---|---|",
+        "| type | llama.cpp, no imatrix | llama.cpp + imatrix | bitmosaic | bitmosaic vs imatrix "
+        "| decode tok/s (no imatrix / + imatrix / bitmosaic) |",
+        "|---|---|---|---|---|---|",
     ]
     for key in ("F32", "F16"):
         if key in p:
-            lines.append(f"| {key} | {_cell(p[key])} | | | |")
+            lines.append(f"| {key} | {_cell(p[key])} | | | | {_speed(dec, key)} |")
     for typ in (*TYPES, *(t for t in OURS if t.startswith(BPW))):
         peer = typ.removeprefix(BPW)
         plain, imat, ours = (
@@ -329,26 +364,70 @@ def report(st: dict, a) -> str:
             if ours and imat
             else "-"
         )
+        speeds = (
+            " / ".join(
+                ("-", "-")
+                if typ.startswith(BPW)
+                else (_speed(dec, f"llama {peer} plain"), _speed(dec, f"llama {peer} imatrix"))
+            )
+            + f" / {_speed(dec, f'bitmosaic {typ}')}"
+        )
         lines.append(
             f"| {typ} | {c_plain} | {_cell(imat)} | "
-            f"{_cell(ours) if ours else ('not run' if typ in OURS else 'not implemented')} | {vs} |"
+            f"{_cell(ours) if ours else _not_run(st, typ)} | {vs} "
+            f"| {speeds} |"
         )
     lines += ["", "## tensor types per file (2-D)", ""]
     for key, r in p.items():
         lines.append(f"- {key}: {', '.join(f'{t} x{n}' for t, n in r['types'].items())}")
+    differ = [
+        t
+        for t in TYPES
+        if f"bitmosaic {t}" in p
+        and f"llama {t} imatrix" in p
+        and p[f"bitmosaic {t}"]["types"] != p[f"llama {t} imatrix"]["types"]
+    ]
+    if differ:
+        lines += [
+            "",
+            "bitmosaic rows whose per-tensor types differ from llama.cpp's imatrix file (see the list "
+            f"above): {', '.join(differ)}.",
+        ]
     bpw = {t: r["target_bpw"] for t, r in st.get("ours", {}).items() if "target_bpw" in r}
     lines += [
         "",
         "`bpw@P`: bitmosaic `--gguf-target-bpw B` with B the exact bits per weight of the linears in "
         "preset P's mix ("
         + ", ".join(f"{t}: B = {b:.4f}" for t, b in bpw.items())
-        + "), compared with P's files "
-        "(equal bytes).  Q2_K, Q5_K_M, Q4_0, IQ4_NL re-measured after the Q5_1 fallback and the weighted "
-        "k-quant scale fit (`--skip-llama`: the llama.cpp rows are the earlier run's).",
+        + "), compared with P's files (equal bytes).  bitmosaic rows re-measured one type at a time "
+        "(`--skip-llama --types T`) keep the llama.cpp rows of the earlier run (same tools, same imatrix "
+        "protocol); 'not run': not measured by the run's deadline.",
         "",
-        "Not measured: decode tok/s (llama-bench is not built).",
+        *_decode_note(dec),
     ]
     return "\n".join(lines)
+
+
+def decode_files(work: Path) -> dict[str, Path]:
+    """The files the decode column is timed for: the bases, llama.cpp's and bitmosaic's, keyed as the rows."""
+    files = {"F32": work / "base.F32.gguf", "F16": work / "base.F16.gguf"}
+    for typ in (*TYPES, *(t for t in OURS if t.startswith(BPW))):
+        for tag in ("imatrix", "plain"):
+            files[f"llama {typ} {tag}"] = work / f"llama.{typ}.{tag}.gguf"
+        files[f"bitmosaic {typ}"] = work / f"bitmosaic.{typ}.gguf"
+    return {k: f for k, f in files.items() if f.exists()}
+
+
+def decode(a) -> None:
+    from benchmarks.gguf.decode_speed import time_files
+
+    work = Path(a.work)
+    state_path = work / "state.json"
+    st = json.loads(state_path.read_text())
+    st["decode"] = time_files(decode_files(work), a.threads)
+    state_path.write_text(json.dumps(st, indent=2))
+    write_results(RESULTS / "gguf_vs_llamacpp.json", "gguf_vs_llamacpp", {"protocol": __doc__, **st},
+                  report(st, a))  # fmt: skip
 
 
 def main() -> None:
@@ -364,7 +443,15 @@ def main() -> None:
         action="store_true",
         help="no imatrix and no llama-quantize files (their rows kept as the state holds them)",
     )
+    p.add_argument(
+        "--decode",
+        action="store_true",
+        help="only time decode (tok/s) of every file the work folder holds, in llama.cpp "
+        "(benchmarks/gguf/decode_speed.py; run it alone, under the heavy lock, on a quiet machine)",
+    )
     a = p.parse_args()
+    if a.decode:
+        return decode(a)
     import torch
 
     torch.set_num_threads(a.threads)

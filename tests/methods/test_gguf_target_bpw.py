@@ -98,3 +98,19 @@ def test_a_target_bpw_run_meets_the_budget_and_exports_exactly(bpw_run, tmp_path
     assert bits / weights <= 4.6 and len(set(types.values())) >= 2, types
     for n, m in mods.items():
         assert types[n] in candidates(m.in_features)
+
+
+def test_a_budget_that_buys_q8_0_solves_the_legacy_layers_at_their_own_bits(tmp_path):
+    """At B = 8.5 every linear is Q8_0 -- through the legacy integer path (GPTQ at 8 bits, groups of 32):
+    that solve once kept the target-bpw option and was reset to 4 bits, so the packed Q8_0 layer did not
+    match the solver's weights (SmolLM2's bpw@Q4_K_M run stopped there, benchmarks/results/
+    gguf_vs_llamacpp.md)."""
+    src = tiny_gguf(tmp_path / "llama.gguf", "llama", tied=False, layers=1, hidden=256, intermediate=288,
+                    vocab="none")  # fmt: skip
+    m = _transformers(src)
+    bitmosaic.quantize_(m, "gptq", CALIB, progress=False, source_model=str(src), gguf_target_bpw=8.5)
+    folder = save_quantized(m, tmp_path / "q")
+    out = tmp_path / "m.gguf"
+    assert not export_model(folder, out, "gguf").changed
+    types = _check_weights(folder, out, "llama")
+    assert set(types.values()) == {"Q8_0"}, types

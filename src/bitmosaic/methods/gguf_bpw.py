@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..algorithms.gguf_bpw import allocate, type_bits, type_errors
 from ..errors import OptionError
-from .gguf_mix import BLOCK_OF, FALLBACK, tensor_type
+from .gguf_mix import BLOCK_OF, FALLBACK, mix_context, tensor_type
 
 __all__ = ["BPW_TYPES", "BPW_RANGE", "candidates", "choose_types", "preset_bpw", "range_error"]
 
@@ -68,12 +68,10 @@ def choose_types(model, names: list[str], salience: dict, bpw: float) -> tuple[d
 
 def preset_bpw(model, names: list[str], preset: str) -> float:
     """The linears' exact bits per weight under llama.cpp's mix of ``preset`` (its file's size, in bpw)."""
-    c = model.config
-    heads = getattr(c, "num_attention_heads", 1) or 1
-    n_layers, n_gqa = c.num_hidden_layers, heads / (getattr(c, "num_key_value_heads", None) or heads)
+    ctx = mix_context(model.config)
     bits = weights = 0
     for n in names:
         W = model.get_submodule(n).weight
-        bits += type_bits(tensor_type(preset, n, W.shape[1], n_layers, n_gqa)) * W.numel()
+        bits += type_bits(tensor_type(preset, n, W.shape[1], **ctx)) * W.numel()
         weights += W.numel()
     return bits / weights

@@ -5,7 +5,10 @@ Transcribed from ``llama_tensor_get_type_impl`` and ``tensor_type_fallback`` in 
 the llama.cpp that llama-cpp-python 0.3.36 vendors, for dense (non-expert, non-Falcon) models, with an
 importance matrix (the IQ4 presets' imatrix-less rule, Q5_K for the first eighth of ``ffn_down``, is
 left out, and the Q4_0 preset's imatrix rule, Q4_1 for the first eighth of ``ffn_down``, is in: bitmosaic
-always calibrates).  ``use_more_bits(i, n)``: the first and last eighth of the layers
+always calibrates).  ``attn_v`` of the IQ4_NL / IQ4_XS presets is Q5_K where ``n_gqa >= 4``; on a model
+llama.cpp calls 70B (:func:`mix_context`: 80 layers of a Llama with grouped queries, Qwen2 or OLMo) an
+``attn_v`` of Q3_K or Q4_K becomes Q5_K (every preset but IQ2_XS / IQ2_XXS, whose ``attn_v`` rule comes
+first).  ``use_more_bits(i, n)``: the first and last eighth of the layers
 and every third in between.  Token embedding and output head are not quantized linears here (the export
 writes them in the source file's type).
 
@@ -21,7 +24,7 @@ import re
 
 from ..errors import OptionError
 
-__all__ = ["PRESETS", "LEGACY_BITS", "L_TYPES", "BLOCK_OF", "tensor_type"]
+__all__ = ["PRESETS", "LEGACY_BITS", "L_TYPES", "BLOCK_OF", "mix_context", "tensor_type"]
 
 K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 IQ_TYPES = ("IQ4_NL", "IQ4_XS")
@@ -50,8 +53,23 @@ def use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
+def mix_context(config) -> dict:
+    """The model facts llama.cpp's mix reads, from a transformers ``config``: ``n_layers``, ``n_gqa``
+    (query heads per kv head) and ``llm_70b``, llama.cpp's ``LLM_TYPE_70B`` (``load_hparams``: 80 layers of
+    a Llama whose kv heads are fewer than its query heads -- Mistral-named checkpoints convert to that
+    architecture --, of Qwen2 or of OLMo)."""
+    heads = getattr(config, "num_attention_heads", 1) or 1
+    n_layers = getattr(config, "num_hidden_layers", 1) or 1
+    n_gqa = heads / (getattr(config, "num_key_value_heads", None) or heads)
+    kind = getattr(config, "model_type", None)
+    big = n_layers == 80 and (kind in ("qwen2", "olmo") or (kind in ("llama", "mistral") and n_gqa != 1))
+    return {"n_layers": n_layers, "n_gqa": n_gqa, "llm_70b": big}
+
+
 def _mixed(preset: str, category: str | None, i: int, n: int, n_gqa: float) -> str:
     new = PRESETS[preset]
+    if preset in ("IQ4_XS", "IQ4_NL") and category == "attn_v" and n_gqa >= 4:
+        return "Q5_K"
     if preset == "Q4_0" and category == "ffn_down" and i < n // 8:
         return "Q4_1"  # llama.cpp's guard for the first ffn_down layers, with an imatrix
     if preset not in MIXES or category is None:
@@ -73,9 +91,11 @@ def _mixed(preset: str, category: str | None, i: int, n: int, n_gqa: float) -> s
     return new
 
 
-def tensor_type(preset: str, name: str | None, in_features: int, n_layers: int, n_gqa: float) -> str:
+def tensor_type(preset: str, name: str | None, in_features: int, n_layers: int, n_gqa: float,
+                llm_70b: bool = False) -> str:  # fmt: skip
     """The GGUF type llama.cpp gives the linear ``name`` (``model.layers.3.self_attn.v_proj``) of
-    ``in_features`` inputs under ``preset``, its width fallback applied (module doc)."""
+    ``in_features`` inputs under ``preset``, its width fallback applied (module doc; ``llm_70b``:
+    :func:`mix_context`)."""
     m = re.search(r"layers\.(\d+)\.(?:[^.]+\.)*?(\w+_proj)$", name or "")
     category = CATEGORY.get(m[2]) if m else None
     if (preset in MIXES or preset in LATTICE_PRESETS) and category is None:
@@ -86,6 +106,8 @@ def tensor_type(preset: str, name: str | None, in_features: int, n_layers: int, 
     i = int(m[1]) if m else 0
     mix = _lattice_mixed if preset in LATTICE_PRESETS else _mixed
     typ = mix(preset, category, i, n_layers, n_gqa)
+    if llm_70b and category == "attn_v" and typ in ("Q3_K", "Q4_K") and preset not in ("IQ2_XS", "IQ2_XXS"):
+        typ = "Q5_K"  # llama.cpp: 8 heads share attn_v in the 70B models, a few more bits for it
     if in_features % BLOCK_OF[typ]:
         typ = FALLBACK.get(typ, typ)
     if in_features % BLOCK_OF[typ]:

@@ -32,7 +32,7 @@ from ..modules.gguf_grid import GGUFGridLinear
 from ..modules.qlinear import QuantLinear
 from .common import HESSIAN_DTYPES, GPTQSolverConfig, processing_order, quantize_gptq, require_hessian, shared
 from .gguf_bpw import choose_types
-from .gguf_mix import IQ_TYPES, L_TYPES, LATTICE, LEGACY_BITS, PRESETS, tensor_type
+from .gguf_mix import IQ_TYPES, L_TYPES, LATTICE, LEGACY_BITS, PRESETS, mix_context, tensor_type
 from .microscale import SPLIT_ROWS, STACK_ROWS, is_mx, mx_post_init
 from .options import like, option
 from .registry import LayerStats, Method, WeightQuantConfig, register
@@ -126,12 +126,7 @@ class GPTQ(Method):
     def prepare(self, model, cfg: GPTQConfig, ctx):
         """The counts llama.cpp's per-tensor mix needs: decoder layers and the query heads per kv head;
         with ``gguf_target_bpw`` each linear's type, by Fisher salience (:mod:`.gguf_bpw`)."""
-        c = getattr(model, "config", None)
-        heads = getattr(c, "num_attention_heads", 1) or 1
-        state = {
-            "n_layers": getattr(c, "num_hidden_layers", 1) or 1,
-            "n_gqa": heads / (getattr(c, "num_key_value_heads", None) or heads),
-        }
+        state = mix_context(getattr(model, "config", None))
         if cfg.gguf_target_bpw is not None:
             salience, info = ctx.fisher(ctx.names)
             state["types"], summary = choose_types(model, ctx.names, salience, cfg.gguf_target_bpw)
@@ -148,15 +143,17 @@ class GPTQ(Method):
             )  # fmt: skip
         if not _gguf(cfg):
             return quantize_gptq(weight, stats, cfg)
-        state = state or {"n_layers": 1, "n_gqa": 1}
+        state = state or {"n_layers": 1, "n_gqa": 1, "llm_70b": False}
         if cfg.gguf_target_bpw is not None:
             typ = state["types"][name]
         else:
-            typ = tensor_type(cfg.gguf_type, name, weight.shape[1], state["n_layers"], state["n_gqa"])
+            n, gqa, big = state["n_layers"], state["n_gqa"], state.get("llm_70b", False)
+            typ = tensor_type(cfg.gguf_type, name, weight.shape[1], n, gqa, big)
         if typ in LEGACY_BITS:  # llama.cpp's fallback is an integer grid: GPTQ on it, symmetric, groups of 32
-            sub = dataclasses.replace(
-                cfg, gguf_type=None, bits=LEGACY_BITS[typ], sym=True, group_size=32, static_groups=True
-            )
+            sub = dataclasses.replace(  # no GGUF option left: its __post_init__ would reset bits to 4
+                cfg, gguf_type=None, gguf_target_bpw=None, bits=LEGACY_BITS[typ], sym=True, group_size=32,
+                static_groups=True,
+            )  # fmt: skip
             res = quantize_gptq(weight, stats, sub)
             res.info["gguf_type"] = typ
             return res
