@@ -45,7 +45,7 @@ TYPES = ("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "IQ4_XS", "IQ4_NL
 # the presets bitmosaic solves on (gptq --gguf-type), most asked first
 BPW = "bpw@"  # bitmosaic --gguf-target-bpw at the bits per weight of the preset named after it
 OURS = ("Q4_K_M", "Q3_K_M", "IQ4_XS", "Q2_K", "Q5_K_M", "Q6_K", "IQ4_NL", "Q4_0", "IQ3_S", "IQ2_XS",
-        "bpw@Q4_K_M", "bpw@Q3_K_M", "IQ3_XXS", "IQ2_XXS")  # fmt: skip
+        "bpw@Q4_K_M", "bpw@Q3_K_M", "IQ3_XXS", "IQ2_XXS", "IQ2_S", "IQ2_M")  # fmt: skip
 FRESH = 110  # seconds into a run after which a (minutes-long) bitmosaic quantization waits for the next run
 CHUNKS, CTX, CALIB_CHUNKS = 40, 512, 16
 

@@ -14,15 +14,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from bitmosaic.errors import OptionError
-from bitmosaic.methods.gguf_mix import PRESETS, mix_context, tensor_type
+from bitmosaic.methods.gguf_mix import PRESETS, TWO_BIT_PRESETS, mix_context, tensor_type
 from bitmosaic.testing import tiny_gguf
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python's binding is the reference")
 gguf = pytest.importorskip("gguf")
 
 PRESETS_TESTED = ("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "IQ4_XS", "IQ4_NL", "IQ3_S", "IQ2_XS",
-                  "IQ3_XXS", "IQ2_XXS")  # fmt: skip
+                  "IQ3_XXS", "IQ2_XXS", "IQ2_S", "IQ2_M")  # fmt: skip
 ROLE = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
         "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
         "ffn_down": "mlp.down_proj"}  # fmt: skip
@@ -54,7 +53,7 @@ def _blk_tensors(path) -> dict:
 
 
 # the presets whose attn_v the 70B rule could touch (Q3_K / Q4_K; IQ2_XS: not), and IQ4_XS (Q5_K, n_gqa 4)
-SEVENTY = ("Q2_K", "Q3_K_M", "Q4_K_M", "IQ3_S", "IQ2_XS", "IQ4_XS")
+SEVENTY = ("Q2_K", "Q3_K_M", "Q4_K_M", "IQ3_S", "IQ2_XS", "IQ2_M", "IQ4_XS")
 CASES = [(m, p) for m in MODELS for p in PRESETS_TESTED if m != "llama70b" or p in SEVENTY]
 
 
@@ -89,14 +88,11 @@ def test_each_tensor_gets_llama_quantizes_type(source, label, preset):
     wrong = []
     for name, (typ, width) in theirs.items():
         i, role = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name).groups()
-        try:
-            ours = tensor_type(preset, f"model.layers.{i}.{ROLE[role]}", width, **ctx)
-        except OptionError as e:  # a type llama.cpp writes that bitmosaic refuses (IQ2_S): said so
-            ours = "IQ2_S" if "as IQ2_S" in str(e) else str(e)
+        ours = tensor_type(preset, f"model.layers.{i}.{ROLE[role]}", width, **ctx)
         if ours != typ:
             wrong.append(f"{name} ({width} wide): llama.cpp {typ}, bitmosaic {ours}")
     assert not wrong, f"{label} {preset}: " + "; ".join(wrong[:6])
-    if label == "llama70b" and preset != "IQ2_XS":  # the rule is exercised, not only agreed on
+    if label == "llama70b" and preset not in TWO_BIT_PRESETS:  # the rule is exercised, not only agreed on
         assert ctx["llm_70b"] and theirs["blk.40.attn_v.weight"][0] == "Q5_K"
 
 

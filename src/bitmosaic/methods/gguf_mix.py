@@ -91,6 +91,10 @@ def _mixed(preset: str, category: str | None, i: int, n: int, n_gqa: float) -> s
     return new
 
 
+# llama.cpp's 2-bit presets: their attn_v rule comes before (and instead of) the 70B rule
+TWO_BIT_PRESETS = ("IQ2_XS", "IQ2_XXS", "IQ2_S", "IQ2_M")
+
+
 def tensor_type(preset: str, name: str | None, in_features: int, n_layers: int, n_gqa: float,
                 llm_70b: bool = False) -> str:  # fmt: skip
     """The GGUF type llama.cpp gives the linear ``name`` (``model.layers.3.self_attn.v_proj``) of
@@ -106,7 +110,7 @@ def tensor_type(preset: str, name: str | None, in_features: int, n_layers: int, 
     i = int(m[1]) if m else 0
     mix = _lattice_mixed if preset in LATTICE_PRESETS else _mixed
     typ = mix(preset, category, i, n_layers, n_gqa)
-    if llm_70b and category == "attn_v" and typ in ("Q3_K", "Q4_K") and preset not in ("IQ2_XS", "IQ2_XXS"):
+    if llm_70b and category == "attn_v" and typ in ("Q3_K", "Q4_K") and preset not in TWO_BIT_PRESETS:
         typ = "Q5_K"  # llama.cpp: 8 heads share attn_v in the 70B models, a few more bits for it
     if in_features % BLOCK_OF[typ]:
         typ = FALLBACK.get(typ, typ)
