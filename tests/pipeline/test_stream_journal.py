@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-import torch
 
 from bitmosaic.api import as_recipe
 from bitmosaic.errors import OptionError
