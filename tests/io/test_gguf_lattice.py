@@ -147,17 +147,10 @@ def test_llama_cpp_mix_of_the_xxs_presets():
     assert tensor_type("IQ2_XXS", "model.layers.3.self_attn.v_proj", 1024, 30, 8) == "Q4_K"
     # the 2-D types of the files llama-quantize --imatrix wrote for SmolLM2 (30 layers, 576 -> 1536, n_gqa 3;
     # runs of llama.cpp built from llama-cpp-python 0.3.36's source, read with gguf-py), less token_embd
-    names = [f"model.layers.{i}.{p}" for i in range(30) for p in
-             ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-              "mlp.up_proj", "mlp.down_proj")]  # fmt: skip
     llama_cpp = {"IQ3_XXS": {"IQ3_XXS": 30, "IQ4_NL": 180},
                  "IQ2_XXS": {"IQ2_XXS": 27, "IQ4_NL": 150, "Q2_K": 3, "Q4_0": 30}}  # fmt: skip
     for preset, want in llama_cpp.items():
-        ours: dict[str, int] = {}
-        for n in names:
-            t = tensor_type(preset, n, 1536 if n.endswith("down_proj") else 576, 30, 3)
-            ours[t] = ours.get(t, 0) + 1
-        assert ours == want, preset
+        assert _smollm2_type_counts(preset) == want, preset
 
 
 def test_llama_cpp_mix_of_the_iq2_s_and_iq2_m_presets():
@@ -175,17 +168,10 @@ def test_llama_cpp_mix_of_the_iq2_s_and_iq2_m_presets():
         assert tensor_type(preset, "model.layers.4.self_attn.q_proj", 576, 30, 3) == "IQ4_NL"
     # the 2-D types of the files llama-quantize --imatrix wrote for SmolLM2 (as the test above), less
     # token_embd
-    names = [f"model.layers.{i}.{p}" for i in range(30) for p in
-             ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-              "mlp.up_proj", "mlp.down_proj")]  # fmt: skip
     llama_cpp = {"IQ2_S": {"IQ2_XS": 27, "IQ3_S": 3, "IQ4_NL": 180},
                  "IQ2_M": {"IQ2_S": 27, "IQ3_S": 3, "IQ4_NL": 180}}  # fmt: skip
     for preset, want in llama_cpp.items():
-        ours: dict[str, int] = {}
-        for n in names:
-            t = tensor_type(preset, n, 1536 if n.endswith("down_proj") else 576, 30, 3)
-            ours[t] = ours.get(t, 0) + 1
-        assert ours == want, preset
+        assert _smollm2_type_counts(preset) == want, preset
 
 
 @pytest.fixture(scope="module", params=["IQ3_S", "IQ2_XS", "IQ3_XXS", "IQ2_XXS", "IQ2_M", "IQ2_S"])
@@ -236,3 +222,13 @@ def test_llama_cpp_runs_the_lattice_file(lattice_model, tmp_path):
         ours = bitmosaic.load(folder)(torch.tensor([ids])).logits[0]
     assert torch.isfinite(theirs).all()
     assert float((theirs - ours).norm() / ours.norm()) < 0.05
+
+def _smollm2_type_counts(preset: str) -> dict[str, int]:
+    """How many of SmolLM2's 210 decoder linears (576 wide, down_proj 1536) get each type under ``preset``."""
+    counts: dict[str, int] = {}
+    for i in range(30):
+        for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):  # fmt: skip
+            t = tensor_type(preset, f"model.layers.{i}.{p}", 1536 if p.endswith("down_proj") else 576, 30, 3)
+            counts[t] = counts.get(t, 0) + 1
+    return counts
