@@ -95,13 +95,11 @@ def run_streaming(args, recipe, settings, dtype):
 
 def _resuming(work) -> str:
     """What an unfinished run in ``work`` left: finished layers, and the units of the layer it was in."""
-    import json
-
     from ..pipeline.journal import journal_dir
+    from ..pipeline.stream import finished_layers
 
-    try:
-        done = int(json.loads((work / "progress.json").read_text(encoding="utf-8"))["layers_done"])
-    except (OSError, ValueError, KeyError, TypeError):
+    done = finished_layers(work)
+    if done is None:
         return ""
     units = len(list(journal_dir(work, done).glob("unit-*.safetensors")))
     inside = f", {units} solves of layer {done} kept" if units else ""

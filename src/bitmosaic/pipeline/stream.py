@@ -54,7 +54,7 @@ from .run import run, source_name
 from .settings import Calibration, RunSettings
 from .spill import SPILL_PREFIX, TensorFile, write_tensor_file
 
-__all__ = ["LayerStore", "quantize_streaming", "partial_dir", "streamable"]
+__all__ = ["LayerStore", "finished_layers", "quantize_streaming", "partial_dir", "streamable"]
 
 PROGRESS = "progress.json"
 _PROGRESS_VERSION = 1
@@ -270,17 +270,18 @@ def quantize_streaming(
                                        settings or RunSettings(), dtype, overwrite)  # fmt: skip
         except BaseException as e:  # a refused recipe, an error in layer 0: nothing worth keeping (a signal
             # keeps layer 0's journaled solves: journal.py), so a rerun with the fix starts afresh
-            if fresh and (not (work / PROGRESS).is_file() or (isinstance(e, Exception) and _none_done(work))):
+            done = finished_layers(work)
+            if fresh and (done is None or (isinstance(e, Exception) and done == 0)):
                 shutil.rmtree(work, ignore_errors=True)
             raise
 
 
-def _none_done(work: Path) -> bool:
-    """Whether the run in ``work`` has committed no layer yet."""
+def finished_layers(work: str | os.PathLike) -> int | None:
+    """How many layers the unfinished run in ``work`` committed (``None``: no readable record)."""
     try:
-        return int(json.loads((work / PROGRESS).read_text(encoding="utf-8"))["layers_done"]) == 0
+        return int(json.loads((Path(work) / PROGRESS).read_text(encoding="utf-8"))["layers_done"])
     except (OSError, ValueError, KeyError, TypeError):
-        return True
+        return None
 
 
 def _fingerprint(ckpt: Checkpoint, recipe, calib: torch.Tensor, settings: RunSettings, dtype) -> dict:
