@@ -4,6 +4,7 @@ llama-cpp-python sdist) and the parsing of ``benchmarks/gguf/llamacpp_peers.py``
 the skip line, that a failed build leaves only its log and a finished one is renamed into place and reused."""
 
 import importlib
+import math
 import subprocess
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 import benchmarks.peers.llama_tools
-from benchmarks.gguf.llamacpp_peers import parse_perplexity
+from benchmarks.gguf.llamacpp_peers import chunk_nll, parse_perplexity
+from benchmarks.gguf.peers_report import _vs
 
 
 @pytest.fixture()
@@ -98,3 +100,34 @@ def test_calibration_chunks_are_llama_imatrix_s(tmp_path, monkeypatch):
     p.write_text("abcdefghijkl")
     x = peers.calibration_chunks(_Tok(), Path(p), 3, 4)
     assert x.tolist() == [[1, 97, 98, 99], [1, 101, 102, 103], [1, 105, 106, 107]]
+
+
+def _kld_lines(ppls):
+    head = "chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence\n"
+    rows = "".join(
+        f"{k + 1:4d}    {p:9.4f} ± {0.5:9.4f}       0.01000 ±    0.00100       0.02000 ±    0.00100\n"
+        for k, p in enumerate(ppls)
+    )
+    return head + rows + "Mean PPL(Q)                   :  23.247648 ±   0.700000\n"
+
+
+def test_chunk_nll_inverts_the_running_perplexity():
+    nll = [3.1, 3.3, 2.9, 3.05, 3.4]  # each chunk's mean NLL; the tool prints exp(running mean)
+    run = [math.exp(sum(nll[: k + 1]) / (k + 1)) for k in range(len(nll))]
+    for text in (_kld_lines(run), "".join(f"[{k + 1}]{p:.4f}," for k, p in enumerate(run))):
+        got = chunk_nll(text)
+        assert len(got) == len(nll)
+        assert max(abs(g - x) for g, x in zip(got, nll, strict=True)) < 1e-3
+    assert parse_perplexity(_kld_lines(run))["chunk_nll"] == chunk_nll(_kld_lines(run))
+    assert chunk_nll("[1]20.0,[3]21.0,") == []  # a gap: not a run of every chunk
+
+
+def test_close_pair_gets_a_paired_interval():
+    base = [3.0 + 0.3 * math.sin(k) for k in range(40)]
+    imat = {"ppl": 25.0, "mb": 90.0, "chunk_nll": base}
+    better = {"ppl": 24.0, "mb": 90.0, "chunk_nll": [x - 0.04 for x in base]}
+    wobble = [x + (0.05 if k % 2 else -0.05) for k, x in enumerate(base)]
+    noisy = {"ppl": 25.0, "mb": 90.0, "chunk_nll": wobble}
+    assert "within noise" not in _vs(better, imat) and "[0.961, 0.961]" in _vs(better, imat)
+    assert "within noise" in _vs(noisy, imat)
+    assert _vs({"ppl": 24.0, "mb": 90.0}, imat) == "0.9600x ppl, 1.000x MB"  # no chunks kept: no interval
