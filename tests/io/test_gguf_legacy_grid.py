@@ -18,9 +18,12 @@ import torch
 
 import bitmosaic
 from bitmosaic.algorithms import gguf_legacy as gl
-from bitmosaic.algorithms.gguf_grid import legacy_gptq
+from bitmosaic.algorithms.gguf_grid import SYM_NMAX, legacy_gptq, legacy_sym_gptq
+from bitmosaic.algorithms.gptq import gptq_quantize
+from bitmosaic.formats.grid import IntGrid
 from bitmosaic.io import save_quantized
 from bitmosaic.io.export import export_model
+from bitmosaic.io.export import gguf_blocks as gb
 from bitmosaic.methods.gguf_mix import PRESETS, tensor_type
 from bitmosaic.testing import tiny_gguf
 from tests.io.test_export_gguf import CALIB, _check_weights
@@ -58,6 +61,59 @@ def test_gptq_on_the_grid_is_exact_and_beats_llama_cpps_rounding(typ):
     assert err(res.dequantize()) < 0.97 * err(nearest)
     assert err(res.dequantize()) < 0.8 * err(torch.from_numpy(np.asarray(theirs)).reshape(out, n))
     assert torch.equal(res.select_rows(3, 9).dequantize(), res.dequantize()[3:9])
+
+
+def _layer(seed: int = 3, out: int = 32, n: int = 256):
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(out, n, generator=g) * 0.05
+    W[:, ::37] *= 4  # a few heavy inputs, so that the largest magnitude of a block decides its scale
+    X = torch.randn(4 * n, n // 8, generator=g) @ torch.randn(n // 8, n, generator=g) / 4
+    X[:, 5::11] *= 3  # inputs of unequal importance, as a layer's
+    return W, _hessian(n, 2) + X.T @ X / X.shape[0]
+
+
+@pytest.mark.parametrize("typ", sorted(SYM_NMAX))
+def test_q4_0_q5_0_gptq_is_exact_and_beats_the_generic_mse_scales(typ):
+    """Q4_0 / Q5_0: llama.cpp's weighted ``make_qx_quants`` scales, then GPTQ; read back by gguf-py."""
+    from gguf import quants
+
+    W, H = _layer()
+    out, n = W.shape
+    res = legacy_sym_gptq(W, H, typ)
+    t = gb.BLOCK_TYPES[typ]
+    f = gb.fit((res.codes - res.zeros.repeat_interleave(32, 1)).long(), res.scales.half(), t)
+    assert f.wide == 0 and f.inexact_m == 0
+    assert bool((res.scales < 0).any()) and bool((res.scales > 0).any())  # llama.cpp's signed d, both signs
+    got = quants.dequantize(gb.pack(f, t), t.qtype)
+    assert torch.equal(torch.from_numpy(np.asarray(got)).reshape(out, n), res.dequantize())
+
+    def err(A):
+        E = W - A
+        return float(torch.einsum("oi,ij,oj->", E, H, E))
+
+    bits = SYM_NMAX[typ].bit_length()
+    generic = gptq_quantize(W, H, IntGrid(bits, True), 32, scale_method="mse", static_groups=True)
+    assert err(res.dequantize()) < 0.95 * err(generic.dequantize())  # the path it replaces
+    theirs = quants.dequantize(quants.quantize(W.numpy(), t.qtype), t.qtype)  # llama.cpp without imatrix
+    assert err(res.dequantize()) < 0.8 * err(torch.from_numpy(np.asarray(theirs)).reshape(out, n))
+
+
+def test_qx_scale_is_no_worse_than_llama_cpps_unweighted_q4_0_per_block():
+    """With equal weights, :func:`qx`'s first candidate is ggml's ``quantize_row_q4_0_ref`` codes with their
+    least-squares scale, so no block may have a larger error than gguf-py's Q4_0 (fp32 scales: the fp16
+    rounding of ``d`` is the export's, not the search's)."""
+    from gguf import quants
+
+    W, _ = _layer(seed=5)
+    x = W.reshape(-1, 32).double()
+    s = gl.qx(x, torch.ones_like(x), 8)
+    ours = ((x / s[:, None]).round().clamp(-8, 7) * s[:, None] - x).pow(2).sum(-1)
+    q40 = quants.GGMLQuantizationType.Q4_0
+    ref = np.asarray(quants.dequantize(quants.quantize(W.numpy(), q40), q40))
+    ref = torch.from_numpy(ref).reshape(-1, 32)
+    theirs = (ref.double() - x).pow(2).sum(-1)
+    assert bool((ours <= theirs * (1 + 1e-3) + 1e-12).all())
+    assert float(ours.sum()) < 0.97 * float(theirs.sum())  # the other 18 candidates do find better scales
 
 
 def test_the_weighted_block_search_beats_min_max():

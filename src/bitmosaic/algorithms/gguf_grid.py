@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..formats import gguf_iq as iq
+from ..formats.grid import IntGrid
 from . import gguf_kquants as kq
 from . import gguf_legacy as gl
 from .gptq import gptq_quantize
@@ -49,6 +50,8 @@ __all__ = [
     "iq_gptq",
     "kquant_gptq",
     "legacy_gptq",
+    "legacy_sym_gptq",
+    "SYM_NMAX",
 ]
 
 _NTRY = 7  # llama.cpp's inverse-scale tries either side of -127 / max
@@ -311,4 +314,43 @@ def legacy_gptq(
     )
     return GGUFGridResult(
         **{k: getattr(res, k) for k in res.__dataclass_fields__}, gguf_type=gguf_type, aux={"d": d, "m": m}
+    )
+
+
+SYM_NMAX = {"Q4_0": 8, "Q5_0": 16}  # llama.cpp's ``nmax`` of the symmetric legacy types (codes -nmax..nmax-1)
+
+
+def legacy_sym_gptq(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    gguf_type: str,
+    *,
+    perm=None,
+    block_size: int = 128,
+    percdamp: float = 0.01,
+    dtype=None,
+    overwrite_hessian: bool = False,
+) -> QuantResult:
+    """GPTQ of ``W`` ``[out, in]`` against ``H`` on the ``Q4_0`` / ``Q5_0`` grid ``d * (q - nmax)``, each
+    block's fp16 ``d`` fitted first by llama.cpp's importance-weighted ``make_qx_quants``
+    (:func:`.gguf_legacy.qx`; ``d`` is negative where the block's largest magnitude is positive, so that
+    weight lands on the grid's longer side, ``-nmax``, as llama.cpp stores it) and fixed: an integer result
+    (codes ``0 .. 2 nmax - 1``, zero ``nmax``) that a symmetric :class:`~.modules.qlinear.QuantLinear`
+    holds and the GGUF export writes exactly.  On SmolLM2's linears this fit gives GPTQ 10-70% less
+    Hessian-weighted error than the generic MSE search over ``2 max|w| / 15``
+    (``benchmarks/gguf/legacy_layer.py``)."""
+    nmax = SYM_NMAX[gguf_type]
+    d = gl.fit_sym(W.float(), importance(H), nmax).float()
+    return gptq_quantize(
+        W,
+        H,
+        IntGrid(nmax.bit_length(), symmetric=True),
+        gl.BLOCK,
+        perm=perm,
+        block_size=block_size,
+        percdamp=percdamp,
+        dtype=dtype,
+        scales=d,
+        zeros=torch.full_like(d, float(nmax)),
+        overwrite_hessian=overwrite_hessian,
     )

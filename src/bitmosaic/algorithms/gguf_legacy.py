@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["LType", "L_TYPES", "BLOCK", "qkx3", "fit", "dequantize", "pack"]
+__all__ = ["LType", "L_TYPES", "BLOCK", "qkx3", "fit", "qx", "fit_sym", "dequantize", "pack"]
 
 BLOCK = 32
 
@@ -101,6 +101,42 @@ def fit(W: torch.Tensor, importance: torch.Tensor, t: LType) -> tuple[torch.Tens
     wt = importance.double().reshape(1, n // BLOCK, BLOCK).expand_as(x)
     s, m, _ = qkx3(x, wt, t.qmax)
     return s.to(torch.float16), m.to(torch.float16)
+
+
+def qx(x: torch.Tensor, wt: torch.Tensor, nmax: int, ntry: int = 9) -> torch.Tensor:
+    """The float scale per row of ``x`` ``[..., n]`` of the symmetric legacy types (``Q4_0``: ``nmax`` 8,
+    ``Q5_0``: 16), codes ``-nmax .. nmax - 1``: llama.cpp's ``make_qx_quants`` with importance weights
+    (``rmse_type`` 1, ``ggml-quants.c``), for every row at once.  The signed extreme ``max`` maps to
+    ``-nmax``; for the inverse scales ``-(nmax + 0.1 i) / max``, ``i`` in ``-ntry .. ntry``, each one's codes
+    give the weighted least-squares scale ``sum(wt q x) / sum(wt q^2)``, and the one with the largest
+    ``sum(wt q x)^2 / sum(wt q^2)`` (the least weighted error) is kept, ``i = 0`` first."""
+    x, wt = x.float(), wt.float()
+    idx = x.abs().argmax(-1, keepdim=True)
+    mx = x.gather(-1, idx)[..., 0].double()
+    ok = mx != 0
+    safe = torch.where(ok, mx, 1)
+    best_s = torch.zeros_like(mx)
+    best = torch.full_like(mx, -1.0)
+    for i in (0, *(j for j in range(-ntry, ntry + 1) if j)):
+        inv = (-(nmax + 0.1 * i) / safe).float()
+        q = (inv[..., None] * x).round_().clamp_(-nmax, nmax - 1)
+        wq = wt * q
+        sl2, slx = _sum(wq * q), _sum(wq * x)
+        good = ok & (sl2 > 0)
+        s = slx / torch.where(good, sl2, 1)
+        gain = torch.where(good, s * slx, -1.0)
+        better = gain > best
+        best, best_s = torch.where(better, gain, best), torch.where(better, s, best_s)
+    return torch.where(ok, best_s, 0)
+
+
+def fit_sym(W: torch.Tensor, importance: torch.Tensor, nmax: int) -> torch.Tensor:
+    """``d``: fp16 ``[out, in / 32]`` of ``W`` ``[out, in]`` as a symmetric legacy type (``Q4_0`` / ``Q5_0``),
+    each block's weighted :func:`qx` with input weights ``importance`` ``[in]``."""
+    out, n = W.shape
+    x = W.double().reshape(out, n // BLOCK, BLOCK)
+    wt = importance.double().reshape(1, n // BLOCK, BLOCK).expand_as(x)
+    return qx(x, wt, nmax).to(torch.float16)
 
 
 def dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

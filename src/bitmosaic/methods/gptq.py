@@ -23,7 +23,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..algorithms.gguf_grid import GGUFGridResult, iq_gptq, kquant_gptq, legacy_gptq
+from ..algorithms.gguf_grid import (
+    SYM_NMAX,
+    GGUFGridResult,
+    iq_gptq,
+    kquant_gptq,
+    legacy_gptq,
+    legacy_sym_gptq,
+)
 from ..algorithms.gguf_lattice import lattice_gptq
 from ..algorithms.mx import mx_gptq
 from ..algorithms.types import QuantResult
@@ -149,7 +156,7 @@ class GPTQ(Method):
         else:
             n, gqa, big = state["n_layers"], state["n_gqa"], state.get("llm_70b", False)
             typ = tensor_type(cfg.gguf_type, name, weight.shape[1], n, gqa, big)
-        if typ in LEGACY_BITS:  # llama.cpp's fallback is an integer grid: GPTQ on it, symmetric, groups of 32
+        if typ in LEGACY_BITS and typ not in SYM_NMAX:  # Q8_0 (llama.cpp's reads no imatrix): GPTQ, sym, g32
             sub = dataclasses.replace(  # no GGUF option left: its __post_init__ would reset bits to 4
                 cfg, gguf_type=None, gguf_target_bpw=None, bits=LEGACY_BITS[typ], sym=True, group_size=32,
                 static_groups=True,
@@ -158,7 +165,9 @@ class GPTQ(Method):
             res.info["gguf_type"] = typ
             return res
         H = require_hessian(stats, "gptq")
-        if typ in IQ_TYPES:
+        if typ in SYM_NMAX:  # Q4_0 / Q5_0: llama.cpp's weighted scale fit, then GPTQ on that integer grid
+            solve = legacy_sym_gptq
+        elif typ in IQ_TYPES:
             solve = iq_gptq
         elif typ in LATTICE:
             solve = lattice_gptq
