@@ -71,6 +71,7 @@ def row(
     what was measured (``ours``), the baseline of the same run, their ratio, the verdict (:func:`judge`),
     the physical bound beside it and a one-line ``note`` (why a row was not measured, a caveat)."""
     what, op, goal = TARGETS[target]
+    note = note.strip().splitlines()[0][:240] if note.strip() else ""  # one line
     met = judge(ratio, op, goal, also)
     verdict = "met" if met else ("not met" if met is False else "not measured")
     return {
@@ -91,7 +92,7 @@ def row(
 
 def missing(target: str, label: str, why: str) -> dict:
     """A row whose measurement (or peer) is missing: one line says why; the others still run."""
-    return row(target, label, note=why.strip().splitlines()[0][:240] if why.strip() else "not measured")
+    return row(target, label, note=why or "not measured")
 
 
 # -- rows from each measurement's numbers ---------------------------------------------------------------
