@@ -1,5 +1,6 @@
 """Whole-model prefill on the CPU: the wall time of one forward over a ``--tokens``-token prompt (the
-first tokens of WikiText-2 raw test) of SmolLM2-135M in float32 against the same model quantized with
+first tokens of WikiText-2 raw test; the output head on the last position only, as ``generate``'s prefill)
+of SmolLM2-135M in float32 against the same model quantized with
 SmoothQuant W4A8 (``quantize_(model, "smoothquant", calib, scheme="W4A8")``: per-token dynamic INT8
 activations on the integer kernel, ``kernels/intmm.py``), at each ``--threads`` count, in one process.
 
@@ -38,17 +39,18 @@ def measure(threads: list[int], tokens: int, nsamples: int, seqlen: int, budget_
     model, tok = load_model("smollm2-135m", dtype=torch.float32)
     model.eval()
     calib = calibration_samples(tok, "wikitext2", nsamples, seqlen, 0)
-    ids = eval_tokens(tok, "wikitext2")[:tokens].unsqueeze(0)
+    ids = eval_tokens(tok, "wikitext2").reshape(-1)[:tokens].unsqueeze(0)  # [1, tokens]
     quant = copy.deepcopy(model)
-    quantize_(quant, "smoothquant", calib, scheme="W4A8", progress=False)
+    quantize_(quant, "smoothquant", calib, scheme="W4A8", progress=False, measure_errors=False)
     quant.eval()
     macs = linear_macs(model)
     rows = []
     for t in threads:
         rate, bw = machine_bounds(t)  # sets the threads too
         with torch.inference_mode():
-            f = median_ms(lambda: model(ids), budget_s, 10)
-            q = median_ms(lambda: quant(ids), budget_s, 10)
+            # the logits of the last position only, as generate's prefill computes them
+            f = median_ms(lambda: model(ids, logits_to_keep=1), budget_s, 10)
+            q = median_ms(lambda: quant(ids, logits_to_keep=1), budget_s, 10)
         bound = 2 * tokens * macs / (rate * 1e9) * 1e3
         rows.append({"threads": t, "tokens": tokens, "float_ms": f, "w4a8_ms": q, "ratio": q / f,
                      "int8_gops": rate, "read_gbs": bw, "int8_bound_ms": bound})  # fmt: skip
