@@ -7,7 +7,8 @@ Rows (``--only``, a comma list):
 
 * ``calib``: ``benchmarks/peers/speed.py``'s children: bitmosaic's GPTQ with no option (what
   ``bitmosaic quantize --method gptq`` runs: w4 g128 asym, act-order, static groups, MSE scales) against
-  llm-compressor's GPTQ at w4 g128 asym (``--anchor-python``: an interpreter with ``llmcompressor``),
+  llm-compressor's asymmetric GPTQ with static act-order at g64, the largest group it takes on SmolLM2's
+  576-wide inputs (see speed.py) (``--anchor-python``: an interpreter with ``llmcompressor``),
   16 x 512 calibration, perplexity on 20 windows; bound: an approximate FLOP count
   (``real_shapes.layer_flops`` x 30 layers) at the float32 GEMM rate measured here;
 * ``layer8b``: ``benchmarks/scale/real_shapes.py write`` of a 3-layer Llama-3-8B-shaped checkpoint and
@@ -84,14 +85,14 @@ def _tail(p) -> str:
 
 
 def run_calib(a, work: Path) -> list[dict]:
-    from benchmarks.peers.speed import DEFAULTS_ROW, PEER_G128_ROW
+    from benchmarks.peers.speed import DEFAULTS_ROW, PEER_ROW
     from benchmarks.scale.real_shapes import gemm_gflops, layer_flops
 
     n, seqlen, windows = (2, 64, 2) if a.smoke else (16, 512, 20)
     out = work / "speed.json"
     args = [
         "--only",
-        f"{DEFAULTS_ROW},{PEER_G128_ROW}",
+        f"{DEFAULTS_ROW},{PEER_ROW}",
         "--json",
         out,
         "--nsamples",
@@ -111,7 +112,7 @@ def run_calib(a, work: Path) -> list[dict]:
     data = json.loads(out.read_text())
     rows = {r["name"]: r for r in data["rows"]}
     skipped = data.get("skipped", {})
-    why = skipped.get(PEER_G128_ROW, "")
+    why = skipped.get(PEER_ROW, "")
     if "not installed" in why:
         why = f"llm-compressor is not installed in {a.anchor_python} (pass --anchor-python, see docs)"
     import torch
@@ -121,7 +122,7 @@ def run_calib(a, work: Path) -> list[dict]:
     flops = layer_flops(SMOLLM2, n * seqlen, seqlen)["total"] * SMOLLM2_LAYERS
     bound = {"gemm_gflops": gemm, "tflop": flops / 1e12, "seconds": flops / (gemm * 1e9)}
     ours = rows.get(DEFAULTS_ROW)
-    return [tt.calib_row(ours, rows.get(PEER_G128_ROW), bound, why or skipped.get(DEFAULTS_ROW, ""))]
+    return [tt.calib_row(ours, rows.get(PEER_ROW), bound, why or skipped.get(DEFAULTS_ROW, ""))]
 
 
 # -- the 8B-shaped layer ----------------------------------------------------------------------------------

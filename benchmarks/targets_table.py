@@ -99,7 +99,7 @@ def missing(target: str, label: str, why: str) -> dict:
 
 
 def calib_row(ours: dict | None, peer: dict | None, bound: dict | None, why: str = "") -> dict:
-    """speed.py's rows: bitmosaic's defaults and llm-compressor at the same bits/group (seconds, ppl)."""
+    """speed.py's rows: bitmosaic's defaults (g128) and llm-compressor at g64 (seconds, ppl)."""
     if ours is None:
         return missing("calib", "", why or "bitmosaic's row did not run")
     b = (
@@ -123,7 +123,7 @@ def calib_row(ours: dict | None, peer: dict | None, bound: dict | None, why: str
         )
     return row(
         "calib",
-        "",
+        "ours w4 g128 (defaults), llm-compressor w4 g64 (it refuses g128 here)",
         ours=mine,
         baseline=f"llm-compressor {peer['seconds']:.1f} s, ppl {peer['ppl']:.3f}",
         ratio=peer["seconds"] / ours["seconds"],
