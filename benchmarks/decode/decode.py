@@ -7,7 +7,8 @@ bit-plane LUT at 1-3 bits; the ``(FMA)`` rows run the same W3/W2 folders on ``Lo
 head as an 8-bit copy, ``--runtime-head int8``, as llama.cpp's file holds it in ``Q8_0``; ``+Q8H`` its
 inputs too in int8 blocks, ``--runtime-head q8_0``, as llama.cpp computes it; the ``(compiled)`` rows
 those models with :func:`bitmosaic.modules.decode.enable_compiled_decode`: a static KV cache and a
-``torch.compile``-d decode step inside plain ``generate``),
+``torch.compile``-d decode step inside plain ``generate``; the ``(load)`` rows the folder as a user
+loads it, ``bitmosaic.load(dir)``, whose default decode is that compiled step: issue 74's target),
 against llama.cpp running the very GGUF the model comes from (Q4_1) where ``llama_cpp`` is
 installed (``pip install llama-cpp-python``, or the ``peers`` extra), same threads, same prompt token
 ids, same number of new tokens.  Where ``llama_cpp`` is absent the run builds it once (llama.cpp from
@@ -131,7 +132,14 @@ def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repea
 
         os.environ[RUNTIME_ACT_ENV] = acts[flag]
     rss_base = _rss_mb()  # after the imports: the growth from here is the model's
-    if variant.startswith("float"):
+    plain = "(load)" in flags  # what a user runs: bitmosaic.load(dir), its default (compiled) decode
+    if plain:
+        from transformers import AutoTokenizer
+
+        import bitmosaic
+
+        model, tok = bitmosaic.load(folder), AutoTokenizer.from_pretrained(folder)
+    elif variant.startswith("float"):
         model, tok = load_model("smollm2-135m", dtype=torch.float32)
     else:
         model, tok = load_quantized(folder)
@@ -142,8 +150,9 @@ def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repea
 
         set_runtime_head(model, heads[flag])
     model.eval()
-    compiled = "(compiled" in variant
-    if compiled:  # a static cache and the compiled decode step in plain generate
+    # a (load) row compiles when bitmosaic.load installed its step ($BITMOSAIC_NO_COMPILE: eager)
+    compiled = "(compiled" in variant or (plain and hasattr(model, "_compiled_call"))
+    if "(compiled" in variant:  # a static cache and the compiled decode step in plain generate
         from bitmosaic.modules.decode import enable_compiled_decode
 
         option = variant.split("(compiled")[1].rstrip(")")  # "" or an _INDUCTOR_OPTIONS key
@@ -193,6 +202,7 @@ def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repea
         "first_generate_s": first_s if compiled else None,
         "graphs": counters["stats"]["unique_graphs"] if compiled else None,
         "graph_breaks": sum(counters["graph_break"].values()) if compiled else None,
+        "compiled": compiled and not getattr(getattr(model, "_compiled_call", None), "eager", False),
         "rss_mb": rss,
         "model_rss_mb": rss - rss_base,
         "linears_resident_mb": resident / 2**20,
@@ -344,6 +354,8 @@ def main() -> None:
                     "W4 g128 +Q8A +Q8H")  # fmt: skip
         for v in compiled:
             folders[f"{v} (compiled)"] = folders[v]  # static cache + torch.compile (modules/decode.py)
+        for v in ("W4 g128", "W2 g128"):  # plain bitmosaic.load(dir).generate: the default a user meets
+            folders[f"{v} (load)"] = folders[v]
         if only is not None:  # opt-in: any compiled row with an inductor option, "(compiled+cpp_wrapper)"
             folders.update({f"{v} (compiled{k})": folders[v] for v in compiled for k in _INDUCTOR_OPTIONS})
             unknown = sorted(only - set(folders) - {"llama.cpp Q4_1"})

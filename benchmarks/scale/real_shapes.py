@@ -135,14 +135,15 @@ def gemm_gflops(n: int = 4096, k: int = 4096, m: int = 8192) -> float:
     return 2 * m * n * k / (ms / 1e3) / 1e9
 
 
-def layer_flops(shape: str, tokens: int, seqlen: int = 512) -> dict:
+def layer_flops(shape: str | dict, tokens: int, seqlen: int = 512) -> dict:
     """FLOPs of one decoder layer's GPTQ run (module doc of pipeline.py): the layer forwards the
     pipeline makes (no output cache at these sizes: a pass up to each group's inputs -- q/k/v's
     costs nothing -- and the final one) with their attention ``4 T seqlen h``, the Hessians
     ``2 T d^2`` of the four inputs (the upper triangle is ``T d^2``, plus the diagonal blocks), GPTQ's
     solve per stacked group (Cholesky ``d^3/3``, triangular inverse ``d^3/3``, column updates
-    ``2 rows d^2``) and the report's error metrics (``w^T H w`` per row: ``2 rows d^2``)."""
-    s = SHAPES[shape]
+    ``2 rows d^2``) and the report's error metrics (``w^T H w`` per row: ``2 rows d^2``).  ``shape``: a
+    name of :data:`SHAPES` or a dict of the same fields."""
+    s = SHAPES[shape] if isinstance(shape, str) else shape
     h, f = s["hidden_size"], s["intermediate_size"]
     kv = s["num_key_value_heads"] * (h // s["num_attention_heads"])
     qkv, o, gu, down = h * (h + 2 * kv), h * h, 2 * h * f, f * h
