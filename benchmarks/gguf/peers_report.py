@@ -64,9 +64,22 @@ def _vs(ours: dict | None, imat: dict | None) -> str:
     return f"{cell}, {ours['mb'] / imat['mb']:.3f}x MB"
 
 
+def _kept_note(st: dict) -> list[str]:
+    kept = {t: r["kept_from"] for t, r in st.get("ours", {}).items() if "kept_from" in r}
+    if not kept:
+        return []
+    return [
+        "",
+        "bitmosaic rows kept from an earlier run, not re-quantized (no paired interval: that run kept no "
+        "per-chunk NLL): " + "; ".join(f"{t} ({why})" for t, why in kept.items()) + ".",
+    ]
+
+
 def _not_run(st: dict, typ: str) -> str:
     if typ in st.get("failed", {}):  # a quantization that stopped with an error (its log's last line)
         return f"failed: {st['failed'][typ]}"
+    if typ in st.get("not_rerun", {}):  # a row whose earlier measurement no longer holds (the reason)
+        return f"not rerun: {st['not_rerun'][typ]}"
     return "not run" if typ in OURS else "not implemented"
 
 
@@ -147,6 +160,7 @@ def report(st: dict, a) -> str:
         + "), compared with P's files (equal bytes).  bitmosaic rows re-measured one type at a time "
         "(`--skip-llama --types T`) keep the llama.cpp rows of the earlier run (same tools, same imatrix "
         "protocol); 'not run': not measured by the run's deadline.",
+        *_kept_note(st),
         "",
         *_decode_note(dec),
     ]
