@@ -103,7 +103,7 @@ KINDS = ("normal", "heavy", "repeated", "constant", "zero", "tiny", "bf16")
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     rows=st.integers(1, 40),
-    cols=st.sampled_from([32, 64, 96, 128, 256]),
+    cols=st.sampled_from([16, 32, 48, 64, 96, 100, 128, 256]),
     bits=st.integers(2, 8),
     sym=st.booleans(),
     kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=3),
@@ -123,21 +123,23 @@ def test_same_scales_as_the_reference(rows, cols, bits, sym, kinds, special, see
 
 
 @compiled
+@pytest.mark.parametrize("cols", [128, 16, 100])
 @pytest.mark.parametrize("name", isa.ISAS)
-def test_each_isa_and_the_exact_tie_path(monkeypatch, name):
+def test_each_isa_and_the_exact_tie_path(monkeypatch, name, cols):
     """Every ISA gives the reference's scales, including rows where several candidates survive the
-    approximate pass (exact ties: repeated and constant values) and are decided by torch."""
+    approximate pass (exact ties: repeated and constant values) and are decided by torch; with 16 or
+    100 columns the exact blocks are padded to 32-element multiples."""
     ext = scale_search.extension()
     if name not in isa.available_isas(ext):
         pytest.skip(f"this CPU has no {name}")
     monkeypatch.setenv(isa.ISA_ENV, name)
     gen = torch.Generator().manual_seed(1)
-    w = torch.cat([_rows(k, 64, 128, gen) for k in KINDS])
+    w = torch.cat([_rows(k, 64, cols, gen) for k in KINDS])
     grid = IntGrid(4, False)
     xmin, xmax = w.amin(dim=1), w.amax(dim=1)
     ps = torch.tensor([1 - i / 100 for i in range(80)])
     S, Z = scales.range_scale_zero(xmin[:, None] * ps, xmax[:, None] * ps, grid, check=False)
-    kappa, alpha2 = scale_search.error_bound(128)
+    kappa, alpha2 = scale_search.error_bound(cols)
     win, _ = ext.mse_survivors(
         w, S.contiguous(), Z.contiguous(), grid.maxq, kappa, alpha2, isa.ISAS.index(name)
     )
@@ -150,9 +152,10 @@ def test_each_isa_and_the_exact_tie_path(monkeypatch, name):
 
 @compiled
 def test_fast_path_declines_where_the_reference_differs_by_position():
-    """Columns not a multiple of 32 (torch's pow would take its scalar tail), float64, another norm:
-    no fast path, and find_scale_zero runs the reference."""
-    w = torch.randn(8, 100)
+    """A chunk of the reference not a multiple of 32 elements (torch's pow would take its scalar tail:
+    80 candidates x 3 rows x 7 columns), float64, another norm: no fast path, and find_scale_zero
+    runs the reference."""
+    w = torch.randn(3, 7)
     xmin, xmax = w.amin(dim=1), w.amax(dim=1)
     grid = IntGrid(4)
     s, z = scales.range_scale_zero(xmin, xmax, grid)
@@ -166,14 +169,14 @@ def test_fast_path_declines_where_the_reference_differs_by_position():
         scale_search.mse_search(w, w.amin(1), w.amax(1), grid, s.float(), z.float(), 100, 0.8, 2.0, 1 << 21)
         is None
     )
-    w = torch.randn(8, 100)
+    w = torch.randn(3, 7)
     assert all(
         torch.equal(x, y) for x, y in zip(scales.find_scale_zero(w, grid, "mse"), _ref(w, grid), strict=True)
     )
 
 
 @compiled
-@pytest.mark.parametrize("group_size", [32, 128, None])
+@pytest.mark.parametrize("group_size", [16, 32, 128, None])
 def test_batched_groups_and_gptq_static_groups_unchanged(group_size):
     """group_scale_zero takes all groups in one fast call, and GPTQ's static groups with MSE scales
     give the same scales, zeros and codes as with the reference search."""

@@ -21,12 +21,15 @@
 Identical results need the reference's per-element values to be position independent: torch
 evaluates ``pow`` vectorised (Sleef) except in a loop's scalar tail, so the fast path runs only where
 every parallel chunk of the reference's ``[C, rows, cols]`` tensor is a multiple of 32 elements
-(``cols % 32 == 0`` and :func:`_reference_vectorised`; all GPTQ group sizes 32/64/128 and full rows of
-real layers), and the exact re-evaluation runs in serial blocks of whole 32-element multiples.
-Otherwise (other shapes, float64, another norm, a GPU, no compiler) the reference runs.
+(:func:`_reference_vectorised`: group sizes 16/32/64/128 and full rows of real layers), and the exact
+re-evaluation runs in serial blocks of whole 32-element multiples (padded with a repeated row where
+``cols`` is not a multiple of 32).  Otherwise (other shapes, float64, another norm, a GPU, no
+compiler) the reference runs.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -61,14 +64,17 @@ def error_bound(n: int) -> tuple[float, float]:
 
 def _reference_vectorised(rows: int, cols: int, n_cand: int, chunk_elems: int) -> bool:
     """Whether the reference evaluates every ``pow`` of its chunks in torch's vectorised loop: each
-    chunk's ``numel`` and each thread's share of it a multiple of 32 (2 AVX-512 vectors)."""
-    if cols % 32:
+    chunk's ``numel`` and each thread's share of it a multiple of 32 (2 AVX-512 vectors), and the
+    exact re-evaluation's padded serial blocks (:func:`_exact_block`) fit under torch's grain."""
+    if _exact_block(cols) == 0:
         return False
     threads = torch.get_num_threads()
     step = max(1, chunk_elems // max(1, rows * cols))
     sizes = {min(step, n_cand - c0) for c0 in range(0, n_cand, step)}
     for c in sizes:
         numel = c * rows * cols
+        if numel % 32:
+            return False
         if numel < _GRAIN or threads == 1:
             continue
         parts = min(threads, -(-numel // _GRAIN))
@@ -77,18 +83,32 @@ def _reference_vectorised(rows: int, cols: int, n_cand: int, chunk_elems: int) -
     return True
 
 
+def _exact_block(cols: int) -> int:
+    """Rows per serial block of :func:`_exact_errors`: a multiple of ``32 / gcd(cols, 32)`` (so the
+    block is whole 32-element multiples) with fewer than ``_GRAIN`` elements; 0 where none fits."""
+    m = 32 // math.gcd(cols, 32)
+    per = (_GRAIN - 1) // cols
+    return per - per % m
+
+
 def _exact_errors(w, S, Z, cand, row, maxq):
     """The reference's float32 error of candidate ``cand[i]`` on row ``row[i]``, in serial blocks
-    (fewer than ``_GRAIN`` elements, whole rows of 32-multiples: every pow vectorised)."""
+    (fewer than ``_GRAIN`` elements, whole 32-element multiples: every pow vectorised; a short last
+    block is padded by repeating its last pair, whose extra errors are dropped)."""
     cols = w.shape[1]
-    per = max(1, (_GRAIN - 1) // cols)
-    out = torch.empty(cand.numel(), dtype=w.dtype)
-    for i in range(0, cand.numel(), per):
+    per, m = _exact_block(cols), 32 // math.gcd(cols, 32)
+    n = cand.numel()
+    out = torch.empty(n, dtype=w.dtype)
+    for i in range(0, n, per):
         c, r = cand[i : i + per], row[i : i + per]
+        k = c.numel()
+        if k % m:
+            pad = m - k % m
+            c, r = torch.cat([c, c[-1:].expand(pad)]), torch.cat([r, r[-1:].expand(pad)])
         wb = w.index_select(0, r)
         s, z = S[r, c][:, None], Z[r, c][:, None]
         e = torch.div(wb, s).round_().add_(z).clamp_(0, maxq).sub_(z)
-        out[i : i + per] = e.mul_(s).sub_(wb).abs_().pow_(_NORM).sum(dim=1)
+        out[i : i + k] = e.mul_(s).sub_(wb).abs_().pow_(_NORM).sum(dim=1)[:k]
     return torch.nan_to_num_(out, nan=float("inf"))
 
 
