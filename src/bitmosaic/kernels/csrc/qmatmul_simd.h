@@ -9,12 +9,30 @@
 // step t (4 per row of x), AVX2 one chain per part h (2 per row), each chain summing in span order;
 // the chains are added pairwise at the end of a group.
 
+// Codes of 1-4 bits on AVX-512 come from a 16-float table (value i mod 2^B at index i) by one vpermps,
+// which reads only the low 4 bits of each lane: no mask, no int -> float conversion (the same floats
+// exactly: small integers), and the permute runs on port 5 where the shift, conversion and mask
+// compete for port 0 with the FMAs on the CPUs measured (benchmarks/kernels/qmatmul_codes_ab.py).
+template <int B>
+struct CodeTab {
+  alignas(64) float v[16];
+  constexpr CodeTab() : v() {
+    for (int i = 0; i < 16; ++i) v[i] = (float)(i & ((1 << B) - 1));
+  }
+};
+template <int B>
+constexpr CodeTab<B> kCodeTab{};
+
 template <class V, int B, int T>
 BM_INLINE typename V::F codes(typename V::I v) {
-  constexpr bool clean = (T == 3) && (B == 8 || B == 4 || B == 2);  // nothing above the last code
   typename V::I c = T ? V::srli(v, T * B) : v;
-  if constexpr (!clean) c = V::andi(c, V::set1i((1 << B) - 1));
-  return V::cvt(c);
+  if constexpr (V::W == 16 && B <= 4) {
+    return V::lookup16(kCodeTab<B>.v, c, 0);
+  } else {
+    constexpr bool clean = (T == 3) && (B == 8 || B == 4 || B == 2);  // nothing above the last code
+    if constexpr (!clean) c = V::andi(c, V::set1i((1 << B) - 1));
+    return V::cvt(c);
+  }
 }
 
 template <class V>
