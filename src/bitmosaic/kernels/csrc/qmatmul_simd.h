@@ -12,7 +12,7 @@
 // Codes of 1-4 bits on AVX-512 come from a 16-float table (value i mod 2^B at index i) by one vpermps,
 // which reads only the low 4 bits of each lane: no mask, no int -> float conversion (the same floats
 // exactly: small integers), and the permute runs on port 5 where the shift, conversion and mask
-// compete for port 0 with the FMAs on the CPUs measured (benchmarks/kernels/qmatmul_codes_ab.py).
+// compete for port 0 with the FMAs on the CPUs measured (benchmarks/kernels/kernel_ab.py --kernel qmatmul).
 template <int B>
 struct CodeTab {
   alignas(64) float v[16];
