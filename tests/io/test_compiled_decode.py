@@ -16,16 +16,16 @@ from bitmosaic.testing import SPECIALS, VOCAB, tiny_llama
 NEW = 24
 
 
-def quantized_tiny(bits: int, runtime_act: str | None = None):
+def quantized_tiny(bits: int, runtime_act: str | None = None, group_size: int = 32):
     """The tiny Llama with weights scaled up (its greedy tokens then vary, so equal tokens mean something),
-    RTN ``bits`` g32, optionally with run-time activations; kernels built."""
+    RTN ``bits`` g32 (or ``group_size``), optionally with run-time activations; kernels built."""
     m = tiny_llama()
     with torch.no_grad():
         for p in m.parameters():
             if p.dim() == 2:
                 p.mul_(8)
     calib = torch.randint(len(SPECIALS), VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
-    quantize_(m, "rtn", calib, bits=bits, group_size=32, progress=False)
+    quantize_(m, "rtn", calib, bits=bits, group_size=group_size, progress=False)
     if runtime_act is not None:
         from bitmosaic.modules.intact import set_runtime_activations
 

@@ -87,8 +87,17 @@ def test_selector_defaults(monkeypatch):
     assert select_kernel(packed, mix) is (BitPlaneWeight if lut_here else LowBitWeight)
     assert select_kernel(packed, mix.clone().fill_(4)) is LowBitWeight
     assert select_kernel(packed, torch.tensor([[2, 5]])) is LowBitWeight  # not fast at every width
+    # groups shorter than LowBitWeight's 64-code spans (it would pad each): the LUT, at any width
+    for b in (2, 4, 8):
+        for gs in (16, 32, 96):
+            assert select_kernel(packed, b, group_size=gs) is (BitPlaneWeight if lut_here else LowBitWeight)
+        for gs in (64, 128, -1, None):
+            assert select_kernel(packed, b, group_size=gs) is (
+                BitPlaneWeight if lut_here and b <= 3 else LowBitWeight
+            )
     monkeypatch.setattr(lut, "extension", lambda: None)  # no compiled LUT: its fallback is not faster
     assert select_kernel(packed, 2) is LowBitWeight
+    assert select_kernel(packed, 4, group_size=32) is LowBitWeight
     assert select_kernel(sfmp, 2) is BitPlaneWeight  # the only kernel SFMP lists
     with pytest.raises(ValueError, match="none of the kernels"):
         select_kernel(packed, 9)

@@ -119,7 +119,8 @@ def test_act_order_is_a_load_time_permutation():
 
 def test_low_bit_kinds_decode_on_the_lut(monkeypatch):
     """By default the packed kinds at 1-3 storage bits run on the bit-plane LUT kernel (act-order
-    gather inside its call, codes rebuilt exactly), wider ones on LowBitWeight (kernels/select.py);
+    gather inside its call, codes rebuilt exactly), wider ones in groups of 64 on LowBitWeight
+    (kernels/select.py);
     $BITMOSAIC_KERNEL forces one where the kind lists it, and both kernels give the same outputs within
     float rounding."""
     from bitmosaic.kernels import lut
@@ -131,7 +132,7 @@ def test_low_bit_kinds_decode_on_the_lut(monkeypatch):
         pytest.skip("no C++ compiler: the LUT kernel is not used without its compiled path")
     monkeypatch.delenv(KERNEL_ENV, raising=False)
     m3, _ = _quantized("gptq", {"bits": 3, "group_size": 24, "order": "act", "static_groups": False})
-    m4, _ = _quantized("gptq", {"bits": 4, "group_size": 32})
+    m4, _ = _quantized("gptq", {"bits": 4, "group_size": 64})  # g32 would go to the LUT (select.py)
     mods3, mods4 = list(quantized_modules(m3).values()), list(quantized_modules(m4).values())
     assert all(isinstance(mod.kernel().weight, BitPlaneWeight) for mod in mods3)
     assert all(isinstance(mod.kernel().weight, LowBitWeight) for mod in mods4)

@@ -4,6 +4,7 @@ per-expert modules compute, bit for bit; the saved folder keeps the per-expert n
 from __future__ import annotations
 
 import copy
+import functools
 import json
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bitmosaic.kernels import lut
 from bitmosaic.kernels.select import select_kernel
 from bitmosaic.modules import QuantLinear, QuantModule, full_layer_config, module_from_layer_config
 from bitmosaic.modules.base import resident_bytes
@@ -94,7 +96,9 @@ def test_the_pipeline_packs_every_moe_layer(gptq):
             assert pe.expert_config() == mods[0].layer_config()
             for e, q in enumerate(mods):  # each expert's kernel is a row of the stack (no copy)
                 assert q._kernel is pe._kernel[e]
-                assert q._kernel.weight.data.data_ptr() == pe._kernel.stacks[("weight", "data")][e].data_ptr()
+                for path, stack in pe._kernel.stacks.items():  # whichever kernel the selector built
+                    field = functools.reduce(getattr, path, q._kernel)
+                    assert field.data_ptr() == stack[e].data_ptr(), path
                 assert torch.equal(pe.qweight[e], q.qweight) and torch.equal(pe.scales[e], q.scales)
                 x = torch.randn(3, q.in_features)
                 assert runs_stacked(q, pe._kernel[e])  # the packed forward takes the stacked row itself
@@ -148,15 +152,17 @@ _REF = None
 
 
 def test_kernel_selection_reports(gptq):
-    """The report names the kernel select_kernel picks for the packed kind (w4: LowBitWeight), the
-    stack's bytes are the experts' kernels' bytes, and resident memory holds one copy."""
+    """The report names the kernel select_kernel picks for the packed kind (w4 g16: the bit-plane LUT
+    where it is compiled, LowBitWeight pads groups under 64), the stack's bytes are the experts'
+    kernels' bytes, and resident memory holds one copy."""
     rep = packed_experts_report(gptq)
     assert set(rep) == {f"model.layers.{i}.mlp.experts" for i in range(2)}
     want = select_kernel(QuantLinear.KERNELS, 4, group_size=16).KERNEL_NAME
     for name, projs in rep.items():
         m = gptq.get_submodule(name)
         for proj, r in projs.items():
-            assert r["kernel"] == want == "lowbit" and r["experts"] == E and not r["int_act"]
+            assert r["kernel"] == want == ("lut" if lut.extension() is not None else "lowbit")
+            assert r["experts"] == E and not r["int_act"]
             assert r["bytes"] == sum(getattr(mlp, proj)._kernel.nbytes() for mlp in m)
     ref = unpacked(gptq)
     for m in ref.modules():

@@ -16,6 +16,8 @@ Every kernel class declares what it runs (the GPTQModel style)::
     SUPPORTS_GROUP_SIZE_MULTIPLE  group sizes it takes are multiples of this (1: any; -1 = one per row)
     SUPPORTS_ROWS                 (lo, hi) rows of x it is fast for (hi None: any)
     FAST_BITS                     widths at which it is the measured choice
+    FAST_GROUP_SIZE_MULTIPLE      group sizes it is fast for are multiples of this (optional, default 1;
+                                  LowBitWeight 64: a smaller group pads each 64-code span)
     NEEDS_COMPILED                fast only with its compiled extension (``compiled()``)
 
 and every module kind lists, in order of preference, the kernels that can run it (a ``KERNELS`` class
@@ -27,7 +29,8 @@ attribute: packed kinds ``("triton_int", "lut", "lowbit")``, mosaic ``("lowbit",
 first that runs it.  A kind's integer-activation kernels are listed apart (``INT_ACT_KERNELS``:
 ``("int8act",)`` for the plain packed kind) and checked with :func:`runs` the same way.  So by
 default the packed kinds run the Triton kernel on CUDA and, on the CPU, the bit-plane LUT at 1-3 bits
-and LowBitWeight from 4 bits (and everywhere without the compiled LUT), mosaic LowBitWeight, SFMP the
+and at any width in groups smaller than 64 (or not a multiple of it), LowBitWeight from 4 bits in
+groups of 64, 128, ... or one per row (and everywhere without the compiled LUT), mosaic LowBitWeight, SFMP the
 Triton bit-plane GEMV on CUDA and the LUT on the CPU, and MXFP4/NVFP4 the FP4 LUT GEMV on the CPU (the
 reference tiles without its extension, and for the FP8 formats).
 
@@ -102,12 +105,16 @@ def runs(kernel: type, bits, device: str = "cpu", group_size: int | None = None)
     return group_size is None or group_size < 0 or mult <= 1 or group_size % mult == 0
 
 
-def is_fast(kernel: type, bits, rows: int = 1) -> bool:
-    """Whether ``kernel`` is the measured choice for these ``bits`` at ``rows`` rows of x here."""
+def is_fast(kernel: type, bits, rows: int = 1, group_size: int | None = None) -> bool:
+    """Whether ``kernel`` is the measured choice for these ``bits`` at ``rows`` rows of x here (and this
+    ``group_size``: ``None`` or ``< 0``, one group per row, passes)."""
     lo, hi = kernel.SUPPORTS_ROWS
     if rows < lo or (hi is not None and rows > hi):
         return False
     if not _widths(bits) <= set(kernel.FAST_BITS):
+        return False
+    mult = getattr(kernel, "FAST_GROUP_SIZE_MULTIPLE", 1)
+    if group_size is not None and group_size > 0 and mult > 1 and group_size % mult:
         return False
     return not kernel.NEEDS_COMPILED or kernel.compiled()
 
@@ -123,7 +130,8 @@ def select_kernel(
     """The kernel class a module kind with these ``candidates`` (``KERNELS`` names, preferred first)
     builds for ``bits`` (an int or a per-block map), ``rows`` rows of x (1: decode) on ``device``:
     ``$BITMOSAIC_KERNEL`` if set and among the runnable candidates, else the first runnable candidate
-    that is fast for the request, else the first runnable one."""
+    that is fast for the request, else the first runnable one that has its compiled extension (where it
+    needs one), else the first runnable one."""
     unknown = [c for c in candidates if c not in KERNELS]
     if unknown:
         raise ValueError(f"unknown kernel(s) {unknown}; the kernels are {', '.join(KERNELS)}")
@@ -141,6 +149,7 @@ def select_kernel(
             if k.KERNEL_NAME == forced:
                 return k
     for k in runnable:
-        if is_fast(k, bits, rows):
+        if is_fast(k, bits, rows, group_size):
             return k
-    return runnable[0]
+    # none is the measured choice: the first that does not need a missing compiled extension
+    return next((k for k in runnable if not k.NEEDS_COMPILED or k.compiled()), runnable[0])
