@@ -1,6 +1,7 @@
 """End-to-end greedy decoding on the CPU: tokens/s and resident memory of SmolLM2-135M in float32,
 W4, W3 and W2 g128 (loaded through ``load_quantized``, the low-bit kernels as the default path: the
-bit-plane LUT at 1-3 bits; the ``(FMA)`` rows run the same W3/W2 folders on ``LowBitWeight``; the
+bit-plane LUT at 1-3 bits; the ``(FMA)`` rows run the same W3/W2 folders on ``LowBitWeight``, the
+``(LUT)`` row the W4 folder on the LUT (``$BITMOSAIC_KERNEL=lut``: which kernel is faster at 4 bits); the
 ``+A8`` rows the same W4/W2 folders with run-time INT8 activations on the integer kernel,
 ``$BITMOSAIC_RUNTIME_ACT=int8``, as llama.cpp quantizes its activations (``+Q8A``: one scale per block of
 32 channels, ``q8_0``, as llama.cpp's blocks); the ``+H8`` rows the output
@@ -122,10 +123,10 @@ def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repea
 
     torch.set_num_threads(threads)
     flags = variant.split()
-    if "(FMA)" in flags:  # the same folder on LowBitWeight instead of the bit-plane LUT
+    if "(FMA)" in flags or "(LUT)" in flags:  # the same folder on LowBitWeight / on the bit-plane LUT
         from bitmosaic.kernels.select import KERNEL_ENV
 
-        os.environ[KERNEL_ENV] = "lowbit"
+        os.environ[KERNEL_ENV] = "lowbit" if "(FMA)" in flags else "lut"
     acts = {"+A8": "int8", "+Q8A": "q8_0"}  # run-time 8-bit activations on the integer kernel (--runtime-act)
     for flag in set(flags) & set(acts):
         from bitmosaic.modules.intact import RUNTIME_ACT_ENV
@@ -356,6 +357,7 @@ def main() -> None:
             folders[f"{v} (compiled)"] = folders[v]  # static cache + torch.compile (modules/decode.py)
         for v in ("W4 g128", "W2 g128"):  # plain bitmosaic.load(dir).generate: the default a user meets
             folders[f"{v} (load)"] = folders[v]
+        folders["W4 g128 (LUT) (load)"] = folders["W4 g128"]  # 4 bits on the bit-plane LUT instead
         if only is not None:  # opt-in: any compiled row with an inductor option, "(compiled+cpp_wrapper)"
             folders.update({f"{v} (compiled{k})": folders[v] for v in compiled for k in _INDUCTOR_OPTIONS})
             unknown = sorted(only - set(folders) - {"llama.cpp Q4_1"})
