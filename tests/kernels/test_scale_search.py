@@ -196,3 +196,42 @@ def test_batched_groups_and_gptq_static_groups_unchanged(group_size):
     assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
     assert torch.equal(res.scales, res_ref.scales) and torch.equal(res.zeros, res_ref.zeros)
     assert torch.equal(res.codes, res_ref.codes)
+
+
+_EDGE = [0.0, -0.0, 1e-45, -1e-45, 2.0**-24, -(2.0**-24), 1e-30, -1e-30, 3.0e-8, 65504.0, -65504.0, 65519.0,
+         65520.0, 7e4, -7e4, 1e30, float("inf"), float("-inf"), float("nan")]  # fmt: skip
+
+
+@compiled
+@settings(max_examples=80, deadline=None)
+@given(
+    rows=st.integers(1, 64),
+    bits=st.integers(2, 8),
+    sym=st.booleans(),
+    kind=st.sampled_from(["normal", "wide", "edge"]),
+    mse_grid=st.sampled_from([100, 40, 7]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_candidate_scales_are_the_torch_ones_bit_for_bit(rows, bits, sym, kind, mse_grid, seed):
+    """The C++ candidates (kernels/scale_search.candidate_scales) are range_scale_zero's floats, every
+    scale and zero (the float16 overflow to inf, NaN where torch has NaN), for ranges of every magnitude."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "edge":
+        vals = torch.tensor(_EDGE)
+        a = vals[torch.randint(0, len(_EDGE), (rows,), generator=gen)]
+        b = vals[torch.randint(0, len(_EDGE), (rows,), generator=gen)]
+    else:
+        scale = 2.0 ** torch.randint(
+            -140 if kind == "wide" else -12, 20 if kind == "wide" else 2, (rows,), generator=gen
+        )
+        a, b = torch.randn(rows, generator=gen) * scale, torch.randn(rows, generator=gen) * scale
+    xmin, xmax = torch.minimum(a, b), torch.maximum(a, b)
+    grid = IntGrid(bits, sym)
+    ps = torch.tensor([1 - i / mse_grid for i in range(int(0.8 * mse_grid))])
+    S, Z = scale_search.candidate_scales(xmin, xmax, ps, grid)
+    with _reference_only():
+        S_ref, Z_ref = scales.range_scale_zero(xmin[:, None] * ps, xmax[:, None] * ps, grid, check=False)
+    for got, ref in ((S, S_ref), (Z, Z_ref)):  # NaN payloads aside (those rows go to the reference search)
+        nan = ref.isnan()
+        assert torch.equal(got.isnan(), nan)
+        assert _same(torch.where(nan, 0.0, got), torch.where(nan, 0.0, ref).contiguous())

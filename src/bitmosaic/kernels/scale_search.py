@@ -4,8 +4,9 @@
 80 shrink candidates minimising ``sum |w - Q(w)|^2.4`` in float32 torch arithmetic (``_mse_search``).
 :func:`mse_search` returns the same scale and zero per row, in three steps:
 
-1. The candidates' scales and zeros ``[R, C]`` with the reference's own torch code
-   (:func:`~bitmosaic.algorithms.scales.range_scale_zero` of ``p * xmin``, ``p * xmax``).
+1. The candidates' scales and zeros ``[R, C]``: the reference's own arithmetic
+   (:func:`~bitmosaic.algorithms.scales.range_scale_zero` of ``p * xmin``, ``p * xmax``), evaluated in
+   C++ (:func:`candidate_scales`, the same floats bit for bit).
 2. ``csrc/scalesearch.cpp``: per row, every candidate's error approximately (torch's exact float32
    distances ``d``; ``d^2.4`` within the relative error ``APPROX_REL``, checked over every float32
    exponent and mantissa by the tests; summed in double), threads over rows, a candidate dropped as
@@ -38,7 +39,15 @@ from ..formats.grid import IntGrid
 from . import build
 from .isa import isa_number
 
-__all__ = ["APPROX_REL", "TORCH_POW_REL", "error_bound", "extension", "install", "mse_search"]
+__all__ = [
+    "APPROX_REL",
+    "TORCH_POW_REL",
+    "candidate_scales",
+    "error_bound",
+    "extension",
+    "install",
+    "mse_search",
+]
 
 APPROX_REL = 2.0**-21  # relative error of the kernel's d^2.4 (tests/kernels/test_scale_search.py, exhaustive)
 TORCH_POW_REL = 2.0**-22  # torch's float32 pow: Sleef powf_u10 (1.0 ulp) or glibc powf (< 1 ulp); 2 ulp taken
@@ -112,6 +121,20 @@ def _exact_errors(w, S, Z, cand, row, maxq):
     return torch.nan_to_num_(out, nan=float("inf"))
 
 
+def candidate_scales(xmin, xmax, ps, grid: IntGrid, ext=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's candidate scales and zeros ``[rows, C]``: :func:`range_scale_zero` of ``xmin * p``,
+    ``xmax * p`` for each shrink ``p`` of ``ps``, bit for bit (``csrc/scalesearch.cpp`` evaluates the
+    same float32 operations per element, in C++: the torch form took most of the search's time); the
+    torch form where the extension is absent."""
+    ext = ext or extension()
+    if ext is None:
+        S, Z = _scales.range_scale_zero(xmin[:, None] * ps, xmax[:, None] * ps, grid, check=False)
+        return S.contiguous(), Z.contiguous()
+    sym_zero = grid.sym_zero if grid.symmetric else 0
+    return tuple(ext.candidate_scales(xmin.contiguous(), xmax.contiguous(), ps.contiguous(), grid.maxq,
+                                      grid.symmetric, sym_zero))  # fmt: skip
+
+
 def mse_search(
     w, xmin, xmax, grid: IntGrid, scale, zero, mse_grid, max_shrink, norm, chunk_elems, ref_rows=None
 ):
@@ -128,9 +151,7 @@ def mse_search(
     if ext is None:
         return None
     ps = torch.tensor([1 - i / mse_grid for i in range(n_cand)], dtype=w.dtype)
-    # the reference's candidate scales/zeros (the same elementwise ops), one row of candidates per row
-    S, Z = _scales.range_scale_zero(xmin[:, None] * ps, xmax[:, None] * ps, grid, check=False)  # [rows, C]
-    S, Z = S.contiguous(), Z.contiguous()
+    S, Z = candidate_scales(xmin, xmax, ps, grid, ext)  # [rows, C]
     kappa, alpha2 = error_bound(cols)
     win, alive = ext.mse_survivors(w, S, Z, grid.maxq, kappa, alpha2, isa_number(ext=ext))
     win = win.long()

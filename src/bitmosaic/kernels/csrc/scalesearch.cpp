@@ -16,6 +16,7 @@
 // survives, -1 when several do (their flags in `alive`, re-evaluated exactly by torch), -2 when the
 // row holds a non-finite value (left to the torch search).
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -225,6 +226,63 @@ BM_END_TARGET
 #endif
 
 
+// The candidates' scales and zeros [R, C] of rows with range [xmin[r], xmax[r]] shrunk by ps[c]: the float32
+// operations of algorithms/scales.py range_scale_zero(xmin * p, xmax * p, grid, check=False), in its order
+// (its torch ops are elementwise and correctly rounded, so each value is the same float):
+//   lo = min(p xmin, 0), hi = max(p xmax, 0) (NaN kept, as torch.minimum / maximum);
+//   scale = (2 max(|lo|, hi)) / maxq (symmetric) or (hi - lo) / maxq, at least 2^-24, then the smallest
+//   float16 value >= it (fp16_ceil: round to nearest even, one float16 step up where that fell below);
+//   zero = sym_zero, or clamp(round_half_even(-lo / scale), 0, maxq).
+// The torch form took most of the compiled search's time (elementwise passes over [R, 80], float16
+// conversions and nextafter unvectorized); tests/kernels/test_scale_search.py checks it bit for bit.
+inline float fp16_ceil(float x) {
+  const float h = static_cast<float>(c10::Half(x));  // round to nearest even
+  if (!(h < x)) return h;                            // also NaN
+  c10::Half up(x);
+  up.x = static_cast<uint16_t>(up.x + 1);  // x > 0 here (at least 2^-24): the next float16 up (+inf past 65504)
+  return static_cast<float>(up);
+}
+
+std::vector<torch::Tensor> candidate_scales(torch::Tensor xmin, torch::Tensor xmax, torch::Tensor ps, int64_t maxq,
+                                            bool sym, int64_t sym_zero) {
+  TORCH_CHECK(xmin.dim() == 1 && xmin.scalar_type() == torch::kFloat && xmin.is_contiguous(), "xmin: float32 [R]");
+  TORCH_CHECK(xmax.sizes() == xmin.sizes() && xmax.scalar_type() == torch::kFloat && xmax.is_contiguous(),
+              "xmax: float32 [R]");
+  TORCH_CHECK(ps.dim() == 1 && ps.scalar_type() == torch::kFloat && ps.is_contiguous(), "ps: float32 [C]");
+  TORCH_CHECK(maxq >= 1 && maxq <= 255, "bad maxq");
+  const int64_t R = xmin.size(0), C = ps.size(0);
+  auto S = torch::empty({R, C}, torch::kFloat), Z = torch::empty({R, C}, torch::kFloat);
+  const float *a = xmin.data_ptr<float>(), *b = xmax.data_ptr<float>(), *p = ps.data_ptr<float>();
+  float *sp = S.data_ptr<float>(), *zp = Z.data_ptr<float>();
+  const float mq = static_cast<float>(maxq), sz = static_cast<float>(sym_zero), tiny = 5.9604644775390625e-08f;
+  at::parallel_for(0, R, 256, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t c = 0; c < C; ++c) {
+        float lo = a[r] * p[c], hi = b[r] * p[c];
+        lo = std::isnan(lo) ? lo : (lo < 0.0f ? lo : 0.0f);
+        hi = std::isnan(hi) ? hi : (hi > 0.0f ? hi : 0.0f);
+        float scale;
+        if (sym) {
+          const float al = std::fabs(lo);
+          const float amax = (std::isnan(al) || std::isnan(hi)) ? std::numeric_limits<float>::quiet_NaN()
+                                                                : (al > hi ? al : hi);
+          scale = (2.0f * amax) / mq;
+        } else {
+          scale = (hi - lo) / mq;
+        }
+        scale = fp16_ceil(scale < tiny ? tiny : scale);
+        float z = sz;
+        if (!sym) {
+          z = std::nearbyint(-lo / scale);
+          z = z < 0.0f ? 0.0f : (z > mq ? mq : z);
+        }
+        sp[r * C + c] = scale;
+        zp[r * C + c] = z;
+      }
+  });
+  return {S, Z};
+}
+
 // -> (win int32 [R], alive uint8 [R, C]; rows with win >= 0 or -2: alive not written)
 std::vector<torch::Tensor> mse_survivors(torch::Tensor w, torch::Tensor S, torch::Tensor Z, int64_t maxq,
                                          double kappa, double alpha2, int64_t isa) {
@@ -282,6 +340,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "approximate MSE scale search with pruning: (winner per row or -1/-2, survivor flags [C, R])",
         py::arg("w"), py::arg("scales"), py::arg("zeros"), py::arg("maxq"), py::arg("kappa"), py::arg("alpha2"),
         py::arg("isa"));
+  m.def("candidate_scales", &candidate_scales,
+        "the MSE search's candidate scales and zeros [R, C] (range_scale_zero of xmin * p, xmax * p)", py::arg("xmin"),
+        py::arg("xmax"), py::arg("ps"), py::arg("maxq"), py::arg("sym"), py::arg("sym_zero"));
   m.def("pow24", &pow24, "the kernel's |d|^2.4 approximation per element (float64)", py::arg("d"), py::arg("isa"));
   m.def("isa_supported", &bm::isa_supported, "whether this CPU runs kernel ISA 0 (portable), 1 (AVX2), 2 (AVX-512)");
 }
