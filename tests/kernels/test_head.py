@@ -106,6 +106,39 @@ def test_from_the_environment_on_load_and_in_eval(tmp_path, monkeypatch, capsys)
     assert "runtime head q8_0: the output head runs an 8-bit copy" in capsys.readouterr().out
 
 
+def test_load_gives_a_q8_0_origin_head_its_int8_copy_by_default(tmp_path, monkeypatch):
+    """Unset $BITMOSAIC_RUNTIME_HEAD: a head whose weights are their int8 copy bit for bit (stored as Q8_0)
+    loads on the int8 head (the same weights, float32 sums in another order), a head of other floats on
+    the float one; ``none`` keeps the float head either way, and a head that differs only in its last row
+    block is not taken for exact."""
+    from bitmosaic.io import load_quantized, save_quantized
+    from bitmosaic.modules import head as head_mod
+
+    monkeypatch.delenv(RUNTIME_HEAD_ENV, raising=False)
+    model = tiny_llama()
+    head = model.get_output_embeddings()
+    bitmosaic.quantize_(model, "rtn", calib(), progress=False, bits=4, group_size=32)
+    float_path = save_quantized(model, tmp_path / "float", {"method": "rtn"}, tokenizer=word_tokenizer())
+    head.weight.data = _q8_0_origin(*head.weight.shape)  # tied: the embeddings too
+    assert head_mod.int8_head_is_exact(model)
+    path = save_quantized(model, tmp_path / "q8", {"method": "rtn"}, tokenizer=word_tokenizer())
+    ids = torch.randint(0, head.out_features, (1, 9), generator=torch.Generator().manual_seed(4))
+    loaded = load_quantized(path, load_tokenizer=False)[0]
+    assert runtime_head(loaded) == "int8"
+    monkeypatch.setenv(RUNTIME_HEAD_ENV, "none")
+    plain = load_quantized(path, load_tokenizer=False)[0]
+    assert runtime_head(plain) == "none"
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-5)
+    monkeypatch.delenv(RUNTIME_HEAD_ENV)
+    assert runtime_head(load_quantized(float_path, load_tokenizer=False)[0]) == "none"
+    monkeypatch.setattr(head_mod, "_EXACT_ROWS", 16)  # several chunks; only the last one differs
+    w = head.weight.data.clone()
+    w[-1, 0] = float(torch.nextafter(w[-1, 0], torch.tensor(1.0)))
+    head.weight.data = w
+    assert not head_mod.int8_head_is_exact(model)
+
+
 @pytest.mark.parametrize("mode", ["int8", "q8_0"])
 def test_compiled_forward_with_an_8bit_head_equals_eager(mode):
     """The run-time head's kernels are operators too: ``torch.compile(fullgraph=True)`` traces the model

@@ -22,8 +22,12 @@ Two run-time heads (:func:`set_runtime_head`), both with the weight in that form
 Like run-time activations (:mod:`.intact`) they are approximations chosen at run time for speed: off by
 default, not saved (the head's float weight, its tie to the embeddings and the state dict are
 unchanged; off the CPU, or when the head's weight needs a gradient, the float head runs),
-``bitmosaic eval --runtime-head int8|q8_0`` or ``$BITMOSAIC_RUNTIME_HEAD`` at load.  Their KL and top-1
-agreement against the float head are measured on SmolLM2 (README, "An 8-bit output head").
+``bitmosaic eval --runtime-head int8|q8_0`` or ``$BITMOSAIC_RUNTIME_HEAD`` at load.  One exception, where
+``int8`` is no approximation: a head whose float weights *are* their int8 copy bit for bit (stored as
+``Q8_0`` and dequantized, as SmolLM2's) gets ``int8`` at load by default (:func:`default_runtime_head`;
+``$BITMOSAIC_RUNTIME_HEAD=none`` keeps the float head): the same weights, a quarter of the bytes.
+Their KL and top-1 agreement against the float head are measured on SmolLM2 (README, "An 8-bit output
+head").
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from .kernel import lowbit_from_codes
 __all__ = [
     "HEAD_GROUP",
     "RUNTIME_HEAD_ENV",
+    "default_runtime_head",
+    "int8_head_is_exact",
     "RUNTIME_HEADS",
     "int8_head_codes",
     "runtime_head",
@@ -74,6 +80,60 @@ def int8_head_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.uint8), s
 
 
+_EXACT_ROWS = 4096  # rows of the head checked at a time by int8_head_is_exact (bounds its memory)
+
+
+def _linear_head(model: nn.Module) -> nn.Linear | None:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return head if isinstance(head, nn.Linear) else None
+
+
+def _exact_int8_codes(head: nn.Linear) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`int8_head_codes` of ``head.weight`` when they give back its weights bit for bit, else
+    ``None``: ``_EXACT_ROWS`` rows at a time, stopping at the first chunk that differs."""
+    if head.weight.device.type != "cpu" or head.weight.numel() == 0:
+        return None
+    codes, scales = [], []
+    with torch.no_grad():
+        for r in range(0, head.out_features, _EXACT_ROWS):
+            w = head.weight[r : r + _EXACT_ROWS].float()
+            c, s = int8_head_codes(w)
+            back = (c.float() - 128.0) * s.repeat_interleave(HEAD_GROUP, dim=1)[:, : w.shape[1]]
+            if not torch.equal(back, w):
+                return None
+            codes.append(c)
+            scales.append(s)
+    return torch.cat(codes), torch.cat(scales)
+
+
+def int8_head_is_exact(model: nn.Module) -> bool:
+    """Whether ``model``'s output head (a CPU ``nn.Linear``) equals its ``int8`` copy
+    (:func:`int8_head_codes`) bit for bit: a head that was stored as ``Q8_0`` (SmolLM2's GGUF) and
+    dequantized.  Then the ``int8`` head holds the very same weights in a quarter of the bytes and
+    changes no weight, only the float32 order of the sums -- what every load path turns on by default
+    (:func:`default_runtime_head`).  Checked ``_EXACT_ROWS`` rows at a time, stopping at the first chunk
+    that differs (a head of float weights differs in its first rows)."""
+    head = _linear_head(model)
+    return head is not None and _exact_int8_codes(head) is not None
+
+
+def default_runtime_head(model: nn.Module) -> str:
+    """What a load path gives ``model``'s head: ``$BITMOSAIC_RUNTIME_HEAD`` when set (``none``, ``int8``,
+    ``q8_0``), else ``int8`` where :func:`int8_head_is_exact` (the same weights in a quarter of the bytes:
+    on SmolLM2 the head's GEMV takes half the time of the float one, ``docs/cpu-inference.md``), else
+    ``none``; applied with :func:`set_runtime_head`.  Returns the mode now on."""
+    import os
+
+    if os.environ.get(RUNTIME_HEAD_ENV, "").strip():
+        set_runtime_head(model)
+        return runtime_head(model)
+    head = _linear_head(model)
+    exact = None if head is None else _exact_int8_codes(head)
+    if exact is not None:
+        set_runtime_head(model, "int8", _codes=exact)
+    return runtime_head(model)
+
+
 _ACT = ActQuantSpec("int", 8, granularity="group", group_size=HEAD_GROUP)  # q8_0's activation blocks
 
 
@@ -81,8 +141,8 @@ class _Int8HeadForward:
     """The head's ``forward`` while an 8-bit head (``mode``, module doc) is on: an instance attribute of
     the head module."""
 
-    def __init__(self, head: nn.Linear, mode: str) -> None:
-        codes, scales = int8_head_codes(head.weight)
+    def __init__(self, head: nn.Linear, mode: str, codes=None) -> None:
+        codes, scales = int8_head_codes(head.weight) if codes is None else codes
         self.head, self.mode = head, mode
         if mode == "q8_0":
             self.kernel = IntActWeight.from_codes(codes, 8, scales, 128.0, HEAD_GROUP)
@@ -104,10 +164,11 @@ class _Int8HeadForward:
         return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
 
-def set_runtime_head(model: nn.Module, mode: str | None = None) -> bool:
+def set_runtime_head(model: nn.Module, mode: str | None = None, *, _codes=None) -> bool:
     """Run ``model``'s output head (``get_output_embeddings()``) at 8 bits on the CPU (``"int8"`` or
     ``"q8_0"``, module doc), or in float again (``"none"``; ``None``: ``$BITMOSAIC_RUNTIME_HEAD``).
-    Returns whether an 8-bit head is now on (False too for a model without a linear head)."""
+    Returns whether an 8-bit head is now on (False too for a model without a linear head).
+    ``_codes``: its :func:`int8_head_codes`, when already computed."""
     mode = runtime_head_mode(mode)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear):
@@ -125,7 +186,7 @@ def set_runtime_head(model: nn.Module, mode: str | None = None) -> bool:
             f"--runtime-head q8_0 needs a head width that is a multiple of {HEAD_GROUP}, not "
             f"{head.in_features}; use --runtime-head int8"
         )
-    head.forward = _Int8HeadForward(head, mode)
+    head.forward = _Int8HeadForward(head, mode, _codes)
     return True
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from ...errors import CorruptModelError
 from ...modules.base import QuantModule
-from ...modules.head import runtime_head_mode, set_runtime_head
+from ...modules.head import default_runtime_head
 from ...modules.intact import runtime_act_mode, set_runtime_activations
 from ...modules.rotation import apply_saved_rotations
 
@@ -60,7 +60,8 @@ def finish_load(
     ``model.bitmosaic_rotation`` (so a re-save keeps it).  ``$BITMOSAIC_RUNTIME_ACT=int8`` gives the
     weight-only layers run-time 8-bit activations (:func:`~bitmosaic.modules.intact.set_runtime_activations`;
     a bad value raises ``OptionError`` naming the choices), ``$BITMOSAIC_RUNTIME_HEAD=int8`` the output
-    head its 8-bit copy (:func:`~bitmosaic.modules.head.set_runtime_head`)."""
+    head its 8-bit copy (:func:`~bitmosaic.modules.head.set_runtime_head`; unset: the 8-bit copy only
+    where it holds the same weights, :func:`~bitmosaic.modules.head.default_runtime_head`)."""
     rotation = quant_config.get("rotation")
     try:
         apply_saved_rotations(model, rotation)
@@ -81,7 +82,6 @@ def finish_load(
     model.quantization_info = quant_config
     if runtime_act_mode() != "none":
         set_runtime_activations(model)
-    if runtime_head_mode() != "none":
-        set_runtime_head(model)
+    default_runtime_head(model)  # $BITMOSAIC_RUNTIME_HEAD, else int8 where it holds the same weights
     model.eval()
     return model
