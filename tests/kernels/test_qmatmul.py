@@ -124,6 +124,27 @@ def test_one_width_packs_all_groups_at_once_to_the_per_group_bytes(N, G, gs, bit
     assert w.goff[0].tolist() == [sum(p.shape[1] for p in parts[:g]) for g in range(G)]
 
 
+@pytest.mark.parametrize("gs", [16, 32])
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_shared_spans_hold_small_groups_without_padding(bits, gs):
+    """Groups of 16 / 32 codes of one width share their row's 64-code spans (layout 3): the codes take
+    their bits and no more, and every ISA, the torch fallback and every batch path give the reference."""
+    N, K = 37, 64 * 5
+    w, ref, g = _case(N, K, gs, bits, None, 2)
+    assert w.data.numel() - 64 == N * K * bits // 8  # no padding (the buffer's 64 bytes of slack aside)
+    assert w.goff[0, 1] == w.goff[0, 0]  # the second group starts in the first one's span
+    _check_all(w, ref, g, batches=(1, 2, 8, 9, 33), rows=slice(5, 30))
+
+
+def test_shared_and_padded_row_blocks_in_one_matrix():
+    """Row blocks of one width (shared spans) beside a block of mixed widths (padded spans)."""
+    N, K, gs, rb = 30, 128, 32, 10
+    bmap = torch.tensor([[4, 4, 4, 4], [2, 2, 2, 2], [3, 8, 1, 5]])
+    w, ref, g = _case(N, K, gs, bmap, rb, 3)
+    assert w.goff[0, 1] == w.goff[0, 0] and w.goff[1, 1] == w.goff[1, 0] and w.goff[2, 1] > w.goff[2, 0]
+    _check_all(w, ref, g, batches=(1, 3, 9, 33), rows=slice(7, 23))
+
+
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_spans_large_groups(bits):
     """Whole spans and a partial last group (40 codes: a span's last lanes unused), every batch path."""

@@ -7,14 +7,18 @@ Layout (``LAYOUT_VERSION = 2``), built at load time from the saved format by
   the columns of group ``g`` -- has one bit width ``bits[rb, g]`` in 1..8, so any mix of widths
   per block (SFMP) lives in one matrix;
 * every row of a row block has the same byte length; within it, the groups follow each other;
-* a group of ``len`` codes at width ``b`` is cut into **spans of 64 codes** (the last one padded with
-  zero codes, whose activations the kernel never reads); a span is ``8 b`` bytes read as one
-  little-endian bit stream of 16 *lanes* of ``4 b`` bits, lane ``i`` holding codes ``i, 16 + i,
-  32 + i, 48 + i`` of the span at bits ``0, b, 2b, 3b`` (:func:`_span_order`).  One AVX-512 register
-  of 16 32-bit lanes (AVX2: two registers of 8) gathered from a span, shifted by ``t b`` and masked,
-  holds the 16 consecutive codes ``16 t .. 16 t + 15`` -- the same three instructions for every width
-  1..8, so 2-, 3-, 4- and 8-bit blocks and any mix of them take one fast path (layout 1 had SIMD
-  layouts for 2/4/8 bits only; 3 bits and mixes ran a slow generic loop);
+* a group of ``len`` codes at width ``b`` is cut into **spans of 64 codes** (the last one padded with zero
+  codes, whose activations the kernel never reads) -- except **shared spans**: a row block whose groups
+  have one width and 16 or 32 codes each (``K`` a multiple of 64) holds its rows' codes in spans of 64 as
+  one group would, group ``g`` from code ``g gs mod 64`` of span ``g gs // 64`` (its offset that span's),
+  so g32 and g16 take their bits and no padding (padded, 4-bit g32 took 8 bits per weight); the kernels
+  know them by a second group starting in the first one's span; a span is ``8 b`` bytes read as one
+  little-endian bit stream of 16 *lanes* of ``4 b`` bits, lane ``i`` holding codes ``i, 16 + i, 32 + i, 48
+  + i`` of the span at bits ``0, b, 2b, 3b`` (:func:`_span_order`).  One AVX-512 register of 16 32-bit
+  lanes (AVX2: two registers of 8) gathered from a span, shifted by ``t b`` and masked, holds the 16
+  consecutive codes ``16 t .. 16 t + 15`` -- the same three instructions for every width 1..8, so 2-, 3-,
+  4- and 8-bit blocks and any mix of them take one fast path (layout 1 had SIMD layouts for 2/4/8 bits
+  only; 3 bits and mixes ran a slow generic loop);
 * ``W[n, j] = (c[n, j] - z[n, g]) * s[n, g]`` with ``g = j // group_size`` (contiguous groups; a
   partial last group is allowed); scales and zero-points are float32 ``[N, G]``.
 
@@ -55,7 +59,7 @@ from .torch_paths import SPAN, lowbit_dequantize, span_order, tiled_matmul_torch
 
 __all__ = ["LowBitWeight", "extension", "LAYOUT_VERSION", "tiled_matmul_torch"]
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3  # 3: shared spans for groups of 16 / 32
 _DECODE_MAX_ROWS = 8
 _TILE_SHARED = False  # True: all threads fill one tile, then one parallel GEMM (False: a tile per thread)
 
@@ -115,6 +119,10 @@ def _pack_row_block(
     if G and R and K == G * gs and bool((bits == bits[0]).all()):
         b = int(bits[0])
         lo, hi = (int(v) for v in torch.aminmax(rows))
+        if lo >= 0 and hi < 1 << b and G > 1 and gs < SPAN and SPAN % gs == 0 and K % SPAN == 0:
+            # shared spans: the row's codes in spans of 64 as one group would be, each group at its
+            # columns' offset (group g in span g gs // 64, from code g gs % 64): no padding
+            return _pack_any(rows, b), (torch.arange(G, dtype=torch.int64) * gs // SPAN) * (8 * b)
         if lo >= 0 and hi < 1 << b:  # else the loop below names the block
             order = _span_order(gs)
             grouped = rows.to(torch.uint8).reshape(R, G, gs)

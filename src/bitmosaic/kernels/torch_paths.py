@@ -66,12 +66,14 @@ def lowbit_dequantize(data, base, rowlen, goff, bits, scales, zeros, K, group_si
         L = int(rowlen[r])
         start = int(base[r]) + (lo - b0) * L
         rows = data[start : start + (hi - lo) * L].reshape(hi - lo, L)
+        shared = gs < SPAN and G > 1 and int(goff[r, 1]) == int(goff[r, 0])  # qmatmul.py: shared spans
         for g in range(G):
             b = int(bits[r, g])
             c0, c1 = g * gs, min(K, (g + 1) * gs)
-            nbytes = -(-(c1 - c0) // SPAN) * SPAN // 8 * b
+            skip = c0 % SPAN if shared else 0  # the group's first code in its span
+            nbytes = -(-(skip + c1 - c0) // SPAN) * SPAN // 8 * b
             seg = rows[:, int(goff[r, g]) : int(goff[r, g]) + nbytes]
-            codes = unpack_any(seg, b, c1 - c0)
+            codes = unpack_any(seg, b, skip + c1 - c0)[:, skip:]
             out[lo - r0 : hi - r0, c0:c1] = dequantize_codes(
                 codes.float(), scales[lo:hi, g : g + 1], zeros[lo:hi, g : g + 1]
             )

@@ -30,6 +30,11 @@ struct Layout {
     const int64_t c0 = g * group_size;
     return (c0 + group_size <= K) ? group_size : K - c0;
   }
+  // Row block rb holds its groups in shared spans (qmatmul.py: groups of 16 or 32 codes of one width side
+  // by side in 64-code spans, no padding): its second group starts in the first one's span.
+  bool shared(int64_t rb) const { return group_size < 64 && G > 1 && goff[rb * G + 1] == goff[rb * G]; }
+  // where group g's first code sits in the span at p + goff (shared spans: its column mod 64; else 0)
+  int64_t gskip(int64_t rb, int64_t g) const { return shared(rb) ? (g * group_size) % 64 : 0; }
 };
 
 inline uint64_t load64(const uint8_t* p) {
@@ -39,12 +44,13 @@ inline uint64_t load64(const uint8_t* p) {
 }
 
 // The codes of one group as integers (portable): code j of span s sits at bit b * (4 * (j % 16) + (j % 64) / 16)
-// of the span.
-inline void decode_group(const uint8_t* p, int b, int64_t len, int32_t* out) {
+// of the span; the group's codes start at code `skip` of the first span (shared spans, else 0).
+inline void decode_group(const uint8_t* p, int b, int64_t len, int32_t* out, int64_t skip = 0) {
   const uint64_t mask = (1ull << b) - 1;
-  for (int64_t j = 0; j < len; ++j) {
+  for (int64_t i = 0; i < len; ++i) {
+    const int64_t j = skip + i;
     const int64_t bit = (j / 64) * 64 * b + b * (4 * (j % 16) + (j % 64) / 16);
-    out[j] = (int32_t)((load64(p + (bit >> 3)) >> (bit & 7)) & mask);
+    out[i] = (int32_t)((load64(p + (bit >> 3)) >> (bit & 7)) & mask);
   }
 }
 
@@ -57,7 +63,7 @@ void gemv_rows_portable(const Layout& L, const float* x, const float* xsum, floa
     float out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int64_t g = 0; g < L.G; ++g) {
       const int64_t c0 = g * L.group_size, len = L.glen(g);
-      decode_group(row + L.goff[rb * L.G + g], L.bits[rb * L.G + g], len, c.data());
+      decode_group(row + L.goff[rb * L.G + g], L.bits[rb * L.G + g], len, c.data(), L.gskip(rb, g));
       const float s = L.scales[n * L.G + g], z = L.zeros[n * L.G + g];
       for (int m = 0; m < M; ++m) {
         const float* xm = x + m * L.K + c0;
@@ -79,7 +85,7 @@ void dequant_rows_portable(const Layout& L, int64_t r0, int64_t r1, float* out) 
     for (int64_t g = 0; g < L.G; ++g) {
       const int64_t c0 = g * L.group_size, len = L.glen(g);
       const float s = L.scales[n * L.G + g], z = L.zeros[n * L.G + g];
-      decode_group(row + L.goff[rb * L.G + g], L.bits[rb * L.G + g], len, codes.data());
+      decode_group(row + L.goff[rb * L.G + g], L.bits[rb * L.G + g], len, codes.data(), L.gskip(rb, g));
       for (int64_t j = 0; j < len; ++j) o[c0 + j] = ((float)codes[j] - z) * s;  // no contraction
     }
   }

@@ -84,6 +84,41 @@ void group(const uint8_t* p, int64_t len, const float* x, int64_t K, typename V:
   }
 }
 
+// One row in shared spans (Layout::shared: groups of gs = 16 or 32 codes, one width B, K a multiple of 64):
+// per span, one chain per step t (16 codes) and row of x; group k of the span sums its 64 / gs... steps
+// (gs / 16 of them), then racc += s (sum) and rs -= s z sum(x) as for any group.
+template <class V, int M, int B>
+void shared_row(const Layout& L, const uint8_t* row, int64_t n, const float* x, const float* xsum,
+                typename V::F* racc, float* rs) {
+  using F = typename V::F;
+  constexpr int P = kParts<V>, W = V::W;
+  const typename V::Lanes c = V::template consts<B>();
+  const int steps = (int)(L.group_size / 16);  // steps t per group: 1 or 2
+  for (int64_t j = 0; j < L.K; j += 64, row += 8 * B) {
+    F a[M][4];
+    for (int m = 0; m < M; ++m)
+      for (int t = 0; t < 4; ++t) a[m][t] = V::zero();
+    for (int h = 0; h < P; ++h) {
+      const typename V::I v = V::template span<B>(row + B * W * h / 2, c);
+      const F cc[4] = {codes<V, B, 0>(v), codes<V, B, 1>(v), codes<V, B, 2>(v), codes<V, B, 3>(v)};
+      for (int m = 0; m < M; ++m) {
+        const float* xm = x + m * L.K + j + W * h;
+        for (int t = 0; t < 4; ++t) a[m][t] = V::fma(cc[t], V::loadu(xm + 16 * t), a[m][t]);
+      }
+    }
+    for (int t0 = 0; t0 < 4; t0 += steps) {
+      const int64_t g = (j + 16 * t0) / L.group_size;
+      const float s = L.scales[n * L.G + g], z = L.zeros[n * L.G + g];
+      const F sv = V::set1(s);
+      for (int m = 0; m < M; ++m) {
+        const F gv = steps == 2 ? V::add(a[m][t0], a[m][t0 + 1]) : a[m][t0];
+        racc[m] = V::fma(sv, gv, racc[m]);
+        rs[m] -= s * (z * xsum[m * L.G + g]);
+      }
+    }
+  }
+}
+
 // y[m, n] for rows n0..n1 of W and the M rows of x (decode; module comment of qmatmul.cpp)
 template <class V, int M>
 void gemv_rows(const Layout& L, const float* x, const float* xsum, float* y, int64_t n0, int64_t n1) {
@@ -93,6 +128,11 @@ void gemv_rows(const Layout& L, const float* x, const float* xsum, float* y, int
     const int64_t rb = n / L.row_block;
     float rs[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int m = 0; m < M; ++m) racc[m] = V::zero();
+    if (L.shared(rb)) {
+      bm::dispatch_1to8(L.bits[rb * L.G], [&](auto b) { shared_row<V, M, decltype(b)::value>(L, row, n, x, xsum, racc, rs); });
+      for (int m = 0; m < M; ++m) y[m * L.N + n] = V::reduce(racc[m]) + rs[m];
+      continue;
+    }
     for (int64_t g = 0; g < L.G; ++g) {
       const int64_t c0 = g * L.group_size, len = L.glen(g);
       const uint8_t* p = row + L.goff[rb * L.G + g];
@@ -129,12 +169,35 @@ void dequant_group(const uint8_t* p, int64_t len, float s, float z, float* o) {
   }
 }
 
+// One row in shared spans: o[j] = (c[j] - z) * s with each 16-code step's group
+template <class V, int B>
+void shared_dequant_row(const Layout& L, const uint8_t* row, int64_t n, float* o) {
+  using F = typename V::F;
+  constexpr int P = kParts<V>, W = V::W;
+  const typename V::Lanes c = V::template consts<B>();
+  for (int64_t j = 0; j < L.K; j += 64, row += 8 * B) {
+    for (int h = 0; h < P; ++h) {
+      const typename V::I v = V::template span<B>(row + B * W * h / 2, c);
+      const F cc[4] = {codes<V, B, 0>(v), codes<V, B, 1>(v), codes<V, B, 2>(v), codes<V, B, 3>(v)};
+      for (int t = 0; t < 4; ++t) {
+        const int64_t g = (j + 16 * t) / L.group_size;
+        const F sv = V::set1(L.scales[n * L.G + g]), zv = V::set1(L.zeros[n * L.G + g]);
+        V::storeu(o + j + 16 * t + W * h, V::mul(V::sub(cc[t], zv), sv));
+      }
+    }
+  }
+}
+
 template <class V>
 void dequant_rows(const Layout& L, int64_t r0, int64_t r1, float* out) {
   for (int64_t n = r0; n < r1; ++n) {
     const uint8_t* row = L.row(n);
     const int64_t rb = n / L.row_block;
     float* o = out + (n - r0) * L.K;
+    if (L.shared(rb)) {
+      bm::dispatch_1to8(L.bits[rb * L.G], [&](auto b) { shared_dequant_row<V, decltype(b)::value>(L, row, n, o); });
+      continue;
+    }
     for (int64_t g = 0; g < L.G; ++g) {
       const int64_t c0 = g * L.group_size, len = L.glen(g);
       const uint8_t* p = row + L.goff[rb * L.G + g];
