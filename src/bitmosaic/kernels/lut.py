@@ -29,8 +29,8 @@ Capabilities (read by :func:`bitmosaic.kernels.select.select_kernel`): any width
 any group size; the measured choice at 1-3 bits and 1-64 rows of x with its compiled extension
 (``FAST_BITS``, the measurements are noted there), so the packed kinds (RTN, GPTQ, AWQ, ...) decode on it
 at 1-3 bits, and on ``LowBitWeight`` from 4 bits except in groups smaller than (or not a multiple of)
-64, which ``LowBitWeight`` pads (its ``FAST_GROUP_SIZE_MULTIPLE``): there neither is "fast" and the
-packed kinds' first runnable kernel, this one, runs them.
+64, where ``LowBitWeight`` measured slower (its ``FAST_GROUP_SIZE_MULTIPLE``): there neither is "fast"
+and the packed kinds' first runnable kernel, this one, runs them.
 
 Measured (``benchmarks/kernels/lut_gemv.py``, ``benchmarks/results/lut_gemv.md``, AVX-512 path,
 batch 1): faster than the unpack+FMA ``LowBitWeight`` at 1-4 bits on every measured shape, slower at 8

@@ -155,10 +155,10 @@ class LowBitWeight:
     SUPPORTS_GROUP_SIZE_MULTIPLE = 1
     SUPPORTS_ROWS = (1, None)
     FAST_BITS = SUPPORTS_BITS
-    # A group shorter than a span (64 codes) pads it with zero codes: at g32 the codes take twice their
-    # bits in memory, at g16 four times, and the GEMV reads them all (1536x576, 4 bits, 1 thread, one
-    # process, loaded machine: g32 0.167 ms and 10 bits per weight resident against the bit-plane LUT's
-    # 0.047 ms and 6; g16 0.333 ms / 20 bits against 0.089 / 12).  The selector then takes the LUT.
+    # Groups shorter than a span (64 codes) cost it a scale per 16 or 32 codes inside the span loop: at
+    # 1536x576, 4 bits, 1 thread, one process on a loaded machine, g32 0.111 ms and g16 0.218 ms (shared
+    # spans, layout 3) against the bit-plane LUT's 0.059 / 0.123 (before layout 3 each group was padded to
+    # 64 codes: g32 0.167 ms, 10 bits per weight resident).  The selector then takes the LUT.
     FAST_GROUP_SIZE_MULTIPLE = 64
     NEEDS_COMPILED = False  # its pure-torch path is the default everywhere else
 

@@ -17,7 +17,7 @@ Every kernel class declares what it runs (the GPTQModel style)::
     SUPPORTS_ROWS                 (lo, hi) rows of x it is fast for (hi None: any)
     FAST_BITS                     widths at which it is the measured choice
     FAST_GROUP_SIZE_MULTIPLE      group sizes it is fast for are multiples of this (optional, default 1;
-                                  LowBitWeight 64: a smaller group pads each 64-code span)
+                                  LowBitWeight 64: smaller groups slow its span loop)
     NEEDS_COMPILED                fast only with its compiled extension (``compiled()``)
 
 and every module kind lists, in order of preference, the kernels that can run it (a ``KERNELS`` class
