@@ -69,6 +69,20 @@ def build_before(commit: str, kernel: str):
     ), sha  # fmt: skip
 
 
+def interleaved(before, after, rounds: int, **timer) -> dict:
+    """``before`` and ``after`` timed in alternating order, ``rounds`` times (``median_ms`` of each per
+    round): the median over rounds of each, the fastest round of each, the median per-round ratio
+    after / before, and every round's time."""
+    tb, ta = [], []
+    for r in range(rounds):
+        for f in (before, after) if r % 2 == 0 else (after, before):
+            (tb if f is before else ta).append(median_ms(f, **timer))
+    ratios = [a / b for a, b in zip(ta, tb, strict=True)]
+    return {"before_ms": statistics.median(tb), "after_ms": statistics.median(ta), "before_min_ms": min(tb),
+            "after_min_ms": min(ta), "ratio_median": statistics.median(ratios), "before_rounds_ms": tb,
+            "after_rounds_ms": ta}  # fmt: skip
+
+
 def _int_case(N: int, K: int, bits: int, g):
     gs = 128
     G = -(-K // gs)
@@ -98,21 +112,11 @@ def measure(kernel: str, old, new, N: int, K: int, variant, rounds: int, isa: in
         return getattr(new, call)(*args, isa)
 
     assert torch.equal(before(), after()), f"{N}x{K} {variant}: outputs differ"
-    tb, ta = [], []
-    for r in range(rounds):
-        pair = (before, after) if r % 2 == 0 else (after, before)
-        for f in pair:
-            (tb if f is before else ta).append(median_ms(f, budget_s=0.2, max_reps=400))
-    ratios = [a / b for a, b in zip(ta, tb, strict=True)]
     nbytes = wbytes + K * 4
-    after_ms = statistics.median(ta)
-    row = {
-        "shape": [N, K], "variant": variant, "threads": torch.get_num_threads(), "rounds": rounds,
-        "before_ms": statistics.median(tb), "after_ms": after_ms,
-        "before_min_ms": min(tb), "after_min_ms": min(ta), "ratio_median": statistics.median(ratios),
-        "bytes": nbytes, "after_gbs": nbytes / after_ms / 1e6,
-        "before_rounds_ms": tb, "after_rounds_ms": ta,
-    }  # fmt: skip
+    row = {"shape": [N, K], "variant": variant, "threads": torch.get_num_threads(), "rounds": rounds,
+           **interleaved(before, after, rounds, budget_s=0.2, max_reps=400), "bytes": nbytes}  # fmt: skip
+    after_ms = row["after_ms"]
+    row["after_gbs"] = nbytes / after_ms / 1e6
     print(
         f"{N}x{K} {variant} t{row['threads']}: before {row['before_ms']:.4f} "
         f"(min {row['before_min_ms']:.4f}) "

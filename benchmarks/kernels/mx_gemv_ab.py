@@ -19,40 +19,22 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-from benchmarks.harness import cpu_name, median_ms, write_results
+from benchmarks.harness import cpu_name, write_results
+from benchmarks.kernels import kernel_ab
 from bitmosaic.formats.mx import element_divisor, mx_quantize
-from bitmosaic.kernels import build, fp4lut
+from bitmosaic.kernels import fp4lut
 from bitmosaic.kernels.fp4lut import TILE, FP4LutWeight
 from bitmosaic.kernels.isa import isa_number, kernel_isa
 
 NAME = "mx_gemv_ab"
-CSRC = "src/bitmosaic/kernels/csrc"
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def build_before(commit: str):
-    """The ``fp4gemv`` extension of ``commit`` (its ``csrc`` written to a temporary folder, built by torch
-    under a name of its own; cached across runs by torch)."""
-    from torch.utils import cpp_extension
-
-    def git(*args: str) -> bytes:
-        return subprocess.check_output(["git", "-C", str(ROOT), *args])
-
-    sha = git("rev-parse", commit).decode().strip()
-    tmp = Path(tempfile.mkdtemp(prefix="fp4gemv_before_"))
-    for f in git("ls-tree", "--name-only", sha, CSRC + "/").decode().split():
-        (tmp / Path(f).name).write_bytes(git("show", f"{sha}:{f}"))
-    return cpp_extension.load(
-        name=f"bitmosaic_fp4gemv_at_{sha[:10]}", sources=[str(tmp / "fp4gemv.cpp")],
-        extra_cflags=build._CFLAGS, extra_ldflags=["-fopenmp"], verbose=False,
-    ), sha  # fmt: skip
+    """The ``fp4gemv`` extension of ``commit`` (:func:`benchmarks.kernels.kernel_ab.build_before`)."""
+    return kernel_ab.build_before(commit, "fp4gemv")
 
 
 def measure(old, new, N: int, K: int, fmt: str, M: int, rounds: int, isa: int, g) -> dict:
@@ -69,19 +51,11 @@ def measure(old, new, N: int, K: int, fmt: str, M: int, rounds: int, isa: int, g
         return new.fp4_gemv(x, w.data, w.scales_t, N, K, w.block, w.scale_kind, w.global_scale, isa)
 
     assert torch.equal(before(), after()), f"{fmt} {N}x{K} M={M}: outputs differ"
-    tb, ta = [], []
-    for r in range(rounds):
-        pair = (before, after) if r % 2 == 0 else (after, before)
-        for f in pair:
-            (tb if f is before else ta).append(median_ms(f, budget_s=0.25, max_reps=100))
-    ratios = [a / b for a, b in zip(ta, tb, strict=True)]
     row = {
         "shape": [N, K], "format": fmt, "batch": M, "rounds": rounds,
-        "before_ms": statistics.median(tb), "after_ms": statistics.median(ta),
-        "before_min_ms": min(tb), "after_min_ms": min(ta), "ratio_median": statistics.median(ratios),
+        **kernel_ab.interleaved(before, after, rounds, budget_s=0.25, max_reps=100),
         "before_bits_per_weight": (w.data.numel() + div_t.numel() * 4) * 8 / (N * K),
         "after_bits_per_weight": w.nbytes() * 8 / (N * K),
-        "before_rounds_ms": tb, "after_rounds_ms": ta,
     }  # fmt: skip
     print(
         f"{N}x{K} {fmt} b{M}: before {row['before_ms']:.3f} (min {row['before_min_ms']:.3f})  after "
