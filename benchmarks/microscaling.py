@@ -27,6 +27,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from benchmarks.harness import RESULTS, Bench, base_parser, protocol_label, write_results
+from bitmosaic.eval.bootstrap import bootstrap_ratio
 from bitmosaic.formats.act import ActQuantSpec
 from bitmosaic.pipeline import RunSettings, quantize_model
 from bitmosaic.pipeline.recipe import Recipe
@@ -124,12 +125,22 @@ def published_checks(rows: dict) -> list[str]:
         x = rows.get(name_of(f, m, a, r))
         return None if x is None else x["ppl"]
 
+    def iv(a: tuple, b: tuple) -> str:
+        """The ratio a / b with its paired bootstrap 95% interval over the windows (``""`` without them)."""
+        ra, rb = rows.get(name_of(*a)), rows.get(name_of(*b))
+        if not (ra and rb and ra.get("window_nll") and rb.get("window_nll")):
+            return ""
+        lo, hi = bootstrap_ratio(ra["window_nll"], rb["window_nll"])
+        noise = " within noise" if lo <= 1 <= hi else ""
+        return f", ratio {ra['ppl'] / rb['ppl']:.3f} [{lo:.3f}, {hi:.3f}]{noise}"
+
     for m in METHODS:
         for a in ("A16", "A4"):
             nv, mx = ppl("NVFP4", m, a, "none"), ppl("MXFP4", m, a, "none")
             if nv is not None and mx is not None:
                 agree = "as published" if nv < mx else "**differs from the published order**"
-                out.append(f"NVFP4 vs MXFP4, {m} W4{a}: {nv:.2f} vs {mx:.2f} ({agree}).")
+                out.append(f"NVFP4 vs MXFP4, {m} W4{a}: {nv:.2f} vs {mx:.2f} ({agree}"
+                           f"{iv(('NVFP4', m, a, 'none'), ('MXFP4', m, a, 'none'))}).")  # fmt: skip
     for f in ("MXFP4", "NVFP4", "INT4-g32"):
         for m, a in (("gptq", "A4"), ("rtn", "A16"), ("gptq", "A16")):
             none, glob, blk = (ppl(f, m, a, r) for r in ROTATIONS)
@@ -137,12 +148,14 @@ def published_checks(rows: dict) -> list[str]:
                 best = min(
                     ("none", none), ("global Hadamard", glob), ("block Hadamard", blk), key=lambda t: t[1]
                 )
+                ratio = iv((f, m, a, "block"), (f, m, a, "none"))
                 out.append(f"{f} {m} W4{a}: none {none:.2f}, global Hadamard {glob:.2f}, block Hadamard "
-                           f"{blk:.2f} (best: {best[0]}).")  # fmt: skip
+                           f"{blk:.2f} (best: {best[0]}; block / none{ratio}).")  # fmt: skip
     for m, a in (("rtn", "A16"), ("gptq", "A16"), ("gptq", "A4")):
         i32, mx = ppl("INT4-g32", m, a, "none"), ppl("MXFP4", m, a, "none")
         if i32 is not None and mx is not None:
-            out.append(f"INT4 g32 vs MXFP4 (same block), {m} W4{a}: {i32:.2f} vs {mx:.2f}.")
+            out.append(f"INT4 g32 vs MXFP4 (same block), {m} W4{a}: {i32:.2f} vs {mx:.2f}"
+                       f"{iv(('INT4-g32', m, a, 'none'), ('MXFP4', m, a, 'none'))}.")  # fmt: skip
     return out
 
 

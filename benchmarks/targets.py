@@ -39,6 +39,7 @@ import datetime
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -131,6 +132,12 @@ def run_calib(a, work: Path) -> list[dict]:
 def run_layer8b(a, work: Path) -> list[dict]:
     shape = "tiny" if a.smoke else "llama3-8b"
     ckpt, res = work / f"{shape}-ckpt", work / "real_shapes.json"
+    out = work / f"{shape}-gptq-w4g128"
+    # a kept work folder must not resume an earlier run (its journal would end the run at once and its
+    # old per-layer seconds be read back as this run's) nor leave an earlier result to be read
+    for old in (out, out.parent / f".{out.name}.partial", ckpt.parent / f".{ckpt.name}-gptq-w4g128.partial"):
+        shutil.rmtree(old, ignore_errors=True)
+    res.unlink(missing_ok=True)
     write = ["write", "--shape", shape, "--dir", ckpt] + ([] if a.smoke else ["--write-layers", "3"])
     p = _module("benchmarks.scale.real_shapes", write)
     if p.returncode != 0:
@@ -147,6 +154,8 @@ def run_layer8b(a, work: Path) -> list[dict]:
         a.calib_threads,
         "--json",
         res,
+        "--out",
+        out,
     ]
     p = _module("benchmarks.scale.real_shapes", run)
     if p.returncode != 0 or not res.is_file():

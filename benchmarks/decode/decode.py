@@ -265,7 +265,9 @@ def _make_quantized(tmp: Path, bits: int) -> Path:
     model, tok = load_model("smollm2-135m", dtype=torch.float32)
     calib = torch.zeros((1, 8), dtype=torch.long)  # RTN needs no calibration: never run
     quantize_(model, "rtn", calib, bits=bits, group_size=128, progress=False)
-    save_quantized(model, out, {"method": "rtn", "bits": bits, "group_size": 128}, tokenizer=tok)
+    # the run's own folder: a work folder kept from an earlier run (targets.py --work) is rewritten
+    info = {"method": "rtn", "bits": bits, "group_size": 128}
+    save_quantized(model, out, info, tokenizer=tok, overwrite=True)
     return out
 
 
