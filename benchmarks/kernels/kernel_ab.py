@@ -69,18 +69,23 @@ def build_before(commit: str, kernel: str):
     ), sha  # fmt: skip
 
 
-def interleaved(before, after, rounds: int, **timer) -> dict:
+def interleaved(before, after, rounds: int, label: str, digits: int = 4, **timer) -> dict:
     """``before`` and ``after`` timed in alternating order, ``rounds`` times (``median_ms`` of each per
     round): the median over rounds of each, the fastest round of each, the median per-round ratio
-    after / before, and every round's time."""
+    after / before, and every round's time; printed on one line after ``label``."""
     tb, ta = [], []
     for r in range(rounds):
         for f in (before, after) if r % 2 == 0 else (after, before):
             (tb if f is before else ta).append(median_ms(f, **timer))
     ratios = [a / b for a, b in zip(ta, tb, strict=True)]
-    return {"before_ms": statistics.median(tb), "after_ms": statistics.median(ta), "before_min_ms": min(tb),
-            "after_min_ms": min(ta), "ratio_median": statistics.median(ratios), "before_rounds_ms": tb,
-            "after_rounds_ms": ta}  # fmt: skip
+    out = {"before_ms": statistics.median(tb), "after_ms": statistics.median(ta), "before_min_ms": min(tb),
+           "after_min_ms": min(ta), "ratio_median": statistics.median(ratios), "before_rounds_ms": tb,
+           "after_rounds_ms": ta}  # fmt: skip
+    f = f".{digits}f"
+    print(f"{label}: before {out['before_ms']:{f}} (min {out['before_min_ms']:{f}})  after "
+          f"{out['after_ms']:{f}} (min {out['after_min_ms']:{f}})  after/before {out['ratio_median']:.3f}",
+          flush=True)  # fmt: skip
+    return out
 
 
 def _int_case(N: int, K: int, bits: int, g):
@@ -113,17 +118,10 @@ def measure(kernel: str, old, new, N: int, K: int, variant, rounds: int, isa: in
 
     assert torch.equal(before(), after()), f"{N}x{K} {variant}: outputs differ"
     nbytes = wbytes + K * 4
-    row = {"shape": [N, K], "variant": variant, "threads": torch.get_num_threads(), "rounds": rounds,
-           **interleaved(before, after, rounds, budget_s=0.2, max_reps=400), "bytes": nbytes}  # fmt: skip
-    after_ms = row["after_ms"]
-    row["after_gbs"] = nbytes / after_ms / 1e6
-    print(
-        f"{N}x{K} {variant} t{row['threads']}: before {row['before_ms']:.4f} "
-        f"(min {row['before_min_ms']:.4f}) "
-        f"after {after_ms:.4f} (min {row['after_min_ms']:.4f})  after/before {row['ratio_median']:.3f}",
-        flush=True,
-    )
-    return row
+    threads = torch.get_num_threads()
+    t = interleaved(before, after, rounds, f"{N}x{K} {variant} t{threads}", budget_s=0.2, max_reps=400)
+    return {"shape": [N, K], "variant": variant, "threads": threads, "rounds": rounds, **t, "bytes": nbytes,
+            "after_gbs": nbytes / t["after_ms"] / 1e6}  # fmt: skip
 
 
 def markdown(rows: list[dict], meta: dict) -> str:

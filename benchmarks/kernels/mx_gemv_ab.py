@@ -32,11 +32,6 @@ from bitmosaic.kernels.isa import isa_number, kernel_isa
 NAME = "mx_gemv_ab"
 
 
-def build_before(commit: str):
-    """The ``fp4gemv`` extension of ``commit`` (:func:`benchmarks.kernels.kernel_ab.build_before`)."""
-    return kernel_ab.build_before(commit, "fp4gemv")
-
-
 def measure(old, new, N: int, K: int, fmt: str, M: int, rounds: int, isa: int, g) -> dict:
     t = mx_quantize(torch.randn(N, K, generator=g) * 0.02, fmt, rule="round")
     w = FP4LutWeight.from_tensor(t)
@@ -53,15 +48,10 @@ def measure(old, new, N: int, K: int, fmt: str, M: int, rounds: int, isa: int, g
     assert torch.equal(before(), after()), f"{fmt} {N}x{K} M={M}: outputs differ"
     row = {
         "shape": [N, K], "format": fmt, "batch": M, "rounds": rounds,
-        **kernel_ab.interleaved(before, after, rounds, budget_s=0.25, max_reps=100),
+        **kernel_ab.interleaved(before, after, rounds, f"{N}x{K} {fmt} b{M}", 3, budget_s=0.25, max_reps=100),
         "before_bits_per_weight": (w.data.numel() + div_t.numel() * 4) * 8 / (N * K),
         "after_bits_per_weight": w.nbytes() * 8 / (N * K),
     }  # fmt: skip
-    print(
-        f"{N}x{K} {fmt} b{M}: before {row['before_ms']:.3f} (min {row['before_min_ms']:.3f})  after "
-        f"{row['after_ms']:.3f} (min {row['after_min_ms']:.3f})  after/before {row['ratio_median']:.3f}",
-        flush=True,
-    )
     return row
 
 
@@ -100,7 +90,7 @@ def main() -> None:
     if new is None:
         raise SystemExit("the FP4 LUT extension is not compiled here")
     torch.set_num_threads(1)
-    old, sha = build_before(a.before)
+    old, sha = kernel_ab.build_before(a.before, "fp4gemv")
     meta = {"before": sha, "threads": 1, "isa": kernel_isa(ext=new), "cpu": cpu_name(),
             "torch": torch.__version__, "rounds": a.rounds, "load_start": os.getloadavg()[0]}  # fmt: skip
     isa = isa_number(ext=new)

@@ -13,12 +13,12 @@ Layout (``LAYOUT_VERSION = 2``), built at load time from the saved format by
   one group would, group ``g`` from code ``g gs mod 64`` of span ``g gs // 64`` (its offset that span's),
   so g32 and g16 take their bits and no padding (padded, 4-bit g32 took 8 bits per weight); the kernels
   know them by a second group starting in the first one's span; a span is ``8 b`` bytes read as one
-  little-endian bit stream of 16 *lanes* of ``4 b`` bits, lane ``i`` holding codes ``i, 16 + i, 32 + i, 48
-  + i`` of the span at bits ``0, b, 2b, 3b`` (:func:`_span_order`).  One AVX-512 register of 16 32-bit
-  lanes (AVX2: two registers of 8) gathered from a span, shifted by ``t b`` and masked, holds the 16
-  consecutive codes ``16 t .. 16 t + 15`` -- the same three instructions for every width 1..8, so 2-, 3-,
-  4- and 8-bit blocks and any mix of them take one fast path (layout 1 had SIMD layouts for 2/4/8 bits
-  only; 3 bits and mixes ran a slow generic loop);
+  little-endian bit stream of 16 *lanes* of ``4 b`` bits, lane ``i`` holding codes ``i, 16+i, 32+i, 48+i``
+  of the span at bits ``0, b, 2b, 3b`` (:func:`_span_order`).  One AVX-512 register of 16 32-bit lanes
+  (AVX2: two registers of 8) gathered from a span, shifted by ``t b`` and masked, holds the 16 consecutive
+  codes ``16 t .. 16 t + 15`` -- the same three instructions for every width 1..8, so 2-, 3-, 4- and 8-bit
+  blocks and any mix of them take one fast path (layout 1 had SIMD layouts for 2/4/8 bits only; 3 bits and
+  mixes ran a slow generic loop);
 * ``W[n, j] = (c[n, j] - z[n, g]) * s[n, g]`` with ``g = j // group_size`` (contiguous groups; a
   partial last group is allowed); scales and zero-points are float32 ``[N, G]``.
 

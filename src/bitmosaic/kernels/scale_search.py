@@ -124,12 +124,9 @@ def _exact_errors(w, S, Z, cand, row, maxq):
 def candidate_scales(xmin, xmax, ps, grid: IntGrid, ext=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's candidate scales and zeros ``[rows, C]``: :func:`range_scale_zero` of ``xmin * p``,
     ``xmax * p`` for each shrink ``p`` of ``ps``, bit for bit (``csrc/scalesearch.cpp`` evaluates the
-    same float32 operations per element, in C++: the torch form took most of the search's time); the
-    torch form where the extension is absent."""
+    same float32 operations per element, in C++: the torch form took most of the search's time).
+    Needs the compiled extension (``ext``, default :func:`extension`), as :func:`mse_search` does."""
     ext = ext or extension()
-    if ext is None:
-        S, Z = _scales.range_scale_zero(xmin[:, None] * ps, xmax[:, None] * ps, grid, check=False)
-        return S.contiguous(), Z.contiguous()
     sym_zero = grid.sym_zero if grid.symmetric else 0
     return tuple(ext.candidate_scales(xmin.contiguous(), xmax.contiguous(), ps.contiguous(), grid.maxq,
                                       grid.symmetric, sym_zero))  # fmt: skip

@@ -32,12 +32,14 @@ head").
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..formats.act import ActQuantSpec
-from ..formats.grid import quantize_codes
+from ..formats.grid import dequantize_codes, quantize_codes
 from ..kernels.intmm import IntActWeight
 from .intact import runtime_choice
 from .kernel import lowbit_from_codes
@@ -98,8 +100,8 @@ def _exact_int8_codes(head: nn.Linear) -> tuple[torch.Tensor, torch.Tensor] | No
         for r in range(0, head.out_features, _EXACT_ROWS):
             w = head.weight[r : r + _EXACT_ROWS].float()
             c, s = int8_head_codes(w)
-            back = (c.float() - 128.0) * s.repeat_interleave(HEAD_GROUP, dim=1)[:, : w.shape[1]]
-            if not torch.equal(back, w):
+            full = s.repeat_interleave(HEAD_GROUP, dim=1)[:, : w.shape[1]]
+            if not torch.equal(dequantize_codes(c.float(), full, 128.0), w):
                 return None
             codes.append(c)
             scales.append(s)
@@ -122,8 +124,6 @@ def default_runtime_head(model: nn.Module) -> str:
     ``q8_0``), else ``int8`` where :func:`int8_head_is_exact` (the same weights in a quarter of the bytes:
     on SmolLM2 the head's GEMV takes half the time of the float one, ``docs/cpu-inference.md``), else
     ``none``; applied with :func:`set_runtime_head`.  Returns the mode now on."""
-    import os
-
     if os.environ.get(RUNTIME_HEAD_ENV, "").strip():
         set_runtime_head(model)
         return runtime_head(model)
@@ -170,8 +170,8 @@ def set_runtime_head(model: nn.Module, mode: str | None = None, *, _codes=None) 
     Returns whether an 8-bit head is now on (False too for a model without a linear head).
     ``_codes``: its :func:`int8_head_codes`, when already computed."""
     mode = runtime_head_mode(mode)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not isinstance(head, nn.Linear):
+    head = _linear_head(model)
+    if head is None:
         return False
     from .changes import mark_changed
 
@@ -193,6 +193,5 @@ def set_runtime_head(model: nn.Module, mode: str | None = None, *, _codes=None) 
 def runtime_head(model: nn.Module) -> str:
     """The run-time head ``model``'s output head runs (:func:`set_runtime_head`): ``"none"``, ``"int8"``
     or ``"q8_0"``."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    fwd = getattr(head, "__dict__", {}).get("forward")
+    fwd = getattr(_linear_head(model), "__dict__", {}).get("forward")
     return fwd.mode if isinstance(fwd, _Int8HeadForward) else "none"

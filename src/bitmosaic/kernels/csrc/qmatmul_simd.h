@@ -85,8 +85,8 @@ void group(const uint8_t* p, int64_t len, const float* x, int64_t K, typename V:
 }
 
 // One row in shared spans (Layout::shared: groups of gs = 16 or 32 codes, one width B, K a multiple of 64):
-// per span, one chain per step t (16 codes) and row of x; group k of the span sums its 64 / gs... steps
-// (gs / 16 of them), then racc += s (sum) and rs -= s z sum(x) as for any group.
+// per span, one chain per step t (16 codes) and row of x; each group of the span sums its gs / 16 steps,
+// then racc += s (sum) and rs -= s z sum(x) as for any group.
 template <class V, int M, int B>
 void shared_row(const Layout& L, const uint8_t* row, int64_t n, const float* x, const float* xsum,
                 typename V::F* racc, float* rs) {
