@@ -230,3 +230,42 @@ def test_runs_mode_equals_the_integer_product(route, bits, M, N, K, gs_run, per_
     assert y.shape == (M, N)
     with pytest.raises(ValueError, match="multiple of 8"):
         w.runs_per_group(12)
+
+
+@pytest.mark.skipif(not intmm.amx(), reason="this CPU (or OS) does not run AMX-INT8 tiles")
+@pytest.mark.parametrize(
+    ("M", "N", "K", "gs", "bits", "gran"),
+    [
+        (16, 32, 64, 64, 4, "token"),  # one tile
+        (37, 40, 576, 128, 4, "token"),  # rows past the last full 16, a partial row block, a 64-column group
+        (512, 48, 576, 128, 4, "group"),  # SmolLM2's K, activation groups of two weight groups
+        (100, 33, 1536, 64, 8, "tensor"),  # bytes layout, 8-bit codes (u8 x s8 products up to 255 x 128)
+        (33, 17, 1536, -1, 4, "token"),  # one group per row
+        (64, 48, 192, 64, 5, "tensor-static"),  # 5-bit bytes layout, a calibrated scale
+        (20, 16, 576, 32, 4, "token"),  # groups of 32: not AMX (the VNNI body on both sides)
+    ],
+)
+def test_amx_prefill_equals_the_vnni_body_bit_for_bit(M, N, K, gs, bits, gran):
+    """The AMX body's int32 tiles are exact and its epilogue is the VNNI body's operation for operation,
+    so the outputs are equal bit for bit -- and both are the integer product (the test above)."""
+    codes, s, z, gsz, G, g = _weight(N, K, gs, bits, seed=M + N + K)
+    static = gran.endswith("-static")
+    gran = gran.split("-")[0]
+    spec = _spec(gran, 8, static, 2 * gsz if G > 1 else K)
+    x = torch.randn(M, K, generator=g) * torch.rand(K, generator=g) * 3
+    scale = None
+    if static:
+        scale = act_scales(x, ActQuantSpec("int", 8, granularity=gran)).reshape(1) * 0.8
+    w = IntActWeight.from_codes(codes, bits, s, z, gs)
+    ext = intmm.extension()
+    n0 = ext.amx_call_count()
+    with env_var(intmm.AMX_ENV, "1"):
+        y_amx = _run(w, x, spec, scale, "kernel:avx512")
+    n1 = ext.amx_call_count()
+    with env_var(intmm.AMX_ENV, "0"):
+        y_vnni = _run(w, x, spec, scale, "kernel:avx512")
+    assert ext.amx_call_count() == n1  # opted out: the VNNI body
+    assert n1 - n0 == (0 if gs == 32 else 1)  # groups of whole 64-column steps run on AMX, 32 does not
+    assert torch.equal(y_amx, y_vnni)
+    # and the reference a float64 product: not all equal by accident (e.g. both zero)
+    assert y_amx.abs().amax() > 0

@@ -1,5 +1,6 @@
 """``python -m bitmosaic.kernels``: build (or load) the C++ extensions now, say which are ready, which
-instruction sets this CPU runs them on, and whether the integer-activation kernel has AVX-512 VNNI."""
+instruction sets this CPU runs them on, and whether the integer-activation kernel has AVX-512 VNNI
+and AMX tiles."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ def main() -> int:
         print(f"{name}: {'ready' if built else 'unavailable (pure-torch path)'}")
     print(f"ISAs on this CPU: {', '.join(available_isas()) or 'none'}; {time.perf_counter() - t0:.1f} s")
     if ok.get("intmm"):
-        from .intmm import vnni
+        from .intmm import amx, vnni
 
         how = "AVX-512 VNNI (vpdpbusd)" if vnni() else "no VNNI: the AVX2 body on avx512"
-        print(f"integer activations (intmm): {how}")
+        tiles = "; prefill on AMX-INT8 tiles" if amx() else ""
+        print(f"integer activations (intmm): {how}{tiles}")
     return 0 if all(ok.values()) else 1
 
 

@@ -21,7 +21,10 @@ widths 5-8 as bytes (two 64-byte tiles); a register holds 16 (AVX2: 8) rows x 4 
 row's int32 lane, and the per-group epilogue needs no horizontal sum.  Widths 1-3 take 4 bits here.
 
 Kernels (``csrc/intmm.cpp``): AVX-512 VNNI, AVX2 and portable C++, chosen per call like the other
-kernels (:func:`bitmosaic.kernels.isa.kernel_isa`; ``avx512`` without VNNI runs the AVX2 body).  A second
+kernels (:func:`bitmosaic.kernels.isa.kernel_isa`; ``avx512`` without VNNI runs the AVX2 body).  On a CPU
+with AMX-INT8 (Intel Sapphire Rapids and later) the ``avx512`` ISA runs prefill -- 16 or more rows of x,
+groups of whole 64-column steps -- on AMX tiles (``csrc/intmm_amx.h``: one ``tdpbsud`` is 16 x 16 x 64
+products; the same epilogue, so the same outputs bit for bit; :func:`amx`, ``$BITMOSAIC_AMX=0`` opts out).  A second
 route, ``torch._int_mm`` (oneDNN int8 GEMM) once per weight group on an unpacked int8 copy of the weight,
 is kept for measurement (``route="int_mm"``, ``benchmarks/kernels/int_gemm.py``).
 
@@ -52,6 +55,19 @@ def vnni() -> bool:
     """Whether the ``avx512`` ISA runs AVX-512 VNNI here (``vpdpbusd``)."""
     ext = extension()
     return bool(ext is not None and ext.vnni_supported())
+
+
+AMX_ENV = "BITMOSAIC_AMX"  # "0": prefill on the VNNI body even where AMX runs (read per call)
+
+
+def amx() -> bool:
+    """Whether the ``avx512`` ISA runs prefill (16 or more rows of x) on AMX-INT8 tiles here: the CPU has
+    AMX-TILE and AMX-INT8 and Linux gave the process the tile state (``csrc/intmm_amx.h``; the same
+    outputs as the VNNI body bit for bit), unless ``$BITMOSAIC_AMX=0``."""
+    import os
+
+    ext = extension()
+    return bool(ext is not None and ext.amx_supported() and os.environ.get(AMX_ENV, "") != "0")
 
 
 class IntActWeight:

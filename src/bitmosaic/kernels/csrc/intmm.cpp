@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include "intmm_common.h"
+#include "intmm_amx.h"
 
 namespace {
 
@@ -256,8 +257,11 @@ torch::Tensor run_all(const IntLayout& L, Acts A, const torch::Tensor& like, boo
   auto y = torch::empty({A.M, L.N}, like.options());
   if (A.M == 0 || L.N == 0) return y;
   float* yp = y.data_ptr<float>();
+  const bool amx = amx_applies(L, A, isa);  // prefill on AMX tiles: q as it is (intmm_amx.h)
+  if (amx) ++amx_calls;
+  const AmxTables tables = amx ? AmxTables(L, A) : AmxTables();
   std::vector<int8_t> panel;  // prefill on the SIMD kernels: q in 16-row panels (Acts::panel)
-  if (A.M > 8 && !A.pcol && isa != bm::kPortable && A.ldq % 4 == 0) {
+  if (!amx && A.M > 8 && !A.pcol && isa != bm::kPortable && A.ldq % 4 == 0) {
     panel.resize(((A.M + 15) / 16) * 16 * A.ldq);
     pack_panels(A.q, A.M, A.ldq, panel.data());
     A.panel = panel.data();
@@ -277,7 +281,8 @@ torch::Tensor run_all(const IntLayout& L, Acts A, const torch::Tensor& like, boo
   const int64_t nchunks = (L.nrb + chunk - 1) / chunk;
   at::parallel_for(0, A.M <= 8 ? L.nrb : nchunks, 1, [&](int64_t t0, int64_t t1) {
     if (A.M <= 8) return run_rows(L, A, yp, t0, t1, b8, isa);
-    for (int64_t t = t0; t < t1; ++t) run_rows(L, A, yp, t * chunk, std::min(L.nrb, (t + 1) * chunk), b8, isa);
+    for (int64_t t = t0; t < t1 && amx; ++t) amx_rows(L, A, tables, yp, t * chunk, std::min(L.nrb, (t + 1) * chunk));
+    for (int64_t t = t0; t < t1 && !amx; ++t) run_rows(L, A, yp, t * chunk, std::min(L.nrb, (t + 1) * chunk), b8, isa);
   });
   return y;
 }
@@ -442,4 +447,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int_parts", &int_parts, "y += row-block parts' integer products over gathered activations, in place");
   m.def("isa_supported", &bm::isa_supported, "whether this CPU runs kernel ISA 0 (portable), 1 (AVX2), 2 (AVX-512)");
   m.def("vnni_supported", &vnni_supported, "whether the avx512 ISA runs AVX-512 VNNI (vpdpbusd)");
+  m.def("amx_call_count", &amx_call_count, "calls that ran on the AMX body in this process");
+  m.def("amx_supported", &amx_supported, "whether this CPU and OS run AMX-INT8 tiles (prefill on the avx512 ISA)");
 }
