@@ -24,9 +24,9 @@ Kernels (``csrc/intmm.cpp``): AVX-512 VNNI, AVX2 and portable C++, chosen per ca
 kernels (:func:`bitmosaic.kernels.isa.kernel_isa`; ``avx512`` without VNNI runs the AVX2 body).  On a CPU
 with AMX-INT8 (Intel Sapphire Rapids and later) the ``avx512`` ISA runs prefill -- 16 or more rows of x,
 groups of whole 64-column steps -- on AMX tiles (``csrc/intmm_amx.h``: one ``tdpbsud`` is 16 x 16 x 64
-products; the same epilogue, so the same outputs bit for bit; :func:`amx`, ``$BITMOSAIC_AMX=0`` opts out).  A second
-route, ``torch._int_mm`` (oneDNN int8 GEMM) once per weight group on an unpacked int8 copy of the weight,
-is kept for measurement (``route="int_mm"``, ``benchmarks/kernels/int_gemm.py``).
+products; the same epilogue, so the same outputs bit for bit; :func:`amx`, ``$BITMOSAIC_AMX=0`` opts
+out).  A second route, ``torch._int_mm`` (oneDNN int8 GEMM) once per weight group on an unpacked int8
+copy of the weight, is kept for measurement (``route="int_mm"``, ``benchmarks/kernels/int_gemm.py``).
 
 Capabilities (:mod:`bitmosaic.kernels.select`): one width 1-8 per matrix, CPU, group sizes that are
 multiples of 8 (or one group per row), input width below ``MAX_K``; without the compiled extension
