@@ -12,6 +12,9 @@ warm-up):
   int8 quantization, integer product), 4-bit g128 asymmetric / 8-bit per-channel symmetric (SmoothQuant's
   W8A8); ``W4A8 int_mm`` / ``W8A8 int_mm``: the same through ``torch._int_mm`` (oneDNN), once per weight
   group;
+* ``W4A8 VNNI`` / ``W8A8 VNNI`` (on a CPU with AMX-INT8 only): the integer path with the AMX body turned
+  off (``$BITMOSAIC_AMX=0``), so the AMX column's gain is measured in the same run (at 512 rows the
+  integer columns above run on AMX tiles there; decode rows never do);
 * bounds: ``int8 bound`` = ``2 M N K`` / the int8 rate of ``torch._int_mm`` on a 2048^3 product (oneDNN's
   VNNI GEMM, measured in the run); ``mem bound`` = the 4-bit weight's bytes / the read bandwidth.
 
@@ -24,13 +27,14 @@ Targets (issue 24): at M=512, W4A8 int >= 2x fp32 and >= 1.5x W4A16; W8A8 int >=
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 from torch.nn import functional as F
 
 from benchmarks.harness import machine_bounds, machine_info, median_ms, write_results
 from bitmosaic.formats.act import ActQuantSpec, fake_quant
-from bitmosaic.kernels.intmm import IntActWeight, vnni
+from bitmosaic.kernels.intmm import AMX_ENV, IntActWeight, amx, vnni
 from bitmosaic.kernels.isa import kernel_isa
 from bitmosaic.kernels.qmatmul import LowBitWeight
 from bitmosaic.modules.actquant import ActQuantizer
@@ -74,6 +78,13 @@ def measure(N, K, M, g, rate, bw) -> dict:
         row["w4a8_sim"] = median_ms(lambda: w["w4"].matmul(fake_quant(x, spec)))
         row["w4a8_int"] = median_ms(lambda: k4(x, quant))
         row["w8a8_int"] = median_ms(lambda: k8(x, quant))
+        if amx():  # the same calls on the VNNI body
+            os.environ[AMX_ENV] = "0"
+            try:
+                row["w4a8_vnni"] = median_ms(lambda: k4(x, quant))
+                row["w8a8_vnni"] = median_ms(lambda: k8(x, quant))
+            finally:
+                os.environ.pop(AMX_ENV)
         row["w4a8_int_mm"] = median_ms(int_mm(w["i4"]))
         row["w8a8_int_mm"] = median_ms(int_mm(w["i8"]))
     row["int8_bound"] = 2 * M * N * K / (rate * 1e9) * 1e3
@@ -82,11 +93,13 @@ def measure(N, K, M, g, rate, bw) -> dict:
 
 
 def table(rows: list[dict]) -> str:
+    vn = any("w4a8_vnni" in r for r in rows)
     head = (
         "| shape | M | threads | fp32 | W4A16 | W4A8 sim | W4A8 int | W8A8 int | W4A8 int_mm | W8A8 int_mm "
         "| int8 bound | mem bound | W4A8 vs fp32 | W4A8 vs W4A16 | W8A8 vs fp32 | W4A8 int vs sim |"
+        + (" W4A8 VNNI | W8A8 VNNI | W4A8 VNNI / AMX |" if vn else "")
     )
-    lines = [head, "|" + "---|" * 16]
+    lines = [head, "|" + "---|" * (19 if vn else 16)]
     for r in rows:
         cells = [r["shape"], r["M"], r["threads"]] + [
             f"{r[k]:.3f}"
@@ -95,6 +108,9 @@ def table(rows: list[dict]) -> str:
         cells += [f"{r['int8_bound']:.3f}", f"{r['mem_bound']:.3f}"]
         cells += [f"{r['fp32'] / r['w4a8_int']:.2f}x", f"{r['w4a16'] / r['w4a8_int']:.2f}x"]
         cells += [f"{r['fp32'] / r['w8a8_int']:.2f}x", f"{r['w4a8_sim'] / r['w4a8_int']:.2f}x"]
+        if vn:
+            v4, v8 = r.get("w4a8_vnni"), r.get("w8a8_vnni")
+            cells += [f"{v4:.3f}", f"{v8:.3f}", f"{v4 / r['w4a8_int']:.2f}x"] if v4 else ["—"] * 3
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
@@ -136,6 +152,7 @@ def main() -> None:
                 print(r, flush=True)
     isa = kernel_isa()
     isa = "avx512 + VNNI" if isa == "avx512" and vnni() else isa
+    isa += " (prefill on AMX-INT8 tiles)" if amx() else ""
     head = [
         "# Integer-activation matmul (W8A8 / W4A8) vs float, W4A16 and simulated W4A8",
         "",
