@@ -15,7 +15,7 @@ REFERENCE = {"float": 34.97, "gptq w4 g64": 48.53, "gptq w3 g64": 153.4}
 
 def main() -> None:
     p = base_parser(__doc__)
-    p.set_defaults(nsamples=16, max_windows=20)
+    p.set_defaults(protocol="fast")  # not nsamples/max_windows: those would override --protocol verdict
     a = p.parse_args()
     b = Bench(a)
     b.float_row()

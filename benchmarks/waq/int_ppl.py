@@ -148,7 +148,7 @@ def compare(b: Bench, model, runtime: str | None, modes: tuple[str, ...] = MODES
 
 def main() -> None:
     p = base_parser(__doc__)
-    p.set_defaults(nsamples=16, max_windows=20)
+    p.set_defaults(protocol="fast")  # not nsamples/max_windows: those would override --protocol verdict
     p.add_argument("--runs", default=",".join(RUNS))
     p.add_argument("--kl-windows", type=int, default=20, help="windows for KL and top-1 (the first N)")
     p.add_argument(

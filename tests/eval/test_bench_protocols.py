@@ -197,3 +197,19 @@ def test_every_measured_row_keeps_its_window_nlls_on_one_json_line(common, tmp_p
     assert '"window_nll": [' + ",".join(map(str, row["window_nll"])) + "]" in text
     path = common.write_results(tmp_path / "r.json", "x", dict(out, machine={}))
     assert json.loads(path.read_text())["rows"] == out["rows"]
+
+
+def test_no_benchmark_sets_protocol_counts_as_defaults():
+    """``set_defaults(nsamples=..)`` / ``max_windows`` makes them look explicit, so ``--protocol verdict``
+    would silently run with the default counts (it did: int_ppl's verdict run calibrated on 16 samples);
+    a benchmark's own default protocol goes through ``set_defaults(protocol=...)`` instead."""
+    import re
+    from pathlib import Path
+
+    root = Path(harness.__file__).resolve().parents[1]
+    bad = [
+        str(f.relative_to(root))
+        for f in root.rglob("*.py")
+        if re.search(r"set_defaults\([^)]*\b(nsamples|max_windows)\s*=", f.read_text())
+    ]
+    assert not bad, f"set_defaults of nsamples/max_windows in {bad}: use set_defaults(protocol=...)"
