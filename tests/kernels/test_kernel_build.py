@@ -182,3 +182,16 @@ def test_module_names_follow_the_torch_version(monkeypatch):
     monkeypatch.setattr(torch, "__version__", "0.0.1+other")
     after = {n: build.module_name(n) for n in build.EXTENSIONS}
     assert all(before[n] != after[n] for n in build.EXTENSIONS)
+
+
+def test_module_names_follow_the_checkout(monkeypatch, tmp_path):
+    """Two checkouts of the same sources sharing one cache keep separate builds (torch's build files
+    name the sources by path: under one name each checkout rebuilt the other's kernel)."""
+    import shutil
+
+    before = {n: build.module_name(n) for n in build.EXTENSIONS}
+    copy = tmp_path / "csrc"
+    shutil.copytree(build.CSRC, copy)
+    monkeypatch.setattr(build, "CSRC", copy)
+    after = {n: build.module_name(n) for n in build.EXTENSIONS}
+    assert all(before[n] != after[n] for n in build.EXTENSIONS)
