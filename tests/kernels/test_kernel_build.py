@@ -195,3 +195,14 @@ def test_module_names_follow_the_checkout(monkeypatch, tmp_path):
     monkeypatch.setattr(build, "CSRC", copy)
     after = {n: build.module_name(n) for n in build.EXTENSIONS}
     assert all(before[n] != after[n] for n in build.EXTENSIONS)
+
+
+def test_module_names_follow_the_torch_installation(monkeypatch, tmp_path):
+    """The same torch version in two virtual environments keeps separate builds (its include folders
+    are part of the build command: under one name each environment rebuilt the other's kernel)."""
+    import torch
+
+    before = {n: build.module_name(n) for n in build.EXTENSIONS}
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "torch" / "__init__.py"))
+    after = {n: build.module_name(n) for n in build.EXTENSIONS}
+    assert all(before[n] != after[n] for n in build.EXTENSIONS)

@@ -65,17 +65,19 @@ def _sources(filename: str, seen: set[str] | None = None) -> list[str]:
 
 def module_name(name: str) -> str:
     """The torch extension name: the kernel and a hash of its source, the ``csrc`` headers it includes
-    (torch's cache keys on the listed source only), the torch version, the machine architecture and the
-    folder the sources are in, so environments sharing one cache each keep their own build instead of
-    rebuilding each other's: another torch, or another checkout of the same code (torch's build files
-    name the sources by path, so two checkouts under one name rebuilt each other's kernel on every
+    (torch's cache keys on the listed source only), the torch version and installation, the machine
+    architecture and the folder the sources are in, so environments sharing one cache each keep their
+    own build instead of rebuilding each other's: another torch, the same torch in another virtual
+    environment, or another checkout of the same code (torch's build files name the sources and the
+    include folders by path, so two of those under one name rebuilt each other's kernel on every
     switch -- a minute or more each, measured inside a timed calibration).  (The instruction set is
     chosen at run time inside one build: ``isa.py``.)"""
     import platform
 
     import torch
 
-    h = hashlib.sha1(f"{torch.__version__}|{platform.machine()}|{CSRC.resolve()}|".encode())
+    where = f"{Path(torch.__file__).resolve().parent}|{CSRC.resolve()}"
+    h = hashlib.sha1(f"{torch.__version__}|{platform.machine()}|{where}|".encode())
     for f in _sources(EXTENSIONS[name]):
         h.update(f.encode() + (CSRC / f).read_bytes())
     return f"bitmosaic_{name}_{h.hexdigest()[:10]}"
