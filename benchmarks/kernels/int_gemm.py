@@ -16,7 +16,8 @@ warm-up):
   off (``$BITMOSAIC_AMX=0``), so the AMX column's gain is measured in the same run (at 512 rows the
   integer columns above run on AMX tiles there; decode rows never do);
 * bounds: ``int8 bound`` = ``2 M N K`` / the int8 rate of ``torch._int_mm`` on a 2048^3 product (oneDNN's
-  VNNI GEMM, measured in the run); ``mem bound`` = the 4-bit weight's bytes / the read bandwidth.
+  int8 GEMM -- on VNNI, or AMX where the CPU has it -- measured in the run); ``mem bound`` = the 4-bit
+  weight's bytes / the read bandwidth.
 
 Targets (issue 24): at M=512, W4A8 int >= 2x fp32 and >= 1.5x W4A16; W8A8 int >= 2x fp32.
 

@@ -63,11 +63,10 @@ AMX_ENV = "BITMOSAIC_AMX"  # "0": prefill on the VNNI body even where AMX runs (
 def amx() -> bool:
     """Whether the ``avx512`` ISA runs prefill (16 or more rows of x) on AMX-INT8 tiles here: the CPU has
     AMX-TILE and AMX-INT8 and Linux gave the process the tile state (``csrc/intmm_amx.h``; the same
-    outputs as the VNNI body bit for bit), unless ``$BITMOSAIC_AMX=0``."""
-    import os
-
+    outputs as the VNNI body bit for bit), unless ``$BITMOSAIC_AMX=0`` (the kernel's own decision,
+    ``amx_enabled`` in ``csrc/intmm_amx.h``)."""
     ext = extension()
-    return bool(ext is not None and ext.amx_supported() and os.environ.get(AMX_ENV, "") != "0")
+    return bool(ext is not None and ext.amx_enabled())
 
 
 class IntActWeight:

@@ -281,8 +281,11 @@ torch::Tensor run_all(const IntLayout& L, Acts A, const torch::Tensor& like, boo
   const int64_t nchunks = (L.nrb + chunk - 1) / chunk;
   at::parallel_for(0, A.M <= 8 ? L.nrb : nchunks, 1, [&](int64_t t0, int64_t t1) {
     if (A.M <= 8) return run_rows(L, A, yp, t0, t1, b8, isa);
-    for (int64_t t = t0; t < t1 && amx; ++t) amx_rows(L, A, tables, yp, t * chunk, std::min(L.nrb, (t + 1) * chunk));
-    for (int64_t t = t0; t < t1 && !amx; ++t) run_rows(L, A, yp, t * chunk, std::min(L.nrb, (t + 1) * chunk), b8, isa);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t rb0 = t * chunk, rb1 = std::min(L.nrb, (t + 1) * chunk);
+      if (amx) amx_rows(L, A, tables, yp, rb0, rb1);
+      else run_rows(L, A, yp, rb0, rb1, b8, isa);
+    }
   });
   return y;
 }
@@ -448,5 +451,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa_supported", &bm::isa_supported, "whether this CPU runs kernel ISA 0 (portable), 1 (AVX2), 2 (AVX-512)");
   m.def("vnni_supported", &vnni_supported, "whether the avx512 ISA runs AVX-512 VNNI (vpdpbusd)");
   m.def("amx_call_count", &amx_call_count, "calls that ran on the AMX body in this process");
-  m.def("amx_supported", &amx_supported, "whether this CPU and OS run AMX-INT8 tiles (prefill on the avx512 ISA)");
+  m.def("amx_enabled", &amx_enabled,
+        "whether prefill on the avx512 ISA runs on AMX-INT8 tiles: CPU and OS support, $BITMOSAIC_AMX not 0");
 }
