@@ -167,6 +167,37 @@ def test_kernel_per_token_scales_are_act_scales(route):
             assert torch.equal(y1, y2)
 
 
+@pytest.mark.parametrize("K", [1, 7, 8, 31, 64, 65, 130, 576, 1536])
+@pytest.mark.parametrize("gs", [-1, 8, 64, 128])
+def test_quantize_is_the_same_on_every_isa(K, gs):
+    """The SIMD absmax (dynamic per-token scales) and group sums (vpdpbusd of ones; AVX2's maddubs) give
+    the portable kernel's ``(q, qsum, scales)`` bit for bit, tails and groups past ``K`` included; the
+    group sums are ``q``'s own and a NaN-free zero row gets the 1e-12 floor."""
+    ext = intmm.extension()
+    if ext is None:
+        pytest.skip("the compiled intmm extension is not built here (the torch route has no ISAs)")
+    g = torch.Generator().manual_seed(K * 7 + gs)
+    N = 24
+    G = 1 if gs < 0 or gs >= K else -(-K // gs)
+    gsz = K if G == 1 else gs
+    w = IntActWeight.from_codes(torch.randint(0, 16, (N, K), generator=g), 4, torch.rand(N, G) + 0.1, 8.0, gs)
+    x = torch.randn(37, K, generator=g) * torch.rand(37, K, generator=g) * 10
+    x[5] = 0.0
+    x[6, -1] = -1e4  # the maximum in the tail
+    out = {}
+    for name in isa.available_isas(ext):
+        with _isa(name):
+            for agroup in (K, 8):
+                out[name, agroup] = w.quantize(x, None, agroup, 127.0)
+    for (name, agroup), (q, qsum, sa) in out.items():
+        q0, qsum0, sa0 = out["portable", agroup]
+        assert torch.equal(q, q0) and torch.equal(qsum, qsum0) and torch.equal(sa, sa0), (name, agroup)
+        ref = torch.nn.functional.pad(q[:, :K].int(), (0, G * gsz - K)).reshape(37, G, gsz).sum(-1)
+        assert torch.equal(qsum, ref.int()), (name, agroup)
+    assert torch.equal(out["portable", K][2][5], torch.full((1,), 1e-12))
+    assert torch.equal(out["portable", K][2].reshape(-1), act_scales(x, ActQuantSpec("int", 8)).reshape(-1))
+
+
 @pytest.mark.parametrize("route", _routes())
 @pytest.mark.parametrize("agroup", [8, 24, 32])
 def test_kernel_per_group_scales_are_act_scales(route, agroup):

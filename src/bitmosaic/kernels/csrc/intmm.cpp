@@ -72,6 +72,35 @@ struct IntAvx2 {
   }
   static void quant(const float* x, float s, float lo, float hi, int8_t* q, int64_t n) { quant_t<false>(x, &s, lo, hi, q, n); }
   static void quantv(const float* x, const float* s, float lo, float hi, int8_t* q, int64_t n) { quant_t<true>(x, s, lo, hi, q, n); }
+  // max |x_j| over n values (the portable absmax's result: max(|x|, acc) keeps acc where x is NaN)
+  static float absmax(const float* x, int64_t n) {
+    const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+      a = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + j), mask), a);
+      b = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + j + 8), mask), b);
+    }
+    for (; j + 8 <= n; j += 8) a = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + j), mask), a);
+    alignas(32) float t[8];
+    _mm256_store_ps(t, _mm256_max_ps(a, b));
+    float m = std::max(absmax_portable(t, 8), absmax_portable(x + j, n - j));
+    return m;
+  }
+  // sum of n int8 values (exact int32): u8 ones x s8 pairs, then pairs of int16 into int32
+  static int32_t sum_i8(const int8_t* q, int64_t n) {
+    const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+    __m256i acc = _mm256_setzero_si256();
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32)
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, _mm256_loadu_si256((const __m256i*)(q + j))), ones16));
+    alignas(32) int32_t t[8];
+    _mm256_store_si256((__m256i*)t, acc);
+    int32_t s = 0;
+    for (int k = 0; k < 8; ++k) s += t[k];
+    for (; j < n; ++j) s += q[j];
+    return s;
+  }
   // rm[r] = max |g| over run r of `run` columns (a multiple of 8), R runs; 8 lanes, then 3 shuffles
   static void run_absmax(const float* g, int64_t run, int64_t R, float* rm) {
     const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -133,6 +162,30 @@ struct IntVnni {
   }
   static void quant(const float* x, float s, float lo, float hi, int8_t* q, int64_t n) { quant_t<false>(x, &s, lo, hi, q, n); }
   static void quantv(const float* x, const float* s, float lo, float hi, int8_t* q, int64_t n) { quant_t<true>(x, s, lo, hi, q, n); }
+  // max |x_j| (masked tail; max(|x|, acc) keeps acc where x is NaN, as the portable absmax does)
+  static float absmax(const float* x, int64_t n) {
+    F a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+      a = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + j)), a);
+      b = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + j + 16)), b);
+    }
+    for (; j < n; j += 16) {
+      const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+      a = _mm512_max_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(k, x + j)), a);
+    }
+    return _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+  }
+  // sum of n int8 values (exact int32): vpdpbusd of u8 ones against the s8 values, 64 a step
+  static int32_t sum_i8(const int8_t* q, int64_t n) {
+    const I ones = _mm512_set1_epi8(1);
+    I acc = _mm512_setzero_si512();
+    for (int64_t j = 0; j < n; j += 64) {
+      const __mmask64 k = n - j >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (n - j)) - 1);
+      acc = _mm512_dpbusd_epi32(acc, ones, _mm512_maskz_loadu_epi8(k, q + j));
+    }
+    return _mm512_reduce_add_epi32(acc);
+  }
   // v rounded to fp16 and back, in place (IEEE round to nearest even, subnormals kept: c10::Half's result)
   static void fp16_round(float* v, int64_t n) {
     for (int64_t j = 0; j < n; j += 16) {
@@ -165,6 +218,22 @@ QuantFn quant_fn(int64_t isa) {
   return &quant_portable;
 }
 
+AbsmaxFn absmax_fn(int64_t isa) {
+#ifdef BM_X86
+  if (isa == bm::kAvx512) return &IntVnni::absmax;
+  if (isa == bm::kAvx2) return &IntAvx2::absmax;
+#endif
+  return &absmax_portable;
+}
+
+SumFn sum_fn(int64_t isa) {
+#ifdef BM_X86
+  if (isa == bm::kAvx512 && vnni_supported()) return &IntVnni::sum_i8;
+  if (isa == bm::kAvx512 || isa == bm::kAvx2) return &IntAvx2::sum_i8;
+#endif
+  return &sum_i8_portable;
+}
+
 QuantVFn quantv_fn(int64_t isa) {
 #ifdef BM_X86
   if (isa == bm::kAvx512) return &IntVnni::quantv;
@@ -194,7 +263,9 @@ std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor sa, int64_t a
                                     int64_t gs, int64_t G, int64_t isa) {
   check_f32(x, "x");
   const int64_t M = x.size(0), K = x.size(1);
+  bm::check_isa(isa);
   if (sa.numel() == 0) {
+    const AbsmaxFn absmax = absmax_fn(isa);
     ags = std::max<int64_t>(std::min(ags, K), 1);
     const int64_t Gd = (K + ags - 1) / ags;
     sa = torch::empty({M, std::max<int64_t>(Gd, 1)}, x.options());
@@ -220,10 +291,10 @@ std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor sa, int64_t a
   int8_t* qp = q.data_ptr<int8_t>();
   int32_t* qs = qsum.data_ptr<int32_t>();
   const int64_t Ms = sa.size(0), Ga = sa.size(1);
-  bm::check_isa(isa);
   const QuantFn fn = quant_fn(isa);
+  const SumFn sum = sum_fn(isa);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    quantize_rows(xp, K, sp, Ms, Ga, ags, (float)qmax, KP, gs, G, qp, qs, m0, m1, fn);
+    quantize_rows(xp, K, sp, Ms, Ga, ags, (float)qmax, KP, gs, G, qp, qs, m0, m1, fn, sum);
   });
   return {q, qsum, sa};
 }

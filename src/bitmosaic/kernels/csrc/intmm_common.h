@@ -68,7 +68,7 @@ struct Acts {
 // n values of one scale (portable; the SIMD versions are IntAvx2/IntVnni::quant, the same operations)
 // max |x_j| over n values: eight independent chains, so the latency of max does not serialize the loop
 // (one chain was about 4 cycles an element); exact in any order
-inline float absmax(const float* x, int64_t n) {
+inline float absmax_portable(const float* x, int64_t n) {
   float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   int64_t j = 0;
   for (; j + 8 <= n; j += 8)
@@ -90,12 +90,20 @@ inline void quantv_portable(const float* x, const float* s, float lo, float hi, 
   quant_portable_t<true>(x, s, lo, hi, q, n);
 }
 
+inline int32_t sum_i8_portable(const int8_t* q, int64_t n) {
+  int32_t s = 0;
+  for (int64_t j = 0; j < n; ++j) s += q[j];
+  return s;
+}
+
 using QuantFn = void (*)(const float*, float, float, float, int8_t*, int64_t);
+using AbsmaxFn = float (*)(const float*, int64_t);
+using SumFn = int32_t (*)(const int8_t*, int64_t);
 using QuantVFn = void (*)(const float*, const float*, float, float, int8_t*, int64_t);
 
 inline void quantize_rows(const float* x, int64_t K, const float* sa, int64_t Ms, int64_t Ga, int64_t ags,
                           float qmax, int64_t KP, int64_t gs, int64_t G, int8_t* q, int32_t* qsum,
-                          int64_t m0, int64_t m1, QuantFn quant) {
+                          int64_t m0, int64_t m1, QuantFn quant, SumFn sum) {
   const float lo = -qmax - 1.f;
   for (int64_t m = m0; m < m1; ++m) {
     const float* xm = x + m * K;
@@ -110,9 +118,7 @@ inline void quantize_rows(const float* x, int64_t K, const float* sa, int64_t Ms
     for (int64_t j = K; j < KP; ++j) qm[j] = 0;
     for (int64_t g = 0; g < G; ++g) {
       const int64_t c0 = g * gs, c1 = std::min(K, c0 + gs);
-      int32_t s = 0;
-      for (int64_t j = c0; j < c1; ++j) s += qm[j];
-      qsum[m * G + g] = s;
+      qsum[m * G + g] = sum(qm + c0, c1 - c0);
     }
   }
 }

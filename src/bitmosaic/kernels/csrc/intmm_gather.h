@@ -10,7 +10,7 @@ using RunAbsmaxFn = void (*)(const float*, int64_t, int64_t, float*);
 using Fp16Fn = void (*)(float*, int64_t);
 
 void run_absmax_portable(const float* g, int64_t run, int64_t R, float* rm) {
-  for (int64_t r = 0; r < R; ++r) rm[r] = absmax(g + r * run, run);
+  for (int64_t r = 0; r < R; ++r) rm[r] = absmax_portable(g + r * run, run);
 }
 
 void fp16_round_portable(float* v, int64_t n) {
