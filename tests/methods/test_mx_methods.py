@@ -100,6 +100,28 @@ def test_column_quantizer_rounds_to_nearest_element():
     assert torch.allclose((d - v).abs(), best)
 
 
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "mxfp8", "fp8-block"])
+def test_one_search_for_every_block_is_the_per_block_fit(name):
+    """GPTQ's static scales come from one search over the whole matrix (``fit_groups``) and its columns
+    from a bound step (``column_step``): the same divisors, codes and values as one ``fit`` per block
+    column and ``quantize`` (FP8 block, 128 x 128 blocks, keeps one fit per block column)."""
+    fmt = get_mx_format(name)
+    W, _, _ = _layer(out=256 if name == "fp8-block" else 64, n=200)  # a partial last block
+    W[:, 40:56] = 0.0  # a dead block
+    gs = nvfp4_global_scale(W.abs().amax()) if fmt.global_scale else None
+    q = MXColumnQuantizer(fmt, "mse", "floor", gs)
+    many = q.fit_groups(W, fmt.block)
+    if fmt.block_rows > 1:
+        assert many is None
+        return
+    one = torch.stack([q.fit(W[:, k : k + fmt.block])[0] for k in range(0, W.shape[1], fmt.block)], 1)
+    assert torch.equal(many[0], one) and not many[1].any()
+    for j in range(0, W.shape[1], 7):
+        s = one[:, j // fmt.block].clone()
+        a, b = q.column_step(s, torch.zeros_like(s))(W[:, j]), q.quantize(W[:, j], s, 0)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
 def _calib():
     return torch.randint(len(SPECIALS), VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
 

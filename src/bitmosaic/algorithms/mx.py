@@ -25,6 +25,7 @@ import torch
 
 from ..formats.layout import default_g_idx
 from ..formats.mx import (
+    E2M1_VALUES,
     MXFormat,
     MXTensor,
     block_amax,
@@ -176,6 +177,33 @@ class MXColumnQuantizer:
             : cols.shape[0]
         ]
         return div.to(cols.dtype), torch.zeros_like(div, dtype=cols.dtype)
+
+    def fit_groups(self, W: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`fit` of every block column of ``W`` in one search (``[out, G]`` each, the same numbers:
+        each block's error is the sum of its own ``block`` contiguous squares either way); ``None`` for
+        blocks of several rows (FP8 block: one call per block column, whose 128 x 128 sums torch may
+        order by shape)."""
+        if self.fmt.block_rows != 1 or g != self.fmt.block:
+            return None
+        gs = None if self.global_scale is None else self.global_scale.to(W.device)
+        scale = search_block_scales(W, self.fmt, method=self.method, rule=self.rule, global_scale=gs)
+        div = element_divisor(scale, self.fmt, gs).to(W.dtype)
+        return div, torch.zeros_like(div)
+
+    def column_step(self, scale: torch.Tensor, zero: torch.Tensor):
+        """:meth:`quantize` bound to one block column (GPTQ calls it once per column): the E2M1 code from
+        the rounded value's position on the grid, without :func:`encode_elements`' check (the value is
+        on the grid by construction); the same ``(code, value · divisor)``."""
+        if self.fmt.elem != "e2m1":
+            return lambda w: self.quantize(w, scale, zero)
+        grid = E2M1_VALUES.to(scale.device)
+
+        def step(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            v = quantize_elements(w / scale, self.fmt)
+            code = torch.searchsorted(grid, v.abs()).to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)
+            return code.to(w.dtype), v.to(w.dtype) * scale
+
+        return step
 
     def quantize(self, w, scale, zero):
         """``(element code, value · divisor)``: GPTQ keeps integer codes, so the element's bit pattern
