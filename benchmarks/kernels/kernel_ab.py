@@ -6,6 +6,9 @@ batch 1 (decode).  Both outputs are checked equal bit for bit first.
   SmolLM2-135M's linear shapes (q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536) and an 8B
   model's (4096x4096), group 128, at 4 and 2 bits.  The change first measured with it: codes of 1-4 bits
   on AVX-512 turned into floats by one ``vpermps`` from a 16-entry table instead of shift-mask-convert.
+  ``--shapes smollm2``: one pass over SmolLM2-135M's 210 decoder linears, each its own weight, so the
+  weights stream from memory as in a decode step (a single matrix called again and again sits in the
+  cache); measured with it: the GEMV's software prefetch, 4 KB ahead of the row being read.
 * ``--kernel fp4gemv`` (``csrc/fp4gemv_simd.h``, the MXFP4 / NVFP4 LUT GEMV): the same shapes, both
   formats.  Tried with it and not kept (2026-12-07, under load, 5 rounds): NVFP4's E4M3 block divisors
   looked up by four two-register permutes over eight table registers instead of a 16-lane gather made
@@ -34,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import cpu_name, median_ms, write_results
+from benchmarks.harness import cpu_name, machine_bounds, median_ms, write_results
 from bitmosaic.formats.mx import mx_quantize
 from bitmosaic.kernels import build, fp4lut, qmatmul
 from bitmosaic.kernels.fp4lut import FP4LutWeight
@@ -124,6 +127,40 @@ def measure(kernel: str, old, new, N: int, K: int, variant, rounds: int, isa: in
             "after_gbs": nbytes / t["after_ms"] / 1e6}  # fmt: skip
 
 
+# one SmolLM2-135M decoder layer's linears (out x in), 30 layers: a decode token's whole weight stream
+SMOLLM2_LAYER = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))
+
+
+def measure_stream(old, new, bits: int, rounds: int, isa: int, g) -> dict:
+    """``--shapes smollm2``: one pass over SmolLM2-135M's 210 decoder linears as a token reads them, each
+    its own weight (57 MB at 4 bits, beyond the caches: the weights come from memory as at decode, where
+    a single-matrix row reads them from cache after its first call), before and after interleaved."""
+    cases = [_int_case(N, K, bits, g) for _ in range(30) for N, K in SMOLLM2_LAYER]
+    for args, _ in cases[:7]:
+        assert torch.equal(old.qmatmul(*args, isa), new.qmatmul(*args, isa)), "outputs differ"
+
+    def before():
+        for args, _ in cases:
+            old.qmatmul(*args, isa)
+
+    def after():
+        for args, _ in cases:
+            new.qmatmul(*args, isa)
+
+    nbytes = sum(b + a[0].shape[1] * 4 for a, b in cases)
+    threads = torch.get_num_threads()
+    _, read_gbs = machine_bounds(threads)  # the machine's read bandwidth at these threads, this run
+    t = interleaved(before, after, rounds, f"smollm2 stream {bits}-bit t{threads}", budget_s=1.0, max_reps=50)
+    return {"shape": ["smollm2", "210 linears"], "variant": bits, "threads": threads, "rounds": rounds, **t,
+            "bytes": nbytes, "after_gbs": nbytes / t["after_ms"] / 1e6, "read_gbs": read_gbs}  # fmt: skip
+
+
+def _shape(r: dict) -> str:
+    if r["shape"][0] == "smollm2":
+        return f"SmolLM2-135M decode stream, 210 linears (memory read {r['read_gbs']:.1f} GB/s)"
+    return f"{r['shape'][0]}x{r['shape'][1]}"
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [
         f"Decode kernel before/after: before = the `{meta['kernel']}` kernel at "
@@ -139,7 +176,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r['shape'][0]}x{r['shape'][1]} | {r['variant']} | {r['threads']} | {r['before_ms']:.4f} | "
+            f"| {_shape(r)} | {r['variant']} | {r['threads']} | {r['before_ms']:.4f} | "
             f"{r['after_ms']:.4f} | {r['before_min_ms']:.4f} | {r['after_min_ms']:.4f} | "
             f"{r['ratio_median']:.3f} | {r['after_gbs']:.1f} |"
         )
@@ -150,7 +187,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kernel", choices=sorted(SOURCES), default="qmatmul", help="which extension")
     p.add_argument("--before", required=True, help="git commit of the kernel to compare with")
-    p.add_argument("--shapes", default=SHAPES, help="comma-separated OUTxIN shapes")
+    p.add_argument(
+        "--shapes",
+        default=SHAPES,
+        help="comma-separated OUTxIN shapes; smollm2: the decode "
+        "weight stream, all 210 of SmolLM2-135M's linears in one pass (qmatmul)",
+    )
     p.add_argument("--bits", default="4,2", help="qmatmul: comma-separated code widths")
     p.add_argument("--threads", default="1", help="comma-separated thread counts")
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds per row")
@@ -171,6 +213,11 @@ def main() -> None:
     for t in (int(v) for v in a.threads.split(",")):
         torch.set_num_threads(t)
         for s in a.shapes.split(","):
+            if s == "smollm2":
+                if a.kernel != "qmatmul":
+                    raise SystemExit("--shapes smollm2 (the decode weight stream) is a qmatmul row")
+                rows.extend(measure_stream(old, new, v, a.rounds, isa, g) for v in variants)
+                continue
             N, K = (int(v) for v in s.split("x"))
             for v in variants:
                 rows.append(measure(a.kernel, old, new, N, K, v, a.rounds, isa, g))

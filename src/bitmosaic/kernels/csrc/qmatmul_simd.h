@@ -119,6 +119,12 @@ void shared_row(const Layout& L, const uint8_t* row, int64_t n, const float* x, 
   }
 }
 
+// Bytes ahead of the row being read that the GEMV prefetches (the rows of a matrix are one stream). On the
+// 2-vCPU Xeon VM: SmolLM2's 210 W4 decode linears, one thread, 13.3 -> 10.0-10.3 ms a token (0.5-16 KB
+// tried; 4 KB best) while the VM's memory was slow (int8 GEMM 1.0 TOPS, the read test 11 GB/s); 0.98-0.99x
+// once it was fast (1.7 TOPS, 12.6 GB/s: benchmarks/results/qmatmul_ab_prefetch.md).  Never slower.
+constexpr int64_t kGemvPrefetch = 4096;
+
 // y[m, n] for rows n0..n1 of W and the M rows of x (decode; module comment of qmatmul.cpp)
 template <class V, int M>
 void gemv_rows(const Layout& L, const float* x, const float* xsum, float* y, int64_t n0, int64_t n1) {
@@ -126,6 +132,10 @@ void gemv_rows(const Layout& L, const float* x, const float* xsum, float* y, int
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = L.row(n);
     const int64_t rb = n / L.row_block;
+    if (n + 1 < n1) {  // one row's worth of lines kGemvPrefetch bytes ahead (a prefetch never faults)
+      const int64_t len = L.rowlen[rb];
+      for (int64_t o = 0; o < len; o += 64) __builtin_prefetch(row + kGemvPrefetch + o, 0, 3);
+    }
     float rs[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int m = 0; m < M; ++m) racc[m] = V::zero();
     if (L.shared(rb)) {
