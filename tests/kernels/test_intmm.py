@@ -198,6 +198,41 @@ def test_quantize_is_the_same_on_every_isa(K, gs):
     assert torch.equal(out["portable", K][2].reshape(-1), act_scales(x, ActQuantSpec("int", 8)).reshape(-1))
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_quantize_at_half_integers_is_the_divisions(seed):
+    """The AVX-512 quantizer multiplies by 1/s and divides only near a half-integer (csrc/intmm.cpp): on
+    values a few ulps either side of (k + 1/2) s, and exactly on them, every ISA gives the integers of
+    the float32 division x / s rounded half to even -- the simulated path's (per token and per group;
+    static scales too, tiny and huge ones included)."""
+    ext = intmm.extension()
+    if ext is None:
+        pytest.skip("the compiled intmm extension is not built here (the torch route has no ISAs)")
+    g = torch.Generator().manual_seed(seed)
+    M, K = 24, 200
+    amax = torch.rand(M, 1, generator=g) * 10 + 0.01
+    s = (amax / 127.0).float()  # the per-token scale the kernel computes (max(amax / qmax, 1e-12))
+    k = torch.randint(-127, 127, (M, K), generator=g).float()
+    x = ((k + 0.5) * s).float()
+    steps = torch.randint(-4, 5, (M, K), generator=g)
+    for _ in range(4):  # walk each value up to 4 ulps away from its half-integer
+        up, down = steps > 0, steps < 0
+        x = torch.where(up, torch.nextafter(x, torch.full_like(x, float("inf"))), x)
+        x = torch.where(down, torch.nextafter(x, torch.full_like(x, float("-inf"))), x)
+        steps = steps - up.long() + down.long()
+    x[:, 0] = amax[:, 0]  # the row maximum sets the scale
+    w = IntActWeight.from_codes(torch.randint(0, 16, (8, K), generator=g), 4, torch.rand(8, 1) + 0.1, 8.0, -1)
+    for name in isa.available_isas(ext):
+        with _isa(name):
+            q, _, sa = w.quantize(x, None, K, 127.0)
+            assert torch.equal(sa, s), name
+            ref = torch.round(x / sa).clamp(-128, 127)
+            assert torch.equal(q[:, :K].float(), ref), (name, int((q[:, :K].float() != ref).sum()))
+            for static in (s[:1], torch.tensor([[1e-20]]), torch.tensor([[3e30]]), torch.tensor([[7.0]])):
+                q2, _, _ = w.quantize(x, static, K, 127.0)
+                ref2 = torch.round(x / static).clamp(-128, 127)
+                assert torch.equal(q2[:, :K].float(), ref2), (name, float(static))
+
+
 @pytest.mark.parametrize("route", _routes())
 @pytest.mark.parametrize("agroup", [8, 24, 32])
 def test_kernel_per_group_scales_are_act_scales(route, agroup):

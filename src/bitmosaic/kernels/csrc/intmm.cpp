@@ -160,7 +160,27 @@ struct IntVnni {
       _mm512_mask_cvtepi32_storeu_epi8(q + j, k, _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lv), hv)));
     }
   }
-  static void quant(const float* x, float s, float lo, float hi, int8_t* q, int64_t n) { quant_t<false>(x, &s, lo, hi, q, n); }
+  // One scale: x * (1 / s) instead of x / s where that cannot change the integer.  With u = 2^-24,
+  // y = fl(x fl(1/s)) and fl(x/s) both lie within 3.0002 u |y| of x / s, so they round to the same integer
+  // unless a half-integer lies within that distance of y; a vector with a lane within 16 u |y| of one
+  // (or a scale outside [2^-100, 2^100], or NaN) is divided as quant_t does: the integers are the
+  // division's, bit for bit (tests/kernels/test_intmm.py, half-integers +-ulps included).
+  static void quant(const float* x, float s, float lo, float hi, int8_t* q, int64_t n) {
+    if (!(s >= 0x1p-100f && s <= 0x1p100f)) return quant_t<false>(x, &s, lo, hi, q, n);
+    const F sv = _mm512_set1_ps(s), inv = _mm512_set1_ps(1.f / s), half = _mm512_set1_ps(0.5f);
+    const F tol = _mm512_set1_ps(0x1p-20f), lv = _mm512_set1_ps(lo), hv = _mm512_set1_ps(hi);
+    constexpr int kNear = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+      const F xv = _mm512_maskz_loadu_ps(k, x + j);
+      const F y = _mm512_mul_ps(xv, inv);
+      F r = _mm512_roundscale_ps(y, kNear);
+      const F d = _mm512_abs_ps(_mm512_sub_ps(_mm512_abs_ps(_mm512_sub_ps(y, r)), half));
+      if (_mm512_cmp_ps_mask(d, _mm512_mul_ps(tol, _mm512_abs_ps(y)), _CMP_LE_OQ))
+        r = _mm512_roundscale_ps(_mm512_div_ps(xv, sv), kNear);
+      _mm512_mask_cvtepi32_storeu_epi8(q + j, k, _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lv), hv)));
+    }
+  }
   static void quantv(const float* x, const float* s, float lo, float hi, int8_t* q, int64_t n) { quant_t<true>(x, s, lo, hi, q, n); }
   // max |x_j| (masked tail; max(|x|, acc) keeps acc where x is NaN, as the portable absmax does)
   static float absmax(const float* x, int64_t n) {
