@@ -230,36 +230,22 @@ bool vnni_supported() {
 #endif
 }
 
-QuantFn quant_fn(int64_t isa) {
-#ifdef BM_X86
-  if (isa == bm::kAvx512) return &IntVnni::quant;  // AVX-512F only (no VNNI needed)
-  if (isa == bm::kAvx2) return &IntAvx2::quant;
-#endif
-  return &quant_portable;
-}
+// The activation quantizer's parts for one ISA (AVX-512F parts run on any AVX-512 CPU; the group sums'
+// vpdpbusd needs VNNI, else AVX2's)
+struct QuantOps {
+  QuantFn quant;
+  QuantVFn quantv;
+  AbsmaxFn absmax;
+  SumFn sum;
+};
 
-AbsmaxFn absmax_fn(int64_t isa) {
+QuantOps quant_ops(int64_t isa) {
 #ifdef BM_X86
-  if (isa == bm::kAvx512) return &IntVnni::absmax;
-  if (isa == bm::kAvx2) return &IntAvx2::absmax;
+  if (isa == bm::kAvx512)
+    return {&IntVnni::quant, &IntVnni::quantv, &IntVnni::absmax, vnni_supported() ? &IntVnni::sum_i8 : &IntAvx2::sum_i8};
+  if (isa == bm::kAvx2) return {&IntAvx2::quant, &IntAvx2::quantv, &IntAvx2::absmax, &IntAvx2::sum_i8};
 #endif
-  return &absmax_portable;
-}
-
-SumFn sum_fn(int64_t isa) {
-#ifdef BM_X86
-  if (isa == bm::kAvx512 && vnni_supported()) return &IntVnni::sum_i8;
-  if (isa == bm::kAvx512 || isa == bm::kAvx2) return &IntAvx2::sum_i8;
-#endif
-  return &sum_i8_portable;
-}
-
-QuantVFn quantv_fn(int64_t isa) {
-#ifdef BM_X86
-  if (isa == bm::kAvx512) return &IntVnni::quantv;
-  if (isa == bm::kAvx2) return &IntAvx2::quantv;
-#endif
-  return &quantv_portable;
+  return {&quant_portable, &quantv_portable, &absmax_portable, &sum_i8_portable};
 }
 
 void run_rows(const IntLayout& L, const Acts& A, float* y, int64_t rb0, int64_t rb1, bool b8, int64_t isa) {
@@ -285,7 +271,7 @@ std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor sa, int64_t a
   const int64_t M = x.size(0), K = x.size(1);
   bm::check_isa(isa);
   if (sa.numel() == 0) {
-    const AbsmaxFn absmax = absmax_fn(isa);
+    const AbsmaxFn absmax = quant_ops(isa).absmax;
     ags = std::max<int64_t>(std::min(ags, K), 1);
     const int64_t Gd = (K + ags - 1) / ags;
     sa = torch::empty({M, std::max<int64_t>(Gd, 1)}, x.options());
@@ -311,10 +297,9 @@ std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor sa, int64_t a
   int8_t* qp = q.data_ptr<int8_t>();
   int32_t* qs = qsum.data_ptr<int32_t>();
   const int64_t Ms = sa.size(0), Ga = sa.size(1);
-  const QuantFn fn = quant_fn(isa);
-  const SumFn sum = sum_fn(isa);
+  const QuantOps ops = quant_ops(isa);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    quantize_rows(xp, K, sp, Ms, Ga, ags, (float)qmax, KP, gs, G, qp, qs, m0, m1, fn, sum);
+    quantize_rows(xp, K, sp, Ms, Ga, ags, (float)qmax, KP, gs, G, qp, qs, m0, m1, ops.quant, ops.sum);
   });
   return {q, qsum, sa};
 }

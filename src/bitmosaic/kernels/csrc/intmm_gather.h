@@ -134,7 +134,7 @@ std::vector<torch::Tensor> quantize_gathered(torch::Tensor x, torch::Tensor chan
   float* srp = sr.data_ptr<float>();
   float* qzp = qz.data_ptr<float>();
   const float qm = (float)qmax, lo_s = (float)min_scale;
-  const QuantVFn fn = quantv_fn(isa);
+  const QuantVFn fn = quant_ops(isa).quantv;
   if (given)  // the given scales of each run, once
     for (int64_t m = 0; m < Ms; ++m)
       for (int64_t r = 0; r < R; ++r) srp[m * R + r] = sp[m * S + ap[r]];
