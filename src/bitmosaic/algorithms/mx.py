@@ -25,7 +25,6 @@ import torch
 
 from ..formats.layout import default_g_idx
 from ..formats.mx import (
-    E2M1_VALUES,
     MXFormat,
     MXTensor,
     block_amax,
@@ -190,26 +189,12 @@ class MXColumnQuantizer:
         div = element_divisor(scale, self.fmt, gs).to(W.dtype)
         return div, torch.zeros_like(div)
 
-    def column_step(self, scale: torch.Tensor, zero: torch.Tensor):
-        """:meth:`quantize` bound to one block column (GPTQ calls it once per column): the E2M1 code from
-        the rounded value's position on the grid, without :func:`encode_elements`' check (the value is
-        on the grid by construction); the same ``(code, value · divisor)``."""
-        if self.fmt.elem != "e2m1":
-            return lambda w: self.quantize(w, scale, zero)
-        grid = E2M1_VALUES.to(scale.device)
-
-        def step(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            v = quantize_elements(w / scale, self.fmt)
-            code = torch.searchsorted(grid, v.abs()).to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)
-            return code.to(w.dtype), v.to(w.dtype) * scale
-
-        return step
-
     def quantize(self, w, scale, zero):
         """``(element code, value · divisor)``: GPTQ keeps integer codes, so the element's bit pattern
-        (E2M1 nibble or FP8 byte) stands for it; :func:`mx_gptq` decodes them back to values."""
+        (E2M1 nibble or FP8 byte) stands for it; :func:`mx_gptq` decodes them back to values.  The values
+        are rounded onto the grid here, so the encoder's grid check is skipped (once per column)."""
         v = quantize_elements(w / scale, self.fmt)
-        return encode_elements(v, self.fmt).to(w.dtype), v.to(w.dtype) * scale
+        return encode_elements(v, self.fmt, check=False).to(w.dtype), v.to(w.dtype) * scale
 
 
 def mx_gptq(W, H, fmt: str | MXFormat, *, method="mse", rule="floor", perm=None, block_size=128,

@@ -256,16 +256,17 @@ def quantize_elements(x: torch.Tensor, fmt: MXFormat) -> torch.Tensor:
     return fp_round(x.float(), fmt.elem)
 
 
-def encode_elements(values: torch.Tensor, fmt: MXFormat) -> torch.Tensor:
-    """Element codes: E2M1 nibbles ``sign<<3 | index`` (uint8, one per value) or FP8 bytes."""
+def encode_elements(values: torch.Tensor, fmt: MXFormat, *, check: bool = True) -> torch.Tensor:
+    """Element codes: E2M1 nibbles ``sign<<3 | index`` (uint8, one per value) or FP8 bytes.  ``check``:
+    refuse values off the grid (``False`` where they come from :func:`quantize_elements`)."""
     v = values.float()
     if fmt.elem == "e2m1":
         idx = torch.searchsorted(E2M1_VALUES.to(v.device), v.abs().contiguous())
-        if not bool((E2M1_VALUES.to(v.device)[idx.clamp(max=7)] == v.abs()).all()):
+        if check and not bool((E2M1_VALUES.to(v.device)[idx.clamp(max=7)] == v.abs()).all()):
             raise ValueError("values are not on the E2M1 grid; round them with quantize_elements first")
         return (idx.to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)).to(torch.uint8)
     f8 = v.to(fmt.elem_format.cast_dtype())
-    if not torch.equal(f8.float(), v):
+    if check and not torch.equal(f8.float(), v):
         raise ValueError(f"values are not on the {fmt.elem} grid; round them with quantize_elements first")
     return f8.view(torch.uint8)
 

@@ -84,8 +84,7 @@ struct IntAvx2 {
     for (; j + 8 <= n; j += 8) a = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + j), mask), a);
     alignas(32) float t[8];
     _mm256_store_ps(t, _mm256_max_ps(a, b));
-    float m = std::max(absmax_portable(t, 8), absmax_portable(x + j, n - j));
-    return m;
+    return std::max(absmax_portable(t, 8), absmax_portable(x + j, n - j));
   }
   // sum of n int8 values (exact int32): u8 ones x s8 pairs, then pairs of int16 into int32
   static int32_t sum_i8(const int8_t* q, int64_t n) {
@@ -270,8 +269,8 @@ std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor sa, int64_t a
   check_f32(x, "x");
   const int64_t M = x.size(0), K = x.size(1);
   bm::check_isa(isa);
+  const QuantOps ops = quant_ops(isa);
   if (sa.numel() == 0) {
-    const AbsmaxFn absmax = quant_ops(isa).absmax;
     ags = std::max<int64_t>(std::min(ags, K), 1);
     const int64_t Gd = (K + ags - 1) / ags;
     sa = torch::empty({M, std::max<int64_t>(Gd, 1)}, x.options());
@@ -281,7 +280,7 @@ std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor sa, int64_t a
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m) {
         for (int64_t a0 = 0, c = 0; c < Gd; ++c, a0 += ags) {
-          const float a = absmax(xp + m * K + a0, std::min(K, a0 + ags) - a0);
+          const float a = ops.absmax(xp + m * K + a0, std::min(K, a0 + ags) - a0);
           sp[m * Gd + c] = std::max(a / qm, tiny);
         }
       }
@@ -297,7 +296,6 @@ std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor sa, int64_t a
   int8_t* qp = q.data_ptr<int8_t>();
   int32_t* qs = qsum.data_ptr<int32_t>();
   const int64_t Ms = sa.size(0), Ga = sa.size(1);
-  const QuantOps ops = quant_ops(isa);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     quantize_rows(xp, K, sp, Ms, Ga, ags, (float)qmax, KP, gs, G, qp, qs, m0, m1, ops.quant, ops.sum);
   });
