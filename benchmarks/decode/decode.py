@@ -4,7 +4,8 @@ bit-plane LUT at 1-3 bits; the ``(FMA)`` rows run the same W3/W2 folders on ``Lo
 ``(LUT)`` row the W4 folder on the LUT (``$BITMOSAIC_KERNEL=lut``: which kernel is faster at 4 bits); the
 ``+A8`` rows the same W4/W2 folders with run-time INT8 activations on the integer kernel,
 ``$BITMOSAIC_RUNTIME_ACT=int8``, as llama.cpp quantizes its activations (``+Q8A``: one scale per block of
-32 channels, ``q8_0``, as llama.cpp's blocks); the ``+H8`` rows the output
+32 channels, ``q8_0``, as llama.cpp's blocks; ``+A16``: 16 bits per token as two int8 halves,
+``int16``); the ``+H8`` rows the output
 head as an 8-bit copy, ``--runtime-head int8``, as llama.cpp's file holds it in ``Q8_0``; ``+Q8H`` its
 inputs too in int8 blocks, ``--runtime-head q8_0``, as llama.cpp computes it; the ``(compiled)`` rows
 those models with :func:`bitmosaic.modules.decode.enable_compiled_decode`: a static KV cache and a
@@ -83,6 +84,8 @@ def _linear_bytes(model, folder: str) -> tuple[int, int]:
 # guards are skipped by default now: modules/decode.py guards="model")
 _INDUCTOR_OPTIONS = {
     "+cpp_wrapper": {"cpp_wrapper": True},
+    # the C++ entry at -O1 apart from the kernels at -O3 (a shorter first compile)
+    "+cpp_wrapper_sep": {"cpp_wrapper": True, "cpp_wrapper_build_separate": True},
     "+freezing": {"freezing": True},
 }
 
@@ -127,7 +130,8 @@ def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repea
         from bitmosaic.kernels.select import KERNEL_ENV
 
         os.environ[KERNEL_ENV] = "lowbit" if "(FMA)" in flags else "lut"
-    acts = {"+A8": "int8", "+Q8A": "q8_0"}  # run-time 8-bit activations on the integer kernel (--runtime-act)
+    # run-time 8-bit activations on the integer kernel (--runtime-act); +A16: 16-bit ones, two int8 halves
+    acts = {"+A8": "int8", "+Q8A": "q8_0", "+A16": "int16"}
     for flag in set(flags) & set(acts):
         from bitmosaic.modules.intact import RUNTIME_ACT_ENV
 
@@ -347,6 +351,7 @@ def main() -> None:
         for b in (4, 2):  # the same folders with run-time INT8 activations (what llama.cpp does)
             folders[f"W{b} g128 +A8"] = folders[f"W{b} g128"]
             folders[f"W{b} g128 +Q8A"] = folders[f"W{b} g128"]
+            folders[f"W{b} g128 +A16"] = folders[f"W{b} g128"]
         # an 8-bit output head (llama.cpp's file holds its head as Q8_0): +H8 weight-only, +Q8H with int8
         # inputs per block of 32 too (--runtime-head int8 / q8_0)
         for v in ("float", "W4 g128", "W2 g128"):
@@ -354,10 +359,10 @@ def main() -> None:
         for v in ("W4 g128", "W2 g128", "W4 g128 +A8", "W4 g128 +Q8A"):
             folders[f"{v} +Q8H"] = folders[v]
         compiled = ("float", "W4 g128", "W2 g128", "W4 g128 +Q8H", "W2 g128 +Q8H", "W4 g128 +A8 +Q8H",
-                    "W4 g128 +Q8A +Q8H")  # fmt: skip
+                    "W4 g128 +Q8A +Q8H", "W4 g128 +A16")  # fmt: skip
         for v in compiled:
             folders[f"{v} (compiled)"] = folders[v]  # static cache + torch.compile (modules/decode.py)
-        for v in ("W4 g128", "W2 g128"):  # plain bitmosaic.load(dir).generate: the default a user meets
+        for v in ("W4 g128", "W2 g128", "W4 g128 +A16"):  # plain bitmosaic.load(dir).generate: the default
             folders[f"{v} (load)"] = folders[v]
         folders["W4 g128 (LUT) (load)"] = folders["W4 g128"]  # 4 bits on the bit-plane LUT instead
         if only is not None:  # opt-in: any compiled row with an inductor option, "(compiled+cpp_wrapper)"

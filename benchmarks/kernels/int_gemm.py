@@ -12,6 +12,9 @@ warm-up):
   int8 quantization, integer product), 4-bit g128 asymmetric / 8-bit per-channel symmetric (SmoothQuant's
   W8A8); ``W4A8 int_mm`` / ``W8A8 int_mm``: the same through ``torch._int_mm`` (oneDNN), once per weight
   group;
+* ``W4 int16``: the W4 weight with 16-bit per-token activations (``--runtime-act int16``: two int8 halves
+  through the same integer kernel, one pass over the weight) -- the near-exact integer alternative to the
+  float-activation ``W4A16`` column;
 * ``W4A8 VNNI`` / ``W8A8 VNNI`` (on a CPU with AMX-INT8 only): the integer path with the AMX body turned
   off (``$BITMOSAIC_AMX=0``), so the AMX column's gain is measured in the same run (at 512 rows the
   integer columns above run on AMX tiles there; decode rows never do);
@@ -66,6 +69,7 @@ def measure(N, K, M, g, rate, bw) -> dict:
     x = torch.randn(M, K, generator=g)
     spec = ActQuantSpec("int", 8)
     quant = ActQuantizer(spec, K)
+    quant16 = ActQuantizer(ActQuantSpec("int", 16), K)
     k4, k8 = IntActKernel(w["i4"]), IntActKernel(w["i8"])
 
     def int_mm(weight):
@@ -79,6 +83,7 @@ def measure(N, K, M, g, rate, bw) -> dict:
         row["w4a8_sim"] = median_ms(lambda: w["w4"].matmul(fake_quant(x, spec)))
         row["w4a8_int"] = median_ms(lambda: k4(x, quant))
         row["w8a8_int"] = median_ms(lambda: k8(x, quant))
+        row["w4_int16"] = median_ms(lambda: k4(x, quant16))
         if amx():  # the same calls on the VNNI body
             os.environ[AMX_ENV] = "0"
             try:
@@ -97,10 +102,10 @@ def table(rows: list[dict]) -> str:
     vn = any("w4a8_vnni" in r for r in rows)
     head = (
         "| shape | M | threads | fp32 | W4A16 | W4A8 sim | W4A8 int | W8A8 int | W4A8 int_mm | W8A8 int_mm "
-        "| int8 bound | mem bound | W4A8 vs fp32 | W4A8 vs W4A16 | W8A8 vs fp32 | W4A8 int vs sim |"
-        + (" W4A8 VNNI | W8A8 VNNI | W4A8 VNNI / AMX |" if vn else "")
+        "| int8 bound | mem bound | W4A8 vs fp32 | W4A8 vs W4A16 | W8A8 vs fp32 | W4A8 int vs sim "
+        "| W4 int16 | W4 int16 vs W4A16 |" + (" W4A8 VNNI | W8A8 VNNI | W4A8 VNNI / AMX |" if vn else "")
     )
-    lines = [head, "|" + "---|" * (19 if vn else 16)]
+    lines = [head, "|" + "---|" * (21 if vn else 18)]
     for r in rows:
         cells = [r["shape"], r["M"], r["threads"]] + [
             f"{r[k]:.3f}"
@@ -109,6 +114,8 @@ def table(rows: list[dict]) -> str:
         cells += [f"{r['int8_bound']:.3f}", f"{r['mem_bound']:.3f}"]
         cells += [f"{r['fp32'] / r['w4a8_int']:.2f}x", f"{r['w4a16'] / r['w4a8_int']:.2f}x"]
         cells += [f"{r['fp32'] / r['w8a8_int']:.2f}x", f"{r['w4a8_sim'] / r['w4a8_int']:.2f}x"]
+        i16 = r.get("w4_int16")  # rows before the int16 column have none
+        cells += [f"{i16:.3f}", f"{r['w4a16'] / i16:.2f}x"] if i16 else ["—"] * 2
         if vn:
             v4, v8 = r.get("w4a8_vnni"), r.get("w8a8_vnni")
             cells += [f"{v4:.3f}", f"{v8:.3f}", f"{v4 / r['w4a8_int']:.2f}x"] if v4 else ["—"] * 3

@@ -52,11 +52,15 @@ RUNS = {
     # the same with one scale per block of 32 channels (--runtime-act q8_0, llama.cpp's Q8_0 activations)
     "gptq W4 + runtime Q8_0": ("gptq", "W4A16", {"group_size": 128, "order": "act", "scale": "mse"}),
     "gptq W3 + runtime Q8_0": ("gptq", "W3A16", {"group_size": 128, "order": "act", "scale": "mse"}),
+    # 16 bits per token, two int8 halves on the integer kernel (--runtime-act int16)
+    "gptq W4 + runtime A16": ("gptq", "W4A16", {"group_size": 128, "order": "act", "scale": "mse"}),
 }
 
 
 def runtime_mode(name: str) -> str | None:
     """The ``--runtime-act`` choice a row runs on its integer path (``None``: the model's own quantizer)."""
+    if "runtime A16" in name:
+        return "int16"
     return "q8_0" if "runtime Q8_0" in name else "int8" if "runtime A8" in name else None
 
 

@@ -1,6 +1,7 @@
 """``torch.compile(model, fullgraph=True, dynamic=False)`` traces a quantized model whole (the kernels are
 ``torch.library`` operators, kernels/ops.py) and gives the eager logits: W4 on ``LowBitWeight``, W2 on
-the bit-plane LUT, W4 with run-time INT8 activations on the integer kernel, MXFP4/NVFP4 on the FP4 LUT."""
+the bit-plane LUT, W4 with run-time INT8 and INT16 activations on the integer kernel, MXFP4/NVFP4 on the
+FP4 LUT."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from tests.io.test_compiled_decode import prompt, quantized_tiny
 
 @pytest.mark.parametrize(
     "bits, runtime_act, kernel",
-    [(4, None, LowBitWeight), (2, None, BitPlaneWeight), (4, "int8", None)],
-    ids=["w4-lowbit", "w2-lut", "w4-int8act"],
+    [(4, None, LowBitWeight), (2, None, BitPlaneWeight), (4, "int8", None), (4, "int16", None)],
+    ids=["w4-lowbit", "w2-lut", "w4-int8act", "w4-int16act"],
 )
 def test_compiled_forward_equals_eager(bits, runtime_act, kernel):
     if kernel is BitPlaneWeight and lut.extension() is None:
@@ -38,7 +39,23 @@ def test_compiled_forward_equals_eager(bits, runtime_act, kernel):
             assert all(x._int_act for x in mods)
         compiled = torch.compile(m, fullgraph=True, dynamic=False)
         out = compiled(ids).logits
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    if runtime_act != "int16":
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        return
+    # 16-bit steps are fine enough that inductor's reassociated float ops (norms, residuals) move some
+    # inputs across a rounding boundary: each such flip moves an output by one step s = amax / 32639, so
+    # the compiled logits differ from eager about as much as int16 differs from the float path -- and
+    # hundreds of times less than int8 does (measured: 3e-4, 5e-4 and 0.16 at a logit scale of 5)
+    scale = float(ref.abs().max())
+    torch.testing.assert_close(out, ref, rtol=0, atol=2e-4 * scale)
+    from bitmosaic.modules.intact import set_runtime_activations
+
+    with torch.no_grad():
+        set_runtime_activations(m, "none")
+        wo = m(ids).logits
+        set_runtime_activations(m, "int8")
+        i8 = m(ids).logits
+    assert (ref - wo).abs().max() < 2e-4 * scale < (i8 - wo).abs().max() / 20
 
 
 @pytest.mark.parametrize("scheme", ["MXFP4A16", "NVFP4A16"])

@@ -265,7 +265,7 @@ def _weight_only(bits=4, gs=32, act_order=False, seed=0):
 @pytest.mark.parametrize(
     "bits, act_order, mode",
     [(4, False, "int8"), (2, False, "int8"), (4, True, "int8"), (8, False, "int8"), (4, False, "q8_0"),
-     (4, True, "q8_0"), (3, False, "q8_0")],
+     (4, True, "q8_0"), (3, False, "q8_0"), (4, False, "int16"), (4, True, "int16"), (8, False, "int16")],
 )  # fmt: skip
 def test_runtime_int8_activations_on_a_weight_only_layer(bits, act_order, mode):
     """``--runtime-act int8|q8_0``: a weight-only layer computes Q8(x) Wᵀ in integers, with per-token INT8
@@ -310,7 +310,8 @@ def test_runtime_activations_keep_a_layers_own_quantizer_and_refuse_bad_values(m
     assert set_runtime_activations(model, "int8") == 1
     assert own.act_quantizer().spec.bits == 4 and wo.act_quantizer().spec.bits == 8
     monkeypatch.setenv(RUNTIME_ACT_ENV, "int4")
-    with pytest.raises(OptionError, match=r"\$BITMOSAIC_RUNTIME_ACT='int4' is not one of none, int8, q8_0"):
+    match = r"\$BITMOSAIC_RUNTIME_ACT='int4' is not one of none, int8, q8_0, int16"
+    with pytest.raises(OptionError, match=match):
         set_runtime_activations(model)
 
 

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bitmosaic.formats.act import ActQuantSpec, act_scales, fake_quant
+from bitmosaic.formats.act import INT16_SPLIT_QMAX, ActQuantSpec, act_scales, fake_quant
 from bitmosaic.kernels import intmm, isa
 from bitmosaic.kernels.intmm import IntActWeight
 from tests.helpers import env_var
@@ -86,7 +86,7 @@ def test_layout_holds_the_codes(bits, N, K, gs, seed):
     K=st.integers(1, 200),
     gs=st.sampled_from([-1, 8, 32, 64]),
     gran=st.sampled_from(["token", "tensor", "group", "tensor-static", "group-static"]),
-    abits=st.sampled_from([8, 4]),
+    abits=st.sampled_from([8, 4, 16]),
     asym=st.booleans(),
     seed=st.integers(0, 2**16),
 )
@@ -109,9 +109,12 @@ def test_int_path_equals_the_integer_product(route, bits, M, N, K, gs, gran, abi
     y = _run(w, x, spec, scale, route)
     # the integers: the kernel's quantized activations are fake_quant's
     sa = _scale_table(x, spec, scale)
-    q, qsum, _ = w.quantize(x, sa, spec.group_size if gran == "group" else K, spec.qmax)
+    q, qsum, sq = w.quantize(x, sa, spec.group_size if gran == "group" else K, spec.qmax)
     xq = fake_quant(x, spec, scale).double()
     s_full = sa.repeat_interleave(spec.group_size if gran == "group" else K, dim=1)[:, :K].double()
+    if abits == 16:  # two int8 rows per token: q = 256 h + l, scales 256 s and s
+        assert q.shape[0] == 2 * M and torch.equal(sq, torch.cat([sa.expand(M, -1) * 256, sa.expand(M, -1)]))
+        q = 256 * q[:M].long() + q[M:].long()
     assert torch.equal(q[:, :K].double(), torch.round(xq / s_full))
     assert torch.all(q[:, K:] == 0)
     # the output: the float64 product of those integers with (c - z) s, within float32 rounding
@@ -127,12 +130,15 @@ def test_int_path_equals_the_integer_product(route, bits, M, N, K, gs, gran, abi
 
 
 def test_static_scale_reaches_the_negative_end():
-    """q = -qmax - 1 (static scale, clamped) is held exactly: 8-bit codes on every route."""
+    """q = -qmax - 1 (static scale, clamped) is held exactly: 8-bit codes on every route, 8- and 16-bit
+    activations."""
     w = IntActWeight.from_codes(torch.full((3, 16), 255, dtype=torch.int32), 8, torch.ones(3, 1), 0.0, -1)
     x = torch.full((2, 16), -1000.0)
     for route in _routes():
         y = _run(w, x, _spec("tensor", 8, True, 16), torch.ones(1), route)
         assert torch.equal(y, torch.full((2, 3), -128.0 * 255 * 16)), route
+        y = _run(w, x * 100, _spec("tensor", 16, True, 16), torch.ones(1), route)  # h = -127, l = -128
+        assert torch.equal(y, torch.full((2, 3), -(INT16_SPLIT_QMAX + 1) * 255 * 16)), route
 
 
 def test_refuses_bad_layouts():
@@ -188,12 +194,19 @@ def test_quantize_is_the_same_on_every_isa(K, gs):
     for name in isa.available_isas(ext):
         with _isa(name):
             for agroup in (K, 8):
-                out[name, agroup] = w.quantize(x, None, agroup, 127.0)
-    for (name, agroup), (q, qsum, sa) in out.items():
-        q0, qsum0, sa0 = out["portable", agroup]
-        assert torch.equal(q, q0) and torch.equal(qsum, qsum0) and torch.equal(sa, sa0), (name, agroup)
-        ref = torch.nn.functional.pad(q[:, :K].int(), (0, G * gsz - K)).reshape(37, G, gsz).sum(-1)
-        assert torch.equal(qsum, ref.int()), (name, agroup)
+                for qmax in (127.0, INT16_SPLIT_QMAX):  # 16 bits: the two int8 halves' rows
+                    out[name, agroup, qmax] = w.quantize(x, None, agroup, qmax)
+    for (name, agroup, qmax), (q, qsum, sa) in out.items():
+        q0, qsum0, sa0 = out["portable", agroup, qmax]
+        assert torch.equal(q, q0) and torch.equal(qsum, qsum0) and torch.equal(sa, sa0), (name, agroup, qmax)
+        rows = q.shape[0]
+        ref = torch.nn.functional.pad(q[:, :K].int(), (0, G * gsz - K)).reshape(rows, G, gsz).sum(-1)
+        assert torch.equal(qsum, ref.int()), (name, agroup, qmax)
+    q, _, _ = out["portable", K, INT16_SPLIT_QMAX]
+    q16 = 256 * q[:37, :K].long() + q[37:, :K].long()
+    s16 = act_scales(x, ActQuantSpec("int", 16)).reshape(-1, 1)
+    assert torch.equal(q16, torch.round(x / s16).long()) and int(q16.abs().max()) == INT16_SPLIT_QMAX
+    out = {k[:2]: v for k, v in out.items() if k[2] == 127.0}
     assert torch.equal(out["portable", K][2][5], torch.full((1,), 1e-12))
     assert torch.equal(out["portable", K][2].reshape(-1), act_scales(x, ActQuantSpec("int", 8)).reshape(-1))
 

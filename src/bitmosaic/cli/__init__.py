@@ -202,10 +202,10 @@ def _add_eval_parser(sub) -> None:
         "same windows; without REF, the model a saved folder was quantized from (its provenance)",
     )  # fmt: skip
     e.add_argument(
-        "--runtime-act", choices=("none", "int8", "q8_0"), default=None,
+        "--runtime-act", choices=("none", "int8", "q8_0", "int16"), default=None,
         help="int8: weight-only layers quantize their inputs to 8 bits per token at run time and multiply "
-        "in integers; q8_0: the same with one scale per block of 32 channels, as llama.cpp does (not saved); "
-        "default none, or $BITMOSAIC_RUNTIME_ACT",
+        "in integers; q8_0: the same with one scale per block of 32 channels, as llama.cpp does; int16: 16 "
+        "bits per token, multiplied as two int8 halves (not saved); default none, or $BITMOSAIC_RUNTIME_ACT",
     )  # fmt: skip
     e.add_argument(
         "--runtime-head", choices=("none", "int8", "q8_0"), default=None,

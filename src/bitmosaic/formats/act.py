@@ -8,7 +8,10 @@ An :class:`ActQuantSpec` says *what* grid and *which* scale granularity:
   shared by all tokens when static.
 
 ``scale = clip_ratio · amax / qmax`` where ``qmax`` is ``2**(bits-1) - 1`` for INT (codes
-``-qmax-1..qmax``) and the format's largest value for FP; ``clip_ratio`` < 1 saturates the largest
+``-qmax-1..qmax``) -- at 16 bits :data:`INT16_SPLIT_QMAX` = 127·256 + 127, the largest integer whose two
+int8 halves ``q = 256 h + l`` both fit int8 (the integer kernel multiplies 16-bit activations as those
+halves, :mod:`bitmosaic.kernels.intmm`) -- and the format's largest value for FP; ``clip_ratio`` < 1
+saturates the largest
 values to refine the grid for the rest (QuaRot's activation clip ratio, 0.9 at A4: Ashkboos et al.
 2024, Sec. 5); ``pow2`` rounds each scale *up* to a power of two (so nothing extra saturates).
 Fake quantization returns ``Q(x / scale) * scale``.
@@ -58,10 +61,14 @@ __all__ = [
     "fake_quant",
     "normalize_fmt",
     "mx_divisors",
+    "INT16_SPLIT_QMAX",
 ]
 
 GRANULARITIES = ("token", "tensor", "group")
 _MIN_SCALE = 1e-12
+# 16-bit INT activations: codes -qmax-1..qmax with qmax = 127 * 256 + 127, so that q = 256 h + l with h and l
+# both int8 (h = floor((q + 128) / 256), l = q - 256 h; module doc)
+INT16_SPLIT_QMAX = 127.0 * 256 + 127
 
 
 @dataclass(frozen=True)
@@ -83,8 +90,8 @@ class ActQuantSpec:
     def __post_init__(self) -> None:
         if self.fmt != "int" and self.fmt not in FP_FORMATS:
             raise ValueError(f"unknown activation format {self.fmt!r}; use int or one of {list(FP_FORMATS)}")
-        if self.fmt == "int" and not 2 <= self.bits <= 8:
-            raise ValueError(f"INT activation bits must be in 2..8, got {self.bits}")
+        if self.fmt == "int" and not (2 <= self.bits <= 8 or self.bits == 16):
+            raise ValueError(f"INT activation bits must be in 2..8 or 16, got {self.bits}")
         if self.fmt != "int" and self.bits != get_float_format(self.fmt).bits:
             raise ValueError(
                 f"{self.fmt} is a {get_float_format(self.fmt).bits}-bit format; got bits={self.bits}"
@@ -138,7 +145,7 @@ class ActQuantSpec:
     @property
     def qmax(self) -> float:
         if self.fmt == "int":
-            return float((1 << (self.bits - 1)) - 1)
+            return INT16_SPLIT_QMAX if self.bits == 16 else float((1 << (self.bits - 1)) - 1)
         return get_float_format(self.fmt).max_value
 
     @property

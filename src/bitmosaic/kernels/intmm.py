@@ -11,7 +11,12 @@ exactly the simulated path's integers), and per output ``(m, n)`` and weight gro
 
 so ``y`` equals the simulated output up to float32 rounding of the scale products (the simulated path
 rounds every product and partial sum instead).  INT2-INT8 activations run the same way (INT4 values held
-in int8).
+in int8).  **16-bit activations** (``qmax =`` :data:`~bitmosaic.formats.act.INT16_SPLIT_QMAX` = 127·256 +
+127) run as two int8 halves ``q = 256 h + l`` (``h = ⌊(q + 128) / 256⌋``, ``l = q - 256 h``): the halves are
+two rows of x with scales ``256 s_a`` and ``s_a`` through the same kernel, which unpacks each weight
+register once for both, and ``y`` is the sum of their products -- the 16-bit integers exactly, for about
+the weight traffic of one int8 row (the run-time ``int16`` decode activations of weight-only layers,
+:mod:`bitmosaic.modules.intact`).
 
 Layout (built once from the codes by :meth:`IntActWeight.from_codes`; ``csrc/intmm_common.h``): row
 blocks of 16 output rows; columns in pairs of 4-column chunks; codes of widths 1-4 as nibbles (one
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import torch
 
+from ..formats.act import INT16_SPLIT_QMAX
 from . import build, ops
 
 __all__ = ["IntActWeight", "extension", "MAX_K"]
@@ -188,6 +194,8 @@ class IntActWeight:
         else:
             q, qsum, sa, ratio = self.quantized(x, act_scale, act_group, qmax)
             y = self.product(q, qsum, sa, ratio, route)
+            if qmax == INT16_SPLIT_QMAX:  # 16-bit activations: the high halves' product plus the low's
+                y = y[: y.shape[0] // 2] + y[y.shape[0] // 2 :]
         return y.reshape(*x.shape[:-1], self.N).to(x.dtype)
 
     def quantized(self, x: torch.Tensor, act_scale, act_group: int, qmax: float):

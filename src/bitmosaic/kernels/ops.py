@@ -41,6 +41,7 @@ import functools
 
 import torch
 
+from ..formats.act import INT16_SPLIT_QMAX
 from ..formats.bitplane import BitPlanes
 from . import build
 from .isa import isa_number
@@ -245,8 +246,13 @@ def int8_quantize(
         return q, qsum, sa_out.clone() if act_scale is not None else sa_out
     sa = act_scale.float().clone().contiguous()
     s = sa.repeat_interleave(act_group, dim=1)[:, :K]
-    q = torch.round(x / s).clamp_(-qmax - 1, qmax).to(torch.int8)
-    q = torch.nn.functional.pad(q, (0, KP - K))
+    q = torch.round(x / s).clamp_(-qmax - 1, qmax).to(torch.int32)
+    if qmax == INT16_SPLIT_QMAX:  # 16-bit: the high halves' rows, then the low halves' (csrc/intmm_common.h)
+        h = (q + 128) >> 8
+        q = torch.cat([h, q - 256 * h])
+        sa = sa.expand(x.shape[0], -1)
+        sa = torch.cat([sa * 256, sa]).contiguous()
+    q = torch.nn.functional.pad(q.to(torch.int8), (0, KP - K))
     pad = G * group_size - KP
     qs = torch.nn.functional.pad(q.to(torch.int32), (0, max(pad, 0)))[:, : G * group_size]
     return q, qs.reshape(q.shape[0], G, -1).sum(-1, dtype=torch.int32), sa
@@ -254,11 +260,16 @@ def int8_quantize(
 
 @int8_quantize.register_fake
 def _(x, act_scale, act_group, qmax, KP, group_size, G):
+    split = qmax == INT16_SPLIT_QMAX  # 16-bit activations: twice the rows (the two int8 halves)
     M = x.shape[0]
-    q = x.new_empty(M, KP, dtype=torch.int8)
-    qsum = x.new_empty(M, G, dtype=torch.int32)
+    R = 2 * M if split else M
+    q = x.new_empty(R, KP, dtype=torch.int8)
+    qsum = x.new_empty(R, G, dtype=torch.int32)
     Gd = -(-x.shape[1] // act_group) if act_group < x.shape[1] else 1
-    sa = x.new_empty(M, Gd) if act_scale is None else torch.empty_like(act_scale, dtype=torch.float32)
+    if split:
+        sa = x.new_empty(R, Gd if act_scale is None else act_scale.shape[1])
+    else:
+        sa = x.new_empty(M, Gd) if act_scale is None else torch.empty_like(act_scale, dtype=torch.float32)
     return q, qsum, sa
 
 

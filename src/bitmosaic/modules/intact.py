@@ -24,8 +24,10 @@ forward in one of two ways:
 input quantized to 8 bits (dynamic, symmetric) and multiplied in integers: ``int8`` with one scale per
 token, ``q8_0`` with one scale per block of 32 channels of each token, as llama.cpp's ``Q8_0`` activations
 (the weight's groups split into blocks of 32 for the kernel, :func:`act_weight_groups`; an act-order
-layer's blocks are of its stored, permuted columns).  A weight-only layer then runs the integer kernel
-with an INT8 quantizer that is *not* part of the model (not saved, not in the state dict, not in the
+layer's blocks are of its stored, permuted columns); ``int16`` with one scale per token and 16-bit
+integers (``|q| <= 127·256 + 127``), which the kernel multiplies as two int8 halves in one pass over the
+weight (:mod:`bitmosaic.kernels.intmm`): 256 times finer steps than ``int8``.  A weight-only layer then
+runs the integer kernel with a quantizer that is *not* part of the model (not saved, not in the state dict, not in the
 config): it is an approximation chosen at run time for speed, off by default (``benchmarks/waq/int_ppl.py``
 measures its KL and top-1 agreement against the weight-only path, ``benchmarks/decode/decode.py`` the speed).
 It applies only where the integer path runs (the layer's kernel, group size, the CPU); elsewhere, and under
@@ -67,6 +69,8 @@ RUNTIME_ACT_SPECS: dict[str, ActQuantSpec | None] = {
     "none": None,
     "int8": ActQuantSpec("int", 8),
     "q8_0": ActQuantSpec("int", 8, granularity="group", group_size=32),
+    # int16: one scale per token, 16-bit integers run as two int8 halves (kernels/intmm.py)
+    "int16": ActQuantSpec("int", 16),
 }
 
 
@@ -95,8 +99,9 @@ def runtime_choice(mode: str | None, env: str, flag: str, choices) -> str:
 
 
 def runtime_act_mode(mode: str | None = None) -> str:
-    """``mode`` (``none``/``int8``/``q8_0``), or ``$BITMOSAIC_RUNTIME_ACT`` when ``mode`` is ``None`` (unset:
-    ``none``); anything else raises :class:`~bitmosaic.errors.OptionError` naming the choices."""
+    """``mode`` (``none``/``int8``/``q8_0``/``int16``), or ``$BITMOSAIC_RUNTIME_ACT`` when ``mode`` is
+    ``None`` (unset: ``none``); anything else raises :class:`~bitmosaic.errors.OptionError` naming the
+    choices."""
     return runtime_choice(mode, RUNTIME_ACT_ENV, "--runtime-act", RUNTIME_ACT_SPECS)
 
 

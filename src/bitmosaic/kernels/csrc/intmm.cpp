@@ -57,8 +57,8 @@ struct IntAvx2 {
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
   // VS: one scale per element (s[j]), else s[0] for all
-  template <bool VS>
-  static void quant_t(const float* x, const float* s, float lo, float hi, int8_t* q, int64_t n) {
+  template <bool VS, class Q = int8_t>
+  static void quant_t(const float* x, const float* s, float lo, float hi, Q* q, int64_t n) {
     const F lv = _mm256_set1_ps(lo), hv = _mm256_set1_ps(hi);
     alignas(32) int32_t t[8];
     int64_t j = 0;
@@ -66,11 +66,12 @@ struct IntAvx2 {
       const F sv = VS ? _mm256_loadu_ps(s + j) : _mm256_set1_ps(s[0]);
       const F r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + j), sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       _mm256_store_si256((__m256i*)t, _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lv), hv)));
-      for (int k = 0; k < 8; ++k) q[j + k] = (int8_t)t[k];
+      for (int k = 0; k < 8; ++k) q[j + k] = (Q)t[k];
     }
     quant_portable_t<VS>(x + j, VS ? s + j : s, lo, hi, q + j, n - j);
   }
   static void quant(const float* x, float s, float lo, float hi, int8_t* q, int64_t n) { quant_t<false>(x, &s, lo, hi, q, n); }
+  static void quant32(const float* x, float s, float lo, float hi, int32_t* q, int64_t n) { quant_t<false>(x, &s, lo, hi, q, n); }
   static void quantv(const float* x, const float* s, float lo, float hi, int8_t* q, int64_t n) { quant_t<true>(x, s, lo, hi, q, n); }
   // max |x_j| over n values (the portable absmax's result: max(|x|, acc) keeps acc where x is NaN)
   static float absmax(const float* x, int64_t n) {
@@ -147,8 +148,11 @@ struct IntVnni {
   static F mulf(F a, F b) { return _mm512_mul_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
-  template <bool VS>
-  static void quant_t(const float* x, const float* s, float lo, float hi, int8_t* q, int64_t n) {
+  // the integers (int32 lanes) stored as Q: int8_t, or int32_t for 16-bit activations
+  static void store(int8_t* q, __mmask16 k, __m512i v) { _mm512_mask_cvtepi32_storeu_epi8(q, k, v); }
+  static void store(int32_t* q, __mmask16 k, __m512i v) { _mm512_mask_storeu_epi32(q, k, v); }
+  template <bool VS, class Q = int8_t>
+  static void quant_t(const float* x, const float* s, float lo, float hi, Q* q, int64_t n) {
     const F lv = _mm512_set1_ps(lo), hv = _mm512_set1_ps(hi);
     for (int64_t j = 0; j < n; j += 16) {
       const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
@@ -156,7 +160,7 @@ struct IntVnni {
       const F sv = VS ? _mm512_mask_loadu_ps(_mm512_set1_ps(1.f), k, s + j) : _mm512_set1_ps(s[0]);
       const F v = _mm512_div_ps(_mm512_maskz_loadu_ps(k, x + j), sv);
       const F r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      _mm512_mask_cvtepi32_storeu_epi8(q + j, k, _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lv), hv)));
+      store(q + j, k, _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lv), hv)));
     }
   }
   // One scale: x * (1 / s) instead of x / s where that cannot change the integer.  With u = 2^-24,
@@ -164,7 +168,8 @@ struct IntVnni {
   // unless a half-integer lies within that distance of y; a vector with a lane within 16 u |y| of one
   // (or a scale outside [2^-100, 2^100], or NaN) is divided as quant_t does: the integers are the
   // division's, bit for bit (tests/kernels/test_intmm.py, half-integers +-ulps included).
-  static void quant(const float* x, float s, float lo, float hi, int8_t* q, int64_t n) {
+  template <class Q>
+  static void quant_q(const float* x, float s, float lo, float hi, Q* q, int64_t n) {
     if (!(s >= 0x1p-100f && s <= 0x1p100f)) return quant_t<false>(x, &s, lo, hi, q, n);
     const F sv = _mm512_set1_ps(s), inv = _mm512_set1_ps(1.f / s), half = _mm512_set1_ps(0.5f);
     const F tol = _mm512_set1_ps(0x1p-20f), lv = _mm512_set1_ps(lo), hv = _mm512_set1_ps(hi);
@@ -177,9 +182,11 @@ struct IntVnni {
       const F d = _mm512_abs_ps(_mm512_sub_ps(_mm512_abs_ps(_mm512_sub_ps(y, r)), half));
       if (_mm512_cmp_ps_mask(d, _mm512_mul_ps(tol, _mm512_abs_ps(y)), _CMP_LE_OQ))
         r = _mm512_roundscale_ps(_mm512_div_ps(xv, sv), kNear);
-      _mm512_mask_cvtepi32_storeu_epi8(q + j, k, _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lv), hv)));
+      store(q + j, k, _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lv), hv)));
     }
   }
+  static void quant(const float* x, float s, float lo, float hi, int8_t* q, int64_t n) { quant_q(x, s, lo, hi, q, n); }
+  static void quant32(const float* x, float s, float lo, float hi, int32_t* q, int64_t n) { quant_q(x, s, lo, hi, q, n); }
   static void quantv(const float* x, const float* s, float lo, float hi, int8_t* q, int64_t n) { quant_t<true>(x, s, lo, hi, q, n); }
   // max |x_j| (masked tail; max(|x|, acc) keeps acc where x is NaN, as the portable absmax does)
   static float absmax(const float* x, int64_t n) {
@@ -236,15 +243,17 @@ struct QuantOps {
   QuantVFn quantv;
   AbsmaxFn absmax;
   SumFn sum;
+  Quant32Fn quant32;  // 16-bit activations (quantize_rows_split)
 };
 
 QuantOps quant_ops(int64_t isa) {
 #ifdef BM_X86
   if (isa == bm::kAvx512)
-    return {&IntVnni::quant, &IntVnni::quantv, &IntVnni::absmax, vnni_supported() ? &IntVnni::sum_i8 : &IntAvx2::sum_i8};
-  if (isa == bm::kAvx2) return {&IntAvx2::quant, &IntAvx2::quantv, &IntAvx2::absmax, &IntAvx2::sum_i8};
+    return {&IntVnni::quant, &IntVnni::quantv, &IntVnni::absmax, vnni_supported() ? &IntVnni::sum_i8 : &IntAvx2::sum_i8,
+            &IntVnni::quant32};
+  if (isa == bm::kAvx2) return {&IntAvx2::quant, &IntAvx2::quantv, &IntAvx2::absmax, &IntAvx2::sum_i8, &IntAvx2::quant32};
 #endif
-  return {&quant_portable, &quantv_portable, &absmax_portable, &sum_i8_portable};
+  return {&quant_portable, &quantv_portable, &absmax_portable, &sum_i8_portable, &quant32_portable};
 }
 
 void run_rows(const IntLayout& L, const Acts& A, float* y, int64_t rb0, int64_t rb1, bool b8, int64_t isa) {
@@ -263,12 +272,17 @@ void check_f32(const torch::Tensor& t, const char* what) {
 
 // (q [M, KP] int8, qsum [M, G] int32, sa) of x [M, K] under scales sa [Ms, Ga] (act group `ags` columns);
 // an empty sa: dynamic scales computed here per token and group of `ags` columns (per token: ags >= K),
-// max(amax / qmax, 1e-12) in float32 (the same operations as formats/act.py scale_from_amax without pow2)
+// max(amax / qmax, 1e-12) in float32 (the same operations as formats/act.py scale_from_amax without pow2).
+// qmax = kSplitQmax: 16-bit activations, q [2M, KP] the high then the low halves (quantize_rows_split),
+// qsum [2M, G], sa [2M, Ga] (256 s for the high halves, s for the low).
 std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor sa, int64_t ags, double qmax, int64_t KP,
                                     int64_t gs, int64_t G, int64_t isa) {
   check_f32(x, "x");
   const int64_t M = x.size(0), K = x.size(1);
   bm::check_isa(isa);
+  TORCH_CHECK((qmax >= 1 && qmax <= 127) || qmax == kSplitQmax, "qmax must be 1..127 (int8) or ", kSplitQmax,
+              " (16-bit activations as two int8 halves)");
+  const bool split = qmax == kSplitQmax;
   const QuantOps ops = quant_ops(isa);
   if (sa.numel() == 0) {
     ags = std::max<int64_t>(std::min(ags, K), 1);
@@ -289,16 +303,19 @@ std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor sa, int64_t a
   check_f32(sa, "activation scales");
   TORCH_CHECK(x.dim() == 2 && sa.dim() == 2 && KP >= x.size(1) && ags >= 1 && gs >= 1, "bad quantize arguments");
   TORCH_CHECK(sa.size(0) == 1 || sa.size(0) == M, "activation scales must have 1 or M rows");
-  auto q = torch::empty({M, KP}, x.options().dtype(torch::kInt8));
-  auto qsum = torch::empty({M, G}, x.options().dtype(torch::kInt32));
+  const int64_t rows = split ? 2 * M : M;  // split: the high halves, then the low ones (quantize_rows_split)
+  auto q = torch::empty({rows, KP}, x.options().dtype(torch::kInt8));
+  auto qsum = torch::empty({rows, G}, x.options().dtype(torch::kInt32));
   const float* xp = x.data_ptr<float>();
   const float* sp = sa.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
   int32_t* qs = qsum.data_ptr<int32_t>();
   const int64_t Ms = sa.size(0), Ga = sa.size(1);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    quantize_rows(xp, K, sp, Ms, Ga, ags, (float)qmax, KP, gs, G, qp, qs, m0, m1, ops.quant, ops.sum);
+    if (split) quantize_rows_split(xp, M, K, sp, Ms, Ga, ags, KP, gs, G, qp, qs, m0, m1, ops.quant32, ops.sum);
+    else quantize_rows(xp, K, sp, Ms, Ga, ags, (float)qmax, KP, gs, G, qp, qs, m0, m1, ops.quant, ops.sum);
   });
+  if (split) sa = at::cat({sa.expand({M, Ga}) * 256.f, sa.expand({M, Ga})}).contiguous();  // a power of two: exact
   return {q, qsum, sa};
 }
 
@@ -504,7 +521,10 @@ torch::Tensor int_linear(torch::Tensor x, std::optional<torch::Tensor> act_scale
                          int64_t gs, bool bytes, bool b8, int64_t isa) {
   auto sa = act_scale.has_value() ? act_scale->to(torch::kFloat32).contiguous() : torch::empty({0}, x.options());
   auto r = quantize(x.contiguous(), sa, ags, qmax, KP, gs, G, isa);
-  return int_matmul(r[0], r[1], r[2], ratio, data, sc, zc, N, G, gs, bytes, b8, isa);
+  auto y = int_matmul(r[0], r[1], r[2], ratio, data, sc, zc, N, G, gs, bytes, b8, isa);
+  if (qmax != kSplitQmax) return y;
+  const int64_t M = x.size(0);  // 16-bit activations: the high halves' product plus the low halves'
+  return y.narrow(0, 0, M) + y.narrow(0, M, M);
 }
 
 TORCH_LIBRARY_FRAGMENT(bitmosaic, m) {

@@ -78,12 +78,15 @@ inline float absmax_portable(const float* x, int64_t n) {
   return a[0];
 }
 
-// VS: one scale per element (s[j]), else s[0] for all
-template <bool VS>
-inline void quant_portable_t(const float* x, const float* s, float lo, float hi, int8_t* q, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) q[j] = (int8_t)std::min(std::max(std::nearbyint(x[j] / s[VS ? j : 0]), lo), hi);
+// VS: one scale per element (s[j]), else s[0] for all; Q: int8_t, or int32_t for 16-bit activations
+template <bool VS, class Q = int8_t>
+inline void quant_portable_t(const float* x, const float* s, float lo, float hi, Q* q, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) q[j] = (Q)std::min(std::max(std::nearbyint(x[j] / s[VS ? j : 0]), lo), hi);
 }
 inline void quant_portable(const float* x, float s, float lo, float hi, int8_t* q, int64_t n) {
+  quant_portable_t<false>(x, &s, lo, hi, q, n);
+}
+inline void quant32_portable(const float* x, float s, float lo, float hi, int32_t* q, int64_t n) {
   quant_portable_t<false>(x, &s, lo, hi, q, n);
 }
 inline void quantv_portable(const float* x, const float* s, float lo, float hi, int8_t* q, int64_t n) {
@@ -100,6 +103,7 @@ using QuantFn = void (*)(const float*, float, float, float, int8_t*, int64_t);
 using AbsmaxFn = float (*)(const float*, int64_t);
 using SumFn = int32_t (*)(const int8_t*, int64_t);
 using QuantVFn = void (*)(const float*, const float*, float, float, int8_t*, int64_t);
+using Quant32Fn = void (*)(const float*, float, float, float, int32_t*, int64_t);
 
 inline void quantize_rows(const float* x, int64_t K, const float* sa, int64_t Ms, int64_t Ga, int64_t ags,
                           float qmax, int64_t KP, int64_t gs, int64_t G, int8_t* q, int32_t* qsum,
@@ -119,6 +123,43 @@ inline void quantize_rows(const float* x, int64_t K, const float* sa, int64_t Ms
     for (int64_t g = 0; g < G; ++g) {
       const int64_t c0 = g * gs, c1 = std::min(K, c0 + gs);
       qsum[m * G + g] = sum(qm + c0, c1 - c0);
+    }
+  }
+}
+
+// 16-bit activations as two int8 halves: the largest |q| whose halves h, l (q = 256 h + l) both fit int8
+constexpr float kSplitQmax = 127.f * 256.f + 127.f;
+
+// quantize_rows at 16 bits (qmax = kSplitQmax): q16 = clamp(round(x / s), -qmax - 1, qmax) (the same
+// float32 operations as the int8 rows, integers in int32), then split into h = floor((q16 + 128) / 256)
+// and l = q16 - 256 h, both in [-128, 127]: h to row m of q, l to row M + m, each with its group sums.
+// q W^T = 256 (h W^T) + l W^T exactly in integers, so one weight pass of the int8 kernel over the 2M rows
+// (the halves share every unpacked weight register) gives the 16-bit product.
+inline void quantize_rows_split(const float* x, int64_t M, int64_t K, const float* sa, int64_t Ms, int64_t Ga,
+                                int64_t ags, int64_t KP, int64_t gs, int64_t G, int8_t* q, int32_t* qsum,
+                                int64_t m0, int64_t m1, Quant32Fn quant, SumFn sum) {
+  std::vector<int32_t> t(K);
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* xm = x + m * K;
+    const float* sm = sa + (Ms == 1 ? 0 : m) * Ga;
+    for (int64_t c0 = 0; c0 < K;) {
+      const int64_t a = std::min(c0 / ags, Ga - 1);
+      const int64_t c1 = (a == Ga - 1) ? K : std::min(K, c0 + ags);
+      quant(xm + c0, sm[a], -kSplitQmax - 1.f, kSplitQmax, t.data() + c0, c1 - c0);
+      c0 = c1;
+    }
+    int8_t* hm = q + m * KP;
+    int8_t* lm = q + (M + m) * KP;
+    for (int64_t j = 0; j < K; ++j) {
+      const int32_t h = (t[j] + 128) >> 8;  // arithmetic shift: the floor
+      hm[j] = (int8_t)h;
+      lm[j] = (int8_t)(t[j] - h * 256);
+    }
+    for (int64_t j = K; j < KP; ++j) hm[j] = lm[j] = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t c0 = g * gs, c1 = std::min(K, c0 + gs);
+      qsum[m * G + g] = sum(hm + c0, c1 - c0);
+      qsum[(M + m) * G + g] = sum(lm + c0, c1 - c0);
     }
   }
 }
