@@ -59,6 +59,24 @@ def test_generate_streams_the_greedy_text_and_prints_rates(qdir, capsys):
     torch.set_num_threads(2)
 
 
+def test_generate_with_runtime_int16_activations(qdir, capsys):
+    """``--runtime-act int16``: the weight-only layers run 16-bit integer activations (stderr says how many;
+    stdout stays the text alone), and the greedy text is the weight-only one (its steps are 1/32639 of
+    each token's largest input: no greedy choice of this model moves); ``int8`` is accepted too."""
+    ref = reference_text(qdir)
+    rc, out, err = run(
+        capsys, qdir, "--prompt", PROMPT, "--max-new-tokens", NEW, "--no-compile", "--runtime-act", "int16"
+    )
+    assert rc == 0, err
+    assert out.strip() == ref.strip()
+    n = re.search(r"^runtime activations int16: (\d+) weight-only layers \(not saved\)$", err, re.M)
+    assert n and int(n.group(1)) > 0, err
+    rc, out, err = run(
+        capsys, qdir, "--prompt", PROMPT, "--max-new-tokens", 4, "--no-compile", "--runtime-act", "int8"
+    )
+    assert rc == 0 and out.strip() and "runtime activations int8" in err
+
+
 def test_generate_samples_with_a_temperature(qdir, capsys):
     torch.manual_seed(0)
     rc, out, err = run(

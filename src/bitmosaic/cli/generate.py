@@ -3,7 +3,9 @@
 The folder loads as ``bitmosaic.load(DIR)`` does, so decode runs the compiled step by default
 (:func:`~bitmosaic.modules.decode.default_compiled_decode`; ``--no-compile`` or
 ``$BITMOSAIC_NO_COMPILE=1``: eager).  The new text streams to stdout as it is generated; the prefill and
-decode rates go to stderr, one line each.  The decode rate leaves out the first decode step, which is
+decode rates go to stderr, one line each.  ``--runtime-act`` gives the weight-only layers run-time
+integer activations, as ``bitmosaic eval --runtime-act`` does (``int16``: within the verdict protocol's
+noise of weight-only, docs/cpu-inference.md).  The decode rate leaves out the first decode step, which is
 where the step compiles (its seconds are printed beside it).  The static KV cache holds the prompt plus
 ``--max-new-tokens`` rounded up to a multiple of ``CACHE_BUCKET`` tokens (at most the model's positions):
 the compiled step depends on that length, so a later run with another prompt of a similar size finds
@@ -33,6 +35,12 @@ def add_generate_parser(sub) -> None:
         "--temperature", type=float, default=0.0,
         help="0: greedy (the same tokens every run); above 0: sampling at this temperature "
         "(default: %(default)s)",
+    )  # fmt: skip
+    g.add_argument(
+        "--runtime-act", choices=("none", "int8", "q8_0", "int16"), default=None,
+        help="run-time integer activations for the weight-only layers (not saved): int16 is within the "
+        "verdict protocol's noise of weight-only, int8/q8_0 are llama.cpp's approximations; default none, "
+        "or $BITMOSAIC_RUNTIME_ACT",
     )  # fmt: skip
     g.add_argument(
         "--no-compile", action="store_true",
@@ -120,6 +128,14 @@ def cmd_generate(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = load(path, compile=not args.no_compile)  # one line for a folder that is not ours
+    if args.runtime_act is not None:  # the compiled step compiles again for it (modules/changes.py)
+        from ..modules.intact import set_runtime_activations
+
+        n = set_runtime_activations(model, args.runtime_act)
+        if args.runtime_act != "none":
+            print(
+                f"runtime activations {args.runtime_act}: {n} weight-only layers (not saved)", file=sys.stderr
+            )
     try:
         from transformers import AutoTokenizer
 
