@@ -115,7 +115,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", default="1,2")
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--act", default=None, choices=["q8_0", "int8", "int16"], help="run-time integer activations")
+    p.add_argument(
+        "--act", default=None, choices=["q8_0", "int8", "int16"], help="run-time integer activations"
+    )
     p.add_argument("--json", default=None)
     p.add_argument("--child", nargs=3, metavar=("FOLDER", "THREADS", "NEW_TOKENS"), help=argparse.SUPPRESS)
     a = p.parse_args()

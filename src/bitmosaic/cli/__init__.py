@@ -22,6 +22,7 @@ from .args import (
     add_eval_extras,
 )
 from .commands import cmd_eval, cmd_inspect, cmd_methods
+from .eval_options import add_runtime_act_argument
 from .export import add_export_parser, cmd_export
 from .generate import add_generate_parser, cmd_generate
 from .method_flags import add_method_args, method_options
@@ -201,12 +202,7 @@ def _add_eval_parser(sub) -> None:
         help="also KL divergence (mean, p99) and top-1 agreement against the float model REF on the "
         "same windows; without REF, the model a saved folder was quantized from (its provenance)",
     )  # fmt: skip
-    e.add_argument(
-        "--runtime-act", choices=("none", "int8", "q8_0", "int16"), default=None,
-        help="int8: weight-only layers quantize their inputs to 8 bits per token at run time and multiply "
-        "in integers; q8_0: the same with one scale per block of 32 channels, as llama.cpp does; int16: 16 "
-        "bits per token, multiplied as two int8 halves (not saved); default none, or $BITMOSAIC_RUNTIME_ACT",
-    )  # fmt: skip
+    add_runtime_act_argument(e)
     e.add_argument(
         "--runtime-head", choices=("none", "int8", "q8_0"), default=None,
         help="int8: the output head runs an 8-bit copy of its weight (blocks of 32, llama.cpp's Q8_0); q8_0: "

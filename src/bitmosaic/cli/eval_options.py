@@ -18,6 +18,17 @@ def is_saved_quantized(model: str) -> bool:
     return isinstance(qc, dict) and qc.get("quant_method") == "bitmosaic"
 
 
+def add_runtime_act_argument(parser) -> None:
+    """``--runtime-act`` (``eval`` and ``generate``): the weight-only layers' run-time integer activations."""
+    parser.add_argument(
+        "--runtime-act", choices=("none", "int8", "q8_0", "int16"), default=None,
+        help="int8: weight-only layers quantize their inputs to 8 bits per token at run time and multiply "
+        "in integers; q8_0: the same with one scale per block of 32 channels, as llama.cpp does; int16: 16 "
+        "bits per token, multiplied as two int8 halves (within the verdict protocol's noise of weight-only); "
+        "not saved; default none, or $BITMOSAIC_RUNTIME_ACT",
+    )  # fmt: skip
+
+
 def apply_runtime_act(model, mode: str) -> None:
     """``eval --runtime-act MODE`` on a loaded model (modules/intact.py), with one line saying what runs."""
     from ..modules.intact import set_runtime_activations

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from .eval_options import add_runtime_act_argument
+
 CACHE_BUCKET = 256  # the static KV cache's length is rounded up to a multiple of this
 HELP = "generate text from a saved bitmosaic model folder (streamed to stdout; tok/s on stderr)"
 
@@ -36,12 +38,7 @@ def add_generate_parser(sub) -> None:
         help="0: greedy (the same tokens every run); above 0: sampling at this temperature "
         "(default: %(default)s)",
     )  # fmt: skip
-    g.add_argument(
-        "--runtime-act", choices=("none", "int8", "q8_0", "int16"), default=None,
-        help="run-time integer activations for the weight-only layers (not saved): int16 is within the "
-        "verdict protocol's noise of weight-only, int8/q8_0 are llama.cpp's approximations; default none, "
-        "or $BITMOSAIC_RUNTIME_ACT",
-    )  # fmt: skip
+    add_runtime_act_argument(g)
     g.add_argument(
         "--no-compile", action="store_true",
         help="decode eagerly instead of through the compiled step (no one-time compile; slower per token; "

@@ -27,9 +27,11 @@ token, ``q8_0`` with one scale per block of 32 channels of each token, as llama.
 layer's blocks are of its stored, permuted columns); ``int16`` with one scale per token and 16-bit
 integers (``|q| <= 127·256 + 127``), which the kernel multiplies as two int8 halves in one pass over the
 weight (:mod:`bitmosaic.kernels.intmm`): 256 times finer steps than ``int8``.  A weight-only layer then
-runs the integer kernel with a quantizer that is *not* part of the model (not saved, not in the state dict, not in the
-config): it is an approximation chosen at run time for speed, off by default (``benchmarks/waq/int_ppl.py``
-measures its KL and top-1 agreement against the weight-only path, ``benchmarks/decode/decode.py`` the speed).
+runs the integer kernel with a quantizer that is *not* part of the model (not saved, not in the state
+dict, not in the config): it is an approximation chosen at run time for speed, off by default
+(``benchmarks/waq/int_ppl.py`` measures its KL and top-1 agreement against the weight-only path,
+``benchmarks/decode/decode.py`` the speed; ``int16`` is within the verdict protocol's noise of
+weight-only, docs/cpu-inference.md).
 It applies only where the integer path runs (the layer's kernel, group size, the CPU); elsewhere, and under
 ``$BITMOSAIC_ACT_COMPUTE=sim``, the layer stays weight-only (there is nothing to gain from simulating it).
 """
