@@ -300,6 +300,46 @@ def test_runtime_int8_activations_on_a_weight_only_layer(bits, act_order, mode):
         assert torch.equal(m(x), y_wo)
 
 
+@pytest.mark.parametrize("mode", ["int16", "int8"])
+def test_the_integer_kernel_holds_the_weight_alone(mode):
+    """A layer whose forwards run the integer kernel keeps one resident copy of its weight: the integer
+    kernel holds the saved buffers (its rebuilds equal them bit for bit: the state dict is unchanged) and
+    the float kernel is dropped; a forward off the integer path (simulated) builds the float kernel again
+    from it, bit for bit the weight-only outputs; taking the run-time quantizer away leaves the buffers
+    held by the float kernel or puts them back, never loses them."""
+    from bitmosaic.modules.base import prepare_kernels, resident_bytes
+    from bitmosaic.modules.intact import set_runtime_activations
+
+    m, g = _weight_only(4, act_order=True)  # act order: g_idx is rebuilt from the permutation too
+    model = torch.nn.Sequential(m)
+    names = {"qweight", "scales", "zeros", "g_idx"}
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(3, 128, generator=g)
+    with torch.inference_mode():
+        prepare_kernels(model)
+        y_wo, wo_bytes, k_bytes = m(x), resident_bytes(model), m._kernel.nbytes()
+        assert names <= m._released
+        set_runtime_activations(model, mode)
+        prepare_kernels(model)  # the integer kernel instead of the float one
+        assert m._int_act and not m._kernel and names <= m._released
+        assert resident_bytes(model) == wo_bytes - k_bytes + m._int_act.nbytes()  # one copy, not two
+        y = m(x)
+        assert not torch.equal(y, y_wo)
+        state = model.state_dict()
+        assert set(state) == set(saved) and all(torch.equal(state[k], saved[k]) for k in saved)
+        with simulated():  # weight-only again: the float kernel rebuilt from the integer one
+            assert torch.equal(m(x), y_wo) and m._kernel
+        assert torch.equal(m(x), y)
+        set_runtime_activations(model, "none")  # the float kernel holds them now
+        assert torch.equal(m(x), y_wo) and names <= m._released
+        set_runtime_activations(model, mode)
+        prepare_kernels(model)
+        assert m._int_act and not m._kernel
+        set_runtime_activations(model, "none")  # held by the integer kernel alone: put back first
+        assert not m._released and all(torch.equal(m._buffers[k], saved[f"0.{k}"]) for k in names)
+        assert torch.equal(m(x), y_wo)
+
+
 def test_runtime_activations_keep_a_layers_own_quantizer_and_refuse_bad_values(monkeypatch):
     from bitmosaic.errors import OptionError
     from bitmosaic.modules.intact import RUNTIME_ACT_ENV, set_runtime_activations

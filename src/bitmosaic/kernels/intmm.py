@@ -141,15 +141,20 @@ class IntActWeight:
         extra = 0 if self._int8 is None else self._int8.numel()
         return self.data.numel() + 4 * (self.sc.numel() + self.zc.numel()) + extra
 
-    def codes(self) -> torch.Tensor:
-        """The integer codes ``[N, K]`` (int32) read back out of the layout (a check of the packing)."""
-        nrb = self.sc.shape[0]
-        d = self.data.reshape(nrb, self.KP // _COLS, *((2, _ROWS, 4) if self.bits > 4 else (_ROWS, 4)))
+    def codes(self, rows: slice | None = None) -> torch.Tensor:
+        """The integer codes ``[N, K]`` (int32) read back out of the layout, or those of ``rows`` (a
+        slice of step 1: only their row blocks are read)."""
+        r0, r1 = (0, self.N) if rows is None else (rows.start or 0, min(self.N, rows.stop))
+        b0, b1 = r0 // _ROWS, -(-r1 // _ROWS)
+        per_block = self.data.numel() // self.sc.shape[0]
+        d = self.data[b0 * per_block : b1 * per_block]
+        d = d.reshape(b1 - b0, self.KP // _COLS, *((2, _ROWS, 4) if self.bits > 4 else (_ROWS, 4)))
         if self.bits > 4:
             c = d.permute(0, 3, 1, 2, 4)
         else:
             c = torch.stack((d & 15, d >> 4), dim=3).permute(0, 2, 1, 3, 4)
-        return c.reshape(nrb * _ROWS, self.KP)[: self.N, : self.K].to(torch.int32)
+        c = c.reshape((b1 - b0) * _ROWS, self.KP)
+        return c[r0 - b0 * _ROWS : r1 - b0 * _ROWS, : self.K].to(torch.int32)
 
     def scales(self) -> torch.Tensor:
         return self.sc.permute(0, 2, 1).reshape(-1, self.G)[: self.N]

@@ -130,6 +130,12 @@ class QuantModule(nn.Module):
         The base releases a buffer only after checking its rebuild equal to it (module doc)."""
         return {}
 
+    def _saved_from_int_act(self, int_act) -> dict[str, Callable[[], torch.Tensor]]:
+        """The same from the integer-activation kernel ``int_act``, for a layer whose every CPU forward
+        runs it: that kernel is then the layer's only resident weight.  Default: none (the kind keeps its
+        saved buffers beside it)."""
+        return {}
+
     # -- shared --------------------------------------------------------------------------------
     def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The inference weight ``[out, in]`` in ``dtype``; with ``cache_weight`` the last one computed
@@ -185,7 +191,10 @@ class QuantModule(nn.Module):
     def runs_int_act(self, x: torch.Tensor) -> bool:
         """Whether this forward quantizes ``x`` inside the integer kernel (the input pre-hook then leaves
         ``x`` alone): an integer path is built for this layer, ``x`` is on the CPU, needs no gradient, and
-        ``$BITMOSAIC_ACT_COMPUTE`` is not ``sim`` (modules/intact.py)."""
+        ``$BITMOSAIC_ACT_COMPUTE`` is not ``sim`` (modules/intact.py).  A newly built integer kernel that
+        rebuilds the saved buffers exactly (:meth:`_saved_from_int_act`) holds them instead of the float
+        kernel, which is dropped: one resident copy of the weight (the float kernel is built again, from
+        it, only for a forward that does not run the integer path)."""
         if not self.INT_ACT_KERNELS or x.device.type != "cpu" or _wants_grad(x):
             return False
         from .intact import act_compute_mode
@@ -194,11 +203,37 @@ class QuantModule(nn.Module):
             return False
         if self._int_act is None:
             self._int_act = self._build_int_act() or False
+            if self._int_act:
+                self._hold_in_int_act()
         return self._int_act is not False
 
+    def _hold_in_int_act(self) -> None:
+        """Release the saved buffers the integer kernel rebuilds exactly (checked, as for the kernel) and
+        drop the float kernel when every buffer it held is then held by the integer kernel."""
+        saved = self._saved_from_int_act(self._int_act)
+        if not saved:
+            return
+        if self._kernel:
+            if not self._released <= set(saved):
+                return  # the kernel holds a buffer the integer kernel cannot give back: keep both
+            int_act = self._int_act
+            self._restore_saved()  # the buffers back from the float kernel, both kernels dropped
+            self._int_act = int_act
+        self._release_saved(self._int_act, saved)
+
+    def _holder(self):
+        """What the released saved buffers are rebuilt from: the float kernel, else the integer one."""
+        return self._kernel or self._int_act
+
+    def _drop_int_act(self) -> None:
+        """Forget the integer kernel (its quantizer changed), first putting back the buffers it holds."""
+        if self._released and not self._kernel:
+            self._restore_saved()
+        self.__dict__["_int_act"] = None
+
     # -- resident weights: the kernel holds the weight, released buffers are rebuilt on demand --
-    def _release_saved(self, k) -> None:
-        for name, rebuild in self._saved_from_kernel(k).items():
+    def _release_saved(self, k, saved: dict | None = None) -> None:
+        for name, rebuild in (self._saved_from_kernel(k) if saved is None else saved).items():
             buf = self._buffers.get(name)
             if buf is None or name in self._released:
                 continue
@@ -209,11 +244,12 @@ class QuantModule(nn.Module):
                 self._released.add(name)
 
     def _rebuilt(self, names) -> dict[str, torch.Tensor]:
-        rebuild = self._saved_from_kernel(self._kernel)
+        h = self._holder()
+        rebuild = self._saved_from_kernel(h) if h is self._kernel else self._saved_from_int_act(h)
         return {n: rebuild[n]() for n in names}
 
     def _restore_saved(self) -> None:
-        """Put every released buffer back (rebuilt from the kernel) and drop the kernel."""
+        """Put every released buffer back (rebuilt from the kernel that holds them) and drop the kernels."""
         if self._released:
             for name, t in self._rebuilt(sorted(self._released)).items():
                 self._buffers[name] = t
@@ -233,7 +269,7 @@ class QuantModule(nn.Module):
             self._restore_saved()  # the kernel was built from the old value
             self._wcache = None
         if name in self.__dict__.get("_buffers", ()):
-            self.__dict__["_int_act"] = None  # built from the old buffer
+            self._drop_int_act()  # built from the old buffer
         super().__setattr__(name, value)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -375,11 +411,15 @@ class QuantModule(nn.Module):
 
 def prepare_kernels(model: nn.Module) -> None:
     """Build every quantized module's kernel weight now (at load) rather than at its first forward: on
-    the CPU, and on a GPU for the kinds whose ``GPU_KERNELS`` run there."""
+    the CPU, and on a GPU for the kinds whose ``GPU_KERNELS`` run there.  A layer whose forwards run its
+    integer-activation kernel gets that one instead (holding its weight, :meth:`QuantModule.runs_int_act`)."""
     for m in model.modules():
         if isinstance(m, QuantModule):
             t = next((b for b in m.storage_tensors() if b.device.type != "meta"), None)
             if t is None or m._kernel_runs_on(t):
+                probe = torch.empty(0, m.in_features, device=t.device) if t is not None else None
+                if probe is not None and m.act_quantizer() is not None and m.runs_int_act(probe):
+                    continue
                 m.kernel()
 
 

@@ -123,7 +123,7 @@ def set_runtime_activations(model: torch.nn.Module, mode: str | None = None) -> 
         if not callable(getattr(m, "act_quantizer", None)) or m._modules.get("input_quant") is not None:
             continue
         m.__dict__["_runtime_act"] = None if spec is None else ActQuantizer(spec, m.in_features)
-        m.__dict__["_int_act"] = None  # rebuilt for (or without) the new quantizer on the next forward
+        m._drop_int_act()  # rebuilt for (or without) the new quantizer on the next forward
         if spec is not None and m.int_act_blocker() is None:
             n += 1
     return n

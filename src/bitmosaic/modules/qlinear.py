@@ -267,6 +267,45 @@ class QuantLinear(QuantModule):
             out["g_idx"] = g_idx
         return out
 
+    def _saved_from_int_act(self, k):
+        """Rebuilds of the packed buffers from the integer-activation kernel ``k`` (its codes un-permuted,
+        its scales and zero-points back in fp16), as :meth:`_saved_from_kernel` does from the float kernel
+        -- only where the weight groups are the layer's own (not split into finer activation groups) and
+        for this class's own integer kernel and buffers (a subclass that changes either keeps its
+        buffers)."""
+        own = type(self)._build_int_act is QuantLinear._build_int_act
+        if not own or type(self)._saved_from_kernel is not QuantLinear._saved_from_kernel:
+            return {}
+        w, n, cols, bits = k.weight, self.out_features, self.in_features, self.storage_bits
+        if tuple(w.scales().shape) != tuple(self._buffers["scales"].shape):  # (meta when released)
+            return {}
+
+        def codes(rows: slice) -> torch.Tensor:
+            c = w.codes(rows)
+            if k.perm is None:
+                return c
+            out = torch.empty_like(c)
+            out[:, k.perm] = c
+            return out
+
+        def qweight() -> torch.Tensor:
+            from .kernel import row_chunks
+
+            parts = [pack_codes(codes(rows), bits) for rows in row_chunks(n, cols)]
+            return torch.cat(parts) if parts else torch.zeros(0, packed_cols(cols, bits), dtype=torch.uint8)
+
+        def g_idx() -> torch.Tensor:
+            g = torch.empty(cols, dtype=torch.int32)
+            g[k.perm] = torch.arange(cols, dtype=torch.int32) // self.group_size
+            return g
+
+        out = {"qweight": qweight, "scales": lambda: w.scales().to(torch.float16)}
+        if not self.symmetric:
+            out["zeros"] = lambda: (w.zeros() + self.code_offset).to(torch.float16)
+        if k.perm is not None:
+            out["g_idx"] = g_idx
+        return out
+
     # -- export -------------------------------------------------------------------------------
     def int_form(self, allowed_bits, lossy, changes) -> IntForm:
         """The packed buffers as they are: exact when the codes are on the ``bits`` grid and ``bits`` is
