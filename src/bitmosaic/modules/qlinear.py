@@ -247,36 +247,21 @@ class QuantLinear(QuantModule):
         """Rebuilds of the packed buffers from the :class:`~bitmosaic.modules.kernel.LowBitKernel`
         ``k``: ``qweight`` packs its codes again, ``scales``/``zeros`` are its float32 copies back in
         fp16 (the zero-point with ``code_offset`` added back), ``g_idx`` comes from its permutation."""
-        from .kernel import lowbit_codes, row_chunks
+        from .kernel import lowbit_codes
 
-        w, n, cols, bits = k.weight, self.out_features, self.in_features, self.storage_bits
-
-        def qweight() -> torch.Tensor:
-            parts = [pack_codes(lowbit_codes(k, rows), bits) for rows in row_chunks(n, cols)]
-            return torch.cat(parts) if parts else torch.zeros(0, packed_cols(cols, bits), dtype=torch.uint8)
-
-        def g_idx() -> torch.Tensor:
-            g = torch.empty(cols, dtype=torch.int32)
-            g[k.perm] = torch.arange(cols, dtype=torch.int32) // self.group_size
-            return g
-
-        out = {"qweight": qweight, "scales": lambda: w.scales.to(torch.float16)}
-        if not self.symmetric:
-            out["zeros"] = lambda: (w.zeros + self.code_offset).to(torch.float16)
-        if k.perm is not None:
-            out["g_idx"] = g_idx
-        return out
+        w = k.weight  # (called unbound by PackedExperts, which is no QuantLinear: hence the explicit class)
+        return QuantLinear._rebuilds(
+            self, lambda rows: lowbit_codes(k, rows), lambda: w.scales, lambda: w.zeros, k.perm
+        )
 
     def _saved_from_int_act(self, k):
-        """Rebuilds of the packed buffers from the integer-activation kernel ``k`` (its codes un-permuted,
-        its scales and zero-points back in fp16), as :meth:`_saved_from_kernel` does from the float kernel
-        -- only where the weight groups are the layer's own (not split into finer activation groups) and
-        for this class's own integer kernel and buffers (a subclass that changes either keeps its
-        buffers)."""
+        """The same from the integer-activation kernel ``k`` (its codes un-permuted) -- only where the
+        weight groups are the layer's own (not split into finer activation groups) and for this class's
+        own integer kernel and buffers (a subclass that changes either keeps its buffers)."""
         own = type(self)._build_int_act is QuantLinear._build_int_act
         if not own or type(self)._saved_from_kernel is not QuantLinear._saved_from_kernel:
             return {}
-        w, n, cols, bits = k.weight, self.out_features, self.in_features, self.storage_bits
+        w = k.weight
         if tuple(w.scales().shape) != tuple(self._buffers["scales"].shape):  # (meta when released)
             return {}
 
@@ -285,24 +270,32 @@ class QuantLinear(QuantModule):
             if k.perm is None:
                 return c
             out = torch.empty_like(c)
-            out[:, k.perm] = c
+            out[:, k.perm] = c  # the kernel's column j is the layer's column perm[j]
             return out
 
-        def qweight() -> torch.Tensor:
-            from .kernel import row_chunks
+        return self._rebuilds(codes, w.scales, w.zeros, k.perm)
 
+    def _rebuilds(self, codes, scales, zeros, perm) -> dict:
+        """name -> rebuild of the packed buffers from a kernel: ``codes(rows)`` the codes ``[rows, in]`` in
+        the layer's column order, ``scales()`` / ``zeros()`` float32 ``[out, G]`` (the zero-point without
+        ``code_offset``), ``perm`` the kernel's column permutation (act order) or ``None``."""
+        from .kernel import row_chunks
+
+        n, cols, bits = self.out_features, self.in_features, self.storage_bits
+
+        def qweight() -> torch.Tensor:
             parts = [pack_codes(codes(rows), bits) for rows in row_chunks(n, cols)]
             return torch.cat(parts) if parts else torch.zeros(0, packed_cols(cols, bits), dtype=torch.uint8)
 
         def g_idx() -> torch.Tensor:
             g = torch.empty(cols, dtype=torch.int32)
-            g[k.perm] = torch.arange(cols, dtype=torch.int32) // self.group_size
+            g[perm] = torch.arange(cols, dtype=torch.int32) // self.group_size
             return g
 
-        out = {"qweight": qweight, "scales": lambda: w.scales().to(torch.float16)}
+        out = {"qweight": qweight, "scales": lambda: scales().to(torch.float16)}
         if not self.symmetric:
-            out["zeros"] = lambda: (w.zeros() + self.code_offset).to(torch.float16)
-        if k.perm is not None:
+            out["zeros"] = lambda: (zeros() + self.code_offset).to(torch.float16)
+        if perm is not None:
             out["g_idx"] = g_idx
         return out
 
