@@ -11,9 +11,8 @@ An :class:`ActQuantSpec` says *what* grid and *which* scale granularity:
 ``-qmax-1..qmax``) -- at 16 bits :data:`INT16_SPLIT_QMAX` = 127·256 + 127, the largest integer whose two
 int8 halves ``q = 256 h + l`` both fit int8 (the integer kernel multiplies 16-bit activations as those
 halves, :mod:`bitmosaic.kernels.intmm`) -- and the format's largest value for FP; ``clip_ratio`` < 1
-saturates the largest
-values to refine the grid for the rest (QuaRot's activation clip ratio, 0.9 at A4: Ashkboos et al.
-2024, Sec. 5); ``pow2`` rounds each scale *up* to a power of two (so nothing extra saturates).
+saturates the largest values to refine the grid for the rest (QuaRot's activation clip ratio, 0.9 at A4:
+Ashkboos et al. 2024, Sec. 5); ``pow2`` rounds each scale *up* to a power of two (so nothing extra saturates).
 Fake quantization returns ``Q(x / scale) * scale``.
 
 Microscaled activations (``mx``: an :data:`.mx.MX_FORMATS` name; issue 75): the input rows are quantized

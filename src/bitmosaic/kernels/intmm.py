@@ -144,7 +144,7 @@ class IntActWeight:
     def codes(self, rows: slice | None = None) -> torch.Tensor:
         """The integer codes ``[N, K]`` (int32) read back out of the layout, or those of ``rows`` (a
         slice of step 1: only their row blocks are read)."""
-        r0, r1 = (0, self.N) if rows is None else (rows.start or 0, min(self.N, rows.stop))
+        r0, r1 = (0, self.N) if rows is None else (rows.start or 0, min(self.N, rows.stop or self.N))
         b0, b1 = r0 // _ROWS, -(-r1 // _ROWS)
         per_block = self.data.numel() // self.sc.shape[0]
         d = self.data[b0 * per_block : b1 * per_block]
