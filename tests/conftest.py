@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
 REPO = Path(__file__).resolve().parents[1]
 NO_COMPILE_ENV = "BITMOSAIC_NO_COMPILE"  # bitmosaic.modules.decode.NO_COMPILE_ENV (not imported this early)
 SHARED_DATA = REPO.parent / "shared" / "data"
+RUNTIME_ACT_ENV = "BITMOSAIC_RUNTIME_ACT"  # bitmosaic.modules.intact.RUNTIME_ACT_ENV
 
 
 def pytest_configure(config):
@@ -42,6 +43,22 @@ def _eager_decode_unless_tested():
     os.environ[NO_COMPILE_ENV] = "1"
     yield
     os.environ.pop(NO_COMPILE_ENV, None)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _weight_only_loads_unless_tested():
+    """Loaded bitmosaic folders run 16-bit run-time activations by default where the integer kernel runs
+    AVX-512 VNNI (issue 74, modules/intact.py ``default_runtime_act``): within noise of weight-only, but
+    not bit for bit.  Every test but those of the default (tests/io/test_default_runtime_act.py: it
+    removes this) loads weight-only, so that loaded models compute exactly what their stored weights
+    give (round trips, exports against independent loaders), unless $BITMOSAIC_RUNTIME_ACT is set
+    already."""
+    if RUNTIME_ACT_ENV in os.environ:
+        yield
+        return
+    os.environ[RUNTIME_ACT_ENV] = "none"
+    yield
+    os.environ.pop(RUNTIME_ACT_ENV, None)
 
 
 def correlated_inputs(n_tokens: int, n: int, seed: int = 0, dtype=torch.float64) -> torch.Tensor:

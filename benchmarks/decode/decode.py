@@ -5,7 +5,8 @@ bit-plane LUT at 1-3 bits; the ``(FMA)`` rows run the same W3/W2 folders on ``Lo
 ``+A8`` rows the same W4/W2 folders with run-time INT8 activations on the integer kernel,
 ``$BITMOSAIC_RUNTIME_ACT=int8``, as llama.cpp quantizes its activations (``+Q8A``: one scale per block of
 32 channels, ``q8_0``, as llama.cpp's blocks; ``+A16``: 16 bits per token as two int8 halves,
-``int16``); the ``+H8`` rows the output
+``int16``, the load default on a VNNI CPU; ``+WO``: weight-only, float activations,
+``$BITMOSAIC_RUNTIME_ACT=none``); the ``+H8`` rows the output
 head as an 8-bit copy, ``--runtime-head int8``, as llama.cpp's file holds it in ``Q8_0``; ``+Q8H`` its
 inputs too in int8 blocks, ``--runtime-head q8_0``, as llama.cpp computes it; the ``(compiled)`` rows
 those models with :func:`bitmosaic.modules.decode.enable_compiled_decode`: a static KV cache and a
@@ -131,7 +132,8 @@ def _child_torch(variant: str, folder: str, threads: int, new_tokens: int, repea
 
         os.environ[KERNEL_ENV] = "lowbit" if "(FMA)" in flags else "lut"
     # run-time 8-bit activations on the integer kernel (--runtime-act); +A16: 16-bit ones, two int8 halves
-    acts = {"+A8": "int8", "+Q8A": "q8_0", "+A16": "int16"}
+    # +WO: weight-only (float activations), the load default before 16-bit ones (modules/intact.py)
+    acts = {"+A8": "int8", "+Q8A": "q8_0", "+A16": "int16", "+WO": "none"}
     for flag in set(flags) & set(acts):
         from bitmosaic.modules.intact import RUNTIME_ACT_ENV
 
@@ -362,7 +364,9 @@ def main() -> None:
                     "W4 g128 +Q8A +Q8H", "W4 g128 +A16")  # fmt: skip
         for v in compiled:
             folders[f"{v} (compiled)"] = folders[v]  # static cache + torch.compile (modules/decode.py)
-        for v in ("W4 g128", "W2 g128", "W4 g128 +A16"):  # plain bitmosaic.load(dir).generate: the default
+        folders["W4 g128 +WO"], folders["W2 g128 +WO"] = folders["W4 g128"], folders["W2 g128"]
+        # plain bitmosaic.load(dir).generate: the default
+        for v in ("W4 g128", "W2 g128", "W4 g128 +A16", "W4 g128 +WO", "W2 g128 +WO"):
             folders[f"{v} (load)"] = folders[v]
         folders["W4 g128 (LUT) (load)"] = folders["W4 g128"]  # 4 bits on the bit-plane LUT instead
         if only is not None:  # opt-in: any compiled row with an inductor option, "(compiled+cpp_wrapper)"

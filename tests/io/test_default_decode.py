@@ -20,7 +20,13 @@ from torch._dynamo.utils import counters
 
 import bitmosaic
 from bitmosaic.errors import OptionError
-from bitmosaic.modules.decode import NO_COMPILE_ENV, default_compiled_decode, inductor_cache_dir
+from bitmosaic.modules.decode import (
+    NO_COMPILE_ENV,
+    default_compiled_decode,
+    default_inductor_options,
+    inductor_cache_dir,
+)
+from bitmosaic.modules.intact import RUNTIME_ACT_ENV
 from bitmosaic.testing import SPECIALS, VOCAB, tiny_llama
 from tests.helpers import varied_quantized_dir
 
@@ -30,7 +36,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def default_on(monkeypatch):
+    """The whole default of a load path: the compiled step and, where it is on (a VNNI CPU), 16-bit
+    run-time activations (tests/io/test_default_runtime_act.py)."""
     monkeypatch.delenv(NO_COMPILE_ENV, raising=False)
+    monkeypatch.delenv(RUNTIME_ACT_ENV, raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +75,12 @@ def compiled(m) -> bool:
 def test_load_and_from_pretrained_take_the_compiled_step_by_default(qdir, default_on):
     from transformers import AutoModelForCausalLM
 
-    assert compiled(bitmosaic.load(qdir))
-    assert compiled(AutoModelForCausalLM.from_pretrained(qdir))
+    for m in (bitmosaic.load(qdir), AutoModelForCausalLM.from_pretrained(qdir)):
+        assert compiled(m)
+        # the step's entry in C++, built apart from the kernels (modules/decode.py default_inductor_options)
+        opts = m.generation_config.compile_config.options
+        assert opts == {"size_asserts": False, **default_inductor_options()}
+        assert opts.get("cpp_wrapper") == hasattr(torch._inductor.config, "cpp_wrapper_build_separate")
 
 
 def test_opt_outs(qdir, default_on, monkeypatch):
@@ -158,7 +171,8 @@ print(json.dumps({k: dict(counters[k]) for k in ("inductor", "aot_autograd", "st
 def test_a_second_process_compiles_nothing(qdir, tmp_path):
     """The compiled step lands in inductor's FX-graph and AOT-autograd caches under bitmosaic's cache
     folder: a second process finds it there (cache hits, no miss: inductor compiles nothing)."""
-    env = {k: v for k, v in os.environ.items() if k not in (NO_COMPILE_ENV, "TORCHINDUCTOR_CACHE_DIR")}
+    unset = (NO_COMPILE_ENV, RUNTIME_ACT_ENV, "TORCHINDUCTOR_CACHE_DIR")  # the whole default
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     env["BITMOSAIC_CACHE"] = str(tmp_path / "cache")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")])
 

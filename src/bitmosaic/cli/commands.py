@@ -5,7 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from .checks import check_counts, warn_positions
-from .eval_options import apply_runtime_act, apply_runtime_head, fidelity_reference, is_saved_quantized
+from .eval_options import (
+    announce_runtime_act,
+    apply_runtime_act,
+    apply_runtime_head,
+    fidelity_reference,
+    is_saved_quantized,
+)
 from .evaluate import check_json_path, perplexity_of, print_tasks, write_json
 
 
@@ -15,6 +21,7 @@ def cmd_eval(args) -> int:
     from ..errors import BitmosaicError, OptionError
     from ..io import load_model
     from ..io.sources.loading import resolve_device, resolve_dtype
+    from ..modules.intact import runtime_activations
 
     check_counts(args, seqlen=2)  # an evaluation window: one token of context, one predicted
     skip_ppl = args.ppl.lower() == "none"
@@ -39,8 +46,10 @@ def cmd_eval(args) -> int:
     warn_positions(model, args.seqlen, "--seqlen")
     res = {"model": args.model, "source": None if skip_ppl else args.ppl, "device": str(device)}
     if args.runtime_act is not None:
-        res["runtime_act"] = args.runtime_act
         apply_runtime_act(model, args.runtime_act)
+    elif is_saved_quantized(args.model):
+        announce_runtime_act(model)  # what the load path chose (modules/intact.py default_runtime_act)
+    res["runtime_act"] = runtime_activations(model)
     if args.runtime_head is not None:
         res["runtime_head"] = args.runtime_head
         apply_runtime_head(model, args.runtime_head)

@@ -25,7 +25,8 @@ def add_runtime_act_argument(parser) -> None:
         help="int8: weight-only layers quantize their inputs to 8 bits per token at run time and multiply "
         "in integers; q8_0: the same with one scale per block of 32 channels, as llama.cpp does; int16: 16 "
         "bits per token, multiplied as two int8 halves (within the verdict protocol's noise of weight-only); "
-        "not saved; default none, or $BITMOSAIC_RUNTIME_ACT",
+        "not saved; default $BITMOSAIC_RUNTIME_ACT, else int16 where the integer kernel runs AVX-512 VNNI, "
+        "else none",
     )  # fmt: skip
 
 
@@ -37,6 +38,17 @@ def apply_runtime_act(model, mode: str) -> None:
     if mode != "none":
         per = "per block of 32 channels" if mode == "q8_0" else "per token"
         print(f"runtime activations {mode}: {n} weight-only layers quantize inputs {per} (not saved)")
+
+
+def announce_runtime_act(model) -> None:
+    """One line when a loaded model runs run-time activations it was not asked for (the load default)."""
+    from ..modules.intact import runtime_activations
+
+    mode = runtime_activations(model)
+    if mode != "none":
+        print(
+            f"runtime activations {mode} (the default at load on this CPU; --runtime-act none: weight-only)"
+        )
 
 
 def apply_runtime_head(model, mode: str) -> None:

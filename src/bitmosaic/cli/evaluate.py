@@ -69,7 +69,10 @@ def evaluate_quantized(args, model, tok, recipe, where) -> dict:
 
     device, dtype = where
     if model is None:
+        from ..modules.intact import set_runtime_activations
+
         model, tok = load_quantized(args.out, dtype=dtype)
+        set_runtime_activations(model, "none")  # the method's weights alone, as an in-memory run's
     out, results, reference = {}, {}, None
     if args.eval_src and (args.eval_float or args.fidelity):
         reference, ftok = load_model(args.model, dtype=dtype)

@@ -64,6 +64,7 @@ __all__ = [
     "disable_compiled_decode",
     "default_compiled_decode",
     "compile_config",
+    "default_inductor_options",
     "inductor_cache_dir",
     "compile_opted_out",
     "NO_COMPILE_ENV",
@@ -87,6 +88,20 @@ def compile_config(options: dict | None = None):
 
 
 GUARDS = ("model", "full")
+
+
+def default_inductor_options() -> dict:
+    """The inductor options of the default compiled step (:func:`default_compiled_decode`): the step's
+    entry as C++ (``cpp_wrapper``: no Python between the kernels of a token) built apart from the kernels
+    at -O1 (``cpp_wrapper_build_separate``: the first compile about as long as the Python wrapper's, where
+    one build of both at -O3 ran over 11 minutes on a 2-core VM).  Measured on SmolLM2 with 16-bit
+    run-time activations: +2-14% tokens/s over the Python wrapper (``benchmarks/results/decode_a16_r3.md``,
+    ``decode_a16_r2.md``).  Empty where this torch lacks ``cpp_wrapper_build_separate``."""
+    from torch._inductor import config
+
+    if not hasattr(config, "cpp_wrapper_build_separate"):
+        return {}
+    return {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 
 def _skip_module_guards(entries) -> list[bool]:
@@ -251,9 +266,10 @@ def compile_opted_out() -> bool:
 
 def default_compiled_decode(model: nn.Module, compile: bool = True) -> str | None:
     """What every bitmosaic load path does by default (``bitmosaic.load``, ``from_pretrained`` of a
-    bitmosaic folder, ``bitmosaic generate``; issue 74): :func:`enable_compiled_decode` with ``fallback``,
-    so ``model.generate`` decodes through the compiled step without being asked.  Returns ``None`` when
-    it did, else why not -- and leaves the model as it was, decoding eagerly, without an error:
+    bitmosaic folder, ``bitmosaic generate``; issue 74): :func:`enable_compiled_decode` with ``fallback``
+    and :func:`default_inductor_options`, so ``model.generate`` decodes through the compiled step without
+    being asked.  Returns ``None`` when it did, else why not -- and leaves the model as it was,
+    decoding eagerly, without an error:
 
     * ``compile=False`` or ``$BITMOSAIC_NO_COMPILE=1`` (the opt-outs);
     * a mixture of experts (routing picks experts per token: no static graph holds it), or a model
@@ -271,7 +287,7 @@ def default_compiled_decode(model: nn.Module, compile: bool = True) -> str | Non
     devices = {t.device.type for t in (*model.parameters(), *model.buffers())}
     if devices != {"cpu"}:
         return f"the model is on {', '.join(sorted(devices))}, not the CPU alone"
-    enable_compiled_decode(model, fallback=True)
+    enable_compiled_decode(model, default_inductor_options(), fallback=True)
     return None
 
 

@@ -28,10 +28,16 @@ layer's blocks are of its stored, permuted columns); ``int16`` with one scale pe
 integers (``|q| <= 127·256 + 127``), which the kernel multiplies as two int8 halves in one pass over the
 weight (:mod:`bitmosaic.kernels.intmm`): 256 times finer steps than ``int8``.  A weight-only layer then
 runs the integer kernel with a quantizer that is *not* part of the model (not saved, not in the state
-dict, not in the config): it is an approximation chosen at run time for speed, off by default
+dict, not in the config): an approximation chosen at run time for speed
 (``benchmarks/waq/int_ppl.py`` measures its KL and top-1 agreement against the weight-only path,
-``benchmarks/decode/decode.py`` the speed; ``int16`` is within the verdict protocol's noise of
-weight-only, docs/cpu-inference.md).
+``benchmarks/decode/decode.py`` the speed).  ``int16`` is within the verdict protocol's noise of
+weight-only (perplexity +0.0005%, paired 95% interval [-0.0004%, +0.0014%],
+``benchmarks/results/int_ppl_a16_verdict.md``) and faster where the kernel runs AVX-512 VNNI, so every
+load path applies it there by default, to layers with codes of 4 bits or more (below, the bit-plane LUT
+with float activations is as fast or faster: ``benchmarks/results/int16_widths.md``;
+:func:`default_runtime_activations`; ``$BITMOSAIC_RUNTIME_ACT=none`` or ``--runtime-act none`` keeps the
+layers weight-only, ``$BITMOSAIC_RUNTIME_ACT=int16`` gives it to every width); ``int8`` and ``q8_0``
+are not within noise (+0.30% for ``q8_0``) and stay opt-in (docs/cpu-inference.md).
 It applies only where the integer path runs (the layer's kernel, group size, the CPU); elsewhere, and under
 ``$BITMOSAIC_ACT_COMPUTE=sim``, the layer stays weight-only (there is nothing to gain from simulating it).
 """
@@ -58,6 +64,11 @@ __all__ = [
     "IntActKernel",
     "act_path_label",
     "runtime_act_mode",
+    "runtime_activations",
+    "DEFAULT_RUNTIME_ACT",
+    "DEFAULT_RUNTIME_MIN_BITS",
+    "default_runtime_act",
+    "default_runtime_activations",
     "segmented_int_weight",
     "set_runtime_activations",
 ]
@@ -107,26 +118,78 @@ def runtime_act_mode(mode: str | None = None) -> str:
     return runtime_choice(mode, RUNTIME_ACT_ENV, "--runtime-act", RUNTIME_ACT_SPECS)
 
 
-def set_runtime_activations(model: torch.nn.Module, mode: str | None = None) -> int:
+# what a load path gives the weight-only layers when $BITMOSAIC_RUNTIME_ACT is unset (issue 74: within the
+# verdict protocol's noise of weight-only, benchmarks/results/int_ppl_a16_verdict.md), on the CPUs it was
+# measured faster on (AVX-512 VNNI: benchmarks/results/int_gemm_int16.md, decode_a16_r3.md)
+DEFAULT_RUNTIME_ACT = "int16"
+# ... on layers of code widths from 4 bits: below, the float-activation kernel (the bit-plane LUT) is as
+# fast or faster at decode (benchmarks/results/int16_widths.md)
+DEFAULT_RUNTIME_MIN_BITS = 4
+
+
+def default_runtime_act() -> str:
+    """The run-time activation mode a load path applies: ``$BITMOSAIC_RUNTIME_ACT`` when set (a bad value
+    raises :class:`~bitmosaic.errors.OptionError`), else :data:`DEFAULT_RUNTIME_ACT` where the integer
+    kernel runs AVX-512 VNNI (the measured machines) and ``$BITMOSAIC_ACT_COMPUTE`` is not ``sim``, else
+    ``none``."""
+    if os.environ.get(RUNTIME_ACT_ENV, "").strip():
+        return runtime_act_mode()
+    if act_compute_mode() == "sim" or kernel_isa() != "avx512" or not vnni():
+        return "none"
+    return DEFAULT_RUNTIME_ACT
+
+
+def default_runtime_activations(model: torch.nn.Module) -> str:
+    """What every bitmosaic load path does (``bitmosaic.load``, ``from_pretrained`` of a bitmosaic folder,
+    ``bitmosaic eval``/``generate`` of one): :func:`set_runtime_activations` with
+    :func:`default_runtime_act` when ``$BITMOSAIC_RUNTIME_ACT`` is set (on every weight-only layer), else
+    :data:`DEFAULT_RUNTIME_ACT` on the layers with codes of :data:`DEFAULT_RUNTIME_MIN_BITS` bits or more
+    (where the default is not ``none``).  Returns the mode now on."""
+    mode = default_runtime_act()
+    if mode != "none":
+        chosen = os.environ.get(RUNTIME_ACT_ENV, "").strip()
+        set_runtime_activations(model, mode, min_bits=None if chosen else DEFAULT_RUNTIME_MIN_BITS)
+    return mode
+
+
+def runtime_activations(model: torch.nn.Module) -> str:
+    """The run-time activation mode last set on ``model`` (:func:`set_runtime_activations`), ``none``
+    when never set."""
+    return model.__dict__.get("bitmosaic_runtime_act", "none")
+
+
+def set_runtime_activations(
+    model: torch.nn.Module, mode: str | None = None, min_bits: int | None = None
+) -> int:
     """Give every weight-only quantized layer of ``model`` the run-time activation quantizer of ``mode``
-    (module doc; ``None``: ``$BITMOSAIC_RUNTIME_ACT``), or take it away (``"none"``).  Layers with an
+    (module doc; ``None``: ``$BITMOSAIC_RUNTIME_ACT``), or take it away (``"none"``); ``min_bits``: only
+    the layers whose codes are that wide or wider (the others stay weight-only).  Layers with an
     activation quantizer of their own keep it.  Returns how many layers will run it (those the integer
     path runs on this machine)."""
     from .actquant import ActQuantizer
     from .changes import mark_changed
 
-    spec = RUNTIME_ACT_SPECS[runtime_act_mode(mode)]
+    mode = runtime_act_mode(mode)
+    spec = RUNTIME_ACT_SPECS[mode]
     mark_changed(model)
+    model.__dict__["bitmosaic_runtime_act"] = mode  # what runtime_activations(model) reports
     n = 0
     for m in model.modules():
         # a quantized module (modules/base.py QuantModule, named by what it has: base imports this file)
         if not callable(getattr(m, "act_quantizer", None)) or m._modules.get("input_quant") is not None:
             continue
-        m.__dict__["_runtime_act"] = None if spec is None else ActQuantizer(spec, m.in_features)
+        narrow = min_bits is not None and (_code_bits(m) or 0) < min_bits
+        m.__dict__["_runtime_act"] = None if spec is None or narrow else ActQuantizer(spec, m.in_features)
         m._drop_int_act()  # rebuilt for (or without) the new quantizer on the next forward
-        if spec is not None and m.int_act_blocker() is None:
+        if m.__dict__["_runtime_act"] is not None and m.int_act_blocker() is None:
             n += 1
     return n
+
+
+def _code_bits(m: torch.nn.Module) -> int | None:
+    """A quantized layer's code width (``storage_bits``, else ``bits``), ``None`` when it has neither."""
+    bits = getattr(m, "storage_bits", None) or getattr(m, "bits", None)
+    return int(bits) if isinstance(bits, int) else None
 
 
 def int_act_blocker(

@@ -12,7 +12,7 @@ from torch import nn
 from ...errors import CorruptModelError
 from ...modules.base import QuantModule
 from ...modules.head import default_runtime_head
-from ...modules.intact import runtime_act_mode, set_runtime_activations
+from ...modules.intact import default_runtime_activations
 from ...modules.rotation import apply_saved_rotations
 
 __all__ = ["finish_load", "model_arch", "quant_modules_by_kind"]
@@ -57,11 +57,12 @@ def finish_load(
     between layers), record ``quant_config`` as ``model.quantization_info`` and switch to eval mode.
     A rotated model (``quant_config["rotation"]``, ``--rotate``) first gets its online rotations back
     at the inputs they were folded for (before any input quantizer), and keeps the record as
-    ``model.bitmosaic_rotation`` (so a re-save keeps it).  ``$BITMOSAIC_RUNTIME_ACT=int8`` gives the
-    weight-only layers run-time 8-bit activations (:func:`~bitmosaic.modules.intact.set_runtime_activations`;
-    a bad value raises ``OptionError`` naming the choices), ``$BITMOSAIC_RUNTIME_HEAD=int8`` the output
-    head its 8-bit copy (:func:`~bitmosaic.modules.head.set_runtime_head`; unset: the 8-bit copy only
-    where it holds the same weights, :func:`~bitmosaic.modules.head.default_runtime_head`)."""
+    ``model.bitmosaic_rotation`` (so a re-save keeps it).  The weight-only layers get run-time activations
+    (:func:`~bitmosaic.modules.intact.default_runtime_activations`: ``$BITMOSAIC_RUNTIME_ACT``, else 16-bit
+    ones where the integer kernel runs AVX-512 VNNI; a bad value raises ``OptionError`` naming the
+    choices), ``$BITMOSAIC_RUNTIME_HEAD=int8`` the output head its 8-bit copy
+    (:func:`~bitmosaic.modules.head.set_runtime_head`; unset: the 8-bit copy only where it holds the
+    same weights, :func:`~bitmosaic.modules.head.default_runtime_head`)."""
     rotation = quant_config.get("rotation")
     try:
         apply_saved_rotations(model, rotation)
@@ -80,8 +81,7 @@ def finish_load(
     for cls, mods in kinds.items():
         cls.finish_model(model, mods, arch)
     model.quantization_info = quant_config
-    if runtime_act_mode() != "none":
-        set_runtime_activations(model)
+    default_runtime_activations(model)  # $BITMOSAIC_RUNTIME_ACT, else int16 where the kernel runs VNNI
     default_runtime_head(model)  # $BITMOSAIC_RUNTIME_HEAD, else int8 where it holds the same weights
     model.eval()
     return model
