@@ -85,6 +85,8 @@ def test_the_default_takes_codes_of_4_bits_or_more(default_on, monkeypatch):
     assert default_runtime_activations(model) == ("int16" if measured_cpu() else "none")
     got = [None if m.act_quantizer() is None else m.act_quantizer().spec.bits for m in model]
     assert got == ([None, None, 16, 16] if measured_cpu() else [None] * 4)
+    narrow = torch.nn.Sequential(*model[:2])  # 2 and 3 bits alone: nothing runs it, the mode says so
+    assert default_runtime_activations(narrow) == "none" and runtime_activations(narrow) == "none"
     monkeypatch.setenv(RUNTIME_ACT_ENV, "int16")
     assert default_runtime_activations(model) == "int16"
     assert [m.act_quantizer().spec.bits for m in model] == [16] * 4
@@ -134,3 +136,17 @@ def test_eval_says_and_records_what_runs(qdir, tmp_path, default_on, capsys):
         assert default["runtime_act"] == "none" and announce not in said
         assert default["ppl"] == runs["none"][0]["ppl"]
     assert runs["none"][0]["runtime_act"] == "none" and "runtime activations" not in runs["none"][1]
+
+
+def test_inspect_says_what_runs_at_load(qdir, default_on, monkeypatch, capsys):
+    """``bitmosaic inspect`` of a weight-only folder names the run-time activations its layers get at load
+    (nothing is saved: ``$BITMOSAIC_RUNTIME_ACT=none`` shows none)."""
+    n = sum(1 for m in load_quantized(qdir, load_tokenizer=False)[0].modules() if isinstance(m, QuantModule))
+    capsys.readouterr()
+    assert main(["inspect", str(qdir)]) == 0
+    out = capsys.readouterr().out
+    line = f"activations      int16 (avx512-vnni) at run time (not saved): {n} layers"
+    assert (line in out) == measured_cpu(), out
+    monkeypatch.setenv(RUNTIME_ACT_ENV, "none")
+    assert main(["inspect", str(qdir)]) == 0
+    assert "activations" not in capsys.readouterr().out

@@ -170,7 +170,17 @@ def _act_compute(lc: dict) -> str:
     if cls is None:
         return "simulated (unknown kind)" if lc.get("act") else "weight-only"
     try:
-        return cls.act_compute(lc)
+        label = cls.act_compute(lc)
+        if label == "weight-only":  # the run-time activations a load path gives it, where they run
+            from ..modules.intact import RUNTIME_ACT_SPECS, default_runtime_act_for
+
+            mode = default_runtime_act_for(lc.get("storage_bits") or lc.get("bits"))
+            spec = RUNTIME_ACT_SPECS[mode]
+            if spec is not None:
+                runs = cls.act_compute({**lc, "act": spec.to_dict()})
+                if not runs.startswith("simulated"):
+                    label = f"{runs} at run time (not saved)"
+        return label
     except (KeyError, TypeError, ValueError) as e:
         return f"simulated (unreadable activation settings: {e})"
 

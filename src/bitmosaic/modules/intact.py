@@ -69,6 +69,7 @@ __all__ = [
     "DEFAULT_RUNTIME_MIN_BITS",
     "default_runtime_act",
     "default_runtime_activations",
+    "default_runtime_act_for",
     "segmented_int_weight",
     "set_runtime_activations",
 ]
@@ -144,12 +145,25 @@ def default_runtime_activations(model: torch.nn.Module) -> str:
     ``bitmosaic eval``/``generate`` of one): :func:`set_runtime_activations` with
     :func:`default_runtime_act` when ``$BITMOSAIC_RUNTIME_ACT`` is set (on every weight-only layer), else
     :data:`DEFAULT_RUNTIME_ACT` on the layers with codes of :data:`DEFAULT_RUNTIME_MIN_BITS` bits or more
-    (where the default is not ``none``).  Returns the mode now on."""
+    (where the default is not ``none``; a model where no layer then runs it stays as it was).  Returns
+    the mode now on."""
     mode = default_runtime_act()
-    if mode != "none":
-        chosen = os.environ.get(RUNTIME_ACT_ENV, "").strip()
-        set_runtime_activations(model, mode, min_bits=None if chosen else DEFAULT_RUNTIME_MIN_BITS)
+    if mode == "none":
+        return mode
+    if os.environ.get(RUNTIME_ACT_ENV, "").strip():
+        set_runtime_activations(model, mode)
+    elif not set_runtime_activations(model, mode, min_bits=DEFAULT_RUNTIME_MIN_BITS):
+        set_runtime_activations(model, "none")  # nothing wide enough runs it (a W2 model): as loaded
+        return "none"
     return mode
+
+
+def default_runtime_act_for(bits: int | None) -> str:
+    """The run-time activation mode a load path gives a weight-only layer with codes of ``bits`` bits
+    (:func:`default_runtime_activations`; ``bitmosaic inspect`` says it per layer)."""
+    mode = default_runtime_act()
+    chosen = os.environ.get(RUNTIME_ACT_ENV, "").strip()
+    return mode if chosen or (bits or 0) >= DEFAULT_RUNTIME_MIN_BITS else "none"
 
 
 def runtime_activations(model: torch.nn.Module) -> str:
