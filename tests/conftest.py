@@ -37,12 +37,7 @@ def _eager_decode_unless_tested():
     ``generate`` compiles for 30-60 s on the shared 2-core machine: every test but those of the default
     (tests/io/test_default_decode.py, tests/cli/test_generate.py: they remove this) decodes eagerly, as all
     did before, unless $BITMOSAIC_NO_COMPILE is set already."""
-    if NO_COMPILE_ENV in os.environ:
-        yield
-        return
-    os.environ[NO_COMPILE_ENV] = "1"
-    yield
-    os.environ.pop(NO_COMPILE_ENV, None)
+    yield from _session_env(NO_COMPILE_ENV, "1")
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -53,12 +48,17 @@ def _weight_only_loads_unless_tested():
     removes this) loads weight-only, so that loaded models compute exactly what their stored weights
     give (round trips, exports against independent loaders), unless $BITMOSAIC_RUNTIME_ACT is set
     already."""
-    if RUNTIME_ACT_ENV in os.environ:
+    yield from _session_env(RUNTIME_ACT_ENV, "none")
+
+
+def _session_env(name: str, value: str):
+    """Set ``$name`` to ``value`` for the session (a generator for a session fixture), unless it is set."""
+    if name in os.environ:
         yield
         return
-    os.environ[RUNTIME_ACT_ENV] = "none"
+    os.environ[name] = value
     yield
-    os.environ.pop(RUNTIME_ACT_ENV, None)
+    os.environ.pop(name, None)
 
 
 def correlated_inputs(n_tokens: int, n: int, seed: int = 0, dtype=torch.float64) -> torch.Tensor:
