@@ -150,3 +150,33 @@ def test_inspect_says_what_runs_at_load(qdir, default_on, monkeypatch, capsys):
     monkeypatch.setenv(RUNTIME_ACT_ENV, "none")
     assert main(["inspect", str(qdir)]) == 0
     assert "activations" not in capsys.readouterr().out
+
+
+def test_a_loaded_mixture_of_experts_stacks_the_16_bit_kernels(tmp_path, default_on, monkeypatch):
+    """A loaded MoE folder (tiny qwen3_moe, GPTQ w4 g16): with the default on, the packed experts stack
+    their integer kernels and compute what the per-expert modules with the same activations compute, bit
+    for bit; within int16's step of the weight-only load."""
+    from bitmosaic.io import save_quantized
+    from bitmosaic.modules.intact import set_runtime_activations
+    from bitmosaic.modules.packed_experts import pack_experts, packed_experts_report
+    from tests.kernels.test_packed_experts import _quantized, unpacked
+
+    folder = save_quantized(_quantized("gptq", bits=4, group_size=16), tmp_path / "moe", {"method": "gptq"})
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setenv(RUNTIME_ACT_ENV, "none")
+    with torch.inference_mode():
+        y_wo = load_quantized(folder, load_tokenizer=False)[0](ids).logits
+    monkeypatch.delenv(RUNTIME_ACT_ENV)
+    model = load_quantized(folder, load_tokenizer=False)[0]
+    ref = unpacked(model)
+    set_runtime_activations(ref, runtime_activations(model))
+    assert pack_experts(model) == 2
+    projs = [r for p in packed_experts_report(model).values() for r in p.values()]
+    with torch.inference_mode():
+        y, y_ref = model(ids).logits, ref(ids).logits
+    assert torch.equal(y, y_ref)
+    if measured_cpu():
+        assert projs and all(r["int_act"] for r in projs)
+        assert not torch.equal(y, y_wo) and float((y - y_wo).abs().max()) <= 1e-3 * float(y_wo.abs().max())
+    else:
+        assert torch.equal(y, y_wo)
