@@ -115,7 +115,7 @@ def test_a_loaded_folder_runs_16_bit_activations_by_default(qdir, default_on, mo
             assert torch.equal(y, y_wo)
 
 
-def test_eval_says_and_records_what_runs(qdir, tmp_path, default_on, capsys):
+def test_eval_says_and_records_what_runs(qdir, tmp_path, default_on, monkeypatch, capsys):
     """``bitmosaic eval`` of a saved folder prints one line for the default and records the mode in its
     JSON; ``--runtime-act none`` is weight-only (the perplexity of ``$BITMOSAIC_RUNTIME_ACT=none``)."""
     text = tmp_path / "text.txt"
@@ -136,6 +136,10 @@ def test_eval_says_and_records_what_runs(qdir, tmp_path, default_on, capsys):
         assert default["runtime_act"] == "none" and announce not in said
         assert default["ppl"] == runs["none"][0]["ppl"]
     assert runs["none"][0]["runtime_act"] == "none" and "runtime activations" not in runs["none"][1]
+    monkeypatch.setenv(RUNTIME_ACT_ENV, "int8")  # chosen, not the default: the line says where it came from
+    assert main(["eval", str(qdir), "--ppl", str(text), "--seqlen", "16"]) == 0
+    said = "runtime activations int8 ($BITMOSAIC_RUNTIME_ACT; --runtime-act none: weight-only)"
+    assert said in capsys.readouterr().out
 
 
 def test_inspect_says_what_runs_at_load(qdir, default_on, monkeypatch, capsys):

@@ -42,13 +42,15 @@ def apply_runtime_act(model, mode: str) -> None:
 
 def announce_runtime_act(model) -> None:
     """One line when a loaded model runs run-time activations it was not asked for (the load default)."""
-    from ..modules.intact import runtime_activations
+    import os
+
+    from ..modules.intact import RUNTIME_ACT_ENV, runtime_activations
 
     mode = runtime_activations(model)
     if mode != "none":
-        print(
-            f"runtime activations {mode} (the default at load on this CPU; --runtime-act none: weight-only)"
-        )
+        chosen = os.environ.get(RUNTIME_ACT_ENV, "").strip()
+        why = f"${RUNTIME_ACT_ENV}" if chosen else "the default at load on this CPU"
+        print(f"runtime activations {mode} ({why}; --runtime-act none: weight-only)")
 
 
 def apply_runtime_head(model, mode: str) -> None:
