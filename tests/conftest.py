@@ -44,10 +44,10 @@ def _eager_decode_unless_tested():
 def _weight_only_loads_unless_tested():
     """Loaded bitmosaic folders run 16-bit run-time activations by default where the integer kernel runs
     AVX-512 VNNI (issue 74, modules/intact.py ``default_runtime_act``): within noise of weight-only, but
-    not bit for bit.  Every test but those of the default (tests/io/test_default_runtime_act.py: it
-    removes this) loads weight-only, so that loaded models compute exactly what their stored weights
-    give (round trips, exports against independent loaders), unless $BITMOSAIC_RUNTIME_ACT is set
-    already."""
+    not bit for bit.  Every test but those of the default (tests/io/test_default_runtime_act.py and
+    tests/io/test_default_decode.py: they remove this) loads weight-only, so that loaded models compute
+    exactly what their stored weights give (round trips, exports against independent loaders), unless
+    $BITMOSAIC_RUNTIME_ACT is set already."""
     yield from _session_env(RUNTIME_ACT_ENV, "none")
 
 

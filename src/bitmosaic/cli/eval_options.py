@@ -42,14 +42,11 @@ def apply_runtime_act(model, mode: str) -> None:
 
 def announce_runtime_act(model) -> None:
     """One line when a loaded model runs run-time activations it was not asked for (the load default)."""
-    import os
-
-    from ..modules.intact import RUNTIME_ACT_ENV, runtime_activations
+    from ..modules.intact import RUNTIME_ACT_ENV, runtime_act_chosen, runtime_activations
 
     mode = runtime_activations(model)
     if mode != "none":
-        chosen = os.environ.get(RUNTIME_ACT_ENV, "").strip()
-        why = f"${RUNTIME_ACT_ENV}" if chosen else "the default at load on this CPU"
+        why = f"${RUNTIME_ACT_ENV}" if runtime_act_chosen() else "the default at load on this CPU"
         print(f"runtime activations {mode} ({why}; --runtime-act none: weight-only)")
 
 

@@ -70,6 +70,7 @@ __all__ = [
     "default_runtime_act",
     "default_runtime_activations",
     "default_runtime_act_for",
+    "runtime_act_chosen",
     "segmented_int_weight",
     "set_runtime_activations",
 ]
@@ -128,12 +129,17 @@ DEFAULT_RUNTIME_ACT = "int16"
 DEFAULT_RUNTIME_MIN_BITS = 4
 
 
+def runtime_act_chosen() -> bool:
+    """Whether ``$BITMOSAIC_RUNTIME_ACT`` chooses the run-time activations (set and not empty)."""
+    return bool(os.environ.get(RUNTIME_ACT_ENV, "").strip())
+
+
 def default_runtime_act() -> str:
     """The run-time activation mode a load path applies: ``$BITMOSAIC_RUNTIME_ACT`` when set (a bad value
     raises :class:`~bitmosaic.errors.OptionError`), else :data:`DEFAULT_RUNTIME_ACT` where the integer
     kernel runs AVX-512 VNNI (the measured machines) and ``$BITMOSAIC_ACT_COMPUTE`` is not ``sim``, else
     ``none``."""
-    if os.environ.get(RUNTIME_ACT_ENV, "").strip():
+    if runtime_act_chosen():
         return runtime_act_mode()
     if act_compute_mode() == "sim" or kernel_isa() != "avx512" or not vnni():
         return "none"
@@ -150,7 +156,7 @@ def default_runtime_activations(model: torch.nn.Module) -> str:
     mode = default_runtime_act()
     if mode == "none":
         return mode
-    if os.environ.get(RUNTIME_ACT_ENV, "").strip():
+    if runtime_act_chosen():
         set_runtime_activations(model, mode)
     elif not set_runtime_activations(model, mode, min_bits=DEFAULT_RUNTIME_MIN_BITS):
         set_runtime_activations(model, "none")  # nothing wide enough runs it (a W2 model): as loaded
@@ -161,9 +167,8 @@ def default_runtime_activations(model: torch.nn.Module) -> str:
 def default_runtime_act_for(bits: int | None) -> str:
     """The run-time activation mode a load path gives a weight-only layer with codes of ``bits`` bits
     (:func:`default_runtime_activations`; ``bitmosaic inspect`` says it per layer)."""
-    mode = default_runtime_act()
-    chosen = os.environ.get(RUNTIME_ACT_ENV, "").strip()
-    return mode if chosen or (bits or 0) >= DEFAULT_RUNTIME_MIN_BITS else "none"
+    wide = (bits or 0) >= DEFAULT_RUNTIME_MIN_BITS
+    return default_runtime_act() if runtime_act_chosen() or wide else "none"
 
 
 def runtime_activations(model: torch.nn.Module) -> str:
