@@ -86,14 +86,14 @@ def _tail(p) -> str:
 
 
 def run_calib(a, work: Path) -> list[dict]:
-    from benchmarks.peers.speed import DEFAULTS_ROW, PEER_ROW
+    from benchmarks.peers.speed import DEFAULTS_ROW, PEER_ROW, SAME_ROW
     from benchmarks.scale.real_shapes import gemm_gflops, layer_flops
 
     n, seqlen, windows = (2, 64, 2) if a.smoke else (16, 512, 20)
     out = work / "speed.json"
     args = [
         "--only",
-        f"{DEFAULTS_ROW},{PEER_ROW}",
+        f"{DEFAULTS_ROW},{SAME_ROW},{PEER_ROW}",
         "--json",
         out,
         "--nsamples",
@@ -123,7 +123,8 @@ def run_calib(a, work: Path) -> list[dict]:
     flops = layer_flops(SMOLLM2, n * seqlen, seqlen)["total"] * SMOLLM2_LAYERS
     bound = {"gemm_gflops": gemm, "tflop": flops / 1e12, "seconds": flops / (gemm * 1e9)}
     ours = rows.get(DEFAULTS_ROW)
-    return [tt.calib_row(ours, rows.get(PEER_ROW), bound, why or skipped.get(DEFAULTS_ROW, ""))]
+    why = why or skipped.get(DEFAULTS_ROW, "")
+    return tt.calib_rows(ours, rows.get(PEER_ROW), bound, why, rows.get(SAME_ROW))
 
 
 # -- the 8B-shaped layer ----------------------------------------------------------------------------------

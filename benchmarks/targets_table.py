@@ -98,10 +98,20 @@ def missing(target: str, label: str, why: str) -> dict:
 # -- rows from each measurement's numbers ---------------------------------------------------------------
 
 
-def calib_row(ours: dict | None, peer: dict | None, bound: dict | None, why: str = "") -> dict:
-    """speed.py's rows: bitmosaic's defaults (g128) and llm-compressor at g64 (seconds, ppl)."""
+def calib_rows(ours: dict | None, peer: dict | None, bound: dict | None, why: str = "",
+               same: dict | None = None) -> list[dict]:  # fmt: skip
+    """speed.py's rows: bitmosaic's defaults (g128) and llm-compressor at g64 (seconds, ppl); with
+    ``same`` (bitmosaic at llm-compressor's settings, g64), a second row at equal settings."""
     if ours is None:
-        return missing("calib", "", why or "bitmosaic's row did not run")
+        return [missing("calib", "", why or "bitmosaic's row did not run")]
+    defaults = "ours w4 g128 (defaults), llm-compressor w4 g64 (it refuses g128 here)"
+    out = [_calib_row(ours, peer, bound, why, defaults)]
+    if same is not None and peer is not None:
+        out.append(_calib_row(same, peer, bound, why, "both w4 g64 asym, static act-order (equal settings)"))
+    return out
+
+
+def _calib_row(ours: dict, peer: dict | None, bound: dict | None, why: str, label: str) -> dict:
     b = (
         (
             f"float32 GEMM {bound['gemm_gflops']:.0f} GFLOP/s; ~{bound['tflop']:.2f} TFLOP -> >= "
@@ -111,25 +121,21 @@ def calib_row(ours: dict | None, peer: dict | None, bound: dict | None, why: str
         else ""
     )
     mine = f"{ours['seconds']:.1f} s, ppl {ours['ppl']:.3f}"
+    compiled = ours.get("kernels_compiled")  # not a measurement of the calibration: rerun
+    compiled = f"compiled {', '.join(compiled)} inside the timed run" if compiled else ""
     if peer is None:
-        return row(
-            "calib",
-            "",
-            ours=mine,
-            also=None,
-            bound=b,
-            note=why or "llm-compressor not run",
-            numbers={"ours": ours},
-        )
+        note = "; ".join(filter(None, [why or "llm-compressor not run", compiled]))
+        return row("calib", "", ours=mine, also=None, bound=b, note=note, numbers={"ours": ours})
+    above = "" if ours["ppl"] <= peer["ppl"] else "perplexity above llm-compressor's"
     return row(
         "calib",
-        "ours w4 g128 (defaults), llm-compressor w4 g64 (it refuses g128 here)",
+        label,
         ours=mine,
         baseline=f"llm-compressor {peer['seconds']:.1f} s, ppl {peer['ppl']:.3f}",
         ratio=peer["seconds"] / ours["seconds"],
-        also=ours["ppl"] <= peer["ppl"],
+        also=ours["ppl"] <= peer["ppl"] and not compiled,
         bound=b,
-        note="" if ours["ppl"] <= peer["ppl"] else "perplexity above llm-compressor's",
+        note="; ".join(filter(None, [compiled, above])),
         numbers={"ours": ours, "peer": peer},
     )
 

@@ -38,12 +38,26 @@ def test_judge_needs_the_other_condition_and_a_known_op():
 def test_calib_row_twice_as_fast_but_worse_perplexity_is_not_met():
     bound = {"gemm_gflops": 100.0, "tflop": 1.0, "seconds": 10.0}
     ours, peer = {"seconds": 30.0, "ppl": 40.0}, {"seconds": 70.0, "ppl": 39.0}
-    r = tt.calib_row(ours, peer, bound)
+    (r,) = tt.calib_rows(ours, peer, bound)
     assert r["ratio"] == pytest.approx(70 / 30) and r["verdict"] == "not met" and "perplexity" in r["note"]
-    r = tt.calib_row(ours, {**peer, "ppl": 40.0}, bound)
+    (r,) = tt.calib_rows(ours, {**peer, "ppl": 40.0}, bound)
     assert r["verdict"] == "met" and "3.0x it" in r["bound"]
-    r = tt.calib_row(ours, None, bound, "llm-compressor is not installed in /x")
+    (r,) = tt.calib_rows(ours, None, bound, "llm-compressor is not installed in /x")
     assert r["verdict"] == "not measured" and r["note"] == "llm-compressor is not installed in /x"
+
+
+def test_calib_rows_at_equal_settings_and_a_compile_inside_the_timing():
+    """The defaults row, then ours at the peer's settings: each judged on its own perplexity; a row
+    whose child compiled a kernel inside its timed region is not met, and says why."""
+    bound = {"gemm_gflops": 100.0, "tflop": 1.0, "seconds": 10.0}
+    ours, peer = {"seconds": 30.0, "ppl": 40.0}, {"seconds": 70.0, "ppl": 39.0}
+    same = {"seconds": 31.0, "ppl": 38.5}
+    a, b = tt.calib_rows(ours, peer, bound, same=same)
+    assert "defaults" in a["label"] and a["verdict"] == "not met"
+    assert "equal settings" in b["label"] and b["verdict"] == "met" and b["ratio"] == pytest.approx(70 / 31)
+    a, b = tt.calib_rows(ours, peer, bound, same={**same, "kernels_compiled": ["scalesearch"]})
+    assert b["verdict"] == "not met" and "compiled scalesearch inside the timed run" in b["note"]
+    assert tt.calib_rows(ours, None, bound, "x", same=same)[0]["verdict"] == "not measured"
 
 
 def test_rows_without_their_peer_say_so_in_one_line():

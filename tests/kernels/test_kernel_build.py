@@ -206,3 +206,36 @@ def test_module_names_follow_the_torch_installation(monkeypatch, tmp_path):
     monkeypatch.setattr(torch, "__file__", str(tmp_path / "torch" / "__init__.py"))
     after = {n: build.module_name(n) for n in build.EXTENSIONS}
     assert all(before[n] != after[n] for n in build.EXTENSIONS)
+
+
+def test_a_build_inside_the_process_is_recorded(monkeypatch, tmp_path):
+    """``build.COMPILED`` names each extension this process built (a first build, or one torch found
+    stale and rebuilt), and not one it only loaded: a timing reads it to say a compile was inside."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "_loaded", {})
+    monkeypatch.setattr(build, "COMPILED", [])
+    monkeypatch.delenv(build.NO_EXT_ENV, raising=False)
+    stale = {"mosaic"}  # what the stand-in for torch's build rebuilds
+
+    def fake_load(name, **kwargs):
+        so = Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so"
+        if not so.exists() or any(name.startswith(f"bitmosaic_{n}_") for n in stale):
+            so.write_bytes(so.read_bytes() + b"x" if so.exists() else b"x")
+        return object()
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    build.load("qmatmul")
+    build.load("mosaic")
+    assert build.COMPILED == ["qmatmul", "mosaic"]  # first builds
+    monkeypatch.setattr(build, "_loaded", {})  # a new process, the same cache
+    monkeypatch.setattr(build, "COMPILED", [])
+    import os
+    import time
+
+    so = next(tmp_path.rglob(f"{build.module_name('mosaic')}.so"))
+    os.utime(so, ns=(time.time_ns() - 10**9,) * 2)  # an older build: a rewrite changes the time
+    build.load("qmatmul")
+    build.load("mosaic")
+    assert build.COMPILED == ["mosaic"]  # qmatmul loaded as built; mosaic was stale

@@ -27,7 +27,7 @@ import threading
 import warnings
 from pathlib import Path
 
-__all__ = ["EXTENSIONS", "NO_EXT_ENV", "load", "build_all", "module_name"]
+__all__ = ["COMPILED", "EXTENSIONS", "NO_EXT_ENV", "load", "build_all", "module_name"]
 
 NO_EXT_ENV = "BITMOSAIC_NO_EXT"
 CSRC = Path(__file__).with_name("csrc")
@@ -47,6 +47,9 @@ FALLBACK_SLOWDOWN = "100-400x"
 _CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 
 _lock = threading.Lock()
+# the extensions this process compiled (a first build, or one torch's cache found stale): a timing that
+# loads kernels inside its timed region reads this to say a compile was inside it
+COMPILED: list[str] = []
 _loaded: dict[str, object | None] = {}
 _warned = False
 
@@ -102,23 +105,34 @@ def _warn_unavailable(reason: str) -> None:
     )
 
 
+def _mtime(path: Path | None) -> int | None:
+    try:
+        return None if path is None else path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
 def _compile(name: str):
     from torch.utils import cpp_extension
 
     modname = module_name(name)
-    try:  # a private helper, only for the one-line notice
-        built = (Path(cpp_extension._get_build_directory(modname, False)) / f"{modname}.so").exists()
+    try:  # a private helper, only for the one-line notice and the rebuild record
+        so = Path(cpp_extension._get_build_directory(modname, False)) / f"{modname}.so"
     except Exception:  # noqa: BLE001
-        built = True
-    if not built:
+        so = None
+    before = _mtime(so)
+    if so is not None and before is None:
         print(f"bitmosaic: compiling the {name} C++ kernel (first use only; {COLD_BUILD_S})", file=sys.stderr)
-    return cpp_extension.load(
+    ext = cpp_extension.load(
         name=modname,
         sources=[str(CSRC / EXTENSIONS[name])],
         extra_cflags=_CFLAGS,
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )
+    if so is not None and _mtime(so) != before:  # built now: first use, or a build torch found stale
+        COMPILED.append(name)
+    return ext
 
 
 def load(name: str):
