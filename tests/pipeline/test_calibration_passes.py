@@ -98,6 +98,59 @@ def test_stand_ins_are_dropped_when_members_read_different_tensors():
     assert "forward" not in vars(layer.a) and "forward" not in vars(layer.b)  # patches removed
 
 
+def test_each_norm_runs_once_per_batch(monkeypatch):
+    """A child without the group's linears that finished before a group's first member (the norms)
+    is final, so later passes of the layer reuse its output: one call per batch, not one per group."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    m = tiny_llama(layers=2)
+    names = {id(mod): n for n, mod in m.named_modules() if isinstance(mod, LlamaRMSNorm)}
+    calls: collections.Counter = collections.Counter()
+    orig = LlamaRMSNorm.forward
+
+    def forward(self, x):
+        calls[id(self)] += 1
+        return orig(self, x)
+
+    monkeypatch.setattr(LlamaRMSNorm, "forward", forward)
+    quantize_(m, "gptq", _calib(8), bits=4, group_size=16, progress=False, batch_size=4)
+    per_layer = {n: calls[i] for i, n in names.items() if ".layers." in n}
+    assert len(per_layer) == 4
+    assert set(per_layer.values()) == {2}, per_layer  # 2 batches, once each (was 5 and 3)
+
+
+class _Reused(nn.Module):
+    """One norm called twice in a forward, on different inputs: only its first call may be cached."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = x + self.a(self.norm(x))
+        return y + self.b(self.norm(y))
+
+
+def test_a_cached_child_called_twice_runs_its_second_call():
+    from bitmosaic.pipeline.statistics import OutputCache
+
+    torch.manual_seed(0)
+    layer = _Reused()
+    xs = [torch.randn(2, 5, 8), torch.randn(2, 5, 8)]
+    with OutputCache() as cache:
+        stats = dict(hessian_dtype=torch.float64, cache=cache)
+        group_statistics(layer, ("a",), LayerInputs(xs, torch.device("cpu"), False), [{}, {}], **stats)
+        assert cache.modules == [layer.norm]  # it finished before `a` was called: cached
+        cache.install(layer.a)  # as the pipeline does once `a` is solved
+        accs, _, _ = group_statistics(layer, ("b",), LayerInputs(xs, torch.device("cpu"), False), [{}, {}],
+                                      **stats)  # fmt: skip
+    with torch.no_grad():
+        Xb = torch.cat([layer.norm(x + layer.a(layer.norm(x))).reshape(-1, 8) for x in xs]).double()
+    torch.testing.assert_close(accs["b"].H, 2 * Xb.T @ Xb / Xb.shape[0], rtol=1e-12, atol=1e-12)
+
+
 def test_codes_unchanged_by_the_pass_savings():
     """A model quantized with the output cache off (every group's pass recomputes its layer)
     gets the same codes."""

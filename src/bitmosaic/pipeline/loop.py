@@ -463,6 +463,12 @@ def use_output_cache(run: LayerRun, layer: nn.Module) -> bool:
     output cache's budget)."""
     if run.settings.cache_outputs is not None:
         return bool(run.settings.cache_outputs)
-    width = sum(layer.get_submodule(n).weight.shape[0] for g in run.arch.groups(layer)[:-1] for n in g
+    groups = run.arch.groups(layer)
+    width = sum(layer.get_submodule(n).weight.shape[0] for g in groups[:-1] for n in g
                 if not is_expert_group(layer, (n,)))  # an expert's outputs: its routed rows only
+    named = {n.split(".", 1)[0] for g in groups for n in g}  # children that hold a group's linears
+    first = next((n for g in groups for n in g), None)
+    if first is not None:  # the other children (norms) are cached at the hidden width (statistics.py)
+        plain = sum(c not in named for c, _ in layer.named_children())
+        width += layer.get_submodule(first).weight.shape[1] * plain
     return run.local.numel() * width * 4 / 2**20 <= run.cache_budget_mb

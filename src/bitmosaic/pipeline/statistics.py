@@ -31,32 +31,50 @@ class OutputCache:
     Once a linear is quantized its input can no longer change (it depends only on groups before
     it, which are final), so later partial forwards of the same layer may reuse its output
     exactly instead of recomputing it: the projections -- most of a layer's FLOPs -- then run
-    once per layer instead of once per later group.  Use as a context manager: the forward
-    patches are removed however the block ends (also when quantization raises).
+    once per layer instead of once per later group.  The same holds for a module without any of
+    the layer's linears that finished before a group's first member was called (a norm: its
+    input is final).  Setting :attr:`batch` starts a pass; a cached module answers only its first
+    call of a pass (a module called twice in one forward runs the second time).  Use as a
+    context manager: the forward patches are removed however the block ends (also when
+    quantization raises).
     """
 
     def __init__(self) -> None:
-        self.batch = 0
+        self._batch = 0
+        self._calls: set[int] = set()  # id(module) of the cached modules called in this pass
         self.modules: list[nn.Module] = []
         self._stores: dict[int, dict[int, torch.Tensor]] = {}  # id(module) -> batch -> output
 
-    def install(self, module: nn.Module) -> None:
-        """Cache ``module``'s output per batch from now on.  Caches of modules inside it stay
-        until the outer one has stored that batch (its first call still runs them, and must not
-        recompute them), then that batch's inner outputs are freed."""
+    @property
+    def batch(self) -> int:
+        return self._batch
+
+    @batch.setter
+    def batch(self, b: int) -> None:  # a new pass (of batch b)
+        self._batch = b
+        self._calls.clear()
+
+    def install(self, module: nn.Module, outputs: dict[int, torch.Tensor] | None = None) -> None:
+        """Cache ``module``'s output per batch from now on (``outputs``: those of batches already
+        seen).  Caches of modules inside it stay until the outer one has stored that batch (its
+        first call still runs them, and must not recompute them), then that batch's inner outputs
+        are freed."""
         if module in self.modules:
             return
         inner = [sub for sub in module.modules() if sub is not module and sub in self.modules]
         orig = module.forward
-        store: dict[int, torch.Tensor] = {}
+        store: dict[int, torch.Tensor] = dict(outputs or {})
         self._stores[id(module)] = store
 
         def forward(*args, **kwargs):
-            y = store.get(self.batch)
+            if id(module) in self._calls:  # a second call in one pass: other inputs, maybe
+                return orig(*args, **kwargs)
+            self._calls.add(id(module))
+            y = store.get(self._batch)
             if y is None:
-                y = store[self.batch] = orig(*args, **kwargs)
+                y = store[self._batch] = orig(*args, **kwargs)
                 for sub in inner:  # answered by the outer cache from now on
-                    self._stores[id(sub)].pop(self.batch, None)
+                    self._stores[id(sub)].pop(self._batch, None)
             return y
 
         module.forward = forward
@@ -147,6 +165,8 @@ def group_statistics(
             for b, (hs, kw) in enumerate(zip(inputs, kwargs, strict=True)):
                 take(rec.inputs(b, hs, kw))
                 release_host_memory(grown_mb=64)  # the forward's freed temporaries (devices.py)
+        if cache is not None:
+            rec.cache_early()
     finally:
         rec.close()
     return accs, rec.owner, observers
@@ -162,6 +182,15 @@ class _GroupPass:
         self.owner: dict[str, str] = {}
         self.state: dict = {"stand_ins": len(mods) > 1}
         self.handles = [m.register_forward_pre_hook(self._hook(n)) for n, m in mods.items()]
+        # the layer's children that finish before a member is called in every pass: final (cacheable),
+        # with their outputs per batch
+        self.early: set[nn.Module] | None = None
+        self.early_out: dict[nn.Module, dict[int, torch.Tensor]] = {}
+        if cache is not None:
+            members = set(mods.values())
+            for child in layer.children():
+                if child not in members and child not in cache.modules:
+                    self.handles.append(child.register_forward_hook(self._finished(child)))
         self.patched = [m for m in mods.values() if isinstance(m, nn.Linear) and "forward" not in vars(m)]
         for m in self.patched:
             m.forward = self._forward(m)
@@ -172,6 +201,7 @@ class _GroupPass:
         def hook(module, args):
             x = args[0]
             seen: list = state["seen"]
+            state["member_called"] = True
             if any(n == name for n, _ in seen):
                 return  # a member called twice in one pass: its first input is the one recorded
             own = next((n for n, t in seen if t is x and owner.get(n, n) == n), None)
@@ -181,6 +211,16 @@ class _GroupPass:
             seen.append((name, x))
             if len(seen) == n_mods:
                 raise StopForward
+
+        return hook
+
+    def _finished(self, child: nn.Module):
+        state = self.state
+
+        def hook(module, args, out):
+            if not state["member_called"] and (self.early is None or child in self.early):
+                state["early"].add(child)
+                self.early_out.setdefault(child, {})[state["batch"]] = out
 
         return hook
 
@@ -198,13 +238,15 @@ class _GroupPass:
     def inputs(self, b: int, hs: torch.Tensor, kw: dict) -> list[tuple[str, torch.Tensor]]:
         """Batch ``b``'s pass(es) until every member's input was seen: the owners' inputs."""
         state = self.state
-        if self.cache is not None:
-            self.cache.batch = b
         while True:
-            state["seen"], state["stood_in"] = [], False
+            if self.cache is not None:
+                self.cache.batch = b  # a new pass
+            state["seen"], state["stood_in"], state["member_called"], state["early"] = [], False, False, set()
+            state["batch"] = b
             try:
                 run_layer(self.layer, hs, kw)
             except StopForward:
+                self.early = state["early"] if self.early is None else self.early & state["early"]
                 break
             except _StandInsSpoiled:
                 state["stand_ins"] = False  # this group's members do not share one input
@@ -213,6 +255,13 @@ class _GroupPass:
             raise RuntimeError(f"layer forward never called {missing}; check the architecture's layer map")
         seen, state["seen"] = [(n, x) for n, x in state["seen"] if self.owner[n] == n], []
         return seen
+
+    def cache_early(self) -> None:
+        """Cache the children that finished before any member was called in every pass: their inputs
+        come from groups already final (groups run in forward order), so their outputs are final."""
+        for child in self.early or ():
+            self.cache.install(child, self.early_out.pop(child))
+        self.early_out.clear()
 
     def close(self) -> None:
         for h in self.handles:
