@@ -59,7 +59,7 @@ def peer_of(name: str) -> str:
     """The llm-compressor row a config is timed against: the one of its bits, group and symmetry."""
     if CONFIGS[name][0] == "llm-compressor":
         return name
-    return PEER_ROW if name == DEFAULTS_ROW else "llm-compressor gptq w4 g64 act-static sym"
+    return PEER_ROW if name in (DEFAULTS_ROW, SAME_ROW) else "llm-compressor gptq w4 g64 act-static sym"
 
 
 def _child(args) -> dict:
