@@ -151,6 +151,31 @@ def test_a_cached_child_called_twice_runs_its_second_call():
     torch.testing.assert_close(accs["b"].H, 2 * Xb.T @ Xb / Xb.shape[0], rtol=1e-12, atol=1e-12)
 
 
+class _MlpFirst(nn.Module):
+    """A block whose forward runs a later group's linear (``b``) before the first group's (``a``): only
+    the matrix-free norm may be cached early, not ``b``'s module."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.mlp = nn.Sequential(nn.Linear(8, 8))
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.mlp(h) + self.a(h)
+
+
+def test_a_child_holding_a_linear_is_not_cached_early():
+    from bitmosaic.pipeline.statistics import OutputCache
+
+    layer = _MlpFirst()
+    xs = [torch.randn(2, 5, 8)]
+    with OutputCache() as cache:
+        group_statistics(layer, ("a",), LayerInputs(xs, torch.device("cpu"), False), [{}], cache=cache)
+        assert cache.modules == [layer.norm]
+
+
 def test_codes_unchanged_by_the_pass_savings():
     """A model quantized with the output cache off (every group's pass recomputes its layer)
     gets the same codes."""

@@ -43,7 +43,7 @@ from .report import RunReport
 from .settings import RunSettings
 from .smoothing import fold_group_scales
 from .solve import Handed, HessianSpentError, SolveJob, quantize_shared
-from .statistics import OutputCache, group_statistics
+from .statistics import OutputCache, group_statistics, plain_child
 
 __all__ = ["LayerRun", "quantize_layer", "transform_layer", "entry_key", "UNSMOOTHED_EXPERTS"]
 
@@ -466,9 +466,7 @@ def use_output_cache(run: LayerRun, layer: nn.Module) -> bool:
     groups = run.arch.groups(layer)
     width = sum(layer.get_submodule(n).weight.shape[0] for g in groups[:-1] for n in g
                 if not is_expert_group(layer, (n,)))  # an expert's outputs: its routed rows only
-    named = {n.split(".", 1)[0] for g in groups for n in g}  # children that hold a group's linears
     first = next((n for g in groups for n in g), None)
-    if first is not None:  # the other children (norms) are cached at the hidden width (statistics.py)
-        plain = sum(c not in named for c, _ in layer.named_children())
-        width += layer.get_submodule(first).weight.shape[1] * plain
+    if first is not None:  # the children without matrices (norms) are cached at the hidden width
+        width += layer.get_submodule(first).weight.shape[1] * sum(map(plain_child, layer.children()))
     return run.local.numel() * width * 4 / 2**20 <= run.cache_budget_mb

@@ -22,7 +22,7 @@ from .capture import run_layer
 if TYPE_CHECKING:
     from .distributed import Dist
 
-__all__ = ["OutputCache", "group_statistics"]
+__all__ = ["OutputCache", "group_statistics", "plain_child"]
 
 
 class OutputCache:
@@ -101,6 +101,14 @@ class OutputCache:
 
     def __exit__(self, *exc) -> None:
         self.clear()
+
+
+def plain_child(child: nn.Module) -> bool:
+    """A child of a layer that holds no matrix (a norm, an activation): no group's linear is inside it,
+    so its output is final once it finished before a group's first member was called.  (A child that
+    holds a linear is cached only once all its linears are solved: in a block whose forward runs its
+    MLP before its attention, the MLP finishes before the attention's group is called.)"""
+    return all(p.dim() < 2 for p in child.parameters())
 
 
 class _StandInsSpoiled(Exception):
@@ -187,9 +195,8 @@ class _GroupPass:
         self.early: set[nn.Module] | None = None
         self.early_out: dict[nn.Module, dict[int, torch.Tensor]] = {}
         if cache is not None:
-            members = set(mods.values())
             for child in layer.children():
-                if child not in members and child not in cache.modules:
+                if plain_child(child) and child not in cache.modules:
                     self.handles.append(child.register_forward_hook(self._finished(child)))
         self.patched = [m for m in mods.values() if isinstance(m, nn.Linear) and "forward" not in vars(m)]
         for m in self.patched:
