@@ -144,13 +144,15 @@ def published_checks(rows: dict) -> list[str]:
     for f in ("MXFP4", "NVFP4", "INT4-g32"):
         for m, a in (("gptq", "A4"), ("rtn", "A16"), ("gptq", "A16")):
             none, glob, blk = (ppl(f, m, a, r) for r in ROTATIONS)
-            if None not in (none, glob, blk):
-                best = min(
-                    ("none", none), ("global Hadamard", glob), ("block Hadamard", blk), key=lambda t: t[1]
-                )
-                ratio = iv((f, m, a, "block"), (f, m, a, "none"))
-                out.append(f"{f} {m} W4{a}: none {none:.2f}, global Hadamard {glob:.2f}, block Hadamard "
-                           f"{blk:.2f} (best: {best[0]}; block / none{ratio}).")  # fmt: skip
+            if none is not None and (glob, blk) != (None, None):  # the rotations run so far
+                names = ("none", "global Hadamard", "block Hadamard")
+                have = [(k, v) for k, v in zip(names, (none, glob, blk), strict=True) if v is not None]
+                best = min(have, key=lambda t: t[1])[0] if len(have) == 3 else None
+                ratio = "" if blk is None else iv((f, m, a, "block"), (f, m, a, "none"))
+                ratio = "block / none" + ratio if ratio else ""
+                cells = ", ".join(f"{k} {v:.2f}" for k, v in have)
+                why = "; ".join(filter(None, [f"best: {best}" if best else "", ratio]))
+                out.append(f"{f} {m} W4{a}: {cells}" + (f" ({why})" if why else "") + ".")
     for m, a in (("rtn", "A16"), ("gptq", "A16"), ("gptq", "A4")):
         i32, mx = ppl("INT4-g32", m, a, "none"), ppl("MXFP4", m, a, "none")
         if i32 is not None and mx is not None:

@@ -57,3 +57,10 @@ def test_report_cells_and_publishedpublished_checks():
     )  # NVFP4's row is missing
     rows[1]["ppl"] = 14.0
     assert "differs from the published order" in ms.markdown(rows, args)
+    rows.append(_row("MXFP4", "gptq", "A4", "block", 20.0))  # a rotation before the other one ran
+    checks = ms.published_checks({r["name"]: r for r in rows})
+    assert "MXFP4 gptq W4A4: none 30.00, block Hadamard 20.00." in checks, checks
+    rows.append(_row("MXFP4", "gptq", "A4", "hadamard", 25.0))
+    checks = ms.published_checks({r["name"]: r for r in rows})
+    assert any("global Hadamard 25.00, block Hadamard 20.00 (best: block Hadamard)." in c
+               for c in checks), checks  # fmt: skip
