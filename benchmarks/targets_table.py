@@ -274,7 +274,7 @@ def readme_lines(data: dict) -> list[str]:
         raise ValueError("targets.json holds a --smoke run (tiny sizes): run the real one first")
     m = data["machine"]
     short = {
-        "calib": "GPTQ calibration (defaults) vs llm-compressor",
+        "calib": "GPTQ calibration vs llm-compressor",
         "layer8b": "8B-shaped layer vs its FLOP bound",
         "decode": "decode W4 vs llama.cpp Q4_1",
         "decode_w2": "decode W2 vs llama.cpp Q2_K",
