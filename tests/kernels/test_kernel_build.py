@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -231,9 +233,6 @@ def test_a_build_inside_the_process_is_recorded(monkeypatch, tmp_path):
     assert build.COMPILED == ["qmatmul", "mosaic"]  # first builds
     monkeypatch.setattr(build, "_loaded", {})  # a new process, the same cache
     monkeypatch.setattr(build, "COMPILED", [])
-    import os
-    import time
-
     so = next(tmp_path.rglob(f"{build.module_name('mosaic')}.so"))
     os.utime(so, ns=(time.time_ns() - 10**9,) * 2)  # an older build: a rewrite changes the time
     build.load("qmatmul")

@@ -99,8 +99,8 @@ def test_stand_ins_are_dropped_when_members_read_different_tensors():
 
 
 def test_each_norm_runs_once_per_batch(monkeypatch):
-    """A child without the group's linears that finished before a group's first member (the norms)
-    is final, so later passes of the layer reuse its output: one call per batch, not one per group."""
+    """A matrix-free child that finished before a group's first member (a norm) is final, so the
+    layer's later passes reuse its output: one call per batch, not one per group."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     m = tiny_llama(layers=2)
@@ -152,8 +152,8 @@ def test_a_cached_child_called_twice_runs_its_second_call():
 
 
 class _MlpFirst(nn.Module):
-    """A block whose forward runs a later group's linear (``b``) before the first group's (``a``): only
-    the matrix-free norm may be cached early, not ``b``'s module."""
+    """A block whose forward runs its MLP (a later group's linear) before the first group's ``a``: only
+    the matrix-free norm may be cached early, not the MLP."""
 
     def __init__(self):
         super().__init__()
