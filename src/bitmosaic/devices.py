@@ -61,19 +61,17 @@ _trimmed_at = [0.0]  # the process's resident size after the last trim (one proc
 TRIM_MIN_MB = 256.0
 
 
-def release_host_memory(grown_mb: float = 0.0) -> None:
-    """Give freed heap pages back to the OS (glibc's ``malloc_trim``; nothing elsewhere).
+def release_host_memory() -> None:
+    """Give freed heap pages back to the OS (glibc's ``malloc_trim``; nothing elsewhere), once the
+    resident size grew :data:`TRIM_MIN_MB` since the last trim.
 
     Freed temporaries under glibc's mmap threshold (up to 32 MB: row blocks, scale searches, a
     layer's activations) stay in the heap, and long-lived small blocks allocated between them keep
     the holes from being returned or coalesced: measured on an 8B-shaped layer, 0.2-0.5 GB of holes
     within one 14336-wide GPTQ solve and 0.3-0.9 GB over a layer.  A trim costs a few milliseconds
-    plus the page faults of reusing the pages.  ``grown_mb``: trim only when the resident size grew
-    by that much since the last trim (for calls inside loops).  The pipeline trims after each
-    solve, group and layer; a wide GPTQ solve after a group's scale fit, past 64 MB of growth; none
-    before :data:`TRIM_MIN_MB` of growth."""
-    grown_mb = max(grown_mb, TRIM_MIN_MB)
-    if grown_mb and _rss_mb() - _trimmed_at[0] < grown_mb:
+    plus the page faults of reusing the pages.  The pipeline calls it after each solve, group and
+    layer, inside calibration forwards and after a wide GPTQ solve's scale fit."""
+    if _rss_mb() - _trimmed_at[0] < TRIM_MIN_MB:
         return
     try:
         import ctypes

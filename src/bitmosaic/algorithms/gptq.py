@@ -212,7 +212,7 @@ def gptq_quantize(
             else:
                 sz = _for_group(quantizer, k).fit(cols)
         if wide and W.device.type == "cpu":  # memory: the fit's freed temporaries (devices.py)
-            release_host_memory(grown_mb=64)
+            release_host_memory()
         return sz
 
     def large_op():

@@ -200,7 +200,7 @@ class _ExpertPass:
             pass
         self.seen.clear()
         events, self.events = self.events, []
-        release_host_memory(grown_mb=64)
+        release_host_memory()
         return events
 
     def take(self, events: list) -> None:

@@ -369,7 +369,7 @@ def _propagate(run: LayerRun, lay: _Layer, cache: OutputCache) -> None:
             check_finite(y, f"the outputs of {lay.prefix} (calibration batch {b})")
             cache.release(b)  # this batch's cached outputs are not needed again
             inputs.set(b, y)  # input b is not read again
-            release_host_memory(grown_mb=64)
+            release_host_memory()
             y = None
         inputs.advance()
 

@@ -172,7 +172,7 @@ def group_statistics(
         else:
             for b, (hs, kw) in enumerate(zip(inputs, kwargs, strict=True)):
                 take(rec.inputs(b, hs, kw))
-                release_host_memory(grown_mb=64)  # the forward's freed temporaries (devices.py)
+                release_host_memory()  # the forward's freed temporaries (devices.py)
         if cache is not None:
             rec.cache_early()
     finally:
@@ -208,7 +208,6 @@ class _GroupPass:
         def hook(module, args):
             x = args[0]
             seen: list = state["seen"]
-            state["member_called"] = True
             if any(n == name for n, _ in seen):
                 return  # a member called twice in one pass: its first input is the one recorded
             own = next((n for n, t in seen if t is x and owner.get(n, n) == n), None)
@@ -224,10 +223,10 @@ class _GroupPass:
     def _finished(self, child: nn.Module):
         state = self.state
 
-        def hook(module, args, out):
-            if not state["member_called"] and (self.early is None or child in self.early):
+        def hook(module, args, out):  # no member called yet in this pass: nothing seen
+            if not state["seen"] and (self.early is None or child in self.early):
                 state["early"].add(child)
-                self.early_out.setdefault(child, {})[state["batch"]] = out
+                self.early_out.setdefault(child, {})[self.cache.batch] = out
 
         return hook
 
@@ -248,8 +247,7 @@ class _GroupPass:
         while True:
             if self.cache is not None:
                 self.cache.batch = b  # a new pass
-            state["seen"], state["stood_in"], state["member_called"], state["early"] = [], False, False, set()
-            state["batch"] = b
+            state["seen"], state["stood_in"], state["early"] = [], False, set()
             try:
                 run_layer(self.layer, hs, kw)
             except StopForward:
