@@ -1,4 +1,6 @@
-"""Act-order GPTQ with static groups against dynamic groups, on SmolLM2-135M at 4, 3 and 2 bits.
+"""Act-order GPTQ with static groups against dynamic groups (and, with ``--kinds ...,awq``, against AWQ at
+the same bits and group), on SmolLM2-135M or Gemma-3-270m at 4, 3 and 2 bits: the evidence behind two
+defaults, static groups at 4 bits and GPTQ over AWQ at W4 g128 (issue 73: checked on both models).
 
 - *static* (llm-compressor's ``actorder: weight``): columns solved in activation order, every
   group's scale and zero fixed from the original weights of its contiguous columns; no ``g_idx``,
@@ -8,6 +10,11 @@
   needs a permuted ``g_idx`` (GPTQ only; compressed-tensors refuses it).
 
 Both: ``--method gptq`` defaults otherwise (asymmetric, MSE scale search, act-order), group 128.
+- *awq* (``--kinds dynamic,static,awq``): ``--method awq`` at the same bits and group (its defaults
+  otherwise), compared with *static* (GPTQ's default at 4 bits) by the same paired bootstrap.
+
+Every quantized model is evaluated weight-only (float activations): the 16-bit run-time activations a
+load gives by default on AVX-512 VNNI CPUs are taken off, so rows from any CPU compare.
 
 Protocols (named next to every perplexity): ``verdict`` -- 128 x 512 calibration tokens, the whole
 WikiText-2 test set, KL(float || quantized) and top-1 agreement from the same pass; ``fast`` -- 16 x
@@ -46,6 +53,7 @@ from bitmosaic.eval.bootstrap import bootstrap_ratio
 from bitmosaic.eval.fidelity import FidelityMeter
 from bitmosaic.eval.perplexity import eval_windows, window_nll
 from bitmosaic.io import load_quantized, save_quantized
+from bitmosaic.modules.intact import set_runtime_activations
 
 PROTOCOLS = {"verdict": (128, None), "fast": (16, 20)}  # calibration samples, eval windows
 
@@ -71,8 +79,8 @@ def configs(a, only_bits: int | None = None) -> list[tuple[str, dict, int]]:
     out = []
     for bits in a.bits if only_bits is None else [only_bits]:
         for seed in a.seeds:
-            for kind in ("dynamic", "static"):
-                opts = {"bits": bits, "static_groups": kind == "static"}
+            for kind in a.kinds:
+                opts = {"bits": bits} if kind == "awq" else {"bits": bits, "static_groups": kind == "static"}
                 out.append((f"w{bits} {kind} s{seed}", opts, seed))
     return out
 
@@ -108,12 +116,14 @@ def quantize_missing(a, bits, base, tok, calib, group, state: State, deadline: f
             return False
         m = copy.deepcopy(base)
         t = time.perf_counter()
-        rep = quantize_(m, "gptq", calib[seed], progress=False, group_size=group, device=a.device, **opts)
+        method = "awq" if name.split()[1] == "awq" else "gptq"
+        rep = quantize_(m, method, calib[seed], progress=False, group_size=group, device=a.device, **opts)
         seconds = time.perf_counter() - t
         folder = state.work / name.replace(" ", "_")
-        save_quantized(m.to("cpu"), folder, {"method": "gptq"}, tokenizer=tok, overwrite=True)
+        save_quantized(m.to("cpu"), folder, {"method": method}, tokenizer=tok, overwrite=True)
         hess = [r.get("hessian_error") for r in rep.layers]
         state.st["quant"][name] = {
+            "method": method,
             "options": {"group_size": group, **opts},
             "seed": seed,
             "quant_seconds": seconds,
@@ -135,6 +145,7 @@ def evaluate(a, base, ids, state: State, deadline: float) -> bool:
     for n in todo:
         if n != "float":
             m = load_quantized(state.work / n.replace(" ", "_"), load_tokenizer=False)[0]
+            set_runtime_activations(m, "none")  # weight-only, as quantized (module doc)
             models[n] = m.to(a.device).eval()
     base = base.to(a.device)
     meters = {n: FidelityMeter.from_state(state.st["meters"][n]) for n in todo if n in state.st["meters"]}
@@ -210,10 +221,30 @@ def summarise(a, state: State, ids: torch.Tensor) -> dict:
     return {
         "rows": rows,
         "verdicts": verdicts,
+        "gptq_vs_awq": gptq_vs_awq(a, state, by, ids),
         "complete": complete,
         "eval_windows": ids.shape[0],
         "group_size": state.st["key"]["group_size"] if a.model != "tiny" else 32,
     }
+
+
+def gptq_vs_awq(a, state: State, by: dict, ids: torch.Tensor) -> list[dict]:
+    """GPTQ's default (static groups) against AWQ at the same bits and group, per bit width and seed:
+    the static/AWQ perplexity ratio with its paired 95% interval over the windows, the KL ratio and the
+    top-1 difference.  ``verdict``: ``gptq`` where the whole interval is below 1, ``awq`` where above,
+    ``within noise`` where it holds 1."""
+    T, out = ids.shape[1] - 1, []
+    for bits in a.bits:
+        for seed in a.seeds:
+            g, w = by.get(f"w{bits} static s{seed}"), by.get(f"w{bits} awq s{seed}")
+            if not (g and w and g["windows"] == w["windows"] == ids.shape[0] and "kl_mean" in g and "kl_mean" in w):
+                continue
+            lo, hi = bootstrap_ratio(state.st["nll"][g["name"]], state.st["nll"][w["name"]], T)
+            verdict = "gptq" if hi < 1 else "awq" if lo > 1 else "within noise"
+            out.append({"bits": bits, "seed": seed, "ppl_ratio": g["ppl"] / w["ppl"], "ci95": [lo, hi],
+                        "kl_ratio": g["kl_mean"] / w["kl_mean"],
+                        "top1_diff": g["top1_agreement"] - w["top1_agreement"], "verdict": verdict})  # fmt: skip
+    return out
 
 
 def markdown(a, res: dict) -> str:
@@ -224,7 +255,8 @@ def markdown(a, res: dict) -> str:
     if a.device != "cpu" and torch.cuda.is_available():
         proto += f"; GPTQ and evaluation on {torch.cuda.get_device_name()} ({a.device})"
     lines = [
-        f"# GPTQ act-order: static vs dynamic groups ({a.model}, g{res['group_size']}, asym, MSE scales)",
+        f"# GPTQ act-order: static vs dynamic groups{' and AWQ' if 'awq' in a.kinds else ''} "
+        f"({a.model}, g{res['group_size']}, asym, MSE scales, weight-only evaluation)",
         "",
         proto + ("" if res["complete"] else " -- **PARTIAL: not every window of every model is in**") + ".",
         "",
@@ -253,7 +285,18 @@ def markdown(a, res: dict) -> str:
         spread = "not measured" if v["seed_spread"] is None else f"{v['seed_spread']:.2%}"
         lines.append(f"- w{v['bits']}: seed spread {spread}, margin {v['margin']:.2%}: "
                      + ("**within noise**" if v["within_noise"] else "**outside noise**"))  # fmt: skip
+    if res["gptq_vs_awq"]:
+        lines += ["", "GPTQ (static groups, the default) against AWQ at the same bits and group:", "",
+                  "| bits | seed | GPTQ/AWQ ppl | 95% CI (windows bootstrap) | KL ratio | top-1 diff | better |",
+                  "|---:|---:|---:|---|---:|---:|---|"]  # fmt: skip
+        for v in res["gptq_vs_awq"]:
+            lines.append(
+                f"| {v['bits']} | {v['seed']} | {v['ppl_ratio']:.4f} | [{v['ci95'][0]:.4f}, {v['ci95'][1]:.4f}] | "
+                f"{v['kl_ratio']:.4f} | {v['top1_diff']:+.4f} | {v['verdict']} |"
+            )
     cmd = "flock /tmp/bitmosaic-heavy.lock env PYTHONPATH=src python -m benchmarks.gptq.static_groups "
+    cmd += "" if a.model == "smollm2-135m" else f"--model {a.model} "
+    cmd += "" if a.kinds == ["dynamic", "static"] else f"--kinds {','.join(a.kinds)} "
     cmd += f"--protocol {a.protocol} --bits {','.join(map(str, a.bits))} "
     cmd += f"--seeds {','.join(map(str, a.seeds))}" + ("" if a.device == "cpu" else f" --device {a.device}")
     lines += ["", f"Reproduce (repeat until complete): `{cmd}`"]
@@ -262,7 +305,10 @@ def markdown(a, res: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, or tiny (the logic, in seconds)")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="smollm2-135m, gemma3-270m, or tiny (the logic, in seconds)")  # fmt: skip
+    p.add_argument("--kinds", default="dynamic,static",
+                   help="comma list of dynamic, static (GPTQ act-order groups) and awq")  # fmt: skip
     p.add_argument("--protocol", choices=sorted(PROTOCOLS), default="verdict")
     p.add_argument("--bits", default="4,3,2")
     p.add_argument("--seeds", default="0", help="calibration seeds (two or more: the seed spread)")
@@ -278,9 +324,15 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     a.bits = [int(b) for b in a.bits.split(",")]
     a.seeds = [int(s) for s in a.seeds.split(",")]
+    a.kinds = [k for k in a.kinds.split(",") if k]
+    if not a.kinds or set(a.kinds) - {"dynamic", "static", "awq"}:
+        p.error(f"--kinds {','.join(a.kinds)}: choose from dynamic, static, awq")
     a.nsamples, a.windows = PROTOCOLS[a.protocol]
     suffix = "" if a.protocol == "verdict" else f"_{a.protocol}"
-    suffix += "" if a.model == "smollm2-135m" else f"_{a.model}"
+    if a.model == "gemma3-270m":  # the findings' second-model name: <source>_gemma_verdict.json
+        suffix = "_gemma" + (suffix or "_verdict")
+    elif a.model != "smollm2-135m":
+        suffix += f"_{a.model}"
     suffix += "" if a.device == "cpu" else "_gpu"
     work = Path(a.work or f"/tmp/bitmosaic-static-groups{suffix or '-verdict'}")
     work.mkdir(parents=True, exist_ok=True)
