@@ -12,6 +12,7 @@ from benchmarks.findings.claims_babai import (
     hptq_vs_rtn_gptq,
     ssqr_vs_gptq,
 )
+from benchmarks.findings.claims_defaults import GPTQ_VS_AWQ, gptq_beats_awq_at_w4, static_groups_at_4_bits
 from benchmarks.findings.claims_dpq import DPQ_VS_NAIVE, dpq_gar_vs_act, dpq_vs_baselines
 from benchmarks.findings.claims_gpu import GPU_FINDINGS
 from benchmarks.findings.claims_mosaic import (
@@ -60,6 +61,9 @@ B = "Babai (GPTQ geometry)"
 
 
 Q = "QuaRot rotations (ours)"
+D = "bitmosaic defaults (ours)"  # the comparisons behind a default (issue 73: checked on both models)
+STATIC_CLAIM = "ours: static groups at 4 bits (the default) no worse than dynamic groups"
+GPTQ_AWQ_CLAIM = "ours: GPTQ (the default method) beats AWQ at W4 g128"
 GPU = {f.paper: f for f in GPU_FINDINGS}  # one GPU-kernel claim per paper (claims_gpu.py, issue 76)
 
 FINDINGS: list[Finding] = [
@@ -226,6 +230,8 @@ FINDINGS: list[Finding] = [
         "rotation",
         partial(rotation_beats_alone, "smoothquant+gptq W4A4"),
     ),  # fmt: skip
+    Finding(D, STATIC_CLAIM, "static_groups", static_groups_at_4_bits),
+    Finding(D, GPTQ_AWQ_CLAIM, "static_groups", gptq_beats_awq_at_w4, close_pairs=(GPTQ_VS_AWQ,)),
 ]
 
 
@@ -241,6 +247,8 @@ SECOND_MODEL = frozenset({
     "SFMP (AWQ blocks) beats uniform GPTQ and AWQ at equal memory",
     "ours: SFMP with GPTQ blocks beats uniform at equal memory",
     "ours: GPTQ blocks beat the paper's AWQ blocks",
+    STATIC_CLAIM,
+    GPTQ_AWQ_CLAIM,
 })  # fmt: skip
 SECOND = "Gemma-3-270m: "  # a findings_why.yaml key naming the second model's row of a claim
 

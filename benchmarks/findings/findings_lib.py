@@ -54,9 +54,10 @@ def protocol_of(res: dict) -> str:
     """Which protocol ``res`` (a benchmark's JSON) measured with: ``fast``, ``verdict``, or its settings;
     ``-`` for a result with no calibration (a kernel timing); a per-layer measurement names its
     calibration and says it scores no perplexity."""
-    if res.get("protocol") in ("fast", "verdict"):
-        return res["protocol"]
     a = res.get("args") or {}
+    for said in (res.get("protocol"), a.get("protocol")):
+        if said in ("fast", "verdict"):
+            return said
     n, w = a.get("nsamples"), a.get("max_windows")
     if n is None:
         return "-"

@@ -42,6 +42,8 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "mosaic_main": ("benchmarks.mosaic.mosaic", ["--parts", "main"]),
     # the 4.25-bit point holds the W4 g128 comparison behind the GPTQ-over-AWQ default
     "sfmp": ("benchmarks.sfmp.sfmp", ["--parts", "main", "--points", "4.25"]),
+    # the W4 defaults: act-order GPTQ with static groups, against dynamic groups and against AWQ
+    "static_groups": ("benchmarks.gptq.static_groups", ["--kinds", "dynamic,static,awq", "--bits", "4"]),
 }
 
 

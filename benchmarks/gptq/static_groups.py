@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import RESULTS, machine_info, write_results
+from benchmarks.harness.bench import round_window_nll
 from bitmosaic import quantize_
 from bitmosaic.eval.bootstrap import bootstrap_ratio
 from bitmosaic.eval.fidelity import FidelityMeter
@@ -187,6 +188,8 @@ def summarise(a, state: State, ids: torch.Tensor) -> dict:
         row = {"name": n, "windows": done, **state.st["quant"].get(n, {})}
         if done:
             row["ppl"] = _ppl(torch.tensor(state.st["nll"][n], dtype=torch.float64), T)
+            # each window's mean NLL, as every verdict row keeps it (the findings' paired intervals)
+            row["window_nll"] = round_window_nll(v / T for v in state.st["nll"][n])
         if n in state.st["meters"] and state.st["meters"][n]["count"]:
             row.update(FidelityMeter.from_state(state.st["meters"][n]).summary())
         rows.append(row)
@@ -219,6 +222,7 @@ def summarise(a, state: State, ids: torch.Tensor) -> dict:
                          "within_noise": within})  # fmt: skip
     complete = all(r["windows"] == ids.shape[0] for r in rows) and len(rows) == 1 + len(configs(a))
     return {
+        "protocol": a.protocol,
         "rows": rows,
         "verdicts": verdicts,
         "gptq_vs_awq": gptq_vs_awq(a, state, by, ids),
@@ -237,13 +241,14 @@ def gptq_vs_awq(a, state: State, by: dict, ids: torch.Tensor) -> list[dict]:
     for bits in a.bits:
         for seed in a.seeds:
             g, w = by.get(f"w{bits} static s{seed}"), by.get(f"w{bits} awq s{seed}")
-            if not (g and w and g["windows"] == w["windows"] == ids.shape[0] and "kl_mean" in g and "kl_mean" in w):
+            scored = [r for r in (g, w) if r and r["windows"] == ids.shape[0] and "kl_mean" in r]
+            if len(scored) < 2:
                 continue
             lo, hi = bootstrap_ratio(state.st["nll"][g["name"]], state.st["nll"][w["name"]], T)
             verdict = "gptq" if hi < 1 else "awq" if lo > 1 else "within noise"
             out.append({"bits": bits, "seed": seed, "ppl_ratio": g["ppl"] / w["ppl"], "ci95": [lo, hi],
-                        "kl_ratio": g["kl_mean"] / w["kl_mean"],
-                        "top1_diff": g["top1_agreement"] - w["top1_agreement"], "verdict": verdict})  # fmt: skip
+                        "kl_ratio": g["kl_mean"] / w["kl_mean"], "verdict": verdict,
+                        "top1_diff": g["top1_agreement"] - w["top1_agreement"]})  # fmt: skip
     return out
 
 
@@ -287,12 +292,14 @@ def markdown(a, res: dict) -> str:
                      + ("**within noise**" if v["within_noise"] else "**outside noise**"))  # fmt: skip
     if res["gptq_vs_awq"]:
         lines += ["", "GPTQ (static groups, the default) against AWQ at the same bits and group:", "",
-                  "| bits | seed | GPTQ/AWQ ppl | 95% CI (windows bootstrap) | KL ratio | top-1 diff | better |",
+                  "| bits | seed | GPTQ/AWQ ppl | 95% CI (windows bootstrap) | KL ratio | top-1 diff "
+                  "| better |",
                   "|---:|---:|---:|---|---:|---:|---|"]  # fmt: skip
         for v in res["gptq_vs_awq"]:
             lines.append(
-                f"| {v['bits']} | {v['seed']} | {v['ppl_ratio']:.4f} | [{v['ci95'][0]:.4f}, {v['ci95'][1]:.4f}] | "
-                f"{v['kl_ratio']:.4f} | {v['top1_diff']:+.4f} | {v['verdict']} |"
+                f"| {v['bits']} | {v['seed']} | {v['ppl_ratio']:.4f} | "
+                f"[{v['ci95'][0]:.4f}, {v['ci95'][1]:.4f}] | {v['kl_ratio']:.4f} | "
+                f"{v['top1_diff']:+.4f} | {v['verdict']} |"
             )
     cmd = "flock /tmp/bitmosaic-heavy.lock env PYTHONPATH=src python -m benchmarks.gptq.static_groups "
     cmd += "" if a.model == "smollm2-135m" else f"--model {a.model} "
@@ -312,6 +319,8 @@ def main() -> None:
     p.add_argument("--protocol", choices=sorted(PROTOCOLS), default="verdict")
     p.add_argument("--bits", default="4,3,2")
     p.add_argument("--seeds", default="0", help="calibration seeds (two or more: the seed spread)")
+    p.add_argument("--seed", type=int, default=None, help="one calibration seed (= --seeds N)")
+    p.add_argument("--json", default=None, help="the result file (default: results/static_groups*.json)")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--seqlen", type=int, default=512)
     p.add_argument("--threshold", type=float, default=0.005, help="relative ppl/KL margin (default 0.5%%)")
@@ -323,7 +332,7 @@ def main() -> None:
     deadline = time.time() + a.budget_min * 60
     torch.set_num_threads(a.threads)
     a.bits = [int(b) for b in a.bits.split(",")]
-    a.seeds = [int(s) for s in a.seeds.split(",")]
+    a.seeds = [a.seed] if a.seed is not None else [int(s) for s in a.seeds.split(",")]
     a.kinds = [k for k in a.kinds.split(",") if k]
     if not a.kinds or set(a.kinds) - {"dynamic", "static", "awq"}:
         p.error(f"--kinds {','.join(a.kinds)}: choose from dynamic, static, awq")
@@ -350,7 +359,7 @@ def main() -> None:
     if a.model == "tiny":
         print(json.dumps(res["verdicts"], indent=1))
         return
-    write_results(RESULTS / f"static_groups{suffix}.json", "static_groups", out, md)
+    write_results(Path(a.json or RESULTS / f"static_groups{suffix}.json"), "static_groups", out, md)
     if not res["complete"]:
         print("partial: run the same command again to continue")
 
