@@ -227,7 +227,8 @@ def sfmp_small_blocks(res: dict) -> tuple[str, str]:
         groups: dict[str, dict[int, dict]] = {}
         for v in res["rows"]:
             n = v["name"]
-            if v["method"] != "sfmp" or "mb=" not in n or any(k in n for k in ("reorder=", "fisher=")):
+            other = any(k in n for k in ("reorder=", "fisher=", "solve="))  # another ablation's rows
+            if v["method"] != "sfmp" or "mb=" not in n or other:
                 continue
             if code and (" b=" not in n or " nb=" in n) or not code and (" b=" in n or "nb=128" not in n):
                 continue
@@ -271,7 +272,10 @@ def sfmp_reorder_decode_cost(res: dict) -> tuple[str, str]:
 def sfmp_reorder_helps(res: dict) -> tuple[str, str]:
     """Per ablation head (solver, group, m_b, b): none / row / column against both (rows and columns),
     at equal code bits where measured (else the earlier rows at equal total bits, ``both`` = the main
-    row).  The paper (Fig. 7, AWQ blocks): reordering helps, columns more than rows."""
+    row).  The paper (Fig. 7, AWQ blocks): reordering helps, columns more than rows.  A head ending
+    ``solve=act`` (GPTQ in act-order whatever the layout: ``sfmp.py --parts order``) measures the reorder
+    with GPTQ's solve order held fixed, and its *none* row against the plain *none* row the solve
+    order alone (issue 73, item 6)."""
     cells, how = _sfmp_ablation(res, "reorder")
     by = rows_by_name(res)
     parts, fails, solvers = [], [], set()
@@ -288,6 +292,11 @@ def sfmp_reorder_helps(res: dict) -> tuple[str, str]:
             fails.append(head)
     if not parts:
         raise KeyError("reorder rows")
+    for head, c in cells.items():  # the solve order alone: no reorder, W̃'s (= natural) order vs act-order
+        act = cells.get(f"{head} solve=act", {})
+        if "none" in c and "none" in act:
+            parts.append(f"{head}, no reorder: GPTQ solved in the natural order {_sfmp_row(c['none'])}, in "
+                         f"act-order {_sfmp_row(act['none'])}")  # fmt: skip
     v = verdict(not fails, f"not for {', '.join(fails)}")
     if "sfmp-awq" not in solvers:
         v += " (GPTQ blocks, our default; the paper's AWQ blocks not measured at equal code bits)"

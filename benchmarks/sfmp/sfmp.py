@@ -25,10 +25,12 @@ Parts: ``main`` (the table above, SFMP with AWQ and with GPTQ blocks, both unifo
 ``b`` that the point's budget leaves on the main layout -- rows and columns reordered, m_b = 512,
 n_b = group -- :func:`bitmosaic.methods.sfmp.sfmp_budget`), each row's total bits per weight (indices,
 bit map) reported beside: ``reorder`` (none / row / column / both at ``--ablation-mb``, default 64, so
-that every SmolLM2 matrix has several row blocks), ``blocks`` (m_b in {32, 64, 128, 512} at n_b =
-group; the m_b = 512 row is the main row, the same allocation, so it is copied; plus n_b in {group,
-2 group} at ``--ablation-mb`` with the same group), ``fisher`` (Fisher from ``--fisher-samples``
-samples drawn apart from the calibration, uncached, its cost in seconds kept in the row).
+that every SmolLM2 matrix has several row blocks), ``order`` (GPTQ blocks: none and both again with
+GPTQ solving in act-order, the same order in both layouts, :func:`part_order`), ``blocks`` (m_b in
+{32, 64, 128, 512} at n_b = group; the m_b = 512 row is the main row, the same allocation, so it is
+copied; plus n_b in {group, 2 group} at ``--ablation-mb`` with the same group), ``fisher`` (Fisher
+from ``--fisher-samples`` samples drawn apart from the calibration, uncached, its cost in seconds kept
+in the row).
 ``--salience-samples N`` estimates every SFMP row's Fisher from N calibration samples (more are drawn
 when ``--nsamples`` is smaller; the verdict protocol refuses fewer than 128).  The Fisher salience is
 cached per token set.  Solvers: ``--solvers`` (default gptq, the method's default; awq is the paper's).
@@ -280,6 +282,19 @@ def part_reorder(b: SFMPBench, points, solvers, mb: int):
                 )
 
 
+def part_order(b: SFMPBench, points, mb: int):
+    """GPTQ blocks only (issue 73, item 6): the reorder ablation's *both* and *none* layouts again, GPTQ
+    solving in act-order (``gptq_order="act"``, the layout's groups static) -- the same columns' order in
+    both layouts.  *both* against *none* then measures the layout (the allocation's reorder) alone, and
+    *none* against the plain *none* row GPTQ's solve order alone."""
+    for p in points:
+        bb, sg = ablation_b(b, p), PAIRS[p][2]
+        head = _abl(p, "gptq", bb, mb) + " solve=act"
+        for label, r, c in (("", True, True), ("none", False, False)):
+            b.sfmp(head + (f" reorder={label}" if label else ""), avg_bits=bb, group_size=sg, block_rows=mb,
+                   solver="gptq", row_reorder=r, col_reorder=c, gptq_order="act")  # fmt: skip
+
+
 def part_blocks(b: SFMPBench, points, solvers, mb: int):
     """m_b in {32, 64, 128, 512} at n_b = the group, and n_b = 2 groups at ``mb``, all at equal code
     bits (the paper's Tables 5-6 sweep at equal memory; its n_b is the group size, whose scales then
@@ -437,7 +452,7 @@ def plot(rows, path: Path):
 
 def main() -> None:
     p = base_parser(__doc__)
-    p.add_argument("--parts", default="main", help="comma list: main,orig,reorder,blocks,fisher,decode")
+    p.add_argument("--parts", default="main", help="comma list: main,orig,reorder,order,blocks,fisher,decode")
     p.add_argument("--points", default=",".join(PAIRS), help="comma list of points (2.5,3.0,...)")
     p.add_argument("--solvers", default="awq,gptq")
     p.add_argument(
@@ -485,6 +500,8 @@ def main() -> None:
             part_orig(b, points)
         if "reorder" in parts:
             part_reorder(b, points, solvers, mb)
+        if "order" in parts:
+            part_order(b, points, mb)
         if "blocks" in parts:
             part_blocks(b, points, solvers, mb)
         if "fisher" in parts:

@@ -171,3 +171,22 @@ def test_a_budget_with_only_sfmp_rows_is_not_a_budget_the_claim_rests_on(judges)
     res = {"rows": _main(57.0, 80.0, 97.9)["rows"] + [_row("3.5 sfmp-awq g128", 47.0, bpw=3.499)]}
     _, v, _ = judges.sfmp_beats_uniform(res, uniform=("gptq-orig",))
     assert v == f"holds{ONLY_325}; gptq-orig not measured at BPW 3.5"
+
+
+def test_the_reorder_is_judged_again_with_gptqs_solve_order_held_fixed(judges):
+    """Issue 73, item 6: the rows of ``sfmp.py --parts order`` (GPTQ in act-order in both layouts) are a
+    second reorder head, judged like the first, and their no-reorder row against the plain one shows
+    the solve order alone; a reorder that helps only through GPTQ's order fails that head."""
+    h = "3.25 sfmp-gptq g256 mb=64 b=3.068"
+    rows = [_row(h, 45.14, bpw=3.271), _row(f"{h} reorder=none", 60.73, bpw=3.225),
+            _row(f"{h} solve=act", 46.0, bpw=3.271), _row(f"{h} solve=act reorder=none", 47.0, bpw=3.225),
+            _row("3.25 sfmp-gptq g256 mb=512 b=3.068", 47.2, bpw=3.271)]  # fmt: skip
+    nums, v = judges.sfmp_reorder_helps({"rows": rows})
+    assert f"{h} solve=act (equal code bits): none 47.00 @ 3.225 bpw, both 46.00 @ 3.271 bpw" in nums
+    assert f"{h}, no reorder: GPTQ solved in the natural order 60.73 @ 3.225 bpw, in act-order 47.00" in nums
+    assert v.startswith("holds")
+    rows[3] = _row(f"{h} solve=act reorder=none", 45.5, bpw=3.225)  # the gain was the solve order's
+    v = judges.sfmp_reorder_helps({"rows": rows})[1]
+    assert v.startswith(f"does not hold here (not for {h} solve=act")
+    # the solve=act rows are not block-size rows
+    assert "solve=act" not in judges.sfmp_small_blocks({"rows": rows})[0]

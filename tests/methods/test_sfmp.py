@@ -412,3 +412,43 @@ def test_cli_quantize_sfmp_end_to_end(tmp_path):
             "--seqlen", "32", "--no-progress", "--out", str(tmp_path / "q")]  # fmt: skip
     assert main(argv) == 0
     assert (tmp_path / "q" / "config.json").is_file()
+
+
+def test_act_solve_order_is_plain_act_order_gptq_on_the_layout(layer64):
+    """``gptq_order="act"`` (issue 73 item 6): on a one-width plan the layer is GPTQ in act-order with
+    static groups on the layout's contiguous groups -- the independent reference below is the plain
+    integer quantizer, not SFMP's mixed one -- and the columns are solved in the same order whatever
+    the layout (act-order of the same Hessian), unlike the default, which solves W̃ in its own order."""
+    from bitmosaic.algorithms.orders import act_order
+    from bitmosaic.methods.registry import LayerStats
+    from bitmosaic.methods.sfmp import SFMPConfig, quantize_sfmp
+
+    W, _, H = layer64
+    W, H = W.float(), H.float()
+    S = torch.rand(W.shape, generator=torch.Generator().manual_seed(3))
+    for rp, cp in ((None, None), reorder_perms(S)):
+        plan = BlockPlan(48, 64, 16, 16, 16, rp, cp, bits=torch.full((3, 4), 3, dtype=torch.uint8))
+        cfg = SFMPConfig(avg_bits=3.0, group_size=16, gptq_order="act", fisher_cache=None)
+        got = quantize_sfmp(W, LayerStats(hessian=H), cfg, plan)
+        Wt = permute(W, rp, cp)
+        Ht = H if cp is None else H[cp][:, cp]
+        ref = gptq_quantize(
+            Wt, Ht, IntGrid(3), 16, quantizer=IntColumnQuantizer(IntGrid(3), "mse"), perm=act_order(Ht),
+            static_groups=True,
+        )  # fmt: skip
+        rinv, cinv = (None if p is None else inverse_perm(p) for p in (rp, cp))
+        codes = permute(ref.codes, rinv, cinv)
+        assert torch.equal(got.codes, codes.to(got.codes.dtype))
+        layout = quantize_sfmp(W, LayerStats(hessian=H), SFMPConfig(avg_bits=3.0, group_size=16), plan)
+        assert cp is None or not torch.equal(layout.codes, got.codes)  # the default solves in W̃'s order
+    # the solve order, in original columns, is the same for both layouts (distinct Hessian diagonals)
+    assert torch.diagonal(H).unique().numel() == 64
+    assert torch.equal(cp[act_order(H[cp][:, cp])], act_order(H))
+
+
+def test_act_solve_order_needs_the_gptq_solver():
+    from bitmosaic.errors import OptionError
+    from bitmosaic.methods.sfmp import SFMPConfig
+
+    with pytest.raises(OptionError, match="--gptq-order act orders GPTQ's solve: it needs --solver gptq"):
+        SFMPConfig(avg_bits=3.0, solver="awq", gptq_order="act")

@@ -34,6 +34,7 @@ import torch
 
 from ..algorithms.awq import awq_search_scales
 from ..algorithms.gptq import gptq_quantize
+from ..algorithms.orders import act_order
 from ..algorithms.sfmp import (
     BlockPlan,
     MixedRowQuantizer,
@@ -117,6 +118,15 @@ class SFMPConfig(WeightQuantConfig):
     max_shrink: float = shared("max_shrink")
     max_tokens: int = shared("max_tokens")
     gptq_scale: str = option("mse", help="sfmp --solver gptq: group scale search", choices=("minmax", "mse"))
+    # issue 73 item 6: with columns reordered, solving W̃ in its own order is also a solve in Fisher
+    # order (akin to act-order); "act" fixes the solve order whatever the layout, so the reorder
+    # ablation can tell the allocation's gain from GPTQ's order
+    gptq_order: str = option(
+        "layout", choices=("layout", "act"),
+        help="sfmp --solver gptq: the columns' solve order: layout (W̃'s own order, dynamic groups; the "
+        "default) or act (GPTQ's act-order, the same order for every layout, with the layout's groups "
+        "fixed up front: static)",
+    )  # fmt: skip
     damp: float = shared("damp")
     block_size: int = shared("block_size")
     fisher_samples: int | None = option(
@@ -133,6 +143,11 @@ class SFMPConfig(WeightQuantConfig):
         super().__post_init__()
         if self.sym:
             raise OptionError("sfmp is asymmetric (fp16 scale and zero per group); drop --sym")
+        if self.solver != "gptq" and self.gptq_order != "layout":
+            raise OptionError(
+                f"sfmp --gptq-order {self.gptq_order} orders GPTQ's solve: it needs --solver gptq "
+                f"(got {self.solver!r})"
+            )
         given = [k for k in ("avg_bits", "bpw", "budget_mb") if getattr(self, k) is not None]
         if len(given) != 1:  # checked here: before minutes of Fisher salience, not after
             raise OptionError(
@@ -300,10 +315,11 @@ def quantize_sfmp(weight, stats: LayerStats, cfg: SFMPConfig, plan: BlockPlan) -
             scales, zeros = mixed_scale_zero(Wt, gb, gs)
         scales, zeros = scales.to(W.dtype), zeros.to(W.dtype)
         codes_t = mixed_codes(Wt, scales, zeros, gb, gs)
-    else:
+    else:  # "act": act-order on the permuted Hessian, i.e. the same columns' order for every layout
+        solve = act_order(Ht) if cfg.gptq_order == "act" else None
         r = gptq_quantize(
-            Wt, Ht, IntGrid(8), gs, quantizer=MixedRowQuantizer(gb, cfg.gptq_scale),
-            block_size=cfg.block_size, percdamp=cfg.damp,
+            Wt, Ht, IntGrid(8), gs, quantizer=MixedRowQuantizer(gb, cfg.gptq_scale), perm=solve,
+            static_groups=solve is not None, block_size=cfg.block_size, percdamp=cfg.damp,
         )  # fmt: skip
         codes_t, scales, zeros = r.codes, r.scales, r.zeros
     rinv = None if rp is None else inverse_perm(rp)
@@ -340,7 +356,7 @@ def sfmp_run_info(report) -> dict:
         "b_planned": alloc["b_reached"],
         "group_size": cfg.get("group_size"),
         "block": [cfg.get("block_rows"), cfg.get("block_cols") or cfg.get("group_size")],
-        **{k: cfg.get(k) for k in ("row_reorder", "col_reorder", "solver", "rank")},
+        **{k: cfg.get(k) for k in ("row_reorder", "col_reorder", "solver", "rank", "gptq_order")},
         "fisher": {k: v for k, v in fisher.items() if v is not None},
     }
 
