@@ -19,6 +19,9 @@ Parts (``--parts``, comma-separated):
 * ``blocks``: 32x32 and 128x128 blocks (64x64 is ``main``).
 * ``search`` (issue 25): the alpha search over 0-1 in steps of 0.05 plus no smoothing (the
   SmoothQuant baseline's grid; ``main`` searches 0.3-1.0 in steps of 0.1), at W4A4 and W4A8.
+* ``base`` (issue 73): main's W4A8 MosaicQuant taken apart -- with a GPTQ dense base, without the
+  sparse branch (alpha still searched), without smoothing (the residual on RTN alone) -- and RTN W4A8
+  with MSE instead of min-max scales: which part loses to GPTQ W4A8 on Gemma-3-270m.
 * ``thin`` (issue 25): thin residual blocks 8x128, 16x64 and 1x128 at the 10% budget, with their
   index overhead in the bits per weight.
 * ``gqa`` (issue 73): main's MosaicQuant rows with ``o_proj`` left unsmoothed under grouped-query
@@ -111,11 +114,19 @@ def part_runs(part: str, max_tokens: int) -> list[tuple[str, str, str, dict]]:
             ("mosaic W4A8 o_proj unsmoothed", "W4A8", "mosaic", {**mos, "act": A8, **off}),
             ("mosaic W4A4 o_proj unsmoothed", "W4A4", "mosaic", {**w4a4, **off}),
         ]
+    if part == "base":  # issue 73 item 3: which part of MosaicQuant W4A8 loses to GPTQ W4A8 (Gemma-3-270m)
+        a8 = {**mos, "act": A8}
+        return [
+            ("mosaic W4A8 GPTQ base", "W4A8", "mosaic", {**a8, "solver": "gptq"}),
+            ("mosaic W4A8 no sparse", "W4A8", "mosaic", {**a8, "budget_frac": 0.0}),
+            ("mosaic W4A8 no smoothing", "W4A8", "mosaic", {**a8, "smooth": False}),
+            ("rtn W4A8 mse", "W4A8", "rtn", {**PAPER_W, "act": A8, "scale": "mse"}),
+        ]
     if part == "thin":
         return ref + [
             (f"block {b}", "W4A4", "mosaic", {**w4a4, "block": b}) for b in ("8x128", "16x64", "1x128")
         ]
-    parts = "main, ablation, oracle, sweep, blocks, search, thin, channel, gqa"
+    parts = "main, ablation, oracle, sweep, blocks, search, thin, channel, gqa, base"
     raise SystemExit(f"unknown part {part!r}; use {parts}")
 
 
