@@ -20,8 +20,8 @@ Parts (``--parts``, comma-separated):
 * ``search`` (issue 25): the alpha search over 0-1 in steps of 0.05 plus no smoothing (the
   SmoothQuant baseline's grid; ``main`` searches 0.3-1.0 in steps of 0.1), at W4A4 and W4A8.
 * ``base`` (issue 73): main's W4A8 MosaicQuant taken apart -- with a GPTQ dense base, without the
-  sparse branch (alpha still searched), without smoothing (the residual on RTN alone) -- and RTN W4A8
-  with MSE instead of min-max scales: which part loses to GPTQ W4A8 on Gemma-3-270m.
+  sparse branch (alpha still searched), without smoothing (the residual on RTN alone, and on GPTQ) --
+  and RTN W4A8 with MSE instead of min-max scales: which part loses to GPTQ W4A8 on Gemma-3-270m.
 * ``thin`` (issue 25): thin residual blocks 8x128, 16x64 and 1x128 at the 10% budget, with their
   index overhead in the bits per weight.
 * ``gqa`` (issue 73): main's MosaicQuant rows with ``o_proj`` left unsmoothed under grouped-query
@@ -116,10 +116,12 @@ def part_runs(part: str, max_tokens: int) -> list[tuple[str, str, str, dict]]:
         ]
     if part == "base":  # issue 73 item 3: which part of MosaicQuant W4A8 loses to GPTQ W4A8 (Gemma-3-270m)
         a8 = {**mos, "act": A8}
+        off = {"smooth": False}
         return [
             ("mosaic W4A8 GPTQ base", "W4A8", "mosaic", {**a8, "solver": "gptq"}),
             ("mosaic W4A8 no sparse", "W4A8", "mosaic", {**a8, "budget_frac": 0.0}),
-            ("mosaic W4A8 no smoothing", "W4A8", "mosaic", {**a8, "smooth": False}),
+            ("mosaic W4A8 no smoothing", "W4A8", "mosaic", {**a8, **off}),
+            ("mosaic W4A8 GPTQ base no smoothing", "W4A8", "mosaic", {**a8, "solver": "gptq", **off}),
             ("rtn W4A8 mse", "W4A8", "rtn", {**PAPER_W, "act": A8, "scale": "mse"}),
         ]
     if part == "thin":
