@@ -25,8 +25,10 @@
   symmetric INT4 -- a per-token INT4 spec (what ``--scheme W4A4`` parses to) is turned into
   per-group ``a4_group`` unless ``a4_per_group=False``.  The block K-width must divide the
   activation group so each block sees one activation scale per token.
-- ``solver="gptq"`` (our extension, not in the paper): the dense base is GPTQ on the same absmax
-  grid; ``R`` is then no longer bounded by half a step.
+- ``solver="gptq"`` (our extension, not in the paper): the blocks and their compensation chosen on the
+  round-to-nearest base as above, then GPTQ on the same absmax grid solves the dense base for ``W``
+  less the compensation (:func:`~bitmosaic.algorithms.mosaic.mosaic_decompose_gptq`; the form before
+  issue 73, GPTQ first and the residual after, undid GPTQ's error feedback on the chosen blocks).
 - Channel baselines (§3 Observation 1, Fig. 5): ``selection="channel-act"`` compensates the outlier
   input channels by the float input's ``max|X_j|`` (the pipeline observes the smoothed input
   ``X / s``, so the maximum is taken times the folded ``s``: the ranking of the unsmoothed
@@ -42,11 +44,9 @@ from typing import ClassVar
 
 import torch
 
-from ..algorithms.gptq import gptq_quantize
-from ..algorithms.mosaic import SELECTIONS, dense_base, mosaic_decompose, parse_block
+from ..algorithms.mosaic import SELECTIONS, mosaic_decompose, mosaic_decompose_gptq, parse_block
 from ..algorithms.smooth import smooth_scales, smoothing_loss
 from ..errors import OptionError
-from ..formats.grid import IntGrid
 from ..modules.mosaic import MosaicQuantLinear
 from .common import act_fake_quant, foldable_groups, shared
 from .options import like, option, parse_block_text, parse_floats
@@ -146,44 +146,23 @@ class MosaicConfig(WeightQuantConfig):
             )
 
 
-def _base(W: torch.Tensor, H: torch.Tensor | None, cfg: MosaicConfig):
-    if cfg.solver == "rtn":
-        hdiag = None if H is None else torch.diagonal(H)
-        return dense_base(W, clip_search=cfg.clip_search, hdiag=hdiag)
-    if H is None:
-        raise OptionError("mosaic solver='gptq' needs a Hessian")
-    codes, scales = dense_base(W, clip_search=cfg.clip_search, hdiag=torch.diagonal(H))
-    res = gptq_quantize(
-        W.float(),
-        H.float(),
-        IntGrid(4, True),
-        None,
-        scales=scales[:, None],
-        zeros=torch.full_like(scales[:, None], 8.0),
-        percdamp=cfg.damp,
-    )
-    return res.codes - 8, scales
-
-
 def mosaic_weight(
     W: torch.Tensor, H: torch.Tensor | None, cfg: MosaicConfig, budget: float | None = None, report=True,
     act_amax: torch.Tensor | None = None,
 ):  # fmt: skip
     """The full MosaicQuant result of one (smoothed) weight under ``cfg`` (``act_amax``: the float
-    input's ``max|X_j|``, for ``selection="channel-act"``)."""
-    codes, scales = _base(W, H, cfg)
-    return mosaic_decompose(
-        W,
-        H,
-        budget=cfg.budget_frac if budget is None else budget,
-        block=cfg.block,
-        selection=cfg.selection,
-        base_codes=codes,
-        base_scales=scales,
-        seed=cfg.selection_seed,
-        report=report,
-        act_amax=act_amax,
-    )
+    input's ``max|X_j|``, for ``selection="channel-act"``): the paper's round-to-nearest base, or
+    (``solver="gptq"``) GPTQ solving the base around the residual branch
+    (:func:`~bitmosaic.algorithms.mosaic.mosaic_decompose_gptq`)."""
+    chosen = dict(budget=cfg.budget_frac if budget is None else budget, block=cfg.block,
+                  selection=cfg.selection, seed=cfg.selection_seed, act_amax=act_amax)  # fmt: skip
+    if cfg.solver == "gptq":
+        if H is None:
+            raise OptionError("mosaic solver='gptq' needs a Hessian")
+        return mosaic_decompose_gptq(
+            W, H, damp=cfg.damp, clip_search=cfg.clip_search, report=report, **chosen
+        )
+    return mosaic_decompose(W, H, clip_search=cfg.clip_search, report=report, **chosen)
 
 
 def mosaic_transform(caps, cfg: MosaicConfig):
