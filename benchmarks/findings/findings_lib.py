@@ -55,9 +55,9 @@ def protocol_of(res: dict) -> str:
     ``-`` for a result with no calibration (a kernel timing); a per-layer measurement names its
     calibration and says it scores no perplexity."""
     a = res.get("args") or {}
-    for said in (res.get("protocol"), a.get("protocol")):
-        if said in ("fast", "verdict"):
-            return said
+    said = res.get("protocol", a.get("protocol"))  # the run's own word; its arguments' where it has none
+    if said in ("fast", "verdict"):
+        return said
     n, w = a.get("nsamples"), a.get("max_windows")
     if n is None:
         return "-"

@@ -242,3 +242,13 @@ def test_a_qualified_verdict_is_no_flip(findings):
     rows[1]["verdict"] = "within noise (interval includes 1)"
     flagged = findings.flag_flips(rows)
     assert flagged[0]["verdict"] == "holds; flips between models: A holds (verdict) / B within noise (fast)"
+
+
+def test_a_run_that_names_its_protocol_only_in_its_arguments(findings):
+    """``static_groups.py``'s older runs say ``"protocol": "verdict"`` only among their arguments (their
+    windows key is ``windows``, not ``max_windows``): that word is taken; a run's own top-level word wins
+    over its arguments' (a mixed table is not called verdict because its last arguments were)."""
+    old = {"args": {"protocol": "verdict", "nsamples": 128, "windows": None}, "rows": [{"ppl": 1.0}]}
+    assert findings.protocol_of(old) == "verdict"
+    mixed = {"protocol": "fast+verdict", "args": {"protocol": "verdict", "nsamples": 16, "max_windows": 20}}
+    assert findings.protocol_of(mixed) == "fast"  # the settings, not the arguments' word
