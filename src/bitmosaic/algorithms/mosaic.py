@@ -471,11 +471,6 @@ def _gptq_codes(T: torch.Tensor, H: torch.Tensor, scales: torch.Tensor, damp: fl
     return gptq_quantize(T, H.float(), IntGrid(4, True), None, scales=s, zeros=z, percdamp=damp).codes
 
 
-def _error(W: torch.Tensor, What: torch.Tensor, H: torch.Tensor) -> float:
-    E = W - What
-    return float(((E @ H.float()) * E).sum(dtype=torch.float64))
-
-
 def mosaic_decompose_gptq(
     W: torch.Tensor,
     H: torch.Tensor,
@@ -509,7 +504,7 @@ def mosaic_decompose_gptq(
     info = dict(first.info)
     if report:
         alone = (_gptq_codes(Wf, H, scales, damp).float() - 8.0) * scales[:, None]
-        d0 = _error(Wf, alone, H)
-        dd = d0 - _error(Wf, base + first.sparse, H)
+        d0 = distortion(Wf - alone, H)
+        dd = d0 - distortion(Wf - (base + first.sparse), H)
         info.update({"residual_distortion": d0, "delta_D": dd, "recovered": dd / d0 if d0 > 0 else 0.0})
     return dataclasses.replace(first, codes=codes.to(torch.int32), info=info, residual=Wf - base)
