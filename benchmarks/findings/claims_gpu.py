@@ -1,7 +1,8 @@
 """The papers' GPU-kernel claims (issue 76), judged only from ``benchmarks/gpu_kernels.py``'s run on a GPU:
 ``results/gpu_kernels.json``, which names its device.  A claim row says "measured on <GPU> by
-benchmarks/gpu_kernels.py: ..." or, with no such run, "cannot be tested here (not measured: no GPU lent)" --
-never a CPU figure in its place (the CPU kernels' own claims are the "ours: ... on the CPU" rows).
+benchmarks/gpu_kernels.py: ..." or, with no such run, "cannot be tested here (not measured: no GPU lent
+since the kernels were written)" -- never a CPU figure in its place (the CPU kernels' own claims are the
+"ours: ... on the CPU" rows).
 
 Rows each judge reads (``gpu_kernels.json``): ``rows`` (kernel ``triton_ms`` against ``bf16_ms`` per
 ``model``/``in``/``out``/``rows``: the packed kinds, ``ssqr ...``, and the MosaicQuant / SQ-format rows,
@@ -19,9 +20,12 @@ from benchmarks.findings.findings_lib import UNTESTABLE, Finding, verdict
 
 SOURCE = "gpu_kernels"
 SCRIPT = "benchmarks/gpu_kernels.py"
-NO_GPU = "not measured: no GPU lent"
+# issue 73 item 2: the one GPU lent so far (an H200, 2026-11-26: results/gpu_h200.md) came before the Triton
+# kernels (2026-12-06); none has been lent since
+NO_GPU = "not measured: no GPU lent since the kernels were written"
 UNMEASURED = (
-    f"{NO_GPU}; {SCRIPT} measures it (python -m benchmarks.gpu_kernels on a GPU)",
+    f"{NO_GPU} (the one H200 loan, gpu_h200.md, came before them); {SCRIPT} measures it "
+    "(python -m benchmarks.gpu_kernels on a GPU)",
     f"{UNTESTABLE} ({NO_GPU})",
 )
 BIG = "llama-8b"  # the papers' claims are for 7B-70B models: judged on the Llama-3-8B shapes
