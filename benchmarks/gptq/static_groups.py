@@ -198,12 +198,9 @@ def summarise(a, state: State, ids: torch.Tensor) -> dict:
     for bits in a.bits:
         pairs = []
         for seed in a.seeds:
-            s, d = by.get(f"w{bits} static s{seed}"), by.get(f"w{bits} dynamic s{seed}")
-            if s and d and s["windows"] == d["windows"] == ids.shape[0] and "kl_mean" in s and "kl_mean" in d:
-                lo, hi = bootstrap_ratio(state.st["nll"][s["name"]], state.st["nll"][d["name"]], T)
-                pairs.append({"seed": seed, "ppl_ratio": s["ppl"] / d["ppl"], "ci95": [lo, hi],
-                              "kl_ratio": s["kl_mean"] / d["kl_mean"],
-                              "top1_diff": s["top1_agreement"] - d["top1_agreement"]})  # fmt: skip
+            pair = _pair(state, by.get(f"w{bits} static s{seed}"), by.get(f"w{bits} dynamic s{seed}"), ids)
+            if pair is not None:
+                pairs.append({"seed": seed, **pair})
         if not pairs:
             continue
         spread = None
@@ -232,23 +229,29 @@ def summarise(a, state: State, ids: torch.Tensor) -> dict:
     }
 
 
+def _pair(state: State, x: dict | None, y: dict | None, ids: torch.Tensor) -> dict | None:
+    """Rows ``x`` against ``y``, both scored on every window: the perplexity ratio with its paired 95%
+    interval over the windows, the KL ratio and the top-1 difference; None where either is missing."""
+    if not all(r and r["windows"] == ids.shape[0] and "kl_mean" in r for r in (x, y)):
+        return None
+    ci = bootstrap_ratio(state.st["nll"][x["name"]], state.st["nll"][y["name"]], ids.shape[1] - 1)
+    return {"ppl_ratio": x["ppl"] / y["ppl"], "ci95": list(ci), "kl_ratio": x["kl_mean"] / y["kl_mean"],
+            "top1_diff": x["top1_agreement"] - y["top1_agreement"]}  # fmt: skip
+
+
 def gptq_vs_awq(a, state: State, by: dict, ids: torch.Tensor) -> list[dict]:
     """GPTQ's default (static groups) against AWQ at the same bits and group, per bit width and seed:
     the static/AWQ perplexity ratio with its paired 95% interval over the windows, the KL ratio and the
     top-1 difference.  ``verdict``: ``gptq`` where the whole interval is below 1, ``awq`` where above,
     ``within noise`` where it holds 1."""
-    T, out = ids.shape[1] - 1, []
+    out = []
     for bits in a.bits:
         for seed in a.seeds:
-            g, w = by.get(f"w{bits} static s{seed}"), by.get(f"w{bits} awq s{seed}")
-            scored = [r for r in (g, w) if r and r["windows"] == ids.shape[0] and "kl_mean" in r]
-            if len(scored) < 2:
-                continue
-            lo, hi = bootstrap_ratio(state.st["nll"][g["name"]], state.st["nll"][w["name"]], T)
-            verdict = "gptq" if hi < 1 else "awq" if lo > 1 else "within noise"
-            out.append({"bits": bits, "seed": seed, "ppl_ratio": g["ppl"] / w["ppl"], "ci95": [lo, hi],
-                        "kl_ratio": g["kl_mean"] / w["kl_mean"], "verdict": verdict,
-                        "top1_diff": g["top1_agreement"] - w["top1_agreement"]})  # fmt: skip
+            pair = _pair(state, by.get(f"w{bits} static s{seed}"), by.get(f"w{bits} awq s{seed}"), ids)
+            if pair is not None:
+                lo, hi = pair["ci95"]
+                verdict = "gptq" if hi < 1 else "awq" if lo > 1 else "within noise"
+                out.append({"bits": bits, "seed": seed, **pair, "verdict": verdict})
     return out
 
 
