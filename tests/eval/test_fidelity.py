@@ -11,7 +11,8 @@ from transformers.modeling_outputs import CausalLMOutput
 
 from bitmosaic.errors import NonFiniteError
 from bitmosaic.eval import perplexity
-from bitmosaic.eval.fidelity import FidelityMeter, token_kl
+from bitmosaic.eval import fidelity
+from bitmosaic.eval.fidelity import FidelityMeter, token_kl, token_nll
 from tests.eval.test_perplexity import NextTokenLM, TinyLM, UniformLM, V, counting
 
 
@@ -28,6 +29,27 @@ def test_token_kl_matches_torch_kl_div():
 def test_token_kl_shape_mismatch_is_one_clear_error():
     with pytest.raises(ValueError, match="vocabulary"):
         token_kl(torch.zeros(2, 5), torch.zeros(2, 6))
+
+
+@pytest.mark.parametrize("chunk", [1 << 22, 64, 11])  # one chunk per window, 7 rows, 1 row
+def test_chunked_scores_equal_one_pass_bit_for_bit(monkeypatch, chunk):
+    """token_nll / token_kl work over chunks of positions (issue 73: a 262k vocabulary's whole-window
+    temporaries cost more in page faults than in arithmetic); every score must equal the one-pass
+    F.cross_entropy / log-softmax KL exactly, on strided batches (logits[:, :-1]) and flat rows."""
+    monkeypatch.setattr(fidelity, "CHUNK_ELEMENTS", chunk * 7)
+    g = torch.Generator().manual_seed(3)
+    V = 7 * 9
+    ref, q = torch.randn(3, 12, V, generator=g) * 4, torch.randn(3, 12, V, generator=g) * 4
+    target = torch.randint(0, V, (3, 11), generator=g)
+    x, r = q[:, :-1], ref[:, :-1]  # strided, as window_nll slices them
+    one_nll = F.cross_entropy(x.reshape(-1, V), target.reshape(-1), reduction="none").view(target.shape)
+    lp, lq = F.log_softmax(r, -1), F.log_softmax(x, -1)
+    one_kl = (lp.exp() * (lp - lq)).sum(-1).clamp_min(0.0)
+    assert torch.equal(token_nll(x, target), one_nll)
+    assert torch.equal(token_kl(r, x), one_kl)
+    assert torch.equal(token_kl(r.reshape(-1, V), x.reshape(-1, V)), one_kl.reshape(-1))
+    with pytest.raises(ValueError, match="targets"):
+        token_nll(x, target[:, :-1])
 
 
 def test_meter_summary_against_numpy():

@@ -20,19 +20,55 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["token_kl", "FidelityMeter"]
+__all__ = ["CHUNK_ELEMENTS", "token_kl", "token_nll", "FidelityMeter"]
+
+
+# Rows of logits handled at once by the row-wise scores below: about 16 MB of float32, so each
+# temporary stays under glibc's largest mmap threshold and is reused from the heap instead of being
+# mapped and zeroed afresh (a 262k-entry vocabulary's [511, V] temporaries cost more in page faults
+# than in arithmetic).  Every score is computed row by row, so the chunking changes no bit.
+CHUNK_ELEMENTS = 1 << 22
+
+
+def _row_chunks(*tensors: torch.Tensor):
+    """``(offset, chunks)`` over the rows of same-shaped ``[..., V]`` tensors, at most
+    :data:`CHUNK_ELEMENTS` each, without copying a strided batch (``logits[:, :-1]``) whole."""
+    V = tensors[0].shape[-1]
+    step = max(1, CHUNK_ELEMENTS // max(V, 1))
+    views = [[t[j] for j in range(t.shape[0])] if t.dim() == 3 else [t.reshape(-1, V)] for t in tensors]
+    offset = 0
+    for parts in zip(*views, strict=True):
+        for i in range(0, parts[0].shape[0], step):
+            yield offset + i, [p[i : i + step] for p in parts]
+        offset += parts[0].shape[0]
 
 
 def token_kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """Per-position ``KL(softmax(ref) || softmax(logits))`` over the last dim, float32, shape ``[...]``."""
+    """Per-position ``KL(softmax(ref) || softmax(logits))`` over the last dim, float32, shape ``[...]``
+    (computed over chunks of positions: the same values as one pass, with less memory)."""
     if ref_logits.shape != logits.shape:
         raise ValueError(
             f"reference logits {tuple(ref_logits.shape)} and model logits {tuple(logits.shape)} differ; "
             "both models must share the tokenizer and vocabulary"
         )
-    lp = F.log_softmax(ref_logits.float(), dim=-1)
-    lq = F.log_softmax(logits.float(), dim=-1)
-    return (lp.exp() * (lp - lq)).sum(-1).clamp_min_(0.0)
+    out = torch.empty(logits.shape[:-1].numel(), dtype=torch.float32, device=logits.device)
+    for i, (r, q) in _row_chunks(ref_logits, logits):
+        lp = F.log_softmax(r.float(), dim=-1)
+        lq = F.log_softmax(q.float(), dim=-1)
+        out[i : i + lq.shape[0]] = (lp.exp() * (lp - lq)).sum(-1).clamp_min_(0.0)
+    return out.view(logits.shape[:-1])
+
+
+def token_nll(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-position ``-log softmax(logits)[target]``, float32, shape ``target.shape`` (logits
+    ``[..., V]``): ``F.cross_entropy(..., reduction="none")`` over chunks of positions, the same values."""
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match targets {tuple(target.shape)}")
+    out = torch.empty(target.numel(), dtype=torch.float32, device=logits.device)
+    t = target.reshape(-1)
+    for i, (x,) in _row_chunks(logits):
+        out[i : i + x.shape[0]] = F.cross_entropy(x.float(), t[i : i + x.shape[0]], reduction="none")
+    return out.view(target.shape)
 
 
 class FidelityMeter:

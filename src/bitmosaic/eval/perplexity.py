@@ -24,10 +24,9 @@ import math
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import DeviceError, NonFiniteError
-from .fidelity import FidelityMeter
+from .fidelity import FidelityMeter, token_nll
 
 __all__ = ["perplexity", "eval_windows", "window_nll"]
 
@@ -168,8 +167,7 @@ def window_nll(model, batch: torch.Tensor, start: int = 0, windows: int | None =
     window, of ``windows``)."""
     pred = _logits(model, batch)[:, :-1, :].float()  # position t predicts token t+1
     target = batch[:, 1:]
-    nll = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), target.reshape(-1), reduction="none")
-    nll = nll.view(target.shape)
+    nll = token_nll(pred, target)
     _check_finite_windows(nll, pred, start, windows or batch.shape[0], "the model")
     return nll.sum(dim=1, dtype=torch.float64), pred
 
