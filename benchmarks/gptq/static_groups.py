@@ -14,7 +14,11 @@ Both: ``--method gptq`` defaults otherwise (asymmetric, MSE scale search, act-or
   otherwise), compared with *static* (GPTQ's default at 4 bits) by the same paired bootstrap.
 
 Every quantized model is evaluated weight-only (float activations): the 16-bit run-time activations a
-load gives by default on AVX-512 VNNI CPUs are taken off, so rows from any CPU compare.
+load gives by default on AVX-512 VNNI CPUs are taken off, so rows from any CPU compare; so is the INT8
+run-time head a load gives a head whose weights are their own Q8_0 copy (the same weights: the logits
+agree up to float32 rounding; on 512-token windows the decode-oriented INT8 kernel took 48% of the
+evaluation's time on Gemma-3-270m, py-spy).  Runs before 2026-12-07 22:45 UTC scored with that head;
+Gemma-3-270m's verdict run switched at the window its JSON names (``runtime_head``).
 
 Protocols (named next to every perplexity): ``verdict`` -- 128 x 512 calibration tokens, the whole
 WikiText-2 test set, KL(float || quantized) and top-1 agreement from the same pass; ``fast`` -- 16 x
@@ -54,6 +58,7 @@ from bitmosaic.eval.bootstrap import bootstrap_ratio
 from bitmosaic.eval.fidelity import FidelityMeter
 from bitmosaic.eval.perplexity import eval_windows, window_nll
 from bitmosaic.io import load_quantized, save_quantized
+from bitmosaic.modules.head import set_runtime_head
 from bitmosaic.modules.intact import set_runtime_activations
 
 PROTOCOLS = {"verdict": (128, None), "fast": (16, 20)}  # calibration samples, eval windows
@@ -147,6 +152,9 @@ def evaluate(a, base, ids, state: State, deadline: float) -> bool:
         if n != "float":
             m = load_quantized(state.work / n.replace(" ", "_"), load_tokenizer=False)[0]
             set_runtime_activations(m, "none")  # weight-only, as quantized (module doc)
+            set_runtime_head(m, "none")  # the float head, as the float model's (module doc)
+            # windows scored before this (a run from before the float head) kept the INT8 head
+            state.st.setdefault("float_head_from", {}).setdefault(n, state.done(n))
             models[n] = m.to(a.device).eval()
     base = base.to(a.device)
     meters = {n: FidelityMeter.from_state(state.st["meters"][n]) for n in todo if n in state.st["meters"]}
@@ -224,6 +232,9 @@ def summarise(a, state: State, ids: torch.Tensor) -> dict:
         "verdicts": verdicts,
         "gptq_vs_awq": gptq_vs_awq(a, state, by, ids),
         "complete": complete,
+        # per model, the first window (0-based) scored with the float head; earlier ones used the INT8
+        # run-time head (the same weights; module doc)
+        "float_head_from": state.st.get("float_head_from", {}),
         "eval_windows": ids.shape[0],
         "group_size": state.st["key"]["group_size"] if a.model != "tiny" else 32,
     }
