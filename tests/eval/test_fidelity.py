@@ -10,8 +10,7 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutput
 
 from bitmosaic.errors import NonFiniteError
-from bitmosaic.eval import perplexity
-from bitmosaic.eval import fidelity
+from bitmosaic.eval import fidelity, perplexity
 from bitmosaic.eval.fidelity import FidelityMeter, token_kl, token_nll
 from tests.eval.test_perplexity import NextTokenLM, TinyLM, UniformLM, V, counting
 
