@@ -17,8 +17,9 @@ Every quantized model is evaluated weight-only (float activations): the 16-bit r
 load gives by default on AVX-512 VNNI CPUs are taken off, so rows from any CPU compare; so is the INT8
 run-time head a load gives a head whose weights are their own Q8_0 copy (the same weights: the logits
 agree up to float32 rounding; on 512-token windows the decode-oriented INT8 kernel took 48% of the
-evaluation's time on Gemma-3-270m, py-spy).  Runs before 2026-12-07 22:45 UTC scored with that head;
-Gemma-3-270m's verdict run switched at the window its JSON names (``runtime_head``).
+evaluation's time on Gemma-3-270m, py-spy).  Runs from before this scored with that head; the JSON's
+``float_head_from`` names, per model, the first window scored with the float head (Gemma-3-270m's
+verdict run switched at window 81).
 
 Protocols (named next to every perplexity): ``verdict`` -- 128 x 512 calibration tokens, the whole
 WikiText-2 test set, KL(float || quantized) and top-1 agreement from the same pass; ``fast`` -- 16 x

@@ -25,8 +25,9 @@ __all__ = ["CHUNK_ELEMENTS", "token_kl", "token_nll", "FidelityMeter"]
 
 # Rows of logits handled at once by the row-wise scores below: about 16 MB of float32, so each
 # temporary stays under glibc's largest mmap threshold and is reused from the heap instead of being
-# mapped and zeroed afresh (a 262k-entry vocabulary's [511, V] temporaries cost more in page faults
-# than in arithmetic).  Every score is computed row by row, so the chunking changes no bit.
+# mapped and zeroed afresh (one Gemma-3-270m window's NLL and KL, [511, 262144] logits: 2.0 s chunked
+# against 6.6 s in one pass, a diagnostic beside another job, not a quiet timing).  Every score is
+# computed row by row, so the chunking changes no bit.
 CHUNK_ELEMENTS = 1 << 22
 
 
