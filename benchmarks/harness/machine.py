@@ -58,6 +58,15 @@ def int8_rate_gops() -> float:
     return 2 * n**3 / (ms / 1e3) / 1e9
 
 
+def fp32_rate_gflops() -> float:
+    """float32 multiply-adds x 2 per second of ``torch.mm`` on 2048^3 (GFLOPS): the GEMM bound of a
+    float or dequantize-then-GEMM path."""
+    n = 2048
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    ms = median_ms(lambda: torch.mm(a, b), 1.0, 10)
+    return 2 * n**3 / (ms / 1e3) / 1e9
+
+
 def machine_bounds(threads: int) -> tuple[float, float]:
     """This machine's int8 GEMM rate (GOPS) and read bandwidth (GB/s) at ``threads`` threads (set here),
     measured now and printed: the bounds every integer-path table reports beside its times."""

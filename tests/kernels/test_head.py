@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
 
@@ -146,6 +147,41 @@ def test_compiled_forward_with_an_8bit_head_equals_eager(mode):
     model = tiny_llama()
     set_runtime_head(model, mode)
     ids = calib()[:1, :12]
+    torch._dynamo.reset()
+    with torch.no_grad():
+        ref = model(ids).logits
+        out = torch.compile(model, fullgraph=True, dynamic=False)(ids).logits
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_many_rows_take_the_gemm_over_the_same_int8_weights(monkeypatch):
+    """From ``HEAD_GEMM_ROWS`` rows on, the ``int8`` head multiplies by torch's GEMM over its dequantized
+    int8 weights, a chunk of rows at a time (prefill, evaluation windows): below, the low-bit kernel.
+    Either way the product is the int8 weights' (not the float head's), up to float32 order, and equal
+    to the kernel's.  A traced forward keeps the kernel (an operator): a whole graph of many rows that
+    gives the eager logits."""
+    from bitmosaic.modules import head as head_mod
+
+    model = tiny_llama()
+    head = model.get_output_embeddings()
+    monkeypatch.setattr(head_mod, "_EXACT_ROWS", 24)  # several chunks, the last one short
+    assert head.out_features % 24 and head.out_features > 48
+    set_runtime_head(model, "int8")
+    fwd = head.__dict__["forward"]
+    codes, s = int8_head_codes(head.weight)
+    wq = (codes.float() - 128) * s.repeat_interleave(HEAD_GROUP, dim=1)[:, : head.in_features]
+    assert not torch.equal(wq, head.weight)  # float weights: the int8 head is not the float one
+    calls = []
+    monkeypatch.setattr(fwd, "gemm", lambda x2, f=fwd.gemm: calls.append(len(x2)) or f(x2))
+    g = torch.Generator().manual_seed(5)
+    for m in (head_mod.HEAD_GEMM_ROWS - 1, head_mod.HEAD_GEMM_ROWS, 2 * head_mod.HEAD_GEMM_ROWS + 3):
+        x = torch.randn(m, head.in_features, generator=g)
+        with torch.no_grad():
+            y = head(x)
+            torch.testing.assert_close(y, F.linear(x, wq), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(y, fwd.kernel(x), rtol=1e-5, atol=1e-5)
+    assert calls == [head_mod.HEAD_GEMM_ROWS, 2 * head_mod.HEAD_GEMM_ROWS + 3]
+    ids = torch.randint(0, head.out_features, (1, head_mod.HEAD_GEMM_ROWS), generator=g)
     torch._dynamo.reset()
     with torch.no_grad():
         ref = model(ids).logits

@@ -10,7 +10,9 @@ Two run-time heads (:func:`set_runtime_head`), both with the weight in that form
 (llama.cpp's ``quantize_row_q8_0``, with a float32 scale):
 
 * ``int8``: weight-only; the low-bit kernel (:class:`~bitmosaic.kernels.qmatmul.LowBitWeight` at 8
-  bits, codes ``q + 128`` with zero-point 128) multiplies the float activations.  Its error per weight
+  bits, codes ``q + 128`` with zero-point 128) multiplies the float activations (from
+  ``HEAD_GEMM_ROWS`` rows on, prefill and evaluation windows, torch's GEMM over the same weights
+  dequantized a chunk of rows at a time: faster there).  Its error per weight
   is at most ``s / 2 = max|w| / 254`` of its block; on a model whose head came from a ``Q8_0`` block
   (SmolLM2's GGUF) the codes are the file's own and the logits equal the float head's up to float32
   rounding.
@@ -45,6 +47,7 @@ from .intact import runtime_choice
 from .kernel import lowbit_from_codes
 
 __all__ = [
+    "HEAD_GEMM_ROWS",
     "HEAD_GROUP",
     "RUNTIME_HEAD_ENV",
     "default_runtime_head",
@@ -136,6 +139,14 @@ def default_runtime_head(model: nn.Module) -> str:
 
 _ACT = ActQuantSpec("int", 8, granularity="group", group_size=HEAD_GROUP)  # q8_0's activation blocks
 
+# From this many rows of ``x`` on, the ``int8`` head multiplies with torch's GEMM over float32 rows of its
+# weight dequantized ``_EXACT_ROWS`` at a time (the same int8 weights, a 9 MB buffer at SmolLM2's width):
+# the low-bit kernel is made for decode, and on SmolLM2's 49152 x 576 head, 2 threads, it takes 133 ms at
+# 256 rows and 264 ms at 512 where the chunked GEMM takes 109 and 195 ms (1 thread: 211 -> 195, 414 ->
+# 356 ms); at 128 rows the kernel is still ahead (50 vs 51 ms, 88 vs 91 ms).  Intel Xeon, 2 vCPUs,
+# quiet, 2026-12-08 (``benchmarks/decode/head_rows.py`` reproduces it).
+HEAD_GEMM_ROWS = 192
+
 
 class _Int8HeadForward:
     """The head's ``forward`` while an 8-bit head (``mode``, module doc) is on: an instance attribute of
@@ -157,11 +168,26 @@ class _Int8HeadForward:
         x2 = x.reshape(-1, x.shape[-1]).float()
         if self.mode == "q8_0":
             y = self.kernel.matmul(x2, None, HEAD_GROUP, _ACT.qmax)  # per-32 scales: the kernel's own
+        elif x2.shape[0] >= HEAD_GEMM_ROWS and not torch.compiler.is_compiling():
+            # (a traced forward keeps the kernel: an operator, so a whole graph; the chunked
+            # dequantization is not one)
+            y = self.gemm(x2)
         else:
             y = self.kernel(x2)
         if head.bias is not None:
             y = y + head.bias.float()
         return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+
+    def gemm(self, x2: torch.Tensor) -> torch.Tensor:
+        """``x2 [M, K]`` times the int8 weight (``[N, K]``, ``(q - 128) s``) by torch's GEMM, the weight
+        dequantized ``_EXACT_ROWS`` rows at a time: the kernel's product up to float32 order (prefill,
+        evaluation windows; ``HEAD_GEMM_ROWS``)."""
+        n = self.head.out_features
+        y = x2.new_empty(x2.shape[0], n)
+        for r in range(0, n, _EXACT_ROWS):
+            rows = slice(r, min(n, r + _EXACT_ROWS))
+            y[:, rows] = F.linear(x2, self.kernel.dequantize_rows(rows))
+        return y
 
 
 def set_runtime_head(model: nn.Module, mode: str | None = None, *, _codes=None) -> bool:
