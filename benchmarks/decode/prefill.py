@@ -9,7 +9,14 @@ Beside the times, the physical bound of the quantized prefill: the decoder linea
 2048^3, :func:`benchmarks.harness.machine_bounds`, measured in the run); attention, norms and the float
 output head are outside it.  Issue 74's target: the W4A8 prefill at most 0.5x the float model's time.
 
-    python -m benchmarks.decode.prefill [--threads 1,2] [--tokens 512] [--nsamples 16]
+``--profile``: also one forward of each model under ``torch.profiler`` per thread count, its self CPU
+time summed by kind (:func:`op_kind`: ``linears`` -- torch's GEMMs and the kernels' operators;
+``attention``; ``norms+elementwise``; ``other``) and ``outside`` -- the forward's wall time less every
+operator's self time: eagerly the integer kernels (the activations' quantization inside them) are
+called through pybind, not as operators, so their time and Python's are there: what stops the W4A8
+prefill at its ratio, and what would move it.
+
+    python -m benchmarks.decode.prefill [--threads 1,2] [--tokens 512] [--nsamples 16] [--profile]
       (writes benchmarks/results/prefill.{json,md}; benchmarks/targets.py runs it for its prefill_model row)
 """
 
@@ -30,7 +37,50 @@ def linear_macs(model) -> int:
     return sum(m.out_features * m.in_features for m in mods)
 
 
-def measure(threads: list[int], tokens: int, nsamples: int, seqlen: int, budget_s: float = 2.0) -> dict:
+KINDS = ("linears", "attention", "norms+elementwise", "other", "outside")
+_ELEMENTWISE = ("mul", "add", "rsqrt", "pow", "mean", "silu", "neg", "cat", "div", "copy", "to", "clone",
+                "contiguous", "slice", "index", "embedding", "cos", "sin", "view", "reshape", "transpose",
+                "empty", "expand", "unsqueeze", "unsafe_view")  # fmt: skip
+
+
+def op_kind(name: str) -> str:
+    """The kind an operator's self CPU time counts for in ``--profile`` (module doc; ``outside`` is
+    what no operator holds)."""
+    n = name.lower().removeprefix("aten::").removeprefix("bitmosaic::")
+    if n in ("mm", "addmm") or any(k in n for k in ("qmatmul", "int_matmul", "lut_matmul", "quantize")):
+        return "linears"
+    if "attention" in n or "sdpa" in n or "flash" in n or n in ("bmm", "softmax", "_softmax", "baddbmm"):
+        return "attention"
+    if any(n == k or n.startswith(k + "_") or n.startswith("_" + k) for k in _ELEMENTWISE):
+        return "norms+elementwise"
+    return "other"
+
+
+def profile_ms(fn) -> tuple[dict, list]:
+    """One call of ``fn`` under ``torch.profiler``: self CPU ms by :func:`op_kind` and ``outside`` (its
+    wall time less them), and the ten operators of the most self time."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        fn()
+        wall = (time.perf_counter() - t) * 1e3
+    by = dict.fromkeys(KINDS, 0.0)
+    ops = []
+    for e in prof.key_averages():
+        ms = e.self_cpu_time_total / 1e3
+        by[op_kind(e.key)] += ms
+        ops.append((e.key, round(ms, 2), e.count))
+    by["outside"] = max(0.0, wall - sum(by.values()))
+    ops.sort(key=lambda o: -o[1])
+    return {k: round(v, 2) for k, v in by.items()}, ops[:10]
+
+
+def measure(
+    threads: list[int], tokens: int, nsamples: int, seqlen: int, budget_s: float = 2.0, profiled: bool = False
+) -> dict:
     """Times of the float and the SmoothQuant W4A8 forward over ``tokens`` tokens, per thread count."""
     from bitmosaic import quantize_
     from bitmosaic.data import calibration_samples, eval_tokens
@@ -51,9 +101,14 @@ def measure(threads: list[int], tokens: int, nsamples: int, seqlen: int, budget_
             # the logits of the last position only, as generate's prefill computes them
             f = median_ms(lambda: model(ids, logits_to_keep=1), budget_s, 10)
             q = median_ms(lambda: quant(ids, logits_to_keep=1), budget_s, 10)
+            prof = {}
+            if profiled:
+                for name, m in (("float", model), ("w4a8", quant)):
+                    prof[name], prof[name + "_top_ops"] = profile_ms(lambda m=m: m(ids, logits_to_keep=1))
+                    print(f"  {name} profile (self CPU ms): {prof[name]}", flush=True)
         bound = 2 * tokens * macs / (rate * 1e9) * 1e3
         rows.append({"threads": t, "tokens": tokens, "float_ms": f, "w4a8_ms": q, "ratio": q / f,
-                     "int8_gops": rate, "read_gbs": bw, "int8_bound_ms": bound})  # fmt: skip
+                     "int8_gops": rate, "read_gbs": bw, "int8_bound_ms": bound, **prof})  # fmt: skip
         print(f"{t} thread(s): float {f:.1f} ms, SmoothQuant W4A8 {q:.1f} ms ({q / f:.2f}x), "
               f"int8 bound of the linears {bound:.1f} ms", flush=True)  # fmt: skip
     return {"rows": rows, "act_compute": act_paths(quant), "linear_macs_per_token": macs,
@@ -68,6 +123,17 @@ def markdown(out: dict, command: str) -> str:
     for r in out["rows"]:
         md.append(f"| {r['threads']} | {r['tokens']} | {r['float_ms']:.1f} | {r['w4a8_ms']:.1f} | "
                   f"{r['ratio']:.2f}x | {r['int8_bound_ms']:.1f} |")  # fmt: skip
+    if "float" in out["rows"][0]:
+        md += ["", "Profile, one forward each (`--profile`, self CPU ms by kind; the profiler's own cost is "
+               "inside; `outside`: no operator's, e.g. the integer kernels called eagerly through "
+               "pybind):", "",
+               "| threads | model | " + " | ".join(KINDS) + " | total |",
+               "|---|---|" + "---|" * (len(KINDS) + 1)]  # fmt: skip
+        for r in out["rows"]:
+            for name in ("float", "w4a8"):
+                p = r[name]
+                md.append(f"| {r['threads']} | {name} | " + " | ".join(f"{p[k]:.1f}" for k in KINDS)
+                          + f" | {sum(p.values()):.1f} |")  # fmt: skip
     return "\n".join(md)
 
 
@@ -78,12 +144,13 @@ def main() -> None:
     p.add_argument("--nsamples", type=int, default=16, help="SmoothQuant calibration samples")
     p.add_argument("--seqlen", type=int, default=512, help="tokens per calibration sample")
     p.add_argument("--budget", type=float, default=2.0, help="seconds of timed forwards per median")
+    p.add_argument("--profile", action="store_true", help="also profile one forward of each model by kind")
     p.add_argument("--json", default=None, help="default benchmarks/results/prefill.json")
     a = p.parse_args()
     threads = [int(t) for t in a.threads.split(",")]
-    out = measure(threads, a.tokens, a.nsamples, a.seqlen, a.budget)
+    out = measure(threads, a.tokens, a.nsamples, a.seqlen, a.budget, a.profile)
     cmd = (f"python -m benchmarks.decode.prefill --threads {a.threads} --tokens {a.tokens} "
-           f"--nsamples {a.nsamples} --seqlen {a.seqlen}")  # fmt: skip
+           f"--nsamples {a.nsamples} --seqlen {a.seqlen}" + (" --profile" if a.profile else ""))  # fmt: skip
     write_results(a.json, "prefill", {"args": vars(a), **out, "machine": machine_info()}, markdown(out, cmd))
 
 
