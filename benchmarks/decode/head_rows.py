@@ -25,10 +25,11 @@ from benchmarks.harness import fp32_rate_gflops, machine_info, median_ms, read_b
 
 def measure(threads: list[int], rows: list[int], budget_s: float) -> dict:
     from bitmosaic.io import load_model
-    from bitmosaic.modules.head import HEAD_GEMM_ROWS, runtime_head
+    from bitmosaic.modules.head import HEAD_GEMM_ROWS, default_runtime_head
 
     model, _ = load_model("smollm2-135m", dtype=torch.float32)
-    if runtime_head(model) != "int8":
+    # what a load of a quantized SmolLM2 result gives (bitmosaic.load, load_quantized, from_pretrained)
+    if default_runtime_head(model) != "int8":
         raise SystemExit("error: SmolLM2's head is not on its int8 copy; unset $BITMOSAIC_RUNTIME_HEAD")
     head = model.get_output_embeddings()
     fwd = head.__dict__["forward"]  # the run-time head's forward (modules/head.py _Int8HeadForward)

@@ -141,11 +141,11 @@ _ACT = ActQuantSpec("int", 8, granularity="group", group_size=HEAD_GROUP)  # q8_
 
 # From this many rows of ``x`` on, the ``int8`` head multiplies with torch's GEMM over float32 rows of its
 # weight dequantized ``_EXACT_ROWS`` at a time (the same int8 weights, a 9 MB buffer at SmolLM2's width):
-# the low-bit kernel is made for decode, and on SmolLM2's 49152 x 576 head, 2 threads, it takes 133 ms at
-# 256 rows and 264 ms at 512 where the chunked GEMM takes 109 and 195 ms (1 thread: 211 -> 195, 414 ->
-# 356 ms); at 128 rows the kernel is still ahead (50 vs 51 ms, 88 vs 91 ms).  Intel Xeon, 2 vCPUs,
-# quiet, 2026-12-08 (``benchmarks/decode/head_rows.py`` reproduces it).
-HEAD_GEMM_ROWS = 192
+# the low-bit kernel is made for decode.  On SmolLM2's 49152 x 576 head (Intel Xeon, 2 vCPUs, quiet,
+# 2026-12-08, ``benchmarks/results/head_rows.md``; two more runs agree): at 512 rows the kernel takes 283
+# ms at 2 threads and 385 ms at 1, the head now 212 and 334 ms (the float head 191 and 328 ms); at 256
+# rows the two are within the runs' noise; at 128 the kernel is ahead (50 vs 52 ms at 2 threads).
+HEAD_GEMM_ROWS = 256
 
 
 class _Int8HeadForward:
