@@ -29,15 +29,12 @@ import argparse
 import torch
 
 from benchmarks.harness import RESULTS, machine_info, write_results
-from bitmosaic.data import calibration_samples
+from benchmarks.mosaic.mosaic_layers import float_layer_inputs
 from bitmosaic.formats.act import ActQuantSpec
-from bitmosaic.io import load_model
 from bitmosaic.methods import get_method
 from bitmosaic.methods.common import act_fake_quant
 from bitmosaic.methods.mosaic import ALPHA_GRID, mosaic_weight
-from bitmosaic.models.arch import get_arch
 from bitmosaic.pipeline.capture import capture_groups, run_layer
-from bitmosaic.pipeline.pipeline import capture_layer_inputs
 
 ACTS = {"W4A8": ActQuantSpec("int", 8), "W4A4": ActQuantSpec("int", 4, granularity="group", group_size=128)}
 
@@ -118,12 +115,7 @@ def main() -> None:
     for part in a.layers.split(","):
         lo, _, hi = part.partition("-")
         wanted |= set(range(int(lo), int(hi or lo) + 1))
-    model, tok = load_model("smollm2-135m")
-    calib = calibration_samples(tok, "wikitext2", a.nsamples, a.seqlen, a.seed)
-    arch = get_arch(model)
-    layers = arch.layers(model)
-    inputs, kw = capture_layer_inputs(model, layers, calib, batch_size=4)
-    kwargs = next(iter(kw.values()))
+    arch, layers, inputs, kwargs = float_layer_inputs(a.nsamples, a.seqlen, a.seed)
     cfg = get_method("mosaic").make_config(act=ACTS[a.scheme])
     qx = act_fake_quant(cfg.act)
     gen = torch.Generator().manual_seed(a.seed)

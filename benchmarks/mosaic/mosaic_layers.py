@@ -174,6 +174,18 @@ def w4a4_errors(X, W, s, amax, H, cfg) -> dict:
     }
 
 
+def float_layer_inputs(nsamples: int, seqlen: int, seed: int):
+    """SmolLM2-135M's architecture map, decoder layers, the first layer's inputs on a WikiText-2
+    calibration set (``nsamples x seqlen``, ``seed``) and the layers' keyword arguments: a walk over the
+    float model's layers starts here (``run_layer`` gives the next layer's inputs)."""
+    model, tok = load_model("smollm2-135m")
+    calib = calibration_samples(tok, "wikitext2", nsamples, seqlen, seed)
+    arch = get_arch(model)
+    layers = arch.layers(model)
+    inputs, kw = capture_layer_inputs(model, layers, calib, batch_size=4)
+    return arch, layers, inputs, next(iter(kw.values()))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--layers", default="10,20")
@@ -187,12 +199,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     block = tuple(int(x) for x in a.block.split("x"))
     hblock = tuple(int(x) for x in a.heatmap_block.split("x"))
-    model, tok = load_model("smollm2-135m")
-    calib = calibration_samples(tok, "wikitext2", a.nsamples, a.seqlen, a.seed)
-    arch = get_arch(model)
-    layers = arch.layers(model)
-    inputs, kw = capture_layer_inputs(model, layers, calib, batch_size=4)
-    kwargs = next(iter(kw.values()))
+    arch, layers, inputs, kwargs = float_layer_inputs(a.nsamples, a.seqlen, a.seed)
     wanted = [int(x) for x in a.layers.split(",")]
     cfg = get_method("mosaic").make_config(act=A4, block=a.block, max_tokens=1024)
     result = {"args": vars(a), "budgets": list(BUDGETS), "layers": {}}
