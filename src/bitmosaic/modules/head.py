@@ -142,7 +142,7 @@ _ACT = ActQuantSpec("int", 8, granularity="group", group_size=HEAD_GROUP)  # q8_
 # From this many rows of ``x`` on, the ``int8`` head multiplies with torch's GEMM over float32 rows of its
 # weight dequantized ``_EXACT_ROWS`` at a time (the same int8 weights, a 9 MB buffer at SmolLM2's width):
 # the low-bit kernel is made for decode.  On SmolLM2's 49152 x 576 head (Intel Xeon, 2 vCPUs, quiet,
-# 2026-12-08, ``benchmarks/results/head_rows.md``; two more runs agree): at 512 rows the kernel takes 283
+# 2026-12-08, ``benchmarks/results/head_rows.md``; two earlier runs agree at 512 rows): the kernel takes 283
 # ms at 2 threads and 385 ms at 1, the head now 212 and 334 ms (the float head 191 and 328 ms); at 256
 # rows the two are within the runs' noise; at 128 the kernel is ahead (50 vs 52 ms at 2 threads).
 HEAD_GEMM_ROWS = 256
