@@ -86,8 +86,9 @@ def _tail(p) -> str:
 
 
 def run_calib(a, work: Path) -> list[dict]:
+    from benchmarks.harness import gemm_gflops
     from benchmarks.peers.speed import DEFAULTS_ROW, PEER_ROW, SAME_ROW
-    from benchmarks.scale.real_shapes import gemm_gflops, layer_flops
+    from benchmarks.scale.real_shapes import layer_flops
 
     n, seqlen, windows = (2, 64, 2) if a.smoke else (16, 512, 20)
     out = work / "speed.json"

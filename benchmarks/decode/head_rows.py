@@ -20,7 +20,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import fp32_rate_gflops, machine_info, median_ms, read_bandwidth_gbs, write_results
+from benchmarks.harness import gemm_gflops, machine_info, median_ms, read_bandwidth_gbs, write_results
 
 
 def measure(threads: list[int], rows: list[int], budget_s: float) -> dict:
@@ -39,7 +39,7 @@ def measure(threads: list[int], rows: list[int], budget_s: float) -> dict:
     out = []
     for t in threads:
         torch.set_num_threads(t)
-        rate, bw = fp32_rate_gflops(), read_bandwidth_gbs()
+        rate, bw = gemm_gflops(2048, 2048, 2048), read_bandwidth_gbs()
         print(f"{t} thread(s): torch.mm float32 {rate:.0f} GFLOPS, read bandwidth {bw:.1f} GB/s", flush=True)
         for m in rows:
             x = torch.randn(m, K, generator=gen)

@@ -10,7 +10,7 @@ from benchmarks.harness.bench import Bench, act_paths
 from benchmarks.harness.float_reference import CachedReference, default_store
 from benchmarks.harness.machine import (
     cpu_name,
-    fp32_rate_gflops,
+    gemm_gflops,
     int8_rate_gops,
     machine_bounds,
     machine_info,
@@ -38,7 +38,7 @@ __all__ = [
     "cpu_name",
     "default_store",
     "dumps_results",
-    "fp32_rate_gflops",
+    "gemm_gflops",
     "int8_rate_gops",
     "machine_bounds",
     "machine_info",

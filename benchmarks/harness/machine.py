@@ -58,13 +58,12 @@ def int8_rate_gops() -> float:
     return 2 * n**3 / (ms / 1e3) / 1e9
 
 
-def fp32_rate_gflops() -> float:
-    """float32 multiply-adds x 2 per second of ``torch.mm`` on 2048^3 (GFLOPS): the GEMM bound of a
-    float or dequantize-then-GEMM path."""
-    n = 2048
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    ms = median_ms(lambda: torch.mm(a, b), 1.0, 10)
-    return 2 * n**3 / (ms / 1e3) / 1e9
+def gemm_gflops(n: int = 4096, k: int = 4096, m: int = 8192, budget_s: float = 3.0) -> float:
+    """This machine's float32 GEMM rate (GFLOP/s): ``[m, k] @ [k, n]`` (default: the shape of a
+    layer's projections), the bound of a float or dequantize-then-GEMM path."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    ms = median_ms(lambda: a @ b, budget_s=budget_s, max_reps=10)
+    return 2 * m * n * k / (ms / 1e3) / 1e9
 
 
 def machine_bounds(threads: int) -> tuple[float, float]:

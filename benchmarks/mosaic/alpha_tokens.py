@@ -30,6 +30,7 @@ import torch
 
 from benchmarks.harness import RESULTS, machine_info, write_results
 from benchmarks.mosaic.mosaic_layers import float_layer_inputs
+from bitmosaic.algorithms.smooth import smooth_scales
 from bitmosaic.formats.act import ActQuantSpec
 from bitmosaic.methods import get_method
 from bitmosaic.methods.common import act_fake_quant
@@ -58,7 +59,6 @@ def group_rows(cap, cfg, qx) -> dict:
     amax = cap.observer.channel_absmax.float()
     weights = [cap.weights[n].float() for n in cap.names]
     tie = None if cap.foldable else cap.tie
-    from bitmosaic.algorithms.smooth import smooth_scales
 
     def qw(Ws, s):
         Hs = H / (s[:, None] * s[None, :])

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import RESULTS, machine_info, median_ms, write_results  # noqa: E402
+from benchmarks.harness import RESULTS, gemm_gflops, machine_info, write_results  # noqa: E402
 from benchmarks.scale.moe import MOE_SHAPES, hub_names, moe_config, moe_layer_flops  # noqa: E402
 from benchmarks.scale.shapes import SHAPES  # noqa: E402
 
@@ -126,13 +126,6 @@ def write_checkpoint(
     cfg.save_pretrained(folder)
     word_tokenizer().save_pretrained(folder)
     (folder / "calib.txt").write_text(" ".join(f"w{i % 997}" for i in range(200_000)))
-
-
-def gemm_gflops(n: int = 4096, k: int = 4096, m: int = 8192) -> float:
-    """This machine's float32 GEMM rate (GFLOP/s) at the shape of a layer's projections."""
-    a, b = torch.randn(m, k), torch.randn(k, n)
-    ms = median_ms(lambda: a @ b, budget_s=3.0, max_reps=10)
-    return 2 * m * n * k / (ms / 1e3) / 1e9
 
 
 def layer_flops(shape: str | dict, tokens: int, seqlen: int = 512) -> dict:
